@@ -1,0 +1,90 @@
+"""One exception hierarchy for kvwire.
+
+Every error kvwire raises derives from :class:`KvwireError`. Where a stdlib exception has the same
+meaning, the kvwire error inherits it too (``TransferTimeout`` is a ``TimeoutError``), so callers can
+catch either. Errors are converted to an HTTP status or a FAILED transfer state once, at the outermost
+loop, and logged there.
+"""
+
+from __future__ import annotations
+
+
+class KvwireError(Exception):
+    """Base of every kvwire error."""
+
+
+class ConfigError(KvwireError, ValueError):
+    """A configuration value is missing, out of range or inconsistent (raised at start-up)."""
+
+
+# --- transfer -------------------------------------------------------------------------------------
+
+
+class TransferError(KvwireError):
+    """A KV transfer could not complete. ``transfer_id`` names it when known."""
+
+    def __init__(self, message: str, transfer_id: str | None = None) -> None:
+        super().__init__(message)
+        self.transfer_id = transfer_id
+
+
+class TransferAborted(TransferError):
+    """The transfer was aborted by a local caller or by the peer."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """The transfer's deadline passed before every layer was acknowledged."""
+
+
+class PeerLostError(TransferError, ConnectionError):
+    """The peer died, restarted (new epoch) or became unreachable."""
+
+
+class BudgetExceededError(TransferError, MemoryError):
+    """A single transfer is larger than the receive budget and spill pool together can ever hold."""
+
+
+# --- wire protocol ----------------------------------------------------------------------------------
+
+
+class ProtocolError(KvwireError):
+    """A message was malformed, of an unknown type or of an unsupported version."""
+
+
+class AuthenticationError(ProtocolError, PermissionError):
+    """A peer could not prove the shared secret."""
+
+
+# --- engine / serving -------------------------------------------------------------------------------
+
+
+class EngineError(KvwireError):
+    """The engine failed internally."""
+
+
+class InvalidRequestError(KvwireError, ValueError):
+    """A client request is invalid (becomes HTTP 400)."""
+
+
+class ModelLoadError(KvwireError):
+    """A model directory or preset could not be loaded."""
+
+
+# --- router -----------------------------------------------------------------------------------------
+
+
+class RouterError(KvwireError):
+    """The router could not serve a request."""
+
+
+class NoInstanceError(RouterError):
+    """No live instance serves the role (becomes HTTP 503)."""
+
+
+class UpstreamError(RouterError):
+    """An upstream instance answered with an error or could not be reached."""
+
+    def __init__(self, message: str, status: int = 502, kind: str = "error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind

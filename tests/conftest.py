@@ -1,0 +1,1 @@
+"""Shared pytest configuration. GPU tests are marked ``gpu`` and deselected by default (see pyproject)."""
