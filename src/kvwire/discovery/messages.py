@@ -1,0 +1,145 @@
+"""Discovery wire messages: instance -> router heartbeats and deregistrations.
+
+Every message crosses a process, so it is a typed, versioned msgspec ``Struct`` (tagged union
+:data:`DiscoveryMessage`). On the ZeroMQ wire a message is two frames:
+
+* frame 0: the msgpack-encoded message;
+* frame 1: ``HMAC-SHA256(secret, frame 0)`` when a shared secret is set, else empty.
+
+:func:`encode_frames` / :func:`decode_frames` are the only (de)serializers. Decoding raises
+:class:`~kvwire.errors.ProtocolError` for anything malformed or of an unsupported version, and
+:class:`~kvwire.errors.AuthenticationError` when the secret is set and the signature is missing or wrong.
+This module must not import torch (the router and the vLLM plugin both use it).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import time
+from collections.abc import Sequence
+
+import msgspec
+
+from kvwire.errors import AuthenticationError, ProtocolError
+
+DISCOVERY_VERSION = 1
+MAX_FRAME_BYTES = 64 * 1024  # a heartbeat is a few hundred bytes; anything bigger is garbage
+
+
+class InstanceRole(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"  # colocated: prefill and decode in one engine
+
+
+def new_epoch() -> int:
+    """A fresh epoch for a process start: nanoseconds since the Unix epoch (later start -> larger)."""
+    return time.time_ns()
+
+
+class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """Who an instance is; constant for the life of one process."""
+
+    instance_id: str  # stable name of the instance (survives restarts; the epoch changes)
+    role: InstanceRole
+    url: str  # OpenAI API base, "http://host:port"
+    model: str  # model name served (what /v1/models reports)
+    epoch: int = msgspec.field(default_factory=new_epoch)  # per process start; newer wins
+    kv_endpoints: list[str] = msgspec.field(default_factory=list)  # transfer agent, one per rank
+    version: str = ""  # software version of the instance (kvwire or the host engine)
+
+
+class InstanceLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """Load an instance reports with each heartbeat."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    free_kv_blocks: int = 0
+    total_kv_blocks: int = 0
+
+    @property
+    def num_requests(self) -> int:
+        return self.num_running + self.num_waiting
+
+    @property
+    def free_kv_fraction(self) -> float:
+        """Fraction of KV blocks free (1.0 when the instance reports no KV pool)."""
+        if self.total_kv_blocks <= 0:
+            return 1.0
+        return max(0.0, min(1.0, self.free_kv_blocks / self.total_kv_blocks))
+
+
+class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="heartbeat"):
+    """Periodic liveness + load report; the first one registers the instance."""
+
+    info: InstanceInfo
+    load: InstanceLoad | None = None  # None when the instance could not measure its load
+    seq: int = 0  # increases by one per message of one epoch (drops replays / reordering)
+    sent_at: float = 0.0  # sender's wall clock, seconds (informational)
+    v: int = DISCOVERY_VERSION
+
+
+class Deregister(msgspec.Struct, frozen=True, kw_only=True, tag="deregister"):
+    """Graceful shutdown: remove this (instance id, epoch) from routing at once."""
+
+    instance_id: str
+    epoch: int
+    seq: int = 0
+    sent_at: float = 0.0
+    v: int = DISCOVERY_VERSION
+
+
+DiscoveryMessage = Heartbeat | Deregister
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(DiscoveryMessage)
+
+
+def sign(payload: bytes, secret: bytes) -> bytes:
+    return hmac.new(secret, payload, hashlib.sha256).digest()
+
+
+def encode_frames(msg: DiscoveryMessage, secret: bytes | None = None) -> list[bytes]:
+    """Serialize ``msg`` into the two ZeroMQ frames (payload, signature-or-empty)."""
+    payload = _encoder.encode(msg)
+    return [payload, sign(payload, secret) if secret else b""]
+
+
+def decode_frames(frames: Sequence[bytes], secret: bytes | None = None) -> DiscoveryMessage:
+    """Validate and decode frames from :func:`encode_frames`.
+
+    Raises ``ProtocolError`` (malformed, oversized, unknown type, unsupported version) or
+    ``AuthenticationError`` (secret set and signature missing/wrong). The signature is checked before
+    the payload is parsed, so unsigned garbage costs one HMAC.
+    """
+    if len(frames) not in (1, 2):
+        raise ProtocolError(f"expected 1 or 2 frames, got {len(frames)}")
+    payload = bytes(frames[0])
+    if len(payload) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"discovery message of {len(payload)} bytes exceeds {MAX_FRAME_BYTES}")
+    if secret:
+        signature = bytes(frames[1]) if len(frames) == 2 else b""
+        if not signature:
+            raise AuthenticationError("unsigned discovery message (router requires a secret)")
+        if not hmac.compare_digest(signature, sign(payload, secret)):
+            raise AuthenticationError("bad discovery message signature")
+    try:
+        msg = _decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed discovery message: {exc}") from exc
+    if msg.v != DISCOVERY_VERSION:
+        raise ProtocolError(f"discovery message version {msg.v} unsupported (expected {DISCOVERY_VERSION})")
+    if isinstance(msg, Heartbeat):
+        _check_info(msg.info)
+    return msg
+
+
+def _check_info(info: InstanceInfo) -> None:
+    if not info.instance_id:
+        raise ProtocolError("heartbeat with an empty instance_id")
+    if not info.url.startswith(("http://", "https://")):
+        raise ProtocolError(f"heartbeat url must start with http:// or https://, got {info.url!r}")
+    if not info.model:
+        raise ProtocolError("heartbeat with an empty model name")
