@@ -1,0 +1,157 @@
+"""The data-plane interface: what a transport (TCP, NCCL) must do for the transfer agent.
+
+Division of labour
+------------------
+The :class:`~kvwire.transfer.agent.TransferAgent` owns everything that is *control*: the ZMQ control
+plane (offer / grant / ack / abort / pull messages), per-transfer state, deadlines, aborts, peer
+epochs (instance ids), the receive budget + spill pool, credits (grants) and the ``poll()`` events.
+A :class:`DataPlane` only moves the bytes of layers that the agent has already matched up:
+
+* sender side: the agent calls :meth:`DataPlane.send` with layers that the receiver has **granted**
+  (credit = a destination buffer already reserved on the receiver) and that are **ready**
+  (``send_layer`` was called). The plane moves them and calls ``callbacks.on_sent``.
+* receiver side: the agent calls :meth:`DataPlane.post_recv` with the destination buffer of every
+  layer it grants (before the GRANT message leaves, so a fast sender never finds no posted buffer).
+  The plane fills ``dest`` and calls ``callbacks.on_received``.
+* completion is the agent's business: the receiver acknowledges received layers on the control
+  plane and the sender's transfer finishes when every layer is acknowledged.
+
+Message flow (push mode; pull mode starts with the receiver's PULL, then the same)::
+
+    sender agent                                  receiver agent
+    start_send ── OFFER(layers, plane_info) ──────> (expect before or after)
+                                                   reserve budget/spill, plane.post_recv(items)
+               <── GRANT(layer ids, data_address, plane_info)
+    plane.send(granted & ready layers) ═══ bytes ═══> plane fills dest; on_received
+               <── ACK(layer ids)  (coalesced)      sink(layer, tensor) or buffered
+    finished_sending when all acked               finished_recving when all arrived (+ trailer)
+
+Peers: every control message carries the sender's instance id. The agent builds a :class:`PeerRef`
+(endpoint, instance_id, data_address, plane_info) for each peer epoch and passes it to the plane. A
+new instance id at a known endpoint means the old process is gone: the agent calls
+:meth:`DataPlane.drop_peer` for the old one and fails its transfers.
+
+Handshake data (e.g. an NCCL unique id): before sending OFFER, GRANT or PULL to a peer the agent
+calls :meth:`DataPlane.local_info` and puts the returned bytes in the message's ``plane_info`` field;
+on receiving a message with non-empty ``plane_info`` it calls :meth:`DataPlane.on_peer_info`. Both
+run on the agent's control thread and must not block (start slow work such as
+``ncclCommInitRank`` on a plane thread, and fail it through ``on_peer_failed`` if it does not finish).
+
+Ordering: a plane with ``ordered = True`` (NCCL: matched send/recv posted in the same order on both
+ends) gets, per peer, ``post_recv`` items in grant order on the receiver and ``send`` items in exactly
+the same order on the sender (the agent holds later granted layers until earlier ones are ready).
+An unordered plane (TCP: every frame names its transfer and layer) gets layers as soon as they are
+granted and ready, in any order.
+
+Threads and callbacks: :meth:`send`, :meth:`post_recv`, :meth:`cancel`, :meth:`drop_peer` are called
+from agent threads (control thread or a caller thread) and must return without waiting on the
+network. ``callbacks`` are invoked from plane threads; they are thread-safe and cheap, except
+``on_received`` which may run the caller's sink (a scatter) before returning — the plane must not
+reuse ``dest`` until ``on_received`` returns. A plane never raises out of its threads: transport
+failures become ``on_peer_failed(instance_id, reason)`` (the agent fails every transfer with that
+peer epoch) and a failure that concerns a single transfer becomes ``on_transfer_failed``.
+
+Cancellation: after ``cancel(transfer_id)`` the agent ignores callbacks for that transfer. The plane
+drops queued sends/posted receives of it where it can; bytes already on the wire may still land in
+the old ``dest`` (the plane holds the tensor reference, so this is memory-safe). An ordered plane
+that cannot unpost a receive may instead complete it into the old buffer, or drop the peer.
+
+Memory: receive-budget buffers come from :meth:`allocate` (a GPU plane allocates on its receive
+stream); spill buffers are host memory (pinned on CUDA) allocated by the agent. A GPU plane given a
+host ``dest`` stages through device memory. ``dest`` is a flat ``uint8`` tensor of ``num_bytes``.
+
+Implementations: :class:`kvwire.transfer.tcp.TcpPlane`, ``kvwire.transfer.nccl.NcclPlane``; both are
+constructed as ``Plane(config: TransferConfig, instance_id: str)`` by :func:`make_plane`.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from collections.abc import Sequence
+from typing import ClassVar, Protocol
+
+import torch
+
+from kvwire.transfer.config import TransferConfig
+from kvwire.transfer.types import Backend, PeerRef, RecvItem, SendItem
+
+
+class PlaneCallbacks(Protocol):
+    """How a plane reports back to the agent (implemented by the agent; thread-safe)."""
+
+    def on_sent(self, peer_instance_id: str, transfer_id: str, layer_index: int) -> None:
+        """The layer's bytes left this process (the source tensor may be reused by the plane)."""
+
+    def on_received(self, peer_instance_id: str, transfer_id: str, layer_index: int) -> None:
+        """``dest`` of the posted receive is completely filled (and synchronized, on a GPU)."""
+
+    def on_transfer_failed(self, transfer_id: str, reason: str) -> None:
+        """One transfer cannot continue (e.g. a frame of the wrong size)."""
+
+    def on_peer_failed(self, peer_instance_id: str, reason: str) -> None:
+        """The connection/communicator with that peer epoch broke: every transfer with it fails."""
+
+    def on_protocol_error(self, reason: str) -> None:
+        """Something unexpected arrived (unauthenticated connection, unknown frame): counted, logged."""
+
+
+class DataPlane(abc.ABC):
+    """Moves layer bytes between two agents. See the module docstring for the full contract."""
+
+    #: True when sends and receives with one peer must be posted in the same order on both ends.
+    ordered: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def start(self, callbacks: PlaneCallbacks) -> None:
+        """Bind/listen and start the plane's threads. Called once, before any other method."""
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> str:
+        """What peers need to reach this plane (TCP: "host:port"); sent in OFFER/GRANT messages."""
+
+    def local_info(self, peer: PeerRef) -> bytes:
+        """Opaque handshake bytes for the next control message to ``peer`` (default: none)."""
+        del peer
+        return b""
+
+    def on_peer_info(self, peer: PeerRef, info: bytes) -> None:
+        """``peer`` sent handshake bytes (non-empty ``plane_info``). Must not block."""
+        del peer, info
+
+    def allocate(self, num_bytes: int) -> torch.Tensor:
+        """A flat ``uint8`` receive buffer in the receive budget (on the plane's device)."""
+        return torch.empty(num_bytes, dtype=torch.uint8)
+
+    @abc.abstractmethod
+    def send(self, peer: PeerRef, items: Sequence[SendItem]) -> None:
+        """Queue granted, ready layers for ``peer``; returns at once. Reports ``on_sent`` per item."""
+
+    @abc.abstractmethod
+    def post_recv(self, peer: PeerRef, items: Sequence[RecvItem]) -> None:
+        """Post destination buffers for layers granted to ``peer``; returns at once.
+        Reports ``on_received`` per item once its ``dest`` is filled."""
+
+    @abc.abstractmethod
+    def cancel(self, transfer_id: str) -> None:
+        """Forget queued sends and posted receives of the transfer (best effort, see module doc)."""
+
+    @abc.abstractmethod
+    def drop_peer(self, peer_instance_id: str) -> None:
+        """Close connections/communicators with that peer epoch; never reuse them. Idempotent."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop every plane thread and close every socket/communicator. Idempotent, bounded time."""
+
+
+def make_plane(config: TransferConfig, instance_id: str) -> DataPlane:
+    """Build the data plane named by ``config.backend`` (the NCCL module is imported lazily)."""
+    if config.backend is Backend.TCP:
+        from kvwire.transfer.tcp import TcpPlane
+
+        return TcpPlane(config, instance_id)
+    module = importlib.import_module("kvwire.transfer.nccl")
+    plane: DataPlane = module.NcclPlane(config, instance_id)
+    return plane

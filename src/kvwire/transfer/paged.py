@@ -1,0 +1,91 @@
+"""Paged-KV gather/scatter: one index op (one kernel launch on a GPU) per layer.
+
+Layouts of one layer's paged KV cache tensor:
+
+* ``KV_FIRST``    ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (kvwire engine, vLLM default)
+* ``BLOCK_FIRST`` ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (FlashInfer-style)
+* ``MLA``         ``[num_blocks, block_size, latent_dim]`` (DeepSeek MLA: one latent per token)
+
+``gather_blocks`` returns the selected blocks as one contiguous tensor (the layer payload a transfer
+sends); ``scatter_blocks`` writes such a payload into the selected blocks of a destination cache
+(whose block ids may differ from the source's; the number of blocks must match). Both work on CPU and
+CUDA tensors of any dtype; on CUDA they are asynchronous on the current stream.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import torch
+
+
+class KVLayout(str, enum.Enum):
+    KV_FIRST = "kv_first"  # [2, num_blocks, block_size, H, D]
+    BLOCK_FIRST = "block_first"  # [num_blocks, 2, block_size, H, D]
+    MLA = "mla"  # [num_blocks, block_size, dim]
+
+
+_BLOCK_DIM = {KVLayout.KV_FIRST: 1, KVLayout.BLOCK_FIRST: 0, KVLayout.MLA: 0}
+_NDIM = {KVLayout.KV_FIRST: 5, KVLayout.BLOCK_FIRST: 5, KVLayout.MLA: 3}
+
+
+def block_ids_tensor(ids: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """Block ids as an int64 index tensor on ``device`` (build once per request, reuse per layer)."""
+    host = torch.tensor(list(ids), dtype=torch.int64)
+    if torch.device(device).type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _check(kv_layer: torch.Tensor, layout: KVLayout) -> int:
+    if kv_layer.dim() != _NDIM[layout]:
+        shape = tuple(kv_layer.shape)
+        raise ValueError(f"{layout.value} layout needs a {_NDIM[layout]}-d tensor, got {shape}")
+    if layout is KVLayout.KV_FIRST and kv_layer.shape[0] != 2:
+        raise ValueError(f"kv_first layout needs dim 0 == 2, got {tuple(kv_layer.shape)}")
+    if layout is KVLayout.BLOCK_FIRST and kv_layer.shape[1] != 2:
+        raise ValueError(f"block_first layout needs dim 1 == 2, got {tuple(kv_layer.shape)}")
+    return _BLOCK_DIM[layout]
+
+
+def gathered_shape(kv_layer: torch.Tensor, num_blocks: int, layout: KVLayout) -> tuple[int, ...]:
+    """Shape of ``gather_blocks(kv_layer, ids, layout)`` for ``len(ids) == num_blocks``."""
+    dim = _check(kv_layer, layout)
+    shape = list(kv_layer.shape)
+    shape[dim] = num_blocks
+    return tuple(shape)
+
+
+def gather_blocks(
+    kv_layer: torch.Tensor, block_ids: torch.Tensor, layout: KVLayout, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The blocks ``block_ids`` of one layer as a new contiguous tensor (or into ``out``).
+
+    Shape: the layer's shape with the block dimension replaced by ``len(block_ids)``.
+    """
+    dim = _check(kv_layer, layout)
+    ids = block_ids.to(kv_layer.device) if block_ids.device != kv_layer.device else block_ids
+    if out is None:
+        return torch.index_select(kv_layer, dim, ids)
+    return torch.index_select(kv_layer, dim, ids, out=out)
+
+
+def scatter_blocks(
+    kv_layer: torch.Tensor, block_ids: torch.Tensor, data: torch.Tensor, layout: KVLayout
+) -> None:
+    """Write ``data`` (as returned by :func:`gather_blocks`) into blocks ``block_ids`` of ``kv_layer``.
+
+    ``data`` may live on another device (e.g. a host spill buffer): it is copied over first.
+    """
+    dim = _check(kv_layer, layout)
+    expected = gathered_shape(kv_layer, int(block_ids.numel()), layout)
+    if tuple(data.shape) != expected or data.dtype != kv_layer.dtype:
+        raise ValueError(
+            f"scatter_blocks: data {tuple(data.shape)} {data.dtype} "
+            f"does not match {expected} {kv_layer.dtype}"
+        )
+    if data.device != kv_layer.device:
+        data = data.to(kv_layer.device, non_blocking=True)
+    ids = block_ids.to(kv_layer.device) if block_ids.device != kv_layer.device else block_ids
+    kv_layer.index_copy_(dim, ids, data)

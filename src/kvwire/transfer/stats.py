@@ -1,0 +1,50 @@
+"""Counters of one transfer agent (read with ``agent.stats()``; exported to Prometheus elsewhere)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import Counter
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferStats:
+    """A consistent snapshot of an agent's counters (monotonic since the agent started)."""
+
+    sends_started: int = 0
+    sends_completed: int = 0
+    recvs_started: int = 0
+    recvs_completed: int = 0
+    failed: dict[str, int] = dataclasses.field(default_factory=dict)  # FailReason value -> count
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_rejected: int = 0  # malformed / unknown / old-version / unauthenticated messages
+    peers_restarted: int = 0  # new instance id seen at a known endpoint
+    spill_bytes_in_use: int = 0  # gauges at snapshot time
+    budget_bytes_in_use: int = 0
+    transfers_active: int = 0
+
+
+class StatsRecorder:
+    """Thread-safe counters behind :class:`TransferStats`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+        self._failed: Counter[str] = Counter()
+
+    def add(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += amount
+
+    def failed(self, reason: str) -> None:
+        with self._lock:
+            self._failed[reason.split(":", 1)[0]] += 1
+
+    def snapshot(self, **gauges: int) -> TransferStats:
+        with self._lock:
+            counts = dict(self._counts)
+            failed = dict(self._failed)
+        fields = {f.name for f in dataclasses.fields(TransferStats)}
+        values = {k: v for k, v in counts.items() if k in fields}
+        return TransferStats(failed=failed, **values, **gauges)

@@ -1,0 +1,121 @@
+"""Value types shared by the transfer agent, its data planes and their callers."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvwire.errors import ConfigError
+
+
+class Backend(str, enum.Enum):
+    """Which data plane moves the bytes. The control plane is always ZMQ."""
+
+    TCP = "tcp"  # raw loopback/LAN sockets, CPU tensors (kvwire.transfer.tcp)
+    NCCL = "nccl"  # NCCL point to point between GPUs (kvwire.transfer.nccl)
+
+
+class FailReason(str, enum.Enum):
+    """Why a transfer failed (the prefix of the reason string in ``TransferEvents.failed``;
+    also the label of the ``failed`` counter in :class:`TransferStats`)."""
+
+    ABORTED = "aborted"  # local abort(...)
+    PEER_ABORTED = "peer_aborted"  # the other side aborted (or closed)
+    DEADLINE = "deadline"  # deadline passed before every layer was acknowledged
+    PEER_LOST = "peer_lost"  # data connection broke, or the peer restarted (new instance id)
+    BUDGET = "budget"  # can never fit in receive budget + spill pool
+    MISMATCH = "mismatch"  # expect(num_layers) disagrees with the sender's offer, bad sizes...
+    UNKNOWN = "unknown_transfer"  # pull for a transfer the sender does not hold
+    CLOSED = "closed"  # the local agent closed
+
+
+# torch dtype <-> wire name (bf16 has no numpy dtype: bytes travel as uint8 views anyway)
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+    torch.uint8: "uint8",
+    torch.int8: "int8",
+    torch.int16: "int16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
+}
+DTYPES_BY_NAME: dict[str, torch.dtype] = {name: dt for dt, name in DTYPE_NAMES.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """Shape and dtype of one layer's payload in a transfer (e.g. gathered blocks of one KV layer)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"LayerSpec: unsupported dtype {self.dtype}")
+        if any((not isinstance(d, int)) or d < 0 for d in self.shape):
+            raise ConfigError(f"LayerSpec: shape must be non-negative ints, got {self.shape}")
+
+    @property
+    def num_bytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> LayerSpec:
+        return cls(tuple(int(d) for d in tensor.shape), tensor.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferEvents:
+    """What happened since the previous ``poll()``. Each transfer id appears exactly once, in one set."""
+
+    finished_sending: frozenset[str] = frozenset()
+    finished_recving: frozenset[str] = frozenset()
+    failed: dict[str, str] = dataclasses.field(default_factory=dict)  # transfer id -> reason
+
+    def __bool__(self) -> bool:
+        return bool(self.finished_sending or self.finished_recving or self.failed)
+
+
+# sink(layer_index, tensor): called on a transfer thread; tensor valid only during the call.
+LayerSink = Callable[[int, torch.Tensor], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerRef:
+    """A peer agent as one data plane sees it. A new ``instance_id`` at the same endpoint is a new
+    peer (the old process is gone): planes key connections/communicators by ``instance_id``."""
+
+    endpoint: str  # the peer agent's ZMQ control endpoint ("tcp://host:port")
+    instance_id: str  # the peer's epoch: random per process start
+    data_address: str  # what the peer's plane advertised (DataPlane.address); plane-specific
+    plane_info: bytes = b""  # opaque bytes the peer's plane attached to its last control message
+
+
+@dataclasses.dataclass(frozen=True)
+class SendItem:
+    """One layer to move to a peer. ``tensor`` is contiguous; the plane must not modify it."""
+
+    transfer_id: str
+    layer_index: int
+    tensor: torch.Tensor
+    ready_event: Any | None = None  # torch.cuda.Event recorded after the tensor was written
+
+
+@dataclasses.dataclass(frozen=True)
+class RecvItem:
+    """One layer to receive from a peer into ``dest`` (flat ``uint8`` tensor of ``num_bytes``).
+    ``dest`` lives on the agent's device (receive budget) or in host memory (spill pool)."""
+
+    transfer_id: str
+    layer_index: int
+    num_bytes: int
+    dest: torch.Tensor
