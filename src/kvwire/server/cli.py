@@ -1,0 +1,115 @@
+"""``kvwire serve``: one engine behind the OpenAI API (role both|prefill|decode), optionally registered
+with a router. Flags become the frozen :class:`ServerConfig` and :class:`EngineConfig` here, once."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Coroutine
+from typing import Any
+
+from kvwire.errors import ConfigError, KvwireError
+from kvwire.kv_params import TransferMode
+from kvwire.server.config import KVLoadFailure, ServerConfig, ServerRole
+
+logger = logging.getLogger(__name__)
+
+SECRET_ENV = "KVWIRE_SECRET"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", help="preset name (tiny, ...) or a local HF directory")
+    parser.add_argument("--served-model-name", default=None, help="name clients send (default: the model's)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    parser.add_argument("--role", choices=[r.value for r in ServerRole], default=ServerRole.BOTH.value)
+    parser.add_argument("--router", default=None, metavar="tcp://H:P",
+                        help="router discovery address to register and heartbeat with")
+    parser.add_argument("--heartbeat-interval-s", type=float, default=2.0)
+    parser.add_argument("--instance-id", default=None, help="stable instance name (default: random)")
+    parser.add_argument("--advertise-host", default=None, help="host in the URL given to the router")
+    parser.add_argument("--kv-port", type=int, default=0, help="KV transfer agent port (0: any free)")
+    parser.add_argument("--kv-mode", choices=[m.value for m in TransferMode], default=TransferMode.PUSH.value,
+                        help="default P/D transfer mode (the router's kv_transfer_params.mode wins)")
+    parser.add_argument("--kv-deadline-s", type=float, default=30.0,
+                        help="push transfer deadline / pull lease of P's blocks")
+    parser.add_argument("--kv-load-failure-policy", choices=[p.value for p in KVLoadFailure],
+                        default=KVLoadFailure.RECOMPUTE.value,
+                        help="decode side: recompute the prompt or fail the request when KV does not arrive")
+    parser.add_argument("--shutdown-deadline-s", type=float, default=10.0)
+    sizing = parser.add_argument_group("engine sizing (default: derived from the model and device)")
+    sizing.add_argument("--block-size", type=int, default=None)
+    sizing.add_argument("--num-kv-blocks", type=int, default=None)
+    sizing.add_argument("--max-model-len", type=int, default=None)
+    sizing.add_argument("--max-num-seqs", type=int, default=None)
+    sizing.add_argument("--max-num-batched-tokens", type=int, default=None)
+    sizing.add_argument("--seed", type=int, default=None, help="engine sampler seed")
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        role=ServerRole(args.role),
+        served_model_name=args.served_model_name,
+        router_address=args.router,
+        heartbeat_interval_s=args.heartbeat_interval_s,
+        instance_id=args.instance_id,
+        advertise_host=args.advertise_host,
+        kv_port=args.kv_port,
+        kv_mode=TransferMode(args.kv_mode),
+        kv_deadline_s=args.kv_deadline_s,
+        kv_load_failure_policy=KVLoadFailure(args.kv_load_failure_policy),
+        shutdown_deadline_s=args.shutdown_deadline_s,
+    )
+
+
+def engine_config_from_args(args: argparse.Namespace) -> Any:
+    from kvwire.engine.config import EngineConfig
+
+    # Only flags given on the command line override the engine's own defaults.
+    sizing = {
+        name: getattr(args, name)
+        for name in ("block_size", "num_kv_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                     "seed")
+        if getattr(args, name) is not None
+    }
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                        kv_load_failure_policy=args.kv_load_failure_policy, **sizing)
+
+
+def _run_loop(main: Coroutine[Any, Any, int]) -> int:
+    """Run on uvloop when it is installed (logged either way)."""
+    try:
+        import uvloop
+    except ImportError:
+        logger.info("event loop: asyncio (uvloop not installed)")
+        return asyncio.run(main)
+    logger.info("event loop: uvloop")
+    if sys.version_info >= (3, 11):
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            result: int = runner.run(main)
+            return result
+    uvloop.install()
+    return asyncio.run(main)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        server_config = server_config_from_args(args)
+        engine_config = engine_config_from_args(args)
+    except ConfigError as exc:
+        print(f"kvwire serve: {exc}", file=sys.stderr)
+        return 2
+    from kvwire.server.instance import serve
+
+    try:
+        return _run_loop(serve(server_config, engine_config, os.environ.get(SECRET_ENV) or None))
+    except (KvwireError, OSError) as exc:
+        logger.error("kvwire serve failed: %s", exc)
+        return 1

@@ -1,0 +1,85 @@
+"""Configuration of one ``kvwire serve`` instance (everything but the engine's own sizing).
+
+Built once at the edge (:mod:`kvwire.server.cli`) and passed down; validated in ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from kvwire.errors import ConfigError
+from kvwire.kv_params import TransferMode
+
+
+class ServerRole(str, enum.Enum):
+    """What this instance does in a P/D deployment (``both`` = colocated, no KV transfer)."""
+
+    BOTH = "both"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class KVLoadFailure(str, enum.Enum):
+    """Decode side policy when remote KV cannot be loaded (same values as the engine's and the
+    connector's enums, which are set from it)."""
+
+    RECOMPUTE = "recompute"
+    FAIL = "fail"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0 = pick a free port (the chosen one is logged and used for registration)
+    role: ServerRole = ServerRole.BOTH
+    # Name clients must send as ``model``; None = the engine's model name.
+    served_model_name: str | None = None
+    # ``tcp://HOST:PORT`` of the router's discovery socket; None = run standalone.
+    router_address: str | None = None
+    heartbeat_interval_s: float = 2.0
+    # Stable name for the router; None = a random one per process start.
+    instance_id: str | None = None
+    # Host put in the URL advertised to the router; None = ``host`` (127.0.0.1 for a wildcard bind).
+    advertise_host: str | None = None
+    # Port of this instance's KV transfer agent (role prefill/decode); 0 = any free port.
+    kv_port: int = 0
+    # P/D connector defaults (the router's per-request kv_transfer_params may override mode/deadline).
+    kv_mode: TransferMode = TransferMode.PUSH
+    kv_deadline_s: float = 30.0  # push transfer deadline and pull lease on P's blocks
+    # D: what to do when remote KV does not arrive (recompute the prompt locally, or fail the request).
+    kv_load_failure_policy: KVLoadFailure = KVLoadFailure.RECOMPUTE
+    # SIGTERM/SIGINT: everything (abort in-flight, deregister, stop the engine thread) within this.
+    shutdown_deadline_s: float = 10.0
+    max_request_bytes: int = 16 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.role, ServerRole):
+            raise ConfigError(f"role must be a ServerRole, got {self.role!r}")
+        if not isinstance(self.kv_mode, TransferMode):
+            raise ConfigError(f"kv_mode must be a TransferMode, got {self.kv_mode!r}")
+        if not isinstance(self.kv_load_failure_policy, KVLoadFailure):
+            policy = self.kv_load_failure_policy
+            raise ConfigError(f"kv_load_failure_policy must be a KVLoadFailure, got {policy!r}")
+        if self.kv_deadline_s <= 0:
+            raise ConfigError(f"kv_deadline_s must be > 0, got {self.kv_deadline_s}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.kv_port <= 65535:
+            raise ConfigError(f"kv_port must be in [0, 65535], got {self.kv_port}")
+        if self.heartbeat_interval_s <= 0:
+            raise ConfigError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
+        if self.shutdown_deadline_s <= 0:
+            raise ConfigError(f"shutdown_deadline_s must be > 0, got {self.shutdown_deadline_s}")
+        if self.max_request_bytes <= 0:
+            raise ConfigError(f"max_request_bytes must be > 0, got {self.max_request_bytes}")
+        if self.router_address is not None and not self.router_address.startswith("tcp://"):
+            raise ConfigError(f"router address must look like tcp://HOST:PORT, got {self.router_address!r}")
+        if self.served_model_name is not None and not self.served_model_name:
+            raise ConfigError("served_model_name must not be empty")
+
+    def public_host(self) -> str:
+        """Host other processes use to reach this instance."""
+        if self.advertise_host:
+            return self.advertise_host
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host

@@ -1,0 +1,77 @@
+"""The KV connectors of an instance: none for role ``both``, the P/D connector for prefill/decode.
+
+Imported lazily so a colocated server needs neither the connector nor the transfer agent. The
+connector's Prometheus series go to the server's registry (one ``/metrics`` per instance).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from kvwire.engine.config import EngineConfig
+from kvwire.errors import ConfigError
+from kvwire.server.config import ServerConfig, ServerRole
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ConnectorSet:
+    """What the server needs from the connector side. ``enabled`` = requests may carry
+    ``kv_transfer_params``."""
+
+    scheduler: Any = None
+    worker: Any = None
+    kv_endpoints: list[str] = dataclasses.field(default_factory=list)
+    enabled: bool = False
+    extra_collectors: list[Any] = dataclasses.field(default_factory=list)
+
+    def collectors(self) -> Iterable[Any]:
+        """Collectors to add to the server registry besides those the connector registered in it
+        at build time."""
+        return list(self.extra_collectors)
+
+    def close(self) -> None:
+        for half in (self.worker, self.scheduler):
+            close = getattr(half, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception:
+                    logger.exception("closing connector %r failed", half)
+
+
+def build_connector_set(
+    config: ServerConfig, engine_config: EngineConfig, secret: str | None, registry: Any
+) -> ConnectorSet:
+    """Build the connectors for ``config.role`` (raises ConfigError when they are not available).
+    The transfer agent starts here; ``ConnectorSet.close`` stops it."""
+    if config.role is ServerRole.BOTH:
+        return ConnectorSet()
+    try:
+        from kvwire.connector.config import ConnectorConfig, ConnectorRole, EngineInfo, LoadFailurePolicy
+        from kvwire.connector.factory import build_connectors
+        from kvwire.transfer import Backend, TransferConfig
+    except ImportError as exc:
+        raise ConfigError(
+            f"role {config.role.value}: the P/D connector is not available in this build ({exc})"
+        ) from exc
+    transfer = TransferConfig(
+        host=config.public_host(), control_port=config.kv_port,
+        backend=Backend.NCCL if engine_config.is_cuda else Backend.TCP,
+        device=engine_config.device, default_deadline_s=config.kv_deadline_s,
+        secret=secret.encode() if secret else None,
+    )
+    connector_config = ConnectorConfig(
+        role=ConnectorRole(config.role.value), mode=config.kv_mode, deadline_s=config.kv_deadline_s,
+        lease_s=config.kv_deadline_s,
+        kv_load_failure_policy=LoadFailurePolicy(config.kv_load_failure_policy.value), transfer=transfer,
+    )
+    engine_info = EngineInfo(block_size=engine_config.block_size, device=engine_config.device)
+    scheduler, worker = build_connectors(connector_config, engine_info, registry=registry)
+    endpoints = list(scheduler.kv_endpoints)
+    logger.info("P/D connector (%s, %s) listening on %s", config.role.value, config.kv_mode.value, endpoints)
+    return ConnectorSet(scheduler=scheduler, worker=worker, kv_endpoints=endpoints, enabled=True)

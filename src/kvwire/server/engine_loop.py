@@ -1,0 +1,319 @@
+"""Runs ``LLMEngine.step`` on one dedicated thread and bridges it to asyncio.
+
+Threads: the engine is touched only by the engine thread (started by :meth:`EngineLoop.start`).
+The asyncio side sends it commands (add, abort, abort-all, stop) through a queue and receives each
+step's outputs through ``loop.call_soon_threadsafe``, fanned out to one :class:`RequestStream`
+per request. Failure: an exception from ``add_request`` is raised to the awaiting caller; an
+exception from ``step`` fails every in-flight request with :class:`EngineError` (their streams
+raise it) and the loop keeps serving new requests; if the thread itself dies, ``alive`` turns false
+(``/health`` reports 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from kvwire.errors import EngineError, KvwireError
+
+logger = logging.getLogger(__name__)
+
+
+class ServerShuttingDown(KvwireError):
+    """The server is stopping; in-flight requests were aborted."""
+
+
+class EngineLike(Protocol):
+    """The part of ``kvwire.engine.LLMEngine`` the server uses."""
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: Any,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> None: ...
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def step(self) -> Sequence[Any]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def stats(self) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class StatsSnapshot:
+    """Engine statistics copied on the engine thread after each iteration (safe to read anywhere)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_for_remote_kv: int = 0
+    kv_blocks_in_use: int = 0
+    kv_blocks_total: int = 0
+    num_preemptions: int = 0
+
+    @classmethod
+    def of(cls, stats: Any) -> StatsSnapshot:
+        fields = {f.name: int(getattr(stats, f.name, 0) or 0) for f in dataclasses.fields(cls)}
+        return cls(**fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class TimedOutput:
+    output: Any  # kvwire.engine.RequestOutput
+    time_s: float  # time.monotonic() when the step that produced it ended
+
+
+class RequestStream:
+    """Outputs of one request, in order; ends after the finished output. Event-loop thread only."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.arrival_s = time.monotonic()
+        self.finished = False
+        self._queue: asyncio.Queue[TimedOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: TimedOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> TimedOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.output.finished:
+            self.finished = True
+        return item
+
+
+@dataclasses.dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: Any
+    kv_transfer_params: dict[str, Any] | None
+    done: concurrent.futures.Future[None]
+
+
+@dataclasses.dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclasses.dataclass
+class _AbortAll:
+    reason: str
+
+
+class _Stop:
+    pass
+
+
+_Command = _Add | _Abort | _AbortAll | _Stop
+
+
+class EngineLoop:
+    """Owns the engine thread. ``start`` and all async methods run on the event loop's thread."""
+
+    def __init__(
+        self, engine: EngineLike, *, idle_wait_s: float = 0.05, remote_wait_s: float = 0.002
+    ) -> None:
+        self._engine = engine
+        self._idle_wait_s = idle_wait_s  # block this long on the queue when nothing is in flight
+        self._remote_wait_s = remote_wait_s  # ... and this long when all wait for remote KV
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # event-loop thread only
+        self._live: set[str] = set()  # engine thread only: ids added and not finished
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stats = StatsSnapshot.of(engine.stats())
+        self._closing = False
+        self.num_step_errors = 0
+
+    # --- event-loop side -----------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="kvwire-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def stats(self) -> StatsSnapshot:
+        return self._stats
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    async def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: Any,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> RequestStream:
+        """Hand a request to the engine; raises what ``engine.add_request`` raised."""
+        if self._closing:
+            raise ServerShuttingDown("the server is shutting down")
+        if not self.alive:
+            raise EngineError("the engine thread is not running")
+        if request_id in self._streams:
+            raise EngineError(f"duplicate request id {request_id}")
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._commands.put(_Add(request_id, prompt_token_ids, params, kv_transfer_params, done))
+        try:
+            await asyncio.wrap_future(done)
+        except BaseException:
+            self.abort(request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (client gone); its blocks are freed by the engine. Idempotent."""
+        self._streams.pop(request_id, None)
+        self._commands.put(_Abort(request_id))
+
+    def abort_all(self, reason: str) -> None:
+        """Abort every in-flight request; their streams raise :class:`ServerShuttingDown`."""
+        self._commands.put(_AbortAll(reason))
+
+    def close(self, timeout_s: float) -> bool:
+        """Stop the engine thread (aborting what is in flight). Returns False if it did not stop in time."""
+        if self._thread is None:
+            return True
+        self._closing = True
+        self._commands.put(_Stop())
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            return False
+        self._refuse_pending(ServerShuttingDown("the server is shutting down"))
+        return True
+
+    def _deliver(self, outputs: Sequence[Any], time_s: float) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # aborted meanwhile
+            stream.put(TimedOutput(output, time_s))
+            if output.finished:
+                del self._streams[output.request_id]
+
+    def _fail(self, request_ids: Sequence[str], error: BaseException) -> None:
+        for request_id in request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put(error)
+
+    def _post(self, callback: Any, *args: Any) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening any more
+            self._loop.call_soon_threadsafe(callback, *args)
+
+    # --- engine thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._drain_commands():
+                if self._engine.has_unfinished_requests():
+                    self._step()
+        except Exception:
+            logger.exception("engine thread crashed")
+        finally:
+            stopping = ServerShuttingDown("the server is shutting down")
+            self._abort_live(stopping)
+            self._refuse_pending(stopping)
+            logger.info("engine thread stopped")
+
+    def _refuse_pending(self, error: BaseException) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                command.done.set_exception(error)
+
+    def _drain_commands(self) -> bool:
+        """Apply queued commands; block a little when idle. Returns False on stop."""
+        if not self._engine.has_unfinished_requests():
+            wait_s: float | None = self._idle_wait_s
+        elif self._stats.num_running == 0 and self._stats.num_waiting_for_remote_kv > 0:
+            wait_s = self._remote_wait_s  # only remote-KV waiters: poll, do not spin
+        else:
+            wait_s = None
+        while True:
+            try:
+                command = self._commands.get(timeout=wait_s) if wait_s else self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            wait_s = None
+            if not self._apply(command):
+                return False
+
+    def _apply(self, command: _Command) -> bool:
+        if isinstance(command, _Stop):
+            return False
+        if isinstance(command, _Add):
+            self._apply_add(command)
+        elif isinstance(command, _Abort):
+            if command.request_id in self._live:
+                self._live.discard(command.request_id)
+                self._engine.abort_request(command.request_id)
+        else:
+            self._abort_live(ServerShuttingDown(command.reason))
+        self._stats = StatsSnapshot.of(self._engine.stats())
+        return True
+
+    def _apply_add(self, command: _Add) -> None:
+        try:
+            self._engine.add_request(
+                command.request_id, command.prompt_token_ids, command.params, command.kv_transfer_params
+            )
+        except Exception as exc:
+            command.done.set_exception(exc)
+            return
+        self._live.add(command.request_id)
+        command.done.set_result(None)
+
+    def _step(self) -> None:
+        try:
+            outputs = self._engine.step()
+        except Exception as exc:
+            self.num_step_errors += 1
+            logger.exception("engine step failed; failing %d in-flight requests", len(self._live))
+            self._abort_live(EngineError(f"engine step failed: {exc}"))
+            return
+        finally:
+            self._stats = StatsSnapshot.of(self._engine.stats())
+        for output in outputs:
+            if output.finished:
+                self._live.discard(output.request_id)
+        if outputs:
+            self._post(self._deliver, list(outputs), time.monotonic())
+
+    def _abort_live(self, error: BaseException) -> None:
+        request_ids = list(self._live)
+        self._live.clear()
+        for request_id in request_ids:
+            try:
+                self._engine.abort_request(request_id)
+            except Exception:
+                logger.exception("abort of %s failed", request_id)
+        if request_ids:
+            self._post(self._fail, request_ids, error)
+        self._stats = StatsSnapshot.of(self._engine.stats())

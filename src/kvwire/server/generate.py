@@ -1,0 +1,281 @@
+"""``/v1/completions`` and ``/v1/chat/completions``: request -> engine -> JSON body or SSE stream.
+
+Runs on the event loop thread. Contract per request: a parse/validation failure is a 400 (404 for an
+unknown model) and touches no engine state; once admitted, the request always ends with exactly one of
+a full body, a finished stream, an error (500 engine failure, 503 shutdown; in a stream an error
+event then ``[DONE]``) or an abort when the client went away (the ``finally`` below aborts it in the
+engine, which frees its KV blocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from kvwire.engine.sampling_params import SamplingParams
+from kvwire.errors import EngineError, InvalidRequestError
+from kvwire.kv_params import KVTransferParams
+from kvwire.server.engine_loop import EngineLoop, RequestStream, ServerShuttingDown
+from kvwire.server.metrics import RequestTimer, ServerMetrics
+from kvwire.server.openai_protocol import (
+    BadRequest,
+    RequestKind,
+    chat_messages,
+    parse_chat,
+    parse_completion,
+    prompt_token_source,
+    stop_strings,
+)
+from kvwire.server.responses import SSE_DONE, ResponseBuilder, error_body, json_bytes, sse_event, usage_body
+
+logger = logging.getLogger(__name__)
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the model length
+
+
+def error_response(
+    status: int, message: str, err_type: str = "invalid_request_error", param: str | None = None,
+    code: str | None = None,
+) -> web.Response:
+    return web.Response(status=status, body=json_bytes(error_body(message, err_type, param, code)),
+                        content_type="application/json")
+
+
+class ModelNotFound(InvalidRequestError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A validated request, ready for the engine."""
+
+    kind: RequestKind
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kv_transfer_params: dict[str, Any] | None
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+
+class GenerationHandler:
+    def __init__(
+        self, engine_loop: EngineLoop, tokenizer: Any, metrics: ServerMetrics, model_name: str,
+        max_model_len: int, accepts_kv_transfer_params: bool,
+    ) -> None:
+        self._loop = engine_loop
+        self._tokenizer = tokenizer
+        self._metrics = metrics
+        self._model_name = model_name
+        self._max_model_len = max_model_len
+        self._vocab_size: int | None = getattr(tokenizer, "vocab_size", None)
+        self._accepts_kv = accepts_kv_transfer_params
+        self.draining = False  # set on shutdown: new requests get 503
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, RequestKind.COMPLETION)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, RequestKind.CHAT)
+
+    # --- admission -----------------------------------------------------------------------------
+
+    async def _handle(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
+        endpoint = kind.value
+        if self.draining:
+            self._count(endpoint, "shutdown")
+            return error_response(503, "the server is shutting down", "server_error")
+        try:
+            prepared = self._prepare(await request.read(), kind)
+        except ModelNotFound as exc:
+            self._count(endpoint, "invalid")
+            return error_response(404, str(exc), "invalid_request_error", "model", "model_not_found")
+        except BadRequest as exc:
+            self._count(endpoint, "invalid")
+            return error_response(400, str(exc), param=exc.param, code=exc.code)
+        except InvalidRequestError as exc:
+            self._count(endpoint, "invalid")
+            return error_response(400, str(exc))
+        prefix = "chatcmpl" if kind is RequestKind.CHAT else "cmpl"
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        try:
+            stream = await self._loop.add_request(
+                request_id, prepared.prompt_token_ids, prepared.params, prepared.kv_transfer_params
+            )
+        except InvalidRequestError as exc:
+            self._count(endpoint, "invalid")
+            return error_response(400, str(exc))
+        except ServerShuttingDown as exc:
+            self._count(endpoint, "shutdown")
+            return error_response(503, str(exc), "server_error")
+        except EngineError as exc:
+            self._count(endpoint, "error")
+            return error_response(500, str(exc), "server_error")
+        self._metrics.prompt_tokens.inc(len(prepared.prompt_token_ids))
+        builder = ResponseBuilder(kind, request_id, self._model_name, int(time.time()),
+                                  prepared.return_token_ids)
+        try:
+            if prepared.stream:
+                return await self._stream(request, stream, builder, prepared)
+            return await self._collect(stream, builder, prepared)
+        finally:
+            if not stream.finished:  # client went away (cancelled / connection reset)
+                self._loop.abort(request_id)
+                self._count(endpoint, "disconnect")
+
+    def _prepare(self, body: bytes, kind: RequestKind) -> Prepared:
+        if kind is RequestKind.COMPLETION:
+            req: Any = parse_completion(body)
+            source = prompt_token_source(req)
+            prompt_ids = self._tokenizer.encode(source) if isinstance(source, str) else source
+            default_max: int | None = DEFAULT_COMPLETION_MAX_TOKENS
+        else:
+            req = parse_chat(body)
+            prompt_ids = self._tokenizer.apply_chat_template(chat_messages(req))
+            default_max = None
+        if req.model is not None and req.model != self._model_name:
+            raise ModelNotFound(f"The model `{req.model}` does not exist (this server serves "
+                                f"`{self._model_name}`)")
+        self._check_prompt(prompt_ids)
+        room = self._max_model_len - len(prompt_ids)
+        max_tokens = req.max_tokens if req.max_tokens is not None else min(room, default_max or room)
+        if max_tokens > room:
+            raise BadRequest(
+                f"This model's maximum context length is {self._max_model_len} tokens. However, you "
+                f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, "
+                f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+                param="max_tokens", code="context_length_exceeded")
+        return Prepared(
+            kind=kind,
+            prompt_token_ids=prompt_ids,
+            params=self._sampling_params(req, max_tokens),
+            kv_transfer_params=self._kv_params(req.kv_transfer_params),
+            stream=req.stream,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            return_token_ids=req.return_token_ids,
+        )
+
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise BadRequest("prompt must not be empty", param="prompt")
+        if self._vocab_size is not None and max(prompt_ids) >= self._vocab_size:
+            raise BadRequest(f"prompt token ids must be < the vocabulary size {self._vocab_size}",
+                             param="prompt")
+        if len(prompt_ids) >= self._max_model_len:
+            raise BadRequest(
+                f"This model's maximum context length is {self._max_model_len} tokens; the prompt has "
+                f"{len(prompt_ids)} tokens, which leaves no room for a completion.",
+                param="prompt", code="context_length_exceeded")
+
+    @staticmethod
+    def _sampling_params(req: Any, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_k=0 if req.top_k in (None, -1) else req.top_k,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            seed=req.seed,
+            stop=stop_strings(req),
+            stop_token_ids=req.stop_token_ids or (),
+            ignore_eos=req.ignore_eos,
+        )
+
+    def _kv_params(self, params: dict[str, Any] | None) -> dict[str, Any] | None:
+        if params is None:
+            return None
+        if not self._accepts_kv:
+            raise BadRequest("kv_transfer_params given, but this instance has no KV connector "
+                             "(start it with --role prefill or decode)", param="kv_transfer_params")
+        try:
+            KVTransferParams.from_dict(params)
+        except InvalidRequestError as exc:
+            raise BadRequest(str(exc), param="kv_transfer_params") from exc
+        return params
+
+    # --- responses -----------------------------------------------------------------------------
+
+    async def _collect(
+        self, stream: RequestStream, builder: ResponseBuilder, prepared: Prepared
+    ) -> web.Response:
+        endpoint = prepared.kind.value
+        timer = RequestTimer(self._metrics, stream.arrival_s)
+        last: Any = None
+        try:
+            async for item in stream:
+                timer.on_tokens(len(item.output.new_token_ids), item.time_s)
+                last = item.output
+        except ServerShuttingDown as exc:
+            self._count(endpoint, "shutdown")
+            return error_response(503, str(exc), "server_error")
+        except EngineError as exc:
+            self._count(endpoint, "error")
+            return error_response(500, str(exc), "server_error")
+        timer.on_finish(time.monotonic())
+        reason = last.finish_reason or "stop"
+        self._count(endpoint, reason)
+        if reason == "error":
+            return error_response(500, f"engine error: {last.error or 'unknown'}", "server_error")
+        if reason == "abort":
+            return error_response(503, "the request was aborted by the engine", "server_error")
+        usage = usage_body(last.num_prompt_tokens or len(prepared.prompt_token_ids), len(last.token_ids))
+        body = builder.full(last.text, list(last.token_ids), reason, usage, last.kv_transfer_params,
+                            prepared.prompt_token_ids)
+        return web.Response(body=json_bytes(body), content_type="application/json")
+
+    async def _stream(
+        self, request: web.Request, stream: RequestStream, builder: ResponseBuilder, prepared: Prepared
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers=_SSE_HEADERS)
+        try:
+            await response.prepare(request)
+            first = builder.first_chunk()
+            if first is not None:
+                await response.write(sse_event(first))
+            outcome, usage = await self._stream_outputs(response, stream, builder, prepared)
+            self._count(prepared.kind.value, outcome)
+            if usage is not None and prepared.include_usage:
+                await response.write(sse_event(builder.usage_chunk(usage)))
+            await response.write(SSE_DONE)
+            await response.write_eof()
+        except ConnectionResetError:  # client gone mid-stream; the caller's finally aborts the request
+            logger.debug("client of %s disconnected", builder.response_id)
+        return response
+
+    async def _stream_outputs(
+        self, response: web.StreamResponse, stream: RequestStream, builder: ResponseBuilder,
+        prepared: Prepared,
+    ) -> tuple[str, dict[str, int] | None]:
+        """Write content chunks; returns (outcome, usage or None when it ended in an error)."""
+        timer = RequestTimer(self._metrics, stream.arrival_s)
+        try:
+            async for item in stream:
+                out = item.output
+                timer.on_tokens(len(out.new_token_ids), item.time_s)
+                if out.finished and out.finish_reason == "error":
+                    await response.write(sse_event(error_body(f"engine error: {out.error}", "server_error")))
+                    return "error", None
+                if out.new_token_ids or out.new_text or out.finished:
+                    reason = (out.finish_reason or "stop") if out.finished else None
+                    chunk = builder.chunk(out.new_text, list(out.new_token_ids), reason,
+                                          out.kv_transfer_params)
+                    await response.write(sse_event(chunk))
+                if out.finished:
+                    timer.on_finish(time.monotonic())
+                    num_prompt = out.num_prompt_tokens or len(prepared.prompt_token_ids)
+                    return out.finish_reason or "stop", usage_body(num_prompt, len(out.token_ids))
+        except ServerShuttingDown as exc:
+            await response.write(sse_event(error_body(str(exc), "server_error")))
+            return "shutdown", None
+        except EngineError as exc:
+            await response.write(sse_event(error_body(str(exc), "server_error")))
+            return "error", None
+        raise AssertionError("request stream ended without a finished output")
+
+    def _count(self, endpoint: str, outcome: str) -> None:
+        self._metrics.requests.labels(endpoint, outcome).inc()

@@ -1,0 +1,147 @@
+"""One serving instance's life: engine + engine thread + HTTP app + registration, and their shutdown.
+
+``serve`` is the whole process: start everything, wait for SIGTERM/SIGINT, then within
+``shutdown_deadline_s``: refuse new requests (503), deregister from the router, abort in-flight
+requests, stop the HTTP listener, stop the engine thread, close connectors. Returns the exit code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from typing import Any
+
+from aiohttp import web
+
+from kvwire.engine.config import EngineConfig
+from kvwire.server.app import ServerApp
+from kvwire.server.config import ServerConfig
+from kvwire.server.connectors import ConnectorSet, build_connector_set
+from kvwire.server.engine_loop import EngineLoop, StatsSnapshot
+from kvwire.server.generate import GenerationHandler
+from kvwire.server.metrics import ServerMetrics
+from kvwire.server.registration import default_instance_id, start_heartbeats
+
+logger = logging.getLogger(__name__)
+
+
+def _build_engine(engine_config: EngineConfig, connectors: ConnectorSet) -> Any:
+    from kvwire.engine import LLMEngine
+
+    return LLMEngine(engine_config, scheduler_connector=connectors.scheduler,
+                     worker_connector=connectors.worker)
+
+
+class ServerInstance:
+    """Owns every resource of the instance; ``start`` then ``stop`` (each once), on one event loop."""
+
+    def __init__(self, config: ServerConfig, engine_config: EngineConfig, secret: str | None = None) -> None:
+        self.config = config
+        self.engine_config = engine_config
+        self.instance_id = default_instance_id(config)
+        self._secret = secret
+        self._runner: web.AppRunner | None = None
+        self._heartbeats: Any = None
+        self._connectors: ConnectorSet | None = None
+        self._engine: Any = None
+        self._engine_loop: EngineLoop | None = None
+        self._generation: GenerationHandler | None = None
+        self.url = ""
+
+    async def start(self) -> str:
+        """Load the engine, start its thread, listen, register. Returns the base URL."""
+        loop = asyncio.get_running_loop()
+        metrics = ServerMetrics(self._stats)
+        self._connectors = build_connector_set(self.config, self.engine_config, self._secret,
+                                               metrics.registry)
+        for collector in self._connectors.collectors():
+            metrics.add_collector(collector)
+        self._engine = await loop.run_in_executor(None, _build_engine, self.engine_config, self._connectors)
+        engine_loop = EngineLoop(self._engine)
+        self._engine_loop = engine_loop
+        model_name = self.config.served_model_name or str(self._engine.model_name)
+        max_model_len = int(self._engine.max_model_len)
+        self._generation = GenerationHandler(
+            engine_loop, self._engine.tokenizer, metrics, model_name, max_model_len,
+            accepts_kv_transfer_params=self._connectors.enabled,
+        )
+        app = ServerApp(engine_loop, self._generation, metrics, model_name, max_model_len)
+        engine_loop.start(loop)
+        self._runner = web.AppRunner(
+            app.build(self.config.max_request_bytes), handler_cancellation=True, access_log=None,
+            shutdown_timeout=max(0.5, self.config.shutdown_deadline_s / 2),
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        port = self._bound_port()
+        self.url = f"http://{self.config.public_host()}:{port}"
+        self._heartbeats = start_heartbeats(
+            self.config, instance_id=self.instance_id, url=self.url, model=model_name,
+            kv_endpoints=self._connectors.kv_endpoints, stats_fn=self._stats,
+            secret=self._secret,
+        )
+        logger.info("kvwire serve ready: %s (model %s, role %s, max_model_len %d, instance %s)",
+                    self.url, model_name, self.config.role.value, max_model_len, self.instance_id)
+        return self.url
+
+    def _stats(self) -> StatsSnapshot:
+        return self._engine_loop.stats if self._engine_loop is not None else StatsSnapshot()
+
+    def _bound_port(self) -> int:
+        assert self._runner is not None
+        for address in self._runner.addresses:
+            if isinstance(address, tuple) and len(address) >= 2:
+                return int(address[1])
+        return self.config.port
+
+    async def stop(self) -> bool:
+        """Shut down within the deadline. Returns False if some part had to be abandoned."""
+        deadline = time.monotonic() + self.config.shutdown_deadline_s
+        loop = asyncio.get_running_loop()
+        clean = True
+        if self._generation is not None:
+            self._generation.draining = True
+        if self._heartbeats is not None:
+            await loop.run_in_executor(None, self._heartbeats.close)  # deregister first
+        if self._engine_loop is not None:
+            self._engine_loop.abort_all("the server is shutting down")
+        if self._runner is not None:
+            try:
+                await asyncio.wait_for(self._runner.cleanup(), timeout=max(0.1, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                logger.warning("HTTP shutdown did not finish within the deadline")
+                clean = False
+        if self._engine_loop is not None:
+            engine_loop = self._engine_loop
+            stopped = await loop.run_in_executor(
+                None, engine_loop.close, max(0.1, deadline - time.monotonic()))
+            if not stopped:
+                logger.warning("engine thread did not stop within the deadline")
+                clean = False
+        for closer in (self._connectors, self._engine):
+            close = getattr(closer, "close", None)
+            if close is not None and clean:
+                await loop.run_in_executor(None, close)
+        logger.info("kvwire serve stopped%s", "" if clean else " (deadline passed)")
+        return clean
+
+
+async def serve(config: ServerConfig, engine_config: EngineConfig, secret: str | None = None) -> int:
+    """Run an instance until SIGTERM/SIGINT; returns the process exit code."""
+    instance = ServerInstance(config, engine_config, secret)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await instance.start()
+        await stop.wait()
+        logger.info("signal received: shutting down")
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        clean = await instance.stop()
+    return 0 if clean else 1

@@ -1,0 +1,106 @@
+"""Prometheus metrics of one server instance, in a registry owned by the app (no globals).
+
+Request-level series (counters, TTFT/ITL histograms) are updated by the HTTP handlers on the event
+loop thread. Engine-level series (queues, KV blocks, preemptions) are read at scrape time from the
+engine loop's latest :class:`StatsSnapshot`. Other components (the KV connector's transfer metrics)
+contribute by passing a Prometheus collector to :meth:`ServerMetrics.add_collector`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvwire.server.engine_loop import StatsSnapshot
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Seconds. TTFT spans a queued prefill on CPU (long tail); ITL is one decode step.
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Collector(Protocol):
+    def collect(self) -> Iterator[Metric]: ...
+
+
+class _EngineStatsCollector:
+    """Gauges/counters read from the engine loop's snapshot at scrape time."""
+
+    def __init__(self, stats_fn: Callable[[], StatsSnapshot]) -> None:
+        self._stats_fn = stats_fn
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats_fn()
+        gauges = {
+            "kvwire_num_requests_running": ("requests being computed", stats.num_running),
+            "kvwire_num_requests_waiting": ("requests waiting to be scheduled", stats.num_waiting),
+            "kvwire_num_requests_waiting_for_remote_kv": (
+                "requests waiting for KV from a prefill instance", stats.num_waiting_for_remote_kv),
+            "kvwire_kv_blocks_in_use": ("KV cache blocks allocated (incl. those awaiting a send)",
+                                        stats.kv_blocks_in_use),
+            "kvwire_kv_blocks_total": ("KV cache blocks in the pool", stats.kv_blocks_total),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily("kvwire_num_preemptions", "requests preempted (recompute)",
+                                  value=stats.num_preemptions)
+
+
+class ServerMetrics:
+    """Every series of one instance. Event-loop thread for updates; scrape from anywhere."""
+
+    def __init__(self, stats_fn: Callable[[], StatsSnapshot]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        self.requests = Counter(
+            "kvwire_requests", "finished requests by endpoint and outcome "
+            "(stop, length, abort, error, invalid, shutdown)", ["endpoint", "outcome"], registry=reg)
+        self.prompt_tokens = Counter("kvwire_prompt_tokens", "prompt tokens of admitted requests",
+                                     registry=reg)
+        self.generation_tokens = Counter("kvwire_generation_tokens", "generated tokens sent to clients",
+                                         registry=reg)
+        self.ttft = Histogram("kvwire_time_to_first_token_seconds", "arrival to first generated token",
+                              buckets=_TTFT_BUCKETS, registry=reg)
+        self.itl = Histogram("kvwire_inter_token_latency_seconds", "time between generated tokens",
+                             buckets=_ITL_BUCKETS, registry=reg)
+        self.e2e = Histogram("kvwire_e2e_request_latency_seconds", "arrival to last token",
+                             buckets=_E2E_BUCKETS, registry=reg)
+        reg.register(_EngineStatsCollector(stats_fn))
+
+    def add_collector(self, collector: Collector) -> None:
+        """Let another component (e.g. the KV connector) expose its series on this ``/metrics``."""
+        self.registry.register(collector)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Records TTFT / ITL / E2E for one request from the engine's output timestamps."""
+
+    def __init__(self, metrics: ServerMetrics, arrival_s: float) -> None:
+        self._metrics = metrics
+        self._arrival_s = arrival_s
+        self._last_token_s: float | None = None
+
+    def on_tokens(self, num_new_tokens: int, time_s: float) -> None:
+        if num_new_tokens <= 0:
+            return
+        self._metrics.generation_tokens.inc(num_new_tokens)
+        if self._last_token_s is None:
+            self._metrics.ttft.observe(max(0.0, time_s - self._arrival_s))
+            num_gaps, gap_s = num_new_tokens - 1, 0.0  # tokens beyond the first came in the same step
+        else:
+            num_gaps = num_new_tokens
+            gap_s = max(0.0, time_s - self._last_token_s) / num_new_tokens
+        for _ in range(num_gaps):
+            self._metrics.itl.observe(gap_s)
+        self._last_token_s = time_s
+
+    def on_finish(self, time_s: float) -> None:
+        self._metrics.e2e.observe(max(0.0, time_s - self._arrival_s))

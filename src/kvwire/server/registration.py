@@ -1,0 +1,66 @@
+"""Registration with the router: heartbeats carrying this instance's role, URL, KV endpoints and load.
+
+The discovery client is imported lazily, so a server started without ``--router`` needs none of it.
+The heartbeat thread calls ``load_fn``, which only reads the engine loop's latest immutable
+:class:`~kvwire.server.engine_loop.StatsSnapshot` (never the engine itself).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import kvwire
+from kvwire.server.config import ServerConfig
+from kvwire.server.engine_loop import StatsSnapshot
+
+logger = logging.getLogger(__name__)
+
+
+def default_instance_id(config: ServerConfig) -> str:
+    return config.instance_id or f"{config.role.value}-{uuid.uuid4().hex[:8]}"
+
+
+def start_heartbeats(
+    config: ServerConfig,
+    *,
+    instance_id: str,
+    url: str,
+    model: str,
+    kv_endpoints: Sequence[str],
+    stats_fn: Callable[[], StatsSnapshot],
+    secret: str | None = None,
+) -> Any:
+    """Start heartbeating to ``config.router_address``; returns the client (call ``close()`` to
+    deregister) or None when no router is configured."""
+    if config.router_address is None:
+        return None
+    from kvwire.discovery import HeartbeatClient, InstanceInfo, InstanceLoad, InstanceRole
+
+    def load() -> InstanceLoad:
+        stats = stats_fn()
+        return InstanceLoad(
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting + stats.num_waiting_for_remote_kv,
+            free_kv_blocks=max(0, stats.kv_blocks_total - stats.kv_blocks_in_use),
+            total_kv_blocks=stats.kv_blocks_total,
+        )
+
+    info = InstanceInfo(
+        instance_id=instance_id,
+        role=InstanceRole(config.role.value),
+        url=url,
+        model=model,
+        kv_endpoints=list(kv_endpoints),
+        version=f"kvwire {kvwire.__version__}",
+    )
+    client = HeartbeatClient(
+        router_address=config.router_address, info=info, load_fn=load,
+        interval_s=config.heartbeat_interval_s, secret=secret,
+    )
+    client.start()
+    logger.info("registering %s (%s, %s) with router %s", instance_id, config.role.value, url,
+                config.router_address)
+    return client

@@ -1,0 +1,154 @@
+"""A small deterministic engine with the ``LLMEngine`` interface, for server unit tests.
+
+It lets tests drive what the real engine cannot be made to do on demand (a failing step, an error
+output, a slow step). Integration tests (tests/integration/test_server*.py) use the real engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from kvwire.engine.outputs import EngineStats, RequestOutput
+from kvwire.engine.sampling_params import SamplingParams
+from kvwire.engine.tokenizer import ByteTokenizer
+from kvwire.errors import InvalidRequestError
+from kvwire.server.app import ServerApp
+from kvwire.server.engine_loop import EngineLoop
+from kvwire.server.generate import GenerationHandler
+from kvwire.server.metrics import ServerMetrics
+
+BLOCK_SIZE = 4
+ALPHABET = b"abcdefghijklmnopqrstuvwxyz"
+
+
+@dataclasses.dataclass
+class _Req:
+    prompt: list[int]
+    params: SamplingParams
+    kv_params: dict[str, Any] | None
+    out: list[int] = dataclasses.field(default_factory=list)
+
+
+class FakeEngine:
+    """Emits one token per step per request: ALPHABET[(prompt[-1] + i) % 26] for output token i."""
+
+    model_name = "fake"
+    max_model_len = 64
+    num_kv_layers = 1
+
+    def __init__(self, num_blocks: int = 256) -> None:
+        self.tokenizer = ByteTokenizer()
+        self.num_blocks = num_blocks
+        self.reqs: dict[str, _Req] = {}
+        self.fail_next_step = False
+        self.error_output_for: set[str] = set()
+        self.step_delay_s = 0.0
+        self.thread_ids: set[int] = set()
+        self.aborted: list[str] = []
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    kv_transfer_params: dict[str, Any] | None = None) -> None:
+        self.thread_ids.add(threading.get_ident())
+        if request_id in self.reqs:
+            raise InvalidRequestError(f"duplicate {request_id}")
+        self.reqs[request_id] = _Req(list(prompt_token_ids), params, kv_transfer_params)
+
+    def abort_request(self, request_id: str) -> None:
+        self.thread_ids.add(threading.get_ident())
+        if self.reqs.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.reqs)
+
+    def step(self) -> list[RequestOutput]:
+        self.thread_ids.add(threading.get_ident())
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("injected step failure")
+        return [self._advance(rid) for rid in list(self.reqs)]
+
+    def _advance(self, request_id: str) -> RequestOutput:
+        req = self.reqs[request_id]
+        token = ALPHABET[(req.prompt[-1] + len(req.out)) % len(ALPHABET)]
+        req.out.append(token)
+        error = request_id in self.error_output_for
+        finished = error or len(req.out) >= req.params.max_tokens
+        if finished:
+            del self.reqs[request_id]
+        return RequestOutput(
+            request_id=request_id, new_token_ids=[token], token_ids=list(req.out),
+            new_text=chr(token), text=bytes(req.out).decode(), finished=finished,
+            finish_reason=("error" if error else "length") if finished else None,
+            error="injected" if error else None, num_prompt_tokens=len(req.prompt),
+            kv_transfer_params={"echo": req.kv_params} if finished and req.kv_params else None,
+        )
+
+    def blocks_in_use(self) -> int:
+        return sum(-(-(len(r.prompt) + len(r.out)) // BLOCK_SIZE) for r in self.reqs.values())
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.reqs), num_waiting=0, num_waiting_for_remote_kv=0,
+            kv_blocks_in_use=self.blocks_in_use(), kv_blocks_total=self.num_blocks, num_preemptions=0,
+            num_kv_load_failures=0, num_kv_load_recomputes=0, num_delayed_free_requests=0,
+            num_prefix_cache_hit_tokens=0, num_prompt_tokens=0, num_generation_tokens=0, num_steps=0,
+        )
+
+
+@dataclasses.dataclass
+class FakeServer:
+    engine: FakeEngine
+    engine_loop: EngineLoop
+    generation: GenerationHandler
+    client: TestClient
+
+
+async def start_fake_server(engine: FakeEngine, accepts_kv: bool = True) -> FakeServer:
+    engine_loop = EngineLoop(engine)
+    metrics = ServerMetrics(lambda: engine_loop.stats)
+    generation = GenerationHandler(engine_loop, engine.tokenizer, metrics, engine.model_name,
+                                   engine.max_model_len, accepts_kv_transfer_params=accepts_kv)
+    app = ServerApp(engine_loop, generation, metrics, engine.model_name, engine.max_model_len)
+    engine_loop.start(asyncio.get_running_loop())
+    client = TestClient(TestServer(app.build(1 << 20)))
+    await client.start_server()
+    return FakeServer(engine, engine_loop, generation, client)
+
+
+async def stop_fake_server(server: FakeServer) -> None:
+    await server.client.close()
+    assert server.engine_loop.close(5.0)
+
+
+@pytest.fixture
+def fake_engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+def run_with_fake_server() -> Iterator[Callable[..., Any]]:
+    """Runs ``async def body(server: FakeServer)`` against a fresh fake-engine server."""
+
+    def run(body: Callable[[FakeServer], Any], engine: FakeEngine | None = None, **kw: Any) -> Any:
+        async def main() -> Any:
+            server = await start_fake_server(engine or FakeEngine(), **kw)
+            try:
+                return await asyncio.wait_for(body(server), timeout=30)
+            finally:
+                await stop_fake_server(server)
+
+        return asyncio.run(main())
+
+    yield run
+
