@@ -1,0 +1,145 @@
+"""Attention over the paged KV cache.
+
+KV cache of one layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V); token ``t``
+of a request lives in block ``block_ids[t // block_size]`` at offset ``t % block_size``, i.e. at flat
+slot ``block_id * block_size + offset``. Queries are packed: the batch's new tokens are concatenated
+``[T, heads, head_dim]``, decodes (one new token) first, then prefill chunks.
+
+Two paths compute the same thing: :func:`reference_attention` (plain torch math, one sequence at a
+time: the oracle) and :func:`sdpa_attention` (torch SDPA; decodes batched over gathered blocks, a
+prompt with no earlier KV attends over its own fresh K/V like a dense forward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from kvwire.connector.base import WorkerConnector
+from kvwire.engine.config import AttentionBackend
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    """Where the step's tokens go and what they attend to. Built by the model runner."""
+
+    slot_mapping: torch.Tensor  # [T] int64: flat KV slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with block 0
+    seq_lens_t: torch.Tensor  # [B] int64 (device): KV length of each sequence after this step
+    query_start_loc: list[int]  # B + 1 offsets into the packed tokens
+    seq_lens: list[int]  # host copy of seq_lens_t
+    num_decodes: int  # the first num_decodes sequences have exactly one new token
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+@dataclasses.dataclass
+class ForwardContext:
+    """Per-forward state the attention layers need. ``attn is None`` = dense causal attention over
+    one sequence, no cache, no connector (the baseline forward of the benchmark)."""
+
+    attn: AttentionMetadata | None
+    kv_caches: list[torch.Tensor]
+    connector: WorkerConnector | None
+    backend: AttentionBackend = AttentionBackend.SDPA
+
+
+def attention(
+    layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+) -> torch.Tensor:
+    """q: [T, Hq, D], k/v: [T, Hkv, D] for the step's new tokens -> [T, Hq, D].
+
+    Calls the worker connector around the KV write exactly as vLLM's V1 attention does: wait for
+    this layer's remote KV, write the new K/V into the cache, hand the layer to the connector."""
+    meta = ctx.attn
+    if meta is None:
+        return _sdpa(q, k, v, causal=True)
+    kv_cache = ctx.kv_caches[layer_index]
+    if ctx.connector is not None:
+        ctx.connector.wait_for_layer_load(layer_index)
+    write_kv(kv_cache, k, v, meta.slot_mapping)
+    if ctx.connector is not None:
+        ctx.connector.save_kv_layer(layer_index, kv_cache)
+    if ctx.backend is AttentionBackend.REFERENCE:
+        return reference_attention(q, kv_cache, meta)
+    return sdpa_attention(q, k, v, kv_cache, meta)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter the new K/V ([T, Hkv, D]) into their slots of ``kv_cache``."""
+    _, num_blocks, block_size, heads, dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[2, NB, BS, H, D] and [..., max_blocks] -> K, V of shape [..., max_blocks * BS, H, D]."""
+    k = kv_cache[0][block_table]  # [..., MB, BS, H, D]
+    v = kv_cache[1][block_table]
+    return k.flatten(-4, -3), v.flatten(-4, -3)
+
+
+def reference_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Readable oracle: per sequence, gather its KV, causal softmax(q k^T / sqrt(D)) v in fp32."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // kv_cache.shape[3]
+    for i in range(meta.num_seqs):
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        seq_len = meta.seq_lens[i]
+        k, v = gather_kv(kv_cache, meta.block_tables[i])
+        k = k[:seq_len].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = v[:seq_len].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) / q.shape[-1] ** 0.5
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
+        visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [Q, L]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out
+
+
+def sdpa_attention(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        k, v = gather_kv(kv_cache, meta.block_tables[:nd])  # [B, L, Hkv, D]
+        visible = torch.arange(k.shape[1], device=q.device)[None, :] < meta.seq_lens_t[:nd, None]
+        out[:nd] = _sdpa(q[:nd, None], k, v, mask=visible[:, None, None, :])[:, 0]
+    for i in range(nd, meta.num_seqs):
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        seq_len, q_len = meta.seq_lens[i], end - start
+        if seq_len == q_len:  # a whole prompt in one chunk: its own K/V, like a dense forward
+            out[start:end] = _sdpa(q[start:end], k_new[start:end], v_new[start:end], causal=True)
+            continue
+        k, v = gather_kv(kv_cache, meta.block_tables[i])
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+        out[start:end] = _sdpa(q[start:end], k, v, mask=visible)
+    return out
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q: [..., Q, Hq, D], k/v: [..., L, Hkv, D] (token-major) -> [..., Q, Hq, D]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(-3, -2),
+        k.transpose(-3, -2),
+        v.transpose(-3, -2),
+        attn_mask=mask,
+        is_causal=causal,
+        enable_gqa=True,
+    )
+    return out.transpose(-3, -2)

@@ -1,0 +1,116 @@
+"""KV block allocation with reference counts and prefix caching.
+
+Each block holds ``block_size`` tokens of every layer's KV. A block is *free* when no request holds it
+(ref count 0). A full block whose KV was computed is registered under a hash of its tokens and of
+every token before it (a hash chain); a later request with the same prefix takes the block instead
+of recomputing it. Free blocks stay cached until they are reused (least recently freed first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+BlockHash = int
+
+
+class BlockManager:
+    """Owned by the scheduler (engine thread only)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU first
+        self._hash_of_block: dict[int, BlockHash] = {}
+        self._block_of_hash: dict[BlockHash, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- prefix cache ---------------------------------------------------------------------------
+
+    def block_hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
+        """Chained hashes of the full blocks of ``token_ids``."""
+        hashes: list[BlockHash] = []
+        parent: BlockHash = 0
+        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
+            parent = hash((parent, tuple(token_ids[start : start + self.block_size])))
+            hashes.append(parent)
+        return hashes
+
+    def find_cached_blocks(self, token_ids: Sequence[int]) -> list[int]:
+        """Longest run of cached blocks that prefixes ``token_ids``, leaving at least one token to
+        compute (the step that computes it samples the next token). Takes no references."""
+        if not self.enable_prefix_caching:
+            return []
+        found: list[int] = []
+        for block_hash in self.block_hashes(token_ids[: max(len(token_ids) - 1, 0)]):
+            block = self._block_of_hash.get(block_hash)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def cache_blocks(
+        self, token_ids: Sequence[int], block_ids: Sequence[int], num_computed_tokens: int
+    ) -> None:
+        """Register the request's full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self.block_hashes(token_ids[:num_computed_tokens])
+        for block, block_hash in zip(block_ids, hashes, strict=False):
+            if block in self._hash_of_block:
+                continue
+            if block_hash not in self._block_of_hash:
+                self._block_of_hash[block_hash] = block
+                self._hash_of_block[block] = block_hash
+
+    # --- allocation -------------------------------------------------------------------------------
+
+    def take(self, block_ids: Sequence[int]) -> None:
+        """Add a reference to blocks found by :meth:`find_cached_blocks`."""
+        for block in block_ids:
+            if self._ref_counts[block] == 0:
+                del self._free[block]
+            self._ref_counts[block] += 1
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """``num_blocks`` fresh blocks (evicting cached ones, least recently freed first)."""
+        if num_blocks > len(self._free):
+            raise MemoryError(f"{num_blocks} KV blocks asked, {len(self._free)} free")
+        blocks = []
+        for _ in range(num_blocks):
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
+            self._ref_counts[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block. Tail blocks are freed first so that they are evicted
+        before the prefix blocks other requests are more likely to share."""
+        for block in reversed(block_ids):
+            assert self._ref_counts[block] > 0, f"block {block} freed twice"
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                self._free[block] = None
+
+    def invalidate(self, block_ids: Sequence[int]) -> None:
+        """Forget the cached content of blocks (their KV is wrong, e.g. a failed remote load)."""
+        for block in block_ids:
+            self._evict(block)
+
+    def _evict(self, block: int) -> None:
+        block_hash = self._hash_of_block.pop(block, None)
+        if block_hash is not None and self._block_of_hash.get(block_hash) == block:
+            del self._block_of_hash[block_hash]

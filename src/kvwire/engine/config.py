@@ -1,0 +1,81 @@
+"""Engine configuration: one frozen dataclass built once at the edge (CLI, ``kvwire.LLM``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from kvwire.errors import ConfigError
+
+
+class KVLoadFailurePolicy(str, enum.Enum):
+    """What the engine does when a remote KV load fails (deadline, peer lost, bad blocks)."""
+
+    RECOMPUTE = "recompute"  # compute the prompt locally instead (counted in EngineStats)
+    FAIL = "fail"  # finish the request with finish_reason "error"
+
+
+class AttentionBackend(str, enum.Enum):
+    """How attention reads the paged KV cache."""
+
+    AUTO = "auto"  # SDPA on CUDA, the reference path on CPU
+    REFERENCE = "reference"  # plain torch math per sequence: the readable oracle
+    SDPA = "sdpa"  # torch scaled_dot_product_attention over gathered blocks
+
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs. ``None`` means "derive from the model / device"."""
+
+    model: str = "tiny"  # a preset name (kvwire.engine.models.presets) or a local HF directory
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # None: sized from memory (see model_runner.num_kv_blocks_for)
+    max_model_len: int | None = None  # None: the model's limit (capped at 8192)
+    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits prompts)
+    max_num_seqs: int = 64  # running requests per step
+    enable_prefix_caching: bool = True
+    kv_load_failure_policy: KVLoadFailurePolicy = KVLoadFailurePolicy.RECOMPUTE
+    attention_backend: AttentionBackend = AttentionBackend.AUTO
+    kv_cache_memory_fraction: float = 0.8  # CUDA: share of free memory (after weights) for KV
+    cpu_kv_cache_bytes: int = 1 << 30  # CPU: most bytes the auto-sized KV cache may take
+    seed: int = 0  # seeds the sampler of requests without their own seed
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("model must name a preset or a local directory")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        _positive("block_size", self.block_size)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_num_seqs", self.max_num_seqs)
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ConfigError("kv_cache_memory_fraction must be in (0, 1]")
+        _positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
+        # Accept the enums' string values from CLIs (frozen: set through object.__setattr__).
+        try:
+            object.__setattr__(
+                self, "kv_load_failure_policy", KVLoadFailurePolicy(self.kv_load_failure_policy)
+            )
+            object.__setattr__(self, "attention_backend", AttentionBackend(self.attention_backend))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,247 @@
+"""LLMEngine: the serving loop. ``step()`` = schedule -> run (forward + connector) -> postprocess.
+
+Threading: ``step``, ``stats`` and ``close`` belong to one engine thread. ``add_request`` and
+``abort_request`` may be called from any thread: they validate at once (raising InvalidRequestError)
+and queue the change, which the next ``step`` applies first.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import Any
+
+import torch
+
+from kvwire.connector.base import (
+    NoOpSchedulerConnector,
+    NoOpWorkerConnector,
+    SchedulerConnector,
+    WorkerConnector,
+)
+from kvwire.engine.block_manager import BlockManager
+from kvwire.engine.config import EngineConfig
+from kvwire.engine.loader import load_model
+from kvwire.engine.model_runner import ModelRunner, num_kv_blocks_for
+from kvwire.engine.outputs import EngineStats, RequestOutput
+from kvwire.engine.request import Request, RequestStatus
+from kvwire.engine.sampling_params import SamplingParams
+from kvwire.engine.scheduler import Scheduler
+from kvwire.engine.stop import check_stop
+from kvwire.engine.tokenizer import IncrementalDetokenizer
+from kvwire.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        scheduler_connector: SchedulerConnector | None = None,
+        worker_connector: WorkerConnector | None = None,
+    ) -> None:
+        self.config = config
+        loaded = load_model(config)
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.model_name = config.model
+        self.max_model_len = loaded.max_model_len
+        self.num_kv_layers = loaded.model.config.num_layers
+        self.device = torch.device(config.device)
+        self.dtype = loaded.dtype
+        num_blocks = config.num_kv_blocks or num_kv_blocks_for(
+            config, self.model, self.dtype, self.max_model_len
+        )
+        self.scheduler_connector = scheduler_connector or NoOpSchedulerConnector()
+        self.worker_connector = worker_connector or NoOpWorkerConnector()
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.blocks, self.scheduler_connector)
+        self.runner = ModelRunner(
+            config, self.model, num_blocks, self.worker_connector, self.device, self.dtype
+        )
+        self._requests: dict[str, Request] = {}  # live (not finished) requests, engine thread
+        self._inbox: deque[tuple[str, Request | str]] = deque()  # ("add", req) | ("abort", id)
+        self._lock = threading.Lock()
+        self._pending_ids: set[str] = set()  # ids added and not yet finished (any thread)
+        self._num_prompt_tokens = self._num_generation_tokens = self._num_steps = 0
+        log.info(
+            "engine ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d",
+            config.model,
+            config.device,
+            self.dtype,
+            num_blocks,
+            config.block_size,
+            self.max_model_len,
+        )
+
+    # --- requests (any thread) ------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> None:
+        """Queue a request. Raises InvalidRequestError for a bad id, prompt or params."""
+        self._validate(request_id, prompt_token_ids, params, kv_transfer_params)
+        generator = None if params.seed is None else self.runner.sampler.new_generator(params.seed)
+        req = Request(
+            request_id,
+            prompt_token_ids,
+            params,
+            IncrementalDetokenizer(self.tokenizer),
+            kv_transfer_params,
+            generator,
+        )
+        with self._lock:
+            if request_id in self._pending_ids:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            self._pending_ids.add(request_id)
+            self._inbox.append(("add", req))
+
+    def abort_request(self, request_id: str) -> None:
+        """End a request in any state (its final output has finish_reason "abort"). Unknown or
+        finished ids are ignored."""
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        """True while requests are live or finished requests' blocks wait for a send to complete
+        (``step`` must keep being called to learn of it)."""
+        with self._lock:
+            pending = bool(self._pending_ids or self._inbox)
+        return pending or bool(self.scheduler.delayed_free)
+
+    def _validate(
+        self, request_id: str, prompt: list[int], params: SamplingParams, kv_params: dict[str, Any] | None
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be a SamplingParams")
+        if not isinstance(prompt, list) or not prompt:
+            raise InvalidRequestError("the prompt must be a non-empty list of token ids")
+        vocab = self.model.config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt)} tokens; this model accepts at most {self.max_model_len - 1}"
+            )
+        if self.blocks.blocks_needed(len(prompt) + 1) > self.blocks.num_blocks:
+            raise InvalidRequestError(f"the prompt has {len(prompt)} tokens, more than the KV cache holds")
+        if kv_params is not None and not isinstance(kv_params, dict):
+            raise InvalidRequestError("kv_transfer_params must be a dict")
+
+    # --- the loop (engine thread) -------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step and one forward pass. Never blocks on the network."""
+        outputs: dict[str, RequestOutput] = {}
+        self._apply_inbox(outputs)
+        plan = self.scheduler.schedule()
+        metadata = self.scheduler_connector.build_connector_meta(plan.step_info)
+        result = self.runner.execute(plan.scheduled, metadata, plan.step_info.finished_request_ids)
+        self.scheduler.advance(plan.scheduled)
+        for item in plan.scheduled:
+            self._num_prompt_tokens += max(
+                0,
+                min(
+                    item.num_new_tokens,
+                    item.request.num_prompt_tokens - (item.request.num_computed_tokens - item.num_new_tokens),
+                ),
+            )
+            token = result.sampled.get(item.request.request_id)
+            if token is not None:
+                self._append_token(item.request, token, outputs)
+        update = self.scheduler.update_from_connector(result.connector_output, self._requests)
+        for req, token in update.first_tokens:
+            self._append_token(req, token, outputs)
+        for req, reason in update.failed:
+            self._finish(req, RequestStatus.FINISHED_ERROR, outputs, error=f"remote KV load failed: {reason}")
+        self._num_steps += 1
+        return list(outputs.values())
+
+    def _apply_inbox(self, outputs: dict[str, RequestOutput]) -> None:
+        with self._lock:
+            changes, self._inbox = list(self._inbox), deque()
+        for _kind, item in changes:
+            if isinstance(item, Request):
+                self._requests[item.request_id] = item
+                self.scheduler.waiting.append(item)
+            elif item in self._requests:
+                self._finish(self._requests[item], RequestStatus.FINISHED_ABORTED, outputs)
+
+    def _append_token(self, req: Request, token: int, outputs: dict[str, RequestOutput]) -> None:
+        """A new output token: detokenize, check stop conditions, report."""
+        req.append_token(token)
+        self._num_generation_tokens += 1
+        status, new_text = check_stop(req, token, self.tokenizer.eos_token_ids, self.max_model_len)
+        self._output(req, outputs, [token], new_text)
+        if status is not None:
+            self._finish(req, status, outputs)
+
+    def _finish(
+        self, req: Request, status: RequestStatus, outputs: dict[str, RequestOutput], error: str | None = None
+    ) -> None:
+        req.error = error
+        params = self.scheduler.finish(req, status)
+        del self._requests[req.request_id]
+        with self._lock:
+            self._pending_ids.discard(req.request_id)
+        out = self._output(req, outputs, [], "")
+        out.finished, out.finish_reason, out.error, out.kv_transfer_params = (
+            True,
+            status.finish_reason,
+            error,
+            params,
+        )
+
+    def _output(
+        self, req: Request, outputs: dict[str, RequestOutput], new_ids: list[int], new_text: str
+    ) -> RequestOutput:
+        out = outputs.get(req.request_id)
+        if out is None:
+            out = outputs[req.request_id] = RequestOutput(
+                req.request_id, [], [], "", "", False, num_prompt_tokens=req.num_prompt_tokens
+            )
+        out.new_token_ids += new_ids
+        out.new_text += new_text
+        out.token_ids = list(req.output_token_ids)
+        out.text = req.detokenizer.text
+        out.num_cached_tokens = req.num_cached_tokens
+        return out
+
+    # --- introspection / lifetime -----------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_waiting_for_remote_kv=len(s.waiting_for_remote),
+            kv_blocks_in_use=self.blocks.num_used_blocks,
+            kv_blocks_total=self.blocks.num_blocks,
+            num_preemptions=s.num_preemptions,
+            num_kv_load_failures=s.num_kv_load_failures,
+            num_kv_load_recomputes=s.num_kv_load_recomputes,
+            num_delayed_free_requests=len(s.delayed_free),
+            num_prefix_cache_hit_tokens=s.num_prefix_cache_hit_tokens,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generation_tokens=self._num_generation_tokens,
+            num_steps=self._num_steps,
+        )
+
+    def close(self) -> None:
+        """Close both connectors (the engine owns them). Idempotent."""
+        self.scheduler_connector.close()
+        self.worker_connector.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

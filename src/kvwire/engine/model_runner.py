@@ -1,0 +1,134 @@
+"""Runs one step's forward pass: packs the scheduled tokens, drives the worker connector, samples.
+
+Connector calls in one step (vLLM V1 order): bind metadata, ``start_load_kv``, the forward (each
+attention layer calls ``wait_for_layer_load`` / ``save_kv_layer``, see attention.py),
+``wait_for_save``, ``get_finished``, clear metadata. They run even when no token is scheduled, so
+that transfers of requests waiting for remote KV keep being reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import torch
+
+from kvwire.connector.base import ConnectorMetadata, ConnectorOutput, WorkerConnector
+from kvwire.engine.attention import AttentionMetadata, ForwardContext
+from kvwire.engine.config import AttentionBackend, EngineConfig
+from kvwire.engine.models.llama import LlamaModel
+from kvwire.engine.sampler import Sampler
+from kvwire.engine.scheduler import ScheduledRequest
+
+
+@dataclasses.dataclass
+class StepResult:
+    sampled: dict[str, int]  # request id -> next token, for requests whose last token was computed
+    connector_output: ConnectorOutput
+
+
+def kv_cache_bytes_per_block(model: LlamaModel, block_size: int, dtype: torch.dtype) -> int:
+    cfg = model.config
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+def num_kv_blocks_for(config: EngineConfig, model: LlamaModel, dtype: torch.dtype, max_model_len: int) -> int:
+    """Blocks for the KV cache when the config does not say: what ``max_num_seqs`` full-length
+    sequences need, capped by memory (CUDA: a fraction of what is free after the weights)."""
+    per_block = kv_cache_bytes_per_block(model, config.block_size, dtype)
+    wanted = config.max_num_seqs * -(-max_model_len // config.block_size)
+    if config.is_cuda:
+        free_bytes, _ = torch.cuda.mem_get_info(torch.device(config.device))
+        budget = int(free_bytes * config.kv_cache_memory_fraction)
+    else:
+        budget = config.cpu_kv_cache_bytes
+    return max(1, min(wanted, budget // per_block))
+
+
+class ModelRunner:
+    """Engine thread. Owns the KV cache: one ``[2, num_blocks, block_size, kv_heads, head_dim]``
+    tensor per layer, zero-initialised (stale or padded slots are masked, never NaN)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LlamaModel,
+        num_blocks: int,
+        connector: WorkerConnector,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        cfg = model.config
+        self.model = model
+        self.device = device
+        self.block_size = config.block_size
+        self.connector = connector
+        backend = config.attention_backend
+        self.backend = AttentionBackend.SDPA if backend is AttentionBackend.AUTO else backend
+        shape = (2, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        connector.register_kv_caches(self.kv_caches)
+        self.sampler = Sampler(device, config.seed)
+
+    def execute(
+        self, scheduled: list[ScheduledRequest], metadata: ConnectorMetadata, finished_ids: Iterable[str]
+    ) -> StepResult:
+        self.connector.bind_connector_metadata(metadata)
+        try:
+            self.connector.start_load_kv()
+            sampled = self._forward_and_sample(scheduled) if scheduled else {}
+            self.connector.wait_for_save()
+            output = self.connector.get_finished(set(finished_ids))
+        finally:
+            self.connector.clear_connector_metadata()
+        return StepResult(sampled, output)
+
+    @torch.inference_mode()
+    def _forward_and_sample(self, scheduled: list[ScheduledRequest]) -> dict[str, int]:
+        # Decodes (one new token) first: attention batches them over gathered blocks.
+        batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
+        input_ids, positions, meta = self._prepare(batch)
+        ctx = ForwardContext(meta, self.kv_caches, self.connector, self.backend)
+        hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
+        rows = [i for i, s in enumerate(batch) if s.samples]
+        if not rows:
+            return {}
+        last_token = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in rows], device=self.device)
+        logits = self.model.compute_logits(hidden[last_token])  # [N, vocab]
+        requests = [batch[i].request for i in rows]
+        tokens = self.sampler.sample(logits, [r.params for r in requests], [r.generator for r in requests])
+        return {r.request_id: t for r, t in zip(requests, tokens, strict=False)}
+
+    def _prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Pack the new tokens of every sequence; slot = block_id * block_size + offset."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc, seq_lens = [0], []
+        max_blocks = max(len(s.request.block_ids) for s in batch)
+        block_tables = torch.zeros((len(batch), max_blocks), dtype=torch.int64)
+        for i, item in enumerate(batch):
+            req, start = item.request, item.request.num_computed_tokens
+            end = start + item.num_new_tokens
+            input_ids += req.all_token_ids[start:end]
+            positions += range(start, end)
+            slots += [
+                req.block_ids[p // self.block_size] * self.block_size + p % self.block_size
+                for p in range(start, end)
+            ]
+            query_start_loc.append(len(input_ids))
+            seq_lens.append(end)
+            block_tables[i, : len(req.block_ids)] = torch.tensor(req.block_ids)
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(slots),
+            block_tables=block_tables.to(self.device, non_blocking=True),
+            seq_lens_t=self._to_device(seq_lens),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            num_decodes=sum(1 for s in batch if s.num_new_tokens == 1),
+            block_size=self.block_size,
+        )
+        return self._to_device(input_ids), self._to_device(positions), meta
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)

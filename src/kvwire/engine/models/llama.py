@@ -1,0 +1,162 @@
+"""Llama / Qwen2 / Qwen3-family decoder in plain PyTorch.
+
+One class covers the family: RMSNorm, RoPE (with Llama-3 frequency scaling), grouped-query attention
+(optional qkv bias for Qwen2, q/k RMSNorm for Qwen3), SwiGLU MLP, tied or untied embeddings. q/k/v and
+gate/up projections are fused into one matmul each (the loader concatenates HF's separate weights).
+Tokens are packed: every tensor is ``[T, ...]`` over the step's new tokens of all sequences.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvwire.engine.attention import ForwardContext, attention
+from kvwire.engine.models.config import ModelConfig, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(
+        self, dim: int, eps: float, device: torch.device | None = None, dtype: torch.dtype | None = None
+    ):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, computed once in fp32. Rotates the two halves of head_dim."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | None = None):
+        super().__init__()
+        dim = cfg.head_dim
+        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+        if cfg.rope_scaling is not None:
+            inv_freq = _scale_inv_freq(inv_freq, cfg.rope_scaling)
+        positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2]
+        self.cos_table: torch.Tensor
+        self.sin_table: torch.Tensor
+        self.register_buffer("cos_table", freqs.cos().to(device), persistent=False)
+        self.register_buffer("sin_table", freqs.sin().to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D], positions: [T] -> x rotated."""
+        cos = self.cos_table[positions][:, None, :].to(x.dtype)  # [T, 1, D/2]
+        sin = self.sin_table[positions][:, None, :].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    if s.rope_type == "linear":
+        return inv_freq / s.factor
+    # Llama 3: long wavelengths are divided by `factor`, short ones kept, the band between blended.
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(in_band, blended, scaled)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_index: int, device: torch.device | None, dtype: torch.dtype):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias, device=device, dtype=dtype
+        )
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False, device=device, dtype=dtype)
+        norm = (lambda: RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device, dtype)) if cfg.qk_norm else None
+        self.q_norm = norm() if norm else None
+        self.k_norm = norm() if norm else None
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: ForwardContext
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q), rope(positions, k)
+        out = attention(self.layer_index, q, k, v, ctx)  # [T, Hq, D]
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, device: torch.device | None, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(
+            cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, device=device, dtype=dtype
+        )
+        self.down_proj = nn.Linear(
+            cfg.intermediate_size, cfg.hidden_size, bias=False, device=device, dtype=dtype
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_index: int, device: torch.device | None, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.self_attn = Attention(cfg, layer_index, device, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.mlp = MLP(cfg, device, dtype)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: ForwardContext
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """The decoder. ``forward`` returns hidden states; ``compute_logits`` applies the LM head."""
+
+    def __init__(
+        self, cfg: ModelConfig, device: torch.device | None = None, dtype: torch.dtype = torch.float32
+    ):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
+        self.rope = RotaryEmbedding(cfg, device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, device, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device, dtype=dtype)
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden] (after the final norm)."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> fp32 logits [N, vocab]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

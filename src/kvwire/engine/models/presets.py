@@ -1,0 +1,55 @@
+"""Built-in models that need no files: random weights from a fixed seed, byte-level tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvwire.engine.models.config import ModelConfig, RopeScaling
+from kvwire.engine.tokenizer import ByteTokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    config: ModelConfig
+    seed: int
+    init_on_cpu: bool  # small presets are initialised on the CPU in fp32 (same weights on any device)
+    init_std: float  # weight scale; tiny uses a large one so its output depends on the context
+    default_max_model_len: int
+
+
+_TINY = ModelConfig(
+    model_type="llama",
+    vocab_size=264,  # 256 bytes + 4 specials, padded to a multiple of 8
+    hidden_size=128,
+    intermediate_size=384,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    max_position_embeddings=1024,
+    tie_word_embeddings=True,
+    eos_token_ids=(ByteTokenizer.EOS,),
+)
+
+_LLAMA3_8B = ModelConfig(
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192),
+    eos_token_ids=(ByteTokenizer.EOS,),
+)
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(_TINY, seed=1234, init_on_cpu=True, init_std=0.1, default_max_model_len=1024),
+    "llama3-8b-random": Preset(
+        _LLAMA3_8B, seed=1234, init_on_cpu=False, init_std=0.02, default_max_model_len=8192
+    ),
+}
