@@ -78,6 +78,9 @@ class ConnectorOutput:
     failed: dict[str, str] = dataclasses.field(default_factory=dict)
     # Blocks whose load failed: the engine recomputes (or fails) the requests that own them.
     invalid_block_ids: frozenset[int] = frozenset()
+    # D, push mode: request id -> the first token P sampled, delivered with the KV (requests in
+    # ``finished_recving`` only). The scheduler connector keeps it for ``take_first_token``.
+    first_token_ids: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class SchedulerConnector(abc.ABC):
@@ -121,7 +124,7 @@ class SchedulerConnector(abc.ABC):
         del request_id
         return None
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """Stop background work. Idempotent."""
 
 
@@ -162,7 +165,7 @@ class WorkerConnector(abc.ABC):
         del finished_req_ids
         return ConnectorOutput()
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """Stop background work. Idempotent."""
 
 

@@ -1,0 +1,78 @@
+"""Configuration of the P/D connector: built once at the edge (CLI, vLLM plugin) and passed down."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from kvwire.errors import ConfigError
+from kvwire.kv_params import TransferMode
+from kvwire.transfer.config import TransferConfig
+from kvwire.transfer.paged import KVLayout
+
+
+class ConnectorRole(str, enum.Enum):
+    """What an instance does with ``kv_transfer_params``. ``BOTH`` accepts either role per request
+    (and serves requests without params locally, like every role)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+
+class LoadFailurePolicy(str, enum.Enum):
+    """What D does when remote KV cannot be loaded (deadline, peer lost, aborted by P)."""
+
+    RECOMPUTE = "recompute"  # prefill the prompt locally (counted in metrics)
+    FAIL = "fail"  # end the request with a clear error
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineInfo:
+    """What the connector needs to know about its host engine (one per worker rank)."""
+
+    block_size: int
+    device: str = "cpu"
+    rank: int = 0
+    kv_layout: KVLayout = KVLayout.KV_FIRST  # of the KV cache tensors given to the worker
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ConfigError(f"block_size must be > 0, got {self.block_size}")
+        if self.rank < 0:
+            raise ConfigError(f"rank must be >= 0, got {self.rank}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectorConfig:
+    """P/D connector settings.
+
+    ``deadline_s`` bounds a push transfer and ``lease_s`` bounds how long P keeps blocks for a pull;
+    the router's ``kv_transfer_params.deadline_s`` may shorten either, never lengthen it.
+    ``mode`` is the instance's default (the router's per-request ``mode`` wins).
+    ``use_first_token``: P sends its sampled token with the KV and D continues from token 2 (the
+    built-in engine); off for hosts that recompute the last prompt token (vLLM).
+    ``transfer`` is a ``kvwire.transfer.TransferConfig`` (``None``: the agent's defaults on loopback).
+    """
+
+    role: ConnectorRole = ConnectorRole.BOTH
+    mode: TransferMode = TransferMode.PUSH
+    deadline_s: float = 30.0
+    lease_s: float = 30.0
+    kv_load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE
+    use_first_token: bool = True
+    transfer: TransferConfig | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.role, ConnectorRole):
+            raise ConfigError(f"role must be a ConnectorRole, got {self.role!r}")
+        if not isinstance(self.mode, TransferMode):
+            raise ConfigError(f"mode must be a TransferMode, got {self.mode!r}")
+        if not isinstance(self.kv_load_failure_policy, LoadFailurePolicy):
+            raise ConfigError(
+                f"kv_load_failure_policy must be a LoadFailurePolicy, got {self.kv_load_failure_policy!r}"
+            )
+        if self.deadline_s <= 0:
+            raise ConfigError(f"deadline_s must be > 0, got {self.deadline_s}")
+        if self.lease_s <= 0:
+            raise ConfigError(f"lease_s must be > 0, got {self.lease_s}")

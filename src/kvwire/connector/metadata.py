@@ -1,0 +1,67 @@
+"""Per-step metadata from the scheduler half to the worker halves (picklable: vLLM ships it to workers).
+
+Every item names the request and its router-minted transfer id. Workers apply, in order: aborts,
+receives, sends, trailers (``KvwireWorkerConnector.bind_connector_metadata``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvwire.connector.base import ConnectorMetadata
+
+
+@dataclasses.dataclass(frozen=True)
+class SendSpec:
+    """P: announce a transfer now and hand each KV layer of ``block_ids`` to the agent during this
+    step's forward (this step computes the last prompt token)."""
+
+    request_id: str
+    transfer_id: str
+    peer_endpoints: tuple[str, ...]  # D's endpoints, one per rank; empty = pull (held under a lease)
+    block_ids: tuple[int, ...]  # the prompt's blocks, in token order
+    deadline_s: float
+    with_trailer: bool  # the first token follows in a TrailerSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class RecvSpec:
+    """D: expect a transfer and scatter each arriving layer into ``block_ids``."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]  # D's blocks for the loaded tokens, in token order
+    deadline_s: float
+    pull_from: tuple[str, ...]  # P's endpoints (pull mode); empty in push mode
+    want_trailer: bool  # push with first token: read the trailer on completion
+
+
+@dataclasses.dataclass(frozen=True)
+class TrailerSpec:
+    """P: the small payload (first sampled token) delivered with the transfer's completion."""
+
+    request_id: str
+    transfer_id: str
+    payload: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class AbortSpec:
+    """Either side: cancel the transfer. ``report_free``: report ``request_id`` in
+    ``finished_sending`` once cancelled (the engine is holding its blocks until then)."""
+
+    request_id: str
+    transfer_id: str
+    reason: str
+    report_free: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class KvwireConnectorMetadata(ConnectorMetadata):
+    sends: tuple[SendSpec, ...] = ()
+    recvs: tuple[RecvSpec, ...] = ()
+    trailers: tuple[TrailerSpec, ...] = ()
+    aborts: tuple[AbortSpec, ...] = ()
+
+    def is_empty(self) -> bool:
+        return not (self.sends or self.recvs or self.trailers or self.aborts)

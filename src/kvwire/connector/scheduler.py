@@ -1,0 +1,348 @@
+"""Scheduler half of the kvwire P/D connector (engine-agnostic; engine thread only, never blocks).
+
+Push (default): P announces the transfer with the step that completes the prompt (chunked prefill:
+the last chunk), the worker hands every KV layer to the agent during that forward, and
+``request_finished`` keeps the blocks (``delay_free``) until the agent reports the send acknowledged
+or failed. With ``use_first_token`` P's sampled token follows as the transfer's trailer. D promises
+the prompt's tokens as asynchronous external tokens, expects the transfer once blocks are allocated,
+and resumes the request on ``finished_recving`` (``take_first_token`` gives P's token).
+
+Pull: P holds the blocks under a lease (``start_send`` without a peer) and returns
+``kv_transfer_params`` with its endpoints and first token; D expects with ``pull_from``.
+
+Requests may end at any moment (abort, preemption): every phase has a defined exit that cancels the
+transfer and frees (or keeps, then frees) the blocks; nothing asserts on request state.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvwire.connector.base import (
+    ConnectorOutput,
+    ConnectorRequest,
+    SchedulerConnector,
+    StepInfo,
+)
+from kvwire.connector.config import ConnectorConfig, ConnectorRole, EngineInfo
+from kvwire.connector.messages import FirstTokenTrailer, encode_trailer
+from kvwire.connector.metadata import AbortSpec, KvwireConnectorMetadata, RecvSpec, SendSpec, TrailerSpec
+from kvwire.connector.metrics import ConnectorMetrics, connector_metrics
+from kvwire.connector.state import Phase, RequestState
+from kvwire.errors import InvalidRequestError
+from kvwire.kv_params import KVTransferParams, PDRole, TransferMode
+
+logger = logging.getLogger(__name__)
+
+_ACCEPTS: dict[ConnectorRole, frozenset[PDRole]] = {
+    ConnectorRole.PREFILL: frozenset({PDRole.PREFILL}),
+    ConnectorRole.DECODE: frozenset({PDRole.DECODE}),
+    ConnectorRole.BOTH: frozenset({PDRole.PREFILL, PDRole.DECODE}),
+}
+
+
+def first_output_token(request: ConnectorRequest) -> int | None:
+    """The first sampled token of a finished request, when the host exposes ``output_token_ids``
+    (the built-in engine and vLLM do); ``None`` when the request ended before sampling."""
+    tokens = getattr(request, "output_token_ids", None)
+    if not tokens:
+        return None
+    return int(tokens[0])
+
+
+class KvwireSchedulerConnector(SchedulerConnector):
+    """See the module docstring. ``kv_endpoints``: this instance's agent endpoints, one per rank."""
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        engine_info: EngineInfo,
+        kv_endpoints: Sequence[str],
+        *,
+        instance_id: str | None = None,
+        metrics: ConnectorMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.engine_info = engine_info
+        self.kv_endpoints: tuple[str, ...] = tuple(kv_endpoints)
+        self.instance_id = instance_id
+        self._metrics = metrics if metrics is not None else connector_metrics()
+        self._reqs: dict[str, RequestState] = {}
+        self._sends: list[SendSpec] = []
+        self._recvs: list[RecvSpec] = []
+        self._trailers: list[TrailerSpec] = []
+        self._aborts: list[AbortSpec] = []
+
+    # --- request admission -------------------------------------------------------------------
+
+    def _params_for(self, request: ConnectorRequest) -> KVTransferParams | None:
+        raw = request.kv_transfer_params
+        if raw is None:
+            return None
+        try:
+            params = KVTransferParams.from_dict(raw)
+        except InvalidRequestError as exc:
+            logger.warning("request %s: ignoring kv_transfer_params: %s", request.request_id, exc)
+            return None
+        if params.role not in _ACCEPTS[self.config.role]:
+            logger.warning(
+                "request %s: role %s not served by a %s instance; running it locally",
+                request.request_id, params.role.value, self.config.role.value,
+            )
+            return None
+        return params
+
+    def _new_state(self, request: ConnectorRequest, params: KVTransferParams) -> RequestState:
+        limit_s = self.config.lease_s if params.mode is TransferMode.PULL else self.config.deadline_s
+        prefill = params.role is PDRole.PREFILL
+        state = RequestState(
+            request_id=request.request_id,
+            params=params,
+            phase=Phase.PREFILLING if prefill else Phase.WAITING_ALLOC,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            deadline_s=min(params.deadline_s, limit_s),
+        )
+        if prefill and params.mode is TransferMode.PUSH and not params.peer_endpoints:
+            logger.warning("request %s: push without D endpoints; not sending", request.request_id)
+            state.phase = Phase.LOCAL
+        if not prefill and self._pull_mismatch(state):
+            self._abort(state, "prompt length mismatch", report_free=False)
+            state.phase = Phase.LOCAL
+        return state
+
+    def _pull_mismatch(self, state: RequestState) -> bool:
+        expected = state.params.num_prompt_tokens
+        if state.params.mode is not TransferMode.PULL:
+            return False
+        if not state.params.peer_endpoints:
+            logger.warning("request %s: pull without P endpoints; recomputing", state.request_id)
+            return True
+        if expected is not None and expected != state.num_prompt_tokens:
+            logger.warning(
+                "request %s: P computed %d prompt tokens, D has %d; recomputing",
+                state.request_id, expected, state.num_prompt_tokens,
+            )
+            return True
+        return False
+
+    def _num_remote_tokens(self, state: RequestState) -> int:
+        """D: tokens whose KV comes from P. With P's first token D needs the whole prompt; without
+        it D recomputes the last prompt token to sample its first token (vLLM semantics)."""
+        has_token = state.params.mode is TransferMode.PUSH or state.params.first_token_id is not None
+        if self.config.use_first_token and has_token:
+            return state.num_prompt_tokens
+        return state.num_prompt_tokens - 1
+
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            params = self._params_for(request)
+            if params is None:
+                return 0, False
+            state = self._new_state(request, params)
+            self._reqs[request.request_id] = state
+        if state.phase is Phase.WAITING_ALLOC:
+            total = self._num_remote_tokens(state)
+            if total - num_computed_tokens <= 0:
+                self._abort(state, "remote KV not needed", report_free=False)
+                state.phase = Phase.LOCAL
+                return 0, False
+            state.num_remote_tokens = total
+            return total - num_computed_tokens, True
+        if state.phase in (Phase.RECV_QUEUED, Phase.RECEIVING):
+            # Re-queued mid-load (preempted): the engine freed the blocks; prefill locally instead.
+            logger.warning("request %s: rescheduled while loading remote KV; recomputing", request.request_id)
+            self._drop_pending_recv(state)
+            self._abort(state, "request preempted while loading", report_free=False)
+            self._metrics.load_failures.labels(policy="recompute").inc()
+            state.phase = Phase.LOCAL
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        state = self._reqs.get(request.request_id)
+        if state is None or state.phase is not Phase.WAITING_ALLOC or num_external_tokens <= 0:
+            return
+        num_blocks = math.ceil(state.num_remote_tokens / self.engine_info.block_size)
+        state.block_ids = tuple(block_ids[:num_blocks])
+        state.phase = Phase.RECV_QUEUED
+        state.transfer_started_s = time.monotonic()
+        pull = state.params.mode is TransferMode.PULL
+        self._recvs.append(
+            RecvSpec(
+                request_id=state.request_id,
+                transfer_id=state.params.transfer_id,
+                block_ids=state.block_ids,
+                deadline_s=state.deadline_s,
+                pull_from=tuple(state.params.peer_endpoints) if pull else (),
+                want_trailer=not pull and self.config.use_first_token,
+            )
+        )
+
+    # --- per step -------------------------------------------------------------------------------
+
+    def build_connector_meta(self, step: StepInfo) -> KvwireConnectorMetadata:
+        for chunk in step.scheduled:
+            state = self._reqs.get(chunk.request_id)
+            if state is None or state.phase is not Phase.PREFILLING:
+                continue
+            if chunk.num_computed_tokens + chunk.num_scheduled_tokens >= state.num_prompt_tokens:
+                self._start_send(state, chunk.block_ids)
+        for spec in self._recvs:
+            state = self._reqs.get(spec.request_id)
+            if state is not None and state.phase is Phase.RECV_QUEUED:
+                state.phase = Phase.RECEIVING
+        meta = KvwireConnectorMetadata(
+            sends=tuple(self._sends),
+            recvs=tuple(self._recvs),
+            trailers=tuple(self._trailers),
+            aborts=tuple(self._aborts),
+        )
+        self._sends, self._recvs, self._trailers, self._aborts = [], [], [], []
+        return meta
+
+    def _start_send(self, state: RequestState, block_ids: Sequence[int]) -> None:
+        num_blocks = math.ceil(state.num_prompt_tokens / self.engine_info.block_size)
+        push = state.params.mode is TransferMode.PUSH
+        now = time.monotonic()
+        self._metrics.handover_seconds.labels(phase="p_prefill").observe(now - state.created_s)
+        state.block_ids = tuple(block_ids[:num_blocks])
+        state.phase = Phase.SENDING
+        state.transfer_started_s = now
+        self._sends.append(
+            SendSpec(
+                request_id=state.request_id,
+                transfer_id=state.params.transfer_id,
+                peer_endpoints=tuple(state.params.peer_endpoints) if push else (),
+                block_ids=state.block_ids,
+                deadline_s=state.deadline_s,
+                with_trailer=push and self.config.use_first_token,
+            )
+        )
+
+    def update_connector_output(self, output: ConnectorOutput) -> None:
+        for request_id in output.finished_sending:
+            self._on_send_done(request_id)
+        first_tokens: dict[str, int] = getattr(output, "first_token_ids", {})
+        for request_id in output.finished_recving:
+            self._on_recv_done(request_id, output.invalid_block_ids, first_tokens.get(request_id))
+        for request_id in output.failed:
+            state = self._reqs.get(request_id)
+            if state is not None and state.phase is Phase.RECEIVING:
+                self._metrics.load_failures.labels(policy="fail").inc()
+                state.phase = Phase.LOCAL
+
+    def _on_send_done(self, request_id: str) -> None:
+        state = self._reqs.get(request_id)
+        if state is None:
+            return
+        if state.phase in (Phase.SENDING, Phase.AWAITING_SEND) and state.transfer_started_s is not None:
+            self._metrics.handover_seconds.labels(phase="transfer").observe(
+                time.monotonic() - state.transfer_started_s
+            )
+        if state.phase is Phase.SENDING:
+            state.phase = Phase.SENT
+        elif state.phase in (Phase.AWAITING_SEND, Phase.ABORTING):
+            if state.phase is Phase.AWAITING_SEND:
+                self._metrics.blocks_awaiting_send.dec(len(state.block_ids))
+            del self._reqs[request_id]
+
+    def _on_recv_done(self, request_id: str, invalid_block_ids: frozenset[int], token: int | None) -> None:
+        state = self._reqs.get(request_id)
+        if state is None or state.phase is not Phase.RECEIVING:
+            return
+        state.phase = Phase.LOADED
+        if invalid_block_ids.intersection(state.block_ids):
+            self._metrics.load_failures.labels(policy="recompute").inc()
+            return
+        if state.transfer_started_s is not None:
+            self._metrics.handover_seconds.labels(phase="d_wait").observe(
+                time.monotonic() - state.transfer_started_s
+            )
+        if state.params.mode is TransferMode.PULL:
+            token = state.params.first_token_id
+        state.first_token_id = token if self.config.use_first_token else None
+
+    def take_first_token(self, request_id: str) -> int | None:
+        state = self._reqs.get(request_id)
+        if state is None or state.phase is not Phase.LOADED:
+            return None
+        token, state.first_token_id = state.first_token_id, None
+        return token
+
+    # --- request end ----------------------------------------------------------------------------
+
+    def request_finished(
+        self, request: ConnectorRequest, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        del block_ids
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            return False, None
+        if state.params.role is PDRole.PREFILL:
+            return self._prefill_finished(state, first_output_token(request))
+        return self._decode_finished(state)
+
+    def _prefill_finished(self, state: RequestState, token: int | None) -> tuple[bool, dict[str, Any] | None]:
+        if state.phase is not Phase.SENDING:
+            self._reqs.pop(state.request_id, None)  # never sent (ended mid-prefill) or already acknowledged
+            return False, None
+        state.phase = Phase.AWAITING_SEND
+        self._metrics.blocks_awaiting_send.inc(len(state.block_ids))
+        if state.params.mode is TransferMode.PUSH:
+            if self.config.use_first_token:
+                trailer = FirstTokenTrailer(token_id=token, num_prompt_tokens=state.num_prompt_tokens)
+                payload = encode_trailer(trailer)
+                self._trailers.append(TrailerSpec(state.request_id, state.params.transfer_id, payload))
+            return True, None
+        if token is None:  # ended before sampling: nobody can use the leased KV
+            self._abort(state, "request ended before its first token", report_free=True)
+            return True, None
+        params = KVTransferParams(
+            transfer_id=state.params.transfer_id,
+            mode=TransferMode.PULL,
+            role=PDRole.DECODE,
+            peer_endpoints=list(self.kv_endpoints),
+            peer_instance_id=self.instance_id,
+            deadline_s=state.deadline_s,
+            first_token_id=token,
+            num_prompt_tokens=state.num_prompt_tokens,
+        )
+        return True, params.to_dict()
+
+    def _decode_finished(self, state: RequestState) -> tuple[bool, dict[str, Any] | None]:
+        if state.phase is Phase.RECEIVING:
+            self._abort(state, "request ended while loading remote KV", report_free=True)
+            state.phase = Phase.ABORTING
+            return True, None
+        if state.phase is Phase.ABORTING:
+            return True, None
+        if state.phase in (Phase.WAITING_ALLOC, Phase.RECV_QUEUED):
+            self._drop_pending_recv(state)
+            self._abort(state, "request ended before loading remote KV", report_free=False)
+        del self._reqs[state.request_id]
+        return False, None
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _abort(self, state: RequestState, reason: str, *, report_free: bool) -> None:
+        self._aborts.append(AbortSpec(state.request_id, state.params.transfer_id, reason, report_free))
+
+    def _drop_pending_recv(self, state: RequestState) -> None:
+        self._recvs = [r for r in self._recvs if r.request_id != state.request_id]
+
+    @property
+    def num_tracked_requests(self) -> int:
+        """Requests with connector state (0 once everything finished and was freed)."""
+        return len(self._reqs)
+
+    def close(self) -> None:
+        self._reqs.clear()
+        self._sends, self._recvs, self._trailers, self._aborts = [], [], [], []

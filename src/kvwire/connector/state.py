@@ -1,0 +1,69 @@
+"""Per-request connector state kept by the scheduler half (engine thread only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from kvwire.kv_params import KVTransferParams
+from kvwire.transfer.types import FailReason
+
+_KNOWN_REASONS = frozenset(r.value for r in FailReason)
+
+
+class Phase(enum.Enum):
+    # P side
+    PREFILLING = "prefilling"  # prompt not complete yet: nothing announced to the agent
+    SENDING = "sending"  # send announced with the step that completes the prompt
+    AWAITING_SEND = "awaiting_send"  # request finished; blocks held until finished_sending
+    SENT = "sent"  # every layer acknowledged while the request still runs (no trailer)
+    # D side
+    WAITING_ALLOC = "waiting_alloc"  # remote tokens promised, blocks not allocated yet
+    RECV_QUEUED = "recv_queued"  # blocks allocated; the RecvSpec goes out with the next metadata
+    RECEIVING = "receiving"  # the worker expects the transfer
+    LOADED = "loaded"  # remote KV is in (or failed and recompute was chosen): decode locally
+    ABORTING = "aborting"  # request ended mid-receive: blocks held until the worker cancelled
+    # either side
+    LOCAL = "local"  # nothing to transfer (no params, or not needed)
+
+
+@dataclasses.dataclass
+class RequestState:
+    request_id: str
+    params: KVTransferParams
+    phase: Phase
+    num_prompt_tokens: int
+    deadline_s: float
+    created_s: float = dataclasses.field(default_factory=time.monotonic)
+    transfer_started_s: float | None = None  # P: send announced; D: expect issued
+    block_ids: tuple[int, ...] = ()  # P: prompt blocks sent; D: blocks the KV is loaded into
+    num_remote_tokens: int = 0  # D: tokens (from position 0) whose KV comes from P
+    first_token_id: int | None = None  # D: P's first token, once the load completed
+
+
+def reason_label(reason: str) -> str:
+    """Bounded metric label for a failure reason from the transfer agent (``FailReason`` prefix)."""
+    text = reason.lower()
+    head = text.split(":", 1)[0].strip()
+    if head in _KNOWN_REASONS:
+        return head
+    for needle, label in (
+        ("deadline", "deadline"),
+        ("timeout", "deadline"),
+        ("timed out", "deadline"),
+        ("lease", "deadline"),
+        ("expired", "deadline"),
+        ("peer", "peer_lost"),
+        ("lost", "peer_lost"),
+        ("epoch", "peer_lost"),
+        ("unreachable", "peer_lost"),
+        ("abort", "aborted"),
+        ("cancel", "aborted"),
+        ("budget", "budget"),
+        ("shape", "mismatch"),
+        ("mismatch", "mismatch"),
+    ):
+        if needle in text:
+            return label
+    return "error"

@@ -1,0 +1,202 @@
+"""The connector core end to end in one process: two engines' hooks driven by a harness, real paged
+KV tensors, fake transfer agents (same interface as kvwire.transfer.TransferAgent)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from connector_fakes import FakeAgent, FakeFabric, FakeRequest, chunk, poll_until, run_step
+from prometheus_client import CollectorRegistry
+
+from kvwire.connector.config import ConnectorConfig, ConnectorRole, EngineInfo
+from kvwire.connector.metrics import connector_metrics
+from kvwire.connector.scheduler import KvwireSchedulerConnector
+from kvwire.connector.worker import KvwireWorkerConnector
+from kvwire.kv_params import KVTransferParams, PDRole, TransferMode
+
+BLOCK = 8
+NUM_LAYERS = 3
+NUM_BLOCKS = 16
+
+
+class Side:
+    """One instance: scheduler + worker halves, a paged KV cache, and its fake agent."""
+
+    def __init__(self, fabric: FakeFabric, name: str, role: ConnectorRole, registry: CollectorRegistry,
+                 **config: object) -> None:
+        self.agent: FakeAgent = fabric.agent(name)
+        self.config = ConnectorConfig(role=role, **config)  # type: ignore[arg-type]
+        info = EngineInfo(block_size=BLOCK)
+        self.metrics = connector_metrics(registry)
+        self.sched = KvwireSchedulerConnector(self.config, info, [self.agent.endpoint], metrics=self.metrics)
+        self.worker = KvwireWorkerConnector(self.config, info, self.agent, metrics=self.metrics)
+        fill = torch.randn if role is ConnectorRole.PREFILL else torch.zeros
+        self.caches = [fill(2, NUM_BLOCKS, BLOCK, 2, 4) for _ in range(NUM_LAYERS)]
+        self.worker.register_kv_caches(self.caches)
+
+    def step(self, *chunks):  # type: ignore[no-untyped-def]
+        return run_step(self.sched, self.worker, self.caches, chunks)
+
+    def until(self, done):  # type: ignore[no-untyped-def]
+        return poll_until(self.sched, self.worker, self.caches, done)
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def fabric() -> FakeFabric:
+    return FakeFabric()
+
+
+def make_pd(fabric: FakeFabric, registry: CollectorRegistry, **config: object) -> tuple[Side, Side]:
+    p = Side(fabric, "p", ConnectorRole.PREFILL, registry, **config)
+    d = Side(fabric, "d", ConnectorRole.DECODE, CollectorRegistry(), **config)
+    return p, d
+
+
+def push_requests(p: Side, d: Side, prompt_len: int, tid: str = "t1", deadline_s: float = 5.0):  # type: ignore[no-untyped-def]
+    prompt = list(range(1, prompt_len + 1))
+    p_params = KVTransferParams(transfer_id=tid, role=PDRole.PREFILL, peer_endpoints=[d.agent.endpoint],
+                                deadline_s=deadline_s)
+    d_params = KVTransferParams(transfer_id=tid, role=PDRole.DECODE, peer_endpoints=[p.agent.endpoint],
+                                deadline_s=deadline_s)
+    preq = FakeRequest("p-" + tid, prompt, p_params.to_dict())
+    return preq, FakeRequest("d-" + tid, prompt, d_params.to_dict())
+
+
+def assert_blocks_equal(p: Side, p_ids: list[int], d: Side, d_ids: list[int]) -> None:
+    for layer in range(NUM_LAYERS):
+        assert torch.equal(p.caches[layer][:, p_ids], d.caches[layer][:, d_ids]), f"layer {layer} differs"
+
+
+def test_push_chunked_prefill_moves_every_layer_and_the_first_token(fabric: FakeFabric, registry) -> None:
+    p, d = make_pd(fabric, registry)
+    preq, dreq = push_requests(p, d, prompt_len=3 * BLOCK + 5)
+    p_ids, d_ids = [3, 7, 1, 9], [10, 2, 5, 6]
+
+    assert p.sched.get_num_new_matched_tokens(preq, 0) == (0, False)
+    assert d.sched.get_num_new_matched_tokens(dreq, 0) == (3 * BLOCK + 5, True)
+    d.sched.update_state_after_alloc(dreq, d_ids, 3 * BLOCK + 5)
+    d.step()  # D now expects the transfer
+
+    out = p.step(chunk(preq, p_ids[:2], computed=0, scheduled=2 * BLOCK))  # first chunk: nothing sent
+    assert not p.agent.sends and not out.finished_sending
+    p.step(chunk(preq, p_ids, computed=2 * BLOCK, scheduled=BLOCK + 5))  # completes the prompt
+    assert "t1" in p.agent.sends  # every layer handed over, the trailer still missing
+
+    preq.output_token_ids = [42]
+    assert p.sched.request_finished(preq, p_ids) == (True, None)  # blocks held until acknowledged
+    assert p.metrics.blocks_awaiting_send._value.get() == 4
+    p_out = p.until(lambda o: bool(o.finished_sending))
+    assert p_out.finished_sending == {preq.request_id}
+    assert p.metrics.blocks_awaiting_send._value.get() == 0
+    assert p.sched.num_tracked_requests == 0
+
+    d_out = d.until(lambda o: bool(o.finished_recving))
+    assert d_out.finished_recving == {dreq.request_id} and not d_out.invalid_block_ids
+    assert d.sched.take_first_token(dreq.request_id) == 42
+    assert d.sched.take_first_token(dreq.request_id) is None  # handed over once
+    assert_blocks_equal(p, p_ids, d, d_ids)
+    # Preempted later on D: recomputed locally, never loaded twice.
+    assert d.sched.get_num_new_matched_tokens(dreq, 0) == (0, False)
+    assert d.sched.request_finished(dreq, d_ids) == (False, None)
+    assert d.sched.num_tracked_requests == 0
+
+
+@pytest.mark.parametrize("prompt_len", [1, BLOCK - 1, BLOCK, BLOCK + 1])
+def test_push_arrivals_before_d_allocates_are_kept(fabric: FakeFabric, registry, prompt_len: int) -> None:
+    p, d = make_pd(fabric, registry)
+    preq, dreq = push_requests(p, d, prompt_len)
+    num_blocks = math.ceil(prompt_len / BLOCK)
+    p_ids, d_ids = list(range(5, 5 + num_blocks)), list(range(num_blocks))
+    p.sched.get_num_new_matched_tokens(preq, 0)
+    p.step(chunk(preq, p_ids, computed=0, scheduled=prompt_len))
+    preq.output_token_ids = [7]
+    p.sched.request_finished(preq, p_ids)
+    out = p.step()  # trailer goes out: everything is buffered on D's side, P's send is acknowledged
+    assert out.finished_sending == {preq.request_id}
+    assert p.sched.num_tracked_requests == 0
+    assert d.sched.get_num_new_matched_tokens(dreq, 0) == (prompt_len, True)
+    d.sched.update_state_after_alloc(dreq, d_ids, prompt_len)
+    d.until(lambda o: dreq.request_id in o.finished_recving)
+    assert d.sched.take_first_token(dreq.request_id) == 7
+    assert_blocks_equal(p, p_ids, d, d_ids)
+
+
+def test_without_first_token_d_loads_prompt_minus_one(fabric: FakeFabric, registry) -> None:
+    p, d = make_pd(fabric, registry, use_first_token=False)
+    preq, dreq = push_requests(p, d, prompt_len=4 * BLOCK + 1)
+    p_ids, d_ids = [1, 2, 3, 4, 5], [9, 8, 7, 6]  # D allocates for 4*BLOCK tokens only
+    assert d.sched.get_num_new_matched_tokens(dreq, 0) == (4 * BLOCK, True)
+    d.sched.update_state_after_alloc(dreq, d_ids, 4 * BLOCK)
+    d.step()
+    p.sched.get_num_new_matched_tokens(preq, 0)
+    fabric.paused = True  # the network is slow: layers still in flight when the request finishes
+    p.step(chunk(preq, p_ids, computed=0, scheduled=4 * BLOCK + 1))
+    assert p.sched.request_finished(preq, p_ids) == (True, None)  # no trailer expected
+    fabric.flush()
+    d.until(lambda o: dreq.request_id in o.finished_recving)
+    assert d.sched.take_first_token(dreq.request_id) is None
+    assert_blocks_equal(p, p_ids[:4], d, d_ids)
+    p.until(lambda o: preq.request_id in o.finished_sending)
+
+
+def test_single_token_prompt_without_first_token_needs_no_transfer(fabric: FakeFabric, registry) -> None:
+    p, d = make_pd(fabric, registry, use_first_token=False)
+    _, dreq = push_requests(p, d, prompt_len=1)
+    assert d.sched.get_num_new_matched_tokens(dreq, 0) == (0, False)
+    d.step()
+    assert d.agent.aborted and d.agent.aborted[0][0] == "t1"  # P is told at once
+    assert d.sched.request_finished(dreq, [0]) == (False, None)
+
+
+def test_pull_lease_params_then_d_pulls(fabric: FakeFabric, registry) -> None:
+    p, d = make_pd(fabric, registry)
+    prompt = list(range(2 * BLOCK + 3))
+    p_params = KVTransferParams(transfer_id="t9", mode=TransferMode.PULL, role=PDRole.PREFILL, deadline_s=5)
+    preq = FakeRequest("p9", prompt, p_params.to_dict())
+    p_ids, d_ids = [4, 0, 2], [1, 3, 5]
+    p.sched.get_num_new_matched_tokens(preq, 0)
+    p.step(chunk(preq, p_ids, computed=0, scheduled=len(prompt)))
+    assert p.agent.sends["t9"].peer is None  # held under the lease
+    preq.output_token_ids = [11]
+    delay, returned = p.sched.request_finished(preq, p_ids)
+    assert delay is True and returned is not None
+    d_params = KVTransferParams.from_dict(returned)
+    assert d_params.role is PDRole.DECODE and d_params.mode is TransferMode.PULL
+    assert d_params.peer_endpoints == [p.agent.endpoint]
+    assert d_params.first_token_id == 11 and d_params.num_prompt_tokens == len(prompt)
+
+    dreq = FakeRequest("d9", prompt, returned)
+    assert d.sched.get_num_new_matched_tokens(dreq, 0) == (len(prompt), True)
+    d.sched.update_state_after_alloc(dreq, d_ids, len(prompt))
+    d.until(lambda o: dreq.request_id in o.finished_recving)
+    assert d.sched.take_first_token(dreq.request_id) == 11
+    assert_blocks_equal(p, p_ids, d, d_ids)
+    p.until(lambda o: preq.request_id in o.finished_sending)
+    assert p.sched.num_tracked_requests == 0
+
+
+def test_pull_lease_expires_and_frees_p(fabric: FakeFabric, registry) -> None:
+    p, _ = make_pd(fabric, registry, lease_s=0.05)
+    params = KVTransferParams(transfer_id="t3", mode=TransferMode.PULL, role=PDRole.PREFILL)
+    preq = FakeRequest("p3", [1, 2, 3], params.to_dict(), output_token_ids=[5])
+    p.sched.get_num_new_matched_tokens(preq, 0)
+    p.step(chunk(preq, [0], computed=0, scheduled=3))
+    assert p.sched.request_finished(preq, [0])[0] is True
+    p.until(lambda o: preq.request_id in o.finished_sending)
+    assert p.sched.num_tracked_requests == 0
+    assert p.metrics.transfers_failed.labels(side="send", reason="deadline")._value.get() == 1
+
+
+def test_pull_prompt_length_mismatch_recomputes(fabric: FakeFabric, registry) -> None:
+    _, d = make_pd(fabric, registry)
+    params = KVTransferParams(transfer_id="t4", mode=TransferMode.PULL, role=PDRole.DECODE,
+                              peer_endpoints=["fake://p"], first_token_id=3, num_prompt_tokens=9)
+    dreq = FakeRequest("d4", [1, 2, 3], params.to_dict())
+    assert d.sched.get_num_new_matched_tokens(dreq, 0) == (0, False)
