@@ -132,7 +132,7 @@ class EngineLoop:
     ) -> None:
         self._engine = engine
         self._idle_wait_s = idle_wait_s  # block this long on the queue when nothing is in flight
-        self._remote_wait_s = remote_wait_s  # ... and this long when all wait for remote KV
+        self._remote_wait_s = remote_wait_s  # ... and this long when all wait for KV transfers
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # event-loop thread only
         self._live: set[str] = set()  # engine thread only: ids added and not finished
@@ -252,8 +252,9 @@ class EngineLoop:
         """Apply queued commands; block a little when idle. Returns False on stop."""
         if not self._engine.has_unfinished_requests():
             wait_s: float | None = self._idle_wait_s
-        elif self._stats.num_running == 0 and self._stats.num_waiting_for_remote_kv > 0:
-            wait_s = self._remote_wait_s  # only remote-KV waiters: poll, do not spin
+        elif self._stats.num_running == 0 and self._stats.num_waiting == 0:
+            # Nothing to compute: only remote-KV waiters or blocks held for a send. Poll, do not spin.
+            wait_s = self._remote_wait_s
         else:
             wait_s = None
         while True:

@@ -1,0 +1,282 @@
+"""``kvwire serve`` as a real subprocess on the ``tiny`` model (CPU): the OpenAI API end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+START_DEADLINE_S = 90.0
+BASE_ARGS = ["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--max-model-len", "256",
+             "--num-kv-blocks", "512", "--block-size", "16"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerProcess:
+    def __init__(self, log_path: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        cmd = [sys.executable, "-m", "kvwire.cli", "serve", *BASE_ARGS, "--port", str(self.port), *extra]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_DEADLINE_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    pass
+                status, _ = run(get(self.url + "/health"))
+                if status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"server not healthy within {START_DEADLINE_S}s:\n{self.log()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, timeout=120))
+
+
+async def get(url: str) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        return resp.status, await resp.text()
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with session.post(url, data=data, headers={"Content-Type": "application/json"}) as resp:
+        raw = await resp.read()
+        if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+            return resp.status, raw
+        return resp.status, json.loads(raw)
+
+
+def sse_events(raw: bytes) -> list[Any]:
+    """Strict SSE parse: `data: <payload>\\n\\n` events, the last one `[DONE]`; returns JSON payloads."""
+    text = raw.decode()
+    assert text.endswith("data: [DONE]\n\n"), text[-200:]
+    events = text[: -len("\n\n")].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events)
+    assert events.count("data: [DONE]") == 1
+    return [json.loads(e[len("data: "):]) for e in events[:-1]]
+
+
+async def metric(url: str, name: str) -> float:
+    _, text = await get(url + "/metrics")
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = ServerProcess(tmp_path_factory.mktemp("serve") / "serve.log")
+    try:
+        proc.wait_healthy()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def greedy(prompt: Any, max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, **extra}
+
+
+def test_completion_text_and_token_ids_agree(server: ServerProcess) -> None:
+    async def body() -> None:
+        async with aiohttp.ClientSession() as session:
+            status, by_text = await post(session, server.url + "/v1/completions", greedy("hello world"))
+            assert status == 200, by_text
+            ids = by_text["prompt_token_ids"]
+            assert len(ids) == by_text["usage"]["prompt_tokens"] > 0
+            status, by_ids = await post(session, server.url + "/v1/completions", greedy(ids))
+        assert status == 200, by_ids
+        for out in (by_text, by_ids):
+            choice = out["choices"][0]
+            assert out["object"] == "text_completion" and out["model"] == "tiny"
+            assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 8
+            assert isinstance(choice["text"], str)
+            assert out["usage"]["completion_tokens"] == 8
+            assert out["usage"]["total_tokens"] == len(ids) + 8
+        assert by_ids["choices"][0]["token_ids"] == by_text["choices"][0]["token_ids"]
+        assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
+
+    run(body())
+
+
+def test_streams_equal_non_streamed_greedy_output(server: ServerProcess) -> None:
+    async def body() -> None:
+        url = server.url
+        async with aiohttp.ClientSession() as session:
+            _, full = await post(session, url + "/v1/completions", greedy("stream me", 12))
+            _, raw = await post(session, url + "/v1/completions", greedy(
+                "stream me", 12, stream=True, stream_options={"include_usage": True}))
+            chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+                    "temperature": 0, "ignore_eos": True}
+            status, chat_full = await post(session, url + "/v1/chat/completions", chat)
+            _, chat_raw = await post(session, url + "/v1/chat/completions", {**chat, "stream": True})
+        chunks = sse_events(raw)
+        usage = chunks.pop()
+        assert usage["choices"] == [] and usage["usage"] == full["usage"]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == full["choices"][0]["text"]
+        streamed_ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+        assert streamed_ids == full["choices"][0]["token_ids"]
+        assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+        assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+        assert "kv_transfer_params" in chunks[-1] and len({c["id"] for c in chunks}) == 1
+        assert status == 200 and chat_full["object"] == "chat.completion"
+        chat_chunks = sse_events(chat_raw)
+        assert chat_chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chat_chunks)
+        assert text == chat_full["choices"][0]["message"]["content"]
+        assert chat_full["usage"]["completion_tokens"] == 6
+
+    run(body())
+
+
+def test_32_concurrent_streams(server: ServerProcess) -> None:
+    prompts = [f"request number {i}: " + "x" * (i * 3) for i in range(32)]
+
+    async def body() -> None:
+        url = server.url + "/v1/completions"
+        async with aiohttp.ClientSession() as session:
+            streamed = await asyncio.gather(*(post(session, url, greedy(p, 6, stream=True)) for p in prompts))
+            # The same prompts again, not streamed, also all at once (greedy fp32: batch-invariant).
+            full = await asyncio.gather(*(post(session, url, greedy(p, 6)) for p in prompts))
+        for (status, raw), (_, body), prompt in zip(streamed, full, prompts, strict=True):
+            assert status == 200
+            chunks = sse_events(raw)
+            ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+            assert ids == body["choices"][0]["token_ids"], prompt
+            assert "".join(c["choices"][0]["text"] for c in chunks) == body["choices"][0]["text"], prompt
+        assert await metric(server.url, "kvwire_kv_blocks_in_use") == 0
+
+    run(body())
+
+
+BAD_BODIES: list[tuple[str, Any, int]] = [
+    ("/v1/completions", b"{not json", 400),
+    ("/v1/completions", b"", 400),
+    ("/v1/completions", [1, 2], 400),
+    ("/v1/completions", {"prompt": ""}, 400),
+    ("/v1/completions", {"prompt": []}, 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400),
+    ("/v1/completions", {"prompt": "x" * 300}, 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1000}, 400),
+    ("/v1/completions", {"prompt": [10, 99999]}, 400),
+    ("/v1/completions", {"prompt": "hi", "temperature": "warm"}, 400),
+    ("/v1/completions", {"prompt": "hi", "top_p": 2}, 400),
+    ("/v1/completions", {"prompt": "hi", "n": 3}, 400),
+    ("/v1/completions", {"prompt": "hi", "stop": 7}, 400),
+    ("/v1/completions", {"prompt": "hi", "kv_transfer_params": "x"}, 400),
+    ("/v1/completions", {"prompt": "hi", "model": "not-this-one"}, 404),
+    ("/v1/chat/completions", {"messages": []}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400),
+    ("/v1/chat/completions", {"messages": "hello"}, 400),
+]
+
+
+def test_bad_inputs_get_openai_errors_and_server_stays_healthy(server: ServerProcess) -> None:
+    async def body() -> None:
+        async with aiohttp.ClientSession() as session:
+            for path, bad, expected in BAD_BODIES:
+                status, out = await post(session, server.url + path, bad)
+                assert status == expected, (bad, out)
+                error = out["error"]
+                assert error["message"] and error["type"] == "invalid_request_error", out
+                assert set(error) == {"message", "type", "param", "code"}
+            status, out = await post(session, server.url + "/v1/completions", greedy("still fine", 2))
+            assert status == 200 and out["usage"]["completion_tokens"] == 2
+        assert (await get(server.url + "/health"))[0] == 200
+
+    run(body())
+
+
+def test_disconnect_aborts_and_frees_blocks(server: ServerProcess) -> None:
+    async def body() -> None:
+        async with aiohttp.ClientSession() as session:
+            req = greedy("long one", 200, stream=True)
+            resp = await session.post(server.url + "/v1/completions", json=req)
+            assert resp.status == 200
+            await resp.content.readline()  # the first token arrived: the request holds KV blocks
+            assert await metric(server.url, "kvwire_kv_blocks_in_use") > 0
+            resp.close()  # drop the connection mid-stream
+        deadline = time.monotonic() + 10
+        while await metric(server.url, "kvwire_kv_blocks_in_use") != 0:
+            assert time.monotonic() < deadline, "blocks not freed after the client disconnected"
+            await asyncio.sleep(0.05)
+        _, text = await get(server.url + "/metrics")
+        assert 'kvwire_requests_total{endpoint="completion",outcome="disconnect"}' in text
+
+    run(body())
+
+
+def test_models_health_and_metrics(server: ServerProcess) -> None:
+    async def body() -> None:
+        status, models = await get(server.url + "/v1/models")
+        assert status == 200 and [m["id"] for m in json.loads(models)["data"]] == ["tiny"]
+        status, text = await get(server.url + "/metrics")
+        assert status == 200
+        for name in ("kvwire_requests_total", "kvwire_prompt_tokens_total",
+                     "kvwire_generation_tokens_total", "kvwire_num_requests_running",
+                     "kvwire_num_requests_waiting", "kvwire_kv_blocks_in_use",
+                     "kvwire_time_to_first_token_seconds_bucket",
+                     "kvwire_inter_token_latency_seconds_bucket"):
+            assert f"\n{name}" in text, name
+        assert await metric(server.url, "kvwire_time_to_first_token_seconds_count") > 0
+
+    run(body())
+
+
+def test_sigterm_stops_gracefully_mid_stream(tmp_path: Path) -> None:
+    proc = ServerProcess(tmp_path / "serve.log", "--shutdown-deadline-s", "5")
+    try:
+        proc.wait_healthy()
+
+        async def body() -> bytes:
+            async with aiohttp.ClientSession() as session:
+                resp = await session.post(proc.url + "/v1/completions", json=greedy("abc", 240, stream=True))
+                await resp.content.readline()
+                os.kill(proc.proc.pid, signal.SIGTERM)
+                return await resp.read()  # the stream must end (not hang) once the server stops
+
+        rest = run(body())
+        assert proc.proc.wait(timeout=15) == 0, proc.log()
+        assert rest.endswith(b"data: [DONE]\n\n") and b"shutting down" in rest
+        assert "kvwire serve stopped" in proc.log()
+    finally:
+        proc.stop()
