@@ -1,32 +1,75 @@
-"""TransferAgent: per-process KV transfer endpoint (stub; being implemented)."""
+"""TransferAgent: one per process (per GPU worker); moves KV layers to/from peer agents.
+
+Threads: the control thread (:mod:`kvwire.transfer.control`: ZMQ I/O, message handling, deadlines,
+ack flushing, delayed sink deliveries) and the data plane's threads (:mod:`kvwire.transfer.base`).
+Caller threads only touch in-memory state under the agent lock and queue work: no public method
+waits on the network. Completion is reported through :meth:`TransferAgent.poll`.
+
+Failure model: every transfer has a deadline; expiry, ``abort``, a peer's Abort, a broken data
+connection or a restarted peer (new instance id at the same endpoint) end it as FAILED with a reason
+on this side and (where the peer is still reachable) on the other, and free what it held.
+"""
 
 from __future__ import annotations
 
+import logging
+import secrets
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
 import torch
 
+from kvwire.transfer.base import make_plane
+from kvwire.transfer.buffers import RecvMemory
 from kvwire.transfer.config import TransferConfig
+from kvwire.transfer.control import ControlLoop
+from kvwire.transfer.core import Core
+from kvwire.transfer.messages import Abort, Ack, AnyMsg, Grant, Offer, Pull, Trailer
+from kvwire.transfer.receiver import Receiver
+from kvwire.transfer.sender import Sender
 from kvwire.transfer.stats import TransferStats
-from kvwire.transfer.types import LayerSink, LayerSpec, TransferEvents
+from kvwire.transfer.types import FailReason, LayerSink, LayerSpec, TransferEvents
+
+log = logging.getLogger("kvwire.transfer")
 
 
 class TransferAgent:
-    """See the team brief for the API; the implementation replaces these stubs."""
+    """Asynchronous per-transfer KV mover. Thread-safe; a context manager; ``close()`` stops all."""
 
     def __init__(self, config: TransferConfig) -> None:
         self.config = config
-        raise NotImplementedError("TransferAgent is being implemented")
+        self._instance_id = secrets.token_hex(8)
+        plane = make_plane(config, self._instance_id)
+        memory = RecvMemory(
+            config.recv_budget_bytes,
+            config.spill_budget_bytes,
+            plane.allocate,
+            pinned=config.device.startswith("cuda"),
+        )
+        self._core = core = Core(config, self._instance_id, plane, memory)
+        self._sender = Sender(core)
+        self._receiver = Receiver(core)
+        plane.start(self)
+        try:
+            core.control = ControlLoop(config, self._on_message, self._on_reject, self._on_tick)
+        except BaseException:
+            plane.close()
+            raise
+        core.control.start()
+        log.info("transfer agent %s at %s (data %s)", self._instance_id, core.endpoint, plane.address)
 
     @property
     def endpoint(self) -> str:
-        raise NotImplementedError
+        """Control endpoint to advertise ("tcp://host:port")."""
+        return self._core.endpoint
 
     @property
     def instance_id(self) -> str:
-        raise NotImplementedError
+        """Random per agent start: the epoch peers use to detect a restart."""
+        return self._instance_id
+
+    # --- send side ---------------------------------------------------------------------------------------
 
     def start_send(
         self,
@@ -37,15 +80,29 @@ class TransferAgent:
         deadline_s: float | None = None,
         with_trailer: bool = False,
     ) -> None:
-        raise NotImplementedError
+        """Announce a transfer to ``peer_endpoint`` (one Offer message), or hold it for a pull
+        (``peer_endpoint`` None: lease until the deadline). Never blocks on the network."""
+        with self._core.lock:
+            self._check_open()
+            deadline = self.config.default_deadline_s if deadline_s is None else deadline_s
+            self._sender.start(transfer_id, peer_endpoint, layers, deadline, with_trailer)
 
     def send_layer(
         self, transfer_id: str, layer_index: int, tensor: torch.Tensor, ready_event: Any | None = None
     ) -> None:
-        raise NotImplementedError
+        """Hand over one layer (contiguous, as announced). The agent keeps a reference until the
+        transfer ends; do not modify the tensor meanwhile. No-op if the transfer already failed."""
+        with self._core.lock:
+            self._check_open()
+            self._sender.add_layer(transfer_id, layer_index, tensor, ready_event)
 
     def send_trailer(self, transfer_id: str, payload: bytes) -> None:
-        raise NotImplementedError
+        """Small bytes delivered to the receiver with completion (``with_trailer=True`` transfers)."""
+        with self._core.lock:
+            self._check_open()
+            self._sender.add_trailer(transfer_id, payload)
+
+    # --- receive side ------------------------------------------------------------------------------------
 
     def expect(
         self,
@@ -56,25 +113,64 @@ class TransferAgent:
         deadline_s: float | None = None,
         pull_from: str | None = None,
     ) -> None:
-        raise NotImplementedError
+        """Announce an incoming transfer (before or after its data arrives). ``sink(index, tensor)``
+        runs on a transfer thread per layer (tensor valid during the call only); without a sink the
+        layers are buffered for :meth:`take_layers`. ``pull_from``: ask that sender (pull mode)."""
+        deadline = self.config.default_deadline_s if deadline_s is None else deadline_s
+        with self._core.lock:
+            self._check_open()
+            deliver = self._receiver.expect(transfer_id, num_layers, sink, deadline, pull_from)
+        if deliver:
+            control = self._core.control
+            assert control is not None
+            control.call_soon(lambda: self._deliver_held(transfer_id))
 
     def take_layers(self, transfer_id: str) -> dict[int, torch.Tensor]:
-        raise NotImplementedError
+        """The buffered layers of a transfer in ``finished_recving`` (no-sink case), once."""
+        with self._core.lock:
+            return self._receiver.take_layers(transfer_id)
 
     def take_trailer(self, transfer_id: str) -> bytes | None:
-        raise NotImplementedError
+        """The trailer of a transfer in ``finished_recving``, once (None if none came)."""
+        with self._core.lock:
+            return self._receiver.take_trailer(transfer_id)
 
-    def abort(self, transfer_id: str, reason: str = "aborted") -> None:
-        raise NotImplementedError
+    # --- both sides --------------------------------------------------------------------------------------
+
+    def abort(self, transfer_id: str, reason: str = FailReason.ABORTED.value) -> None:
+        """End the transfer as FAILED on both sides and free everything it holds. Idempotent."""
+        with self._core.lock:
+            self._sender.fail(transfer_id, reason, notify=True)
+            self._receiver.fail(transfer_id, reason, notify=True)
+            self._receiver.drop_done(transfer_id)
 
     def poll(self) -> TransferEvents:
-        raise NotImplementedError
+        """Events since the last poll, swapped out atomically; each transfer id is reported once."""
+        return self._core.events.swap()
 
     def stats(self) -> TransferStats:
-        raise NotImplementedError
+        core = self._core
+        with core.lock:
+            active = len(self._sender.sends) + len(self._receiver.recvs)
+        return core.stats.snapshot(
+            spill_bytes_in_use=core.memory.spill.in_use_bytes,
+            budget_bytes_in_use=core.memory.budget_in_use,
+            transfers_active=active,
+        )
 
     def close(self) -> None:
-        raise NotImplementedError
+        """Fail what is in flight (telling peers), stop every thread, close every socket. Idempotent."""
+        core = self._core
+        with core.lock:
+            if core.closed:
+                return
+            core.closed = True
+            self._sender.close(FailReason.CLOSED.value)
+            self._receiver.close(FailReason.CLOSED.value)
+        assert core.control is not None
+        core.control.close()
+        core.plane.close()
+        log.info("transfer agent %s closed", self._instance_id)
 
     def __enter__(self) -> TransferAgent:
         return self
@@ -83,3 +179,118 @@ class TransferAgent:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+    def _check_open(self) -> None:
+        if self._core.closed:
+            raise RuntimeError("transfer agent is closed")
+
+    # --- control thread ----------------------------------------------------------------------------------
+
+    def _on_message(self, msg: AnyMsg) -> None:
+        core = self._core
+        with core.lock:
+            if core.closed:
+                return
+            self._check_epoch(msg)
+            if msg.dst_id and msg.dst_id != self._instance_id and not isinstance(msg, (Offer, Pull)):
+                self._on_reject(
+                    f"stale {type(msg).__name__} for epoch {msg.dst_id} (now {self._instance_id})"
+                )
+                if not isinstance(msg, Abort):
+                    reason = f"{FailReason.PEER_LOST.value}: peer restarted"
+                    core.send_abort(msg.src_endpoint, msg.transfer_id, reason, msg.src_id)
+                return
+            self._dispatch(msg)
+
+    def _dispatch(self, msg: AnyMsg) -> None:
+        if isinstance(msg, Offer):
+            self._receiver.on_offer(msg)
+        elif isinstance(msg, Grant):
+            self._sender.on_grant(msg)
+        elif isinstance(msg, Ack):
+            self._sender.on_ack(msg)
+        elif isinstance(msg, Trailer):
+            self._receiver.on_trailer(msg)
+        elif isinstance(msg, Pull):
+            self._sender.on_pull(msg)
+        elif isinstance(msg, Abort):
+            self._sender.on_abort(msg.transfer_id, msg.src_endpoint, msg.reason)
+            self._receiver.on_abort(msg.transfer_id, msg.src_id, msg.reason)
+
+    def _check_epoch(self, msg: AnyMsg) -> None:
+        """A new instance id at a known endpoint: the old process is gone; fail its transfers."""
+        core = self._core
+        known = core.peer_ids.get(msg.src_endpoint)
+        if known == msg.src_id:
+            return
+        core.peer_ids[msg.src_endpoint] = msg.src_id
+        if known is None:
+            return
+        log.warning("peer %s restarted (instance %s -> %s)", msg.src_endpoint, known, msg.src_id)
+        core.stats.add("peers_restarted")
+        self._fail_peer(known, f"{FailReason.PEER_LOST.value}: peer {msg.src_endpoint} restarted")
+
+    def _fail_peer(self, peer_id: str, reason: str) -> None:
+        self._sender.fail_peer(peer_id, reason)
+        self._receiver.fail_peer(peer_id, reason)
+        self._core.plane.drop_peer(peer_id)
+
+    def _on_reject(self, reason: str) -> None:
+        self._core.stats.add("messages_rejected")
+        log.warning("rejected control message: %s", reason)
+
+    def _on_tick(self) -> None:
+        with self._core.lock:
+            if self._core.closed:
+                return
+            now = self._core.now()
+            self._sender.expire(now)
+            self._receiver.expire(now)
+            self._receiver.flush_acks()
+
+    def _deliver_held(self, transfer_id: str) -> None:
+        with self._core.lock:
+            work = self._receiver.take_held_for_sink(transfer_id)
+        for index, sink, tensor in work:
+            self._run_sink(transfer_id, index, sink, tensor)
+
+    def _run_sink(self, transfer_id: str, index: int, sink: LayerSink, tensor: torch.Tensor) -> None:
+        try:
+            sink(index, tensor)
+        except Exception as exc:
+            log.exception("sink of transfer %s failed on layer %d", transfer_id, index)
+            with self._core.lock:
+                self._receiver.fail(transfer_id, f"sink: {exc!r}", notify=True)
+            return
+        with self._core.lock:
+            self._receiver.delivered(transfer_id, index)
+
+    # --- data-plane callbacks (plane threads) ------------------------------------------------------------
+
+    def on_sent(self, peer_instance_id: str, transfer_id: str, layer_index: int) -> None:
+        with self._core.lock:
+            self._sender.on_sent(transfer_id, layer_index)
+
+    def on_received(self, peer_instance_id: str, transfer_id: str, layer_index: int) -> None:
+        with self._core.lock:
+            if self._core.closed:
+                return
+            work = self._receiver.on_received(peer_instance_id, transfer_id, layer_index)
+        control = self._core.control
+        if control is not None:
+            control.wake()  # flush the ack soon
+        if work is not None:
+            self._run_sink(transfer_id, layer_index, work[0], work[1])
+
+    def on_transfer_failed(self, transfer_id: str, reason: str) -> None:
+        with self._core.lock:
+            self._sender.fail(transfer_id, reason, notify=True)
+            self._receiver.fail(transfer_id, reason, notify=True)
+
+    def on_peer_failed(self, peer_instance_id: str, reason: str) -> None:
+        with self._core.lock:
+            if not self._core.closed:
+                self._fail_peer(peer_instance_id, reason)
+
+    def on_protocol_error(self, reason: str) -> None:
+        self._on_reject(reason)

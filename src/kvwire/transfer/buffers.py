@@ -1,0 +1,141 @@
+"""Receive memory: a byte budget on the agent's device plus a bounded, lazily allocated spill pool.
+
+The agent reserves a :class:`RecvBuffer` for every layer before granting credit for it, so received
+bytes always have a place to land; when neither the budget nor the spill pool can hold a layer the
+agent simply grants no more credit and the sender waits (within its deadline).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import enum
+import threading
+from collections.abc import Callable
+
+import torch
+
+
+class BufferKind(str, enum.Enum):
+    BUDGET = "budget"  # device memory (the plane's allocate), within recv_budget_bytes
+    SPILL = "spill"  # host memory from the spill pool (pinned when the device is CUDA)
+
+
+@dataclasses.dataclass
+class RecvBuffer:
+    """A flat ``uint8`` buffer of ``num_bytes`` reserved for one layer. Release exactly once."""
+
+    tensor: torch.Tensor
+    num_bytes: int
+    kind: BufferKind
+    _release: Callable[[RecvBuffer], None]
+    released: bool = False
+
+    def view(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The layer as ``shape``/``dtype`` (no copy)."""
+        return self.tensor[: self.num_bytes].view(dtype).view(shape)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._release(self)
+
+
+class SpillPool:
+    """Host buffers up to ``capacity_bytes``, allocated on first use and reused (best fit).
+
+    Thread-safe. Freed buffers stay cached for reuse; cached-but-free bytes count toward the capacity
+    and are dropped when a new allocation would otherwise exceed it.
+    """
+
+    def __init__(self, capacity_bytes: int, pinned: bool) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._pinned = pinned
+        self._lock = threading.Lock()
+        self._in_use_bytes = 0
+        self._free: list[tuple[int, int, torch.Tensor]] = []  # (size, seq, tensor), sorted by size
+        self._free_bytes = 0
+        self._seq = 0
+
+    @property
+    def in_use_bytes(self) -> int:
+        with self._lock:
+            return self._in_use_bytes
+
+    def try_alloc(self, num_bytes: int) -> torch.Tensor | None:
+        """A buffer of at least ``num_bytes`` or None when the pool is full."""
+        with self._lock:
+            if self._in_use_bytes + num_bytes > self.capacity_bytes:
+                return None
+            i = bisect.bisect_left(self._free, (num_bytes, -1))
+            if (
+                i < len(self._free)
+                and self._free[i][0] <= 2 * num_bytes + 4096
+                and self._in_use_bytes + self._free[i][0] <= self.capacity_bytes
+            ):
+                size, _, tensor = self._free.pop(i)
+                self._free_bytes -= size
+                self._in_use_bytes += size
+                return tensor
+            while self._free and self._in_use_bytes + self._free_bytes + num_bytes > self.capacity_bytes:
+                size, _, _ = self._free.pop()  # drop the largest cached buffer
+                self._free_bytes -= size
+            self._in_use_bytes += num_bytes
+        # allocate outside the lock: pinning can take milliseconds
+        return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=self._pinned)
+
+    def free(self, tensor: torch.Tensor) -> None:
+        size = int(tensor.numel())
+        with self._lock:
+            self._in_use_bytes -= size
+            self._seq += 1
+            bisect.insort(self._free, (size, self._seq, tensor))
+            self._free_bytes += size
+
+
+class RecvMemory:
+    """Receive budget (device) + spill pool (host). Thread-safe."""
+
+    def __init__(
+        self, budget_bytes: int, spill_bytes: int, allocate: Callable[[int], torch.Tensor], pinned: bool
+    ) -> None:
+        self.budget_bytes = budget_bytes
+        self.spill = SpillPool(spill_bytes, pinned)
+        self._allocate = allocate
+        self._lock = threading.Lock()
+        self._budget_in_use = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.budget_bytes + self.spill.capacity_bytes
+
+    @property
+    def budget_in_use(self) -> int:
+        with self._lock:
+            return self._budget_in_use
+
+    def reserve(self, num_bytes: int) -> RecvBuffer | None:
+        """A buffer from the budget, else from the spill pool, else None (no credit now)."""
+        with self._lock:
+            fits = self._budget_in_use + num_bytes <= self.budget_bytes
+            if fits:
+                self._budget_in_use += num_bytes
+        if fits:
+            try:
+                tensor = self._allocate(num_bytes)
+            except BaseException:
+                with self._lock:
+                    self._budget_in_use -= num_bytes
+                raise
+            return RecvBuffer(tensor, num_bytes, BufferKind.BUDGET, self._release)
+        spilled = self.spill.try_alloc(num_bytes)
+        if spilled is None:
+            return None
+        return RecvBuffer(spilled, num_bytes, BufferKind.SPILL, self._release)
+
+    def _release(self, buf: RecvBuffer) -> None:
+        if buf.kind is BufferKind.BUDGET:
+            with self._lock:
+                self._budget_in_use -= buf.num_bytes
+        else:
+            self.spill.free(buf.tensor)

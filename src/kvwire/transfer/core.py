@@ -1,0 +1,118 @@
+"""State shared by the send and receive halves of one agent: lock, events, peers, memory, I/O."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvwire.transfer.base import DataPlane
+from kvwire.transfer.buffers import RecvMemory
+from kvwire.transfer.config import TransferConfig
+from kvwire.transfer.messages import Abort, AnyMsg
+from kvwire.transfer.stats import StatsRecorder
+from kvwire.transfer.types import TransferEvents
+
+if TYPE_CHECKING:
+    from kvwire.transfer.control import ControlLoop
+
+log = logging.getLogger("kvwire.transfer")
+
+MAX_TOMBSTONES = 100_000
+
+
+class EventBox:
+    """Completion events, appended by any thread, swapped out atomically by ``poll()``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sent: set[str] = set()
+        self._recvd: set[str] = set()
+        self._failed: dict[str, str] = {}
+
+    def sent(self, transfer_id: str) -> None:
+        with self._lock:
+            self._sent.add(transfer_id)
+
+    def recvd(self, transfer_id: str) -> None:
+        with self._lock:
+            self._recvd.add(transfer_id)
+
+    def failed(self, transfer_id: str, reason: str) -> None:
+        with self._lock:
+            self._failed.setdefault(transfer_id, reason)
+
+    def swap(self) -> TransferEvents:
+        with self._lock:
+            sent, recvd, failed = self._sent, self._recvd, self._failed
+            self._sent, self._recvd, self._failed = set(), set(), {}
+        return TransferEvents(frozenset(sent), frozenset(recvd), failed)
+
+
+class Tombstones:
+    """Recently ended transfers (bounded): late messages for them are answered or ignored, never
+    resurrect state."""
+
+    def __init__(self) -> None:
+        self._ended: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
+
+    def add(self, side: str, transfer_id: str, outcome: str) -> None:
+        self._ended[(side, transfer_id)] = outcome
+        self._ended.move_to_end((side, transfer_id))
+        while len(self._ended) > MAX_TOMBSTONES:
+            self._ended.popitem(last=False)
+
+    def get(self, side: str, transfer_id: str) -> str | None:
+        return self._ended.get((side, transfer_id))
+
+
+@dataclasses.dataclass
+class Core:
+    """What both halves share. ``lock`` guards every field of both halves' transfer tables."""
+
+    config: TransferConfig
+    instance_id: str
+    plane: DataPlane
+    memory: RecvMemory
+    lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
+    events: EventBox = dataclasses.field(default_factory=EventBox)
+    stats: StatsRecorder = dataclasses.field(default_factory=StatsRecorder)
+    tombstones: Tombstones = dataclasses.field(default_factory=Tombstones)
+    peer_ids: dict[str, str] = dataclasses.field(default_factory=dict)  # endpoint -> instance id
+    control: ControlLoop | None = None
+    closed: bool = False
+
+    @property
+    def endpoint(self) -> str:
+        assert self.control is not None
+        return self.control.endpoint
+
+    def header(self, dst_endpoint: str, transfer_id: str, dst_id: str | None = None) -> dict[str, Any]:
+        """Common message fields for a message to ``dst_endpoint``."""
+        return {
+            "src_id": self.instance_id,
+            "src_endpoint": self.endpoint,
+            "dst_id": dst_id if dst_id is not None else self.peer_ids.get(dst_endpoint, ""),
+            "transfer_id": transfer_id,
+        }
+
+    def send(self, endpoint: str, msg: AnyMsg) -> None:
+        assert self.control is not None
+        self.control.send(endpoint, msg)
+
+    def send_abort(self, endpoint: str, transfer_id: str, reason: str, dst_id: str | None = None) -> None:
+        self.send(endpoint, Abort(**self.header(endpoint, transfer_id, dst_id), reason=reason))
+
+    def record_failure(self, side: str, transfer_id: str, reason: str) -> None:
+        """Report a failed transfer once (caller holds ``lock`` and removed the state)."""
+        self.events.failed(transfer_id, reason)
+        self.stats.failed(reason)
+        self.tombstones.add(side, transfer_id, reason)
+        log.info("transfer %s (%s) failed: %s", transfer_id, side, reason)
+
+    @staticmethod
+    def now() -> float:
+        return time.monotonic()

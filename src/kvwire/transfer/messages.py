@@ -1,0 +1,161 @@
+"""Control-plane messages of the transfer agent (typed, versioned msgspec Structs; msgpack on the wire).
+
+Wire format: one ZMQ multipart message per control message, sent DEALER -> the peer's ROUTER:
+``[payload]`` or, when a shared secret is configured, ``[payload, hmac_sha256(secret, payload)]``.
+``payload`` is a msgpack map tagged by ``t`` with the protocol version ``v``. Anything that does not
+decode, has an unknown tag, another version, fails validation or lacks a valid MAC raises
+:class:`~kvwire.errors.ProtocolError` (:class:`~kvwire.errors.AuthenticationError` for the MAC); the
+agent logs it, counts it and keeps working.
+
+Every message names its sender's epoch (``src_id``, random per process start) and control endpoint
+(``src_endpoint``), and the epoch it believes the receiver has (``dst_id``, "" when unknown): a
+message for an older epoch of the receiver is stale and answered with an Abort.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Sequence
+
+import msgspec
+
+from kvwire.errors import AuthenticationError, ProtocolError
+from kvwire.transfer.types import DTYPES_BY_NAME
+
+PROTOCOL_VERSION = 1
+MAX_ID_LEN = 512  # transfer ids and instance ids
+MAX_MESSAGE_BYTES = 4 << 20  # a control message never carries layer data
+MAX_TRAILER_BYTES = 1 << 20
+MAC_BYTES = 32
+
+
+class Msg(msgspec.Struct, tag_field="t", kw_only=True, frozen=True):
+    v: int = PROTOCOL_VERSION
+    src_id: str  # sender's instance id (epoch)
+    src_endpoint: str  # sender's control endpoint (replies go there)
+    dst_id: str = ""  # receiver's instance id as the sender knows it ("" = unknown)
+    transfer_id: str
+
+
+class WireLayer(msgspec.Struct, array_like=True, frozen=True):
+    shape: list[int]
+    dtype: str
+
+
+class Offer(Msg, tag="offer", frozen=True):
+    """Sender -> receiver, once per transfer: every layer's shape/dtype (and thus size)."""
+
+    layers: list[WireLayer]
+    deadline_s: float  # seconds left (relative: clocks of the two hosts may differ)
+    data_address: str  # sender's data plane address
+    with_trailer: bool = False
+    plane_info: bytes = b""
+
+
+class Grant(Msg, tag="grant", frozen=True):
+    """Receiver -> sender: credit for these layers (destination buffers are posted)."""
+
+    layers: list[int]
+    data_address: str  # receiver's data plane address
+    plane_info: bytes = b""
+
+
+class Ack(Msg, tag="ack", frozen=True):
+    """Receiver -> sender: these layers (and the trailer) arrived. Coalesced per transfer."""
+
+    layers: list[int]
+    trailer: bool = False
+
+
+class Trailer(Msg, tag="trailer", frozen=True):
+    """Sender -> receiver: small bytes delivered with completion (e.g. the first sampled token)."""
+
+    payload: bytes
+
+
+class Abort(Msg, tag="abort", frozen=True):
+    """Either side: the transfer failed or was aborted; the peer frees everything it holds."""
+
+    reason: str
+
+
+class Pull(Msg, tag="pull", frozen=True):
+    """Receiver -> sender (pull mode): send me the transfer you hold."""
+
+    deadline_s: float
+    data_address: str
+    plane_info: bytes = b""
+
+
+AnyMsg = Offer | Grant | Ack | Trailer | Abort | Pull
+
+
+class _Head(msgspec.Struct):
+    t: str = ""
+    v: int = -1
+
+
+class Codec:
+    """Encodes/decodes control messages, with an HMAC per message when a secret is set."""
+
+    def __init__(self, secret: bytes | None) -> None:
+        self._secret = secret
+        self._encoder = msgspec.msgpack.Encoder()
+        self._head = msgspec.msgpack.Decoder(_Head)
+        self._decoder = msgspec.msgpack.Decoder(AnyMsg)
+
+    def encode(self, msg: AnyMsg) -> list[bytes]:
+        payload = self._encoder.encode(msg)
+        if self._secret is None:
+            return [payload]
+        return [payload, hmac.new(self._secret, payload, hashlib.sha256).digest()]
+
+    def decode(self, frames: Sequence[bytes]) -> AnyMsg:
+        """Decode and validate one message; raises ProtocolError / AuthenticationError."""
+        if not frames or len(frames) > 2:
+            raise ProtocolError(f"expected 1 or 2 frames, got {len(frames)}")
+        payload = frames[0]
+        if self._secret is not None:
+            mac = frames[1] if len(frames) == 2 else b""
+            good = hmac.new(self._secret, payload, hashlib.sha256).digest()
+            if not hmac.compare_digest(mac, good):
+                raise AuthenticationError("control message without a valid HMAC")
+        if len(payload) > MAX_MESSAGE_BYTES:
+            raise ProtocolError(f"control message of {len(payload)} bytes is too large")
+        try:
+            head = self._head.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"malformed control message: {exc}") from exc
+        if head.v != PROTOCOL_VERSION:
+            raise ProtocolError(f"unsupported protocol version {head.v} (type {head.t!r})")
+        try:
+            msg: AnyMsg = self._decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"invalid {head.t!r} message: {exc}") from exc
+        validate(msg)
+        return msg
+
+
+def _check_id(name: str, value: str, allow_empty: bool = False) -> None:
+    if (not value and not allow_empty) or len(value) > MAX_ID_LEN:
+        raise ProtocolError(f"{name} must be 1..{MAX_ID_LEN} characters")
+
+
+def validate(msg: AnyMsg) -> None:
+    """Semantic checks msgspec types cannot express (bounds, known dtypes, non-negative sizes)."""
+    _check_id("transfer_id", msg.transfer_id)
+    _check_id("src_id", msg.src_id)
+    _check_id("dst_id", msg.dst_id, allow_empty=True)
+    if not msg.src_endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ProtocolError(f"src_endpoint {msg.src_endpoint!r} is not a ZMQ endpoint")
+    if isinstance(msg, Offer):
+        for layer in msg.layers:
+            if layer.dtype not in DTYPES_BY_NAME or any(d < 0 for d in layer.shape):
+                raise ProtocolError(f"offer {msg.transfer_id}: bad layer {layer}")
+    if isinstance(msg, (Offer, Pull)) and not msg.deadline_s > 0:
+        raise ProtocolError(f"{type(msg).__name__} {msg.transfer_id}: deadline_s must be > 0")
+    if isinstance(msg, (Grant, Ack)) and any(i < 0 for i in msg.layers):
+        raise ProtocolError(f"{type(msg).__name__} {msg.transfer_id}: negative layer index")
+    if isinstance(msg, Trailer) and len(msg.payload) > MAX_TRAILER_BYTES:
+        raise ProtocolError(f"trailer of {msg.transfer_id} exceeds {MAX_TRAILER_BYTES} bytes")

@@ -1,0 +1,355 @@
+"""Receive half of the agent: expectations, offers, credit from the memory budget, arrivals, acks."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import torch
+
+from kvwire.errors import TransferError
+from kvwire.transfer.buffers import BufferKind, RecvBuffer
+from kvwire.transfer.core import Core
+from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Trailer
+from kvwire.transfer.types import DTYPES_BY_NAME, FailReason, LayerSink, LayerSpec, PeerRef, RecvItem
+
+SIDE = "recv"
+
+
+@dataclasses.dataclass
+class RecvState:
+    transfer_id: str
+    deadline: float  # time.monotonic()
+    expected: bool = False  # expect() was called
+    num_layers: int | None = None
+    sink: LayerSink | None = None
+    pull_from: str | None = None
+    specs: list[LayerSpec] | None = None  # from the Offer
+    with_trailer: bool = False
+    peer: PeerRef | None = None  # the sender (epoch + data address), from the Offer
+    to_grant: collections.deque[int] = dataclasses.field(default_factory=collections.deque)
+    granted: dict[int, RecvBuffer] = dataclasses.field(default_factory=dict)  # posted, not arrived
+    held: dict[int, RecvBuffer] = dataclasses.field(default_factory=dict)  # arrived, buffered
+    delivering: set[int] = dataclasses.field(default_factory=set)  # in a sink call now
+    arrived: set[int] = dataclasses.field(default_factory=set)  # delivered to the sink or held
+    trailer: bytes | None = None
+
+    def complete(self) -> bool:
+        return (
+            self.expected
+            and self.specs is not None
+            and len(self.arrived) == len(self.specs)
+            and not self.delivering
+            and (self.sink is None or not self.held)
+            and (not self.with_trailer or self.trailer is not None)
+        )
+
+
+@dataclasses.dataclass
+class _AckBatch:
+    endpoint: str
+    dst_id: str
+    layers: list[int] = dataclasses.field(default_factory=list)
+    trailer: bool = False
+
+
+class Receiver:
+    """Every method runs with ``core.lock`` held, except the ``deliver_*`` ones that call sinks."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.recvs: dict[str, RecvState] = {}
+        self.grant_queue: collections.deque[str] = collections.deque()  # FIFO of transfers wanting credit
+        self.done_layers: dict[str, dict[int, RecvBuffer]] = {}
+        self.done_specs: dict[str, list[LayerSpec]] = {}
+        self.done_trailers: dict[str, bytes] = {}
+        self.acks: dict[str, _AckBatch] = {}
+
+    # --- API ---------------------------------------------------------------------------------------------
+
+    def expect(
+        self,
+        transfer_id: str,
+        num_layers: int,
+        sink: LayerSink | None,
+        deadline_s: float,
+        pull_from: str | None,
+    ) -> bool:
+        """Returns True when buffered layers must now be delivered to the new sink."""
+        if not transfer_id or num_layers <= 0:
+            raise TransferError("expect needs a transfer_id and num_layers > 0", transfer_id)
+        st = self.recvs.get(transfer_id)
+        if st is not None and st.expected:
+            raise TransferError(f"transfer {transfer_id} is already expected", transfer_id)
+        deadline = self.core.now() + deadline_s
+        if st is None:
+            if len(self.recvs) >= self.core.config.max_pending_transfers:
+                raise TransferError("too many transfers in flight", transfer_id)
+            st = self.recvs[transfer_id] = RecvState(transfer_id, deadline)
+        st.deadline = min(st.deadline, deadline)
+        st.expected, st.num_layers, st.sink, st.pull_from = True, num_layers, sink, pull_from
+        self.core.stats.add("recvs_started")
+        if pull_from is not None and st.peer is None:
+            info = self.core.plane.local_info(PeerRef(pull_from, self.core.peer_ids.get(pull_from, ""), ""))
+            msg = Pull(
+                **self.core.header(pull_from, transfer_id),
+                deadline_s=deadline_s,
+                data_address=self.core.plane.address,
+                plane_info=info,
+            )
+            self.core.send(pull_from, msg)
+        if st.specs is not None and not self._check_offer(st):
+            return False
+        self.maybe_complete(st)
+        return bool(st.held) and sink is not None and transfer_id in self.recvs
+
+    def take_layers(self, transfer_id: str) -> dict[int, torch.Tensor]:
+        bufs = self.done_layers.pop(transfer_id, None)
+        specs = self.done_specs.pop(transfer_id, None)
+        if bufs is None or specs is None:
+            raise TransferError(f"no received layers for {transfer_id} (not finished, or taken)", transfer_id)
+        out: dict[int, torch.Tensor] = {}
+        for index, buf in bufs.items():
+            out[index] = self._layer_view(buf, specs[index], owned=True)
+            buf.release()  # the caller owns the memory now (spilled layers were copied out)
+        self.grant_pass()
+        return out
+
+    def take_trailer(self, transfer_id: str) -> bytes | None:
+        return self.done_trailers.pop(transfer_id, None)
+
+    def _layer_view(self, buf: RecvBuffer, spec: LayerSpec, owned: bool) -> torch.Tensor:
+        view = buf.view(spec.shape, spec.dtype)
+        device = torch.device(self.core.config.device)
+        if buf.kind is BufferKind.SPILL:
+            # spill buffers go back to the pool: hand out a copy on the agent's device
+            return view.to(device) if device.type != "cpu" else (view.clone() if owned else view)
+        return view
+
+    # --- messages ----------------------------------------------------------------------------------------
+
+    def on_offer(self, msg: Offer) -> None:
+        tid = msg.transfer_id
+        st = self.recvs.get(tid)
+        ended = self.core.tombstones.get(SIDE, tid)
+        if (st is None and ended is not None) or (st is not None and st.specs is not None):
+            if st is None:
+                self.core.send_abort(msg.src_endpoint, tid, ended or "ended", msg.src_id)
+            return  # a duplicate offer is ignored
+        if len(msg.layers) > self.core.config.max_layers_per_transfer or not msg.layers:
+            self.core.send_abort(
+                msg.src_endpoint, tid, f"{FailReason.MISMATCH.value}: bad layer count", msg.src_id
+            )
+            return
+        if st is None:
+            if len(self.recvs) >= self.core.config.max_pending_transfers:
+                self.core.send_abort(msg.src_endpoint, tid, "receiver has too many transfers", msg.src_id)
+                return
+            st = self.recvs[tid] = RecvState(tid, self.core.now() + msg.deadline_s)
+        st.deadline = min(st.deadline, self.core.now() + msg.deadline_s)
+        st.specs = [LayerSpec(tuple(w.shape), DTYPES_BY_NAME[w.dtype]) for w in msg.layers]
+        st.with_trailer = msg.with_trailer
+        st.peer = PeerRef(msg.src_endpoint, msg.src_id, msg.data_address, msg.plane_info)
+        if msg.plane_info:
+            self.core.plane.on_peer_info(st.peer, msg.plane_info)
+        if st.expected and not self._check_offer(st):
+            return
+        st.to_grant.extend(range(len(st.specs)))
+        self.grant_queue.append(tid)
+        self.grant_pass()
+
+    def _check_offer(self, st: RecvState) -> bool:
+        assert st.specs is not None
+        if st.num_layers != len(st.specs):
+            reason = (
+                f"{FailReason.MISMATCH.value}: expected {st.num_layers} layers, sender offers {len(st.specs)}"
+            )
+            self.fail(st.transfer_id, reason, notify=True)
+            return False
+        total = sum(spec.num_bytes for spec in st.specs)
+        if st.sink is None and total > self.core.memory.capacity_bytes:
+            reason = f"{FailReason.BUDGET.value}: {total} bytes exceed receive budget + spill pool"
+            self.fail(st.transfer_id, reason, notify=True)
+            return False
+        return True
+
+    def on_trailer(self, msg: Trailer) -> None:
+        st = self.recvs.get(msg.transfer_id)
+        if st is None or st.peer is None or st.peer.instance_id != msg.src_id or st.trailer is not None:
+            return
+        st.trailer = msg.payload
+        self._ack(st, None, trailer=True)
+        self.maybe_complete(st)
+
+    def on_abort(self, transfer_id: str, src_id: str, reason: str) -> None:
+        st = self.recvs.get(transfer_id)
+        if st is None:
+            return
+        from_sender = st.peer is not None and st.peer.instance_id == src_id
+        from_pulled = st.peer is None and st.pull_from is not None
+        if from_sender or from_pulled:
+            self.fail(transfer_id, f"{FailReason.PEER_ABORTED.value}: {reason}", notify=False)
+
+    # --- credit ------------------------------------------------------------------------------------------
+
+    def grant_pass(self) -> None:
+        """Reserve memory for waiting layers in FIFO order; post buffers, then send Grants."""
+        memory = self.core.memory
+        while self.grant_queue:
+            st = self.recvs.get(self.grant_queue[0])
+            if st is None or not st.to_grant or st.specs is None or st.peer is None:
+                self.grant_queue.popleft()
+                continue
+            items: list[RecvItem] = []
+            while st.to_grant:
+                index = st.to_grant[0]
+                num_bytes = st.specs[index].num_bytes
+                if num_bytes > memory.capacity_bytes:
+                    self.fail(
+                        st.transfer_id,
+                        f"{FailReason.BUDGET.value}: layer of {num_bytes} bytes never fits",
+                        True,
+                    )
+                    break
+                buf = memory.reserve(num_bytes)
+                if buf is None:
+                    break
+                st.to_grant.popleft()
+                st.granted[index] = buf
+                items.append(RecvItem(st.transfer_id, index, num_bytes, buf.tensor))
+            if items and st.transfer_id in self.recvs:
+                self._grant(st, items)
+            if st.transfer_id in self.recvs and st.to_grant:
+                return  # out of memory: later transfers wait too (FIFO, no starvation)
+
+    def _grant(self, st: RecvState, items: list[RecvItem]) -> None:
+        assert st.peer is not None
+        plane = self.core.plane
+        plane.post_recv(st.peer, items)  # before the Grant leaves: a fast sender finds its buffers
+        msg = Grant(
+            **self.core.header(st.peer.endpoint, st.transfer_id, st.peer.instance_id),
+            layers=[item.layer_index for item in items],
+            data_address=plane.address,
+            plane_info=plane.local_info(st.peer),
+        )
+        self.core.send(st.peer.endpoint, msg)
+
+    # --- arrivals ----------------------------------------------------------------------------------------
+
+    def on_received(
+        self, peer_id: str, transfer_id: str, index: int
+    ) -> tuple[LayerSink, torch.Tensor] | None:
+        """A layer landed. Returns (sink, tensor) when the caller must call the sink (without the lock)."""
+        st = self.recvs.get(transfer_id)
+        if st is None or st.peer is None or st.peer.instance_id != peer_id or index not in st.granted:
+            return None
+        assert st.specs is not None
+        buf = st.granted.pop(index)
+        self.core.stats.add("bytes_received", buf.num_bytes)
+        self._ack(st, index)
+        if st.sink is not None and st.expected:
+            st.delivering.add(index)
+            st.held[index] = buf
+            return st.sink, self._layer_view(buf, st.specs[index], owned=False)
+        st.held[index] = buf
+        st.arrived.add(index)
+        self.maybe_complete(st)
+        return None
+
+    def take_held_for_sink(self, transfer_id: str) -> list[tuple[int, LayerSink, torch.Tensor]]:
+        st = self.recvs.get(transfer_id)
+        if st is None or st.sink is None or st.specs is None:
+            return []
+        out = []
+        for index, buf in st.held.items():
+            if index not in st.delivering:
+                st.delivering.add(index)
+                st.arrived.discard(index)
+                out.append((index, st.sink, self._layer_view(buf, st.specs[index], owned=False)))
+        return out
+
+    def delivered(self, transfer_id: str, index: int) -> None:
+        """The sink returned for ``index``: free its buffer, maybe complete, grant more."""
+        st = self.recvs.get(transfer_id)
+        if st is None or index not in st.delivering:
+            return
+        st.delivering.discard(index)
+        st.held.pop(index).release()
+        st.arrived.add(index)
+        self.maybe_complete(st)
+        self.grant_pass()
+
+    def maybe_complete(self, st: RecvState) -> None:
+        if not st.complete() or st.transfer_id not in self.recvs:
+            return
+        assert st.specs is not None
+        del self.recvs[st.transfer_id]
+        if st.sink is None:
+            self.done_layers[st.transfer_id] = st.held
+            self.done_specs[st.transfer_id] = st.specs
+        if st.trailer is not None:
+            self.done_trailers[st.transfer_id] = st.trailer
+        self.core.events.recvd(st.transfer_id)
+        self.core.stats.add("recvs_completed")
+        self.core.tombstones.add(SIDE, st.transfer_id, "done")
+
+    def _ack(self, st: RecvState, index: int | None, trailer: bool = False) -> None:
+        assert st.peer is not None
+        batch = self.acks.get(st.transfer_id)
+        if batch is None:
+            batch = self.acks[st.transfer_id] = _AckBatch(st.peer.endpoint, st.peer.instance_id)
+        if index is not None:
+            batch.layers.append(index)
+        batch.trailer = batch.trailer or trailer
+
+    def flush_acks(self) -> None:
+        """Control thread: one Ack per transfer with everything that arrived since the last flush."""
+        batches, self.acks = self.acks, {}
+        for tid, b in batches.items():
+            self.core.send(
+                b.endpoint,
+                Ack(**self.core.header(b.endpoint, tid, b.dst_id), layers=b.layers, trailer=b.trailer),
+            )
+
+    # --- failure -----------------------------------------------------------------------------------------
+
+    def fail(self, transfer_id: str, reason: str, notify: bool) -> bool:
+        st = self.recvs.pop(transfer_id, None)
+        if st is None:
+            return False
+        self.core.plane.cancel(transfer_id)
+        for buf in st.granted.values():
+            buf.release()
+        for buf in st.held.values():  # includes layers in a sink call now (their tensor stays alive)
+            buf.release()
+        self.acks.pop(transfer_id, None)
+        self.core.record_failure(SIDE, transfer_id, reason)
+        target = st.peer.endpoint if st.peer is not None else st.pull_from
+        if notify and target is not None:
+            self.core.send_abort(target, transfer_id, reason, st.peer.instance_id if st.peer else None)
+        self.grant_pass()
+        return True
+
+    def fail_peer(self, peer_id: str, reason: str) -> None:
+        for tid in [
+            t for t, st in self.recvs.items() if st.peer is not None and st.peer.instance_id == peer_id
+        ]:
+            self.fail(tid, reason, notify=False)
+
+    def expire(self, now: float) -> None:
+        for tid in [t for t, st in self.recvs.items() if st.deadline <= now]:
+            st = self.recvs[tid]
+            got = f"{len(st.arrived)}/{len(st.specs)} layers" if st.specs is not None else "no offer"
+            self.fail(tid, f"{FailReason.DEADLINE.value}: {got} received", notify=True)
+
+    def drop_done(self, transfer_id: str) -> None:
+        for buf in self.done_layers.pop(transfer_id, {}).values():
+            buf.release()
+        self.done_specs.pop(transfer_id, None)
+        self.done_trailers.pop(transfer_id, None)
+
+    def close(self, reason: str) -> None:
+        for tid in list(self.recvs):
+            self.fail(tid, reason, notify=True)
+        for tid in list(self.done_layers):
+            self.drop_done(tid)

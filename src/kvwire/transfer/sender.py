@@ -1,0 +1,267 @@
+"""Send half of the agent: offers, credit (grants), dispatch to the data plane, acks, pull leases."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvwire.errors import TransferError
+from kvwire.transfer.core import Core
+from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Trailer, WireLayer
+from kvwire.transfer.types import DTYPE_NAMES, FailReason, LayerSpec, PeerRef, SendItem
+
+SIDE = "send"
+MAX_PENDING_PULLS = 10_000
+
+
+@dataclasses.dataclass
+class SendState:
+    transfer_id: str
+    layers: list[LayerSpec]
+    deadline: float  # time.monotonic()
+    with_trailer: bool
+    endpoint: str | None  # receiver's control endpoint; None until pulled
+    peer: PeerRef | None = None  # bound by the first Grant (receiver's epoch + data address)
+    items: dict[int, SendItem] = dataclasses.field(default_factory=dict)  # layers handed over
+    granted: set[int] = dataclasses.field(default_factory=set)
+    dispatched: set[int] = dataclasses.field(default_factory=set)
+    acked: set[int] = dataclasses.field(default_factory=set)
+    trailer: bytes | None = None
+    trailer_sent: bool = False
+    trailer_acked: bool = False
+
+    def done(self) -> bool:
+        return len(self.acked) == len(self.layers) and (not self.with_trailer or self.trailer_acked)
+
+
+class Sender:
+    """Every method runs with ``core.lock`` held by the caller (the agent)."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.sends: dict[str, SendState] = {}
+        self.pending_pulls: dict[str, tuple[Pull, float]] = {}  # pulls that came before start_send
+        # ordered planes: per receiver epoch, granted (transfer, layer) in grant order
+        self.order: dict[str, collections.deque[tuple[str, int]]] = {}
+
+    # --- API ---------------------------------------------------------------------------------------------
+
+    def start(
+        self,
+        transfer_id: str,
+        endpoint: str | None,
+        layers: Sequence[LayerSpec],
+        deadline_s: float,
+        trailer: bool,
+    ) -> None:
+        if not transfer_id:
+            raise TransferError("transfer_id must not be empty")
+        if transfer_id in self.sends:
+            raise TransferError(f"transfer {transfer_id} is already being sent", transfer_id)
+        if not 0 < len(layers) <= self.core.config.max_layers_per_transfer:
+            raise TransferError(f"a transfer needs 1..{self.core.config.max_layers_per_transfer} layers")
+        if len(self.sends) >= self.core.config.max_pending_transfers:
+            raise TransferError("too many transfers in flight", transfer_id)
+        st = SendState(transfer_id, list(layers), self.core.now() + deadline_s, trailer, endpoint)
+        self.sends[transfer_id] = st
+        self.core.stats.add("sends_started")
+        if endpoint is not None:
+            self._offer(st)
+            return
+        pending = self.pending_pulls.pop(transfer_id, None)
+        if pending is not None:
+            self.on_pull(pending[0])
+
+    def add_layer(self, transfer_id: str, index: int, tensor: torch.Tensor, ready_event: Any) -> None:
+        st = self._get_for_api(transfer_id)
+        if st is None:
+            return
+        if not 0 <= index < len(st.layers):
+            raise TransferError(f"layer {index} out of range 0..{len(st.layers) - 1}", transfer_id)
+        if index in st.items:
+            raise TransferError(f"layer {index} was already handed over", transfer_id)
+        spec = st.layers[index]
+        if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype or not tensor.is_contiguous():
+            raise TransferError(
+                f"layer {index}: got {tuple(tensor.shape)} {tensor.dtype} "
+                f"(contiguous={tensor.is_contiguous()}), announced {spec.shape} {spec.dtype}",
+                transfer_id,
+            )
+        st.items[index] = SendItem(transfer_id, index, tensor, ready_event)
+        self._dispatch(st)
+
+    def add_trailer(self, transfer_id: str, payload: bytes) -> None:
+        st = self._get_for_api(transfer_id)
+        if st is None:
+            return
+        if not st.with_trailer or st.trailer is not None:
+            raise TransferError("trailer not announced (with_trailer=False) or already sent", transfer_id)
+        st.trailer = bytes(payload)
+        self._send_trailer(st)
+
+    def _get_for_api(self, transfer_id: str) -> SendState | None:
+        st = self.sends.get(transfer_id)
+        if st is None and self.core.tombstones.get(SIDE, transfer_id) is None:
+            raise TransferError(f"unknown transfer {transfer_id} (start_send first)", transfer_id)
+        return st  # None: it already ended (failed/aborted): the caller sees that in poll()
+
+    # --- messages ----------------------------------------------------------------------------------------
+
+    def _offer(self, st: SendState) -> None:
+        assert st.endpoint is not None
+        core = self.core
+        peer_id = core.peer_ids.get(st.endpoint, "")
+        info = core.plane.local_info(PeerRef(st.endpoint, peer_id, ""))
+        msg = Offer(
+            **core.header(st.endpoint, st.transfer_id),
+            layers=[WireLayer(list(spec.shape), DTYPE_NAMES[spec.dtype]) for spec in st.layers],
+            with_trailer=st.with_trailer,
+            deadline_s=max(st.deadline - core.now(), 1e-3),
+            data_address=core.plane.address,
+            plane_info=info,
+        )
+        core.send(st.endpoint, msg)
+        self._send_trailer(st)
+
+    def _send_trailer(self, st: SendState) -> None:
+        if st.trailer is None or st.trailer_sent or st.endpoint is None:
+            return
+        st.trailer_sent = True
+        self.core.send(
+            st.endpoint, Trailer(**self.core.header(st.endpoint, st.transfer_id), payload=st.trailer)
+        )
+
+    def on_grant(self, msg: Grant) -> None:
+        st = self.sends.get(msg.transfer_id)
+        if st is None or st.endpoint != msg.src_endpoint:
+            self._unknown(msg.src_endpoint, msg.transfer_id, msg.src_id)
+            return
+        if st.peer is None:
+            st.peer = PeerRef(msg.src_endpoint, msg.src_id, msg.data_address, msg.plane_info)
+            if msg.plane_info:
+                self.core.plane.on_peer_info(st.peer, msg.plane_info)
+        elif st.peer.instance_id != msg.src_id:
+            self.fail(st.transfer_id, f"{FailReason.PEER_LOST.value}: receiver restarted mid-transfer", True)
+            return
+        new = [i for i in msg.layers if 0 <= i < len(st.layers) and i not in st.granted]
+        st.granted.update(new)
+        if self.core.plane.ordered:
+            queue = self.order.setdefault(st.peer.instance_id, collections.deque())
+            queue.extend((st.transfer_id, i) for i in new)
+        self._dispatch(st)
+
+    def on_ack(self, msg: Ack) -> None:
+        st = self.sends.get(msg.transfer_id)
+        if st is None or st.peer is None or st.peer.instance_id != msg.src_id:
+            return  # late ack of an ended transfer
+        st.acked.update(i for i in msg.layers if i in st.dispatched)
+        st.trailer_acked = st.trailer_acked or (msg.trailer and st.trailer_sent)
+        if st.done():
+            del self.sends[st.transfer_id]
+            self.core.events.sent(st.transfer_id)
+            self.core.stats.add("sends_completed")
+            self.core.tombstones.add(SIDE, st.transfer_id, "done")
+
+    def on_pull(self, msg: Pull) -> None:
+        st = self.sends.get(msg.transfer_id)
+        if st is None:
+            ended = self.core.tombstones.get(SIDE, msg.transfer_id)
+            if ended is not None or len(self.pending_pulls) >= MAX_PENDING_PULLS:
+                reason = ended or "too many pending pulls"
+                self.core.send_abort(msg.src_endpoint, msg.transfer_id, reason, msg.src_id)
+            else:  # the pull overtook start_send: hold it until the puller's deadline
+                self.pending_pulls[msg.transfer_id] = (msg, self.core.now() + msg.deadline_s)
+            return
+        if st.endpoint is None:
+            st.endpoint = msg.src_endpoint
+            self._offer(st)
+        elif st.endpoint != msg.src_endpoint:
+            self.core.send_abort(
+                msg.src_endpoint, msg.transfer_id, "already pulled by another peer", msg.src_id
+            )
+
+    def _unknown(self, endpoint: str, transfer_id: str, dst_id: str) -> None:
+        reason = self.core.tombstones.get(SIDE, transfer_id) or FailReason.UNKNOWN.value
+        if reason != "done":
+            self.core.send_abort(endpoint, transfer_id, reason, dst_id)
+
+    # --- data --------------------------------------------------------------------------------------------
+
+    def _dispatch(self, st: SendState) -> None:
+        if st.peer is None:
+            return
+        if self.core.plane.ordered:
+            self._dispatch_ordered(st.peer)
+            return
+        ready = sorted(i for i in st.granted if i in st.items and i not in st.dispatched)
+        if ready:
+            st.dispatched.update(ready)
+            self.core.plane.send(st.peer, [st.items[i] for i in ready])
+
+    def _dispatch_ordered(self, peer: PeerRef) -> None:
+        queue = self.order.get(peer.instance_id)
+        batch: list[SendItem] = []
+        while queue:
+            tid, index = queue[0]
+            st = self.sends.get(tid)
+            if st is not None and index not in st.items:
+                break  # the plane needs this layer next: hold the later ones
+            queue.popleft()
+            if st is not None:
+                st.dispatched.add(index)
+                batch.append(st.items[index])
+        if batch:
+            self.core.plane.send(peer, batch)
+
+    def on_sent(self, transfer_id: str, index: int) -> None:
+        st = self.sends.get(transfer_id)
+        if st is not None:
+            self.core.stats.add("bytes_sent", st.layers[index].num_bytes)
+
+    # --- failure -----------------------------------------------------------------------------------------
+
+    def fail(self, transfer_id: str, reason: str, notify: bool) -> bool:
+        st = self.sends.pop(transfer_id, None)
+        if st is None:
+            return False
+        self.core.plane.cancel(transfer_id)
+        self.core.record_failure(SIDE, transfer_id, reason)
+        if notify and st.endpoint is not None:
+            dst = st.peer.instance_id if st.peer is not None else None
+            self.core.send_abort(st.endpoint, transfer_id, reason, dst)
+        if st.peer is not None and self.core.plane.ordered:
+            self._dispatch_ordered(st.peer)
+        return True
+
+    def fail_peer(self, peer_id: str, reason: str) -> None:
+        for tid in [
+            t for t, st in self.sends.items() if st.peer is not None and st.peer.instance_id == peer_id
+        ]:
+            self.fail(tid, reason, notify=False)
+        self.order.pop(peer_id, None)
+
+    def on_abort(self, transfer_id: str, src_endpoint: str, reason: str) -> None:
+        st = self.sends.get(transfer_id)
+        if st is not None and st.endpoint == src_endpoint:
+            self.fail(transfer_id, f"{FailReason.PEER_ABORTED.value}: {reason}", notify=False)
+
+    def expire(self, now: float) -> None:
+        for tid in [t for t, st in self.sends.items() if st.deadline <= now]:
+            st = self.sends[tid]
+            what = (
+                "not pulled"
+                if st.endpoint is None
+                else f"{len(st.acked)}/{len(st.layers)} layers acknowledged"
+            )
+            self.fail(tid, f"{FailReason.DEADLINE.value}: {what}", notify=True)
+        for tid in [t for t, (_, until) in self.pending_pulls.items() if until <= now]:
+            msg, _ = self.pending_pulls.pop(tid)
+            self.core.send_abort(msg.src_endpoint, tid, FailReason.UNKNOWN.value, msg.src_id)
+
+    def close(self, reason: str) -> None:
+        for tid in list(self.sends):
+            self.fail(tid, reason, notify=True)
