@@ -34,6 +34,9 @@ class RecvSpec:
     deadline_s: float
     pull_from: tuple[str, ...]  # P's endpoints (pull mode); empty in push mode
     want_trailer: bool  # push with first token: read the trailer on completion
+    # Leading blocks D already holds (local prefix-cache hit, possibly shared with running
+    # requests): their arriving copies are not written.
+    skip_blocks: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -154,6 +154,7 @@ class KvwireSchedulerConnector(SchedulerConnector):
                 state.phase = Phase.LOCAL
                 return 0, False
             state.num_remote_tokens = total
+            state.num_local_tokens = num_computed_tokens
             return total - num_computed_tokens, True
         if state.phase in (Phase.RECV_QUEUED, Phase.RECEIVING):
             # Re-queued mid-load (preempted): the engine freed the blocks; prefill locally instead.
@@ -183,6 +184,7 @@ class KvwireSchedulerConnector(SchedulerConnector):
                 deadline_s=state.deadline_s,
                 pull_from=tuple(state.params.peer_endpoints) if pull else (),
                 want_trailer=not pull and self.config.use_first_token,
+                skip_blocks=state.num_local_tokens // self.engine_info.block_size,
             )
         )
 

@@ -39,6 +39,7 @@ class RequestState:
     transfer_started_s: float | None = None  # P: send announced; D: expect issued
     block_ids: tuple[int, ...] = ()  # P: prompt blocks sent; D: blocks the KV is loaded into
     num_remote_tokens: int = 0  # D: tokens (from position 0) whose KV comes from P
+    num_local_tokens: int = 0  # D: leading tokens whose KV D already had (prefix cache)
     first_token_id: int | None = None  # D: P's first token, once the load completed
 
 

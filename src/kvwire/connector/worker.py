@@ -242,7 +242,7 @@ class KvwireWorkerConnector(WorkerConnector):
     # --- receive side -----------------------------------------------------------------------
 
     def _expect(self, spec: RecvSpec) -> None:
-        recv = _Recv(spec, self._ids(spec.block_ids))
+        recv = _Recv(spec, self._ids(spec.block_ids[spec.skip_blocks :]))
         pull_from: str | None = None
         if spec.pull_from:
             if self.engine_info.rank >= len(spec.pull_from):
@@ -269,19 +269,21 @@ class KvwireWorkerConnector(WorkerConnector):
                 return
             try:
                 cache = self._kv_caches[layer_index]
-                data = self._fit(tensor, len(recv.spec.block_ids))
+                data = self._fit(tensor, len(recv.spec.block_ids), recv.spec.skip_blocks)
                 scatter_blocks(cache, recv.ids, data, self._layout)
             except (IndexError, ValueError) as exc:
                 recv.error = f"mismatch: layer {layer_index}: {exc}"
                 return
         self._metrics.transfer_bytes.labels(side="recv").inc(tensor.numel() * tensor.element_size())
 
-    def _fit(self, data: torch.Tensor, num_blocks: int) -> torch.Tensor:
-        """P sends the whole prompt's blocks; D may load fewer (it recomputes the last prompt token)."""
+    def _fit(self, data: torch.Tensor, num_blocks: int, skip_blocks: int) -> torch.Tensor:
+        """The part of P's payload D writes: P sends the whole prompt's blocks; D may load fewer (it
+        recomputes the last prompt token) and skips the blocks it already had."""
         dim = _BLOCK_DIM[self._layout]
-        if data.dim() > dim and data.shape[dim] > num_blocks:
-            return data.narrow(dim, 0, num_blocks)
-        return data
+        if data.dim() <= dim:
+            return data
+        end = min(num_blocks, int(data.shape[dim]))
+        return data.narrow(dim, skip_blocks, max(end - skip_blocks, 0))
 
     def _on_received(self, tid: str, out: _StepOutput) -> None:
         recv = self._recvs.pop(tid, None)

@@ -200,3 +200,22 @@ def test_pull_prompt_length_mismatch_recomputes(fabric: FakeFabric, registry) ->
                               peer_endpoints=["fake://p"], first_token_id=3, num_prompt_tokens=9)
     dreq = FakeRequest("d4", [1, 2, 3], params.to_dict())
     assert d.sched.get_num_new_matched_tokens(dreq, 0) == (0, False)
+
+
+def test_d_prefix_cache_hit_keeps_its_own_blocks(fabric: FakeFabric, registry) -> None:
+    p, d = make_pd(fabric, registry)
+    preq, dreq = push_requests(p, d, prompt_len=2 * BLOCK + 2)
+    p_ids, d_ids = [1, 2, 3], [7, 8, 9]
+    for cache in d.caches:
+        cache[:, 7] = 5.0  # D's cached (shared) first block: must stay untouched
+    assert d.sched.get_num_new_matched_tokens(dreq, BLOCK) == (BLOCK + 2, True)
+    d.sched.update_state_after_alloc(dreq, d_ids, BLOCK + 2)
+    d.step()
+    p.sched.get_num_new_matched_tokens(preq, 0)
+    p.step(chunk(preq, p_ids, computed=0, scheduled=2 * BLOCK + 2))
+    preq.output_token_ids = [9]
+    p.sched.request_finished(preq, p_ids)
+    p.step()
+    d.until(lambda o: dreq.request_id in o.finished_recving)
+    assert_blocks_equal(p, p_ids[1:], d, d_ids[1:])
+    assert all(bool((c[:, 7] == 5.0).all()) for c in d.caches)
