@@ -1,0 +1,211 @@
+"""The router's aiohttp application: OpenAI endpoints, /v1/models, /health, /metrics, /instances.
+
+:class:`RouterServer` owns everything a running router needs (registry, discovery listener, sweeper,
+upstream session, HTTP site) and stops all of it in :meth:`RouterServer.stop`. Errors are converted
+to HTTP here, once: invalid input -> 400, unknown model -> 404, body too large -> 413, no live
+instance -> 503, upstream 4xx/5xx -> the same status and body. A client disconnect cancels the
+handler (``handler_cancellation``), which cancels the upstream calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvwire.errors import InvalidRequestError, NoInstanceError
+from kvwire.router.config import RouterConfig
+from kvwire.router.listener import DiscoveryListener
+from kvwire.router.metrics import RouterMetrics
+from kvwire.router.proxy import Dispatcher
+from kvwire.router.registry import Registry, RegistrySweeper
+from kvwire.router.request import parse_client_request
+from kvwire.router.selection import ModelNotFoundError, Selector
+from kvwire.router.upstream import Upstream, UpstreamFailure
+
+log = logging.getLogger(__name__)
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
+def error_response(status: int, message: str, type_: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": type_, "code": status}}, status=status)
+
+
+class RouterServer:
+    """Start with ``await server.start()``; ``server.port`` / ``server.discovery_port`` are then bound."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.metrics = RouterMetrics()
+        self.registry = Registry(cfg.instance_ttl_s, cfg.forget_after_s)
+        self.listener = DiscoveryListener(
+            self.registry, cfg.discovery_host, cfg.discovery_port, cfg.secret_bytes
+        )
+        self.sweeper = RegistrySweeper(self.registry, cfg.sweep_interval_s)
+        self.selector = Selector(self.registry, cfg.policy, cfg.seed)
+        self.metrics.add_discovery(
+            self.registry, lambda: dict(self.listener.received), lambda: dict(self.listener.dropped)
+        )
+        self.app = web.Application(client_max_size=cfg.max_body_bytes)
+        self.app.router.add_post(COMPLETIONS, self._completions)
+        self.app.router.add_post(CHAT, self._chat)
+        self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_get("/health", self._health)
+        self.app.router.add_get("/metrics", self._metrics_handler)
+        self.app.router.add_get("/instances", self._instances)
+        self._runner: web.AppRunner | None = None
+        self._upstream: Upstream | None = None
+        self._dispatcher: Dispatcher | None = None
+        self.port = 0
+
+    @property
+    def discovery_address(self) -> str:
+        return self.listener.address
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.port}"
+
+    async def start(self) -> None:
+        self.listener.start()
+        self.sweeper.start()
+        self._upstream = Upstream(
+            self.registry, self.metrics, self.cfg.connect_timeout_s, self.cfg.upstream_timeout_s
+        )
+        self._dispatcher = Dispatcher(self.cfg, self.selector, self._upstream, self.metrics)
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        sock = socket.socket(socket.AF_INET6 if ":" in self.cfg.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.cfg.host, self.cfg.port))
+        self.port = sock.getsockname()[1]
+        await web.SockSite(self._runner, sock, backlog=1024).start()
+        log.info("router on %s, discovery on %s, policy %s, mode %s", self.url, self.discovery_address,
+                 self.cfg.policy.value, self.cfg.mode.value)
+
+    async def stop(self) -> None:
+        if self._dispatcher is not None:
+            await self._dispatcher.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._upstream is not None:
+            await self._upstream.close()
+        await asyncio.get_running_loop().run_in_executor(None, self._stop_threads)
+
+    def _stop_threads(self) -> None:
+        self.sweeper.close()
+        self.listener.close()
+
+    # --- OpenAI endpoints -----------------------------------------------------------------------
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, COMPLETIONS)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, CHAT)
+
+    async def _serve(self, request: web.Request, path: str) -> web.StreamResponse:
+        assert self._dispatcher is not None, "start() first"
+        t0 = time.perf_counter()
+        outcome, stream = "error", False
+        self.metrics.inflight.inc()
+        try:
+            creq = parse_client_request(path, await self._read_body(request), request.headers)
+            creq.t0, stream = t0, creq.stream
+            response = await self._dispatcher.dispatch(request, creq)
+            outcome = creq.outcome
+            return response
+        except _BodyTooLarge as exc:
+            outcome = "too_large"
+            return error_response(413, str(exc), "invalid_request_error")
+        except InvalidRequestError as exc:
+            outcome = "invalid"
+            return error_response(400, str(exc), "invalid_request_error")
+        except ModelNotFoundError as exc:
+            outcome = "model_not_found"
+            return error_response(404, str(exc), "not_found_error")
+        except NoInstanceError as exc:
+            outcome = "no_instance"
+            return error_response(503, str(exc), "service_unavailable")
+        except UpstreamFailure as exc:
+            outcome = "upstream_error"
+            return _upstream_error_response(exc)
+        except (asyncio.CancelledError, ConnectionResetError):
+            outcome = "client_disconnected"
+            raise
+        finally:
+            self.metrics.inflight.dec()
+            self.metrics.requests.labels(endpoint=path, outcome=outcome).inc()
+            if outcome == "ok":
+                label = "true" if stream else "false"
+                self.metrics.e2e.labels(stream=label).observe(time.perf_counter() - t0)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.cfg.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            size = request.content_length
+            raise _BodyTooLarge(f"request body of {size} bytes exceeds the {limit}-byte limit")
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise _BodyTooLarge(f"request body exceeds the {limit}-byte limit") from exc
+
+    # --- service endpoints ----------------------------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.Response:
+        models = sorted({v.info.model for v in self.registry.snapshot() if v.alive})
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvwire"} for m in models]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        live = sum(1 for v in self.registry.snapshot() if v.alive)
+        return web.json_response({"status": "ok", "live_instances": live})
+
+    async def _metrics_handler(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _instances(self, request: web.Request) -> web.Response:
+        return web.json_response([self._instance_json(v) for v in self.registry.snapshot()])
+
+    def _instance_json(self, v: Any) -> dict[str, Any]:
+        load = v.load
+        requests, tokens = self.selector.inflight(v.instance_id)
+        return {
+            "id": v.instance_id,
+            "epoch": v.info.epoch,
+            "role": v.role.value,
+            "url": v.url,
+            "model": v.info.model,
+            "kv_endpoints": list(v.info.kv_endpoints),
+            "version": v.info.version,
+            "alive": v.alive,
+            "state": v.state.value,
+            "reason": v.reason,
+            "last_seen_s": round(self.registry.age_s(v), 3),
+            "load": None if load is None else {
+                "num_running": load.num_running,
+                "num_waiting": load.num_waiting,
+                "free_kv_blocks": load.free_kv_blocks,
+                "total_kv_blocks": load.total_kv_blocks,
+            },
+            "router_inflight": {"requests": requests, "tokens": tokens},
+        }
+
+
+class _BodyTooLarge(InvalidRequestError):
+    pass
+
+
+def _upstream_error_response(exc: UpstreamFailure) -> web.Response:
+    if exc.body:
+        # The instance's own error, status and body unchanged.
+        return web.Response(body=exc.body, status=exc.status, headers={"Content-Type": exc.content_type})
+    return error_response(exc.status, str(exc), "upstream_error")

@@ -1,0 +1,92 @@
+"""``kvwire router``: run the OpenAI-compatible router with service discovery."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Coroutine
+from typing import Any
+
+from kvwire.errors import ConfigError
+from kvwire.kv_params import TransferMode
+from kvwire.router.app import RouterServer
+from kvwire.router.config import Policy, RouterConfig
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = RouterConfig()
+    parser.add_argument("--host", default=d.host, help="HTTP bind address (default %(default)s)")
+    parser.add_argument("--port", type=int, default=d.port, help="HTTP port, 0 = any (default %(default)s)")
+    parser.add_argument("--discovery-host", default=d.discovery_host,
+                        help="heartbeat (ZeroMQ) bind address (default %(default)s)")
+    parser.add_argument("--discovery-port", type=int, default=d.discovery_port,
+                        help="heartbeat port; instances use --router tcp://HOST:PORT (default %(default)s)")
+    parser.add_argument("--instance-ttl-s", type=float, default=d.instance_ttl_s,
+                        help="expire an instance after this long without a heartbeat (default %(default)s)")
+    parser.add_argument("--policy", choices=[p.value for p in Policy], default=d.policy.value,
+                        help="instance selection policy (default %(default)s)")
+    parser.add_argument("--mode", choices=[m.value for m in TransferMode], default=d.mode.value,
+                        help="P/D KV transfer mode (default %(default)s)")
+    parser.add_argument("--secret", default=os.environ.get("KVWIRE_SECRET"),
+                        help="HMAC key heartbeats must be signed with (default: $KVWIRE_SECRET, else none)")
+    parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                        help="largest accepted request body (default %(default)s)")
+    parser.add_argument("--kv-deadline-s", type=float, default=d.kv_deadline_s,
+                        help="deadline_s given to P/D transfers (default %(default)s)")
+    parser.add_argument("--upstream-timeout-s", type=float, default=d.upstream_timeout_s,
+                        help="limit on one upstream request, streaming included (default %(default)s)")
+    parser.add_argument("--max-connect-retries", type=int, default=d.max_connect_retries,
+                        help="re-dispatches after a refused connection (default %(default)s)")
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        host=args.host, port=args.port,
+        discovery_host=args.discovery_host, discovery_port=args.discovery_port,
+        instance_ttl_s=args.instance_ttl_s, policy=Policy(args.policy), mode=TransferMode(args.mode),
+        secret=args.secret or None, max_body_bytes=args.max_body_bytes, kv_deadline_s=args.kv_deadline_s,
+        upstream_timeout_s=args.upstream_timeout_s, max_connect_retries=args.max_connect_retries,
+    )
+
+
+async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
+    """Run until SIGINT/SIGTERM, then stop everything."""
+    server = RouterServer(cfg)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    print(f"kvwire router: {server.url} (discovery {server.discovery_address})", flush=True)
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+    finally:
+        log.info("router stopping")
+        await server.stop()
+
+
+def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
+    """``asyncio.run`` on uvloop when it is installed (faster HTTP), else the default loop."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as exc:
+        print(f"kvwire router: {exc}")
+        return 2
+    run_event_loop(serve(cfg))
+    return 0

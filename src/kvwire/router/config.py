@@ -1,0 +1,63 @@
+"""Router configuration: one frozen dataclass built at the edge (CLI) and passed down."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvwire.errors import ConfigError
+from kvwire.kv_params import TransferMode
+
+
+class Policy(str, enum.Enum):
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    RANDOM = "random"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000  # HTTP (OpenAI API); 0 = pick a free port
+    discovery_host: str = "127.0.0.1"
+    discovery_port: int = 8001  # ZeroMQ heartbeats; 0 = pick a free port
+    instance_ttl_s: float = 6.0  # no heartbeat for this long -> expired (3 missed at the default 2 s)
+    forget_after_s: float = 60.0  # expired entries stay visible in /instances this long
+    policy: Policy = Policy.LEAST_LOADED
+    mode: TransferMode = TransferMode.PUSH
+    secret: str | None = None  # HMAC key for heartbeats; unsigned ones are dropped when set
+    max_body_bytes: int = 16 * 1024 * 1024
+    connect_timeout_s: float = 5.0
+    upstream_timeout_s: float = 600.0  # whole upstream request, streaming included
+    kv_deadline_s: float = 30.0  # deadline_s put in kv_transfer_params
+    max_connect_retries: int = 2  # re-dispatches when an upstream refuses the connection
+    seed: int | None = None  # for the random policy (tests)
+
+    def __post_init__(self) -> None:
+        for name in ("port", "discovery_port"):
+            value = getattr(self, name)
+            if not 0 <= value <= 65535:
+                raise ConfigError(f"{name} must be in 0..65535, got {value}")
+        positive = (
+            "instance_ttl_s", "forget_after_s", "connect_timeout_s", "upstream_timeout_s", "kv_deadline_s"
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_connect_retries < 0:
+            raise ConfigError(f"max_connect_retries must be >= 0, got {self.max_connect_retries}")
+        if not isinstance(self.policy, Policy):
+            raise ConfigError(f"policy must be a Policy, got {self.policy!r}")
+        if not isinstance(self.mode, TransferMode):
+            raise ConfigError(f"mode must be a TransferMode, got {self.mode!r}")
+
+    @property
+    def sweep_interval_s(self) -> float:
+        """How often the sweeper looks for expired instances (a quarter of the TTL, at most 1 s)."""
+        return min(1.0, self.instance_ttl_s / 4)
+
+    @property
+    def secret_bytes(self) -> bytes | None:
+        return self.secret.encode() if self.secret else None

@@ -1,0 +1,122 @@
+"""Router side of discovery: a thread that receives heartbeats and feeds the :class:`Registry`.
+
+One ZeroMQ PULL socket bound on the discovery port; instances connect with
+:class:`kvwire.discovery.HeartbeatClient` (PUSH). Malformed, unsigned (when a secret is set) or badly
+signed messages are dropped and counted in ``dropped[reason]``; they never reach the registry.
+
+Fast failure detection: a socket monitor reports when a discovery TCP connection closes (the
+instance process died: the kernel closes its sockets, kill -9 included). The listener remembers
+which connection (file descriptor) each instance heartbeats on, and marks that instance unreachable
+at once; its next heartbeat (if it is in fact alive and reconnected) brings it back. Silent failures
+(host gone, network cut) are left to the TTL sweeper.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvwire.discovery.messages import Heartbeat, decode_frames
+from kvwire.errors import AuthenticationError, ProtocolError
+from kvwire.router.registry import ApplyResult, Registry
+
+log = logging.getLogger(__name__)
+
+_POLL_MS = 100  # how often the thread checks for close()
+
+
+class DiscoveryListener:
+    """Binds ``tcp://host:port`` (port 0 = a free port) at construction; :meth:`start` runs the thread."""
+
+    def __init__(self, registry: Registry, host: str, port: int, secret: bytes | None = None) -> None:
+        self._registry = registry
+        self._secret = secret
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 10_000)
+        if port == 0:
+            self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+        else:
+            self._sock.bind(f"tcp://{host}:{port}")
+            self.port = port
+        self.address = f"tcp://{host}:{self.port}"
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._fd_owner: dict[int, tuple[str, int]] = {}  # connection fd -> (instance id, epoch)
+        self.received: collections.Counter[str] = collections.Counter()  # by ApplyResult value
+        self.dropped: collections.Counter[str] = collections.Counter()  # by reason
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvwire-discovery", daemon=True)
+
+    def start(self) -> DiscoveryListener:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+        if not self._thread.is_alive() and not self._ctx.closed:
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(_POLL_MS))
+                if self._monitor in events:
+                    self._on_monitor_event()
+                if self._sock in events:
+                    self._drain()
+        except Exception:
+            log.exception("discovery listener failed")
+        finally:
+            self._close_sockets()
+
+    def _drain(self) -> None:
+        # Handle everything queued now (bounded) before polling again.
+        for _ in range(1000):
+            try:
+                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._on_frames(frames)
+
+    def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        try:
+            msg = decode_frames([f.bytes for f in frames], self._secret)
+        except AuthenticationError as exc:
+            self.dropped["unauthenticated"] += 1
+            log.warning("dropped discovery message: %s", exc)
+            return
+        except ProtocolError as exc:
+            self.dropped["malformed"] += 1
+            log.warning("dropped discovery message: %s", exc)
+            return
+        result = self._registry.apply(msg)
+        self.received[result.value] += 1
+        if isinstance(msg, Heartbeat) and result is not ApplyResult.STALE:
+            fd = frames[0].get(zmq.SRCFD)
+            if isinstance(fd, int) and fd >= 0:
+                self._fd_owner[fd] = (msg.info.instance_id, msg.info.epoch)
+
+    def _on_monitor_event(self) -> None:
+        event = recv_monitor_message(self._monitor)
+        if event["event"] != zmq.EVENT_DISCONNECTED:
+            return
+        owner = self._fd_owner.pop(int(event["value"]), None)
+        if owner is not None:
+            instance_id, epoch = owner
+            self._registry.mark_unreachable(instance_id, epoch, "discovery connection closed")

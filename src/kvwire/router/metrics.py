@@ -1,0 +1,146 @@
+"""Router Prometheus metrics (one ``CollectorRegistry`` per app, no globals) and the SSE token meter.
+
+TTFT and ITL are measured at the router, as the client sees them: TTFT from the moment the request
+arrived to the first forwarded SSE event that carries generated text; ITL between such events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvwire.discovery.messages import InstanceRole
+from kvwire.router.registry import InstanceState, Registry
+
+_LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0,
+)
+_ITL_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "kvwire_router_requests", "Requests finished, by endpoint and outcome", ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvwire_router_ttft_seconds", "Time to first generated token (streaming), at the router",
+            ["mode"], buckets=_LATENCY_BUCKETS_S, registry=r,
+        )
+        self.itl = Histogram(
+            "kvwire_router_itl_seconds", "Gap between generated-token SSE events, at the router",
+            ["mode"], buckets=_ITL_BUCKETS_S, registry=r,
+        )
+        self.e2e = Histogram(
+            "kvwire_router_request_seconds", "Whole request latency at the router", ["stream"],
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )
+        self.upstream_errors = Counter(
+            "kvwire_router_upstream_errors", "Upstream failures by instance role and kind", ["role", "kind"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvwire_router_retries", "Dispatches retried after a refused connection", registry=r
+        )
+        self.inflight = Gauge("kvwire_router_inflight_requests", "Client requests in progress", registry=r)
+
+    def add_discovery(self, registry: Registry, received: Callable[[], dict[str, int]],
+                      dropped: Callable[[], dict[str, int]]) -> None:
+        self.registry.register(_DiscoveryCollector(registry, received, dropped))
+
+
+class _DiscoveryCollector(Collector):
+    """Instances by role and state, discovery messages by result, read at scrape time."""
+
+    def __init__(self, registry: Registry, received: Callable[[], dict[str, int]],
+                 dropped: Callable[[], dict[str, int]]) -> None:
+        self._registry = registry
+        self._received = received
+        self._dropped = dropped
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        gauge = GaugeMetricFamily("kvwire_router_instances", "Known instances by role and state",
+                                  labels=["role", "state"])
+        counts = {(role, state): 0 for role in InstanceRole for state in InstanceState}
+        for view in self._registry.snapshot():
+            counts[(view.role, view.state)] += 1
+        for (role, state), n in counts.items():
+            gauge.add_metric([role.value, state.value], n)
+        yield gauge
+        recv = CounterMetricFamily(
+            "kvwire_router_discovery_messages", "Discovery messages applied, by result", labels=["result"]
+        )
+        for result, n in sorted(self._received().items()):
+            recv.add_metric([result], n)
+        yield recv
+        drop = CounterMetricFamily(
+            "kvwire_router_discovery_dropped",
+            "Discovery messages dropped (malformed, unauthenticated)",
+            labels=["reason"],
+        )
+        for reason, n in sorted(self._dropped().items()):
+            drop.add_metric([reason], n)
+        yield drop
+
+
+class _Delta(msgspec.Struct):
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[object] | None = None
+
+
+class _Choice(msgspec.Struct):
+    text: str | None = None
+    delta: _Delta | None = None
+
+
+class _Event(msgspec.Struct):
+    choices: list[_Choice] = msgspec.field(default_factory=list)
+
+
+_event_decoder = msgspec.json.Decoder(_Event)
+
+
+def _has_token(data: bytes) -> bool:
+    try:
+        event = _event_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
+    for choice in event.choices:
+        if choice.text:
+            return True
+        d = choice.delta
+        if d is not None and (d.content or d.reasoning_content or d.tool_calls):
+            return True
+    return False
+
+
+class SSETokenMeter:
+    """Counts SSE events that carry generated text in a byte stream fed chunk by chunk.
+
+    Only reads a copy of the stream (the router forwards the bytes unchanged). Events split across
+    chunks are reassembled; role-only, usage-only and ``[DONE]`` events do not count.
+    """
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> int:
+        self._buf += chunk
+        *events, self._buf = self._buf.replace(b"\r\n", b"\n").split(b"\n\n")
+        n = 0
+        for event in events:
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    payload = line[5:].strip()
+                    if payload != b"[DONE]" and _has_token(payload):
+                        n += 1
+        return n

@@ -1,0 +1,281 @@
+"""Dispatch: one client request -> a colocated instance, or a prefill + decode pair.
+
+* colocated (``both`` instances): the body is forwarded untouched to one instance.
+* P/D push: a fresh transfer id; P gets a copy with ``max_tokens=1`` (non-streaming), D the full
+  request, **concurrently**, each with ``kv_transfer_params`` naming the other's KV endpoints; D's
+  answer is streamed back. If P fails before D has produced anything, D is cancelled and P's error
+  is returned (or the pair re-picked when P refused the connection); after that D owns the outcome
+  (it recomputes or fails per its policy).
+* P/D pull: P first; its returned ``kv_transfer_params`` go to D with the role switched to decode.
+
+Connections refused (the request surely never arrived) are retried on other instances, up to
+``max_connect_retries``. Cancellation (client disconnect) propagates into every upstream call,
+which closes those connections so that the instances abort the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from kvwire.discovery.messages import InstanceRole
+from kvwire.errors import InvalidRequestError
+from kvwire.kv_params import KVTransferParams, PDRole, TransferMode
+from kvwire.router.config import RouterConfig
+from kvwire.router.metrics import RouterMetrics, SSETokenMeter
+from kvwire.router.registry import InstanceView
+from kvwire.router.request import ClientRequest
+from kvwire.router.selection import Plan, Selector
+from kvwire.router.upstream import Upstream, UpstreamFailure
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Opened = tuple[aiohttp.ClientResponse, bytes]  # response + first body chunk (or the whole body)
+_STREAM_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)
+
+
+class Dispatcher:
+    def __init__(self, cfg: RouterConfig, selector: Selector, upstream: Upstream, metrics: RouterMetrics):
+        self._cfg = cfg
+        self._selector = selector
+        self._upstream = upstream
+        self._metrics = metrics
+        self._background: set[asyncio.Task[Any]] = set()
+
+    async def dispatch(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
+        """Serve ``creq``; raises NoInstanceError / ModelNotFoundError / UpstreamFailure before any
+        byte went to the client (afterwards failures are reported in-band)."""
+        plan = self._selector.plan(creq.model)
+        if plan is Plan.COLOCATED:
+            return await self._retrying(lambda: self._single(request, creq, InstanceRole.BOTH, creq.raw))
+        if self._cfg.mode is TransferMode.PUSH:
+            return await self._retrying(lambda: self._push(request, creq))
+        return await self._pull(request, creq)
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        if self._background:
+            await asyncio.wait(self._background, timeout=5.0)
+
+    async def _retrying(self, attempt: Callable[[], Awaitable[T]]) -> T:
+        for i in range(self._cfg.max_connect_retries + 1):
+            try:
+                return await attempt()
+            except UpstreamFailure as exc:
+                if not exc.retryable or i == self._cfg.max_connect_retries:
+                    raise
+                self._metrics.retries.inc()
+        raise AssertionError("unreachable")
+
+    # --- one upstream (colocated, or D in pull mode) ---------------------------------------------
+
+    async def _single(
+        self, request: web.Request, creq: ClientRequest, role: InstanceRole, body: bytes
+    ) -> web.StreamResponse:
+        inst = self._selector.pick(role, creq.model)
+        mode = "colocated" if role is InstanceRole.BOTH else "pd"
+        with self._selector.track(inst.instance_id, creq.est_prompt_tokens + creq.max_new_tokens):
+            opened = await self._call(inst, role.value, creq, body, stream=creq.stream)
+            return await self._respond(request, creq, inst, opened, mode)
+
+    async def _call(
+        self, inst: InstanceView, role: str, creq: ClientRequest, body: bytes, *, stream: bool
+    ) -> Opened:
+        if not stream:
+            return await self._upstream.read_all(inst, role, creq.path, body, creq.headers)
+        resp = await self._upstream.open(inst, role, creq.path, body, creq.headers)
+        try:
+            first = await resp.content.readany()
+        except _STREAM_ERRORS as exc:
+            resp.close()
+            raise UpstreamFailure(
+                f"{role} instance {inst.instance_id} closed the stream: {exc!r}",
+                status=502, kind="disconnect", instance_id=inst.instance_id,
+            ) from exc
+        except BaseException:
+            resp.close()
+            raise
+        return resp, first
+
+    async def _respond(
+        self, request: web.Request, creq: ClientRequest, inst: InstanceView, opened: Opened, mode: str
+    ) -> web.StreamResponse:
+        resp, first = opened
+        if not creq.stream:
+            ctype = resp.headers.get("Content-Type", "application/json")
+            return web.Response(body=first, status=resp.status, headers={"Content-Type": ctype})
+        return await self._relay(request, creq, inst, resp, first, mode)
+
+    async def _relay(
+        self, request: web.Request, creq: ClientRequest, inst: InstanceView,
+        resp: aiohttp.ClientResponse, first: bytes, mode: str,
+    ) -> web.StreamResponse:
+        """Forward an SSE stream byte for byte, timing generated-token events."""
+        ctype = resp.headers.get("Content-Type", "text/event-stream")
+        headers = {"Content-Type": ctype, "Cache-Control": "no-cache"}
+        out = web.StreamResponse(status=resp.status, headers=headers)
+        meter = SSETokenMeter()
+        last: float | None = None
+        try:
+            await out.prepare(request)
+            chunk = first
+            while chunk:
+                await out.write(chunk)
+                n = meter.feed(chunk)
+                if n:
+                    now = time.perf_counter()
+                    if last is None:
+                        self._metrics.ttft.labels(mode=mode).observe(now - creq.t0)
+                    else:
+                        self._metrics.itl.labels(mode=mode).observe(now - last)
+                    for _ in range(n - 1):
+                        self._metrics.itl.labels(mode=mode).observe(0.0)
+                    last = now
+                chunk = await resp.content.readany()
+        except (*_STREAM_ERRORS, asyncio.TimeoutError) as exc:
+            await self._stream_broke(out, creq, inst, exc)
+        finally:
+            resp.close()  # no-op when complete; otherwise drops the connection so the instance aborts
+        await out.write_eof()
+        return out
+
+    async def _stream_broke(
+        self, out: web.StreamResponse, creq: ClientRequest, inst: InstanceView, exc: BaseException
+    ) -> None:
+        # Headers are gone already: report the failure in-band, as an OpenAI-style error event.
+        creq.outcome = "upstream_error"
+        kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "disconnect"
+        role = inst.role.value
+        self._metrics.upstream_errors.labels(role=role, kind=kind).inc()
+        message = f"{role} instance {inst.instance_id} failed mid-stream: {exc!r}"
+        log.warning("%s", message)
+        if kind == "disconnect":
+            self._upstream.mark_dead(inst, message)
+        event = {"error": {"message": message, "type": "upstream_error", "code": 502}}
+        await out.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
+
+    # --- P/D ------------------------------------------------------------------------------------
+
+    def _pd_bodies(
+        self, creq: ClientRequest, p_params: KVTransferParams, d_params: KVTransferParams
+    ) -> tuple[bytes, bytes]:
+        p_body = creq.derived_body(
+            max_tokens=1, max_completion_tokens=1, stream=False, stream_options=None, min_tokens=None,
+            kv_transfer_params=p_params.to_dict(),
+        )
+        return p_body, creq.derived_body(kv_transfer_params=d_params.to_dict())
+
+    async def _push(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
+        p = self._selector.pick(InstanceRole.PREFILL, creq.model)
+        d = self._selector.pick(InstanceRole.DECODE, creq.model)
+        tid = uuid.uuid4().hex
+        p_params = self._push_params(tid, PDRole.PREFILL, peer=d)
+        d_params = self._push_params(tid, PDRole.DECODE, peer=p)
+        p_body, d_body = self._pd_bodies(creq, p_params, d_params)
+        prompt = creq.est_prompt_tokens
+        with self._selector.track(p.instance_id, prompt), \
+                self._selector.track(d.instance_id, prompt + creq.max_new_tokens):
+            p_task = asyncio.create_task(self._call(p, "prefill", creq, p_body, stream=False))
+            d_task = asyncio.create_task(self._call(d, "decode", creq, d_body, stream=creq.stream))
+            try:
+                opened = await self._race(p_task, d_task)
+                response = await self._respond(request, creq, d, opened, "pd")
+            except BaseException:
+                for task in (p_task, d_task):
+                    task.cancel()
+                await asyncio.gather(p_task, d_task, return_exceptions=True)
+                _close_opened(d_task)
+                raise
+        self._finish_in_background(p_task, tid)
+        return response
+
+    def _push_params(self, tid: str, role: PDRole, peer: InstanceView) -> KVTransferParams:
+        return KVTransferParams(
+            transfer_id=tid, mode=TransferMode.PUSH, role=role, peer_endpoints=list(peer.info.kv_endpoints),
+            peer_instance_id=peer.instance_id, deadline_s=self._cfg.kv_deadline_s,
+        )
+
+    async def _race(self, p_task: asyncio.Task[Opened], d_task: asyncio.Task[Opened]) -> Opened:
+        """D's first bytes, unless P fails before them (then D is cancelled and P's error raised)."""
+        done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+        if d_task not in done and p_task.exception() is not None:
+            d_task.cancel()
+            await asyncio.gather(d_task, return_exceptions=True)
+            raise p_task.exception()  # type: ignore[misc]
+        try:
+            return await d_task
+        except BaseException:
+            p_task.cancel()  # D is gone: P's transfer has nowhere to go
+            raise
+
+    def _finish_in_background(self, p_task: asyncio.Task[Opened], tid: str) -> None:
+        if p_task.done():
+            _consume(p_task, tid)
+            return
+        self._background.add(p_task)
+
+        def done(task: asyncio.Task[Opened]) -> None:
+            self._background.discard(task)
+            _consume(task, tid)
+
+        p_task.add_done_callback(done)
+
+    async def _pull(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
+        tid = uuid.uuid4().hex
+        p_params = KVTransferParams(
+            transfer_id=tid, mode=TransferMode.PULL, role=PDRole.PREFILL, deadline_s=self._cfg.kv_deadline_s
+        )
+        p_body = creq.derived_body(
+            max_tokens=1, max_completion_tokens=1, stream=False, stream_options=None, min_tokens=None,
+            kv_transfer_params=p_params.to_dict(),
+        )
+        p, answer = await self._retrying(lambda: self._prefill_only(creq, p_body))
+        d_params = self._params_from_prefill(p, answer)
+        d_body = creq.derived_body(kv_transfer_params=d_params.to_dict())
+        return await self._retrying(lambda: self._single(request, creq, InstanceRole.DECODE, d_body))
+
+    async def _prefill_only(self, creq: ClientRequest, body: bytes) -> tuple[InstanceView, bytes]:
+        p = self._selector.pick(InstanceRole.PREFILL, creq.model)
+        with self._selector.track(p.instance_id, creq.est_prompt_tokens):
+            _, data = await self._call(p, "prefill", creq, body, stream=False)
+        return p, data
+
+    def _params_from_prefill(self, p: InstanceView, answer: bytes) -> KVTransferParams:
+        try:
+            raw = msgspec.json.decode(answer).get("kv_transfer_params")
+            params = KVTransferParams.from_dict(raw)
+        except (msgspec.DecodeError, AttributeError, InvalidRequestError) as exc:
+            self._metrics.upstream_errors.labels(role="prefill", kind="bad_response").inc()
+            raise UpstreamFailure(
+                f"prefill instance {p.instance_id} returned no valid kv_transfer_params: {exc}",
+                status=502, kind="bad_response", instance_id=p.instance_id,
+            ) from exc
+        endpoints = params.peer_endpoints or list(p.info.kv_endpoints)
+        return msgspec.structs.replace(
+            params, role=PDRole.DECODE, mode=TransferMode.PULL, peer_endpoints=endpoints,
+            peer_instance_id=params.peer_instance_id or p.instance_id,
+        )
+
+
+def _consume(task: asyncio.Task[Opened], tid: str) -> None:
+    """Retrieve a finished prefill call's outcome (already logged and counted where it failed)."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        log.info("prefill of transfer %s failed after decode started: %s", tid, exc)
+
+
+def _close_opened(task: asyncio.Task[Opened]) -> None:
+    if task.done() and not task.cancelled() and task.exception() is None:
+        task.result()[0].close()

@@ -1,0 +1,212 @@
+"""Instance registry: who is alive, by heartbeat, TTL and request-path failures.
+
+Thread-safety: the discovery listener thread and the sweeper thread write, the router's event loop
+reads. Every method takes the one lock; readers get immutable :class:`InstanceView` tuples, cached
+until the next change, so the request path costs one attribute read when nothing changed.
+
+Liveness rules:
+* a heartbeat registers or refreshes ``(instance_id, epoch)``; a newer epoch replaces the old entry
+  (restart); an older epoch or a non-increasing ``seq`` is stale and ignored;
+* a new instance at the URL of another entry replaces that entry (one process per address);
+* :meth:`Registry.mark_unreachable` (request-path failure, discovery connection closed) takes an
+  instance out of routing until its next heartbeat;
+* :meth:`Registry.sweep` (run by :class:`RegistrySweeper` every ``interval_s``) expires entries
+  silent for ``ttl_s`` and forgets expired ones after ``forget_after_s``;
+* a :class:`Deregister` for the current epoch removes the entry at once.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from kvwire.discovery.messages import Deregister, DiscoveryMessage, InstanceInfo, InstanceLoad, InstanceRole
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+
+class InstanceState(str, enum.Enum):
+    ALIVE = "alive"
+    UNREACHABLE = "unreachable"  # request-path failure / connection closed; back on next heartbeat
+    EXPIRED = "expired"  # no heartbeat within the TTL
+
+
+class ApplyResult(str, enum.Enum):
+    REGISTERED = "registered"
+    REFRESHED = "refreshed"
+    REPLACED = "replaced"  # new epoch (restart) or new instance at the same URL
+    DEREGISTERED = "deregistered"
+    STALE = "stale"  # older epoch, replayed/reordered seq, or deregistration of an unknown epoch
+
+
+@dataclass(frozen=True)
+class InstanceView:
+    """Immutable snapshot of one registry entry."""
+
+    info: InstanceInfo
+    load: InstanceLoad | None
+    state: InstanceState
+    last_seen: float  # registry clock (monotonic) of the last heartbeat
+    last_seq: int
+    reason: str = ""  # why it is not alive
+
+    @property
+    def instance_id(self) -> str:
+        return self.info.instance_id
+
+    @property
+    def role(self) -> InstanceRole:
+        return self.info.role
+
+    @property
+    def url(self) -> str:
+        return self.info.url
+
+    @property
+    def alive(self) -> bool:
+        return self.state is InstanceState.ALIVE
+
+
+class Registry:
+    def __init__(self, ttl_s: float, forget_after_s: float = 60.0, clock: Clock = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.forget_after_s = forget_after_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[str, InstanceView] = {}
+        self._all: tuple[InstanceView, ...] = ()
+        self._live: dict[InstanceRole, tuple[InstanceView, ...]] = {}
+        self.version = 0  # bumps on every change that affects routing
+
+    # --- writers --------------------------------------------------------------------------------
+
+    def apply(self, msg: DiscoveryMessage) -> ApplyResult:
+        with self._lock:
+            if isinstance(msg, Deregister):
+                result = self._deregister(msg)
+            else:
+                result = self._heartbeat(msg.info, msg.load, msg.seq)
+            if result is not ApplyResult.STALE:
+                self._rebuild()
+        if result in (ApplyResult.REGISTERED, ApplyResult.REPLACED, ApplyResult.DEREGISTERED):
+            ident = msg.instance_id if isinstance(msg, Deregister) else msg.info.instance_id
+            log.info("instance %s %s", ident, result.value)
+        return result
+
+    def _heartbeat(self, info: InstanceInfo, load: InstanceLoad | None, seq: int) -> ApplyResult:
+        now = self._clock()
+        old = self._entries.get(info.instance_id)
+        fresh = InstanceView(info=info, load=load, state=InstanceState.ALIVE, last_seen=now, last_seq=seq)
+        if old is None:
+            result = ApplyResult.REGISTERED
+            for other in [e for e in self._entries.values() if e.url == info.url]:
+                del self._entries[other.instance_id]  # a new process took over that address
+                result = ApplyResult.REPLACED
+        elif info.epoch < old.info.epoch or (info.epoch == old.info.epoch and seq <= old.last_seq):
+            return ApplyResult.STALE
+        elif info.epoch > old.info.epoch:
+            result = ApplyResult.REPLACED
+        else:
+            if old.state is not InstanceState.ALIVE:
+                log.info("instance %s alive again (was %s)", info.instance_id, old.state.value)
+            result = ApplyResult.REFRESHED
+        self._entries[info.instance_id] = fresh
+        return result
+
+    def _deregister(self, msg: Deregister) -> ApplyResult:
+        old = self._entries.get(msg.instance_id)
+        if old is None or old.info.epoch != msg.epoch:
+            return ApplyResult.STALE
+        del self._entries[msg.instance_id]
+        return ApplyResult.DEREGISTERED
+
+    def mark_unreachable(self, instance_id: str, epoch: int | None, reason: str) -> bool:
+        """Take ``instance_id`` out of routing until its next heartbeat. False if unknown/other epoch."""
+        with self._lock:
+            old = self._entries.get(instance_id)
+            if old is None or (epoch is not None and old.info.epoch != epoch):
+                return False
+            if old.state is not InstanceState.ALIVE:
+                return False
+            self._entries[instance_id] = replace(old, state=InstanceState.UNREACHABLE, reason=reason)
+            self._rebuild()
+        log.warning("instance %s out of routing: %s", instance_id, reason)
+        return True
+
+    def sweep(self) -> list[str]:
+        """Expire silent entries and forget old expired ones; returns the ids that changed."""
+        now = self._clock()
+        changed: list[str] = []
+        with self._lock:
+            for ident, entry in list(self._entries.items()):
+                silent_s = now - entry.last_seen
+                if entry.state is InstanceState.EXPIRED:
+                    if silent_s > self.forget_after_s:
+                        del self._entries[ident]
+                        changed.append(ident)
+                elif silent_s > self.ttl_s:
+                    reason = f"no heartbeat for {silent_s:.1f} s"
+                    self._entries[ident] = replace(entry, state=InstanceState.EXPIRED, reason=reason)
+                    changed.append(ident)
+                    log.warning("instance %s expired: %s", ident, reason)
+            if changed:
+                self._rebuild()
+        return changed
+
+    def _rebuild(self) -> None:
+        # caller holds the lock
+        self.version += 1
+        self._all = tuple(sorted(self._entries.values(), key=lambda e: e.instance_id))
+        live: dict[InstanceRole, list[InstanceView]] = {role: [] for role in InstanceRole}
+        for entry in self._all:
+            if entry.alive:
+                live[entry.role].append(entry)
+        self._live = {role: tuple(entries) for role, entries in live.items()}
+
+    # --- readers (any thread; lock-free reads of immutable tuples) -------------------------------
+
+    def snapshot(self) -> tuple[InstanceView, ...]:
+        """Every known entry (alive or not), sorted by instance id."""
+        return self._all
+
+    def live(self, role: InstanceRole) -> tuple[InstanceView, ...]:
+        """Instances of ``role`` in routing, sorted by instance id."""
+        return self._live.get(role, ())
+
+    def get(self, instance_id: str) -> InstanceView | None:
+        return self._entries.get(instance_id)
+
+    def age_s(self, view: InstanceView) -> float:
+        return max(0.0, self._clock() - view.last_seen)
+
+
+class RegistrySweeper:
+    """Daemon thread calling ``registry.sweep()`` every ``interval_s`` until :meth:`close`."""
+
+    def __init__(self, registry: Registry, interval_s: float) -> None:
+        self._registry = registry
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvwire-registry-sweeper", daemon=True)
+
+    def start(self) -> RegistrySweeper:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self._registry.sweep()
+            except Exception:  # never let the sweeper die: liveness depends on it
+                log.exception("registry sweep failed")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)

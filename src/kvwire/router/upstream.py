@@ -1,0 +1,140 @@
+"""HTTP calls from the router to instances, with failures classified once.
+
+Every failure becomes an :class:`UpstreamFailure` (an :class:`~kvwire.errors.UpstreamError`) that
+says what the client should see (status, body), whether the request certainly never reached the
+instance (``retryable``: the connection was refused), and whether the instance looks dead (then it is
+marked unreachable in the registry until its next heartbeat).
+
+Cancellation: cancelling a coroutine of this module (client disconnect) closes the upstream
+connection, so the instance sees the disconnect and aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+
+import aiohttp
+
+from kvwire.errors import UpstreamError
+from kvwire.router.metrics import RouterMetrics
+from kvwire.router.registry import InstanceView, Registry
+
+log = logging.getLogger(__name__)
+
+MAX_ERROR_BODY_BYTES = 64 * 1024
+_DEAD_STATUSES = frozenset({502, 504})  # a gateway in front of the instance says it is gone
+
+
+class UpstreamFailure(UpstreamError):
+    """An upstream call failed. ``body``/``content_type``: the upstream's own error body, passed on."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int,
+        kind: str,
+        instance_id: str,
+        retryable: bool = False,
+        body: bytes | None = None,
+        content_type: str = "application/json",
+    ) -> None:
+        super().__init__(message, status=status, kind=kind)
+        self.instance_id = instance_id
+        self.retryable = retryable
+        self.body = body
+        self.content_type = content_type
+
+
+class Upstream:
+    """Shared client session; one per router app (created inside the running event loop)."""
+
+    def __init__(self, registry: Registry, metrics: RouterMetrics, connect_timeout_s: float, total_s: float):
+        self._registry = registry
+        self._metrics = metrics
+        self._timeout = aiohttp.ClientTimeout(total=total_s, sock_connect=connect_timeout_s)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0, enable_cleanup_closed=True)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=self._timeout, auto_decompress=True)
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def open(
+        self, inst: InstanceView, role: str, path: str, body: bytes, headers: Mapping[str, str]
+    ) -> aiohttp.ClientResponse:
+        """POST and return the response once its headers are in and its status is < 400."""
+        try:
+            resp = await self.session.post(inst.url + path, data=body, headers=headers)
+        except aiohttp.ClientConnectorError as exc:
+            detail = f"cannot connect: {exc}"
+            raise self._failure(inst, role, "connect", detail, dead=True, retryable=True) from exc
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as exc:
+            raise self._failure(inst, role, "disconnect", f"connection lost: {exc!r}", dead=True) from exc
+        except asyncio.TimeoutError:
+            raise self._failure(inst, role, "timeout", "no answer in time", status=504) from None
+        if resp.status >= 400:
+            raise await self._http_failure(inst, role, resp)
+        return resp
+
+    async def read_all(
+        self, inst: InstanceView, role: str, path: str, body: bytes, headers: Mapping[str, str]
+    ) -> tuple[aiohttp.ClientResponse, bytes]:
+        """POST and read the whole (successful) body."""
+        resp = await self.open(inst, role, path, body, headers)
+        try:
+            data = await resp.read()
+        except (aiohttp.ClientPayloadError, aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
+            resp.close()
+            raise self._failure(inst, role, "disconnect", f"connection lost: {exc!r}", dead=True) from exc
+        except asyncio.TimeoutError:
+            resp.close()
+            raise self._failure(inst, role, "timeout", "no answer in time", status=504) from None
+        except BaseException:
+            resp.close()  # cancelled: drop the connection so the instance aborts
+            raise
+        return resp, data
+
+    async def _http_failure(
+        self, inst: InstanceView, role: str, resp: aiohttp.ClientResponse
+    ) -> UpstreamFailure:
+        try:
+            body = await resp.content.read(MAX_ERROR_BODY_BYTES)
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            body = b""
+        finally:
+            resp.close()
+        kind = "http_4xx" if resp.status < 500 else "http_5xx"
+        text = body.decode("utf-8", "replace").strip() or "(empty body)"
+        return self._failure(
+            inst, role, kind, f"status {resp.status}: {text[:500]}", status=resp.status,
+            dead=resp.status in _DEAD_STATUSES, body=body or None,
+            content_type=resp.headers.get("Content-Type", "application/json"),
+        )
+
+    def mark_dead(self, inst: InstanceView, reason: str) -> None:
+        self._registry.mark_unreachable(inst.instance_id, inst.info.epoch, reason)
+
+    def _failure(
+        self,
+        inst: InstanceView,
+        role: str,
+        kind: str,
+        detail: str,
+        *,
+        status: int = 502,
+        dead: bool = False,
+        retryable: bool = False,
+        body: bytes | None = None,
+        content_type: str = "application/json",
+    ) -> UpstreamFailure:
+        self._metrics.upstream_errors.labels(role=role, kind=kind).inc()
+        if dead:
+            self._registry.mark_unreachable(inst.instance_id, inst.info.epoch, f"{kind}: {detail}")
+        message = f"{role} instance {inst.instance_id} ({inst.url}) failed: {detail}"
+        log.warning("%s", message)
+        return UpstreamFailure(
+            message, status=status, kind=kind, instance_id=inst.instance_id,
+            retryable=retryable, body=body, content_type=content_type,
+        )

@@ -1,0 +1,290 @@
+"""A mock OpenAI upstream that heartbeats to a kvwire router, plus test helpers to run it.
+
+Run as a process: ``python tests/integration/mock_instance.py --router tcp://H:P --role both --id m0``;
+it prints ``MOCK_READY <port>`` once serving. It answers at once with deterministic text
+(``max_tokens`` tokens ``" t0 t1 ..."``), streaming or not, completions or chat. Directives in the
+prompt (or the last chat message) change the behaviour:
+
+* ``status=NNN`` -> HTTP NNN with an OpenAI-style error body naming this instance;
+* ``hang``       -> never answers (until the client goes away; the disconnect is recorded);
+* ``slow``       -> 50 ms between streamed tokens.
+
+A directive prefixed with a role (``prefill.status=500``, ``decode.hang``) applies only to instances
+of that role (words are separated by spaces).
+
+``GET /mock/stats`` returns every request received (path, body, arrival time), the disconnects seen
+and the number of completed answers, so tests can check what the router sent and that a client
+disconnect reached the upstream. Prefill instances (``--role prefill``) answer in pull mode with
+``kv_transfer_params`` of their own.
+
+Helpers for tests: :class:`MockProcess` (start/kill/stop one mock as a subprocess) and
+:class:`RouterThread` (an in-process router on its own event loop thread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from kvwire.discovery import HeartbeatClient, InstanceInfo, InstanceLoad, InstanceRole
+
+HERE = Path(__file__).resolve()
+
+
+class MockInstance:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.requests: list[dict[str, Any]] = []
+        self.disconnects: list[dict[str, Any]] = []
+        self.completed = 0
+        self.active = 0
+        self.kv_endpoint = f"tcp://127.0.0.1:{args.fake_kv_port}"
+
+    def load(self) -> InstanceLoad:
+        return InstanceLoad(num_running=self.active, num_waiting=0, free_kv_blocks=100, total_kv_blocks=100)
+
+    def make_app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.generate)
+        app.router.add_post("/v1/chat/completions", self.generate)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/mock/stats", self.stats)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.args.model, "object": "model"}]})
+
+    async def stats(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"requests": self.requests, "disconnects": self.disconnects, "completed": self.completed}
+        )
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        record = {"path": request.path, "body": body, "received_at": time.time()}
+        self.requests.append(record)
+        self.active += 1
+        try:
+            response = await self._answer(request, body)
+            self.completed += 1
+            record["answered_at"] = time.time()
+            return response
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.disconnects.append({"path": request.path, "at": time.time(), "body": body})
+            raise
+        finally:
+            self.active -= 1
+
+    async def _answer(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        text = _prompt_text(body)
+        words = {w.split(".", 1)[1] if w.startswith(self.args.role + ".") else w for w in text.split()}
+        status = next((int(w[7:]) for w in words if w.startswith("status=")), None)
+        if status is not None:
+            message = f"mock {self.args.id} says {status}"
+            return web.json_response({"error": {"message": message, "code": status}}, status=status)
+        if "hang" in words:
+            await asyncio.sleep(3600)
+        if self.args.delay_s:
+            await asyncio.sleep(self.args.delay_s)
+        n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        chat = request.path.endswith("/chat/completions")
+        if body.get("stream"):
+            return await self._stream(request, body, n, chat, 0.05 if "slow" in words else 0.0)
+        return web.json_response(self._full(body, n, chat))
+
+    def _full(self, body: dict[str, Any], n: int, chat: bool) -> dict[str, Any]:
+        text = "".join(f" t{i}" for i in range(n))
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        out: dict[str, Any] = {
+            "id": f"cmpl-{self.args.id}", "object": "chat.completion" if chat else "text_completion",
+            "created": 0, "model": self.args.model, "choices": [choice],
+            "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n},
+            "served_by": self.args.id,
+        }
+        params = body.get("kv_transfer_params")
+        if self.args.role == "prefill" and isinstance(params, dict) and params.get("mode") == "pull":
+            out["kv_transfer_params"] = dict(
+                params, peer_endpoints=[self.kv_endpoint], first_token_id=42, num_prompt_tokens=5
+            )
+        return out
+
+    async def _stream(
+        self, request: web.Request, body: dict[str, Any], n: int, chat: bool, gap_s: float
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        base = {"id": f"cmpl-{self.args.id}", "object": obj, "created": 0, "model": self.args.model}
+        if chat:
+            role_delta = {"index": 0, "delta": {"role": "assistant", "content": ""}}
+            await _event(resp, dict(base, choices=[role_delta]))
+        for i in range(n):
+            if gap_s:
+                await asyncio.sleep(gap_s)
+            piece = f" t{i}"
+            choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
+            choice["finish_reason"] = "length" if i == n - 1 else None
+            await _event(resp, dict(base, choices=[choice]))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
+            await _event(resp, dict(base, choices=[], usage=usage))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+async def _event(resp: web.StreamResponse, data: dict[str, Any]) -> None:
+    await resp.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+
+
+def _prompt_text(body: dict[str, Any]) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages and isinstance(messages[-1], dict):
+        return str(messages[-1].get("content", ""))
+    return ""
+
+
+async def _main(args: argparse.Namespace) -> None:
+    mock = MockInstance(args)
+    runner = web.AppRunner(mock.make_app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", args.port)
+    await site.start()
+    port = runner.addresses[0][1]
+    info = InstanceInfo(
+        instance_id=args.id, role=InstanceRole(args.role), url=f"http://127.0.0.1:{port}",
+        model=args.model, kv_endpoints=[mock.kv_endpoint], version="mock",
+    )
+    client = HeartbeatClient(args.router, info, mock.load, interval_s=args.interval_s, secret=args.secret)
+    client.start()
+    print(f"MOCK_READY {port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    client.close()
+    await runner.cleanup()
+
+
+def _parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--router", required=True)
+    p.add_argument("--id", required=True)
+    p.add_argument("--role", default="both", choices=[r.value for r in InstanceRole])
+    p.add_argument("--model", default="mock")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--interval-s", type=float, default=0.2)
+    p.add_argument("--secret", default=None)
+    p.add_argument("--delay-s", type=float, default=0.0)
+    p.add_argument("--fake-kv-port", type=int, default=0)
+    return p.parse_args(argv)
+
+
+# --- test helpers ---------------------------------------------------------------------------------
+
+
+class MockProcess:
+    """One mock instance as a subprocess; ``kill()`` is SIGKILL, ``stop()`` graceful (deregisters)."""
+
+    def __init__(self, router: str, instance_id: str, *extra: str, ready_timeout_s: float = 20.0) -> None:
+        self.instance_id = instance_id
+        cmd = [sys.executable, str(HERE), "--router", router, "--id", instance_id, *extra]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+        self.port = self._wait_ready(ready_timeout_s)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _wait_ready(self, timeout_s: float) -> int:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
+            if ready:
+                line = self.proc.stdout.readline()
+                if line.startswith("MOCK_READY"):
+                    return int(line.split()[1])
+                if not line and self.proc.poll() is not None:
+                    break
+        self.kill()
+        raise RuntimeError(f"mock {self.instance_id} did not start (rc={self.proc.poll()})")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+    def stats(self) -> dict[str, Any]:
+        import urllib.request
+
+        with urllib.request.urlopen(self.url + "/mock/stats", timeout=5) as resp:
+            out: dict[str, Any] = json.loads(resp.read())
+        return out
+
+
+class RouterThread:
+    """A :class:`kvwire.router.app.RouterServer` on its own event loop in a daemon thread."""
+
+    def __init__(self, cfg: Any) -> None:
+        from kvwire.router.app import RouterServer
+
+        self.server = RouterServer(cfg)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="router-loop", daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(timeout=20)
+        self.port = self.server.port
+        self.url = self.server.url
+        self.discovery = self.server.discovery_address
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self._loop).result(timeout=20)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+
+def wait_for(cond: Any, timeout_s: float, what: str, interval_s: float = 0.02) -> None:
+    """Poll ``cond()`` until true; fail with ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+if __name__ == "__main__":
+    asyncio.run(_main(_parse()))
