@@ -16,6 +16,9 @@ from typing import Any
 
 import aiohttp
 import pytest
+import zmq
+
+from kvwire.discovery import Deregister, Heartbeat, InstanceRole, decode_frames
 
 START_DEADLINE_S = 90.0
 BASE_ARGS = ["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--max-model-len", "256",
@@ -29,13 +32,14 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, log_path: Path, *extra: str) -> None:
+    def __init__(self, log_path: Path, *extra: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         cmd = [sys.executable, "-m", "kvwire.cli", "serve", *BASE_ARGS, "--port", str(self.port), *extra]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -280,3 +284,72 @@ def test_sigterm_stops_gracefully_mid_stream(tmp_path: Path) -> None:
         assert "kvwire serve stopped" in proc.log()
     finally:
         proc.stop()
+
+
+class FakeRouter:
+    """The router's discovery socket, reduced to a PULL socket that decodes what arrives."""
+
+    def __init__(self, secret: bytes) -> None:
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self.address = f"tcp://127.0.0.1:{self._sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self._secret = secret
+
+    def next_message(self, timeout_s: float = 10.0) -> Any:
+        assert self._sock.poll(int(timeout_s * 1000)), "no discovery message in time"
+        return decode_frames(self._sock.recv_multipart(), self._secret)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+def test_prefill_role_registers_serves_pull_and_deregisters(tmp_path: Path) -> None:
+    router = FakeRouter(b"s3cret")
+    proc = ServerProcess(
+        tmp_path / "serve.log", "--role", "prefill", "--router", router.address, "--heartbeat-interval-s",
+        "0.2", "--instance-id", "p-test", "--kv-deadline-s", "3", env={"KVWIRE_SECRET": "s3cret"})
+    try:
+        proc.wait_healthy()
+        beat = router.next_message()
+        assert isinstance(beat, Heartbeat)
+        info = beat.info
+        assert (info.instance_id, info.role, info.url, info.model) == ("p-test", InstanceRole.PREFILL,
+                                                                        proc.url, "tiny")
+        assert len(info.kv_endpoints) == 1 and info.kv_endpoints[0].startswith("tcp://127.0.0.1:")
+        assert beat.load is not None and beat.load.total_kv_blocks == 512
+
+        # Pull mode: P prefills, keeps the blocks under a lease and returns params for D.
+        kv = {"transfer_id": "t-pull", "role": "prefill", "mode": "pull"}
+        async def body() -> dict[str, Any]:
+            async with aiohttp.ClientSession() as session:
+                status, out = await post(session, proc.url + "/v1/completions",
+                                         greedy("hello there", 1, kv_transfer_params=kv))
+            assert status == 200, out
+            return dict(out)
+
+        out = run(body())
+        params = out["kv_transfer_params"]
+        assert params["transfer_id"] == "t-pull" and params["role"] == "decode"
+        assert params["peer_endpoints"] == info.kv_endpoints
+        assert params["first_token_id"] == out["choices"][0]["token_ids"][0]
+        assert params["num_prompt_tokens"] == out["usage"]["prompt_tokens"]
+        deadline = time.monotonic() + 2.5  # < the 3 s lease: a heartbeat must show the held blocks
+        held = router.next_message()
+        while held.load.free_kv_blocks == held.load.total_kv_blocks:
+            assert time.monotonic() < deadline, "no heartbeat reported the leased blocks"
+            held = router.next_message()
+        assert run(metric(proc.url, "kvwire_pd_blocks_awaiting_send")) > 0
+
+        os.kill(proc.proc.pid, signal.SIGTERM)  # the lease ends with the process; deregister
+        assert proc.proc.wait(timeout=15) == 0, proc.log()
+        message = router.next_message()
+        for _ in range(100):  # heartbeats sent before the stop may still be queued
+            if not isinstance(message, Heartbeat):
+                break
+            message = router.next_message()
+        assert isinstance(message, Deregister) and message.instance_id == "p-test"
+        assert message.epoch == info.epoch
+    finally:
+        proc.stop()
+        router.close()
