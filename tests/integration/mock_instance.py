@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import os
 import select
@@ -39,6 +40,7 @@ from typing import Any
 from aiohttp import web
 
 from kvwire.discovery import HeartbeatClient, InstanceInfo, InstanceLoad, InstanceRole
+from kvwire.router.config import Policy, RouterConfig
 
 HERE = Path(__file__).resolve()
 
@@ -274,6 +276,48 @@ class RouterThread:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()
+
+
+def router_config(**kw: Any) -> RouterConfig:
+    """Test router: free ports, 0.6 s TTL (3 x 0.2 s heartbeats), round robin, 64 KiB body limit."""
+    base: dict[str, Any] = dict(
+        port=0, discovery_port=0, instance_ttl_s=0.6, policy=Policy.ROUND_ROBIN, max_body_bytes=64 * 1024
+    )
+    base.update(kw)
+    return RouterConfig(**base)
+
+
+def post(url: str, path: str, body: Any, *, raw: bytes | None = None) -> tuple[int, bytes]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=20)
+    try:
+        data = raw if raw is not None else json.dumps(body).encode()
+        conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def get(url: str, path: str) -> Any:
+    status, data = get_raw(url, path)
+    assert status == 200, data
+    return json.loads(data)
+
+
+def get_raw(url: str, path: str) -> tuple[int, bytes]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=20)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def live_ids(router: RouterThread) -> set[str]:
+    return {v.instance_id for v in router.server.registry.snapshot() if v.alive}
 
 
 def wait_for(cond: Any, timeout_s: float, what: str, interval_s: float = 0.02) -> None:

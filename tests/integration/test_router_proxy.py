@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import http.client
 import json
 import socket
 from collections.abc import Iterator
@@ -10,54 +9,12 @@ from typing import Any
 
 import pytest
 import zmq
-from mock_instance import MockProcess, RouterThread, wait_for
+from mock_instance import MockProcess, RouterThread, get, get_raw, live_ids, post, router_config, wait_for
 
 from kvwire.discovery import Heartbeat, InstanceInfo, InstanceRole, encode_frames
 from kvwire.kv_params import TransferMode
-from kvwire.router.config import Policy, RouterConfig
 
 INTERVAL = ["--interval-s", "0.2"]
-
-
-def _cfg(**kw: Any) -> RouterConfig:
-    base: dict[str, Any] = dict(
-        port=0, discovery_port=0, instance_ttl_s=0.6, policy=Policy.ROUND_ROBIN, max_body_bytes=64 * 1024
-    )
-    base.update(kw)
-    return RouterConfig(**base)
-
-
-def post(url: str, path: str, body: Any, *, raw: bytes | None = None) -> tuple[int, bytes]:
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=20)
-    try:
-        data = raw if raw is not None else json.dumps(body).encode()
-        conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    finally:
-        conn.close()
-
-
-def get(url: str, path: str) -> Any:
-    status, data = _get_raw(url, path)
-    assert status == 200, data
-    return json.loads(data)
-
-
-def _get_raw(url: str, path: str) -> tuple[int, bytes]:
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=20)
-    try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    finally:
-        conn.close()
-
-
-def live_ids(router: RouterThread) -> set[str]:
-    return {v.instance_id for v in router.server.registry.snapshot() if v.alive}
 
 
 @pytest.fixture
@@ -67,7 +24,7 @@ def cluster() -> Iterator[Any]:
     mocks: list[MockProcess] = []
 
     def make(specs: list[tuple[str, str, list[str]]], **router_kw: Any) -> tuple[RouterThread, Any]:
-        router = RouterThread(_cfg(**router_kw))
+        router = RouterThread(router_config(**router_kw))
         routers.append(router)
         out = {}
         for ident, role, extra in specs:
@@ -100,7 +57,7 @@ def test_streaming_and_full_pass_through_byte_for_byte(cluster: Any, path: str) 
     body.pop("stream_options")
     direct, routed = post(mocks["m0"].url, path, body), post(router.url, path, body)
     assert routed == direct and json.loads(routed[1])["usage"]["completion_tokens"] == 7
-    metrics = _get_raw(router.url, "/metrics")[1].decode()
+    metrics = get_raw(router.url, "/metrics")[1].decode()
     assert 'kvwire_router_ttft_seconds_count{mode="colocated"} 1.0' in metrics
     assert 'kvwire_router_itl_seconds_count{mode="colocated"} 6.0' in metrics  # 7 tokens -> 6 gaps
 
@@ -125,7 +82,7 @@ def test_bad_input_and_no_instance(cluster: Any) -> None:
     assert post(router.url, "/v1/chat/completions", {"messages": "hi"})[0] == 400
     code, data = post(router.url, "/v1/completions", {"prompt": "x" * 100_000})
     assert code == 413 and "limit" in json.loads(data)["error"]["message"]
-    metrics = _get_raw(router.url, "/metrics")[1].decode()
+    metrics = get_raw(router.url, "/metrics")[1].decode()
     assert 'kvwire_router_requests_total{endpoint="/v1/completions",outcome="no_instance"} 1.0' in metrics
 
 
@@ -187,7 +144,7 @@ def test_push_sends_p_and_d_concurrently(cluster: Any) -> None:
     assert pk["peer_instance_id"] == "d0" and dk["peer_instance_id"] == "p0"
     # Concurrent: D had its request while P was still working on its (delayed) answer.
     assert d_req["received_at"] < p_req["answered_at"]
-    metrics = _get_raw(router.url, "/metrics")[1].decode()
+    metrics = get_raw(router.url, "/metrics")[1].decode()
     assert 'kvwire_router_ttft_seconds_count{mode="pd"} 1.0' in metrics
 
 
@@ -240,7 +197,7 @@ def test_refused_connection_is_retried_and_marked_out(cluster: Any) -> None:
             assert code == 200 and json.loads(data)["served_by"] == "good"
         rows = {r["id"]: r for r in get(router.url, "/instances")}
         assert rows["aaa-zombie"]["state"] == "unreachable" and "connect" in rows["aaa-zombie"]["reason"]
-        metrics = _get_raw(router.url, "/metrics")[1].decode()
+        metrics = get_raw(router.url, "/metrics")[1].decode()
         assert "kvwire_router_retries_total 1.0" in metrics
         assert 'kvwire_router_upstream_errors_total{kind="connect",role="both"} 1.0' in metrics
     finally:

@@ -1,0 +1,108 @@
+"""Registry liveness rules with a fake clock (no threads, no sockets) + the sweeper thread."""
+
+from __future__ import annotations
+
+import time
+
+from kvwire.discovery import Deregister, Heartbeat, InstanceInfo, InstanceLoad, InstanceRole
+from kvwire.router.registry import ApplyResult, InstanceState, Registry, RegistrySweeper
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def hb(ident: str = "a", epoch: int = 1, seq: int = 1, role: InstanceRole = InstanceRole.BOTH,
+       url: str | None = None, load: InstanceLoad | None = None) -> Heartbeat:
+    info = InstanceInfo(instance_id=ident, epoch=epoch, role=role, url=url or f"http://h/{ident}", model="m")
+    return Heartbeat(info=info, seq=seq, load=load)
+
+
+def test_register_refresh_and_stale() -> None:
+    reg = Registry(ttl_s=1.0)
+    assert reg.apply(hb(seq=1)) is ApplyResult.REGISTERED
+    assert reg.apply(hb(seq=2, load=InstanceLoad(num_running=3))) is ApplyResult.REFRESHED
+    assert reg.live(InstanceRole.BOTH)[0].load == InstanceLoad(num_running=3)
+    assert reg.apply(hb(seq=2)) is ApplyResult.STALE  # replay
+    assert reg.apply(hb(seq=1)) is ApplyResult.STALE  # reordered
+    assert reg.apply(hb(epoch=0, seq=9)) is ApplyResult.STALE  # older process
+
+
+def test_new_epoch_replaces_and_same_url_takes_over() -> None:
+    reg = Registry(ttl_s=1.0)
+    reg.apply(hb(epoch=1, seq=50))
+    assert reg.apply(hb(epoch=2, seq=1)) is ApplyResult.REPLACED  # restart: seq starts over
+    assert reg.get("a").info.epoch == 2  # type: ignore[union-attr]
+    assert reg.apply(hb(ident="b", url="http://h/a")) is ApplyResult.REPLACED
+    assert [v.instance_id for v in reg.snapshot()] == ["b"]
+
+
+def test_deregister_only_current_epoch() -> None:
+    reg = Registry(ttl_s=1.0)
+    reg.apply(hb(epoch=2))
+    assert reg.apply(Deregister(instance_id="a", epoch=1)) is ApplyResult.STALE
+    assert reg.apply(Deregister(instance_id="a", epoch=2)) is ApplyResult.DEREGISTERED
+    assert reg.snapshot() == ()
+
+
+def test_sweep_expires_then_forgets_and_heartbeat_revives() -> None:
+    clock = Clock()
+    reg = Registry(ttl_s=1.0, forget_after_s=5.0, clock=clock)
+    reg.apply(hb(ident="a"))
+    reg.apply(hb(ident="b"))
+    clock.now += 0.9
+    reg.apply(hb(ident="b", seq=2))
+    assert reg.sweep() == []
+    clock.now += 0.2  # a: 1.1 s silent, b: 0.2 s
+    assert reg.sweep() == ["a"]
+    assert reg.get("a").state is InstanceState.EXPIRED  # type: ignore[union-attr]
+    assert [v.instance_id for v in reg.live(InstanceRole.BOTH)] == ["b"]
+    reg.apply(hb(ident="a", seq=2))
+    assert reg.get("a").alive  # type: ignore[union-attr]
+    clock.now += 2.0
+    assert sorted(reg.sweep()) == ["a", "b"]
+    clock.now += 5.0
+    assert sorted(reg.sweep()) == ["a", "b"]  # forgotten
+    assert reg.snapshot() == ()
+
+
+def test_mark_unreachable_until_next_heartbeat() -> None:
+    reg = Registry(ttl_s=1.0)
+    reg.apply(hb(epoch=3))
+    assert not reg.mark_unreachable("a", 2, "old epoch")  # a failure seen on a previous process
+    assert not reg.mark_unreachable("zzz", None, "unknown")
+    assert reg.mark_unreachable("a", 3, "connect: refused")
+    assert reg.live(InstanceRole.BOTH) == ()
+    view = reg.get("a")
+    assert view is not None and view.state is InstanceState.UNREACHABLE and "refused" in view.reason
+    reg.apply(hb(epoch=3, seq=2))
+    assert [v.instance_id for v in reg.live(InstanceRole.BOTH)] == ["a"]
+
+
+def test_live_split_by_role_and_sorted() -> None:
+    reg = Registry(ttl_s=1.0)
+    P, D = InstanceRole.PREFILL, InstanceRole.DECODE
+    for ident, role in (("p2", P), ("d1", D), ("p1", P)):
+        reg.apply(hb(ident=ident, role=role))
+    assert [v.instance_id for v in reg.live(InstanceRole.PREFILL)] == ["p1", "p2"]
+    assert [v.instance_id for v in reg.live(InstanceRole.DECODE)] == ["d1"]
+    assert reg.live(InstanceRole.BOTH) == ()
+
+
+def test_sweeper_thread_expires_without_heartbeats() -> None:
+    reg = Registry(ttl_s=0.05)
+    reg.apply(hb())
+    sweeper = RegistrySweeper(reg, interval_s=0.01).start()
+    try:
+        deadline = time.monotonic() + 5
+        while reg.live(InstanceRole.BOTH) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert reg.live(InstanceRole.BOTH) == ()
+        assert reg.get("a").state is InstanceState.EXPIRED  # type: ignore[union-attr]
+    finally:
+        sweeper.close()
+    assert not sweeper._thread.is_alive()
