@@ -213,7 +213,10 @@ class Receiver:
                     break
                 buf = memory.reserve(num_bytes)
                 if buf is None:
+                    self.core.stats.add("credit_waits")
                     break
+                if buf.kind is BufferKind.SPILL:
+                    self.core.stats.add("spilled_layers")
                 st.to_grant.popleft()
                 st.granted[index] = buf
                 items.append(RecvItem(st.transfer_id, index, num_bytes, buf.tensor))

@@ -1,0 +1,148 @@
+"""Child process for transfer tests: one TransferAgent driven by JSON lines on stdin (see
+transfer_helpers.PeerProcess). Replies one JSON line per command on stdout; logs go to stderr."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from transfer_helpers import DTYPES, digest, make_layer
+
+from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
+
+
+class Peer:
+    def __init__(self, agent: TransferAgent) -> None:
+        self.agent = agent
+        self.events: dict[str, dict[str, str]] = {"sent": {}, "recvd": {}, "failed": {}}
+        self.sink_digests: dict[str, dict[int, str]] = {}
+        self.lock = threading.Lock()
+
+    def _poll(self) -> None:
+        ev = self.agent.poll()
+        for tid in ev.finished_sending:
+            self.events["sent"][tid] = ""
+        for tid in ev.finished_recving:
+            self.events["recvd"][tid] = ""
+        self.events["failed"].update(ev.failed)
+
+    def op_send(
+        self, tid: str, peer: str | None, seed: int, specs: list[Any], order: list[int], **kw: Any
+    ) -> Any:
+        layer_specs = [LayerSpec(tuple(shape), DTYPES[dt]) for shape, dt in specs]
+        self.agent.start_send(
+            tid,
+            peer,
+            layer_specs,
+            deadline_s=kw.get("deadline_s"),
+            with_trailer=kw.get("trailer") is not None,
+        )
+        self.op_send_more(tid, seed, specs, order)
+        if kw.get("trailer") is not None:
+            self.agent.send_trailer(tid, kw["trailer"].encode())
+        return {}
+
+    def op_send_more(self, tid: str, seed: int, specs: list[Any], order: list[int]) -> Any:
+        for i in order:
+            shape, dt = specs[i]
+            self.agent.send_layer(tid, i, make_layer(seed, i, shape, dt))
+        return {}
+
+    def op_expect(self, tid: str, num_layers: int, sink: bool = False, **kw: Any) -> Any:
+        fn = None
+        if sink:
+            self.sink_digests[tid] = {}
+
+            def fn(index: int, tensor: torch.Tensor) -> None:
+                with self.lock:
+                    self.sink_digests[tid][index] = digest(tensor)
+
+        self.agent.expect(
+            tid,
+            num_layers=num_layers,
+            sink=fn,
+            deadline_s=kw.get("deadline_s"),
+            pull_from=kw.get("pull_from"),
+        )
+        return {}
+
+    def op_arrived(self, tid: str) -> Any:
+        with self.lock:
+            return {"count": len(self.sink_digests.get(tid, {}))}
+
+    def op_wait(self, tids: list[str], timeout_s: float = 20.0) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._poll()
+            if all(any(t in self.events[k] for k in self.events) for t in tids):
+                break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        digests: dict[str, dict[int, str]] = {}
+        trailers: dict[str, str | None] = {}
+        for tid in tids:
+            if tid in self.events["recvd"]:
+                if tid in self.sink_digests:
+                    with self.lock:
+                        digests[tid] = dict(self.sink_digests[tid])
+                else:
+                    digests[tid] = {i: digest(t) for i, t in self.agent.take_layers(tid).items()}
+                trailer = self.agent.take_trailer(tid)
+                trailers[tid] = trailer.decode() if trailer is not None else None
+        return {"events": self.events, "digests": digests, "trailers": trailers}
+
+    def op_abort(self, tid: str, reason: str = "aborted") -> Any:
+        self.agent.abort(tid, reason)
+        return {}
+
+    def op_stats(self) -> Any:
+        return dataclasses.asdict(self.agent.stats())
+
+    def op_close(self) -> Any:
+        self.agent.close()
+        return {"threads": [t.name for t in threading.enumerate()]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--secret", default=None)
+    parser.add_argument("--budget", type=int, default=1 << 30)
+    parser.add_argument("--spill", type=int, default=1 << 30)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    cfg = TransferConfig(
+        control_port=args.port,
+        secret=args.secret.encode() if args.secret else None,
+        recv_budget_bytes=args.budget,
+        spill_budget_bytes=args.spill,
+    )
+    agent = TransferAgent(cfg)
+    peer = Peer(agent)
+    print(json.dumps({"endpoint": agent.endpoint, "instance_id": agent.instance_id}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd.pop("op")
+        try:
+            reply = getattr(peer, f"op_{op}")(**cmd)
+        except Exception as exc:
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(reply), flush=True)
+        if op == "close":
+            return
+    agent.close()
+
+
+if __name__ == "__main__":
+    main()
