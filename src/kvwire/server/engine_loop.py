@@ -5,8 +5,9 @@ The asyncio side sends it commands (add, abort, abort-all, stop) through a queue
 step's outputs through ``loop.call_soon_threadsafe``, fanned out to one :class:`RequestStream`
 per request. Failure: an exception from ``add_request`` is raised to the awaiting caller; an
 exception from ``step`` fails every in-flight request with :class:`EngineError` (their streams
-raise it) and the loop keeps serving new requests; if the thread itself dies, ``alive`` turns false
-(``/health`` reports 503).
+raise it) and the loop keeps serving new requests; after ``MAX_CONSECUTIVE_STEP_ERRORS`` failed steps in
+a row, or any other exception, the thread stops, ``alive`` turns false (``/health`` reports 503) and new
+requests get :class:`EngineError` (500).
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from typing import Any, Protocol
 from kvwire.errors import EngineError, KvwireError
 
 logger = logging.getLogger(__name__)
+
+MAX_CONSECUTIVE_STEP_ERRORS = 5  # then the engine is considered broken and the thread stops
+_LIVENESS_CHECK_S = 1.0  # how often a caller waiting for the engine thread checks that it still runs
+_ERROR_BACKOFF_S = 0.05  # wait before the next step after a failed one, times the failures in a row
 
 
 class ServerShuttingDown(KvwireError):
@@ -141,6 +146,7 @@ class EngineLoop:
         self._stats = StatsSnapshot.of(engine.stats())
         self._closing = False
         self.num_step_errors = 0
+        self._consecutive_step_errors = 0
 
     # --- event-loop side -----------------------------------------------------------------------
 
@@ -177,11 +183,23 @@ class EngineLoop:
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._commands.put(_Add(request_id, prompt_token_ids, params, kv_transfer_params, done))
         try:
-            await asyncio.wrap_future(done)
+            await self._accepted(done)
         except BaseException:
             self.abort(request_id)
             raise
         return stream
+
+    async def _accepted(self, done: concurrent.futures.Future[None]) -> None:
+        """Wait for the engine thread to take the request; fail if the thread dies meanwhile."""
+        waiter = asyncio.wrap_future(done)
+        while True:
+            try:
+                await asyncio.wait_for(asyncio.shield(waiter), timeout=_LIVENESS_CHECK_S)
+                return
+            except asyncio.TimeoutError:
+                if not self.alive:
+                    self._refuse_pending(EngineError("the engine thread is not running"))
+                    await waiter  # raises what _refuse_pending set
 
     def abort(self, request_id: str) -> None:
         """Stop a request (client gone); its blocks are freed by the engine. Idempotent."""
@@ -246,12 +264,14 @@ class EngineLoop:
             except queue.Empty:
                 return
             if isinstance(command, _Add):
-                command.done.set_exception(error)
+                _resolve(command.done, error)
 
     def _drain_commands(self) -> bool:
         """Apply queued commands; block a little when idle. Returns False on stop."""
-        if not self._engine.has_unfinished_requests():
-            wait_s: float | None = self._idle_wait_s
+        if self._consecutive_step_errors:
+            wait_s: float | None = _ERROR_BACKOFF_S * self._consecutive_step_errors  # do not spin on errors
+        elif not self._engine.has_unfinished_requests():
+            wait_s = self._idle_wait_s
         elif self._stats.num_running == 0 and self._stats.num_waiting == 0:
             # Nothing to compute: only remote-KV waiters or blocks held for a send. Poll, do not spin.
             wait_s = self._remote_wait_s
@@ -286,21 +306,26 @@ class EngineLoop:
                 command.request_id, command.prompt_token_ids, command.params, command.kv_transfer_params
             )
         except Exception as exc:
-            command.done.set_exception(exc)
+            _resolve(command.done, exc)
             return
         self._live.add(command.request_id)
-        command.done.set_result(None)
+        _resolve(command.done, None)
 
     def _step(self) -> None:
         try:
             outputs = self._engine.step()
         except Exception as exc:
             self.num_step_errors += 1
+            self._consecutive_step_errors += 1
             logger.exception("engine step failed; failing %d in-flight requests", len(self._live))
             self._abort_live(EngineError(f"engine step failed: {exc}"))
+            if self._consecutive_step_errors >= MAX_CONSECUTIVE_STEP_ERRORS:
+                # A broken engine: stop the thread so /health turns 503 and the router drops us.
+                raise EngineError(f"{self._consecutive_step_errors} engine steps failed in a row") from exc
             return
         finally:
             self._stats = StatsSnapshot.of(self._engine.stats())
+        self._consecutive_step_errors = 0
         for output in outputs:
             if output.finished:
                 self._live.discard(output.request_id)
@@ -318,3 +343,12 @@ class EngineLoop:
         if request_ids:
             self._post(self._fail, request_ids, error)
         self._stats = StatsSnapshot.of(self._engine.stats())
+
+
+def _resolve(done: concurrent.futures.Future[None], error: BaseException | None) -> None:
+    """Complete an add's future unless its waiter already gave up (cancelled it)."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)

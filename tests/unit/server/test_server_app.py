@@ -194,8 +194,11 @@ def test_models_and_metrics(run_with_fake_server: Any) -> None:
         models = await (await server.client.get("/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["fake"]
         assert models["data"][0]["max_model_len"] == 64
-        await server.client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 4, "stream": True})
-        await server.client.post("/v1/completions", json={"prompt": "", "max_tokens": 4})
+        req = {"prompt": "ab", "max_tokens": 4, "stream": True}
+        resp = await server.client.post("/v1/completions", json=req)
+        assert (await resp.read()).endswith(b"data: [DONE]\n\n")  # the handler has finished
+        resp = await server.client.post("/v1/completions", json={"prompt": "", "max_tokens": 4})
+        assert resp.status == 400
         text = await (await server.client.get("/metrics")).text()
         assert 'kvwire_requests_total{endpoint="completion",outcome="length"} 1.0' in text
         assert 'kvwire_requests_total{endpoint="completion",outcome="invalid"} 1.0' in text
@@ -209,3 +212,40 @@ def test_models_and_metrics(run_with_fake_server: Any) -> None:
         assert "kvwire_num_requests_waiting 0.0" in text
 
     run_with_fake_server(body)
+
+
+def test_broken_engine_stops_thread_and_is_unhealthy(run_with_fake_server: Any, fake_engine: Any) -> None:
+    real_step = fake_engine.step
+
+    def always_failing_step() -> Any:
+        fake_engine.fail_next_step = True
+        return real_step()
+
+    fake_engine.step = always_failing_step
+    fake_engine.has_unfinished_requests = lambda: True  # like the real engine: it keeps asking to step
+
+    async def body(server: Any) -> None:
+        resp = await server.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3})
+        assert resp.status == 500
+        await wait_until(lambda: not server.engine_loop.alive)
+        assert server.engine_loop.num_step_errors == 5  # MAX_CONSECUTIVE_STEP_ERRORS
+        assert (await server.client.get("/health")).status == 503
+        resp = await server.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3})
+        assert resp.status == 500 and "not running" in (await resp.json())["error"]["message"]
+
+    run_with_fake_server(body, fake_engine)
+
+
+def test_non_streaming_disconnect_aborts(run_with_fake_server: Any, fake_engine: Any) -> None:
+    fake_engine.step_delay_s = 0.01
+
+    async def body(server: Any) -> None:
+        url = str(server.client.make_url("/v1/completions"))
+        async with ClientSession() as session:
+            task = asyncio.create_task(session.post(url, json={"prompt": "abc", "max_tokens": 50}))
+            await wait_until(lambda: bool(fake_engine.reqs))
+            task.cancel()  # the client gives up: its connection closes
+        await wait_until(lambda: fake_engine.aborted != [] and server.engine_loop.stats.kv_blocks_in_use == 0)
+        assert server.engine_loop.num_streams == 0
+
+    run_with_fake_server(body, fake_engine)
