@@ -109,9 +109,7 @@ def sdpa_attention(
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        k, v = gather_kv(kv_cache, meta.block_tables[:nd])  # [B, L, Hkv, D]
-        visible = torch.arange(k.shape[1], device=q.device)[None, :] < meta.seq_lens_t[:nd, None]
-        out[:nd] = _sdpa(q[:nd, None], k, v, mask=visible[:, None, None, :])[:, 0]
+        out[:nd] = _decode_sdpa(q[:nd], kv_cache, meta)
     for i in range(nd, meta.num_seqs):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         seq_len, q_len = meta.seq_lens[i], end - start
@@ -123,6 +121,22 @@ def sdpa_attention(
         visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
         out[start:end] = _sdpa(q[start:end], k, v, mask=visible)
     return out
+
+
+def _decode_sdpa(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """One query per sequence, [B, Hq, D]. The query heads that share a KV head are laid out as that
+    KV head's query "positions" ([B, Hkv, group, D]), so SDPA needs no GQA expansion of K/V."""
+    batch, num_heads, dim = q.shape
+    k, v = gather_kv(kv_cache, meta.block_tables[:batch])  # [B, L, Hkv, D]
+    num_kv_heads = k.shape[2]
+    visible = torch.arange(k.shape[1], device=q.device)[None, :] < meta.seq_lens_t[:batch, None]  # [B, L]
+    out = F.scaled_dot_product_attention(
+        q.view(batch, num_kv_heads, num_heads // num_kv_heads, dim),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=visible[:, None, None, :],
+    )  # [B, Hkv, group, D]
+    return out.reshape(batch, num_heads, dim)
 
 
 def _sdpa(

@@ -145,15 +145,9 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         metadata = self.scheduler_connector.build_connector_meta(plan.step_info)
         result = self.runner.execute(plan.scheduled, metadata, plan.step_info.finished_request_ids)
+        self._num_prompt_tokens += sum(s.num_new_prompt_tokens for s in plan.scheduled)
         self.scheduler.advance(plan.scheduled)
         for item in plan.scheduled:
-            self._num_prompt_tokens += max(
-                0,
-                min(
-                    item.num_new_tokens,
-                    item.request.num_prompt_tokens - (item.request.num_computed_tokens - item.num_new_tokens),
-                ),
-            )
             token = result.sampled.get(item.request.request_id)
             if token is not None:
                 self._append_token(item.request, token, outputs)

@@ -33,6 +33,12 @@ class ScheduledRequest:
     num_new_tokens: int  # tokens whose KV this step computes, from request.num_computed_tokens on
 
     @property
+    def num_new_prompt_tokens(self) -> int:
+        """How many of the scheduled tokens are prompt tokens (for statistics)."""
+        start = self.request.num_computed_tokens
+        return max(0, min(start + self.num_new_tokens, self.request.num_prompt_tokens) - start)
+
+    @property
     def samples(self) -> bool:
         """True when this step reaches the request's last token, so it samples the next one."""
         return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens

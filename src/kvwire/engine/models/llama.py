@@ -48,12 +48,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_table", freqs.cos().to(device), persistent=False)
         self.register_buffer("sin_table", freqs.sin().to(device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H, D], positions: [T] -> x rotated."""
-        cos = self.cos_table[positions][:, None, :].to(x.dtype)  # [T, 1, D/2]
-        sin = self.sin_table[positions][:, None, :].to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """positions: [T] -> (cos, sin), each [T, 1, D/2], computed once per forward for all layers."""
+        return self.cos_table[positions][:, None, :].to(dtype), self.sin_table[positions][:, None, :].to(
+            dtype
+        )
+
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """x: [T, H, D] -> x with each (i, i + D/2) pair rotated by its position's angle."""
+    cos, sin = rope
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -87,16 +96,14 @@ class Attention(nn.Module):
         self.q_norm = norm() if norm else None
         self.k_norm = norm() if norm else None
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: ForwardContext
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q), rope(positions, k)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
         out = attention(self.layer_index, q, k, v, ctx)  # [T, Hq, D]
         return self.o_proj(out.flatten(1))
 
@@ -124,10 +131,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         self.mlp = MLP(cfg, device, dtype)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: ForwardContext
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, ctx)
+    def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -152,8 +157,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden] (after the final norm)."""
         x = self.embed_tokens(input_ids)
+        rope = self.rope(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rope, ctx)
+            x = layer(x, rope, ctx)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
