@@ -55,6 +55,7 @@ class _CommonFields(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
     user: str | None = None
     # kvwire / vLLM extensions.
     kv_transfer_params: dict[str, Any] | None = None
@@ -137,6 +138,8 @@ def _check_common(req: _CommonFields) -> None:
         raise BadRequest("presence/frequency penalties are not supported", param="presence_penalty")
     if req.logit_bias:
         raise BadRequest("logit_bias is not supported", param="logit_bias")
+    if req.min_tokens:
+        raise BadRequest("min_tokens is not supported", param="min_tokens")
     if req.max_tokens is not None and req.max_tokens <= 0:
         raise BadRequest(f"max_tokens must be at least 1, got {req.max_tokens}", param="max_tokens")
     if req.temperature is not None and req.temperature < 0:

@@ -68,6 +68,7 @@ def test_stop_accepts_string_or_list() -> None:
     (body(prompt="x", n=2), "n"),
     (body(prompt="x", logprobs=2), "logprobs"),
     (body(prompt="x", echo=True), "echo"),
+    (body(prompt="x", min_tokens=3), "min_tokens"),
     (body(prompt="x", model=3), "model"),
     (body(prompt="x", stream_options={"include_usage": True}), "stream_options"),
     (body(prompt="x", kv_transfer_params=[1]), "kv_transfer_params"),
