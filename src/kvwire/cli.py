@@ -41,12 +41,27 @@ def _add_lazy(sub: argparse._SubParsersAction, name: str, module: str, help_: st
     mod.add_arguments(parser)
 
 
+def _positionals(argv: Sequence[str]) -> list[str]:
+    """Non-option words, skipping the value of ``--log-level VALUE`` (the one global option)."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--log-level":
+            skip = True
+        elif not arg.startswith("-"):
+            out.append(arg)
+    return out
+
+
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvwire", description="Disaggregated prefill/decode LLM serving")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
     # Only import the module of the subcommand asked for (so `kvwire router` never imports torch).
-    wanted = next((a for a in argv if not a.startswith("-")), None)
+    rest = _positionals(argv)
+    wanted = rest[0] if rest else None
     for name, (module, help_) in COMMANDS.items():
         if name == wanted:
             _add_lazy(sub, name, module, help_)
@@ -54,7 +69,6 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
             sub.add_parser(name, help=help_)
     bench = sub.add_parser("bench", help="benchmarks that print a table and measure a baseline")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    rest = [a for a in argv if not a.startswith("-")]
     wanted_bench = rest[1] if len(rest) > 1 and rest[0] == "bench" else None
     for name, (module, help_) in BENCHMARKS.items():
         if name == wanted_bench:
