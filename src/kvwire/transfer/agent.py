@@ -65,6 +65,11 @@ class TransferAgent:
         return self._core.endpoint
 
     @property
+    def data_address(self) -> str:
+        """The data plane's address (TCP: "host:port"); peers learn it from control messages."""
+        return self._core.plane.address
+
+    @property
     def instance_id(self) -> str:
         """Random per agent start: the epoch peers use to detect a restart."""
         return self._instance_id
