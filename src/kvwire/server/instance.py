@@ -121,10 +121,10 @@ class ServerInstance:
             if not stopped:
                 logger.warning("engine thread did not stop within the deadline")
                 clean = False
-        for closer in (self._connectors, self._engine):
-            close = getattr(closer, "close", None)
-            if close is not None and clean:
-                await loop.run_in_executor(None, close)
+        # The engine owns (and closes) its connectors; without an engine, close them here.
+        owner = self._engine if self._engine is not None else self._connectors
+        if owner is not None and clean:
+            await loop.run_in_executor(None, owner.close)
         logger.info("kvwire serve stopped%s", "" if clean else " (deadline passed)")
         return clean
 
