@@ -80,9 +80,10 @@ class Dispatcher:
     # --- one upstream (colocated, or D in pull mode) ---------------------------------------------
 
     async def _single(
-        self, request: web.Request, creq: ClientRequest, role: InstanceRole, body: bytes
+        self, request: web.Request, creq: ClientRequest, role: InstanceRole, body: bytes,
+        model: str | None = None,
     ) -> web.StreamResponse:
-        inst = self._selector.pick(role, creq.model)
+        inst = self._selector.pick(role, model or creq.model)
         mode = "colocated" if role is InstanceRole.BOTH else "pd"
         with self._selector.track(inst.instance_id, creq.est_prompt_tokens + creq.max_new_tokens):
             opened = await self._call(inst, role.value, creq, body, stream=creq.stream)
@@ -145,7 +146,10 @@ class Dispatcher:
         except (*_STREAM_ERRORS, asyncio.TimeoutError) as exc:
             await self._stream_broke(out, creq, inst, exc)
         finally:
-            resp.close()  # no-op when complete; otherwise drops the connection so the instance aborts
+            if resp.content.at_eof():
+                resp.release()  # keep the connection for the next request
+            else:
+                resp.close()  # drop the connection so that the instance aborts the request
         await out.write_eof()
         return out
 
@@ -176,8 +180,8 @@ class Dispatcher:
         return p_body, creq.derived_body(kv_transfer_params=d_params.to_dict())
 
     async def _push(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
-        p = self._selector.pick(InstanceRole.PREFILL, creq.model)
         d = self._selector.pick(InstanceRole.DECODE, creq.model)
+        p = self._selector.pick(InstanceRole.PREFILL, creq.model or d.info.model)  # same model as D
         tid = uuid.uuid4().hex
         p_params = self._push_params(tid, PDRole.PREFILL, peer=d)
         d_params = self._push_params(tid, PDRole.DECODE, peer=p)
@@ -242,7 +246,8 @@ class Dispatcher:
         p, answer = await self._retrying(lambda: self._prefill_only(creq, p_body))
         d_params = self._params_from_prefill(p, answer)
         d_body = creq.derived_body(kv_transfer_params=d_params.to_dict())
-        return await self._retrying(lambda: self._single(request, creq, InstanceRole.DECODE, d_body))
+        model = creq.model or p.info.model  # D must serve the model P prefilled
+        return await self._retrying(lambda: self._single(request, creq, InstanceRole.DECODE, d_body, model))
 
     async def _prefill_only(self, creq: ClientRequest, body: bytes) -> tuple[InstanceView, bytes]:
         p = self._selector.pick(InstanceRole.PREFILL, creq.model)
