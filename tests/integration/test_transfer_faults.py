@@ -63,10 +63,11 @@ def test_deadline_expires_on_both_sides(peer: PeerProcess, agent: TransferAgent)
     agent.expect("dl-1", num_layers=3, deadline_s=1.0)
     peer.call("send", tid="dl-1", peer=agent.endpoint, seed=3, specs=SPECS3, order=[0, 2], deadline_s=1.0)
     events = poll_until(agent, has_all("failed", ["dl-1"]), timeout_s=10)
-    assert events["failed"]["dl-1"].startswith("deadline")
+    # whichever side's deadline fires first tells the other ("peer_aborted: deadline ...")
+    assert "deadline" in events["failed"]["dl-1"]
     assert 0.9 < time.monotonic() - start < 5.0
     reply = peer.call("wait", tids=["dl-1"], timeout_s=10)
-    assert reply["events"]["failed"]["dl-1"].split(":")[0] in ("deadline", "peer_aborted")
+    assert "deadline" in reply["events"]["failed"]["dl-1"]
     assert agent.stats().budget_bytes_in_use == 0
 
 

@@ -28,7 +28,7 @@ class RecvBuffer:
     tensor: torch.Tensor
     num_bytes: int
     kind: BufferKind
-    _release: Callable[[RecvBuffer], None]
+    _release: Callable[[RecvBuffer, bool], None]
     released: bool = False
 
     def view(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -36,21 +36,29 @@ class RecvBuffer:
         return self.tensor[: self.num_bytes].view(dtype).view(shape)
 
     def release(self) -> None:
+        """Return the memory to its pool (it may be reused at once)."""
         if not self.released:
             self.released = True
-            self._release(self)
+            self._release(self, True)
+
+    def hand_over(self) -> None:
+        """Stop accounting for the memory without reusing it: the caller keeps the tensor."""
+        if not self.released:
+            self.released = True
+            self._release(self, False)
 
 
-class SpillPool:
-    """Host buffers up to ``capacity_bytes``, allocated on first use and reused (best fit).
+class BufferPool:
+    """Flat ``uint8`` buffers up to ``capacity_bytes``, allocated on first use and reused (best fit).
 
-    Thread-safe. Freed buffers stay cached for reuse; cached-but-free bytes count toward the capacity
-    and are dropped when a new allocation would otherwise exceed it.
+    Thread-safe. Freed buffers stay cached for reuse (no page faults / pinning on the hot path);
+    cached-but-free bytes count toward the capacity and are dropped when a new allocation would
+    otherwise exceed it. A reused buffer may be larger than asked (at most 2x).
     """
 
-    def __init__(self, capacity_bytes: int, pinned: bool) -> None:
+    def __init__(self, capacity_bytes: int, allocate: Callable[[int], torch.Tensor]) -> None:
         self.capacity_bytes = capacity_bytes
-        self._pinned = pinned
+        self._allocate = allocate
         self._lock = threading.Lock()
         self._in_use_bytes = 0
         self._free: list[tuple[int, int, torch.Tensor]] = []  # (size, seq, tensor), sorted by size
@@ -61,6 +69,11 @@ class SpillPool:
     def in_use_bytes(self) -> int:
         with self._lock:
             return self._in_use_bytes
+
+    @property
+    def cached_bytes(self) -> int:
+        with self._lock:
+            return self._free_bytes
 
     def try_alloc(self, num_bytes: int) -> torch.Tensor | None:
         """A buffer of at least ``num_bytes`` or None when the pool is full."""
@@ -81,61 +94,51 @@ class SpillPool:
                 size, _, _ = self._free.pop()  # drop the largest cached buffer
                 self._free_bytes -= size
             self._in_use_bytes += num_bytes
-        # allocate outside the lock: pinning can take milliseconds
-        return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=self._pinned)
+        try:  # allocate outside the lock: pinning can take milliseconds
+            return self._allocate(num_bytes)
+        except BaseException:
+            with self._lock:
+                self._in_use_bytes -= num_bytes
+            raise
 
-    def free(self, tensor: torch.Tensor) -> None:
+    def free(self, tensor: torch.Tensor, reuse: bool = True) -> None:
         size = int(tensor.numel())
         with self._lock:
             self._in_use_bytes -= size
+            if not reuse:
+                return
             self._seq += 1
             bisect.insort(self._free, (size, self._seq, tensor))
             self._free_bytes += size
 
 
 class RecvMemory:
-    """Receive budget (device) + spill pool (host). Thread-safe."""
+    """Receive budget (device, via the plane's ``allocate``) + spill pool (host). Thread-safe."""
 
     def __init__(
         self, budget_bytes: int, spill_bytes: int, allocate: Callable[[int], torch.Tensor], pinned: bool
     ) -> None:
-        self.budget_bytes = budget_bytes
-        self.spill = SpillPool(spill_bytes, pinned)
-        self._allocate = allocate
-        self._lock = threading.Lock()
-        self._budget_in_use = 0
+        self.budget = BufferPool(budget_bytes, allocate)
+        self.spill = BufferPool(spill_bytes, lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=pinned))
 
     @property
     def capacity_bytes(self) -> int:
-        return self.budget_bytes + self.spill.capacity_bytes
+        return self.budget.capacity_bytes + self.spill.capacity_bytes
 
     @property
     def budget_in_use(self) -> int:
-        with self._lock:
-            return self._budget_in_use
+        return self.budget.in_use_bytes
 
     def reserve(self, num_bytes: int) -> RecvBuffer | None:
         """A buffer from the budget, else from the spill pool, else None (no credit now)."""
-        with self._lock:
-            fits = self._budget_in_use + num_bytes <= self.budget_bytes
-            if fits:
-                self._budget_in_use += num_bytes
-        if fits:
-            try:
-                tensor = self._allocate(num_bytes)
-            except BaseException:
-                with self._lock:
-                    self._budget_in_use -= num_bytes
-                raise
+        tensor = self.budget.try_alloc(num_bytes)
+        if tensor is not None:
             return RecvBuffer(tensor, num_bytes, BufferKind.BUDGET, self._release)
-        spilled = self.spill.try_alloc(num_bytes)
-        if spilled is None:
+        tensor = self.spill.try_alloc(num_bytes)
+        if tensor is None:
             return None
-        return RecvBuffer(spilled, num_bytes, BufferKind.SPILL, self._release)
+        return RecvBuffer(tensor, num_bytes, BufferKind.SPILL, self._release)
 
-    def _release(self, buf: RecvBuffer) -> None:
-        if buf.kind is BufferKind.BUDGET:
-            with self._lock:
-                self._budget_in_use -= buf.num_bytes
-        else:
-            self.spill.free(buf.tensor)
+    def _release(self, buf: RecvBuffer, reuse: bool) -> None:
+        pool = self.budget if buf.kind is BufferKind.BUDGET else self.spill
+        pool.free(buf.tensor, reuse)

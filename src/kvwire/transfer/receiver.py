@@ -111,7 +111,10 @@ class Receiver:
         out: dict[int, torch.Tensor] = {}
         for index, buf in bufs.items():
             out[index] = self._layer_view(buf, specs[index], owned=True)
-            buf.release()  # the caller owns the memory now (spilled layers were copied out)
+            if buf.kind is BufferKind.SPILL:
+                buf.release()  # copied out: the spill buffer goes back to the pool
+            else:
+                buf.hand_over()  # the caller owns this memory now
         self.grant_pass()
         return out
 
@@ -219,7 +222,7 @@ class Receiver:
                     self.core.stats.add("spilled_layers")
                 st.to_grant.popleft()
                 st.granted[index] = buf
-                items.append(RecvItem(st.transfer_id, index, num_bytes, buf.tensor))
+                items.append(RecvItem(st.transfer_id, index, num_bytes, buf.tensor[:num_bytes]))
             if items and st.transfer_id in self.recvs:
                 self._grant(st, items)
             if st.transfer_id in self.recvs and st.to_grant:
