@@ -103,6 +103,13 @@ async def metric(url: str, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
+async def until_metric(url: str, name: str, expected: float, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (value := await metric(url, name)) != expected:
+        assert time.monotonic() < deadline, f"{name} is {value}, expected {expected}"
+        await asyncio.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     proc = ServerProcess(tmp_path_factory.mktemp("serve") / "serve.log")
@@ -239,10 +246,7 @@ def test_disconnect_aborts_and_frees_blocks(server: ServerProcess) -> None:
             await resp.content.readline()  # the first token arrived: the request holds KV blocks
             assert await metric(server.url, "kvwire_kv_blocks_in_use") > 0
             resp.close()  # drop the connection mid-stream
-        deadline = time.monotonic() + 10
-        while await metric(server.url, "kvwire_kv_blocks_in_use") != 0:
-            assert time.monotonic() < deadline, "blocks not freed after the client disconnected"
-            await asyncio.sleep(0.05)
+        await until_metric(server.url, "kvwire_kv_blocks_in_use", 0)
         _, text = await get(server.url + "/metrics")
         assert 'kvwire_requests_total{endpoint="completion",outcome="disconnect"}' in text
 
@@ -353,3 +357,47 @@ def test_prefill_role_registers_serves_pull_and_deregisters(tmp_path: Path) -> N
     finally:
         proc.stop()
         router.close()
+
+
+def test_push_between_prefill_and_decode_servers_matches_colocated(
+    server: ServerProcess, tmp_path: Path
+) -> None:
+    """Without a router: P and D get the two halves of one request by hand (what the router does)."""
+    p = ServerProcess(tmp_path / "p.log", "--role", "prefill")
+    d = ServerProcess(tmp_path / "d.log", "--role", "decode")
+    try:
+        p.wait_healthy()
+        d.wait_healthy()
+        p_kv, d_kv = (run(kv_endpoint(proc)) for proc in (p, d))
+        prompt = "a prompt that spans more than one KV block of sixteen tokens"
+
+        async def body() -> tuple[Any, Any, Any]:
+            async with aiohttp.ClientSession() as session:
+                p_req = greedy(prompt, 1, kv_transfer_params={
+                    "transfer_id": "push-1", "role": "prefill", "peer_endpoints": [d_kv]})
+                d_req = greedy(prompt, 10, stream=True, kv_transfer_params={
+                    "transfer_id": "push-1", "role": "decode", "peer_endpoints": [p_kv]})
+                p_out, d_out = await asyncio.gather(post(session, p.url + "/v1/completions", p_req),
+                                                    post(session, d.url + "/v1/completions", d_req))
+                ref = await post(session, server.url + "/v1/completions", greedy(prompt, 10))
+            return p_out, d_out, ref
+
+        (p_status, _), (d_status, d_raw), (_, ref) = run(body())
+        assert p_status == 200 and d_status == 200
+        d_ids = [t for c in sse_events(d_raw) for t in c["choices"][0]["token_ids"]]
+        assert d_ids == ref["choices"][0]["token_ids"]
+        # P frees its blocks once D acknowledged every layer (just after D's answer at the latest).
+        for proc, side in ((p, "send"), (d, "recv")):
+            run(until_metric(proc.url, f'kvwire_pd_transfers_completed_total{{side="{side}"}}', 1))
+            run(until_metric(proc.url, "kvwire_kv_blocks_in_use", 0))
+    finally:
+        p.stop()
+        d.stop()
+
+
+async def kv_endpoint(proc: ServerProcess) -> str:
+    """The transfer agent endpoint the instance shows on /health (what it advertises to a router)."""
+    status, text = await get(proc.url + "/health")
+    health = json.loads(text)
+    assert status == 200 and health["role"] in ("prefill", "decode") and len(health["kv_endpoints"]) == 1
+    return str(health["kv_endpoints"][0])

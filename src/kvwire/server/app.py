@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -49,6 +50,7 @@ class ServerApp:
         metrics: ServerMetrics,
         model_name: str,
         max_model_len: int,
+        identity: dict[str, Any] | None = None,
     ) -> None:
         self._engine_loop = engine_loop
         self._generation = generation
@@ -56,6 +58,8 @@ class ServerApp:
         self._model_name = model_name
         self._max_model_len = max_model_len
         self._created = int(time.time())
+        # Shown by /health: instance id, role, KV endpoints (what registration advertises).
+        self._identity = dict(identity or {})
 
     def build(self, max_request_bytes: int) -> web.Application:
         app = web.Application(client_max_size=max_request_bytes, middlewares=[_errors_as_json])
@@ -68,10 +72,10 @@ class ServerApp:
 
     async def health(self, request: web.Request) -> web.Response:
         if self._generation.draining:
-            return web.json_response({"status": "shutting down"}, status=503)
+            return web.json_response({"status": "shutting down", **self._identity}, status=503)
         if not self._engine_loop.alive:
-            return web.json_response({"status": "engine thread stopped"}, status=503)
-        return web.json_response({"status": "ok"})
+            return web.json_response({"status": "engine thread stopped", **self._identity}, status=503)
+        return web.json_response({"status": "ok", **self._identity})
 
     async def models(self, request: web.Request) -> web.Response:
         card = {

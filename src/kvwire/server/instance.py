@@ -67,7 +67,9 @@ class ServerInstance:
             engine_loop, self._engine.tokenizer, metrics, model_name, max_model_len,
             accepts_kv_transfer_params=self._connectors.enabled,
         )
-        app = ServerApp(engine_loop, self._generation, metrics, model_name, max_model_len)
+        identity = {"instance_id": self.instance_id, "role": self.config.role.value,
+                    "kv_endpoints": list(self._connectors.kv_endpoints)}
+        app = ServerApp(engine_loop, self._generation, metrics, model_name, max_model_len, identity)
         engine_loop.start(loop)
         self._runner = web.AppRunner(
             app.build(self.config.max_request_bytes), handler_cancellation=True, access_log=None,
