@@ -31,6 +31,8 @@ _API_MAGIC = 0xCAFEBEEF
 # so this prefix is valid for every library >= 2.27 (checked against init.cc parseCommConfig).
 _CONFIG_VERSION = 22700
 
+_ENQUEUE_TIMEOUT_S = 60.0
+
 # ncclResult_t
 NCCL_SUCCESS = 0
 NCCL_IN_PROGRESS = 7
@@ -160,8 +162,11 @@ class NcclLibrary:
         raw = ctypes.c_int()
         self.check(self._lib.ncclGetVersion(ctypes.byref(raw)), "ncclGetVersion")
         code = raw.value
-        return (code // 10000, code // 100 % 100, code % 100) if code >= 10000 else (
-            code // 1000, code // 100 % 10, code % 100)
+        return (
+            (code // 10000, code // 100 % 100, code % 100)
+            if code >= 10000
+            else (code // 1000, code // 100 % 10, code % 100)
+        )
 
     def unique_id(self) -> bytes:
         uid = UniqueId()
@@ -210,11 +215,9 @@ class NcclComm:
         self._abort_requested = threading.Event()
 
     @classmethod
-    def create(
-        cls, unique_id: bytes, rank: int, nranks: int, config: CommConfig, deadline: float
-    ) -> NcclComm:
-        """Join the communicator named by ``unique_id``; waits (polling) until every rank joined
-        or ``deadline`` (``time.monotonic()``) passes, then aborts and raises ``TransferTimeout``."""
+    def begin(cls, unique_id: bytes, rank: int, nranks: int, config: CommConfig) -> NcclComm:
+        """Start joining the communicator named by ``unique_id`` (returns at once for a non-blocking
+        config: call :meth:`wait_ready`; :meth:`abort` cancels the join)."""
         if len(unique_id) != NCCL_UNIQUE_ID_BYTES:
             raise TransferError(f"NCCL unique id must be {NCCL_UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
         lib = load_nccl()
@@ -226,7 +229,15 @@ class NcclComm:
         if code not in (NCCL_SUCCESS, NCCL_IN_PROGRESS) and handle.value:
             lib.raw.ncclCommAbort(handle)
         lib.check(code, "ncclCommInitRankConfig")
-        comm = cls(lib, handle, rank, nranks)
+        return cls(lib, handle, rank, nranks)
+
+    @classmethod
+    def create(
+        cls, unique_id: bytes, rank: int, nranks: int, config: CommConfig, deadline: float
+    ) -> NcclComm:
+        """:meth:`begin` + wait until every rank joined; at ``deadline`` (``time.monotonic()``) the
+        join is aborted and ``TransferTimeout`` raised."""
+        comm = cls.begin(unique_id, rank, nranks, config)
         comm.wait_ready(deadline, "communicator init")
         return comm
 
@@ -239,8 +250,9 @@ class NcclComm:
         if self._closed:
             raise PeerLostError("NCCL communicator is closed")
         state = ctypes.c_int()
-        self._lib.check(self._lib.raw.ncclCommGetAsyncError(self._handle, ctypes.byref(state)),
-                        "ncclCommGetAsyncError")
+        self._lib.check(
+            self._lib.raw.ncclCommGetAsyncError(self._handle, ctypes.byref(state)), "ncclCommGetAsyncError"
+        )
         return state.value
 
     def check_healthy(self) -> None:
@@ -287,15 +299,19 @@ class NcclComm:
         """Enqueue ``ncclSend`` of ``num_bytes`` at device address ``ptr`` on CUDA ``stream``."""
         with self.lock:
             self._ensure_open()
-            self._lib.check(self._lib.raw.ncclSend(ptr, num_bytes, NCCL_UINT8, peer, self._handle, stream),
-                            "ncclSend")
+            code = self._lib.raw.ncclSend(ptr, num_bytes, NCCL_UINT8, peer, self._handle, stream)
+            # outside a group a non-blocking comm may still be enqueueing: wait until it is on the stream
+            if self._lib.check(code, "ncclSend") == NCCL_IN_PROGRESS:
+                self.wait_ready(time.monotonic() + _ENQUEUE_TIMEOUT_S, "ncclSend")
 
     def recv(self, ptr: int, num_bytes: int, peer: int, stream: int) -> None:
         """Enqueue ``ncclRecv`` of ``num_bytes`` into device address ``ptr`` on CUDA ``stream``."""
         with self.lock:
             self._ensure_open()
-            self._lib.check(self._lib.raw.ncclRecv(ptr, num_bytes, NCCL_UINT8, peer, self._handle, stream),
-                            "ncclRecv")
+            code = self._lib.raw.ncclRecv(ptr, num_bytes, NCCL_UINT8, peer, self._handle, stream)
+            # outside a group a non-blocking comm may still be enqueueing: wait until it is on the stream
+            if self._lib.check(code, "ncclRecv") == NCCL_IN_PROGRESS:
+                self.wait_ready(time.monotonic() + _ENQUEUE_TIMEOUT_S, "ncclRecv")
 
     def _ensure_open(self) -> None:
         if self._closed:
@@ -334,8 +350,15 @@ def _make_config(config: CommConfig) -> _Config:
     cfg.size = ctypes.sizeof(_Config)
     cfg.magic = _API_MAGIC
     cfg.version = _CONFIG_VERSION
-    for name in ("cgaClusterSize", "splitShare", "trafficClass", "collnetEnable", "CTAPolicy",
-                 "shrinkShare", "nvlsCTAs"):
+    for name in (
+        "cgaClusterSize",
+        "splitShare",
+        "trafficClass",
+        "collnetEnable",
+        "CTAPolicy",
+        "shrinkShare",
+        "nvlsCTAs",
+    ):
         setattr(cfg, name, _UNDEF_INT)
     cfg.netName = None
     cfg.commName = None

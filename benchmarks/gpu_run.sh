@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Reproduces the NCCL data-plane GPU runs on a 2-GPU machine (2 x H200 on NVLink):
+#   benchmarks/gpu_run.sh [all|tests|bench] [bench args...]
+# GPU tests (pytest -m gpu tests/gpu) and `python -m kvwire.bench.transfer_nccl` (= kvwire bench transfer
+# --backend nccl). Logs and JSON go to $OUT (default ./out). pyzmq/msgspec wheels for Python 3.12 are
+# installed from .whl/ when the image lacks them (see docs/decisions/061-nccl-data-plane.md).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+MODE=${1:-all}
+[ $# -gt 0 ] && shift
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+# NVLink multicast stays off on shared machines
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+if ! python3 -c "import zmq, msgspec" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=src:${PYTHONPATH:-}
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } > "$OUT/gpus.txt" 2>&1
+rc=0
+if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
+  timeout 400 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu --timeout 240 2>&1 | tee "$OUT/gpu_tests.log"
+  rc=$((rc | ${PIPESTATUS[0]}))
+fi
+if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
+  timeout 560 python3 -m kvwire.bench.transfer_nccl --json --out "$OUT/bench_nccl.json" "$@" 2>&1 | tee "$OUT/bench.log"
+  rc=$((rc | ${PIPESTATUS[0]}))
+fi
+exit $rc

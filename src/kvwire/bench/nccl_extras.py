@@ -1,0 +1,193 @@
+"""Extra measurements of the NCCL benchmark: layer-wise overlap with a synthetic forward pass, GPU
+memory per communicator by channel count, and the one-launch gather/scatter against per-layer ops."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvwire.bench import nccl_harness as h
+from kvwire.bench.nccl_workers import LAYOUT, KvwireSide, barrier, ceiling, summarize
+from kvwire.transfer.cuda_paged import gather_layers, scatter_layers, triton_available
+from kvwire.transfer.nccl_lib import CommConfig
+from kvwire.transfer.paged import gather_blocks, scatter_blocks
+from kvwire.transfer.types import SendItem
+
+# Llama-3-8B layer: hidden 4096, 32 query heads + 8 KV heads of 128, MLP 14336
+HIDDEN, KV_DIM, MLP = 4096, 1024, 14336
+
+
+class SyntheticForward:
+    """Llama-3-8B-sized projections and MLP per layer (attention itself omitted) on ``tokens``."""
+
+    def __init__(self, tokens: int, device: torch.device) -> None:
+        def w(rows: int, cols: int) -> torch.Tensor:
+            return torch.randn(rows, cols, device=device, dtype=torch.bfloat16) * 0.02
+
+        self.x = torch.randn(tokens, HIDDEN, device=device, dtype=torch.bfloat16)
+        self.w_qkv, self.w_o = w(HIDDEN, HIDDEN + 2 * KV_DIM), w(HIDDEN, HIDDEN)
+        self.w_gu, self.w_d = w(HIDDEN, 2 * MLP), w(MLP, HIDDEN)
+
+    def run(
+        self,
+        cache: list[torch.Tensor],
+        ids: torch.Tensor,
+        on_layer: Callable[[int, torch.cuda.Event], None] | None = None,
+    ) -> tuple[Any, Any]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        x = self.x
+        for index, layer in enumerate(cache):
+            qkv = x @ self.w_qkv  # [T, 6144]
+            q, k, v = qkv[:, :HIDDEN], qkv[:, HIDDEN : HIDDEN + KV_DIM], qkv[:, HIDDEN + KV_DIM :]
+            blocks = (ids.numel(), *layer.shape[2:])  # [n, block_size, H, D]
+            layer[0].index_copy_(0, ids, k.reshape(blocks))
+            layer[1].index_copy_(0, ids, v.reshape(blocks))
+            if on_layer is not None:
+                written = torch.cuda.Event()
+                written.record()
+                on_layer(index, written)
+            y = q @ self.w_o + x
+            gate_up = y @ self.w_gu
+            x = (F.silu(gate_up[:, :MLP]) * gate_up[:, MLP:]) @ self.w_d + y
+        end.record()
+        return start, end
+
+
+def overlap(
+    conn: Connection, side: KvwireSide, cache: list[torch.Tensor], ids: torch.Tensor, tokens: int, iters: int
+) -> dict[str, Any] | None:
+    """Rank 0 runs the forward and saves each layer as it completes; rank 1 receives + scatters."""
+    slab = torch.empty(
+        (len(cache), 2, ids.numel(), *cache[0].shape[2:]), dtype=torch.bfloat16, device=ids.device
+    )
+    if side.rank == 1:
+        for _ in range(iters + 1):
+            barrier(conn, 1)
+            side.recv_transfer(conn, cache, ids, slab)
+            conn.send(time.perf_counter())
+        return None
+    fwd = SyntheticForward(tokens, ids.device)
+    alone = []
+    for _ in range(iters + 1):
+        start, end = fwd.run(cache, ids)
+        end.synchronize()
+        alone.append(start.elapsed_time(end))
+    exposed, with_transfer = [], []
+    for _ in range(iters + 1):
+        barrier(conn, 0)
+        tid = f"o{side.seq}"
+        side.seq += 1
+        conn.send(("offer", tid))
+        side.plane.on_peer_info(side.peer, conn.recv())
+
+        def save(layer: int, written: torch.cuda.Event, tid: str = tid) -> None:
+            side.gather_stream.wait_event(written)
+            with torch.cuda.stream(side.gather_stream):
+                gather_layers([cache[layer]], ids, LAYOUT, out=slab[layer : layer + 1])
+                ready = torch.cuda.Event()
+                ready.record(side.gather_stream)
+            side.plane.send(side.peer, [SendItem(tid, layer, slab[layer], ready)])
+
+        start, end = fwd.run(cache, ids, save)
+        end.synchronize()
+        compute_done = time.perf_counter()
+        exposed.append(conn.recv() - compute_done)
+        with_transfer.append(start.elapsed_time(end))
+        side.rec.wait_sent(tid, len(cache))
+    layer_ms = statistics.median(alone[1:]) / len(cache)
+    exposed_ms = statistics.median(exposed[1:]) * 1e3
+    return {
+        "tokens": tokens,
+        "forward_ms": round(statistics.median(alone[1:]), 3),
+        "forward_with_transfer_ms": round(statistics.median(with_transfer[1:]), 3),
+        "layer_compute_ms": round(layer_ms, 4),
+        "exposed_ms": round(exposed_ms, 4),
+        "exposed_over_layer": round(exposed_ms / layer_ms, 3),
+        "goal_met": exposed_ms <= layer_ms,
+    }
+
+
+def comm_memory(
+    conn: Connection, rank: int, max_ctas: list[int | None], num_bytes: int
+) -> list[dict[str, Any]]:
+    """GPU memory one communicator costs (driver free-memory delta after its first send/recv) and the
+    bandwidth of one ``num_bytes`` send, per channel bound."""
+    out = []
+    small = torch.empty(1 << 20, dtype=torch.uint8, device=torch.cuda.current_device())
+    stream = torch.cuda.current_stream()
+    for bound in max_ctas:
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        comm = h.raw_comm(conn, rank, CommConfig(max_ctas=bound))
+        if rank == 0:
+            comm.send(small.data_ptr(), small.numel(), 1, stream.cuda_stream)
+        else:
+            comm.recv(small.data_ptr(), small.numel(), 0, stream.cuda_stream)
+        h.wait_stream(stream, comm)
+        used_mib = (free_before - torch.cuda.mem_get_info()[0]) / (1 << 20)
+        samples = ceiling(conn, rank, comm, num_bytes, 8)[2:]
+        comm.abort()
+        out.append(
+            {"max_ctas": bound, "comm_gpu_mib": round(used_mib, 1), **summarize(samples, num_bytes)}
+            if rank == 0
+            else {}
+        )
+    return out
+
+
+def _scatter_each(cache: list[torch.Tensor], ids: torch.Tensor, slab: torch.Tensor) -> None:
+    for index, layer in enumerate(cache):
+        scatter_blocks(layer, ids, slab[index], LAYOUT)
+
+
+def _time_ms(fn: Callable[[], object], reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def gather_scatter(cache: list[torch.Tensor], ids: torch.Tensor, tokens: int) -> dict[str, Any]:
+    """One-launch (Triton) vs per-layer torch gather/scatter of every layer; bit-exact check."""
+    slab = torch.empty(
+        (len(cache), 2, ids.numel(), *cache[0].shape[2:]), dtype=torch.bfloat16, device=ids.device
+    )
+    ref = torch.stack([gather_blocks(layer, ids, LAYOUT) for layer in cache])
+    gather_layers(cache, ids, LAYOUT, out=slab)
+    exact = bool(torch.equal(slab.view(torch.int16), ref.view(torch.int16)))
+    moved = 2 * slab.numel() * 2  # read + write
+    one = _time_ms(lambda: gather_layers(cache, ids, LAYOUT, out=slab))
+    per_layer = _time_ms(
+        lambda: [gather_blocks(layer, ids, LAYOUT, out=slab[i]) for i, layer in enumerate(cache)]
+    )
+    one_s = _time_ms(lambda: scatter_layers(cache, ids, slab, LAYOUT))
+    per_layer_s = _time_ms(lambda: _scatter_each(cache, ids, slab))
+
+    def gbps(ms: float) -> float:
+        return round(moved / (ms * 1e-3) / 1e9, 1)
+
+    return {
+        "tokens": tokens,
+        "triton": triton_available(),
+        "bit_exact": exact,
+        "gather_one_launch_ms": round(one, 4),
+        "gather_per_layer_ms": round(per_layer, 4),
+        "scatter_one_launch_ms": round(one_s, 4),
+        "scatter_per_layer_ms": round(per_layer_s, 4),
+        "gather_one_launch_gbps": gbps(one),
+        "gather_per_layer_gbps": gbps(per_layer),
+    }

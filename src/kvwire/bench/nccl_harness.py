@@ -1,0 +1,166 @@
+"""Drive two :class:`~kvwire.transfer.nccl.NcclPlane` s in two processes without the agent.
+
+Used by the NCCL benchmark and the GPU tests: it plays the agent's part of the plane contract
+(post receive buffers, carry ``local_info`` bytes to the peer's ``on_peer_info`` with the "grant",
+hand ready layers to ``send``) over a ``multiprocessing`` pipe, and records the plane's callbacks.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from kvwire.errors import TransferTimeout
+from kvwire.transfer.config import TransferConfig
+from kvwire.transfer.nccl import NcclPlane, NcclPlaneConfig
+from kvwire.transfer.nccl_lib import CommConfig, NcclComm, load_nccl
+from kvwire.transfer.types import Backend, PeerRef, RecvItem, SendItem
+
+NCCL_SAFE_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+def set_safe_env() -> None:
+    """NVLink multicast stays off on shared machines (see docs/decisions/061-nccl-data-plane.md)."""
+    for key, value in NCCL_SAFE_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def peer_ref(instance_id: str) -> PeerRef:
+    return PeerRef(endpoint="tcp://127.0.0.1:1", instance_id=instance_id, data_address="")
+
+
+class Recorder:
+    """PlaneCallbacks that count per-transfer completions and keep failures; ``on_layer`` (if set)
+    runs on the plane's completer thread for each received layer (e.g. a group scatter)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.sent: collections.Counter[str] = collections.Counter()
+        self.received: collections.Counter[str] = collections.Counter()
+        self.failed: dict[str, str] = {}
+        self.peer_failed: dict[str, str] = {}
+        self.protocol_errors: list[str] = []
+        self.on_layer: Callable[[str, int], None] | None = None
+
+    def on_sent(self, peer_instance_id: str, transfer_id: str, layer_index: int) -> None:
+        with self.cond:
+            self.sent[transfer_id] += 1
+            self.cond.notify_all()
+
+    def on_received(self, peer_instance_id: str, transfer_id: str, layer_index: int) -> None:
+        if self.on_layer is not None:
+            self.on_layer(transfer_id, layer_index)
+        with self.cond:
+            self.received[transfer_id] += 1
+            self.cond.notify_all()
+
+    def on_transfer_failed(self, transfer_id: str, reason: str) -> None:
+        with self.cond:
+            self.failed[transfer_id] = reason
+            self.cond.notify_all()
+
+    def on_peer_failed(self, peer_instance_id: str, reason: str) -> None:
+        with self.cond:
+            self.peer_failed[peer_instance_id] = reason
+            self.cond.notify_all()
+
+    def on_protocol_error(self, reason: str) -> None:
+        with self.cond:
+            self.protocol_errors.append(reason)
+
+    def wait_sent(self, transfer_id: str, count: int, timeout_s: float = 60.0) -> None:
+        self.wait_for(lambda: self.sent[transfer_id] >= count, timeout_s)
+
+    def wait_received(self, transfer_id: str, count: int, timeout_s: float = 60.0) -> None:
+        self.wait_for(lambda: self.received[transfer_id] >= count, timeout_s)
+
+    def wait_for(self, predicate: Callable[[], object], timeout_s: float) -> None:
+        """Wait until ``predicate()`` (evaluated under the lock) holds; raise on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while not predicate():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeout(
+                        f"harness wait timed out; failed={self.failed} peers={self.peer_failed}"
+                    )
+                self.cond.wait(timeout=min(left, 0.5))
+
+
+def start_plane(rank: int, instance_id: str, plane_config: NcclPlaneConfig) -> tuple[NcclPlane, Recorder]:
+    config = TransferConfig(backend=Backend.NCCL, device=f"cuda:{rank}")
+    plane = NcclPlane(config, instance_id, plane_config)
+    recorder = Recorder()
+    plane.start(recorder)
+    return plane, recorder
+
+
+def post_layers(
+    plane: NcclPlane,
+    peer: PeerRef,
+    transfer_id: str,
+    sizes: Sequence[int],
+    flat: torch.Tensor,
+    first_layer: int = 0,
+) -> bytes:
+    """Post receives for consecutive layers whose bytes lie back to back in ``flat``; return the
+    handshake bytes the agent would put in the GRANT."""
+    items, offset = [], 0
+    for index, size in enumerate(sizes):
+        items.append(RecvItem(transfer_id, first_layer + index, size, flat[offset : offset + size]))
+        offset += size
+    plane.post_recv(peer, items)
+    return plane.local_info(peer)
+
+
+def send_layers(
+    plane: NcclPlane,
+    peer: PeerRef,
+    transfer_id: str,
+    tensors: Sequence[torch.Tensor],
+    ready: Sequence[Any | None] | None = None,
+    first_layer: int = 0,
+) -> None:
+    events = ready if ready is not None else [None] * len(tensors)
+    plane.send(
+        peer,
+        [
+            SendItem(transfer_id, first_layer + i, t, e)
+            for i, (t, e) in enumerate(zip(tensors, events, strict=True))
+        ],
+    )
+
+
+def raw_comm(
+    conn: Connection, rank: int, config: CommConfig | None = None, timeout_s: float = 60.0
+) -> NcclComm:
+    """A plain two-rank communicator between the two harness processes (rank 0 makes the id)."""
+    if rank == 0:
+        uid = load_nccl().unique_id()
+        conn.send(uid)
+    else:
+        uid = conn.recv()
+    return NcclComm.create(uid, rank, 2, config or CommConfig(), time.monotonic() + timeout_s)
+
+
+def wait_stream(stream: torch.cuda.Stream, comm: NcclComm, timeout_s: float = 60.0) -> None:
+    """Wait for ``stream`` with a deadline (abort the comm at the deadline)."""
+    event = torch.cuda.Event()
+    event.record(stream)
+    deadline = time.monotonic() + timeout_s
+    while not event.query():
+        if time.monotonic() > deadline:
+            comm.abort()
+            raise TransferTimeout("stream did not finish in time")
+        time.sleep(1e-5)

@@ -1,0 +1,127 @@
+"""What each of the two benchmark processes runs, in lockstep (see :mod:`kvwire.bench.transfer_nccl`)."""
+
+from __future__ import annotations
+
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from kvwire.bench import nccl_extras as extras
+from kvwire.bench import nccl_harness as h
+from kvwire.bench import nccl_workers as w
+from kvwire.transfer.nccl import NcclPlaneConfig
+from kvwire.transfer.nccl_lib import load_nccl
+
+MiB = 1 << 20
+WARMUP = 3
+
+
+def _size_row(
+    conn: Connection,
+    rank: int,
+    comm: Any,
+    side: w.KvwireSide,
+    cache: list[torch.Tensor],
+    shape: w.KVShape,
+    tokens: int,
+    iters: int,
+) -> dict[str, Any]:
+    ids = w.block_ids(shape, tokens, cache[0].device, seed=1000 * tokens + rank)
+    num_bytes = shape.layers * shape.layer_bytes(tokens)
+    a = w.ceiling(conn, rank, comm, num_bytes, WARMUP + iters)[WARMUP:]
+    b = w.reference(conn, rank, comm, cache, ids, WARMUP + iters)[WARMUP:]
+    if rank == 1:
+        w.poison(cache, ids)
+    w.reference(conn, rank, comm, cache, ids, 1)
+    b_ok = w.verify(conn, rank, comm, cache, ids)
+    c = w.kvwire_path(conn, side, cache, ids, WARMUP + iters)[WARMUP:]
+    if rank == 1:
+        w.poison(cache, ids)
+    w.kvwire_path(conn, side, cache, ids, 1)
+    c_ok = w.verify(conn, rank, comm, cache, ids)
+    if rank == 1:
+        return {}
+    sa, sb, sc = (w.summarize(x, num_bytes) for x in (a, b, c))
+    return {
+        "tokens": tokens,
+        "bytes": num_bytes,
+        "ceiling": sa,
+        "reference": sb,
+        "kvwire": sc,
+        "gbps": sc["gbps"],
+        "ceiling_gbps": sa["gbps"],
+        "reference_gbps": sb["gbps"],
+        "ratio": round(sc["gbps"] / sa["gbps"], 3),
+        "speedup_vs_reference": round(sc["gbps"] / sb["gbps"], 2),
+        "verified": b_ok and c_ok,
+        "reference_verified": b_ok,
+        "kvwire_verified": c_ok,
+    }
+
+
+def _sweep(
+    conn: Connection,
+    rank: int,
+    cache: list[torch.Tensor],
+    shape: w.KVShape,
+    opts: dict[str, Any],
+    ceilings: dict[int, float],
+) -> list[dict[str, Any]]:
+    rows = []
+    for chunk_mib in opts["sweep_chunk_mib"]:
+        side = w.KvwireSide(
+            rank, NcclPlaneConfig(chunk_bytes=chunk_mib * MiB, max_ctas=opts["max_ctas"]), f"sweep{chunk_mib}"
+        )
+        for tokens in [t for t in opts["tokens"] if t <= 2048]:
+            ids = w.block_ids(shape, tokens, cache[0].device, seed=1000 * tokens + rank)
+            samples = w.kvwire_path(conn, side, cache, ids, WARMUP + 10)[WARMUP:]
+            if rank == 0:
+                num_bytes = shape.layers * shape.layer_bytes(tokens)
+                row = {"chunk_mib": chunk_mib, "tokens": tokens, **w.summarize(samples, num_bytes)}
+                row["ratio"] = round(row["gbps"] / ceilings[tokens], 3)
+                rows.append(row)
+        side.close()
+    return rows
+
+
+def run_rank(rank: int, conn: Connection, opts: dict[str, Any]) -> dict[str, Any]:
+    h.set_safe_env()
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    shape = w.KVShape(cache_blocks=max(1200, 2 * w.KVShape().blocks(max(opts["tokens"]))))
+    cache = w.make_cache(shape, device, seed=rank + 1)
+    comm = h.raw_comm(conn, rank)
+    plane_cfg = NcclPlaneConfig(chunk_bytes=opts["chunk_mib"] * MiB, max_ctas=opts["max_ctas"])
+    side = w.KvwireSide(rank, plane_cfg, "main")
+    report: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(device),
+        "nccl": ".".join(map(str, load_nccl().version())),
+        "torch": torch.__version__,
+        "chunk_mib": opts["chunk_mib"],
+        "max_ctas": opts["max_ctas"],
+        "iters": opts["iters"],
+        "sizes": [],
+    }
+    for tokens in opts["tokens"]:
+        report["sizes"].append(_size_row(conn, rank, comm, side, cache, shape, tokens, opts["iters"]))
+    ceilings = {row["tokens"]: row["ceiling_gbps"] for row in report["sizes"] if row}
+    report["overlap"] = extras.overlap(
+        conn,
+        side,
+        cache,
+        w.block_ids(shape, opts["overlap_tokens"], device, 7 + rank),
+        opts["overlap_tokens"],
+        5,
+    )
+    side.close()
+    report["chunk_sweep"] = _sweep(conn, rank, cache, shape, opts, ceilings)
+    report["comm_memory"] = extras.comm_memory(conn, rank, [None, 2, 8, 32], 256 * MiB)
+    w.barrier(conn, rank)
+    if rank == 0:
+        report["gather_scatter"] = [
+            extras.gather_scatter(cache, w.block_ids(shape, t, device, 11), t) for t in opts["tokens"]
+        ]
+    w.barrier(conn, rank)
+    comm.abort()
+    return report

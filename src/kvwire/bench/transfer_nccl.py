@@ -1,0 +1,149 @@
+"""``kvwire bench transfer --backend nccl``: KV transfer between two GPUs, side by side in one run.
+
+Per size (Llama-3-8B-shaped paged KV, bf16, block size 16, random block ids on both sides):
+
+* (a) ``ceiling``: one contiguous NCCL send of the same bytes;
+* (b) ``reference``: the seed's per-layer way (gather one layer, one control round trip, one send,
+  one sync, scatter) over the same communicator;
+* (c) ``kvwire``: the NCCL data plane (:mod:`kvwire.transfer.nccl`) fed by one-launch group gathers
+  (:mod:`kvwire.transfer.cuda_paged`) and scattering each coalesced message on arrival.
+
+Plus: chunk-size sweep, layer-wise overlap with a synthetic forward pass, GPU memory per communicator
+by channel bound, and one-launch vs per-layer gather/scatter. Needs two CUDA GPUs; run as
+``kvwire bench transfer --backend nccl [--tokens 512 2048 8192] [--json] [--out FILE]`` (or
+``python -m kvwire.bench.transfer_nccl``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import sys
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+DEFAULT_TOKENS = [512, 2048, 8192]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default="nccl", choices=["nccl"])
+    parser.add_argument("--tokens", type=int, nargs="+", default=DEFAULT_TOKENS)
+    parser.add_argument("--iters", type=int, default=15, help="timed iterations per method and size")
+    parser.add_argument("--chunk-mib", type=int, default=32, help="NCCL plane message size bound")
+    parser.add_argument("--sweep-chunk-mib", type=int, nargs="*", default=[8, 16, 64])
+    parser.add_argument("--max-ctas", type=int, default=None, help="NCCL channel bound (None = default)")
+    parser.add_argument("--overlap-tokens", type=int, default=2048)
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--out", default=None, help="also write the JSON results to this file")
+    parser.add_argument("--timeout-s", type=float, default=540.0)
+
+
+def _sizes(args: argparse.Namespace) -> list[int]:
+    tokens = getattr(args, "tokens", None) or DEFAULT_TOKENS
+    return [tokens] if isinstance(tokens, int) else list(tokens)
+
+
+def _worker(rank: int, conn: Connection, opts: dict[str, Any], queue: Any) -> None:
+    try:
+        from kvwire.bench.nccl_run import run_rank
+
+        result = run_rank(rank, conn, opts)
+        queue.put((rank, result, None))
+    except BaseException:
+        queue.put((rank, None, traceback.format_exc()))
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        print("kvwire bench transfer --backend nccl needs 2 CUDA GPUs", file=sys.stderr)
+        return 2
+    from kvwire.bench.nccl_harness import set_safe_env
+
+    set_safe_env()
+    opts = {
+        "tokens": _sizes(args),
+        "iters": getattr(args, "iters", 15),
+        "chunk_mib": getattr(args, "chunk_mib", 32),
+        "sweep_chunk_mib": getattr(args, "sweep_chunk_mib", [8, 16, 64]),
+        "max_ctas": getattr(args, "max_ctas", None),
+        "overlap_tokens": getattr(args, "overlap_tokens", 2048),
+    }
+    ctx = mp.get_context("spawn")
+    left, right = ctx.Pipe()
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker, args=(rank, conn, opts, queue), daemon=True)
+        for rank, conn in ((0, left), (1, right))
+    ]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in procs:
+            rank, result, error = queue.get(timeout=getattr(args, "timeout_s", 540.0))
+            if error:
+                print(f"rank {rank} failed:\n{error}", file=sys.stderr)
+                return 1
+            results[rank] = result
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    report = results[0]
+    report["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    print_table(report)
+    if getattr(args, "json", False):
+        print(json.dumps(report, indent=1))
+    if getattr(args, "out", None):
+        with open(args.out, "w") as fh:
+            json.dump(report, fh, indent=1)
+    return 0
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(f"\nNCCL KV transfer, {report['gpu']} x2, NCCL {report['nccl']}, torch {report['torch']}")
+    head = ["tokens", "MiB", "(a) ceil", "(b) ref", "(c) kvw", "c/a", "c/b"]
+    print(" ".join(f"{name:>9}" for name in head), "verified")
+    for row in report["sizes"]:
+        print(
+            f"{row['tokens']:>7} {row['bytes'] / 2**20:>6.0f} {row['ceiling_gbps']:>9.1f} "
+            f"{row['reference_gbps']:>9.1f} {row['gbps']:>9.1f} {row['ratio']:>6.2f} "
+            f"{row['speedup_vs_reference']:>6.2f} {row['verified']}"
+        )
+    print("(GB/s; ms in the JSON)")
+    for row in report.get("chunk_sweep", []):
+        print(
+            f"chunk {row['chunk_mib']:>3} MiB  tokens {row['tokens']:>5}: {row['gbps']:>6.1f} GB/s "
+            f"ratio {row['ratio']:.2f}"
+        )
+    ov = report.get("overlap")
+    if ov:
+        print(
+            f"overlap @{ov['tokens']} tokens: layer compute {ov['layer_compute_ms']} ms, exposed after last "
+            f"layer {ov['exposed_ms']} ms ({ov['exposed_over_layer']}x), forward {ov['forward_ms']} -> "
+            f"{ov['forward_with_transfer_ms']} ms with transfer"
+        )
+    for row in report.get("comm_memory", []):
+        print(f"comm max_ctas={row['max_ctas']}: {row['comm_gpu_mib']} MiB GPU, {row['gbps']} GB/s @256 MiB")
+    for row in report.get("gather_scatter", []):
+        print(
+            f"gather @{row['tokens']}: one launch {row['gather_one_launch_ms']} ms vs per layer "
+            f"{row['gather_per_layer_ms']} ms; scatter {row['scatter_one_launch_ms']} vs "
+            f"{row['scatter_per_layer_ms']} ms; exact={row['bit_exact']} triton={row['triton']}"
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""NCCL point-to-point data plane between GPUs (see :mod:`kvwire.transfer.base` for the contract).
+
+Per peer epoch (``PeerRef.instance_id``) and direction there is one channel: a two-rank communicator
+created lazily by the **receiver**, whose NCCL unique id travels to the sender in the agent's
+``plane_info`` (with the GRANT that follows the first ``post_recv``). The receiver also decides how
+layers are coalesced into NCCL messages and announces those *chunk plans* the same way, so matched
+send/recv sizes always agree whatever the timing on either side (:mod:`kvwire.transfer.nccl_messages`).
+
+Guarantees asked of the agent (all hold for :class:`~kvwire.transfer.agent.TransferAgent`):
+
+* on the receiver, ``post_recv(peer, items)`` happens before ``local_info(peer)`` is taken for the
+  GRANT that grants those items;
+* on the sender, ``on_peer_info`` of a GRANT is called before ``send`` of the layers it grants;
+* ``cancel`` is called for every transfer the agent gives up (the plane then sends dummy bytes for
+  its announced chunks so the stream stays in step).
+
+Communicators: at most ``max_comms`` receive communicators (an idle one is closed to make room);
+a receive communicator unused for ``idle_close_s`` is destroyed (the sender drops its side after twice
+that, or as soon as a new offer replaces it); ``drop_peer`` (peer restarted / lost), a stalled
+operation (``stall_timeout_s``) or an asynchronous NCCL error abort it (``ncclCommAbort``). Channel
+count (``min_ctas``/``max_ctas``) is configurable; see docs/decisions/061-nccl-data-plane.md for the
+GPU memory each communicator costs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from kvwire.errors import ProtocolError, TransferError
+from kvwire.transfer.base import DataPlane, PlaneCallbacks
+from kvwire.transfer.config import TransferConfig
+from kvwire.transfer.nccl_channel import NcclPlaneConfig, _Channel
+from kvwire.transfer.nccl_lib import NcclUnavailableError, load_nccl
+from kvwire.transfer.nccl_messages import NcclInfo, decode_info, encode_info
+from kvwire.transfer.nccl_recv import RecvChannel
+from kvwire.transfer.nccl_send import SendChannel
+from kvwire.transfer.types import PeerRef, RecvItem, SendItem
+
+__all__ = ["NcclPlane", "NcclPlaneConfig"]
+
+log = logging.getLogger("kvwire.transfer.nccl")
+
+
+class NcclPlane(DataPlane):
+    """The GPU data plane. One per :class:`~kvwire.transfer.agent.TransferAgent` (one per GPU)."""
+
+    ordered = True
+
+    def __init__(
+        self, config: TransferConfig, instance_id: str, plane_config: NcclPlaneConfig | None = None
+    ) -> None:
+        self.config = config
+        self.instance_id = instance_id
+        self.plane_config = plane_config or NcclPlaneConfig.from_env()
+        self.device = torch.device(config.device)
+        self._lock = threading.Lock()
+        self._senders: dict[str, SendChannel] = {}  # peer instance id -> channel
+        self._receivers: dict[str, RecvChannel] = {}
+        self._callbacks: PlaneCallbacks | None = None
+        self._alloc_stream: torch.cuda.Stream | None = None
+        self._closed = False
+
+    def start(self, callbacks: PlaneCallbacks) -> None:
+        if not torch.cuda.is_available():
+            raise NcclUnavailableError("the NCCL data plane needs CUDA")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        lib = load_nccl()
+        version = ".".join(map(str, lib.version()))
+        log.info("NCCL data plane on %s: %s, NCCL %s", self.device, lib.path, version)
+        self._callbacks = callbacks
+        self._alloc_stream = torch.cuda.Stream(device=self.device)
+
+    @property
+    def address(self) -> str:
+        return f"nccl://{self.config.host}/{self.device}"
+
+    # --- handshake ------------------------------------------------------------------------------------
+    def local_info(self, peer: PeerRef) -> bytes:
+        with self._lock:
+            channel = self._receivers.get(peer.instance_id)
+        if channel is None:
+            return b""
+        offer, chunks = channel.take_announcement()
+        if offer is None and not chunks:
+            return b""
+        return encode_info(NcclInfo(offers=[offer] if offer else [], chunks=chunks))
+
+    def on_peer_info(self, peer: PeerRef, info: bytes) -> None:
+        try:
+            decoded = decode_info(info)
+        except ProtocolError as exc:
+            self._cb().on_protocol_error(f"from {peer.endpoint}: {exc}")
+            return
+        channel = self._sender(peer.instance_id)
+        for offer in decoded.offers:
+            if channel.offer is not None and channel.offer.comm_id != offer.comm_id:
+                channel = self._replace_sender(peer.instance_id, channel)
+            channel.set_offer(offer)
+        known = channel.offer.comm_id if channel.offer is not None else None
+        chunks = [c for c in decoded.chunks if c.comm_id == known]
+        if len(chunks) != len(decoded.chunks):
+            self._cb().on_protocol_error(f"from {peer.endpoint}: chunk plan for an unknown communicator")
+        channel.add_plans(chunks)
+
+    # --- memory -----------------------------------------------------------------------------------------
+    def allocate(self, num_bytes: int) -> torch.Tensor:
+        """Receive buffers come from a dedicated stream; the channel that writes one marks it with
+        ``record_stream`` so the caching allocator never hands it out while a receive is pending."""
+        assert self._alloc_stream is not None, "start() first"
+        with torch.cuda.stream(self._alloc_stream):
+            return torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+
+    # --- data -------------------------------------------------------------------------------------------
+    def send(self, peer: PeerRef, items: Sequence[SendItem]) -> None:
+        self._sender(peer.instance_id).add_items(items)
+
+    def post_recv(self, peer: PeerRef, items: Sequence[RecvItem]) -> None:
+        try:
+            channel = self._receiver(peer.instance_id)
+        except TransferError as exc:
+            for transfer_id in {item.transfer_id for item in items}:
+                self._cb().on_transfer_failed(transfer_id, f"peer_lost: {exc}")
+            return
+        channel.add_items(items)
+
+    def cancel(self, transfer_id: str) -> None:
+        for channel in self._channels():
+            channel.cancel(transfer_id)
+
+    def drop_peer(self, peer_instance_id: str) -> None:
+        with self._lock:
+            dropped = [
+                c
+                for c in (
+                    self._senders.pop(peer_instance_id, None),
+                    self._receivers.pop(peer_instance_id, None),
+                )
+                if c is not None
+            ]
+        for channel in dropped:
+            channel.close(abort=True)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            channels = [*self._senders.values(), *self._receivers.values()]
+            self._senders.clear()
+            self._receivers.clear()
+        for channel in channels:
+            channel.close(abort=True)
+
+    def num_communicators(self) -> int:
+        """Open channels (each holds one communicator once joined)."""
+        return len(self._channels())
+
+    # --- internals --------------------------------------------------------------------------------------
+    def _cb(self) -> PlaneCallbacks:
+        assert self._callbacks is not None, "start() first"
+        return self._callbacks
+
+    def _channels(self) -> list[_Channel]:
+        with self._lock:
+            return [*self._senders.values(), *self._receivers.values()]
+
+    def _sender(self, peer_instance: str) -> SendChannel:
+        with self._lock:
+            if self._closed:
+                raise TransferError("NCCL plane is closed")
+            channel = self._senders.get(peer_instance)
+            if channel is None:
+                channel = SendChannel(peer_instance, self.device, self.plane_config, self._cb(), self._dead)
+                self._senders[peer_instance] = channel
+                channel.start()
+            return channel
+
+    def _replace_sender(self, peer_instance: str, old: SendChannel) -> SendChannel:
+        """The receiver started a new communicator (it closed the old one when idle)."""
+        old.close(abort=False)
+        with self._lock:
+            if self._senders.get(peer_instance) is old:
+                del self._senders[peer_instance]
+        return self._sender(peer_instance)
+
+    def _receiver(self, peer_instance: str) -> RecvChannel:
+        evict: _Channel | None = None
+        with self._lock:
+            if self._closed:
+                raise TransferError("NCCL plane is closed")
+            channel = self._receivers.get(peer_instance)
+            if channel is not None:
+                return channel
+            if len(self._receivers) >= self.plane_config.max_comms:
+                idle = [c for c in self._receivers.values() if not c.inflight and not c.pending]
+                if not idle:
+                    raise TransferError(f"{self.plane_config.max_comms} NCCL communicators busy")
+                evict = min(idle, key=lambda c: c.last_active)
+                del self._receivers[evict.peer_instance]
+            channel = RecvChannel(peer_instance, self.device, self.plane_config, self._cb(), self._dead)
+            self._receivers[peer_instance] = channel
+            channel.start()
+        if evict is not None:
+            evict.close(abort=False)
+        return channel
+
+    def _dead(self, channel: _Channel, reason: str | None) -> None:
+        """A channel closed itself: idle (``reason`` None) or broken (peer failed)."""
+        with self._lock:
+            for table in (self._senders, self._receivers):
+                if table.get(channel.peer_instance) is channel:
+                    del table[channel.peer_instance]
+        if reason is not None:
+            self._cb().on_peer_failed(channel.peer_instance, f"peer_lost: NCCL {reason}")

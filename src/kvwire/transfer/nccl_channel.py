@@ -1,0 +1,324 @@
+"""One direction of NCCL traffic with one peer epoch: a communicator, a CUDA stream, two threads.
+
+A :class:`SendChannel` (rank 0) and the peer's :class:`RecvChannel` (rank 1) share one two-rank
+communicator used in one direction only: a posted receive waiting for data therefore never delays a
+send in the other direction (NCCL runs the operations of one communicator in issue order).
+
+Threads per channel:
+
+* the **issuer** joins the communicator (non-blocking init, deadline), then launches work as it
+  becomes possible: one ``ncclGroupStart/End`` per batch of chunks, all on the channel's stream;
+  it also runs the watchdog (an operation in flight longer than ``stall_timeout_s`` aborts the
+  communicator and fails the peer) and closes the channel when idle;
+* the **completer** waits for each batch's CUDA event in issue order (``Event.synchronize`` releases
+  the GIL; ``ncclCommAbort`` ends a stuck wait) and reports ``on_sent`` / ``on_received`` with the
+  channel's stream as the current stream, so a sink's scatter is ordered after the receive.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvwire.errors import ConfigError, TransferError
+from kvwire.transfer.base import PlaneCallbacks
+from kvwire.transfer.nccl_lib import CommConfig, NcclComm
+from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer
+from kvwire.transfer.types import RecvItem, SendItem
+
+log = logging.getLogger("kvwire.transfer.nccl")
+
+MiB = 1 << 20
+STATUS_MAGIC = 0x4B565752  # "KVWR": every chunk is followed by an 8-byte status message
+_WATCHDOG_PERIOD_S = 0.05
+_MAX_CANCELLED = 65536
+
+
+@dataclasses.dataclass(frozen=True)
+class NcclPlaneConfig:
+    """Tuning of the NCCL data plane (``from_env`` reads ``KVWIRE_NCCL_*`` at the edge)."""
+
+    min_ctas: int | None = None  # NCCL channels (thread blocks) per communicator; None = NCCL default
+    max_ctas: int | None = None
+    chunk_bytes: int = 32 * MiB  # consecutive layers of one transfer coalesce up to this per message
+    max_comms: int = 64  # receive-side communicators (one per sending peer epoch)
+    idle_close_s: float = 120.0  # a receive communicator unused this long is destroyed
+    init_timeout_s: float = 60.0  # communicator join deadline
+    stall_timeout_s: float = 60.0  # an operation in flight longer than this aborts the communicator
+
+    def __post_init__(self) -> None:
+        CommConfig(self.min_ctas, self.max_ctas)  # validates the CTA bounds
+        if self.chunk_bytes < 1 * MiB:
+            raise ConfigError("NcclPlaneConfig.chunk_bytes must be >= 1 MiB")
+        if self.max_comms < 1:
+            raise ConfigError("NcclPlaneConfig.max_comms must be >= 1")
+        if min(self.idle_close_s, self.init_timeout_s, self.stall_timeout_s) <= 0:
+            raise ConfigError("NcclPlaneConfig timeouts must be > 0")
+
+    @classmethod
+    def from_env(cls) -> NcclPlaneConfig:
+        def opt_int(name: str) -> int | None:
+            value = os.environ.get(name)
+            return int(value) if value else None
+
+        chunk_mib = opt_int("KVWIRE_NCCL_CHUNK_MIB")
+        return cls(
+            min_ctas=opt_int("KVWIRE_NCCL_MIN_CTAS"),
+            max_ctas=opt_int("KVWIRE_NCCL_MAX_CTAS"),
+            chunk_bytes=(chunk_mib or 32) * MiB,
+        )
+
+    @property
+    def comm_config(self) -> CommConfig:
+        return CommConfig(min_ctas=self.min_ctas, max_ctas=self.max_ctas, blocking=False)
+
+
+def plan_chunks(items: Sequence[RecvItem], max_bytes: int) -> list[list[RecvItem]]:
+    """Group consecutive layers of the same transfer into messages of at most ``max_bytes`` (a single
+    larger layer is its own message); device and host destinations never share a message."""
+    groups: list[list[RecvItem]] = []
+    size = 0
+    for item in items:
+        current = groups[-1] if groups else None
+        if (
+            current is None
+            or item.transfer_id != current[0].transfer_id
+            or size + item.num_bytes > max_bytes
+            or item.dest.device != current[0].dest.device
+        ):
+            groups.append([item])
+            size = item.num_bytes
+        else:
+            current.append(item)
+            size += item.num_bytes
+    return groups
+
+
+def adjacent_span(tensors: Sequence[torch.Tensor], sizes: Sequence[int]) -> torch.Tensor | None:
+    """A flat uint8 view covering ``tensors`` when they lie back to back in one device allocation."""
+    first = tensors[0]
+    if first.device.type != "cuda" or not all(t.is_contiguous() for t in tensors):
+        return None
+    address = first.data_ptr()
+    for tensor, size in zip(tensors, sizes, strict=True):
+        if tensor.data_ptr() != address or tensor.device != first.device:
+            return None
+        address += size
+    storage = first.untyped_storage()
+    start = first.data_ptr() - storage.data_ptr()
+    total = address - first.data_ptr()
+    if start + total > storage.nbytes():
+        return None
+    flat = torch.empty(0, dtype=torch.uint8, device=first.device)
+    flat.set_(storage, start, (total,), (1,))
+    return flat
+
+
+@dataclasses.dataclass
+class _Batch:
+    """Chunks launched in one NCCL group, completed by one event."""
+
+    event: torch.cuda.Event
+    chunks: list[tuple[ChunkPlan, list[SendItem] | list[RecvItem] | None]]
+    keepalive: list[torch.Tensor]
+    issued_at: float
+    status: torch.Tensor | None = None  # receiver: pinned host int32 [chunks, 2] (magic, 1 = real data)
+
+
+class _Channel:
+    """Common machinery of both directions (see the module docstring)."""
+
+    rank = 0
+
+    def __init__(
+        self,
+        peer_instance: str,
+        device: torch.device,
+        config: NcclPlaneConfig,
+        callbacks: PlaneCallbacks,
+        on_dead: Callable[[_Channel, str | None], None],
+    ) -> None:
+        self.peer_instance = peer_instance
+        self.device = device
+        self.config = config
+        self.callbacks = callbacks
+        self._on_dead = on_dead
+        self.stream = torch.cuda.Stream(device=device)
+        self.cond = threading.Condition()
+        self.comm: NcclComm | None = None
+        self.offer: CommOffer | None = None
+        self.inflight: collections.deque[_Batch] = collections.deque()
+        self.closed = False
+        self.joined = False  # the communicator is up (both ranks joined)
+        self.last_active = time.monotonic()
+        self.cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._threads: list[threading.Thread] = []
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        for name, target in (("issuer", self._issue_loop), ("completer", self._complete_loop)):
+            thread = threading.Thread(target=target, name=f"kvwire-nccl-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def close(self, abort: bool = True) -> None:
+        """Stop both threads and release the communicator (abort, or destroy when idle)."""
+        with self.cond:
+            if self.closed:
+                return
+            self.closed = True
+            idle = not self.inflight
+            self.cond.notify_all()
+        if self.comm is not None:
+            if abort or not idle:
+                self.comm.abort()
+            else:
+                self.comm.destroy()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5.0)
+
+    def fail(self, reason: str) -> None:
+        """The communicator broke: abort it and tell the plane (which reports the peer failed)."""
+        with self.cond:
+            already = self.closed
+        if already:
+            return
+        log.warning("NCCL channel with %s failed: %s", self.peer_instance, reason)
+        self.close(abort=True)
+        self._on_dead(self, reason)
+
+    def cancel(self, transfer_id: str) -> None:
+        with self.cond:
+            self.cancelled[transfer_id] = None
+            while len(self.cancelled) > _MAX_CANCELLED:
+                self.cancelled.popitem(last=False)
+            self._forget(transfer_id)
+            self.cond.notify_all()
+
+    # --- hooks for the two directions ----------------------------------------------------------------
+    def _forget(self, transfer_id: str) -> None:
+        """Drop not-yet-launched state of a cancelled transfer (cond held)."""
+
+    def _has_work(self) -> bool:
+        raise NotImplementedError
+
+    def _take_work(self) -> list[tuple[ChunkPlan, list[SendItem] | list[RecvItem] | None]]:
+        raise NotImplementedError
+
+    def _launch(self, work: list[tuple[ChunkPlan, list[SendItem] | list[RecvItem] | None]]) -> _Batch:
+        raise NotImplementedError
+
+    def _complete(self, batch: _Batch) -> None:
+        raise NotImplementedError
+
+    def _idle_limit_s(self) -> float:
+        return self.config.idle_close_s
+
+    # --- threads ----------------------------------------------------------------------------------------
+    def _join(self) -> bool:
+        with self.cond:
+            while self.offer is None and not self.closed:
+                self.cond.wait(timeout=_WATCHDOG_PERIOD_S)
+            if self.closed or self.offer is None:
+                return False
+            offer = self.offer
+        deadline = time.monotonic() + self.config.init_timeout_s
+        try:
+            comm = NcclComm.begin(offer.unique_id, self.rank, 2, self.config.comm_config)
+        except TransferError as exc:
+            self.fail(f"communicator init: {exc}")
+            return False
+        with self.cond:
+            self.comm = comm  # from here close() can abort the join
+            if self.closed:
+                comm.abort()
+                return False
+        try:
+            comm.wait_ready(deadline, "communicator init")
+        except TransferError as exc:
+            self.fail(f"communicator init: {exc}")
+            return False
+        with self.cond:
+            self.joined = True
+            self.cond.notify_all()
+            return not self.closed
+
+    def _issue_loop(self) -> None:
+        torch.cuda.set_device(self.device)
+        if not self._join():
+            return
+        while True:
+            with self.cond:
+                while not self.closed and not self._has_work():
+                    self.cond.wait(timeout=_WATCHDOG_PERIOD_S)
+                    if self._watchdog():
+                        return
+                if self.closed:
+                    return
+                work = self._take_work()
+            try:
+                batch = self._launch(work)
+            except TransferError as exc:
+                self.fail(f"launch: {exc}")
+                return
+            with self.cond:
+                self.inflight.append(batch)
+                self.cond.notify_all()
+
+    def _watchdog(self) -> bool:
+        """Called with ``cond`` held while waiting. True when the loop must end."""
+        now = time.monotonic()
+        reason = None
+        if self.inflight and now - self.inflight[0].issued_at > self.config.stall_timeout_s:
+            reason = "operation stalled past stall_timeout_s"
+        elif self.inflight and self.comm is not None:
+            try:
+                self.comm.check_healthy()
+            except TransferError as exc:
+                reason = str(exc)
+        if reason is not None:
+            threading.Thread(target=self.fail, args=(reason,), daemon=True).start()
+            return True
+        if not self.inflight and not self._has_work() and now - self.last_active > self._idle_limit_s():
+            threading.Thread(target=self._close_idle, daemon=True).start()
+            return True
+        return False
+
+    def _close_idle(self) -> None:
+        log.info("closing idle NCCL channel with %s", self.peer_instance)
+        self.close(abort=False)
+        self._on_dead(self, None)
+
+    def _complete_loop(self) -> None:
+        torch.cuda.set_device(self.device)
+        with torch.cuda.stream(self.stream):
+            while True:
+                with self.cond:
+                    while not self.closed and not self.inflight:
+                        self.cond.wait(timeout=_WATCHDOG_PERIOD_S)
+                    if self.closed:
+                        return
+                    batch = self.inflight[0]
+                batch.event.synchronize()  # ends early when the communicator is aborted
+                comm = self.comm
+                if comm is None or comm.closed:
+                    return
+                try:
+                    comm.check_healthy()
+                except TransferError as exc:
+                    self.fail(str(exc))
+                    return
+                with self.cond:
+                    if self.closed:
+                        return
+                    self.inflight.popleft()
+                    self.last_active = time.monotonic()
+                self._complete(batch)

@@ -1,0 +1,70 @@
+"""Handshake bytes of the NCCL data plane (carried opaquely in the agent's ``plane_info`` field).
+
+The **receiver** of a direction owns its communicator and its message framing:
+
+* :class:`CommOffer` — "join communicator ``comm_id`` (this NCCL unique id) as rank 0 and send to me
+  on it". Created lazily, the first time the receiver posts a buffer for that peer; repeated until
+  the receiver closes it (idle) or a new one replaces it.
+* :class:`ChunkPlan` — the receiver coalesces consecutive granted layers of one transfer into one NCCL
+  message (a *chunk*) and tells the sender how: chunk ``seq`` on ``comm_id`` carries ``layers`` of
+  ``transfer_id`` (``num_bytes`` in total). The sender posts exactly these messages in ``seq`` order,
+  so matched ``ncclSend``/``ncclRecv`` sizes always agree; a chunk whose transfer was cancelled is
+  still sent (dummy bytes), which keeps both ends of the stream in step.
+
+Encoded with msgspec msgpack; :func:`decode_info` raises :class:`~kvwire.errors.ProtocolError`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvwire.errors import ProtocolError
+
+NCCL_INFO_VERSION = 1
+MAX_CHUNKS_PER_INFO = 65536
+
+
+class CommOffer(msgspec.Struct, array_like=True, frozen=True):
+    comm_id: str  # random hex; names the communicator and its chunk sequence
+    unique_id: bytes  # ncclUniqueId (128 bytes)
+
+
+class ChunkPlan(msgspec.Struct, array_like=True, frozen=True):
+    comm_id: str
+    seq: int  # 0, 1, 2 ... per communicator
+    transfer_id: str
+    layers: list[int]  # layer indices, in wire order
+    num_bytes: int  # sum of the layers' sizes
+
+
+class NcclInfo(msgspec.Struct, frozen=True, kw_only=True):
+    v: int = NCCL_INFO_VERSION
+    offers: list[CommOffer] = msgspec.field(default_factory=list)
+    chunks: list[ChunkPlan] = msgspec.field(default_factory=list)
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(NcclInfo)
+
+
+def encode_info(info: NcclInfo) -> bytes:
+    return _encoder.encode(info)
+
+
+def decode_info(data: bytes) -> NcclInfo:
+    """Decode and validate handshake bytes from a peer."""
+    try:
+        info = _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed NCCL plane info: {exc}") from exc
+    if info.v != NCCL_INFO_VERSION:
+        raise ProtocolError(f"unsupported NCCL plane info version {info.v}")
+    if len(info.chunks) > MAX_CHUNKS_PER_INFO:
+        raise ProtocolError(f"NCCL plane info with {len(info.chunks)} chunks")
+    for offer in info.offers:
+        if len(offer.unique_id) != 128 or not offer.comm_id:
+            raise ProtocolError("NCCL comm offer with a bad unique id")
+    for chunk in info.chunks:
+        if chunk.seq < 0 or chunk.num_bytes < 0 or not chunk.layers or any(i < 0 for i in chunk.layers):
+            raise ProtocolError(f"bad NCCL chunk plan {chunk}")
+    return info

@@ -1,0 +1,126 @@
+"""Receiving half of a peer pair's NCCL traffic: owns the communicator (rank 1) and the framing.
+
+``post_recv`` items are grouped into chunks (:func:`plan_chunks`), numbered, queued for posting and
+queued for announcement (the next ``local_info`` to that peer carries the plans, see
+:mod:`kvwire.transfer.nccl_messages`). A chunk whose destinations lie back to back on the device is
+received in place; otherwise into a staging buffer allocated on the receive stream and copied out
+to each destination (device or pinned host) on the same stream before the completion event.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Sequence
+
+import torch
+
+from kvwire.transfer.nccl_channel import STATUS_MAGIC, _Batch, _Channel, adjacent_span, log, plan_chunks
+from kvwire.transfer.nccl_lib import load_nccl
+from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer
+from kvwire.transfer.types import RecvItem, SendItem
+
+_Work = list[tuple[ChunkPlan, list[SendItem] | list[RecvItem] | None]]
+
+
+class RecvChannel(_Channel):
+    rank = 1
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.offer = CommOffer(comm_id=secrets.token_hex(8), unique_id=load_nccl().unique_id())
+        self.next_seq = 0
+        self.pending: list[tuple[ChunkPlan, list[RecvItem]]] = []
+        self.unannounced: list[ChunkPlan] = []
+
+    # --- called by the plane (agent threads) ------------------------------------------------------
+    def add_items(self, items: Sequence[RecvItem]) -> None:
+        with self.cond:
+            for group in plan_chunks(items, self.config.chunk_bytes):
+                chunk = ChunkPlan(
+                    comm_id=self.offer.comm_id if self.offer else "",
+                    seq=self.next_seq,
+                    transfer_id=group[0].transfer_id,
+                    layers=[item.layer_index for item in group],
+                    num_bytes=sum(item.num_bytes for item in group),
+                )
+                self.next_seq += 1
+                self.pending.append((chunk, group))
+                self.unannounced.append(chunk)
+            self.last_active = time.monotonic()
+            self.cond.notify_all()
+
+    def take_announcement(self) -> tuple[CommOffer | None, list[ChunkPlan]]:
+        """The offer (until the sender joined) and the chunk plans not yet sent to the peer."""
+        with self.cond:
+            chunks, self.unannounced = self.unannounced, []
+            return (None if self.joined else self.offer), chunks
+
+    # --- issuer -------------------------------------------------------------------------------------
+    def _has_work(self) -> bool:
+        return bool(self.pending)
+
+    def _take_work(self) -> _Work:
+        work: _Work = [(chunk, items) for chunk, items in self.pending]
+        self.pending = []
+        return work
+
+    def _launch(self, work: _Work) -> _Batch:
+        assert self.comm is not None
+        keepalive: list[torch.Tensor] = []
+        copies: list[tuple[torch.Tensor, list[RecvItem]]] = []
+        targets: list[tuple[torch.Tensor, int]] = []
+        with torch.cuda.stream(self.stream):
+            for chunk, items in work:
+                group: list[RecvItem] = items  # type: ignore[assignment]
+                dests = [item.dest[: item.num_bytes] for item in group]
+                span = adjacent_span(dests, [item.num_bytes for item in group])
+                if span is not None and span.device == self.device:
+                    target = span
+                else:
+                    target = torch.empty(max(chunk.num_bytes, 1), dtype=torch.uint8, device=self.device)
+                    copies.append((target, group))
+                for dest in dests:
+                    if dest.device.type == "cuda":
+                        dest.record_stream(self.stream)  # allocator: no reuse before our writes end
+                targets.append((target, chunk.num_bytes))
+                keepalive.append(target)
+            status = torch.empty((len(work), 2), dtype=torch.int32, device=self.device)
+            stream = self.stream.cuda_stream
+            with self.comm.group(time.monotonic() + self.config.stall_timeout_s):
+                for index, (target, num_bytes) in enumerate(targets):
+                    if num_bytes:
+                        self.comm.recv(target.data_ptr(), num_bytes, 0, stream)
+                    self.comm.recv(status[index].data_ptr(), 8, 0, stream)
+            for staging, group in copies:
+                offset = 0
+                for item in group:
+                    size = item.num_bytes
+                    item.dest[:size].copy_(staging[offset : offset + size], non_blocking=True)
+                    offset += size
+            status_host = torch.empty((len(work), 2), dtype=torch.int32, pin_memory=True)
+            status_host.copy_(status, non_blocking=True)
+            keepalive.append(status)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return _Batch(event, work, keepalive, time.monotonic(), status_host)
+
+    # --- completer ----------------------------------------------------------------------------------
+    def _complete(self, batch: _Batch) -> None:
+        assert batch.status is not None
+        status = batch.status.tolist()
+        for (chunk, items), (magic, real) in zip(batch.chunks, status, strict=True):
+            with self.cond:
+                if chunk.transfer_id in self.cancelled:
+                    continue
+            if magic != STATUS_MAGIC or real != 1:
+                bad = magic != STATUS_MAGIC
+                reason = "protocol: chunk status garbled" if bad else "peer_aborted: the sender cancelled"
+                self.callbacks.on_transfer_failed(chunk.transfer_id, reason)
+                self.cancel(chunk.transfer_id)  # report once; later chunks of it are ignored
+                continue
+            for item in items or ():
+                try:
+                    self.callbacks.on_received(self.peer_instance, chunk.transfer_id, item.layer_index)
+                except Exception:  # a sink/callback bug must not kill the channel
+                    log.exception("on_received callback failed")

@@ -1,0 +1,150 @@
+"""Sending half of a peer pair's NCCL traffic (rank 0 of the receiver-owned communicator).
+
+The receiver's chunk plans are the law: chunk ``seq`` is launched once every layer it names is ready
+(or its transfer was cancelled: then dummy bytes of the same size keep the stream in step). Chunks
+launch strictly in ``seq`` order; consecutive launchable chunks share one NCCL group. Layers that lie
+back to back in memory are sent in place; otherwise they are copied into one staging buffer first
+(on the send stream, after each layer's ``ready_event``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from kvwire.transfer.nccl_channel import STATUS_MAGIC, _Batch, _Channel, adjacent_span, log
+from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer
+from kvwire.transfer.types import RecvItem, SendItem
+
+_Work = list[tuple[ChunkPlan, list[SendItem] | list[RecvItem] | None]]
+
+
+class SendChannel(_Channel):
+    rank = 0
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.plans: dict[int, ChunkPlan] = {}
+        self.next_seq = 0
+        self.ready: dict[tuple[str, int], SendItem] = {}
+        self._scratch: torch.Tensor | None = None
+        self._status: dict[bool, torch.Tensor] = {}  # real data? -> [magic, flag] on the device
+
+    # --- called by the plane (agent threads) ------------------------------------------------------
+    def set_offer(self, offer: CommOffer) -> None:
+        with self.cond:
+            if self.offer is None:
+                self.offer = offer
+                self.cond.notify_all()
+
+    def add_plans(self, chunks: Sequence[ChunkPlan]) -> None:
+        with self.cond:
+            for chunk in chunks:
+                if chunk.seq >= self.next_seq:
+                    self.plans[chunk.seq] = chunk
+            self.last_active = time.monotonic()
+            self.cond.notify_all()
+
+    def add_items(self, items: Sequence[SendItem]) -> None:
+        with self.cond:
+            for item in items:
+                if item.transfer_id not in self.cancelled:
+                    self.ready[(item.transfer_id, item.layer_index)] = item
+            self.last_active = time.monotonic()
+            self.cond.notify_all()
+
+    def _forget(self, transfer_id: str) -> None:
+        for key in [k for k in self.ready if k[0] == transfer_id]:
+            del self.ready[key]
+
+    def _idle_limit_s(self) -> float:
+        # the receiver owns the communicator and closes it first; we follow well after
+        return 2 * self.config.idle_close_s
+
+    # --- issuer -------------------------------------------------------------------------------------
+    def _launchable(self, chunk: ChunkPlan) -> bool:
+        if chunk.transfer_id in self.cancelled:
+            return True
+        return all((chunk.transfer_id, layer) in self.ready for layer in chunk.layers)
+
+    def _has_work(self) -> bool:
+        chunk = self.plans.get(self.next_seq)
+        return chunk is not None and self._launchable(chunk)
+
+    def _take_work(self) -> _Work:
+        work: _Work = []
+        while self._has_work():
+            chunk = self.plans.pop(self.next_seq)
+            self.next_seq += 1
+            if chunk.transfer_id in self.cancelled:
+                work.append((chunk, None))
+            else:
+                items = [self.ready.pop((chunk.transfer_id, layer)) for layer in chunk.layers]
+                work.append((chunk, items))
+        return work
+
+    def _source(self, chunk: ChunkPlan, items: list[SendItem] | None) -> tuple[torch.Tensor, bool]:
+        """Bytes to send for one chunk (on the send stream); False when dummy bytes replace it (the
+        chunk's status message then tells the receiver the data is not real)."""
+        if items is not None:
+            sizes = [item.tensor.numel() * item.tensor.element_size() for item in items]
+            if sum(sizes) == chunk.num_bytes:
+                for item in items:
+                    if item.ready_event is not None:
+                        self.stream.wait_event(item.ready_event)
+                span = adjacent_span([item.tensor for item in items], sizes)
+                if span is not None and span.device == self.device:
+                    return span, True
+                staging = torch.empty(chunk.num_bytes, dtype=torch.uint8, device=self.device)
+                offset = 0
+                for item, size in zip(items, sizes, strict=True):
+                    flat = item.tensor.reshape(-1).view(torch.uint8)
+                    staging[offset : offset + size].copy_(flat, non_blocking=True)
+                    offset += size
+                return staging, True
+            reason = f"mismatch: layers of {sum(sizes)} bytes, receiver planned {chunk.num_bytes}"
+            self.callbacks.on_transfer_failed(chunk.transfer_id, reason)
+        if self._scratch is None or self._scratch.numel() < chunk.num_bytes:
+            self._scratch = torch.empty(max(chunk.num_bytes, 1), dtype=torch.uint8, device=self.device)
+        return self._scratch[: chunk.num_bytes], False
+
+    def _launch(self, work: _Work) -> _Batch:
+        assert self.comm is not None
+        keepalive: list[torch.Tensor] = []
+        real: _Work = []
+        with torch.cuda.stream(self.stream):
+            sources = []
+            for chunk, items in work:
+                source, ok = self._source(chunk, items)  # type: ignore[arg-type]
+                sources.append((source, chunk.num_bytes))
+                keepalive.append(source)
+                real.append((chunk, items if ok else None))
+            if not self._status:
+                for flag in (True, False):
+                    value = [STATUS_MAGIC, int(flag)]
+                    self._status[flag] = torch.tensor(value, dtype=torch.int32, device=self.device)
+            stream = self.stream.cuda_stream
+            with self.comm.group(time.monotonic() + self.config.stall_timeout_s):
+                for (source, num_bytes), (_, items) in zip(sources, real, strict=True):
+                    if num_bytes:
+                        self.comm.send(source.data_ptr(), num_bytes, 1, stream)
+                    self.comm.send(self._status[items is not None].data_ptr(), 8, 1, stream)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return _Batch(event, real, keepalive, time.monotonic())
+
+    # --- completer ----------------------------------------------------------------------------------
+    def _complete(self, batch: _Batch) -> None:
+        for chunk, items in batch.chunks:
+            if items is None:
+                continue
+            with self.cond:
+                if chunk.transfer_id in self.cancelled:
+                    continue
+            for item in items:
+                try:
+                    self.callbacks.on_sent(self.peer_instance, chunk.transfer_id, item.layer_index)
+                except Exception:  # a callback bug must not kill the channel
+                    log.exception("on_sent callback failed")

@@ -1,0 +1,293 @@
+"""NCCL data plane across two GPUs in two processes (run with ``pytest -m gpu`` on a 2-GPU machine).
+
+The parent only orchestrates; each scenario is a pair of functions run in spawned processes that talk
+over a pipe, playing the agent's part (see ``kvwire.bench.nccl_harness``). Data is generated on the
+CPU from a seed on both sides, so the receiver can check every byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+import torch
+
+MiB = 1 << 20
+
+
+def _two_gpus() -> bool:
+    try:
+        return torch.cuda.device_count() >= 2
+    except Exception:
+        return False
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs")]
+
+
+# --- process plumbing ------------------------------------------------------------------------------------
+def _entry(fn: Callable[..., Any], rank: int, conn: Connection, queue: Any, arg: Any) -> None:
+    try:
+        from kvwire.bench.nccl_harness import set_safe_env
+
+        set_safe_env()
+        torch.cuda.set_device(rank)
+        queue.put((fn.__name__, fn(conn, arg), None))
+    except BaseException:
+        queue.put((fn.__name__, None, traceback.format_exc()))
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., Any]]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs: list[Any] = []
+
+    def start(fn: Callable[..., Any], rank: int, conn: Connection, arg: Any = None) -> Any:
+        proc = ctx.Process(target=_entry, args=(fn, rank, conn, queue, arg), daemon=True)
+        proc.start()
+        procs.append(proc)
+        return proc
+
+    start.queue = queue  # type: ignore[attr-defined]
+    start.ctx = ctx  # type: ignore[attr-defined]
+    yield start
+    for proc in procs:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+
+
+def _results(spawn: Any, count: int, timeout_s: float = 180.0) -> dict[str, Any]:
+    out = {}
+    for _ in range(count):
+        name, value, error = spawn.queue.get(timeout=timeout_s)
+        assert error is None, f"{name} failed:\n{error}"
+        out[name] = value
+    return out
+
+
+def _data(seed: int, sizes: list[int]) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen) for size in sizes]
+
+
+def _gpu(tensors: list[torch.Tensor], rank: int = 0) -> list[torch.Tensor]:
+    out = [t.to(f"cuda:{rank}") for t in tensors]
+    torch.cuda.synchronize(rank)
+    return out
+
+
+def _cfg(**kw: Any) -> Any:
+    from kvwire.transfer.nccl import NcclPlaneConfig
+
+    return NcclPlaneConfig(chunk_bytes=kw.pop("chunk_bytes", 1 * MiB), **kw)
+
+
+# transfers of the bit-exact test: (id, layer sizes, receive into one slab?, receive into host memory?)
+TRANSFERS = [
+    ("small-layers", [100 * 1024 + 7] * 40, False, False),  # coalesced, staged on both sides
+    ("odd-big-layers", [3 * MiB + 1] * 5, False, False),  # one message per layer
+    ("slab", [256 * 1024] * 16, True, False),  # in place on the receiver
+    ("host-spill", [512 * 1024] * 4, False, True),  # pinned host destinations
+]
+
+
+def _recv_bit_exact(conn: Connection, _: Any) -> dict[str, bool]:
+    from kvwire.bench import nccl_harness as h
+    from kvwire.transfer.types import RecvItem
+
+    plane, rec = h.start_plane(1, "recv-1", _cfg())
+    peer = h.peer_ref("send-0")
+    dests: dict[str, list[torch.Tensor]] = {}
+    for seed, (tid, sizes, slab, host) in enumerate(TRANSFERS):
+        if slab:
+            flat = plane.allocate(sum(sizes))
+            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+            views = [flat[o : o + s] for o, s in zip(offsets, sizes, strict=True)]
+        elif host:
+            views = [torch.empty(s, dtype=torch.uint8, pin_memory=True) for s in sizes]
+        else:
+            views = [plane.allocate(s) for s in sizes]
+        dests[tid] = views
+        plane.post_recv(
+            peer, [RecvItem(tid, i, s, v) for i, (s, v) in enumerate(zip(sizes, views, strict=True))]
+        )
+        conn.send((seed, plane.local_info(peer)))
+    ok = {}
+    for seed, (tid, sizes, _, _) in enumerate(TRANSFERS):
+        rec.wait_received(tid, len(sizes))
+        got = [d.cpu() for d in dests[tid]]
+        ok[tid] = all(torch.equal(a, b) for a, b in zip(got, _data(seed, sizes), strict=True))
+    conn.send("done")
+    plane.close()
+    return ok
+
+
+def _send_bit_exact(conn: Connection, _: Any) -> int:
+    from kvwire.bench import nccl_harness as h
+
+    plane, rec = h.start_plane(0, "send-0", _cfg())
+    peer = h.peer_ref("recv-1")
+    for _ in TRANSFERS:
+        _, info = conn.recv()
+        plane.on_peer_info(peer, info)
+
+    def send(seed: int) -> None:  # layers of each transfer from their own thread, last transfer first
+        tid, sizes, _, _ = TRANSFERS[seed]
+        h.send_layers(plane, peer, tid, _gpu(_data(seed, sizes)))
+
+    threads = [threading.Thread(target=send, args=(seed,)) for seed in reversed(range(len(TRANSFERS)))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    for tid, sizes, _, _ in TRANSFERS:
+        rec.wait_sent(tid, len(sizes))
+    assert conn.recv() == "done"
+    assert not rec.failed and not rec.peer_failed and not rec.protocol_errors
+    plane.close()
+    return plane.num_communicators()
+
+
+def test_bit_exact_concurrent_transfers(spawn: Any) -> None:
+    left, right = spawn.ctx.Pipe()
+    spawn(_send_bit_exact, 0, left)
+    spawn(_recv_bit_exact, 1, right)
+    results = _results(spawn, 2)
+    assert results["_recv_bit_exact"] == {tid: True for tid, *_ in TRANSFERS}
+    assert results["_send_bit_exact"] == 0  # close() dropped every communicator
+
+
+def _recv_abort(conn: Connection, _: Any) -> dict[str, Any]:
+    from kvwire.bench import nccl_harness as h
+
+    plane, rec = h.start_plane(1, "recv-a", _cfg())
+    peer = h.peer_ref("send-a")
+    bufs = {tid: plane.allocate(4 * MiB) for tid in ("doomed", "next", "after")}
+    for tid in ("doomed", "next"):
+        conn.send(h.post_layers(plane, peer, tid, [MiB] * 4, bufs[tid]))
+    assert conn.recv() == "cancelled"
+    plane.cancel("doomed")
+    rec.wait_received("next", 4)
+    conn.send(h.post_layers(plane, peer, "after", [MiB] * 4, bufs["after"]))
+    rec.wait_received("after", 4)
+    ok = all(
+        torch.equal(bufs[t].cpu(), torch.cat(_data(s, [MiB] * 4))) for s, t in ((1, "next"), (2, "after"))
+    )
+    result = {
+        "exact": ok,
+        "doomed_received": rec.received["doomed"],
+        "doomed_failed": rec.failed.get("doomed", "peer_aborted"),
+        "peer_failed": dict(rec.peer_failed),
+    }
+    conn.send("done")
+    plane.close()
+    return result
+
+
+def _send_abort(conn: Connection, _: Any) -> None:
+    from kvwire.bench import nccl_harness as h
+
+    plane, rec = h.start_plane(0, "send-a", _cfg())
+    peer = h.peer_ref("recv-a")
+    plane.on_peer_info(peer, conn.recv())
+    plane.on_peer_info(peer, conn.recv())
+    h.send_layers(plane, peer, "doomed", _gpu(_data(0, [MiB] * 2)))  # half of it, then cancel
+    plane.cancel("doomed")  # its announced chunks still go out (dummy bytes): "next" must not shift
+    conn.send("cancelled")
+    h.send_layers(plane, peer, "next", _gpu(_data(1, [MiB] * 4)))
+    plane.on_peer_info(peer, conn.recv())
+    h.send_layers(plane, peer, "after", _gpu(_data(2, [MiB] * 4)))
+    rec.wait_sent("after", 4)
+    assert rec.sent["doomed"] <= 2
+    assert conn.recv() == "done"
+    plane.close()
+
+
+def test_abort_keeps_the_stream_in_step(spawn: Any) -> None:
+    left, right = spawn.ctx.Pipe()
+    spawn(_send_abort, 0, left)
+    spawn(_recv_abort, 1, right)
+    result = _results(spawn, 2)["_recv_abort"]
+    assert result["exact"] is True and result["peer_failed"] == {}
+    assert result["doomed_received"] <= 2  # dummy chunks are never reported as received
+    assert result["doomed_failed"].startswith("peer_aborted")
+
+
+def _recv_then_die(conn: Connection, instance: str) -> None:
+    from kvwire.bench import nccl_harness as h
+
+    plane, rec = h.start_plane(1, instance, _cfg())
+    peer = h.peer_ref("send-k")
+    if instance.endswith("killed"):
+        warm = plane.allocate(MiB)
+        conn.send(h.post_layers(plane, peer, "warm", [MiB], warm))
+        big = plane.allocate(2 * DEAD_LAYER_BYTES)  # more than NCCL's FIFOs: the sender must block
+        conn.send(h.post_layers(plane, peer, "dead", [DEAD_LAYER_BYTES] * 2, big))
+        rec.wait_received("warm", 1)  # the communicator is up
+        assert conn.recv() == "die"
+        os._exit(0)  # no close, no goodbye: like kill -9 mid-transfer
+    buf = plane.allocate(8 * MiB)
+    conn.send(h.post_layers(plane, peer, "again", [2 * MiB] * 4, buf))
+    rec.wait_received("again", 4)
+    conn.send(bool(torch.equal(buf.cpu(), torch.cat(_data(5, [2 * MiB] * 4)))))
+    assert conn.recv() == "done"
+    plane.close()
+
+
+DEAD_LAYER_BYTES = 256 * MiB
+
+
+def _send_to_dying_then_restarted(conn: Connection, second: Connection) -> dict[str, Any]:
+    import time
+
+    from kvwire.bench import nccl_harness as h
+
+    plane, rec = h.start_plane(0, "send-k", _cfg(stall_timeout_s=3.0))
+    old = h.peer_ref("recv-killed")
+    plane.on_peer_info(old, conn.recv())
+    plane.on_peer_info(old, conn.recv())
+    h.send_layers(plane, old, "warm", _gpu(_data(4, [MiB])))
+    rec.wait_sent("warm", 1)
+    conn.send("die")
+    with contextlib.suppress(EOFError):
+        conn.recv()  # EOF once the receiver is gone
+    big = torch.empty(DEAD_LAYER_BYTES, dtype=torch.uint8, device="cuda:0")
+    h.send_layers(plane, old, "dead", [big, big])
+    started = time.monotonic()
+    rec.wait_for(lambda: "recv-killed" in rec.peer_failed, 30.0)
+    detected_s = time.monotonic() - started
+    plane.drop_peer("recv-killed")  # what the agent does on peer loss / a new epoch (idempotent here)
+    new = h.peer_ref("recv-restarted")
+    plane.on_peer_info(new, second.recv())  # the restarted peer's first grant (a new communicator)
+    h.send_layers(plane, new, "again", _gpu(_data(5, [2 * MiB] * 4)))
+    rec.wait_sent("again", 4)
+    exact = second.recv()
+    second.send("done")
+    plane.close()
+    return {"detected_s": detected_s, "restarted_exact": exact, "dead_sent": rec.sent["dead"]}
+
+
+def test_peer_killed_then_restarted(spawn: Any) -> None:
+    a0, a1 = spawn.ctx.Pipe()
+    b0, b1 = spawn.ctx.Pipe()
+    spawn(_send_to_dying_then_restarted, 0, a0, b0)
+    dying = spawn(_recv_then_die, 1, a1, "recv-killed")
+    a1.close()  # so the sender sees EOF when the receiver dies
+    dying.join(timeout=120)
+    assert dying.exitcode == 0
+    spawn(_recv_then_die, 1, b1, "recv-restarted")
+    results = _results(spawn, 2)
+    result = results["_send_to_dying_then_restarted"]
+    assert result["restarted_exact"] is True
+    assert result["dead_sent"] < 2  # never both layers "sent" into a dead process
+    assert result["detected_s"] < 20.0

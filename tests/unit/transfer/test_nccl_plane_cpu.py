@@ -1,0 +1,119 @@
+"""CPU-side logic of the NCCL data plane: framing, handshake bytes, configs, the ctypes config struct,
+and the torch fallback of the one-launch paged gather/scatter (the GPU paths are in tests/gpu)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from kvwire.errors import ConfigError, ProtocolError
+from kvwire.transfer import cuda_paged
+from kvwire.transfer.config import TransferConfig
+from kvwire.transfer.nccl import NcclPlane, NcclPlaneConfig
+from kvwire.transfer.nccl_channel import adjacent_span, plan_chunks
+from kvwire.transfer.nccl_lib import CommConfig, NcclUnavailableError, _Config, _make_config
+from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer, NcclInfo, decode_info, encode_info
+from kvwire.transfer.paged import KVLayout, gather_blocks
+from kvwire.transfer.types import Backend, RecvItem
+
+MiB = 1 << 20
+
+
+def _items(spec: list[tuple[str, int]]) -> list[RecvItem]:
+    return [
+        RecvItem(tid, i, size, torch.empty(size, dtype=torch.uint8)) for i, (tid, size) in enumerate(spec)
+    ]
+
+
+def test_plan_chunks_coalesces_within_a_transfer_up_to_the_bound() -> None:
+    items = _items([("a", MiB // 2)] * 5 + [("b", MiB // 4)] * 2 + [("b", 3 * MiB)] + [("b", 1)])
+    groups = plan_chunks(items, MiB)
+    assert [[it.layer_index for it in g] for g in groups] == [[0, 1], [2, 3], [4], [5, 6], [7], [8]]
+    assert all(len({it.transfer_id for it in g}) == 1 for g in groups)
+    # every item exactly once, order kept
+    assert [it.layer_index for g in groups for it in g] == list(range(9))
+
+
+def test_adjacent_span_only_for_device_tensors() -> None:
+    flat = torch.zeros(100, dtype=torch.uint8)
+    assert adjacent_span([flat[:50], flat[50:]], [50, 50]) is None  # host memory: never in place
+
+
+def test_info_round_trip_and_validation() -> None:
+    info = NcclInfo(
+        offers=[CommOffer(comm_id="c1", unique_id=bytes(range(128)))],
+        chunks=[ChunkPlan(comm_id="c1", seq=3, transfer_id="t", layers=[0, 1], num_bytes=10)],
+    )
+    assert decode_info(encode_info(info)) == info
+    with pytest.raises(ProtocolError):
+        decode_info(b"\x93garbage")
+    bad_uid = NcclInfo(offers=[CommOffer(comm_id="c1", unique_id=b"short")])
+    with pytest.raises(ProtocolError):
+        decode_info(encode_info(bad_uid))
+    bad_chunk = NcclInfo(chunks=[ChunkPlan(comm_id="c", seq=-1, transfer_id="t", layers=[0], num_bytes=1)])
+    with pytest.raises(ProtocolError):
+        decode_info(encode_info(bad_chunk))
+    with pytest.raises(ProtocolError):
+        decode_info(encode_info(NcclInfo(v=99)))
+
+
+def test_configs_are_validated() -> None:
+    with pytest.raises(ConfigError):
+        CommConfig(min_ctas=8, max_ctas=4)
+    with pytest.raises(ConfigError):
+        CommConfig(max_ctas=0)
+    with pytest.raises(ConfigError):
+        NcclPlaneConfig(chunk_bytes=1024)
+    with pytest.raises(ConfigError):
+        NcclPlaneConfig(max_ctas=100)
+    assert NcclPlaneConfig(max_ctas=8).comm_config == CommConfig(max_ctas=8, blocking=False)
+
+
+def test_plane_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVWIRE_NCCL_MAX_CTAS", "4")
+    monkeypatch.setenv("KVWIRE_NCCL_CHUNK_MIB", "16")
+    cfg = NcclPlaneConfig.from_env()
+    assert (cfg.max_ctas, cfg.chunk_bytes) == (4, 16 * MiB)
+
+
+def test_config_struct_matches_nccl_2_27_layout() -> None:
+    # size_t, 2 x uint, 4 x int, char*, 2 x int, char*, 4 x int  (x86-64: 72 bytes)
+    assert ctypes.sizeof(_Config) == 72
+    assert _Config.maxCTAs.offset == 28 and _Config.netName.offset == 32 and _Config.nvlsCTAs.offset == 68
+    cfg = _make_config(CommConfig(max_ctas=4))
+    assert (cfg.size, cfg.magic, cfg.version, cfg.blocking) == (72, 0xCAFEBEEF, 22700, 0)
+    assert cfg.maxCTAs == 4 and cfg.minCTAs == -(2**31)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only failure")
+def test_plane_needs_cuda() -> None:
+    with pytest.raises(ConfigError):
+        TransferConfig(backend=Backend.NCCL, device="cpu")
+    plane = NcclPlane(TransferConfig(backend=Backend.NCCL, device="cuda:0"), "me")
+    with pytest.raises(NcclUnavailableError):
+        plane.start(None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("layout", "shape"),
+    [
+        (KVLayout.KV_FIRST, (2, 9, 4, 2, 8)),
+        (KVLayout.BLOCK_FIRST, (9, 2, 4, 2, 8)),
+        (KVLayout.MLA, (9, 4, 24)),
+    ],
+)
+def test_group_gather_scatter_equal_per_layer_ops(layout: KVLayout, shape: tuple[int, ...]) -> None:
+    layers = [torch.randn(shape) for _ in range(3)]
+    ids = torch.tensor([6, 1, 4])
+    out = cuda_paged.gather_layers(layers, ids, layout)
+    assert out.shape == cuda_paged.group_shape(layers, 3, layout)
+    for index, layer in enumerate(layers):
+        assert torch.equal(out[index], gather_blocks(layer, ids, layout))
+    dst = [torch.zeros(shape) for _ in range(3)]
+    cuda_paged.scatter_layers(dst, torch.tensor([0, 8, 2]), out, layout)
+    for index in range(3):
+        assert torch.equal(gather_blocks(dst[index], torch.tensor([0, 8, 2]), layout), out[index])
+    with pytest.raises(ValueError):
+        cuda_paged.scatter_layers(dst, ids, out[:2], layout)
