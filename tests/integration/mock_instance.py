@@ -7,7 +7,9 @@ prompt (or the last chat message) change the behaviour:
 
 * ``status=NNN`` -> HTTP NNN with an OpenAI-style error body naming this instance;
 * ``hang``       -> never answers (until the client goes away; the disconnect is recorded);
-* ``slow``       -> 50 ms between streamed tokens.
+* ``slow``       -> 50 ms between streamed tokens;
+* ``drop``       -> streaming: close the connection after two tokens (an instance dying mid-stream);
+* ``noparams``   -> a prefill instance in pull mode returns no ``kv_transfer_params``.
 
 A directive prefixed with a role (``prefill.status=500``, ``decode.hang``) applies only to instances
 of that role (words are separated by spaces).
@@ -107,10 +109,10 @@ class MockInstance:
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         chat = request.path.endswith("/chat/completions")
         if body.get("stream"):
-            return await self._stream(request, body, n, chat, 0.05 if "slow" in words else 0.0)
-        return web.json_response(self._full(body, n, chat))
+            return await self._stream(request, body, n, chat, words)
+        return web.json_response(self._full(body, n, chat, words))
 
-    def _full(self, body: dict[str, Any], n: int, chat: bool) -> dict[str, Any]:
+    def _full(self, body: dict[str, Any], n: int, chat: bool, words: set[str]) -> dict[str, Any]:
         text = "".join(f" t{i}" for i in range(n))
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
         if chat:
@@ -124,15 +126,17 @@ class MockInstance:
             "served_by": self.args.id,
         }
         params = body.get("kv_transfer_params")
-        if self.args.role == "prefill" and isinstance(params, dict) and params.get("mode") == "pull":
+        pull = isinstance(params, dict) and params.get("mode") == "pull"
+        if self.args.role == "prefill" and pull and "noparams" not in words:
             out["kv_transfer_params"] = dict(
                 params, peer_endpoints=[self.kv_endpoint], first_token_id=42, num_prompt_tokens=5
             )
         return out
 
     async def _stream(
-        self, request: web.Request, body: dict[str, Any], n: int, chat: bool, gap_s: float
+        self, request: web.Request, body: dict[str, Any], n: int, chat: bool, words: set[str]
     ) -> web.StreamResponse:
+        gap_s = 0.05 if "slow" in words else 0.0
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -141,6 +145,10 @@ class MockInstance:
             role_delta = {"index": 0, "delta": {"role": "assistant", "content": ""}}
             await _event(resp, dict(base, choices=[role_delta]))
         for i in range(n):
+            if i == 2 and "drop" in words:
+                assert request.transport is not None
+                request.transport.close()  # die mid-stream: the chunked body never ends
+                return resp
             if gap_s:
                 await asyncio.sleep(gap_s)
             piece = f" t{i}"

@@ -13,6 +13,7 @@ from mock_instance import MockProcess, RouterThread, get, get_raw, live_ids, pos
 
 from kvwire.discovery import Heartbeat, InstanceInfo, InstanceRole, encode_frames
 from kvwire.kv_params import TransferMode
+from kvwire.router.config import Policy
 
 INTERVAL = ["--interval-s", "0.2"]
 
@@ -203,3 +204,44 @@ def test_refused_connection_is_retried_and_marked_out(cluster: Any) -> None:
     finally:
         push.close(linger=0)
         ctx.term()
+
+
+def test_upstream_dying_mid_stream_is_reported_in_band(cluster: Any) -> None:
+    router, _ = cluster([("m0", "both", [])])
+    code, data = post(router.url, "/v1/completions", {"prompt": "drop", "max_tokens": 5, "stream": True})
+    assert code == 200  # headers were already sent
+    assert b" t1" in data and b" t2" not in data and b"[DONE]" not in data
+    last = data.strip().split(b"\n\n")[-1]
+    assert last.startswith(b"data: ") and "failed mid-stream" in json.loads(last[6:])["error"]["message"]
+    metrics = get_raw(router.url, "/metrics")[1].decode()
+    assert 'outcome="upstream_error"} 1.0' in metrics
+
+
+def test_least_loaded_avoids_the_busy_instance(cluster: Any) -> None:
+    router, mocks = cluster([("m0", "both", []), ("m1", "both", [])], policy=Policy.LEAST_LOADED)
+    host, port = router.url.removeprefix("http://").split(":")
+    data = json.dumps({"prompt": "hang", "stream": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(head.encode() + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        wait_for(lambda: sum(len(m.stats()["requests"]) for m in mocks.values()) == 1, 10, "hang arrived")
+        busy = next(i for i, m in mocks.items() if m.stats()["requests"])
+        rows = {r["id"]: r for r in get(router.url, "/instances")}
+        assert rows[busy]["router_inflight"]["requests"] == 1
+        served = {json.loads(post(router.url, "/v1/completions", {"prompt": "x"})[1])["served_by"]
+                  for _ in range(4)}
+        assert served == {"m1" if busy == "m0" else "m0"}
+
+
+def test_push_decode_error_cancels_prefill(cluster: Any) -> None:
+    router, mocks = _pd(cluster, TransferMode.PUSH)
+    code, data = post(router.url, "/v1/completions", {"prompt": "decode.status=422 prefill.hang"})
+    assert code == 422 and json.loads(data)["error"]["message"] == "mock d0 says 422"
+    wait_for(lambda: len(mocks["p0"].stats()["disconnects"]) == 1, 10, "prefill request cancelled")
+
+
+def test_pull_without_params_from_prefill_is_a_clear_502(cluster: Any) -> None:
+    router, mocks = _pd(cluster, TransferMode.PULL)
+    code, data = post(router.url, "/v1/completions", {"prompt": "noparams"})
+    assert code == 502 and "kv_transfer_params" in json.loads(data)["error"]["message"]
+    assert mocks["d0"].stats()["requests"] == []

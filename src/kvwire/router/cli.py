@@ -7,8 +7,11 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from collections.abc import Coroutine
 from typing import Any
+
+import zmq
 
 from kvwire.errors import ConfigError
 from kvwire.kv_params import TransferMode
@@ -86,7 +89,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
     except ConfigError as exc:
-        print(f"kvwire router: {exc}")
+        print(f"kvwire router: {exc}", file=sys.stderr)
         return 2
-    run_event_loop(serve(cfg))
+    try:
+        run_event_loop(serve(cfg))
+    except (OSError, zmq.ZMQError) as exc:  # typically a port already in use
+        print(f"kvwire router: cannot start: {exc}", file=sys.stderr)
+        return 1
     return 0
