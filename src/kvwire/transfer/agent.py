@@ -262,6 +262,8 @@ class TransferAgent:
     def _run_sink(self, transfer_id: str, index: int, sink: LayerSink, tensor: torch.Tensor) -> None:
         try:
             sink(index, tensor)
+            if tensor.is_cuda:  # the sink's copy/scatter is async: finish it before the buffer is reused
+                torch.cuda.current_stream(tensor.device).synchronize()  # and before finished_recving
         except Exception as exc:
             log.exception("sink of transfer %s failed on layer %d", transfer_id, index)
             with self._core.lock:

@@ -142,11 +142,11 @@ class Sender:
             return
         if st.peer is None:
             st.peer = PeerRef(msg.src_endpoint, msg.src_id, msg.data_address, msg.plane_info)
-            if msg.plane_info:
-                self.core.plane.on_peer_info(st.peer, msg.plane_info)
         elif st.peer.instance_id != msg.src_id:
             self.fail(st.transfer_id, f"{FailReason.PEER_LOST.value}: receiver restarted mid-transfer", True)
             return
+        if msg.plane_info:  # every grant: the NCCL plane's chunk plans for these layers travel here
+            self.core.plane.on_peer_info(st.peer, msg.plane_info)
         new = [i for i in msg.layers if 0 <= i < len(st.layers) and i not in st.granted]
         st.granted.update(new)
         if self.core.plane.ordered:
