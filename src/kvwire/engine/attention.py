@@ -147,13 +147,19 @@ def _sdpa(
     causal: bool = False,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [..., Q, Hq, D], k/v: [..., L, Hkv, D] (token-major) -> [..., Q, Hq, D]."""
+    """One sequence. q: [Q, Hq, D], k/v: [L, Hkv, D] (token-major), mask: [Q, L] -> [Q, Hq, D].
+
+    K/V heads are expanded to the query heads explicitly (cheap next to the attention itself) and
+    the inputs are 4-D, so that the fused CUDA kernels (flash / memory-efficient) qualify."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
     out = F.scaled_dot_product_attention(
-        q.transpose(-3, -2),
-        k.transpose(-3, -2),
-        v.transpose(-3, -2),
-        attn_mask=mask,
+        q.transpose(0, 1)[None],  # [1, Hq, Q, D]
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=None if mask is None else mask[None, None],
         is_causal=causal,
-        enable_gqa=True,
     )
-    return out.transpose(-3, -2)
+    return out[0].transpose(0, 1)
