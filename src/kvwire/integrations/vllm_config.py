@@ -1,0 +1,293 @@
+"""vLLM's ``kv_transfer_config`` translated, once, into kvwire's frozen configuration.
+
+This module imports neither vLLM nor torch: the mapping is pure and tested in the main venv.
+:func:`plugin_config_from_vllm` reads a :class:`VllmTransferView` (the few fields of vLLM's
+``KVTransferConfig`` that matter) and returns a validated :class:`VllmPluginConfig`; every key of
+``kv_connector_extra_config`` that is neither one of the seed's (P2pNcclConnector) keys nor one of
+kvwire's own fails with a :class:`~kvwire.errors.ConfigError` that lists the accepted keys.
+
+Seed keys and what they become (docs/vllm.md has the full migration table):
+
+* ``kv_port`` (top level) -> rank ``r``'s transfer-agent control port ``kv_port + r``; vLLM's default
+  (14579) means "any free port" because vLLM cannot tell us whether it was set explicitly.
+* ``kv_buffer_size`` (bytes; must move into ``kv_connector_extra_config``: vLLM >= 0.32 rejects it at
+  the top level) -> the agent's receive budget.
+* ``proxy_ip`` + ``proxy_port`` -> the kvwire router's discovery address ``tcp://ip:port``.
+* ``http_port`` -> the OpenAI API URL advertised to the router (``http://http_host:http_port``).
+* ``send_type`` ``PUT`` / ``PUT_ASYNC`` -> push mode, ``GET`` -> pull mode.
+* ``nccl_num_channels`` -> ``NCCL_MIN_NCHANNELS``/``NCCL_MAX_NCHANNELS`` for the NCCL data plane.
+* ``mem_pool_size_gb`` -> the agent's host spill pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+from kvwire.connector.config import ConnectorConfig, ConnectorRole, LoadFailurePolicy
+from kvwire.errors import ConfigError
+from kvwire.kv_params import TransferMode
+
+VLLM_DEFAULT_KV_PORT = 14579  # KVTransferConfig.kv_port's default in vLLM
+GiB = 1 << 30
+
+SEED_KEYS = frozenset(
+    {"proxy_ip", "proxy_port", "http_port", "send_type", "nccl_num_channels", "mem_pool_size_gb",
+     "kv_buffer_size"}
+)
+KVWIRE_KEYS = frozenset(
+    {"router", "host", "http_host", "mode", "deadline_s", "lease_s", "backend", "recv_budget_bytes",
+     "spill_budget_bytes", "secret", "heartbeat_interval_s", "instance_id", "model_name"}
+)
+_SEND_TYPES = {"PUT": TransferMode.PUSH, "PUT_ASYNC": TransferMode.PUSH, "GET": TransferMode.PULL}
+_ROLES = {
+    "kv_producer": ConnectorRole.PREFILL,
+    "kv_consumer": ConnectorRole.DECODE,
+    "kv_both": ConnectorRole.BOTH,
+}
+
+
+class DataPlane(str, enum.Enum):
+    """Mirror of ``kvwire.transfer.Backend`` (kept here so this module needs no torch)."""
+
+    TCP = "tcp"
+    NCCL = "nccl"
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmTransferView:
+    """The fields of vLLM's ``KVTransferConfig`` the plugin reads (built by the plugin, or by tests)."""
+
+    kv_role: str | None
+    kv_port: int = VLLM_DEFAULT_KV_PORT
+    kv_buffer_device: str = "cpu"
+    kv_load_failure_policy: str = "fail"
+    engine_id: str | None = None
+    kv_connector_extra_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_vllm(cls, kv_transfer_config: Any) -> VllmTransferView:
+        """Read a vLLM ``KVTransferConfig`` (duck-typed: no vLLM import here)."""
+        return cls(
+            kv_role=kv_transfer_config.kv_role,
+            kv_port=int(kv_transfer_config.kv_port),
+            kv_buffer_device=str(kv_transfer_config.kv_buffer_device),
+            kv_load_failure_policy=str(getattr(kv_transfer_config, "kv_load_failure_policy", "fail")),
+            engine_id=kv_transfer_config.engine_id,
+            kv_connector_extra_config=dict(kv_transfer_config.kv_connector_extra_config or {}),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmPluginConfig:
+    """Everything the vLLM plugin needs, validated. One per vLLM instance (all ranks share it)."""
+
+    connector: ConnectorConfig
+    data_plane: DataPlane = DataPlane.TCP
+    device_type: str = "cpu"  # "cpu" or "cuda": where vLLM's KV cache lives
+    host: str = "127.0.0.1"  # interface the transfer agents bind to and advertise
+    base_control_port: int = 0  # rank r listens on base + r; 0 = any free port
+    recv_budget_bytes: int = 1 * GiB
+    spill_budget_bytes: int = 1 * GiB
+    secret: str | None = None
+    router_address: str | None = None  # "tcp://host:port"; None = do not register
+    http_url: str | None = None  # advertised OpenAI API base, needed when router_address is set
+    heartbeat_interval_s: float = 2.0
+    instance_id: str | None = None  # stable name; None = vLLM's engine_id
+    model_name: str | None = None  # advertised model; None = vLLM's served model name
+    nccl_num_channels: int | None = None
+    vllm_failure_policy: LoadFailurePolicy = LoadFailurePolicy.FAIL  # vLLM applies it (informational)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.base_control_port <= 65535:
+            raise ConfigError(f"kv_port must be in 0..65535, got {self.base_control_port}")
+        if self.recv_budget_bytes <= 0:
+            raise ConfigError(f"kv_buffer_size / recv_budget_bytes must be > 0, got {self.recv_budget_bytes}")
+        if self.spill_budget_bytes < 0:
+            raise ConfigError(
+                f"mem_pool_size_gb / spill_budget_bytes must be >= 0, got {self.spill_budget_bytes}"
+            )
+        if self.heartbeat_interval_s <= 0:
+            raise ConfigError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
+        if self.router_address is not None and self.http_url is None:
+            raise ConfigError(
+                "registering with the router (router / proxy_ip+proxy_port) needs the instance's "
+                "OpenAI API port: set kv_connector_extra_config.http_port"
+            )
+        if self.data_plane is DataPlane.NCCL and self.device_type != "cuda":
+            raise ConfigError("backend 'nccl' needs kv_buffer_device 'cuda'")
+        if self.nccl_num_channels is not None and self.nccl_num_channels <= 0:
+            raise ConfigError(f"nccl_num_channels must be > 0, got {self.nccl_num_channels}")
+
+    def control_port(self, rank: int) -> int:
+        """Control port of rank ``rank``'s transfer agent (0 = any free port)."""
+        return 0 if self.base_control_port == 0 else self.base_control_port + rank
+
+
+# --- typed readers (JSON values arrive untyped) ------------------------------------------------------
+
+
+def _get_str(extra: Mapping[str, Any], key: str) -> str | None:
+    value = extra.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"kv_connector_extra_config.{key} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _get_int(extra: Mapping[str, Any], key: str) -> int | None:
+    value = extra.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"kv_connector_extra_config.{key} must be an integer, got {value!r}")
+    try:
+        return int(value)
+    except ValueError as exc:
+        raise ConfigError(f"kv_connector_extra_config.{key} must be an integer, got {value!r}") from exc
+
+
+def _get_float(extra: Mapping[str, Any], key: str) -> float | None:
+    value = extra.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"kv_connector_extra_config.{key} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except ValueError as exc:
+        raise ConfigError(f"kv_connector_extra_config.{key} must be a number, got {value!r}") from exc
+
+
+def _one_of(extra: Mapping[str, Any], seed_key: str, own_key: str) -> None:
+    if seed_key in extra and own_key in extra:
+        raise ConfigError(
+            f"kv_connector_extra_config sets both {seed_key!r} (seed name) and {own_key!r} (kvwire name) "
+            "for the same setting: keep one"
+        )
+
+
+# --- the mapping -------------------------------------------------------------------------------------
+
+
+def _check_keys(extra: Mapping[str, Any]) -> None:
+    unknown = sorted(set(extra) - SEED_KEYS - KVWIRE_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"KvwireConnector: unknown kv_connector_extra_config key(s) {unknown}. "
+            f"Accepted seed (P2pNcclConnector) keys: {sorted(SEED_KEYS)}; "
+            f"kvwire keys: {sorted(KVWIRE_KEYS)} (see docs/vllm.md)"
+        )
+
+
+def _role(view: VllmTransferView) -> ConnectorRole:
+    if view.kv_role not in _ROLES:
+        raise ConfigError(f"KvwireConnector needs kv_role in {sorted(_ROLES)}, got {view.kv_role!r}")
+    return _ROLES[view.kv_role]
+
+
+def _mode(extra: Mapping[str, Any]) -> TransferMode:
+    send_type = _get_str(extra, "send_type")
+    seed_mode = None
+    if send_type is not None:
+        if send_type.upper() not in _SEND_TYPES:
+            raise ConfigError(f"send_type must be one of {sorted(_SEND_TYPES)}, got {send_type!r}")
+        seed_mode = _SEND_TYPES[send_type.upper()]
+    mode_name = _get_str(extra, "mode")
+    own_mode = None
+    if mode_name is not None:
+        try:
+            own_mode = TransferMode(mode_name.lower())
+        except ValueError as exc:
+            raise ConfigError(f"mode must be 'push' or 'pull', got {mode_name!r}") from exc
+    if seed_mode is not None and own_mode is not None and seed_mode is not own_mode:
+        raise ConfigError(f"send_type {send_type!r} contradicts mode {mode_name!r}")
+    return own_mode or seed_mode or TransferMode.PUSH
+
+
+def _router(extra: Mapping[str, Any]) -> str | None:
+    proxy_ip, proxy_port = _get_str(extra, "proxy_ip"), _get_int(extra, "proxy_port")
+    router = _get_str(extra, "router")
+    if (proxy_ip is None) != (proxy_port is None):
+        raise ConfigError("proxy_ip and proxy_port go together: set both or neither")
+    seed = f"tcp://{proxy_ip}:{proxy_port}" if proxy_ip is not None else None
+    if seed is not None and router is not None and seed != router:
+        raise ConfigError(f"router {router!r} contradicts proxy_ip/proxy_port ({seed})")
+    address = router or seed
+    if address is not None and not address.startswith(("tcp://", "ipc://")):
+        raise ConfigError(f"router must look like tcp://host:port, got {address!r}")
+    return address
+
+
+def _budgets(extra: Mapping[str, Any]) -> tuple[int, int]:
+    _one_of(extra, "kv_buffer_size", "recv_budget_bytes")
+    _one_of(extra, "mem_pool_size_gb", "spill_budget_bytes")
+    recv = _get_float(extra, "kv_buffer_size")
+    if recv is None:
+        recv = _get_float(extra, "recv_budget_bytes")
+    spill_gb = _get_float(extra, "mem_pool_size_gb")
+    spill = spill_gb * GiB if spill_gb is not None else _get_float(extra, "spill_budget_bytes")
+    return int(recv if recv is not None else GiB), int(spill if spill is not None else GiB)
+
+
+def _data_plane(extra: Mapping[str, Any], device_type: str) -> DataPlane:
+    name = _get_str(extra, "backend")
+    if name is None:
+        return DataPlane.NCCL if device_type == "cuda" else DataPlane.TCP
+    try:
+        return DataPlane(name.lower())
+    except ValueError as exc:
+        raise ConfigError(f"backend must be 'tcp' or 'nccl', got {name!r}") from exc
+
+
+def _connector_config(view: VllmTransferView, extra: Mapping[str, Any]) -> ConnectorConfig:
+    try:
+        LoadFailurePolicy(view.kv_load_failure_policy)
+    except ValueError as exc:
+        raise ConfigError(f"kv_load_failure_policy {view.kv_load_failure_policy!r} is unknown") from exc
+    deadline_s = _get_float(extra, "deadline_s")
+    lease_s = _get_float(extra, "lease_s")
+    return ConnectorConfig(
+        role=_role(view),
+        mode=_mode(extra),
+        deadline_s=30.0 if deadline_s is None else deadline_s,
+        lease_s=30.0 if lease_s is None else lease_s,
+        # The core reports every failed load as invalid blocks (get_block_ids_with_load_errors);
+        # vLLM's own kv_load_failure_policy then recomputes or fails the request.
+        kv_load_failure_policy=LoadFailurePolicy.RECOMPUTE,
+        use_first_token=False,  # vLLM recomputes the last prompt token on D (see 070-vllm-plugin.md)
+    )
+
+
+def plugin_config_from_vllm(view: VllmTransferView) -> VllmPluginConfig:
+    """Validate and translate; raises :class:`ConfigError` with a message naming the key at fault."""
+    extra = view.kv_connector_extra_config
+    _check_keys(extra)
+    device_type = "cuda" if view.kv_buffer_device.startswith("cuda") else view.kv_buffer_device
+    if device_type not in ("cpu", "cuda"):
+        raise ConfigError(f"kv_buffer_device must be 'cpu' or 'cuda', got {view.kv_buffer_device!r}")
+    host = _get_str(extra, "host") or "127.0.0.1"
+    http_port = _get_int(extra, "http_port")
+    http_host = _get_str(extra, "http_host") or host
+    recv_budget, spill_budget = _budgets(extra)
+    interval_s = _get_float(extra, "heartbeat_interval_s")
+    return VllmPluginConfig(
+        connector=_connector_config(view, extra),
+        data_plane=_data_plane(extra, device_type),
+        device_type=device_type,
+        host=host,
+        base_control_port=0 if view.kv_port == VLLM_DEFAULT_KV_PORT else view.kv_port,
+        recv_budget_bytes=recv_budget,
+        spill_budget_bytes=spill_budget,
+        secret=_get_str(extra, "secret"),
+        router_address=_router(extra),
+        http_url=f"http://{http_host}:{http_port}" if http_port is not None else None,
+        heartbeat_interval_s=2.0 if interval_s is None else interval_s,
+        instance_id=_get_str(extra, "instance_id") or view.engine_id,
+        model_name=_get_str(extra, "model_name"),
+        nccl_num_channels=_get_int(extra, "nccl_num_channels"),
+        vllm_failure_policy=LoadFailurePolicy(view.kv_load_failure_policy),
+    )

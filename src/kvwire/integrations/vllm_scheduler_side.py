@@ -1,0 +1,193 @@
+"""Scheduler half of the vLLM plugin: vLLM's scheduler calls -> the connector core (no vLLM import).
+
+Lives in vLLM's engine-core process, called on the scheduler thread only. The core scheduler half
+needs every rank's transfer-agent endpoint, which exists only once the workers started their agents:
+vLLM delivers them after the scheduler is built, through its handshake-metadata hook
+(:meth:`SchedulerSide.set_endpoints`), before the first request is scheduled. The same moment starts
+the router registration (:class:`kvwire.discovery.HeartbeatClient`), with the endpoints per rank and a
+load snapshot refreshed every scheduler step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvwire.connector.base import ConnectorOutput, ConnectorRequest
+from kvwire.connector.config import ConnectorRole, EngineInfo
+from kvwire.connector.metadata import KvwireConnectorMetadata
+from kvwire.connector.scheduler import KvwireSchedulerConnector
+from kvwire.discovery import HeartbeatClient, InstanceInfo, InstanceLoad, InstanceRole
+from kvwire.errors import EngineError
+from kvwire.integrations.vllm_config import VllmPluginConfig
+from kvwire.integrations.vllm_steps import DeliveryLedger, StepTracker
+
+logger = logging.getLogger(__name__)
+
+_INSTANCE_ROLES = {
+    ConnectorRole.PREFILL: InstanceRole.PREFILL,
+    ConnectorRole.DECODE: InstanceRole.DECODE,
+    ConnectorRole.BOTH: InstanceRole.BOTH,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RankEndpoint:
+    """What one worker rank tells the scheduler half (vLLM's handshake metadata)."""
+
+    rank: int
+    endpoint: str  # the rank's transfer-agent control endpoint
+    instance_id: str  # the agent's per-process id (epoch)
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """How the instance presents itself to the router."""
+
+    instance_id: str
+    model_name: str
+    version: str
+
+
+class SchedulerSide:
+    """See the module docstring."""
+
+    def __init__(self, config: VllmPluginConfig, engine_info: EngineInfo, identity: Identity) -> None:
+        self.config = config
+        self.engine_info = engine_info
+        self.identity = identity
+        self._core: KvwireSchedulerConnector | None = None
+        self._tracker = StepTracker()
+        self._ledger = DeliveryLedger()
+        self._heartbeat: HeartbeatClient | None = None
+        self._block_pool: Any = None
+        self._num_inflight = 0
+        self._load = InstanceLoad()
+        self._closed = False
+
+    # --- start-up -------------------------------------------------------------------------------
+
+    def bind_block_pool(self, block_pool: Any) -> None:
+        """vLLM's block pool (``get_num_free_blocks()``, ``num_gpu_blocks``), read on this thread."""
+        self._block_pool = block_pool
+
+    def set_endpoints(self, ranks: Sequence[RankEndpoint]) -> None:
+        """All workers' endpoints (one per TP rank 0..n-1): builds the core and starts registration."""
+        by_rank = {r.rank: r for r in ranks}
+        if sorted(by_rank) != list(range(len(by_rank))) or not by_rank:
+            raise EngineError(f"KvwireConnector: worker ranks {sorted(by_rank)} are not 0..n-1")
+        ordered = [by_rank[i] for i in range(len(by_rank))]
+        endpoints = [r.endpoint for r in ordered]
+        self._core = KvwireSchedulerConnector(
+            self.config.connector, self.engine_info, endpoints, instance_id=ordered[0].instance_id
+        )
+        logger.info("kvwire: %s instance, KV endpoints %s", self.config.connector.role.value, endpoints)
+        if self.config.router_address is not None and self._heartbeat is None:
+            self._start_heartbeat(endpoints)
+
+    def _start_heartbeat(self, endpoints: list[str]) -> None:
+        assert self.config.router_address is not None and self.config.http_url is not None
+        info = InstanceInfo(
+            instance_id=self.identity.instance_id,
+            role=_INSTANCE_ROLES[self.config.connector.role],
+            url=self.config.http_url,
+            model=self.identity.model_name,
+            kv_endpoints=endpoints,
+            version=self.identity.version,
+        )
+        self._heartbeat = HeartbeatClient(
+            self.config.router_address, info, load_fn=lambda: self._load,
+            interval_s=self.config.heartbeat_interval_s, secret=self.config.secret,
+        )
+        self._heartbeat.start()
+        logger.info("kvwire: registering with router %s as %s", self.config.router_address, info.url)
+
+    @property
+    def core(self) -> KvwireSchedulerConnector:
+        if self._core is None:
+            raise EngineError("KvwireConnector: scheduler used before the workers' endpoints arrived")
+        return self._core
+
+    # --- vLLM scheduler hooks -------------------------------------------------------------------
+
+    def on_new_request(self) -> None:
+        self._num_inflight += 1
+
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        return self.core.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        self.core.update_state_after_alloc(request, block_ids, num_external_tokens)
+        if num_external_tokens > 0:  # the core promises every external token asynchronously
+            self._ledger.promised_load(request.request_id)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvwireConnectorMetadata:
+        step = self._tracker.step_info(scheduler_output)
+        self._refresh_load(len(step.scheduled))
+        return self.core.build_connector_meta(step)
+
+    def update_connector_output(self, output: Any) -> None:
+        """Feed the workers' (aggregated) output to the core, then rewrite vLLM's completion sets in
+        place: vLLM reads them right after this call (see :class:`DeliveryLedger`)."""
+        sending = frozenset(output.finished_sending or ())
+        recving = frozenset(output.finished_recving or ())
+        self.core.update_connector_output(
+            ConnectorOutput(
+                finished_sending=sending,
+                finished_recving=recving,
+                invalid_block_ids=frozenset(output.invalid_block_ids or ()),
+            )
+        )
+        output.finished_sending, output.finished_recving = self._ledger.rewrite(sending, recving)
+
+    def request_finished(
+        self, request: ConnectorRequest, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._num_inflight = max(0, self._num_inflight - 1)
+        delay_free, params = self.core.request_finished(request, block_ids)
+        if delay_free:
+            self._ledger.delayed_free(request.request_id)
+        return delay_free, params
+
+    def has_pending_sends(self) -> bool:
+        return self._ledger.has_pending_sends()
+
+    # --- load and shutdown ----------------------------------------------------------------------
+
+    def _refresh_load(self, num_scheduled: int) -> None:
+        free = total = 0
+        if self._block_pool is not None:
+            free = int(self._block_pool.get_num_free_blocks())
+            total = int(self._block_pool.num_gpu_blocks)
+        running = min(num_scheduled, self._num_inflight)
+        self._load = InstanceLoad(
+            num_running=running,
+            num_waiting=self._num_inflight - running,
+            free_kv_blocks=free,
+            total_kv_blocks=total,
+        )
+
+    @property
+    def num_outstanding(self) -> int:
+        """Completions vLLM still waits for (0 when every held block was released)."""
+        return self._ledger.num_outstanding
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._heartbeat is not None:
+            self._heartbeat.close()
+        if self._core is not None:
+            self._core.close()
+
+
+def rank_endpoints(handshakes: Mapping[int, Any]) -> list[RankEndpoint]:
+    """vLLM's ``{tp_rank: handshake}`` -> rank endpoints (handshake: ``endpoint``/``instance_id``)."""
+    return [RankEndpoint(rank, h.endpoint, h.instance_id) for rank, h in handshakes.items()]

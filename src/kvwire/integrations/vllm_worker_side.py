@@ -1,0 +1,118 @@
+"""Worker half of the vLLM plugin: one transfer agent per worker (TP rank), driven by the core.
+
+Lives in a vLLM worker process, called on its model-runner thread (the agent's receive sinks run on
+transfer threads, inside the core). No vLLM import: the shell in :mod:`kvwire.integrations.vllm`
+passes plain values. Layer names from vLLM become the core's dense KV-layer indices here; layers that
+carry no KV of their own are never counted (the reference counted MoE layers and waited forever).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+
+import torch
+
+from kvwire.connector.config import EngineInfo
+from kvwire.connector.metadata import KvwireConnectorMetadata
+from kvwire.connector.worker import AgentLike, KvwireWorkerConnector
+from kvwire.errors import EngineError
+from kvwire.integrations.vllm_config import DataPlane, VllmPluginConfig
+from kvwire.integrations.vllm_layers import KVLayers, kv_layers
+from kvwire.transfer import Backend, TransferAgent, TransferConfig
+
+logger = logging.getLogger(__name__)
+
+AgentFactory = Callable[[TransferConfig], AgentLike]
+
+
+def transfer_config(config: VllmPluginConfig, engine_info: EngineInfo) -> TransferConfig:
+    """The agent config of rank ``engine_info.rank``."""
+    return TransferConfig(
+        host=config.host,
+        control_port=config.control_port(engine_info.rank),
+        backend=Backend.NCCL if config.data_plane is DataPlane.NCCL else Backend.TCP,
+        device=engine_info.device,
+        recv_budget_bytes=config.recv_budget_bytes,
+        spill_budget_bytes=config.spill_budget_bytes,
+        default_deadline_s=max(config.connector.deadline_s, config.connector.lease_s),
+        secret=config.secret.encode() if config.secret else None,
+    )
+
+
+def apply_nccl_channels(config: VllmPluginConfig) -> None:
+    """The seed's ``nccl_num_channels``: NCCL reads its channel count from the environment, once,
+    when the first communicator is created (before this worker's agent starts one)."""
+    if config.data_plane is DataPlane.NCCL and config.nccl_num_channels is not None:
+        os.environ["NCCL_MIN_NCHANNELS"] = str(config.nccl_num_channels)
+        os.environ["NCCL_MAX_NCHANNELS"] = str(config.nccl_num_channels)
+
+
+class WorkerSide:
+    """See the module docstring. ``close()`` stops the agent."""
+
+    def __init__(
+        self, config: VllmPluginConfig, engine_info: EngineInfo, agent_factory: AgentFactory = TransferAgent
+    ) -> None:
+        apply_nccl_channels(config)
+        self.engine_info = engine_info
+        self.agent = agent_factory(transfer_config(config, engine_info))
+        self.core = KvwireWorkerConnector(config.connector, engine_info, self.agent, owns_agent=True)
+        self._layers: KVLayers | None = None
+        self._invalid_block_ids: set[int] = set()
+        logger.info("kvwire: rank %d transfer agent at %s", engine_info.rank, self.agent.endpoint)
+
+    @property
+    def endpoint(self) -> str:
+        return self.agent.endpoint
+
+    @property
+    def instance_id(self) -> str:
+        return self.agent.instance_id
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        self._layers = kv_layers(kv_caches)
+        self.core.register_kv_caches(self._layers.views)
+        first = self._layers.views[0]
+        logger.info(
+            "kvwire: rank %d: %d KV layers, %s %s per layer", self.engine_info.rank,
+            len(self._layers.names), tuple(first.shape), first.dtype,
+        )
+
+    @property
+    def layers(self) -> KVLayers:
+        if self._layers is None:
+            raise EngineError("KvwireConnector: KV caches were not registered")
+        return self._layers
+
+    # --- per step (model-runner thread) ---------------------------------------------------------
+
+    def bind(self, metadata: KvwireConnectorMetadata) -> None:
+        self.core.bind_connector_metadata(metadata)
+
+    def clear(self) -> None:
+        self.core.clear_connector_metadata()
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """Hand the layer's blocks of every request completing its prompt this step to the agent."""
+        index = self.layers.index_of(layer_name)
+        if index is not None:
+            self.core.save_kv_layer(index, self.layers.views[index])
+
+    def wait_for_save(self) -> None:
+        self.core.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(finished_sending, finished_recving) since the last call; failed loads' blocks are kept for
+        :meth:`take_invalid_block_ids`, which vLLM calls right after, in the same step."""
+        out = self.core.get_finished(finished_req_ids)
+        self._invalid_block_ids |= out.invalid_block_ids
+        return set(out.finished_sending), set(out.finished_recving)
+
+    def take_invalid_block_ids(self) -> set[int]:
+        invalid, self._invalid_block_ids = self._invalid_block_ids, set()
+        return invalid
+
+    def close(self) -> None:
+        self.core.close()

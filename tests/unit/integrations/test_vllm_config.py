@@ -1,0 +1,158 @@
+"""kv_transfer_config -> kvwire config mapping (no vLLM needed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvwire.connector.config import ConnectorRole, LoadFailurePolicy
+from kvwire.errors import ConfigError
+from kvwire.integrations.vllm_config import (
+    VLLM_DEFAULT_KV_PORT,
+    DataPlane,
+    GiB,
+    VllmTransferView,
+    plugin_config_from_vllm,
+)
+from kvwire.kv_params import TransferMode
+
+
+def view(role: str = "kv_producer", **extra: Any) -> VllmTransferView:
+    return VllmTransferView(kv_role=role, kv_connector_extra_config=extra)
+
+
+def test_defaults() -> None:
+    cfg = plugin_config_from_vllm(view())
+    assert cfg.connector.role is ConnectorRole.PREFILL
+    assert cfg.connector.mode is TransferMode.PUSH
+    assert cfg.connector.use_first_token is False
+    assert cfg.data_plane is DataPlane.TCP
+    assert cfg.base_control_port == 0 and cfg.control_port(3) == 0
+    assert cfg.router_address is None and cfg.http_url is None
+    assert cfg.recv_budget_bytes == GiB and cfg.spill_budget_bytes == GiB
+
+
+@pytest.mark.parametrize(
+    ("role", "expected"),
+    [
+        ("kv_producer", ConnectorRole.PREFILL),
+        ("kv_consumer", ConnectorRole.DECODE),
+        ("kv_both", ConnectorRole.BOTH),
+    ],
+)
+def test_roles(role: str, expected: ConnectorRole) -> None:
+    assert plugin_config_from_vllm(view(role)).connector.role is expected
+
+
+def test_missing_role_fails() -> None:
+    with pytest.raises(ConfigError, match="kv_role"):
+        plugin_config_from_vllm(VllmTransferView(kv_role=None))
+
+
+def test_seed_keys_map() -> None:
+    cfg = plugin_config_from_vllm(
+        VllmTransferView(
+            kv_role="kv_consumer",
+            kv_port=21001,
+            kv_buffer_device="cuda",
+            kv_connector_extra_config={
+                "proxy_ip": "10.0.0.1",
+                "proxy_port": "30001",
+                "http_port": 20001,
+                "send_type": "PUT_ASYNC",
+                "nccl_num_channels": "16",
+                "mem_pool_size_gb": 32,
+                "kv_buffer_size": 1e9,
+            },
+        )
+    )
+    assert cfg.router_address == "tcp://10.0.0.1:30001"
+    assert cfg.http_url == "http://127.0.0.1:20001"
+    assert cfg.connector.mode is TransferMode.PUSH
+    assert cfg.data_plane is DataPlane.NCCL and cfg.nccl_num_channels == 16
+    assert cfg.spill_budget_bytes == 32 * GiB
+    assert cfg.recv_budget_bytes == 1_000_000_000
+    assert cfg.control_port(0) == 21001 and cfg.control_port(2) == 21003
+
+
+@pytest.mark.parametrize(("send_type", "mode"), [("PUT", TransferMode.PUSH), ("get", TransferMode.PULL)])
+def test_send_type(send_type: str, mode: TransferMode) -> None:
+    assert plugin_config_from_vllm(view(send_type=send_type)).connector.mode is mode
+
+
+def test_kvwire_keys() -> None:
+    cfg = plugin_config_from_vllm(
+        view(
+            "kv_both", router="tcp://127.0.0.1:5555", http_host="10.1.1.1", http_port=8000, mode="pull",
+            deadline_s=5, lease_s=7.5, secret="s3cret", heartbeat_interval_s=0.5, instance_id="p0",
+            model_name="tiny", host="0.0.0.0", backend="tcp",
+        )
+    )
+    assert cfg.router_address == "tcp://127.0.0.1:5555"
+    assert cfg.http_url == "http://10.1.1.1:8000"
+    assert cfg.connector.mode is TransferMode.PULL
+    assert cfg.connector.deadline_s == 5 and cfg.connector.lease_s == 7.5
+    assert (cfg.secret, cfg.heartbeat_interval_s, cfg.instance_id, cfg.model_name, cfg.host) == (
+        "s3cret", 0.5, "p0", "tiny", "0.0.0.0",
+    )
+
+
+def test_default_kv_port_means_any_free_port() -> None:
+    cfg = plugin_config_from_vllm(VllmTransferView(kv_role="kv_producer", kv_port=VLLM_DEFAULT_KV_PORT))
+    assert cfg.control_port(0) == 0
+
+
+def test_failure_policy_follows_vllm() -> None:
+    # The core always reports failed loads as invalid blocks; vLLM's policy decides what happens.
+    for policy in ("recompute", "fail"):
+        cfg = plugin_config_from_vllm(VllmTransferView(kv_role="kv_consumer", kv_load_failure_policy=policy))
+        assert cfg.connector.kv_load_failure_policy is LoadFailurePolicy.RECOMPUTE
+        assert cfg.vllm_failure_policy is LoadFailurePolicy(policy)
+    with pytest.raises(ConfigError, match="kv_load_failure_policy"):
+        plugin_config_from_vllm(VllmTransferView(kv_role="kv_consumer", kv_load_failure_policy="retry"))
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"bogus": 1}, r"unknown kv_connector_extra_config key\(s\) \['bogus'\]"),
+        ({"send_type": "PUSH"}, "send_type must be one of"),
+        ({"send_type": "GET", "mode": "push"}, "contradicts"),
+        ({"proxy_ip": "1.2.3.4"}, "proxy_ip and proxy_port go together"),
+        (
+            {"proxy_ip": "1.2.3.4", "proxy_port": 1, "router": "tcp://5.6.7.8:1", "http_port": 1},
+            "contradicts",
+        ),
+        ({"router": "tcp://127.0.0.1:1"}, "http_port"),
+        ({"router": "127.0.0.1:1", "http_port": 1}, "tcp://host:port"),
+        ({"http_port": "eighty"}, "must be an integer"),
+        ({"http_port": True}, "must be an integer"),
+        ({"kv_buffer_size": 1, "recv_budget_bytes": 2}, "both"),
+        ({"mem_pool_size_gb": -1}, "spill_budget_bytes must be >= 0"),
+        ({"kv_buffer_size": 0}, "must be > 0"),
+        ({"backend": "nccl"}, "needs kv_buffer_device 'cuda'"),
+        ({"backend": "rdma"}, "backend must be"),
+        ({"nccl_num_channels": 0, "backend": "tcp"}, "nccl_num_channels must be > 0"),
+        ({"deadline_s": 0}, "deadline_s must be > 0"),
+        ({"mode": ""}, "non-empty string"),
+    ],
+)
+def test_bad_config_fails_clearly(extra: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        plugin_config_from_vllm(view(**extra))
+
+
+def test_from_vllm_duck_typed() -> None:
+    class FakeKVTransferConfig:
+        kv_role = "kv_consumer"
+        kv_port = 14579
+        kv_buffer_device = "cpu"
+        kv_load_failure_policy = "fail"
+        engine_id = "engine-1"
+        kv_connector_extra_config = {"send_type": "GET"}
+
+    cfg = plugin_config_from_vllm(VllmTransferView.from_vllm(FakeKVTransferConfig()))
+    assert cfg.instance_id == "engine-1"
+    assert cfg.connector.mode is TransferMode.PULL
+    assert cfg.vllm_failure_policy is LoadFailurePolicy.FAIL

@@ -1,0 +1,170 @@
+"""The plugin's scheduler and worker halves driven like vLLM 0.32 drives a connector, with real
+transfer agents on loopback and CPU KV caches laid out as the CPU backend's (no vLLM needed)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from vllm_fakes import (
+    BLOCK,
+    LAYER_NAMES,
+    CachedRequestData,
+    Instance,
+    KVConnectorOutput,
+    NewRequestData,
+    Request,
+    SchedulerOutput,
+)
+
+from kvwire.kv_params import KVTransferParams, PDRole, TransferMode
+
+
+@pytest.fixture
+def pd() -> Iterator[tuple[Instance, Instance]]:
+    p = Instance("kv_producer", torch.randn, deadline_s=10)
+    d = Instance("kv_consumer", torch.zeros, deadline_s=10)
+    yield p, d
+    p.close()
+    d.close()
+
+
+def params(
+    tid: str, role: PDRole, peer: Instance, mode: TransferMode = TransferMode.PUSH
+) -> dict[str, object]:
+    peers = [peer.worker.endpoint] if role is PDRole.DECODE or mode is TransferMode.PUSH else []
+    return KVTransferParams(transfer_id=tid, role=role, mode=mode, peer_endpoints=peers).to_dict()
+
+
+def prefill(p: Instance, req: Request, blocks: list[int]) -> None:
+    """P schedules the whole prompt in one step (blocks allocated), then the request finishes."""
+    assert p.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    p.sched.update_state_after_alloc(req, blocks, 0)
+    n = len(req.prompt_token_ids)
+    new = NewRequestData(req.request_id, req.prompt_token_ids, (blocks,), 0)
+    p.step(SchedulerOutput([new], num_scheduled_tokens={req.request_id: n}))
+
+
+def same_blocks(p: Instance, p_blocks: list[int], d: Instance, d_blocks: list[int]) -> bool:
+    return all(
+        torch.equal(p.caches[name][p_blocks], d.caches[name][d_blocks]) for name in LAYER_NAMES
+    )
+
+
+def test_push_end_to_end(pd: tuple[Instance, Instance]) -> None:
+    p, d = pd
+    prompt = list(range(10))  # 3 blocks of 4; D loads 9 tokens (recomputes the last) = 3 blocks
+    req_d = Request("d-1", prompt, params("t1", PDRole.DECODE, p))
+    assert d.sched.get_num_new_matched_tokens(req_d, 0) == (9, True)
+    d.sched.update_state_after_alloc(req_d, [7, 8, 9], 9)
+    d.step(SchedulerOutput())  # the receive is announced with this step's metadata
+
+    req_p = Request("p-1", prompt, params("t1", PDRole.PREFILL, d), output_token_ids=[5])
+    prefill(p, req_p, [1, 2, 3])
+    assert p.sched.request_finished(req_p, [1, 2, 3]) == (True, None)  # held until acknowledged
+
+    d.idle_until(lambda: "d-1" in d.seen_recving)
+    p.idle_until(lambda: "p-1" in p.seen_sending)
+    assert same_blocks(p, [1, 2, 3], d, [7, 8, 9])
+    assert p.sched.num_outstanding == 0 and d.sched.num_outstanding == 0
+    assert p.seen_recving == set() and d.seen_sending == set()
+
+
+def test_pull_end_to_end(pd: tuple[Instance, Instance]) -> None:
+    p, d = pd
+    prompt = list(range(7))
+    req_p = Request("p-2", prompt, params("t2", PDRole.PREFILL, d, TransferMode.PULL), output_token_ids=[3])
+    prefill(p, req_p, [4, 5])
+    delay, returned = p.sched.request_finished(req_p, [4, 5])
+    assert delay is True and returned is not None
+    back = KVTransferParams.from_dict(returned)
+    assert back.peer_endpoints == [p.worker.endpoint] and back.num_prompt_tokens == 7
+
+    req_d = Request("d-2", prompt, back.to_dict())
+    assert d.sched.get_num_new_matched_tokens(req_d, 0) == (6, True)
+    d.sched.update_state_after_alloc(req_d, [0, 1], 6)
+    d.step(SchedulerOutput())
+    d.idle_until(lambda: "d-2" in d.seen_recving)
+    p.idle_until(lambda: "p-2" in p.seen_sending)
+    assert same_blocks(p, [4, 5], d, [0, 1])
+
+
+def test_send_acked_before_request_finished_is_hidden_from_vllm(pd: tuple[Instance, Instance]) -> None:
+    """vLLM asserts that finished_sending names only requests it holds for the connector."""
+    p, d = pd
+    prompt = list(range(BLOCK))
+    req_d = Request("d-3", prompt, params("t3", PDRole.DECODE, p))
+    d.sched.get_num_new_matched_tokens(req_d, 0)
+    d.sched.update_state_after_alloc(req_d, [2], BLOCK - 1)
+    d.step(SchedulerOutput())
+    req_p = Request("p-3", prompt, params("t3", PDRole.PREFILL, d), output_token_ids=[1])
+    prefill(p, req_p, [6])
+    d.idle_until(lambda: "d-3" in d.seen_recving)
+    p.idle_until(lambda: p.worker.core.num_live_transfers == 0)
+    assert p.seen_sending == set()  # acknowledged while still "running": hidden from vLLM
+    assert p.sched.request_finished(req_p, [6]) == (False, None)  # nothing left to wait for
+
+
+def test_decode_abort_while_receiving_reports_recving(pd: tuple[Instance, Instance]) -> None:
+    """A request aborted in WAITING_FOR_REMOTE_KVS: vLLM frees it on finished_recving, never on
+    finished_sending (which would trip its assertion)."""
+    p, d = pd
+    req_d = Request("d-4", list(range(9)), params("t4", PDRole.DECODE, p))
+    d.sched.get_num_new_matched_tokens(req_d, 0)
+    d.sched.update_state_after_alloc(req_d, [3, 4, 5], 8)
+    d.step(SchedulerOutput())
+    delay, _ = d.sched.request_finished(req_d, [3, 4, 5])  # client went away; P never sends
+    assert delay is True
+    d.idle_until(lambda: "d-4" in d.seen_recving)
+    assert d.seen_sending == set()
+    assert d.sched.num_outstanding == 0
+
+
+def test_load_failure_reports_invalid_blocks() -> None:
+    """P dies (here: its agent closes) before sending: at the deadline D reports the request's blocks
+    through get_block_ids_with_load_errors and finishes the load, so vLLM's policy applies."""
+    p = Instance("kv_producer", torch.randn, deadline_s=1.5)
+    d = Instance("kv_consumer", torch.zeros, deadline_s=1.5)
+    try:
+        _load_failure(p, d)
+    finally:
+        p.close()
+        d.close()
+
+
+def _load_failure(p: Instance, d: Instance) -> None:
+    req_d = Request("d-5", list(range(9)), params("t5", PDRole.DECODE, p))
+    d.sched.get_num_new_matched_tokens(req_d, 0)
+    d.sched.update_state_after_alloc(req_d, [3, 4, 5], 8)
+    d.step(SchedulerOutput())
+    p.worker.close()
+    outs: list[KVConnectorOutput] = []
+
+    def failed() -> bool:
+        outs.append(d.step(SchedulerOutput(), forward=False))
+        return "d-5" in d.seen_recving
+
+    d.idle_until(failed, timeout_s=10)
+    assert set().union(*(o.invalid_block_ids for o in outs)) == {3, 4}  # 8 loaded tokens = 2 blocks
+
+
+def test_chunked_prefill_sends_with_last_chunk(pd: tuple[Instance, Instance]) -> None:
+    p, d = pd
+    prompt = list(range(11))
+    req_d = Request("d-6", prompt, params("t6", PDRole.DECODE, p))
+    d.sched.get_num_new_matched_tokens(req_d, 0)
+    d.sched.update_state_after_alloc(req_d, [9, 10, 11], 10)
+    d.step(SchedulerOutput())
+    req_p = Request("p-6", prompt, params("t6", PDRole.PREFILL, d), output_token_ids=[2])
+    p.sched.get_num_new_matched_tokens(req_p, 0)
+    p.sched.update_state_after_alloc(req_p, [0, 1], 0)
+    first = SchedulerOutput([NewRequestData("p-6", prompt, ([0, 1],), 0)], num_scheduled_tokens={"p-6": 8})
+    p.step(first)
+    assert p.worker.core.num_live_transfers == 0  # nothing announced before the last chunk
+    cached = CachedRequestData(["p-6"], set(), [([2],)], [8])
+    p.step(SchedulerOutput(scheduled_cached_reqs=cached, num_scheduled_tokens={"p-6": 3}))
+    assert p.sched.request_finished(req_p, [0, 1, 2])[0] is True
+    d.idle_until(lambda: "d-6" in d.seen_recving)
+    p.idle_until(lambda: "p-6" in p.seen_sending)
+    assert same_blocks(p, [0, 1, 2], d, [9, 10, 11])
