@@ -245,16 +245,17 @@ class EngineLoop:
     # --- engine thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
+        error: BaseException = ServerShuttingDown("the server is shutting down")
         try:
             while self._drain_commands():
                 if self._engine.has_unfinished_requests():
                     self._step()
-        except Exception:
+        except Exception as exc:
             logger.exception("engine thread crashed")
+            error = EngineError(f"the engine failed: {exc}")
         finally:
-            stopping = ServerShuttingDown("the server is shutting down")
-            self._abort_live(stopping)
-            self._refuse_pending(stopping)
+            self._abort_live(error)
+            self._refuse_pending(error)
             logger.info("engine thread stopped")
 
     def _refuse_pending(self, error: BaseException) -> None:

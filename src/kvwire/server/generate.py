@@ -87,6 +87,25 @@ class GenerationHandler:
     # --- admission -----------------------------------------------------------------------------
 
     async def _handle(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
+        admitted = await self._admit(request, kind)
+        if isinstance(admitted, web.Response):
+            return admitted
+        request_id, stream, prepared = admitted
+        builder = ResponseBuilder(kind, request_id, self._model_name, int(time.time()),
+                                  prepared.return_token_ids)
+        try:
+            if prepared.stream:
+                return await self._stream(request, stream, builder, prepared)
+            return await self._collect(stream, builder, prepared)
+        finally:
+            if not stream.finished:  # client went away (cancelled / connection reset)
+                self._loop.abort(request_id)
+                self._count(kind.value, "disconnect")
+
+    async def _admit(
+        self, request: web.Request, kind: RequestKind
+    ) -> web.Response | tuple[str, RequestStream, Prepared]:
+        """Validate and hand to the engine: (request id, stream, request) or an error response."""
         endpoint = kind.value
         if self.draining:
             self._count(endpoint, "shutdown")
@@ -118,16 +137,7 @@ class GenerationHandler:
             self._count(endpoint, "error")
             return error_response(500, str(exc), "server_error")
         self._metrics.prompt_tokens.inc(len(prepared.prompt_token_ids))
-        builder = ResponseBuilder(kind, request_id, self._model_name, int(time.time()),
-                                  prepared.return_token_ids)
-        try:
-            if prepared.stream:
-                return await self._stream(request, stream, builder, prepared)
-            return await self._collect(stream, builder, prepared)
-        finally:
-            if not stream.finished:  # client went away (cancelled / connection reset)
-                self._loop.abort(request_id)
-                self._count(endpoint, "disconnect")
+        return request_id, stream, prepared
 
     def _prepare(self, body: bytes, kind: RequestKind) -> Prepared:
         if kind is RequestKind.COMPLETION:
