@@ -48,7 +48,7 @@ class PD:
         *,
         p_config: EngineConfig,
         d_config: EngineConfig,
-        deadline_s: float = 10.0,
+        deadline_s: float = 30.0,
         policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE,
     ) -> None:
         def pair(role: ConnectorRole, config: EngineConfig) -> LLMEngine:
