@@ -147,6 +147,27 @@ def test_completion_text_and_token_ids_agree(server: ServerProcess) -> None:
     run(body())
 
 
+def test_sampling_parameters_reach_the_engine(server: ServerProcess) -> None:
+    async def body() -> None:
+        url = server.url + "/v1/completions"
+        async with aiohttp.ClientSession() as session:
+            _, base = await post(session, url, greedy("sampling", 12))
+            ids = base["choices"][0]["token_ids"]
+            stop_at = ids[5]
+            _, stopped = await post(session, url, greedy("sampling", 12, stop_token_ids=[stop_at]))
+            seeded = {**greedy("sampling", 12), "temperature": 1.0, "top_k": 50, "top_p": 0.9, "seed": 7}
+            outs = [await post(session, url, seeded) for _ in range(2)]
+        choice = stopped["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        assert choice["token_ids"] == ids[: ids.index(stop_at) + 1]
+        (s1, a), (s2, b) = outs
+        assert s1 == s2 == 200
+        assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]  # same seed, same sample
+        assert len(a["choices"][0]["token_ids"]) == 12
+
+    run(body())
+
+
 def test_streams_equal_non_streamed_greedy_output(server: ServerProcess) -> None:
     async def body() -> None:
         url = server.url
