@@ -162,12 +162,22 @@ def test_pull_forwards_prefill_params_to_decode(cluster: Any) -> None:
     assert d_req["received_at"] >= p_req["answered_at"]
 
 
-def test_push_prefill_error_cancels_decode(cluster: Any) -> None:
+def test_push_prefill_rejection_cancels_decode(cluster: Any) -> None:
     router, mocks = _pd(cluster, TransferMode.PUSH)
-    body = {"prompt": "prefill.status=500 decode.hang", "stream": True}
+    body = {"prompt": "prefill.status=400 decode.hang", "stream": True}
     code, data = post(router.url, "/v1/completions", body)
-    assert code == 500 and json.loads(data)["error"]["message"] == "mock p0 says 500"
+    assert code == 400 and json.loads(data)["error"]["message"] == "mock p0 says 400"
     wait_for(lambda: len(mocks["d0"].stats()["disconnects"]) == 1, 10, "decode request cancelled")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_push_prefill_failure_leaves_decode_to_recover(cluster: Any, stream: bool) -> None:
+    # D answers 0.3 s after P failed with a 500: D (which would recompute) decides the outcome.
+    router, _ = cluster(
+        [("p0", "prefill", []), ("d0", "decode", ["--delay-s", "0.3"])], mode=TransferMode.PUSH
+    )
+    code, data = post(router.url, "/v1/completions", {"prompt": "prefill.status=500", "stream": stream})
+    assert code == 200 and b" t15" in data
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -3,9 +3,9 @@
 * colocated (``both`` instances): the body is forwarded untouched to one instance.
 * P/D push: a fresh transfer id; P gets a copy with ``max_tokens=1`` (non-streaming), D the full
   request, **concurrently**, each with ``kv_transfer_params`` naming the other's KV endpoints; D's
-  answer is streamed back. If P fails before D has produced anything, D is cancelled and P's error
-  is returned (or the pair re-picked when P refused the connection); after that D owns the outcome
-  (it recomputes or fails per its policy).
+  answer is streamed back. If P rejects the request (4xx) before D has produced anything, D is
+  cancelled and P's error returned; if P refused the connection the pair is re-picked; if P died or
+  failed (5xx), D owns the outcome (it recomputes or fails per its failure policy).
 * P/D pull: P first; its returned ``kv_transfer_params`` go to D with the role switched to decode.
 
 Connections refused (the request surely never arrived) are retried on other instances, up to
@@ -210,12 +210,20 @@ class Dispatcher:
         )
 
     async def _race(self, p_task: asyncio.Task[Opened], d_task: asyncio.Task[Opened]) -> Opened:
-        """D's first bytes, unless P fails before them (then D is cancelled and P's error raised)."""
+        """D's first bytes (or whole answer), unless P fails first in a way D cannot recover from.
+
+        P refused the connection (never got the request: the pair is re-picked) or rejected the request
+        (4xx: D would too) -> D is cancelled and P's error raised. P died or answered 5xx -> D carries
+        on: its connector sees the transfer fail and recomputes or fails with a clear error (its policy).
+        """
         done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
-        if d_task not in done and p_task.exception() is not None:
+        p_exc = p_task.exception() if p_task in done else None
+        if d_task not in done and isinstance(p_exc, UpstreamFailure) and _fatal_for_pair(p_exc):
             d_task.cancel()
             await asyncio.gather(d_task, return_exceptions=True)
-            raise p_task.exception()  # type: ignore[misc]
+            raise p_exc
+        if p_exc is not None:
+            log.warning("prefill failed (%s); decode instance recovers per its policy", p_exc)
         try:
             return await d_task
         except BaseException:
@@ -270,6 +278,10 @@ class Dispatcher:
             params, role=PDRole.DECODE, mode=TransferMode.PULL, peer_endpoints=endpoints,
             peer_instance_id=params.peer_instance_id or p.instance_id,
         )
+
+
+def _fatal_for_pair(exc: UpstreamFailure) -> bool:
+    return exc.retryable or exc.kind == "http_4xx"
 
 
 def _consume(task: asyncio.Task[Opened], tid: str) -> None:
