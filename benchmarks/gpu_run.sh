@@ -20,11 +20,11 @@ export PYTHONPATH=src:${PYTHONPATH:-}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } > "$OUT/gpus.txt" 2>&1
 rc=0
 if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
-  timeout 400 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu --timeout 240 2>&1 | tee "$OUT/gpu_tests.log"
+  timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu --timeout 240 2>&1 | tee "$OUT/gpu_tests.log"
   rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
-  timeout 560 python3 -m kvwire.bench.transfer_nccl --json --out "$OUT/bench_nccl.json" "$@" 2>&1 | tee "$OUT/bench.log"
+  timeout "${BENCH_TIMEOUT:-400}" python3 -m kvwire.bench.transfer_nccl --json --out "$OUT/bench_nccl.json" "$@" 2>&1 | tee "$OUT/bench.log"
   rc=$((rc | ${PIPESTATUS[0]}))
 fi
 exit $rc

@@ -8,71 +8,19 @@ CPU from a seed on both sides, so the receiver can check every byte.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import threading
-import traceback
-from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
 import pytest
 import torch
 
+from kvwire.bench.nccl_harness import child_results, two_gpus
+
 MiB = 1 << 20
 
-
-def _two_gpus() -> bool:
-    try:
-        return torch.cuda.device_count() >= 2
-    except Exception:
-        return False
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs")]
-
-
-# --- process plumbing ------------------------------------------------------------------------------------
-def _entry(fn: Callable[..., Any], rank: int, conn: Connection, queue: Any, arg: Any) -> None:
-    try:
-        from kvwire.bench.nccl_harness import set_safe_env
-
-        set_safe_env()
-        torch.cuda.set_device(rank)
-        queue.put((fn.__name__, fn(conn, arg), None))
-    except BaseException:
-        queue.put((fn.__name__, None, traceback.format_exc()))
-
-
-@pytest.fixture
-def spawn() -> Iterator[Callable[..., Any]]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs: list[Any] = []
-
-    def start(fn: Callable[..., Any], rank: int, conn: Connection, arg: Any = None) -> Any:
-        proc = ctx.Process(target=_entry, args=(fn, rank, conn, queue, arg), daemon=True)
-        proc.start()
-        procs.append(proc)
-        return proc
-
-    start.queue = queue  # type: ignore[attr-defined]
-    start.ctx = ctx  # type: ignore[attr-defined]
-    yield start
-    for proc in procs:
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=5)
-
-
-def _results(spawn: Any, count: int, timeout_s: float = 180.0) -> dict[str, Any]:
-    out = {}
-    for _ in range(count):
-        name, value, error = spawn.queue.get(timeout=timeout_s)
-        assert error is None, f"{name} failed:\n{error}"
-        out[name] = value
-    return out
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not two_gpus(), reason="needs 2 CUDA GPUs")]
 
 
 def _data(seed: int, sizes: list[int]) -> list[torch.Tensor]:
@@ -162,7 +110,7 @@ def test_bit_exact_concurrent_transfers(spawn: Any) -> None:
     left, right = spawn.ctx.Pipe()
     spawn(_send_bit_exact, 0, left)
     spawn(_recv_bit_exact, 1, right)
-    results = _results(spawn, 2)
+    results = child_results(spawn.queue, 2)
     assert results["_recv_bit_exact"] == {tid: True for tid, *_ in TRANSFERS}
     assert results["_send_bit_exact"] == 0  # close() dropped every communicator
 
@@ -217,7 +165,7 @@ def test_abort_keeps_the_stream_in_step(spawn: Any) -> None:
     left, right = spawn.ctx.Pipe()
     spawn(_send_abort, 0, left)
     spawn(_recv_abort, 1, right)
-    result = _results(spawn, 2)["_recv_abort"]
+    result = child_results(spawn.queue, 2)["_recv_abort"]
     assert result["exact"] is True and result["peer_failed"] == {}
     assert result["doomed_received"] <= 2  # dummy chunks are never reported as received
     assert result["doomed_failed"].startswith("peer_aborted")
@@ -286,7 +234,7 @@ def test_peer_killed_then_restarted(spawn: Any) -> None:
     dying.join(timeout=120)
     assert dying.exitcode == 0
     spawn(_recv_then_die, 1, b1, "recv-restarted")
-    results = _results(spawn, 2)
+    results = child_results(spawn.queue, 2)
     result = results["_send_to_dying_then_restarted"]
     assert result["restarted_exact"] is True
     assert result["dead_sent"] < 2  # never both layers "sent" into a dead process

@@ -11,6 +11,7 @@ import collections
 import os
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
@@ -34,6 +35,34 @@ def set_safe_env() -> None:
     """NVLink multicast stays off on shared machines (see docs/decisions/061-nccl-data-plane.md)."""
     for key, value in NCCL_SAFE_ENV.items():
         os.environ.setdefault(key, value)
+
+
+def two_gpus() -> bool:
+    try:
+        return torch.cuda.device_count() >= 2
+    except Exception:
+        return False
+
+
+def child_results(queue: Any, count: int, timeout_s: float = 180.0) -> dict[str, Any]:
+    """``count`` results of :func:`run_in_child` by function name; a child's exception raises here."""
+    out = {}
+    for _ in range(count):
+        name, value, error = queue.get(timeout=timeout_s)
+        if error is not None:
+            raise AssertionError(f"{name} failed:\n{error}")
+        out[name] = value
+    return out
+
+
+def run_in_child(fn: Callable[..., Any], rank: int, conn: Connection, queue: Any, arg: Any) -> None:
+    """Process entry of a two-GPU scenario: run ``fn(conn, arg)`` on GPU ``rank``, report to ``queue``."""
+    try:
+        set_safe_env()
+        torch.cuda.set_device(rank)
+        queue.put((fn.__name__, fn(conn, arg), None))
+    except BaseException:
+        queue.put((fn.__name__, None, traceback.format_exc()))
 
 
 def peer_ref(instance_id: str) -> PeerRef:

@@ -1,0 +1,35 @@
+"""GPU test plumbing: scenario functions run in spawned processes (one per GPU) and report through a
+queue; the ``spawn`` fixture kills whatever is still alive at the end of the test."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., Any]]:
+    from kvwire.bench.nccl_harness import run_in_child
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs: list[Any] = []
+
+    def start(fn: Callable[..., Any], rank: int, conn: Connection, arg: Any = None) -> Any:
+        proc = ctx.Process(target=run_in_child, args=(fn, rank, conn, queue, arg), daemon=True)
+        proc.start()
+        procs.append(proc)
+        return proc
+
+    start.queue = queue  # type: ignore[attr-defined]
+    start.ctx = ctx  # type: ignore[attr-defined]
+    yield start
+    for proc in procs:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
