@@ -88,3 +88,10 @@ class UpstreamError(RouterError):
         super().__init__(message)
         self.status = status
         self.kind = kind
+
+
+# --- local cluster ------------------------------------------------------------------------------------
+
+
+class ClusterError(KvwireError):
+    """A local cluster (``kvwire up``) could not start or lost a process."""

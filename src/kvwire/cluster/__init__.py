@@ -1,0 +1,1 @@
+"""Local clusters: ``kvwire up`` (router + prefill/decode instances as subprocesses) and ``kvwire demo``."""

@@ -1,0 +1,81 @@
+"""``kvwire up``: a local router + prefill/decode cluster as subprocesses, until Ctrl-C/SIGTERM.
+
+Example: ``kvwire up --prefill 1 --decode 1 --model tiny --device cpu --mode push --port 8000``.
+Every child's output is prefixed with its name; the router URL is printed once everything is healthy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from types import FrameType
+
+from kvwire.cluster.local import POLICIES, ClusterSpec, LocalCluster
+from kvwire.errors import ClusterError, ConfigError
+from kvwire.kv_params import TransferMode
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", type=int, default=1, help="prefill instances (default %(default)s)")
+    parser.add_argument("--decode", type=int, default=1, help="decode instances (default %(default)s)")
+    parser.add_argument("--both", type=int, default=0, help="colocated instances (default %(default)s)")
+    parser.add_argument("--model", default="tiny", help="preset name or local HF directory")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (every instance)")
+    parser.add_argument("--mode", choices=[m.value for m in TransferMode], default=TransferMode.PUSH.value)
+    parser.add_argument("--host", default="127.0.0.1", help="address everything binds to")
+    parser.add_argument(
+        "--port", type=int, default=8000, help="router HTTP port, 0 = any (default %(default)s)"
+    )
+    parser.add_argument("--kv-deadline-s", type=float, default=30.0, help="KV deadline / lease")
+    parser.add_argument("--kv-load-failure-policy", choices=POLICIES, default="recompute")
+    parser.add_argument("--start-timeout-s", type=float, default=180.0, help="deadline for all to be healthy")
+    parser.add_argument("--stop-grace-s", type=float, default=10.0, help="SIGTERM->SIGKILL grace")
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
+                        help="extra `kvwire serve` flag (repeat; e.g. --serve-arg=--num-kv-blocks=512)")
+
+
+def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
+    return ClusterSpec(
+        num_prefill=args.prefill, num_decode=args.decode, num_both=args.both, model=args.model,
+        device=args.device, mode=TransferMode(args.mode), host=args.host, port=args.port,
+        kv_deadline_s=args.kv_deadline_s, kv_load_failure_policy=args.kv_load_failure_policy,
+        start_timeout_s=args.start_timeout_s, stop_grace_s=args.stop_grace_s,
+        serve_args=tuple(args.serve_arg),
+    )
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    del signum, frame
+    raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        spec = spec_from_args(args)
+    except ConfigError as exc:
+        print(f"kvwire up: {exc}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the cluster like Ctrl-C does
+    cluster = LocalCluster(spec)
+    try:
+        cluster.start()
+        names = ", ".join(f"{i.name} {i.url}" for i in cluster.instances.values())
+        print(f"kvwire up: router {cluster.router_url} ({names}); Ctrl-C stops everything", flush=True)
+        while True:
+            time.sleep(0.5)
+            dead = cluster.check()
+            if dead is not None:
+                print(f"kvwire up: {dead} exited unexpectedly; stopping the cluster", file=sys.stderr)
+                return 1
+    except ClusterError as exc:
+        print(f"kvwire up: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("kvwire up: stopping", flush=True)
+        return 0
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        cluster.stop()
+        signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -1,0 +1,237 @@
+"""LocalCluster: a router and prefill/decode (or colocated) instances as subprocesses on loopback.
+
+Used by ``kvwire up``, ``kvwire demo``, the end-to-end tests and ``kvwire bench serve`` setups.
+Start order: router, then instances (``--instance-id`` = their name, HTTP and KV ports picked by
+the OS); ready = every instance registered alive with the router and answering ``/health``, within
+``start_timeout_s``. Stop order: instances (they deregister), then the router; each is SIGTERMed and
+SIGKILLed after ``stop_grace_s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from types import TracebackType
+from typing import Any, TextIO
+
+from kvwire.cluster.process import ManagedProcess, kvwire_argv
+from kvwire.errors import ClusterError, ConfigError
+from kvwire.kv_params import TransferMode
+
+POLICIES = ("recompute", "fail")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    num_prefill: int = 1
+    num_decode: int = 1
+    num_both: int = 0  # colocated instances (the baseline)
+    model: str = "tiny"
+    device: str = "cpu"
+    mode: TransferMode = TransferMode.PUSH
+    host: str = "127.0.0.1"
+    port: int = 0  # the router's HTTP port; 0 = any free port
+    kv_deadline_s: float = 30.0
+    kv_load_failure_policy: str = "recompute"
+    heartbeat_interval_s: float = 1.0
+    instance_ttl_s: float = 3.0
+    start_timeout_s: float = 180.0
+    stop_grace_s: float = 10.0
+    serve_args: tuple[str, ...] = ()  # extra ``kvwire serve`` flags for every instance
+    router_args: tuple[str, ...] = ()  # extra ``kvwire router`` flags
+
+    def __post_init__(self) -> None:
+        if min(self.num_prefill, self.num_decode, self.num_both) < 0:
+            raise ConfigError("instance counts must be >= 0")
+        if self.num_prefill + self.num_decode + self.num_both == 0:
+            raise ConfigError("a cluster needs at least one instance")
+        if (self.num_prefill == 0) != (self.num_decode == 0):
+            raise ConfigError("P/D needs at least one prefill and one decode instance (or neither)")
+        if not isinstance(self.mode, TransferMode):
+            raise ConfigError(f"mode must be a TransferMode, got {self.mode!r}")
+        if self.kv_load_failure_policy not in POLICIES:
+            raise ConfigError(f"kv_load_failure_policy must be one of {POLICIES}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        positive = ("kv_deadline_s", "heartbeat_interval_s", "instance_ttl_s", "start_timeout_s",
+                    "stop_grace_s")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0")
+
+
+@dataclasses.dataclass
+class Instance:
+    name: str  # also its --instance-id
+    role: str  # prefill | decode | both
+    process: ManagedProcess
+    url: str | None = None  # known once registered
+
+
+def free_port(host: str) -> int:
+    """A port the OS considers free now (a small race with other binders is accepted)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def http_json(url: str, timeout_s: float = 2.0) -> Any:
+    """GET ``url`` and decode JSON; raises OSError/ValueError on failure."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        return json.loads(resp.read().decode())
+
+
+class LocalCluster:
+    """See the module docstring. Context manager; :meth:`stop` is idempotent."""
+
+    def __init__(self, spec: ClusterSpec, *, sink: TextIO | None = None) -> None:
+        self.spec = spec
+        self._sink = sink if sink is not None else sys.stdout
+        self._sink_lock = threading.Lock()
+        self.router: ManagedProcess | None = None
+        self.instances: dict[str, Instance] = {}
+        self.router_url = ""
+        self.discovery_address = ""
+        self._stopped = False
+
+    # --- start ----------------------------------------------------------------------------------
+
+    def start(self) -> LocalCluster:
+        """Start everything and wait until ready; on any failure stop what started and raise
+        :class:`ClusterError`."""
+        try:
+            self._start_router()
+            roles = [("prefill", self.spec.num_prefill), ("decode", self.spec.num_decode),
+                     ("both", self.spec.num_both)]
+            for role, count in roles:
+                for index in range(count):
+                    self.start_instance(f"{role}-{index}", role)
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_router(self) -> None:
+        spec = self.spec
+        port = spec.port or free_port(spec.host)
+        discovery_port = free_port(spec.host)
+        self.router_url = f"http://{spec.host}:{port}"
+        self.discovery_address = f"tcp://{spec.host}:{discovery_port}"
+        argv = kvwire_argv(
+            "router", "--host", spec.host, "--port", str(port), "--discovery-host", spec.host,
+            "--discovery-port", str(discovery_port), "--mode", spec.mode.value,
+            "--kv-deadline-s", str(spec.kv_deadline_s), "--instance-ttl-s", str(spec.instance_ttl_s),
+            *spec.router_args,
+        )
+        self.router = ManagedProcess("router", argv, sink=self._sink, sink_lock=self._sink_lock)
+
+    def start_instance(self, name: str, role: str) -> Instance:
+        """Start one more instance (also used to restart a killed one under a new name)."""
+        spec = self.spec
+        argv = kvwire_argv(
+            "serve", "--model", spec.model, "--device", spec.device, "--host", spec.host, "--port", "0",
+            "--role", role, "--router", self.discovery_address, "--instance-id", name,
+            "--heartbeat-interval-s", str(spec.heartbeat_interval_s), "--kv-mode", spec.mode.value,
+            "--kv-deadline-s", str(spec.kv_deadline_s),
+            "--kv-load-failure-policy", spec.kv_load_failure_policy, *spec.serve_args,
+        )
+        process = ManagedProcess(name, argv, sink=self._sink, sink_lock=self._sink_lock)
+        instance = Instance(name, role, process)
+        self.instances[name] = instance
+        return instance
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Until every running instance is registered alive and healthy (raises ClusterError)."""
+        deadline = time.monotonic() + (self.spec.start_timeout_s if timeout_s is None else timeout_s)
+        while True:
+            self._check_alive()
+            if self._all_registered() and all(self._healthy(i) for i in self.live_instances()):
+                return
+            if time.monotonic() >= deadline:
+                raise ClusterError(f"cluster not ready within the deadline; pending: {self._pending()}")
+            time.sleep(0.2)
+
+    def _check_alive(self) -> None:
+        procs = [("router", self.router)] + [(i.name, i.process) for i in self.instances.values()]
+        for name, proc in procs:
+            if proc is not None and proc.poll() is not None and not proc.expected_exit:
+                tail = "\n".join(proc.lines[-20:])
+                raise ClusterError(f"{name} exited with code {proc.poll()} during start-up:\n{tail}")
+
+    def _all_registered(self) -> bool:
+        try:
+            listed = http_json(f"{self.router_url}/instances")
+        except (OSError, ValueError):
+            return False
+        alive = {entry["id"]: entry["url"] for entry in listed if entry.get("alive")}
+        for instance in self.live_instances():
+            if instance.name not in alive:
+                return False
+            instance.url = alive[instance.name]
+        return True
+
+    def _healthy(self, instance: Instance) -> bool:
+        if instance.url is None:
+            return False
+        try:
+            http_json(f"{instance.url}/health")
+        except (OSError, ValueError):
+            return False
+        return True
+
+    def _pending(self) -> list[str]:
+        return [i.name for i in self.live_instances() if i.url is None or not self._healthy(i)]
+
+    def live_instances(self) -> list[Instance]:
+        return [i for i in self.instances.values() if i.process.poll() is None]
+
+    # --- run ------------------------------------------------------------------------------------
+
+    def check(self) -> str | None:
+        """Name of the first process that exited unexpectedly, or None."""
+        procs = [("router", self.router)] + [(i.name, i.process) for i in self.instances.values()]
+        for name, proc in procs:
+            if proc is not None and proc.poll() is not None and not proc.expected_exit:
+                return name
+        return None
+
+    def kill(self, name: str, sig: int) -> None:
+        """Send ``sig`` to an instance's process group (fault injection); its exit is expected."""
+        process = self.instances[name].process
+        process.expected_exit = True
+        process.signal(sig)
+
+    # --- stop -----------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop instances (in parallel), then the router; no process outlives this call."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.spec.stop_grace_s
+        threads = [
+            threading.Thread(target=i.process.stop, args=(grace,), daemon=True)
+            for i in self.instances.values()
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=3 * grace)
+        if self.router is not None:
+            self.router.stop(grace)
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
