@@ -8,6 +8,7 @@ prompt (or the last chat message) change the behaviour:
 * ``status=NNN`` -> HTTP NNN with an OpenAI-style error body naming this instance;
 * ``hang``       -> never answers (until the client goes away; the disconnect is recorded);
 * ``slow``       -> 50 ms between streamed tokens;
+* ``delay``      -> wait 0.3 s before answering;
 * ``drop``       -> streaming: close the connection after two tokens (an instance dying mid-stream);
 * ``noparams``   -> a prefill instance in pull mode returns no ``kv_transfer_params``.
 
@@ -104,8 +105,9 @@ class MockInstance:
             return web.json_response({"error": {"message": message, "code": status}}, status=status)
         if "hang" in words:
             await asyncio.sleep(3600)
-        if self.args.delay_s:
-            await asyncio.sleep(self.args.delay_s)
+        delay_s = self.args.delay_s + (0.3 if "delay" in words else 0.0)
+        if delay_s:
+            await asyncio.sleep(delay_s)
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         chat = request.path.endswith("/chat/completions")
         if body.get("stream"):

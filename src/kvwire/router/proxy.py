@@ -34,13 +34,12 @@ from kvwire.router.metrics import RouterMetrics, SSETokenMeter
 from kvwire.router.registry import InstanceView
 from kvwire.router.request import ClientRequest
 from kvwire.router.selection import Plan, Selector
-from kvwire.router.upstream import Upstream, UpstreamFailure
+from kvwire.router.upstream import BODY_ERRORS, Upstream, UpstreamFailure
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Opened = tuple[aiohttp.ClientResponse, bytes]  # response + first body chunk (or the whole body)
-_STREAM_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)
 
 
 class Dispatcher:
@@ -97,12 +96,9 @@ class Dispatcher:
         resp = await self._upstream.open(inst, role, creq.path, body, creq.headers)
         try:
             first = await resp.content.readany()
-        except _STREAM_ERRORS as exc:
+        except (*BODY_ERRORS, asyncio.TimeoutError) as exc:
             resp.close()
-            raise UpstreamFailure(
-                f"{role} instance {inst.instance_id} closed the stream: {exc!r}",
-                status=502, kind="disconnect", instance_id=inst.instance_id,
-            ) from exc
+            raise self._upstream.lost(inst, role, exc) from exc
         except BaseException:
             resp.close()
             raise
@@ -143,7 +139,7 @@ class Dispatcher:
                         self._metrics.itl.labels(mode=mode).observe(0.0)
                     last = now
                 chunk = await resp.content.readany()
-        except (*_STREAM_ERRORS, asyncio.TimeoutError) as exc:
+        except (*BODY_ERRORS, asyncio.TimeoutError) as exc:
             await self._stream_broke(out, creq, inst, exc)
         finally:
             if resp.content.at_eof():
@@ -158,14 +154,9 @@ class Dispatcher:
     ) -> None:
         # Headers are gone already: report the failure in-band, as an OpenAI-style error event.
         creq.outcome = "upstream_error"
-        kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "disconnect"
-        role = inst.role.value
-        self._metrics.upstream_errors.labels(role=role, kind=kind).inc()
-        message = f"{role} instance {inst.instance_id} failed mid-stream: {exc!r}"
-        log.warning("%s", message)
-        if kind == "disconnect":
-            self._upstream.mark_dead(inst, message)
-        event = {"error": {"message": message, "type": "upstream_error", "code": 502}}
+        failure = self._upstream.lost(inst, inst.role.value, exc)
+        message = f"failed mid-stream: {failure}"
+        event = {"error": {"message": message, "type": "upstream_error", "code": failure.status}}
         await out.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
 
     # --- P/D ------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from kvwire.router.registry import InstanceView, Registry
 log = logging.getLogger(__name__)
 
 MAX_ERROR_BODY_BYTES = 64 * 1024
+BODY_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)
 _DEAD_STATUSES = frozenset({502, 504})  # a gateway in front of the instance says it is gone
 
 
@@ -85,12 +86,9 @@ class Upstream:
         resp = await self.open(inst, role, path, body, headers)
         try:
             data = await resp.read()
-        except (aiohttp.ClientPayloadError, aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
+        except (*BODY_ERRORS, asyncio.TimeoutError) as exc:
             resp.close()
-            raise self._failure(inst, role, "disconnect", f"connection lost: {exc!r}", dead=True) from exc
-        except asyncio.TimeoutError:
-            resp.close()
-            raise self._failure(inst, role, "timeout", "no answer in time", status=504) from None
+            raise self.lost(inst, role, exc) from exc
         except BaseException:
             resp.close()  # cancelled: drop the connection so the instance aborts
             raise
@@ -113,8 +111,11 @@ class Upstream:
             content_type=resp.headers.get("Content-Type", "application/json"),
         )
 
-    def mark_dead(self, inst: InstanceView, reason: str) -> None:
-        self._registry.mark_unreachable(inst.instance_id, inst.info.epoch, reason)
+    def lost(self, inst: InstanceView, role: str, exc: BaseException) -> UpstreamFailure:
+        """Classify (and count) a failure while reading a body: timeout, or the instance went away."""
+        if isinstance(exc, asyncio.TimeoutError):
+            return self._failure(inst, role, "timeout", "no answer in time", status=504)
+        return self._failure(inst, role, "disconnect", f"connection lost: {exc!r}", dead=True)
 
     def _failure(
         self,
