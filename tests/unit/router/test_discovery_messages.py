@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 import msgspec
@@ -124,5 +125,24 @@ def test_client_heartbeats_then_deregisters() -> None:
         assert last.epoch == client.info.epoch
         assert client._thread is not None and not client._thread.is_alive()
     finally:
+        sock.close()
+        ctx.term()
+
+
+def test_client_reaches_a_router_that_starts_later() -> None:
+    with socket.socket() as s:  # reserve a free port, then free it for the late "router"
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = HeartbeatClient(f"tcp://127.0.0.1:{port}", _info(), interval_s=0.05).start()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        assert client._thread is not None and client._thread.is_alive()  # no router yet: still running
+        sock.bind(f"tcp://127.0.0.1:{port}")
+        msg = decode_frames(_recv(sock))
+        assert isinstance(msg, Heartbeat) and msg.info.instance_id == "p0"
+    finally:
+        client.close()
         sock.close()
         ctx.term()
