@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -29,7 +29,7 @@ from kvwire.transfer.messages import Abort, Ack, AnyMsg, Grant, Offer, Pull, Tra
 from kvwire.transfer.receiver import Receiver
 from kvwire.transfer.sender import Sender
 from kvwire.transfer.stats import TransferStats
-from kvwire.transfer.types import FailReason, LayerSink, LayerSpec, TransferEvents
+from kvwire.transfer.types import ByteSpans, FailReason, LayerSink, LayerSpec, TransferEvents
 
 log = logging.getLogger("kvwire.transfer")
 
@@ -101,6 +101,17 @@ class TransferAgent:
             self._check_open()
             self._sender.add_layer(transfer_id, layer_index, tensor, ready_event)
 
+    def send_layer_spans(
+        self, transfer_id: str, layer_index: int, spans: ByteSpans, ready_event: Any | None = None
+    ) -> None:
+        """Hand over one layer as byte spans of a contiguous tensor (e.g. its blocks in the paged
+        cache: ``paged.block_spans(kv, block_ids, layout)``). A plane that supports spans (TCP) sends
+        straight from them (no gather copy); otherwise the agent gathers here. The bytes must not
+        change until the transfer ends."""
+        with self._core.lock:
+            self._check_open()
+            self._sender.add_layer_spans(transfer_id, layer_index, spans, ready_event)
+
     def send_trailer(self, transfer_id: str, payload: bytes) -> None:
         """Small bytes delivered to the receiver with completion (``with_trailer=True`` transfers)."""
         with self._core.lock:
@@ -117,14 +128,23 @@ class TransferAgent:
         sink: LayerSink | None = None,
         deadline_s: float | None = None,
         pull_from: str | None = None,
+        scatter_into: Callable[[int], ByteSpans] | None = None,
     ) -> None:
         """Announce an incoming transfer (before or after its data arrives). ``sink(index, tensor)``
         runs on a transfer thread per layer (tensor valid during the call only); without a sink the
-        layers are buffered for :meth:`take_layers`. ``pull_from``: ask that sender (pull mode)."""
+        layers are buffered for :meth:`take_layers`. ``pull_from``: ask that sender (pull mode).
+
+        ``scatter_into(index) -> ByteSpans`` (instead of a sink): where layer ``index``'s bytes go,
+        e.g. ``paged.block_spans(kv_cache[index], block_ids, layout)``. A plane that supports spans
+        (TCP) receives straight into them, no buffer and no copy; others copy on arrival. Called under
+        the agent lock when a layer is granted: must be cheap and must not call the agent. The spans
+        must stay valid until the transfer ends (finished or failed)."""
+        if sink is not None and scatter_into is not None:
+            raise ValueError("expect: give a sink or scatter_into, not both")
         deadline = self.config.default_deadline_s if deadline_s is None else deadline_s
         with self._core.lock:
             self._check_open()
-            deliver = self._receiver.expect(transfer_id, num_layers, sink, deadline, pull_from)
+            deliver = self._receiver.expect(transfer_id, num_layers, sink, deadline, pull_from, scatter_into)
         if deliver:
             control = self._core.control
             assert control is not None

@@ -101,6 +101,9 @@ class DataPlane(abc.ABC):
 
     #: True when sends and receives with one peer must be posted in the same order on both ends.
     ordered: ClassVar[bool] = False
+    #: True when the plane moves ``SendItem.spans`` / ``RecvItem.dest_spans`` itself (zero-copy
+    #: gather/scatter). Otherwise the agent gathers/scatters with copies and never passes spans.
+    supports_spans: ClassVar[bool] = False
 
     @abc.abstractmethod
     def start(self, callbacks: PlaneCallbacks) -> None:

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kvwire.transfer.types import ByteSpans
+
 
 class KVLayout(str, enum.Enum):
     KV_FIRST = "kv_first"  # [2, num_blocks, block_size, H, D]
@@ -89,3 +91,38 @@ def scatter_blocks(
         data = data.to(kv_layer.device, non_blocking=True)
     ids = block_ids.to(kv_layer.device) if block_ids.device != kv_layer.device else block_ids
     kv_layer.index_copy_(dim, ids, data)
+
+
+def _runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """Consecutive block ids merged into (first, count) runs, in order."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
+
+
+def block_spans(kv_layer: torch.Tensor, block_ids: Sequence[int], layout: KVLayout) -> ByteSpans:
+    """The bytes of ``gather_blocks(kv_layer, ids, layout)`` as spans of the (contiguous) cache itself:
+    a plane with ``supports_spans`` sends from / receives into the blocks with no gather/scatter copy.
+    Consecutive block ids become one span."""
+    _check(kv_layer, layout)
+    if not kv_layer.is_contiguous():
+        raise ValueError("block_spans needs a contiguous KV cache tensor")
+    num_blocks = kv_layer.shape[_BLOCK_DIM[layout]]
+    if any(not 0 <= b < num_blocks for b in block_ids):
+        raise IndexError(f"block id out of range 0..{num_blocks - 1}")
+    layer_bytes = kv_layer.numel() * kv_layer.element_size()
+    halves: tuple[int, ...]
+    if layout is KVLayout.KV_FIRST:
+        half = layer_bytes // 2  # K blocks, then V blocks
+        block_bytes = half // max(num_blocks, 1)
+        halves = (0, half)
+    else:
+        block_bytes = layer_bytes // max(num_blocks, 1)
+        halves = (0,)
+    runs = _runs(block_ids)
+    spans = tuple((h + first * block_bytes, count * block_bytes) for h in halves for first, count in runs)
+    return ByteSpans(kv_layer, spans)

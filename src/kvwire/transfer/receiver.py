@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -11,9 +12,19 @@ from kvwire.errors import TransferError
 from kvwire.transfer.buffers import BufferKind, RecvBuffer
 from kvwire.transfer.core import Core
 from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Trailer
-from kvwire.transfer.types import DTYPES_BY_NAME, FailReason, LayerSink, LayerSpec, PeerRef, RecvItem
+from kvwire.transfer.types import (
+    DTYPES_BY_NAME,
+    ByteSpans,
+    FailReason,
+    LayerSink,
+    LayerSpec,
+    PeerRef,
+    RecvItem,
+)
 
 SIDE = "recv"
+SpansFn = Callable[[int], ByteSpans]  # layer index -> where its bytes go
+_NO_DEST = torch.empty(0, dtype=torch.uint8)
 
 
 @dataclasses.dataclass
@@ -24,11 +35,13 @@ class RecvState:
     num_layers: int | None = None
     sink: LayerSink | None = None
     pull_from: str | None = None
+    scatter_into: SpansFn | None = None  # destination spans per layer (zero-copy receive)
     specs: list[LayerSpec] | None = None  # from the Offer
     with_trailer: bool = False
     peer: PeerRef | None = None  # the sender (epoch + data address), from the Offer
     to_grant: collections.deque[int] = dataclasses.field(default_factory=collections.deque)
-    granted: dict[int, RecvBuffer] = dataclasses.field(default_factory=dict)  # posted, not arrived
+    # posted, not arrived (None: straight into the caller's scatter_into spans)
+    granted: dict[int, RecvBuffer | None] = dataclasses.field(default_factory=dict)
     held: dict[int, RecvBuffer] = dataclasses.field(default_factory=dict)  # arrived, buffered
     delivering: set[int] = dataclasses.field(default_factory=set)  # in a sink call now
     arrived: set[int] = dataclasses.field(default_factory=set)  # delivered to the sink or held
@@ -74,6 +87,7 @@ class Receiver:
         sink: LayerSink | None,
         deadline_s: float,
         pull_from: str | None,
+        scatter_into: SpansFn | None = None,
     ) -> bool:
         """Returns True when buffered layers must now be delivered to the new sink."""
         if not transfer_id or num_layers <= 0:
@@ -88,6 +102,9 @@ class Receiver:
             st = self.recvs[transfer_id] = RecvState(transfer_id, deadline)
         st.deadline = min(st.deadline, deadline)
         st.expected, st.num_layers, st.sink, st.pull_from = True, num_layers, sink, pull_from
+        if scatter_into is not None:
+            st.scatter_into = scatter_into
+            st.sink = lambda index, data: scatter_into(index).scatter(data)  # layers buffered already
         self.core.stats.add("recvs_started")
         if pull_from is not None and st.peer is None:
             info = self.core.plane.local_info(PeerRef(pull_from, self.core.peer_ids.get(pull_from, ""), ""))
@@ -207,6 +224,14 @@ class Receiver:
             while st.to_grant:
                 index = st.to_grant[0]
                 num_bytes = st.specs[index].num_bytes
+                if st.expected and st.scatter_into is not None and self.core.plane.supports_spans:
+                    item = self._span_item(st, index, num_bytes)
+                    if item is None:
+                        break
+                    st.to_grant.popleft()
+                    st.granted[index] = None
+                    items.append(item)
+                    continue
                 if num_bytes > memory.capacity_bytes:
                     self.fail(
                         st.transfer_id,
@@ -227,6 +252,21 @@ class Receiver:
                 self._grant(st, items)
             if st.transfer_id in self.recvs and st.to_grant:
                 return  # out of memory: later transfers wait too (FIFO, no starvation)
+
+    def _span_item(self, st: RecvState, index: int, num_bytes: int) -> RecvItem | None:
+        assert st.scatter_into is not None
+        try:
+            spans = st.scatter_into(index)
+        except Exception as exc:
+            self.fail(st.transfer_id, f"{FailReason.MISMATCH.value}: scatter_into({index}): {exc!r}", True)
+            return None
+        if spans.num_bytes != num_bytes:
+            reason = (
+                f"{FailReason.MISMATCH.value}: layer {index} spans hold {spans.num_bytes}, sender {num_bytes}"
+            )
+            self.fail(st.transfer_id, reason, True)
+            return None
+        return RecvItem(st.transfer_id, index, num_bytes, _NO_DEST, dest_spans=spans)
 
     def _grant(self, st: RecvState, items: list[RecvItem]) -> None:
         assert st.peer is not None
@@ -251,8 +291,12 @@ class Receiver:
             return None
         assert st.specs is not None
         buf = st.granted.pop(index)
-        self.core.stats.add("bytes_received", buf.num_bytes)
+        self.core.stats.add("bytes_received", st.specs[index].num_bytes)
         self._ack(st, index)
+        if buf is None:  # landed in the caller's spans
+            st.arrived.add(index)
+            self.maybe_complete(st)
+            return None
         if st.sink is not None and st.expected:
             st.delivering.add(index)
             st.held[index] = buf
@@ -324,8 +368,9 @@ class Receiver:
         if st is None:
             return False
         self.core.plane.cancel(transfer_id)
-        for buf in st.granted.values():
-            buf.release()
+        for granted in st.granted.values():
+            if granted is not None:
+                granted.release()
         for buf in st.held.values():  # includes layers in a sink call now (their tensor stays alive)
             buf.release()
         self.acks.pop(transfer_id, None)

@@ -12,7 +12,7 @@ import torch
 from kvwire.errors import TransferError
 from kvwire.transfer.core import Core
 from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Trailer, WireLayer
-from kvwire.transfer.types import DTYPE_NAMES, FailReason, LayerSpec, PeerRef, SendItem
+from kvwire.transfer.types import DTYPE_NAMES, ByteSpans, FailReason, LayerSpec, PeerRef, SendItem
 
 SIDE = "send"
 MAX_PENDING_PULLS = 10_000
@@ -76,14 +76,42 @@ class Sender:
         if pending is not None:
             self.on_pull(pending[0])
 
-    def add_layer(self, transfer_id: str, index: int, tensor: torch.Tensor, ready_event: Any) -> None:
+    def _check_layer(self, transfer_id: str, index: int) -> SendState | None:
         st = self._get_for_api(transfer_id)
         if st is None:
-            return
+            return None
         if not 0 <= index < len(st.layers):
             raise TransferError(f"layer {index} out of range 0..{len(st.layers) - 1}", transfer_id)
         if index in st.items:
             raise TransferError(f"layer {index} was already handed over", transfer_id)
+        return st
+
+    def add_layer_spans(self, transfer_id: str, index: int, spans: ByteSpans, ready_event: Any) -> None:
+        st = self._check_layer(transfer_id, index)
+        if st is None:
+            return
+        spec = st.layers[index]
+        if spans.num_bytes != spec.num_bytes:
+            raise TransferError(
+                f"layer {index}: spans hold {spans.num_bytes} bytes, announced {spec.num_bytes}"
+            )
+        if self.core.plane.supports_spans:
+            st.items[index] = SendItem(transfer_id, index, spans.base, ready_event, spans)
+            self._dispatch(st)
+            return
+        if ready_event is not None:  # order the gather after the producer's writes (CUDA)
+            ready_event.wait()
+            ready_event = None
+        tensor = spans.gather().view(spec.dtype).view(spec.shape)
+        if tensor.is_cuda:
+            ready_event = torch.cuda.Event()
+            ready_event.record()
+        self.add_layer(transfer_id, index, tensor, ready_event)
+
+    def add_layer(self, transfer_id: str, index: int, tensor: torch.Tensor, ready_event: Any) -> None:
+        st = self._check_layer(transfer_id, index)
+        if st is None:
+            return
         spec = st.layers[index]
         if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype or not tensor.is_contiguous():
             raise TransferError(

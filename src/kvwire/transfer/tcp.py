@@ -50,6 +50,8 @@ HANDSHAKE_TIMEOUT_S = 5.0
 POLL_S = 0.2  # how often idle threads check for close / a dead peer
 DISCARD_CHUNK = 1 << 20
 CANCEL_MEMORY_S = 120.0
+IOV_BATCH = 512  # iovecs per sendmsg/recvmsg_into (Linux IOV_MAX is 1024)
+CANCEL_WAIT_S = 1.0  # cancel waits this long for a frame being written into caller memory
 
 
 def _mac(secret: bytes | None, nonce: bytes, instance_id: bytes) -> bytes:
@@ -79,6 +81,33 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """Zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
     flat = tensor.detach().reshape(-1).view(torch.uint8)
     return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]
+
+
+def _send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
+    """Write every part with as few ``sendmsg`` calls (iovecs) as the kernel allows."""
+    i = 0
+    while i < len(parts):
+        sent = sock.sendmsg(parts[i : i + IOV_BATCH])
+        while i < len(parts) and sent >= len(parts[i]):
+            sent -= len(parts[i])
+            i += 1
+        if sent:
+            parts[i] = parts[i][sent:]
+
+
+def _recv_parts(sock: socket.socket, parts: list[memoryview]) -> None:
+    """Fill every part in order with ``recvmsg_into`` (the kernel scatters); ConnectionError on EOF."""
+    parts = [p for p in parts if len(p)]
+    i = 0
+    while i < len(parts):
+        got = sock.recvmsg_into(parts[i : i + IOV_BATCH])[0]
+        if got == 0:
+            raise ConnectionError("connection closed by peer")
+        while i < len(parts) and got >= len(parts[i]):
+            got -= len(parts[i])
+            i += 1
+        if got:
+            parts[i] = parts[i][got:]
 
 
 def _tune(sock: socket.socket, buffer_bytes: int) -> None:
@@ -157,16 +186,15 @@ class _Outbound:
     def _write(self, sock: socket.socket, item: SendItem) -> None:
         if item.ready_event is not None:
             item.ready_event.synchronize()
-        tensor = item.tensor if item.tensor.device.type == "cpu" else item.tensor.cpu()
-        payload = tensor_bytes(tensor)
+        if item.spans is not None:  # straight from the paged blocks: the kernel gathers
+            base = tensor_bytes(item.spans.base)
+            parts = [base[off : off + n] for off, n in item.spans.spans if n]
+        else:
+            tensor = item.tensor if item.tensor.device.type == "cpu" else item.tensor.cpu()
+            parts = [tensor_bytes(tensor)]
         tid = item.transfer_id.encode()
-        header = _FRAME.pack(item.layer_index, len(payload), len(tid)) + tid
-        sent = sock.sendmsg([header, payload])  # one syscall for header + (most of) the payload
-        if sent < len(header):
-            sock.sendall(header[sent:])
-            sent = len(header)
-        if sent - len(header) < len(payload):
-            sock.sendall(payload[sent - len(header) :])
+        num_bytes = sum(len(p) for p in parts)
+        _send_parts(sock, [memoryview(_FRAME.pack(item.layer_index, num_bytes, len(tid)) + tid), *parts])
 
     def _finish(self) -> None:
         with self.plane._lock:
@@ -190,6 +218,7 @@ class TcpPlane(DataPlane):
     """Raw-socket data plane for CPU tensors (CUDA tensors are staged through host memory)."""
 
     ordered = False
+    supports_spans = True
 
     def __init__(self, config: TransferConfig, instance_id: str) -> None:
         self.config = config
@@ -201,6 +230,8 @@ class TcpPlane(DataPlane):
         self._readers: set[threading.Thread] = set()
         self._posted: dict[tuple[str, int], tuple[str, RecvItem]] = {}
         self._cancelled: dict[str, float] = {}
+        self._writing: dict[socket.socket, str] = {}  # connection -> transfer being written into spans
+        self._written = threading.Condition(self._lock)
         self._closing = threading.Event()
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
@@ -277,6 +308,15 @@ class TcpPlane(DataPlane):
                 self._cancelled = {t: s for t, s in self._cancelled.items() if now - s < CANCEL_MEMORY_S}
             for key in [k for k in self._posted if k[0] == transfer_id]:
                 del self._posted[key]
+            # A frame being written into the caller's memory (spans) must end before cancel returns:
+            # the caller may reuse those blocks once the transfer failed. Bounded: then cut the link.
+            finished = self._written.wait_for(
+                lambda: transfer_id not in self._writing.values(), CANCEL_WAIT_S
+            )
+            conns = [] if finished else [c for c, t in self._writing.items() if t == transfer_id]
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
     def drop_peer(self, peer_instance_id: str) -> None:
         with self._lock:
@@ -358,7 +398,10 @@ class TcpPlane(DataPlane):
         tid = _recv_bytes(conn, tid_len).decode(errors="replace")
         with self._lock:
             posted = self._posted.pop((tid, layer), None)
-        if posted is None or posted[0] != peer_id or posted[1].num_bytes != num_bytes:
+            valid = posted is not None and posted[0] == peer_id and posted[1].num_bytes == num_bytes
+            if valid and posted is not None and posted[1].dest_spans is not None:
+                self._writing[conn] = tid  # in the same critical section: cancel() sees it
+        if not valid or posted is None:
             if posted is not None:
                 self.callbacks.on_transfer_failed(
                     tid, f"mismatch: layer {layer} frame of {num_bytes} bytes from an unexpected sender/size"
@@ -370,7 +413,15 @@ class TcpPlane(DataPlane):
             self._discard(conn, num_bytes)
             return
         item = posted[1]
-        if item.dest.device.type == "cpu":
+        if item.dest_spans is not None:  # straight into the caller's blocks: the kernel scatters
+            base = tensor_bytes(item.dest_spans.base)
+            try:
+                _recv_parts(conn, [base[off : off + n] for off, n in item.dest_spans.spans])
+            finally:
+                with self._lock:
+                    self._writing.pop(conn, None)
+                    self._written.notify_all()
+        elif item.dest.device.type == "cpu":
             _recv_exact(conn, tensor_bytes(item.dest)[:num_bytes])
         else:  # stage through host memory
             staging = torch.empty(num_bytes, dtype=torch.uint8)

@@ -101,13 +101,54 @@ class PeerRef:
 
 
 @dataclasses.dataclass(frozen=True)
+class ByteSpans:
+    """Byte ranges of one contiguous ``base`` tensor whose concatenation is one layer's payload,
+    e.g. a request's blocks inside a paged KV cache (see ``kvwire.transfer.paged.block_spans``).
+    Lets a plane gather/scatter with the kernel (``sendmsg``/``recvmsg_into`` iovecs): no copy."""
+
+    base: torch.Tensor  # contiguous
+    spans: tuple[tuple[int, int], ...]  # (byte offset, num_bytes) into base
+
+    def __post_init__(self) -> None:
+        if not self.base.is_contiguous():
+            raise ValueError("ByteSpans.base must be contiguous")
+        limit = self.base.numel() * self.base.element_size()
+        if any(off < 0 or n < 0 or off + n > limit for off, n in self.spans):
+            raise ValueError("ByteSpans: a span lies outside the base tensor")
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(n for _, n in self.spans)
+
+    def flat(self) -> torch.Tensor:
+        """The base as a flat ``uint8`` view."""
+        return self.base.reshape(-1).view(torch.uint8)
+
+    def gather(self) -> torch.Tensor:
+        """The payload as one new contiguous ``uint8`` tensor (a copy)."""
+        flat = self.flat()
+        return torch.cat([flat[off : off + n] for off, n in self.spans]) if self.spans else flat[:0].clone()
+
+    def scatter(self, data: torch.Tensor) -> None:
+        """Write ``data`` (any dtype, ``num_bytes`` bytes) into the spans (a copy)."""
+        src = data.reshape(-1).view(torch.uint8)
+        flat, pos = self.flat(), 0
+        for off, n in self.spans:
+            flat[off : off + n].copy_(src[pos : pos + n], non_blocking=True)
+            pos += n
+
+
+@dataclasses.dataclass(frozen=True)
 class SendItem:
-    """One layer to move to a peer. ``tensor`` is contiguous; the plane must not modify it."""
+    """One layer to move to a peer. ``tensor`` is contiguous; the plane must not modify it.
+    ``spans`` (only given to planes with ``supports_spans``): when set, the payload is those
+    bytes and ``tensor`` is just their base."""
 
     transfer_id: str
     layer_index: int
     tensor: torch.Tensor
     ready_event: Any | None = None  # torch.cuda.Event recorded after the tensor was written
+    spans: ByteSpans | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,3 +160,6 @@ class RecvItem:
     layer_index: int
     num_bytes: int
     dest: torch.Tensor
+    # Only for planes with ``supports_spans``: write the bytes straight into these spans (e.g. the
+    # caller's paged KV blocks); ``dest`` is then an empty placeholder.
+    dest_spans: ByteSpans | None = None
