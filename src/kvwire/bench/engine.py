@@ -101,17 +101,20 @@ class _Bench:
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize(self.engine.device)
 
-    def _timed(self, fn: Callable[[], object]) -> float:
-        """Median seconds of ``fn`` over the repeats, after one warm-up call."""
-        fn()
-        times = []
-        for _ in range(self.repeats):
-            self._sync()
-            start = time.perf_counter()
+    def _timed(self, *fns: Callable[[], object]) -> list[float]:
+        """Median seconds of each ``fn`` over the repeats, after one warm-up call each. The functions
+        take turns within every repeat, so a load change on the machine hits them alike."""
+        for fn in fns:
             fn()
-            self._sync()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        times: list[list[float]] = [[] for _ in fns]
+        for _ in range(self.repeats):
+            for fn, fn_times in zip(fns, times, strict=True):
+                self._sync()
+                start = time.perf_counter()
+                fn()
+                self._sync()
+                fn_times.append(time.perf_counter() - start)
+        return [statistics.median(t) for t in times]
 
     def _submit(self, prompts: list[list[int]], max_tokens: int) -> list[str]:
         ids = [f"bench-{next(self.ids)}" for _ in prompts]
@@ -141,7 +144,7 @@ class _Bench:
             hidden = model(input_ids, positions, ForwardContext(None, [], None))
             model.compute_logits(hidden[-1:]).argmax(-1).tolist()
 
-        engine_s, dense_s = self._timed(engine_ttft), self._timed(dense)
+        engine_s, dense_s = self._timed(engine_ttft, dense)
         return {
             "prompt_len": prompt_len,
             "engine_ms": engine_s * 1e3,
@@ -157,7 +160,7 @@ class _Bench:
         started: set[str] = set()
         while len(started) < batch:  # prefill every request first
             started |= {out.request_id for out in self.engine.step() if out.new_token_ids}
-        step_s = self._timed(lambda: [self.engine.step() for _ in range(steps)]) / steps
+        step_s = self._timed(lambda: [self.engine.step() for _ in range(steps)])[0] / steps
         assert self.engine.stats().num_running == batch, "every request must decode in every timed step"
         for request_id in ids:
             self.engine.abort_request(request_id)
@@ -178,7 +181,7 @@ class _Bench:
             self._submit(prompts, output_len)
             self._drain()
 
-        seconds = self._timed(run_all)
+        [seconds] = self._timed(run_all)
         return {
             "num_requests": num_requests,
             "prompt_len": prompt_len,

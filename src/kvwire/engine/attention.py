@@ -13,6 +13,7 @@ prompt with no earlier KV attends over its own fresh K/V like a dense forward).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,14 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    @functools.cached_property
+    def decode_mask(self) -> torch.Tensor:
+        """[num_decodes, 1, 1, max_blocks * block_size] bool: which gathered slots hold a decode's KV
+        (built once per step, shared by every layer)."""
+        nd = self.num_decodes
+        slots = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.block_tables.device)
+        return (slots[None, :] < self.seq_lens_t[:nd, None])[:, None, None, :]
 
 
 @dataclasses.dataclass
@@ -129,12 +138,11 @@ def _decode_sdpa(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadat
     batch, num_heads, dim = q.shape
     k, v = gather_kv(kv_cache, meta.block_tables[:batch])  # [B, L, Hkv, D]
     num_kv_heads = k.shape[2]
-    visible = torch.arange(k.shape[1], device=q.device)[None, :] < meta.seq_lens_t[:batch, None]  # [B, L]
     out = F.scaled_dot_product_attention(
         q.view(batch, num_kv_heads, num_heads // num_kv_heads, dim),
         k.transpose(1, 2),
         v.transpose(1, 2),
-        attn_mask=visible[:, None, None, :],
+        attn_mask=meta.decode_mask,
     )  # [B, Hkv, group, D]
     return out.reshape(batch, num_heads, dim)
 

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
+
+import pytest
+import torch
+
 import kvwire
+from kvwire.bench import engine as bench_engine
 from kvwire.engine import EngineConfig, LLMEngine, SamplingParams
+from kvwire.engine.models import presets
 
 
 def test_llm_generate_tiny_returns_tokens_and_text() -> None:
@@ -26,3 +35,38 @@ def test_engine_streams_incremental_text() -> None:
             last = out
     assert last.finished and new_ids == last.token_ids and text == last.text
     assert engine.stats().kv_blocks_in_use == 0
+
+
+def test_bfloat16_and_device_initialised_presets_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The llama3-8b-random path (weights initialised on the device, in the target dtype) on small shapes.
+    small = dataclasses.replace(presets.PRESETS["tiny"], init_on_cpu=False)
+    monkeypatch.setitem(presets.PRESETS, "tiny-on-device", small)
+    llm = kvwire.LLM(model="tiny-on-device", dtype="bfloat16", num_kv_blocks=32)
+    assert llm.engine.runner.kv_caches[0].dtype == torch.bfloat16
+    [out] = llm.generate([[256, 65, 66]], kvwire.SamplingParams(max_tokens=6, ignore_eos=True))
+    assert len(out.token_ids) == 6 and all(0 <= t < 264 for t in out.token_ids)
+
+
+def test_llama3_8b_preset_has_llama3_shapes() -> None:
+    cfg = presets.PRESETS["llama3-8b-random"].config
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+        4096,
+        32,
+        32,
+        8,
+        128,
+    )
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "llama3"
+
+
+def test_bench_engine_runs_on_tiny(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    bench_engine.add_arguments(parser)
+    args = parser.parse_args(
+        ["--prompt-len", "40", "--decode-batch-sizes", "1,3", "--decode-steps", "2", "--repeats", "1",
+         "--num-requests", "2", "--output-len", "3", "--json"]
+    )  # fmt: skip
+    assert bench_engine.run(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [d["batch"] for d in result["decode"]] == [1, 3]
+    assert result["prefill"]["prompt_len"] == 40 and result["prefill"]["ratio"] > 0
