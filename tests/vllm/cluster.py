@@ -1,0 +1,194 @@
+"""Processes of the vLLM tier: vLLM API servers (with or without the kvwire plugin) and the router.
+
+Every process starts in its own session (process group); :meth:`Proc.stop` ends that group (vLLM's
+engine-core and worker children included): SIGTERM, then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+MAX_MODEL_LEN = 1024
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    def __init__(self, name: str, cmd: list[str], log_path: Path, env: dict[str, str]) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.popen = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill_hard(self) -> None:
+        """SIGKILL the whole process group at once (the 'machine died' case)."""
+        self._signal_group(signal.SIGKILL)
+        self.popen.wait(timeout=30)
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        if self.alive():
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self._signal_group(signal.SIGKILL)
+                self.popen.wait(timeout=30)
+        # Children of a stopped leader may linger in the group: end them too.
+        self._signal_group(signal.SIGKILL)
+        self._log.close()
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, sig)
+
+    def tail(self, num_bytes: int = 6000) -> str:
+        data = self.log_path.read_bytes()
+        return data[-num_bytes:].decode(errors="replace")
+
+
+def vllm_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def kv_transfer_config(role: str, extra: dict[str, Any], *, failure_policy: str = "recompute") -> str:
+    return json.dumps(
+        {
+            "kv_connector": "KvwireConnector",
+            "kv_connector_module_path": "kvwire.integrations.vllm",
+            "kv_role": role,
+            "kv_load_failure_policy": failure_policy,
+            "kv_connector_extra_config": extra,
+        }
+    )
+
+
+def start_vllm(name: str, model_dir: Path, port: int, log_dir: Path, kv_config: str | None) -> Proc:
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", "tiny",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
+        "--no-enable-prefix-caching", "--enforce-eager",
+    ]
+    if kv_config is not None:
+        cmd += ["--kv-transfer-config", kv_config]
+    return Proc(name, cmd, log_dir / f"{name}.log", vllm_env())
+
+
+def start_router(http_port: int, discovery_port: int, mode: str, log_dir: Path, kv_deadline_s: float) -> Proc:
+    cmd = [
+        sys.executable, "-m", "kvwire.cli", "router", "--host", "127.0.0.1", "--port", str(http_port),
+        "--discovery-host", "127.0.0.1", "--discovery-port", str(discovery_port), "--mode", mode,
+        "--kv-deadline-s", str(kv_deadline_s), "--instance-ttl-s", "5",
+    ]
+    return Proc(f"router-{mode}", cmd, log_dir / f"router-{mode}.log", dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def http_get(url: str, timeout_s: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return int(resp.status), resp.read()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read()
+
+
+def wait_until(check: Any, timeout_s: float, procs: list[Proc], what: str) -> None:
+    """Poll ``check()`` until true; fail at once if one of ``procs`` died (with its log tail)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for proc in procs:
+            if not proc.alive():
+                raise RuntimeError(f"{proc.name} exited while waiting for {what}:\n{proc.tail()}")
+        try:
+            if check():
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            tails = "\n".join(f"--- {p.name}\n{p.tail(3000)}" for p in procs)
+            raise TimeoutError(f"{what} not reached in {timeout_s:.0f} s\n{tails}")
+        time.sleep(0.5)
+
+
+def healthy(port: int) -> bool:
+    return http_get(f"http://127.0.0.1:{port}/health")[0] == 200
+
+
+def metric_total(port: int, name: str, labels: dict[str, str]) -> float:
+    """Sum of a Prometheus metric's samples on ``/metrics`` whose labels include ``labels``."""
+    _, body = http_get(f"http://127.0.0.1:{port}/metrics")
+    total = 0.0
+    for line in body.decode().splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        head, _, value = line.rpartition(" ")
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+KV_DEADLINE_S = 8.0
+STARTUP_TIMEOUT_S = 600.0
+
+
+@dataclasses.dataclass
+class Cluster:
+    model_dir: Path
+    log_dir: Path
+    router_port: int
+    discovery_port: int
+    p_port: int
+    d_port: int
+    ref_port: int
+    procs: dict[str, Proc]
+
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}"
+
+    def start_router(self, mode: str) -> None:
+        old = self.procs.pop("router", None)
+        if old is not None:
+            old.stop()
+        self.procs["router"] = start_router(
+            self.router_port, self.discovery_port, mode, self.log_dir, KV_DEADLINE_S
+        )
+        wait_until(
+            lambda: self.registered() == {"prefill", "decode"}, 60, [self.procs["router"]], "registration"
+        )
+
+    def registered(self) -> set[str]:
+        status, body = http_get(f"{self.router_url()}/instances")
+        if status != 200:
+            return set()
+        return {inst["role"] for inst in json.loads(body)}
