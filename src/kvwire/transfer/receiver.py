@@ -118,7 +118,7 @@ class Receiver:
         if st.specs is not None and not self._check_offer(st):
             return False
         self.maybe_complete(st)
-        return bool(st.held) and sink is not None and transfer_id in self.recvs
+        return bool(st.held) and st.sink is not None and transfer_id in self.recvs
 
     def take_layers(self, transfer_id: str) -> dict[int, torch.Tensor]:
         bufs = self.done_layers.pop(transfer_id, None)

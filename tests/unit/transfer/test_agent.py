@@ -1,0 +1,184 @@
+"""TransferAgent behaviour with two in-process agents on loopback (fast; multi-process cases live in
+tests/integration/test_transfer*.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from kvwire.errors import TransferError
+from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig, TransferEvents
+from kvwire.transfer.paged import KVLayout, block_ids_tensor, block_spans, gather_blocks
+
+Events = dict[str, dict[str, str]]
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[TransferAgent, TransferAgent]]:
+    with TransferAgent(TransferConfig()) as a, TransferAgent(TransferConfig()) as b:
+        yield a, b
+
+
+def poll_until(agent: TransferAgent, done: Callable[[Events], bool], timeout_s: float = 10.0) -> Events:
+    events: Events = {"sent": {}, "recvd": {}, "failed": {}}
+    deadline = time.monotonic() + timeout_s
+    while not done(events):
+        ev: TransferEvents = agent.poll()
+        for tid in ev.finished_sending:
+            assert tid not in events["sent"]
+            events["sent"][tid] = ""
+        for tid in ev.finished_recving:
+            assert tid not in events["recvd"]
+            events["recvd"][tid] = ""
+        for tid, reason in ev.failed.items():
+            assert tid not in events["failed"]
+            events["failed"][tid] = reason
+        assert time.monotonic() < deadline, f"timed out; events: {events}"
+        time.sleep(0.002)
+    return events
+
+
+def _layers(n: int = 3, dtype: torch.dtype = torch.float16) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(n)
+    return [torch.randn(2, 5, 7, generator=gen).to(dtype) for _ in range(n)]
+
+
+def _send(a: TransferAgent, tid: str, peer: str | None, layers: list[torch.Tensor], **kw: float) -> None:
+    a.start_send(tid, peer, [LayerSpec.of(t) for t in layers], **kw)  # type: ignore[arg-type]
+    for i, t in enumerate(layers):
+        a.send_layer(tid, i, t)
+
+
+CACHE_SHAPES = {
+    KVLayout.KV_FIRST: (2, 12, 4, 2, 8),
+    KVLayout.BLOCK_FIRST: (12, 2, 4, 2, 8),
+    KVLayout.MLA: (12, 4, 16),
+}
+
+
+@pytest.mark.parametrize("layout", list(KVLayout))
+@pytest.mark.parametrize("zero_copy_plane", [True, False])
+def test_paged_spans_transfer_is_bit_exact(
+    pair: tuple[TransferAgent, TransferAgent], layout: KVLayout, zero_copy_plane: bool
+) -> None:
+    a, b = pair
+    if not zero_copy_plane:  # a plane without span support: the agent gathers / scatters by copy
+        for agent in pair:
+            agent._core.plane.supports_spans = False  # type: ignore[misc]
+    src = [torch.randn(CACHE_SHAPES[layout]).to(torch.bfloat16) for _ in range(3)]
+    dst = [torch.zeros_like(t) for t in src]
+    src_ids, dst_ids = [5, 6, 7, 1, 11], [0, 3, 4, 9, 2]
+    payload = gather_blocks(src[0], block_ids_tensor(src_ids, "cpu"), layout)
+    b.expect("pg", num_layers=3, scatter_into=lambda i: block_spans(dst[i], dst_ids, layout))
+    a.start_send("pg", b.endpoint, [LayerSpec.of(payload)] * 3)
+    for i in (2, 0, 1):
+        a.send_layer_spans("pg", i, block_spans(src[i], src_ids, layout))
+    poll_until(b, lambda ev: "pg" in ev["recvd"])
+    poll_until(a, lambda ev: "pg" in ev["sent"])
+    for s, d in zip(src, dst, strict=True):
+        want = gather_blocks(s, block_ids_tensor(src_ids, "cpu"), layout)
+        assert torch.equal(
+            gather_blocks(d, block_ids_tensor(dst_ids, "cpu"), layout).view(torch.int16),
+            want.view(torch.int16),
+        )
+    assert b.stats().budget_bytes_in_use == 0
+
+
+def test_scatter_into_after_data_arrived_copies_buffered_layers(
+    pair: tuple[TransferAgent, TransferAgent],
+) -> None:
+    a, b = pair
+    src = torch.randn(2, 8, 4, 2, 8)
+    dst = torch.zeros_like(src)
+    ids = [1, 4, 6]
+    payload = gather_blocks(src, block_ids_tensor(ids, "cpu"), KVLayout.KV_FIRST)
+    _send(a, "late", b.endpoint, [payload])
+    poll_until(a, lambda ev: "late" in ev["sent"])  # acknowledged while buffered, before expect
+    b.expect("late", num_layers=1, scatter_into=lambda i: block_spans(dst, ids, KVLayout.KV_FIRST))
+    poll_until(b, lambda ev: "late" in ev["recvd"])
+    assert torch.equal(gather_blocks(dst, block_ids_tensor(ids, "cpu"), KVLayout.KV_FIRST), payload)
+
+
+def test_layer_count_mismatch_fails_both_sides(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    a, b = pair
+    b.expect("mm", num_layers=2)
+    _send(a, "mm", b.endpoint, _layers(3))
+    assert poll_until(b, lambda ev: "mm" in ev["failed"])["failed"]["mm"].startswith("mismatch")
+    assert poll_until(a, lambda ev: "mm" in ev["failed"])["failed"]["mm"].startswith("peer_aborted: mismatch")
+
+
+def test_sink_error_fails_the_transfer_not_the_agent(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    a, b = pair
+
+    def bad_sink(index: int, tensor: torch.Tensor) -> None:
+        raise RuntimeError("no room")
+
+    b.expect("sink", num_layers=3, sink=bad_sink)
+    _send(a, "sink", b.endpoint, _layers())
+    assert "no room" in poll_until(b, lambda ev: "sink" in ev["failed"])["failed"]["sink"]
+    poll_until(a, lambda ev: "sink" in ev["failed"])
+    b.expect("fine", num_layers=3)  # the agent keeps working
+    _send(a, "fine", b.endpoint, _layers())
+    poll_until(b, lambda ev: "fine" in ev["recvd"])
+    assert len(b.take_layers("fine")) == 3
+    with pytest.raises(TransferError):
+        b.take_layers("fine")  # once
+
+
+def test_api_misuse_raises_typed_errors(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    a, b = pair
+    layers = _layers()
+    a.start_send("x", b.endpoint, [LayerSpec.of(t) for t in layers])
+    with pytest.raises(TransferError):
+        a.start_send("x", b.endpoint, [LayerSpec.of(t) for t in layers])
+    with pytest.raises(TransferError, match="announced"):
+        a.send_layer("x", 0, torch.zeros(3))
+    with pytest.raises(TransferError, match="out of range"):
+        a.send_layer("x", 5, layers[0])
+    with pytest.raises(TransferError, match="unknown transfer"):
+        a.send_layer("never-started", 0, layers[0])
+    with pytest.raises(TransferError, match="trailer"):
+        a.send_trailer("x", b"no trailer announced")
+    a.abort("x")
+    a.send_layer("x", 0, layers[0])  # ended transfers ignore late layers (the failure was reported)
+    assert a.poll().failed == {"x": "aborted"}
+    assert not a.poll()  # each event once
+
+
+def test_pull_that_overtakes_start_send_is_held(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    a, b = pair
+    b.expect("early-pull", num_layers=3, pull_from=a.endpoint)
+    deadline = time.monotonic() + 10
+    while "early-pull" not in a._sender.pending_pulls:  # the Pull arrived before start_send
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    _send(a, "early-pull", None, _layers())
+    poll_until(b, lambda ev: "early-pull" in ev["recvd"])
+    assert all(
+        torch.equal(x, y) for x, y in zip(b.take_layers("early-pull").values(), _layers(), strict=True)
+    )
+
+
+def test_unpulled_lease_expires(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    a, _ = pair
+    _send(a, "lease", None, _layers(), deadline_s=0.2)
+    assert poll_until(a, lambda ev: "lease" in ev["failed"])["failed"]["lease"] == "deadline: not pulled"
+
+
+def test_stats_count_transfers_and_bytes(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    a, b = pair
+    layers = _layers()
+    b.expect("st", num_layers=3)
+    _send(a, "st", b.endpoint, layers)
+    poll_until(a, lambda ev: "st" in ev["sent"])
+    poll_until(b, lambda ev: "st" in ev["recvd"])
+    total = sum(t.numel() * t.element_size() for t in layers)
+    sa, sb = a.stats(), b.stats()
+    assert (sa.sends_started, sa.sends_completed, sa.bytes_sent) == (1, 1, total)
+    assert (sb.recvs_started, sb.recvs_completed, sb.bytes_received) == (1, 1, total)
+    assert sb.budget_bytes_in_use == total  # held until take_layers
+    b.take_layers("st")
+    assert b.stats().budget_bytes_in_use == 0
