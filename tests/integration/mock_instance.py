@@ -281,8 +281,8 @@ class RouterThread:
         self.url = self.server.url
         self.discovery = self.server.discovery_address
 
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(), self._loop).result(timeout=20)
+    def close(self, grace_s: float = 3.0) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(grace_s), self._loop).result(timeout=20)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -125,3 +126,22 @@ def test_secret_enforced_and_malformed_dropped(router_and_mocks: Any) -> None:
     assert 'kvwire_router_discovery_dropped_total{reason="malformed"} 1.0' in metrics
     assert 'kvwire_router_instances{role="both",state="alive"} 1.0' in metrics
     assert wrong.proc.poll() is None and good.proc.poll() is None
+
+
+def test_router_stop_cancels_requests_in_flight() -> None:
+    router = RouterThread(router_config())
+    mock = MockProcess(router.discovery, "m0", "--interval-s", str(INTERVAL_S))
+    try:
+        wait_for(lambda: "m0" in live_ids(router), 10, "m0 live")
+        host, port = router.url.removeprefix("http://").split(":")
+        data = json.dumps({"prompt": "hang", "stream": True}).encode()
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n\r\n"
+            sock.sendall(head.encode() + data)
+            wait_for(lambda: len(mock.stats()["requests"]) == 1, 10, "request in flight")
+            t0 = time.monotonic()
+            router.close(grace_s=0.5)
+            assert time.monotonic() - t0 < 5  # 0.5 s grace, then in-flight handlers are cancelled
+            wait_for(lambda: len(mock.stats()["disconnects"]) == 1, 10, "upstream request aborted")
+    finally:
+        mock.kill()

@@ -30,6 +30,7 @@ from kvwire.router.upstream import Upstream, UpstreamFailure
 
 log = logging.getLogger(__name__)
 
+STOP_GRACE_S = 3.0  # how long stop() lets requests in flight finish before cancelling them
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 
@@ -63,6 +64,8 @@ class RouterServer:
         self._runner: web.AppRunner | None = None
         self._upstream: Upstream | None = None
         self._dispatcher: Dispatcher | None = None
+        self._site: web.SockSite | None = None
+        self._active: set[asyncio.Task[Any]] = set()  # handlers in flight (cancelled on stop)
         self.port = 0
 
     @property
@@ -80,17 +83,30 @@ class RouterServer:
             self.registry, self.metrics, self.cfg.connect_timeout_s, self.cfg.upstream_timeout_s
         )
         self._dispatcher = Dispatcher(self.cfg, self.selector, self._upstream, self.metrics)
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        )
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET6 if ":" in self.cfg.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.cfg.host, self.cfg.port))
         self.port = sock.getsockname()[1]
-        await web.SockSite(self._runner, sock, backlog=1024).start()
+        self._site = web.SockSite(self._runner, sock, backlog=1024)
+        await self._site.start()
         log.info("router on %s, discovery on %s, policy %s, mode %s", self.url, self.discovery_address,
                  self.cfg.policy.value, self.cfg.mode.value)
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Stop listening, give requests in flight ``grace_s`` to finish, cancel the rest (which closes
+        their upstream connections, so the instances abort them), then stop every thread."""
+        if self._site is not None:
+            await self._site.stop()
+        if self._active:
+            await asyncio.wait(set(self._active), timeout=grace_s)
+            for task in set(self._active):
+                task.cancel()
+            if self._active:
+                await asyncio.wait(set(self._active), timeout=5.0)
         if self._dispatcher is not None:
             await self._dispatcher.close()
         if self._runner is not None:
@@ -116,6 +132,9 @@ class RouterServer:
         t0 = time.perf_counter()
         outcome, stream = "error", False
         self.metrics.inflight.inc()
+        task = asyncio.current_task()
+        if task is not None:
+            self._active.add(task)
         try:
             creq = parse_client_request(path, await self._read_body(request), request.headers)
             creq.t0, stream = t0, creq.stream
@@ -141,6 +160,7 @@ class RouterServer:
             outcome = "client_disconnected"
             raise
         finally:
+            self._active.discard(task)
             self.metrics.inflight.dec()
             self.metrics.requests.labels(endpoint=path, outcome=outcome).inc()
             if outcome == "ok":
