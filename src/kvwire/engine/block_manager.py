@@ -39,22 +39,25 @@ class BlockManager:
 
     # --- prefix cache ---------------------------------------------------------------------------
 
-    def block_hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
-        """Chained hashes of the full blocks of ``token_ids``."""
-        hashes: list[BlockHash] = []
-        parent: BlockHash = 0
-        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
+    def block_hashes(
+        self, token_ids: Sequence[int], num_tokens: int, memo: list[BlockHash] | None = None
+    ) -> list[BlockHash]:
+        """Chained hashes of the full blocks of ``token_ids[:num_tokens]``. ``memo`` (a request's
+        list, extended in place) keeps earlier blocks' hashes so each block is hashed once."""
+        hashes = [] if memo is None else memo
+        parent = hashes[-1] if hashes else 0
+        for start in range(len(hashes) * self.block_size, num_tokens - self.block_size + 1, self.block_size):
             parent = hash((parent, tuple(token_ids[start : start + self.block_size])))
             hashes.append(parent)
-        return hashes
+        return hashes[: max(num_tokens, 0) // self.block_size]
 
-    def find_cached_blocks(self, token_ids: Sequence[int]) -> list[int]:
+    def find_cached_blocks(self, token_ids: Sequence[int], memo: list[BlockHash] | None = None) -> list[int]:
         """Longest run of cached blocks that prefixes ``token_ids``, leaving at least one token to
         compute (the step that computes it samples the next token). Takes no references."""
         if not self.enable_prefix_caching:
             return []
         found: list[int] = []
-        for block_hash in self.block_hashes(token_ids[: max(len(token_ids) - 1, 0)]):
+        for block_hash in self.block_hashes(token_ids, len(token_ids) - 1, memo):
             block = self._block_of_hash.get(block_hash)
             if block is None:
                 break
@@ -62,16 +65,18 @@ class BlockManager:
         return found
 
     def cache_blocks(
-        self, token_ids: Sequence[int], block_ids: Sequence[int], num_computed_tokens: int
+        self,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        num_computed_tokens: int,
+        memo: list[BlockHash] | None = None,
     ) -> None:
         """Register the request's full, computed blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        hashes = self.block_hashes(token_ids[:num_computed_tokens])
+        hashes = self.block_hashes(token_ids, num_computed_tokens, memo)
         for block, block_hash in zip(block_ids, hashes, strict=False):
-            if block in self._hash_of_block:
-                continue
-            if block_hash not in self._block_of_hash:
+            if block not in self._hash_of_block and block_hash not in self._block_of_hash:
                 self._block_of_hash[block_hash] = block
                 self._hash_of_block[block] = block_hash
 

@@ -61,6 +61,7 @@ class Request:
         self._all_token_ids = list(prompt_token_ids)  # prompt + output, kept in step by append_token
         self.status = RequestStatus.WAITING
         self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # prefix-cache hashes of full blocks (memo, see BlockManager)
         self.num_computed_tokens = 0  # tokens of all_token_ids whose KV is in block_ids
         self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache or a remote instance
         self.asked_connector = False  # the connector is asked until the request gets its blocks, then never

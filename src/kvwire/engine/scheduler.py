@@ -131,7 +131,7 @@ class Scheduler:
         cached: list[int] = []
         num_external, load_async = 0, False
         if not req.block_ids:  # new or preempted: look for its prefix locally, then remotely
-            cached = self.blocks.find_cached_blocks(req.all_token_ids)
+            cached = self.blocks.find_cached_blocks(req.all_token_ids, req.block_hashes)
             req.num_computed_tokens = len(cached) * self.blocks.block_size
             if not req.asked_connector:
                 num_external, load_async = self.connector.get_num_new_matched_tokens(
@@ -172,7 +172,9 @@ class Scheduler:
         for item in scheduled:
             req = item.request
             req.num_computed_tokens += item.num_new_tokens
-            self.blocks.cache_blocks(req.all_token_ids, req.block_ids, req.num_computed_tokens)
+            self.blocks.cache_blocks(
+                req.all_token_ids, req.block_ids, req.num_computed_tokens, req.block_hashes
+            )
 
     def finish(self, req: Request, status: RequestStatus) -> dict[str, Any] | None:
         """End a request in any state. Returns the connector's kv_transfer_params for the client."""
@@ -232,7 +234,7 @@ class Scheduler:
             first_token = self.connector.take_first_token(req.request_id)
             if first_token is None:
                 req.num_computed_tokens -= 1  # recompute the last prompt token to sample the first
-        self.blocks.cache_blocks(req.all_token_ids, req.block_ids, req.num_computed_tokens)
+        self.blocks.cache_blocks(req.all_token_ids, req.block_ids, req.num_computed_tokens, req.block_hashes)
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         if first_token is not None:

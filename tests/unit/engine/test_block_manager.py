@@ -47,3 +47,12 @@ def test_prefix_caching_can_be_disabled() -> None:
     blocks = bm.allocate(2)
     bm.cache_blocks([1, 2, 3, 4], blocks, 4)
     assert bm.find_cached_blocks([1, 2, 3, 4, 5]) == []
+
+
+def test_hash_memo_gives_the_same_hashes_incrementally() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    tokens = list(range(30))
+    memo: list[int] = []
+    for n in (3, 9, 17, 30):
+        assert bm.block_hashes(tokens, n, memo) == bm.block_hashes(tokens, n)
+    assert bm.block_hashes(tokens, 8, memo) == bm.block_hashes(tokens, 8)  # shorter than the memo
