@@ -67,14 +67,7 @@ class _DiscoveryCollector(Collector):
         self._dropped = dropped
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        gauge = GaugeMetricFamily("kvwire_router_instances", "Known instances by role and state",
-                                  labels=["role", "state"])
-        counts = {(role, state): 0 for role in InstanceRole for state in InstanceState}
-        for view in self._registry.snapshot():
-            counts[(view.role, view.state)] += 1
-        for (role, state), n in counts.items():
-            gauge.add_metric([role.value, state.value], n)
-        yield gauge
+        yield self._instances()
         recv = CounterMetricFamily(
             "kvwire_router_discovery_messages", "Discovery messages applied, by result", labels=["result"]
         )
@@ -89,6 +82,17 @@ class _DiscoveryCollector(Collector):
         for reason, n in sorted(self._dropped().items()):
             drop.add_metric([reason], n)
         yield drop
+
+    def _instances(self) -> GaugeMetricFamily:
+        gauge = GaugeMetricFamily(
+            "kvwire_router_instances", "Known instances by role and state", labels=["role", "state"]
+        )
+        counts = {(role, state): 0 for role in InstanceRole for state in InstanceState}
+        for view in self._registry.snapshot():
+            counts[(view.role, view.state)] += 1
+        for (role, state), n in counts.items():
+            gauge.add_metric([role.value, state.value], n)
+        return gauge
 
 
 class _Delta(msgspec.Struct):
