@@ -6,8 +6,10 @@ before and after), to keep process start-ups off this 2-core box.
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -305,3 +307,32 @@ def test_refused_connection_is_retried_and_marked_out(cluster: Any) -> None:
     finally:
         push.close(linger=0)
         ctx.term()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_first_token_from_prefill_streamed_at_once(cluster: Any, path: str) -> None:
+    c = cluster(_pd_specs(), mode=TransferMode.PUSH, stream_first_token_from_prefill=True)
+    chat = path.endswith("chat/completions")
+    body: dict[str, Any] = {"max_tokens": 4, "stream": True}
+    prompt = "decode.delay"  # D answers 0.3 s late: P's token must reach the client before
+    body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
+    host, port = c.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=20)
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        events: list[tuple[float, bytes]] = []
+        for line in resp:
+            if line.startswith(b"data: "):
+                events.append((time.monotonic(), line[6:].strip()))
+    finally:
+        conn.close()
+    assert events[-1][1] == b"[DONE]"
+    chunks = [json.loads(data)["choices"][0] for _, data in events[:-1]]
+    pieces = [ch["delta"].get("content", "") if chat else ch["text"] for ch in chunks]
+    assert "".join(pieces) == " t0 t1 t2 t3"
+    first_token = next(i for i, p in enumerate(pieces) if p)
+    assert pieces[first_token] == " t0" and chunks[-1]["finish_reason"] == "length"
+    # P's token went out well before D's first event (D was 0.3 s late).
+    assert events[first_token + 1][0] - events[first_token][0] > 0.15

@@ -32,6 +32,9 @@ class RouterConfig:
     kv_deadline_s: float = 30.0  # deadline_s put in kv_transfer_params
     max_connect_retries: int = 2  # re-dispatches when an upstream refuses the connection
     seed: int | None = None  # for the random policy (tests)
+    # Push mode, streaming: send P's first token to the client as soon as P answers, and trim it off
+    # the start of D's stream (D's text must start with it; greedy decoding guarantees that).
+    stream_first_token_from_prefill: bool = False
 
     def __post_init__(self) -> None:
         for name in ("port", "discovery_port"):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -29,11 +28,13 @@ from aiohttp import web
 from kvwire.discovery.messages import InstanceRole
 from kvwire.errors import InvalidRequestError
 from kvwire.kv_params import KVTransferParams, PDRole, TransferMode
+from kvwire.router.client_stream import ClientStream
 from kvwire.router.config import RouterConfig
-from kvwire.router.metrics import RouterMetrics, SSETokenMeter
+from kvwire.router.metrics import RouterMetrics
 from kvwire.router.registry import InstanceView
 from kvwire.router.request import ClientRequest
 from kvwire.router.selection import Plan, Selector
+from kvwire.router.splice import FirstTokenSplicer
 from kvwire.router.upstream import BODY_ERRORS, Upstream, UpstreamFailure
 
 log = logging.getLogger(__name__)
@@ -116,48 +117,30 @@ class Dispatcher:
     async def _relay(
         self, request: web.Request, creq: ClientRequest, inst: InstanceView,
         resp: aiohttp.ClientResponse, first: bytes, mode: str,
+        out: ClientStream | None = None, splicer: FirstTokenSplicer | None = None,
     ) -> web.StreamResponse:
-        """Forward an SSE stream byte for byte, timing generated-token events."""
-        ctype = resp.headers.get("Content-Type", "text/event-stream")
-        headers = {"Content-Type": ctype, "Cache-Control": "no-cache"}
-        out = web.StreamResponse(status=resp.status, headers=headers)
-        meter = SSETokenMeter()
-        last: float | None = None
+        """Forward an SSE stream (byte for byte unless ``splicer`` trims P's token off its start)."""
         try:
-            await out.prepare(request)
+            if out is None:
+                ctype = resp.headers.get("Content-Type", "text/event-stream")
+                out = await ClientStream(request, creq, self._metrics, mode, status=resp.status,
+                                         content_type=ctype).open()
             chunk = first
             while chunk:
-                await out.write(chunk)
-                n = meter.feed(chunk)
-                if n:
-                    now = time.perf_counter()
-                    if last is None:
-                        self._metrics.ttft.labels(mode=mode).observe(now - creq.t0)
-                    else:
-                        self._metrics.itl.labels(mode=mode).observe(now - last)
-                    for _ in range(n - 1):
-                        self._metrics.itl.labels(mode=mode).observe(0.0)
-                    last = now
+                await out.write(splicer.filter(chunk) if splicer is not None else chunk)
                 chunk = await resp.content.readany()
+            if splicer is not None:
+                await out.write(splicer.flush())
         except (*BODY_ERRORS, asyncio.TimeoutError) as exc:
-            await self._stream_broke(out, creq, inst, exc)
+            assert out is not None
+            failure = self._upstream.lost(inst, inst.role.value, exc)
+            await out.error_event(f"failed mid-stream: {failure}", failure.status)
         finally:
             if resp.content.at_eof():
                 resp.release()  # keep the connection for the next request
             else:
                 resp.close()  # drop the connection so that the instance aborts the request
-        await out.write_eof()
-        return out
-
-    async def _stream_broke(
-        self, out: web.StreamResponse, creq: ClientRequest, inst: InstanceView, exc: BaseException
-    ) -> None:
-        # Headers are gone already: report the failure in-band, as an OpenAI-style error event.
-        creq.outcome = "upstream_error"
-        failure = self._upstream.lost(inst, inst.role.value, exc)
-        message = f"failed mid-stream: {failure}"
-        event = {"error": {"message": message, "type": "upstream_error", "code": failure.status}}
-        await out.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
+        return await out.close()
 
     # --- P/D ------------------------------------------------------------------------------------
 
@@ -183,8 +166,11 @@ class Dispatcher:
             p_task = asyncio.create_task(self._call(p, "prefill", creq, p_body, stream=False))
             d_task = asyncio.create_task(self._call(d, "decode", creq, d_body, stream=creq.stream))
             try:
-                opened = await self._race(p_task, d_task)
-                response = await self._respond(request, creq, d, opened, "pd")
+                if creq.stream and self._cfg.stream_first_token_from_prefill:
+                    response = await self._push_early(request, creq, d, p_task, d_task)
+                else:
+                    opened = await self._race(p_task, d_task)
+                    response = await self._respond(request, creq, d, opened, "pd")
             except BaseException:
                 for task in (p_task, d_task):
                     task.cancel()
@@ -193,6 +179,27 @@ class Dispatcher:
                 raise
         self._finish_in_background(p_task, tid)
         return response
+
+    async def _push_early(
+        self, request: web.Request, creq: ClientRequest, d: InstanceView,
+        p_task: asyncio.Task[Opened], d_task: asyncio.Task[Opened],
+    ) -> web.StreamResponse:
+        """Streaming push where P's answer, if it comes before D's first bytes, is streamed at once."""
+        await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+        splicer = None
+        if not d_task.done() and p_task.exception() is None:
+            chat = creq.path.endswith("/chat/completions")
+            splicer = FirstTokenSplicer.from_prefill(p_task.result()[1], chat)
+        if splicer is None:
+            return await self._respond(request, creq, d, await self._race(p_task, d_task), "pd")
+        out = await ClientStream(request, creq, self._metrics, "pd").open()
+        await out.write(splicer.early_events())
+        try:
+            resp, first = await d_task
+        except UpstreamFailure as exc:
+            await out.error_event(str(exc), exc.status)
+            return await out.close()
+        return await self._relay(request, creq, d, resp, first, "pd", out=out, splicer=splicer)
 
     def _push_params(self, tid: str, role: PDRole, peer: InstanceView) -> KVTransferParams:
         return KVTransferParams(

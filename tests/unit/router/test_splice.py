@@ -1,0 +1,83 @@
+"""FirstTokenSplicer: P's first token streamed early, then trimmed off D's stream."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvwire.router.splice import FirstTokenSplicer
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+
+def texts(stream: bytes, chat: bool) -> list[str]:
+    out = []
+    for event in stream.split(b"\n\n"):
+        if event.startswith(b"data: {"):
+            choice = json.loads(event[6:])["choices"][0]
+            out.append(choice["delta"].get("content", "") if chat else choice["text"])
+    return out
+
+
+def p_answer(text: str, chat: bool) -> bytes:
+    choice = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+    return json.dumps({"id": "cmpl-p", "created": 1, "model": "m", "choices": [choice]}).encode()
+
+
+def d_stream(pieces: list[str], chat: bool) -> bytes:
+    events = [sse({"choices": [{"delta": {"role": "assistant", "content": ""}}]})] if chat else []
+    for i, piece in enumerate(pieces):
+        fin = "length" if i == len(pieces) - 1 else None
+        choice = {"delta": {"content": piece}} if chat else {"text": piece}
+        events.append(sse({"id": "cmpl-d", "choices": [dict(choice, finish_reason=fin)]}))
+    return b"".join(events) + b"data: [DONE]\n\n"
+
+
+def run(splicer: FirstTokenSplicer, stream: bytes, step: int) -> bytes:
+    out = b"".join(splicer.filter(stream[i:i + step]) for i in range(0, len(stream), step))
+    return out + splicer.flush()
+
+
+def test_completion_stream_spliced_across_chunk_boundaries() -> None:
+    for step in (1, 7, 10_000):
+        sp = FirstTokenSplicer.from_prefill(p_answer(" Hello", False), chat=False)
+        assert sp is not None
+        early = sp.early_events()
+        rest = run(sp, d_stream([" Hello", " world", "!"], False), step)
+        assert texts(early, False) + texts(rest, False) == [" Hello", " world", "!"]
+        assert rest.endswith(b"data: [DONE]\n\n")
+
+
+def test_chat_role_chunk_sent_once_and_merged_tokens_trimmed() -> None:
+    sp = FirstTokenSplicer.from_prefill(p_answer("Hi", True), chat=True)
+    assert sp is not None
+    early = sp.early_events()
+    rest = run(sp, d_stream(["Hi there", " you"], True), 5)  # D merged tokens 1 and 2 in one event
+    assert texts(early, True) == ["", "Hi"]  # role chunk, then P's token
+    assert texts(rest, True) == [" there", " you"]
+    assert b'"role"' not in rest
+
+
+def test_finish_event_kept_when_the_only_token_is_p_s() -> None:
+    sp = FirstTokenSplicer.from_prefill(p_answer("x", False), chat=False)
+    assert sp is not None
+    rest = run(sp, d_stream(["x"], False), 3)
+    events = [json.loads(e[6:]) for e in rest.split(b"\n\n") if e.startswith(b"data: {")]
+    assert [e["choices"][0]["text"] for e in events] == [""]
+    assert events[0]["choices"][0]["finish_reason"] == "length"
+
+
+def test_mismatch_stops_splicing_and_passes_through() -> None:
+    sp = FirstTokenSplicer.from_prefill(p_answer(" A", False), chat=False)
+    assert sp is not None
+    stream = d_stream([" B", " C"], False)
+    assert run(sp, stream, 4) == stream
+
+
+def test_no_splicer_for_empty_or_odd_answers() -> None:
+    assert FirstTokenSplicer.from_prefill(p_answer("", False), chat=False) is None
+    assert FirstTokenSplicer.from_prefill(b"not json", chat=False) is None
+    two = json.dumps({"choices": [{"text": "a"}, {"text": "b"}]}).encode()
+    assert FirstTokenSplicer.from_prefill(two, chat=False) is None
