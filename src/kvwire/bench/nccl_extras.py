@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from kvwire.bench import nccl_harness as h
 from kvwire.bench.nccl_workers import LAYOUT, KvwireSide, barrier, ceiling, summarize
-from kvwire.transfer.cuda_paged import gather_layers, scatter_layers, triton_available
+from kvwire.transfer.cuda_paged import PagedLayers, triton_available
 from kvwire.transfer.nccl_lib import CommConfig
 from kvwire.transfer.paged import gather_blocks, scatter_blocks
 from kvwire.transfer.types import SendItem
@@ -64,13 +64,14 @@ def overlap(
     conn: Connection, side: KvwireSide, cache: list[torch.Tensor], ids: torch.Tensor, tokens: int, iters: int
 ) -> dict[str, Any] | None:
     """Rank 0 runs the forward and saves each layer as it completes; rank 1 receives + scatters."""
+    paged = PagedLayers(cache, LAYOUT)
     slab = torch.empty(
         (len(cache), 2, ids.numel(), *cache[0].shape[2:]), dtype=torch.bfloat16, device=ids.device
     )
     if side.rank == 1:
         for _ in range(iters + 1):
             barrier(conn, 1)
-            side.recv_transfer(conn, cache, ids, slab)
+            side.recv_transfer(conn, paged, ids, slab)
             conn.send(time.perf_counter())
         return None
     fwd = SyntheticForward(tokens, ids.device)
@@ -90,7 +91,7 @@ def overlap(
         def save(layer: int, written: torch.cuda.Event, tid: str = tid) -> None:
             side.gather_stream.wait_event(written)
             with torch.cuda.stream(side.gather_stream):
-                gather_layers([cache[layer]], ids, LAYOUT, out=slab[layer : layer + 1])
+                paged.gather(ids, slab[layer : layer + 1], layer, layer + 1)
                 ready = torch.cuda.Event()
                 ready.record(side.gather_stream)
             side.plane.send(side.peer, [SendItem(tid, layer, slab[layer], ready)])
@@ -125,7 +126,7 @@ def comm_memory(
     for bound in max_ctas:
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
-        comm = h.raw_comm(conn, rank, CommConfig(max_ctas=bound))
+        comm = h.raw_comm(conn, rank, CommConfig(max_ctas=bound, blocking=True))
         if rank == 0:
             comm.send(small.data_ptr(), small.numel(), 1, stream.cuda_stream)
         else:
@@ -167,14 +168,15 @@ def gather_scatter(cache: list[torch.Tensor], ids: torch.Tensor, tokens: int) ->
         (len(cache), 2, ids.numel(), *cache[0].shape[2:]), dtype=torch.bfloat16, device=ids.device
     )
     ref = torch.stack([gather_blocks(layer, ids, LAYOUT) for layer in cache])
-    gather_layers(cache, ids, LAYOUT, out=slab)
+    paged = PagedLayers(cache, LAYOUT)
+    paged.gather(ids, slab)
     exact = bool(torch.equal(slab.view(torch.int16), ref.view(torch.int16)))
     moved = 2 * slab.numel() * 2  # read + write
-    one = _time_ms(lambda: gather_layers(cache, ids, LAYOUT, out=slab))
+    one = _time_ms(lambda: paged.gather(ids, slab))
     per_layer = _time_ms(
         lambda: [gather_blocks(layer, ids, LAYOUT, out=slab[i]) for i, layer in enumerate(cache)]
     )
-    one_s = _time_ms(lambda: scatter_layers(cache, ids, slab, LAYOUT))
+    one_s = _time_ms(lambda: paged.scatter(ids, slab))
     per_layer_s = _time_ms(lambda: _scatter_each(cache, ids, slab))
 
     def gbps(ms: float) -> float:

@@ -180,7 +180,7 @@ def raw_comm(
         conn.send(uid)
     else:
         uid = conn.recv()
-    return NcclComm.create(uid, rank, 2, config or CommConfig(), time.monotonic() + timeout_s)
+    return NcclComm.create(uid, rank, 2, config or CommConfig(blocking=True), time.monotonic() + timeout_s)
 
 
 def wait_stream(stream: torch.cuda.Stream, comm: NcclComm, timeout_s: float = 60.0) -> None:

@@ -10,6 +10,7 @@ import torch
 from kvwire.bench import nccl_extras as extras
 from kvwire.bench import nccl_harness as h
 from kvwire.bench import nccl_workers as w
+from kvwire.transfer.cuda_paged import PagedLayers
 from kvwire.transfer.nccl import NcclPlaneConfig
 from kvwire.transfer.nccl_lib import load_nccl
 
@@ -35,10 +36,11 @@ def _size_row(
         w.poison(cache, ids)
     w.reference(conn, rank, comm, cache, ids, 1)
     b_ok = w.verify(conn, rank, comm, cache, ids)
-    c = w.kvwire_path(conn, side, cache, ids, WARMUP + iters)[WARMUP:]
+    paged = PagedLayers(cache, w.LAYOUT)
+    c = w.kvwire_path(conn, side, paged, ids, WARMUP + iters)[WARMUP:]
     if rank == 1:
         w.poison(cache, ids)
-    w.kvwire_path(conn, side, cache, ids, 1)
+    w.kvwire_path(conn, side, paged, ids, 1)
     c_ok = w.verify(conn, rank, comm, cache, ids)
     if rank == 1:
         return {}
@@ -75,7 +77,7 @@ def _sweep(
         )
         for tokens in [t for t in opts["tokens"] if t <= 2048]:
             ids = w.block_ids(shape, tokens, cache[0].device, seed=1000 * tokens + rank)
-            samples = w.kvwire_path(conn, side, cache, ids, WARMUP + 10)[WARMUP:]
+            samples = w.kvwire_path(conn, side, PagedLayers(cache, w.LAYOUT), ids, WARMUP + 10)[WARMUP:]
             if rank == 0:
                 num_bytes = shape.layers * shape.layer_bytes(tokens)
                 row = {"chunk_mib": chunk_mib, "tokens": tokens, **w.summarize(samples, num_bytes)}

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from kvwire.bench import nccl_harness as h
-from kvwire.transfer.cuda_paged import gather_layers, scatter_layers
+from kvwire.transfer.cuda_paged import PagedLayers
 from kvwire.transfer.nccl_lib import NcclComm
 from kvwire.transfer.paged import KVLayout, gather_blocks, scatter_blocks
 
@@ -139,18 +139,16 @@ class KvwireSide:
         return [range(s, min(s + per, num_layers)) for s in range(0, num_layers, per)]
 
     def send_transfer(
-        self, conn: Connection, cache: list[torch.Tensor], ids: torch.Tensor, slab: torch.Tensor
+        self, conn: Connection, paged: PagedLayers, ids: torch.Tensor, slab: torch.Tensor
     ) -> str:
         """Rank 0: offer, gather group by group (one launch each), hand layers to the plane."""
         tid = f"t{self.seq}"
         self.seq += 1
         conn.send(("offer", tid))
         self.gather_stream.wait_stream(torch.cuda.current_stream())
-        for group in self.groups(len(cache), slab[0].numel() * 2):
+        for group in self.groups(len(paged.layers), slab[0].numel() * 2):
             with torch.cuda.stream(self.gather_stream):
-                gather_layers(
-                    cache[group.start : group.stop], ids, LAYOUT, out=slab[group.start : group.stop]
-                )
+                paged.gather(ids, slab[group.start : group.stop], group.start, group.stop)
                 ready = torch.cuda.Event()
                 ready.record(self.gather_stream)
             h.send_layers(
@@ -165,29 +163,30 @@ class KvwireSide:
         return tid
 
     def recv_transfer(
-        self, conn: Connection, cache: list[torch.Tensor], ids: torch.Tensor, slab: torch.Tensor
+        self, conn: Connection, paged: PagedLayers, ids: torch.Tensor, slab: torch.Tensor
     ) -> None:
         """Rank 1: post every layer (back to back in ``slab``), grant, scatter each group on arrival."""
         _, tid = conn.recv()
-        groups = self.groups(len(cache), slab[0].numel() * 2)
+        num_layers = len(paged.layers)
+        groups = self.groups(num_layers, slab[0].numel() * 2)
         group_of = {layer: g for g, group in enumerate(groups) for layer in group}
         left = [len(group) for group in groups]
         done: list[torch.cuda.Event] = []
 
-        def on_layer(transfer_id: str, layer: int) -> None:  # completer thread, recv stream current
+        def on_layer(transfer_id: str, layer: int) -> None:  # completer thread, delivery stream current
             g = group_of[layer]
             left[g] -= 1
             if left[g] == 0:
                 group = groups[g]
-                scatter_layers(cache[group.start : group.stop], ids, slab[group.start : group.stop], LAYOUT)
+                paged.scatter(ids, slab[group.start : group.stop], group.start, group.stop)
                 event = torch.cuda.Event()
                 event.record()
                 done.append(event)
 
         self.rec.on_layer = on_layer
-        sizes = [slab[0].numel() * 2] * len(cache)
+        sizes = [slab[0].numel() * 2] * num_layers
         conn.send(h.post_layers(self.plane, self.peer, tid, sizes, slab.view(-1).view(torch.uint8)))
-        self.rec.wait_received(tid, len(cache))
+        self.rec.wait_received(tid, num_layers)
         for event in done:
             event.synchronize()
         self.rec.on_layer = None
@@ -197,21 +196,20 @@ class KvwireSide:
 
 
 def kvwire_path(
-    conn: Connection, side: KvwireSide, cache: list[torch.Tensor], ids: torch.Tensor, iters: int
+    conn: Connection, side: KvwireSide, paged: PagedLayers, ids: torch.Tensor, iters: int
 ) -> list[float]:
-    slab = torch.empty(
-        (len(cache), 2, ids.numel(), *cache[0].shape[2:]), dtype=torch.bfloat16, device=ids.device
-    )
+    slab = torch.empty(paged.shape(ids.numel()), dtype=torch.bfloat16, device=ids.device)
+    num_layers = len(paged.layers)
     out = []
     for _ in range(iters):
         barrier(conn, side.rank)
         t0 = time.perf_counter()
         if side.rank == 0:
-            tid = side.send_transfer(conn, cache, ids, slab)
+            tid = side.send_transfer(conn, paged, ids, slab)
             out.append(conn.recv() - t0)
-            side.rec.wait_sent(tid, len(cache))
+            side.rec.wait_sent(tid, num_layers)
         else:
-            side.recv_transfer(conn, cache, ids, slab)
+            side.recv_transfer(conn, paged, ids, slab)
             conn.send(time.perf_counter())
     return out
 

@@ -94,14 +94,13 @@ def group_shape(kv_layers: Sequence[torch.Tensor], num_blocks: int, layout: KVLa
     return (len(kv_layers), *gathered_shape(kv_layers[0], num_blocks, layout))
 
 
-def _triton_ok(kv_layers: Sequence[torch.Tensor], buf: torch.Tensor, layout: KVLayout) -> bool:
+def _layers_ok(kv_layers: Sequence[torch.Tensor], layout: KVLayout) -> bool:
+    """The layers qualify for the one-launch kernel (checked once per :class:`PagedLayers`)."""
     if _triton() is None or not kv_layers:
         return False
     first = kv_layers[0]
-    if first.device.type != "cuda" or buf.device != first.device or not buf.is_contiguous():
-        return False
     _, _, chunk = _geometry(first, layout)
-    if (chunk * first.element_size()) % 16 or buf.data_ptr() % 16:
+    if first.device.type != "cuda" or (chunk * first.element_size()) % 16:
         return False
     return all(
         t.is_contiguous()
@@ -113,34 +112,86 @@ def _triton_ok(kv_layers: Sequence[torch.Tensor], buf: torch.Tensor, layout: KVL
     )
 
 
+class PagedLayers:
+    """A fixed list of one layout's layer caches, validated once (with each layer's offset from layer
+    0 already on the device), for repeated gathers/scatters of any range of consecutive layers at one
+    launch each and a few microseconds of host time. Build it when the KV caches are registered."""
+
+    def __init__(self, kv_layers: Sequence[torch.Tensor], layout: KVLayout) -> None:
+        if not kv_layers:
+            raise ValueError("PagedLayers needs at least one layer")
+        self.layers = list(kv_layers)
+        self.layout = layout
+        first = self.layers[0]
+        self.planes, num_blocks, chunk = _geometry(first, layout)
+        self.one_launch = _layers_ok(self.layers, layout)
+        words_per_elem = first.element_size() / 4
+        self._chunk_w = int(chunk * words_per_elem)
+        self._plane_stride_w = int(num_blocks * chunk * words_per_elem) if self.planes == 2 else 0
+        self._base = first.view(-1).view(torch.int32) if self.one_launch else first
+        self._offsets = _layer_offsets(tuple(t.data_ptr() for t in self.layers), first.device)
+
+    def shape(self, num_blocks: int, start: int = 0, stop: int | None = None) -> tuple[int, ...]:
+        """Shape of the buffer for layers ``[start, stop)``: ``[layers, *gathered layer shape]``."""
+        stop = len(self.layers) if stop is None else stop
+        return (stop - start, *gathered_shape(self.layers[0], num_blocks, self.layout))
+
+    def gather(
+        self, block_ids: torch.Tensor, out: torch.Tensor, start: int = 0, stop: int | None = None
+    ) -> None:
+        """Blocks ``block_ids`` of layers ``[start, stop)`` into ``out`` (contiguous, :meth:`shape`)."""
+        self._run(block_ids, out, start, stop, gather=True)
+
+    def scatter(
+        self, block_ids: torch.Tensor, data: torch.Tensor, start: int = 0, stop: int | None = None
+    ) -> None:
+        """``data`` (as :meth:`gather` fills it) into blocks ``block_ids`` of layers ``[start, stop)``."""
+        self._run(block_ids, data, start, stop, gather=False)
+
+    def _run(
+        self, block_ids: torch.Tensor, buf: torch.Tensor, start: int, stop: int | None, gather: bool
+    ) -> None:
+        stop = len(self.layers) if stop is None else stop
+        first = self.layers[0]
+        shape = self.shape(int(block_ids.numel()), start, stop)
+        if tuple(buf.shape) != shape or buf.dtype != first.dtype:
+            raise ValueError(
+                f"paged group copy: buffer {tuple(buf.shape)} {buf.dtype} does not match {shape}"
+            )
+        if buf.device != first.device:
+            if gather:
+                raise ValueError("gather: out must be on the layers' device")
+            buf = buf.to(first.device, non_blocking=True)
+        if self.one_launch and buf.is_contiguous() and buf.data_ptr() % 16 == 0:
+            _launch(self, block_ids, buf, start, stop, gather)
+        elif gather:
+            for index in range(start, stop):
+                gather_blocks(self.layers[index], block_ids, self.layout, out=buf[index - start])
+        else:
+            for index in range(start, stop):
+                scatter_blocks(self.layers[index], block_ids, buf[index - start], self.layout)
+
+
 def _launch(
-    kv_layers: Sequence[torch.Tensor],
-    block_ids: torch.Tensor,
-    buf: torch.Tensor,
-    layout: KVLayout,
-    gather: bool,
+    group: PagedLayers, block_ids: torch.Tensor, buf: torch.Tensor, start: int, stop: int, gather: bool
 ) -> None:
     kernel = _triton()
     assert kernel is not None
-    first = kv_layers[0]
-    planes, num_blocks, chunk = _geometry(first, layout)
-    words_per_elem = first.element_size() / 4
-    chunk_w = int(chunk * words_per_elem)
-    plane_stride_w = int(num_blocks * chunk * words_per_elem) if planes == 2 else 0
-    offsets = _layer_offsets(tuple(t.data_ptr() for t in kv_layers), first.device)
-    ids = block_ids.to(device=first.device, dtype=torch.int64)
+    ids = block_ids if block_ids.dtype == torch.int64 else block_ids.to(torch.int64)
+    if ids.device != buf.device:
+        ids = ids.to(buf.device, non_blocking=True)
     n = int(ids.numel())
-    if n == 0:
+    if n == 0 or stop <= start:
         return
-    grid = (planes * n, len(kv_layers), triton_cdiv(chunk_w, _TILE_WORDS))
+    grid = (group.planes * n, stop - start, triton_cdiv(group._chunk_w, _TILE_WORDS))
     kernel[grid](
-        first.view(-1).view(torch.int32),
-        offsets,
+        group._base,
+        group._offsets[start:stop],
         ids,
         buf.view(-1).view(torch.int32),
         n,
-        plane_stride_w,
-        chunk_w,
+        group._plane_stride_w,
+        group._chunk_w,
         GATHER=gather,
         TILE=_TILE_WORDS,
         num_warps=4,
@@ -165,18 +216,13 @@ def gather_layers(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Blocks ``block_ids`` of every layer into one buffer ``[L, *gathered layer shape]`` (or ``out``,
-    which must be contiguous with that shape and the layers' dtype). One launch on the Triton path."""
-    shape = group_shape(kv_layers, int(block_ids.numel()), layout)
-    first = kv_layers[0]
+    which must be contiguous with that shape and the layers' dtype). One launch on the Triton path.
+    For repeated calls on the same caches, build a :class:`PagedLayers` once instead."""
+    group = PagedLayers(kv_layers, layout)
     if out is None:
-        out = torch.empty(shape, dtype=first.dtype, device=first.device)
-    elif tuple(out.shape) != shape or out.dtype != first.dtype or not out.is_contiguous():
-        raise ValueError(f"gather_layers: out {tuple(out.shape)} {out.dtype} does not match {shape}")
-    if _triton_ok(kv_layers, out, layout):
-        _launch(kv_layers, block_ids, out, layout, gather=True)
-    else:
-        for index, layer in enumerate(kv_layers):
-            gather_blocks(layer, block_ids, layout, out=out[index])
+        first = kv_layers[0]
+        out = torch.empty(group.shape(int(block_ids.numel())), dtype=first.dtype, device=first.device)
+    group.gather(block_ids, out)
     return out
 
 
@@ -184,14 +230,4 @@ def scatter_layers(
     kv_layers: Sequence[torch.Tensor], block_ids: torch.Tensor, data: torch.Tensor, layout: KVLayout
 ) -> None:
     """Write ``data`` (as filled by :func:`gather_layers`) into blocks ``block_ids`` of every layer."""
-    shape = group_shape(kv_layers, int(block_ids.numel()), layout)
-    first = kv_layers[0]
-    if tuple(data.shape) != shape or data.dtype != first.dtype:
-        raise ValueError(f"scatter_layers: data {tuple(data.shape)} {data.dtype} does not match {shape}")
-    if data.device != first.device:
-        data = data.to(first.device, non_blocking=True)
-    if _triton_ok(kv_layers, data, layout):
-        _launch(kv_layers, block_ids, data, layout, gather=False)
-    else:
-        for index, layer in enumerate(kv_layers):
-            scatter_blocks(layer, block_ids, data[index], layout)
+    PagedLayers(kv_layers, layout).scatter(block_ids, data)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
@@ -33,7 +34,7 @@ import torch
 from kvwire.errors import ProtocolError, TransferError
 from kvwire.transfer.base import DataPlane, PlaneCallbacks
 from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.nccl_channel import NcclPlaneConfig, _Channel
+from kvwire.transfer.nccl_channel import CancelledSet, NcclPlaneConfig, _Channel
 from kvwire.transfer.nccl_lib import NcclUnavailableError, load_nccl
 from kvwire.transfer.nccl_messages import NcclInfo, decode_info, encode_info
 from kvwire.transfer.nccl_recv import RecvChannel
@@ -62,7 +63,10 @@ class NcclPlane(DataPlane):
         self._receivers: dict[str, RecvChannel] = {}
         self._callbacks: PlaneCallbacks | None = None
         self._alloc_stream: torch.cuda.Stream | None = None
+        self._cancelled = CancelledSet()
         self._closed = False
+        self._stop = threading.Event()
+        self._janitor: threading.Thread | None = None
 
     def start(self, callbacks: PlaneCallbacks) -> None:
         if not torch.cuda.is_available():
@@ -74,6 +78,8 @@ class NcclPlane(DataPlane):
         log.info("NCCL data plane on %s: %s, NCCL %s", self.device, lib.path, version)
         self._callbacks = callbacks
         self._alloc_stream = torch.cuda.Stream(device=self.device)
+        self._janitor = threading.Thread(target=self._janitor_loop, name="kvwire-nccl-janitor", daemon=True)
+        self._janitor.start()
 
     @property
     def address(self) -> str:
@@ -129,6 +135,7 @@ class NcclPlane(DataPlane):
         channel.add_items(items)
 
     def cancel(self, transfer_id: str) -> None:
+        self._cancelled.add(transfer_id)
         for channel in self._channels():
             channel.cancel(transfer_id)
 
@@ -146,6 +153,7 @@ class NcclPlane(DataPlane):
             channel.close(abort=True)
 
     def close(self) -> None:
+        self._stop.set()
         with self._lock:
             self._closed = True
             channels = [*self._senders.values(), *self._receivers.values()]
@@ -153,6 +161,8 @@ class NcclPlane(DataPlane):
             self._receivers.clear()
         for channel in channels:
             channel.close(abort=True)
+        if self._janitor is not None and self._janitor is not threading.current_thread():
+            self._janitor.join(timeout=5.0)
 
     def num_communicators(self) -> int:
         """Open channels (each holds one communicator once joined)."""
@@ -173,7 +183,9 @@ class NcclPlane(DataPlane):
                 raise TransferError("NCCL plane is closed")
             channel = self._senders.get(peer_instance)
             if channel is None:
-                channel = SendChannel(peer_instance, self.device, self.plane_config, self._cb(), self._dead)
+                channel = SendChannel(
+                    peer_instance, self.device, self.plane_config, self._cb(), self._dead, self._cancelled
+                )
                 self._senders[peer_instance] = channel
                 channel.start()
             return channel
@@ -200,12 +212,26 @@ class NcclPlane(DataPlane):
                     raise TransferError(f"{self.plane_config.max_comms} NCCL communicators busy")
                 evict = min(idle, key=lambda c: c.last_active)
                 del self._receivers[evict.peer_instance]
-            channel = RecvChannel(peer_instance, self.device, self.plane_config, self._cb(), self._dead)
+            channel = RecvChannel(
+                peer_instance, self.device, self.plane_config, self._cb(), self._dead, self._cancelled
+            )
             self._receivers[peer_instance] = channel
             channel.start()
         if evict is not None:
             evict.close(abort=False)
         return channel
+
+    def _janitor_loop(self) -> None:
+        """Every 50 ms: fail stalled channels (abort), close idle ones. The only thread that never
+        waits on NCCL or CUDA, so a channel stuck inside NCCL is still cut off."""
+        while not self._stop.wait(timeout=0.05):
+            now = time.monotonic()
+            for channel in self._channels():
+                verdict = channel.check(now)
+                if verdict == "idle":
+                    threading.Thread(target=channel.close_idle, daemon=True).start()
+                elif verdict is not None:
+                    threading.Thread(target=channel.fail, args=(verdict,), daemon=True).start()
 
     def _dead(self, channel: _Channel, reason: str | None) -> None:
         """A channel closed itself: idle (``reason`` None) or broken (peer failed)."""

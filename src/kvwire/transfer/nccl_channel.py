@@ -37,8 +37,27 @@ log = logging.getLogger("kvwire.transfer.nccl")
 
 MiB = 1 << 20
 STATUS_MAGIC = 0x4B565752  # "KVWR": every chunk is followed by an 8-byte status message
-_WATCHDOG_PERIOD_S = 0.05
+_WAIT_PERIOD_S = 0.05
 _MAX_CANCELLED = 65536
+
+
+class CancelledSet:
+    """Transfer ids the agent gave up (bounded, thread-safe), shared by every channel of a plane:
+    a chunk plan that names one is sent as dummy bytes even if it arrives after the cancel."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def add(self, transfer_id: str) -> None:
+        with self._lock:
+            self._ids[transfer_id] = None
+            while len(self._ids) > _MAX_CANCELLED:
+                self._ids.popitem(last=False)
+
+    def __contains__(self, transfer_id: object) -> bool:
+        with self._lock:
+            return transfer_id in self._ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +96,10 @@ class NcclPlaneConfig:
 
     @property
     def comm_config(self) -> CommConfig:
-        return CommConfig(min_ctas=self.min_ctas, max_ctas=self.max_ctas, blocking=False)
+        # Blocking mode: ncclGroupEnd returns once the work is on the stream (a non-blocking comm hands
+        # every group to a helper thread: ~0.4 ms per launch measured). Deadlines come from the joiner
+        # thread (init) and the plane's janitor (stalls), which abort the communicator.
+        return CommConfig(min_ctas=self.min_ctas, max_ctas=self.max_ctas, blocking=True)
 
 
 def plan_chunks(items: Sequence[RecvItem], max_bytes: int) -> list[list[RecvItem]]:
@@ -123,13 +145,17 @@ def adjacent_span(tensors: Sequence[torch.Tensor], sizes: Sequence[int]) -> torc
 
 @dataclasses.dataclass
 class _Batch:
-    """Chunks launched in one NCCL group, completed by one event."""
+    """One chunk launched as one NCCL group, completed by one event."""
 
     event: torch.cuda.Event
-    chunks: list[tuple[ChunkPlan, list[SendItem] | list[RecvItem] | None]]
+    chunk: ChunkPlan
+    items: list[SendItem] | list[RecvItem] | None  # None: dummy bytes (cancelled transfer)
     keepalive: list[torch.Tensor]
     issued_at: float
-    status: torch.Tensor | None = None  # receiver: pinned host int32 [chunks, 2] (magic, 1 = real data)
+    status: torch.Tensor | None = None  # receiver: pinned host int32 [2] (magic, 1 = real data)
+
+
+_Work = list[tuple[ChunkPlan, list[SendItem] | list[RecvItem] | None]]
 
 
 class _Channel:
@@ -144,21 +170,27 @@ class _Channel:
         config: NcclPlaneConfig,
         callbacks: PlaneCallbacks,
         on_dead: Callable[[_Channel, str | None], None],
+        cancelled: CancelledSet,
     ) -> None:
         self.peer_instance = peer_instance
         self.device = device
         self.config = config
         self.callbacks = callbacks
         self._on_dead = on_dead
-        self.stream = torch.cuda.Stream(device=device)
+        self.cancelled = cancelled
+        self.stream = torch.cuda.Stream(device=device)  # NCCL work (and staging copies)
+        self.delivery_stream = torch.cuda.Stream(device=device)  # current stream of callbacks/sinks
         self.cond = threading.Condition()
         self.comm: NcclComm | None = None
         self.offer: CommOffer | None = None
         self.inflight: collections.deque[_Batch] = collections.deque()
         self.closed = False
+        self.condemned = False  # the janitor decided to fail or close this channel
+        self.failing = False
         self.joined = False  # the communicator is up (both ranks joined)
+        self.join_started: float | None = None
+        self.busy_since: float | None = None  # issuer inside NCCL calls since
         self.last_active = time.monotonic()
-        self.cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._threads: list[threading.Thread] = []
 
     # --- lifecycle --------------------------------------------------------------------------------
@@ -174,7 +206,7 @@ class _Channel:
             if self.closed:
                 return
             self.closed = True
-            idle = not self.inflight
+            idle = not self.inflight and self.busy_since is None
             self.cond.notify_all()
         if self.comm is not None:
             if abort or not idle:
@@ -188,20 +220,57 @@ class _Channel:
     def fail(self, reason: str) -> None:
         """The communicator broke: abort it and tell the plane (which reports the peer failed)."""
         with self.cond:
-            already = self.closed
-        if already:
-            return
+            if self.closed or self.failing:
+                return
+            self.failing = True
         log.warning("NCCL channel with %s failed: %s", self.peer_instance, reason)
         self.close(abort=True)
         self._on_dead(self, reason)
 
     def cancel(self, transfer_id: str) -> None:
+        """(The plane already added the id to the shared set.) Drop unlaunched state, wake the issuer."""
         with self.cond:
-            self.cancelled[transfer_id] = None
-            while len(self.cancelled) > _MAX_CANCELLED:
-                self.cancelled.popitem(last=False)
             self._forget(transfer_id)
             self.cond.notify_all()
+
+    def check(self, now: float) -> str | None:
+        """Janitor (plane thread): why this channel must fail now, "idle" to close it, or None.
+        Gives a verdict at most once."""
+        with self.cond:
+            if self.closed or self.condemned:
+                return None
+            verdict = self._verdict(now)
+            comm = self.comm if verdict is None and self.inflight else None
+        if comm is not None:
+            try:
+                comm.check_healthy()
+            except TransferError as exc:
+                verdict = str(exc)
+        if verdict is not None:
+            with self.cond:
+                if self.condemned:
+                    return None
+                self.condemned = True
+        return verdict
+
+    def _verdict(self, now: float) -> str | None:
+        stall = self.config.stall_timeout_s
+        if self.busy_since is not None and now - self.busy_since > stall:
+            return "an NCCL call blocked past stall_timeout_s"
+        if self.inflight and now - self.inflight[0].issued_at > stall:
+            return "an operation stalled past stall_timeout_s"
+        joining = not self.joined and self.join_started is not None
+        if joining and now - self.join_started > self.config.init_timeout_s:  # type: ignore[operator]
+            return "communicator init timed out"
+        busy = self.inflight or self._has_work() or self.busy_since is not None
+        if not busy and now - self.last_active > self._idle_limit_s():
+            return "idle"
+        return None
+
+    def close_idle(self) -> None:
+        log.info("closing idle NCCL channel with %s", self.peer_instance)
+        self.close(abort=False)
+        self._on_dead(self, None)
 
     # --- hooks for the two directions ----------------------------------------------------------------
     def _forget(self, transfer_id: str) -> None:
@@ -210,10 +279,10 @@ class _Channel:
     def _has_work(self) -> bool:
         raise NotImplementedError
 
-    def _take_work(self) -> list[tuple[ChunkPlan, list[SendItem] | list[RecvItem] | None]]:
+    def _take_work(self) -> _Work:
         raise NotImplementedError
 
-    def _launch(self, work: list[tuple[ChunkPlan, list[SendItem] | list[RecvItem] | None]]) -> _Batch:
+    def _launch(self, chunk: ChunkPlan, items: list[SendItem] | list[RecvItem] | None) -> _Batch:
         raise NotImplementedError
 
     def _complete(self, batch: _Batch) -> None:
@@ -224,32 +293,48 @@ class _Channel:
 
     # --- threads ----------------------------------------------------------------------------------------
     def _join(self) -> bool:
+        """Join the communicator (blocking NCCL init on a helper thread: a peer that never joins
+        leaves that thread parked in NCCL; the janitor fails the channel at ``init_timeout_s``)."""
         with self.cond:
             while self.offer is None and not self.closed:
-                self.cond.wait(timeout=_WATCHDOG_PERIOD_S)
+                self.cond.wait(timeout=_WAIT_PERIOD_S)
             if self.closed or self.offer is None:
                 return False
             offer = self.offer
-        deadline = time.monotonic() + self.config.init_timeout_s
-        try:
-            comm = NcclComm.begin(offer.unique_id, self.rank, 2, self.config.comm_config)
-        except TransferError as exc:
-            self.fail(f"communicator init: {exc}")
+            self.join_started = time.monotonic()
+        outcome: list[NcclComm | TransferError] = []
+        done = threading.Event()
+
+        def join() -> None:
+            torch.cuda.set_device(self.device)
+            try:
+                outcome.append(NcclComm.begin(offer.unique_id, self.rank, 2, self.config.comm_config))
+            except TransferError as exc:
+                outcome.append(exc)
+            done.set()
+            with self.cond:
+                late = self.closed
+            if late and isinstance(outcome[0], NcclComm):
+                outcome[0].abort()  # the channel gave up meanwhile
+
+        threading.Thread(target=join, name="kvwire-nccl-join", daemon=True).start()
+        while not done.wait(timeout=_WAIT_PERIOD_S):
+            with self.cond:
+                if self.closed:
+                    return False
+        result = outcome[0]
+        if isinstance(result, TransferError):
+            self.fail(f"communicator init: {result}")
             return False
         with self.cond:
-            self.comm = comm  # from here close() can abort the join
             if self.closed:
-                comm.abort()
+                result.abort()
                 return False
-        try:
-            comm.wait_ready(deadline, "communicator init")
-        except TransferError as exc:
-            self.fail(f"communicator init: {exc}")
-            return False
-        with self.cond:
+            self.comm = result
             self.joined = True
+            self.last_active = time.monotonic()
             self.cond.notify_all()
-            return not self.closed
+        return True
 
     def _issue_loop(self) -> None:
         torch.cuda.set_device(self.device)
@@ -258,67 +343,39 @@ class _Channel:
         while True:
             with self.cond:
                 while not self.closed and not self._has_work():
-                    self.cond.wait(timeout=_WATCHDOG_PERIOD_S)
-                    if self._watchdog():
-                        return
+                    self.cond.wait(timeout=_WAIT_PERIOD_S)
                 if self.closed:
                     return
                 work = self._take_work()
+                self.busy_since = time.monotonic()
             try:
-                batch = self._launch(work)
+                for chunk, items in work:  # one group + one event per chunk: per-chunk completion
+                    batch = self._launch(chunk, items)
+                    with self.cond:
+                        self.inflight.append(batch)
+                        self.cond.notify_all()
             except TransferError as exc:
                 self.fail(f"launch: {exc}")
                 return
-            with self.cond:
-                self.inflight.append(batch)
-                self.cond.notify_all()
-
-    def _watchdog(self) -> bool:
-        """Called with ``cond`` held while waiting. True when the loop must end."""
-        now = time.monotonic()
-        reason = None
-        if self.inflight and now - self.inflight[0].issued_at > self.config.stall_timeout_s:
-            reason = "operation stalled past stall_timeout_s"
-        elif self.inflight and self.comm is not None:
-            try:
-                self.comm.check_healthy()
-            except TransferError as exc:
-                reason = str(exc)
-        if reason is not None:
-            threading.Thread(target=self.fail, args=(reason,), daemon=True).start()
-            return True
-        if not self.inflight and not self._has_work() and now - self.last_active > self._idle_limit_s():
-            threading.Thread(target=self._close_idle, daemon=True).start()
-            return True
-        return False
-
-    def _close_idle(self) -> None:
-        log.info("closing idle NCCL channel with %s", self.peer_instance)
-        self.close(abort=False)
-        self._on_dead(self, None)
+            finally:
+                with self.cond:
+                    self.busy_since = None
 
     def _complete_loop(self) -> None:
         torch.cuda.set_device(self.device)
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.delivery_stream):
             while True:
                 with self.cond:
                     while not self.closed and not self.inflight:
-                        self.cond.wait(timeout=_WATCHDOG_PERIOD_S)
+                        self.cond.wait(timeout=_WAIT_PERIOD_S)
                     if self.closed:
                         return
                     batch = self.inflight[0]
-                batch.event.synchronize()  # ends early when the communicator is aborted
-                comm = self.comm
-                if comm is None or comm.closed:
-                    return
-                try:
-                    comm.check_healthy()
-                except TransferError as exc:
-                    self.fail(str(exc))
-                    return
+                batch.event.synchronize()  # GIL released; ends early when the communicator is aborted
                 with self.cond:
                     if self.closed:
                         return
                     self.inflight.popleft()
                     self.last_active = time.monotonic()
+                self.delivery_stream.wait_event(batch.event)
                 self._complete(batch)

@@ -32,6 +32,7 @@ _API_MAGIC = 0xCAFEBEEF
 _CONFIG_VERSION = 22700
 
 _ENQUEUE_TIMEOUT_S = 60.0
+_ABORT_LOCK_WAIT_S = 0.5
 
 # ncclResult_t
 NCCL_SUCCESS = 0
@@ -320,14 +321,19 @@ class NcclComm:
     def abort(self) -> None:
         """``ncclCommAbort``: stops in-flight kernels of this comm and frees it. Idempotent, any thread.
 
-        Lock holders never block for long (every NCCL call here is non-blocking and every wait polls
-        the abort flag), so taking the lock here is bounded."""
+        Normally taken under the lock; if another thread holds it for long (stuck inside NCCL, e.g. a
+        blocking connection setup with a dead peer) the abort proceeds anyway: unblocking such a thread
+        is what ``ncclCommAbort`` is for, and that thread touches the handle no more afterwards."""
         self._abort_requested.set()
-        with self.lock:
+        locked = self.lock.acquire(timeout=_ABORT_LOCK_WAIT_S)
+        try:
             if self._closed:
                 return
             self._closed = True
             self._lib.raw.ncclCommAbort(self._handle)
+        finally:
+            if locked:
+                self.lock.release()
 
     def destroy(self, timeout_s: float = 5.0) -> None:
         """Orderly close when idle: ``ncclCommFinalize``, wait, ``ncclCommDestroy``; abort on error."""

@@ -2,9 +2,11 @@
 
 ``post_recv`` items are grouped into chunks (:func:`plan_chunks`), numbered, queued for posting and
 queued for announcement (the next ``local_info`` to that peer carries the plans, see
-:mod:`kvwire.transfer.nccl_messages`). A chunk whose destinations lie back to back on the device is
-received in place; otherwise into a staging buffer allocated on the receive stream and copied out
-to each destination (device or pinned host) on the same stream before the completion event.
+:mod:`kvwire.transfer.nccl_messages`). Each chunk is received as one NCCL group (data + 8-byte status)
+with its own completion event, so the first chunks are delivered (and scattered by the sink, on the
+delivery stream) while later ones are still on the wire. A chunk whose destinations lie back to back
+on the device is received in place; otherwise into a staging buffer allocated on the receive stream
+and copied out to each destination (device or pinned host) on that stream before the event.
 """
 
 from __future__ import annotations
@@ -15,12 +17,18 @@ from collections.abc import Sequence
 
 import torch
 
-from kvwire.transfer.nccl_channel import STATUS_MAGIC, _Batch, _Channel, adjacent_span, log, plan_chunks
+from kvwire.transfer.nccl_channel import (
+    STATUS_MAGIC,
+    _Batch,
+    _Channel,
+    _Work,
+    adjacent_span,
+    log,
+    plan_chunks,
+)
 from kvwire.transfer.nccl_lib import load_nccl
 from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer
 from kvwire.transfer.types import RecvItem, SendItem
-
-_Work = list[tuple[ChunkPlan, list[SendItem] | list[RecvItem] | None]]
 
 
 class RecvChannel(_Channel):
@@ -35,10 +43,11 @@ class RecvChannel(_Channel):
 
     # --- called by the plane (agent threads) ------------------------------------------------------
     def add_items(self, items: Sequence[RecvItem]) -> None:
+        assert self.offer is not None
         with self.cond:
             for group in plan_chunks(items, self.config.chunk_bytes):
                 chunk = ChunkPlan(
-                    comm_id=self.offer.comm_id if self.offer else "",
+                    comm_id=self.offer.comm_id,
                     seq=self.next_seq,
                     transfer_id=group[0].transfer_id,
                     layers=[item.layer_index for item in group],
@@ -65,62 +74,57 @@ class RecvChannel(_Channel):
         self.pending = []
         return work
 
-    def _launch(self, work: _Work) -> _Batch:
+    def _launch(self, chunk: ChunkPlan, items: list[SendItem] | list[RecvItem] | None) -> _Batch:
         assert self.comm is not None
-        keepalive: list[torch.Tensor] = []
-        copies: list[tuple[torch.Tensor, list[RecvItem]]] = []
-        targets: list[tuple[torch.Tensor, int]] = []
+        group: list[RecvItem] = items  # type: ignore[assignment]
         with torch.cuda.stream(self.stream):
-            for chunk, items in work:
-                group: list[RecvItem] = items  # type: ignore[assignment]
-                dests = [item.dest[: item.num_bytes] for item in group]
-                span = adjacent_span(dests, [item.num_bytes for item in group])
-                if span is not None and span.device == self.device:
-                    target = span
-                else:
-                    target = torch.empty(max(chunk.num_bytes, 1), dtype=torch.uint8, device=self.device)
-                    copies.append((target, group))
-                for dest in dests:
-                    if dest.device.type == "cuda":
-                        dest.record_stream(self.stream)  # allocator: no reuse before our writes end
-                targets.append((target, chunk.num_bytes))
-                keepalive.append(target)
-            status = torch.empty((len(work), 2), dtype=torch.int32, device=self.device)
+            dests = [item.dest[: item.num_bytes] for item in group]
+            span = adjacent_span(dests, [item.num_bytes for item in group])
+            in_place = span is not None and span.device == self.device
+            target = (
+                span
+                if in_place
+                else torch.empty(max(chunk.num_bytes, 1), dtype=torch.uint8, device=self.device)
+            )
+            assert target is not None
+            for dest in dests:
+                if dest.device.type == "cuda":
+                    dest.record_stream(self.stream)  # allocator: no reuse before our writes end
+            status = torch.empty(2, dtype=torch.int32, device=self.device)
             stream = self.stream.cuda_stream
             with self.comm.group(time.monotonic() + self.config.stall_timeout_s):
-                for index, (target, num_bytes) in enumerate(targets):
-                    if num_bytes:
-                        self.comm.recv(target.data_ptr(), num_bytes, 0, stream)
-                    self.comm.recv(status[index].data_ptr(), 8, 0, stream)
-            for staging, group in copies:
+                if chunk.num_bytes:
+                    self.comm.recv(target.data_ptr(), chunk.num_bytes, 0, stream)
+                self.comm.recv(status.data_ptr(), 8, 0, stream)
+            if not in_place:
                 offset = 0
-                for item in group:
-                    size = item.num_bytes
-                    item.dest[:size].copy_(staging[offset : offset + size], non_blocking=True)
-                    offset += size
-            status_host = torch.empty((len(work), 2), dtype=torch.int32, pin_memory=True)
+                for item, dest in zip(group, dests, strict=True):
+                    dest.copy_(target[offset : offset + item.num_bytes], non_blocking=True)
+                    offset += item.num_bytes
+            status_host = torch.empty(2, dtype=torch.int32, pin_memory=True)
             status_host.copy_(status, non_blocking=True)
-            keepalive.append(status)
             event = torch.cuda.Event()
             event.record(self.stream)
-        return _Batch(event, work, keepalive, time.monotonic(), status_host)
+        return _Batch(event, chunk, group, [target, status], time.monotonic(), status_host)
 
     # --- completer ----------------------------------------------------------------------------------
     def _complete(self, batch: _Batch) -> None:
         assert batch.status is not None
-        status = batch.status.tolist()
-        for (chunk, items), (magic, real) in zip(batch.chunks, status, strict=True):
-            with self.cond:
-                if chunk.transfer_id in self.cancelled:
-                    continue
-            if magic != STATUS_MAGIC or real != 1:
-                bad = magic != STATUS_MAGIC
-                reason = "protocol: chunk status garbled" if bad else "peer_aborted: the sender cancelled"
-                self.callbacks.on_transfer_failed(chunk.transfer_id, reason)
-                self.cancel(chunk.transfer_id)  # report once; later chunks of it are ignored
-                continue
-            for item in items or ():
-                try:
-                    self.callbacks.on_received(self.peer_instance, chunk.transfer_id, item.layer_index)
-                except Exception:  # a sink/callback bug must not kill the channel
-                    log.exception("on_received callback failed")
+        tid = batch.chunk.transfer_id
+        if tid in self.cancelled:
+            return
+        magic, real = batch.status.tolist()
+        if magic != STATUS_MAGIC or real != 1:
+            reason = (
+                "protocol: chunk status garbled"
+                if magic != STATUS_MAGIC
+                else "peer_aborted: sender cancelled"
+            )
+            self.cancelled.add(tid)  # report once; later chunks of it are ignored
+            self.callbacks.on_transfer_failed(tid, reason)
+            return
+        for item in batch.items or ():
+            try:
+                self.callbacks.on_received(self.peer_instance, tid, item.layer_index)
+            except Exception:  # a sink/callback bug must not kill the channel
+                log.exception("on_received callback failed")

@@ -1,10 +1,11 @@
 """Sending half of a peer pair's NCCL traffic (rank 0 of the receiver-owned communicator).
 
 The receiver's chunk plans are the law: chunk ``seq`` is launched once every layer it names is ready
-(or its transfer was cancelled: then dummy bytes of the same size keep the stream in step). Chunks
-launch strictly in ``seq`` order; consecutive launchable chunks share one NCCL group. Layers that lie
-back to back in memory are sent in place; otherwise they are copied into one staging buffer first
-(on the send stream, after each layer's ``ready_event``).
+(or its transfer was cancelled: then dummy bytes of the same size keep the stream in step, and the
+chunk's status message says so). Chunks launch strictly in ``seq`` order, each as one NCCL group
+(data + 8-byte status) with its own completion event. Layers that lie back to back in memory are sent
+in place; otherwise they are copied into one staging buffer first (on the send stream, after each
+layer's ``ready_event``).
 """
 
 from __future__ import annotations
@@ -14,11 +15,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kvwire.transfer.nccl_channel import STATUS_MAGIC, _Batch, _Channel, adjacent_span, log
+from kvwire.transfer.nccl_channel import STATUS_MAGIC, _Batch, _Channel, _Work, adjacent_span, log
 from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer
 from kvwire.transfer.types import RecvItem, SendItem
-
-_Work = list[tuple[ChunkPlan, list[SendItem] | list[RecvItem] | None]]
 
 
 class SendChannel(_Channel):
@@ -110,41 +109,29 @@ class SendChannel(_Channel):
             self._scratch = torch.empty(max(chunk.num_bytes, 1), dtype=torch.uint8, device=self.device)
         return self._scratch[: chunk.num_bytes], False
 
-    def _launch(self, work: _Work) -> _Batch:
+    def _launch(self, chunk: ChunkPlan, items: list[SendItem] | list[RecvItem] | None) -> _Batch:
         assert self.comm is not None
-        keepalive: list[torch.Tensor] = []
-        real: _Work = []
         with torch.cuda.stream(self.stream):
-            sources = []
-            for chunk, items in work:
-                source, ok = self._source(chunk, items)  # type: ignore[arg-type]
-                sources.append((source, chunk.num_bytes))
-                keepalive.append(source)
-                real.append((chunk, items if ok else None))
             if not self._status:
                 for flag in (True, False):
                     value = [STATUS_MAGIC, int(flag)]
                     self._status[flag] = torch.tensor(value, dtype=torch.int32, device=self.device)
+            source, real = self._source(chunk, items)  # type: ignore[arg-type]
             stream = self.stream.cuda_stream
             with self.comm.group(time.monotonic() + self.config.stall_timeout_s):
-                for (source, num_bytes), (_, items) in zip(sources, real, strict=True):
-                    if num_bytes:
-                        self.comm.send(source.data_ptr(), num_bytes, 1, stream)
-                    self.comm.send(self._status[items is not None].data_ptr(), 8, 1, stream)
+                if chunk.num_bytes:
+                    self.comm.send(source.data_ptr(), chunk.num_bytes, 1, stream)
+                self.comm.send(self._status[real].data_ptr(), 8, 1, stream)
             event = torch.cuda.Event()
             event.record(self.stream)
-        return _Batch(event, real, keepalive, time.monotonic())
+        return _Batch(event, chunk, items if real else None, [source], time.monotonic())
 
     # --- completer ----------------------------------------------------------------------------------
     def _complete(self, batch: _Batch) -> None:
-        for chunk, items in batch.chunks:
-            if items is None:
-                continue
-            with self.cond:
-                if chunk.transfer_id in self.cancelled:
-                    continue
-            for item in items:
-                try:
-                    self.callbacks.on_sent(self.peer_instance, chunk.transfer_id, item.layer_index)
-                except Exception:  # a callback bug must not kill the channel
-                    log.exception("on_sent callback failed")
+        if batch.items is None or batch.chunk.transfer_id in self.cancelled:
+            return
+        for item in batch.items:
+            try:
+                self.callbacks.on_sent(self.peer_instance, batch.chunk.transfer_id, item.layer_index)
+            except Exception:  # a callback bug must not kill the channel
+                log.exception("on_sent callback failed")

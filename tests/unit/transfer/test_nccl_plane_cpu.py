@@ -68,7 +68,7 @@ def test_configs_are_validated() -> None:
         NcclPlaneConfig(chunk_bytes=1024)
     with pytest.raises(ConfigError):
         NcclPlaneConfig(max_ctas=100)
-    assert NcclPlaneConfig(max_ctas=8).comm_config == CommConfig(max_ctas=8, blocking=False)
+    assert NcclPlaneConfig(max_ctas=8).comm_config == CommConfig(max_ctas=8, blocking=True)
 
 
 def test_plane_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
