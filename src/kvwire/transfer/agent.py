@@ -283,7 +283,9 @@ class TransferAgent:
         try:
             sink(index, tensor)
             if tensor.is_cuda:  # the sink's copy/scatter is async: finish it before the buffer is reused
-                torch.cuda.current_stream(tensor.device).synchronize()  # and before finished_recving
+                done = torch.cuda.Event()  # and before finished_recving (only the sink's work: the
+                done.record(torch.cuda.current_stream(tensor.device))  # plane's streams may hold
+                done.synchronize()  # receives still waiting for data)
         except Exception as exc:
             log.exception("sink of transfer %s failed on layer %d", transfer_id, index)
             with self._core.lock:

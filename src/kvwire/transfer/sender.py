@@ -166,6 +166,10 @@ class Sender:
     def on_grant(self, msg: Grant) -> None:
         st = self.sends.get(msg.transfer_id)
         if st is None or st.endpoint != msg.src_endpoint:
+            if st is None and msg.plane_info:  # an ordered plane must still consume what was granted
+                self.core.plane.cancel(msg.transfer_id)
+                peer = PeerRef(msg.src_endpoint, msg.src_id, msg.data_address, msg.plane_info)
+                self.core.plane.on_peer_info(peer, msg.plane_info)
             self._unknown(msg.src_endpoint, msg.transfer_id, msg.src_id)
             return
         if st.peer is None:
