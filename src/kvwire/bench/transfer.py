@@ -69,11 +69,30 @@ class SizeResult:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=[b.value for b in Backend], default=Backend.TCP.value)
     parser.add_argument(
-        "--tokens", type=int, action="append", help="prompt tokens (repeatable); default 512 2048 8192"
+        "--tokens", type=int, nargs="+", action="extend", help="prompt tokens per size; default 512 2048 8192"
     )
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per size (best is reported)")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed runs per variant and size (best is kept)"
+    )
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    _add_nccl_arguments(parser)
+
+
+def _add_nccl_arguments(parser: argparse.ArgumentParser) -> None:
+    """The NCCL benchmark's own options (used with --backend nccl), where that module exists."""
+    try:
+        module = importlib.import_module("kvwire.bench.transfer_nccl")
+    except ImportError:
+        return
+    extra = argparse.ArgumentParser(add_help=False)
+    module.add_arguments(extra)
+    group = parser.add_argument_group("--backend nccl options")
+    for action in extra._actions:
+        if action.option_strings and not any(
+            o in parser._option_string_actions for o in action.option_strings
+        ):
+            group._add_action(action)
 
 
 def run(args: argparse.Namespace) -> int:

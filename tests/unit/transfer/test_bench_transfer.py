@@ -1,0 +1,58 @@
+"""`kvwire bench transfer` wiring: JSON keys (an external interface) and bit-exact verification on a
+tiny size. Not a timed test: figures are only recorded by running the benchmark."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvwire.cli import main
+
+
+def test_bench_transfer_json_reports_each_size_verified(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(
+        [
+            "--log-level",
+            "WARNING",
+            "bench",
+            "transfer",
+            "--tokens",
+            "32",
+            "48",
+            "--layers",
+            "2",
+            "--repeats",
+            "1",
+            "--json",
+        ]
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert [r["tokens"] for r in out["results"]] == [32, 48]
+    for r in out["results"]:
+        assert {"gbps", "ceiling_gbps", "ratio", "verified", "copy_gbps"} <= set(r)
+        assert r["verified"] is True and r["gbps"] > 0 and r["ceiling_gbps"] > 0
+        assert r["ratio"] == pytest.approx(r["gbps"] / r["ceiling_gbps"])
+
+
+def test_bench_transfer_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(
+            [
+                "--log-level",
+                "WARNING",
+                "bench",
+                "transfer",
+                "--tokens",
+                "16",
+                "--layers",
+                "1",
+                "--repeats",
+                "1",
+            ]
+        )
+        == 0
+    )
+    table = capsys.readouterr().out
+    assert "ceiling GB/s" in table and "True" in table
