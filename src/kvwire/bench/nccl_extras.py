@@ -71,7 +71,8 @@ def overlap(
     if side.rank == 1:
         for _ in range(iters + 1):
             barrier(conn, 1)
-            side.recv_transfer(conn, paged, ids, slab)
+            tid, done = side.recv_handshake(conn, paged, ids, slab)
+            side.recv_finish(tid, len(cache), done)
             conn.send(time.perf_counter())
         return None
     fwd = SyntheticForward(tokens, ids.device)
@@ -83,10 +84,7 @@ def overlap(
     exposed, with_transfer = [], []
     for _ in range(iters + 1):
         barrier(conn, 0)
-        tid = f"o{side.seq}"
-        side.seq += 1
-        conn.send(("offer", tid))
-        side.plane.on_peer_info(side.peer, conn.recv())
+        tid = side.send_handshake(conn)  # at the start of the prefill, as the connector does
 
         def save(layer: int, written: torch.cuda.Event, tid: str = tid) -> None:
             side.gather_stream.wait_event(written)

