@@ -234,6 +234,7 @@ class TcpPlane(DataPlane):
         self._written = threading.Condition(self._lock)
         self._closing = threading.Event()
         self._listener: socket.socket | None = None
+        self._address = ""
         self._acceptor: threading.Thread | None = None
         self._callbacks: PlaneCallbacks | None = None
 
@@ -249,14 +250,15 @@ class TcpPlane(DataPlane):
         listener = socket.create_server((self.config.host, self.config.data_port), backlog=128)
         listener.settimeout(POLL_S)
         self._listener = listener
+        host, port = listener.getsockname()[:2]
+        self._address = f"{host}:{port}"
         self._acceptor = threading.Thread(target=self._accept_loop, name="kvwire-tcp-accept", daemon=True)
         self._acceptor.start()
 
     @property
     def address(self) -> str:
-        assert self._listener is not None, "start() first"
-        host, port = self._listener.getsockname()[:2]
-        return f"{host}:{port}"
+        assert self._address, "start() first"
+        return self._address
 
     def close(self) -> None:
         if self._closing.is_set():
