@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 from kvwire.errors import InvalidRequestError
 
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -41,4 +43,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures this close to 0 are greedy (dividing by them would overflow)."""
+        return self.temperature < GREEDY_TEMPERATURE

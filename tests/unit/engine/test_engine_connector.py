@@ -179,3 +179,17 @@ def test_decode_from_transferred_kv_equals_local_generation(load_async: bool, us
     assert generate(engine, PROMPTS, greedy(8)) == expected
     # Only the last prompt token (no first token) or nothing (first token) is computed on D.
     assert engine.stats().num_prompt_tokens == (0 if use_first_token else len(PROMPTS))
+
+
+def test_every_step_respects_the_token_budget_and_puts_decodes_first() -> None:
+    engine, _, _, calls = recording_engine(max_num_batched_tokens=24, block_size=8)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, greedy(6))
+    final = run_all(engine)
+    steps = [c[1] for c in calls if c[0] == "build_connector_meta"]
+    assert all(sum(s.num_scheduled_tokens for s in step.scheduled) <= 24 for step in steps)
+    assert any(len(step.scheduled) > 1 for step in steps)  # batched
+    for step in steps:  # running requests (decodes, unfinished prompts) are served before new ones
+        new = [s.num_computed_tokens == 0 for s in step.scheduled]
+        assert new == sorted(new)
+    assert [final[f"r{i}"].token_ids for i in range(3)] == generate(make_engine(), PROMPTS, greedy(6))

@@ -7,7 +7,7 @@ import torch
 from engine_factories import generate, greedy, make_engine, random_prompts, run_all
 
 from kvwire.engine import SamplingParams
-from kvwire.engine.sampler import Sampler
+from kvwire.engine.sampler import Sampler, filtered_probs
 from kvwire.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer
 from kvwire.errors import InvalidRequestError
 
@@ -112,3 +112,28 @@ def test_bad_requests_raise_and_leave_the_engine_serving() -> None:
     assert len(run_all(engine)["ok"].token_ids) == 4
     engine.add_request("ok", PROMPT, greedy(4))  # reusable once finished
     assert len(run_all(engine)["ok"].token_ids) == 4
+
+
+def test_filtered_probs_match_a_per_row_reference() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    params = [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.0, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.6),
+        SamplingParams(temperature=0.9, top_k=10, top_p=0.8),
+    ]
+    probs = filtered_probs(logits, params)
+    for row, p in enumerate(params):
+        scaled = logits[row] / p.temperature
+        keep = torch.ones(50, dtype=torch.bool)
+        order = scaled.argsort(descending=True)
+        if p.top_k:
+            keep[order[p.top_k :]] = False
+        masked = scaled.masked_fill(~keep, float("-inf"))
+        sorted_probs = masked[order].softmax(-1)
+        before = sorted_probs.cumsum(-1) - sorted_probs
+        keep[order[before >= p.top_p]] = False
+        expected = scaled.masked_fill(~keep, float("-inf")).softmax(-1)
+        torch.testing.assert_close(probs[row], expected)
+    assert (probs[1] > 0).sum() == 5
