@@ -106,12 +106,12 @@ class MockInstance:
         if "hang" in words:
             await asyncio.sleep(3600)
         delay_s = self.args.delay_s + (0.3 if "delay" in words else 0.0)
-        if delay_s:
-            await asyncio.sleep(delay_s)
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         chat = request.path.endswith("/chat/completions")
         if body.get("stream"):
-            return await self._stream(request, body, n, chat, words)
+            return await self._stream(request, body, n, chat, words, delay_s)
+        if delay_s:
+            await asyncio.sleep(delay_s)
         return web.json_response(self._full(body, n, chat, words))
 
     def _full(self, body: dict[str, Any], n: int, chat: bool, words: set[str]) -> dict[str, Any]:
@@ -136,8 +136,9 @@ class MockInstance:
         return out
 
     async def _stream(
-        self, request: web.Request, body: dict[str, Any], n: int, chat: bool, words: set[str]
+        self, request: web.Request, body: dict[str, Any], n: int, chat: bool, words: set[str], delay_s: float
     ) -> web.StreamResponse:
+        """Like a real server: headers (and the chat role chunk) at once, tokens after ``delay_s``."""
         gap_s = 0.05 if "slow" in words else 0.0
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -146,6 +147,8 @@ class MockInstance:
         if chat:
             role_delta = {"index": 0, "delta": {"role": "assistant", "content": ""}}
             await _event(resp, dict(base, choices=[role_delta]))
+        if delay_s:
+            await asyncio.sleep(delay_s)
         for i in range(n):
             if i == 2 and "drop" in words:
                 assert request.transport is not None

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import aiohttp
 import msgspec
@@ -30,7 +30,7 @@ from kvwire.errors import InvalidRequestError
 from kvwire.kv_params import KVTransferParams, PDRole, TransferMode
 from kvwire.router.client_stream import ClientStream
 from kvwire.router.config import RouterConfig
-from kvwire.router.metrics import RouterMetrics
+from kvwire.router.metrics import RouterMetrics, SSETokenMeter
 from kvwire.router.registry import InstanceView
 from kvwire.router.request import ClientRequest
 from kvwire.router.selection import Plan, Selector
@@ -184,22 +184,56 @@ class Dispatcher:
         self, request: web.Request, creq: ClientRequest, d: InstanceView,
         p_task: asyncio.Task[Opened], d_task: asyncio.Task[Opened],
     ) -> web.StreamResponse:
-        """Streaming push where P's answer, if it comes before D's first bytes, is streamed at once."""
-        await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
-        splicer = None
-        if not d_task.done() and p_task.exception() is None:
-            chat = creq.path.endswith("/chat/completions")
-            splicer = FirstTokenSplicer.from_prefill(p_task.result()[1], chat)
-        if splicer is None:
-            return await self._respond(request, creq, d, await self._race(p_task, d_task), "pd")
-        out = await ClientStream(request, creq, self._metrics, "pd").open()
-        await out.write(splicer.early_events())
+        """Streaming push where P's token, if P answers before D has streamed any token, goes out at once.
+
+        D's token-less bytes (headers, a chat role chunk) are held back meanwhile; if D streams a token
+        first, or P fails, D's stream is relayed as usual.
+        """
+        held, resp, pending = b"", None, cast("asyncio.Task[Any]", d_task)
+        probe = SSETokenMeter()
         try:
-            resp, first = await d_task
-        except UpstreamFailure as exc:
-            await out.error_event(str(exc), exc.status)
-            return await out.close()
-        return await self._relay(request, creq, d, resp, first, "pd", out=out, splicer=splicer)
+            while True:
+                await asyncio.wait({pending, p_task}, return_when=asyncio.FIRST_COMPLETED)
+                if not pending.done():
+                    break  # P answered first
+                resp, chunk = _take(pending.result(), resp)
+                held += chunk
+                if not chunk or probe.feed(chunk):  # D streamed a token (or ended) first: no splicing
+                    return await self._relay(request, creq, d, resp, held, "pd")
+                pending = asyncio.create_task(self._read_more(d, resp))
+            splicer = self._splicer_for(creq, p_task)
+            out = None
+            if splicer is not None:
+                out = await ClientStream(request, creq, self._metrics, "pd").open()
+                await out.write(splicer.early_events())
+            try:
+                resp, chunk = _take(await pending, resp)
+            except UpstreamFailure as exc:
+                if out is None:
+                    raise
+                await out.error_event(str(exc), exc.status)
+                return await out.close()
+            return await self._relay(request, creq, d, resp, held + chunk, "pd", out=out, splicer=splicer)
+        except BaseException:
+            pending.cancel()
+            if resp is not None:
+                resp.close()
+            raise
+
+    def _splicer_for(self, creq: ClientRequest, p_task: asyncio.Task[Opened]) -> FirstTokenSplicer | None:
+        p_exc = p_task.exception()
+        if isinstance(p_exc, UpstreamFailure) and _fatal_for_pair(p_exc):
+            raise p_exc
+        if p_exc is not None:
+            log.warning("prefill failed (%s); decode instance recovers per its policy", p_exc)
+            return None
+        return FirstTokenSplicer.from_prefill(p_task.result()[1], creq.path.endswith("/chat/completions"))
+
+    async def _read_more(self, inst: InstanceView, resp: aiohttp.ClientResponse) -> bytes:
+        try:
+            return await resp.content.readany()
+        except (*BODY_ERRORS, asyncio.TimeoutError) as exc:
+            raise self._upstream.lost(inst, inst.role.value, exc) from exc
 
     def _push_params(self, tid: str, role: PDRole, peer: InstanceView) -> KVTransferParams:
         return KVTransferParams(
@@ -276,6 +310,14 @@ class Dispatcher:
             params, role=PDRole.DECODE, mode=TransferMode.PULL, peer_endpoints=endpoints,
             peer_instance_id=params.peer_instance_id or p.instance_id,
         )
+
+
+def _take(result: Opened | bytes, resp: aiohttp.ClientResponse | None) -> Opened:
+    """(response, chunk) from either D's opening call or a later read of its body."""
+    if isinstance(result, tuple):
+        return result
+    assert resp is not None
+    return resp, result
 
 
 def _fatal_for_pair(exc: UpstreamFailure) -> bool:
