@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -70,3 +72,25 @@ def test_bench_engine_runs_on_tiny(capsys: pytest.CaptureFixture[str]) -> None:
     result = json.loads(capsys.readouterr().out)
     assert [d["batch"] for d in result["decode"]] == [1, 3]
     assert result["prefill"]["prompt_len"] == 40 and result["prefill"]["ratio"] > 0
+
+
+def test_add_and_abort_from_another_thread_while_stepping() -> None:
+    engine = LLMEngine(EngineConfig(model="tiny", num_kv_blocks=128))
+    prompt = engine.tokenizer.encode("threads")
+
+    def client() -> None:
+        for i in range(20):
+            engine.add_request(f"t{i}", prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+            if i % 2:
+                engine.abort_request(f"t{i}")
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    finished: dict[str, str | None] = {}
+    deadline = time.monotonic() + 60
+    while (thread.is_alive() or engine.has_unfinished_requests()) and time.monotonic() < deadline:
+        finished.update({o.request_id: o.finish_reason for o in engine.step() if o.finished})
+    thread.join(timeout=5)
+    assert len(finished) == 20
+    assert all(finished[f"t{i}"] == ("abort" if i % 2 else "length") for i in range(20))
+    assert engine.stats().kv_blocks_in_use == 0

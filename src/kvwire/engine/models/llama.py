@@ -27,9 +27,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        """Normalise in fp32, cast back, then scale (the order HF uses)."""
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -87,7 +87,6 @@ class Attention(nn.Module):
         self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(
             cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias, device=device, dtype=dtype
         )
@@ -97,13 +96,15 @@ class Attention(nn.Module):
         self.k_norm = norm() if norm else None
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 * Hkv) * D]
+        num_qk = self.num_heads + self.num_kv_heads
+        qk = qkv[:, : num_qk * self.head_dim].view(-1, num_qk, self.head_dim)  # [T, Hq + Hkv, D]
+        v = qkv[:, num_qk * self.head_dim :].view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+            q, k = apply_rope(self.q_norm(q), rope), apply_rope(self.k_norm(k), rope)
+        else:  # one rotation for q and k together (fewer kernel launches per layer)
+            q, k = apply_rope(qk, rope).split((self.num_heads, self.num_kv_heads), dim=1)
         out = attention(self.layer_index, q, k, v, ctx)  # [T, Hq, D]
         return self.o_proj(out.flatten(1))
 
