@@ -1,0 +1,129 @@
+"""`kvwire up` as a user runs it: prints the router URL, serves P/D requests, and on SIGTERM stops
+every process it started (process groups, grace then kill) — no orphans. Plus the demo and the
+bench load generator's statistics."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from pd_cluster_helpers import body, metric, send_all
+
+from kvwire.bench.serve import _percentiles, summarize
+from kvwire.cluster.client import RequestResult
+from kvwire.cluster.local import ClusterSpec
+from kvwire.cluster.process import ManagedProcess, kvwire_argv
+from kvwire.errors import ConfigError
+
+pytestmark = pytest.mark.slow
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is gone for our purpose once its parent reaped it.
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split()[2] != "Z"
+
+
+def _children(pid: int) -> list[int]:
+    argv = ["ps", "-o", "pid=", "--ppid", str(pid)]
+    out = subprocess.run(argv, capture_output=True, text=True, check=False)
+    return [int(p) for p in out.stdout.split()]
+
+
+def test_kvwire_up_serves_and_stops_everything_on_sigterm() -> None:
+    argv = kvwire_argv("up", "--port", "0", "--prefill", "1", "--decode", "1", "--stop-grace-s", "5")
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("kvwire up: router"):
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        assert ready.wait(120), "".join(lines[-30:])
+        banner = next(line for line in lines if line.startswith("kvwire up: router"))
+        url = re.search(r"router (http://\S+)", banner).group(1)  # type: ignore[union-attr]
+        assert any(line.startswith("[prefill-0] ") for line in lines)  # prefixed child output
+        children = _children(proc.pid)
+        assert len(children) == 3  # router, prefill-0, decode-0
+        result = send_all(url, [body([1, 2, 3, 4, 5], stream=True)])[0]
+        assert result.ok and len(result.token_ids) == 8
+        decode_url = re.search(r"decode-0 (http://[0-9.:]+)", banner).group(1)  # type: ignore[union-attr]
+        assert metric(decode_url, "kvwire_pd_transfers_completed_total") == 1  # really P/D
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in children), "orphan processes left behind"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_managed_process_kills_its_whole_group() -> None:
+    # A child that ignores SIGTERM and starts a grandchild: stop() must still leave nothing behind.
+    script = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+              "print(p.pid, flush=True); time.sleep(600)")
+    sink = io.StringIO()
+    child = ManagedProcess("stubborn", [sys.executable, "-c", script], sink=sink, sink_lock=threading.Lock())
+    deadline = time.monotonic() + 30
+    while not child.lines and time.monotonic() < deadline:
+        time.sleep(0.05)
+    grandchild = int(child.lines[0])
+    start = time.monotonic()
+    child.stop(grace_s=1.0)
+    assert time.monotonic() - start < 10
+    deadline = time.monotonic() + 5
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild)
+    assert f"[stubborn] {grandchild}" in sink.getvalue()
+
+
+def test_demo_runs_the_main_job() -> None:
+    argv = kvwire_argv("demo", "--max-tokens", "6")
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=240, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "chat (streaming): 6 tokens" in out.stdout
+    assert 'kvwire_pd_transfers_completed_total{side="recv"} 3.0' in out.stdout
+    assert "cluster stopped" in out.stdout
+
+
+def test_cluster_spec_is_validated() -> None:
+    with pytest.raises(ConfigError):
+        ClusterSpec(num_prefill=1, num_decode=0)
+    with pytest.raises(ConfigError):
+        ClusterSpec(num_prefill=0, num_decode=0, num_both=0)
+    with pytest.raises(ConfigError):
+        ClusterSpec(kv_load_failure_policy="maybe")
+
+
+def test_bench_statistics() -> None:
+    stats = _percentiles([0.1, 0.2, 0.3, 0.4, 0.5])
+    assert stats["p50"] == pytest.approx(0.3) and stats["mean"] == pytest.approx(0.3)
+    assert stats["p99"] == pytest.approx(0.496)
+    ok = RequestResult(True, 200, num_output_tokens=5, ttft_s=0.1, itls_s=[0.01] * 4, e2e_s=0.5)
+    bad = RequestResult(False, 503, error="no live instance")
+    summary = summarize("x", [ok, bad], duration_s=2.0)
+    assert summary["failed"] == 1 and summary["errors"] == ["no live instance"]
+    assert summary["tpot_s"]["mean"] == pytest.approx(0.1)  # (0.5 - 0.1) / 4
+    assert summary["output_throughput"] == pytest.approx(2.5)
