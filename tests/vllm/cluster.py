@@ -22,6 +22,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 1024
+ROUTER_TTL_S = 10.0
 
 
 def free_port() -> int:
@@ -100,6 +101,9 @@ def start_vllm(name: str, model_dir: Path, port: int, log_dir: Path, kv_config: 
         "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
         "--no-enable-prefix-caching", "--enforce-eager",
+        # vLLM's default (0) SIGKILLs the engine core on shutdown: no connector.shutdown(), no
+        # deregistration. A grace period lets the plugin close its agents and deregister.
+        "--shutdown-timeout", "10",
     ]
     if kv_config is not None:
         cmd += ["--kv-transfer-config", kv_config]
@@ -110,7 +114,7 @@ def start_router(http_port: int, discovery_port: int, mode: str, log_dir: Path, 
     cmd = [
         sys.executable, "-m", "kvwire.cli", "router", "--host", "127.0.0.1", "--port", str(http_port),
         "--discovery-host", "127.0.0.1", "--discovery-port", str(discovery_port), "--mode", mode,
-        "--kv-deadline-s", str(kv_deadline_s), "--instance-ttl-s", "5",
+        "--kv-deadline-s", str(kv_deadline_s), "--instance-ttl-s", str(ROUTER_TTL_S),
     ]
     return Proc(f"router-{mode}", cmd, log_dir / f"router-{mode}.log", dict(os.environ, PYTHONUNBUFFERED="1"))
 
@@ -188,7 +192,11 @@ class Cluster:
         )
 
     def registered(self) -> set[str]:
+        return {inst["role"] for inst in self.instances()}
+
+    def instance_ids(self) -> set[str]:
+        return {inst["id"] for inst in self.instances()}
+
+    def instances(self) -> list[dict[str, Any]]:
         status, body = http_get(f"{self.router_url()}/instances")
-        if status != 200:
-            return set()
-        return {inst["role"] for inst in json.loads(body)}
+        return list(json.loads(body)) if status == 200 else []

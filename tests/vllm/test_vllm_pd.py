@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from cluster import MAX_MODEL_LEN, metric_total
-
-from conftest import KV_DEADLINE_S, Cluster
+from cluster import KV_DEADLINE_S, MAX_MODEL_LEN, ROUTER_TTL_S, Cluster, metric_total
 
 BLOCK = 128
 LENGTHS = [1, 5, 31, BLOCK - 1, BLOCK, BLOCK + 1, 200, 2 * BLOCK, 2 * BLOCK + 1, 3 * BLOCK + 5, 600, 1000]
@@ -144,3 +143,17 @@ def test_prefill_killed_mid_handover(cluster: Cluster, reference: dict[int, Any]
             break
         time.sleep(0.5)
     assert recomputed >= expected_min, f"D computed {recomputed} prompt tokens; the lost KV was recomputed"
+
+
+def test_clean_shutdown_deregisters(cluster: Cluster) -> None:
+    """SIGTERM to D's API server: vLLM shuts its engine down, the plugin closes its agent and
+    deregisters, and the router drops D at once (sooner than the heartbeat TTL would)."""
+    d = cluster.procs["d"]
+    d.popen.send_signal(signal.SIGTERM)
+    d.popen.wait(timeout=90)
+    log = d.log_path.read_text(errors="replace")
+    assert "kvwire: scheduler side closed" in log and "kvwire: rank 0 transfer agent closed" in log
+    deadline = time.monotonic() + ROUTER_TTL_S - 1
+    while "vllm-d" in cluster.instance_ids():
+        assert time.monotonic() < deadline, "D still listed: it did not deregister"
+        time.sleep(0.2)

@@ -183,9 +183,10 @@ class SchedulerSide:
             return
         self._closed = True
         if self._heartbeat is not None:
-            self._heartbeat.close()
+            self._heartbeat.close()  # sends the deregistration
         if self._core is not None:
             self._core.close()
+        logger.info("kvwire: scheduler side closed (%d completions outstanding)", self.num_outstanding)
 
 
 def rank_endpoints(handshakes: Mapping[int, Any]) -> list[RankEndpoint]:

@@ -116,3 +116,4 @@ class WorkerSide:
 
     def close(self) -> None:
         self.core.close()
+        logger.info("kvwire: rank %d transfer agent closed", self.engine_info.rank)

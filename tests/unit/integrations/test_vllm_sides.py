@@ -168,3 +168,27 @@ def test_chunked_prefill_sends_with_last_chunk(pd: tuple[Instance, Instance]) ->
     d.idle_until(lambda: "d-6" in d.seen_recving)
     p.idle_until(lambda: "p-6" in p.seen_sending)
     assert same_blocks(p, [0, 1, 2], d, [9, 10, 11])
+
+
+def test_kv_both_serves_either_role() -> None:
+    """A kv_both instance is P for one request and D for another, at the same time."""
+    a = Instance("kv_both", torch.randn, deadline_s=10)
+    b = Instance("kv_both", torch.randn, deadline_s=10)
+    try:
+        prompt = list(range(6))
+        # a -> b on t7 while b -> a on t8
+        plan = ((a, b, "t7", [0, 1], [2, 3]), (b, a, "t8", [4, 5], [6, 7]))
+        for src, dst, tid, src_blocks, dst_blocks in plan:
+            req_d = Request(f"d-{tid}", prompt, params(tid, PDRole.DECODE, src))
+            assert dst.sched.get_num_new_matched_tokens(req_d, 0) == (5, True)
+            dst.sched.update_state_after_alloc(req_d, dst_blocks, 5)
+            dst.step(SchedulerOutput())
+            req_p = Request(f"p-{tid}", prompt, params(tid, PDRole.PREFILL, dst), output_token_ids=[1])
+            prefill(src, req_p, src_blocks)
+            assert src.sched.request_finished(req_p, src_blocks)[0] is True
+        for inst in (a, b):
+            inst.idle_until(lambda inst=inst: len(inst.seen_recving) == 1 and len(inst.seen_sending) == 1)
+        assert same_blocks(a, [0, 1], b, [2, 3]) and same_blocks(b, [4, 5], a, [6, 7])
+    finally:
+        a.close()
+        b.close()
