@@ -34,6 +34,10 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
+    def num_unreferenced(self, block_ids: Sequence[int]) -> int:
+        """How many of ``block_ids`` no request holds (they are in the free list)."""
+        return sum(1 for block in block_ids if self._ref_counts[block] == 0)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -47,13 +47,16 @@ class LLMEngine:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_name = config.model
-        self.max_model_len = loaded.max_model_len
         self.num_kv_layers = loaded.model.config.num_layers
         self.device = torch.device(config.device)
         self.dtype = loaded.dtype
         num_blocks = config.num_kv_blocks or num_kv_blocks_for(
-            config, self.model, self.dtype, self.max_model_len
+            config, self.model, self.dtype, loaded.max_model_len
         )
+        # One request must always fit in the cache, or preemption could never make room for it.
+        self.max_model_len = min(loaded.max_model_len, num_blocks * config.block_size)
+        if self.max_model_len < loaded.max_model_len:
+            log.warning("max_model_len lowered to %d: the KV cache holds no more", self.max_model_len)
         self.scheduler_connector = scheduler_connector or NoOpSchedulerConnector()
         self.worker_connector = worker_connector or NoOpWorkerConnector()
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -68,12 +71,7 @@ class LLMEngine:
         self._num_prompt_tokens = self._num_generation_tokens = self._num_steps = 0
         log.info(
             "engine ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d",
-            config.model,
-            config.device,
-            self.dtype,
-            num_blocks,
-            config.block_size,
-            self.max_model_len,
+            *(config.model, config.device, self.dtype, num_blocks, config.block_size, self.max_model_len),
         )
 
     # --- requests (any thread) ------------------------------------------------------------------------
@@ -131,8 +129,6 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"the prompt has {len(prompt)} tokens; this model accepts at most {self.max_model_len - 1}"
             )
-        if self.blocks.blocks_needed(len(prompt) + 1) > self.blocks.num_blocks:
-            raise InvalidRequestError(f"the prompt has {len(prompt)} tokens, more than the KV cache holds")
         if kv_params is not None and not isinstance(kv_params, dict):
             raise InvalidRequestError("kv_transfer_params must be a dict")
 

@@ -144,7 +144,8 @@ class Scheduler:
         start = req.num_computed_tokens + num_external
         num_new = 0 if load_async else min(req.num_tokens - start, budget)
         needed = self.blocks.blocks_needed(start + num_new) - len(req.block_ids) - len(cached)
-        if needed > self.blocks.num_free_blocks:
+        # Cached blocks nobody holds sit in the free list: taking them uses up free blocks too.
+        if max(needed, 0) + self.blocks.num_unreferenced(cached) > self.blocks.num_free_blocks:
             return None
         self.waiting.popleft()
         self.blocks.take(cached)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from engine_factories import generate, greedy, make_engine, random_prompts
+from engine_factories import generate, greedy, make_engine, random_prompts, run_all
 
 from kvwire.engine import AttentionBackend, SamplingParams
 
@@ -61,3 +61,25 @@ def test_max_num_seqs_limits_the_running_batch() -> None:
     engine.step()
     stats = engine.stats()
     assert stats.num_running == 2 and stats.num_waiting == 2
+
+
+def test_admission_counts_free_cached_blocks_it_takes() -> None:
+    # 6 blocks of 4. A leaves 4 cached (free) blocks; C holds the 2 others; B's prefix hits A's 4
+    # blocks and needs 1 more: it must wait for C instead of taking the cached blocks and failing.
+    engine = make_engine(num_kv_blocks=6, block_size=4)
+    a = random_prompts(1, 17, 17, seed=11)[0]
+    b = [*a[:16], 70, 71]
+    generate(engine, [a], greedy(1))
+    engine.add_request("c", [256, 1, 2, 3, 4], greedy(3))  # admitted first, in the same step
+    engine.add_request("b", b, greedy(4))
+    final = run_all(engine)
+    assert final["b"].token_ids == generate(make_engine(enable_prefix_caching=False), [b], greedy(4))[0]
+    assert final["b"].num_cached_tokens == 16 and len(final["c"].token_ids) == 3
+
+
+def test_max_model_len_never_exceeds_the_kv_cache() -> None:
+    engine = make_engine(num_kv_blocks=4, block_size=8)
+    assert engine.max_model_len == 32
+    engine.add_request("r", random_prompts(1, 20, 20)[0], greedy(100))
+    out = run_all(engine)["r"]
+    assert out.finish_reason == "length" and len(out.token_ids) == 12
