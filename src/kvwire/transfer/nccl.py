@@ -164,6 +164,14 @@ class NcclPlane(DataPlane):
         if self._janitor is not None and self._janitor is not threading.current_thread():
             self._janitor.join(timeout=5.0)
 
+    def chunk_trace(self) -> list[tuple[str, str, int, int, float, float, float]]:
+        """Recent chunks of every channel: (direction, peer, seq, bytes, launch start, launch end,
+        completion seen), ``time.perf_counter`` seconds. For benchmarks and debugging."""
+        with self._lock:
+            channels: list[tuple[str, _Channel]] = [("send", c) for c in self._senders.values()]
+            channels += [("recv", c) for c in self._receivers.values()]
+        return [(kind, c.peer_instance, *row) for kind, c in channels for row in list(c.trace)]
+
     def num_communicators(self) -> int:
         """Open channels (each holds one communicator once joined)."""
         return len(self._channels())

@@ -153,6 +153,7 @@ class _Batch:
     keepalive: list[torch.Tensor]
     issued_at: float
     status: torch.Tensor | None = None  # receiver: pinned host int32 [2] (magic, 1 = real data)
+    launch_s: tuple[float, float] = (0.0, 0.0)  # perf_counter before/after the launch
 
 
 _Work = list[tuple[ChunkPlan, list[SendItem] | list[RecvItem] | None]]
@@ -191,6 +192,8 @@ class _Channel:
         self.join_started: float | None = None
         self.busy_since: float | None = None  # issuer inside NCCL calls since
         self.last_active = time.monotonic()
+        # (seq, bytes, launch started, launched, completion seen) of recent chunks, for benchmarks
+        self.trace: collections.deque[tuple[int, int, float, float, float]] = collections.deque(maxlen=512)
         self._threads: list[threading.Thread] = []
 
     # --- lifecycle --------------------------------------------------------------------------------
@@ -350,7 +353,9 @@ class _Channel:
                 self.busy_since = time.monotonic()
             try:
                 for chunk, items in work:  # one group + one event per chunk: per-chunk completion
+                    started = time.perf_counter()
                     batch = self._launch(chunk, items)
+                    batch.launch_s = (started, time.perf_counter())
                     with self.cond:
                         self.inflight.append(batch)
                         self.cond.notify_all()
@@ -378,4 +383,7 @@ class _Channel:
                     self.inflight.popleft()
                     self.last_active = time.monotonic()
                 self.delivery_stream.wait_event(batch.event)
+                self.trace.append(
+                    (batch.chunk.seq, batch.chunk.num_bytes, *batch.launch_s, time.perf_counter())
+                )
                 self._complete(batch)
