@@ -165,8 +165,9 @@ class TransferAgent:
     def abort(self, transfer_id: str, reason: str = FailReason.ABORTED.value) -> None:
         """End the transfer as FAILED on both sides and free everything it holds. Idempotent."""
         with self._core.lock:
-            self._sender.fail(transfer_id, reason, notify=True)
-            self._receiver.fail(transfer_id, reason, notify=True)
+            label = FailReason.ABORTED.value
+            self._sender.fail(transfer_id, reason, notify=True, label=label)
+            self._receiver.fail(transfer_id, reason, notify=True, label=label)
             self._receiver.drop_done(transfer_id)
 
     def poll(self) -> TransferEvents:
@@ -289,7 +290,7 @@ class TransferAgent:
         except Exception as exc:
             log.exception("sink of transfer %s failed on layer %d", transfer_id, index)
             with self._core.lock:
-                self._receiver.fail(transfer_id, f"sink: {exc!r}", notify=True)
+                self._receiver.fail(transfer_id, f"{FailReason.SINK.value}: {exc!r}", notify=True)
             return
         with self._core.lock:
             self._receiver.delivered(transfer_id, index)

@@ -106,10 +106,11 @@ class Core:
     def send_abort(self, endpoint: str, transfer_id: str, reason: str, dst_id: str | None = None) -> None:
         self.send(endpoint, Abort(**self.header(endpoint, transfer_id, dst_id), reason=reason))
 
-    def record_failure(self, side: str, transfer_id: str, reason: str) -> None:
-        """Report a failed transfer once (caller holds ``lock`` and removed the state)."""
+    def record_failure(self, side: str, transfer_id: str, reason: str, label: str | None = None) -> None:
+        """Report a failed transfer once (caller holds ``lock`` and removed the state). ``label``:
+        the stats label when the reason text is the caller's (local abort)."""
         self.events.failed(transfer_id, reason)
-        self.stats.failed(reason)
+        self.stats.failed(label or reason)
         self.tombstones.add(side, transfer_id, reason)
         log.info("transfer %s (%s) failed: %s", transfer_id, side, reason)
 

@@ -363,7 +363,7 @@ class Receiver:
 
     # --- failure -----------------------------------------------------------------------------------------
 
-    def fail(self, transfer_id: str, reason: str, notify: bool) -> bool:
+    def fail(self, transfer_id: str, reason: str, notify: bool, label: str | None = None) -> bool:
         st = self.recvs.pop(transfer_id, None)
         if st is None:
             return False
@@ -374,7 +374,7 @@ class Receiver:
         for buf in st.held.values():  # includes layers in a sink call now (their tensor stays alive)
             buf.release()
         self.acks.pop(transfer_id, None)
-        self.core.record_failure(SIDE, transfer_id, reason)
+        self.core.record_failure(SIDE, transfer_id, reason, label)
         target = st.peer.endpoint if st.peer is not None else st.pull_from
         if notify and target is not None:
             self.core.send_abort(target, transfer_id, reason, st.peer.instance_id if st.peer else None)

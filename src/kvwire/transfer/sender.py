@@ -256,12 +256,12 @@ class Sender:
 
     # --- failure -----------------------------------------------------------------------------------------
 
-    def fail(self, transfer_id: str, reason: str, notify: bool) -> bool:
+    def fail(self, transfer_id: str, reason: str, notify: bool, label: str | None = None) -> bool:
         st = self.sends.pop(transfer_id, None)
         if st is None:
             return False
         self.core.plane.cancel(transfer_id)
-        self.core.record_failure(SIDE, transfer_id, reason)
+        self.core.record_failure(SIDE, transfer_id, reason, label)
         if notify and st.endpoint is not None:
             dst = st.peer.instance_id if st.peer is not None else None
             self.core.send_abort(st.endpoint, transfer_id, reason, dst)

@@ -6,6 +6,10 @@ import dataclasses
 import threading
 from collections import Counter
 
+from kvwire.transfer.types import FailReason
+
+_KNOWN_REASONS = frozenset(r.value for r in FailReason)
+
 
 @dataclasses.dataclass(frozen=True)
 class TransferStats:
@@ -15,7 +19,7 @@ class TransferStats:
     sends_completed: int = 0
     recvs_started: int = 0
     recvs_completed: int = 0
-    failed: dict[str, int] = dataclasses.field(default_factory=dict)  # FailReason value -> count
+    failed: dict[str, int] = dataclasses.field(default_factory=dict)  # FailReason value | "other" -> count
     bytes_sent: int = 0
     bytes_received: int = 0
     messages_rejected: int = 0  # malformed / unknown / old-version / unauthenticated messages
@@ -40,8 +44,12 @@ class StatsRecorder:
             self._counts[name] += amount
 
     def failed(self, reason: str) -> None:
+        """Count a failure under its reason's prefix when that is a known ``FailReason`` value,
+        else under "other" (caller-given abort reasons must not grow metric label sets)."""
+        prefix = reason.split(":", 1)[0].strip()
+        label = prefix if prefix in _KNOWN_REASONS else "other"
         with self._lock:
-            self._failed[reason.split(":", 1)[0]] += 1
+            self._failed[label] += 1
 
     def snapshot(self, **gauges: int) -> TransferStats:
         with self._lock:

@@ -32,6 +32,7 @@ class FailReason(str, enum.Enum):
     MISMATCH = "mismatch"  # expect(num_layers) disagrees with the sender's offer, bad sizes...
     UNKNOWN = "unknown_transfer"  # pull for a transfer the sender does not hold
     CLOSED = "closed"  # the local agent closed
+    SINK = "sink"  # the caller's sink raised
 
 
 # torch dtype <-> wire name (bf16 has no numpy dtype: bytes travel as uint8 views anyway)

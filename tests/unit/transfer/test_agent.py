@@ -146,6 +146,10 @@ def test_api_misuse_raises_typed_errors(pair: tuple[TransferAgent, TransferAgent
     a.send_layer("x", 0, layers[0])  # ended transfers ignore late layers (the failure was reported)
     assert a.poll().failed == {"x": "aborted"}
     assert not a.poll()  # each event once
+    a.start_send("y", b.endpoint, [LayerSpec.of(t) for t in layers])
+    a.abort("y", "client disconnected")  # free text reason: reported as given, counted as "aborted"
+    assert a.poll().failed == {"y": "client disconnected"}
+    assert a.stats().failed == {"aborted": 2}
 
 
 def test_pull_that_overtakes_start_send_is_held(pair: tuple[TransferAgent, TransferAgent]) -> None:
