@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import socket
 import sys
 import threading
@@ -44,6 +45,9 @@ class ClusterSpec:
     start_timeout_s: float = 180.0
     stop_grace_s: float = 10.0
     serve_args: tuple[str, ...] = ()  # extra ``kvwire serve`` flags for every instance
+    # > 0: instance k (in start order) sees only GPU ``k % spread_gpus`` (CUDA_VISIBLE_DEVICES), so a
+    # 1P1D cluster on a 2-GPU host puts P and D on different GPUs (NCCL needs distinct devices).
+    spread_gpus: int = 0
     router_args: tuple[str, ...] = ()  # extra ``kvwire router`` flags
 
     def __post_init__(self) -> None:
@@ -59,6 +63,8 @@ class ClusterSpec:
             raise ConfigError(f"kv_load_failure_policy must be one of {POLICIES}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if self.spread_gpus < 0:
+            raise ConfigError("spread_gpus must be >= 0")
         positive = ("kv_deadline_s", "heartbeat_interval_s", "instance_ttl_s", "start_timeout_s",
                     "stop_grace_s")
         for name in positive:
@@ -143,7 +149,10 @@ class LocalCluster:
             "--kv-deadline-s", str(spec.kv_deadline_s),
             "--kv-load-failure-policy", spec.kv_load_failure_policy, *spec.serve_args,
         )
-        process = ManagedProcess(name, argv, sink=self._sink, sink_lock=self._sink_lock)
+        env = None
+        if spec.spread_gpus > 0:
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(len(self.instances) % spec.spread_gpus))
+        process = ManagedProcess(name, argv, sink=self._sink, sink_lock=self._sink_lock, env=env)
         instance = Instance(name, role, process)
         self.instances[name] = instance
         return instance
