@@ -12,7 +12,7 @@ from engine_factories import generate, greedy, make_engine, random_prompts
 from kvwire.engine import RequestOutput
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, 2, 3])
 def test_random_schedule_keeps_invariants(seed: int) -> None:
     rng = random.Random(seed)
     shared = random_prompts(1, 24, 24, seed=seed)[0]
@@ -29,8 +29,9 @@ def test_random_schedule_keeps_invariants(seed: int) -> None:
         if pending and rng.random() < 0.4:
             i = pending.pop(0)
             engine.add_request(f"r{i}", prompts[i], greedy(max_tokens[i]))
-        if rng.random() < 0.08:
-            victim = f"r{rng.randrange(len(prompts))}"
+        added = len(prompts) - len(pending)
+        if added and rng.random() < 0.1:
+            victim = f"r{rng.randrange(added)}"  # maybe finished already: then ignored
             aborted.add(victim)
             engine.abort_request(victim)
         for out in engine.step():
