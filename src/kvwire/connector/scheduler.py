@@ -79,6 +79,21 @@ class KvwireSchedulerConnector(SchedulerConnector):
 
     # --- request admission -------------------------------------------------------------------
 
+    def check_request_params(self, raw: object) -> KVTransferParams:
+        """For the server's request validation (becomes HTTP 400): well-formed ``kv_transfer_params``
+        with a role this instance serves. Raises :class:`InvalidRequestError`. Any thread."""
+        params = KVTransferParams.from_dict(raw)
+        if params.role not in _ACCEPTS[self.config.role]:
+            raise InvalidRequestError(
+                f"kv_transfer_params.role {params.role.value!r} is not served by this "
+                f"{self.config.role.value} instance"
+            )
+        if params.role is PDRole.PREFILL and params.mode is TransferMode.PUSH and not params.peer_endpoints:
+            raise InvalidRequestError("push mode: kv_transfer_params.peer_endpoints (D's) must not be empty")
+        if params.role is PDRole.DECODE and params.mode is TransferMode.PULL and not params.peer_endpoints:
+            raise InvalidRequestError("pull mode: kv_transfer_params.peer_endpoints (P's) must not be empty")
+        return params
+
     def _params_for(self, request: ConnectorRequest) -> KVTransferParams | None:
         raw = request.kv_transfer_params
         if raw is None:

@@ -176,3 +176,17 @@ def test_config_is_validated() -> None:
         EngineInfo(block_size=0)
     sched = KvwireSchedulerConnector(ConnectorConfig(role=ConnectorRole.BOTH), EngineInfo(block_size=4), [])
     assert sched.get_num_new_matched_tokens(FakeRequest("a", [1]), 0) == (0, False)
+
+
+def test_check_request_params_gives_clear_errors(fabric) -> None:  # type: ignore[no-untyped-def]
+    from kvwire.errors import InvalidRequestError
+
+    p, d = make_pd(fabric, CollectorRegistry())
+    good = KVTransferParams(transfer_id="x", role=PDRole.PREFILL, peer_endpoints=["fake://d"])
+    assert p.sched.check_request_params(good.to_dict()).transfer_id == "x"
+    with pytest.raises(InvalidRequestError, match="not served by this decode instance"):
+        d.sched.check_request_params(good.to_dict())
+    with pytest.raises(InvalidRequestError, match="peer_endpoints"):
+        p.sched.check_request_params({"transfer_id": "y", "role": "prefill"})
+    with pytest.raises(InvalidRequestError):
+        p.sched.check_request_params({"role": "prefill"})
