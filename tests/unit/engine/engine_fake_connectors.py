@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from engine_factories import make_engine, run_all
 
 from kvwire.connector.base import (
     ConnectorMetadata,
@@ -17,6 +18,7 @@ from kvwire.connector.base import (
     StepInfo,
     WorkerConnector,
 )
+from kvwire.engine import SamplingParams
 
 
 @dataclasses.dataclass
@@ -181,3 +183,18 @@ class DecodeWorker(RecordingWorker):
         for request_id in ready:
             self._scatter(request_id)
         return ConnectorOutput(finished_recving=frozenset(ready))
+
+
+def prefill(wire: Wire, prompts: list[list[int]]) -> None:
+    """Run ``prompts`` through a prefill engine (max_tokens=1) whose connector fills ``wire``."""
+    calls = Calls()
+    sched = RecordingScheduler(calls)
+    engine = make_engine(
+        scheduler_connector=sched, worker_connector=PrefillWorker(calls, wire, 16), max_num_batched_tokens=32
+    )  # chunked: P saves when the last chunk is done
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    for request_id, out in run_all(engine).items():
+        wire.first_token[request_id] = out.token_ids[0]
+    assert set(wire.layers) == {f"r{i}" for i in range(len(prompts))}
+    assert all(len(layers) == engine.num_kv_layers for layers in wire.layers.values())

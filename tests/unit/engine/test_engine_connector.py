@@ -8,10 +8,10 @@ from engine_fake_connectors import (
     Calls,
     DecodeScheduler,
     DecodeWorker,
-    PrefillWorker,
     RecordingScheduler,
     RecordingWorker,
     Wire,
+    prefill,
 )
 
 from kvwire.connector.base import ConnectorOutput
@@ -152,20 +152,6 @@ def test_abort_in_every_state_frees_blocks_and_tells_the_connector() -> None:
 
 
 # --- real KV moved P -> D in memory ------------------------------------------------------------------
-
-
-def prefill(wire: Wire, prompts: list[list[int]]) -> None:
-    calls = Calls()
-    sched = RecordingScheduler(calls)
-    engine = make_engine(
-        scheduler_connector=sched, worker_connector=PrefillWorker(calls, wire, 16), max_num_batched_tokens=32
-    )  # chunked: P saves when the last chunk is done
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, greedy(1))
-    for request_id, out in run_all(engine).items():
-        wire.first_token[request_id] = out.token_ids[0]
-    assert set(wire.layers) == {f"r{i}" for i in range(len(prompts))}
-    assert all(len(layers) == NUM_LAYERS for layers in wire.layers.values())
 
 
 @pytest.mark.parametrize(("load_async", "use_first_token"), [(True, True), (True, False), (False, False)])

@@ -8,7 +8,9 @@ import random
 
 import pytest
 from engine_factories import generate, greedy, make_engine, random_prompts
+from engine_fake_connectors import Calls, DecodeScheduler, DecodeWorker, RecordingWorker, Wire, prefill
 
+from kvwire.connector.base import ConnectorOutput
 from kvwire.engine import RequestOutput
 
 
@@ -52,3 +54,56 @@ def test_random_schedule_keeps_invariants(seed: int) -> None:
             assert out.request_id in aborted
             continue
         assert out.token_ids == generate(alone, [prompt], greedy(max_tokens[i]))[0]
+
+
+class FlakyDecodeWorker(DecodeWorker):
+    """Delivers each request's remote KV after a random number of steps, or fails it."""
+
+    def __init__(self, calls: Calls, wire: Wire, scheduler: DecodeScheduler, rng: random.Random) -> None:
+        super().__init__(calls, wire, scheduler, 16)
+        self.rng = rng
+        self.gone: set[str] = set()
+
+    def get_finished(self, finished_req_ids: set[str]) -> ConnectorOutput:
+        RecordingWorker.get_finished(self, finished_req_ids)
+        pending = sorted(set(self.scheduler.allocated) - self.loaded - finished_req_ids - self.gone)
+        self.gone |= finished_req_ids  # aborted: its blocks may already belong to someone else
+        ready, failed = set(), {}
+        for request_id in pending:
+            roll = self.rng.random()
+            if roll < 0.15:
+                failed[request_id] = "injected failure"
+                self.loaded.add(request_id)
+            elif roll < 0.5:
+                self._scatter(request_id)
+                ready.add(request_id)
+        return ConnectorOutput(finished_recving=frozenset(ready), failed=failed)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_remote_kv_arrivals_failures_and_aborts(seed: int) -> None:
+    rng = random.Random(seed)
+    prompts = random_prompts(10, 5, 60, seed=seed)
+    expected = generate(make_engine(), prompts, greedy(6))
+    wire = Wire()
+    prefill(wire, prompts)
+    calls = Calls()
+    sched = DecodeScheduler(calls, wire, load_async=True, use_first_token=rng.random() < 0.5)
+    worker = FlakyDecodeWorker(calls, wire, sched, rng)
+    engine = make_engine(scheduler_connector=sched, worker_connector=worker, num_kv_blocks=24)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, greedy(6))
+    final: dict[str, RequestOutput] = {}
+    for _ in range(500):
+        if rng.random() < 0.05:
+            engine.abort_request(f"r{rng.randrange(len(prompts))}")
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+        if not engine.has_unfinished_requests():
+            break
+    assert len(final) == len(prompts) and engine.stats().kv_blocks_in_use == 0
+    assert engine.stats().num_kv_load_failures > 0
+    for i in range(len(prompts)):
+        out = final[f"r{i}"]
+        assert out.finish_reason in ("abort", "length")
+        if out.finish_reason == "length":
+            assert out.token_ids == expected[i]
