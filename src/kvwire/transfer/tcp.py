@@ -376,26 +376,48 @@ class TcpPlane(DataPlane):
 
     def _serve(self, conn: socket.socket) -> None:
         peer_id = ""
+        # Arrivals are reported from a second thread, so that the caller's sink (a scatter) for
+        # layer i overlaps the socket read of layer i+1. FIFO; bounded by the credit granted.
+        arrivals: queue.SimpleQueue[tuple[str, str, int] | None] = queue.SimpleQueue()
+        reporter = threading.Thread(
+            target=self._report_arrivals, args=(arrivals,), name="kvwire-tcp-deliver", daemon=True
+        )
+        error: BaseException | None = None
         try:
             peer_id = self._handshake(conn)
             with self._lock:
                 self._inbound[conn] = peer_id
+            reporter.start()
             while not self._closing.is_set():
-                self._read_frame(conn, peer_id)
-        except ProtocolError as exc:
-            self.callbacks.on_protocol_error(f"data connection refused: {exc}")
-        except (OSError, ConnectionError) as exc:
-            if peer_id and not self._closing.is_set():
-                self.callbacks.on_peer_failed(peer_id, f"peer_lost: data connection from peer broke: {exc}")
-            elif not peer_id:
-                self.callbacks.on_protocol_error(f"data connection failed during handshake: {exc}")
+                arrived = self._read_frame(conn, peer_id)
+                if arrived is not None:
+                    arrivals.put((peer_id, *arrived))
+        except (ProtocolError, OSError, ConnectionError) as exc:
+            error = exc
         finally:
+            if reporter.is_alive():  # report what fully arrived before any failure
+                arrivals.put(None)
+                reporter.join(timeout=10.0)
             with self._lock:
                 self._inbound.pop(conn, None)
-                self._readers.discard(threading.current_thread())
             conn.close()
+        try:
+            if isinstance(error, ProtocolError):
+                self.callbacks.on_protocol_error(f"data connection refused: {error}")
+            elif error is not None and not peer_id:
+                self.callbacks.on_protocol_error(f"data connection failed during handshake: {error}")
+            elif error is not None and not self._closing.is_set():
+                self.callbacks.on_peer_failed(peer_id, f"peer_lost: data connection from peer broke: {error}")
+        finally:
+            with self._lock:
+                self._readers.discard(threading.current_thread())  # last: close() joins until here
 
-    def _read_frame(self, conn: socket.socket, peer_id: str) -> None:
+    def _report_arrivals(self, arrivals: queue.SimpleQueue[tuple[str, str, int] | None]) -> None:
+        while (arrival := arrivals.get()) is not None:
+            self.callbacks.on_received(*arrival)
+
+    def _read_frame(self, conn: socket.socket, peer_id: str) -> tuple[str, int] | None:
+        """Read one frame into its posted buffer; (transfer id, layer) when one landed."""
         layer, num_bytes, tid_len = _FRAME.unpack(_recv_bytes(conn, _FRAME.size))
         tid = _recv_bytes(conn, tid_len).decode(errors="replace")
         with self._lock:
@@ -413,7 +435,7 @@ class TcpPlane(DataPlane):
                     f"unsolicited frame for {tid!r} layer {layer} ({num_bytes} B)"
                 )
             self._discard(conn, num_bytes)
-            return
+            return None
         item = posted[1]
         if item.dest_spans is not None:  # straight into the caller's blocks: the kernel scatters
             base = tensor_bytes(item.dest_spans.base)
@@ -429,7 +451,7 @@ class TcpPlane(DataPlane):
             staging = torch.empty(num_bytes, dtype=torch.uint8)
             _recv_exact(conn, tensor_bytes(staging))
             item.dest[:num_bytes].copy_(staging)
-        self.callbacks.on_received(peer_id, tid, layer)
+        return tid, layer
 
     @staticmethod
     def _discard(conn: socket.socket, num_bytes: int) -> None:
