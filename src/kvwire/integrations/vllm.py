@@ -155,6 +155,12 @@ class KvwireConnector(KVConnectorBase_V1):
         assert self._worker is not None, "worker-side method called on a scheduler connector"
         return self._worker
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise saves run Python inside attention: full CUDA-graph replay would skip them."""
+        del extra_config
+        return True
+
     # ============================== worker side ==============================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
