@@ -13,7 +13,8 @@ Connection (sender connects to the receiver's ``address``)::
 
 The MAC is 32 zero bytes when no secret is configured; with a secret, a bad MAC closes the connection.
 Every frame names its transfer and layer, so frames of many transfers interleave in any order
-(``ordered = False``). Threads: one acceptor, one reader per inbound connection, one writer per peer.
+(``ordered = False``). Threads: one acceptor; per inbound connection a reader and a reporter (runs the
+sinks); one writer per peer.
 """
 
 from __future__ import annotations
