@@ -20,14 +20,12 @@ sinks); one writer per peer.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import hmac
 import logging
 import os
 import queue
 import select
 import socket
-import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -37,89 +35,32 @@ import torch
 from kvwire.errors import AuthenticationError, ProtocolError
 from kvwire.transfer.base import DataPlane, PlaneCallbacks
 from kvwire.transfer.config import TransferConfig
+from kvwire.transfer.tcp_wire import (
+    CANCEL_MEMORY_S,
+    CANCEL_WAIT_S,
+    DISCARD_CHUNK,
+    FRAME,
+    HANDSHAKE_TIMEOUT_S,
+    HELLO,
+    MAC_BYTES,
+    MAGIC,
+    NONCE_BYTES,
+    POLL_S,
+    VERSION,
+    hello_mac,
+    host_port,
+    recv_bytes,
+    recv_exact,
+    recv_parts,
+    send_parts,
+    tensor_bytes,
+    tune,
+)
 from kvwire.transfer.types import PeerRef, RecvItem, SendItem
 
+__all__ = ["TcpPlane", "tensor_bytes"]
+
 log = logging.getLogger(__name__)
-
-MAGIC = b"KVWD"
-VERSION = 1
-NONCE_BYTES = 16
-MAC_BYTES = 32
-_HELLO = struct.Struct("!4sBH")  # magic, version, instance-id length
-_FRAME = struct.Struct("!IQH")  # layer index, payload bytes, transfer-id length
-HANDSHAKE_TIMEOUT_S = 5.0
-POLL_S = 0.2  # how often idle threads check for close / a dead peer
-DISCARD_CHUNK = 1 << 20
-CANCEL_MEMORY_S = 120.0
-IOV_BATCH = 512  # iovecs per sendmsg/recvmsg_into (Linux IOV_MAX is 1024)
-CANCEL_WAIT_S = 1.0  # cancel waits this long for a frame being written into caller memory
-
-
-def _mac(secret: bytes | None, nonce: bytes, instance_id: bytes) -> bytes:
-    if secret is None:
-        return bytes(MAC_BYTES)
-    return hmac.new(secret, nonce + instance_id, hashlib.sha256).digest()
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``; ConnectionError on EOF."""
-    got = 0
-    total = len(view)
-    while got < total:
-        n = sock.recv_into(view[got:], total - got)
-        if n == 0:
-            raise ConnectionError("connection closed by peer")
-        got += n
-
-
-def _recv_bytes(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    _recv_exact(sock, memoryview(buf))
-    return bytes(buf)
-
-
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """Zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
-    flat = tensor.detach().reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]
-
-
-def _send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
-    """Write every part with as few ``sendmsg`` calls (iovecs) as the kernel allows."""
-    i = 0
-    while i < len(parts):
-        sent = sock.sendmsg(parts[i : i + IOV_BATCH])
-        while i < len(parts) and sent >= len(parts[i]):
-            sent -= len(parts[i])
-            i += 1
-        if sent:
-            parts[i] = parts[i][sent:]
-
-
-def _recv_parts(sock: socket.socket, parts: list[memoryview]) -> None:
-    """Fill every part in order with ``recvmsg_into`` (the kernel scatters); ConnectionError on EOF."""
-    parts = [p for p in parts if len(p)]
-    i = 0
-    while i < len(parts):
-        got = sock.recvmsg_into(parts[i : i + IOV_BATCH])[0]
-        if got == 0:
-            raise ConnectionError("connection closed by peer")
-        while i < len(parts) and got >= len(parts[i]):
-            got -= len(parts[i])
-            i += 1
-        if got:
-            parts[i] = parts[i][got:]
-
-
-def _tune(sock: socket.socket, buffer_bytes: int) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
-
-
-def _host_port(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
 
 
 class _Outbound:
@@ -145,12 +86,12 @@ class _Outbound:
                 sock.shutdown(socket.SHUT_RDWR)
 
     def _connect(self) -> socket.socket:
-        sock = socket.create_connection(_host_port(self.peer.data_address), timeout=HANDSHAKE_TIMEOUT_S)
+        sock = socket.create_connection(host_port(self.peer.data_address), timeout=HANDSHAKE_TIMEOUT_S)
         self.sock = sock
-        _tune(sock, self.plane.config.socket_buffer_bytes)
-        nonce = _recv_bytes(sock, NONCE_BYTES)
+        tune(sock, self.plane.config.socket_buffer_bytes)
+        nonce = recv_bytes(sock, NONCE_BYTES)
         me = self.plane.instance_id.encode()
-        sock.sendall(_HELLO.pack(MAGIC, VERSION, len(me)) + me + _mac(self.plane.secret, nonce, me))
+        sock.sendall(HELLO.pack(MAGIC, VERSION, len(me)) + me + hello_mac(self.plane.secret, nonce, me))
         sock.settimeout(None)
         return sock
 
@@ -195,7 +136,7 @@ class _Outbound:
             parts = [tensor_bytes(tensor)]
         tid = item.transfer_id.encode()
         num_bytes = sum(len(p) for p in parts)
-        _send_parts(sock, [memoryview(_FRAME.pack(item.layer_index, num_bytes, len(tid)) + tid), *parts])
+        send_parts(sock, [memoryview(FRAME.pack(item.layer_index, num_bytes, len(tid)) + tid), *parts])
 
     def _finish(self) -> None:
         with self.plane._lock:
@@ -362,15 +303,15 @@ class TcpPlane(DataPlane):
 
     def _handshake(self, conn: socket.socket) -> str:
         conn.settimeout(HANDSHAKE_TIMEOUT_S)
-        _tune(conn, self.config.socket_buffer_bytes)
+        tune(conn, self.config.socket_buffer_bytes)
         nonce = os.urandom(NONCE_BYTES)
         conn.sendall(nonce)
-        magic, version, id_len = _HELLO.unpack(_recv_bytes(conn, _HELLO.size))
+        magic, version, id_len = HELLO.unpack(recv_bytes(conn, HELLO.size))
         if magic != MAGIC or version != VERSION or not 0 < id_len <= 512:
             raise ProtocolError(f"bad data-connection hello (magic {magic!r}, version {version})")
-        peer_id = _recv_bytes(conn, id_len)
-        mac = _recv_bytes(conn, MAC_BYTES)
-        if not hmac.compare_digest(mac, _mac(self.secret, nonce, peer_id)):
+        peer_id = recv_bytes(conn, id_len)
+        mac = recv_bytes(conn, MAC_BYTES)
+        if not hmac.compare_digest(mac, hello_mac(self.secret, nonce, peer_id)):
             raise AuthenticationError("data connection could not prove the shared secret")
         conn.settimeout(None)
         return peer_id.decode(errors="replace")
@@ -419,8 +360,8 @@ class TcpPlane(DataPlane):
 
     def _read_frame(self, conn: socket.socket, peer_id: str) -> tuple[str, int] | None:
         """Read one frame into its posted buffer; (transfer id, layer) when one landed."""
-        layer, num_bytes, tid_len = _FRAME.unpack(_recv_bytes(conn, _FRAME.size))
-        tid = _recv_bytes(conn, tid_len).decode(errors="replace")
+        layer, num_bytes, tid_len = FRAME.unpack(recv_bytes(conn, FRAME.size))
+        tid = recv_bytes(conn, tid_len).decode(errors="replace")
         with self._lock:
             posted = self._posted.pop((tid, layer), None)
             valid = posted is not None and posted[0] == peer_id and posted[1].num_bytes == num_bytes
@@ -441,16 +382,16 @@ class TcpPlane(DataPlane):
         if item.dest_spans is not None:  # straight into the caller's blocks: the kernel scatters
             base = tensor_bytes(item.dest_spans.base)
             try:
-                _recv_parts(conn, [base[off : off + n] for off, n in item.dest_spans.spans])
+                recv_parts(conn, [base[off : off + n] for off, n in item.dest_spans.spans])
             finally:
                 with self._lock:
                     self._writing.pop(conn, None)
                     self._written.notify_all()
         elif item.dest.device.type == "cpu":
-            _recv_exact(conn, tensor_bytes(item.dest)[:num_bytes])
+            recv_exact(conn, tensor_bytes(item.dest)[:num_bytes])
         else:  # stage through host memory
             staging = torch.empty(num_bytes, dtype=torch.uint8)
-            _recv_exact(conn, tensor_bytes(staging))
+            recv_exact(conn, tensor_bytes(staging))
             item.dest[:num_bytes].copy_(staging)
         return tid, layer
 
@@ -460,5 +401,5 @@ class TcpPlane(DataPlane):
         left = num_bytes
         while left > 0:
             n = min(left, len(scratch))
-            _recv_exact(conn, scratch[:n])
+            recv_exact(conn, scratch[:n])
             left -= n

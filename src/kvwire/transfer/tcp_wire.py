@@ -1,0 +1,90 @@
+"""Wire format and socket helpers of the TCP data plane (see :mod:`kvwire.transfer.tcp`)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import socket
+import struct
+
+import torch
+
+MAGIC = b"KVWD"
+VERSION = 1
+NONCE_BYTES = 16
+MAC_BYTES = 32
+HELLO = struct.Struct("!4sBH")  # magic, version, instance-id length
+FRAME = struct.Struct("!IQH")  # layer index, payload bytes, transfer-id length
+HANDSHAKE_TIMEOUT_S = 5.0
+POLL_S = 0.2  # how often idle threads check for close / a dead peer
+DISCARD_CHUNK = 1 << 20
+CANCEL_MEMORY_S = 120.0
+IOV_BATCH = 512  # iovecs per sendmsg/recvmsg_into (Linux IOV_MAX is 1024)
+CANCEL_WAIT_S = 1.0  # cancel waits this long for a frame being written into caller memory
+
+
+def hello_mac(secret: bytes | None, nonce: bytes, instance_id: bytes) -> bytes:
+    if secret is None:
+        return bytes(MAC_BYTES)
+    return hmac.new(secret, nonce + instance_id, hashlib.sha256).digest()
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; ConnectionError on EOF."""
+    got = 0
+    total = len(view)
+    while got < total:
+        n = sock.recv_into(view[got:], total - got)
+        if n == 0:
+            raise ConnectionError("connection closed by peer")
+        got += n
+
+
+def recv_bytes(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """Zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
+    flat = tensor.detach().reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]
+
+
+def send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
+    """Write every part with as few ``sendmsg`` calls (iovecs) as the kernel allows."""
+    i = 0
+    while i < len(parts):
+        sent = sock.sendmsg(parts[i : i + IOV_BATCH])
+        while i < len(parts) and sent >= len(parts[i]):
+            sent -= len(parts[i])
+            i += 1
+        if sent:
+            parts[i] = parts[i][sent:]
+
+
+def recv_parts(sock: socket.socket, parts: list[memoryview]) -> None:
+    """Fill every part in order with ``recvmsg_into`` (the kernel scatters); ConnectionError on EOF."""
+    parts = [p for p in parts if len(p)]
+    i = 0
+    while i < len(parts):
+        got = sock.recvmsg_into(parts[i : i + IOV_BATCH])[0]
+        if got == 0:
+            raise ConnectionError("connection closed by peer")
+        while i < len(parts) and got >= len(parts[i]):
+            got -= len(parts[i])
+            i += 1
+        if got:
+            parts[i] = parts[i][got:]
+
+
+def tune(sock: socket.socket, buffer_bytes: int) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+
+
+def host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
