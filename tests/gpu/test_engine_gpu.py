@@ -30,21 +30,26 @@ def _generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> l
     return [final[f"r{i}"] for i in range(len(prompts))]
 
 
-def test_tiny_fp32_on_cuda_matches_cpu() -> None:
+@pytest.mark.parametrize("decode_graphs", [False, True])
+def test_tiny_fp32_on_cuda_matches_cpu(decode_graphs: bool) -> None:
     rng = random.Random(0)
     prompts = [[256] + [rng.randrange(32, 127) for _ in range(n)] for n in (5, 40, 90, 17)]
     results = []
     for device in ("cpu", "cuda"):
-        engine = LLMEngine(EngineConfig(model="tiny", device=device, dtype="float32", num_kv_blocks=128))
-        results.append(_generate(engine, prompts, 16))
+        config = EngineConfig(model="tiny", device=device, dtype="float32", num_kv_blocks=128,
+                              decode_graphs=decode_graphs and device == "cuda")  # fmt: skip
+        results.append(_generate(LLMEngine(config), prompts, 16))
     assert results[0] == results[1]
 
 
-@pytest.mark.parametrize("backend", [AttentionBackend.SDPA, AttentionBackend.REFERENCE])
-def test_llama3_8b_random_bf16_prefills_and_decodes(backend: AttentionBackend) -> None:
+@pytest.mark.parametrize(
+    ("backend", "decode_graphs"),
+    [(AttentionBackend.SDPA, False), (AttentionBackend.REFERENCE, False), (AttentionBackend.SDPA, True)],
+)
+def test_llama3_8b_random_bf16_prefills_and_decodes(backend: AttentionBackend, decode_graphs: bool) -> None:
     engine = LLMEngine(
         EngineConfig(model="llama3-8b-random", device="cuda", dtype="bfloat16", num_kv_blocks=512,
-                     max_model_len=4096, attention_backend=backend)
+                     max_model_len=4096, attention_backend=backend, decode_graphs=decode_graphs)
     )  # fmt: skip
     rng = random.Random(1)
     prompts = [[rng.randrange(128_000) for _ in range(n)] for n in (2048, 7, 300)]

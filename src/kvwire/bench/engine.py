@@ -45,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "sdpa"])
+    parser.add_argument("--decode-graphs", action="store_true", help="replay decode steps from CUDA graphs")
     parser.add_argument("--threads", type=int, default=None, help="CPU: torch threads (default: torch's)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
 
@@ -83,6 +84,7 @@ def _build_engine(args: argparse.Namespace, prompt_len: int, max_batch: int, ste
         max_num_seqs=max_batch,
         enable_prefix_caching=False,  # repeated prompts must be computed every time
         attention_backend=args.attention_backend,
+        decode_graphs=args.decode_graphs,
     )
     return LLMEngine(config)
 
@@ -225,6 +227,7 @@ def _environment(args: argparse.Namespace, engine: LLMEngine) -> dict[str, Any]:
         "torch": torch.__version__,
         "block_size": args.block_size,
         "attention_backend": engine.runner.backend.value,
+        "decode_graphs": engine.runner.graphs is not None,
     }
 
 
@@ -232,7 +235,7 @@ def _table(r: dict[str, Any]) -> str:
     env, p, t = r["environment"], r["prefill"], r["throughput"]
     lines = [
         f"built-in engine: {env['model']} {env['dtype']} on {env['device']} (torch {env['torch']}, "
-        f"attention {env['attention_backend']})",
+        f"attention {env['attention_backend']}, decode graphs {'on' if env['decode_graphs'] else 'off'})",
         "",
         "| measurement | kvwire engine | baseline | ratio |",
         "|---|---|---|---|",

@@ -41,6 +41,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_load_failure_policy: KVLoadFailurePolicy = KVLoadFailurePolicy.RECOMPUTE
     attention_backend: AttentionBackend = AttentionBackend.AUTO
+    # Decode-only steps replay CUDA graphs (see decode_graphs.py). Used with the no-op worker
+    # connector only; on the CPU it runs the same static-shape path eagerly (for tests).
+    decode_graphs: bool = False
     kv_cache_memory_fraction: float = 0.8  # CUDA: share of free memory (after weights) for KV
     cpu_kv_cache_bytes: int = 1 << 30  # CPU: most bytes the auto-sized KV cache may take
     seed: int = 0  # seeds the sampler of requests without their own seed

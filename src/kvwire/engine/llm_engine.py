@@ -62,7 +62,7 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks, self.scheduler_connector)
         self.runner = ModelRunner(
-            config, self.model, num_blocks, self.worker_connector, self.device, self.dtype
+            config, self.model, num_blocks, self.worker_connector, self.device, self.dtype, self.max_model_len
         )
         self._requests: dict[str, Request] = {}  # live (not finished) requests, engine thread
         self._inbox: deque[tuple[str, Request | str]] = deque()  # ("add", req) | ("abort", id)

@@ -13,10 +13,12 @@ from collections.abc import Iterable
 
 import torch
 
-from kvwire.connector.base import ConnectorMetadata, ConnectorOutput, WorkerConnector
+from kvwire.connector.base import ConnectorMetadata, ConnectorOutput, NoOpWorkerConnector, WorkerConnector
 from kvwire.engine.attention import AttentionMetadata, ForwardContext
 from kvwire.engine.config import AttentionBackend, EngineConfig
+from kvwire.engine.decode_graphs import DecodeGraphs
 from kvwire.engine.models.llama import LlamaModel
+from kvwire.engine.request import Request
 from kvwire.engine.sampler import Sampler
 from kvwire.engine.scheduler import ScheduledRequest
 
@@ -57,6 +59,7 @@ class ModelRunner:
         connector: WorkerConnector,
         device: torch.device,
         dtype: torch.dtype,
+        max_model_len: int,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -65,10 +68,17 @@ class ModelRunner:
         self.connector = connector
         backend = config.attention_backend
         self.backend = AttentionBackend.SDPA if backend is AttentionBackend.AUTO else backend
-        shape = (2, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim)
+        use_graphs = config.decode_graphs and isinstance(connector, NoOpWorkerConnector)
+        # With graphs, one more block than the block manager knows: the padding rows' scratch block.
+        shape = (2, num_blocks + int(use_graphs), config.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         connector.register_kv_caches(self.kv_caches)
         self.sampler = Sampler(device, config.seed)
+        self.graphs = (
+            DecodeGraphs(model, self.kv_caches, num_blocks, config.max_num_seqs,
+                         -(-max_model_len // config.block_size), device)
+            if use_graphs else None
+        )  # fmt: skip
 
     def execute(
         self, scheduled: list[ScheduledRequest], metadata: ConnectorMetadata, finished_ids: Iterable[str]
@@ -87,17 +97,39 @@ class ModelRunner:
     def _forward_and_sample(self, scheduled: list[ScheduledRequest]) -> dict[str, int]:
         # Decodes (one new token) first: attention batches them over gathered blocks.
         batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
-        input_ids, positions, meta = self._prepare(batch)
-        ctx = ForwardContext(meta, self.kv_caches, self.connector, self.backend)
-        hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
+        hidden, query_start_loc = self._forward(batch)  # [T, hidden]
         rows = [i for i, s in enumerate(batch) if s.samples]
         if not rows:
             return {}
-        last_token = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in rows], device=self.device)
+        last_token = torch.tensor([query_start_loc[i + 1] - 1 for i in rows], device=self.device)
         logits = self.model.compute_logits(hidden[last_token])  # [N, vocab]
         requests = [batch[i].request for i in rows]
         tokens = self.sampler.sample(logits, [r.params for r in requests], [r.generator for r in requests])
-        return {r.request_id: t for r, t in zip(requests, tokens, strict=False)}
+        return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
+
+    def _forward(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
+        """Hidden states of the packed new tokens, and where each sequence's tokens start."""
+        widest = max(len(s.request.block_ids) for s in batch)
+        if (
+            self.graphs is not None
+            and all(s.num_new_tokens == 1 for s in batch)
+            and self.graphs.fits(len(batch), widest)
+        ):
+            reqs = [s.request for s in batch]
+            positions = [r.num_computed_tokens for r in reqs]
+            hidden = self.graphs.run(
+                [r.all_token_ids[p] for r, p in zip(reqs, positions, strict=True)],
+                positions,
+                [self._slot(r, p) for r, p in zip(reqs, positions, strict=True)],
+                [r.block_ids for r in reqs],
+            )
+            return hidden, list(range(len(batch) + 1))
+        input_ids, positions_t, meta = self._prepare(batch)
+        ctx = ForwardContext(meta, self.kv_caches, self.connector, self.backend)
+        return self.model(input_ids, positions_t, ctx), meta.query_start_loc
+
+    def _slot(self, req: Request, position: int) -> int:
+        return req.block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
     def _prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Pack the new tokens of every sequence; slot = block_id * block_size + offset."""
@@ -112,10 +144,7 @@ class ModelRunner:
             end = start + item.num_new_tokens
             input_ids += req.all_token_ids[start:end]
             positions += range(start, end)
-            slots += [
-                req.block_ids[p // self.block_size] * self.block_size + p % self.block_size
-                for p in range(start, end)
-            ]
+            slots += [self._slot(req, p) for p in range(start, end)]
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
             block_tables[i, : len(req.block_ids)] = torch.tensor(req.block_ids)
