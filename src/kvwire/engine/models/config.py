@@ -54,6 +54,8 @@ class ModelConfig:
             raise ModelLoadError(f"model_type {model_type!r} is not supported ({SUPPORTED_MODEL_TYPES})")
         if hf.get("mlp_bias"):
             raise ModelLoadError("mlp_bias is not supported")
+        if hf.get("use_sliding_window") or (model_type == "mistral" and hf.get("sliding_window")):
+            raise ModelLoadError("sliding-window attention is not supported")
         try:
             heads = int(hf["num_attention_heads"])
             hidden = int(hf["hidden_size"])
