@@ -28,6 +28,7 @@ TICK_S = 0.02  # deadline/ack-flush granularity
 MAX_BATCH = 256  # inbound messages handled per wake-up before the outbox gets a turn
 SNDHWM = 10_000
 LINGER_MS = 200  # give final Aborts a moment to leave on close
+MAX_DEALERS = 512  # cached outbound sockets (one per peer endpoint)
 
 
 class ControlLoop:
@@ -50,7 +51,8 @@ class ControlLoop:
         self._router.setsockopt(zmq.RCVHWM, SNDHWM)
         self._router.bind(f"tcp://{config.host}:{config.control_port}")
         self.endpoint: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._dealers: dict[str, zmq.Socket] = {}
+        # outbound sockets by peer endpoint, least recently used first (bounded: peers come and go)
+        self._dealers: collections.OrderedDict[str, zmq.Socket] = collections.OrderedDict()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_w.setblocking(False)
         self._wake_r.setblocking(False)
@@ -138,7 +140,12 @@ class ControlLoop:
 
     def _send_now(self, endpoint: str, msg: AnyMsg) -> None:
         dealer = self._dealers.get(endpoint)
-        if dealer is None:
+        if dealer is not None:
+            self._dealers.move_to_end(endpoint)
+        else:
+            if len(self._dealers) >= MAX_DEALERS:
+                _, oldest = self._dealers.popitem(last=False)
+                oldest.close(linger=0)
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, LINGER_MS)
             dealer.setsockopt(zmq.SNDHWM, SNDHWM)
