@@ -123,24 +123,18 @@ def plan_chunks(items: Sequence[RecvItem], max_bytes: int) -> list[list[RecvItem
     return groups
 
 
-def adjacent_span(tensors: Sequence[torch.Tensor], sizes: Sequence[int]) -> torch.Tensor | None:
-    """A flat uint8 view covering ``tensors`` when they lie back to back in one device allocation."""
+def adjacent_ptr(tensors: Sequence[torch.Tensor], sizes: Sequence[int], device: torch.device) -> int | None:
+    """Device address of ``tensors`` when they lie back to back on ``device`` (one NCCL message can
+    then cover them in place), else None. Pointer arithmetic only: no tensor is created."""
     first = tensors[0]
-    if first.device.type != "cuda" or not all(t.is_contiguous() for t in tensors):
+    if not first.is_cuda or first.device != device:
         return None
-    address = first.data_ptr()
+    start = address = first.data_ptr()
     for tensor, size in zip(tensors, sizes, strict=True):
-        if tensor.data_ptr() != address or tensor.device != first.device:
+        if tensor.data_ptr() != address or not tensor.is_contiguous():
             return None
         address += size
-    storage = first.untyped_storage()
-    start = first.data_ptr() - storage.data_ptr()
-    total = address - first.data_ptr()
-    if start + total > storage.nbytes():
-        return None
-    flat = torch.empty(0, dtype=torch.uint8, device=first.device)
-    flat.set_(storage, start, (total,), (1,))
-    return flat
+    return start
 
 
 @dataclasses.dataclass
@@ -152,7 +146,7 @@ class _Batch:
     items: list[SendItem] | list[RecvItem] | None  # None: dummy bytes (cancelled transfer)
     keepalive: list[torch.Tensor]
     issued_at: float
-    status: torch.Tensor | None = None  # receiver: pinned host int32 [2] (magic, 1 = real data)
+    status_slot: int = -1  # receiver: slot of the chunk's status word in the channel's ring
     launch_s: tuple[float, float] = (0.0, 0.0)  # perf_counter before/after the launch
 
 
@@ -189,6 +183,8 @@ class _Channel:
         self.condemned = False  # the janitor decided to fail or close this channel
         self.failing = False
         self.joined = False  # the communicator is up (both ranks joined)
+        self.warmed = False  # a first chunk completed (connection set up): inline launches allowed
+        self._launch_lock = threading.Lock()
         self.join_started: float | None = None
         self.busy_since: float | None = None  # issuer inside NCCL calls since
         self.last_active = time.monotonic()
@@ -349,22 +345,48 @@ class _Channel:
                     self.cond.wait(timeout=_WAIT_PERIOD_S)
                 if self.closed:
                     return
-                work = self._take_work()
-                self.busy_since = time.monotonic()
-            try:
-                for chunk, items in work:  # one group + one event per chunk: per-chunk completion
-                    started = time.perf_counter()
-                    batch = self._launch(chunk, items)
-                    batch.launch_s = (started, time.perf_counter())
-                    with self.cond:
-                        self.inflight.append(batch)
-                        self.cond.notify_all()
-            except TransferError as exc:
-                self.fail(f"launch: {exc}")
+            if not self.launch_pending():
                 return
-            finally:
-                with self.cond:
-                    self.busy_since = None
+
+    def launch_inline(self) -> None:
+        """Launch what is launchable on the calling (agent) thread: saves a thread hand-off (and a GIL
+        switch) per chunk. Only once the communicator carried a first chunk: connection setup, which
+        may wait for the peer, stays on the issuer thread."""
+        if self.warmed:
+            with torch.cuda.device(self.device):
+                self.launch_pending()
+
+    def launch_pending(self) -> bool:
+        """Take and launch every launchable chunk; one launcher at a time (a caller that finds another
+        launching returns: that one, or the issuer it notified, picks the work up). False on failure."""
+        if not self._launch_lock.acquire(blocking=False):
+            return True
+        try:
+            with torch.cuda.stream(self.stream):
+                while True:
+                    with self.cond:
+                        if self.closed:
+                            return True
+                        work = self._take_work()
+                        if not work:
+                            return True
+                        self.busy_since = time.monotonic()
+                    try:
+                        for chunk, items in work:  # one group + one event per chunk: per-chunk completion
+                            started = time.perf_counter()
+                            batch = self._launch(chunk, items)
+                            batch.launch_s = (started, time.perf_counter())
+                            with self.cond:
+                                self.inflight.append(batch)
+                                self.cond.notify_all()
+                    except TransferError as exc:
+                        self.fail(f"launch: {exc}")
+                        return False
+                    finally:
+                        with self.cond:
+                            self.busy_since = None
+        finally:
+            self._launch_lock.release()
 
     def _complete_loop(self) -> None:
         torch.cuda.set_device(self.device)
@@ -382,6 +404,7 @@ class _Channel:
                         return
                     self.inflight.popleft()
                     self.last_active = time.monotonic()
+                self.warmed = True
                 self.delivery_stream.wait_event(batch.event)
                 self.trace.append(
                     (batch.chunk.seq, batch.chunk.num_bytes, *batch.launch_s, time.perf_counter())

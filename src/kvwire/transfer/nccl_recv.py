@@ -14,6 +14,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -22,13 +23,15 @@ from kvwire.transfer.nccl_channel import (
     _Batch,
     _Channel,
     _Work,
-    adjacent_span,
+    adjacent_ptr,
     log,
     plan_chunks,
 )
 from kvwire.transfer.nccl_lib import load_nccl
 from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer
 from kvwire.transfer.types import RecvItem, SendItem
+
+STATUS_RING = 1024  # status slots per channel: bounds the chunks in flight
 
 
 class RecvChannel(_Channel):
@@ -40,6 +43,10 @@ class RecvChannel(_Channel):
         self.next_seq = 0
         self.pending: list[tuple[ChunkPlan, list[RecvItem]]] = []
         self.unannounced: list[ChunkPlan] = []
+        # status words of in-flight chunks: device ring (NCCL writes) + pinned host mirror (we read)
+        self._status_dev: torch.Tensor | None = None
+        self._status_host: torch.Tensor | None = None
+        self._status_np: Any = None
 
     # --- called by the plane (agent threads) ------------------------------------------------------
     def add_items(self, items: Sequence[RecvItem]) -> None:
@@ -58,6 +65,7 @@ class RecvChannel(_Channel):
                 self.unannounced.append(chunk)
             self.last_active = time.monotonic()
             self.cond.notify_all()
+        self.launch_inline()  # posted before the GRANT leaves, when the communicator is warm
 
     def take_announcement(self) -> tuple[CommOffer | None, list[ChunkPlan]]:
         """The offer (until the sender joined) and the chunk plans not yet sent to the peer."""
@@ -67,53 +75,60 @@ class RecvChannel(_Channel):
 
     # --- issuer -------------------------------------------------------------------------------------
     def _has_work(self) -> bool:
-        return bool(self.pending)
+        return bool(self.pending) and len(self.inflight) < STATUS_RING - 1
 
     def _take_work(self) -> _Work:
-        work: _Work = [(chunk, items) for chunk, items in self.pending]
-        self.pending = []
+        room = max(0, STATUS_RING - 1 - len(self.inflight))  # a status slot is free once completed
+        work: _Work = [(chunk, items) for chunk, items in self.pending[:room]]
+        self.pending = self.pending[room:]
         return work
 
     def _launch(self, chunk: ChunkPlan, items: list[SendItem] | list[RecvItem] | None) -> _Batch:
+        """One chunk as one NCCL group (data + status), staging copies, status D2H, an event; called
+        with the receive stream current (see ``launch_pending``)."""
         assert self.comm is not None
+        if self._status_dev is None:
+            self._status_dev = torch.zeros((STATUS_RING, 2), dtype=torch.int32, device=self.device)
+            self._status_host = torch.zeros((STATUS_RING, 2), dtype=torch.int32, pin_memory=True)
+            self._status_np = self._status_host.numpy()
+        assert self._status_host is not None
         group: list[RecvItem] = items  # type: ignore[assignment]
-        with torch.cuda.stream(self.stream):
-            dests = [item.dest[: item.num_bytes] for item in group]
-            span = adjacent_span(dests, [item.num_bytes for item in group])
-            in_place = span is not None and span.device == self.device
-            target = (
-                span
-                if in_place
-                else torch.empty(max(chunk.num_bytes, 1), dtype=torch.uint8, device=self.device)
-            )
-            assert target is not None
-            for dest in dests:
-                if dest.device.type == "cuda":
-                    dest.record_stream(self.stream)  # allocator: no reuse before our writes end
-            status = torch.empty(2, dtype=torch.int32, device=self.device)
-            stream = self.stream.cuda_stream
-            with self.comm.group(time.monotonic() + self.config.stall_timeout_s):
-                if chunk.num_bytes:
-                    self.comm.recv(target.data_ptr(), chunk.num_bytes, 0, stream)
-                self.comm.recv(status.data_ptr(), 8, 0, stream)
-            if not in_place:
-                offset = 0
-                for item, dest in zip(group, dests, strict=True):
-                    dest.copy_(target[offset : offset + item.num_bytes], non_blocking=True)
-                    offset += item.num_bytes
-            status_host = torch.empty(2, dtype=torch.int32, pin_memory=True)
-            status_host.copy_(status, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return _Batch(event, chunk, group, [target, status], time.monotonic(), status_host)
+        sizes = [item.num_bytes for item in group]
+        address = adjacent_ptr([item.dest for item in group], sizes, self.device)
+        staging = None
+        if address is None:
+            staging = torch.empty(max(chunk.num_bytes, 1), dtype=torch.uint8, device=self.device)
+            address = staging.data_ptr()
+            for item in group:
+                if item.dest.is_cuda:
+                    item.dest.record_stream(self.stream)  # allocator: no reuse before our writes end
+        else:
+            group[0].dest.record_stream(self.stream)  # one allocation holds them all
+        slot = chunk.seq % STATUS_RING
+        stream = self.stream.cuda_stream
+        with self.comm.group(time.monotonic() + self.config.stall_timeout_s):
+            if chunk.num_bytes:
+                self.comm.recv(address, chunk.num_bytes, 0, stream)
+            self.comm.recv(self._status_dev.data_ptr() + 8 * slot, 8, 0, stream)
+        if staging is not None:
+            offset = 0
+            for item in group:
+                item.dest[: item.num_bytes].copy_(
+                    staging[offset : offset + item.num_bytes], non_blocking=True
+                )
+                offset += item.num_bytes
+        self._status_host[slot].copy_(self._status_dev[slot], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        keep = [staging] if staging is not None else []
+        return _Batch(event, chunk, group, keep, time.monotonic(), status_slot=slot)
 
     # --- completer ----------------------------------------------------------------------------------
     def _complete(self, batch: _Batch) -> None:
-        assert batch.status is not None
         tid = batch.chunk.transfer_id
         if tid in self.cancelled:
             return
-        magic, real = batch.status.tolist()
+        magic, real = (int(v) for v in self._status_np[batch.status_slot])
         if magic != STATUS_MAGIC or real != 1:
             reason = (
                 "protocol: chunk status garbled"

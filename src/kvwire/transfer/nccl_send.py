@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvwire.transfer.nccl_channel import STATUS_MAGIC, _Batch, _Channel, _Work, adjacent_span, log
+from kvwire.transfer.nccl_channel import STATUS_MAGIC, _Batch, _Channel, _Work, adjacent_ptr, log
 from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer
 from kvwire.transfer.types import RecvItem, SendItem
 
@@ -45,6 +45,7 @@ class SendChannel(_Channel):
                     self.plans[chunk.seq] = chunk
             self.last_active = time.monotonic()
             self.cond.notify_all()
+        self.launch_inline()
 
     def add_items(self, items: Sequence[SendItem]) -> None:
         with self.cond:
@@ -53,6 +54,7 @@ class SendChannel(_Channel):
                     self.ready[(item.transfer_id, item.layer_index)] = item
             self.last_active = time.monotonic()
             self.cond.notify_all()
+        self.launch_inline()
 
     def _forget(self, transfer_id: str) -> None:
         for key in [k for k in self.ready if k[0] == transfer_id]:
@@ -84,47 +86,54 @@ class SendChannel(_Channel):
                 work.append((chunk, items))
         return work
 
-    def _source(self, chunk: ChunkPlan, items: list[SendItem] | None) -> tuple[torch.Tensor, bool]:
-        """Bytes to send for one chunk (on the send stream); False when dummy bytes replace it (the
-        chunk's status message then tells the receiver the data is not real)."""
+    def _source(
+        self, chunk: ChunkPlan, items: list[SendItem] | None
+    ) -> tuple[int, torch.Tensor | None, bool]:
+        """(device address, buffer to keep alive, real data?) of one chunk, on the send stream (the
+        current stream). Not real: dummy bytes, and the chunk's status message says so."""
         if items is not None:
             sizes = [item.tensor.numel() * item.tensor.element_size() for item in items]
             if sum(sizes) == chunk.num_bytes:
+                waited: set[int] = set()
                 for item in items:
-                    if item.ready_event is not None:
+                    if item.ready_event is not None and id(item.ready_event) not in waited:
+                        waited.add(id(item.ready_event))
                         self.stream.wait_event(item.ready_event)
-                span = adjacent_span([item.tensor for item in items], sizes)
-                if span is not None and span.device == self.device:
-                    return span, True
+                address = adjacent_ptr([item.tensor for item in items], sizes, self.device)
+                if address is not None:
+                    return address, None, True
                 staging = torch.empty(chunk.num_bytes, dtype=torch.uint8, device=self.device)
                 offset = 0
                 for item, size in zip(items, sizes, strict=True):
                     flat = item.tensor.reshape(-1).view(torch.uint8)
                     staging[offset : offset + size].copy_(flat, non_blocking=True)
                     offset += size
-                return staging, True
+                return staging.data_ptr(), staging, True
             reason = f"mismatch: layers of {sum(sizes)} bytes, receiver planned {chunk.num_bytes}"
             self.callbacks.on_transfer_failed(chunk.transfer_id, reason)
         if self._scratch is None or self._scratch.numel() < chunk.num_bytes:
             self._scratch = torch.empty(max(chunk.num_bytes, 1), dtype=torch.uint8, device=self.device)
-        return self._scratch[: chunk.num_bytes], False
+        return self._scratch.data_ptr(), self._scratch, False
 
     def _launch(self, chunk: ChunkPlan, items: list[SendItem] | list[RecvItem] | None) -> _Batch:
+        """One chunk as one NCCL group (data + status) and an event; called with the send stream
+        current (see ``launch_pending``)."""
         assert self.comm is not None
-        with torch.cuda.stream(self.stream):
-            if not self._status:
-                for flag in (True, False):
-                    value = [STATUS_MAGIC, int(flag)]
-                    self._status[flag] = torch.tensor(value, dtype=torch.int32, device=self.device)
-            source, real = self._source(chunk, items)  # type: ignore[arg-type]
-            stream = self.stream.cuda_stream
-            with self.comm.group(time.monotonic() + self.config.stall_timeout_s):
-                if chunk.num_bytes:
-                    self.comm.send(source.data_ptr(), chunk.num_bytes, 1, stream)
-                self.comm.send(self._status[real].data_ptr(), 8, 1, stream)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return _Batch(event, chunk, items if real else None, [source], time.monotonic())
+        if not self._status:
+            for flag in (True, False):
+                value = [STATUS_MAGIC, int(flag)]
+                self._status[flag] = torch.tensor(value, dtype=torch.int32, device=self.device)
+        address, keep, real = self._source(chunk, items)  # type: ignore[arg-type]
+        stream = self.stream.cuda_stream
+        with self.comm.group(time.monotonic() + self.config.stall_timeout_s):
+            if chunk.num_bytes:
+                self.comm.send(address, chunk.num_bytes, 1, stream)
+            self.comm.send(self._status[real].data_ptr(), 8, 1, stream)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return _Batch(
+            event, chunk, items if real else None, [keep] if keep is not None else [], time.monotonic()
+        )
 
     # --- completer ----------------------------------------------------------------------------------
     def _complete(self, batch: _Batch) -> None:

@@ -12,7 +12,7 @@ from kvwire.errors import ConfigError, ProtocolError
 from kvwire.transfer import cuda_paged
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.nccl import NcclPlane, NcclPlaneConfig
-from kvwire.transfer.nccl_channel import adjacent_span, plan_chunks
+from kvwire.transfer.nccl_channel import adjacent_ptr, plan_chunks
 from kvwire.transfer.nccl_lib import CommConfig, NcclUnavailableError, _Config, _make_config
 from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer, NcclInfo, decode_info, encode_info
 from kvwire.transfer.paged import KVLayout, gather_blocks
@@ -36,9 +36,9 @@ def test_plan_chunks_coalesces_within_a_transfer_up_to_the_bound() -> None:
     assert [it.layer_index for g in groups for it in g] == list(range(9))
 
 
-def test_adjacent_span_only_for_device_tensors() -> None:
+def test_adjacent_ptr_only_for_device_tensors() -> None:
     flat = torch.zeros(100, dtype=torch.uint8)
-    assert adjacent_span([flat[:50], flat[50:]], [50, 50]) is None  # host memory: never in place
+    assert adjacent_ptr([flat[:50], flat[50:]], [50, 50], torch.device("cuda", 0)) is None  # host memory
 
 
 def test_info_round_trip_and_validation() -> None:
