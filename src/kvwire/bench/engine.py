@@ -86,7 +86,10 @@ def _build_engine(args: argparse.Namespace, prompt_len: int, max_batch: int, ste
         attention_backend=args.attention_backend,
         decode_graphs=args.decode_graphs,
     )
-    return LLMEngine(config)
+    engine = LLMEngine(config)
+    if engine.runner.graphs is not None:
+        engine.runner.graphs.capture_all()  # not during the timed steps
+    return engine
 
 
 class _Bench:

@@ -58,6 +58,18 @@ class DecodeGraphs:
     def fits(self, batch_size: int, num_blocks: int) -> bool:
         return batch_size <= self.batch_sizes[-1] and num_blocks <= self.widths[-1]
 
+    def capture_all(self) -> None:
+        """Capture every (batch, width) graph now rather than on first use (largest first, as they
+        share one memory pool). The inputs are all padding: only the scratch block is written."""
+        if not self.capture:
+            return
+        with torch.inference_mode():
+            for batch in reversed(self.batch_sizes):
+                for width in reversed(self.widths):
+                    if (batch, width) not in self.graphs:
+                        self._fill(batch, width, [], [], [], [])
+                        self._capture(batch, width)
+
     def run(
         self, input_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]]
     ) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_factories import generate, greedy, make_engine, random_prompts
 from engine_fake_connectors import Calls, RecordingScheduler, RecordingWorker
 
@@ -53,3 +54,23 @@ def test_not_used_with_a_real_worker_connector() -> None:
     )
     assert engine.runner.graphs is None
     assert engine.runner.kv_caches[0].shape[1] == engine.blocks.num_blocks
+
+
+def test_capture_all_is_a_no_op_without_cuda() -> None:
+    engine = make_engine(decode_graphs=True, max_num_seqs=4)
+    assert engine.runner.graphs is not None
+    engine.runner.graphs.capture_all()
+    assert engine.runner.graphs.graphs == {}
+
+
+def test_padding_rows_only_touch_the_scratch_block() -> None:
+    engine = make_engine(decode_graphs=True, max_num_seqs=4, num_kv_blocks=16)
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    generate(engine, PROMPTS[:2], greedy(3))  # some real KV in the cache
+    before = [kv[:, :16].clone() for kv in engine.runner.kv_caches]
+    graphs._fill(4, graphs.widths[-1], [], [], [], [])  # what capture_all replays: padding only
+    with torch.inference_mode():
+        graphs._forward(4, graphs.widths[-1])
+    assert all(torch.equal(kv[:, :16], b) for kv, b in zip(engine.runner.kv_caches, before, strict=True))
+    assert any(kv[:, 16].abs().sum() > 0 for kv in engine.runner.kv_caches)
