@@ -369,8 +369,8 @@ class Receiver:
             return False
         self.core.plane.cancel(transfer_id)
         for granted in st.granted.values():
-            if granted is not None:
-                granted.release()
+            if granted is not None:  # a posted receive may still land in it (NCCL: until the
+                granted.hand_over()  # cancelled chunk's dummy bytes arrive): never hand it out again
         for buf in st.held.values():  # includes layers in a sink call now (their tensor stays alive)
             buf.release()
         self.acks.pop(transfer_id, None)
