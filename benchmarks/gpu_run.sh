@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces the NCCL data-plane GPU runs on a 2-GPU machine (2 x H200 on NVLink):
-#   benchmarks/gpu_run.sh [all|tests|bench] [bench args...]
+#   benchmarks/gpu_run.sh [all|tests|probe|bench] [bench args...]
 # GPU tests (pytest -m gpu tests/gpu) and `python -m kvwire.bench.transfer_nccl` (= kvwire bench transfer
 # --backend nccl). Logs and JSON go to $OUT (default ./out). pyzmq/msgspec wheels for Python 3.12 are
 # installed from .whl/ when the image lacks them (see docs/decisions/061-nccl-data-plane.md).
@@ -21,6 +21,10 @@ export PYTHONPATH=src:${PYTHONPATH:-}
 rc=0
 if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
   timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu --timeout 240 2>&1 | tee "$OUT/gpu_tests.log"
+  rc=$((rc | ${PIPESTATUS[0]}))
+fi
+if [ "$MODE" = all ] || [ "$MODE" = probe ]; then
+  timeout 200 python3 benchmarks/nccl_probe.py 2>&1 | tee "$OUT/probe.log"
   rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
