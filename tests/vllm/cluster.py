@@ -162,7 +162,7 @@ def metric_total(port: int, name: str, labels: dict[str, str]) -> float:
     return total
 
 
-KV_DEADLINE_S = 8.0
+KV_DEADLINE_S = 15.0
 STARTUP_TIMEOUT_S = 600.0
 
 
