@@ -86,7 +86,11 @@ class TransferAgent:
         with_trailer: bool = False,
     ) -> None:
         """Announce a transfer to ``peer_endpoint`` (one Offer message), or hold it for a pull
-        (``peer_endpoint`` None: lease until the deadline). Never blocks on the network."""
+        (``peer_endpoint`` None: lease until the deadline). Never blocks on the network.
+
+        ``transfer_id``: caller-given, unique (e.g. a uuid minted by the router); do not reuse an id
+        for a new transfer between the same agents (ended ids are remembered to reject late
+        messages)."""
         with self._core.lock:
             self._check_open()
             deadline = self.config.default_deadline_s if deadline_s is None else deadline_s
