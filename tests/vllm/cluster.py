@@ -175,6 +175,7 @@ class Cluster:
     p_port: int
     d_port: int
     ref_port: int
+    both_port: int
     procs: dict[str, Proc]
 
     def router_url(self) -> str:

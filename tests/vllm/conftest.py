@@ -3,8 +3,9 @@ in .venv-vllm; excluded from the main pytest run (``--ignore=tests/vllm`` in pyp
 
 One session-scoped cluster serves every test (engine start-ups cost ~30-90 s each on the 2-core box):
 a kvwire router (push first; restarted in pull mode on the same ports), a prefill instance
-(``kv_producer``), a decode instance (``kv_consumer``, ``kv_load_failure_policy=recompute``) and a
-plain vLLM reference, all started in parallel. Logs go to ``build/vllm-tier-logs/``.
+(``kv_producer``), a decode instance (``kv_consumer``, ``kv_load_failure_policy=recompute``), a
+plain vLLM reference and an unregistered ``kv_both`` instance with the ``fail`` policy, all started
+in parallel. Logs go to ``build/vllm-tier-logs/``.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ def model_dir() -> Path:
 def cluster(model_dir: Path) -> Iterator[Cluster]:
     log_dir = REPO / "build" / "vllm-tier-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    c = Cluster(model_dir, log_dir, free_port(), free_port(), free_port(), free_port(), free_port(), {})
+    c = Cluster(
+        model_dir, log_dir, free_port(), free_port(), free_port(), free_port(), free_port(), free_port(), {}
+    )
     router = f"tcp://127.0.0.1:{c.discovery_port}"
     common = {"router": router, "heartbeat_interval_s": 0.5, "deadline_s": KV_DEADLINE_S}
     try:
@@ -52,8 +55,13 @@ def cluster(model_dir: Path) -> Iterator[Cluster]:
             kv_transfer_config("kv_consumer", {**common, "http_port": c.d_port, "instance_id": "vllm-d"}),
         )
         c.procs["ref"] = start_vllm("reference", model_dir, c.ref_port, log_dir, None)
-        engines = [c.procs["p"], c.procs["d"], c.procs["ref"]]
-        for port in (c.p_port, c.d_port, c.ref_port):
+        # kv_both with vLLM's "fail" policy, not registered (the router would route P/D traffic to it).
+        c.procs["both"] = start_vllm(
+            "both", model_dir, c.both_port, log_dir,
+            kv_transfer_config("kv_both", {"deadline_s": KV_DEADLINE_S}, failure_policy="fail"),
+        )
+        engines = list(c.procs.values())
+        for port in (c.p_port, c.d_port, c.ref_port, c.both_port):
             wait_until(lambda port=port: healthy(port), STARTUP_TIMEOUT_S, engines, f"vLLM on port {port}")
         c.start_router("push")
         yield c

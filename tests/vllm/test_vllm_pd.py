@@ -12,12 +12,13 @@ import json
 import random
 import signal
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from cluster import KV_DEADLINE_S, MAX_MODEL_LEN, ROUTER_TTL_S, Cluster, metric_total
+from cluster import KV_DEADLINE_S, MAX_MODEL_LEN, ROUTER_TTL_S, Cluster, free_port, metric_total
 
 BLOCK = 128
 LENGTHS = [1, 5, 31, BLOCK - 1, BLOCK, BLOCK + 1, 200, 2 * BLOCK, 2 * BLOCK + 1, 3 * BLOCK + 5, 600, 1000]
@@ -107,6 +108,46 @@ def test_push_equals_plain_vllm(cluster: Cluster, reference: dict[int, Any]) -> 
 def test_pull_equals_plain_vllm(cluster: Cluster, reference: dict[int, Any]) -> None:
     cluster.start_router("pull")
     check_pd(cluster, reference[2], seed=2)
+
+
+def test_kv_both_serves_as_prefill(cluster: Cluster, reference: dict[int, Any]) -> None:
+    """A kv_both instance is P (pull) for the decode instance: output equals plain vLLM and D
+    computed only the last prompt token."""
+    both_url = f"http://127.0.0.1:{cluster.both_port}"
+    prompt, expected = prompts(1)[6], reference[1][6]
+    p_params = {"transfer_id": "both-1", "mode": "pull", "role": "prefill", "deadline_s": KV_DEADLINE_S}
+    answer = complete(both_url, prompt, extra={"max_tokens": 1, "kv_transfer_params": p_params})
+    before = local_compute(cluster)
+    d_params = dict(answer["kv_transfer_params"], role="decode")
+    out = complete(f"http://127.0.0.1:{cluster.d_port}", prompt, extra={"kv_transfer_params": d_params})
+    assert (out["choices"][0].get("token_ids"), out["choices"][0]["text"]) == expected
+    deadline = time.monotonic() + 30
+    while local_compute(cluster) - before < 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert local_compute(cluster) - before == 1
+    assert kv_blocks_released(cluster.both_port, 15), "the kv_both instance kept P's blocks"
+
+
+def test_kv_both_fail_policy(cluster: Cluster, reference: dict[int, Any]) -> None:
+    """vLLM's kv_load_failure_policy=fail: KV that never comes (P unreachable) ends the request with
+    an error within the deadline, and the instance keeps serving."""
+    both_url = f"http://127.0.0.1:{cluster.both_port}"
+    prompt = prompts(1)[7]
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    params = {
+        "transfer_id": "fail-1", "mode": "pull", "role": "decode", "peer_endpoints": [dead],
+        "deadline_s": 3.0, "num_prompt_tokens": len(prompt),
+    }
+    t0 = time.monotonic()
+    try:
+        out = complete(both_url, prompt, extra={"kv_transfer_params": params}, timeout_s=60)
+        failed = out["choices"][0]["finish_reason"] not in ("length", "stop")
+    except urllib.error.HTTPError as exc:
+        failed = exc.code >= 400
+    assert failed, "the request whose KV never came should end with an error"
+    assert time.monotonic() - t0 < 3.0 + 30
+    plain = complete(both_url, prompts(1)[4])["choices"][0]
+    assert (plain.get("token_ids"), plain["text"]) == reference[1][4]
 
 
 def test_prefill_killed_mid_handover(cluster: Cluster, reference: dict[int, Any]) -> None:
