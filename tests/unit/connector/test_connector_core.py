@@ -219,3 +219,27 @@ def test_d_prefix_cache_hit_keeps_its_own_blocks(fabric: FakeFabric, registry) -
     d.until(lambda o: dreq.request_id in o.finished_recving)
     assert_blocks_equal(p, p_ids[1:], d, d_ids[1:])
     assert all(bool((c[:, 7] == 5.0).all()) for c in d.caches)
+
+
+@pytest.mark.parametrize("layout", ["block_first", "mla"])
+def test_other_paged_layouts(fabric: FakeFabric, registry, layout: str) -> None:
+    from kvwire.transfer.paged import KVLayout
+
+    kv_layout = KVLayout(layout)
+    shape = (NUM_BLOCKS, 2, BLOCK, 2, 4) if kv_layout is KVLayout.BLOCK_FIRST else (NUM_BLOCKS, BLOCK, 12)
+    p, d = make_pd(fabric, registry, use_first_token=False)
+    for side, fill in ((p, torch.randn), (d, torch.zeros)):
+        info = EngineInfo(block_size=BLOCK, kv_layout=kv_layout)
+        side.sched = KvwireSchedulerConnector(side.config, info, [side.agent.endpoint], metrics=side.metrics)
+        side.worker = KvwireWorkerConnector(side.config, info, side.agent, metrics=side.metrics)
+        side.caches = [fill(*shape) for _ in range(NUM_LAYERS)]
+        side.worker.register_kv_caches(side.caches)
+    preq, dreq = push_requests(p, d, prompt_len=2 * BLOCK + 3)  # D loads 2*BLOCK+2 tokens: 3 blocks
+    d.sched.get_num_new_matched_tokens(dreq, 0)
+    d.sched.update_state_after_alloc(dreq, [9, 3, 4], 2 * BLOCK + 2)
+    d.step()
+    p.sched.get_num_new_matched_tokens(preq, 0)
+    p.step(chunk(preq, [0, 5, 7], computed=0, scheduled=2 * BLOCK + 3))
+    d.until(lambda o: dreq.request_id in o.finished_recving)
+    for layer in range(NUM_LAYERS):
+        assert torch.equal(p.caches[layer][[0, 5, 7]], d.caches[layer][[9, 3, 4]])

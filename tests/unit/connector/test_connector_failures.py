@@ -190,3 +190,13 @@ def test_check_request_params_gives_clear_errors(fabric) -> None:  # type: ignor
         p.sched.check_request_params({"transfer_id": "y", "role": "prefill"})
     with pytest.raises(InvalidRequestError):
         p.sched.check_request_params({"role": "prefill"})
+
+
+def test_reason_labels_are_bounded() -> None:
+    from kvwire.connector.state import reason_label
+
+    assert reason_label("deadline: 0/32 layers acknowledged") == "deadline"
+    assert reason_label("peer_lost: NCCL call blocked") == "peer_lost"
+    assert reason_label("peer_aborted: request ended") == "peer_aborted"
+    assert reason_label("request ended while loading remote KV") == "error"
+    assert reason_label("Connection timed out somewhere") == "deadline"
