@@ -1,8 +1,8 @@
 """Prometheus collectors of the P/D connector (exposed by the instance's ``/metrics``).
 
-``side`` is ``send`` (P) or ``recv`` (D). Handover phases: ``p_prefill`` (P: request scheduled ->
-the step that completes its prompt), ``transfer`` (P: send announced -> every layer acknowledged),
-``d_wait`` (D: blocks allocated -> all remote KV in).
+``side`` is ``send`` (P) or ``recv`` (D). Handover phases: ``p_prefill`` (P: request first seen by
+the scheduler -> prompt computed and first token sampled), ``transfer`` (P: end of prefill -> every
+layer and the trailer acknowledged by D), ``d_wait`` (D: blocks allocated -> all remote KV in).
 """
 
 from __future__ import annotations

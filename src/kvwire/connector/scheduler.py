@@ -228,11 +228,9 @@ class KvwireSchedulerConnector(SchedulerConnector):
     def _start_send(self, state: RequestState, block_ids: Sequence[int]) -> None:
         num_blocks = math.ceil(state.num_prompt_tokens / self.engine_info.block_size)
         push = state.params.mode is TransferMode.PUSH
-        now = time.monotonic()
-        self._metrics.handover_seconds.labels(phase="p_prefill").observe(now - state.created_s)
         state.block_ids = tuple(block_ids[:num_blocks])
         state.phase = Phase.SENDING
-        state.transfer_started_s = now
+        state.transfer_started_s = time.monotonic()
         self._sends.append(
             SendSpec(
                 request_id=state.request_id,
@@ -261,6 +259,7 @@ class KvwireSchedulerConnector(SchedulerConnector):
         if state is None:
             return
         if state.phase in (Phase.SENDING, Phase.AWAITING_SEND) and state.transfer_started_s is not None:
+            # From the end of P's prefill (request finished) when known: the handover proper.
             self._metrics.handover_seconds.labels(phase="transfer").observe(
                 time.monotonic() - state.transfer_started_s
             )
@@ -312,6 +311,9 @@ class KvwireSchedulerConnector(SchedulerConnector):
             self._reqs.pop(state.request_id, None)  # never sent (ended mid-prefill) or already acknowledged
             return False, None
         state.phase = Phase.AWAITING_SEND
+        now = time.monotonic()
+        self._metrics.handover_seconds.labels(phase="p_prefill").observe(now - state.created_s)
+        state.transfer_started_s = now
         self._metrics.blocks_awaiting_send.inc(len(state.block_ids))
         if state.params.mode is TransferMode.PUSH:
             if self.config.use_first_token:

@@ -96,6 +96,8 @@ def test_push_chunked_prefill_moves_every_layer_and_the_first_token(fabric: Fake
     assert p_out.finished_sending == {preq.request_id}
     assert p.metrics.blocks_awaiting_send._value.get() == 0
     assert p.sched.num_tracked_requests == 0
+    for phase in ("p_prefill", "transfer"):
+        assert registry.get_sample_value("kvwire_pd_handover_seconds_count", {"phase": phase}) == 1, phase
 
     d_out = d.until(lambda o: bool(o.finished_recving))
     assert d_out.finished_recving == {dreq.request_id} and not d_out.invalid_block_ids
