@@ -75,7 +75,7 @@ class _Send:
 @dataclasses.dataclass
 class _Recv:
     spec: RecvSpec
-    ids: torch.Tensor
+    ids: torch.Tensor  # host memory (see _expect)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     cancelled: bool = False
     error: str | None = None  # a layer could not be scattered (shape/dtype mismatch)
@@ -242,7 +242,9 @@ class KvwireWorkerConnector(WorkerConnector):
     # --- receive side -----------------------------------------------------------------------
 
     def _expect(self, spec: RecvSpec) -> None:
-        recv = _Recv(spec, self._ids(spec.block_ids[spec.skip_blocks :]))
+        # Host-side ids: the sink copies them on its own (delivery) stream, so the copy is ordered
+        # before the scatter whatever stream the engine thread had current here.
+        recv = _Recv(spec, self._host_ids(spec.block_ids[spec.skip_blocks :]))
         pull_from: str | None = None
         if spec.pull_from:
             if self.engine_info.rank >= len(spec.pull_from):
@@ -270,7 +272,8 @@ class KvwireWorkerConnector(WorkerConnector):
             try:
                 cache = self._kv_caches[layer_index]
                 data = self._fit(tensor, len(recv.spec.block_ids), recv.spec.skip_blocks)
-                scatter_blocks(cache, recv.ids, data, self._layout)
+                ids = recv.ids if cache.device.type == "cpu" else recv.ids.to(cache.device, non_blocking=True)
+                scatter_blocks(cache, ids, data, self._layout)
             except (IndexError, ValueError) as exc:
                 recv.error = f"mismatch: layer {layer_index}: {exc}"
                 return
@@ -357,6 +360,13 @@ class KvwireWorkerConnector(WorkerConnector):
 
     def _count_failure(self, side: str, reason: str) -> None:
         self._metrics.transfers_failed.labels(side=side, reason=reason_label(reason)).inc()
+
+    def _host_ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """int64 ids in host memory (pinned when the cache is on a GPU, for asynchronous copies)."""
+        ids = torch.tensor(list(block_ids), dtype=torch.int64)
+        if self._kv_caches and self._kv_caches[0].is_cuda:
+            ids = ids.pin_memory()
+        return ids
 
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         device = self._kv_caches[0].device if self._kv_caches else torch.device(self.engine_info.device)
