@@ -17,6 +17,7 @@ by channel bound, and one-launch vs per-layer gather/scatter. Needs two CUDA GPU
 from __future__ import annotations
 
 import argparse
+import builtins
 import datetime
 import json
 import multiprocessing as mp
@@ -97,24 +98,28 @@ def run(args: argparse.Namespace) -> int:
                 proc.kill()
     report = results[0]
     report["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    print_table(report)
-    if getattr(args, "json", False):
-        print(json.dumps(report, indent=1))
+    as_json = getattr(args, "json", False)
+    print_table(report, sys.stderr if as_json else sys.stdout)
+    if as_json:  # one JSON object on stdout, like the TCP benchmark; the table goes to stderr
+        print(json.dumps(report))
     if getattr(args, "out", None):
         with open(args.out, "w") as fh:
             json.dump(report, fh, indent=1)
     return 0
 
 
-def print_table(report: dict[str, Any]) -> None:
+def print_table(report: dict[str, Any], out: Any = None) -> None:
+    def print(*parts: object) -> None:  # the table's own printer (to ``out``)
+        builtins.print(*parts, file=out or sys.stdout)
+
     print(f"\nNCCL KV transfer, {report['gpu']} x2, NCCL {report['nccl']}, torch {report['torch']}")
     head = ["tokens", "MiB", "(a) ceil", "(b) ref", "(c) kvw", "c/a", "c/b"]
     print(" ".join(f"{name:>9}" for name in head), "verified")
     for row in report["sizes"]:
         print(
-            f"{row['tokens']:>7} {row['bytes'] / 2**20:>6.0f} {row['ceiling_gbps']:>9.1f} "
-            f"{row['reference_gbps']:>9.1f} {row['gbps']:>9.1f} {row['ratio']:>6.2f} "
-            f"{row['speedup_vs_reference']:>6.2f} {row['verified']}"
+            f"{row['tokens']:>9} {row['bytes'] / 2**20:>9.0f} {row['ceiling_gbps']:>9.1f} "
+            f"{row['reference_gbps']:>9.1f} {row['gbps']:>9.1f} {row['ratio']:>9.2f} "
+            f"{row['speedup_vs_reference']:>9.2f} {row['verified']}"
         )
     print("(GB/s; ms in the JSON)")
     for row in report.get("chunk_sweep", []):
@@ -124,10 +129,12 @@ def print_table(report: dict[str, Any]) -> None:
         )
     ov = report.get("overlap")
     if ov:
+        exposed = ov["exposed_ms"]
+        tail = f"{exposed} ms after the forward" if exposed > 0 else f"none ({-exposed} ms before its end)"
         print(
-            f"overlap @{ov['tokens']} tokens: layer compute {ov['layer_compute_ms']} ms, exposed after last "
-            f"layer {ov['exposed_ms']} ms ({ov['exposed_over_layer']}x), forward {ov['forward_ms']} -> "
-            f"{ov['forward_with_transfer_ms']} ms with transfer"
+            f"overlap @{ov['tokens']} tokens: layer compute {ov['layer_compute_ms']} ms, KV in flight "
+            f"after the forward: {tail}; forward {ov['forward_ms']} -> {ov['forward_with_transfer_ms']} "
+            f"ms while sending; goal met: {ov['goal_met']}"
         )
     for row in report.get("comm_memory", []):
         print(f"comm max_ctas={row['max_ctas']}: {row['comm_gpu_mib']} MiB GPU, {row['gbps']} GB/s @256 MiB")
