@@ -71,6 +71,12 @@ class NcclPlaneConfig:
     idle_close_s: float = 120.0  # a receive communicator unused this long is destroyed
     init_timeout_s: float = 60.0  # communicator join deadline
     stall_timeout_s: float = 60.0  # an operation in flight longer than this aborts the communicator
+    # Chunks posted to NCCL and not completed, per channel. Bounded so NCCL's host->GPU work FIFO (held by
+    # queued kernels until they finish) never fills: a full FIFO makes ncclGroupEnd block.
+    max_inflight_chunks: int = 16
+    # Launch on the calling (agent/engine) thread once warm, instead of handing off to the issuer thread.
+    # Off by default: a blocking NCCL call there would hold the caller (and the agent's lock) hostage.
+    inline_launch: bool = False
 
     def __post_init__(self) -> None:
         CommConfig(self.min_ctas, self.max_ctas)  # validates the CTA bounds
@@ -78,6 +84,8 @@ class NcclPlaneConfig:
             raise ConfigError("NcclPlaneConfig.chunk_bytes must be >= 1 MiB")
         if self.max_comms < 1:
             raise ConfigError("NcclPlaneConfig.max_comms must be >= 1")
+        if not 1 <= self.max_inflight_chunks <= 512:
+            raise ConfigError("NcclPlaneConfig.max_inflight_chunks must be in [1, 512]")
         if min(self.idle_close_s, self.init_timeout_s, self.stall_timeout_s) <= 0:
             raise ConfigError("NcclPlaneConfig timeouts must be > 0")
 
@@ -352,7 +360,7 @@ class _Channel:
         """Launch what is launchable on the calling (agent) thread: saves a thread hand-off (and a GIL
         switch) per chunk. Only once the communicator carried a first chunk: connection setup, which
         may wait for the peer, stays on the issuer thread."""
-        if self.warmed:
+        if self.warmed and self.config.inline_launch:
             with torch.cuda.device(self.device):
                 self.launch_pending()
 
@@ -404,6 +412,7 @@ class _Channel:
                         return
                     self.inflight.popleft()
                     self.last_active = time.monotonic()
+                    self.cond.notify_all()  # room for another chunk (max_inflight_chunks)
                 self.warmed = True
                 self.delivery_stream.wait_event(batch.event)
                 self.trace.append(

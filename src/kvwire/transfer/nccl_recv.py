@@ -75,10 +75,14 @@ class RecvChannel(_Channel):
 
     # --- issuer -------------------------------------------------------------------------------------
     def _has_work(self) -> bool:
-        return bool(self.pending) and len(self.inflight) < STATUS_RING - 1
+        return bool(self.pending) and len(self.inflight) < self._limit()
+
+    def _limit(self) -> int:
+        # a status slot is free again once its chunk completed
+        return min(STATUS_RING - 1, self.config.max_inflight_chunks)
 
     def _take_work(self) -> _Work:
-        room = max(0, STATUS_RING - 1 - len(self.inflight))  # a status slot is free once completed
+        room = max(0, self._limit() - len(self.inflight))
         work: _Work = [(chunk, items) for chunk, items in self.pending[:room]]
         self.pending = self.pending[room:]
         return work

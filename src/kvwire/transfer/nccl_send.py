@@ -72,11 +72,12 @@ class SendChannel(_Channel):
 
     def _has_work(self) -> bool:
         chunk = self.plans.get(self.next_seq)
-        return chunk is not None and self._launchable(chunk)
+        room = len(self.inflight) < self.config.max_inflight_chunks
+        return room and chunk is not None and self._launchable(chunk)
 
     def _take_work(self) -> _Work:
         work: _Work = []
-        while self._has_work():
+        while self._has_work() and len(self.inflight) + len(work) < self.config.max_inflight_chunks:
             chunk = self.plans.pop(self.next_seq)
             self.next_seq += 1
             if chunk.transfer_id in self.cancelled:

@@ -68,6 +68,8 @@ def test_configs_are_validated() -> None:
         NcclPlaneConfig(chunk_bytes=1024)
     with pytest.raises(ConfigError):
         NcclPlaneConfig(max_ctas=100)
+    with pytest.raises(ConfigError):
+        NcclPlaneConfig(max_inflight_chunks=0)
     assert NcclPlaneConfig(max_ctas=8).comm_config == CommConfig(max_ctas=8, blocking=True)
 
 
