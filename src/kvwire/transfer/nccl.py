@@ -34,7 +34,8 @@ import torch
 from kvwire.errors import ProtocolError, TransferError
 from kvwire.transfer.base import DataPlane, PlaneCallbacks
 from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.nccl_channel import CancelledSet, NcclPlaneConfig, _Channel
+from kvwire.transfer.nccl_channel import CancelledSet, _Channel
+from kvwire.transfer.nccl_config import NcclPlaneConfig
 from kvwire.transfer.nccl_lib import NcclUnavailableError, load_nccl
 from kvwire.transfer.nccl_messages import NcclInfo, decode_info, encode_info
 from kvwire.transfer.nccl_recv import RecvChannel

@@ -1,0 +1,61 @@
+"""Tuning of the NCCL data plane (frozen, validated; ``from_env`` reads ``KVWIRE_NCCL_*`` at the edge)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from kvwire.errors import ConfigError
+from kvwire.transfer.nccl_lib import CommConfig
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class NcclPlaneConfig:
+    """Tuning of the NCCL data plane (``from_env`` reads ``KVWIRE_NCCL_*`` at the edge)."""
+
+    min_ctas: int | None = None  # NCCL channels (thread blocks) per communicator; None = NCCL default
+    max_ctas: int | None = None
+    chunk_bytes: int = 32 * MiB  # consecutive layers of one transfer coalesce up to this per message
+    max_comms: int = 64  # receive-side communicators (one per sending peer epoch)
+    idle_close_s: float = 120.0  # a receive communicator unused this long is destroyed
+    init_timeout_s: float = 60.0  # communicator join deadline
+    stall_timeout_s: float = 60.0  # an operation in flight longer than this aborts the communicator
+    # Chunks posted to NCCL and not completed, per channel. Bounded so NCCL's host->GPU work FIFO (held by
+    # queued kernels until they finish) never fills: a full FIFO makes ncclGroupEnd block.
+    max_inflight_chunks: int = 16
+    # Launch on the calling (agent/engine) thread once warm, instead of handing off to the issuer thread.
+    # Off by default: a blocking NCCL call there would hold the caller (and the agent's lock) hostage.
+    inline_launch: bool = False
+
+    def __post_init__(self) -> None:
+        CommConfig(self.min_ctas, self.max_ctas)  # validates the CTA bounds
+        if self.chunk_bytes < 1 * MiB:
+            raise ConfigError("NcclPlaneConfig.chunk_bytes must be >= 1 MiB")
+        if self.max_comms < 1:
+            raise ConfigError("NcclPlaneConfig.max_comms must be >= 1")
+        if not 1 <= self.max_inflight_chunks <= 512:
+            raise ConfigError("NcclPlaneConfig.max_inflight_chunks must be in [1, 512]")
+        if min(self.idle_close_s, self.init_timeout_s, self.stall_timeout_s) <= 0:
+            raise ConfigError("NcclPlaneConfig timeouts must be > 0")
+
+    @classmethod
+    def from_env(cls) -> NcclPlaneConfig:
+        def opt_int(name: str) -> int | None:
+            value = os.environ.get(name)
+            return int(value) if value else None
+
+        chunk_mib = opt_int("KVWIRE_NCCL_CHUNK_MIB")
+        return cls(
+            min_ctas=opt_int("KVWIRE_NCCL_MIN_CTAS"),
+            max_ctas=opt_int("KVWIRE_NCCL_MAX_CTAS"),
+            chunk_bytes=(chunk_mib or 32) * MiB,
+        )
+
+    @property
+    def comm_config(self) -> CommConfig:
+        # Blocking mode: ncclGroupEnd returns once the work is on the stream (a non-blocking comm hands
+        # every group to a helper thread: ~0.4 ms per launch measured). Deadlines come from the joiner
+        # thread (init) and the plane's janitor (stalls), which abort the communicator.
+        return CommConfig(min_ctas=self.min_ctas, max_ctas=self.max_ctas, blocking=True)
