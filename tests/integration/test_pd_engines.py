@@ -136,11 +136,9 @@ def reference() -> dict[int, list[int]]:
 @pytest.fixture
 def pd() -> Iterator[PD]:
     # P: chunked prefill (64-token steps); D: a cache small enough that 24 requests preempt.
-    # (D's prefix cache is off: with it on, a cache this small trips an engine admission bug:
-    # _admit counts evictable cached blocks as free and then takes them; reported to the engine.)
     pair = PD(
         p_config=engine_config(max_num_batched_tokens=64),
-        d_config=engine_config(num_kv_blocks=20, enable_prefix_caching=False),
+        d_config=engine_config(num_kv_blocks=20),
     )
     yield pair
     pair.close()
