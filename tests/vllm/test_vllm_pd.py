@@ -49,6 +49,27 @@ def complete(
     return answer
 
 
+def complete_stream(base_url: str, prompt: list[int]) -> str:
+    """The text of a streamed (SSE) completion, chunks concatenated."""
+    body = {
+        "model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+        "ignore_eos": True, "stream": True,
+    }
+    req = urllib.request.Request(
+        f"{base_url}/v1/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    text = []
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[len("data: "):]).get("choices", []):
+                text.append(choice.get("text") or "")
+    return "".join(text)
+
+
 def outputs(base_url: str, batch: list[list[int]]) -> list[tuple[list[int] | None, str]]:
     """All prompts at once (concurrently); (token ids, text) per prompt, in order."""
     with ThreadPoolExecutor(max_workers=len(batch)) as pool:
@@ -87,15 +108,18 @@ def check_pd(cluster: Cluster, expected: list[tuple[list[int] | None, str]], see
     for length, (exp, out) in zip(LENGTHS, zip(expected, got, strict=True), strict=True):
         assert out == exp, f"prompt of {length} tokens: P/D {out} != plain vLLM {exp}"
     assert all(len(ids or []) == MAX_TOKENS for ids, _ in got)
+    for i in (5, 9):  # streamed through the router too (D streams; P answers non-streaming)
+        assert complete_stream(cluster.router_url(), prompts(seed)[i]) == expected[i][1]
     # vLLM prints its counters every few seconds: wait (bounded) for this batch's to appear.
     deadline = time.monotonic() + 30
     computed = 0.0
     while time.monotonic() < deadline:
         computed = local_compute(cluster) - before
-        if computed >= len(LENGTHS):
+        if computed >= len(LENGTHS) + 2:
             break
         time.sleep(0.5)
-    assert computed == len(LENGTHS), f"D computed {computed} prompt tokens locally; expected 1 per request"
+    expected_computed = len(LENGTHS) + 2  # 12 requests + 2 streamed ones, 1 token each
+    assert computed == expected_computed, f"D computed {computed} prompt tokens; expected 1 per request"
     # P held each request's blocks until its KV was acknowledged (pull: pulled, or the lease ran out).
     assert kv_blocks_released(cluster.p_port, KV_DEADLINE_S + 15), "P kept KV blocks"
     assert kv_blocks_released(cluster.d_port, 15), "D kept KV blocks"
