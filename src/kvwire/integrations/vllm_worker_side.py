@@ -59,6 +59,7 @@ class WorkerSide:
         self.engine_info = engine_info
         self.agent = agent_factory(transfer_config(config, engine_info))
         self.core = KvwireWorkerConnector(config.connector, engine_info, self.agent, owns_agent=True)
+        self._failure_policy = config.vllm_failure_policy.value
         self._layers: KVLayers | None = None
         self._invalid_block_ids: set[int] = set()
         logger.info("kvwire: rank %d transfer agent at %s", engine_info.rank, self.agent.endpoint)
@@ -107,6 +108,11 @@ class WorkerSide:
         """(finished_sending, finished_recving) since the last call; failed loads' blocks are kept for
         :meth:`take_invalid_block_ids`, which vLLM calls right after, in the same step."""
         out = self.core.get_finished(finished_req_ids)
+        if out.invalid_block_ids:
+            logger.warning(
+                "kvwire: %d block(s) failed to load; vLLM's kv_load_failure_policy=%s applies",
+                len(out.invalid_block_ids), self._failure_policy,
+            )
         self._invalid_block_ids |= out.invalid_block_ids
         return set(out.finished_sending), set(out.finished_recving)
 
