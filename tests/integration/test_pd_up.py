@@ -127,3 +127,17 @@ def test_bench_statistics() -> None:
     assert summary["failed"] == 1 and summary["errors"] == ["no live instance"]
     assert summary["tpot_s"]["mean"] == pytest.approx(0.1)  # (0.5 - 0.1) / 4
     assert summary["output_throughput"] == pytest.approx(2.5)
+
+
+def test_cluster_start_failure_is_clear_and_leaves_nothing_running() -> None:
+    from kvwire.cluster.local import LocalCluster
+    from kvwire.errors import ClusterError
+
+    spec = ClusterSpec(serve_args=("--block-size", "0"), start_timeout_s=60, stop_grace_s=5)
+    cluster = LocalCluster(spec, sink=io.StringIO())
+    start = time.monotonic()
+    with pytest.raises(ClusterError, match="exited with code"):
+        cluster.start()
+    assert time.monotonic() - start < 60
+    assert cluster.router is not None and cluster.router.poll() is not None
+    assert all(i.process.poll() is not None for i in cluster.instances.values())
