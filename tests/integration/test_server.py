@@ -353,6 +353,15 @@ def test_prefill_role_registers_serves_pull_and_deregisters(tmp_path: Path) -> N
             assert status == 200, out
             return dict(out)
 
+        async def wrong_role() -> tuple[int, Any]:
+            async with aiohttp.ClientSession() as session:
+                return await post(session, proc.url + "/v1/completions", greedy(
+                    "hello", 1, kv_transfer_params={"transfer_id": "t-bad", "role": "decode"}))
+
+        status, error = run(wrong_role())  # a decode-side request sent to a prefill instance
+        assert status == 400 and "not served by this prefill instance" in error["error"]["message"]
+        assert error["error"]["param"] == "kv_transfer_params"
+
         out = run(body())
         params = out["kv_transfer_params"]
         assert params["transfer_id"] == "t-pull" and params["role"] == "decode"

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -68,6 +69,7 @@ class GenerationHandler:
     def __init__(
         self, engine_loop: EngineLoop, tokenizer: Any, metrics: ServerMetrics, model_name: str,
         max_model_len: int, accepts_kv_transfer_params: bool,
+        check_kv_transfer_params: Callable[[object], object] | None = None,
     ) -> None:
         self._loop = engine_loop
         self._tokenizer = tokenizer
@@ -76,6 +78,8 @@ class GenerationHandler:
         self._max_model_len = max_model_len
         self._vocab_size: int | None = getattr(tokenizer, "vocab_size", None)
         self._accepts_kv = accepts_kv_transfer_params
+        # The connector's own admission check (role served, endpoints present) -> HTTP 400.
+        self._check_kv = check_kv_transfer_params or KVTransferParams.from_dict
         self.draining = False  # set on shutdown: new requests get 503
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -203,7 +207,7 @@ class GenerationHandler:
             raise BadRequest("kv_transfer_params given, but this instance has no KV connector "
                              "(start it with --role prefill or decode)", param="kv_transfer_params")
         try:
-            KVTransferParams.from_dict(params)
+            self._check_kv(params)
         except InvalidRequestError as exc:
             raise BadRequest(str(exc), param="kv_transfer_params") from exc
         return params

@@ -66,6 +66,7 @@ class ServerInstance:
         self._generation = GenerationHandler(
             engine_loop, self._engine.tokenizer, metrics, model_name, max_model_len,
             accepts_kv_transfer_params=self._connectors.enabled,
+            check_kv_transfer_params=getattr(self._connectors.scheduler, "check_request_params", None),
         )
         identity = {"instance_id": self.instance_id, "role": self.config.role.value,
                     "kv_endpoints": list(self._connectors.kv_endpoints)}
