@@ -105,6 +105,7 @@ def test_demo_runs_the_main_job() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert "chat (streaming): 6 tokens" in out.stdout
     assert 'kvwire_pd_transfers_completed_total{side="recv"} 3.0' in out.stdout
+    assert "P/D output == colocated output (greedy, token for token): 3/3 requests" in out.stdout
     assert "cluster stopped" in out.stdout
 
 

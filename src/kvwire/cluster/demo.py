@@ -23,6 +23,7 @@ PROMPTS = (
     "Disaggregated serving splits prefill and decode so that",
     "KV caches move between processes layer by layer, and",
 )
+CHAT_MESSAGES = [{"role": "user", "content": PROMPTS[2]}]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,16 +50,31 @@ def _describe(label: str, result: RequestResult) -> str:
 
 
 async def _requests(router_url: str, model: str, max_tokens: int) -> list[tuple[str, RequestResult]]:
-    base = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    base = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True}
     async with aiohttp.ClientSession() as session:
         url = f"{router_url}/v1/completions"
         plain = [post_completion(session, url, {**base, "prompt": p}) for p in PROMPTS[:2]]
-        chat_body = {**base, "messages": [{"role": "user", "content": PROMPTS[2]}], "stream": True,
-                     "return_token_ids": True}
+        chat_body = {**base, "messages": CHAT_MESSAGES, "stream": True}
         streamed = post_completion(session, f"{router_url}/v1/chat/completions", chat_body)
         results = await asyncio.gather(*plain, streamed)
     labels = ["completion 1", "completion 2", "chat (streaming)"]
     return list(zip(labels, results, strict=True))
+
+
+def _colocated_token_ids(model: str, device: str, max_tokens: int) -> list[list[int]]:
+    """The same greedy requests on one colocated engine (same weights, no P/D): the reference."""
+    from kvwire.engine import SamplingParams
+    from kvwire.engine.llm import LLM
+
+    llm = LLM(model=model, device=device)
+    try:
+        prompts: list[list[int]] = [llm.tokenizer.encode(p) for p in PROMPTS[:2]]
+        prompts.append(llm.tokenizer.apply_chat_template(CHAT_MESSAGES))
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return [list(out.token_ids) for out in llm.generate(prompts, params)]
+    finally:
+        llm.close()
 
 
 def _handover_summary(url: str | None) -> str:
@@ -87,6 +103,10 @@ def run(args: argparse.Namespace) -> int:
         for instance in cluster.instances.values():
             print(f"{instance.name} metrics: {_handover_summary(instance.url)}")
         ok = all(result.ok for _, result in results)
+        reference = _colocated_token_ids(args.model, args.device, args.max_tokens)
+        same = sum(r.token_ids == ref for (_, r), ref in zip(results, reference, strict=True))
+        print(f"P/D output == colocated output (greedy, token for token): {same}/{len(results)} requests")
+        ok = ok and same == len(results)
     except ClusterError as exc:
         print(f"kvwire demo: {exc}", file=sys.stderr)
         return 1
