@@ -65,14 +65,20 @@ def main(tp: int) -> int:
             ref = complete(d_port, prompt)["choices"][0]["token_ids"]
             before = local_compute(d_port)
             p_params = {"transfer_id": f"tp-{i}", "mode": "pull", "role": "prefill", "deadline_s": 15}
+            t0 = time.monotonic()
             answer = complete(p_port, prompt, {"max_tokens": 1, "kv_transfer_params": p_params})
+            t1 = time.monotonic()
             d_params = dict(answer["kv_transfer_params"], role="decode")
             out = complete(d_port, prompt, {"kv_transfer_params": d_params})["choices"][0]["token_ids"]
+            t2 = time.monotonic()
             time.sleep(3)  # vLLM publishes its counters every few seconds
             computed = local_compute(d_port) - before
             loaded += computed == 1
             verdict = "equal" if out == ref else "DIFFERENT"
-            print(f"{n:4d} tokens: {verdict}, D computed {computed:.0f}", flush=True)
+            print(
+                f"{n:4d} tokens: {verdict}, D computed {computed:.0f} (P {t1 - t0:.2f} s, D {t2 - t1:.2f} s)",
+                flush=True,
+            )
         print(f"{loaded} of {2 * len(LENGTHS)} loads came from P")
     finally:
         p.stop()
