@@ -8,6 +8,7 @@ prompt (or the last chat message) change the behaviour:
 * ``status=NNN`` -> HTTP NNN with an OpenAI-style error body naming this instance;
 * ``hang``       -> never answers (until the client goes away; the disconnect is recorded);
 * ``slow``       -> 50 ms between streamed tokens;
+* ``gap_ms=N``   -> N ms between streamed tokens (the stats record when each event was written);
 * ``delay``      -> wait 0.3 s before answering;
 * ``drop``       -> streaming: close the connection after two tokens (an instance dying mid-stream);
 * ``noparams``   -> a prefill instance in pull mode returns no ``kv_transfer_params``.
@@ -139,7 +140,10 @@ class MockInstance:
         self, request: web.Request, body: dict[str, Any], n: int, chat: bool, words: set[str], delay_s: float
     ) -> web.StreamResponse:
         """Like a real server: headers (and the chat role chunk) at once, tokens after ``delay_s``."""
-        gap_s = 0.05 if "slow" in words else 0.0
+        gap_ms = next((int(w[7:]) for w in words if w.startswith("gap_ms=")), 50 if "slow" in words else 0)
+        gap_s = gap_ms / 1000
+        emitted: list[float] = []  # when each token event was written (wall clock, for /mock/stats)
+        self.requests[-1]["emitted_at"] = emitted
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -160,6 +164,7 @@ class MockInstance:
             choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
             choice["finish_reason"] = "length" if i == n - 1 else None
             await _event(resp, dict(base, choices=[choice]))
+            emitted.append(time.time())
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
             await _event(resp, dict(base, choices=[], usage=usage))

@@ -67,10 +67,10 @@ class FirstTokenSplicer:
         self._buf += chunk
         out: list[bytes] = []
         while not self._done:
-            end = self._buf.find(b"\n\n")
+            end = _event_end(self._buf)
             if end < 0:
                 break
-            event, self._buf = self._buf[: end + 2], self._buf[end + 2 :]
+            event, self._buf = self._buf[:end], self._buf[end:]
             out.append(self._event(event))
         if self._done:
             out.append(self._buf)
@@ -120,6 +120,16 @@ class FirstTokenSplicer:
         else:
             choice["text"] = keep
         return _sse(data)
+
+
+def _event_end(buf: bytes) -> int:
+    """Index just past the first complete SSE event in ``buf`` (LF or CRLF line ends), or -1.
+
+    An event is relayed as soon as its blank line arrives: looking for LF-only separators would hold a
+    CRLF stream back until its end.
+    """
+    ends = [i + len(sep) for sep in (b"\n\n", b"\r\n\r\n") if (i := buf.find(sep)) >= 0]
+    return min(ends, default=-1)
 
 
 def _sse(data: dict[str, Any]) -> bytes:

@@ -81,3 +81,16 @@ def test_no_splicer_for_empty_or_odd_answers() -> None:
     assert FirstTokenSplicer.from_prefill(b"not json", chat=False) is None
     two = json.dumps({"choices": [{"text": "a"}, {"text": "b"}]}).encode()
     assert FirstTokenSplicer.from_prefill(two, chat=False) is None
+
+
+def test_each_complete_event_is_released_at_once_lf_or_crlf() -> None:
+    """Nothing is held past its event's blank line (a CRLF stream was held until its end)."""
+    for sep in (b"\n\n", b"\r\n\r\n"):
+        sp = FirstTokenSplicer.from_prefill(p_answer(" a", False), chat=False)
+        assert sp is not None
+        events = [e + b"\n\n" for e in d_stream([" a", " b", " c"], False).split(b"\n\n") if e]
+        events = [e.replace(b"\n\n", sep) for e in events]
+        assert texts(sp.filter(events[0]), False) == []  # P's token: trimmed, nothing to send
+        assert sp.filter(events[1]) == events[1]  # matched: the next event passes at once, unchanged
+        assert sp.filter(events[2][:10]) == events[2][:10]  # and from then on every byte as it comes
+        assert sp.flush() == b""
