@@ -41,7 +41,7 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
-def test_kvwire_up_serves_and_stops_everything_on_sigterm() -> None:
+def test_kvwire_up_serves_and_stops_everything_on_ctrl_c_then_sigterm() -> None:
     argv = kvwire_argv("up", "--port", "0", "--prefill", "1", "--decode", "1", "--stop-grace-s", "5")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -66,6 +66,11 @@ def test_kvwire_up_serves_and_stops_everything_on_sigterm() -> None:
         assert result.ok and len(result.token_ids) == 8
         decode_url = re.search(r"decode-0 (http://[0-9.:]+)", banner).group(1)  # type: ignore[union-attr]
         assert metric(decode_url, "kvwire_pd_transfers_completed_total") == 1  # really P/D
+        proc.send_signal(signal.SIGINT)  # Ctrl-C, then an impatient SIGTERM during the clean-up
+        deadline = time.monotonic() + 30
+        while not any("kvwire up: stopping" in line for line in lines):
+            assert time.monotonic() < deadline, "".join(lines[-30:])
+            time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         deadline = time.monotonic() + 10

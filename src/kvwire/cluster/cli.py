@@ -47,7 +47,11 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
+    """First Ctrl-C or SIGTERM: stop the cluster. Later ones are ignored from here on, so they cannot
+    cut the clean-up short and leave orphan processes."""
     del signum, frame
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
@@ -57,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvwire up: {exc}", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the cluster like Ctrl-C does
     cluster = LocalCluster(spec)
     try:
@@ -76,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
         print("kvwire up: stopping", flush=True)
         return 0
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        # A second Ctrl-C or a SIGTERM during the clean-up must not cut it short (orphans).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         cluster.stop()
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
