@@ -8,6 +8,7 @@ hand ready layers to ``send``) over a ``multiprocessing`` pipe, and records the 
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import threading
 import time
@@ -23,6 +24,8 @@ from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.nccl import NcclPlane, NcclPlaneConfig
 from kvwire.transfer.nccl_lib import CommConfig, NcclComm, load_nccl
 from kvwire.transfer.types import Backend, PeerRef, RecvItem, SendItem
+
+log = logging.getLogger(__name__)
 
 NCCL_SAFE_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -40,7 +43,8 @@ def set_safe_env() -> None:
 def two_gpus() -> bool:
     try:
         return torch.cuda.device_count() >= 2
-    except Exception:
+    except Exception:  # a broken CUDA setup counts as "no GPUs", but say why
+        log.warning("cannot count CUDA devices", exc_info=True)
         return False
 
 

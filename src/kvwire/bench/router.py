@@ -199,11 +199,18 @@ def _pct(samples: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
 
 
+def _phase_timeout_s(num_requests: int) -> float:
+    """Deadline of one measurement phase (generous: ~1 ms a request is typical); a target that stops
+    answering fails the run instead of hanging it."""
+    return 30.0 + 0.05 * num_requests
+
+
 async def _measure(args: argparse.Namespace, direct: int, routed: int) -> dict[str, float]:
-    lat_d = await _latency(direct, args.latency_requests)
-    lat_r = await _latency(routed, args.latency_requests)
-    rps_d = await _throughput(direct, args.throughput_requests, args.concurrency)
-    rps_r = await _throughput(routed, args.throughput_requests, args.concurrency)
+    lat_s, tput_s = _phase_timeout_s(args.latency_requests), _phase_timeout_s(args.throughput_requests)
+    lat_d = await asyncio.wait_for(_latency(direct, args.latency_requests), lat_s)
+    lat_r = await asyncio.wait_for(_latency(routed, args.latency_requests), lat_s)
+    rps_d = await asyncio.wait_for(_throughput(direct, args.throughput_requests, args.concurrency), tput_s)
+    rps_r = await asyncio.wait_for(_throughput(routed, args.throughput_requests, args.concurrency), tput_s)
     return {
         "direct_p50_ms": _pct(lat_d, 0.5), "direct_p99_ms": _pct(lat_d, 0.99),
         "routed_p50_ms": _pct(lat_r, 0.5), "routed_p99_ms": _pct(lat_r, 0.99),
@@ -265,9 +272,9 @@ def _wait_routable(port: int, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            _loop_run(_latency(port, 1))
+            _loop_run(asyncio.wait_for(_latency(port, 1), 5.0))
             return
-        except RuntimeError:  # 503 until the upstream's first heartbeat lands
+        except (RuntimeError, asyncio.TimeoutError):  # 503 until the upstream's first heartbeat lands
             time.sleep(0.05)
     raise RuntimeError("router never routed to the upstream")
 

@@ -13,6 +13,7 @@ same number of bytes (``sendall`` -> ``recv_into`` a preallocated buffer) in the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -39,6 +40,7 @@ from kvwire.transfer.paged import (
 from kvwire.transfer.tcp import tensor_bytes
 
 DEFAULT_TOKENS = (512, 2048, 8192)
+_CEILING_JOIN_S = 10.0  # the writer is done once the reader has every byte; this only guards a bug
 MiB = 1 << 20
 
 
@@ -189,6 +191,16 @@ def _transfer_once(sender: TransferAgent, receiver: TransferAgent, caches: _Cach
     return time.perf_counter() - start
 
 
+def _send_or_hang_up(sock: socket.socket, payload: memoryview) -> None:
+    """The ceiling's writer: ``sendall``, or on failure close our side so the reader sees EOF (no hang)."""
+    try:
+        sock.sendall(payload)
+    except OSError:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_WR)
+        raise
+
+
 def _ceiling_once(src: torch.Tensor, dst: torch.Tensor, buffer_bytes: int) -> float:
     """Raw loopback socket: one thread ``sendall``s ``src``, this one ``recv_into``s ``dst``."""
     server = socket.create_server(("127.0.0.1", 0))
@@ -198,14 +210,17 @@ def _ceiling_once(src: torch.Tensor, dst: torch.Tensor, buffer_bytes: int) -> fl
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
     payload, target = tensor_bytes(src), tensor_bytes(dst)
-    writer = threading.Thread(target=out.sendall, args=(payload,))
+    writer = threading.Thread(target=_send_or_hang_up, args=(out, payload), name="kvwire-bench-ceiling")
     start = time.perf_counter()
     writer.start()
     got = 0
-    while got < len(target):
-        got += conn.recv_into(target[got:], len(target) - got)
+    while got < len(target):  # bounded: the writer sends everything or hangs up (EOF here)
+        n = conn.recv_into(target[got:], len(target) - got)
+        if n == 0:
+            raise ConnectionError(f"ceiling writer hung up after {got} of {len(target)} bytes")
+        got += n
     elapsed = time.perf_counter() - start
-    writer.join()
+    writer.join(timeout=_CEILING_JOIN_S)
     for sock in (out, conn, server):
         sock.close()
     return elapsed
