@@ -232,7 +232,11 @@ class NcclPlane(DataPlane):
 
     def _janitor_loop(self) -> None:
         """Every 50 ms: fail stalled channels (abort), close idle ones. The only thread that never
-        waits on NCCL or CUDA, so a channel stuck inside NCCL is still cut off."""
+        waits on NCCL or CUDA, so a channel stuck inside NCCL is still cut off.
+
+        The fail/close of a channel runs on a short-lived daemon helper (not joined): it ends with
+        ``channel.close``, which aborts the communicator and joins the channel's threads with a
+        timeout, so it is bounded and does not outlive the channel it closes."""
         while not self._stop.wait(timeout=0.05):
             now = time.monotonic()
             for channel in self._channels():
