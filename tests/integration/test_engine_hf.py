@@ -9,10 +9,9 @@ from typing import Any
 
 import pytest
 import torch
+import transformers  # a dev dependency: if it is missing this module fails, it is never skipped
 
 import kvwire
-
-transformers = pytest.importorskip("transformers")  # a dev dependency: always present in CI
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

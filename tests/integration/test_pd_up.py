@@ -4,6 +4,7 @@ bench load generator's statistics."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -41,9 +42,26 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
+def _stop_up(proc: subprocess.Popen[str], children: list[int]) -> None:
+    """Teardown whatever the test reached: ``kvwire up`` stops its own children on SIGTERM (they run in
+    their own sessions, so killing only ``proc`` would orphan them); any child still alive is killed."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+    for pid in children:
+        if _alive(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+
+
 def test_kvwire_up_serves_and_stops_everything_on_ctrl_c_then_sigterm() -> None:
     argv = kvwire_argv("up", "--port", "0", "--prefill", "1", "--decode", "1", "--stop-grace-s", "5")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    children: list[int] = []
     lines: list[str] = []
     ready = threading.Event()
 
@@ -78,9 +96,7 @@ def test_kvwire_up_serves_and_stops_everything_on_ctrl_c_then_sigterm() -> None:
             time.sleep(0.1)
         assert not any(_alive(pid) for pid in children), "orphan processes left behind"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
+        _stop_up(proc, children or _children(proc.pid))
 
 
 def test_managed_process_kills_its_whole_group() -> None:
@@ -90,18 +106,22 @@ def test_managed_process_kills_its_whole_group() -> None:
               "print(p.pid, flush=True); time.sleep(600)")
     sink = io.StringIO()
     child = ManagedProcess("stubborn", [sys.executable, "-c", script], sink=sink, sink_lock=threading.Lock())
-    deadline = time.monotonic() + 30
-    while not child.lines and time.monotonic() < deadline:
-        time.sleep(0.05)
-    grandchild = int(child.lines[0])
-    start = time.monotonic()
-    child.stop(grace_s=1.0)
-    assert time.monotonic() - start < 10
-    deadline = time.monotonic() + 5
-    while _alive(grandchild) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(grandchild)
-    assert f"[stubborn] {grandchild}" in sink.getvalue()
+    try:
+        deadline = time.monotonic() + 30
+        while not child.lines and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert child.lines, "the child printed nothing within 30 s"
+        grandchild = int(child.lines[0])
+        start = time.monotonic()
+        child.stop(grace_s=1.0)
+        assert time.monotonic() - start < 10
+        deadline = time.monotonic() + 5
+        while _alive(grandchild) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(grandchild)
+        assert f"[stubborn] {grandchild}" in sink.getvalue()
+    finally:
+        child.stop(grace_s=1.0)  # idempotent; on a failure above it still takes the whole group down
 
 
 def test_demo_runs_the_main_job() -> None:
