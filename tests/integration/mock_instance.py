@@ -290,6 +290,9 @@ class RouterThread:
         self.discovery = self.server.discovery_address
 
     def close(self, grace_s: float = 3.0) -> None:
+        """Stop the router and its loop thread. Idempotent (tests may close early and again in finally)."""
+        if self._loop.is_closed():
+            return
         asyncio.run_coroutine_threadsafe(self.server.stop(grace_s), self._loop).result(timeout=20)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)

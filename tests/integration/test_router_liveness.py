@@ -130,8 +130,9 @@ def test_secret_enforced_and_malformed_dropped(router_and_mocks: Any) -> None:
 
 def test_router_stop_cancels_requests_in_flight() -> None:
     router = RouterThread(router_config())
-    mock = MockProcess(router.discovery, "m0", "--interval-s", str(INTERVAL_S))
+    mock: MockProcess | None = None
     try:
+        mock = MockProcess(router.discovery, "m0", "--interval-s", str(INTERVAL_S))
         wait_for(lambda: "m0" in live_ids(router), 10, "m0 live")
         host, port = router.url.removeprefix("http://").split(":")
         data = json.dumps({"prompt": "hang", "stream": True}).encode()
@@ -144,4 +145,6 @@ def test_router_stop_cancels_requests_in_flight() -> None:
             assert time.monotonic() - t0 < 5  # 0.5 s grace, then in-flight handlers are cancelled
             wait_for(lambda: len(mock.stats()["disconnects"]) == 1, 10, "upstream request aborted")
     finally:
-        mock.kill()
+        if mock is not None:
+            mock.kill()
+        router.close()  # no-op when the test got as far as closing it
