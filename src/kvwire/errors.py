@@ -95,3 +95,11 @@ class UpstreamError(RouterError):
 
 class ClusterError(KvwireError):
     """A local cluster (``kvwire up``) could not start or lost a process."""
+
+
+# --- HTTP clients -----------------------------------------------------------------------------------
+
+
+class ClientWriteTimeout(KvwireError, ConnectionResetError):
+    """A client stopped reading: one write to it did not complete within the write deadline. The
+    connection is aborted and the request handled like a client disconnect."""

@@ -9,6 +9,7 @@ prompt (or the last chat message) change the behaviour:
 * ``hang``       -> never answers (until the client goes away; the disconnect is recorded);
 * ``slow``       -> 50 ms between streamed tokens;
 * ``gap_ms=N``   -> N ms between streamed tokens (the stats record when each event was written);
+* ``chunk_kb=N`` -> streaming: each token's text is padded with N KiB of ``x`` (fills socket buffers);
 * ``delay``      -> wait 0.3 s before answering;
 * ``drop``       -> streaming: close the connection after two tokens (an instance dying mid-stream);
 * ``noparams``   -> a prefill instance in pull mode returns no ``kv_transfer_params``.
@@ -142,6 +143,7 @@ class MockInstance:
         """Like a real server: headers (and the chat role chunk) at once, tokens after ``delay_s``."""
         gap_ms = next((int(w[7:]) for w in words if w.startswith("gap_ms=")), 50 if "slow" in words else 0)
         gap_s = gap_ms / 1000
+        pad = "x" * 1024 * next((int(w[9:]) for w in words if w.startswith("chunk_kb=")), 0)
         emitted: list[float] = []  # when each token event was written (wall clock, for /mock/stats)
         self.requests[-1]["emitted_at"] = emitted
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -160,7 +162,7 @@ class MockInstance:
                 return resp
             if gap_s:
                 await asyncio.sleep(gap_s)
-            piece = f" t{i}"
+            piece = f" t{i}{pad}"
             choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
             choice["finish_reason"] = "length" if i == n - 1 else None
             await _event(resp, dict(base, choices=[choice]))

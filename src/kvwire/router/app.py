@@ -4,7 +4,8 @@
 upstream session, HTTP site) and stops all of it in :meth:`RouterServer.stop`. Errors are converted
 to HTTP here, once: invalid input -> 400, unknown model -> 404, body too large -> 413, no live
 instance -> 503, upstream 4xx/5xx -> the same status and body. A client disconnect cancels the
-handler (``handler_cancellation``), which cancels the upstream calls.
+handler (``handler_cancellation``), which cancels the upstream calls; so does a streaming client that
+stops reading, once a write to it passes ``client_write_timeout_s`` (outcome ``client_timeout``).
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvwire.errors import InvalidRequestError, NoInstanceError
+from kvwire.router.client_stream import CLIENT_TIMEOUT
 from kvwire.router.config import RouterConfig
 from kvwire.router.listener import DiscoveryListener
 from kvwire.router.metrics import RouterMetrics
 from kvwire.router.proxy import Dispatcher
 from kvwire.router.registry import Registry, RegistrySweeper
-from kvwire.router.request import parse_client_request
+from kvwire.router.request import ClientRequest, parse_client_request
 from kvwire.router.selection import ModelNotFoundError, Selector
 from kvwire.router.upstream import Upstream, UpstreamFailure
 
@@ -131,6 +133,7 @@ class RouterServer:
         assert self._dispatcher is not None, "start() first"
         t0 = time.perf_counter()
         outcome, stream = "error", False
+        creq: ClientRequest | None = None
         self.metrics.inflight.inc()
         task = asyncio.current_task()
         if task is not None:
@@ -157,7 +160,8 @@ class RouterServer:
             outcome = "upstream_error"
             return _upstream_error_response(exc)
         except (asyncio.CancelledError, ConnectionResetError):
-            outcome = "client_disconnected"
+            timed_out = creq is not None and creq.outcome == CLIENT_TIMEOUT  # stopped reading
+            outcome = CLIENT_TIMEOUT if timed_out else "client_disconnected"
             raise
         finally:
             self._active.discard(task)

@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="deadline_s given to P/D transfers (default %(default)s)")
     parser.add_argument("--upstream-timeout-s", type=float, default=d.upstream_timeout_s,
                         help="limit on one upstream request, streaming included (default %(default)s)")
+    parser.add_argument("--client-write-timeout-s", type=float, default=d.client_write_timeout_s,
+                        help="cut off a streaming client reading nothing this long (default %(default)s)")
     parser.add_argument("--stream-first-token-from-prefill", action="store_true",
                         help="push mode, streaming: send P's first token at once, trim it off D's stream")
     parser.add_argument("--max-connect-retries", type=int, default=d.max_connect_retries,
@@ -56,6 +58,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         instance_ttl_s=args.instance_ttl_s, policy=Policy(args.policy), mode=TransferMode(args.mode),
         secret=args.secret or None, max_body_bytes=args.max_body_bytes, kv_deadline_s=args.kv_deadline_s,
         upstream_timeout_s=args.upstream_timeout_s, max_connect_retries=args.max_connect_retries,
+        client_write_timeout_s=args.client_write_timeout_s,
         stream_first_token_from_prefill=args.stream_first_token_from_prefill,
     )
 

@@ -1,4 +1,9 @@
-"""The SSE stream from the router to the client: prepared once, metered (TTFT/ITL) as it is written."""
+"""The SSE stream from the router to the client: prepared once, metered (TTFT/ITL) as it is written.
+
+Every write has a deadline (``client_write_timeout_s``): a client that stops reading is cut off
+(:class:`kvwire.client_writer.ClientWriter`), the request's outcome becomes ``client_timeout`` and the
+write raises a ``ConnectionResetError`` that unwinds the relay like a disconnect (upstream calls closed).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,11 @@ import time
 import msgspec
 from aiohttp import web
 
+from kvwire.client_writer import ClientWriter
 from kvwire.router.metrics import RouterMetrics, SSETokenMeter
 from kvwire.router.request import ClientRequest
+
+CLIENT_TIMEOUT = "client_timeout"  # outcome label of a request whose client stopped reading
 
 
 class ClientStream:
@@ -16,26 +24,30 @@ class ClientStream:
 
     def __init__(
         self, request: web.Request, creq: ClientRequest, metrics: RouterMetrics, mode: str,
-        *, status: int = 200, content_type: str = "text/event-stream",
+        *, write_timeout_s: float, status: int = 200, content_type: str = "text/event-stream",
     ) -> None:
-        self._request = request
         self._creq = creq
         self._metrics = metrics
         self._mode = mode
         self.response = web.StreamResponse(
             status=status, headers={"Content-Type": content_type, "Cache-Control": "no-cache"}
         )
+        self._writer = ClientWriter(request, write_timeout_s, f"router request to {creq.path}",
+                                    on_timeout=self._timed_out)
         self._meter = SSETokenMeter()
         self._last: float | None = None
 
+    def _timed_out(self) -> None:
+        self._creq.outcome = CLIENT_TIMEOUT
+
     async def open(self) -> ClientStream:
-        await self.response.prepare(self._request)
+        await self._writer.open(self.response)
         return self
 
     async def write(self, chunk: bytes) -> None:
         if not chunk:
             return
-        await self.response.write(chunk)
+        await self._writer.write(chunk)
         n = self._meter.feed(chunk)
         if not n:
             return
@@ -50,10 +62,11 @@ class ClientStream:
 
     async def error_event(self, message: str, status: int) -> None:
         """Report a failure in-band (the status line is gone already), OpenAI style."""
-        self._creq.outcome = "upstream_error"
+        if self._creq.outcome != CLIENT_TIMEOUT:
+            self._creq.outcome = "upstream_error"
         event = {"error": {"message": message, "type": "upstream_error", "code": status}}
-        await self.response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
+        await self._writer.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
 
     async def close(self) -> web.StreamResponse:
-        await self.response.write_eof()
+        await self._writer.write_eof()
         return self.response

@@ -29,6 +29,9 @@ class RouterConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     connect_timeout_s: float = 5.0
     upstream_timeout_s: float = 600.0  # whole upstream request, streaming included
+    # A streaming client that reads nothing for this long (one write stuck) is cut off; its upstream
+    # requests are cancelled, like on a disconnect.
+    client_write_timeout_s: float = 30.0
     kv_deadline_s: float = 30.0  # deadline_s put in kv_transfer_params
     max_connect_retries: int = 2  # re-dispatches when an upstream refuses the connection
     seed: int | None = None  # for the random policy (tests)
@@ -42,7 +45,8 @@ class RouterConfig:
             if not 0 <= value <= 65535:
                 raise ConfigError(f"{name} must be in 0..65535, got {value}")
         positive = (
-            "instance_ttl_s", "forget_after_s", "connect_timeout_s", "upstream_timeout_s", "kv_deadline_s"
+            "instance_ttl_s", "forget_after_s", "connect_timeout_s", "upstream_timeout_s", "kv_deadline_s",
+            "client_write_timeout_s",
         )
         for name in positive:
             if getattr(self, name) <= 0:

@@ -9,8 +9,9 @@
 * P/D pull: P first; its returned ``kv_transfer_params`` go to D with the role switched to decode.
 
 Connections refused (the request surely never arrived) are retried on other instances, up to
-``max_connect_retries``. Cancellation (client disconnect) propagates into every upstream call,
-which closes those connections so that the instances abort the request.
+``max_connect_retries``. Cancellation (client disconnect, or a client that stopped reading and hit
+the write deadline) propagates into every upstream call, which closes those connections so that the
+instances abort the request.
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ class Dispatcher:
             if out is None:
                 ctype = resp.headers.get("Content-Type", "text/event-stream")
                 out = await ClientStream(request, creq, self._metrics, mode, status=resp.status,
-                                         content_type=ctype).open()
+                                         content_type=ctype, write_timeout_s=self._cfg.client_write_timeout_s,
+                                         ).open()
             chunk = first
             while chunk:
                 await out.write(splicer.filter(chunk) if splicer is not None else chunk)
@@ -204,7 +206,8 @@ class Dispatcher:
             splicer = self._splicer_for(creq, p_task)
             out = None
             if splicer is not None:
-                out = await ClientStream(request, creq, self._metrics, "pd").open()
+                out = await ClientStream(request, creq, self._metrics, "pd",
+                                         write_timeout_s=self._cfg.client_write_timeout_s).open()
                 await out.write(splicer.early_events())
             try:
                 resp, chunk = _take(await pending, resp)

@@ -42,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=KVLoadFailure.RECOMPUTE.value,
                         help="decode side: recompute the prompt or fail the request when KV does not arrive")
     parser.add_argument("--shutdown-deadline-s", type=float, default=10.0)
+    parser.add_argument("--client-write-timeout-s", type=float, default=30.0,
+                        help="abort a streaming request whose client reads nothing for this long")
     sizing = parser.add_argument_group("engine sizing (default: derived from the model and device)")
     sizing.add_argument("--block-size", type=int, default=None)
     sizing.add_argument("--num-kv-blocks", type=int, default=None)
@@ -66,6 +68,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         kv_deadline_s=args.kv_deadline_s,
         kv_load_failure_policy=KVLoadFailure(args.kv_load_failure_policy),
         shutdown_deadline_s=args.shutdown_deadline_s,
+        client_write_timeout_s=args.client_write_timeout_s,
     )
 
 

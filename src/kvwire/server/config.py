@@ -52,6 +52,9 @@ class ServerConfig:
     # SIGTERM/SIGINT: everything (abort in-flight, deregister, stop the engine thread) within this.
     shutdown_deadline_s: float = 10.0
     max_request_bytes: int = 16 * 1024 * 1024
+    # A streaming client that reads nothing for this long (one SSE write stuck) is cut off and its
+    # request aborted in the engine, like a disconnect.
+    client_write_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, ServerRole):
@@ -71,6 +74,8 @@ class ServerConfig:
             raise ConfigError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
         if self.shutdown_deadline_s <= 0:
             raise ConfigError(f"shutdown_deadline_s must be > 0, got {self.shutdown_deadline_s}")
+        if self.client_write_timeout_s <= 0:
+            raise ConfigError(f"client_write_timeout_s must be > 0, got {self.client_write_timeout_s}")
         if self.max_request_bytes <= 0:
             raise ConfigError(f"max_request_bytes must be > 0, got {self.max_request_bytes}")
         if self.router_address is not None and not self.router_address.startswith("tcp://"):

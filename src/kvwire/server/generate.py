@@ -4,7 +4,9 @@ Runs on the event loop thread. Contract per request: a parse/validation failure 
 unknown model) and touches no engine state; once admitted, the request always ends with exactly one of
 a full body, a finished stream, an error (500 engine failure, 503 shutdown; in a stream an error
 event then ``[DONE]``) or an abort when the client went away (the ``finally`` below aborts it in the
-engine, which frees its KV blocks).
+engine, which frees its KV blocks). A streaming client that stops reading counts as gone: every SSE
+write has a deadline (``client_write_timeout_s``, see :mod:`kvwire.client_writer`), after which its
+connection is aborted (outcome ``client_timeout``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvwire.client_writer import ClientWriter
 from kvwire.engine.sampling_params import SamplingParams
 from kvwire.errors import EngineError, InvalidRequestError
 from kvwire.kv_params import KVTransferParams
@@ -70,6 +73,7 @@ class GenerationHandler:
         self, engine_loop: EngineLoop, tokenizer: Any, metrics: ServerMetrics, model_name: str,
         max_model_len: int, accepts_kv_transfer_params: bool,
         check_kv_transfer_params: Callable[[object], object] | None = None,
+        client_write_timeout_s: float = 30.0,
     ) -> None:
         self._loop = engine_loop
         self._tokenizer = tokenizer
@@ -80,6 +84,7 @@ class GenerationHandler:
         self._accepts_kv = accepts_kv_transfer_params
         # The connector's own admission check (role served, endpoints present) -> HTTP 400.
         self._check_kv = check_kv_transfer_params or KVTransferParams.from_dict
+        self._write_timeout_s = client_write_timeout_s  # deadline of each write to a streaming client
         self.draining = False  # set on shutdown: new requests get 503
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -97,14 +102,15 @@ class GenerationHandler:
         request_id, stream, prepared = admitted
         builder = ResponseBuilder(kind, request_id, self._model_name, int(time.time()),
                                   prepared.return_token_ids)
+        writer = ClientWriter(request, self._write_timeout_s, request_id)
         try:
             if prepared.stream:
-                return await self._stream(request, stream, builder, prepared)
+                return await self._stream(writer, stream, builder, prepared)
             return await self._collect(stream, builder, prepared)
         finally:
-            if not stream.finished:  # client went away (cancelled / connection reset)
+            if not stream.finished:  # client went away (cancelled / connection reset / stopped reading)
                 self._loop.abort(request_id)
-                self._count(kind.value, "disconnect")
+                self._count(kind.value, "client_timeout" if writer.timed_out else "disconnect")
 
     async def _admit(
         self, request: web.Request, kind: RequestKind
@@ -243,26 +249,26 @@ class GenerationHandler:
         return web.Response(body=json_bytes(body), content_type="application/json")
 
     async def _stream(
-        self, request: web.Request, stream: RequestStream, builder: ResponseBuilder, prepared: Prepared
+        self, writer: ClientWriter, stream: RequestStream, builder: ResponseBuilder, prepared: Prepared
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers=_SSE_HEADERS)
         try:
-            await response.prepare(request)
+            await writer.open(response)
             first = builder.first_chunk()
             if first is not None:
-                await response.write(sse_event(first))
-            outcome, usage = await self._stream_outputs(response, stream, builder, prepared)
+                await writer.write(sse_event(first))
+            outcome, usage = await self._stream_outputs(writer, stream, builder, prepared)
             self._count(prepared.kind.value, outcome)
             if usage is not None and prepared.include_usage:
-                await response.write(sse_event(builder.usage_chunk(usage)))
-            await response.write(SSE_DONE)
-            await response.write_eof()
-        except ConnectionResetError:  # client gone mid-stream; the caller's finally aborts the request
-            logger.debug("client of %s disconnected", builder.response_id)
+                await writer.write(sse_event(builder.usage_chunk(usage)))
+            await writer.write(SSE_DONE)
+            await writer.write_eof()
+        except ConnectionResetError as exc:  # client gone mid-stream; the caller's finally aborts the request
+            logger.debug("client of %s disconnected: %s", builder.response_id, exc)
         return response
 
     async def _stream_outputs(
-        self, response: web.StreamResponse, stream: RequestStream, builder: ResponseBuilder,
+        self, writer: ClientWriter, stream: RequestStream, builder: ResponseBuilder,
         prepared: Prepared,
     ) -> tuple[str, dict[str, int] | None]:
         """Write content chunks; returns (outcome, usage or None when it ended in an error)."""
@@ -272,22 +278,22 @@ class GenerationHandler:
                 out = item.output
                 timer.on_tokens(len(out.new_token_ids), item.time_s)
                 if out.finished and out.finish_reason == "error":
-                    await response.write(sse_event(error_body(f"engine error: {out.error}", "server_error")))
+                    await writer.write(sse_event(error_body(f"engine error: {out.error}", "server_error")))
                     return "error", None
                 if out.new_token_ids or out.new_text or out.finished:
                     reason = (out.finish_reason or "stop") if out.finished else None
                     chunk = builder.chunk(out.new_text, list(out.new_token_ids), reason,
                                           out.kv_transfer_params)
-                    await response.write(sse_event(chunk))
+                    await writer.write(sse_event(chunk))
                 if out.finished:
                     timer.on_finish(time.monotonic())
                     num_prompt = out.num_prompt_tokens or len(prepared.prompt_token_ids)
                     return out.finish_reason or "stop", usage_body(num_prompt, len(out.token_ids))
         except ServerShuttingDown as exc:
-            await response.write(sse_event(error_body(str(exc), "server_error")))
+            await writer.write(sse_event(error_body(str(exc), "server_error")))
             return "shutdown", None
         except EngineError as exc:
-            await response.write(sse_event(error_body(str(exc), "server_error")))
+            await writer.write(sse_event(error_body(str(exc), "server_error")))
             return "error", None
         raise AssertionError("request stream ended without a finished output")
 

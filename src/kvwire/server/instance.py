@@ -67,6 +67,7 @@ class ServerInstance:
             engine_loop, self._engine.tokenizer, metrics, model_name, max_model_len,
             accepts_kv_transfer_params=self._connectors.enabled,
             check_kv_transfer_params=getattr(self._connectors.scheduler, "check_request_params", None),
+            client_write_timeout_s=self.config.client_write_timeout_s,
         )
         identity = {"instance_id": self.instance_id, "role": self.config.role.value,
                     "kv_endpoints": list(self._connectors.kv_endpoints)}

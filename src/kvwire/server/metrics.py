@@ -59,7 +59,8 @@ class ServerMetrics:
         reg = self.registry
         self.requests = Counter(
             "kvwire_requests", "finished requests by endpoint and outcome "
-            "(stop, length, abort, error, invalid, shutdown)", ["endpoint", "outcome"], registry=reg)
+            "(stop, length, abort, error, invalid, shutdown, disconnect, client_timeout)",
+            ["endpoint", "outcome"], registry=reg)
         self.prompt_tokens = Counter("kvwire_prompt_tokens", "prompt tokens of admitted requests",
                                      registry=reg)
         self.generation_tokens = Counter("kvwire_generation_tokens", "generated tokens sent to clients",

@@ -114,11 +114,14 @@ class FakeServer:
     client: TestClient
 
 
-async def start_fake_server(engine: FakeEngine, accepts_kv: bool = True) -> FakeServer:
+async def start_fake_server(
+    engine: FakeEngine, accepts_kv: bool = True, client_write_timeout_s: float = 30.0
+) -> FakeServer:
     engine_loop = EngineLoop(engine)
     metrics = ServerMetrics(lambda: engine_loop.stats)
     generation = GenerationHandler(engine_loop, engine.tokenizer, metrics, engine.model_name,
-                                   engine.max_model_len, accepts_kv_transfer_params=accepts_kv)
+                                   engine.max_model_len, accepts_kv_transfer_params=accepts_kv,
+                                   client_write_timeout_s=client_write_timeout_s)
     app = ServerApp(engine_loop, generation, metrics, engine.model_name, engine.max_model_len)
     engine_loop.start(asyncio.get_running_loop())
     client = TestClient(TestServer(app.build(1 << 20)))
