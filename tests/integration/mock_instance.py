@@ -353,5 +353,55 @@ def wait_for(cond: Any, timeout_s: float, what: str, interval_s: float = 0.02) -
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
+MockSpec = tuple[str, str, list[str]]  # (instance id, role, extra mock_instance.py flags)
+
+# A prefill + decode pair serving model ``mock`` and a colocated instance serving ``solo``, so one
+# router covers both dispatch plans.
+PD_AND_SOLO: list[MockSpec] = [
+    ("p0", "prefill", ["--model", "mock"]),
+    ("d0", "decode", ["--model", "mock"]),
+    ("b0", "both", ["--model", "solo"]),
+]
+
+
+class MockCluster:
+    """A router (in-process) and mock instances (processes), all stopped by :meth:`close`."""
+
+    def __init__(self, specs: list[MockSpec], **router_kw: Any) -> None:
+        self.router = RouterThread(router_config(**router_kw))
+        self.url = self.router.url
+        self.mocks: dict[str, MockProcess] = {}
+        try:
+            for ident, role, extra in specs:
+                self.mocks[ident] = MockProcess(
+                    self.router.discovery, ident, "--role", role, "--interval-s", "0.2", *extra
+                )
+            wait_for(lambda: live_ids(self.router) >= set(self.mocks), 10, "mocks registered")
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for mock in self.mocks.values():
+            mock.kill()
+        self.router.close()
+
+    def count(self, ident: str, key: str) -> int:
+        value = self.mocks[ident].stats()[key]
+        return len(value) if isinstance(value, list) else int(value)
+
+    def metric(self, line_prefix: str) -> float:
+        text = get_raw(self.url, "/metrics")[1].decode()
+        for line in text.splitlines():
+            if line.startswith(line_prefix + " "):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def wait_all_live(self) -> None:
+        wait_for(lambda: live_ids(self.router) >= set(self.mocks), 10, "every mock live again")
+
+
+
+
 if __name__ == "__main__":
     asyncio.run(_main(_parse()))

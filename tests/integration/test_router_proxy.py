@@ -15,58 +15,19 @@ from typing import Any
 
 import pytest
 import zmq
-from mock_instance import MockProcess, RouterThread, get, get_raw, live_ids, post, router_config, wait_for
+from mock_instance import MockCluster, MockSpec, get, live_ids, post, wait_for
 
 from kvwire.discovery import Heartbeat, InstanceInfo, InstanceRole, encode_frames
 from kvwire.kv_params import TransferMode
 from kvwire.router.config import Policy
 
-Spec = tuple[str, str, list[str]]
-
-
-class Cluster:
-    """A router (in-process) and mock instances (processes), all stopped by :meth:`close`."""
-
-    def __init__(self, specs: list[Spec], **router_kw: Any) -> None:
-        self.router = RouterThread(router_config(**router_kw))
-        self.url = self.router.url
-        self.mocks: dict[str, MockProcess] = {}
-        try:
-            for ident, role, extra in specs:
-                self.mocks[ident] = MockProcess(
-                    self.router.discovery, ident, "--role", role, "--interval-s", "0.2", *extra
-                )
-            wait_for(lambda: live_ids(self.router) >= set(self.mocks), 10, "mocks registered")
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        for mock in self.mocks.values():
-            mock.kill()
-        self.router.close()
-
-    def count(self, ident: str, key: str) -> int:
-        value = self.mocks[ident].stats()[key]
-        return len(value) if isinstance(value, list) else int(value)
-
-    def metric(self, line_prefix: str) -> float:
-        text = get_raw(self.url, "/metrics")[1].decode()
-        for line in text.splitlines():
-            if line.startswith(line_prefix + " "):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
-
-    def wait_all_live(self) -> None:
-        wait_for(lambda: live_ids(self.router) >= set(self.mocks), 10, "every mock live again")
-
 
 @pytest.fixture
 def cluster() -> Iterator[Any]:
-    made: list[Cluster] = []
+    made: list[MockCluster] = []
 
-    def make(specs: list[Spec], **router_kw: Any) -> Cluster:
-        made.append(Cluster(specs, **router_kw))
+    def make(specs: list[MockSpec], **router_kw: Any) -> MockCluster:
+        made.append(MockCluster(specs, **router_kw))
         return made[-1]
 
     yield make
@@ -75,32 +36,32 @@ def cluster() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def single() -> Iterator[Cluster]:
-    c = Cluster([("m0", "both", [])])
+def single() -> Iterator[MockCluster]:
+    c = MockCluster([("m0", "both", [])])
     yield c
     c.close()
 
 
-def _pd_specs() -> list[Spec]:
+def _pd_specs() -> list[MockSpec]:
     return [("p0", "prefill", ["--fake-kv-port", "7001"]), ("d0", "decode", ["--fake-kv-port", "7002"])]
 
 
 @pytest.fixture(scope="module")
-def push_pair() -> Iterator[Cluster]:
-    c = Cluster(_pd_specs(), mode=TransferMode.PUSH)
+def push_pair() -> Iterator[MockCluster]:
+    c = MockCluster(_pd_specs(), mode=TransferMode.PUSH)
     yield c
     c.close()
 
 
 @pytest.fixture(scope="module")
-def pull_pair() -> Iterator[Cluster]:
-    c = Cluster(_pd_specs(), mode=TransferMode.PULL)
+def pull_pair() -> Iterator[MockCluster]:
+    c = MockCluster(_pd_specs(), mode=TransferMode.PULL)
     yield c
     c.close()
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_streaming_and_full_pass_through_byte_for_byte(single: Cluster, path: str) -> None:
+def test_streaming_and_full_pass_through_byte_for_byte(single: MockCluster, path: str) -> None:
     chat = path.endswith("chat/completions")
     body: dict[str, Any] = {"model": "mock", "max_tokens": 7, "stream": True,
                             "stream_options": {"include_usage": True}}
@@ -122,7 +83,7 @@ def test_streaming_and_full_pass_through_byte_for_byte(single: Cluster, path: st
 
 
 @pytest.mark.parametrize("status", [400, 404, 422, 500, 503])
-def test_upstream_errors_keep_status_and_message(single: Cluster, status: int) -> None:
+def test_upstream_errors_keep_status_and_message(single: MockCluster, status: int) -> None:
     for stream in (False, True):
         code, data = post(single.url, "/v1/completions", {"prompt": f"status={status}", "stream": stream})
         assert code == status
@@ -163,7 +124,7 @@ def _send_raw(url: str, body: dict[str, Any]) -> socket.socket:
     return sock
 
 
-def _abandon(c: Cluster, body: dict[str, Any], arrives_at: str) -> None:
+def _abandon(c: MockCluster, body: dict[str, Any], arrives_at: str) -> None:
     """Send a request, wait until ``arrives_at`` has it, then vanish (client disconnect)."""
     before = c.count(arrives_at, "requests")
     sock = _send_raw(c.url, body)
@@ -172,13 +133,13 @@ def _abandon(c: Cluster, body: dict[str, Any], arrives_at: str) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_client_disconnect_aborts_upstream(single: Cluster, stream: bool) -> None:
+def test_client_disconnect_aborts_upstream(single: MockCluster, stream: bool) -> None:
     before = single.count("m0", "disconnects")
     _abandon(single, {"prompt": "hang", "stream": stream}, "m0")
     wait_for(lambda: single.count("m0", "disconnects") == before + 1, 10, "upstream saw the disconnect")
 
 
-def test_upstream_dying_mid_stream_is_reported_in_band(single: Cluster) -> None:
+def test_upstream_dying_mid_stream_is_reported_in_band(single: MockCluster) -> None:
     errors = 'kvwire_router_requests_total{endpoint="/v1/completions",outcome="upstream_error"}'
     before = single.metric(errors)
     code, data = post(single.url, "/v1/completions", {"prompt": "drop", "max_tokens": 5, "stream": True})
@@ -202,7 +163,7 @@ def test_least_loaded_avoids_the_busy_instance(cluster: Any) -> None:
         assert served == {"m1" if busy == "m0" else "m0"}
 
 
-def test_push_sends_p_and_d_concurrently(push_pair: Cluster) -> None:
+def test_push_sends_p_and_d_concurrently(push_pair: MockCluster) -> None:
     c = push_pair
     n_p, n_d = c.count("p0", "requests"), c.count("d0", "requests")
     done_p = c.count("p0", "completed")
@@ -230,7 +191,7 @@ def test_push_sends_p_and_d_concurrently(push_pair: Cluster) -> None:
     assert c.metric(ttft) == ttft0 + 1
 
 
-def test_push_prefill_rejection_cancels_decode(push_pair: Cluster) -> None:
+def test_push_prefill_rejection_cancels_decode(push_pair: MockCluster) -> None:
     before = push_pair.count("d0", "disconnects")
     body = {"prompt": "prefill.status=400 decode.hang", "stream": True}
     code, data = post(push_pair.url, "/v1/completions", body)
@@ -239,14 +200,14 @@ def test_push_prefill_rejection_cancels_decode(push_pair: Cluster) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_push_prefill_failure_leaves_decode_to_recover(push_pair: Cluster, stream: bool) -> None:
+def test_push_prefill_failure_leaves_decode_to_recover(push_pair: MockCluster, stream: bool) -> None:
     # D answers 0.3 s after P failed with a 500: D (which would recompute) decides the outcome.
     body = {"prompt": "prefill.status=500 decode.delay", "stream": stream}
     code, data = post(push_pair.url, "/v1/completions", body)
     assert code == 200 and b" t15" in data
 
 
-def test_push_decode_error_cancels_prefill(push_pair: Cluster) -> None:
+def test_push_decode_error_cancels_prefill(push_pair: MockCluster) -> None:
     before = push_pair.count("p0", "disconnects")
     code, data = post(push_pair.url, "/v1/completions", {"prompt": "decode.status=422 prefill.hang"})
     assert code == 422 and json.loads(data)["error"]["message"] == "mock d0 says 422"
@@ -254,7 +215,7 @@ def test_push_decode_error_cancels_prefill(push_pair: Cluster) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_push_client_disconnect_aborts_p_and_d(push_pair: Cluster, stream: bool) -> None:
+def test_push_client_disconnect_aborts_p_and_d(push_pair: MockCluster, stream: bool) -> None:
     c = push_pair
     p_before, d_before = c.count("p0", "disconnects"), c.count("d0", "disconnects")
     _abandon(c, {"prompt": "hang", "stream": stream}, "d0")
@@ -262,7 +223,7 @@ def test_push_client_disconnect_aborts_p_and_d(push_pair: Cluster, stream: bool)
     wait_for(lambda: c.count("d0", "disconnects") == d_before + 1, 10, "decode aborted")
 
 
-def test_pull_forwards_prefill_params_to_decode(pull_pair: Cluster) -> None:
+def test_pull_forwards_prefill_params_to_decode(pull_pair: MockCluster) -> None:
     c = pull_pair
     n_p, n_d = c.count("p0", "requests"), c.count("d0", "requests")
     code, data = post(c.url, "/v1/completions", {"prompt": "hello", "max_tokens": 4})
@@ -276,7 +237,7 @@ def test_pull_forwards_prefill_params_to_decode(pull_pair: Cluster) -> None:
     assert d_req["received_at"] >= p_req["answered_at"]
 
 
-def test_pull_without_params_from_prefill_is_a_clear_502(pull_pair: Cluster) -> None:
+def test_pull_without_params_from_prefill_is_a_clear_502(pull_pair: MockCluster) -> None:
     n_d = pull_pair.count("d0", "requests")
     code, data = post(pull_pair.url, "/v1/completions", {"prompt": "noparams"})
     assert code == 502 and "kv_transfer_params" in json.loads(data)["error"]["message"]

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from mock_instance import MockProcess, RouterThread, live_ids, router_config, wait_for
+from mock_instance import PD_AND_SOLO, MockCluster, MockProcess
 
 from kvwire.kv_params import TransferMode
 
@@ -26,34 +26,10 @@ N_TOKENS = 6
 EMISSION_SPAN_S = GAP_MS * (N_TOKENS - 1) / 1000
 
 
-class Setup:
-    """A router with a prefill + decode pair serving model ``mock`` and a colocated instance serving
-    ``solo`` (so one router covers both plans), all stopped by :meth:`close`."""
-
-    def __init__(self, **router_kw: Any) -> None:
-        self.router = RouterThread(router_config(**router_kw))
-        self.mocks: dict[str, MockProcess] = {}
-        try:
-            for ident, role, model in (("p0", "prefill", "mock"), ("d0", "decode", "mock"),
-                                       ("b0", "both", "solo")):
-                self.mocks[ident] = MockProcess(
-                    self.router.discovery, ident, "--role", role, "--model", model, "--interval-s", "0.2"
-                )
-            wait_for(lambda: live_ids(self.router) >= set(self.mocks), 10, "mocks registered")
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        for mock in self.mocks.values():
-            mock.kill()
-        self.router.close()
-
-
 @pytest.fixture(scope="module", params=["push", "push-early", "pull"])
-def setup(request: pytest.FixtureRequest) -> Iterator[Setup]:
+def setup(request: pytest.FixtureRequest) -> Iterator[MockCluster]:
     mode = TransferMode.PULL if request.param == "pull" else TransferMode.PUSH
-    s = Setup(mode=mode, stream_first_token_from_prefill=request.param == "push-early")
+    s = MockCluster(PD_AND_SOLO, mode=mode, stream_first_token_from_prefill=request.param == "push-early")
     yield s
     s.close()
 
@@ -97,7 +73,7 @@ def _token_arrivals(events: list[tuple[float, bytes]], chat: bool) -> list[tuple
 @pytest.mark.parametrize(("plan", "slow_prefill"), [("pd", False), ("pd", True), ("colocated", False)])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_events_reach_the_client_as_they_are_emitted(
-    setup: Setup, plan: str, slow_prefill: bool, path: str
+    setup: MockCluster, plan: str, slow_prefill: bool, path: str
 ) -> None:
     push = setup.router.server.cfg.mode is TransferMode.PUSH
     chat = path.endswith("chat/completions")

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from mock_instance import MockProcess, RouterThread, get_raw, live_ids, post, router_config, wait_for
+from mock_instance import PD_AND_SOLO, MockCluster, RouterThread, get_raw, post, wait_for
 
 from kvwire.errors import ConfigError
 from kvwire.router.cli import add_arguments, config_from_args
@@ -21,32 +21,9 @@ from kvwire.router.config import RouterConfig
 WRITE_TIMEOUT_S = 0.5
 
 
-class Setup:
-    """A router (push mode, short write deadline) with a prefill + decode pair serving ``mock`` and a
-    colocated instance serving ``solo``; everything stopped by :meth:`close`."""
-
-    def __init__(self) -> None:
-        self.router = RouterThread(router_config(client_write_timeout_s=WRITE_TIMEOUT_S))
-        self.mocks: dict[str, MockProcess] = {}
-        try:
-            for ident, role, model in (("p0", "prefill", "mock"), ("d0", "decode", "mock"),
-                                       ("b0", "both", "solo")):
-                args = ("--role", role, "--model", model)
-                self.mocks[ident] = MockProcess(self.router.discovery, ident, *args)
-            wait_for(lambda: live_ids(self.router) >= set(self.mocks), 10, "mocks registered")
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        for mock in self.mocks.values():
-            mock.kill()
-        self.router.close()
-
-
 @pytest.fixture(scope="module")
-def setup() -> Iterator[Setup]:
-    s = Setup()
+def setup() -> Iterator[MockCluster]:
+    s = MockCluster(PD_AND_SOLO, client_write_timeout_s=WRITE_TIMEOUT_S)
     try:
         yield s
     finally:
@@ -76,7 +53,7 @@ def _timeouts(router: RouterThread) -> float:
 
 @pytest.mark.parametrize(("model", "upstream"), [("solo", "b0"), ("mock", "d0")])
 def test_stalled_client_is_cut_off_and_the_upstream_sees_the_disconnect(
-    setup: Setup, model: str, upstream: str
+    setup: MockCluster, model: str, upstream: str
 ) -> None:
     mock = setup.mocks[upstream]
     before_disconnects = len(mock.stats()["disconnects"])
