@@ -141,6 +141,22 @@ def test_cluster_spec_is_validated() -> None:
         ClusterSpec(num_prefill=0, num_decode=0, num_both=0)
     with pytest.raises(ConfigError):
         ClusterSpec(kv_load_failure_policy="maybe")
+    with pytest.raises(ConfigError):
+        ClusterSpec(spread_gpus=-1)
+
+
+def test_up_flags_reach_the_cluster_spec() -> None:
+    import argparse
+
+    from kvwire.cluster.cli import add_arguments, spec_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--prefill", "2", "--decode", "3", "--mode", "pull", "--spread-gpus", "2",
+                              "--serve-arg=--num-kv-blocks=64"])
+    spec = spec_from_args(args)
+    assert (spec.num_prefill, spec.num_decode, spec.spread_gpus) == (2, 3, 2)
+    assert spec.mode.value == "pull" and spec.serve_args == ("--num-kv-blocks=64",)
 
 
 def test_bench_statistics() -> None:

@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-load-failure-policy", choices=POLICIES, default="recompute")
     parser.add_argument("--start-timeout-s", type=float, default=180.0, help="deadline for all to be healthy")
     parser.add_argument("--stop-grace-s", type=float, default=10.0, help="SIGTERM->SIGKILL grace")
+    parser.add_argument("--spread-gpus", type=int, default=0, metavar="N",
+                        help="give instance k only GPU k %% N (CUDA_VISIBLE_DEVICES); 0 = leave as is")
     parser.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
                         help="extra `kvwire serve` flag (repeat; e.g. --serve-arg=--num-kv-blocks=512)")
 
@@ -42,7 +44,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         device=args.device, mode=TransferMode(args.mode), host=args.host, port=args.port,
         kv_deadline_s=args.kv_deadline_s, kv_load_failure_policy=args.kv_load_failure_policy,
         start_timeout_s=args.start_timeout_s, stop_grace_s=args.stop_grace_s,
-        serve_args=tuple(args.serve_arg),
+        serve_args=tuple(args.serve_arg), spread_gpus=args.spread_gpus,
     )
 
 
