@@ -28,20 +28,12 @@ class TransferError(KvwireError):
         self.transfer_id = transfer_id
 
 
-class TransferAborted(TransferError):
-    """The transfer was aborted by a local caller or by the peer."""
-
-
 class TransferTimeout(TransferError, TimeoutError):
     """The transfer's deadline passed before every layer was acknowledged."""
 
 
 class PeerLostError(TransferError, ConnectionError):
     """The peer died, restarted (new epoch) or became unreachable."""
-
-
-class BudgetExceededError(TransferError, MemoryError):
-    """A single transfer is larger than the receive budget and spill pool together can ever hold."""
 
 
 # --- wire protocol ----------------------------------------------------------------------------------
