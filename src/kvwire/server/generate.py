@@ -51,6 +51,11 @@ def error_response(
                         content_type="application/json")
 
 
+def _failure_status(exc: ServerShuttingDown | EngineError) -> tuple[int, str]:
+    """(HTTP status, metrics outcome) of an engine-side failure: shutdown is 503, anything else 500."""
+    return (503, "shutdown") if isinstance(exc, ServerShuttingDown) else (500, "error")
+
+
 class ModelNotFound(InvalidRequestError):
     pass
 
@@ -140,12 +145,8 @@ class GenerationHandler:
         except InvalidRequestError as exc:
             self._count(endpoint, "invalid")
             return error_response(400, str(exc))
-        except ServerShuttingDown as exc:
-            self._count(endpoint, "shutdown")
-            return error_response(503, str(exc), "server_error")
-        except EngineError as exc:
-            self._count(endpoint, "error")
-            return error_response(500, str(exc), "server_error")
+        except (ServerShuttingDown, EngineError) as exc:
+            return self._failure_response(endpoint, exc)
         self._metrics.prompt_tokens.inc(len(prepared.prompt_token_ids))
         return request_id, stream, prepared
 
@@ -230,12 +231,8 @@ class GenerationHandler:
             async for item in stream:
                 timer.on_tokens(len(item.output.new_token_ids), item.time_s)
                 last = item.output
-        except ServerShuttingDown as exc:
-            self._count(endpoint, "shutdown")
-            return error_response(503, str(exc), "server_error")
-        except EngineError as exc:
-            self._count(endpoint, "error")
-            return error_response(500, str(exc), "server_error")
+        except (ServerShuttingDown, EngineError) as exc:
+            return self._failure_response(endpoint, exc)
         timer.on_finish(time.monotonic())
         reason = last.finish_reason or "stop"
         self._count(endpoint, reason)
@@ -289,13 +286,16 @@ class GenerationHandler:
                     timer.on_finish(time.monotonic())
                     num_prompt = out.num_prompt_tokens or len(prepared.prompt_token_ids)
                     return out.finish_reason or "stop", usage_body(num_prompt, len(out.token_ids))
-        except ServerShuttingDown as exc:
+        except (ServerShuttingDown, EngineError) as exc:
             await writer.write(sse_event(error_body(str(exc), "server_error")))
-            return "shutdown", None
-        except EngineError as exc:
-            await writer.write(sse_event(error_body(str(exc), "server_error")))
-            return "error", None
+            return _failure_status(exc)[1], None
         raise AssertionError("request stream ended without a finished output")
+
+    def _failure_response(self, endpoint: str, exc: ServerShuttingDown | EngineError) -> web.Response:
+        """Count an engine-side failure and turn it into its error response (503 or 500)."""
+        status, outcome = _failure_status(exc)
+        self._count(endpoint, outcome)
+        return error_response(status, str(exc), "server_error")
 
     def _count(self, endpoint: str, outcome: str) -> None:
         self._metrics.requests.labels(endpoint, outcome).inc()
