@@ -25,7 +25,7 @@ from kvwire.router.config import RouterConfig
 from kvwire.router.listener import DiscoveryListener
 from kvwire.router.metrics import RouterMetrics
 from kvwire.router.proxy import Dispatcher
-from kvwire.router.registry import Registry, RegistrySweeper
+from kvwire.router.registry import InstanceView, Registry, RegistrySweeper
 from kvwire.router.request import ClientRequest, parse_client_request
 from kvwire.router.selection import ModelNotFoundError, Selector
 from kvwire.router.upstream import Upstream, UpstreamFailure
@@ -144,21 +144,12 @@ class RouterServer:
             response = await self._dispatcher.dispatch(request, creq)
             outcome = creq.outcome
             return response
-        except _BodyTooLarge as exc:
-            outcome = "too_large"
-            return error_response(413, str(exc), "invalid_request_error")
-        except InvalidRequestError as exc:
-            outcome = "invalid"
-            return error_response(400, str(exc), "invalid_request_error")
-        except ModelNotFoundError as exc:
-            outcome = "model_not_found"
-            return error_response(404, str(exc), "not_found_error")
-        except NoInstanceError as exc:
-            outcome = "no_instance"
-            return error_response(503, str(exc), "service_unavailable")
         except UpstreamFailure as exc:
             outcome = "upstream_error"
             return _upstream_error_response(exc)
+        except _CLIENT_ERRORS as exc:
+            status, outcome, type_ = _client_error(exc)
+            return error_response(status, str(exc), type_)
         except (asyncio.CancelledError, ConnectionResetError):
             timed_out = creq is not None and creq.outcome == CLIENT_TIMEOUT  # stopped reading
             outcome = CLIENT_TIMEOUT if timed_out else "client_disconnected"
@@ -199,7 +190,7 @@ class RouterServer:
     async def _instances(self, request: web.Request) -> web.Response:
         return web.json_response([self._instance_json(v) for v in self.registry.snapshot()])
 
-    def _instance_json(self, v: Any) -> dict[str, Any]:
+    def _instance_json(self, v: InstanceView) -> dict[str, Any]:
         load = v.load
         requests, tokens = self.selector.inflight(v.instance_id)
         return {
@@ -226,6 +217,24 @@ class RouterServer:
 
 class _BodyTooLarge(InvalidRequestError):
     pass
+
+
+# Errors raised before anything went upstream -> (HTTP status, outcome label, OpenAI error type).
+# First match wins: subclasses before their bases.
+_ERROR_TABLE: tuple[tuple[type[Exception], int, str, str], ...] = (
+    (_BodyTooLarge, 413, "too_large", "invalid_request_error"),
+    (InvalidRequestError, 400, "invalid", "invalid_request_error"),
+    (ModelNotFoundError, 404, "model_not_found", "not_found_error"),
+    (NoInstanceError, 503, "no_instance", "service_unavailable"),
+)
+_CLIENT_ERRORS = tuple(row[0] for row in _ERROR_TABLE)
+
+
+def _client_error(exc: Exception) -> tuple[int, str, str]:
+    for cls, status, outcome, type_ in _ERROR_TABLE:
+        if isinstance(exc, cls):
+            return status, outcome, type_
+    raise AssertionError(f"{type(exc).__name__} is not in _ERROR_TABLE")
 
 
 def _upstream_error_response(exc: UpstreamFailure) -> web.Response:
