@@ -23,7 +23,7 @@ import torch
 from kvwire.transfer.base import make_plane
 from kvwire.transfer.buffers import RecvMemory
 from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.control import ControlLoop
+from kvwire.transfer.control import TICK_S, ControlLoop
 from kvwire.transfer.core import Core
 from kvwire.transfer.messages import Abort, Ack, AnyMsg, Grant, Offer, Pull, Trailer
 from kvwire.transfer.receiver import Receiver
@@ -50,6 +50,7 @@ class TransferAgent:
         self._core = core = Core(config, self._instance_id, plane, memory)
         self._sender = Sender(core)
         self._receiver = Receiver(core)
+        self._next_expiry = 0.0  # control thread only: when _on_tick next checks deadlines
         plane.start(self)
         try:
             core.control = ControlLoop(config, self._on_message, self._on_reject, self._on_tick)
@@ -270,12 +271,16 @@ class TransferAgent:
         log.warning("rejected control message: %s", reason)
 
     def _on_tick(self) -> None:
+        """After every control-loop wake-up: flush acks; scan deadlines at most every ``TICK_S``
+        (each arrived layer wakes the loop, and the scans walk every transfer in flight)."""
         with self._core.lock:
             if self._core.closed:
                 return
             now = self._core.now()
-            self._sender.expire(now)
-            self._receiver.expire(now)
+            if now >= self._next_expiry:
+                self._next_expiry = now + TICK_S
+                self._sender.expire(now)
+                self._receiver.expire(now)
             self._receiver.flush_acks()
 
     def _deliver_held(self, transfer_id: str) -> None:
