@@ -169,13 +169,16 @@ class Scheduler:
     # --- after the forward pass ---------------------------------------------------------------------
 
     def advance(self, scheduled: list[ScheduledRequest]) -> None:
-        """The step computed the scheduled tokens' KV: move the counters, cache full blocks."""
+        """The step computed the scheduled tokens' KV: move the counters, cache newly full blocks."""
+        block_size = self.blocks.block_size
         for item in scheduled:
             req = item.request
+            before = req.num_computed_tokens
             req.num_computed_tokens += item.num_new_tokens
-            self.blocks.cache_blocks(
-                req.all_token_ids, req.block_ids, req.num_computed_tokens, req.block_hashes
-            )
+            if req.num_computed_tokens // block_size > before // block_size:  # most decodes fill none
+                self.blocks.cache_blocks(
+                    req.all_token_ids, req.block_ids, req.num_computed_tokens, req.block_hashes
+                )
 
     def finish(self, req: Request, status: RequestStatus) -> dict[str, Any] | None:
         """End a request in any state. Returns the connector's kv_transfer_params for the client."""
