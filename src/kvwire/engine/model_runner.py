@@ -138,8 +138,8 @@ class ModelRunner:
         slots: list[int] = []
         query_start_loc, seq_lens = [0], []
         max_blocks = max(len(s.request.block_ids) for s in batch)
-        block_tables = torch.zeros((len(batch), max_blocks), dtype=torch.int64)
-        for i, item in enumerate(batch):
+        block_tables = [s.request.block_ids + [0] * (max_blocks - len(s.request.block_ids)) for s in batch]
+        for item in batch:
             req, start = item.request, item.request.num_computed_tokens
             end = start + item.num_new_tokens
             input_ids += req.all_token_ids[start:end]
@@ -147,10 +147,9 @@ class ModelRunner:
             slots += [self._slot(req, p) for p in range(start, end)]
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
-            block_tables[i, : len(req.block_ids)] = torch.tensor(req.block_ids)
         meta = AttentionMetadata(
             slot_mapping=self._to_device(slots),
-            block_tables=block_tables.to(self.device, non_blocking=True),
+            block_tables=torch.tensor(block_tables, dtype=torch.int64).to(self.device, non_blocking=True),
             seq_lens_t=self._to_device(seq_lens),
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
