@@ -37,7 +37,7 @@ from kvwire.transfer.paged import (
     gathered_shape,
     scatter_blocks,
 )
-from kvwire.transfer.tcp import tensor_bytes
+from kvwire.transfer.tcp_wire import recv_exact, tensor_bytes, tune
 
 DEFAULT_TOKENS = (512, 2048, 8192)
 _CEILING_JOIN_S = 10.0  # the writer is done once the reader has every byte; this only guards a bug
@@ -207,18 +207,12 @@ def _ceiling_once(src: torch.Tensor, dst: torch.Tensor, buffer_bytes: int) -> fl
     out = socket.create_connection(server.getsockname()[:2])
     conn, _ = server.accept()
     for sock in (out, conn):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+        tune(sock, buffer_bytes)  # the data plane's socket options
     payload, target = tensor_bytes(src), tensor_bytes(dst)
     writer = threading.Thread(target=_send_or_hang_up, args=(out, payload), name="kvwire-bench-ceiling")
     start = time.perf_counter()
     writer.start()
-    got = 0
-    while got < len(target):  # bounded: the writer sends everything or hangs up (EOF here)
-        n = conn.recv_into(target[got:], len(target) - got)
-        if n == 0:
-            raise ConnectionError(f"ceiling writer hung up after {got} of {len(target)} bytes")
-        got += n
+    recv_exact(conn, target)  # bounded: the writer sends everything or hangs up (EOF here)
     elapsed = time.perf_counter() - start
     writer.join(timeout=_CEILING_JOIN_S)
     for sock in (out, conn, server):
