@@ -46,6 +46,20 @@ class AttentionMetadata:
         slots = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.block_tables.device)
         return (slots[None, :] < self.seq_lens_t[:nd, None])[:, None, None, :]
 
+    @functools.cached_property
+    def chunk_masks(self) -> list[torch.Tensor | None]:
+        """Per sequence after the decodes: [Q, max_blocks * block_size] bool, which gathered slots
+        each of its queries sees (causal); None for a whole prompt in one chunk, which attends over
+        its own K/V (built once per step, shared by every layer)."""
+        device = self.block_tables.device
+        slots = torch.arange(self.block_tables.shape[1] * self.block_size, device=device)
+        masks: list[torch.Tensor | None] = []
+        for i in range(self.num_decodes, self.num_seqs):
+            seq_len, q_len = self.seq_lens[i], self.query_start_loc[i + 1] - self.query_start_loc[i]
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+            masks.append(None if seq_len == q_len else slots[None, :] <= q_pos[:, None])
+        return masks
+
 
 @dataclasses.dataclass
 class ForwardContext:
@@ -119,16 +133,13 @@ def sdpa_attention(
     nd = meta.num_decodes
     if nd:
         out[:nd] = _decode_sdpa(q[:nd], kv_cache, meta)
-    for i in range(nd, meta.num_seqs):
+    for i, mask in enumerate(meta.chunk_masks, start=nd):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        seq_len, q_len = meta.seq_lens[i], end - start
-        if seq_len == q_len:  # a whole prompt in one chunk: its own K/V, like a dense forward
+        if mask is None:  # a whole prompt in one chunk: its own K/V, like a dense forward
             out[start:end] = _sdpa(q[start:end], k_new[start:end], v_new[start:end], causal=True)
             continue
         k, v = gather_kv(kv_cache, meta.block_tables[i])
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
-        out[start:end] = _sdpa(q[start:end], k, v, mask=visible)
+        out[start:end] = _sdpa(q[start:end], k, v, mask=mask)
     return out
 
 
