@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import threading
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
 import aiohttp
 
 from kvwire.cluster.client import RequestResult, post_completion
-from kvwire.cluster.local import free_port, http_json
+from kvwire.cluster.local import ClusterSpec, LocalCluster, free_port, http_json
 from kvwire.cluster.process import ManagedProcess, kvwire_argv
 
 BLOCK = 16  # the engine's default block size
@@ -59,6 +61,19 @@ def wait_for(condition: Any, timeout_s: float, what: str) -> float:
             return time.monotonic() - start
         time.sleep(0.1)
     raise AssertionError(f"{what}: not within {timeout_s} s")
+
+
+@contextlib.contextmanager
+def running_cluster(spec: ClusterSpec, log_path: Path) -> Iterator[LocalCluster]:
+    """A started :class:`LocalCluster` whose processes log to ``log_path``; stopped on exit (also
+    when starting it fails)."""
+    with open(log_path, "w") as sink:
+        cluster = LocalCluster(spec, sink=sink)
+        try:
+            cluster.start()
+            yield cluster
+        finally:
+            cluster.stop()
 
 
 class ColocatedServer:

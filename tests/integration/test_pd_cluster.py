@@ -14,7 +14,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from pd_cluster_helpers import ColocatedServer, body, metric, prompts, send_all, wait_for
+from pd_cluster_helpers import ColocatedServer, body, metric, prompts, running_cluster, send_all, wait_for
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.kv_params import TransferMode
@@ -52,13 +52,8 @@ def cluster(request: pytest.FixtureRequest, log_dir: Path) -> Iterator[LocalClus
     num_p, num_d, mode = request.param
     spec = ClusterSpec(num_prefill=num_p, num_decode=num_d, mode=mode, kv_deadline_s=KV_DEADLINE_S,
                        heartbeat_interval_s=0.5)
-    with open(log_dir / f"cluster-{num_p}p{num_d}d-{mode.value}.log", "w") as sink:
-        pd = LocalCluster(spec, sink=sink)
-        try:
-            pd.start()
-            yield pd
-        finally:
-            pd.stop()
+    with running_cluster(spec, log_dir / f"cluster-{num_p}p{num_d}d-{mode.value}.log") as pd:
+        yield pd
     assert all(i.process.poll() is not None for i in pd.instances.values())
 
 

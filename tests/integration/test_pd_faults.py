@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pd_cluster_helpers import body, metric, send_all, wait_for
+from pd_cluster_helpers import body, metric, running_cluster, send_all, wait_for
 
 from kvwire.cluster.client import RequestResult
 from kvwire.cluster.local import ClusterSpec, LocalCluster
@@ -41,13 +41,8 @@ def expected() -> list[int]:
 def make_cluster(tmp: Path, policy: str) -> Iterator[LocalCluster]:
     spec = ClusterSpec(num_prefill=1, num_decode=1, kv_deadline_s=DEADLINE_S, kv_load_failure_policy=policy,
                        heartbeat_interval_s=0.5, instance_ttl_s=2.0)
-    with open(tmp / f"faults-{policy}.log", "w") as sink:
-        cluster = LocalCluster(spec, sink=sink)
-        try:
-            cluster.start()
-            yield cluster
-        finally:
-            cluster.stop()
+    with running_cluster(spec, tmp / f"faults-{policy}.log") as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")
