@@ -27,8 +27,9 @@ class ClientStream:
         *, write_timeout_s: float, status: int = 200, content_type: str = "text/event-stream",
     ) -> None:
         self._creq = creq
-        self._metrics = metrics
-        self._mode = mode
+        # Label children resolved once: write() runs per token event.
+        self._ttft = metrics.ttft.labels(mode=mode)
+        self._itl = metrics.itl.labels(mode=mode)
         self.response = web.StreamResponse(
             status=status, headers={"Content-Type": content_type, "Cache-Control": "no-cache"}
         )
@@ -53,11 +54,11 @@ class ClientStream:
             return
         now = time.perf_counter()
         if self._last is None:
-            self._metrics.ttft.labels(mode=self._mode).observe(now - self._creq.t0)
+            self._ttft.observe(now - self._creq.t0)
         else:
-            self._metrics.itl.labels(mode=self._mode).observe(now - self._last)
+            self._itl.observe(now - self._last)
         for _ in range(n - 1):
-            self._metrics.itl.labels(mode=self._mode).observe(0.0)
+            self._itl.observe(0.0)
         self._last = now
 
     async def error_event(self, message: str, status: int) -> None:

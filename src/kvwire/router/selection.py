@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from kvwire.discovery.messages import InstanceRole
@@ -33,19 +33,22 @@ class Selector:
         self._ctx = {role: PickContext(turn=0, rng=random.Random(seed)) for role in InstanceRole}
         self._inflight: dict[str, list[int]] = {}  # instance id -> [requests, tokens]
 
-    def _live(self, role: InstanceRole, model: str | None) -> list[InstanceView]:
-        views = self._registry.live(role)
+    def _live(self, role: InstanceRole, model: str | None) -> Sequence[InstanceView]:
+        views = self._registry.live(role)  # the registry's cached tuple: no copy when no model filter
         if model is None:
-            return list(views)
+            return views
         return [v for v in views if v.info.model == model]
+
+    def _has_live(self, role: InstanceRole, model: str | None) -> bool:
+        return any(model is None or v.info.model == model for v in self._registry.live(role))
 
     def plan(self, model: str | None) -> Plan:
         """P/D when a prefill and a decode instance are live, else colocated; raises if neither."""
-        has_p = bool(self._live(InstanceRole.PREFILL, model))
-        has_d = bool(self._live(InstanceRole.DECODE, model))
+        has_p = self._has_live(InstanceRole.PREFILL, model)
+        has_d = self._has_live(InstanceRole.DECODE, model)
         if has_p and has_d:
             return Plan.DISAGGREGATED
-        if self._live(InstanceRole.BOTH, model):
+        if self._has_live(InstanceRole.BOTH, model):
             return Plan.COLOCATED
         self._check_model(model)
         for_model = f" for model {model!r}" if model else ""
@@ -71,7 +74,7 @@ class Selector:
         ctx = self._ctx[role]
         chosen = self._policy(candidates, ctx)
         ctx.turn += 1
-        return next(v for v in views if v.instance_id == chosen.instance_id)
+        return views[next(i for i, c in enumerate(candidates) if c is chosen)]
 
     def _candidate(self, view: InstanceView) -> Candidate:
         requests, tokens = self._inflight.get(view.instance_id, (0, 0))
