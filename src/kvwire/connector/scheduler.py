@@ -245,9 +245,9 @@ class KvwireSchedulerConnector(SchedulerConnector):
     def update_connector_output(self, output: ConnectorOutput) -> None:
         for request_id in output.finished_sending:
             self._on_send_done(request_id)
-        first_tokens: dict[str, int] = getattr(output, "first_token_ids", {})
         for request_id in output.finished_recving:
-            self._on_recv_done(request_id, output.invalid_block_ids, first_tokens.get(request_id))
+            token = output.first_token_ids.get(request_id)
+            self._on_recv_done(request_id, output.invalid_block_ids, token)
         for request_id in output.failed:
             state = self._reqs.get(request_id)
             if state is not None and state.phase is Phase.RECEIVING:
