@@ -76,3 +76,8 @@ class ConnectorConfig:
             raise ConfigError(f"deadline_s must be > 0, got {self.deadline_s}")
         if self.lease_s <= 0:
             raise ConfigError(f"lease_s must be > 0, got {self.lease_s}")
+
+    @property
+    def agent_deadline_s(self) -> float:
+        """The transfer agent's default deadline: long enough for a push and for a pull lease."""
+        return max(self.deadline_s, self.lease_s)

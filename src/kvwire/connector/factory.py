@@ -18,8 +18,7 @@ def transfer_config_for(config: ConnectorConfig, engine_info: EngineInfo) -> Tra
     with the connector's deadline as the agent's default deadline."""
     if config.transfer is not None:
         return config.transfer
-    deadline_s = max(config.deadline_s, config.lease_s)
-    return TransferConfig(device=engine_info.device, default_deadline_s=deadline_s)
+    return TransferConfig(device=engine_info.device, default_deadline_s=config.agent_deadline_s)
 
 
 def build_connectors(

@@ -36,7 +36,7 @@ def transfer_config(config: VllmPluginConfig, engine_info: EngineInfo) -> Transf
         device=engine_info.device,
         recv_budget_bytes=config.recv_budget_bytes,
         spill_budget_bytes=config.spill_budget_bytes,
-        default_deadline_s=max(config.connector.deadline_s, config.connector.lease_s),
+        default_deadline_s=config.connector.agent_deadline_s,
         secret=config.secret.encode() if config.secret else None,
     )
 
