@@ -243,11 +243,14 @@ def _data_plane(extra: Mapping[str, Any], device_type: str) -> DataPlane:
         raise ConfigError(f"backend must be 'tcp' or 'nccl', got {name!r}") from exc
 
 
-def _connector_config(view: VllmTransferView, extra: Mapping[str, Any]) -> ConnectorConfig:
+def _vllm_failure_policy(view: VllmTransferView) -> LoadFailurePolicy:
     try:
-        LoadFailurePolicy(view.kv_load_failure_policy)
+        return LoadFailurePolicy(view.kv_load_failure_policy)
     except ValueError as exc:
         raise ConfigError(f"kv_load_failure_policy {view.kv_load_failure_policy!r} is unknown") from exc
+
+
+def _connector_config(view: VllmTransferView, extra: Mapping[str, Any]) -> ConnectorConfig:
     deadline_s = _get_float(extra, "deadline_s")
     lease_s = _get_float(extra, "lease_s")
     return ConnectorConfig(
@@ -266,6 +269,7 @@ def plugin_config_from_vllm(view: VllmTransferView) -> VllmPluginConfig:
     """Validate and translate; raises :class:`ConfigError` with a message naming the key at fault."""
     extra = view.kv_connector_extra_config
     _check_keys(extra)
+    vllm_failure_policy = _vllm_failure_policy(view)
     device_type = "cuda" if view.kv_buffer_device.startswith("cuda") else view.kv_buffer_device
     if device_type not in ("cpu", "cuda"):
         raise ConfigError(f"kv_buffer_device must be 'cpu' or 'cuda', got {view.kv_buffer_device!r}")
@@ -289,5 +293,5 @@ def plugin_config_from_vllm(view: VllmTransferView) -> VllmPluginConfig:
         instance_id=_get_str(extra, "instance_id") or view.engine_id,
         model_name=_get_str(extra, "model_name"),
         nccl_num_channels=_get_int(extra, "nccl_num_channels"),
-        vllm_failure_policy=LoadFailurePolicy(view.kv_load_failure_policy),
+        vllm_failure_policy=vllm_failure_policy,
     )

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvwire.connector.base import ConnectorOutput, ConnectorRequest
-from kvwire.connector.config import ConnectorRole, EngineInfo
+from kvwire.connector.config import EngineInfo
 from kvwire.connector.metadata import KvwireConnectorMetadata
 from kvwire.connector.scheduler import KvwireSchedulerConnector
 from kvwire.discovery import HeartbeatClient, InstanceInfo, InstanceLoad, InstanceRole
@@ -25,13 +25,6 @@ from kvwire.integrations.vllm_config import VllmPluginConfig
 from kvwire.integrations.vllm_steps import DeliveryLedger, StepTracker
 
 logger = logging.getLogger(__name__)
-
-_INSTANCE_ROLES = {
-    ConnectorRole.PREFILL: InstanceRole.PREFILL,
-    ConnectorRole.DECODE: InstanceRole.DECODE,
-    ConnectorRole.BOTH: InstanceRole.BOTH,
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class RankEndpoint:
@@ -91,7 +84,7 @@ class SchedulerSide:
         assert self.config.router_address is not None and self.config.http_url is not None
         info = InstanceInfo(
             instance_id=self.identity.instance_id,
-            role=_INSTANCE_ROLES[self.config.connector.role],
+            role=InstanceRole(self.config.connector.role.value),  # same values, as in the server
             url=self.config.http_url,
             model=self.identity.model_name,
             kv_endpoints=endpoints,
