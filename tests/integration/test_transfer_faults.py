@@ -11,8 +11,9 @@ import msgspec
 import pytest
 import torch
 import zmq
-from transfer_helpers import PeerProcess, expected_digests, free_port, has_all, make_layer, poll_until
+from transfer_helpers import DTYPES, PeerProcess, expected_digests, has_all, make_layer, poll_until
 
+from kvwire.cluster.local import free_port
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
 
 KIB = 1024
@@ -91,8 +92,6 @@ def test_sender_killed_mid_transfer_fails_receiver_before_deadline(agent: Transf
 def _send_all(
     agent: TransferAgent, tid: str, endpoint: str, seed: int, specs: list, order: list[int]
 ) -> None:
-    from transfer_helpers import DTYPES
-
     agent.start_send(tid, endpoint, [LayerSpec(tuple(s), DTYPES[d]) for s, d in specs])
     for i in order:
         shape, dt = specs[i]
@@ -100,7 +99,7 @@ def _send_all(
 
 
 def test_receiver_restarted_on_same_port(agent: TransferAgent) -> None:
-    port = free_port()
+    port = free_port("127.0.0.1")
     old = PeerProcess("--port", str(port))
     new: PeerProcess | None = None
     try:

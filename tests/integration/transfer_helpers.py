@@ -13,7 +13,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -49,13 +48,6 @@ def random_specs(rng: random.Random, max_layers: int = 6) -> list[tuple[list[int
 
 def expected_digests(seed: int, specs: Sequence[tuple[Sequence[int], str]]) -> dict[int, str]:
     return {i: digest(make_layer(seed, i, shape, dt)) for i, (shape, dt) in enumerate(specs)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def poll_until(
