@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
 from typing import Any
 
 from kvwire.engine.config import EngineConfig
@@ -27,12 +26,6 @@ class ConnectorSet:
     worker: Any = None
     kv_endpoints: list[str] = dataclasses.field(default_factory=list)
     enabled: bool = False
-    extra_collectors: list[Any] = dataclasses.field(default_factory=list)
-
-    def collectors(self) -> Iterable[Any]:
-        """Collectors to add to the server registry besides those the connector registered in it
-        at build time."""
-        return list(self.extra_collectors)
 
     def close(self) -> None:
         for half in (self.worker, self.scheduler):

@@ -56,8 +56,6 @@ class ServerInstance:
         metrics = ServerMetrics(self._stats)
         self._connectors = build_connector_set(self.config, self.engine_config, self._secret,
                                                metrics.registry)
-        for collector in self._connectors.collectors():
-            metrics.add_collector(collector)
         self._engine = await loop.run_in_executor(None, _build_engine, self.engine_config, self._connectors)
         engine_loop = EngineLoop(self._engine)
         self._engine_loop = engine_loop

@@ -2,8 +2,9 @@
 
 Request-level series (counters, TTFT/ITL histograms) are updated by the HTTP handlers on the event
 loop thread. Engine-level series (queues, KV blocks, preemptions) are read at scrape time from the
-engine loop's latest :class:`StatsSnapshot`. Other components (the KV connector's transfer metrics)
-contribute by passing a Prometheus collector to :meth:`ServerMetrics.add_collector`.
+engine loop's latest :class:`StatsSnapshot`. Other components register their series in
+:attr:`ServerMetrics.registry` (the KV connector does so when it is built) or pass a collector to
+:meth:`ServerMetrics.add_collector`.
 """
 
 from __future__ import annotations
