@@ -57,16 +57,15 @@ def run(args: argparse.Namespace) -> int:
     prompt_len = args.prompt_len or (2048 if cuda else 512)
     steps = args.decode_steps or (64 if cuda else 32)
     batches = [int(b) for b in args.decode_batch_sizes.split(",")]
-    engine = _build_engine(args, prompt_len, max([*batches, args.num_requests]), steps)
-    bench = _Bench(engine, args.repeats)
-    results: dict[str, Any] = {
-        "environment": _environment(args, engine),
-        "prefill": bench.prefill(prompt_len),
-    }
-    results["decode"] = [bench.decode(b, args.decode_prompt_len, steps) for b in batches]
-    results["throughput"] = bench.throughput(args.num_requests, args.decode_prompt_len, args.output_len)
+    with _build_engine(args, prompt_len, max([*batches, args.num_requests]), steps) as engine:
+        bench = _Bench(engine, args.repeats)
+        results: dict[str, Any] = {
+            "environment": _environment(args, engine),
+            "prefill": bench.prefill(prompt_len),
+        }
+        results["decode"] = [bench.decode(b, args.decode_prompt_len, steps) for b in batches]
+        results["throughput"] = bench.throughput(args.num_requests, args.decode_prompt_len, args.output_len)
     print(json.dumps(results, indent=2) if args.json else _table(results))
-    engine.close()
     return 0
 
 
@@ -102,10 +101,6 @@ class _Bench:
     def _prompt(self, n: int) -> list[int]:
         return [self.rng.randrange(self.vocab) for _ in range(n)]
 
-    def _sync(self) -> None:
-        if self.engine.device.type == "cuda":
-            torch.cuda.synchronize(self.engine.device)
-
     def _timed(self, *fns: Callable[[], object]) -> list[float]:
         """Median seconds of each ``fn`` over the repeats, after one warm-up call each. The functions
         take turns within every repeat, so a load change on the machine hits them alike."""
@@ -114,10 +109,10 @@ class _Bench:
         times: list[list[float]] = [[] for _ in fns]
         for _ in range(self.repeats):
             for fn, fn_times in zip(fns, times, strict=True):
-                self._sync()
+                _sync(self.engine.device)
                 start = time.perf_counter()
                 fn()
-                self._sync()
+                _sync(self.engine.device)
                 fn_times.append(time.perf_counter() - start)
         return [statistics.median(t) for t in times]
 
@@ -197,6 +192,11 @@ class _Bench:
         }
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _decode_tokens(steps: int, repeats: int) -> int:
     """Output tokens a decode request needs to stay running through warm-up + timed repeats."""
     return steps * (repeats + 1) + 4
@@ -209,13 +209,11 @@ def _weight_read_seconds(engine: LLMEngine) -> float:
     probe = torch.empty(min(weight_bytes, 1 << 30) // 4, dtype=torch.float32, device=engine.device)
     dst = torch.empty_like(probe)
     dst.copy_(probe)
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
+    _sync(engine.device)
     start = time.perf_counter()
     for _ in range(5):
         dst.copy_(probe)
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
+    _sync(engine.device)
     read_bytes_per_s = 2 * 5 * probe.numel() * 4 / (time.perf_counter() - start)  # copy = read + write
     return weight_bytes / read_bytes_per_s
 
