@@ -18,7 +18,7 @@ class KVLoadFailurePolicy(str, enum.Enum):
 class AttentionBackend(str, enum.Enum):
     """How attention reads the paged KV cache."""
 
-    AUTO = "auto"  # SDPA on CUDA, the reference path on CPU
+    AUTO = "auto"  # SDPA on every device (the reference path is for tests)
     REFERENCE = "reference"  # plain torch math per sequence: the readable oracle
     SDPA = "sdpa"  # torch scaled_dot_product_attention over gathered blocks
 
