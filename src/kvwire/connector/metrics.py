@@ -32,6 +32,9 @@ class ConnectorMetrics:
             "kvwire_pd_transfer_bytes", "KV bytes handed to (send) or received from (recv) the agent",
             ["side"], registry=registry,
         )
+        # Counted once per KV layer per transfer: label children resolved here, not per layer.
+        self.send_bytes = self.transfer_bytes.labels(side="send")
+        self.recv_bytes = self.transfer_bytes.labels(side="recv")
         self.handover_seconds = Histogram(
             "kvwire_pd_handover_seconds", "P/D handover time by phase (p_prefill, transfer, d_wait)",
             ["phase"], buckets=_HANDOVER_BUCKETS_S, registry=registry,

@@ -165,7 +165,7 @@ class KvwireWorkerConnector(WorkerConnector):
                 send.failed = True
                 continue
             send.num_layers_sent += 1
-            self._metrics.transfer_bytes.labels(side="send").inc(data.numel() * data.element_size())
+            self._metrics.send_bytes.inc(data.numel() * data.element_size())
 
     def wait_for_save(self) -> None:
         self._finish_saves()
@@ -277,7 +277,7 @@ class KvwireWorkerConnector(WorkerConnector):
             except (IndexError, ValueError) as exc:
                 recv.error = f"mismatch: layer {layer_index}: {exc}"
                 return
-        self._metrics.transfer_bytes.labels(side="recv").inc(tensor.numel() * tensor.element_size())
+        self._metrics.recv_bytes.inc(tensor.numel() * tensor.element_size())
 
     def _fit(self, data: torch.Tensor, num_blocks: int, skip_blocks: int) -> torch.Tensor:
         """The part of P's payload D writes: P sends the whole prompt's blocks; D may load fewer (it
