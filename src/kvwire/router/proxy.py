@@ -146,22 +146,13 @@ class Dispatcher:
 
     # --- P/D ------------------------------------------------------------------------------------
 
-    def _pd_bodies(
-        self, creq: ClientRequest, p_params: KVTransferParams, d_params: KVTransferParams
-    ) -> tuple[bytes, bytes]:
-        p_body = creq.derived_body(
-            max_tokens=1, max_completion_tokens=1, stream=False, stream_options=None, min_tokens=None,
-            kv_transfer_params=p_params.to_dict(),
-        )
-        return p_body, creq.derived_body(kv_transfer_params=d_params.to_dict())
-
     async def _push(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
         d = self._selector.pick(InstanceRole.DECODE, creq.model)
         p = self._selector.pick(InstanceRole.PREFILL, creq.model or d.info.model)  # same model as D
         tid = uuid.uuid4().hex
         p_params = self._push_params(tid, PDRole.PREFILL, peer=d)
         d_params = self._push_params(tid, PDRole.DECODE, peer=p)
-        p_body, d_body = self._pd_bodies(creq, p_params, d_params)
+        p_body, d_body = _prefill_body(creq, p_params), _decode_body(creq, d_params)
         prompt = creq.est_prompt_tokens
         with self._selector.track(p.instance_id, prompt), \
                 self._selector.track(d.instance_id, prompt + creq.max_new_tokens):
@@ -282,13 +273,9 @@ class Dispatcher:
         p_params = KVTransferParams(
             transfer_id=tid, mode=TransferMode.PULL, role=PDRole.PREFILL, deadline_s=self._cfg.kv_deadline_s
         )
-        p_body = creq.derived_body(
-            max_tokens=1, max_completion_tokens=1, stream=False, stream_options=None, min_tokens=None,
-            kv_transfer_params=p_params.to_dict(),
-        )
+        p_body = _prefill_body(creq, p_params)
         p, answer = await self._retrying(lambda: self._prefill_only(creq, p_body))
-        d_params = self._params_from_prefill(p, answer)
-        d_body = creq.derived_body(kv_transfer_params=d_params.to_dict())
+        d_body = _decode_body(creq, self._params_from_prefill(p, answer))
         model = creq.model or p.info.model  # D must serve the model P prefilled
         return await self._retrying(lambda: self._single(request, creq, InstanceRole.DECODE, d_body, model))
 
@@ -313,6 +300,18 @@ class Dispatcher:
             params, role=PDRole.DECODE, mode=TransferMode.PULL, peer_endpoints=endpoints,
             peer_instance_id=params.peer_instance_id or p.instance_id,
         )
+
+
+def _prefill_body(creq: ClientRequest, params: KVTransferParams) -> bytes:
+    """P's copy of the request: one token, non-streaming, with its kv_transfer_params."""
+    return creq.derived_body(
+        max_tokens=1, max_completion_tokens=1, stream=False, stream_options=None, min_tokens=None,
+        kv_transfer_params=params.to_dict(),
+    )
+
+
+def _decode_body(creq: ClientRequest, params: KVTransferParams) -> bytes:
+    return creq.derived_body(kv_transfer_params=params.to_dict())
 
 
 def _take(result: Opened | bytes, resp: aiohttp.ClientResponse | None) -> Opened:

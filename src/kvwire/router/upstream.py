@@ -71,10 +71,8 @@ class Upstream:
         except aiohttp.ClientConnectorError as exc:
             detail = f"cannot connect: {exc}"
             raise self._failure(inst, role, "connect", detail, dead=True, retryable=True) from exc
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as exc:
-            raise self._failure(inst, role, "disconnect", f"connection lost: {exc!r}", dead=True) from exc
-        except asyncio.TimeoutError:
-            raise self._failure(inst, role, "timeout", "no answer in time", status=504) from None
+        except (*BODY_ERRORS, asyncio.TimeoutError) as exc:
+            raise self.lost(inst, role, exc) from exc
         if resp.status >= 400:
             raise await self._http_failure(inst, role, resp)
         return resp
@@ -112,7 +110,7 @@ class Upstream:
         )
 
     def lost(self, inst: InstanceView, role: str, exc: BaseException) -> UpstreamFailure:
-        """Classify (and count) a failure while reading a body: timeout, or the instance went away."""
+        """Classify (and count) a failure past connecting: timeout, or the instance went away."""
         if isinstance(exc, asyncio.TimeoutError):
             return self._failure(inst, role, "timeout", "no answer in time", status=504)
         return self._failure(inst, role, "disconnect", f"connection lost: {exc!r}", dead=True)
