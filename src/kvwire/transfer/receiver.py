@@ -140,9 +140,9 @@ class Receiver:
 
     def _layer_view(self, buf: RecvBuffer, spec: LayerSpec, owned: bool) -> torch.Tensor:
         view = buf.view(spec.shape, spec.dtype)
-        device = torch.device(self.core.config.device)
         if buf.kind is BufferKind.SPILL:
             # spill buffers go back to the pool: hand out a copy on the agent's device
+            device = torch.device(self.core.config.device)
             return view.to(device) if device.type != "cpu" else (view.clone() if owned else view)
         return view
 
