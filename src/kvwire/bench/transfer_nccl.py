@@ -21,6 +21,7 @@ import builtins
 import datetime
 import json
 import multiprocessing as mp
+import queue as queue_module
 import sys
 import traceback
 from multiprocessing.connection import Connection
@@ -84,9 +85,14 @@ def run(args: argparse.Namespace) -> int:
     for proc in procs:
         proc.start()
     results: dict[int, Any] = {}
+    timeout_s = getattr(args, "timeout_s", 540.0)
     try:
         for _ in procs:
-            rank, result, error = queue.get(timeout=getattr(args, "timeout_s", 540.0))
+            try:
+                rank, result, error = queue.get(timeout=timeout_s)
+            except queue_module.Empty:
+                print(f"kvwire bench transfer --backend nccl: no result in {timeout_s} s", file=sys.stderr)
+                return 1
             if error:
                 print(f"rank {rank} failed:\n{error}", file=sys.stderr)
                 return 1
