@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 import zmq
 
+from kvwire.cluster.local import free_port
 from kvwire.discovery import Deregister, Heartbeat, InstanceRole, decode_frames
 
 START_DEADLINE_S = 90.0
@@ -25,15 +26,9 @@ BASE_ARGS = ["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--max-
              "--num-kv-blocks", "512", "--block-size", "16"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class ServerProcess:
     def __init__(self, log_path: Path, *extra: str, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+        self.port = free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
