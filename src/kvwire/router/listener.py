@@ -22,7 +22,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvwire.discovery.messages import Heartbeat, decode_frames
 from kvwire.errors import AuthenticationError, ProtocolError
-from kvwire.router.registry import ApplyResult, Registry
+from kvwire.router.registry import ApplyResult, Registry, stop_thread
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +57,8 @@ class DiscoveryListener:
         return self
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5.0)
-        if not self._thread.is_alive() and not self._ctx.closed:
+        # The thread closes the sockets on its way out; close them here if it never started.
+        if stop_thread(self._thread, self._stop) and not self._ctx.closed:
             self._close_sockets()
 
     def _close_sockets(self) -> None:

@@ -207,6 +207,16 @@ class RegistrySweeper:
                 log.exception("registry sweep failed")
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5.0)
+        stop_thread(self._thread, self._stop)
+
+
+def stop_thread(thread: threading.Thread, stop: threading.Event, timeout_s: float = 5.0) -> bool:
+    """Set ``stop`` and join ``thread`` (started or not) for at most ``timeout_s``; False (logged) if it
+    is still running. Shared by the router's daemon threads (sweeper, discovery listener)."""
+    stop.set()
+    if thread.is_alive():
+        thread.join(timeout=timeout_s)
+        if thread.is_alive():
+            log.warning("thread %s did not stop within %.1f s", thread.name, timeout_s)
+            return False
+    return True
