@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import msgspec
 import pytest
@@ -14,7 +14,7 @@ import zmq
 from transfer_helpers import DTYPES, PeerProcess, expected_digests, has_all, make_layer, poll_until
 
 from kvwire.cluster.local import free_port
-from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
+from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig, TransferStats
 
 KIB = 1024
 # 3 layers of [2, 4, 8, 64] float32 = 16 KiB each
@@ -218,7 +218,9 @@ def test_malformed_control_and_data_messages_are_rejected(peer: PeerProcess, age
     assert all(torch.equal(got[i], make_layer(8, i, *SPECS3[i])) for i in range(3))
 
 
-def poll_until_stat(agent: TransferAgent, cond, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+def poll_until_stat(
+    agent: TransferAgent, cond: Callable[[TransferStats], bool], timeout_s: float = 10.0
+) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond(agent.stats()):
         assert time.monotonic() < deadline, f"stats condition not met: {agent.stats()}"

@@ -44,8 +44,10 @@ An unordered plane (TCP: every frame names its transfer and layer) gets layers a
 granted and ready, in any order.
 
 Threads and callbacks: :meth:`send`, :meth:`post_recv`, :meth:`cancel`, :meth:`drop_peer` are called
-from agent threads (control thread or a caller thread) and must return without waiting on the
-network. ``callbacks`` are invoked from plane threads; they are thread-safe and cheap, except
+from agent threads (control thread or a caller thread, with the agent lock held) and must return
+without waiting on the network; the one exception is :meth:`cancel`, which may wait a bounded time
+for a receive that is writing into the caller's memory (TCP: ``tcp_wire.CANCEL_WAIT_S``, then it
+cuts the connection). ``callbacks`` are invoked from plane threads; they are thread-safe and cheap, except
 ``on_received`` which may run the caller's sink (a scatter) before returning — the plane must not
 reuse ``dest`` until ``on_received`` returns. A plane never raises out of its threads: transport
 failures become ``on_peer_failed(instance_id, reason)`` (the agent fails every transfer with that
