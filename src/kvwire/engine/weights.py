@@ -52,7 +52,7 @@ def load_hf_weights(model: LlamaModel, model_dir: Path) -> None:
                 target = _copy_hf_tensor(model, params, name, f.get_tensor(name))
                 if target is not None:
                     loaded.add(target)
-    missing = set(params) - loaded
+    missing = _expected_names(params) - loaded
     if missing:
         raise ModelLoadError(f"{model_dir}: weights missing from the checkpoint: {sorted(missing)[:5]}")
 
@@ -73,12 +73,20 @@ def _copy_hf_tensor(
         sizes = (q_size, kv_size, kv_size) if "qkv" in fused else (cfg.intermediate_size,) * 2
         start = sum(sizes[:index])
         _checked_copy(param.data[start : start + sizes[index]], tensor, hf_name)
-        # A fused parameter counts as loaded once its last slice arrived.
-        return name if index == len(sizes) - 1 else None
+        return f"{name}[{index}]"  # each slice of a fused parameter must arrive
     if name not in params:
         raise ModelLoadError(f"unexpected weight {hf_name!r} in the checkpoint")
     _checked_copy(params[name].data, tensor, hf_name)
     return name
+
+
+def _expected_names(params: dict[str, torch.nn.Parameter]) -> set[str]:
+    """What a complete checkpoint fills: every parameter, every slice of the fused ones."""
+    names: set[str] = set()
+    for name in params:
+        num_slices = 3 if ".qkv_proj." in name else 2 if ".gate_up_proj." in name else 0
+        names |= {f"{name}[{i}]" for i in range(num_slices)} if num_slices else {name}
+    return names
 
 
 def _checked_copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
