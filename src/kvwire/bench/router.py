@@ -17,14 +17,15 @@ import asyncio
 import json
 import os
 import re
-import select
 import signal
 import statistics
-import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
+
+from kvwire.cluster.process import ManagedProcess, kvwire_argv, wait_until
 
 _CANNED = json.dumps({
     "id": "cmpl-bench", "object": "text_completion", "created": 0, "model": "bench",
@@ -35,6 +36,8 @@ _RESPONSE = (
     b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
     + str(len(_CANNED)).encode() + b"\r\n\r\n" + _CANNED
 )
+_STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL
+_SINK_LOCK = threading.Lock()  # children's output lines, prefixed, to our stderr
 _BODY = json.dumps({"model": "bench", "prompt": "Say hello to the router bench", "max_tokens": 1}).encode()
 
 
@@ -152,32 +155,25 @@ async def _throughput(port: int, n: int, concurrency: int) -> float:
 # --- orchestration --------------------------------------------------------------------------------
 
 
-def _spawn(cmd: list[str], ready: str, cpus: set[int] | None, timeout_s: float = 30.0) -> tuple[Any, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+def _spawn(name: str, argv: list[str], ready: str, cpus: set[int] | None,
+           timeout_s: float = 30.0) -> tuple[ManagedProcess, str]:
+    """Start ``argv`` (its output prefixed on stderr) and wait for its line containing ``ready``."""
+    proc = ManagedProcess(name, argv, sink=sys.stderr, sink_lock=_SINK_LOCK,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
     if cpus:
         os.sched_setaffinity(proc.pid, cpus)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if select.select([proc.stdout], [], [], 0.1)[0]:
-            line = proc.stdout.readline()
-            if ready in line:
-                return proc, line.strip()
-            if not line and proc.poll() is not None:
-                break
-    proc.kill()
-    raise RuntimeError(f"{cmd[:4]} did not become ready")
 
+    def ready_line() -> str | None:
+        return next((line for line in proc.output().splitlines() if ready in line), None)
 
-def _stop(proc: Any) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+    wait_until(lambda: ready_line() is not None or proc.poll() is not None, timeout_s, 0.05)
+    line = ready_line()
+    if line is None:
+        exited = proc.poll()
+        proc.stop(_STOP_GRACE_S)
+        why = f"exited with code {exited}" if exited is not None else f"not ready within {timeout_s:.0f} s"
+        raise RuntimeError(f"{name} {argv[:4]} {why}; its output:\n{proc.output()[-2000:]}")
+    return proc, line.strip()
 
 
 def _cores(no_pin: bool, only: str | None) -> tuple[set[int] | None, set[int] | None, set[int] | None]:
@@ -241,16 +237,16 @@ def _has_uvloop() -> bool:
 
 def run(args: argparse.Namespace) -> int:
     router_cpus, upstream_cpus, client_cpus = _cores(args.no_pin, args.cpus)
-    router_cmd = [sys.executable, "-m", "kvwire.cli", "--log-level=WARNING", "router", "--port", "0",
-                  "--discovery-port", "0", "--policy", args.policy]
-    router, line = _spawn(router_cmd, "kvwire router:", router_cpus)
+    router_cmd = kvwire_argv("--log-level=WARNING", "router", "--port", "0", "--discovery-port", "0",
+                             "--policy", args.policy)
+    router, line = _spawn("router", router_cmd, "kvwire router:", router_cpus)
     upstream = None
     try:
         m = re.search(r"http://[\d.]+:(\d+) \(discovery (tcp://[\d.]+:\d+)\)", line)
         assert m is not None, line
         routed_port, discovery = int(m.group(1)), m.group(2)
-        upstream, up_line = _spawn([sys.executable, "-m", "kvwire.bench.router", "upstream", discovery],
-                                   "UPSTREAM_READY", upstream_cpus)
+        upstream, up_line = _spawn("upstream", [sys.executable, "-m", "kvwire.bench.router", "upstream",
+                                                discovery], "UPSTREAM_READY", upstream_cpus)
         direct_port = int(up_line.split()[1])
         if client_cpus:
             os.sched_setaffinity(0, client_cpus)
@@ -258,8 +254,8 @@ def run(args: argparse.Namespace) -> int:
         res = _loop_run(_measure(args, direct_port, routed_port))
     finally:
         if upstream is not None:
-            _stop(upstream)
-        _stop(router)
+            upstream.stop(_STOP_GRACE_S)
+        router.stop(_STOP_GRACE_S)
     pins = "off" if router_cpus is None else f"{sorted(router_cpus)}/{sorted(upstream_cpus or [])}/" \
         f"{sorted(client_cpus or [])}"
     _print(res, pins, args.concurrency)
