@@ -5,11 +5,12 @@ Hugging Face ``tokenizer.json`` (``tokenizers`` library) with the chat template 
 from __future__ import annotations
 
 import abc
+import functools
 import json
 from pathlib import Path
 from typing import Any
 
-from kvwire.errors import ModelLoadError
+from kvwire.errors import InvalidRequestError, ModelLoadError
 
 
 class Tokenizer(abc.ABC):
@@ -94,23 +95,29 @@ class HFTokenizer(Tokenizer):
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
             return self.encode(text)
         import jinja2
-        import jinja2.sandbox
 
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_template_error
         try:
-            text = env.from_string(self.chat_template).render(
+            text = self._template.render(
                 messages=messages,
                 add_generation_prompt=True,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
         except jinja2.TemplateError as exc:
-            from kvwire.errors import InvalidRequestError
-
             raise InvalidRequestError(f"chat template failed: {exc}") from exc
         # The template writes the special tokens itself.
         return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    @functools.cached_property
+    def _template(self) -> Any:
+        """The chat template compiled once, on first use (compiling costs far more than rendering;
+        a template that does not compile raises jinja2.TemplateError on every request)."""
+        import jinja2.sandbox
+
+        assert self.chat_template is not None, "only used when the model has a chat template"
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        return env.from_string(self.chat_template)
 
 
 class IncrementalDetokenizer:
@@ -137,8 +144,6 @@ class IncrementalDetokenizer:
 
 
 def _checked_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    from kvwire.errors import InvalidRequestError
-
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list")
     for m in messages:
