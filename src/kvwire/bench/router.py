@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvwire.cluster.process import ManagedProcess, kvwire_argv, wait_until
+from kvwire.router.cli import run_event_loop
 
 _CANNED = json.dumps({
     "id": "cmpl-bench", "object": "text_completion", "created": 0, "model": "bench",
@@ -251,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
         if client_cpus:
             os.sched_setaffinity(0, client_cpus)
         _wait_routable(routed_port)
-        res = _loop_run(_measure(args, direct_port, routed_port))
+        res = run_event_loop(_measure(args, direct_port, routed_port))
     finally:
         if upstream is not None:
             upstream.stop(_STOP_GRACE_S)
@@ -268,25 +269,16 @@ def _wait_routable(port: int, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            _loop_run(asyncio.wait_for(_latency(port, 1), 5.0))
+            run_event_loop(asyncio.wait_for(_latency(port, 1), 5.0))
             return
         except (RuntimeError, asyncio.TimeoutError):  # 503 until the upstream's first heartbeat lands
             time.sleep(0.05)
     raise RuntimeError("router never routed to the upstream")
 
 
-def _loop_run(coro: Any) -> Any:
-    try:
-        import uvloop
-
-        return uvloop.run(coro)
-    except ImportError:
-        return asyncio.run(coro)
-
-
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "upstream":
-        _loop_run(_upstream_main(sys.argv[2]))
+        run_event_loop(_upstream_main(sys.argv[2]))
     else:
         parser = argparse.ArgumentParser(prog="kvwire bench router")
         add_arguments(parser)

@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
@@ -19,6 +19,8 @@ from kvwire.router.app import RouterServer
 from kvwire.router.config import Policy, RouterConfig
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,14 +83,13 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
         await server.stop()
 
 
-def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
+def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run`` on uvloop when it is installed (faster HTTP), else the default loop."""
     try:
         import uvloop
     except ImportError:
-        asyncio.run(main)
-        return
-    uvloop.run(main)
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 def run(args: argparse.Namespace) -> int:
