@@ -90,9 +90,10 @@ class DecodeGraphs:
     ) -> None:  # fmt: skip
         pad = batch - len(input_ids)
         scratch_slot = self.scratch_block * self.block_size
-        table = torch.full((batch, width), self.scratch_block, dtype=torch.int64)
-        for row, blocks in enumerate(block_tables):
-            table[row, : len(blocks)] = torch.tensor(blocks)
+        # Padding (columns and rows) points at the scratch block. One host tensor for the whole table.
+        rows = [blocks + [self.scratch_block] * (width - len(blocks)) for blocks in block_tables]
+        rows += [[self.scratch_block] * width] * (batch - len(rows))
+        table = torch.tensor(rows, dtype=torch.int64).view(batch, width)
         seq_lens = [p + 1 for p in positions] + [1] * pad
         for static, values in (
             (self.input_ids, input_ids + [0] * pad),
