@@ -33,9 +33,7 @@ import asyncio
 import http.client
 import json
 import os
-import select
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -44,10 +42,12 @@ from typing import Any
 
 from aiohttp import web
 
+from kvwire.cluster.process import ManagedProcess, wait_until
 from kvwire.discovery import HeartbeatClient, InstanceInfo, InstanceLoad, InstanceRole
 from kvwire.router.config import Policy, RouterConfig
 
 HERE = Path(__file__).resolve()
+_SINK_LOCK = threading.Lock()  # mock output lines, prefixed, to stderr
 
 
 class MockInstance:
@@ -234,39 +234,34 @@ class MockProcess:
 
     def __init__(self, router: str, instance_id: str, *extra: str, ready_timeout_s: float = 20.0) -> None:
         self.instance_id = instance_id
-        cmd = [sys.executable, str(HERE), "--router", router, "--id", instance_id, *extra]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+        argv = [sys.executable, str(HERE), "--router", router, "--id", instance_id, *extra]
+        self._managed = ManagedProcess(f"mock-{instance_id}", argv, sink=sys.stderr, sink_lock=_SINK_LOCK,
+                                       env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.proc = self._managed.proc
         self.port = self._wait_ready(ready_timeout_s)
         self.url = f"http://127.0.0.1:{self.port}"
 
+    def _ready_port(self) -> int | None:
+        for line in self._managed.output().splitlines():
+            if line.startswith("MOCK_READY"):
+                return int(line.split()[1])
+        return None
+
     def _wait_ready(self, timeout_s: float) -> int:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
-            if ready:
-                line = self.proc.stdout.readline()
-                if line.startswith("MOCK_READY"):
-                    return int(line.split()[1])
-                if not line and self.proc.poll() is not None:
-                    break
-        self.kill()
-        raise RuntimeError(f"mock {self.instance_id} did not start (rc={self.proc.poll()})")
+        wait_until(lambda: self._ready_port() is not None or self.proc.poll() is not None, timeout_s, 0.02)
+        port = self._ready_port()
+        if port is None:
+            self.kill()
+            raise RuntimeError(f"mock {self.instance_id} did not start (rc={self.proc.poll()}):\n"
+                               f"{self._managed.output()[-2000:]}")
+        return port
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
+        self._managed.signal(signal.SIGKILL)
         self.proc.wait(timeout=10)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        self._managed.stop(grace_s=10.0)
 
     def stats(self) -> dict[str, Any]:
         import urllib.request
@@ -345,12 +340,8 @@ def live_ids(router: RouterThread) -> set[str]:
 
 def wait_for(cond: Any, timeout_s: float, what: str, interval_s: float = 0.02) -> None:
     """Poll ``cond()`` until true; fail with ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+    if not wait_until(cond, timeout_s, interval_s):
+        raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 MockSpec = tuple[str, str, list[str]]  # (instance id, role, extra mock_instance.py flags)
