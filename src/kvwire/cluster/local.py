@@ -169,11 +169,11 @@ class LocalCluster:
             time.sleep(0.2)
 
     def _check_alive(self) -> None:
-        procs = [("router", self.router)] + [(i.name, i.process) for i in self.instances.values()]
-        for name, proc in procs:
-            if proc is not None and proc.poll() is not None and not proc.expected_exit:
-                tail = "\n".join(proc.lines[-20:])
-                raise ClusterError(f"{name} exited with code {proc.poll()} during start-up:\n{tail}")
+        exited = self._exited_unexpectedly()
+        if exited is not None:
+            name, proc = exited
+            tail = "\n".join(proc.lines[-20:])
+            raise ClusterError(f"{name} exited with code {proc.poll()} during start-up:\n{tail}")
 
     def _all_registered(self) -> bool:
         try:
@@ -206,10 +206,14 @@ class LocalCluster:
 
     def check(self) -> str | None:
         """Name of the first process that exited unexpectedly, or None."""
+        exited = self._exited_unexpectedly()
+        return None if exited is None else exited[0]
+
+    def _exited_unexpectedly(self) -> tuple[str, ManagedProcess] | None:
         procs = [("router", self.router)] + [(i.name, i.process) for i in self.instances.values()]
         for name, proc in procs:
             if proc is not None and proc.poll() is not None and not proc.expected_exit:
-                return name
+                return name, proc
         return None
 
     def kill(self, name: str, sig: int) -> None:
