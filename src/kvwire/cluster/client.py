@@ -46,7 +46,8 @@ async def post_completion(
     session: aiohttp.ClientSession, url: str, body: dict[str, Any], *, timeout_s: float = 120.0
 ) -> RequestResult:
     """POST ``body`` to ``url`` (``/v1/completions`` or ``/v1/chat/completions``) and time it.
-    Never raises for HTTP or connection errors: they come back as ``ok=False`` with the message."""
+    Never raises for HTTP, connection or malformed-JSON errors: they come back as ``ok=False`` with
+    the message."""
     start = time.perf_counter()
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
@@ -57,7 +58,7 @@ async def post_completion(
             if body.get("stream"):
                 return await _read_stream(resp, start)
             payload = await resp.json()
-    except (aiohttp.ClientError, TimeoutError) as exc:
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: a body that is not JSON
         error = f"{type(exc).__name__}: {exc}"
         return RequestResult(False, 0, error=error, e2e_s=time.perf_counter() - start)
     elapsed = time.perf_counter() - start
