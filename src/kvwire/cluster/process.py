@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TextIO
 
 logger = logging.getLogger(__name__)
@@ -107,9 +107,8 @@ def kvwire_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvwire.cli", *args]
 
 
-def wait_until(condition: object, timeout_s: float, interval_s: float = 0.1) -> bool:
+def wait_until(condition: Callable[[], object], timeout_s: float, interval_s: float = 0.1) -> bool:
     """Poll ``condition()`` until true or ``timeout_s`` passes."""
-    assert callable(condition)
     deadline = time.monotonic() + timeout_s
     while True:
         if condition():
