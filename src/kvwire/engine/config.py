@@ -5,14 +5,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from kvwire.connector.config import LoadFailurePolicy
 from kvwire.errors import ConfigError
 
-
-class KVLoadFailurePolicy(str, enum.Enum):
-    """What the engine does when a remote KV load fails (deadline, peer lost, bad blocks)."""
-
-    RECOMPUTE = "recompute"  # compute the prompt locally instead (counted in EngineStats)
-    FAIL = "fail"  # finish the request with finish_reason "error"
+# Defined once, in the connector (the layer below); kept under this name for callers.
+KVLoadFailurePolicy = LoadFailurePolicy
 
 
 class AttentionBackend(str, enum.Enum):

@@ -8,8 +8,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from kvwire.connector.config import LoadFailurePolicy
 from kvwire.errors import ConfigError
 from kvwire.kv_params import TransferMode
+
+# Defined once, in the connector (the layer below); kept under this name for callers.
+KVLoadFailure = LoadFailurePolicy
 
 
 class ServerRole(str, enum.Enum):
@@ -20,12 +24,6 @@ class ServerRole(str, enum.Enum):
     DECODE = "decode"
 
 
-class KVLoadFailure(str, enum.Enum):
-    """Decode side policy when remote KV cannot be loaded (same values as the engine's and the
-    connector's enums, which are set from it)."""
-
-    RECOMPUTE = "recompute"
-    FAIL = "fail"
 
 
 @dataclasses.dataclass(frozen=True)
