@@ -80,8 +80,11 @@ def _colocated_token_ids(model: str, device: str, max_tokens: int) -> list[list[
 def _handover_summary(url: str | None) -> str:
     if url is None:
         return "n/a"
-    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError as exc:  # URLError, timeouts, refused: say so, keep the demo's summary going
+        return f"metrics unavailable ({exc})"
     wanted = ("kvwire_pd_transfers_completed_total", "kvwire_pd_transfer_bytes_total",
               "kvwire_kv_blocks_in_use")
     lines = [line for line in text.splitlines() if line.startswith(wanted)]
