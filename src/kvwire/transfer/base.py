@@ -106,6 +106,9 @@ class DataPlane(abc.ABC):
     #: True when the plane moves ``SendItem.spans`` / ``RecvItem.dest_spans`` itself (zero-copy
     #: gather/scatter). Otherwise the agent gathers/scatters with copies and never passes spans.
     supports_spans: ClassVar[bool] = False
+    #: True when the plane runs ``RecvItem.on_device`` consumers on the GPU right behind the receive
+    #: (:data:`kvwire.transfer.types.DeviceConsumer`): no host wake-up between data and consumer.
+    supports_device_consumers: ClassVar[bool] = False
 
     @abc.abstractmethod
     def start(self, callbacks: PlaneCallbacks) -> None:

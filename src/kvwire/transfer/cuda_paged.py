@@ -28,7 +28,9 @@ from typing import Any
 
 import torch
 
+from kvwire.errors import ConfigError
 from kvwire.transfer.paged import KVLayout, gather_blocks, gathered_shape, scatter_blocks
+from kvwire.transfer.types import GATE_MAGIC as _GATE_MAGIC
 
 _TILE_WORDS = 1024  # 4 KiB per program: 8 x 16-byte vectors per thread with 4 warps
 
@@ -49,16 +51,24 @@ def triton_available() -> bool:
 
 
 def _build_kernel(triton: Any, tl: Any) -> Any:
-    @triton.jit  # type: ignore[untyped-decorator,unused-ignore]
+    # Values that change from call to call are not specialized on: a new specialization means a
+    # compile and a CUDA module load, and a module load synchronizes the context, which deadlocks when
+    # an NCCL receive on this GPU waits for data that the loading thread has yet to ask for. The
+    # geometry (chunk_w, plane_stride_w) is fixed per cache and stays specialized (16-byte vectors).
+    @triton.jit(do_not_specialize=["first_layer", "num_ids"])  # type: ignore[untyped-decorator,unused-ignore]
     def copy_blocks(  # type: ignore[no-untyped-def]
         base_ptr,  # int32 view of layer 0: every layer is addressed relative to it
         layer_offsets,  # int64 [L]: (layer_l.data_ptr() - layer_0.data_ptr()) / 4
+        first_layer,  # program layer 0 is cache layer first_layer
         block_ids,  # int64 [n]
         buf_ptr,  # int32 [L * planes * n * chunk_w]
         num_ids,
         plane_stride_w,  # words between K and V planes (0 when one plane)
         chunk_w,  # words per block per plane
+        gate_ptr,  # int32 [magic, real, armed, 0] (only read when GATED)
         GATHER: tl.constexpr,
+        GATED: tl.constexpr,
+        MAGIC: tl.constexpr,
         TILE: tl.constexpr,
     ):
         row = tl.program_id(0)  # plane * num_ids + i
@@ -67,12 +77,17 @@ def _build_kernel(triton: Any, tl: Any) -> Any:
         plane = row // num_ids
         i = row - plane * num_ids
         block = tl.load(block_ids + i).to(tl.int64)
-        layer_off = tl.multiple_of(tl.load(layer_offsets + layer), 4)
+        layer_off = tl.multiple_of(tl.load(layer_offsets + first_layer + layer), 4)
         paged = base_ptr + layer_off + plane.to(tl.int64) * plane_stride_w + block * chunk_w
         # buffer row of (layer, plane, i): layer * (planes * num_ids) + row; grid dim 0 = planes * num_ids
         flat = buf_ptr + (layer.to(tl.int64) * tl.num_programs(0) + row) * chunk_w
         offs = tile * TILE + tl.arange(0, TILE)
         mask = offs < chunk_w
+        if GATED:  # a stream-ordered scatter writes only real, armed data (see types.DeviceConsumer)
+            magic = tl.load(gate_ptr, volatile=True)
+            real = tl.load(gate_ptr + 1, volatile=True)
+            armed = tl.load(gate_ptr + 2, volatile=True)
+            mask = mask & (magic == MAGIC) & (real == 1) & (armed == 1)
         if GATHER:
             tl.store(flat + offs, tl.load(paged + offs, mask=mask), mask=mask)
         else:
@@ -130,6 +145,21 @@ class PagedLayers:
         self._plane_stride_w = int(num_blocks * chunk * words_per_elem) if self.planes == 2 else 0
         self._base = first.view(-1).view(torch.int32) if self.one_launch else first
         self._offsets = _layer_offsets(tuple(t.data_ptr() for t in self.layers), first.device)
+        if self.one_launch:
+            self._load_kernels()
+
+    def _load_kernels(self) -> None:
+        """Compile and load every kernel variant now (one block of layer 0, the gated scatter behind a
+        closed gate, so nothing is written): a first launch later, while an NCCL receive waits on this
+        GPU, would load a CUDA module, which synchronizes the context (see ``_build_kernel``)."""
+        first = self.layers[0]
+        ids = torch.zeros(1, dtype=torch.int64, device=first.device)
+        buf = torch.empty(self.shape(1, 0, 1), dtype=first.dtype, device=first.device)
+        closed = torch.zeros(4, dtype=torch.int32, device=first.device)
+        self.gather(ids, buf, 0, 1)
+        self.scatter(ids, buf, 0, 1, gate=closed)
+        self.scatter(ids, buf, 0, 1)  # writes layer 0's block 0 back with its own bytes
+        torch.cuda.current_stream(first.device).synchronize()
 
     def shape(self, num_blocks: int, start: int = 0, stop: int | None = None) -> tuple[int, ...]:
         """Shape of the buffer for layers ``[start, stop)``: ``[layers, *gathered layer shape]``."""
@@ -143,13 +173,33 @@ class PagedLayers:
         self._run(block_ids, out, start, stop, gather=True)
 
     def scatter(
-        self, block_ids: torch.Tensor, data: torch.Tensor, start: int = 0, stop: int | None = None
+        self,
+        block_ids: torch.Tensor,
+        data: torch.Tensor,
+        start: int = 0,
+        stop: int | None = None,
+        gate: torch.Tensor | None = None,
     ) -> None:
-        """``data`` (as :meth:`gather` fills it) into blocks ``block_ids`` of layers ``[start, stop)``."""
-        self._run(block_ids, data, start, stop, gather=False)
+        """``data`` (as :meth:`gather` fills it) into blocks ``block_ids`` of layers ``[start, stop)``.
+
+        ``gate`` (device int32 ``[magic, real, armed, 0]``, see :data:`kvwire.transfer.types.DeviceConsumer`):
+        the kernel writes nothing unless the gate passes when it runs. Needs the one-launch path
+        (:attr:`one_launch`); raises :class:`~kvwire.errors.ConfigError` otherwise."""
+        self._run(block_ids, data, start, stop, gather=False, gate=gate)
+
+    @property
+    def gated_scatter(self) -> bool:
+        """True when :meth:`scatter` accepts a ``gate`` (Triton, CUDA, qualifying layers)."""
+        return self.one_launch
 
     def _run(
-        self, block_ids: torch.Tensor, buf: torch.Tensor, start: int, stop: int | None, gather: bool
+        self,
+        block_ids: torch.Tensor,
+        buf: torch.Tensor,
+        start: int,
+        stop: int | None,
+        gather: bool,
+        gate: torch.Tensor | None = None,
     ) -> None:
         stop = len(self.layers) if stop is None else stop
         first = self.layers[0]
@@ -163,7 +213,9 @@ class PagedLayers:
                 raise ValueError("gather: out must be on the layers' device")
             buf = buf.to(first.device, non_blocking=True)
         if self.one_launch and buf.is_contiguous() and buf.data_ptr() % 16 == 0:
-            _launch(self, block_ids, buf, start, stop, gather)
+            _launch(self, block_ids, buf, start, stop, gather, gate)
+        elif gate is not None:
+            raise ConfigError("a gated scatter needs the one-launch Triton path (CUDA, aligned layers)")
         elif gather:
             for index in range(start, stop):
                 gather_blocks(self.layers[index], block_ids, self.layout, out=buf[index - start])
@@ -173,7 +225,13 @@ class PagedLayers:
 
 
 def _launch(
-    group: PagedLayers, block_ids: torch.Tensor, buf: torch.Tensor, start: int, stop: int, gather: bool
+    group: PagedLayers,
+    block_ids: torch.Tensor,
+    buf: torch.Tensor,
+    start: int,
+    stop: int,
+    gather: bool,
+    gate: torch.Tensor | None,
 ) -> None:
     kernel = _triton()
     assert kernel is not None
@@ -186,13 +244,17 @@ def _launch(
     grid = (group.planes * n, stop - start, triton_cdiv(group._chunk_w, _TILE_WORDS))
     kernel[grid](
         group._base,
-        group._offsets[start:stop],
+        group._offsets,
+        start,
         ids,
         buf.view(-1).view(torch.int32),
         n,
         group._plane_stride_w,
         group._chunk_w,
+        gate if gate is not None else ids,  # any pointer when not GATED (never read)
         GATHER=gather,
+        GATED=gate is not None,
+        MAGIC=_GATE_MAGIC,
         TILE=_TILE_WORDS,
         num_warps=4,
     )

@@ -24,7 +24,9 @@ GPU memory each communicator costs.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -51,6 +53,7 @@ class NcclPlane(DataPlane):
     """The GPU data plane. One per :class:`~kvwire.transfer.agent.TransferAgent` (one per GPU)."""
 
     ordered = True
+    supports_device_consumers = True
 
     def __init__(
         self, config: TransferConfig, instance_id: str, plane_config: NcclPlaneConfig | None = None
@@ -68,6 +71,7 @@ class NcclPlane(DataPlane):
         self._closed = False
         self._stop = threading.Event()
         self._janitor: threading.Thread | None = None
+        self._stacks_dumped = False
 
     def start(self, callbacks: PlaneCallbacks) -> None:
         if not torch.cuda.is_available():
@@ -244,6 +248,10 @@ class NcclPlane(DataPlane):
                 if verdict == "idle":
                     threading.Thread(target=channel.close_idle, daemon=True).start()
                 elif verdict is not None:
+                    if "stall" in verdict and not self._stacks_dumped:
+                        self._stacks_dumped = True  # once per plane: where is every thread stuck?
+                        log.error("NCCL channel with %s stalled; Python stacks follow", channel.peer_instance)
+                        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                     threading.Thread(target=channel.fail, args=(verdict,), daemon=True).start()
 
     def _dead(self, channel: _Channel, reason: str | None) -> None:

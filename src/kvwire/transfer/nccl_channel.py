@@ -31,12 +31,12 @@ from kvwire.transfer.base import PlaneCallbacks
 from kvwire.transfer.nccl_config import NcclPlaneConfig
 from kvwire.transfer.nccl_lib import NcclComm
 from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer
-from kvwire.transfer.types import RecvItem, SendItem
+from kvwire.transfer.types import GATE_MAGIC, RecvItem, SendItem
 
 log = logging.getLogger("kvwire.transfer.nccl")
 
 MiB = 1 << 20
-STATUS_MAGIC = 0x4B565752  # "KVWR": every chunk is followed by an 8-byte status message
+STATUS_MAGIC = GATE_MAGIC  # every chunk is followed by an 8-byte status message [magic, real]
 _WAIT_PERIOD_S = 0.05
 _MAX_CANCELLED = 65536
 
@@ -60,25 +60,91 @@ class CancelledSet:
             return transfer_id in self._ids
 
 
-def plan_chunks(items: Sequence[RecvItem], max_bytes: int) -> list[list[RecvItem]]:
-    """Group consecutive layers of the same transfer into messages of at most ``max_bytes`` (a single
-    larger layer is its own message); device and host destinations never share a message."""
+def plan_chunks(items: Sequence[RecvItem], max_bytes: int, edge_bytes: int = 0) -> list[list[RecvItem]]:
+    """Group consecutive layers of the same transfer into NCCL messages of at most ``max_bytes`` (a
+    single larger layer is its own message); device and host destinations never share a message.
+
+    Each run of one transfer is split as ``edge | middle ... | edge``: the first and the last message
+    hold the fewest layers that reach ``edge_bytes`` (the sender's gather of the first message and the
+    receiver's scatter of the last are not overlapped with the wire, so they are kept short), and the
+    middle is cut into the fewest messages of at most ``max_bytes``, balanced in size (every message
+    boundary costs the wire ~10 us, so no tiny remainder message). ``edge_bytes=0``: no edges."""
     groups: list[list[RecvItem]] = []
-    size = 0
+    for run in _runs(items):
+        sizes = [item.num_bytes for item in run]
+        for start, stop in message_ranges(sizes, max_bytes, edge_bytes):
+            groups.append(list(run[start:stop]))
+    return groups
+
+
+def _runs(items: Sequence[RecvItem]) -> list[list[RecvItem]]:
+    """Maximal runs of consecutive items of one transfer with the same destination device."""
+    runs: list[list[RecvItem]] = []
     for item in items:
-        current = groups[-1] if groups else None
+        current = runs[-1] if runs else None
         if (
             current is None
             or item.transfer_id != current[0].transfer_id
-            or size + item.num_bytes > max_bytes
             or item.dest.device != current[0].dest.device
         ):
-            groups.append([item])
-            size = item.num_bytes
+            runs.append([item])
         else:
             current.append(item)
-            size += item.num_bytes
-    return groups
+    return runs
+
+
+def message_ranges(sizes: Sequence[int], max_bytes: int, edge_bytes: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` index ranges of the messages one transfer's consecutive layers of ``sizes``
+    bytes become (see :func:`plan_chunks`). A sender that gathers layer groups itself can align its
+    gathers with them."""
+    n = len(sizes)
+    head = tail = 0
+    edge_bytes = min(edge_bytes, max_bytes)
+    if edge_bytes > 0 and sum(sizes) >= 4 * edge_bytes:  # smaller: the extra boundaries cost more
+        head = _reach(sizes, edge_bytes)
+        tail = _reach(sizes[head:][::-1], edge_bytes)
+        if head + tail >= n:
+            head = tail = 0
+    out = [(0, head)] if head else []
+    start = head
+    for length in _balanced(sizes[head : n - tail], max_bytes):
+        out.append((start, start + length))
+        start += length
+    if tail:
+        out.append((n - tail, n))
+    return out
+
+
+def _reach(sizes: Sequence[int], goal: int) -> int:
+    """The fewest leading sizes (at least one) whose sum reaches ``goal``."""
+    total = 0
+    for count, size in enumerate(sizes, 1):
+        total += size
+        if total >= goal:
+            return count
+    return len(sizes)
+
+
+def _balanced(sizes: Sequence[int], max_bytes: int) -> list[int]:
+    """Lengths of consecutive groups of at most ``max_bytes`` each (a larger single size is a group of
+    its own), as few as the bound allows and balanced: a group ends before the running sum would pass
+    the next ``k/count`` mark of the total."""
+    if not sizes:
+        return []
+    total = sum(sizes)
+    share = total / max(1, -(-total // max_bytes))
+    lengths: list[int] = []
+    length = group = done = 0
+    for size in sizes:
+        overshoots = done + group + size > share * (len(lengths) + 1) + 0.5
+        if length and (group + size > max_bytes or overshoots):
+            lengths.append(length)
+            done += group
+            length = group = 0
+        length += 1
+        group += size
+    lengths.append(length)
+    return lengths
 
 
 def adjacent_ptr(tensors: Sequence[torch.Tensor], sizes: Sequence[int], device: torch.device) -> int | None:
@@ -106,6 +172,8 @@ class _Batch:
     issued_at: float
     status_slot: int = -1  # receiver: slot of the chunk's status word in the channel's ring
     launch_s: tuple[float, float] = (0.0, 0.0)  # perf_counter before/after the launch
+    # receiver with device consumers: the receive's own event (``event`` is then the consumers' end)
+    recv_event: torch.cuda.Event | None = None
 
 
 _Work = list[tuple[ChunkPlan, list[SendItem] | list[RecvItem] | None]]

@@ -17,22 +17,32 @@ class NcclPlaneConfig:
 
     min_ctas: int | None = None  # NCCL channels (thread blocks) per communicator; None = NCCL default
     max_ctas: int | None = None
-    chunk_bytes: int = 32 * MiB  # consecutive layers of one transfer coalesce up to this per message
+    chunk_bytes: int = 64 * MiB  # consecutive layers of one transfer coalesce up to this per message
+    # The first and the last message of a transfer carry only this much (at least one layer): the
+    # sender's gather before the first byte moves and the receiver's scatter after the last byte lands
+    # are not overlapped with the wire, so they should be short (see plan_chunks). 0: no edges.
+    edge_bytes: int = 8 * MiB
     max_comms: int = 64  # receive-side communicators (one per sending peer epoch)
     idle_close_s: float = 120.0  # a receive communicator unused this long is destroyed
     init_timeout_s: float = 60.0  # communicator join deadline
     stall_timeout_s: float = 60.0  # an operation in flight longer than this aborts the communicator
     # Chunks posted to NCCL and not completed, per channel. Bounded so NCCL's host->GPU work FIFO (held by
     # queued kernels until they finish) never fills: a full FIFO makes ncclGroupEnd block.
-    max_inflight_chunks: int = 16
-    # Launch on the calling (agent/engine) thread once warm, instead of handing off to the issuer thread.
-    # Off by default: a blocking NCCL call there would hold the caller (and the agent's lock) hostage.
+    max_inflight_chunks: int = 32
+    # Sender: launch on the calling (agent/engine) thread once the communicator carried a chunk,
+    # instead of handing off to the issuer thread (saves a thread switch and a GIL hand-off per chunk;
+    # the issuer still makes the first, connecting launch). Off by default: measured on 2 x H200 it
+    # did not move (c) much (0.17/0.32/0.32 of the ceiling vs 0.15/0.29/0.42 off), and the peer-killed
+    # GPU test did not detect the dead peer with it on (not yet understood). Receivers always post on
+    # their issuer thread (see nccl_recv.RecvChannel.add_items).
     inline_launch: bool = False
 
     def __post_init__(self) -> None:
         CommConfig(self.min_ctas, self.max_ctas)  # validates the CTA bounds
         if self.chunk_bytes < 1 * MiB:
             raise ConfigError("NcclPlaneConfig.chunk_bytes must be >= 1 MiB")
+        if self.edge_bytes < 0:
+            raise ConfigError("NcclPlaneConfig.edge_bytes must be >= 0")
         if self.max_comms < 1:
             raise ConfigError("NcclPlaneConfig.max_comms must be >= 1")
         if not 1 <= self.max_inflight_chunks <= 512:
@@ -47,10 +57,19 @@ class NcclPlaneConfig:
             return int(value) if value else None
 
         chunk_mib = opt_int("KVWIRE_NCCL_CHUNK_MIB")
+        stall = os.environ.get("KVWIRE_NCCL_STALL_S")
+        inline = os.environ.get("KVWIRE_NCCL_INLINE")
+        edge_mib = opt_int("KVWIRE_NCCL_EDGE_MIB")
+        defaults = cls()
+        chunk = chunk_mib * MiB if chunk_mib else defaults.chunk_bytes
+        edge = edge_mib * MiB if edge_mib is not None else defaults.edge_bytes
         return cls(
             min_ctas=opt_int("KVWIRE_NCCL_MIN_CTAS"),
             max_ctas=opt_int("KVWIRE_NCCL_MAX_CTAS"),
-            chunk_bytes=(chunk_mib or 32) * MiB,
+            chunk_bytes=chunk,
+            edge_bytes=edge,
+            stall_timeout_s=float(stall) if stall else defaults.stall_timeout_s,
+            inline_launch=inline not in ("0", "false", "no") if inline else defaults.inline_launch,
         )
 
     @property

@@ -3,15 +3,26 @@
 ``post_recv`` items are grouped into chunks (:func:`plan_chunks`), numbered, queued for posting and
 queued for announcement (the next ``local_info`` to that peer carries the plans, see
 :mod:`kvwire.transfer.nccl_messages`). Each chunk is received as one NCCL group (data + 8-byte status)
-with its own completion event, so the first chunks are delivered (and scattered by the sink, on the
-delivery stream) while later ones are still on the wire. A chunk whose destinations lie back to back
-on the device is received in place; otherwise into a staging buffer allocated on the receive stream
-and copied out to each destination (device or pinned host) on that stream before the event.
+with its own completion event, so the first chunks are delivered while later ones are still on the
+wire. A chunk whose destinations lie back to back on the device is received in place; otherwise into
+a staging buffer allocated on the receive stream and copied out to each destination (device or pinned
+host) on that stream before the event.
+
+Device consumers (``RecvItem.on_device``, see :data:`kvwire.transfer.types.DeviceConsumer`) are
+enqueued when the chunk is *posted*, on the consumer stream behind the receive's event, so the GPU
+runs them (e.g. a scatter into paged KV blocks) the moment the bytes land: no host wake-up per chunk.
+Each such chunk has a *gate* in the status ring, ``[magic, real, armed, 0]``: the arm (``[0, 0, 1, 0]``)
+is written on the gate stream (which never waits for anything) before the receive, the receive writes
+``magic, real`` from the sender's status message, and ``cancel`` writes ``armed = 0`` on the same gate
+stream (so a disarm always lands after its arm), waits for it, and then waits for the consumers whose
+data had already landed (they may have read the gate before). A consumer whose data lands later sees
+``armed = 0``; one whose communicator is aborted sees ``magic = 0``. Either way it writes nothing.
 """
 
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -29,9 +40,10 @@ from kvwire.transfer.nccl_channel import (
 )
 from kvwire.transfer.nccl_lib import load_nccl
 from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer
-from kvwire.transfer.types import RecvItem, SendItem
+from kvwire.transfer.types import DeviceConsumer, RecvItem, SendItem
 
 STATUS_RING = 1024  # status slots per channel: bounds the chunks in flight
+_ARMED = (0, 0, 1, 0)  # a gate before its receive: no data yet, armed
 
 
 class RecvChannel(_Channel):
@@ -44,15 +56,20 @@ class RecvChannel(_Channel):
         self.pending: list[tuple[ChunkPlan, list[RecvItem]]] = []
         self.unannounced: list[ChunkPlan] = []
         # status words of in-flight chunks: device ring (NCCL writes) + pinned host mirror (we read)
-        self._status_dev: torch.Tensor | None = None
+        self._status_dev: torch.Tensor | None = None  # [STATUS_RING, 4] int32: magic, real, armed, 0
         self._status_host: torch.Tensor | None = None
         self._status_np: Any = None
+        self._armed: torch.Tensor | None = None
+        self.consumer_stream = torch.cuda.Stream(device=self.device)  # device consumers
+        self.gate_stream = torch.cuda.Stream(device=self.device)  # gate arm/disarm copies only
+        self._gate_lock = threading.Lock()  # orders arm and disarm enqueues of a gate
+        self._gated: dict[int, tuple[str, _Batch | None]] = {}  # status slot -> (transfer, batch)
 
     # --- called by the plane (agent threads) ------------------------------------------------------
     def add_items(self, items: Sequence[RecvItem]) -> None:
         assert self.offer is not None
         with self.cond:
-            for group in plan_chunks(items, self.config.chunk_bytes):
+            for group in plan_chunks(items, self.config.chunk_bytes, self.config.edge_bytes):
                 chunk = ChunkPlan(
                     comm_id=self.offer.comm_id,
                     seq=self.next_seq,
@@ -65,7 +82,9 @@ class RecvChannel(_Channel):
                 self.unannounced.append(chunk)
             self.last_active = time.monotonic()
             self.cond.notify_all()
-        self.launch_inline()  # posted before the GRANT leaves, when the communicator is warm
+        # Posted by the issuer thread, never inline: posting may block on the GPU (a kernel's first
+        # launch loads a module, which waits for running kernels, e.g. earlier receives), and those
+        # receives may wait for a sender that needs the GRANT this caller is about to send.
 
     def take_announcement(self) -> tuple[CommOffer | None, list[ChunkPlan]]:
         """The offer (until the sender joined) and the chunk plans not yet sent to the peer."""
@@ -88,15 +107,21 @@ class RecvChannel(_Channel):
         return work
 
     def _launch(self, chunk: ChunkPlan, items: list[SendItem] | list[RecvItem] | None) -> _Batch:
-        """One chunk as one NCCL group (data + status), staging copies, status D2H, an event; called
-        with the receive stream current (see ``launch_pending``)."""
+        """One chunk as one NCCL group (data + status), staging copies, status D2H, an event, and the
+        chunk's device consumers behind it; called with the receive stream current."""
         assert self.comm is not None
         if self._status_dev is None:
-            self._status_dev = torch.zeros((STATUS_RING, 2), dtype=torch.int32, device=self.device)
-            self._status_host = torch.zeros((STATUS_RING, 2), dtype=torch.int32, pin_memory=True)
+            self._status_dev = torch.zeros((STATUS_RING, 4), dtype=torch.int32, device=self.device)
+            self._status_host = torch.zeros((STATUS_RING, 4), dtype=torch.int32, pin_memory=True)
             self._status_np = self._status_host.numpy()
+            self._armed = torch.tensor(_ARMED, dtype=torch.int32, device=self.device)
+            torch.cuda.current_stream().synchronize()  # once: the gate stream reads these
         assert self._status_host is not None
         group: list[RecvItem] = items  # type: ignore[assignment]
+        slot = chunk.seq % STATUS_RING
+        consumers = _consumers(group)
+        if consumers and not self._arm(slot, chunk.transfer_id):
+            consumers = []  # cancelled already: the bytes still come (dummy), nobody consumes them
         sizes = [item.num_bytes for item in group]
         address = adjacent_ptr([item.dest for item in group], sizes, self.device)
         staging = None
@@ -108,12 +133,11 @@ class RecvChannel(_Channel):
                     item.dest.record_stream(self.stream)  # allocator: no reuse before our writes end
         else:
             group[0].dest.record_stream(self.stream)  # one allocation holds them all
-        slot = chunk.seq % STATUS_RING
         stream = self.stream.cuda_stream
         with self.comm.group(time.monotonic() + self.config.stall_timeout_s):
             if chunk.num_bytes:
                 self.comm.recv(address, chunk.num_bytes, 0, stream)
-            self.comm.recv(self._status_dev.data_ptr() + 8 * slot, 8, 0, stream)
+            self.comm.recv(self._status_dev.data_ptr() + 16 * slot, 8, 0, stream)
         if staging is not None:
             offset = 0
             for item in group:
@@ -125,14 +149,82 @@ class RecvChannel(_Channel):
         event = torch.cuda.Event()
         event.record(self.stream)
         keep = [staging] if staging is not None else []
-        return _Batch(event, chunk, group, keep, time.monotonic(), status_slot=slot)
+        batch = _Batch(event, chunk, group, keep, time.monotonic(), status_slot=slot)
+        if consumers:
+            self._enqueue_consumers(batch, consumers, self._status_dev[slot])
+        return batch
+
+    def _arm(self, slot: int, transfer_id: str) -> bool:
+        """Arm the chunk's gate before its receive is enqueued (the receive stream waits for the arm);
+        False when the transfer is cancelled already."""
+        assert self._status_dev is not None and self._armed is not None
+        with self._gate_lock:
+            if transfer_id in self.cancelled:
+                return False
+            self._gated[slot] = (transfer_id, None)
+            with torch.cuda.stream(self.gate_stream):
+                self._status_dev[slot].copy_(self._armed, non_blocking=True)
+        self.stream.wait_stream(self.gate_stream)
+        return True
+
+    def _enqueue_consumers(
+        self, batch: _Batch, consumers: list[tuple[DeviceConsumer, list[RecvItem]]], gate: torch.Tensor
+    ) -> None:
+        """The consumers of a chunk on the consumer stream, right behind its receive; the batch's
+        event becomes the consumers' end (the completer reports the layers only after it). Under the
+        gate lock, so a concurrent cancel sees the chunk either before (its disarm then lands first)
+        or after (it then waits for the consumers if their data is in)."""
+        with self._gate_lock:
+            self.consumer_stream.wait_event(batch.event)
+            batch.recv_event = batch.event
+            with torch.cuda.stream(self.consumer_stream):
+                for consumer, its_items in consumers:
+                    for item in its_items:
+                        item.dest.record_stream(self.consumer_stream)
+                    try:
+                        consumer(its_items, gate)
+                    except Exception:  # a consumer bug fails its transfer, not the channel
+                        log.exception("device consumer of transfer %s failed", batch.chunk.transfer_id)
+                        self.callbacks.on_transfer_failed(
+                            batch.chunk.transfer_id, "mismatch: device consumer failed"
+                        )
+                done = torch.cuda.Event()
+                done.record(self.consumer_stream)
+            batch.event = done
+            if batch.status_slot in self._gated:
+                self._gated[batch.status_slot] = (batch.chunk.transfer_id, batch)
+
+    def _forget(self, transfer_id: str) -> None:
+        """Cancel (cond held): disarm the gates of the transfer's posted chunks, then wait for the
+        consumers that may have read a gate before (their data was in); see the module docstring."""
+        if not self._gated or self._status_dev is None:
+            return
+        with self._gate_lock:
+            slots = [slot for slot, (tid, _) in self._gated.items() if tid == transfer_id]
+            if not slots:
+                return
+            with torch.cuda.device(self.device), torch.cuda.stream(self.gate_stream):
+                for slot in slots:
+                    self._status_dev[slot, 2].fill_(0)
+                disarmed = torch.cuda.Event()
+                disarmed.record(self.gate_stream)
+            disarmed.synchronize()  # the gate stream never waits for anything: microseconds
+            started = [b for slot in slots if (b := self._gated[slot][1]) is not None]
+        for batch in started:
+            assert batch.recv_event is not None
+            if batch.recv_event.query():
+                batch.event.synchronize()  # only its (and earlier) consumers: bounded
 
     # --- completer ----------------------------------------------------------------------------------
     def _complete(self, batch: _Batch) -> None:
+        if batch.recv_event is not None:
+            with self._gate_lock:
+                if self._gated.get(batch.status_slot, ("", None))[1] is batch:
+                    del self._gated[batch.status_slot]
         tid = batch.chunk.transfer_id
         if tid in self.cancelled:
             return
-        magic, real = (int(v) for v in self._status_np[batch.status_slot])
+        magic, real = (int(v) for v in self._status_np[batch.status_slot][:2])
         if magic != STATUS_MAGIC or real != 1:
             reason = (
                 "protocol: chunk status garbled"
@@ -147,3 +239,13 @@ class RecvChannel(_Channel):
                 self.callbacks.on_received(self.peer_instance, tid, item.layer_index)
             except Exception:  # a sink/callback bug must not kill the channel
                 log.exception("on_received callback failed")
+
+
+def _consumers(items: Sequence[RecvItem]) -> list[tuple[DeviceConsumer, list[RecvItem]]]:
+    """The distinct device consumers of a chunk's items (first-use order) with their items, in order.
+    Host destinations never get one (a consumer reads device memory)."""
+    out: dict[int, tuple[DeviceConsumer, list[RecvItem]]] = {}
+    for item in items:
+        if item.on_device is not None and item.dest.is_cuda:
+            out.setdefault(id(item.on_device), (item.on_device, []))[1].append(item)
+    return list(out.values())

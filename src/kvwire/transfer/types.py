@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -89,6 +89,18 @@ class TransferEvents:
 # sink(layer_index, tensor): called on a transfer thread; tensor valid only during the call.
 LayerSink = Callable[[int, torch.Tensor], None]
 
+# Stream-ordered receive consumer (planes with ``supports_device_consumers``, i.e. NCCL):
+# ``consumer(items, gate)`` is called once per NCCL message, when its receive is *posted*, with the
+# message's items that name this consumer and a CUDA stream current that runs after those items'
+# ``dest`` are filled. It enqueues work that reads ``dest`` (e.g. a scatter into paged KV blocks) and
+# that work must write nothing unless the *gate* passes: ``gate`` is a device int32 tensor
+# ``[magic, real, armed, 0]`` and the work may write only if ``magic == GATE_MAGIC``, ``real == 1`` and
+# ``armed == 1`` (:meth:`kvwire.transfer.cuda_paged.PagedLayers.scatter` takes it). ``on_received`` is
+# reported only after the enqueued work completed; once ``cancel`` of the transfer returned, nothing
+# of it writes any more (the plane disarms the gates and waits for work that already started).
+DeviceConsumer = Callable[[Sequence["RecvItem"], torch.Tensor], None]
+GATE_MAGIC = 0x4B565752  # "KVWR"
+
 
 @dataclasses.dataclass(frozen=True)
 class PeerRef:
@@ -164,3 +176,5 @@ class RecvItem:
     # Only for planes with ``supports_spans``: write the bytes straight into these spans (e.g. the
     # caller's paged KV blocks); ``dest`` is then an empty placeholder.
     dest_spans: ByteSpans | None = None
+    # Only for planes with ``supports_device_consumers`` and a device ``dest``: see DeviceConsumer.
+    on_device: DeviceConsumer | None = None

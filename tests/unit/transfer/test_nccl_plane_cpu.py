@@ -12,7 +12,7 @@ from kvwire.errors import ConfigError, ProtocolError
 from kvwire.transfer import cuda_paged
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.nccl import NcclPlane, NcclPlaneConfig
-from kvwire.transfer.nccl_channel import adjacent_ptr, plan_chunks
+from kvwire.transfer.nccl_channel import adjacent_ptr, message_ranges, plan_chunks
 from kvwire.transfer.nccl_lib import CommConfig, NcclUnavailableError, _Config, _make_config
 from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer, NcclInfo, decode_info, encode_info
 from kvwire.transfer.paged import KVLayout, gather_blocks
@@ -29,11 +29,36 @@ def _items(spec: list[tuple[str, int]]) -> list[RecvItem]:
 
 def test_plan_chunks_coalesces_within_a_transfer_up_to_the_bound() -> None:
     items = _items([("a", MiB // 2)] * 5 + [("b", MiB // 4)] * 2 + [("b", 3 * MiB)] + [("b", 1)])
-    groups = plan_chunks(items, MiB)
-    assert [[it.layer_index for it in g] for g in groups] == [[0, 1], [2, 3], [4], [5, 6], [7], [8]]
+    groups = plan_chunks(items, MiB)  # balanced: 2.5 MiB of "a" in 3 messages, not 1 + 1 + 0.5
+    assert [[it.layer_index for it in g] for g in groups] == [[0], [1, 2], [3, 4], [5, 6], [7], [8]]
     assert all(len({it.transfer_id for it in g}) == 1 for g in groups)
     # every item exactly once, order kept
     assert [it.layer_index for g in groups for it in g] == list(range(9))
+
+
+def _lengths(layer_mib: float, layers: int, max_mib: int = 64, edge_mib: int = 8) -> list[int]:
+    sizes = [int(layer_mib * MiB)] * layers
+    ranges = message_ranges(sizes, max_mib * MiB, edge_mib * MiB)
+    assert [a for a, _ in ranges] == [0] + [b for _, b in ranges[:-1]] and ranges[-1][1] == layers
+    return [b - a for a, b in ranges]
+
+
+def test_message_ranges_short_edges_balanced_middle() -> None:
+    # Llama-3-8B KV: 2 / 8 / 32 MiB per layer at 512 / 2048 / 8192 tokens
+    assert _lengths(2, 32) == [4, 24, 4]
+    assert _lengths(8, 32) == [1, 7, 8, 7, 8, 1]
+    assert _lengths(32, 32) == [1] + [2] * 15 + [1]
+    assert _lengths(8, 3) == [3]  # under 4 edges: one message (boundaries would cost more)
+    assert _lengths(8, 32, edge_mib=0) == [8, 8, 8, 8]
+    assert _lengths(8, 32, max_mib=16, edge_mib=64) == [2] * 16  # edges never exceed the bound
+    assert _lengths(100, 2, max_mib=64) == [1, 1]  # a layer above the bound is its own message
+    assert message_ranges([], 64 * MiB, 8 * MiB) == []
+
+
+def test_plan_chunks_applies_edges_per_transfer_run() -> None:
+    items = _items([("a", 8 * MiB)] * 8 + [("b", 8 * MiB)] * 2)
+    groups = plan_chunks(items, 64 * MiB, 8 * MiB)
+    assert [len(g) for g in groups] == [1, 6, 1, 2]
 
 
 def test_adjacent_ptr_only_for_device_tensors() -> None:
@@ -70,14 +95,18 @@ def test_configs_are_validated() -> None:
         NcclPlaneConfig(max_ctas=100)
     with pytest.raises(ConfigError):
         NcclPlaneConfig(max_inflight_chunks=0)
+    with pytest.raises(ConfigError):
+        NcclPlaneConfig(edge_bytes=-1)
     assert NcclPlaneConfig(max_ctas=8).comm_config == CommConfig(max_ctas=8, blocking=True)
 
 
 def test_plane_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVWIRE_NCCL_MAX_CTAS", "4")
     monkeypatch.setenv("KVWIRE_NCCL_CHUNK_MIB", "16")
+    monkeypatch.setenv("KVWIRE_NCCL_EDGE_MIB", "0")
     cfg = NcclPlaneConfig.from_env()
-    assert (cfg.max_ctas, cfg.chunk_bytes) == (4, 16 * MiB)
+    assert (cfg.max_ctas, cfg.chunk_bytes, cfg.edge_bytes) == (4, 16 * MiB, 0)
+    assert not NcclPlaneConfig().inline_launch and NcclPlaneConfig().edge_bytes == 8 * MiB
 
 
 def test_config_struct_matches_nccl_2_27_layout() -> None:
@@ -119,3 +148,14 @@ def test_group_gather_scatter_equal_per_layer_ops(layout: KVLayout, shape: tuple
         assert torch.equal(gather_blocks(dst[index], torch.tensor([0, 8, 2]), layout), out[index])
     with pytest.raises(ValueError):
         cuda_paged.scatter_layers(dst, ids, out[:2], layout)
+
+
+def test_gated_scatter_needs_the_one_launch_path() -> None:
+    layers = [torch.zeros(2, 4, 2, 1, 8) for _ in range(2)]
+    paged = cuda_paged.PagedLayers(layers, KVLayout.KV_FIRST)
+    assert not paged.gated_scatter  # CPU tensors: torch fallback, which cannot honour a gate
+    data = torch.ones(paged.shape(2))
+    with pytest.raises(ConfigError):
+        paged.scatter(torch.tensor([0, 1]), data, gate=torch.zeros(4, dtype=torch.int32))
+    paged.scatter(torch.tensor([0, 1]), data)  # ungated: fine
+    assert layers[1][:, :2].eq(1).all()
