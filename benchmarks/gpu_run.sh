@@ -20,7 +20,8 @@ export PYTHONPATH=src:${PYTHONPATH:-}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } > "$OUT/gpus.txt" 2>&1
 rc=0
 if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
-  timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu --timeout 240 2>&1 | tee "$OUT/gpu_tests.log"
+  # TESTS: which GPU test files (default: all of tests/gpu)
+  timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-tests/gpu} --timeout 240 -rfE 2>&1 | tee "$OUT/gpu_tests.log"
   rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [ "$MODE" = all ] || [ "$MODE" = probe ]; then

@@ -1,17 +1,17 @@
-"""Where does a coalesced chunk's time go? Raw NCCL patterns against the NCCL plane, on 2 GPUs.
+"""Raw NCCL patterns on 2 GPUs, under several NCCL settings: what one message boundary costs.
 
     python benchmarks/nccl_probe.py        (PYTHONPATH=src, two CUDA GPUs)
 
-Moves 256 MiB from GPU 0 to GPU 1 in several ways (one send; 8 x 32 MiB groups with and without the
-8-byte status message and per-chunk events; 32 x 8 MiB; all in one group) and then through the plane
-(32 layers of 8 MiB back to back, chunk plans known, no gather/scatter), printing per-chunk launch and
-completion times of the plane. Timing as in the benchmark: t0 on rank 0 after a pipe barrier, t1 on
-rank 1 when its stream is done, both ``time.perf_counter``.
+For each NCCL environment (fresh processes each: NCCL reads its environment once) moves 64 MiB and
+256 MiB from GPU 0 to GPU 1 as one send, and 256 MiB as 4 x 64 MiB and 8 x 32 MiB (one NCCL group
+each, with the plane's 8-byte status message). Timing as in the benchmark: t0 on rank 0 after a pipe
+barrier, t1 on rank 1 when its stream is done, both ``time.perf_counter``; median of 8 after 2.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -22,44 +22,41 @@ import torch
 
 from kvwire.bench import nccl_harness as h
 from kvwire.bench.nccl_workers import barrier
-from kvwire.transfer.nccl import NcclPlaneConfig
 
 MiB = 1 << 20
 TOTAL = 256 * MiB
 ITERS = 8
 
 
-def _pattern(
-    conn: Connection,
-    rank: int,
-    comm: Any,
-    buf: torch.Tensor,
-    chunk: int,
-    status: bool,
-    events: bool,
-    one_group: bool,
-) -> float:
+ENVS: list[dict[str, str]] = [
+    {},
+    {"NCCL_P2P_NVL_CHUNKSIZE": str(2 * MiB)},
+    {"NCCL_BUFFSIZE": str(16 * MiB)},
+    {"NCCL_P2P_NVL_CHUNKSIZE": str(2 * MiB), "NCCL_BUFFSIZE": str(16 * MiB)},
+    {"NCCL_MIN_NCHANNELS": "32"},
+]
+CASES = {  # name: (total bytes, message bytes)
+    "one 64 MiB send": (64 * MiB, 64 * MiB),
+    "one 256 MiB send": (TOTAL, TOTAL),
+    "4 x 64 MiB + status": (TOTAL, 64 * MiB),
+    "8 x 32 MiB + status": (TOTAL, 32 * MiB),
+}
+
+
+def _pattern(conn: Connection, rank: int, comm: Any, buf: torch.Tensor, total: int, chunk: int) -> float:
     stream = torch.cuda.current_stream()
     flag = torch.zeros(2, dtype=torch.int32, device=buf.device)
-    flag_host = torch.zeros(2, dtype=torch.int32, pin_memory=True)
     op = comm.send if rank == 0 else comm.recv
     peer = 1 - rank
     samples = []
-    for _ in range(ITERS):
+    for _ in range(ITERS + 2):
         barrier(conn, rank)
         t0 = time.perf_counter()
-        chunks = range(0, TOTAL, chunk)
-        groups = [list(chunks)] if one_group else [[c] for c in chunks]
-        for group in groups:
+        for start in range(0, total, chunk):
             with comm.group(time.monotonic() + 60):
-                for start in group:
-                    op(buf.data_ptr() + start, chunk, peer, stream.cuda_stream)
-                    if status:
-                        op(flag.data_ptr(), 8, peer, stream.cuda_stream)
-            if events:
-                if rank == 1 and status:
-                    flag_host.copy_(flag, non_blocking=True)
-                torch.cuda.Event().record(stream)
+                op(buf.data_ptr() + start, chunk, peer, stream.cuda_stream)
+                if chunk < total:
+                    op(flag.data_ptr(), 8, peer, stream.cuda_stream)
         h.wait_stream(stream, comm)
         if rank == 1:
             conn.send(time.perf_counter())
@@ -68,93 +65,49 @@ def _pattern(
     return statistics.median(samples[2:]) * 1e3 if samples else 0.0
 
 
-def _plane(conn: Connection, rank: int, chunk_mib: int) -> tuple[float, list[Any]]:
-    plane, rec = h.start_plane(rank, f"probe{chunk_mib}-{rank}", NcclPlaneConfig(chunk_bytes=chunk_mib * MiB))
-    peer = h.peer_ref(f"probe{chunk_mib}-{1 - rank}")
-    slab = torch.empty(TOTAL, dtype=torch.uint8, device=f"cuda:{rank}")
-    sizes = [8 * MiB] * 32
-    samples, trace, t0 = [], [], 0.0
-    for it in range(ITERS):
-        tid = f"p{it}"
-        if rank == 1:
-            conn.send(h.post_layers(plane, peer, tid, sizes, slab))
-            barrier(conn, 1)
-            rec.wait_received(tid, 32)
-            conn.send(time.perf_counter())
-        else:
-            plane.on_peer_info(peer, conn.recv())
-            barrier(conn, 0)
-            t0 = time.perf_counter()
-            h.send_layers(plane, peer, tid, [slab[i * 8 * MiB : (i + 1) * 8 * MiB] for i in range(32)])
-            samples.append(conn.recv() - t0)
-            rec.wait_sent(tid, 32)
-    trace = plane.chunk_trace()
-    if rank == 0:
-        conn.send(t0)
-    else:
-        t0 = conn.recv()
-    plane.close()
-    last = [row for row in trace][-TOTAL // (chunk_mib * MiB) :]
-    rows = [
-        (kind, seq, round((a - t0) * 1e6), round((b - t0) * 1e6), round((c - t0) * 1e6))
-        for kind, _, seq, _, a, b, c in last
-    ]
-    return (statistics.median(samples[2:]) * 1e3 if samples else 0.0), rows
-
-
-def run_rank(rank: int, conn: Connection) -> dict[str, Any]:
+def run_rank(rank: int, conn: Connection, env: dict[str, str]) -> dict[str, float]:
+    os.environ.update(env)
     h.set_safe_env()
     torch.cuda.set_device(rank)
     comm = h.raw_comm(conn, rank)
     buf = torch.empty(TOTAL, dtype=torch.uint8, device=f"cuda:{rank}")
-    out: dict[str, Any] = {}
-    cases = {
-        "one 256 MiB send": (TOTAL, False, False, False),
-        "8 x 32 MiB, a group each": (32 * MiB, False, False, False),
-        "  + 8-byte status in each group": (32 * MiB, True, False, False),
-        "  + per-chunk event (+ status D2H)": (32 * MiB, True, True, False),
-        "32 x 8 MiB, status + events": (8 * MiB, True, True, False),
-        "8 x 32 MiB in one group (+status)": (32 * MiB, True, False, True),
-    }
-    for name, args in cases.items():
-        out[name] = _pattern(conn, rank, comm, buf, *args)
-    for chunk_mib in (32, 64):
-        out[f"plane, chunk {chunk_mib} MiB"], out[f"trace{chunk_mib}"] = _plane(conn, rank, chunk_mib)
+    out = {name: _pattern(conn, rank, comm, buf, *args) for name, args in CASES.items()}
     comm.abort()
     return out
+
+
+def _rank0(conn: Connection, env: dict[str, str]) -> dict[str, float]:
+    return run_rank(0, conn, env)
+
+
+def _rank1(conn: Connection, env: dict[str, str]) -> dict[str, float]:
+    return run_rank(1, conn, env)
 
 
 def main() -> int:
     h.set_safe_env()
     ctx = mp.get_context("spawn")
-    left, right = ctx.Pipe()
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=h.run_in_child, args=(fn, r, c, queue, None), daemon=True)
-        for fn, r, c in ((_rank0, 0, left), (_rank1, 1, right))
-    ]
-    for proc in procs:
-        proc.start()
-    results = h.child_results(queue, 2, timeout_s=300)
-    for proc in procs:
-        proc.join(timeout=10)
-    report, receiver = results["_rank0"], results["_rank1"]
-    for name, value in report.items():
-        if isinstance(value, float):
-            print(f"{name:40s} {value:8.3f} ms  {TOTAL / value / 1e6:7.1f} GB/s")
-    for key in ("trace32", "trace64"):
-        print(key, "(kind, seq, launch start us, launched us, completion seen us) after t0:")
-        for row in report[key] + receiver[key]:
-            print("  ", row)
+    print(f"{'NCCL settings':44s} " + " ".join(f"{name:>22s}" for name in CASES))
+    for env in ENVS:
+        left, right = ctx.Pipe()
+        queue = ctx.Queue()
+        procs = [
+            ctx.Process(target=h.run_in_child, args=(fn, r, c, queue, env), daemon=True)
+            for fn, r, c in ((_rank0, 0, left), (_rank1, 1, right))
+        ]
+        for proc in procs:
+            proc.start()
+        try:
+            report = h.child_results(queue, 2, timeout_s=120)["_rank0"]
+        finally:
+            for proc in procs:
+                proc.join(timeout=10)
+                if proc.is_alive():
+                    proc.kill()
+        label = " ".join(f"{k}={v}" for k, v in env.items()) or "defaults"
+        cells = [f"{ms:.3f} ms {CASES[name][0] / ms / 1e6:5.0f} GB/s" for name, ms in report.items()]
+        print(f"{label:44s} " + " ".join(f"{c:>22s}" for c in cells), flush=True)
     return 0
-
-
-def _rank0(conn: Connection, _: Any) -> dict[str, Any]:
-    return run_rank(0, conn)
-
-
-def _rank1(conn: Connection, _: Any) -> dict[str, Any]:
-    return run_rank(1, conn)
 
 
 if __name__ == "__main__":

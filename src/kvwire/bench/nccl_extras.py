@@ -71,9 +71,10 @@ def overlap(
     if side.rank == 1:
         for _ in range(iters + 1):
             barrier(conn, 1)
-            tid, done = side.recv_handshake(conn, paged, ids, slab)
-            side.recv_finish(tid, len(cache), done)
+            tid, landing = side.recv_handshake(conn, paged, ids, slab)
+            landing.wait()
             conn.send(time.perf_counter())
+            side.recv_finish(tid, len(cache), landing)
         return None
     fwd = SyntheticForward(tokens, ids.device)
     alone = []

@@ -8,8 +8,10 @@ hand ready layers to ``send``) over a ``multiprocessing`` pipe, and records the 
 from __future__ import annotations
 
 import collections
+import faulthandler
 import logging
 import os
+import sys
 import threading
 import time
 import traceback
@@ -23,7 +25,7 @@ from kvwire.errors import TransferTimeout
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.nccl import NcclPlane, NcclPlaneConfig
 from kvwire.transfer.nccl_lib import CommConfig, NcclComm, load_nccl
-from kvwire.transfer.types import Backend, PeerRef, RecvItem, SendItem
+from kvwire.transfer.types import Backend, DeviceConsumer, PeerRef, RecvItem, SendItem
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +127,7 @@ class Recorder:
             while not predicate():
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)  # where is it stuck?
                     raise TransferTimeout(
                         f"harness wait timed out; failed={self.failed} peers={self.peer_failed}"
                     )
@@ -146,12 +149,14 @@ def post_layers(
     sizes: Sequence[int],
     flat: torch.Tensor,
     first_layer: int = 0,
+    on_device: DeviceConsumer | None = None,
 ) -> bytes:
-    """Post receives for consecutive layers whose bytes lie back to back in ``flat``; return the
-    handshake bytes the agent would put in the GRANT."""
+    """Post receives for consecutive layers whose bytes lie back to back in ``flat`` (with a device
+    consumer, if given); return the handshake bytes the agent would put in the GRANT."""
     items, offset = [], 0
     for index, size in enumerate(sizes):
-        items.append(RecvItem(transfer_id, first_layer + index, size, flat[offset : offset + size]))
+        dest = flat[offset : offset + size]
+        items.append(RecvItem(transfer_id, first_layer + index, size, dest, on_device=on_device))
         offset += size
     plane.post_recv(peer, items)
     return plane.local_info(peer)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -38,6 +39,7 @@ def _size_row(
     b_ok = w.verify(conn, rank, comm, cache, ids)
     paged = PagedLayers(cache, w.LAYOUT)
     c = w.kvwire_path(conn, side, paged, ids, WARMUP + iters)[WARMUP:]
+    trace = side.trace(conn, len(side.groups(shape.layers, shape.layer_bytes(tokens))))
     if rank == 1:
         w.poison(cache, ids)
     w.kvwire_path(conn, side, paged, ids, 1)
@@ -59,6 +61,7 @@ def _size_row(
         "verified": b_ok and c_ok,
         "reference_verified": b_ok,
         "kvwire_verified": c_ok,
+        "kvwire_trace": trace,  # (side, seq, MiB, launch start, launched, completion seen) us after t0
     }
 
 
@@ -71,16 +74,21 @@ def _sweep(
     ceilings: dict[int, float],
 ) -> list[dict[str, Any]]:
     rows = []
-    for chunk_mib in opts["sweep_chunk_mib"]:
-        side = w.KvwireSide(
-            rank, NcclPlaneConfig(chunk_bytes=chunk_mib * MiB, max_ctas=opts["max_ctas"]), f"sweep{chunk_mib}"
+    for chunk_mib, edge_mib in opts["sweep"]:
+        cfg = dataclasses.replace(
+            NcclPlaneConfig.from_env(),
+            chunk_bytes=chunk_mib * MiB,
+            edge_bytes=edge_mib * MiB,
+            max_ctas=opts["max_ctas"],
         )
+        side = w.KvwireSide(rank, cfg, f"sweep{chunk_mib}-{edge_mib}")
         for tokens in [t for t in opts["tokens"] if t <= 2048]:
             ids = w.block_ids(shape, tokens, cache[0].device, seed=1000 * tokens + rank)
             samples = w.kvwire_path(conn, side, PagedLayers(cache, w.LAYOUT), ids, WARMUP + 10)[WARMUP:]
             if rank == 0:
                 num_bytes = shape.layers * shape.layer_bytes(tokens)
-                row = {"chunk_mib": chunk_mib, "tokens": tokens, **w.summarize(samples, num_bytes)}
+                row = {"chunk_mib": chunk_mib, "edge_mib": edge_mib, "tokens": tokens}
+                row.update(w.summarize(samples, num_bytes))
                 row["ratio"] = round(row["gbps"] / ceilings[tokens], 3)
                 rows.append(row)
         side.close()
@@ -94,13 +102,17 @@ def run_rank(rank: int, conn: Connection, opts: dict[str, Any]) -> dict[str, Any
     shape = w.KVShape(cache_blocks=max(1200, 2 * w.KVShape().blocks(max(opts["tokens"]))))
     cache = w.make_cache(shape, device, seed=rank + 1)
     comm = h.raw_comm(conn, rank)
-    plane_cfg = NcclPlaneConfig(chunk_bytes=opts["chunk_mib"] * MiB, max_ctas=opts["max_ctas"])
+    defaults = NcclPlaneConfig.from_env()
+    chunk = opts["chunk_mib"] * MiB if opts["chunk_mib"] else defaults.chunk_bytes
+    edge = opts["edge_mib"] * MiB if opts["edge_mib"] is not None else defaults.edge_bytes
+    plane_cfg = dataclasses.replace(defaults, chunk_bytes=chunk, edge_bytes=edge, max_ctas=opts["max_ctas"])
     side = w.KvwireSide(rank, plane_cfg, "main")
     report: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(device),
         "nccl": ".".join(map(str, load_nccl().version())),
         "torch": torch.__version__,
-        "chunk_mib": opts["chunk_mib"],
+        "chunk_mib": plane_cfg.chunk_bytes // MiB,
+        "edge_mib": plane_cfg.edge_bytes // MiB,
         "max_ctas": opts["max_ctas"],
         "iters": opts["iters"],
         "sizes": [],
@@ -108,6 +120,11 @@ def run_rank(rank: int, conn: Connection, opts: dict[str, Any]) -> dict[str, Any
     for tokens in opts["tokens"]:
         report["sizes"].append(_size_row(conn, rank, comm, side, cache, shape, tokens, opts["iters"]))
     ceilings = {row["tokens"]: row["ceiling_gbps"] for row in report["sizes"] if row}
+    if opts.get("sizes_only"):
+        side.close()
+        w.barrier(conn, rank)
+        comm.abort()
+        return report
     report["overlap"] = extras.overlap(
         conn,
         side,

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import threading
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -19,8 +21,10 @@ import torch
 
 from kvwire.bench import nccl_harness as h
 from kvwire.transfer.cuda_paged import PagedLayers
+from kvwire.transfer.nccl_channel import message_ranges
 from kvwire.transfer.nccl_lib import NcclComm
 from kvwire.transfer.paged import KVLayout, gather_blocks, scatter_blocks
+from kvwire.transfer.types import RecvItem
 
 LAYOUT = KVLayout.KV_FIRST
 
@@ -122,7 +126,7 @@ def reference(
     return out
 
 
-# --- (c) kvwire: grouped one-launch gathers, coalesced grouped NCCL messages, one-launch scatters ----------
+# --- (c) kvwire: one-launch gathers per message, the plane, one-launch gated scatters on arrival ----------
 class KvwireSide:
     """One side of the kvwire path: a plane, its peer, and the per-size buffers."""
 
@@ -130,13 +134,31 @@ class KvwireSide:
         self.rank = rank
         self.plane, self.rec = h.start_plane(rank, f"bench-{tag}-r{rank}", plane_cfg)
         self.peer = h.peer_ref(f"bench-{tag}-r{1 - rank}")
-        self.chunk_bytes = plane_cfg.chunk_bytes
+        self.config = plane_cfg
         self.gather_stream = torch.cuda.Stream()
         self.seq = 0
+        self.last_t0 = 0.0  # rank 0: start of the last timed transfer
+
+    def trace(self, conn: Connection, last: int) -> list[tuple[Any, ...]]:
+        """Both ranks: the plane's last ``last`` chunks of each side, microseconds after the last t0
+        (launch start, launched, completion seen); rank 0 gets the rows, rank 1 an empty list."""
+        mine = [row for row in self.plane.chunk_trace() if row[1] == self.peer.instance_id][-last:]
+        if self.rank == 1:
+            conn.send(mine)
+            return []
+        rows = mine + conn.recv()
+        return [
+            (kind, seq, nbytes >> 20, *(round((t - self.last_t0) * 1e6) for t in times))
+            for kind, _, seq, nbytes, *times in rows
+        ]
 
     def groups(self, num_layers: int, layer_bytes: int) -> list[range]:
-        per = max(1, self.chunk_bytes // layer_bytes)
-        return [range(s, min(s + per, num_layers)) for s in range(0, num_layers, per)]
+        """The receiver's message framing for a transfer of ``num_layers`` equal layers: the sender
+        gathers exactly one message's layers per launch, so each message leaves once its own gather
+        is done."""
+        sizes = [layer_bytes] * num_layers
+        ranges = message_ranges(sizes, self.config.chunk_bytes, self.config.edge_bytes)
+        return [range(a, b) for a, b in ranges]
 
     def send_handshake(self, conn: Connection) -> str:
         """Rank 0: offer a transfer; the grant brings the receiver's chunk plan (and, the first time,
@@ -148,7 +170,7 @@ class KvwireSide:
         return tid
 
     def send_data(self, tid: str, paged: PagedLayers, ids: torch.Tensor, slab: torch.Tensor) -> None:
-        """Rank 0: gather group by group (one launch each, on the gather stream), hand layers over."""
+        """Rank 0: gather message by message (one launch each, on the gather stream), hand over."""
         self.gather_stream.wait_stream(torch.cuda.current_stream())
         for group in self.groups(len(paged.layers), slab[0].numel() * 2):
             with torch.cuda.stream(self.gather_stream):
@@ -160,39 +182,51 @@ class KvwireSide:
 
     def recv_handshake(
         self, conn: Connection, paged: PagedLayers, ids: torch.Tensor, slab: torch.Tensor
-    ) -> tuple[str, list[torch.cuda.Event]]:
-        """Rank 1: post every layer (back to back in ``slab``) and grant; each coalesced message is
-        scattered (one launch) on the plane's delivery stream as soon as it lands."""
+    ) -> tuple[str, Landing]:
+        """Rank 1: post every layer (back to back in ``slab``) with a device consumer that scatters each
+        message into the cache (one gated launch, enqueued behind the receive) and grant."""
         _, tid = conn.recv()
-        num_layers = len(paged.layers)
-        groups = self.groups(num_layers, slab[0].numel() * 2)
-        group_of = {layer: g for g, group in enumerate(groups) for layer in group}
-        left = [len(group) for group in groups]
-        done: list[torch.cuda.Event] = []
+        landing = Landing(paged, ids, slab)
+        sizes = [slab[0].numel() * 2] * len(paged.layers)
+        conn.send(
+            h.post_layers(
+                self.plane, self.peer, tid, sizes, slab.view(-1).view(torch.uint8), on_device=landing
+            )
+        )
+        return tid, landing
 
-        def on_layer(transfer_id: str, layer: int) -> None:  # completer thread, delivery stream current
-            g = group_of[layer]
-            left[g] -= 1
-            if left[g] == 0:
-                group = groups[g]
-                paged.scatter(ids, slab[group.start : group.stop], group.start, group.stop)
-                event = torch.cuda.Event()
-                event.record()
-                done.append(event)
-
-        self.rec.on_layer = on_layer
-        sizes = [slab[0].numel() * 2] * num_layers
-        conn.send(h.post_layers(self.plane, self.peer, tid, sizes, slab.view(-1).view(torch.uint8)))
-        return tid, done
-
-    def recv_finish(self, tid: str, num_layers: int, done: list[torch.cuda.Event]) -> None:
+    def recv_finish(self, tid: str, num_layers: int, landing: Landing) -> None:
+        """Rank 1, after :meth:`Landing.wait` (the timed part): the plane's per-layer reports."""
+        del landing
         self.rec.wait_received(tid, num_layers)
-        for event in done:
-            event.synchronize()
-        self.rec.on_layer = None
 
     def close(self) -> None:
         self.plane.close()
+
+
+class Landing:
+    """The receiver's device consumer for one transfer: scatter a message's layers from the slab into
+    the paged cache with one gated launch; the event after the last layer's scatter marks the end."""
+
+    def __init__(self, paged: PagedLayers, ids: torch.Tensor, slab: torch.Tensor) -> None:
+        self.paged = paged
+        self.ids = ids
+        self.slab = slab
+        self.last: torch.cuda.Event | None = None
+        self.enqueued = threading.Event()  # the last layer's scatter is on the GPU's queue
+
+    def __call__(self, items: Sequence[RecvItem], gate: torch.Tensor) -> None:
+        start, stop = items[0].layer_index, items[-1].layer_index + 1
+        self.paged.scatter(self.ids, self.slab[start:stop], start, stop, gate=gate)
+        if stop == len(self.paged.layers):
+            self.last = torch.cuda.Event()
+            self.last.record()
+            self.enqueued.set()
+
+    def wait(self, timeout_s: float = 25.0) -> None:
+        if not self.enqueued.wait(timeout_s) or self.last is None:
+            raise TimeoutError("the last message was never posted")
+        self.last.synchronize()
 
 
 def kvwire_path(
@@ -206,15 +240,19 @@ def kvwire_path(
         if side.rank == 0:
             tid = side.send_handshake(conn)
             barrier(conn, 0)
-            t0 = time.perf_counter()
+            t0 = side.last_t0 = time.perf_counter()
             side.send_data(tid, paged, ids, slab)
             out.append(conn.recv() - t0)
             side.rec.wait_sent(tid, num_layers)
         else:
-            tid, done = side.recv_handshake(conn, paged, ids, slab)
+            tid, landing = side.recv_handshake(conn, paged, ids, slab)
+            # the grant's receives are posted (with their scatters) before the data is ready, as in
+            # serving, where D grants at the start of P's prefill: wait until they are on the GPU
+            landing.enqueued.wait(timeout=5.0)
             barrier(conn, 1)
-            side.recv_finish(tid, num_layers, done)
+            landing.wait()
             conn.send(time.perf_counter())
+            side.recv_finish(tid, num_layers, landing)
     return out
 
 

@@ -34,10 +34,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="nccl", choices=["nccl"])
     parser.add_argument("--tokens", type=int, nargs="+", default=DEFAULT_TOKENS)
     parser.add_argument("--iters", type=int, default=15, help="timed iterations per method and size")
-    parser.add_argument("--chunk-mib", type=int, default=32, help="NCCL plane message size bound")
-    parser.add_argument("--sweep-chunk-mib", type=int, nargs="*", default=[8, 16, 64])
+    parser.add_argument(
+        "--chunk-mib", type=int, default=None, help="NCCL plane message bound (default: plane's)"
+    )
+    parser.add_argument(
+        "--edge-mib", type=int, default=None, help="first/last message size (default: plane's)"
+    )
+    parser.add_argument(
+        "--sweep",
+        nargs="*",
+        default=["32:8", "64:0", "64:16", "128:8"],
+        help="extra CHUNK_MIB:EDGE_MIB framings to measure at <= 2048 tokens",
+    )
     parser.add_argument("--max-ctas", type=int, default=None, help="NCCL channel bound (None = default)")
     parser.add_argument("--overlap-tokens", type=int, default=2048)
+    parser.add_argument("--sizes-only", action="store_true", help="only (a)/(b)/(c) per size: no extras")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--out", default=None, help="also write the JSON results to this file")
     parser.add_argument("--timeout-s", type=float, default=540.0)
@@ -70,10 +81,12 @@ def run(args: argparse.Namespace) -> int:
     opts = {
         "tokens": _sizes(args),
         "iters": getattr(args, "iters", 15),
-        "chunk_mib": getattr(args, "chunk_mib", 32),
-        "sweep_chunk_mib": getattr(args, "sweep_chunk_mib", [8, 16, 64]),
+        "chunk_mib": getattr(args, "chunk_mib", None),
+        "edge_mib": getattr(args, "edge_mib", None),
+        "sweep": [tuple(int(v) for v in pair.split(":")) for pair in getattr(args, "sweep", [])],
         "max_ctas": getattr(args, "max_ctas", None),
         "overlap_tokens": getattr(args, "overlap_tokens", 2048),
+        "sizes_only": getattr(args, "sizes_only", False),
     }
     ctx = mp.get_context("spawn")
     left, right = ctx.Pipe()
@@ -128,10 +141,16 @@ def print_table(report: dict[str, Any], out: Any = None) -> None:
             f"{row['speedup_vs_reference']:>9.2f} {row['verified']}"
         )
     print("(GB/s; ms in the JSON)")
+    for row in report["sizes"]:
+        legend = "(side, seq, MiB, launch start, launched, done: us after t0)"
+        print(f"chunks of the last (c) at {row['tokens']} tokens {legend}:")
+        for chunk in row.get("kvwire_trace", []):
+            print("   ", tuple(chunk))
+    print(f"framing: messages of <= {report['chunk_mib']} MiB, first/last {report['edge_mib']} MiB")
     for row in report.get("chunk_sweep", []):
         print(
-            f"chunk {row['chunk_mib']:>3} MiB  tokens {row['tokens']:>5}: {row['gbps']:>6.1f} GB/s "
-            f"ratio {row['ratio']:.2f}"
+            f"chunk {row['chunk_mib']:>3} MiB edge {row['edge_mib']:>3} MiB  tokens {row['tokens']:>5}: "
+            f"{row['gbps']:>6.1f} GB/s ratio {row['ratio']:.2f}"
         )
     ov = report.get("overlap")
     if ov:
