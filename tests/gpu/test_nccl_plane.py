@@ -239,3 +239,124 @@ def test_peer_killed_then_restarted(spawn: Any) -> None:
     assert result["restarted_exact"] is True
     assert result["dead_sent"] < 2  # never both layers "sent" into a dead process
     assert result["detected_s"] < 20.0
+
+
+# --- device consumers: gated scatters enqueued behind the receive -------------------------------------------
+CONSUMER_SHAPE = (2, 64, 16, 8, 128)  # one KV_FIRST layer: [2, blocks, block_size, kv_heads, head_dim]
+CONSUMER_LAYERS = 6
+SRC_BLOCKS = [3, 60, 7, 21, 40, 11, 0, 33]
+DST_BLOCKS = {
+    "landed": [1, 2, 9, 30, 31, 50, 63, 12],
+    "disarmed": [4, 5, 6, 8, 10, 13, 14, 15],
+    "dummy": [16, 17, 18, 19, 20, 22, 23, 24],
+    "after": [25, 26, 27, 28, 29, 32, 34, 35],
+}
+
+
+def _src_cache(seed: int, device: str) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(-(2**15), 2**15, CONSUMER_SHAPE, dtype=torch.int16, generator=gen)
+        .view(torch.bfloat16)
+        .to(device)
+        for _ in range(CONSUMER_LAYERS)
+    ]
+
+
+def _recv_consumers(conn: Connection, _: Any) -> dict[str, Any]:
+    from kvwire.bench import nccl_harness as h
+    from kvwire.transfer.cuda_paged import PagedLayers
+    from kvwire.transfer.paged import KVLayout
+    from kvwire.transfer.types import RecvItem
+
+    plane, rec = h.start_plane(1, "recv-c", _cfg(chunk_bytes=1 * MiB, edge_bytes=0, stall_timeout_s=20.0))
+    assert plane.supports_device_consumers
+    peer = h.peer_ref("send-c")
+    cache = [
+        torch.zeros(CONSUMER_SHAPE, dtype=torch.bfloat16, device="cuda:1") for _ in range(CONSUMER_LAYERS)
+    ]
+    paged = PagedLayers(cache, KVLayout.KV_FIRST)
+    assert paged.gated_scatter
+    calls: dict[str, int] = {}
+
+    def post(tid: str) -> bytes:
+        ids = torch.tensor(DST_BLOCKS[tid], device="cuda:1")
+        slab = torch.empty(paged.shape(ids.numel()), dtype=torch.bfloat16, device="cuda:1")
+
+        def consume(items: Any, gate: torch.Tensor) -> None:
+            start, stop = items[0].layer_index, items[-1].layer_index + 1
+            paged.scatter(ids, slab[start:stop], start, stop, gate=gate)
+            calls[tid] = calls.get(tid, 0) + 1
+
+        size = slab[0].numel() * 2
+        flat = slab.view(-1).view(torch.uint8)
+        items = [
+            RecvItem(tid, i, size, flat[i * size : (i + 1) * size], on_device=consume)
+            for i in range(CONSUMER_LAYERS)
+        ]
+        plane.post_recv(peer, items)
+        return plane.local_info(peer)
+
+    conn.send(post("landed"))
+    rec.wait_received("landed", CONSUMER_LAYERS, timeout_s=30.0)  # only after its scatters ran
+    for tid in ("disarmed", "dummy"):  # the communicator is warm: posted (and armed) right here
+        conn.send(post(tid))
+    plane.cancel("disarmed")  # before any byte of it came: its scatters must write nothing
+    conn.send("disarmed")
+    rec.wait_for(lambda: "dummy" in rec.failed, 30.0)  # the sender cancelled it: dummy bytes
+    conn.send(post("after"))
+    rec.wait_received("after", CONSUMER_LAYERS, timeout_s=30.0)
+    torch.cuda.synchronize(1)
+    got = {tid: torch.stack([c[:, ids] for c in cache]).cpu() for tid, ids in DST_BLOCKS.items()}
+    conn.send("done")
+    plane.close()
+    src = [c.cpu() for c in _src_cache(0, "cpu")]
+    src2 = [c.cpu() for c in _src_cache(1, "cpu")]
+    want = torch.stack([c[:, SRC_BLOCKS] for c in src]).view(torch.int16)
+    want2 = torch.stack([c[:, SRC_BLOCKS] for c in src2]).view(torch.int16)
+    return {
+        "landed": bool(torch.equal(got["landed"].view(torch.int16), want)),
+        "after": bool(torch.equal(got["after"].view(torch.int16), want2)),
+        "disarmed_untouched": bool(not got["disarmed"].view(torch.int16).any()),
+        "dummy_untouched": bool(not got["dummy"].view(torch.int16).any()),
+        "dummy_failed": rec.failed.get("dummy", ""),
+        "disarmed_received": rec.received["disarmed"],
+        "calls": calls,
+    }
+
+
+def _send_consumers(conn: Connection, _: Any) -> None:
+    from kvwire.bench import nccl_harness as h
+    from kvwire.transfer.paged import KVLayout, gather_blocks
+
+    plane, rec = h.start_plane(0, "send-c", _cfg(chunk_bytes=1 * MiB, edge_bytes=0, stall_timeout_s=20.0))
+    peer = h.peer_ref("recv-c")
+    ids = torch.tensor(SRC_BLOCKS, device="cuda:0")
+    cache = _src_cache(0, "cuda:0")
+    layers = [gather_blocks(c, ids, KVLayout.KV_FIRST) for c in cache]
+    torch.cuda.synchronize(0)  # no ready events: the bytes must be in place before the plane sends
+    plane.on_peer_info(peer, conn.recv())
+    h.send_layers(plane, peer, "landed", layers)
+    for _ in range(2):
+        plane.on_peer_info(peer, conn.recv())
+    assert conn.recv() == "disarmed"
+    h.send_layers(plane, peer, "disarmed", layers)  # real bytes: the receiver's gates are off
+    plane.cancel("dummy")  # never sends it: dummy bytes with a "not real" status
+    plane.on_peer_info(peer, conn.recv())
+    after = [gather_blocks(c, ids, KVLayout.KV_FIRST) for c in _src_cache(1, "cuda:0")]
+    torch.cuda.synchronize(0)
+    h.send_layers(plane, peer, "after", after)
+    rec.wait_sent("after", CONSUMER_LAYERS)
+    assert conn.recv() == "done"
+    plane.close()
+
+
+def test_device_consumers_scatter_on_arrival_and_gates_hold(spawn: Any) -> None:
+    left, right = spawn.ctx.Pipe()
+    spawn(_send_consumers, 0, left)
+    spawn(_recv_consumers, 1, right)
+    result = child_results(spawn.queue, 2, timeout_s=100.0)["_recv_consumers"]
+    assert result["landed"] is True and result["after"] is True
+    assert result["disarmed_untouched"] is True and result["disarmed_received"] == 0
+    assert result["dummy_untouched"] is True and result["dummy_failed"].startswith("peer_aborted")
+    assert result["calls"]["landed"] == CONSUMER_LAYERS * 512 * 1024 // MiB  # one scatter per message
