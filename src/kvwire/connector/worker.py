@@ -122,6 +122,23 @@ class KvwireWorkerConnector(WorkerConnector):
 
     def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
         self._kv_caches = list(kv_caches)
+        self._preload_kernels()
+
+    def _preload_kernels(self) -> None:
+        """Gather block 0 of one layer per dtype and scatter it back onto itself (same bytes, same
+        stream, before any request), so the gather/scatter kernels are loaded now. With CUDA's lazy
+        module loading a kernel's first launch loads its module, which synchronizes the context; on a
+        transfer thread, with NCCL receives pending on this GPU for data the peer sends only after our
+        next grant, that wait never ends (docs/decisions/062-nccl-device-consumers.md)."""
+        seen: set[torch.dtype] = set()
+        for cache in self._kv_caches:
+            if cache.dtype in seen or cache.numel() == 0:
+                continue
+            seen.add(cache.dtype)
+            ids = torch.zeros(1, dtype=torch.int64, device=cache.device)
+            scatter_blocks(cache, ids, gather_blocks(cache, ids, self._layout), self._layout)
+        if self._kv_caches and self._kv_caches[0].is_cuda:
+            torch.cuda.current_stream(self._kv_caches[0].device).synchronize()
 
     # --- per step ---------------------------------------------------------------------------
 

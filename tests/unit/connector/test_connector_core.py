@@ -245,3 +245,15 @@ def test_other_paged_layouts(fabric: FakeFabric, registry, layout: str) -> None:
     d.until(lambda o: dreq.request_id in o.finished_recving)
     for layer in range(NUM_LAYERS):
         assert torch.equal(p.caches[layer][[0, 5, 7]], d.caches[layer][[9, 3, 4]])
+
+
+def test_registering_caches_runs_gather_and_scatter_once_without_changing_them(
+    fabric: FakeFabric, registry: CollectorRegistry
+) -> None:
+    # the kernels are loaded at registration (see KvwireWorkerConnector._preload_kernels); the caches
+    # must come out bit for bit as they went in, every layer and dtype
+    side = Side(fabric, "p", ConnectorRole.PREFILL, registry)
+    caches = [torch.randn(2, NUM_BLOCKS, BLOCK, 2, 4), torch.randn(2, NUM_BLOCKS, BLOCK, 2, 4).half()]
+    before = [c.clone() for c in caches]
+    side.worker.register_kv_caches(caches)
+    assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
