@@ -11,7 +11,9 @@ A :class:`DataPlane` only moves the bytes of layers that the agent has already m
   (credit = a destination buffer already reserved on the receiver) and that are **ready**
   (``send_layer`` was called). The plane moves them and calls ``callbacks.on_sent``.
 * receiver side: the agent calls :meth:`DataPlane.post_recv` with the destination buffer of every
-  layer it grants (before the GRANT message leaves, so a fast sender never finds no posted buffer).
+  layer it grants (before the GRANT message leaves, so a fast sender never finds no posted buffer;
+  the NCCL plane only queues the receive there and posts it on its own thread, since posting may
+  wait on the GPU and a NCCL send waits on the GPU for its receive anyway).
   The plane fills ``dest`` and calls ``callbacks.on_received``.
 * completion is the agent's business: the receiver acknowledges received layers on the control
   plane and the sender's transfer finishes when every layer is acknowledged.
