@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from multiprocessing.connection import Connection
 from typing import Any
@@ -263,6 +264,11 @@ def _src_cache(seed: int, device: str) -> list[torch.Tensor]:
     ]
 
 
+def _step(side: str, what: str) -> None:
+    """Progress marker on stderr (pytest shows it on failure; ``-s`` shows it live)."""
+    print(f"[consumers {side}] {what}", file=sys.stderr, flush=True)
+
+
 def _recv_consumers(conn: Connection, _: Any) -> dict[str, Any]:
     from kvwire.bench import nccl_harness as h
     from kvwire.transfer.cuda_paged import PagedLayers
@@ -275,8 +281,10 @@ def _recv_consumers(conn: Connection, _: Any) -> dict[str, Any]:
     cache = [
         torch.zeros(CONSUMER_SHAPE, dtype=torch.bfloat16, device="cuda:1") for _ in range(CONSUMER_LAYERS)
     ]
+    _step("recv", "plane up; compiling and loading the kernels")
     paged = PagedLayers(cache, KVLayout.KV_FIRST)
     assert paged.gated_scatter
+    _step("recv", "kernels loaded")
     calls: dict[str, int] = {}
 
     def post(tid: str) -> bytes:
@@ -298,12 +306,16 @@ def _recv_consumers(conn: Connection, _: Any) -> dict[str, Any]:
         return plane.local_info(peer)
 
     conn.send(post("landed"))
+    _step("recv", "landed posted")
     rec.wait_received("landed", CONSUMER_LAYERS, timeout_s=30.0)  # only after its scatters ran
+    _step("recv", "landed received")
     for tid in ("disarmed", "dummy"):  # the communicator is warm: posted (and armed) right here
         conn.send(post(tid))
     plane.cancel("disarmed")  # before any byte of it came: its scatters must write nothing
+    _step("recv", "disarmed cancelled")
     conn.send("disarmed")
     rec.wait_for(lambda: "dummy" in rec.failed, 30.0)  # the sender cancelled it: dummy bytes
+    _step("recv", "dummy failed as expected")
     conn.send(post("after"))
     rec.wait_received("after", CONSUMER_LAYERS, timeout_s=30.0)
     torch.cuda.synchronize(1)
@@ -335,8 +347,10 @@ def _send_consumers(conn: Connection, _: Any) -> None:
     cache = _src_cache(0, "cuda:0")
     layers = [gather_blocks(c, ids, KVLayout.KV_FIRST) for c in cache]
     torch.cuda.synchronize(0)  # no ready events: the bytes must be in place before the plane sends
+    _step("send", "waiting for the first grant")
     plane.on_peer_info(peer, conn.recv())
     h.send_layers(plane, peer, "landed", layers)
+    _step("send", "landed handed over")
     for _ in range(2):
         plane.on_peer_info(peer, conn.recv())
     assert conn.recv() == "disarmed"
@@ -347,6 +361,7 @@ def _send_consumers(conn: Connection, _: Any) -> None:
     torch.cuda.synchronize(0)
     h.send_layers(plane, peer, "after", after)
     rec.wait_sent("after", CONSUMER_LAYERS)
+    _step("send", "after sent")
     assert conn.recv() == "done"
     plane.close()
 
