@@ -149,17 +149,19 @@ class PagedLayers:
             self._load_kernels()
 
     def _load_kernels(self) -> None:
-        """Compile and load every kernel variant now (one block of layer 0, the gated scatter behind a
-        closed gate, so nothing is written): a first launch later, while an NCCL receive waits on this
-        GPU, would load a CUDA module, which synchronizes the context (see ``_build_kernel``)."""
+        """Compile and load both kernel variants now, once per geometry: a first launch later, while
+        an NCCL receive waits on this GPU, would load a CUDA module, which synchronizes the context
+        (see ``_build_kernel``). Harmless to the caches: the gather reads one block, the scatter (every
+        scatter runs the gated variant) sits behind a closed gate and writes nothing."""
         first = self.layers[0]
+        key = (first.device, first.dtype, self.planes, self._chunk_w, self._plane_stride_w)
+        if key in _LOADED:
+            return
         ids = torch.zeros(1, dtype=torch.int64, device=first.device)
         buf = torch.empty(self.shape(1, 0, 1), dtype=first.dtype, device=first.device)
-        closed = torch.zeros(4, dtype=torch.int32, device=first.device)
         self.gather(ids, buf, 0, 1)
-        self.scatter(ids, buf, 0, 1, gate=closed)
-        self.scatter(ids, buf, 0, 1)  # writes layer 0's block 0 back with its own bytes
-        torch.cuda.current_stream(first.device).synchronize()
+        self.scatter(ids, buf, 0, 1, gate=torch.zeros(4, dtype=torch.int32, device=first.device))
+        _LOADED.add(key)
 
     def shape(self, num_blocks: int, start: int = 0, stop: int | None = None) -> tuple[int, ...]:
         """Shape of the buffer for layers ``[start, stop)``: ``[layers, *gathered layer shape]``."""
@@ -242,6 +244,8 @@ def _launch(
     if n == 0 or stop <= start:
         return
     grid = (group.planes * n, stop - start, triton_cdiv(group._chunk_w, _TILE_WORDS))
+    if not gather and gate is None:
+        gate = _open_gate(buf.device)  # one scatter variant (the gated one) to compile and load
     kernel[grid](
         group._base,
         group._offsets,
@@ -258,6 +262,18 @@ def _launch(
         TILE=_TILE_WORDS,
         num_warps=4,
     )
+
+
+_LOADED: set[tuple[object, ...]] = set()  # geometries whose kernels are compiled and loaded
+
+
+@functools.lru_cache(maxsize=16)
+def _open_gate(device: torch.device) -> torch.Tensor:
+    """A gate that always passes (ungated scatters run the gated kernel through it). Made once per
+    device and waited for, so a kernel on any stream reads it complete."""
+    gate = torch.tensor([_GATE_MAGIC, 1, 1, 0], dtype=torch.int32, device=device)
+    torch.cuda.current_stream(device).synchronize()
+    return gate
 
 
 @functools.lru_cache(maxsize=256)
