@@ -81,7 +81,7 @@ def _sweep(
             edge_bytes=edge_mib * MiB,
             max_ctas=opts["max_ctas"],
         )
-        side = w.KvwireSide(rank, cfg, f"sweep{chunk_mib}-{edge_mib}")
+        side = w.KvwireSide(rank, cfg, f"sweep{chunk_mib}-{edge_mib}", opts["sender"])
         for tokens in [t for t in opts["tokens"] if t <= 2048]:
             ids = w.block_ids(shape, tokens, cache[0].device, seed=1000 * tokens + rank)
             samples = w.kvwire_path(conn, side, PagedLayers(cache, w.LAYOUT), ids, WARMUP + 10)[WARMUP:]
@@ -106,13 +106,15 @@ def run_rank(rank: int, conn: Connection, opts: dict[str, Any]) -> dict[str, Any
     chunk = opts["chunk_mib"] * MiB if opts["chunk_mib"] else defaults.chunk_bytes
     edge = opts["edge_mib"] * MiB if opts["edge_mib"] is not None else defaults.edge_bytes
     plane_cfg = dataclasses.replace(defaults, chunk_bytes=chunk, edge_bytes=edge, max_ctas=opts["max_ctas"])
-    side = w.KvwireSide(rank, plane_cfg, "main")
+    side = w.KvwireSide(rank, plane_cfg, "main", opts["sender"])
     report: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(device),
         "nccl": ".".join(map(str, load_nccl().version())),
         "torch": torch.__version__,
         "chunk_mib": plane_cfg.chunk_bytes // MiB,
         "edge_mib": plane_cfg.edge_bytes // MiB,
+        "sender": opts["sender"],
+        "inline_launch": plane_cfg.inline_launch,
         "max_ctas": opts["max_ctas"],
         "iters": opts["iters"],
         "sizes": [],

@@ -24,9 +24,10 @@ from kvwire.transfer.cuda_paged import PagedLayers
 from kvwire.transfer.nccl_channel import message_ranges
 from kvwire.transfer.nccl_lib import NcclComm
 from kvwire.transfer.paged import KVLayout, gather_blocks, scatter_blocks
-from kvwire.transfer.types import RecvItem
+from kvwire.transfer.types import RecvItem, SendItem
 
 LAYOUT = KVLayout.KV_FIRST
+SENDERS = ("per-message", "bulk")  # how (c)'s sender hands gathered layers to the plane
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +131,12 @@ def reference(
 class KvwireSide:
     """One side of the kvwire path: a plane, its peer, and the per-size buffers."""
 
-    def __init__(self, rank: int, plane_cfg: h.NcclPlaneConfig, tag: str) -> None:
+    def __init__(
+        self, rank: int, plane_cfg: h.NcclPlaneConfig, tag: str, sender: str = "per-message"
+    ) -> None:
+        if sender not in SENDERS:
+            raise ValueError(f"sender must be one of {SENDERS}, got {sender!r}")
+        self.sender = sender
         self.rank = rank
         self.plane, self.rec = h.start_plane(rank, f"bench-{tag}-r{rank}", plane_cfg)
         self.peer = h.peer_ref(f"bench-{tag}-r{1 - rank}")
@@ -170,15 +176,27 @@ class KvwireSide:
         return tid
 
     def send_data(self, tid: str, paged: PagedLayers, ids: torch.Tensor, slab: torch.Tensor) -> None:
-        """Rank 0: gather message by message (one launch each, on the gather stream), hand over."""
+        """Rank 0: gather message by message (one launch each, on the gather stream) and hand each
+        message's layers to the plane as soon as its gather is queued (``sender="per-message"``), or
+        queue every gather first and hand all layers over in one call (``sender="bulk"``: the plane
+        then launches the messages back to back while this thread waits)."""
         self.gather_stream.wait_stream(torch.cuda.current_stream())
+        pending: list[tuple[range, torch.cuda.Event]] = []
         for group in self.groups(len(paged.layers), slab[0].numel() * 2):
             with torch.cuda.stream(self.gather_stream):
                 paged.gather(ids, slab[group.start : group.stop], group.start, group.stop)
                 ready = torch.cuda.Event()
                 ready.record(self.gather_stream)
-            layers = [slab[i] for i in group]
-            h.send_layers(self.plane, self.peer, tid, layers, [ready] * len(group), first_layer=group.start)
+            pending.append((group, ready))
+            if self.sender == "per-message":
+                self._hand_over(tid, slab, pending)
+        self._hand_over(tid, slab, pending)
+
+    def _hand_over(self, tid: str, slab: torch.Tensor, pending: list[tuple[range, torch.cuda.Event]]) -> None:
+        if pending:
+            items = [SendItem(tid, i, slab[i], ready) for group, ready in pending for i in group]
+            self.plane.send(self.peer, items)
+            pending.clear()
 
     def recv_handshake(
         self, conn: Connection, paged: PagedLayers, ids: torch.Tensor, slab: torch.Tensor

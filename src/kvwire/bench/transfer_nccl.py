@@ -49,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-ctas", type=int, default=None, help="NCCL channel bound (None = default)")
     parser.add_argument("--overlap-tokens", type=int, default=2048)
     parser.add_argument("--sizes-only", action="store_true", help="only (a)/(b)/(c) per size: no extras")
+    parser.add_argument(
+        "--sender",
+        choices=["per-message", "bulk"],
+        default="per-message",
+        help="(c): hand each message to the plane after its gather, or all layers in one call",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--out", default=None, help="also write the JSON results to this file")
     parser.add_argument("--timeout-s", type=float, default=540.0)
@@ -87,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         "max_ctas": getattr(args, "max_ctas", None),
         "overlap_tokens": getattr(args, "overlap_tokens", 2048),
         "sizes_only": getattr(args, "sizes_only", False),
+        "sender": getattr(args, "sender", "per-message"),
     }
     ctx = mp.get_context("spawn")
     left, right = ctx.Pipe()
@@ -146,7 +153,10 @@ def print_table(report: dict[str, Any], out: Any = None) -> None:
         print(f"chunks of the last (c) at {row['tokens']} tokens {legend}:")
         for chunk in row.get("kvwire_trace", []):
             print("   ", tuple(chunk))
-    print(f"framing: messages of <= {report['chunk_mib']} MiB, first/last {report['edge_mib']} MiB")
+    print(
+        f"framing: messages of <= {report['chunk_mib']} MiB, first/last {report['edge_mib']} MiB; "
+        f"sender {report.get('sender')}, inline launch {report.get('inline_launch')}"
+    )
     for row in report.get("chunk_sweep", []):
         print(
             f"chunk {row['chunk_mib']:>3} MiB edge {row['edge_mib']:>3} MiB  tokens {row['tokens']:>5}: "
