@@ -54,6 +54,10 @@ class EngineError(KvwireError):
     """The engine failed internally."""
 
 
+class ServerShuttingDown(KvwireError):
+    """The server is stopping; in-flight requests were aborted (becomes HTTP 503)."""
+
+
 class InvalidRequestError(KvwireError, ValueError):
     """A client request is invalid (becomes HTTP 400)."""
 

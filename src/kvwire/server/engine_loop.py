@@ -23,17 +23,13 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from kvwire.errors import EngineError, KvwireError
+from kvwire.errors import EngineError, ServerShuttingDown  # the latter still importable from here
 
 logger = logging.getLogger(__name__)
 
 MAX_CONSECUTIVE_STEP_ERRORS = 5  # then the engine is considered broken and the thread stops
 _LIVENESS_CHECK_S = 1.0  # how often a caller waiting for the engine thread checks that it still runs
 _ERROR_BACKOFF_S = 0.05  # wait before the next step after a failed one, times the failures in a row
-
-
-class ServerShuttingDown(KvwireError):
-    """The server is stopping; in-flight requests were aborted."""
 
 
 class EngineLike(Protocol):

@@ -22,9 +22,9 @@ from aiohttp import web
 
 from kvwire.client_writer import ClientWriter
 from kvwire.engine.sampling_params import SamplingParams
-from kvwire.errors import EngineError, InvalidRequestError
+from kvwire.errors import EngineError, InvalidRequestError, ServerShuttingDown
 from kvwire.kv_params import KVTransferParams
-from kvwire.server.engine_loop import EngineLoop, RequestStream, ServerShuttingDown
+from kvwire.server.engine_loop import EngineLoop, RequestStream
 from kvwire.server.metrics import RequestTimer, ServerMetrics
 from kvwire.server.openai_protocol import (
     BadRequest,
