@@ -1,6 +1,7 @@
 """Service discovery: instances announce themselves to the router with signed, versioned heartbeats.
 
-``messages`` holds the wire types; ``client.HeartbeatClient`` is the instance side (no torch).
+``messages`` holds the wire types; ``client.HeartbeatClient`` is the instance side (no torch) and
+``registration.start_registration`` the one way every host starts it.
 The router side lives in ``kvwire.router.listener`` / ``kvwire.router.registry``.
 """
 
@@ -19,6 +20,7 @@ from kvwire.discovery.messages import (
     encode_frames,
     new_epoch,
 )
+from kvwire.discovery.registration import start_registration
 
 __all__ = [
     "DISCOVERY_VERSION",
@@ -32,4 +34,5 @@ __all__ = [
     "decode_frames",
     "encode_frames",
     "new_epoch",
+    "start_registration",
 ]

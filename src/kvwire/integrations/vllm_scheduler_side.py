@@ -19,7 +19,7 @@ from kvwire.connector.base import ConnectorOutput, ConnectorRequest
 from kvwire.connector.config import EngineInfo
 from kvwire.connector.metadata import KvwireConnectorMetadata
 from kvwire.connector.scheduler import KvwireSchedulerConnector
-from kvwire.discovery import HeartbeatClient, InstanceInfo, InstanceLoad, InstanceRole
+from kvwire.discovery import HeartbeatClient, InstanceLoad, start_registration
 from kvwire.errors import EngineError
 from kvwire.integrations.vllm_config import VllmPluginConfig
 from kvwire.integrations.vllm_steps import DeliveryLedger, StepTracker
@@ -82,20 +82,13 @@ class SchedulerSide:
 
     def _start_heartbeat(self, endpoints: list[str]) -> None:
         assert self.config.router_address is not None and self.config.http_url is not None
-        info = InstanceInfo(
-            instance_id=self.identity.instance_id,
-            role=InstanceRole(self.config.connector.role.value),  # same values, as in the server
-            url=self.config.http_url,
-            model=self.identity.model_name,
-            kv_endpoints=endpoints,
-            version=self.identity.version,
-        )
-        self._heartbeat = HeartbeatClient(
-            self.config.router_address, info, load_fn=lambda: self._load,
+        self._heartbeat = start_registration(
+            self.config.router_address, instance_id=self.identity.instance_id,
+            role=self.config.connector.role,  # same values as the server's roles
+            url=self.config.http_url, model=self.identity.model_name, kv_endpoints=endpoints,
+            version=self.identity.version, load_fn=lambda: self._load,
             interval_s=self.config.heartbeat_interval_s, secret=self.config.secret,
         )
-        self._heartbeat.start()
-        logger.info("kvwire: registering with router %s as %s", self.config.router_address, info.url)
 
     @property
     def core(self) -> KvwireSchedulerConnector:

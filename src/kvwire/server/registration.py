@@ -7,16 +7,16 @@ The heartbeat thread calls ``load_fn``, which only reads the engine loop's lates
 
 from __future__ import annotations
 
-import logging
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import kvwire
 from kvwire.server.config import ServerConfig
 from kvwire.server.engine_loop import StatsSnapshot
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from kvwire.discovery import HeartbeatClient
 
 
 def default_instance_id(config: ServerConfig) -> str:
@@ -32,12 +32,12 @@ def start_heartbeats(
     kv_endpoints: Sequence[str],
     stats_fn: Callable[[], StatsSnapshot],
     secret: str | None = None,
-) -> Any:
+) -> HeartbeatClient | None:
     """Start heartbeating to ``config.router_address``; returns the client (call ``close()`` to
     deregister) or None when no router is configured."""
     if config.router_address is None:
         return None
-    from kvwire.discovery import HeartbeatClient, InstanceInfo, InstanceLoad, InstanceRole
+    from kvwire.discovery import InstanceLoad, start_registration
 
     def load() -> InstanceLoad:
         stats = stats_fn()
@@ -48,19 +48,8 @@ def start_heartbeats(
             total_kv_blocks=stats.kv_blocks_total,
         )
 
-    info = InstanceInfo(
-        instance_id=instance_id,
-        role=InstanceRole(config.role.value),
-        url=url,
-        model=model,
-        kv_endpoints=list(kv_endpoints),
-        version=f"kvwire {kvwire.__version__}",
-    )
-    client = HeartbeatClient(
-        router_address=config.router_address, info=info, load_fn=load,
+    return start_registration(
+        config.router_address, instance_id=instance_id, role=config.role, url=url, model=model,
+        kv_endpoints=kv_endpoints, version=f"kvwire {kvwire.__version__}", load_fn=load,
         interval_s=config.heartbeat_interval_s, secret=secret,
     )
-    client.start()
-    logger.info("registering %s (%s, %s) with router %s", instance_id, config.role.value, url,
-                config.router_address)
-    return client

@@ -1,0 +1,51 @@
+"""Registering an instance with the router: its :class:`InstanceInfo` and a running heartbeat thread.
+
+Shared by every host that announces itself (``kvwire serve`` through
+:mod:`kvwire.server.registration`, the vLLM plugin's scheduler half), so they all announce the same
+way; each keeps only its own ``load_fn``. No torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from kvwire.discovery.client import HeartbeatClient, LoadFn
+from kvwire.discovery.messages import InstanceInfo, InstanceRole
+
+logger = logging.getLogger(__name__)
+
+
+def start_registration(
+    router_address: str,
+    *,
+    instance_id: str,
+    role: str,
+    url: str,
+    model: str,
+    kv_endpoints: Sequence[str],
+    version: str,
+    load_fn: LoadFn | None,
+    interval_s: float,
+    secret: str | bytes | None = None,
+) -> HeartbeatClient:
+    """Start heartbeating to ``router_address`` and return the client (``close()`` deregisters).
+
+    ``role`` is a role value (``prefill``, ``decode`` or ``both``): the server's and the connector's
+    role enums share :class:`InstanceRole`'s values. ``load_fn`` runs on the heartbeat thread. Raises
+    :class:`~kvwire.errors.ConfigError` for a malformed address or interval, ``ValueError`` for an
+    unknown role; nothing is started then.
+    """
+    info = InstanceInfo(
+        instance_id=instance_id,
+        role=InstanceRole(role),
+        url=url,
+        model=model,
+        kv_endpoints=list(kv_endpoints),
+        version=version,
+    )
+    client = HeartbeatClient(router_address, info, load_fn=load_fn, interval_s=interval_s, secret=secret)
+    client.start()
+    logger.info("registering %s (%s, %s, KV endpoints %s) with router %s", instance_id, info.role.value,
+                url, info.kv_endpoints, router_address)
+    return client
