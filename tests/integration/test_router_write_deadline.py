@@ -1,6 +1,7 @@
-"""A streaming client that stops reading (its connection left open) is cut off by the router after
-``client_write_timeout_s``: the upstream instance sees the disconnect (so it aborts the request), the
-request is counted as ``client_timeout`` and the router keeps serving others (colocated and P/D push)."""
+"""A client that stops reading (its connection left open) is cut off by the router after
+``client_write_timeout_s``, streaming or not: the upstream calls still in flight see the disconnect (so
+the instances abort the request), the request is counted as ``client_timeout``, the router holds
+nothing for it and keeps serving others (colocated and P/D push)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from kvwire.router.cli import add_arguments, config_from_args
 from kvwire.router.config import RouterConfig
 
 WRITE_TIMEOUT_S = 0.5
+# Tokens in a non-streaming answer: about 12 MB of JSON, more than the stalled client's 4 KiB window,
+# the router's loopback send buffer (4 MiB at most here) and its transport buffer together.
+BIG_MAX_TOKENS = 1_500_000
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +35,7 @@ def setup() -> Iterator[MockCluster]:
 
 
 def _stalled_client(url: str, body: dict[str, Any]) -> socket.socket:
-    """Send a streaming request over a socket with a tiny receive buffer that is then never read."""
+    """Send a request over a socket with a tiny receive buffer that is then never read."""
     host, port = url.removeprefix("http://").split(":")
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
@@ -75,6 +79,75 @@ def test_stalled_client_is_cut_off_and_the_upstream_sees_the_disconnect(
         assert json.loads(answer)["choices"][0]["text"] == " t0 t1 t2"
     finally:
         sock.close()
+
+
+def _inflight(router: RouterThread) -> float:
+    _, text = get_raw(router.url, "/metrics")
+    for line in text.decode().splitlines():
+        if line.startswith("kvwire_router_inflight_requests "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no kvwire_router_inflight_requests in /metrics")
+
+
+@pytest.mark.parametrize(("model", "prompt", "cancelled"), [
+    ("solo", "hi", None),  # colocated: the instance has answered; the router must still let go
+    ("mock", "prefill.hang", "p0"),  # push: D has answered, P still runs and must be cancelled
+])
+def test_stalled_client_of_a_non_streaming_answer_is_cut_off(
+    setup: MockCluster, model: str, prompt: str, cancelled: str | None
+) -> None:
+    before_timeouts = _timeouts(setup.router)
+    before_disconnects = {name: len(m.stats()["disconnects"]) for name, m in setup.mocks.items()}
+    body = {"model": model, "prompt": prompt, "max_tokens": BIG_MAX_TOKENS}
+    sock = _stalled_client(setup.router.url, body)
+    try:
+        # Without a deadline aiohttp parks in drain() writing the body and the handler never ends.
+        wait_for(lambda: _timeouts(setup.router) == before_timeouts + 1, 10, "a client_timeout outcome")
+        wait_for(lambda: _inflight(setup.router) == 0, 5, "the router to let go of the request")
+        if cancelled is not None:
+            mock = setup.mocks[cancelled]
+            wait_for(lambda: len(mock.stats()["disconnects"]) > before_disconnects[cancelled], 5,
+                     f"{cancelled} to see its request cancelled")
+            assert mock.stats()["disconnects"][-1]["body"]["max_tokens"] == 1  # P's copy
+        status, answer = post(setup.router.url, "/v1/completions", {"model": model, "prompt": "hi",
+                                                                    "max_tokens": 3})
+        assert status == 200, answer
+        assert json.loads(answer)["choices"][0]["text"] == " t0 t1 t2"
+    finally:
+        sock.close()
+
+
+def _read_slowly(sock: socket.socket, pause_s: float, every_bytes: int) -> tuple[bytes, bytes]:
+    """Read one HTTP response (Content-Length framed), pausing ``pause_s`` after each ``every_bytes``."""
+    data, since_pause = b"", 0
+    head_end, length = -1, None
+    while length is None or len(data) < head_end + 4 + length:
+        piece = sock.recv(65536)
+        assert piece, f"connection closed after {len(data)} bytes"
+        data += piece
+        since_pause += len(piece)
+        if since_pause >= every_bytes:
+            time.sleep(pause_s)  # the slow reader under test, not a synchronization
+            since_pause = 0
+        if length is None and (head_end := data.find(b"\r\n\r\n")) >= 0:
+            fields = dict(line.split(b": ", 1) for line in data[:head_end].split(b"\r\n")[1:])
+            length = int(fields[b"Content-Length"])
+    return data[:head_end], data[head_end + 4:]
+
+
+def test_slow_reader_of_a_large_answer_gets_all_of_it(setup: MockCluster) -> None:
+    # Each pause is shorter than the deadline, the whole read (over 1 s) much longer: the deadline
+    # bounds one piece of the body, not the whole body.
+    body = {"model": "solo", "prompt": "hi", "max_tokens": BIG_MAX_TOKENS}
+    sock = _stalled_client(setup.router.url, body)
+    sock.settimeout(20)
+    try:
+        head, payload = _read_slowly(sock, pause_s=WRITE_TIMEOUT_S / 5, every_bytes=1024 * 1024)
+    finally:
+        sock.close()
+    assert head.startswith(b"HTTP/1.1 200"), head
+    text = json.loads(payload)["choices"][0]["text"]
+    assert text == "".join(f" t{i}" for i in range(BIG_MAX_TOKENS))
 
 
 def test_write_timeout_is_configurable_and_validated() -> None:

@@ -4,8 +4,9 @@
 upstream session, HTTP site) and stops all of it in :meth:`RouterServer.stop`. Errors are converted
 to HTTP here, once: invalid input -> 400, unknown model -> 404, body too large -> 413, no live
 instance -> 503, upstream 4xx/5xx -> the same status and body. A client disconnect cancels the
-handler (``handler_cancellation``), which cancels the upstream calls; so does a streaming client that
-stops reading, once a write to it passes ``client_write_timeout_s`` (outcome ``client_timeout``).
+handler (``handler_cancellation``), which cancels the upstream calls; so does a client that stops
+reading (streaming or not), once a write to it passes ``client_write_timeout_s`` (outcome
+``client_timeout``).
 """
 
 from __future__ import annotations

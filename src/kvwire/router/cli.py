@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--upstream-timeout-s", type=float, default=d.upstream_timeout_s,
                         help="limit on one upstream request, streaming included (default %(default)s)")
     parser.add_argument("--client-write-timeout-s", type=float, default=d.client_write_timeout_s,
-                        help="cut off a streaming client reading nothing this long (default %(default)s)")
+                        help="cut off a client reading nothing this long (default %(default)s)")
     parser.add_argument("--stream-first-token-from-prefill", action="store_true",
                         help="push mode, streaming: send P's first token at once, trim it off D's stream")
     parser.add_argument("--max-connect-retries", type=int, default=d.max_connect_retries,

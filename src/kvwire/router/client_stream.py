@@ -3,6 +3,7 @@
 Every write has a deadline (``client_write_timeout_s``): a client that stops reading is cut off
 (:class:`kvwire.client_writer.ClientWriter`), the request's outcome becomes ``client_timeout`` and the
 write raises a ``ConnectionResetError`` that unwinds the relay like a disconnect (upstream calls closed).
+Non-streaming answers get the same deadline through :mod:`kvwire.router.client_body`.
 """
 
 from __future__ import annotations

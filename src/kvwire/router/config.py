@@ -29,8 +29,8 @@ class RouterConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     connect_timeout_s: float = 5.0
     upstream_timeout_s: float = 600.0  # whole upstream request, streaming included
-    # A streaming client that reads nothing for this long (one write stuck) is cut off; its upstream
-    # requests are cancelled, like on a disconnect.
+    # A client that reads nothing for this long (one write stuck; streaming or a whole answer) is cut
+    # off; its upstream requests still in flight are cancelled, like on a disconnect.
     client_write_timeout_s: float = 30.0
     kv_deadline_s: float = 30.0  # deadline_s put in kv_transfer_params
     max_connect_retries: int = 2  # re-dispatches when an upstream refuses the connection

@@ -29,6 +29,7 @@ from aiohttp import web
 from kvwire.discovery.messages import InstanceRole
 from kvwire.errors import InvalidRequestError
 from kvwire.kv_params import KVTransferParams, PDRole, TransferMode
+from kvwire.router.client_body import send_body
 from kvwire.router.client_stream import ClientStream
 from kvwire.router.config import RouterConfig
 from kvwire.router.metrics import RouterMetrics, SSETokenMeter
@@ -111,8 +112,10 @@ class Dispatcher:
     ) -> web.StreamResponse:
         resp, first = opened
         if not creq.stream:
+            # Written here, under the deadline, so that P/D calls still running are cancelled on a timeout.
             ctype = resp.headers.get("Content-Type", "application/json")
-            return web.Response(body=first, status=resp.status, headers={"Content-Type": ctype})
+            return await send_body(request, creq, first, status=resp.status, content_type=ctype,
+                                   write_timeout_s=self._cfg.client_write_timeout_s)
         return await self._relay(request, creq, inst, resp, first, mode)
 
     async def _relay(
