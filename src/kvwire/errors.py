@@ -54,6 +54,11 @@ class EngineError(KvwireError):
     """The engine failed internally."""
 
 
+class EngineStalled(EngineError):
+    """The engine thread completed no step within the stall timeout while requests waited for it;
+    they are failed (HTTP 503) and the server is unhealthy until the engine makes progress again."""
+
+
 class ServerShuttingDown(KvwireError):
     """The server is stopping; in-flight requests were aborted (becomes HTTP 503)."""
 

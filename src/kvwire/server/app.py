@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from kvwire.server.engine_loop import EngineLoop
+from kvwire.server.engine_status import EngineHealth
 from kvwire.server.generate import GenerationHandler, error_response
 from kvwire.server.metrics import CONTENT_TYPE, ServerMetrics
 
@@ -73,8 +74,10 @@ class ServerApp:
     async def health(self, request: web.Request) -> web.Response:
         if self._generation.draining:
             return web.json_response({"status": "shutting down", **self._identity}, status=503)
-        if not self._engine_loop.alive:
-            return web.json_response({"status": "engine thread stopped", **self._identity}, status=503)
+        status = self._engine_loop.status()
+        if status.health is not EngineHealth.OK:
+            body = {"status": status.health.value, "reason": status.reason, **self._identity}
+            return web.json_response(body, status=503)
         return web.json_response({"status": "ok", **self._identity})
 
     async def models(self, request: web.Request) -> web.Response:

@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-deadline-s", type=float, default=10.0)
     parser.add_argument("--client-write-timeout-s", type=float, default=30.0,
                         help="abort a streaming request whose client reads nothing for this long")
+    parser.add_argument("--engine-stall-timeout-s", type=float, default=120.0,
+                        help="fail in-flight requests with 503 (and /health) when no engine step completes "
+                             "for this long; 0: off")
     sizing = parser.add_argument_group("engine sizing (default: derived from the model and device)")
     sizing.add_argument("--block-size", type=int, default=None)
     sizing.add_argument("--num-kv-blocks", type=int, default=None)
@@ -69,6 +72,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         kv_load_failure_policy=KVLoadFailure(args.kv_load_failure_policy),
         shutdown_deadline_s=args.shutdown_deadline_s,
         client_write_timeout_s=args.client_write_timeout_s,
+        engine_stall_timeout_s=args.engine_stall_timeout_s,
     )
 
 

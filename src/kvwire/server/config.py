@@ -53,6 +53,10 @@ class ServerConfig:
     # A streaming client that reads nothing for this long (one SSE write stuck) is cut off and its
     # request aborted in the engine, like a disconnect.
     client_write_timeout_s: float = 30.0
+    # No engine step completed for this long while requests wait: they fail with 503 and /health turns
+    # 503 until the engine makes progress again. Must exceed the longest legitimate step (a first CUDA
+    # compile included). None or 0 = no watchdog.
+    engine_stall_timeout_s: float | None = 120.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, ServerRole):
@@ -74,6 +78,9 @@ class ServerConfig:
             raise ConfigError(f"shutdown_deadline_s must be > 0, got {self.shutdown_deadline_s}")
         if self.client_write_timeout_s <= 0:
             raise ConfigError(f"client_write_timeout_s must be > 0, got {self.client_write_timeout_s}")
+        if self.engine_stall_timeout_s is not None and self.engine_stall_timeout_s < 0:
+            timeout_s = self.engine_stall_timeout_s
+            raise ConfigError(f"engine_stall_timeout_s must be >= 0 (0: off), got {timeout_s}")
         if self.max_request_bytes <= 0:
             raise ConfigError(f"max_request_bytes must be > 0, got {self.max_request_bytes}")
         if self.router_address is not None and not self.router_address.startswith("tcp://"):

@@ -7,7 +7,10 @@ per request. Failure: an exception from ``add_request`` is raised to the awaitin
 exception from ``step`` fails every in-flight request with :class:`EngineError` (their streams
 raise it) and the loop keeps serving new requests; after ``MAX_CONSECUTIVE_STEP_ERRORS`` failed steps in
 a row, or any other exception, the thread stops, ``alive`` turns false (``/health`` reports 503) and new
-requests get :class:`EngineError` (500).
+requests get :class:`EngineError` (500). A thread that stops making progress (a step stuck in a GPU op)
+while requests wait is caught by the :class:`~kvwire.server.stall_watchdog.StallWatchdog` when
+``stall_timeout_s`` is set: the waiting requests fail with :class:`EngineStalled` (503), new ones are
+refused with it, and serving resumes by itself once the stuck call returns.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from kvwire.errors import EngineError, ServerShuttingDown  # the latter still importable from here
+from kvwire.errors import EngineError, EngineStalled, ServerShuttingDown  # the last still importable here
+from kvwire.server.engine_status import EngineHealth, EngineStatus, StatsSnapshot
+from kvwire.server.stall_watchdog import StallWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -47,23 +52,6 @@ class EngineLike(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def stats(self) -> Any: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class StatsSnapshot:
-    """Engine statistics copied on the engine thread after each iteration (safe to read anywhere)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_waiting_for_remote_kv: int = 0
-    kv_blocks_in_use: int = 0
-    kv_blocks_total: int = 0
-    num_preemptions: int = 0
-
-    @classmethod
-    def of(cls, stats: Any) -> StatsSnapshot:
-        fields = {f.name: int(getattr(stats, f.name, 0) or 0) for f in dataclasses.fields(cls)}
-        return cls(**fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,13 +117,15 @@ class EngineLoop:
     """Owns the engine thread. ``start`` and all async methods run on the event loop's thread."""
 
     def __init__(
-        self, engine: EngineLike, *, idle_wait_s: float = 0.05, remote_wait_s: float = 0.002
+        self, engine: EngineLike, *, idle_wait_s: float = 0.05, remote_wait_s: float = 0.002,
+        stall_timeout_s: float | None = None,
     ) -> None:
         self._engine = engine
         self._idle_wait_s = idle_wait_s  # block this long on the queue when nothing is in flight
         self._remote_wait_s = remote_wait_s  # ... and this long when all wait for KV transfers
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # event-loop thread only
+        self._adding: dict[str, concurrent.futures.Future[None]] = {}  # event-loop thread: adds not taken yet
         self._live: set[str] = set()  # engine thread only: ids added and not finished
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -143,6 +133,13 @@ class EngineLoop:
         self._closing = False
         self.num_step_errors = 0
         self._consecutive_step_errors = 0
+        self._progress_s = time.monotonic()  # written by the engine thread after every iteration
+        self._watchdog: StallWatchdog | None = None  # None: stall_timeout_s None or 0 (disabled)
+        if stall_timeout_s:
+            self._watchdog = StallWatchdog(
+                stall_timeout_s, progress_fn=lambda: self._progress_s,
+                busy_fn=lambda: self.alive and bool(self._streams), on_stall=self._fail_in_flight,
+            )
 
     # --- event-loop side -----------------------------------------------------------------------
 
@@ -150,10 +147,25 @@ class EngineLoop:
         self._loop = loop
         self._thread = threading.Thread(target=self._run, name="kvwire-engine", daemon=True)
         self._thread.start()
+        if self._watchdog is not None:
+            self._watchdog.start(loop)
 
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def stall_timeout_s(self) -> float | None:
+        """The stall watchdog's timeout; None when it is off."""
+        return self._watchdog.timeout_s if self._watchdog is not None else None
+
+    def status(self) -> EngineStatus:
+        num_stalls = self._watchdog.num_stalls if self._watchdog is not None else 0
+        if not self.alive:
+            return EngineStatus(EngineHealth.STOPPED, "the engine thread is not running", num_stalls)
+        if self._watchdog is not None and self._watchdog.stalled:
+            return EngineStatus(EngineHealth.STALLED, self._watchdog.reason(time.monotonic()), num_stalls)
+        return EngineStatus(num_stalls=num_stalls)
 
     @property
     def stats(self) -> StatsSnapshot:
@@ -172,17 +184,22 @@ class EngineLoop:
             raise ServerShuttingDown("the server is shutting down")
         if not self.alive:
             raise EngineError("the engine thread is not running")
+        if self._watchdog is not None and self._watchdog.check(time.monotonic()):
+            raise EngineStalled(self._watchdog.reason(time.monotonic()))
         if request_id in self._streams:
             raise EngineError(f"duplicate request id {request_id}")
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._adding[request_id] = done
         self._commands.put(_Add(request_id, prompt_token_ids, params, kv_transfer_params, done))
         try:
             await self._accepted(done)
         except BaseException:
             self.abort(request_id)
             raise
+        finally:
+            del self._adding[request_id]
         return stream
 
     async def _accepted(self, done: concurrent.futures.Future[None]) -> None:
@@ -208,6 +225,8 @@ class EngineLoop:
 
     def close(self, timeout_s: float) -> bool:
         """Stop the engine thread (aborting what is in flight). Returns False if it did not stop in time."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
         if self._thread is None:
             return True
         self._closing = True
@@ -233,6 +252,16 @@ class EngineLoop:
             if stream is not None:
                 stream.put(error)
 
+    def _fail_in_flight(self, error: EngineStalled) -> None:
+        """The watchdog saw a stall: every waiting request fails with ``error`` now (adds not yet taken
+        are refused), and its abort is queued, so the engine drops it once the thread resumes."""
+        for done in self._adding.values():
+            _resolve(done, error)
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            stream.put(error)
+            self._commands.put(_Abort(request_id))
+
     def _post(self, callback: Any, *args: Any) -> None:
         assert self._loop is not None
         with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening any more
@@ -246,6 +275,7 @@ class EngineLoop:
             while self._drain_commands():
                 if self._engine.has_unfinished_requests():
                     self._step()
+                self._progress_s = time.monotonic()  # read by the stall watchdog
         except Exception as exc:
             logger.exception("engine thread crashed")
             error = EngineError(f"the engine failed: {exc}")

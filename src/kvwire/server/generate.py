@@ -2,11 +2,11 @@
 
 Runs on the event loop thread. Contract per request: a parse/validation failure is a 400 (404 for an
 unknown model) and touches no engine state; once admitted, the request always ends with exactly one of
-a full body, a finished stream, an error (500 engine failure, 503 shutdown; in a stream an error
-event then ``[DONE]``) or an abort when the client went away (the ``finally`` below aborts it in the
-engine, which frees its KV blocks). A streaming client that stops reading counts as gone: every SSE
-write has a deadline (``client_write_timeout_s``, see :mod:`kvwire.client_writer`), after which its
-connection is aborted (outcome ``client_timeout``).
+a full body, a finished stream, an error (500 engine failure, 503 shutdown or engine stall; in a
+stream an error event then ``[DONE]``) or an abort when the client went away (the ``finally`` below
+aborts it in the engine, which frees its KV blocks). A streaming client that stops reading counts as
+gone: every SSE write has a deadline (``client_write_timeout_s``, see :mod:`kvwire.client_writer`),
+after which its connection is aborted (outcome ``client_timeout``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from aiohttp import web
 
 from kvwire.client_writer import ClientWriter
 from kvwire.engine.sampling_params import SamplingParams
-from kvwire.errors import EngineError, InvalidRequestError, ServerShuttingDown
+from kvwire.errors import EngineError, EngineStalled, InvalidRequestError, ServerShuttingDown
 from kvwire.kv_params import KVTransferParams
 from kvwire.server.engine_loop import EngineLoop, RequestStream
 from kvwire.server.metrics import RequestTimer, ServerMetrics
@@ -43,17 +43,33 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the model length
 
 
+def json_response(status: int, body: dict[str, Any]) -> web.Response:
+    return web.Response(status=status, body=json_bytes(body), content_type="application/json")
+
+
 def error_response(
     status: int, message: str, err_type: str = "invalid_request_error", param: str | None = None,
     code: str | None = None,
 ) -> web.Response:
-    return web.Response(status=status, body=json_bytes(error_body(message, err_type, param, code)),
-                        content_type="application/json")
+    return json_response(status, error_body(message, err_type, param, code))
 
 
-def _failure_status(exc: ServerShuttingDown | EngineError) -> tuple[int, str]:
-    """(HTTP status, metrics outcome) of an engine-side failure: shutdown is 503, anything else 500."""
-    return (503, "shutdown") if isinstance(exc, ServerShuttingDown) else (500, "error")
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """How an engine-side failure is reported: HTTP status, metrics outcome, OpenAI error body."""
+
+    status: int
+    outcome: str
+    body: dict[str, Any]
+
+    @classmethod
+    def of(cls, exc: ServerShuttingDown | EngineError) -> Failure:
+        """Shutdown and an engine stall are 503 (retry elsewhere), anything else 500."""
+        if isinstance(exc, ServerShuttingDown):
+            return cls(503, "shutdown", error_body(str(exc), "server_error"))
+        if isinstance(exc, EngineStalled):
+            return cls(503, "stalled", error_body(str(exc), "server_error", code="engine_stalled"))
+        return cls(500, "error", error_body(str(exc), "server_error"))
 
 
 class ModelNotFound(InvalidRequestError):
@@ -287,15 +303,16 @@ class GenerationHandler:
                     num_prompt = out.num_prompt_tokens or len(prepared.prompt_token_ids)
                     return out.finish_reason or "stop", usage_body(num_prompt, len(out.token_ids))
         except (ServerShuttingDown, EngineError) as exc:
-            await writer.write(sse_event(error_body(str(exc), "server_error")))
-            return _failure_status(exc)[1], None
+            failure = Failure.of(exc)
+            await writer.write(sse_event(failure.body))
+            return failure.outcome, None
         raise AssertionError("request stream ended without a finished output")
 
     def _failure_response(self, endpoint: str, exc: ServerShuttingDown | EngineError) -> web.Response:
         """Count an engine-side failure and turn it into its error response (503 or 500)."""
-        status, outcome = _failure_status(exc)
-        self._count(endpoint, outcome)
-        return error_response(status, str(exc), "server_error")
+        failure = Failure.of(exc)
+        self._count(endpoint, failure.outcome)
+        return json_response(failure.status, failure.body)
 
     def _count(self, endpoint: str, outcome: str) -> None:
         self._metrics.requests.labels(endpoint, outcome).inc()

@@ -19,7 +19,8 @@ from kvwire.engine.config import EngineConfig
 from kvwire.server.app import ServerApp
 from kvwire.server.config import ServerConfig
 from kvwire.server.connectors import ConnectorSet, build_connector_set
-from kvwire.server.engine_loop import EngineLoop, StatsSnapshot
+from kvwire.server.engine_loop import EngineLoop
+from kvwire.server.engine_status import EngineStatus, StatsSnapshot
 from kvwire.server.generate import GenerationHandler
 from kvwire.server.metrics import ServerMetrics
 from kvwire.server.registration import default_instance_id, start_heartbeats
@@ -53,11 +54,11 @@ class ServerInstance:
     async def start(self) -> str:
         """Load the engine, start its thread, listen, register. Returns the base URL."""
         loop = asyncio.get_running_loop()
-        metrics = ServerMetrics(self._stats)
+        metrics = ServerMetrics(self._stats, self._engine_status)
         self._connectors = build_connector_set(self.config, self.engine_config, self._secret,
                                                metrics.registry)
         self._engine = await loop.run_in_executor(None, _build_engine, self.engine_config, self._connectors)
-        engine_loop = EngineLoop(self._engine)
+        engine_loop = EngineLoop(self._engine, stall_timeout_s=self.config.engine_stall_timeout_s)
         self._engine_loop = engine_loop
         model_name = self.config.served_model_name or str(self._engine.model_name)
         max_model_len = int(self._engine.max_model_len)
@@ -91,6 +92,9 @@ class ServerInstance:
 
     def _stats(self) -> StatsSnapshot:
         return self._engine_loop.stats if self._engine_loop is not None else StatsSnapshot()
+
+    def _engine_status(self) -> EngineStatus:
+        return self._engine_loop.status() if self._engine_loop is not None else EngineStatus()
 
     def _bound_port(self) -> int:
         assert self._runner is not None

@@ -1,10 +1,10 @@
 """Prometheus metrics of one server instance, in a registry owned by the app (no globals).
 
 Request-level series (counters, TTFT/ITL histograms) are updated by the HTTP handlers on the event
-loop thread. Engine-level series (queues, KV blocks, preemptions) are read at scrape time from the
-engine loop's latest :class:`StatsSnapshot`. Other components register their series in
-:attr:`ServerMetrics.registry` (the KV connector does so when it is built) or pass a collector to
-:meth:`ServerMetrics.add_collector`.
+loop thread. Engine-level series (queues, KV blocks, preemptions, stalls) are read at scrape time
+from the engine loop's latest :class:`StatsSnapshot` and :class:`EngineStatus`. Other components
+register their series in :attr:`ServerMetrics.registry` (the KV connector does so when it is built)
+or pass a collector to :meth:`ServerMetrics.add_collector`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvwire.server.engine_loop import StatsSnapshot
+from kvwire.server.engine_status import EngineHealth, EngineStatus, StatsSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -52,15 +52,32 @@ class _EngineStatsCollector:
                                   value=stats.num_preemptions)
 
 
+class _EngineStatusCollector:
+    """Engine health read from the engine loop at scrape time."""
+
+    def __init__(self, status_fn: Callable[[], EngineStatus]) -> None:
+        self._status_fn = status_fn
+
+    def collect(self) -> Iterator[Metric]:
+        status = self._status_fn()
+        yield GaugeMetricFamily("kvwire_engine_stalled", "1 while the engine makes no progress with "
+                                "requests in flight (see --engine-stall-timeout-s), else 0",
+                                value=int(status.health is EngineHealth.STALLED))
+        yield CounterMetricFamily("kvwire_engine_stalls", "engine stalls declared (each failed the "
+                                  "requests in flight with 503)", value=status.num_stalls)
+
+
 class ServerMetrics:
     """Every series of one instance. Event-loop thread for updates; scrape from anywhere."""
 
-    def __init__(self, stats_fn: Callable[[], StatsSnapshot]) -> None:
+    def __init__(
+        self, stats_fn: Callable[[], StatsSnapshot], status_fn: Callable[[], EngineStatus] = EngineStatus
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
         self.requests = Counter(
             "kvwire_requests", "finished requests by endpoint and outcome "
-            "(stop, length, abort, error, invalid, shutdown, disconnect, client_timeout)",
+            "(stop, length, abort, error, invalid, shutdown, stalled, disconnect, client_timeout)",
             ["endpoint", "outcome"], registry=reg)
         self.prompt_tokens = Counter("kvwire_prompt_tokens", "prompt tokens of admitted requests",
                                      registry=reg)
@@ -73,6 +90,7 @@ class ServerMetrics:
         self.e2e = Histogram("kvwire_e2e_request_latency_seconds", "arrival to last token",
                              buckets=_E2E_BUCKETS, registry=reg)
         reg.register(_EngineStatsCollector(stats_fn))
+        reg.register(_EngineStatusCollector(status_fn))
 
     def add_collector(self, collector: Collector) -> None:
         """Let another component (e.g. the KV connector) expose its series on this ``/metrics``."""

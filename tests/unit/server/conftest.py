@@ -1,7 +1,8 @@
 """A small deterministic engine with the ``LLMEngine`` interface, for server unit tests.
 
 It lets tests drive what the real engine cannot be made to do on demand (a failing step, an error
-output, a slow step). Integration tests (tests/integration/test_server*.py) use the real engine.
+output, a slow step, a step that hangs until the test releases it). Integration tests
+(tests/integration/test_server*.py) use the real engine.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kvwire.server.metrics import ServerMetrics
 
 BLOCK_SIZE = 4
 ALPHABET = b"abcdefghijklmnopqrstuvwxyz"
+STEP_GATE_TIMEOUT_S = 30.0  # a gated step that is never released fails instead of hanging the run
 
 
 @dataclasses.dataclass
@@ -51,6 +53,9 @@ class FakeEngine:
         self.fail_next_step = False
         self.error_output_for: set[str] = set()
         self.step_delay_s = 0.0
+        # When set, every step waits until the event is set (a hung GPU op); step_blocked tells when.
+        self.step_gate: threading.Event | None = None
+        self.step_blocked = threading.Event()
         self.thread_ids: set[int] = set()
         self.aborted: list[str] = []
 
@@ -73,6 +78,11 @@ class FakeEngine:
         self.thread_ids.add(threading.get_ident())
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
+        gate = self.step_gate
+        if gate is not None and not gate.is_set():
+            self.step_blocked.set()
+            if not gate.wait(STEP_GATE_TIMEOUT_S):
+                raise RuntimeError(f"step gate not released within {STEP_GATE_TIMEOUT_S} s")
         if self.fail_next_step:
             self.fail_next_step = False
             raise RuntimeError("injected step failure")
@@ -106,6 +116,23 @@ class FakeEngine:
         )
 
 
+def sse_payloads(raw: bytes) -> list[Any]:
+    """Parse an SSE body strictly: every event is `data: ...` followed by a blank line."""
+    text = raw.decode()
+    assert text.endswith("\n\n")
+    events = text[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), events
+    return [e[len("data: "):] for e in events]
+
+
+async def wait_until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Poll ``cond`` on the event loop until it holds; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
 @dataclasses.dataclass
 class FakeServer:
     engine: FakeEngine
@@ -115,10 +142,11 @@ class FakeServer:
 
 
 async def start_fake_server(
-    engine: FakeEngine, accepts_kv: bool = True, client_write_timeout_s: float = 30.0
+    engine: FakeEngine, accepts_kv: bool = True, client_write_timeout_s: float = 30.0,
+    engine_stall_timeout_s: float | None = None,
 ) -> FakeServer:
-    engine_loop = EngineLoop(engine)
-    metrics = ServerMetrics(lambda: engine_loop.stats)
+    engine_loop = EngineLoop(engine, stall_timeout_s=engine_stall_timeout_s)
+    metrics = ServerMetrics(lambda: engine_loop.stats, engine_loop.status)
     generation = GenerationHandler(engine_loop, engine.tokenizer, metrics, engine.model_name,
                                    engine.max_model_len, accepts_kv_transfer_params=accepts_kv,
                                    client_write_timeout_s=client_write_timeout_s)

@@ -6,29 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
 from aiohttp import ClientSession
 
+from conftest import sse_payloads, wait_until
+
 KV = {"transfer_id": "t-1", "role": "prefill", "mode": "pull"}
-
-
-def sse_payloads(raw: bytes) -> list[Any]:
-    """Parse an SSE body strictly: every event is `data: ...` followed by a blank line."""
-    text = raw.decode()
-    assert text.endswith("\n\n")
-    events = text[:-2].split("\n\n")
-    assert all(e.startswith("data: ") and "\n" not in e for e in events), events
-    return [e[len("data: "):] for e in events]
-
-
-async def wait_until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 def test_completion_json_and_stream_agree(run_with_fake_server: Any, fake_engine: Any) -> None:
