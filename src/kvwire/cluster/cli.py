@@ -12,7 +12,8 @@ import sys
 import time
 from types import FrameType
 
-from kvwire.cluster.local import POLICIES, ClusterSpec, LocalCluster
+from kvwire.cluster.local import ClusterSpec, LocalCluster
+from kvwire.connector.config import LoadFailurePolicy
 from kvwire.errors import ClusterError, ConfigError
 from kvwire.kv_params import TransferMode
 
@@ -29,7 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--port", type=int, default=8000, help="router HTTP port, 0 = any (default %(default)s)"
     )
     parser.add_argument("--kv-deadline-s", type=float, default=30.0, help="KV deadline / lease")
-    parser.add_argument("--kv-load-failure-policy", choices=POLICIES, default="recompute")
+    parser.add_argument("--kv-load-failure-policy", choices=[p.value for p in LoadFailurePolicy],
+                        default=LoadFailurePolicy.RECOMPUTE.value,
+                        help="what decode instances do when remote KV cannot be loaded (default %(default)s)")
     parser.add_argument("--start-timeout-s", type=float, default=180.0, help="deadline for all to be healthy")
     parser.add_argument("--stop-grace-s", type=float, default=10.0, help="SIGTERM->SIGKILL grace")
     parser.add_argument("--spread-gpus", type=int, default=0, metavar="N",
@@ -42,7 +45,8 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     return ClusterSpec(
         num_prefill=args.prefill, num_decode=args.decode, num_both=args.both, model=args.model,
         device=args.device, mode=TransferMode(args.mode), host=args.host, port=args.port,
-        kv_deadline_s=args.kv_deadline_s, kv_load_failure_policy=args.kv_load_failure_policy,
+        kv_deadline_s=args.kv_deadline_s,
+        kv_load_failure_policy=LoadFailurePolicy(args.kv_load_failure_policy),
         start_timeout_s=args.start_timeout_s, stop_grace_s=args.stop_grace_s,
         serve_args=tuple(args.serve_arg), spread_gpus=args.spread_gpus,
     )

@@ -5,11 +5,17 @@ Start order: router, then instances (``--instance-id`` = their name, HTTP and KV
 the OS); ready = every instance registered alive with the router and answering ``/health``, within
 ``start_timeout_s``. Stop order: instances (they deregister), then the router; each is SIGTERMed and
 SIGKILLed after ``stop_grace_s``.
+
+Modes, roles and policies are enums (:class:`~kvwire.kv_params.TransferMode`,
+:class:`~kvwire.discovery.messages.InstanceRole`, :class:`~kvwire.connector.config.LoadFailurePolicy`);
+where one is given, its string value (what the CLI and tests spell) is accepted too and converted at
+construction; anything else is a :class:`~kvwire.errors.ConfigError` naming the valid values.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
 import socket
@@ -19,13 +25,27 @@ import time
 import urllib.error
 import urllib.request
 from types import TracebackType
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 from kvwire.cluster.process import ManagedProcess, kvwire_argv
+from kvwire.connector.config import LoadFailurePolicy
+from kvwire.discovery.messages import InstanceRole
 from kvwire.errors import ClusterError, ConfigError
 from kvwire.kv_params import TransferMode
 
-POLICIES = ("recompute", "fail")
+E = TypeVar("E", bound=enum.Enum)
+
+
+def as_enum(cls: type[E], value: object, name: str) -> E:
+    """``value`` as a member of ``cls``: the member itself, or its value (``"pull"`` for
+    ``TransferMode.PULL``). Raises :class:`ConfigError` naming ``name`` and the valid values."""
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except (ValueError, TypeError):
+        choices = ", ".join(str(member.value) for member in cls)
+        raise ConfigError(f"{name} must be one of {choices}; got {value!r}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +59,7 @@ class ClusterSpec:
     host: str = "127.0.0.1"
     port: int = 0  # the router's HTTP port; 0 = any free port
     kv_deadline_s: float = 30.0
-    kv_load_failure_policy: str = "recompute"
+    kv_load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE  # of decode instances
     heartbeat_interval_s: float = 1.0
     instance_ttl_s: float = 3.0
     start_timeout_s: float = 180.0
@@ -57,10 +77,10 @@ class ClusterSpec:
             raise ConfigError("a cluster needs at least one instance")
         if (self.num_prefill == 0) != (self.num_decode == 0):
             raise ConfigError("P/D needs at least one prefill and one decode instance (or neither)")
-        if not isinstance(self.mode, TransferMode):
-            raise ConfigError(f"mode must be a TransferMode, got {self.mode!r}")
-        if self.kv_load_failure_policy not in POLICIES:
-            raise ConfigError(f"kv_load_failure_policy must be one of {POLICIES}")
+        # Frozen: the converted members are stored with object.__setattr__ (dataclasses' own way).
+        object.__setattr__(self, "mode", as_enum(TransferMode, self.mode, "mode"))
+        policy = as_enum(LoadFailurePolicy, self.kv_load_failure_policy, "kv_load_failure_policy")
+        object.__setattr__(self, "kv_load_failure_policy", policy)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
         if self.spread_gpus < 0:
@@ -75,7 +95,7 @@ class ClusterSpec:
 @dataclasses.dataclass
 class Instance:
     name: str  # also its --instance-id
-    role: str  # prefill | decode | both
+    role: InstanceRole
     process: ManagedProcess
     url: str | None = None  # known once registered
 
@@ -114,11 +134,12 @@ class LocalCluster:
         :class:`ClusterError`."""
         try:
             self._start_router()
-            roles = [("prefill", self.spec.num_prefill), ("decode", self.spec.num_decode),
-                     ("both", self.spec.num_both)]
+            spec = self.spec
+            roles = [(InstanceRole.PREFILL, spec.num_prefill), (InstanceRole.DECODE, spec.num_decode),
+                     (InstanceRole.BOTH, spec.num_both)]
             for role, count in roles:
                 for index in range(count):
-                    self.start_instance(f"{role}-{index}", role)
+                    self.start_instance(f"{role.value}-{index}", role)
             self.wait_ready()
         except BaseException:
             self.stop()
@@ -139,15 +160,17 @@ class LocalCluster:
         )
         self.router = ManagedProcess("router", argv, sink=self._sink, sink_lock=self._sink_lock)
 
-    def start_instance(self, name: str, role: str) -> Instance:
-        """Start one more instance (also used to restart a killed one under a new name)."""
+    def start_instance(self, name: str, role: InstanceRole) -> Instance:
+        """Start one more instance (also used to restart a killed one under a new name). ``role`` may
+        be given by value (``"prefill"``); an unknown one raises :class:`ConfigError`, starting nothing."""
+        role = as_enum(InstanceRole, role, "role")
         spec = self.spec
         argv = kvwire_argv(
             "serve", "--model", spec.model, "--device", spec.device, "--host", spec.host, "--port", "0",
-            "--role", role, "--router", self.discovery_address, "--instance-id", name,
+            "--role", role.value, "--router", self.discovery_address, "--instance-id", name,
             "--heartbeat-interval-s", str(spec.heartbeat_interval_s), "--kv-mode", spec.mode.value,
             "--kv-deadline-s", str(spec.kv_deadline_s),
-            "--kv-load-failure-policy", spec.kv_load_failure_policy, *spec.serve_args,
+            "--kv-load-failure-policy", spec.kv_load_failure_policy.value, *spec.serve_args,
         )
         env = None
         if spec.spread_gpus > 0:

@@ -1,0 +1,105 @@
+"""ClusterSpec and LocalCluster keep modes, roles and policies as enums: strings are converted once at
+construction, bad values are a ConfigError naming the valid ones, child processes get the values."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import pytest
+
+from kvwire.cluster import local
+from kvwire.cluster.cli import add_arguments, spec_from_args
+from kvwire.cluster.local import ClusterSpec, LocalCluster, as_enum
+from kvwire.connector.config import LoadFailurePolicy
+from kvwire.discovery.messages import InstanceRole
+from kvwire.errors import ConfigError
+from kvwire.kv_params import TransferMode
+
+
+def test_enum_fields_default_to_members() -> None:
+    spec = ClusterSpec()
+    assert spec.mode is TransferMode.PUSH
+    assert spec.kv_load_failure_policy is LoadFailurePolicy.RECOMPUTE
+
+
+def test_string_values_become_members() -> None:
+    spec = ClusterSpec(mode="pull", kv_load_failure_policy="fail")  # type: ignore[arg-type]
+    assert spec.mode is TransferMode.PULL
+    assert spec.kv_load_failure_policy is LoadFailurePolicy.FAIL
+    assert spec == ClusterSpec(mode=TransferMode.PULL, kv_load_failure_policy=LoadFailurePolicy.FAIL)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("mode", "sideways", "mode must be one of push, pull; got 'sideways'"),
+    ("mode", None, "mode must be one of push, pull; got None"),
+    ("kv_load_failure_policy", "maybe", "kv_load_failure_policy must be one of recompute, fail; got 'maybe'"),
+    ("kv_load_failure_policy", TransferMode.PUSH, "kv_load_failure_policy must be one of recompute, fail"),
+    ("kv_load_failure_policy", ["fail"], "kv_load_failure_policy must be one of recompute, fail"),
+])
+def test_bad_values_are_a_clear_config_error(field: str, value: Any, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        ClusterSpec(**{field: value})
+    assert str(info.value).startswith(message)
+
+
+def test_as_enum() -> None:
+    assert as_enum(InstanceRole, "decode", "role") is InstanceRole.DECODE
+    assert as_enum(InstanceRole, InstanceRole.BOTH, "role") is InstanceRole.BOTH
+    with pytest.raises(ConfigError, match="role must be one of prefill, decode, both; got 'router'"):
+        as_enum(InstanceRole, "router", "role")
+
+
+def _up_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_up_accepts_the_same_strings() -> None:
+    assert spec_from_args(_up_args()).kv_load_failure_policy is LoadFailurePolicy.RECOMPUTE
+    spec = spec_from_args(_up_args("--mode", "pull", "--kv-load-failure-policy", "fail"))
+    assert (spec.mode, spec.kv_load_failure_policy) == (TransferMode.PULL, LoadFailurePolicy.FAIL)
+
+
+def test_up_rejects_an_unknown_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _up_args("--kv-load-failure-policy", "maybe")
+    assert "invalid choice: 'maybe'" in capsys.readouterr().err
+
+
+class _FakeProcess:
+    """Stands in for ManagedProcess: records the argv instead of starting anything."""
+
+    started: list[list[str]] = []
+
+    def __init__(self, name: str, argv: list[str], **kwargs: Any) -> None:
+        self.name = name
+        self.argv = argv
+        _FakeProcess.started.append(argv)
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_instances_get_the_values_on_their_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(local, "ManagedProcess", _FakeProcess)
+    _FakeProcess.started = []
+    cluster = LocalCluster(ClusterSpec(mode=TransferMode.PULL, kv_load_failure_policy=LoadFailurePolicy.FAIL))
+    instance = cluster.start_instance("decode-7", InstanceRole.DECODE)
+    again = cluster.start_instance("prefill-7", "prefill")  # type: ignore[arg-type]  # by value
+    assert (instance.role, again.role) == (InstanceRole.DECODE, InstanceRole.PREFILL)
+    d_argv, p_argv = _FakeProcess.started
+    assert _flag(d_argv, "--role") == "decode" and _flag(p_argv, "--role") == "prefill"
+    assert _flag(d_argv, "--kv-mode") == "pull"
+    assert _flag(d_argv, "--kv-load-failure-policy") == "fail"
+
+
+def test_unknown_role_starts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(local, "ManagedProcess", _FakeProcess)
+    _FakeProcess.started = []
+    cluster = LocalCluster(ClusterSpec())
+    with pytest.raises(ConfigError, match="role must be one of prefill, decode, both"):
+        cluster.start_instance("router-0", "router")  # type: ignore[arg-type]
+    assert cluster.instances == {} and _FakeProcess.started == []
