@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode side: recompute the prompt or fail the request when KV does not arrive")
     parser.add_argument("--shutdown-deadline-s", type=float, default=10.0)
     parser.add_argument("--client-write-timeout-s", type=float, default=30.0,
-                        help="abort a streaming request whose client reads nothing for this long")
+                        help="cut off a client that reads nothing of its response for this long")
     parser.add_argument("--engine-stall-timeout-s", type=float, default=120.0,
                         help="fail in-flight requests with 503 (and /health) when no engine step completes "
                              "for this long; 0: off")

@@ -50,8 +50,8 @@ class ServerConfig:
     # SIGTERM/SIGINT: everything (abort in-flight, deregister, stop the engine thread) within this.
     shutdown_deadline_s: float = 10.0
     max_request_bytes: int = 16 * 1024 * 1024
-    # A streaming client that reads nothing for this long (one SSE write stuck) is cut off and its
-    # request aborted in the engine, like a disconnect.
+    # A client that reads nothing of its response for this long (one SSE write, or a non-streaming
+    # body, stuck) is cut off and its request aborted in the engine, like a disconnect.
     client_write_timeout_s: float = 30.0
     # No engine step completed for this long while requests wait: they fail with 503 and /health turns
     # 503 until the engine makes progress again. Must exceed the longest legitimate step (a first CUDA

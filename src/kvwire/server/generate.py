@@ -4,9 +4,10 @@ Runs on the event loop thread. Contract per request: a parse/validation failure 
 unknown model) and touches no engine state; once admitted, the request always ends with exactly one of
 a full body, a finished stream, an error (500 engine failure, 503 shutdown or engine stall; in a
 stream an error event then ``[DONE]``) or an abort when the client went away (the ``finally`` below
-aborts it in the engine, which frees its KV blocks). A streaming client that stops reading counts as
-gone: every SSE write has a deadline (``client_write_timeout_s``, see :mod:`kvwire.client_writer`),
-after which its connection is aborted (outcome ``client_timeout``).
+aborts it in the engine, which frees its KV blocks). A client that stops reading counts as gone:
+every write of a response after admission (each SSE event; the whole JSON body of a non-streaming
+answer) has a deadline (``client_write_timeout_s``, see :mod:`kvwire.client_writer`), after which its
+connection is aborted (outcome ``client_timeout``).
 """
 
 from __future__ import annotations
@@ -55,16 +56,16 @@ def error_response(
 
 
 @dataclasses.dataclass(frozen=True)
-class Failure:
-    """How an engine-side failure is reported: HTTP status, metrics outcome, OpenAI error body."""
+class Reply:
+    """A non-streaming answer: HTTP status, metrics outcome, JSON body (OpenAI's, or its error body)."""
 
     status: int
     outcome: str
     body: dict[str, Any]
 
     @classmethod
-    def of(cls, exc: ServerShuttingDown | EngineError) -> Failure:
-        """Shutdown and an engine stall are 503 (retry elsewhere), anything else 500."""
+    def failure(cls, exc: ServerShuttingDown | EngineError) -> Reply:
+        """An engine-side failure: shutdown and an engine stall are 503 (retry elsewhere), else 500."""
         if isinstance(exc, ServerShuttingDown):
             return cls(503, "shutdown", error_body(str(exc), "server_error"))
         if isinstance(exc, EngineStalled):
@@ -127,7 +128,8 @@ class GenerationHandler:
         try:
             if prepared.stream:
                 return await self._stream(writer, stream, builder, prepared)
-            return await self._collect(stream, builder, prepared)
+            reply = await self._collect(stream, builder, prepared)
+            return await self._send(writer, prepared.kind.value, reply)
         finally:
             if not stream.finished:  # client went away (cancelled / connection reset / stopped reading)
                 self._loop.abort(request_id)
@@ -237,10 +239,8 @@ class GenerationHandler:
 
     # --- responses -----------------------------------------------------------------------------
 
-    async def _collect(
-        self, stream: RequestStream, builder: ResponseBuilder, prepared: Prepared
-    ) -> web.Response:
-        endpoint = prepared.kind.value
+    async def _collect(self, stream: RequestStream, builder: ResponseBuilder, prepared: Prepared) -> Reply:
+        """Wait for the request to finish; its body or error body."""
         timer = RequestTimer(self._metrics, stream.arrival_s)
         last: Any = None
         try:
@@ -248,18 +248,31 @@ class GenerationHandler:
                 timer.on_tokens(len(item.output.new_token_ids), item.time_s)
                 last = item.output
         except (ServerShuttingDown, EngineError) as exc:
-            return self._failure_response(endpoint, exc)
+            return Reply.failure(exc)
         timer.on_finish(time.monotonic())
         reason = last.finish_reason or "stop"
-        self._count(endpoint, reason)
         if reason == "error":
-            return error_response(500, f"engine error: {last.error or 'unknown'}", "server_error")
+            return Reply(500, reason, error_body(f"engine error: {last.error or 'unknown'}", "server_error"))
         if reason == "abort":
-            return error_response(503, "the request was aborted by the engine", "server_error")
+            return Reply(503, reason, error_body("the request was aborted by the engine", "server_error"))
         usage = usage_body(last.num_prompt_tokens or len(prepared.prompt_token_ids), len(last.token_ids))
         body = builder.full(last.text, list(last.token_ids), reason, usage, last.kv_transfer_params,
                             prepared.prompt_token_ids)
-        return web.Response(body=json_bytes(body), content_type="application/json")
+        return Reply(200, reason, body)
+
+    async def _send(self, writer: ClientWriter, endpoint: str, reply: Reply) -> web.StreamResponse:
+        """Write a non-streaming answer here, under the write deadline, rather than leave it to aiohttp
+        after the handler returns, where a client that does not read would hold it for ever. Counted
+        as its outcome, or ``client_timeout`` when the deadline cut the client off."""
+        response = json_response(reply.status, reply.body)
+        try:
+            await writer.open(response)
+            await writer.write_eof()  # a web.Response writes its body here
+        except ConnectionResetError as exc:  # client gone or cut off; nothing is left to abort
+            logger.debug("client of %s %s disconnected: %s", endpoint, reply.outcome, exc)
+        finally:  # also when the abort's connection loss cancelled this handler
+            self._count(endpoint, "client_timeout" if writer.timed_out else reply.outcome)
+        return response
 
     async def _stream(
         self, writer: ClientWriter, stream: RequestStream, builder: ResponseBuilder, prepared: Prepared
@@ -303,14 +316,14 @@ class GenerationHandler:
                     num_prompt = out.num_prompt_tokens or len(prepared.prompt_token_ids)
                     return out.finish_reason or "stop", usage_body(num_prompt, len(out.token_ids))
         except (ServerShuttingDown, EngineError) as exc:
-            failure = Failure.of(exc)
+            failure = Reply.failure(exc)
             await writer.write(sse_event(failure.body))
             return failure.outcome, None
         raise AssertionError("request stream ended without a finished output")
 
     def _failure_response(self, endpoint: str, exc: ServerShuttingDown | EngineError) -> web.Response:
         """Count an engine-side failure and turn it into its error response (503 or 500)."""
-        failure = Failure.of(exc)
+        failure = Reply.failure(exc)
         self._count(endpoint, failure.outcome)
         return json_response(failure.status, failure.body)
 

@@ -1,5 +1,6 @@
-"""A streaming client that stops reading (connection left open) is cut off after the write deadline:
-its request is aborted in the engine (blocks freed) and the server keeps serving others."""
+"""A client that stops reading (connection left open) is cut off after the write deadline: a streaming
+request is aborted in the engine (blocks freed), a non-streaming body is abandoned; either way the
+request counts as ``client_timeout`` and the server keeps serving others."""
 
 from __future__ import annotations
 
@@ -42,6 +43,27 @@ async def _wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> 
         await asyncio.sleep(0.02)
 
 
+class BigBodyEngine(FakeEngine):
+    """Like FakeEngine, but the finished output's text is CHUNK_CHARS per token: a non-streaming body
+    far larger than the socket buffers (4 MiB at most on Linux) plus aiohttp's write buffer."""
+
+    max_model_len = 100_000
+
+    def _advance(self, request_id: str) -> RequestOutput:
+        out = super()._advance(request_id)
+        if out.finished:
+            out.text = out.text * CHUNK_CHARS
+        return out
+
+
+async def _requests_counted(server: FakeServer) -> dict[str, float]:
+    """outcome -> count of kvwire_requests_total for the completion endpoint."""
+    text = await (await server.client.get("/metrics")).text()
+    prefix = 'kvwire_requests_total{endpoint="completion",outcome="'
+    return {line[len(prefix):].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(prefix)}
+
+
 def _stalled_client(server: FakeServer, body: dict[str, Any]) -> socket.socket:
     """Send a request over a socket with a tiny receive buffer that is then never read."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -74,6 +96,37 @@ def test_stalled_streaming_client_is_cut_off_and_its_request_aborted() -> None:
             text = await (await server.client.get("/metrics")).text()
             assert 'kvwire_requests_total{endpoint="completion",outcome="client_timeout"} 1.0' in text
             assert 'outcome="disconnect"' not in text
+        finally:
+            sock.close()
+
+    async def main() -> None:
+        server = await start_fake_server(engine, client_write_timeout_s=WRITE_TIMEOUT_S)
+        try:
+            await asyncio.wait_for(body(server), timeout=30)
+        finally:
+            await stop_fake_server(server)
+
+    asyncio.run(main())
+
+
+def test_non_streaming_client_that_does_not_read_its_body_is_cut_off() -> None:
+    engine = BigBodyEngine()
+
+    async def body(server: FakeServer) -> None:
+        started = time.monotonic()
+        sock = _stalled_client(server, {"prompt": "abc", "max_tokens": 512})  # a 16 MiB body
+        try:
+            deadline = started + 10
+            # Without a write deadline aiohttp writes the body after the handler returned and waits in
+            # drain() for ever; the request was counted "length" and nothing else happens.
+            while (counted := await _requests_counted(server)) != {"client_timeout": 1.0}:
+                assert time.monotonic() < deadline, f"the stalled client was not cut off: {counted}"
+                await asyncio.sleep(0.05)
+            assert time.monotonic() - started < 8
+            assert not engine.reqs and server.engine_loop.num_streams == 0
+            resp = await server.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3})
+            assert resp.status == 200 and len((await resp.json())["choices"][0]["text"]) == 3 * CHUNK_CHARS
+            assert await _requests_counted(server) == {"client_timeout": 1.0, "length": 1.0}
         finally:
             sock.close()
 
