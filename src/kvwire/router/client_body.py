@@ -18,8 +18,9 @@ from kvwire.client_writer import ClientWriter
 from kvwire.router.client_stream import CLIENT_TIMEOUT
 from kvwire.router.request import ClientRequest
 
-# One bounded write. aiohttp drains once its transport buffer holds more than 64 KiB, so each write of
-# this size waits for the client to take roughly that much.
+# One bounded write. aiohttp waits for the client (drain) once more than 64 KiB went out since its last
+# wait, until the transport buffer is below its high-water mark (64 KiB): a write of this size waits
+# for the client to take at most about that much.
 WRITE_PIECE_BYTES = 64 * 1024
 
 
