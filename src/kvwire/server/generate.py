@@ -41,6 +41,9 @@ from kvwire.server.responses import SSE_DONE, ResponseBuilder, error_body, json_
 logger = logging.getLogger(__name__)
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+# One bounded write of a JSON body. aiohttp drains once its transport buffer holds more than 64 KiB,
+# so each write of this size waits for the client to take roughly that much (as the router does).
+WRITE_PIECE_BYTES = 64 * 1024
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the model length
 
 
@@ -264,10 +267,22 @@ class GenerationHandler:
         """Write a non-streaming answer here, under the write deadline, rather than leave it to aiohttp
         after the handler returns, where a client that does not read would hold it for ever. Counted
         as its outcome, or ``client_timeout`` when the deadline cut the client off."""
-        response = json_response(reply.status, reply.body)
+        data = json_bytes(reply.body)
+        response: web.StreamResponse
         try:
-            await writer.open(response)
-            await writer.write_eof()  # a web.Response writes its body here
+            if len(data) <= WRITE_PIECE_BYTES:
+                # One bounded write: aiohttp sends a Response's headers together with its body in write_eof.
+                response = web.Response(status=reply.status, body=data, content_type="application/json")
+                await writer.open(response)
+            else:
+                # Bounded pieces: the deadline cuts off a client that reads nothing, not a slow reader.
+                response = web.StreamResponse(status=reply.status)
+                response.content_type = "application/json"
+                response.content_length = len(data)
+                await writer.open(response)
+                for start in range(0, len(data), WRITE_PIECE_BYTES):
+                    await writer.write(data[start:start + WRITE_PIECE_BYTES])
+            await writer.write_eof()
         except ConnectionResetError as exc:  # client gone or cut off; nothing is left to abort
             logger.debug("client of %s %s disconnected: %s", endpoint, reply.outcome, exc)
         finally:  # also when the abort's connection loss cancelled this handler
