@@ -282,6 +282,9 @@ def test_models_health_and_metrics(server: ServerProcess) -> None:
                      "kvwire_inter_token_latency_seconds_bucket"):
             assert f"\n{name}" in text, name
         assert await metric(server.url, "kvwire_time_to_first_token_seconds_count") > 0
+        # The stall watchdog is on (default 120 s) and every test of this module ran under it.
+        assert await metric(server.url, "kvwire_engine_stalled") == 0
+        assert await metric(server.url, "kvwire_engine_stalls_total") == 0
 
     run(body())
 
