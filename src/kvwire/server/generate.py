@@ -41,8 +41,9 @@ from kvwire.server.responses import SSE_DONE, ResponseBuilder, error_body, json_
 logger = logging.getLogger(__name__)
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-# One bounded write of a JSON body. aiohttp drains once its transport buffer holds more than 64 KiB,
-# so each write of this size waits for the client to take roughly that much (as the router does).
+# One bounded write of a JSON body (as the router's client_body). aiohttp waits for the client (drain)
+# once more than 64 KiB went out since its last wait, until the transport buffer is below its
+# high-water mark (64 KiB): a write of this size waits for the client to take at most about that much.
 WRITE_PIECE_BYTES = 64 * 1024
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the model length
 
