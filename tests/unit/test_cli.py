@@ -34,3 +34,12 @@ def test_router_cli_does_not_import_torch() -> None:
         "assert 'torch' not in sys.modules, 'router CLI imported torch'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_up_cli_does_not_import_torch() -> None:
+    # `kvwire up` only starts processes: it must stay light (torch is ~2 s and ~200 MB to import)
+    code = (
+        "import sys; import kvwire.cluster.cli, kvwire.cluster.local;"
+        "assert 'torch' not in sys.modules, 'kvwire up imported torch'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

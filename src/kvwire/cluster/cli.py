@@ -13,9 +13,8 @@ import time
 from types import FrameType
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
-from kvwire.connector.config import LoadFailurePolicy
 from kvwire.errors import ClusterError, ConfigError
-from kvwire.kv_params import TransferMode
+from kvwire.kv_params import LoadFailurePolicy, TransferMode
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ the OS); ready = every instance registered alive with the router and answering `
 SIGKILLed after ``stop_grace_s``.
 
 Modes, roles and policies are enums (:class:`~kvwire.kv_params.TransferMode`,
-:class:`~kvwire.discovery.messages.InstanceRole`, :class:`~kvwire.connector.config.LoadFailurePolicy`);
+:class:`~kvwire.discovery.messages.InstanceRole`, :class:`~kvwire.kv_params.LoadFailurePolicy`);
 where one is given, its string value (what the CLI and tests spell) is accepted too and converted at
 construction; anything else is a :class:`~kvwire.errors.ConfigError` naming the valid values.
 """
@@ -28,10 +28,9 @@ from types import TracebackType
 from typing import Any, TextIO, TypeVar
 
 from kvwire.cluster.process import ManagedProcess, kvwire_argv
-from kvwire.connector.config import LoadFailurePolicy
 from kvwire.discovery.messages import InstanceRole
 from kvwire.errors import ClusterError, ConfigError
-from kvwire.kv_params import TransferMode
+from kvwire.kv_params import LoadFailurePolicy, TransferMode
 
 E = TypeVar("E", bound=enum.Enum)
 

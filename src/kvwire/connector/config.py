@@ -6,7 +6,7 @@ import dataclasses
 import enum
 
 from kvwire.errors import ConfigError
-from kvwire.kv_params import TransferMode
+from kvwire.kv_params import LoadFailurePolicy, TransferMode
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.paged import KVLayout
 
@@ -18,13 +18,6 @@ class ConnectorRole(str, enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     BOTH = "both"
-
-
-class LoadFailurePolicy(str, enum.Enum):
-    """What D does when remote KV cannot be loaded (deadline, peer lost, aborted by P)."""
-
-    RECOMPUTE = "recompute"  # prefill the prompt locally (counted in metrics)
-    FAIL = "fail"  # end the request with a clear error
 
 
 @dataclasses.dataclass(frozen=True)
