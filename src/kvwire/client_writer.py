@@ -1,4 +1,4 @@
-"""Writes to an HTTP client under a deadline (server and router SSE streams).
+"""Writes to an HTTP client under a deadline (server and router: SSE streams and whole bodies).
 
 A client that stops reading but keeps its connection open fills the socket buffers; aiohttp's
 ``write`` then waits in ``drain`` for ever. :class:`ClientWriter` arms a timer around each write
@@ -21,6 +21,11 @@ from aiohttp import web
 from kvwire.errors import ClientWriteTimeout, ConfigError
 
 logger = logging.getLogger(__name__)
+
+# One bounded write of a whole body. aiohttp waits for the client (drain) once more than 64 KiB went
+# out since its last wait, until the transport buffer is below its high-water mark (64 KiB): a write of
+# this size waits for the client to take at most about that much.
+WRITE_PIECE_BYTES = 64 * 1024
 
 
 class ClientWriter:
@@ -55,6 +60,26 @@ class ClientWriter:
 
     async def write_eof(self) -> None:
         await self._bounded(self.response.write_eof)
+
+    async def send_body(self, body: bytes, *, status: int, content_type: str) -> web.StreamResponse:
+        """A whole (non-streaming) answer: status, headers with ``Content-Length``, ``body``, written
+        here rather than by aiohttp after the handler returned (where no deadline applies), in pieces
+        of :data:`WRITE_PIECE_BYTES`, so the deadline cuts off a client that reads nothing, not a slow
+        reader of a large body. Returns the finished response."""
+        headers = {"Content-Type": content_type}  # as given (an upstream's may carry a charset)
+        response: web.StreamResponse
+        if len(body) <= WRITE_PIECE_BYTES:
+            # one bounded write: aiohttp sends a Response's headers together with its body in write_eof
+            response = web.Response(status=status, body=body, headers=headers)
+            await self.open(response)
+        else:
+            response = web.StreamResponse(status=status, headers=headers)
+            response.content_length = len(body)
+            await self.open(response)
+            for start in range(0, len(body), WRITE_PIECE_BYTES):
+                await self.write(body[start : start + WRITE_PIECE_BYTES])
+        await self.write_eof()
+        return response
 
     async def _bounded(self, write: Callable[[], Awaitable[Any]]) -> None:
         if self.timed_out:

@@ -41,10 +41,6 @@ from kvwire.server.responses import SSE_DONE, ResponseBuilder, error_body, json_
 logger = logging.getLogger(__name__)
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-# One bounded write of a JSON body (as the router's client_body). aiohttp waits for the client (drain)
-# once more than 64 KiB went out since its last wait, until the transport buffer is below its
-# high-water mark (64 KiB): a write of this size waits for the client to take at most about that much.
-WRITE_PIECE_BYTES = 64 * 1024
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the model length
 
 
@@ -268,27 +264,15 @@ class GenerationHandler:
         """Write a non-streaming answer here, under the write deadline, rather than leave it to aiohttp
         after the handler returns, where a client that does not read would hold it for ever. Counted
         as its outcome, or ``client_timeout`` when the deadline cut the client off."""
-        data = json_bytes(reply.body)
-        response: web.StreamResponse
         try:
-            if len(data) <= WRITE_PIECE_BYTES:
-                # One bounded write: aiohttp sends a Response's headers together with its body in write_eof.
-                response = web.Response(status=reply.status, body=data, content_type="application/json")
-                await writer.open(response)
-            else:
-                # Bounded pieces: the deadline cuts off a client that reads nothing, not a slow reader.
-                response = web.StreamResponse(status=reply.status)
-                response.content_type = "application/json"
-                response.content_length = len(data)
-                await writer.open(response)
-                for start in range(0, len(data), WRITE_PIECE_BYTES):
-                    await writer.write(data[start:start + WRITE_PIECE_BYTES])
-            await writer.write_eof()
+            return await writer.send_body(
+                json_bytes(reply.body), status=reply.status, content_type="application/json"
+            )
         except ConnectionResetError as exc:  # client gone or cut off; nothing is left to abort
             logger.debug("client of %s %s disconnected: %s", endpoint, reply.outcome, exc)
+            return writer.response  # opened (send_body opens first): aiohttp sees it failed
         finally:  # also when the abort's connection loss cancelled this handler
             self._count(endpoint, "client_timeout" if writer.timed_out else reply.outcome)
-        return response
 
     async def _stream(
         self, writer: ClientWriter, stream: RequestStream, builder: ResponseBuilder, prepared: Prepared
