@@ -174,6 +174,7 @@ class RecvChannel(_Channel):
         event becomes the consumers' end (the completer reports the layers only after it). Under the
         gate lock, so a concurrent cancel sees the chunk either before (its disarm then lands first)
         or after (it then waits for the consumers if their data is in)."""
+        failed = False
         with self._gate_lock:
             self.consumer_stream.wait_event(batch.event)
             batch.recv_event = batch.event
@@ -185,14 +186,14 @@ class RecvChannel(_Channel):
                         consumer(its_items, gate)
                     except Exception:  # a consumer bug fails its transfer, not the channel
                         log.exception("device consumer of transfer %s failed", batch.chunk.transfer_id)
-                        self.callbacks.on_transfer_failed(
-                            batch.chunk.transfer_id, "mismatch: device consumer failed"
-                        )
+                        failed = True
                 done = torch.cuda.Event()
                 done.record(self.consumer_stream)
             batch.event = done
             if batch.status_slot in self._gated:
                 self._gated[batch.status_slot] = (batch.chunk.transfer_id, batch)
+        if failed:  # outside the gate lock: the agent's failure path cancels, and cancel takes it
+            self.callbacks.on_transfer_failed(batch.chunk.transfer_id, "mismatch: device consumer failed")
 
     def _forget(self, transfer_id: str) -> None:
         """Cancel (cond held): disarm the gates of the transfer's posted chunks, then wait for the

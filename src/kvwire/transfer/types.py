@@ -97,7 +97,8 @@ LayerSink = Callable[[int, torch.Tensor], None]
 # ``[magic, real, armed, 0]`` and the work may write only if ``magic == GATE_MAGIC``, ``real == 1`` and
 # ``armed == 1`` (:meth:`kvwire.transfer.cuda_paged.PagedLayers.scatter` takes it). ``on_received`` is
 # reported only after the enqueued work completed; once ``cancel`` of the transfer returned, nothing
-# of it writes any more (the plane disarms the gates and waits for work that already started).
+# of it writes any more (the plane disarms the gates and waits for work that already started). The
+# consumer runs under a plane lock: it must only enqueue GPU work, never call the agent or the plane.
 DeviceConsumer = Callable[[Sequence["RecvItem"], torch.Tensor], None]
 GATE_MAGIC = 0x4B565752  # "KVWR"
 
