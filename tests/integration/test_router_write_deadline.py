@@ -18,6 +18,7 @@ from mock_instance import PD_AND_SOLO, MockCluster, RouterThread, get_raw, post,
 from kvwire.errors import ConfigError
 from kvwire.router.cli import add_arguments, config_from_args
 from kvwire.router.config import RouterConfig
+from support.http_client import read_slowly
 
 WRITE_TIMEOUT_S = 0.5
 # Tokens in a non-streaming answer: about 12 MB of JSON, more than the stalled client's 4 KiB window,
@@ -117,23 +118,6 @@ def test_stalled_client_of_a_non_streaming_answer_is_cut_off(
         sock.close()
 
 
-def _read_slowly(sock: socket.socket, pause_s: float, every_bytes: int) -> tuple[bytes, bytes]:
-    """Read one HTTP response (Content-Length framed), pausing ``pause_s`` after each ``every_bytes``."""
-    data, since_pause = b"", 0
-    head_end, length = -1, None
-    while length is None or len(data) < head_end + 4 + length:
-        piece = sock.recv(65536)
-        assert piece, f"connection closed after {len(data)} bytes"
-        data += piece
-        since_pause += len(piece)
-        if since_pause >= every_bytes:
-            time.sleep(pause_s)  # the slow reader under test, not a synchronization
-            since_pause = 0
-        if length is None and (head_end := data.find(b"\r\n\r\n")) >= 0:
-            fields = dict(line.split(b": ", 1) for line in data[:head_end].split(b"\r\n")[1:])
-            length = int(fields[b"Content-Length"])
-    return data[:head_end], data[head_end + 4:]
-
 
 def test_slow_reader_of_a_large_answer_gets_all_of_it(setup: MockCluster) -> None:
     # Each pause is shorter than the deadline, the whole read (over 1 s) much longer: the deadline
@@ -142,7 +126,7 @@ def test_slow_reader_of_a_large_answer_gets_all_of_it(setup: MockCluster) -> Non
     sock = _stalled_client(setup.router.url, body)
     sock.settimeout(20)
     try:
-        head, payload = _read_slowly(sock, pause_s=WRITE_TIMEOUT_S / 5, every_bytes=1024 * 1024)
+        head, payload = read_slowly(sock, pause_s=WRITE_TIMEOUT_S / 5, every_bytes=1024 * 1024)
     finally:
         sock.close()
     assert head.startswith(b"HTTP/1.1 200"), head

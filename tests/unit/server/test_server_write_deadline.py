@@ -19,6 +19,7 @@ from kvwire.engine.outputs import RequestOutput
 from kvwire.errors import ConfigError
 from kvwire.server.cli import add_arguments, server_config_from_args
 from kvwire.server.config import ServerConfig
+from support.http_client import read_slowly
 
 CHUNK_CHARS = 32 * 1024  # text per generated token: the socket buffers fill after a few dozen events
 WRITE_TIMEOUT_S = 0.5
@@ -140,24 +141,6 @@ def test_non_streaming_client_that_does_not_read_its_body_is_cut_off() -> None:
     asyncio.run(main())
 
 
-def _read_slowly(sock: socket.socket, pause_s: float, every_bytes: int) -> tuple[bytes, bytes]:
-    """Read one HTTP response (Content-Length framed), pausing ``pause_s`` after each ``every_bytes``.
-    Blocking: run it off the event loop (a bytearray, so the reader does not hog the GIL copying)."""
-    data, since_pause = bytearray(), 0
-    head_end, length = -1, None
-    while length is None or len(data) < head_end + 4 + length:
-        piece = sock.recv(65536)
-        assert piece, f"connection closed after {len(data)} bytes"
-        data += piece
-        since_pause += len(piece)
-        if since_pause >= every_bytes:
-            time.sleep(pause_s)  # the slow reader under test, not a synchronization
-            since_pause = 0
-        if length is None and (head_end := data.find(b"\r\n\r\n")) >= 0:
-            fields = dict(line.split(b": ", 1) for line in bytes(data[:head_end]).split(b"\r\n")[1:])
-            length = int(fields[b"Content-Length"])
-    return bytes(data[:head_end]), bytes(data[head_end + 4:])
-
 
 def test_slow_reader_of_a_large_non_streaming_body_gets_all_of_it() -> None:
     engine = BigBodyEngine()
@@ -168,7 +151,7 @@ def test_slow_reader_of_a_large_non_streaming_body_gets_all_of_it() -> None:
         try:
             # Each pause is shorter than the deadline, the whole read (over 1.6 s) much longer: the
             # deadline bounds one piece of the body, not the whole body.
-            head, payload = await asyncio.to_thread(_read_slowly, sock, WRITE_TIMEOUT_S / 5, 1 << 20)
+            head, payload = await asyncio.to_thread(read_slowly, sock, WRITE_TIMEOUT_S / 5, 1 << 20)
         finally:
             sock.close()
         assert head.startswith(b"HTTP/1.1 200"), head

@@ -1,0 +1,1 @@
+"""Helpers shared by tests in different folders (``pythonpath = ["tests"]`` in pyproject.toml)."""
