@@ -8,10 +8,8 @@ hand ready layers to ``send``) over a ``multiprocessing`` pipe, and records the 
 from __future__ import annotations
 
 import collections
-import faulthandler
 import logging
 import os
-import sys
 import threading
 import time
 import traceback
@@ -23,7 +21,7 @@ import torch
 
 from kvwire.errors import TransferTimeout
 from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.nccl import NcclPlane, NcclPlaneConfig
+from kvwire.transfer.nccl import NcclPlane, NcclPlaneConfig, thread_stacks
 from kvwire.transfer.nccl_lib import CommConfig, NcclComm, load_nccl
 from kvwire.transfer.types import Backend, DeviceConsumer, PeerRef, RecvItem, SendItem
 
@@ -127,7 +125,7 @@ class Recorder:
             while not predicate():
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)  # where is it stuck?
+                    log.error("harness wait timed out; Python stacks:\n%s", thread_stacks())
                     raise TransferTimeout(
                         f"harness wait timed out; failed={self.failed} peers={self.peer_failed}"
                     )

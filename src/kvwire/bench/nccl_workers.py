@@ -266,7 +266,8 @@ def kvwire_path(
             tid, landing = side.recv_handshake(conn, paged, ids, slab)
             # the grant's receives are posted (with their scatters) before the data is ready, as in
             # serving, where D grants at the start of P's prefill: wait until they are on the GPU
-            landing.enqueued.wait(timeout=5.0)
+            if not landing.enqueued.wait(timeout=30.0):
+                raise TimeoutError("(c): the receiver's messages were not all posted within 30 s")
             barrier(conn, 1)
             landing.wait()
             conn.send(time.perf_counter())

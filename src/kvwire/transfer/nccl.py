@@ -24,11 +24,11 @@ GPU memory each communicator costs.
 
 from __future__ import annotations
 
-import faulthandler
 import logging
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 
 import torch
@@ -44,9 +44,18 @@ from kvwire.transfer.nccl_recv import RecvChannel
 from kvwire.transfer.nccl_send import SendChannel
 from kvwire.transfer.types import PeerRef, RecvItem, SendItem
 
-__all__ = ["NcclPlane", "NcclPlaneConfig"]
+__all__ = ["NcclPlane", "NcclPlaneConfig", "thread_stacks"]
 
 log = logging.getLogger("kvwire.transfer.nccl")
+
+
+def thread_stacks() -> str:
+    """Every Python thread's stack, for a log line when something hangs (no file descriptor needed)."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        parts.append(f"--- thread {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame)))
+    return "".join(parts)
 
 
 class NcclPlane(DataPlane):
@@ -248,10 +257,12 @@ class NcclPlane(DataPlane):
                 if verdict == "idle":
                     threading.Thread(target=channel.close_idle, daemon=True).start()
                 elif verdict is not None:
-                    if "stall" in verdict and not self._stacks_dumped:
+                    if not self._stacks_dumped:
                         self._stacks_dumped = True  # once per plane: where is every thread stuck?
-                        log.error("NCCL channel with %s stalled; Python stacks follow", channel.peer_instance)
-                        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                        log.error(
+                            "NCCL channel with %s fails (%s); Python stacks:\n%s",
+                            channel.peer_instance, verdict, thread_stacks(),
+                        )
                     threading.Thread(target=channel.fail, args=(verdict,), daemon=True).start()
 
     def _dead(self, channel: _Channel, reason: str | None) -> None:

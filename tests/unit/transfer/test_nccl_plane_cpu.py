@@ -159,3 +159,11 @@ def test_gated_scatter_needs_the_one_launch_path() -> None:
         paged.scatter(torch.tensor([0, 1]), data, gate=torch.zeros(4, dtype=torch.int32))
     paged.scatter(torch.tensor([0, 1]), data)  # ungated: fine
     assert layers[1][:, :2].eq(1).all()
+
+
+def test_thread_stacks_name_every_thread_and_where_it_is() -> None:
+    from kvwire.transfer.nccl import thread_stacks
+
+    text = thread_stacks()
+    assert "--- thread MainThread" in text
+    assert "test_thread_stacks_name_every_thread_and_where_it_is" in text
