@@ -74,12 +74,16 @@ def test_stalled_client_is_cut_off_and_the_upstream_sees_the_disconnect(
         assert time.monotonic() - started < 8
         assert mock.stats()["disconnects"][-1]["body"]["stream"] is True
         wait_for(lambda: _timeouts(setup.router) == before_timeouts + 1, 5, "a client_timeout outcome")
-        status, answer = post(setup.router.url, "/v1/completions", {"model": model, "prompt": "hi",
-                                                                    "max_tokens": 3})
-        assert status == 200, answer
-        assert json.loads(answer)["choices"][0]["text"] == " t0 t1 t2"
+        _assert_still_serves(setup.router, model)
     finally:
         sock.close()
+
+
+def _assert_still_serves(router: RouterThread, model: str) -> None:
+    """After a client was cut off, the next request to ``model`` is answered in full."""
+    status, answer = post(router.url, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 3})
+    assert status == 200, answer
+    assert json.loads(answer)["choices"][0]["text"] == " t0 t1 t2"
 
 
 def _inflight(router: RouterThread) -> float:
@@ -110,13 +114,9 @@ def test_stalled_client_of_a_non_streaming_answer_is_cut_off(
             wait_for(lambda: len(mock.stats()["disconnects"]) > before_disconnects[cancelled], 5,
                      f"{cancelled} to see its request cancelled")
             assert mock.stats()["disconnects"][-1]["body"]["max_tokens"] == 1  # P's copy
-        status, answer = post(setup.router.url, "/v1/completions", {"model": model, "prompt": "hi",
-                                                                    "max_tokens": 3})
-        assert status == 200, answer
-        assert json.loads(answer)["choices"][0]["text"] == " t0 t1 t2"
+        _assert_still_serves(setup.router, model)
     finally:
         sock.close()
-
 
 
 def test_slow_reader_of_a_large_answer_gets_all_of_it(setup: MockCluster) -> None:

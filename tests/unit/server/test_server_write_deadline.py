@@ -9,7 +9,7 @@ import asyncio
 import json
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -77,6 +77,19 @@ def _stalled_client(server: FakeServer, body: dict[str, Any]) -> socket.socket:
     return sock
 
 
+def _run_with_server(engine: FakeEngine, body: Callable[[FakeServer], Awaitable[None]]) -> None:
+    """Start a fake server on ``engine`` with the test's write deadline, run ``body`` (30 s bound), stop."""
+
+    async def main() -> None:
+        server = await start_fake_server(engine, client_write_timeout_s=WRITE_TIMEOUT_S)
+        try:
+            await asyncio.wait_for(body(server), timeout=30)
+        finally:
+            await stop_fake_server(server)
+
+    asyncio.run(main())
+
+
 def test_stalled_streaming_client_is_cut_off_and_its_request_aborted() -> None:
     engine = BigChunkEngine()
     engine.step_delay_s = 0.005  # ~200 tokens/s: the request would run for 50 s
@@ -100,14 +113,7 @@ def test_stalled_streaming_client_is_cut_off_and_its_request_aborted() -> None:
         finally:
             sock.close()
 
-    async def main() -> None:
-        server = await start_fake_server(engine, client_write_timeout_s=WRITE_TIMEOUT_S)
-        try:
-            await asyncio.wait_for(body(server), timeout=30)
-        finally:
-            await stop_fake_server(server)
-
-    asyncio.run(main())
+    _run_with_server(engine, body)
 
 
 def test_non_streaming_client_that_does_not_read_its_body_is_cut_off() -> None:
@@ -131,15 +137,7 @@ def test_non_streaming_client_that_does_not_read_its_body_is_cut_off() -> None:
         finally:
             sock.close()
 
-    async def main() -> None:
-        server = await start_fake_server(engine, client_write_timeout_s=WRITE_TIMEOUT_S)
-        try:
-            await asyncio.wait_for(body(server), timeout=30)
-        finally:
-            await stop_fake_server(server)
-
-    asyncio.run(main())
-
+    _run_with_server(engine, body)
 
 
 def test_slow_reader_of_a_large_non_streaming_body_gets_all_of_it() -> None:
@@ -160,14 +158,7 @@ def test_slow_reader_of_a_large_non_streaming_body_gets_all_of_it() -> None:
         assert len(text) == 512 * CHUNK_CHARS
         assert await _requests_counted(server) == {"length": 1.0}
 
-    async def main() -> None:
-        server = await start_fake_server(engine, client_write_timeout_s=WRITE_TIMEOUT_S)
-        try:
-            await asyncio.wait_for(body(server), timeout=30)
-        finally:
-            await stop_fake_server(server)
-
-    asyncio.run(main())
+    _run_with_server(engine, body)
 
 
 def test_write_timeout_is_configurable_and_validated() -> None:
