@@ -376,3 +376,103 @@ def test_device_consumers_scatter_on_arrival_and_gates_hold(spawn: Any) -> None:
     assert result["disarmed_untouched"] is True and result["disarmed_received"] == 0
     assert result["dummy_untouched"] is True and result["dummy_failed"].startswith("peer_aborted")
     assert result["calls"]["landed"] == CONSUMER_LAYERS * 512 * 1024 // MiB  # one scatter per message
+
+
+# --- device producers: the plane gathers each message on its send stream just before sending it ----------
+PRODUCER_TRANSFERS = ("gathered", "broken", "after-broken")
+
+
+def _recv_producers(conn: Connection, _: Any) -> dict[str, Any]:
+    from kvwire.bench import nccl_harness as h
+
+    plane, rec = h.start_plane(1, "recv-p", _cfg(chunk_bytes=1 * MiB, edge_bytes=0, stall_timeout_s=20.0))
+    peer = h.peer_ref("send-p")
+    size = 2 * len(SRC_BLOCKS) * 16 * 8 * 128 * 2  # one gathered KV_FIRST layer, bytes
+    slabs = {}
+    for tid in PRODUCER_TRANSFERS:
+        slabs[tid] = plane.allocate(size * CONSUMER_LAYERS)
+        conn.send(h.post_layers(plane, peer, tid, [size] * CONSUMER_LAYERS, slabs[tid]))
+    rec.wait_received("gathered", CONSUMER_LAYERS, timeout_s=30.0)
+    rec.wait_for(lambda: "broken" in rec.failed, 30.0)
+    rec.wait_received("after-broken", CONSUMER_LAYERS, timeout_s=30.0)
+    want = {seed: _gathered_src(seed) for seed in (0, 1)}
+    got = {tid: slabs[tid].cpu().view(torch.int16) for tid in ("gathered", "after-broken")}
+    conn.send("done")
+    plane.close()
+    return {
+        "gathered": bool(torch.equal(got["gathered"], want[0])),
+        "after_broken": bool(torch.equal(got["after-broken"], want[1])),
+        "broken_failed": rec.failed.get("broken", ""),
+        "broken_received": rec.received["broken"],
+    }
+
+
+def _gathered_src(seed: int) -> torch.Tensor:
+    """What the receiver must get: each layer's SRC_BLOCKS, gathered (KV_FIRST), as int16 words."""
+    from kvwire.transfer.paged import KVLayout, gather_blocks
+
+    ids = torch.tensor(SRC_BLOCKS)
+    return (
+        torch.stack([gather_blocks(c, ids, KVLayout.KV_FIRST) for c in _src_cache(seed, "cpu")])
+        .view(torch.int16)
+        .reshape(-1)
+    )
+
+
+def _send_producers(conn: Connection, _: Any) -> dict[str, Any]:
+    from kvwire.bench import nccl_harness as h
+    from kvwire.transfer.cuda_paged import PagedLayers
+    from kvwire.transfer.paged import KVLayout
+    from kvwire.transfer.types import SendItem
+
+    plane, rec = h.start_plane(0, "send-p", _cfg(chunk_bytes=1 * MiB, edge_bytes=0, stall_timeout_s=20.0))
+    assert plane.supports_device_producers
+    peer = h.peer_ref("recv-p")
+    ids = torch.tensor(SRC_BLOCKS, device="cuda:0")
+    calls: dict[str, list[int]] = {}
+
+    def send(tid: str, seed: int, broken: bool = False) -> None:
+        cache = _src_cache(seed, "cuda:0")
+        paged = PagedLayers(cache, KVLayout.KV_FIRST)
+        slab = torch.full(paged.shape(len(SRC_BLOCKS)), float("nan"), dtype=torch.bfloat16, device="cuda:0")
+        ready = torch.cuda.Event()
+        ready.record()  # the cache is written (in serving: after each layer's compute)
+
+        def produce(items: Any) -> None:
+            start, stop = items[0].layer_index, items[-1].layer_index + 1
+            calls.setdefault(tid, []).append(stop - start)
+            if broken:
+                raise RuntimeError("producer bug (on purpose)")
+            paged.gather(ids, slab[start:stop], start, stop)
+
+        items = [SendItem(tid, i, slab[i], ready, on_device=produce) for i in range(CONSUMER_LAYERS)]
+        plane.send(peer, items)
+
+    for _ in PRODUCER_TRANSFERS:
+        plane.on_peer_info(peer, conn.recv())
+    send("gathered", 0)
+    send("broken", 1, broken=True)
+    send("after-broken", 1)
+    rec.wait_sent("gathered", CONSUMER_LAYERS)
+    rec.wait_sent("after-broken", CONSUMER_LAYERS)
+    rec.wait_for(lambda: "broken" in rec.failed, 30.0)
+    assert conn.recv() == "done"
+    plane.close()
+    return {"calls": calls, "broken_failed": rec.failed.get("broken", ""), "broken_sent": rec.sent["broken"]}
+
+
+def test_device_producers_gather_each_message_before_it_is_sent(spawn: Any) -> None:
+    left, right = spawn.ctx.Pipe()
+    spawn(_send_producers, 0, left)
+    spawn(_recv_producers, 1, right)
+    results = child_results(spawn.queue, 2, timeout_s=240.0)
+    recv, send = results["_recv_producers"], results["_send_producers"]
+    assert recv["gathered"] is True and recv["after_broken"] is True  # bit-exact, in place
+    assert recv["broken_failed"].startswith("peer_aborted") and recv["broken_received"] == 0
+    assert send["broken_failed"].startswith("mismatch: device producer") and send["broken_sent"] == 0
+    layer_bytes = 2 * len(SRC_BLOCKS) * 16 * 8 * 128 * 2
+    per_message = max(1, MiB // layer_bytes)
+    # one producer call per message, each with that message's layers
+    assert send["calls"]["gathered"] == [
+        min(per_message, CONSUMER_LAYERS - i) for i in range(0, CONSUMER_LAYERS, per_message)
+    ]

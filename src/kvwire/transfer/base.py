@@ -111,6 +111,9 @@ class DataPlane(abc.ABC):
     #: True when the plane runs ``RecvItem.on_device`` consumers on the GPU right behind the receive
     #: (:data:`kvwire.transfer.types.DeviceConsumer`): no host wake-up between data and consumer.
     supports_device_consumers: ClassVar[bool] = False
+    #: True when the plane runs ``SendItem.on_device`` producers on its send stream right before each
+    #: message (:data:`kvwire.transfer.types.DeviceProducer`).
+    supports_device_producers: ClassVar[bool] = False
 
     @abc.abstractmethod
     def start(self, callbacks: PlaneCallbacks) -> None:

@@ -30,6 +30,7 @@ import threading
 import time
 import traceback
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -63,6 +64,7 @@ class NcclPlane(DataPlane):
 
     ordered = True
     supports_device_consumers = True
+    supports_device_producers = True
 
     def __init__(
         self, config: TransferConfig, instance_id: str, plane_config: NcclPlaneConfig | None = None
@@ -178,9 +180,12 @@ class NcclPlane(DataPlane):
         if self._janitor is not None and self._janitor is not threading.current_thread():
             self._janitor.join(timeout=5.0)
 
-    def chunk_trace(self) -> list[tuple[str, str, int, int, float, float, float]]:
+    def chunk_trace(self) -> list[tuple[Any, ...]]:
         """Recent chunks of every channel: (direction, peer, seq, bytes, launch start, launch end,
-        completion seen), ``time.perf_counter`` seconds. For benchmarks and debugging."""
+        completion seen: ``time.perf_counter`` seconds; CPU microseconds the launching thread spent in
+        the launch; the launch's step marks, microseconds after its start). For benchmarks and
+        debugging: sender marks follow the ready-event waits, the producers, the source address and
+        the NCCL group; receiver marks the gate arm, the NCCL group, status copy + event, consumers."""
         with self._lock:
             channels: list[tuple[str, _Channel]] = [("send", c) for c in self._senders.values()]
             channels += [("recv", c) for c in self._receivers.values()]

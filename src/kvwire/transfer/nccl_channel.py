@@ -172,6 +172,8 @@ class _Batch:
     issued_at: float
     status_slot: int = -1  # receiver: slot of the chunk's status word in the channel's ring
     launch_s: tuple[float, float] = (0.0, 0.0)  # perf_counter before/after the launch
+    launch_cpu_us: float = 0.0  # CPU time of the launching thread during the launch (vs wall: waits)
+    steps_us: tuple[int, ...] = ()  # the launch's marks (see _Channel.mark), us after its start
     # receiver with device consumers: the receive's own event (``event`` is then the consumers' end)
     recv_event: torch.cuda.Event | None = None
 
@@ -214,8 +216,12 @@ class _Channel:
         self.join_started: float | None = None
         self.busy_since: float | None = None  # issuer inside NCCL calls since
         self.last_active = time.monotonic()
-        # (seq, bytes, launch started, launched, completion seen) of recent chunks, for benchmarks
-        self.trace: collections.deque[tuple[int, int, float, float, float]] = collections.deque(maxlen=512)
+        # (seq, bytes, launch start, launched, completion seen, launch CPU us, step marks us) of recent
+        # chunks, for benchmarks and debugging
+        self.trace: collections.deque[tuple[int, int, float, float, float, float, tuple[int, ...]]] = (
+            collections.deque(maxlen=512)
+        )
+        self._marks: list[float] = []
         self._threads: list[threading.Thread] = []
 
     # --- lifecycle --------------------------------------------------------------------------------
@@ -296,6 +302,10 @@ class _Channel:
         log.info("closing idle NCCL channel with %s", self.peer_instance)
         self.close(abort=False)
         self._on_dead(self, None)
+
+    def mark(self) -> None:
+        """Note the time of a step of the current launch (kept in the chunk trace)."""
+        self._marks.append(time.perf_counter())
 
     # --- hooks for the two directions ----------------------------------------------------------------
     def _forget(self, transfer_id: str) -> None:
@@ -399,9 +409,13 @@ class _Channel:
                         self.busy_since = time.monotonic()
                     try:
                         for chunk, items in work:  # one group + one event per chunk: per-chunk completion
+                            cpu0 = time.thread_time()
                             started = time.perf_counter()
+                            self._marks = []
                             batch = self._launch(chunk, items)
                             batch.launch_s = (started, time.perf_counter())
+                            batch.launch_cpu_us = (time.thread_time() - cpu0) * 1e6
+                            batch.steps_us = tuple(round((m - started) * 1e6) for m in self._marks)
                             with self.cond:
                                 self.inflight.append(batch)
                                 self.cond.notify_all()
@@ -431,9 +445,19 @@ class _Channel:
                     self.inflight.popleft()
                     self.last_active = time.monotonic()
                     self.cond.notify_all()  # room for another chunk (max_inflight_chunks)
-                self.warmed = True
+                if not self.warmed:
+                    self.warmed = True
+                    if self.comm is not None and self.config.launch_holds_gil:
+                        self.comm.hold_gil = True  # connected: enqueues no longer wait for the peer
                 self.delivery_stream.wait_event(batch.event)
                 self.trace.append(
-                    (batch.chunk.seq, batch.chunk.num_bytes, *batch.launch_s, time.perf_counter())
+                    (
+                        batch.chunk.seq,
+                        batch.chunk.num_bytes,
+                        *batch.launch_s,
+                        time.perf_counter(),
+                        batch.launch_cpu_us,
+                        batch.steps_us,
+                    )
                 )
                 self._complete(batch)

@@ -36,6 +36,14 @@ class NcclPlaneConfig:
     # GPU test did not detect the dead peer with it on (not yet understood). Receivers always post on
     # their issuer thread (see nccl_recv.RecvChannel.add_items).
     inline_launch: bool = False
+    # Once a channel's connection is up, enqueue NCCL calls without releasing the GIL (ctypes.PyDLL).
+    # A released GIL is re-taken only when the thread holding it lets go: next to a busy Python thread
+    # that is up to the interpreter's 5 ms switch interval per call (benchmarks/launch_probe.py: one
+    # message launch 25.7 ms with releases, 10.4 ms holding it; 29 us in an idle process). Off by
+    # default: it did not move the transfer benchmark (no busy thread there), and an enqueue that did
+    # block (it should not once connected: max_inflight_chunks keeps NCCL's work FIFO from filling)
+    # would then freeze every Python thread of the process, the janitor that aborts included.
+    launch_holds_gil: bool = False
 
     def __post_init__(self) -> None:
         CommConfig(self.min_ctas, self.max_ctas)  # validates the CTA bounds
@@ -60,6 +68,7 @@ class NcclPlaneConfig:
         stall = os.environ.get("KVWIRE_NCCL_STALL_S")
         inline = os.environ.get("KVWIRE_NCCL_INLINE")
         edge_mib = opt_int("KVWIRE_NCCL_EDGE_MIB")
+        hold = os.environ.get("KVWIRE_NCCL_HOLD_GIL")
         defaults = cls()
         chunk = chunk_mib * MiB if chunk_mib else defaults.chunk_bytes
         edge = edge_mib * MiB if edge_mib is not None else defaults.edge_bytes
@@ -69,7 +78,8 @@ class NcclPlaneConfig:
             chunk_bytes=chunk,
             edge_bytes=edge,
             stall_timeout_s=float(stall) if stall else defaults.stall_timeout_s,
-            inline_launch=inline not in ("0", "false", "no") if inline else defaults.inline_launch,
+            inline_launch=_flag(inline) if inline else defaults.inline_launch,
+            launch_holds_gil=_flag(hold) if hold else defaults.launch_holds_gil,
         )
 
     @property
@@ -78,3 +88,7 @@ class NcclPlaneConfig:
         # every group to a helper thread: ~0.4 ms per launch measured). Deadlines come from the joiner
         # thread (init) and the plane's janitor (stalls), which abort the communicator.
         return CommConfig(min_ctas=self.min_ctas, max_ctas=self.max_ctas, blocking=True)
+
+
+def _flag(value: str) -> bool:
+    return value.strip().lower() not in ("0", "false", "no", "off")

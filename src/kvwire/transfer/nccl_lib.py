@@ -146,6 +146,21 @@ class NcclLibrary:
         self._proto("ncclGroupEnd", [])
         self._lib.ncclGetErrorString.restype = ctypes.c_char_p
         self._lib.ncclGetErrorString.argtypes = [c_int]
+        # The same functions called *without* releasing the GIL (ctypes.PyDLL): for the enqueue calls
+        # of a connected communicator, which return in microseconds. Releasing and re-taking the GIL
+        # around each of them lets any other busy Python thread of the process in between, and getting
+        # the GIL back then costs up to the interpreter's switch interval (5 ms): measured as launches
+        # of 100-400 us in the NCCL benchmark. Never for calls that may wait for the peer.
+        self._fast = ctypes.PyDLL(path)
+        for name, argtypes in (
+            ("ncclSend", [c_void_p, c_size_t, c_int, c_int, c_void_p, c_void_p]),
+            ("ncclRecv", [c_void_p, c_size_t, c_int, c_int, c_void_p, c_void_p]),
+            ("ncclGroupStart", []),
+            ("ncclGroupEnd", []),
+        ):
+            fn = getattr(self._fast, name)
+            fn.restype = ctypes.c_int
+            fn.argtypes = argtypes
 
     def _proto(self, name: str, argtypes: list[type]) -> None:
         fn = getattr(self._lib, name)
@@ -177,6 +192,11 @@ class NcclLibrary:
     @property
     def raw(self) -> ctypes.CDLL:
         return self._lib
+
+    @property
+    def fast(self) -> ctypes.PyDLL:
+        """The enqueue functions, called with the GIL held (see ``__init__``)."""
+        return self._fast
 
 
 @functools.lru_cache(maxsize=1)
@@ -214,6 +234,13 @@ class NcclComm:
         self.lock = threading.RLock()
         self._closed = False
         self._abort_requested = threading.Event()
+        # Set by the owner once the connection to the peer is up (a first operation completed): from
+        # then on group/send/recv enqueue without releasing the GIL (see NcclLibrary.fast). Before,
+        # an enqueue may wait for the peer to connect, and must let the rest of the process run.
+        self.hold_gil = False
+
+    def _calls(self) -> ctypes.CDLL:
+        return self._lib.fast if self.hold_gil else self._lib.raw
 
     @classmethod
     def begin(cls, unique_id: bytes, rank: int, nranks: int, config: CommConfig) -> NcclComm:
@@ -286,12 +313,13 @@ class NcclComm:
     @contextmanager
     def group(self, deadline: float) -> Iterator[None]:
         """``ncclGroupStart`` ... ``ncclGroupEnd``: the sends/recvs inside become one launch."""
+        calls = self._calls()
         with self.lock:
-            self._lib.check(self._lib.raw.ncclGroupStart(), "ncclGroupStart")
+            self._lib.check(calls.ncclGroupStart(), "ncclGroupStart")
             try:
                 yield
             finally:
-                code = self._lib.raw.ncclGroupEnd()
+                code = calls.ncclGroupEnd()
             self._lib.check(code, "ncclGroupEnd")
             if code == NCCL_IN_PROGRESS:
                 self.wait_ready(deadline, "group launch")
@@ -300,7 +328,7 @@ class NcclComm:
         """Enqueue ``ncclSend`` of ``num_bytes`` at device address ``ptr`` on CUDA ``stream``."""
         with self.lock:
             self._ensure_open()
-            code = self._lib.raw.ncclSend(ptr, num_bytes, NCCL_UINT8, peer, self._handle, stream)
+            code = self._calls().ncclSend(ptr, num_bytes, NCCL_UINT8, peer, self._handle, stream)
             # outside a group a non-blocking comm may still be enqueueing: wait until it is on the stream
             if self._lib.check(code, "ncclSend") == NCCL_IN_PROGRESS:
                 self.wait_ready(time.monotonic() + _ENQUEUE_TIMEOUT_S, "ncclSend")
@@ -309,7 +337,7 @@ class NcclComm:
         """Enqueue ``ncclRecv`` of ``num_bytes`` into device address ``ptr`` on CUDA ``stream``."""
         with self.lock:
             self._ensure_open()
-            code = self._lib.raw.ncclRecv(ptr, num_bytes, NCCL_UINT8, peer, self._handle, stream)
+            code = self._calls().ncclRecv(ptr, num_bytes, NCCL_UINT8, peer, self._handle, stream)
             # outside a group a non-blocking comm may still be enqueueing: wait until it is on the stream
             if self._lib.check(code, "ncclRecv") == NCCL_IN_PROGRESS:
                 self.wait_ready(time.monotonic() + _ENQUEUE_TIMEOUT_S, "ncclRecv")

@@ -122,6 +122,7 @@ class RecvChannel(_Channel):
         consumers = _consumers(group)
         if consumers and not self._arm(slot, chunk.transfer_id):
             consumers = []  # cancelled already: the bytes still come (dummy), nobody consumes them
+        self.mark()
         sizes = [item.num_bytes for item in group]
         address = adjacent_ptr([item.dest for item in group], sizes, self.device)
         staging = None
@@ -138,6 +139,7 @@ class RecvChannel(_Channel):
             if chunk.num_bytes:
                 self.comm.recv(address, chunk.num_bytes, 0, stream)
             self.comm.recv(self._status_dev.data_ptr() + 16 * slot, 8, 0, stream)
+        self.mark()
         if staging is not None:
             offset = 0
             for item in group:
@@ -150,8 +152,10 @@ class RecvChannel(_Channel):
         event.record(self.stream)
         keep = [staging] if staging is not None else []
         batch = _Batch(event, chunk, group, keep, time.monotonic(), status_slot=slot)
+        self.mark()
         if consumers:
             self._enqueue_consumers(batch, consumers, self._status_dev[slot])
+            self.mark()
         return batch
 
     def _arm(self, slot: int, transfer_id: str) -> bool:

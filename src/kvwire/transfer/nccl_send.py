@@ -3,9 +3,10 @@
 The receiver's chunk plans are the law: chunk ``seq`` is launched once every layer it names is ready
 (or its transfer was cancelled: then dummy bytes of the same size keep the stream in step, and the
 chunk's status message says so). Chunks launch strictly in ``seq`` order, each as one NCCL group
-(data + 8-byte status) with its own completion event. Layers that lie back to back in memory are sent
-in place; otherwise they are copied into one staging buffer first (on the send stream, after each
-layer's ``ready_event``).
+(data + 8-byte status) with its own completion event. Before the group, on the send stream: a wait for
+each layer's ``ready_event``, then the chunk's device producers (``SendItem.on_device``, e.g. the
+gather that fills the layers). Layers that lie back to back in memory are sent in place; otherwise
+they are copied into one staging buffer first.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from kvwire.transfer.nccl_channel import STATUS_MAGIC, _Batch, _Channel, _Work, adjacent_ptr, log
 from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer
-from kvwire.transfer.types import RecvItem, SendItem
+from kvwire.transfer.types import DeviceProducer, RecvItem, SendItem
 
 
 class SendChannel(_Channel):
@@ -100,7 +101,12 @@ class SendChannel(_Channel):
                     if item.ready_event is not None and id(item.ready_event) not in waited:
                         waited.add(id(item.ready_event))
                         self.stream.wait_event(item.ready_event)
+                self.mark()
+                if not self._produce(chunk, items):
+                    return self._dummy(chunk)
+                self.mark()
                 address = adjacent_ptr([item.tensor for item in items], sizes, self.device)
+                self.mark()
                 if address is not None:
                     return address, None, True
                 staging = torch.empty(chunk.num_bytes, dtype=torch.uint8, device=self.device)
@@ -112,9 +118,29 @@ class SendChannel(_Channel):
                 return staging.data_ptr(), staging, True
             reason = f"mismatch: layers of {sum(sizes)} bytes, receiver planned {chunk.num_bytes}"
             self.callbacks.on_transfer_failed(chunk.transfer_id, reason)
+        return self._dummy(chunk)
+
+    def _dummy(self, chunk: ChunkPlan) -> tuple[int, torch.Tensor | None, bool]:
+        """Scratch bytes of the chunk's size: keeps the stream in step when there is no real data."""
         if self._scratch is None or self._scratch.numel() < chunk.num_bytes:
             self._scratch = torch.empty(max(chunk.num_bytes, 1), dtype=torch.uint8, device=self.device)
         return self._scratch.data_ptr(), self._scratch, False
+
+    def _produce(self, chunk: ChunkPlan, items: list[SendItem]) -> bool:
+        """Run the chunk's device producers (distinct ones, in first-use order) on the send stream.
+        False when one raised: the transfer is failed and the chunk goes out as dummy bytes."""
+        producers: dict[int, tuple[DeviceProducer, list[SendItem]]] = {}
+        for item in items:
+            if item.on_device is not None:
+                producers.setdefault(id(item.on_device), (item.on_device, []))[1].append(item)
+        for producer, its_items in producers.values():
+            try:
+                producer(its_items)
+            except Exception:  # a producer bug fails its transfer, not the channel
+                log.exception("device producer of transfer %s failed", chunk.transfer_id)
+                self.callbacks.on_transfer_failed(chunk.transfer_id, "mismatch: device producer failed")
+                return False
+        return True
 
     def _launch(self, chunk: ChunkPlan, items: list[SendItem] | list[RecvItem] | None) -> _Batch:
         """One chunk as one NCCL group (data + status) and an event; called with the send stream
@@ -130,6 +156,7 @@ class SendChannel(_Channel):
             if chunk.num_bytes:
                 self.comm.send(address, chunk.num_bytes, 1, stream)
             self.comm.send(self._status[real].data_ptr(), 8, 1, stream)
+        self.mark()
         event = torch.cuda.Event()
         event.record(self.stream)
         return _Batch(

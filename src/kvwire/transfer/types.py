@@ -102,6 +102,19 @@ LayerSink = Callable[[int, torch.Tensor], None]
 DeviceConsumer = Callable[[Sequence["RecvItem"], torch.Tensor], None]
 GATE_MAGIC = 0x4B565752  # "KVWR"
 
+# Stream-ordered send producer (planes with ``supports_device_producers``, i.e. NCCL):
+# ``producer(items)`` is called once per NCCL message, on the thread that launches the message, right
+# before its send, with the message's items that name this producer and the plane's send stream
+# current (already ordered after those items' ``ready_event``). It enqueues the work that fills the
+# items' ``tensor`` (e.g. a one-launch gather of paged KV blocks, see
+# :meth:`kvwire.transfer.cuda_paged.PagedLayers.gather`); the send follows it on the same stream. The
+# caller thus hands a whole transfer over at once and the plane gathers message by message, each
+# gather just ahead of its message on the wire, with no event or thread hand-off per message. A
+# producer must only enqueue GPU work on the current stream (kernels already loaded: a first launch
+# loads a CUDA module, which synchronizes the device) and never call the agent or the plane; if it
+# raises, its transfer fails and the message goes out as dummy bytes.
+DeviceProducer = Callable[[Sequence["SendItem"]], None]
+
 
 @dataclasses.dataclass(frozen=True)
 class PeerRef:
@@ -163,6 +176,9 @@ class SendItem:
     tensor: torch.Tensor
     ready_event: Any | None = None  # torch.cuda.Event recorded after the tensor was written
     spans: ByteSpans | None = None
+    # Only for planes with ``supports_device_producers``: fills ``tensor`` just before it is sent (see
+    # DeviceProducer); ``ready_event`` then marks when the producer's *inputs* are ready.
+    on_device: DeviceProducer | None = None
 
 
 @dataclasses.dataclass(frozen=True)
