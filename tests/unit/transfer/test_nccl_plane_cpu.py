@@ -4,6 +4,7 @@ and the torch fallback of the one-launch paged gather/scatter (the GPU paths are
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from kvwire.transfer import cuda_paged
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.nccl import NcclPlane, NcclPlaneConfig
 from kvwire.transfer.nccl_channel import adjacent_ptr, message_ranges, plan_chunks
-from kvwire.transfer.nccl_lib import CommConfig, NcclUnavailableError, _Config, _make_config
+from kvwire.transfer.nccl_lib import CommConfig, NcclComm, NcclUnavailableError, _Config, _make_config
 from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer, NcclInfo, decode_info, encode_info
 from kvwire.transfer.paged import KVLayout, gather_blocks
 from kvwire.transfer.types import Backend, RecvItem
@@ -107,6 +108,12 @@ def test_plane_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = NcclPlaneConfig.from_env()
     assert (cfg.max_ctas, cfg.chunk_bytes, cfg.edge_bytes) == (4, 16 * MiB, 0)
     assert not NcclPlaneConfig().inline_launch and NcclPlaneConfig().edge_bytes == 8 * MiB
+    assert not cfg.launch_holds_gil and not cfg.inline_launch
+    for raw, expected in (("1", True), ("yes", True), ("off", False), ("0", False)):
+        monkeypatch.setenv("KVWIRE_NCCL_HOLD_GIL", raw)
+        monkeypatch.setenv("KVWIRE_NCCL_INLINE", raw)
+        cfg = NcclPlaneConfig.from_env()
+        assert (cfg.launch_holds_gil, cfg.inline_launch) == (expected, expected)
 
 
 def test_config_struct_matches_nccl_2_27_layout() -> None:
@@ -167,3 +174,44 @@ def test_thread_stacks_name_every_thread_and_where_it_is() -> None:
     text = thread_stacks()
     assert "--- thread MainThread" in text
     assert "test_thread_stacks_name_every_thread_and_where_it_is" in text
+
+
+class _FakeCalls:
+    """Records which NCCL entry points were called through it."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self._name, self._log = name, log
+
+    def __getattr__(self, fn: str) -> Any:
+        def call(*_: object) -> int:
+            self._log.append(f"{self._name}.{fn}")
+            return 0
+
+        return call
+
+
+class _FakeLib:
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.raw = _FakeCalls("raw", self.log)
+        self.fast = _FakeCalls("fast", self.log)
+
+    def check(self, code: int, what: str) -> int:
+        return code
+
+
+def test_comm_enqueues_hold_the_gil_only_once_connected() -> None:
+    lib = _FakeLib()
+    comm = NcclComm(lib, ctypes.c_void_p(1), 0, 2)  # type: ignore[arg-type]
+    with comm.group(deadline=float("inf")):
+        comm.send(16, 8, 1, 0)
+    assert lib.log == ["raw.ncclGroupStart", "raw.ncclSend", "raw.ncclGroupEnd"]  # may wait: GIL released
+    lib.log.clear()
+    comm.hold_gil = True  # the channel sets it after the first completed chunk
+    with comm.group(deadline=float("inf")):
+        comm.send(16, 8, 1, 0)
+        comm.recv(32, 8, 1, 0)
+    assert lib.log == ["fast.ncclGroupStart", "fast.ncclSend", "fast.ncclRecv", "fast.ncclGroupEnd"]
+    lib.log.clear()
+    comm.abort()  # never through the GIL-holding entry points
+    assert lib.log == ["raw.ncclCommAbort"]
