@@ -11,7 +11,7 @@ import torch
 from kvwire.bench import nccl_extras as extras
 from kvwire.bench import nccl_harness as h
 from kvwire.bench import nccl_workers as w
-from kvwire.transfer.cuda_paged import PagedLayers
+from kvwire.transfer.cuda_paged import PagedLayers, direct_launch_ready
 from kvwire.transfer.nccl import NcclPlaneConfig
 from kvwire.transfer.nccl_lib import load_nccl
 
@@ -115,12 +115,14 @@ def run_rank(rank: int, conn: Connection, opts: dict[str, Any]) -> dict[str, Any
         "edge_mib": plane_cfg.edge_bytes // MiB,
         "sender": opts["sender"],
         "inline_launch": plane_cfg.inline_launch,
+        "launch_holds_gil": plane_cfg.launch_holds_gil,
         "max_ctas": opts["max_ctas"],
         "iters": opts["iters"],
         "sizes": [],
     }
     for tokens in opts["tokens"]:
         report["sizes"].append(_size_row(conn, rank, comm, side, cache, shape, tokens, opts["iters"]))
+    report["triton_direct"] = direct_launch_ready()
     ceilings = {row["tokens"]: row["ceiling_gbps"] for row in report["sizes"] if row}
     if opts.get("sizes_only"):
         side.close()

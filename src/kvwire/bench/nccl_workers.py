@@ -27,7 +27,7 @@ from kvwire.transfer.paged import KVLayout, gather_blocks, scatter_blocks
 from kvwire.transfer.types import RecvItem, SendItem
 
 LAYOUT = KVLayout.KV_FIRST
-SENDERS = ("per-message", "bulk")  # how (c)'s sender hands gathered layers to the plane
+SENDERS = ("producer", "per-message", "bulk")  # how (c)'s sender hands its layers to the plane
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,9 +131,7 @@ def reference(
 class KvwireSide:
     """One side of the kvwire path: a plane, its peer, and the per-size buffers."""
 
-    def __init__(
-        self, rank: int, plane_cfg: h.NcclPlaneConfig, tag: str, sender: str = "per-message"
-    ) -> None:
+    def __init__(self, rank: int, plane_cfg: h.NcclPlaneConfig, tag: str, sender: str = "producer") -> None:
         if sender not in SENDERS:
             raise ValueError(f"sender must be one of {SENDERS}, got {sender!r}")
         self.sender = sender
@@ -144,6 +142,9 @@ class KvwireSide:
         self.gather_stream = torch.cuda.Stream()
         self.seq = 0
         self.last_t0 = 0.0  # rank 0: start of the last timed transfer
+        self.connected = False  # a transfer went through: the NCCL pair is connected
+        self._row_key: tuple[int, tuple[int, ...]] | None = None
+        self._row_views: list[torch.Tensor] = []
 
     def trace(self, conn: Connection, last: int) -> list[tuple[Any, ...]]:
         """Both ranks: the plane's last ``last`` chunks of each side, microseconds after the last t0
@@ -154,8 +155,8 @@ class KvwireSide:
             return []
         rows = mine + conn.recv()
         return [
-            (kind, seq, nbytes >> 20, *(round((t - self.last_t0) * 1e6) for t in times))
-            for kind, _, seq, nbytes, *times in rows
+            (kind, seq, nbytes >> 20, *(round((t - self.last_t0) * 1e6) for t in times), round(cpu), steps)
+            for kind, _, seq, nbytes, *times, cpu, steps in rows
         ]
 
     def groups(self, num_layers: int, layer_bytes: int) -> list[range]:
@@ -176,10 +177,18 @@ class KvwireSide:
         return tid
 
     def send_data(self, tid: str, paged: PagedLayers, ids: torch.Tensor, slab: torch.Tensor) -> None:
-        """Rank 0: gather message by message (one launch each, on the gather stream) and hand each
-        message's layers to the plane as soon as its gather is queued (``sender="per-message"``), or
-        queue every gather first and hand all layers over in one call (``sender="bulk"``: the plane
-        then launches the messages back to back while this thread waits)."""
+        """Rank 0. ``sender="producer"`` (what a P instance does): hand every layer over in one call
+        with a device producer, so the plane gathers each message (one launch) on its send stream just
+        before sending it. ``"per-message"``: gather message by message here (one launch each, on the
+        gather stream) and hand each message's layers over as soon as its gather is queued. ``"bulk"``:
+        queue every gather first, then hand all layers over in one call."""
+        if self.sender == "producer":
+            ready = torch.cuda.Event()  # the layers are in the cache (in serving: per layer, by compute)
+            ready.record()
+            gather = SlabGather(paged, ids, slab)
+            items = [SendItem(tid, i, row, ready, on_device=gather) for i, row in enumerate(self._rows(slab))]
+            self.plane.send(self.peer, items)
+            return
         self.gather_stream.wait_stream(torch.cuda.current_stream())
         pending: list[tuple[range, torch.cuda.Event]] = []
         for group in self.groups(len(paged.layers), slab[0].numel() * 2):
@@ -191,6 +200,14 @@ class KvwireSide:
             if self.sender == "per-message":
                 self._hand_over(tid, slab, pending)
         self._hand_over(tid, slab, pending)
+
+    def _rows(self, slab: torch.Tensor) -> list[torch.Tensor]:
+        """The slab's per-layer rows (views made once per slab: a sender's staging buffers and their
+        views are set up ahead of any transfer, not per transfer)."""
+        key = (slab.data_ptr(), tuple(slab.shape))
+        if self._row_key != key:
+            self._row_key, self._row_views = key, list(slab.unbind(0))
+        return self._row_views
 
     def _hand_over(self, tid: str, slab: torch.Tensor, pending: list[tuple[range, torch.cuda.Event]]) -> None:
         if pending:
@@ -220,6 +237,22 @@ class KvwireSide:
 
     def close(self) -> None:
         self.plane.close()
+
+
+class SlabGather:
+    """The sender's device producer for one transfer: gather a message's layers from the paged cache
+    into their rows of the slab with one launch, on the plane's send stream."""
+
+    def __init__(self, paged: PagedLayers, ids: torch.Tensor, slab: torch.Tensor) -> None:
+        self.paged = paged
+        self.ids = ids
+        self.slab = slab
+
+    def __call__(self, items: Sequence[SendItem]) -> None:
+        start, stop = items[0].layer_index, items[-1].layer_index + 1
+        if stop - start != len(items):
+            raise ValueError("SlabGather: a message's layers must be consecutive")
+        self.paged.gather(self.ids, self.slab[start:stop], start, stop)
 
 
 class Landing:
@@ -265,13 +298,16 @@ def kvwire_path(
         else:
             tid, landing = side.recv_handshake(conn, paged, ids, slab)
             # the grant's receives are posted (with their scatters) before the data is ready, as in
-            # serving, where D grants at the start of P's prefill: wait until they are on the GPU
-            if not landing.enqueued.wait(timeout=30.0):
+            # serving, where D grants at the start of P's prefill: wait until they are on the GPU.
+            # Not on a new communicator's first transfer: NCCL connects the pair inside the first
+            # receive's launch, which waits for the sender's first send (after the barrier).
+            if side.connected and not landing.enqueued.wait(timeout=30.0):
                 raise TimeoutError("(c): the receiver's messages were not all posted within 30 s")
             barrier(conn, 1)
             landing.wait()
             conn.send(time.perf_counter())
             side.recv_finish(tid, num_layers, landing)
+            side.connected = True
     return out
 
 

@@ -19,9 +19,12 @@ from __future__ import annotations
 import argparse
 import builtins
 import datetime
+import faulthandler
 import json
 import multiprocessing as mp
+import os
 import queue as queue_module
+import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
@@ -51,9 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes-only", action="store_true", help="only (a)/(b)/(c) per size: no extras")
     parser.add_argument(
         "--sender",
-        choices=["per-message", "bulk"],
-        default="per-message",
-        help="(c): hand each message to the plane after its gather, or all layers in one call",
+        choices=["producer", "per-message", "bulk"],
+        default="producer",
+        help="(c): the plane gathers each message with a device producer (default), or the caller "
+        "gathers and hands each message over, or gathers all then hands all over",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--out", default=None, help="also write the JSON results to this file")
@@ -66,6 +70,8 @@ def _sizes(args: argparse.Namespace) -> list[int]:
 
 
 def _worker(rank: int, conn: Connection, opts: dict[str, Any], queue: Any) -> None:
+    # the parent asks for every thread's stack (SIGUSR1) when the other rank failed or time ran out
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         from kvwire.bench.nccl_run import run_rank
 
@@ -73,6 +79,15 @@ def _worker(rank: int, conn: Connection, opts: dict[str, Any], queue: Any) -> No
         queue.put((rank, result, None))
     except BaseException:
         queue.put((rank, None, traceback.format_exc()))
+
+
+def _dump_stacks(procs: list[Any]) -> None:
+    """Ask live workers to print every thread's stack (to the shared stderr) before they are killed."""
+    for proc in procs:
+        if proc.is_alive() and proc.pid is not None:
+            print(f"stacks of worker pid {proc.pid}:", file=sys.stderr, flush=True)
+            os.kill(proc.pid, signal.SIGUSR1)
+            proc.join(timeout=2.0)  # bounded: lets it write the dump
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         "max_ctas": getattr(args, "max_ctas", None),
         "overlap_tokens": getattr(args, "overlap_tokens", 2048),
         "sizes_only": getattr(args, "sizes_only", False),
-        "sender": getattr(args, "sender", "per-message"),
+        "sender": getattr(args, "sender", "producer"),
     }
     ctx = mp.get_context("spawn")
     left, right = ctx.Pipe()
@@ -112,9 +127,11 @@ def run(args: argparse.Namespace) -> int:
                 rank, result, error = queue.get(timeout=timeout_s)
             except queue_module.Empty:
                 print(f"kvwire bench transfer --backend nccl: no result in {timeout_s} s", file=sys.stderr)
+                _dump_stacks(procs)
                 return 1
             if error:
                 print(f"rank {rank} failed:\n{error}", file=sys.stderr)
+                _dump_stacks([proc for proc in procs if proc.is_alive()])
                 return 1
             results[rank] = result
     finally:
@@ -155,7 +172,9 @@ def print_table(report: dict[str, Any], out: Any = None) -> None:
             print("   ", tuple(chunk))
     print(
         f"framing: messages of <= {report['chunk_mib']} MiB, first/last {report['edge_mib']} MiB; "
-        f"sender {report.get('sender')}, inline launch {report.get('inline_launch')}"
+        f"sender {report.get('sender')}, inline launch {report.get('inline_launch')}, "
+        f"launch holds GIL {report.get('launch_holds_gil')}, "
+        f"direct Triton launch {report.get('triton_direct')}"
     )
     for row in report.get("chunk_sweep", []):
         print(
