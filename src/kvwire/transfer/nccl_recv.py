@@ -60,6 +60,7 @@ class RecvChannel(_Channel):
         self._status_host: torch.Tensor | None = None
         self._status_np: Any = None
         self._armed: torch.Tensor | None = None
+        self._disarmed: torch.Tensor | None = None  # the 0 a cancel writes over a gate's ``armed``
         self.consumer_stream = torch.cuda.Stream(device=self.device)  # device consumers
         self.gate_stream = torch.cuda.Stream(device=self.device)  # gate arm/disarm copies only
         self._gate_lock = threading.Lock()  # orders arm and disarm enqueues of a gate
@@ -115,6 +116,7 @@ class RecvChannel(_Channel):
             self._status_host = torch.zeros((STATUS_RING, 4), dtype=torch.int32, pin_memory=True)
             self._status_np = self._status_host.numpy()
             self._armed = torch.tensor(_ARMED, dtype=torch.int32, device=self.device)
+            self._disarmed = torch.zeros(1, dtype=torch.int32, device=self.device)
             torch.cuda.current_stream().synchronize()  # once: the gate stream reads these
         assert self._status_host is not None
         group: list[RecvItem] = items  # type: ignore[assignment]
@@ -202,7 +204,7 @@ class RecvChannel(_Channel):
     def _forget(self, transfer_id: str) -> None:
         """Cancel (cond held): disarm the gates of the transfer's posted chunks, then wait for the
         consumers that may have read a gate before (their data was in); see the module docstring."""
-        if not self._gated or self._status_dev is None:
+        if not self._gated or self._status_dev is None or self._disarmed is None:
             return
         with self._gate_lock:
             slots = [slot for slot, (tid, _) in self._gated.items() if tid == transfer_id]
@@ -210,7 +212,10 @@ class RecvChannel(_Channel):
                 return
             with torch.cuda.device(self.device), torch.cuda.stream(self.gate_stream):
                 for slot in slots:
-                    self._status_dev[slot, 2].fill_(0)
+                    # a 4-byte copy (cudaMemcpyAsync), not fill_: a first fill_ would load a CUDA
+                    # module, which waits for the running kernels, i.e. the posted receives, whose
+                    # sender may be waiting for this very cancel (seen as a hang in the GPU suite)
+                    self._status_dev[slot, 2:3].copy_(self._disarmed, non_blocking=True)
                 disarmed = torch.cuda.Event()
                 disarmed.record(self.gate_stream)
             disarmed.synchronize()  # the gate stream never waits for anything: microseconds
