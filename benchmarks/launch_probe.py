@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from kvwire.bench import nccl_harness as h
+from kvwire.bench.nccl_workers import barrier
 
 REPS = 256
 BATCH = 16
@@ -71,7 +72,7 @@ def rank_main(rank: int, conn: Connection) -> None:
             worker = threading.Thread(target=busy, args=(stop,), daemon=True)
             if contended:
                 worker.start()
-            h_barrier(conn, rank)
+            barrier(conn, rank)
             samples = launches(comm, rank, data, status)
             stop.set()
             if contended:
@@ -89,17 +90,8 @@ def rank_main(rank: int, conn: Connection) -> None:
                 f"median {med:7.1f} us  p90 {p90:7.1f} us",
                 flush=True,
             )
-    h_barrier(conn, rank)
+    barrier(conn, rank)
     comm.abort()
-
-
-def h_barrier(conn: Connection, rank: int) -> None:
-    if rank == 0:
-        conn.send("sync")
-        assert conn.recv() == "sync"
-    else:
-        assert conn.recv() == "sync"
-        conn.send("sync")
 
 
 def main() -> None:
