@@ -165,6 +165,7 @@ class PagedLayers:
         first = self.layers[0]
         key = (first.device, first.dtype, self.planes, self._chunk_w, self._plane_stride_w)
         self._key = key
+        _open_gate(first.device)  # made now: making it later synchronizes the caller's stream
         if key in _LOADED:
             return
         ids = torch.zeros(1, dtype=torch.int64, device=first.device)
