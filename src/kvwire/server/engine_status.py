@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import time
 from typing import Any
 
 
@@ -38,8 +39,15 @@ class StatsSnapshot:
     kv_blocks_in_use: int = 0
     kv_blocks_total: int = 0
     num_preemptions: int = 0
+    # time.monotonic() when copied: the loop refreshes the snapshot between engine steps, so during a
+    # long step it lags the live connector/transfer metrics (exported as its age)
+    taken_at: float = dataclasses.field(default_factory=time.monotonic)
 
     @classmethod
     def of(cls, stats: Any) -> StatsSnapshot:
-        fields = {f.name: int(getattr(stats, f.name, 0) or 0) for f in dataclasses.fields(cls)}
-        return cls(**fields)
+        counts = [f.name for f in dataclasses.fields(cls) if f.name != "taken_at"]
+        return cls(**{name: int(getattr(stats, name, 0) or 0) for name in counts})
+
+    def age_s(self, now: float | None = None) -> float:
+        """Seconds since the snapshot was copied."""
+        return max(0.0, (time.monotonic() if now is None else now) - self.taken_at)

@@ -50,6 +50,9 @@ class _EngineStatsCollector:
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("kvwire_num_preemptions", "requests preempted (recompute)",
                                   value=stats.num_preemptions)
+        yield GaugeMetricFamily("kvwire_engine_stats_age_seconds", "age of the engine statistics above "
+                                "(copied between engine steps; live metrics may be newer)",
+                                value=stats.age_s())
 
 
 class _EngineStatusCollector:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
+import time
 from typing import Any
 
 from aiohttp import ClientSession
@@ -192,6 +194,10 @@ def test_models_and_metrics(run_with_fake_server: Any) -> None:
         assert "kvwire_inter_token_latency_seconds_count 3.0" in text
         assert "kvwire_kv_blocks_in_use 0.0" in text
         assert "kvwire_kv_blocks_total 256.0" in text
+        sample = re.search(r"^kvwire_engine_stats_age_seconds (\S+)$", text, re.MULTILINE)
+        assert sample is not None
+        age = float(sample.group(1))
+        assert 0.0 <= age < 30.0  # seconds since a copy, not a raw clock value
         assert "kvwire_num_requests_running 0.0" in text
         assert "kvwire_num_requests_waiting 0.0" in text
 
@@ -233,3 +239,16 @@ def test_non_streaming_disconnect_aborts(run_with_fake_server: Any, fake_engine:
         assert server.engine_loop.num_streams == 0
 
     run_with_fake_server(body, fake_engine)
+
+
+def test_stats_snapshot_records_when_it_was_copied() -> None:
+    from types import SimpleNamespace
+
+    from kvwire.server.engine_status import StatsSnapshot
+
+    stats = SimpleNamespace(num_running=2, kv_blocks_in_use=7, kv_blocks_total=64, taken_at=-1.0)
+    before = time.monotonic()
+    snap = StatsSnapshot.of(stats)
+    assert (snap.num_running, snap.kv_blocks_in_use, snap.num_waiting) == (2, 7, 0)
+    assert snap.taken_at >= before  # the copy time, never a field of the engine's stats
+    assert snap.age_s(snap.taken_at + 2.5) == 2.5 and snap.age_s(snap.taken_at - 1.0) == 0.0
