@@ -5,9 +5,8 @@
 Median microseconds per call over 200 calls (after 20 warm-up calls) of each piece the plane and
 its callers run per NCCL message: CUDA events and stream switches, the gate arm copy, the status
 copy to pinned memory, the one-launch Triton gather/scatter (from the main thread, and from a second
-thread while a third waits in ``Event.synchronize`` like the plane's completer; direct launch and
-through Triton's launcher), and a torch per-layer gather for comparison. NCCL launches:
-``benchmarks/launch_probe.py``.
+thread while a third waits in ``Event.synchronize`` like the plane's completer), and a torch
+per-layer gather for comparison. NCCL launches: ``benchmarks/launch_probe.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from collections.abc import Callable
 
 import torch
 
-from kvwire.transfer import cuda_paged
 from kvwire.transfer.cuda_paged import PagedLayers
 from kvwire.transfer.paged import KVLayout, gather_blocks
 
@@ -36,16 +34,6 @@ def per_call_us(fn: Callable[[], object], reps: int = REPS) -> float:
         samples.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
     return statistics.median(samples) * 1e6
-
-
-def without_direct(fn: Callable[[], object]) -> None:
-    """Run ``fn`` with the direct Triton launch switched off (Triton's own launcher path)."""
-    saved = dict(cuda_paged._DIRECT)
-    cuda_paged._DIRECT.clear()
-    try:
-        fn()
-    finally:
-        cuda_paged._DIRECT.update(saved)
 
 
 def main() -> None:
@@ -92,13 +80,9 @@ def main() -> None:
         "status copy to pinned host": status_d2h,
         "record_stream x 8": record_streams,
         "Triton gather, 8 layers x 128 blocks": lambda: paged.gather(ids, slab[8:16], 8, 16),
-        "  same through Triton's launcher": lambda: without_direct(
-            lambda: paged.gather(ids, slab[8:16], 8, 16)
-        ),
         "Triton gated scatter, 8 layers": lambda: paged.scatter(ids, slab[8:16], 8, 16, gate=gate),
         "torch gather_blocks, 1 layer": lambda: gather_blocks(cache[0], ids, KVLayout.KV_FIRST),
     }
-    print(f"direct Triton launch: {cuda_paged.direct_launch_ready()} {cuda_paged.DIRECT_ERRORS}", flush=True)
     for name, fn in cases.items():
         print(f"{name:44s} {per_call_us(fn):8.1f} us", flush=True)
 

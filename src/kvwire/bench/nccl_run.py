@@ -11,7 +11,7 @@ import torch
 from kvwire.bench import nccl_extras as extras
 from kvwire.bench import nccl_harness as h
 from kvwire.bench import nccl_workers as w
-from kvwire.transfer.cuda_paged import PagedLayers, direct_launch_ready
+from kvwire.transfer.cuda_paged import PagedLayers
 from kvwire.transfer.nccl import NcclPlaneConfig
 from kvwire.transfer.nccl_lib import load_nccl
 
@@ -61,7 +61,8 @@ def _size_row(
         "verified": b_ok and c_ok,
         "reference_verified": b_ok,
         "kvwire_verified": c_ok,
-        "kvwire_trace": trace,  # (side, seq, MiB, launch start, launched, completion seen) us after t0
+        # (side, seq, MiB, launch start, launched, completion seen: us after t0, launch CPU us, step marks)
+        "kvwire_trace": trace,
     }
 
 
@@ -122,7 +123,6 @@ def run_rank(rank: int, conn: Connection, opts: dict[str, Any]) -> dict[str, Any
     }
     for tokens in opts["tokens"]:
         report["sizes"].append(_size_row(conn, rank, comm, side, cache, shape, tokens, opts["iters"]))
-    report["triton_direct"] = direct_launch_ready()
     ceilings = {row["tokens"]: row["ceiling_gbps"] for row in report["sizes"] if row}
     if opts.get("sizes_only"):
         side.close()

@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             if error:
                 print(f"rank {rank} failed:\n{error}", file=sys.stderr)
-                _dump_stacks([proc for proc in procs if proc.is_alive()])
+                _dump_stacks(procs)
                 return 1
             results[rank] = result
     finally:
@@ -168,15 +168,14 @@ def print_table(report: dict[str, Any], out: Any = None) -> None:
         )
     print("(GB/s; ms in the JSON)")
     for row in report["sizes"]:
-        legend = "(side, seq, MiB, launch start, launched, done: us after t0)"
+        legend = "(side, seq, MiB, launch start, launched, done: us after t0; launch CPU us; step marks)"
         print(f"chunks of the last (c) at {row['tokens']} tokens {legend}:")
         for chunk in row.get("kvwire_trace", []):
             print("   ", tuple(chunk))
     print(
         f"framing: messages of <= {report['chunk_mib']} MiB, first/last {report['edge_mib']} MiB; "
         f"sender {report.get('sender')}, inline launch {report.get('inline_launch')}, "
-        f"launch holds GIL {report.get('launch_holds_gil')}, "
-        f"direct Triton launch {report.get('triton_direct')}"
+        f"launch holds GIL {report.get('launch_holds_gil')}"
     )
     for row in report.get("chunk_sweep", []):
         print(

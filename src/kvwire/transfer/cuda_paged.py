@@ -22,9 +22,7 @@ stream; nothing synchronizes.
 from __future__ import annotations
 
 import functools
-import logging
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,8 +31,6 @@ import torch
 from kvwire.errors import ConfigError
 from kvwire.transfer.paged import KVLayout, gather_blocks, gathered_shape, scatter_blocks
 from kvwire.transfer.types import GATE_MAGIC as _GATE_MAGIC
-
-log = logging.getLogger("kvwire.transfer.cuda_paged")
 
 _TILE_WORDS = 1024  # 4 KiB per program: 8 x 16-byte vectors per thread with 4 warps
 
@@ -156,25 +152,17 @@ class PagedLayers:
         """Compile and load both kernel variants now, once per geometry: a first launch later, while
         an NCCL receive waits on this GPU, would load a CUDA module, which synchronizes the context
         (see ``_build_kernel``). Harmless to the caches: the gather reads one block, the scatter (every
-        scatter runs the gated variant) sits behind a closed gate and writes nothing.
-
-        Also prepares the *direct* launch of each compiled variant (see :class:`_DirectLaunch`): the
-        Triton launcher's Python (argument binding, specialization key, cache lookup) costs ~40 us a
-        call, which the NCCL plane pays once per message; the direct launch skips it and is checked
-        here against the normal path before it is used."""
+        scatter runs the gated variant) sits behind a closed gate and writes nothing."""
         first = self.layers[0]
-        key = (first.device, first.dtype, self.planes, self._chunk_w, self._plane_stride_w)
-        self._key = key
         _open_gate(first.device)  # made now: making it later synchronizes the caller's stream
+        key = (first.device, first.dtype, self.planes, self._chunk_w, self._plane_stride_w)
         if key in _LOADED:
             return
         ids = torch.zeros(1, dtype=torch.int64, device=first.device)
         buf = torch.empty(self.shape(1, 0, 1), dtype=first.dtype, device=first.device)
-        compiled_gather = self._run(ids, buf, 0, 1, gather=True)
-        closed = torch.zeros(4, dtype=torch.int32, device=first.device)
-        compiled_scatter = self._run(ids, buf, 0, 1, gather=False, gate=closed)
+        self.gather(ids, buf, 0, 1)
+        self.scatter(ids, buf, 0, 1, gate=torch.zeros(4, dtype=torch.int32, device=first.device))
         _LOADED.add(key)
-        _DIRECT[key] = _DirectLaunch.prepare(self, compiled_gather, compiled_scatter)
 
     def shape(self, num_blocks: int, start: int = 0, stop: int | None = None) -> tuple[int, ...]:
         """Shape of the buffer for layers ``[start, stop)``: ``[layers, *gathered layer shape]``."""
@@ -215,8 +203,7 @@ class PagedLayers:
         stop: int | None,
         gather: bool,
         gate: torch.Tensor | None = None,
-    ) -> Any:
-        """Run one gather/scatter; returns Triton's compiled kernel on the launcher path, else None."""
+    ) -> None:
         stop = len(self.layers) if stop is None else stop
         first = self.layers[0]
         shape = self.shape(int(block_ids.numel()), start, stop)
@@ -229,16 +216,15 @@ class PagedLayers:
                 raise ValueError("gather: out must be on the layers' device")
             buf = buf.to(first.device, non_blocking=True)
         if self.one_launch and buf.is_contiguous() and buf.data_ptr() % 16 == 0:
-            return _launch(self, block_ids, buf, start, stop, gather, gate)
-        if gate is not None:
+            _launch(self, block_ids, buf, start, stop, gather, gate)
+        elif gate is not None:
             raise ConfigError("a gated scatter needs the one-launch Triton path (CUDA, aligned layers)")
-        if gather:
+        elif gather:
             for index in range(start, stop):
                 gather_blocks(self.layers[index], block_ids, self.layout, out=buf[index - start])
         else:
             for index in range(start, stop):
                 scatter_blocks(self.layers[index], block_ids, buf[index - start], self.layout)
-        return None
 
 
 def _launch(
@@ -249,7 +235,7 @@ def _launch(
     stop: int,
     gather: bool,
     gate: torch.Tensor | None,
-) -> Any:
+) -> None:
     kernel = _triton()
     assert kernel is not None
     ids = block_ids if block_ids.dtype == torch.int64 else block_ids.to(torch.int64)
@@ -257,17 +243,19 @@ def _launch(
         ids = ids.to(buf.device, non_blocking=True)
     n = int(ids.numel())
     if n == 0 or stop <= start:
-        return None
+        return
     grid = (group.planes * n, stop - start, triton_cdiv(group._chunk_w, _TILE_WORDS))
     if not gather and gate is None:
         gate = _open_gate(buf.device)  # one scatter variant (the gated one) to compile and load
-    words = buf.view(-1).view(torch.int32)
-    direct = _DIRECT.get(getattr(group, "_key", None))
-    args = (group._base, group._offsets, start, ids, words, n, group._plane_stride_w, group._chunk_w)
-    if direct is not None and direct.launch(gather, grid, args, gate if gate is not None else ids):
-        return None
-    return kernel[grid](
-        *args,
+    kernel[grid](
+        group._base,
+        group._offsets,
+        start,
+        ids,
+        buf.view(-1).view(torch.int32),
+        n,
+        group._plane_stride_w,
+        group._chunk_w,
         gate if gate is not None else ids,  # any pointer when not GATED (never read)
         GATHER=gather,
         GATED=gate is not None,
@@ -277,107 +265,7 @@ def _launch(
     )
 
 
-class _DirectLaunch:
-    """Launch the two compiled variants of one geometry straight through Triton's launcher object
-    (``CompiledKernel.run``, exactly as ``JITFunction.run`` calls it: every bound argument, constexprs
-    included, plus the launch hooks and their metadata), skipping ``JITFunction.run``'s per-call Python
-    (argument binding, specialization key, cache lookup, global checks): that costs 50-170 us per call
-    inside the NCCL plane's launch path (measured on an H200 host), i.e. most of a message's launch.
-    The variants were specialized on 16-byte-aligned pointers, so a call whose pointers are not
-    aligned takes the normal path. Used only after a self-test against the normal path
-    (:meth:`prepare`). Opt-in (``KVWIRE_TRITON_DIRECT=1``): it passes its self-test with Triton 3.6
-    and saves ~4 us per call in a tight loop, but did not move the NCCL transfer benchmark (2026-11-30),
-    and it leans on Triton internals that may change between releases."""
-
-    def __init__(self, compiled_gather: Any, compiled_scatter: Any, runtime: Any) -> None:
-        self._variants = {True: compiled_gather, False: compiled_scatter}
-        self._runtime = runtime  # triton.knobs.runtime: its launch hooks are read at each call
-        self._tail = {flag: (flag, not flag, _GATE_MAGIC, _TILE_WORDS) for flag in (True, False)}
-
-    def launch(
-        self, gather: bool, grid: tuple[int, int, int], args: tuple[Any, ...], gate: torch.Tensor
-    ) -> bool:
-        """Enqueue on the current stream; False (nothing launched) when the call does not qualify."""
-        ids, words = args[3], args[4]
-        if ids.data_ptr() % 16 or words.data_ptr() % 16 or gate.data_ptr() % 16:
-            return False
-        compiled = self._variants[gather]
-        stream = torch.cuda.current_stream(words.device).cuda_stream
-        full = (*args, gate, *self._tail[gather])
-        runtime = self._runtime
-        metadata = compiled.launch_metadata(grid, stream, *full)
-        compiled.run(
-            grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, metadata,
-            runtime.launch_enter_hook, runtime.launch_exit_hook, *full,
-        )  # fmt: skip
-        return True
-
-    @classmethod
-    def prepare(cls, group: PagedLayers, compiled_gather: Any, compiled_scatter: Any) -> _DirectLaunch | None:
-        """The direct launcher for ``group``'s geometry, or None (off, not the launcher interface this
-        was written against, or the self-test failed: Triton's own launch path is used then)."""
-        if os.environ.get("KVWIRE_TRITON_DIRECT", "0").strip().lower() in ("", "0", "false", "no", "off"):
-            return None
-        try:
-            from triton import knobs
-
-            runtime = knobs.runtime
-            for compiled in (compiled_gather, compiled_scatter):
-                for name in ("run", "function", "packed_metadata", "launch_metadata"):
-                    getattr(compiled, name)
-            direct = cls(compiled_gather, compiled_scatter, runtime)
-            if direct._self_test(group):
-                return direct
-            DIRECT_ERRORS.append("self-test: direct launch gave other bytes than Triton's launcher")
-        except Exception as exc:  # any launcher mismatch: keep Triton's own launch path
-            DIRECT_ERRORS.append(f"{type(exc).__name__}: {exc}")
-        log.info("direct Triton launch unavailable (%s): using Triton's launcher", DIRECT_ERRORS[-1])
-        return None
-
-    def _self_test(self, group: PagedLayers) -> bool:
-        """Gather block 0 of the first layers both ways and compare; scatter its complement back
-        directly, read it with the normal path, then restore the original bytes (normal path)."""
-        first = group.layers[0]
-        stop = min(2, len(group.layers))
-        ids = torch.zeros(1, dtype=torch.int64, device=first.device)
-        shape = group.shape(1, 0, stop)
-        original = torch.empty(shape, dtype=first.dtype, device=first.device)
-        group._run(ids, original, 0, stop, gather=True)
-        grid = (group.planes, stop, triton_cdiv(group._chunk_w, _TILE_WORDS))
-
-        def direct(buf: torch.Tensor, gather: bool, gate: torch.Tensor) -> None:
-            words = buf.view(-1).view(torch.int32)
-            args = (group._base, group._offsets, 0, ids, words, 1, group._plane_stride_w, group._chunk_w)
-            if not self.launch(gather, grid, args, gate):
-                raise ValueError("self-test buffers not aligned")
-
-        gathered = torch.empty_like(original)
-        direct(gathered, True, ids)
-        same = torch.equal(_bytes(gathered), _bytes(original))
-        flipped = torch.bitwise_not(_bytes(original)).view(first.dtype).view(shape)
-        try:
-            direct(flipped, False, _open_gate(first.device))
-            back = torch.empty_like(original)
-            group._run(ids, back, 0, stop, gather=True)
-            same = same and torch.equal(_bytes(back), _bytes(flipped))
-        finally:
-            group._run(ids, original, 0, stop, gather=False)
-            torch.cuda.current_stream(first.device).synchronize()
-        return same
-
-
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1).view(torch.uint8)
-
-
 _LOADED: set[tuple[object, ...]] = set()  # geometries whose kernels are compiled and loaded
-_DIRECT: dict[object, _DirectLaunch | None] = {}  # geometry -> its direct launcher (None: not usable)
-DIRECT_ERRORS: list[str] = []  # why the direct launch self-test failed (diagnostics)
-
-
-def direct_launch_ready() -> bool:
-    """True when some geometry's kernels launch directly (self-test passed, see :class:`_DirectLaunch`)."""
-    return any(direct is not None for direct in _DIRECT.values())
 
 
 @functools.lru_cache(maxsize=16)
