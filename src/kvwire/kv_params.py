@@ -25,7 +25,6 @@ from kvwire.errors import InvalidRequestError
 KV_PARAMS_VERSION = 1
 
 
-
 class LoadFailurePolicy(str, enum.Enum):
     """What D does when remote KV cannot be loaded (deadline, peer lost, aborted by P). Defined here,
     next to the other torch-free P/D vocabulary, so `kvwire up` and the router need no torch; the
@@ -33,6 +32,7 @@ class LoadFailurePolicy(str, enum.Enum):
 
     RECOMPUTE = "recompute"  # prefill the prompt locally (counted in metrics)
     FAIL = "fail"  # end the request with a clear error
+
 
 class TransferMode(str, enum.Enum):
     PUSH = "push"  # P pushes each KV layer to D as soon as it is computed (the reference's PUT)

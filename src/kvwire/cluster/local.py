@@ -15,7 +15,6 @@ construction; anything else is a :class:`~kvwire.errors.ConfigError` naming the 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 import os
 import socket
@@ -25,26 +24,13 @@ import time
 import urllib.error
 import urllib.request
 from types import TracebackType
-from typing import Any, TextIO, TypeVar
+from typing import Any, TextIO
 
 from kvwire.cluster.process import ManagedProcess, kvwire_argv
 from kvwire.discovery.messages import InstanceRole
+from kvwire.enum_values import as_enum
 from kvwire.errors import ClusterError, ConfigError
 from kvwire.kv_params import LoadFailurePolicy, TransferMode
-
-E = TypeVar("E", bound=enum.Enum)
-
-
-def as_enum(cls: type[E], value: object, name: str) -> E:
-    """``value`` as a member of ``cls``: the member itself, or its value (``"pull"`` for
-    ``TransferMode.PULL``). Raises :class:`ConfigError` naming ``name`` and the valid values."""
-    if isinstance(value, cls):
-        return value
-    try:
-        return cls(value)
-    except (ValueError, TypeError):
-        choices = ", ".join(str(member.value) for member in cls)
-        raise ConfigError(f"{name} must be one of {choices}; got {value!r}") from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from kvwire.discovery.client import HeartbeatClient, LoadFn
 from kvwire.discovery.messages import InstanceInfo, InstanceRole
+from kvwire.enum_values import as_enum
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +21,7 @@ def start_registration(
     router_address: str,
     *,
     instance_id: str,
-    role: str,
+    role: InstanceRole | str,
     url: str,
     model: str,
     kv_endpoints: Sequence[str],
@@ -31,14 +32,14 @@ def start_registration(
 ) -> HeartbeatClient:
     """Start heartbeating to ``router_address`` and return the client (``close()`` deregisters).
 
-    ``role`` is a role value (``prefill``, ``decode`` or ``both``): the server's and the connector's
-    role enums share :class:`InstanceRole`'s values. ``load_fn`` runs on the heartbeat thread. Raises
-    :class:`~kvwire.errors.ConfigError` for a malformed address or interval, ``ValueError`` for an
+    ``role`` is an :class:`InstanceRole` or its value (``prefill``, ``decode`` or ``both``): the
+    server's and the connector's role enums share those values. ``load_fn`` runs on the heartbeat
+    thread. Raises :class:`~kvwire.errors.ConfigError` for a malformed address or interval or an
     unknown role; nothing is started then.
     """
     info = InstanceInfo(
         instance_id=instance_id,
-        role=InstanceRole(role),
+        role=as_enum(InstanceRole, role, "role"),
         url=url,
         model=model,
         kv_endpoints=list(kv_endpoints),

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from kvwire.connector.config import LoadFailurePolicy
 from kvwire.errors import ConfigError
+from kvwire.kv_params import LoadFailurePolicy
 
-# Defined once, in the connector (the layer below); kept under this name for callers.
+# The one policy enum (kvwire.kv_params); this name is the engine's spelling of it.
 KVLoadFailurePolicy = LoadFailurePolicy
 
 

@@ -8,11 +8,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from kvwire.connector.config import LoadFailurePolicy
 from kvwire.errors import ConfigError
-from kvwire.kv_params import TransferMode
+from kvwire.kv_params import LoadFailurePolicy, TransferMode
 
-# Defined once, in the connector (the layer below); kept under this name for callers.
+# The one policy enum (kvwire.kv_params); this name is the server's spelling of it.
 KVLoadFailure = LoadFailurePolicy
 
 
@@ -22,8 +21,6 @@ class ServerRole(str, enum.Enum):
     BOTH = "both"
     PREFILL = "prefill"
     DECODE = "decode"
-
-
 
 
 @dataclasses.dataclass(frozen=True)

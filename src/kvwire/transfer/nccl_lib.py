@@ -149,8 +149,9 @@ class NcclLibrary:
         # The same functions called *without* releasing the GIL (ctypes.PyDLL): for the enqueue calls
         # of a connected communicator, which return in microseconds. Releasing and re-taking the GIL
         # around each of them lets any other busy Python thread of the process in between, and getting
-        # the GIL back then costs up to the interpreter's switch interval (5 ms): measured as launches
-        # of 100-400 us in the NCCL benchmark. Never for calls that may wait for the peer.
+        # the GIL back then costs up to the interpreter's switch interval (5 ms): one message launch
+        # took 20-26 ms next to a busy Python thread (benchmarks/launch_probe.py). Never for calls that
+        # may wait for the peer; opt-in (NcclPlaneConfig.launch_holds_gil).
         self._fast = ctypes.PyDLL(path)
         for name, argtypes in (
             ("ncclSend", [c_void_p, c_size_t, c_int, c_int, c_void_p, c_void_p]),

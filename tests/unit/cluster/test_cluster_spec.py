@@ -10,9 +10,10 @@ import pytest
 
 from kvwire.cluster import local
 from kvwire.cluster.cli import add_arguments, spec_from_args
-from kvwire.cluster.local import ClusterSpec, LocalCluster, as_enum
+from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.connector.config import LoadFailurePolicy
 from kvwire.discovery.messages import InstanceRole
+from kvwire.enum_values import as_enum
 from kvwire.errors import ConfigError
 from kvwire.kv_params import TransferMode
 

@@ -4,6 +4,7 @@ Each test receives the real signed heartbeats on a ZeroMQ PULL socket, then the 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -107,3 +108,14 @@ def test_vllm_scheduler_side_registers_like_the_server(router: Router) -> None:
     assert info.kv_endpoints == ["tcp://127.0.0.1:7100", "tcp://127.0.0.1:7101"]  # in rank order
     assert beat.load == InstanceLoad()  # no scheduler step yet
     assert router.deregister_after_heartbeats().instance_id == "d-7"
+
+
+def test_unknown_role_is_a_config_error_and_starts_nothing() -> None:
+    from kvwire.discovery import start_registration
+    from kvwire.errors import ConfigError
+
+    threads = {t.name for t in threading.enumerate()}
+    with pytest.raises(ConfigError, match="role must be one of"):
+        start_registration("tcp://127.0.0.1:1", instance_id="x", role="router", url="http://h:1",
+                           model="m", kv_endpoints=[], version="v", load_fn=None, interval_s=1.0)
+    assert {t.name for t in threading.enumerate()} == threads  # no heartbeat thread
