@@ -21,18 +21,26 @@ def _random_bits(shape: tuple[int, ...]) -> torch.Tensor:
     return torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, device="cuda").view(torch.bfloat16)
 
 
+# 0: one program per 4 KiB tile; 1: a bounded grid where every program strides over many tiles
+@pytest.mark.parametrize("programs_per_sm", [0, 1, cuda_paged.PROGRAMS_PER_SM])
 @pytest.mark.parametrize("layout", list(SHAPES))
-def test_triton_gather_scatter_bit_exact(layout: KVLayout) -> None:
+def test_triton_gather_scatter_bit_exact(layout: KVLayout, programs_per_sm: int) -> None:
     assert cuda_paged.triton_available()
     layers = [_random_bits(SHAPES[layout]) for _ in range(5)]
     ids = torch.randperm(300, device="cuda")[:37]
     out = torch.full(cuda_paged.group_shape(layers, 37, layout), 7, dtype=torch.int16, device="cuda")
-    cuda_paged.gather_layers(layers, ids, layout, out=out.view(torch.bfloat16))
+    src = cuda_paged.PagedLayers(layers, layout, programs_per_sm=programs_per_sm)
+    src.gather(ids, out.view(torch.bfloat16))
     for index, layer in enumerate(layers):
         assert torch.equal(out[index], gather_blocks(layer, ids, layout).view(torch.int16))
+    # a middle range of layers only
+    part = torch.zeros_like(out[1:4])
+    src.gather(ids, part.view(torch.bfloat16), 1, 4)
+    assert torch.equal(part, out[1:4])
     dst = [torch.zeros(SHAPES[layout], dtype=torch.bfloat16, device="cuda") for _ in range(5)]
     dst_ids = torch.randperm(300, device="cuda")[:37]
-    cuda_paged.scatter_layers(dst, dst_ids, out.view(torch.bfloat16), layout)
+    sink = cuda_paged.PagedLayers(dst, layout, programs_per_sm=programs_per_sm)
+    sink.scatter(dst_ids, out.view(torch.bfloat16))
     for index, layer in enumerate(dst):
         assert torch.equal(gather_blocks(layer, dst_ids, layout).view(torch.int16), out[index])
         untouched = torch.ones(300, dtype=torch.bool, device="cuda")

@@ -31,8 +31,14 @@ import torch
 from kvwire.errors import ConfigError
 from kvwire.transfer.paged import KVLayout, gather_blocks, gathered_shape, scatter_blocks
 from kvwire.transfer.types import GATE_MAGIC as _GATE_MAGIC
+from kvwire.transfer.types import SendItem
 
 _TILE_WORDS = 1024  # 4 KiB per program: 8 x 16-byte vectors per thread with 4 warps
+# Programs (CTAs of 4 warps) per SM of one gather/scatter launch; each strides over the tiles. An
+# unbounded grid (one program per 4 KiB tile: 16k for 64 MiB) fills every SM, and an NCCL kernel
+# launched next to it (the next message's send, the receive behind a scatter) waits for the copy to
+# drain before its CTAs get in. Measured on H200 in docs/performance.md ("copy grid").
+PROGRAMS_PER_SM = 4
 
 
 @functools.lru_cache(maxsize=1)
@@ -55,43 +61,53 @@ def _build_kernel(triton: Any, tl: Any) -> Any:
     # compile and a CUDA module load, and a module load synchronizes the context, which deadlocks when
     # an NCCL receive on this GPU waits for data that the loading thread has yet to ask for. The
     # geometry (chunk_w, plane_stride_w) is fixed per cache and stays specialized (16-byte vectors).
-    @triton.jit(do_not_specialize=["first_layer", "num_ids"])  # type: ignore[untyped-decorator,unused-ignore]
+    @triton.jit(do_not_specialize=["first_layer", "num_ids", "num_rows", "total"])  # type: ignore[untyped-decorator,unused-ignore]
     def copy_blocks(  # type: ignore[no-untyped-def]
         base_ptr,  # int32 view of layer 0: every layer is addressed relative to it
         layer_offsets,  # int64 [L]: (layer_l.data_ptr() - layer_0.data_ptr()) / 4
-        first_layer,  # program layer 0 is cache layer first_layer
+        first_layer,  # buffer layer 0 is cache layer first_layer
         block_ids,  # int64 [n]
         buf_ptr,  # int32 [L * planes * n * chunk_w]
         num_ids,
+        num_rows,  # planes * num_ids: buffer rows per layer
+        total,  # work items: layers * num_rows * num_tiles
         plane_stride_w,  # words between K and V planes (0 when one plane)
         chunk_w,  # words per block per plane
+        num_tiles,  # tiles per chunk
         gate_ptr,  # int32 [magic, real, armed, 0] (only read when GATED)
         GATHER: tl.constexpr,
         GATED: tl.constexpr,
         MAGIC: tl.constexpr,
         TILE: tl.constexpr,
     ):
-        row = tl.program_id(0)  # plane * num_ids + i
-        layer = tl.program_id(1)
-        tile = tl.program_id(2)
-        plane = row // num_ids
-        i = row - plane * num_ids
-        block = tl.load(block_ids + i).to(tl.int64)
-        layer_off = tl.multiple_of(tl.load(layer_offsets + first_layer + layer), 4)
-        paged = base_ptr + layer_off + plane.to(tl.int64) * plane_stride_w + block * chunk_w
-        # buffer row of (layer, plane, i): layer * (planes * num_ids) + row; grid dim 0 = planes * num_ids
-        flat = buf_ptr + (layer.to(tl.int64) * tl.num_programs(0) + row) * chunk_w
-        offs = tile * TILE + tl.arange(0, TILE)
-        mask = offs < chunk_w
+        # A bounded grid of programs strides over the work items (tile, row, layer), tiles of one
+        # block chunk first (neighbouring programs touch neighbouring bytes). Bounded so the copy
+        # never fills every SM: an NCCL kernel launched next to it gets its CTAs in at once.
         if GATED:  # a stream-ordered scatter writes only real, armed data (see types.DeviceConsumer)
             magic = tl.load(gate_ptr, volatile=True)
             real = tl.load(gate_ptr + 1, volatile=True)
             armed = tl.load(gate_ptr + 2, volatile=True)
-            mask = mask & (magic == MAGIC) & (real == 1) & (armed == 1)
-        if GATHER:
-            tl.store(flat + offs, tl.load(paged + offs, mask=mask), mask=mask)
+            passes = (magic == MAGIC) & (real == 1) & (armed == 1)
         else:
-            tl.store(paged + offs, tl.load(flat + offs, mask=mask), mask=mask)
+            passes = True
+        arange = tl.arange(0, TILE)
+        for item in range(tl.program_id(0), total, tl.num_programs(0)):
+            tile = item % num_tiles
+            rest = item // num_tiles
+            row = rest % num_rows  # plane * num_ids + i
+            layer = rest // num_rows
+            plane = row // num_ids
+            i = row - plane * num_ids
+            block = tl.load(block_ids + i).to(tl.int64)
+            layer_off = tl.multiple_of(tl.load(layer_offsets + first_layer + layer), 4)
+            paged = base_ptr + layer_off + plane.to(tl.int64) * plane_stride_w + block * chunk_w
+            flat = buf_ptr + (layer.to(tl.int64) * num_rows + row) * chunk_w
+            offs = tile * TILE + arange
+            mask = (offs < chunk_w) & passes
+            if GATHER:
+                tl.store(flat + offs, tl.load(paged + offs, mask=mask), mask=mask)
+            else:
+                tl.store(paged + offs, tl.load(flat + offs, mask=mask), mask=mask)
 
     return copy_blocks
 
@@ -132,12 +148,18 @@ class PagedLayers:
     0 already on the device), for repeated gathers/scatters of any range of consecutive layers at one
     launch each and a few microseconds of host time. Build it when the KV caches are registered."""
 
-    def __init__(self, kv_layers: Sequence[torch.Tensor], layout: KVLayout) -> None:
+    def __init__(
+        self, kv_layers: Sequence[torch.Tensor], layout: KVLayout, programs_per_sm: int = PROGRAMS_PER_SM
+    ) -> None:
         if not kv_layers:
             raise ValueError("PagedLayers needs at least one layer")
+        if programs_per_sm < 0:
+            raise ConfigError("PagedLayers: programs_per_sm must be >= 0 (0: one program per tile)")
         self.layers = list(kv_layers)
         self.layout = layout
         first = self.layers[0]
+        # programs of one launch (0: unbounded); see PROGRAMS_PER_SM
+        self.max_programs = programs_per_sm * _sm_count(first.device) if first.is_cuda else 0
         self.planes, num_blocks, chunk = _geometry(first, layout)
         self.one_launch = _layers_ok(self.layers, layout)
         words_per_elem = first.element_size() / 4
@@ -189,6 +211,44 @@ class PagedLayers:
         the kernel writes nothing unless the gate passes when it runs. Needs the one-launch path
         (:attr:`one_launch`); raises :class:`~kvwire.errors.ConfigError` otherwise."""
         self._run(block_ids, data, start, stop, gather=False, gate=gate)
+
+    def capture_key(
+        self, block_ids: torch.Tensor, buf: torch.Tensor, start: int, stop: int, gather: bool = True
+    ) -> tuple[object, ...] | None:
+        """What one :meth:`gather` (or ungated :meth:`scatter`) of ``[start, stop)`` launches, by
+        address and value, when that launch can be captured into a CUDA graph and replayed: the
+        one-launch path with ``block_ids`` already int64 on the layers' device (no conversion copy)
+        and ``buf`` as the launch wants it. None otherwise. See
+        :class:`kvwire.transfer.types.CapturableProducer`."""
+        first = self.layers[0]
+        ok = (
+            self.one_launch
+            and block_ids.dtype == torch.int64
+            and block_ids.device == first.device
+            and block_ids.is_contiguous()
+            and buf.device == first.device
+            and buf.dtype == first.dtype
+            and buf.is_contiguous()
+            and buf.data_ptr() % 16 == 0
+            and tuple(buf.shape) == self.shape(int(block_ids.numel()), start, stop)
+        )
+        if not ok:
+            return None
+        return (
+            "paged-copy",
+            gather,
+            self._base.data_ptr(),
+            self._offsets.data_ptr(),
+            self.planes,
+            self._chunk_w,
+            self._plane_stride_w,
+            self.max_programs,
+            block_ids.data_ptr(),
+            int(block_ids.numel()),
+            buf.data_ptr(),
+            start,
+            stop,
+        )
 
     @property
     def gated_scatter(self) -> bool:
@@ -244,18 +304,23 @@ def _launch(
     n = int(ids.numel())
     if n == 0 or stop <= start:
         return
-    grid = (group.planes * n, stop - start, triton_cdiv(group._chunk_w, _TILE_WORDS))
+    rows = group.planes * n
+    tiles = triton_cdiv(group._chunk_w, _TILE_WORDS)
+    total = rows * (stop - start) * tiles
     if not gather and gate is None:
         gate = _open_gate(buf.device)  # one scatter variant (the gated one) to compile and load
-    kernel[grid](
+    kernel[(min(total, group.max_programs) if group.max_programs else total,)](
         group._base,
         group._offsets,
         start,
         ids,
         buf.view(-1).view(torch.int32),
         n,
+        rows,
+        total,
         group._plane_stride_w,
         group._chunk_w,
+        tiles,
         gate if gate is not None else ids,  # any pointer when not GATED (never read)
         GATHER=gather,
         GATED=gate is not None,
@@ -277,6 +342,11 @@ def _open_gate(device: torch.device) -> torch.Tensor:
     return gate
 
 
+@functools.lru_cache(maxsize=16)
+def _sm_count(device: torch.device) -> int:
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
 @functools.lru_cache(maxsize=256)
 def _layer_offsets(pointers: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """Word offsets of each layer from layer 0, on ``device`` (cached: caches rarely move)."""
@@ -286,6 +356,42 @@ def _layer_offsets(pointers: tuple[int, ...], device: torch.device) -> torch.Ten
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class SlabGather:
+    """A capturable device producer (:class:`~kvwire.transfer.types.CapturableProducer`) for one
+    transfer whose layer ``i`` is ``slab[i]``: it gathers a message's layers, blocks ``block_ids`` of
+    ``paged``, into their rows of the slab with one launch on the plane's send stream. Keep
+    ``block_ids`` (int64, on the device) and the slab at the same addresses from one transfer to the
+    next (e.g. one slab and one id buffer per prompt-length bucket) and the NCCL plane replays a
+    captured graph instead of launching each message from Python."""
+
+    def __init__(self, paged: PagedLayers, block_ids: torch.Tensor, slab: torch.Tensor) -> None:
+        self.paged = paged
+        self.block_ids = block_ids
+        self.slab = slab
+        self._whole: tuple[object, ...] | None = None  # capture key of the whole slab
+        self._checked = False
+
+    def __call__(self, items: Sequence[SendItem]) -> None:
+        start, stop = _layer_range(items)
+        self.paged.gather(self.block_ids, self.slab[start:stop], start, stop)
+
+    def capture_key(self, items: Sequence[SendItem]) -> tuple[object, ...] | None:
+        start, stop = _layer_range(items)
+        if not self._checked:  # once: every row range of a capturable slab is capturable
+            self._whole = self.paged.capture_key(self.block_ids, self.slab, 0, len(self.paged.layers))
+            self._checked = True
+        if self._whole is None:
+            return None
+        return (self._whole, start, stop)  # rows [start, stop) lie at a fixed offset in the slab
+
+
+def _layer_range(items: Sequence[SendItem]) -> tuple[int, int]:
+    start, stop = items[0].layer_index, items[-1].layer_index + 1
+    if stop - start != len(items):
+        raise ValueError("SlabGather: a message's layers must be consecutive")
+    return start, stop
 
 
 def gather_layers(
