@@ -31,21 +31,81 @@ MiB = 1 << 20
 WARMUP = 3
 
 
+DEFAULT_VARIANT = {"p": 4, "chunk": 64, "edge": 8, "ramp": 0, "copy": 1, "prio": 0}
+
+
+def parse_variant(spec: str, chunk_mib: int) -> dict[str, int]:
+    variant = dict(DEFAULT_VARIANT, chunk=chunk_mib)
+    for part in filter(None, spec.split(",")):
+        key, value = part.split("=")
+        if key not in variant:
+            raise SystemExit(f"unknown variant key {key!r}")
+        variant[key] = int(value)
+    return variant
+
+
+def ramp_ranges(sizes: list[int], max_bytes: int, edge_bytes: int, factor: int) -> list[tuple[int, int]]:
+    """Messages that grow from ``edge_bytes`` (each at most ``factor`` times the one before) up to
+    ``max_bytes``, then balanced, then shrink the same way (each at least one layer): the copy of
+    message k+1 (gather) or k-1 (scatter) hides behind message k's wire time, with few boundaries."""
+
+    def ramp(order: list[int], budget: int) -> list[int]:
+        lengths: list[int] = []
+        goal, used, i = edge_bytes, 0, 0
+        while goal < max_bytes and i < len(order):
+            got = length = 0
+            while got < goal and i + length < len(order):
+                got += order[i + length]
+                length += 1
+            if used + got > budget:
+                break
+            lengths.append(length)
+            used += got
+            i += length
+            goal = min(max_bytes, factor * got)
+        return lengths
+
+    half = sum(sizes) // 2
+    head = ramp(sizes, half)
+    tail = ramp(sizes[::-1], half)
+    start, end = sum(head), len(sizes) - sum(tail)
+    out: list[tuple[int, int]] = []
+    i = 0
+    for length in head:
+        out.append((i, i + length))
+        i += length
+    out += [(start + a, start + b) for a, b in message_ranges(sizes[start:end], max_bytes, 0)]
+    j = end
+    for length in reversed(tail):
+        out.append((j, j + length))
+        j += length
+    return [r for r in out if r[1] > r[0]]
+
+
 def capture_sender(
-    paged: PagedLayers, ids: torch.Tensor, slab: torch.Tensor, ranges: list[tuple[int, int]], comm: NcclComm
+    paged: PagedLayers,
+    ids: torch.Tensor,
+    slab: torch.Tensor,
+    ranges: list[tuple[int, int]],
+    comm: NcclComm,
+    copy: bool = True,
 ) -> torch.cuda.CUDAGraph:
     """One graph: gathers on a side stream, each message's send behind its own gather's event."""
     layer_bytes = slab[0].numel() * slab.element_size()
     flat = slab.view(-1).view(torch.uint8)
     gather_stream = torch.cuda.Stream()
+    capture = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        capture = torch.cuda.current_stream()
+    # what the plane does: capture on a side stream, thread-local mode, no device synchronization
+    # (torch.cuda.graph synchronizes the device first, which waits for posted NCCL receives)
+    with torch.cuda.stream(capture):
+        graph.capture_begin(capture_error_mode="thread_local")
         gather_stream.wait_stream(capture)
         ready = []
         with torch.cuda.stream(gather_stream):
             for start, stop in ranges:
-                paged.gather(ids, slab[start:stop], start, stop)
+                if copy:  # else: the framing alone (sends of whatever the slab holds)
+                    paged.gather(ids, slab[start:stop], start, stop)
                 event = torch.cuda.Event()
                 event.record(gather_stream)
                 ready.append(event)
@@ -59,6 +119,7 @@ def capture_sender(
                     capture.cuda_stream,
                 )
         capture.wait_stream(gather_stream)
+        graph.capture_end()
     return graph
 
 
@@ -70,6 +131,7 @@ def post_receiver(
     comm: NcclComm,
     recv_stream: torch.cuda.Stream,
     scatter_stream: torch.cuda.Stream,
+    copy: bool = True,
 ) -> torch.cuda.Event:
     """Every message's receive, and its scatter right behind it; the returned event marks the end."""
     layer_bytes = slab[0].numel() * slab.element_size()
@@ -85,8 +147,9 @@ def post_receiver(
         landed = torch.cuda.Event()
         landed.record(recv_stream)
         scatter_stream.wait_event(landed)
-        with torch.cuda.stream(scatter_stream):
-            paged.scatter(ids, slab[start:stop], start, stop)
+        if copy:
+            with torch.cuda.stream(scatter_stream):
+                paged.scatter(ids, slab[start:stop], start, stop)
     done = torch.cuda.Event()
     done.record(scatter_stream)
     return done
@@ -100,11 +163,13 @@ def graph_path(
     ids: torch.Tensor,
     ranges: list[tuple[int, int]],
     iters: int,
+    recv_priority: int = 0,
+    copy: bool = True,
 ) -> list[float]:
     slab = torch.empty(paged.shape(ids.numel()), dtype=torch.bfloat16, device=ids.device)
     out = []
     if rank == 0:
-        graph = capture_sender(paged, ids, slab, ranges, comm)
+        graph = capture_sender(paged, ids, slab, ranges, comm, copy)
         torch.cuda.synchronize()
         for _ in range(iters):
             w.barrier(conn, 0)
@@ -113,9 +178,9 @@ def graph_path(
             out.append(conn.recv() - t0)
             torch.cuda.synchronize()
         return out
-    recv_stream, scatter_stream = torch.cuda.Stream(), torch.cuda.Stream()
+    recv_stream, scatter_stream = torch.cuda.Stream(priority=recv_priority), torch.cuda.Stream()
     for _ in range(iters):
-        done = post_receiver(paged, ids, slab, ranges, comm, recv_stream, scatter_stream)
+        done = post_receiver(paged, ids, slab, ranges, comm, recv_stream, scatter_stream, copy)
         w.barrier(conn, 1)
         done.synchronize()
         conn.send(time.perf_counter())
@@ -123,38 +188,55 @@ def graph_path(
 
 
 def rank_main(
-    rank: int, conn: Connection, tokens_list: list[int], iters: int, chunk_mib: int, queue: Any
+    rank: int,
+    conn: Connection,
+    tokens_list: list[int],
+    iters: int,
+    chunk_mib: int,
+    variants: list[dict[str, int]],
+    queue: Any,
 ) -> None:
     h.set_safe_env()
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     shape = w.KVShape(cache_blocks=max(1200, 2 * w.KVShape().blocks(max(tokens_list))))
     cache = w.make_cache(shape, device, seed=rank + 1)
-    paged = PagedLayers(cache, w.LAYOUT)
     comm = h.raw_comm(conn, rank)
+    high = torch.cuda.Stream.priority_range()[1]  # (low, high): high is the smaller number
     rows = []
-    for tokens in tokens_list:
-        ids = w.block_ids(shape, tokens, device, seed=1000 * tokens + rank)
-        num_bytes = shape.layers * shape.layer_bytes(tokens)
-        ranges = message_ranges([shape.layer_bytes(tokens)] * shape.layers, chunk_mib * MiB, 8 * MiB)
-        a = w.ceiling(conn, rank, comm, num_bytes, WARMUP + iters)[WARMUP:]
-        g = graph_path(conn, rank, comm, paged, ids, ranges, WARMUP + iters)[WARMUP:]
-        if rank == 1:
-            w.poison(cache, ids)
-        graph_path(conn, rank, comm, paged, ids, ranges, 1)
-        ok = w.verify(conn, rank, comm, cache, ids)
-        if rank == 0:
-            sa, sg = w.summarize(a, num_bytes), w.summarize(g, num_bytes)
-            rows.append(
-                {
-                    "tokens": tokens,
-                    "messages": len(ranges),
-                    "ceiling": sa,
-                    "graph": sg,
-                    "ratio": round(sg["gbps"] / sa["gbps"], 3),
-                    "verified": ok,
-                }
-            )
+    for variant in variants:
+        paged = PagedLayers(cache, w.LAYOUT, programs_per_sm=variant["p"])
+        copy = bool(variant["copy"])
+        for tokens in tokens_list:
+            ids = w.block_ids(shape, tokens, device, seed=1000 * tokens + rank)
+            num_bytes = shape.layers * shape.layer_bytes(tokens)
+            sizes = [shape.layer_bytes(tokens)] * shape.layers
+            chunk, edge = variant["chunk"] * MiB, variant["edge"] * MiB
+            if variant["ramp"]:
+                ranges = ramp_ranges(sizes, chunk, edge, variant["ramp"])
+            else:
+                ranges = message_ranges(sizes, chunk, edge)
+            a = w.ceiling(conn, rank, comm, num_bytes, WARMUP + iters)[WARMUP:]
+            rp = high if variant["prio"] else 0
+            g = graph_path(conn, rank, comm, paged, ids, ranges, WARMUP + iters, rp, copy)[WARMUP:]
+            if rank == 1:
+                w.poison(cache, ids)
+            graph_path(conn, rank, comm, paged, ids, ranges, 1, rp)
+            ok = w.verify(conn, rank, comm, cache, ids)
+            if rank == 0:
+                sa, sg = w.summarize(a, num_bytes), w.summarize(g, num_bytes)
+                rows.append(
+                    {
+                        "variant": ",".join(f"{k}={v}" for k, v in variant.items()),
+                        "sizes_mib": [sum(sizes[a:b]) >> 20 for a, b in ranges],
+                        "tokens": tokens,
+                        "messages": len(ranges),
+                        "ceiling": sa,
+                        "graph": sg,
+                        "ratio": round(sg["gbps"] / sa["gbps"], 3),
+                        "verified": ok,
+                    }
+                )
     w.barrier(conn, rank)
     comm.abort()
     queue.put((rank, rows))
@@ -165,31 +247,43 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="*", default=[512, 2048, 8192])
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--chunk-mib", type=int, default=64, help="largest message (first/last: 8 MiB)")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="comma-separated overrides of "
+        + ",".join(f"{k}={v}" for k, v in DEFAULT_VARIANT.items())
+        + " (p: gather/scatter programs per SM, 0 unbounded; chunk/edge: MiB; ramp: message sizes grow by"
+        " this factor from the edge, 0 = balanced middle; copy=0: framing only, no gather/scatter; prio=1:"
+        " receive stream at high priority); repeatable",
+    )
     args = parser.parse_args()
+    variants = [parse_variant(spec, args.chunk_mib) for spec in args.variant or [""]]
     ctx = mp.get_context("spawn")
     left, right = ctx.Pipe()
     queue = ctx.Queue()
     procs = [
         ctx.Process(
-            target=rank_main, args=(r, c, args.tokens, args.iters, args.chunk_mib, queue), daemon=True
+            target=rank_main,
+            args=(r, c, args.tokens, args.iters, args.chunk_mib, variants, queue),
+            daemon=True,
         )
         for r, c in ((0, left), (1, right))
     ]
     for proc in procs:
         proc.start()
-    results = dict(queue.get(timeout=240) for _ in procs)
+    results = dict(queue.get(timeout=500) for _ in procs)
     for proc in procs:
         proc.join(timeout=10)
     print(
         f"graph prototype, {torch.cuda.get_device_name(0)} x2, messages <= {args.chunk_mib} MiB "
         f"(median of {args.iters})"
     )
-    print("tokens  msgs  (a) ceiling GB/s  graph GB/s  graph/a  verified")
+    print("tokens  (a) ceiling GB/s  graph GB/s  graph/a  verified  variant  message MiB")
     for row in results[0]:
-        print(
-            f"{row['tokens']:>6} {row['messages']:>5} {row['ceiling']['gbps']:>17} "
-            f"{row['graph']['gbps']:>11} {row['ratio']:>8} {row['verified']!s:>9}"
-        )
+        ceiling, graph = row["ceiling"]["gbps"], row["graph"]["gbps"]
+        head = f"{row['tokens']:>6} {ceiling:>17} {graph:>11} {row['ratio']:>8} {row['verified']!s:>9}"
+        print(f"{head}  {row['variant']}  {row['sizes_mib']}")
 
 
 if __name__ == "__main__":
