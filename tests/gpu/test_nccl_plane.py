@@ -7,7 +7,6 @@ CPU from a seed on both sides, so the receiver can check every byte.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import threading
@@ -184,6 +183,7 @@ def _recv_then_die(conn: Connection, instance: str) -> None:
         conn.send(h.post_layers(plane, peer, "dead", [DEAD_LAYER_BYTES] * 2, big))
         rec.wait_received("warm", 1)  # the communicator is up
         assert conn.recv() == "die"
+        conn.send(os.getpid())
         os._exit(0)  # no close, no goodbye: like kill -9 mid-transfer
     buf = plane.allocate(8 * MiB)
     conn.send(h.post_layers(plane, peer, "again", [2 * MiB] * 4, buf))
@@ -208,12 +208,17 @@ def _send_to_dying_then_restarted(conn: Connection, second: Connection) -> dict[
     h.send_layers(plane, old, "warm", _gpu(_data(4, [MiB])))
     rec.wait_sent("warm", 1)
     conn.send("die")
-    with contextlib.suppress(EOFError):
-        conn.recv()  # EOF once the receiver is gone
+    # its receives of "dead" are posted: only once its CUDA context is gone can they take no data
+    h.wait_process_gone(conn.recv())
     big = torch.empty(DEAD_LAYER_BYTES, dtype=torch.uint8, device="cuda:0")
     h.send_layers(plane, old, "dead", [big, big])
     started = time.monotonic()
-    rec.wait_for(lambda: "recv-killed" in rec.peer_failed, 30.0)
+    try:
+        rec.wait_for(lambda: "recv-killed" in rec.peer_failed, 30.0)
+    except Exception as exc:  # say what the plane did with the doomed chunks
+        raise AssertionError(
+            f"dead peer not detected: sent={rec.sent['dead']} trace={plane.chunk_trace()[-4:]}"
+        ) from exc
     detected_s = time.monotonic() - started
     plane.drop_peer("recv-killed")  # what the agent does on peer loss / a new epoch (idempotent here)
     new = h.peer_ref("recv-restarted")

@@ -69,6 +69,22 @@ def run_in_child(fn: Callable[..., Any], rank: int, conn: Connection, queue: Any
         queue.put((fn.__name__, None, traceback.format_exc()))
 
 
+def wait_process_gone(pid: int, timeout_s: float = 30.0) -> None:
+    """Wait until process ``pid`` has exited (gone or a zombie: its CUDA context is torn down, so
+    receives it had posted can no longer take data). Raises TimeoutError past ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                state = stat.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.01)  # polling an observable condition, under a deadline
+    raise TimeoutError(f"process {pid} still running after {timeout_s} s")
+
+
 def peer_ref(instance_id: str) -> PeerRef:
     return PeerRef(endpoint="tcp://127.0.0.1:1", instance_id=instance_id, data_address="")
 

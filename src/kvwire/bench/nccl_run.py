@@ -115,6 +115,8 @@ def run_rank(rank: int, conn: Connection, opts: dict[str, Any]) -> dict[str, Any
         "chunk_mib": plane_cfg.chunk_bytes // MiB,
         "edge_mib": plane_cfg.edge_bytes // MiB,
         "sender": opts["sender"],
+        "ramp": plane_cfg.ramp,
+        "send_graphs": plane_cfg.send_graphs,
         "inline_launch": plane_cfg.inline_launch,
         "launch_holds_gil": plane_cfg.launch_holds_gil,
         "max_ctas": opts["max_ctas"],
@@ -124,6 +126,7 @@ def run_rank(rank: int, conn: Connection, opts: dict[str, Any]) -> dict[str, Any
     for tokens in opts["tokens"]:
         report["sizes"].append(_size_row(conn, rank, comm, side, cache, shape, tokens, opts["iters"]))
     ceilings = {row["tokens"]: row["ceiling_gbps"] for row in report["sizes"] if row}
+    report["send_graph_stats"] = side.plane.send_graph_stats()  # rank 0's are the sender's
     if opts.get("sizes_only"):
         side.close()
         w.barrier(conn, rank)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kvwire.bench import nccl_harness as h
-from kvwire.transfer.cuda_paged import PagedLayers
+from kvwire.transfer.cuda_paged import PagedLayers, SlabGather
 from kvwire.transfer.nccl_channel import message_ranges
 from kvwire.transfer.nccl_lib import NcclComm
 from kvwire.transfer.paged import KVLayout, gather_blocks, scatter_blocks
@@ -164,7 +164,7 @@ class KvwireSide:
         gathers exactly one message's layers per launch, so each message leaves once its own gather
         is done."""
         sizes = [layer_bytes] * num_layers
-        ranges = message_ranges(sizes, self.config.chunk_bytes, self.config.edge_bytes)
+        ranges = message_ranges(sizes, self.config.chunk_bytes, self.config.edge_bytes, self.config.ramp)
         return [range(a, b) for a, b in ranges]
 
     def send_handshake(self, conn: Connection) -> str:
@@ -237,22 +237,6 @@ class KvwireSide:
 
     def close(self) -> None:
         self.plane.close()
-
-
-class SlabGather:
-    """The sender's device producer for one transfer: gather a message's layers from the paged cache
-    into their rows of the slab with one launch, on the plane's send stream."""
-
-    def __init__(self, paged: PagedLayers, ids: torch.Tensor, slab: torch.Tensor) -> None:
-        self.paged = paged
-        self.ids = ids
-        self.slab = slab
-
-    def __call__(self, items: Sequence[SendItem]) -> None:
-        start, stop = items[0].layer_index, items[-1].layer_index + 1
-        if stop - start != len(items):
-            raise ValueError("SlabGather: a message's layers must be consecutive")
-        self.paged.gather(self.ids, self.slab[start:stop], start, stop)
 
 
 class Landing:

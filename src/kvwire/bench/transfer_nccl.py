@@ -173,9 +173,10 @@ def print_table(report: dict[str, Any], out: Any = None) -> None:
         for chunk in row.get("kvwire_trace", []):
             print("   ", tuple(chunk))
     print(
-        f"framing: messages of <= {report['chunk_mib']} MiB, first/last {report['edge_mib']} MiB; "
-        f"sender {report.get('sender')}, inline launch {report.get('inline_launch')}, "
-        f"launch holds GIL {report.get('launch_holds_gil')}"
+        f"framing: messages of <= {report['chunk_mib']} MiB, first/last {report['edge_mib']} MiB, "
+        f"ramp {report.get('ramp')}; sender {report.get('sender')}, inline launch "
+        f"{report.get('inline_launch')}, launch holds GIL {report.get('launch_holds_gil')}; "
+        f"send graphs {report.get('send_graph_stats')}"
     )
     for row in report.get("chunk_sweep", []):
         print(

@@ -24,6 +24,7 @@ GPU memory each communicator costs.
 
 from __future__ import annotations
 
+import collections
 import logging
 import sys
 import threading
@@ -79,6 +80,7 @@ class NcclPlane(DataPlane):
         self._callbacks: PlaneCallbacks | None = None
         self._alloc_stream: torch.cuda.Stream | None = None
         self._cancelled = CancelledSet()
+        self._retired_graph_stats: collections.Counter[str] = collections.Counter()  # of closed senders
         self._closed = False
         self._stop = threading.Event()
         self._janitor: threading.Thread | None = None
@@ -165,6 +167,8 @@ class NcclPlane(DataPlane):
                 )
                 if c is not None
             ]
+            for channel in dropped:
+                self._retire(channel)
         for channel in dropped:
             channel.close(abort=True)
 
@@ -190,6 +194,26 @@ class NcclPlane(DataPlane):
             channels: list[tuple[str, _Channel]] = [("send", c) for c in self._senders.values()]
             channels += [("recv", c) for c in self._receivers.values()]
         return [(kind, c.peer_instance, *row) for kind, c in channels for row in list(c.trace)]
+
+    def send_graph_stats(self) -> dict[str, int]:
+        """Captured sends over the open send channels (see :mod:`kvwire.transfer.nccl_graphs`): graphs
+        held, captures, replays, and captures given up (a producer raised, or the channel closed)."""
+        with self._lock:
+            stores = [c.graphs for c in self._senders.values()]
+            retired = self._retired_graph_stats.copy()
+        return {
+            "graphs": sum(len(g) for g in stores),
+            "captures": retired["captures"] + sum(g.captures for g in stores),
+            "replays": retired["replays"] + sum(g.replays for g in stores),
+            "aborted": retired["aborted"] + sum(g.aborted for g in stores),
+        }
+
+    def _retire(self, channel: _Channel) -> None:
+        """Keep the graph counts of a send channel leaving the tables (``_lock`` held)."""
+        if isinstance(channel, SendChannel):
+            self._retired_graph_stats["captures"] += channel.graphs.captures
+            self._retired_graph_stats["replays"] += channel.graphs.replays
+            self._retired_graph_stats["aborted"] += channel.graphs.aborted
 
     def num_communicators(self) -> int:
         """Open channels (each holds one communicator once joined)."""
@@ -223,6 +247,7 @@ class NcclPlane(DataPlane):
         with self._lock:
             if self._senders.get(peer_instance) is old:
                 del self._senders[peer_instance]
+                self._retire(old)
         return self._sender(peer_instance)
 
     def _receiver(self, peer_instance: str) -> RecvChannel:
@@ -266,7 +291,9 @@ class NcclPlane(DataPlane):
                         self._stacks_dumped = True  # once per plane: where is every thread stuck?
                         log.error(
                             "NCCL channel with %s fails (%s); Python stacks:\n%s",
-                            channel.peer_instance, verdict, thread_stacks(),
+                            channel.peer_instance,
+                            verdict,
+                            thread_stacks(),
                         )
                     threading.Thread(target=channel.fail, args=(verdict,), daemon=True).start()
 
@@ -276,5 +303,6 @@ class NcclPlane(DataPlane):
             for table in (self._senders, self._receivers):
                 if table.get(channel.peer_instance) is channel:
                     del table[channel.peer_instance]
+                    self._retire(channel)
         if reason is not None:
             self._cb().on_peer_failed(channel.peer_instance, f"peer_lost: NCCL {reason}")

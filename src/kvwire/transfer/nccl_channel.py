@@ -60,19 +60,16 @@ class CancelledSet:
             return transfer_id in self._ids
 
 
-def plan_chunks(items: Sequence[RecvItem], max_bytes: int, edge_bytes: int = 0) -> list[list[RecvItem]]:
+def plan_chunks(
+    items: Sequence[RecvItem], max_bytes: int, edge_bytes: int = 0, ramp: int = 0
+) -> list[list[RecvItem]]:
     """Group consecutive layers of the same transfer into NCCL messages of at most ``max_bytes`` (a
     single larger layer is its own message); device and host destinations never share a message.
-
-    Each run of one transfer is split as ``edge | middle ... | edge``: the first and the last message
-    hold the fewest layers that reach ``edge_bytes`` (the sender's gather of the first message and the
-    receiver's scatter of the last are not overlapped with the wire, so they are kept short), and the
-    middle is cut into the fewest messages of at most ``max_bytes``, balanced in size (every message
-    boundary costs the wire ~10 us, so no tiny remainder message). ``edge_bytes=0``: no edges."""
+    Each run of one transfer is framed by :func:`message_ranges`."""
     groups: list[list[RecvItem]] = []
     for run in _runs(items):
         sizes = [item.num_bytes for item in run]
-        for start, stop in message_ranges(sizes, max_bytes, edge_bytes):
+        for start, stop in message_ranges(sizes, max_bytes, edge_bytes, ramp):
             groups.append(list(run[start:stop]))
     return groups
 
@@ -93,26 +90,69 @@ def _runs(items: Sequence[RecvItem]) -> list[list[RecvItem]]:
     return runs
 
 
-def message_ranges(sizes: Sequence[int], max_bytes: int, edge_bytes: int) -> list[tuple[int, int]]:
+def message_ranges(
+    sizes: Sequence[int], max_bytes: int, edge_bytes: int, ramp: int = 0
+) -> list[tuple[int, int]]:
     """``[start, stop)`` index ranges of the messages one transfer's consecutive layers of ``sizes``
-    bytes become (see :func:`plan_chunks`). A sender that gathers layer groups itself can align its
-    gathers with them."""
+    bytes become: ``ramp up | middle ... | ramp down``. A sender that gathers layer groups itself can
+    align its gathers with them.
+
+    * The first and the last message hold the fewest layers that reach ``edge_bytes``: the sender's
+      gather of the first message and the receiver's scatter of the last are not overlapped with the
+      wire, so they are kept short.
+    * With ``ramp >= 2`` each next message (from either end inward) holds up to ``ramp`` times the
+      bytes of the one before, until ``max_bytes``: the gather of message k+1 (and the scatter of
+      message k-1) still hides behind message k's wire time, with fewer boundaries than edge-sized
+      steps. ``ramp`` below the copy/wire speed ratio (~5 on H200) keeps the copies hidden.
+    * The middle is cut into the fewest messages of at most ``max_bytes``, balanced in size (every
+      message boundary costs the wire ~10 us, so no tiny remainder message).
+
+    ``edge_bytes=0``: no edges (and no ramp). Fewer than 4 edges' worth of bytes: no edges either (the
+    extra boundaries would cost more than they hide)."""
     n = len(sizes)
-    head = tail = 0
     edge_bytes = min(edge_bytes, max_bytes)
-    if edge_bytes > 0 and sum(sizes) >= 4 * edge_bytes:  # smaller: the extra boundaries cost more
-        head = _reach(sizes, edge_bytes)
-        tail = _reach(sizes[head:][::-1], edge_bytes)
-        if head + tail >= n:
-            head = tail = 0
-    out = [(0, head)] if head else []
-    start = head
-    for length in _balanced(sizes[head : n - tail], max_bytes):
+    head: list[int] = []
+    tail: list[int] = []
+    total = sum(sizes)
+    if edge_bytes > 0 and total >= 4 * edge_bytes:
+        head = _ramp(sizes, edge_bytes, max_bytes, ramp, total // 2)
+        tail = _ramp(sizes[sum(head) :][::-1], edge_bytes, max_bytes, ramp, total // 2)
+        if sum(head) + sum(tail) >= n:
+            head, tail = head[:1], tail[:1]
+            if sum(head) + sum(tail) >= n:
+                head = tail = []
+    out: list[tuple[int, int]] = []
+    start = 0
+    for length in head:
         out.append((start, start + length))
         start += length
-    if tail:
-        out.append((n - tail, n))
+    for length in _balanced(sizes[start : n - sum(tail)], max_bytes):
+        out.append((start, start + length))
+        start += length
+    for length in reversed(tail):
+        out.append((start, start + length))
+        start += length
     return out
+
+
+def _ramp(sizes: Sequence[int], edge_bytes: int, max_bytes: int, ramp: int, budget: int) -> list[int]:
+    """Lengths of the ramp messages from the front of ``sizes``: the first reaches ``edge_bytes``, each
+    next ``ramp`` times the bytes of the one before, while below ``max_bytes`` and within ``budget``
+    bytes in all (at least the first message)."""
+    lengths: list[int] = []
+    goal, used, index = edge_bytes, 0, 0
+    while goal < max_bytes and index < len(sizes):
+        length = _reach(sizes[index:], goal)
+        got = sum(sizes[index : index + length])
+        if lengths and used + got > budget:
+            break
+        lengths.append(length)
+        used += got
+        index += length
+        if ramp < 2:
+            break
+        goal = ramp * got
+    return lengths
 
 
 def _reach(sizes: Sequence[int], goal: int) -> int:
@@ -239,6 +279,7 @@ class _Channel:
             self.closed = True
             idle = not self.inflight and self.busy_since is None
             self.cond.notify_all()
+        self._release_comm()
         if self.comm is not None:
             if abort or not idle:
                 self.comm.abort()
@@ -320,6 +361,25 @@ class _Channel:
     def _launch(self, chunk: ChunkPlan, items: list[SendItem] | list[RecvItem] | None) -> _Batch:
         raise NotImplementedError
 
+    def _launch_next(self, work: _Work, hits_only: bool = False) -> list[_Batch]:
+        """Launch the first chunk of ``work`` (or more, in one go) and pop what was launched; with
+        ``hits_only`` only a graph replay (else nothing: an empty list)."""
+        if hits_only:
+            return []
+        chunk, items = work.pop(0)
+        return [self._launch(chunk, items)]
+
+    def _untake(self, work: _Work) -> None:
+        """Put taken, unlaunched work back (cond held)."""
+        raise NotImplementedError
+
+    def _replays(self, config: NcclPlaneConfig) -> bool:
+        """True when this direction replays captured graphs."""
+        return False
+
+    def _release_comm(self) -> None:
+        """Last call before the communicator is aborted or destroyed."""
+
     def _complete(self, batch: _Batch) -> None:
         raise NotImplementedError
 
@@ -381,21 +441,31 @@ class _Channel:
                     self.cond.wait(timeout=_WAIT_PERIOD_S)
                 if self.closed:
                     return
-            if not self.launch_pending():
+            if not self.launch_pending(wait=True):
                 return
 
     def launch_inline(self) -> None:
-        """Launch what is launchable on the calling (agent) thread: saves a thread hand-off (and a GIL
-        switch) per chunk. Only once the communicator carried a first chunk: connection setup, which
-        may wait for the peer, stays on the issuer thread."""
-        if self.warmed and self.config.inline_launch:
-            with torch.cuda.device(self.device):
-                self.launch_pending()
+        """Launch on the calling (agent) thread what is launchable: saves a thread hand-off (and a GIL
+        switch). Only once the communicator carried a first chunk (connection setup, which may wait
+        for the peer, stays on the issuer thread); everything with ``inline_launch``, otherwise only
+        replays of captured graphs (``send_graphs``: one non-blocking launch, see nccl_graphs)."""
+        if not self.warmed:
+            return
+        hits_only = not self.config.inline_launch
+        if hits_only and not self._replays(self.config):
+            return
+        with torch.cuda.device(self.device):
+            self.launch_pending(hits_only=hits_only)
 
-    def launch_pending(self) -> bool:
+    def launch_pending(self, hits_only: bool = False, wait: bool = False) -> bool:
         """Take and launch every launchable chunk; one launcher at a time (a caller that finds another
-        launching returns: that one, or the issuer it notified, picks the work up). False on failure."""
-        if not self._launch_lock.acquire(blocking=False):
+        launching returns: that one, or the issuer it notified, picks the work up; the issuer waits a
+        moment first, ``wait``). ``hits_only``: launch only graph replays and hand anything else back
+        to the issuer. False on failure."""
+        taken = (
+            self._launch_lock.acquire(timeout=_WAIT_PERIOD_S) if wait else self._launch_lock.acquire(False)
+        )
+        if not taken:
             return True
         try:
             with torch.cuda.stream(self.stream):
@@ -408,16 +478,25 @@ class _Channel:
                             return True
                         self.busy_since = time.monotonic()
                     try:
-                        for chunk, items in work:  # one group + one event per chunk: per-chunk completion
+                        while work:
                             cpu0 = time.thread_time()
                             started = time.perf_counter()
                             self._marks = []
-                            batch = self._launch(chunk, items)
-                            batch.launch_s = (started, time.perf_counter())
-                            batch.launch_cpu_us = (time.thread_time() - cpu0) * 1e6
-                            batch.steps_us = tuple(round((m - started) * 1e6) for m in self._marks)
+                            batches = self._launch_next(work, hits_only)  # pops what it launched
+                            if not batches:  # hits_only and no hit: the issuer launches the rest
+                                with self.cond:
+                                    self._untake(work)
+                                    self.cond.notify_all()
+                                return True
+                            ended = time.perf_counter()
+                            cpu_us = (time.thread_time() - cpu0) * 1e6 / len(batches)
+                            steps = tuple(round((m - started) * 1e6) for m in self._marks)
+                            for batch in batches:
+                                batch.launch_s = (started, ended)
+                                batch.launch_cpu_us = cpu_us
+                                batch.steps_us = steps
                             with self.cond:
-                                self.inflight.append(batch)
+                                self.inflight.extend(batches)
                                 self.cond.notify_all()
                     except TransferError as exc:
                         self.fail(f"launch: {exc}")

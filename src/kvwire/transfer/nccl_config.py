@@ -17,11 +17,17 @@ class NcclPlaneConfig:
 
     min_ctas: int | None = None  # NCCL channels (thread blocks) per communicator; None = NCCL default
     max_ctas: int | None = None
-    chunk_bytes: int = 64 * MiB  # consecutive layers of one transfer coalesce up to this per message
+    chunk_bytes: int = 128 * MiB  # consecutive layers of one transfer coalesce up to this per message
     # The first and the last message of a transfer carry only this much (at least one layer): the
     # sender's gather before the first byte moves and the receiver's scatter after the last byte lands
-    # are not overlapped with the wire, so they should be short (see plan_chunks). 0: no edges.
+    # are not overlapped with the wire, so they should be short (see message_ranges). 0: no edges.
     edge_bytes: int = 8 * MiB
+    # Messages grow from the edges inward by up to this factor (2..8; 0: edge, then the balanced
+    # middle): fewer boundaries, copies still hidden (graph_probe on 2 x H200, docs/performance.md).
+    ramp: int = 4
+    # Sender: captured CUDA graphs kept per channel (a whole run of one transfer's messages replayed
+    # with one call; see nccl_graphs). 0: never capture.
+    send_graphs: int = 8
     max_comms: int = 64  # receive-side communicators (one per sending peer epoch)
     idle_close_s: float = 120.0  # a receive communicator unused this long is destroyed
     init_timeout_s: float = 60.0  # communicator join deadline
@@ -51,6 +57,10 @@ class NcclPlaneConfig:
             raise ConfigError("NcclPlaneConfig.chunk_bytes must be >= 1 MiB")
         if self.edge_bytes < 0:
             raise ConfigError("NcclPlaneConfig.edge_bytes must be >= 0")
+        if self.ramp != 0 and not 2 <= self.ramp <= 8:
+            raise ConfigError("NcclPlaneConfig.ramp must be 0 or in [2, 8]")
+        if not 0 <= self.send_graphs <= 256:
+            raise ConfigError("NcclPlaneConfig.send_graphs must be in [0, 256]")
         if self.max_comms < 1:
             raise ConfigError("NcclPlaneConfig.max_comms must be >= 1")
         if not 1 <= self.max_inflight_chunks <= 512:
@@ -69,6 +79,8 @@ class NcclPlaneConfig:
         inline = os.environ.get("KVWIRE_NCCL_INLINE")
         edge_mib = opt_int("KVWIRE_NCCL_EDGE_MIB")
         hold = os.environ.get("KVWIRE_NCCL_HOLD_GIL")
+        ramp = opt_int("KVWIRE_NCCL_RAMP")
+        graphs = opt_int("KVWIRE_NCCL_GRAPHS")
         defaults = cls()
         chunk = chunk_mib * MiB if chunk_mib else defaults.chunk_bytes
         edge = edge_mib * MiB if edge_mib is not None else defaults.edge_bytes
@@ -77,6 +89,8 @@ class NcclPlaneConfig:
             max_ctas=opt_int("KVWIRE_NCCL_MAX_CTAS"),
             chunk_bytes=chunk,
             edge_bytes=edge,
+            ramp=ramp if ramp is not None else defaults.ramp,
+            send_graphs=graphs if graphs is not None else defaults.send_graphs,
             stall_timeout_s=float(stall) if stall else defaults.stall_timeout_s,
             inline_launch=_flag(inline) if inline else defaults.inline_launch,
             launch_holds_gil=_flag(hold) if hold else defaults.launch_holds_gil,

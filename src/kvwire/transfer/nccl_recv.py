@@ -70,7 +70,9 @@ class RecvChannel(_Channel):
     def add_items(self, items: Sequence[RecvItem]) -> None:
         assert self.offer is not None
         with self.cond:
-            for group in plan_chunks(items, self.config.chunk_bytes, self.config.edge_bytes):
+            for group in plan_chunks(
+                items, self.config.chunk_bytes, self.config.edge_bytes, self.config.ramp
+            ):
                 chunk = ChunkPlan(
                     comm_id=self.offer.comm_id,
                     seq=self.next_seq,

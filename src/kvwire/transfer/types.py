@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Callable, Sequence
-from typing import Any
+import typing
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -114,6 +115,21 @@ GATE_MAGIC = 0x4B565752  # "KVWR"
 # loads a CUDA module, which synchronizes the device) and never call the agent or the plane; if it
 # raises, its transfer fails and the message goes out as dummy bytes.
 DeviceProducer = Callable[[Sequence["SendItem"]], None]
+
+
+@typing.runtime_checkable
+class CapturableProducer(Protocol):
+    """A :data:`DeviceProducer` whose work a plane may capture into a CUDA graph once and replay for
+    later transfers of the same shape (the NCCL plane does, see :mod:`kvwire.transfer.nccl_graphs`).
+
+    ``capture_key(items)`` names, by address and value, everything the work it would enqueue for
+    ``items`` reads or writes apart from the items' tensors (the plane adds those): equal keys must
+    mean identical work. None: this call cannot be captured (the plane calls the producer instead).
+    Its work must not allocate or copy from host memory (a capture would keep the host address)."""
+
+    def __call__(self, items: Sequence[SendItem]) -> None: ...
+
+    def capture_key(self, items: Sequence[SendItem]) -> Hashable | None: ...
 
 
 @dataclasses.dataclass(frozen=True)

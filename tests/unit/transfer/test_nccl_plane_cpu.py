@@ -4,6 +4,7 @@ and the torch fallback of the one-launch paged gather/scatter (the GPU paths are
 from __future__ import annotations
 
 import ctypes
+import itertools
 from typing import Any
 
 import pytest
@@ -56,6 +57,26 @@ def test_message_ranges_short_edges_balanced_middle() -> None:
     assert message_ranges([], 64 * MiB, 8 * MiB) == []
 
 
+def test_message_ranges_ramp_grows_from_the_edges() -> None:
+    def ramp(layer_mib: int, max_mib: int, factor: int = 4) -> list[int]:
+        ranges = message_ranges([layer_mib * MiB] * 32, max_mib * MiB, 8 * MiB, factor)
+        assert [a for a, _ in ranges] == [0] + [b for _, b in ranges[:-1]] and ranges[-1][1] == 32
+        return [(b - a) * layer_mib for a, b in ranges]
+
+    # Llama-3-8B KV at 2048 tokens: 8 MiB layers; 8 -> 32 -> middle -> 32 -> 8 MiB
+    assert ramp(8, 128) == [8, 32, 88, 88, 32, 8]
+    assert ramp(8, 256) == [8, 32, 176, 32, 8]
+    # 8192 tokens: 32 MiB layers (the edge is one layer); each step at most 4x the one before
+    assert ramp(32, 128) == [32, 96, 128, 128, 128, 96, 128, 128, 128, 32]
+    sizes = ramp(32, 256)
+    assert all(b <= 4 * a for a, b in itertools.pairwise(sizes) if b > a)
+    # 512 tokens (64 MiB in all): a ramp step would pass half the bytes: edges and a middle only
+    assert ramp(2, 128) == [8, 48, 8]
+    # ramp 0: the single-edge framing
+    assert ramp(8, 128, factor=0) == [8, 120, 120, 8]
+    assert message_ranges([8 * MiB] * 3, 128 * MiB, 8 * MiB, 4) == [(0, 3)]  # too small for edges
+
+
 def test_plan_chunks_applies_edges_per_transfer_run() -> None:
     items = _items([("a", 8 * MiB)] * 8 + [("b", 8 * MiB)] * 2)
     groups = plan_chunks(items, 64 * MiB, 8 * MiB)
@@ -98,6 +119,10 @@ def test_configs_are_validated() -> None:
         NcclPlaneConfig(max_inflight_chunks=0)
     with pytest.raises(ConfigError):
         NcclPlaneConfig(edge_bytes=-1)
+    with pytest.raises(ConfigError):
+        NcclPlaneConfig(ramp=1)
+    with pytest.raises(ConfigError):
+        NcclPlaneConfig(send_graphs=-1)
     assert NcclPlaneConfig(max_ctas=8).comm_config == CommConfig(max_ctas=8, blocking=True)
 
 
@@ -105,8 +130,12 @@ def test_plane_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVWIRE_NCCL_MAX_CTAS", "4")
     monkeypatch.setenv("KVWIRE_NCCL_CHUNK_MIB", "16")
     monkeypatch.setenv("KVWIRE_NCCL_EDGE_MIB", "0")
+    monkeypatch.setenv("KVWIRE_NCCL_RAMP", "0")
+    monkeypatch.setenv("KVWIRE_NCCL_GRAPHS", "0")
     cfg = NcclPlaneConfig.from_env()
     assert (cfg.max_ctas, cfg.chunk_bytes, cfg.edge_bytes) == (4, 16 * MiB, 0)
+    assert (cfg.ramp, cfg.send_graphs) == (0, 0)
+    assert (NcclPlaneConfig().ramp, NcclPlaneConfig().send_graphs) == (4, 8)
     assert not NcclPlaneConfig().inline_launch and NcclPlaneConfig().edge_bytes == 8 * MiB
     assert not cfg.launch_holds_gil and not cfg.inline_launch
     for raw, expected in (("1", True), ("yes", True), ("off", False), ("0", False)):
@@ -130,6 +159,7 @@ def test_plane_needs_cuda() -> None:
     with pytest.raises(ConfigError):
         TransferConfig(backend=Backend.NCCL, device="cpu")
     plane = NcclPlane(TransferConfig(backend=Backend.NCCL, device="cuda:0"), "me")
+    assert plane.send_graph_stats() == {"graphs": 0, "captures": 0, "replays": 0, "aborted": 0}
     with pytest.raises(NcclUnavailableError):
         plane.start(None)  # type: ignore[arg-type]
 

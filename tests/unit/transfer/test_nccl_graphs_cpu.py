@@ -1,0 +1,114 @@
+"""The bookkeeping of captured sends (kvwire.transfer.nccl_graphs) without a GPU: when a run is
+captured, what keys it, what is evicted. Capture and replay themselves are GPU tests
+(tests/gpu/test_nccl_graphs.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvwire.transfer.nccl_graphs import SendGraphs, producer_key
+from kvwire.transfer.nccl_messages import ChunkPlan
+from kvwire.transfer.nccl_send import _leading_run
+from kvwire.transfer.types import CapturableProducer, SendItem
+
+
+class FakeGraph:
+    def __init__(self) -> None:
+        self.resets = 0
+        self.replays = 0
+
+    def reset(self) -> None:
+        self.resets += 1
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+def _store(capacity: int = 2) -> SendGraphs:
+    return SendGraphs(torch.device("cpu"), capacity)
+
+
+def _put(store: SendGraphs, key: str, graph: FakeGraph) -> None:
+    """What a successful capture stores (capture itself needs CUDA)."""
+    store._graphs[key] = graph
+    while len(store._graphs) > store.capacity:
+        old_key, old = store._graphs.popitem(last=False)
+        old.reset()
+        store._seen.pop(old_key, None)
+
+
+def test_a_key_is_captured_on_its_second_sighting_only() -> None:
+    store = _store()
+    assert store.find("a") == (None, False)  # first sighting: launch from Python
+    assert store.find("a") == (None, True)  # seen before: capture now
+    graph = FakeGraph()
+    _put(store, "a", graph)
+    assert store.find("a") == (graph, False)
+    assert store.replay(graph) is True and graph.replays == 1 and store.replays == 1
+
+
+def test_capacity_evicts_least_recently_used_and_forgets_its_sighting() -> None:
+    store = _store(capacity=2)
+    graphs = {key: FakeGraph() for key in "abc"}
+    for key in "ab":
+        store.find(key)
+        store.find(key)
+        _put(store, key, graphs[key])
+    store.find("a")  # a is now the most recently used
+    store.find("c")
+    store.find("c")
+    _put(store, "c", graphs["c"])
+    assert graphs["b"].resets == 1 and len(store) == 2
+    assert store.find("b") == (None, False)  # evicted keys must be seen again before a new capture
+
+
+def test_close_resets_every_graph_and_refuses_replays() -> None:
+    store = _store()
+    graph = FakeGraph()
+    _put(store, "a", graph)
+    store.close()
+    assert graph.resets == 1 and len(store) == 0
+    assert store.replay(graph) is False and graph.replays == 0
+    assert store.find("a") == (None, False)
+
+
+def test_zero_capacity_never_captures() -> None:
+    store = _store(capacity=0)
+    store.find("a")
+    assert store.find("a") == (None, False)
+
+
+class KeyedProducer:
+    def __init__(self, key: object) -> None:
+        self.key = key
+
+    def __call__(self, items: Sequence[SendItem]) -> None:
+        pass
+
+    def capture_key(self, items: Sequence[SendItem]) -> Any:
+        if self.key == "raise":
+            raise RuntimeError("bug")
+        return self.key
+
+
+def test_producer_key_needs_a_capture_key_method() -> None:
+    item = SendItem("t", 0, torch.zeros(4))
+    assert isinstance(KeyedProducer(1), CapturableProducer)
+    assert producer_key(KeyedProducer(("x", 1)), [item]) == ("x", 1)
+    assert producer_key(KeyedProducer(None), [item]) is None
+    assert producer_key(KeyedProducer("raise"), [item]) is None  # a buggy key: not capturable
+    assert producer_key(lambda items: None, [item]) is None  # a plain producer
+
+
+def test_leading_run_is_the_real_chunks_of_the_first_transfer() -> None:
+    def plan(seq: int, tid: str) -> ChunkPlan:
+        return ChunkPlan(comm_id="c", seq=seq, transfer_id=tid, layers=[seq], num_bytes=4)
+
+    items = [SendItem("a", 0, torch.zeros(1))]
+    work: Any = [(plan(0, "a"), items), (plan(1, "a"), items), (plan(2, "b"), items)]
+    assert [c.seq for c, _ in _leading_run(work, set())] == [0, 1]
+    assert _leading_run(work, {"a"}) == []  # cancelled: dummy bytes from Python
+    assert _leading_run([(plan(0, "a"), None), *work], set()) == []  # a dummy chunk first
