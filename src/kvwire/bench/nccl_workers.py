@@ -21,13 +21,14 @@ import torch
 
 from kvwire.bench import nccl_harness as h
 from kvwire.transfer.cuda_paged import PagedLayers, SlabGather
+from kvwire.transfer.device_signal import DeviceSignal
 from kvwire.transfer.nccl_channel import message_ranges
 from kvwire.transfer.nccl_lib import NcclComm
 from kvwire.transfer.paged import KVLayout, gather_blocks, scatter_blocks
 from kvwire.transfer.types import RecvItem, SendItem
 
 LAYOUT = KVLayout.KV_FIRST
-SENDERS = ("producer", "per-message", "bulk")  # how (c)'s sender hands its layers to the plane
+SENDERS = ("armed", "producer", "per-message", "bulk")  # how (c)'s sender hands its layers to the plane
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +132,7 @@ def reference(
 class KvwireSide:
     """One side of the kvwire path: a plane, its peer, and the per-size buffers."""
 
-    def __init__(self, rank: int, plane_cfg: h.NcclPlaneConfig, tag: str, sender: str = "producer") -> None:
+    def __init__(self, rank: int, plane_cfg: h.NcclPlaneConfig, tag: str, sender: str = "armed") -> None:
         if sender not in SENDERS:
             raise ValueError(f"sender must be one of {SENDERS}, got {sender!r}")
         self.sender = sender
@@ -175,6 +176,20 @@ class KvwireSide:
         conn.send(("offer", tid))
         self.plane.on_peer_info(self.peer, conn.recv())
         return tid
+
+    def arm(self, tid: str, paged: PagedLayers, ids: torch.Tensor, slab: torch.Tensor) -> DeviceSignal:
+        """Rank 0, ``sender="armed"`` (what a P instance does once it knows the request's blocks, i.e.
+        before its forward ends): hand every layer over with a device producer *and* a device signal;
+        the plane queues the whole transfer on its send stream behind a wait for the signal. The
+        caller fires the signal on its stream once the KV is written (the timed start)."""
+        signal = DeviceSignal()
+        gather = SlabGather(paged, ids, slab)
+        rows = self._rows(slab)
+        self.plane.send(
+            self.peer,
+            [SendItem(tid, i, row, ready_signal=signal, on_device=gather) for i, row in enumerate(rows)],
+        )
+        return signal
 
     def send_data(self, tid: str, paged: PagedLayers, ids: torch.Tensor, slab: torch.Tensor) -> None:
         """Rank 0. ``sender="producer"`` (what a P instance does): hand every layer over in one call
@@ -274,9 +289,13 @@ def kvwire_path(
     for _ in range(iters):
         if side.rank == 0:
             tid = side.send_handshake(conn)
+            signal = side.arm(tid, paged, ids, slab) if side.sender == "armed" else None
             barrier(conn, 0)
             t0 = side.last_t0 = time.perf_counter()
-            side.send_data(tid, paged, ids, slab)
+            if signal is not None:
+                signal.fire()  # the KV is in the cache: the GPU starts the armed transfer
+            else:
+                side.send_data(tid, paged, ids, slab)
             out.append(conn.recv() - t0)
             side.rec.wait_sent(tid, num_layers)
         else:

@@ -56,10 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes-only", action="store_true", help="only (a)/(b)/(c) per size: no extras")
     parser.add_argument(
         "--sender",
-        choices=["producer", "per-message", "bulk"],
-        default="producer",
-        help="(c): the plane gathers each message with a device producer (default), or the caller "
-        "gathers and hands each message over, or gathers all then hands all over",
+        choices=["armed", "producer", "per-message", "bulk"],
+        default="armed",
+        help="(c): 'armed' (default): the whole transfer is handed over before t0 behind a device signal "
+        "that the sender's stream fires at t0 (what a P instance does: it knows the blocks before its "
+        "forward ends); 'producer': handed over at t0 with a device producer per message; "
+        "'per-message'/'bulk': the caller gathers and hands each message / everything over",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--out", default=None, help="also write the JSON results to this file")
@@ -110,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         "max_ctas": getattr(args, "max_ctas", None),
         "overlap_tokens": getattr(args, "overlap_tokens", 2048),
         "sizes_only": getattr(args, "sizes_only", False),
-        "sender": getattr(args, "sender", "producer"),
+        "sender": getattr(args, "sender", "armed"),
     }
     ctx = mp.get_context("spawn")
     left, right = ctx.Pipe()

@@ -114,6 +114,8 @@ class DataPlane(abc.ABC):
     #: True when the plane runs ``SendItem.on_device`` producers on its send stream right before each
     #: message (:data:`kvwire.transfer.types.DeviceProducer`).
     supports_device_producers: ClassVar[bool] = False
+    #: True when the plane honours ``SendItem.ready_signal`` (a device-side wait before the sends).
+    supports_device_signals: ClassVar[bool] = False
 
     @abc.abstractmethod
     def start(self, callbacks: PlaneCallbacks) -> None:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from kvwire.errors import ProtocolError, TransferError
+from kvwire.transfer import device_signal
 from kvwire.transfer.base import DataPlane, PlaneCallbacks
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.nccl_channel import CancelledSet, _Channel
@@ -66,6 +67,7 @@ class NcclPlane(DataPlane):
     ordered = True
     supports_device_consumers = True
     supports_device_producers = True
+    supports_device_signals = True  # cuStreamWaitValue32: CUDA drivers >= 11.7 (checked at start)
 
     def __init__(
         self, config: TransferConfig, instance_id: str, plane_config: NcclPlaneConfig | None = None
@@ -95,6 +97,8 @@ class NcclPlane(DataPlane):
         version = ".".join(map(str, lib.version()))
         log.info("NCCL data plane on %s: %s, NCCL %s", self.device, lib.path, version)
         self._callbacks = callbacks
+        with torch.cuda.device(self.device):
+            device_signal.prepare(self.device)  # raises TransferError without cuStreamWaitValue32
         self._alloc_stream = torch.cuda.Stream(device=self.device)
         self._janitor = threading.Thread(target=self._janitor_loop, name="kvwire-nccl-janitor", daemon=True)
         self._janitor.start()

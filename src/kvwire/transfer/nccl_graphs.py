@@ -29,6 +29,7 @@ Rules that keep it safe (each learnt the hard way, decision 064):
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 from collections.abc import Callable, Hashable, Sequence
 
@@ -37,6 +38,14 @@ import torch
 from kvwire.transfer.types import DeviceProducer, SendItem
 
 _MAX_SEEN = 1024  # keys remembered for the "seen before" rule
+
+
+@dataclasses.dataclass(frozen=True)
+class Captured:
+    """A captured run: the graph, and the status words its sends read (``[magic, real]``)."""
+
+    graph: torch.cuda.CUDAGraph
+    status: torch.Tensor
 
 
 class CaptureAborted(Exception):
@@ -63,7 +72,7 @@ class SendGraphs:
         self.device = device
         self.capacity = capacity
         self._lock = threading.Lock()
-        self._graphs: collections.OrderedDict[Hashable, torch.cuda.CUDAGraph] = collections.OrderedDict()
+        self._graphs: collections.OrderedDict[Hashable, Captured] = collections.OrderedDict()
         self._seen: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
         self._closed = False
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
@@ -75,7 +84,7 @@ class SendGraphs:
         with self._lock:
             return len(self._graphs)
 
-    def find(self, key: Hashable, count: bool = True) -> tuple[torch.cuda.CUDAGraph | None, bool]:
+    def find(self, key: Hashable, count: bool = True) -> tuple[Captured | None, bool]:
         """(the graph of ``key``, or None; whether the key was seen before: capture it now). A miss
         counts as a sighting of ``key`` unless ``count`` is false (a look that launches nothing)."""
         with self._lock:
@@ -99,7 +108,8 @@ class SendGraphs:
         key: Hashable,
         produce: Callable[[], list[torch.cuda.Event]],
         send: Callable[[torch.cuda.Stream, list[torch.cuda.Event]], None],
-    ) -> torch.cuda.CUDAGraph:
+        status: torch.Tensor,
+    ) -> Captured:
         """Capture ``produce`` (enqueues every producer on the current stream, returns one event per
         message marking its producers' end) then ``send`` (given the capture stream and those events,
         enqueues every message's NCCL group, each behind its event) into a graph stored under ``key``.
@@ -135,20 +145,21 @@ class SendGraphs:
             if self._closed:
                 graph.reset()
                 raise CaptureAborted("the channel closed during capture")
-            self._graphs[key] = graph
+            captured = Captured(graph, status)
+            self._graphs[key] = captured
             self.captures += 1
             while len(self._graphs) > self.capacity:
                 old_key, old = self._graphs.popitem(last=False)
-                old.reset()  # an in-flight replay finishes first (CUDA frees it on completion)
+                old.graph.reset()  # an in-flight replay finishes first (CUDA frees it on completion)
                 self._seen.pop(old_key, None)  # must be seen again: no capture churn at capacity
-        return graph
+        return captured
 
-    def replay(self, graph: torch.cuda.CUDAGraph) -> bool:
-        """Launch ``graph`` on the current stream; False (nothing launched) once closed."""
+    def replay(self, captured: Captured) -> bool:
+        """Launch the graph on the current stream; False (nothing launched) once closed."""
         with self._lock:  # close() never resets a graph between the check and the launch
             if self._closed:
                 return False
-            graph.replay()
+            captured.graph.replay()
             self.replays += 1
         return True
 
@@ -157,7 +168,7 @@ class SendGraphs:
         the graphs that captured it). Replays in flight finish first; later ``find`` calls miss."""
         with self._lock:
             self._closed = True
-            graphs = list(self._graphs.values())
+            graphs = [c.graph for c in self._graphs.values()]
             self._graphs.clear()
         for graph in graphs:
             graph.reset()

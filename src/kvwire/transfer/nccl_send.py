@@ -16,17 +16,21 @@ the same GPU work, without ~100-300 us of Python per message.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
 from kvwire.errors import PeerLostError
+from kvwire.transfer.device_signal import DeviceSignal, wait_ready
 from kvwire.transfer.nccl_channel import STATUS_MAGIC, _Batch, _Channel, _Work, adjacent_ptr, log
 from kvwire.transfer.nccl_config import NcclPlaneConfig
 from kvwire.transfer.nccl_graphs import CaptureAborted, SendGraphs, producer_key
 from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer
 from kvwire.transfer.types import DeviceProducer, RecvItem, SendItem
+
+_MAX_SIGNALS = 4096  # transfers' device signals remembered per channel (oldest forgotten first)
 
 # one chunk of a capturable run: (chunk, items, source address, [(producer, its items)])
 _Part = tuple[ChunkPlan, list[SendItem], int, list[tuple[DeviceProducer, list[SendItem]]]]
@@ -43,6 +47,8 @@ class SendChannel(_Channel):
         self._scratch: torch.Tensor | None = None
         self._status: dict[bool, torch.Tensor] = {}  # real data? -> [magic, flag] on the device
         self.graphs = SendGraphs(self.device, self.config.send_graphs)
+        # device signals of transfers handed over: abandoned on cancel and before the comm goes
+        self._signals: collections.OrderedDict[str, DeviceSignal] = collections.OrderedDict()
 
     # --- called by the plane (agent threads) ------------------------------------------------------
     def set_offer(self, offer: CommOffer) -> None:
@@ -65,6 +71,10 @@ class SendChannel(_Channel):
             for item in items:
                 if item.transfer_id not in cancelled:
                     self.ready[(item.transfer_id, item.layer_index)] = item
+                    if isinstance(item.ready_signal, DeviceSignal):
+                        self._signals[item.transfer_id] = item.ready_signal
+            while len(self._signals) > _MAX_SIGNALS:
+                self._signals.popitem(last=False)
             self.last_active = time.monotonic()
         self._launch_then_wake()
 
@@ -80,6 +90,9 @@ class SendChannel(_Channel):
     def _forget(self, transfer_id: str) -> None:
         for key in [k for k in self.ready if k[0] == transfer_id]:
             del self.ready[key]
+        signal = self._signals.pop(transfer_id, None)
+        if signal is not None:  # a wait already on the stream goes on; its chunks say "not real"
+            signal.abandon()
 
     def _idle_limit_s(self) -> float:
         # the receiver owns the communicator and closes it first; we follow well after
@@ -116,11 +129,7 @@ class SendChannel(_Channel):
         if items is not None:
             sizes = [item.tensor.numel() * item.tensor.element_size() for item in items]
             if sum(sizes) == chunk.num_bytes:
-                waited: set[int] = set()
-                for item in items:
-                    if item.ready_event is not None and id(item.ready_event) not in waited:
-                        waited.add(id(item.ready_event))
-                        self.stream.wait_event(item.ready_event)
+                self._wait_inputs(items)
                 self.mark()
                 if not self._produce(chunk, items):
                     return self._dummy(chunk)
@@ -139,6 +148,18 @@ class SendChannel(_Channel):
             reason = f"mismatch: layers of {sum(sizes)} bytes, receiver planned {chunk.num_bytes}"
             self.callbacks.on_transfer_failed(chunk.transfer_id, reason)
         return self._dummy(chunk)
+
+    def _wait_inputs(self, items: Sequence[SendItem]) -> None:
+        """Order the send stream after the items' ready events and their transfer's device signal."""
+        waited: set[int] = set()
+        for item in items:
+            for ready in (item.ready_event, item.ready_signal):
+                if ready is not None and id(ready) not in waited:
+                    waited.add(id(ready))
+                    if isinstance(ready, DeviceSignal):
+                        wait_ready(self.stream, ready)
+                    else:
+                        self.stream.wait_event(ready)
 
     def _dummy(self, chunk: ChunkPlan) -> tuple[int, torch.Tensor | None, bool]:
         """Scratch bytes of the chunk's size: keeps the stream in step when there is no real data."""
@@ -171,17 +192,23 @@ class SendChannel(_Channel):
         assert self.comm is not None
         self._status_word(True)
         address, keep, real = self._source(chunk, items)  # type: ignore[arg-type]
+        keepalive = [keep] if keep is not None else []
+        status = self._status[real]
+        signal = _signal_of(items) if real else None  # type: ignore[arg-type]
+        if signal is not None:  # real unless the transfer is abandoned by the time the wait passes
+            status = torch.empty_like(status)
+            status.copy_(self._status[True], non_blocking=True)
+            status[1:2].copy_(signal.real, non_blocking=True)
+            keepalive.append(status)
         stream = self.stream.cuda_stream
         with self.comm.group(time.monotonic() + self.config.stall_timeout_s):
             if chunk.num_bytes:
                 self.comm.send(address, chunk.num_bytes, 1, stream)
-            self.comm.send(self._status[real].data_ptr(), 8, 1, stream)
+            self.comm.send(status.data_ptr(), 8, 1, stream)
         self.mark()
         event = torch.cuda.Event()
         event.record(self.stream)
-        return _Batch(
-            event, chunk, items if real else None, [keep] if keep is not None else [], time.monotonic()
-        )
+        return _Batch(event, chunk, items if real else None, keepalive, time.monotonic())
 
     # --- captured runs (nccl_graphs) ------------------------------------------------------------------
     def _launch_next(self, work: _Work, hits_only: bool = False) -> list[_Batch]:
@@ -225,33 +252,33 @@ class SendChannel(_Channel):
                 return None
             key.append((tuple(chunk.layers), chunk.num_bytes, address, tuple(keys)))
             parts.append((chunk, items, address, producers))
-        return tuple(key), parts
+        # a signalled run's graph has its own status word, refreshed from the signal before each replay
+        return (tuple(key), _signal_of(run[0][1]) is not None), parts
 
     def _launch_graph(self, key: Hashable, parts: list[_Part], capture: bool = True) -> list[_Batch] | None:
         """Replay the run's graph (capturing it when its key was seen before, if ``capture``) on the
         send stream, the current stream. None: no graph (first sighting, or the capture gave up
         before NCCL, or not ``capture``)."""
         assert self.comm is not None
-        graph, seen = self.graphs.find(key, count=capture)
-        if graph is None:
+        captured, seen = self.graphs.find(key, count=capture)
+        if captured is None:
             if not seen or not capture:
                 return None
-            status = self._status_word(True).data_ptr()
+            status = torch.empty_like(self._status_word(True))
+            status.copy_(self._status[True], non_blocking=True)  # [magic, real=1], on the send stream
             try:
-                graph = self.graphs.capture(
-                    key, lambda: _produce_all(parts), self._captured_sends(parts, status)
+                captured = self.graphs.capture(
+                    key, lambda: _produce_all(parts), self._captured_sends(parts, status.data_ptr()), status
                 )
             except CaptureAborted as exc:
                 log.info("send graph not captured (%s); launching from Python", exc)
                 return None
-        waited: set[int] = set()
-        for _, items, _, _ in parts:
-            for item in items:
-                if item.ready_event is not None and id(item.ready_event) not in waited:
-                    waited.add(id(item.ready_event))
-                    self.stream.wait_event(item.ready_event)
+        self._wait_inputs([item for _, items, _, _ in parts for item in items])
+        signal = _signal_of(parts[0][1])
+        if signal is not None:
+            captured.status[1:2].copy_(signal.real, non_blocking=True)
         self.mark()
-        if not self.graphs.replay(graph):
+        if not self.graphs.replay(captured):
             raise PeerLostError("the channel closed")
         self.mark()
         event = torch.cuda.Event()
@@ -274,6 +301,11 @@ class SendChannel(_Channel):
         return send
 
     def _release_comm(self) -> None:
+        with self.cond:
+            signals = list(self._signals.values())
+            self._signals.clear()
+        for signal in signals:  # no send stream left waiting on a word nobody will write
+            signal.abandon()
         self.graphs.close()  # NCCL does not abort or destroy a communicator that a live graph holds
 
     # --- completer ----------------------------------------------------------------------------------
@@ -285,6 +317,12 @@ class SendChannel(_Channel):
                 self.callbacks.on_sent(self.peer_instance, batch.chunk.transfer_id, item.layer_index)
             except Exception:  # a callback bug must not kill the channel
                 log.exception("on_sent callback failed")
+
+
+def _signal_of(items: Sequence[SendItem] | None) -> DeviceSignal | None:
+    """The device signal the items' transfer waits on (one per transfer), if any."""
+    signal = items[0].ready_signal if items else None
+    return signal if isinstance(signal, DeviceSignal) else None
 
 
 def _producers(items: Sequence[SendItem]) -> list[tuple[DeviceProducer, list[SendItem]]]:

@@ -195,6 +195,10 @@ class SendItem:
     # Only for planes with ``supports_device_producers``: fills ``tensor`` just before it is sent (see
     # DeviceProducer); ``ready_event`` then marks when the producer's *inputs* are ready.
     on_device: DeviceProducer | None = None
+    # Only for planes with ``supports_device_signals``: a kvwire.transfer.device_signal.DeviceSignal
+    # the plane's send stream waits on before this item's work (hand the transfer over before its
+    # data exists; the producer's stream fires the signal once the KV is written). One per transfer.
+    ready_signal: Any | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kvwire.transfer.nccl_graphs import SendGraphs, producer_key
+from kvwire.transfer.nccl_graphs import Captured, SendGraphs, producer_key
 from kvwire.transfer.nccl_messages import ChunkPlan
 from kvwire.transfer.nccl_send import _leading_run
 from kvwire.transfer.types import CapturableProducer, SendItem
@@ -31,13 +31,15 @@ def _store(capacity: int = 2) -> SendGraphs:
     return SendGraphs(torch.device("cpu"), capacity)
 
 
-def _put(store: SendGraphs, key: str, graph: FakeGraph) -> None:
+def _put(store: SendGraphs, key: str, graph: FakeGraph) -> Captured:
     """What a successful capture stores (capture itself needs CUDA)."""
-    store._graphs[key] = graph
+    captured = Captured(graph, torch.zeros(2, dtype=torch.int32))  # type: ignore[arg-type]
+    store._graphs[key] = captured
     while len(store._graphs) > store.capacity:
         old_key, old = store._graphs.popitem(last=False)
-        old.reset()
+        old.graph.reset()
         store._seen.pop(old_key, None)
+    return captured
 
 
 def test_a_key_is_captured_on_its_second_sighting_only() -> None:
@@ -45,9 +47,11 @@ def test_a_key_is_captured_on_its_second_sighting_only() -> None:
     assert store.find("a") == (None, False)  # first sighting: launch from Python
     assert store.find("a") == (None, True)  # seen before: capture now
     graph = FakeGraph()
-    _put(store, "a", graph)
-    assert store.find("a") == (graph, False)
-    assert store.replay(graph) is True and graph.replays == 1 and store.replays == 1
+    captured = _put(store, "a", graph)
+    assert store.find("a") == (captured, False)
+    assert store.find("b", count=False) == (None, False)  # a look only: not a sighting
+    assert store.find("b") == (None, False)
+    assert store.replay(captured) is True and graph.replays == 1 and store.replays == 1
 
 
 def test_capacity_evicts_least_recently_used_and_forgets_its_sighting() -> None:
@@ -68,10 +72,10 @@ def test_capacity_evicts_least_recently_used_and_forgets_its_sighting() -> None:
 def test_close_resets_every_graph_and_refuses_replays() -> None:
     store = _store()
     graph = FakeGraph()
-    _put(store, "a", graph)
+    captured = _put(store, "a", graph)
     store.close()
     assert graph.resets == 1 and len(store) == 0
-    assert store.replay(graph) is False and graph.replays == 0
+    assert store.replay(captured) is False and graph.replays == 0
     assert store.find("a") == (None, False)
 
 
@@ -112,3 +116,24 @@ def test_leading_run_is_the_real_chunks_of_the_first_transfer() -> None:
     assert [c.seq for c, _ in _leading_run(work, set())] == [0, 1]
     assert _leading_run(work, {"a"}) == []  # cancelled: dummy bytes from Python
     assert _leading_run([(plan(0, "a"), None), *work], set()) == []  # a dummy chunk first
+
+
+def test_device_signal_states_and_driver_entry_point() -> None:
+    from kvwire.errors import TransferError
+    from kvwire.transfer import device_signal
+    from kvwire.transfer.nccl_send import _signal_of
+
+    assert [s.value for s in device_signal.SignalState] == [0, 1, 2]  # wait GEQ READY passes on both
+    assert _signal_of([SendItem("t", 0, torch.zeros(1))]) is None
+    assert _signal_of([]) is None
+    if torch.cuda.is_available():
+        return
+    device_signal._wait_value32.cache_clear()
+    try:  # no libcuda on a CPU machine: a typed error, not an OSError
+        device_signal._wait_value32()
+    except TransferError as exc:
+        assert "cuStreamWaitValue32" in str(exc)
+    else:
+        raise AssertionError("expected TransferError without libcuda")
+    finally:
+        device_signal._wait_value32.cache_clear()

@@ -1,0 +1,119 @@
+"""A device-visible "the KV is written" word: arm a send before its data exists; the GPU starts it.
+
+A P instance knows which blocks it will send (and the receiver's chunk plan arrives with the grant)
+long before its forward pass ends. With a :class:`DeviceSignal` the whole transfer is handed to the
+plane then: the plane enqueues, on its send stream, a wait for the word (``cuStreamWaitValue32``)
+and everything after it (gathers, NCCL sends, or one graph replay). When the forward has written
+the KV, the producer's stream flips the word with :meth:`DeviceSignal.fire` (a 4-byte copy, stream
+ordered after the writes) and the GPU goes straight on: no host step between the last KV write and
+the first byte on the wire (a host hand-off costs 0.2-0.4 ms of Python, see decision 064).
+
+**While a transfer is armed, nothing on that GPU may synchronize the whole device** (
+``torch.cuda.synchronize``, ``cudaFree`` when the caching allocator releases memory, the first
+launch of a kernel, which loads its module): that waits for the send stream, which waits for the
+signal, which the blocked thread was to fire. The plane's stall watchdog ends such a wait (it
+abandons the signals before it aborts the communicator), but only after ``stall_timeout_s``. The
+same rule already holds for posted NCCL receives (decision 062).
+
+The words live in pinned host memory (device-mapped), so they are set from the start with no
+stream work, and the plane can give a transfer up from the host at once (:meth:`abandon`: its
+waiting stream goes on, and the chunks behind the wait carry "not real" status words so the
+receiver drops them). Two words: the *state* (what streams wait on; the producer's stream writes
+it) and the *real* flag the chunks' status words are copied from after the wait (only the host
+writes it, and :meth:`abandon` clears it before it releases the wait, so a firing copy still in
+flight can never turn an abandoned transfer's chunks back into "real").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import functools
+import threading
+from typing import Any
+
+import torch
+
+from kvwire.errors import TransferError
+
+_CU_STREAM_WAIT_VALUE_GEQ = 0x0
+
+
+class SignalState(enum.IntEnum):
+    ARMED = 0  # not written yet: streams waiting on it wait
+    READY = 1  # fired by the producer's stream after the KV writes
+    ABANDONED = 2  # given up (cancel, close): waiting streams go on, what follows is "not real"
+
+
+class DeviceSignal:
+    """One transfer's readiness word (see the module docstring). Made on any thread, no stream work."""
+
+    def __init__(self) -> None:
+        self.words = torch.tensor([int(SignalState.ARMED), 1], dtype=torch.int32).pin_memory()
+        self.real = self.words[1:2]  # the status words' "real" flag: 1 until abandoned (then 2)
+        self._state = self.words[0:1]
+        self._lock = threading.Lock()
+
+    @property
+    def address(self) -> int:
+        """Device-visible address of the state word (pinned host memory under UVA)."""
+        return int(self.words.data_ptr())
+
+    @property
+    def state(self) -> SignalState:
+        """The state word as the host sees it now (READY once the firing copy has run)."""
+        return SignalState(int(self.words[0]))
+
+    def fire(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Mark the KV written: a 4-byte copy enqueued on ``stream`` (default: the current stream),
+        so it lands after everything enqueued there before (the forward's KV writes)."""
+        if stream is None:  # the common case, kept short: this call is on the critical path
+            ready = _ready_word(torch.device("cuda", torch.cuda.current_device()))
+            self._state.copy_(ready, non_blocking=True)
+            return
+        with torch.cuda.stream(stream):
+            self._state.copy_(_ready_word(stream.device), non_blocking=True)
+
+    def abandon(self) -> None:
+        """Give the transfer up from the host: clear the real flag, then release waiting streams
+        (state ABANDONED unless already READY). Chunks whose status was copied before this went
+        out as real, as if they had left before the cancel."""
+        with self._lock:
+            self.words[1] = int(SignalState.ABANDONED)
+            if int(self.words[0]) == SignalState.ARMED:
+                self.words[0] = int(SignalState.ABANDONED)
+
+
+@functools.lru_cache(maxsize=16)
+def _ready_word(device: torch.device) -> torch.Tensor:
+    """READY on ``device``, made once and waited for (a later first use would sync its stream)."""
+    word = torch.tensor([int(SignalState.READY)], dtype=torch.int32, device=device)
+    torch.cuda.current_stream(device).synchronize()
+    return word
+
+
+def prepare(device: torch.device) -> None:
+    """Make the constants and load the driver entry point now (at plane or engine start), so a first
+    :meth:`DeviceSignal.fire` or wait never allocates or synchronizes."""
+    _ready_word(device)
+    _wait_value32()
+
+
+@functools.lru_cache(maxsize=1)
+def _wait_value32() -> Any:
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuStreamWaitValue32_v2
+    except (OSError, AttributeError) as exc:
+        raise TransferError(f"cuStreamWaitValue32 unavailable: {exc}") from exc
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def wait_ready(stream: torch.cuda.Stream, signal: DeviceSignal) -> None:
+    """Enqueue on ``stream``: wait until ``signal`` is no longer ARMED (READY or ABANDONED)."""
+    ready = int(SignalState.READY)
+    code = _wait_value32()(stream.cuda_stream, signal.address, ready, _CU_STREAM_WAIT_VALUE_GEQ)
+    if code != 0:
+        raise TransferError(f"cuStreamWaitValue32 failed (CUresult {code})")
