@@ -23,7 +23,9 @@ import torch
 
 from kvwire.bench import nccl_harness as h
 from kvwire.bench import nccl_workers as w
+from kvwire.transfer import device_signal
 from kvwire.transfer.cuda_paged import PagedLayers
+from kvwire.transfer.device_signal import DeviceSignal
 from kvwire.transfer.nccl_channel import message_ranges
 from kvwire.transfer.nccl_lib import NcclComm
 
@@ -31,7 +33,7 @@ MiB = 1 << 20
 WARMUP = 3
 
 
-DEFAULT_VARIANT = {"p": 4, "chunk": 64, "edge": 8, "ramp": 0, "copy": 1, "prio": 0}
+DEFAULT_VARIANT = {"p": 4, "chunk": 64, "edge": 8, "ramp": 0, "copy": 1, "prio": 0, "armed": 0}
 
 
 def parse_variant(spec: str, chunk_mib: int) -> dict[str, int]:
@@ -165,16 +167,32 @@ def graph_path(
     iters: int,
     recv_priority: int = 0,
     copy: bool = True,
+    armed: int = 0,
 ) -> list[float]:
     slab = torch.empty(paged.shape(ids.numel()), dtype=torch.bfloat16, device=ids.device)
     out = []
     if rank == 0:
         graph = capture_sender(paged, ids, slab, ranges, comm, copy)
+        send_stream = torch.cuda.Stream()
+        ready = torch.ones(1, dtype=torch.int32, device=ids.device)
         torch.cuda.synchronize()
         for _ in range(iters):
+            word = None
+            if armed:  # queued before t0 behind a device-side wait; t0 fires the word
+                signal = DeviceSignal() if armed == 1 else None  # 1: pinned host word (the plane's)
+                word = signal.words[0:1] if signal is not None else torch.zeros_like(ready)  # 2: device
+                torch.cuda.synchronize()
+                address = word.data_ptr()
+                with torch.cuda.stream(send_stream):
+                    code = device_signal._wait_value32()(send_stream.cuda_stream, address, 1, 0)
+                    assert code == 0, code
+                    graph.replay()
             w.barrier(conn, 0)
             t0 = time.perf_counter()
-            graph.replay()
+            if word is not None:
+                word.copy_(ready, non_blocking=True)
+            else:
+                graph.replay()
             out.append(conn.recv() - t0)
             torch.cuda.synchronize()
         return out
@@ -218,7 +236,9 @@ def rank_main(
                 ranges = message_ranges(sizes, chunk, edge)
             a = w.ceiling(conn, rank, comm, num_bytes, WARMUP + iters)[WARMUP:]
             rp = high if variant["prio"] else 0
-            g = graph_path(conn, rank, comm, paged, ids, ranges, WARMUP + iters, rp, copy)[WARMUP:]
+            g = graph_path(conn, rank, comm, paged, ids, ranges, WARMUP + iters, rp, copy, variant["armed"])[
+                WARMUP:
+            ]
             if rank == 1:
                 w.poison(cache, ids)
             graph_path(conn, rank, comm, paged, ids, ranges, 1, rp)
@@ -255,7 +275,8 @@ def main() -> None:
         + ",".join(f"{k}={v}" for k, v in DEFAULT_VARIANT.items())
         + " (p: gather/scatter programs per SM, 0 unbounded; chunk/edge: MiB; ramp: message sizes grow by"
         " this factor from the edge, 0 = balanced middle; copy=0: framing only, no gather/scatter; prio=1:"
-        " receive stream at high priority); repeatable",
+        " receive stream at high priority; armed=1/2: the replay queued before t0 behind a wait on a pinned"
+        " host / device word that t0 fires); repeatable",
     )
     args = parser.parse_args()
     variants = [parse_variant(spec, args.chunk_mib) for spec in args.variant or [""]]
