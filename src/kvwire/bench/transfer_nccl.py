@@ -5,10 +5,14 @@ Per size (Llama-3-8B-shaped paged KV, bf16, block size 16, random block ids on b
 * (a) ``ceiling``: one contiguous NCCL send of the same bytes;
 * (b) ``reference``: the seed's per-layer way (gather one layer, one control round trip, one send,
   one sync, scatter) over the same communicator;
-* (c) ``kvwire``: the NCCL data plane (:mod:`kvwire.transfer.nccl`): the sender hands every layer over
-  with a device producer, so the plane gathers each message with one launch
-  (:mod:`kvwire.transfer.cuda_paged`) right before sending it; the receiver posts every message
-  before the data is ready and scatters each on arrival (device consumers).
+* (c) ``kvwire``: the NCCL data plane (:mod:`kvwire.transfer.nccl`). By default (``--sender armed``)
+  the sender hands every layer over *before* t0 with a device producer and a device signal
+  (:mod:`kvwire.transfer.device_signal`): the plane queues the transfer on its send stream behind a
+  wait for the signal (one CUDA graph replay once the shape repeats), and at t0 the sender's stream
+  fires it, as a P instance would right after its forward wrote the KV. The plane gathers each
+  message with one launch (:mod:`kvwire.transfer.cuda_paged`) right before sending it; the receiver
+  posts every message before the data is ready and scatters each on arrival (device consumers).
+  ``--sender producer`` hands the layers over at t0 instead.
 
 Plus: chunk-size sweep, layer-wise overlap with a synthetic forward pass, GPU memory per communicator
 by channel bound, and one-launch vs per-layer gather/scatter. Needs two CUDA GPUs; run as
