@@ -233,7 +233,9 @@ class SendChannel(_Channel):
             self.next_seq = work[0][0].seq
 
     def _replays(self, config: NcclPlaneConfig) -> bool:
-        return config.send_graphs > 0
+        # no graph yet: no hit possible, so the caller's thread does not pay a take-and-give-back of
+        # the work (senders whose shapes never repeat, e.g. per-layer hand-overs, never do)
+        return config.send_graphs > 0 and len(self.graphs) > 0
 
     def _capturable(self, run: list[tuple[ChunkPlan, list[SendItem]]]) -> tuple[Hashable, list[_Part]] | None:
         """(graph key, parts) of a run that a graph can carry, else None (the Python path sends it)."""
