@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Container, Hashable, Sequence
 
 import torch
 
@@ -186,6 +186,12 @@ class SendChannel(_Channel):
                 self._status[flag] = torch.tensor(value, dtype=torch.int32, device=self.device)
         return self._status[real]
 
+    def _fresh_status(self) -> torch.Tensor:
+        """A status word of its own, ``[magic, real=1]``, written on the send stream (no sync)."""
+        status = torch.empty_like(self._status_word(True))
+        status.copy_(self._status[True], non_blocking=True)
+        return status
+
     def _launch(self, chunk: ChunkPlan, items: list[SendItem] | list[RecvItem] | None) -> _Batch:
         """One chunk as one NCCL group (data + status) and an event; called with the send stream
         current (see ``launch_pending``)."""
@@ -196,8 +202,7 @@ class SendChannel(_Channel):
         status = self._status[real]
         signal = _signal_of(items) if real else None  # type: ignore[arg-type]
         if signal is not None:  # real unless the transfer is abandoned by the time the wait passes
-            status = torch.empty_like(status)
-            status.copy_(self._status[True], non_blocking=True)
+            status = self._fresh_status()
             status[1:2].copy_(signal.real, non_blocking=True)
             keepalive.append(status)
         stream = self.stream.cuda_stream
@@ -266,8 +271,7 @@ class SendChannel(_Channel):
         if captured is None:
             if not seen or not capture:
                 return None
-            status = torch.empty_like(self._status_word(True))
-            status.copy_(self._status[True], non_blocking=True)  # [magic, real=1], on the send stream
+            status = self._fresh_status()
             try:
                 captured = self.graphs.capture(
                     key, lambda: _produce_all(parts), self._captured_sends(parts, status.data_ptr()), status
@@ -336,14 +340,14 @@ def _producers(items: Sequence[SendItem]) -> list[tuple[DeviceProducer, list[Sen
     return list(producers.values())
 
 
-def _leading_run(work: _Work, cancelled: object) -> list[tuple[ChunkPlan, list[SendItem]]]:
+def _leading_run(work: _Work, cancelled: Container[str]) -> list[tuple[ChunkPlan, list[SendItem]]]:
     """The chunks at the front of ``work`` that carry real data of the same (not cancelled) transfer."""
     run: list[tuple[ChunkPlan, list[SendItem]]] = []
     for chunk, items in work:
         if items is None or (run and chunk.transfer_id != run[0][0].transfer_id):
             break
         run.append((chunk, items))  # type: ignore[arg-type]
-    if run and run[0][0].transfer_id in cancelled:  # type: ignore[operator]
+    if run and run[0][0].transfer_id in cancelled:
         return []
     return run
 
