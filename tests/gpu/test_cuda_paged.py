@@ -21,15 +21,20 @@ def _random_bits(shape: tuple[int, ...]) -> torch.Tensor:
     return torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, device="cuda").view(torch.bfloat16)
 
 
-# 0: one program per 4 KiB tile; 1: a bounded grid where every program strides over many tiles
-@pytest.mark.parametrize("programs_per_sm", [0, 1, cuda_paged.PROGRAMS_PER_SM])
+# (programs per SM, SMs left free): 0 = one program per tile; else a bounded grid whose programs
+# stride over many tiles: the default, 4 per SM, and a single program (every SM but one left free)
+GRIDS = [(0, 0), (cuda_paged.PROGRAMS_PER_SM, cuda_paged.FREE_SMS), (4, 0), (1, 10_000)]
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=[f"p{p}-free{f}" for p, f in GRIDS])
 @pytest.mark.parametrize("layout", list(SHAPES))
-def test_triton_gather_scatter_bit_exact(layout: KVLayout, programs_per_sm: int) -> None:
+def test_triton_gather_scatter_bit_exact(layout: KVLayout, grid: tuple[int, int]) -> None:
     assert cuda_paged.triton_available()
+    programs_per_sm, free_sms = grid
     layers = [_random_bits(SHAPES[layout]) for _ in range(5)]
     ids = torch.randperm(300, device="cuda")[:37]
     out = torch.full(cuda_paged.group_shape(layers, 37, layout), 7, dtype=torch.int16, device="cuda")
-    src = cuda_paged.PagedLayers(layers, layout, programs_per_sm=programs_per_sm)
+    src = cuda_paged.PagedLayers(layers, layout, programs_per_sm, free_sms)
     src.gather(ids, out.view(torch.bfloat16))
     for index, layer in enumerate(layers):
         assert torch.equal(out[index], gather_blocks(layer, ids, layout).view(torch.int16))
@@ -39,7 +44,7 @@ def test_triton_gather_scatter_bit_exact(layout: KVLayout, programs_per_sm: int)
     assert torch.equal(part, out[1:4])
     dst = [torch.zeros(SHAPES[layout], dtype=torch.bfloat16, device="cuda") for _ in range(5)]
     dst_ids = torch.randperm(300, device="cuda")[:37]
-    sink = cuda_paged.PagedLayers(dst, layout, programs_per_sm=programs_per_sm)
+    sink = cuda_paged.PagedLayers(dst, layout, programs_per_sm, free_sms)
     sink.scatter(dst_ids, out.view(torch.bfloat16))
     for index, layer in enumerate(dst):
         assert torch.equal(gather_blocks(layer, dst_ids, layout).view(torch.int16), out[index])

@@ -33,12 +33,17 @@ from kvwire.transfer.paged import KVLayout, gather_blocks, gathered_shape, scatt
 from kvwire.transfer.types import GATE_MAGIC as _GATE_MAGIC
 from kvwire.transfer.types import SendItem
 
-_TILE_WORDS = 1024  # 4 KiB per program: 8 x 16-byte vectors per thread with 4 warps
-# Programs (CTAs of 4 warps) per SM of one gather/scatter launch; each strides over the tiles. An
-# unbounded grid (one program per 4 KiB tile: 16k for 64 MiB) fills every SM, and an NCCL kernel
-# launched next to it (the next message's send, the receive behind a scatter) waits for the copy to
-# drain before its CTAs get in. Measured on H200 in docs/performance.md ("copy grid").
-PROGRAMS_PER_SM = 4
+_TILE_WORDS = 8192  # 32 KiB per program step: 16 words (four 16-byte loads in flight) per thread of 16 warps
+_NUM_WARPS = 16
+# Where a gather/scatter runs. An NCCL send/recv CTA (640 threads x 96 registers, ~100 KiB shared
+# memory: 16 of them for a 2-GPU NVLink pair on H200) needs a whole SM to itself. A copy spread over
+# every SM (as one program per 4 KiB tile was: 16k programs for 64 MiB) makes the next NCCL kernel
+# (the next message's send behind a gather, the next receive beside a scatter) wait until the copy
+# drains: 20-35 us per message boundary, measured with benchmarks/timeline.py (decision 065). So a
+# launch is a bounded grid of fat programs, PROGRAMS_PER_SM per SM on all but FREE_SMS SMs, each
+# striding over the tiles; the free SMs take NCCL's CTAs the moment they launch.
+FREE_SMS = 32
+PROGRAMS_PER_SM = 1
 
 
 @functools.lru_cache(maxsize=1)
@@ -82,7 +87,7 @@ def _build_kernel(triton: Any, tl: Any) -> Any:
     ):
         # A bounded grid of programs strides over the work items (tile, row, layer), tiles of one
         # block chunk first (neighbouring programs touch neighbouring bytes). Bounded so the copy
-        # never fills every SM: an NCCL kernel launched next to it gets its CTAs in at once.
+        # leaves SMs free: an NCCL kernel launched next to it gets its CTAs in at once.
         if GATED:  # a stream-ordered scatter writes only real, armed data (see types.DeviceConsumer)
             magic = tl.load(gate_ptr, volatile=True)
             real = tl.load(gate_ptr + 1, volatile=True)
@@ -149,17 +154,24 @@ class PagedLayers:
     launch each and a few microseconds of host time. Build it when the KV caches are registered."""
 
     def __init__(
-        self, kv_layers: Sequence[torch.Tensor], layout: KVLayout, programs_per_sm: int = PROGRAMS_PER_SM
+        self,
+        kv_layers: Sequence[torch.Tensor],
+        layout: KVLayout,
+        programs_per_sm: int = PROGRAMS_PER_SM,
+        free_sms: int = FREE_SMS,
     ) -> None:
         if not kv_layers:
             raise ValueError("PagedLayers needs at least one layer")
         if programs_per_sm < 0:
             raise ConfigError("PagedLayers: programs_per_sm must be >= 0 (0: one program per tile)")
+        if free_sms < 0:
+            raise ConfigError("PagedLayers: free_sms must be >= 0")
         self.layers = list(kv_layers)
         self.layout = layout
         first = self.layers[0]
-        # programs of one launch (0: unbounded); see PROGRAMS_PER_SM
-        self.max_programs = programs_per_sm * _sm_count(first.device) if first.is_cuda else 0
+        # programs of one launch (0: unbounded); see FREE_SMS
+        used_sms = max(1, _sm_count(first.device) - free_sms) if first.is_cuda else 0
+        self.max_programs = programs_per_sm * used_sms
         self.planes, num_blocks, chunk = _geometry(first, layout)
         self.one_launch = _layers_ok(self.layers, layout)
         words_per_elem = first.element_size() / 4
@@ -326,7 +338,7 @@ def _launch(
         GATED=gate is not None,
         MAGIC=_GATE_MAGIC,
         TILE=_TILE_WORDS,
-        num_warps=4,
+        num_warps=_NUM_WARPS,
     )
 
 
