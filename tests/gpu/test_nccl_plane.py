@@ -209,7 +209,10 @@ def _send_to_dying_then_restarted(conn: Connection, second: Connection) -> dict[
     rec.wait_sent("warm", 1)
     conn.send("die")
     # its receives of "dead" are posted: only once its CUDA context is gone can they take no data
-    h.wait_process_gone(conn.recv())
+    # (the driver may still run them for a while after the process has exited)
+    pid = conn.recv()
+    h.wait_process_gone(pid)
+    h.wait_gpu_released(pid)
     big = torch.empty(DEAD_LAYER_BYTES, dtype=torch.uint8, device="cuda:0")
     h.send_layers(plane, old, "dead", [big, big])
     started = time.monotonic()

@@ -8,12 +8,15 @@ hand ready layers to ``send``) over a ``multiprocessing`` pipe, and records the 
 from __future__ import annotations
 
 import collections
+import contextlib
+import json
 import logging
 import os
+import subprocess
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -38,6 +41,44 @@ def set_safe_env() -> None:
     """NVLink multicast stays off on shared machines (see docs/decisions/061-nccl-data-plane.md)."""
     for key, value in NCCL_SAFE_ENV.items():
         os.environ.setdefault(key, value)
+
+
+@contextlib.contextmanager
+def profiled(directory: str | None, label: str, rank: int) -> Iterator[None]:
+    """Record the block's CPU and GPU timeline (torch.profiler, CUPTI) into
+    ``directory/label-r{rank}.json`` (a Chrome trace; ``benchmarks/timeline.py`` prints both ranks'
+    GPU work on one time axis). A no-op without ``directory``. Enter and leave it only while nothing
+    is posted or armed: the profiler may synchronize the device."""
+    if not directory:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    global _profiling
+    os.makedirs(directory, exist_ok=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _profiling = True
+        try:
+            yield
+        finally:
+            _profiling = False
+    prof.export_chrome_trace(os.path.join(directory, f"{label}-r{rank}.json"))
+
+
+_profiling = False  # inside profiled(): markers are recorded
+
+
+def save_host_samples(directory: str, label: str, rank: int, samples: Sequence[float]) -> None:
+    """Rank 0: the traced iterations' host-measured seconds, as us in ``directory/label-host.json``
+    (benchmarks/timeline.py prints them beside each iteration's GPU span)."""
+    if rank == 0:
+        with open(os.path.join(directory, f"{label}-host.json"), "w") as fh:
+            json.dump([round(x * 1e6, 1) for x in samples], fh)
+
+
+def marker(name: str) -> contextlib.AbstractContextManager[object]:
+    """A named host-side span in the trace while :func:`profiled` records, else nothing."""
+    return torch.profiler.record_function(name) if _profiling else contextlib.nullcontext()
 
 
 def two_gpus() -> bool:
@@ -85,6 +126,24 @@ def wait_process_gone(pid: int, timeout_s: float = 30.0) -> None:
     raise TimeoutError(f"process {pid} still running after {timeout_s} s")
 
 
+def wait_gpu_released(pid: int, timeout_s: float = 30.0) -> bool:
+    """Wait until process ``pid`` no longer holds a CUDA context on any GPU (``nvidia-smi``'s compute
+    processes): a process can be gone while the driver still runs its last kernels, e.g. NCCL
+    receives it had posted, which then still take a sender's data. False when ``nvidia-smi`` is not
+    there (the caller then has only :func:`wait_process_gone`); TimeoutError past ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    query = ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"]
+    while time.monotonic() < deadline:
+        try:
+            out = subprocess.run(query, capture_output=True, text=True, timeout=10.0, check=True).stdout
+        except (OSError, subprocess.SubprocessError):
+            return False
+        if str(pid) not in {line.strip() for line in out.splitlines()}:
+            return True
+        time.sleep(0.05)  # polling an observable condition, under a deadline
+    raise TimeoutError(f"process {pid} still holds a GPU context after {timeout_s} s")
+
+
 def peer_ref(instance_id: str) -> PeerRef:
     return PeerRef(endpoint="tcp://127.0.0.1:1", instance_id=instance_id, data_address="")
 
@@ -102,16 +161,17 @@ class Recorder:
         self.protocol_errors: list[str] = []
         self.on_layer: Callable[[str, int], None] | None = None
 
-    def on_sent(self, peer_instance_id: str, transfer_id: str, layer_index: int) -> None:
+    def on_sent(self, peer_instance_id: str, transfer_id: str, layer_indices: Sequence[int]) -> None:
         with self.cond:
-            self.sent[transfer_id] += 1
+            self.sent[transfer_id] += len(layer_indices)
             self.cond.notify_all()
 
-    def on_received(self, peer_instance_id: str, transfer_id: str, layer_index: int) -> None:
+    def on_received(self, peer_instance_id: str, transfer_id: str, layer_indices: Sequence[int]) -> None:
         if self.on_layer is not None:
-            self.on_layer(transfer_id, layer_index)
+            for index in layer_indices:
+                self.on_layer(transfer_id, index)
         with self.cond:
-            self.received[transfer_id] += 1
+            self.received[transfer_id] += len(layer_indices)
             self.cond.notify_all()
 
     def on_transfer_failed(self, transfer_id: str, reason: str) -> None:

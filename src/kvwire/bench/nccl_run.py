@@ -17,6 +17,7 @@ from kvwire.transfer.nccl_lib import load_nccl
 
 MiB = 1 << 20
 WARMUP = 3
+PROFILED = 5  # --profile: iterations of (a) and (c) traced per size
 
 
 def _size_row(
@@ -28,6 +29,7 @@ def _size_row(
     shape: w.KVShape,
     tokens: int,
     iters: int,
+    profile: str | None = None,
 ) -> dict[str, Any]:
     ids = w.block_ids(shape, tokens, cache[0].device, seed=1000 * tokens + rank)
     num_bytes = shape.layers * shape.layer_bytes(tokens)
@@ -39,11 +41,19 @@ def _size_row(
     b_ok = w.verify(conn, rank, comm, cache, ids)
     paged = PagedLayers(cache, w.LAYOUT)
     c = w.kvwire_path(conn, side, paged, ids, WARMUP + iters)[WARMUP:]
+    handoff = sorted(side.handoff_us[-iters:])
     trace = side.trace(conn, len(side.groups(shape.layers, shape.layer_bytes(tokens))))
     if rank == 1:
         w.poison(cache, ids)
     w.kvwire_path(conn, side, paged, ids, 1)
     c_ok = w.verify(conn, rank, comm, cache, ids)
+    if profile:  # untimed: PROFILED more iterations of (a) and of (c), one trace each per rank
+        with h.profiled(profile, f"a-{tokens}", rank):
+            host = w.ceiling(conn, rank, comm, num_bytes, PROFILED)
+        h.save_host_samples(profile, f"a-{tokens}", rank, host)
+        with h.profiled(profile, f"c-{tokens}", rank):
+            host = w.kvwire_path(conn, side, paged, ids, PROFILED)
+        h.save_host_samples(profile, f"c-{tokens}", rank, host)
     if rank == 1:
         return {}
     sa, sb, sc = (w.summarize(x, num_bytes) for x in (a, b, c))
@@ -58,6 +68,8 @@ def _size_row(
         "reference_gbps": sb["gbps"],
         "ratio": round(sc["gbps"] / sa["gbps"], 3),
         "speedup_vs_reference": round(sc["gbps"] / sb["gbps"], 2),
+        # (c): host time of the sender's t0 step (fire() or the hand-over), median us
+        "kvwire_handoff_us": round(handoff[len(handoff) // 2], 1) if handoff else None,
         "verified": b_ok and c_ok,
         "reference_verified": b_ok,
         "kvwire_verified": c_ok,
@@ -124,7 +136,9 @@ def run_rank(rank: int, conn: Connection, opts: dict[str, Any]) -> dict[str, Any
         "sizes": [],
     }
     for tokens in opts["tokens"]:
-        report["sizes"].append(_size_row(conn, rank, comm, side, cache, shape, tokens, opts["iters"]))
+        report["sizes"].append(
+            _size_row(conn, rank, comm, side, cache, shape, tokens, opts["iters"], opts.get("profile"))
+        )
     ceilings = {row["tokens"]: row["ceiling_gbps"] for row in report["sizes"] if row}
     report["send_graph_stats"] = side.plane.send_graph_stats()  # rank 0's are the sender's
     if opts.get("sizes_only"):

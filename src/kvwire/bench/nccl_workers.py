@@ -144,6 +144,7 @@ class KvwireSide:
         self.seq = 0
         self.last_t0 = 0.0  # rank 0: start of the last timed transfer
         self.connected = False  # a transfer went through: the NCCL pair is connected
+        self.handoff_us: list[float] = []  # rank 0: host time from t0 until fire()/hand-over returned
         self._row_key: tuple[int, tuple[int, ...]] | None = None
         self._row_views: list[torch.Tensor] = []
 
@@ -256,27 +257,30 @@ class KvwireSide:
 
 class Landing:
     """The receiver's device consumer for one transfer: scatter a message's layers from the slab into
-    the paged cache with one gated launch; the event after the last layer's scatter marks the end."""
+    the paged cache with one gated launch; the end is when every message's scatter is done (they may
+    run concurrently, see :data:`~kvwire.transfer.types.DeviceConsumer`)."""
 
     def __init__(self, paged: PagedLayers, ids: torch.Tensor, slab: torch.Tensor) -> None:
         self.paged = paged
         self.ids = ids
         self.slab = slab
-        self.last: torch.cuda.Event | None = None
+        self.done: list[torch.cuda.Event] = []
         self.enqueued = threading.Event()  # the last layer's scatter is on the GPU's queue
 
     def __call__(self, items: Sequence[RecvItem], gate: torch.Tensor) -> None:
         start, stop = items[0].layer_index, items[-1].layer_index + 1
         self.paged.scatter(self.ids, self.slab[start:stop], start, stop, gate=gate)
+        event = torch.cuda.Event()
+        event.record()
+        self.done.append(event)
         if stop == len(self.paged.layers):
-            self.last = torch.cuda.Event()
-            self.last.record()
             self.enqueued.set()
 
     def wait(self, timeout_s: float = 25.0) -> None:
-        if not self.enqueued.wait(timeout_s) or self.last is None:
+        if not self.enqueued.wait(timeout_s):
             raise TimeoutError("the last message was never posted")
-        self.last.synchronize()
+        for event in self.done:
+            event.synchronize()
 
 
 def kvwire_path(
@@ -292,10 +296,12 @@ def kvwire_path(
             signal = side.arm(tid, paged, ids, slab) if side.sender == "armed" else None
             barrier(conn, 0)
             t0 = side.last_t0 = time.perf_counter()
-            if signal is not None:
-                signal.fire()  # the KV is in the cache: the GPU starts the armed transfer
-            else:
-                side.send_data(tid, paged, ids, slab)
+            with h.marker("t0"):
+                if signal is not None:
+                    signal.fire()  # the KV is in the cache: the GPU starts the armed transfer
+                else:
+                    side.send_data(tid, paged, ids, slab)
+            side.handoff_us.append((time.perf_counter() - t0) * 1e6)
             out.append(conn.recv() - t0)
             side.rec.wait_sent(tid, num_layers)
         else:
@@ -308,7 +314,9 @@ def kvwire_path(
                 raise TimeoutError("(c): the receiver's messages were not all posted within 30 s")
             barrier(conn, 1)
             landing.wait()
-            conn.send(time.perf_counter())
+            end = time.perf_counter()
+            with h.marker("end"):
+                conn.send(end)
             side.recv_finish(tid, num_layers, landing)
             side.connected = True
     return out
@@ -337,4 +345,9 @@ def poison(cache: list[torch.Tensor], ids: torch.Tensor) -> None:
 
 def summarize(samples: list[float], num_bytes: int) -> dict[str, Any]:
     ms = median_ms(samples)
-    return {"ms": round(ms, 4), "gbps": round(num_bytes / (ms * 1e-3) / 1e9, 1), "iters": len(samples)}
+    return {
+        "ms": round(ms, 4),
+        "gbps": round(num_bytes / (ms * 1e-3) / 1e9, 1),
+        "iters": len(samples),
+        "samples_ms": [round(x * 1e3, 4) for x in samples],
+    }

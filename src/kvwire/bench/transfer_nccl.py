@@ -67,6 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "forward ends); 'producer': handed over at t0 with a device producer per message; "
         "'per-message'/'bulk': the caller gathers and hands each message / everything over",
     )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="after the timed runs, trace 2 more (a) and (c) iterations per size with torch.profiler "
+        "into DIR (one Chrome trace per iteration and rank; print with benchmarks/timeline.py)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--out", default=None, help="also write the JSON results to this file")
     parser.add_argument("--timeout-s", type=float, default=540.0)
@@ -117,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         "overlap_tokens": getattr(args, "overlap_tokens", 2048),
         "sizes_only": getattr(args, "sizes_only", False),
         "sender": getattr(args, "sender", "armed"),
+        "profile": getattr(args, "profile", None),
     }
     ctx = mp.get_context("spawn")
     left, right = ctx.Pipe()
@@ -173,6 +181,8 @@ def print_table(report: dict[str, Any], out: Any = None) -> None:
             f"{row['speedup_vs_reference']:>9.2f} {row['verified']}"
         )
     print("(GB/s; ms in the JSON)")
+    handoffs = [f"{row['tokens']}: {row.get('kvwire_handoff_us')}" for row in report["sizes"]]
+    print(f"(c) sender's t0 step on the host (fire or hand-over), median us: {', '.join(handoffs)}")
     for row in report["sizes"]:
         legend = "(side, seq, MiB, launch start, launched, done: us after t0; launch CPU us; step marks)"
         print(f"chunks of the last (c) at {row['tokens']} tokens {legend}:")

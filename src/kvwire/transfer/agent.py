@@ -306,20 +306,25 @@ class TransferAgent:
 
     # --- data-plane callbacks (plane threads) ------------------------------------------------------------
 
-    def on_sent(self, peer_instance_id: str, transfer_id: str, layer_index: int) -> None:
+    def on_sent(self, peer_instance_id: str, transfer_id: str, layer_indices: Sequence[int]) -> None:
         with self._core.lock:
-            self._sender.on_sent(transfer_id, layer_index)
+            for index in layer_indices:
+                self._sender.on_sent(transfer_id, index)
 
-    def on_received(self, peer_instance_id: str, transfer_id: str, layer_index: int) -> None:
-        with self._core.lock:
+    def on_received(self, peer_instance_id: str, transfer_id: str, layer_indices: Sequence[int]) -> None:
+        sinks = []
+        with self._core.lock:  # once per message (a plane's thread holds the GIL meanwhile)
             if self._core.closed:
                 return
-            work = self._receiver.on_received(peer_instance_id, transfer_id, layer_index)
+            for index in layer_indices:
+                work = self._receiver.on_received(peer_instance_id, transfer_id, index)
+                if work is not None:
+                    sinks.append((index, *work))
         control = self._core.control
         if control is not None:
-            control.wake()  # flush the ack soon
-        if work is not None:
-            self._run_sink(transfer_id, layer_index, work[0], work[1])
+            control.wake()  # flush the acks soon
+        for index, sink, tensor in sinks:
+            self._run_sink(transfer_id, index, sink, tensor)
 
     def on_transfer_failed(self, transfer_id: str, reason: str) -> None:
         with self._core.lock:

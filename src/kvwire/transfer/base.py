@@ -84,11 +84,14 @@ from kvwire.transfer.types import Backend, PeerRef, RecvItem, SendItem
 class PlaneCallbacks(Protocol):
     """How a plane reports back to the agent (implemented by the agent; thread-safe)."""
 
-    def on_sent(self, peer_instance_id: str, transfer_id: str, layer_index: int) -> None:
-        """The layer's bytes left this process (the source tensor may be reused by the plane)."""
+    def on_sent(self, peer_instance_id: str, transfer_id: str, layer_indices: Sequence[int]) -> None:
+        """These layers' bytes left this process (their source tensors may be reused by the plane).
+        A plane that moves several layers as one message reports them in one call."""
 
-    def on_received(self, peer_instance_id: str, transfer_id: str, layer_index: int) -> None:
-        """``dest`` of the posted receive is completely filled (and synchronized, on a GPU)."""
+    def on_received(self, peer_instance_id: str, transfer_id: str, layer_indices: Sequence[int]) -> None:
+        """``dest`` of each of these layers' posted receives is completely filled (and synchronized,
+        on a GPU). One call per message: the plane's thread holds the GIL once per message, not once
+        per layer (on the NCCL plane a message carries up to dozens of layers)."""
 
     def on_transfer_failed(self, transfer_id: str, reason: str) -> None:
         """One transfer cannot continue (e.g. a frame of the wrong size)."""

@@ -17,14 +17,17 @@ class NcclPlaneConfig:
 
     min_ctas: int | None = None  # NCCL channels (thread blocks) per communicator; None = NCCL default
     max_ctas: int | None = None
-    chunk_bytes: int = 128 * MiB  # consecutive layers of one transfer coalesce up to this per message
+    # consecutive layers of one transfer coalesce up to this per message (each message boundary costs
+    # the wire ~10-15 us of NCCL start-up; graph_probe sweep in docs/performance.md, decision 065)
+    chunk_bytes: int = 192 * MiB
     # The first and the last message of a transfer carry only this much (at least one layer): the
     # sender's gather before the first byte moves and the receiver's scatter after the last byte lands
     # are not overlapped with the wire, so they should be short (see message_ranges). 0: no edges.
     edge_bytes: int = 8 * MiB
     # Messages grow from the edges inward by up to this factor (2..8; 0: edge, then the balanced
-    # middle): fewer boundaries, copies still hidden (graph_probe on 2 x H200, docs/performance.md).
-    ramp: int = 4
+    # middle): fewer boundaries, copies still hidden as long as it stays below the copy/wire speed
+    # ratio (~5-7 on H200 with the bounded copy grid; graph_probe, docs/performance.md).
+    ramp: int = 6
     # Sender: captured CUDA graphs kept per channel (a whole run of one transfer's messages replayed
     # with one call; see nccl_graphs). 0: never capture.
     send_graphs: int = 8

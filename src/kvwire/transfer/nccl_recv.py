@@ -6,11 +6,13 @@ queued for announcement (the next ``local_info`` to that peer carries the plans,
 with its own completion event, so the first chunks are delivered while later ones are still on the
 wire. A chunk whose destinations lie back to back on the device is received in place; otherwise into
 a staging buffer allocated on the receive stream and copied out to each destination (device or pinned
-host). Those copies, the status word's copy to the host and the device consumers run on the consumer
-stream behind the receive's event: the receive stream carries only the receives, back to back.
+host). Those copies, the device consumers and then the status word's copy to the host run on a
+consumer stream behind the receive's event (consecutive chunks alternate between two, so one
+message's scatter never waits for the previous one's): the receive stream carries only the receives,
+back to back.
 
 Device consumers (``RecvItem.on_device``, see :data:`kvwire.transfer.types.DeviceConsumer`) are
-enqueued when the chunk is *posted*, on the consumer stream behind the receive's event, so the GPU
+enqueued when the chunk is *posted*, on its consumer stream behind the receive's event, so the GPU
 runs them (e.g. a scatter into paged KV blocks) the moment the bytes land: no host wake-up per chunk.
 Each such chunk has a *gate* in the status ring, ``[magic, real, armed, 0]``: the arm (``[0, 0, 1, 0]``)
 is written on the gate stream (which never waits for anything) before the receive, the receive writes
@@ -62,7 +64,10 @@ class RecvChannel(_Channel):
         self._status_np: Any = None
         self._armed: torch.Tensor | None = None
         self._disarmed: torch.Tensor | None = None  # the 0 a cancel writes over a gate's ``armed``
-        self.consumer_stream = torch.cuda.Stream(device=self.device)  # device consumers
+        # staging copies, status copies and device consumers; consecutive chunks alternate between
+        # two streams, so a message's scatter starts as soon as its bytes land, beside the previous
+        # message's scatter (one stream made the last, exposed scatter wait for the one before it)
+        self.consumer_streams = (torch.cuda.Stream(device=self.device), torch.cuda.Stream(device=self.device))
         self.gate_stream = torch.cuda.Stream(device=self.device)  # gate arm/disarm copies only
         self._gate_lock = threading.Lock()  # orders arm and disarm enqueues of a gate
         self._gated: dict[int, tuple[str, _Batch | None]] = {}  # status slot -> (transfer, batch)
@@ -147,10 +152,10 @@ class RecvChannel(_Channel):
         self.mark()
         landed = torch.cuda.Event()
         landed.record(self.stream)
-        # Everything after the receive runs on the consumer stream, so the receive stream holds only
+        # Everything after the receive runs on a consumer stream, so the receive stream holds only
         # the receives, back to back: a copy between two receives delays the next one by its latency
         # (~10 us per message boundary on H200).
-        after = self.consumer_stream
+        after = self.consumer_streams[chunk.seq % 2]
         after.wait_event(landed)
         with torch.cuda.stream(after):
             if staging is not None:
@@ -163,14 +168,15 @@ class RecvChannel(_Channel):
                         staging[offset : offset + item.num_bytes], non_blocking=True
                     )
                     offset += item.num_bytes
-            self._status_host[slot].copy_(self._status_dev[slot], non_blocking=True)
+            if not consumers:  # else after them (they read the gate on the device, not this copy)
+                self._status_host[slot].copy_(self._status_dev[slot], non_blocking=True)
             event = torch.cuda.Event()
             event.record(after)
         keep = [staging] if staging is not None else []
         batch = _Batch(event, chunk, group, keep, time.monotonic(), status_slot=slot, recv_event=landed)
         self.mark()
         if consumers:
-            self._enqueue_consumers(batch, consumers, self._status_dev[slot])
+            self._enqueue_consumers(batch, consumers, slot, after)
             self.mark()
         return batch
 
@@ -188,25 +194,33 @@ class RecvChannel(_Channel):
         return True
 
     def _enqueue_consumers(
-        self, batch: _Batch, consumers: list[tuple[DeviceConsumer, list[RecvItem]]], gate: torch.Tensor
+        self,
+        batch: _Batch,
+        consumers: list[tuple[DeviceConsumer, list[RecvItem]]],
+        slot: int,
+        stream: torch.cuda.Stream,
     ) -> None:
-        """The consumers of a chunk on the consumer stream, right behind its receive; the batch's
-        event becomes the consumers' end (the completer reports the layers only after it). Under the
-        gate lock, so a concurrent cancel sees the chunk either before (its disarm then lands first)
-        or after (it then waits for the consumers if their data is in)."""
+        """The consumers of a chunk on its consumer ``stream``, right behind its receive, then the copy of
+        its status word to the host; the batch's event becomes their end (the completer reports the
+        layers only after it). The last message's scatter is the transfer's tail, so nothing goes
+        before it. Under the gate lock, so a concurrent cancel sees the chunk either before (its
+        disarm then lands first) or after (it then waits for the consumers if their data is in)."""
+        assert self._status_dev is not None and self._status_host is not None
+        gate = self._status_dev[slot]
         failed = False
-        with self._gate_lock:  # the consumer stream is already behind the receive and its status copy
-            with torch.cuda.stream(self.consumer_stream):
+        with self._gate_lock:  # the consumer stream is already behind the receive
+            with torch.cuda.stream(stream):
                 for consumer, its_items in consumers:
                     for item in its_items:
-                        item.dest.record_stream(self.consumer_stream)
+                        item.dest.record_stream(stream)
                     try:
                         consumer(its_items, gate)
                     except Exception:  # a consumer bug fails its transfer, not the channel
                         log.exception("device consumer of transfer %s failed", batch.chunk.transfer_id)
                         failed = True
+                self._status_host[slot].copy_(gate, non_blocking=True)
                 done = torch.cuda.Event()
-                done.record(self.consumer_stream)
+                done.record(stream)
             batch.event = done
             if batch.status_slot in self._gated:
                 self._gated[batch.status_slot] = (batch.chunk.transfer_id, batch)
@@ -238,6 +252,12 @@ class RecvChannel(_Channel):
                 batch.event.synchronize()  # only its (and earlier) consumers: bounded
 
     # --- completer ----------------------------------------------------------------------------------
+    def _coalesce(self, batch: _Batch, following: _Batch) -> bool:
+        # consumed on the GPU (no host delivery to overlap with the wire): a transfer's chunks are
+        # reported together once its last chunk in flight landed
+        same = following.chunk.transfer_id == batch.chunk.transfer_id
+        return same and batch.recv_event is not None and following.recv_event is not None
+
     def _complete(self, batch: _Batch) -> None:
         if batch.recv_event is not None:
             with self._gate_lock:
@@ -256,11 +276,11 @@ class RecvChannel(_Channel):
             self.cancelled.add(tid)  # report once; later chunks of it are ignored
             self.callbacks.on_transfer_failed(tid, reason)
             return
-        for item in batch.items or ():
-            try:
-                self.callbacks.on_received(self.peer_instance, tid, item.layer_index)
-            except Exception:  # a sink/callback bug must not kill the channel
-                log.exception("on_received callback failed")
+        layers = [item.layer_index for item in batch.items or ()]
+        try:
+            self.callbacks.on_received(self.peer_instance, tid, layers)
+        except Exception:  # a sink/callback bug must not kill the channel
+            log.exception("on_received callback failed")
 
 
 def _consumers(items: Sequence[RecvItem]) -> list[tuple[DeviceConsumer, list[RecvItem]]]:

@@ -315,14 +315,17 @@ class SendChannel(_Channel):
         self.graphs.close()  # NCCL does not abort or destroy a communicator that a live graph holds
 
     # --- completer ----------------------------------------------------------------------------------
+    def _coalesce(self, batch: _Batch, following: _Batch) -> bool:
+        return following.event is batch.event  # one graph replay: its chunks complete together
+
     def _complete(self, batch: _Batch) -> None:
         if batch.items is None or batch.chunk.transfer_id in self.cancelled:
             return
-        for item in batch.items:
-            try:
-                self.callbacks.on_sent(self.peer_instance, batch.chunk.transfer_id, item.layer_index)
-            except Exception:  # a callback bug must not kill the channel
-                log.exception("on_sent callback failed")
+        layers = [item.layer_index for item in batch.items]
+        try:
+            self.callbacks.on_sent(self.peer_instance, batch.chunk.transfer_id, layers)
+        except Exception:  # a callback bug must not kill the channel
+            log.exception("on_sent callback failed")
 
 
 def _signal_of(items: Sequence[SendItem] | None) -> DeviceSignal | None:

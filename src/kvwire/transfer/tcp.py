@@ -110,7 +110,7 @@ class _Outbound:
                 if self.plane.is_cancelled(item.transfer_id):
                     continue
                 self._write(sock, item)
-                cb.on_sent(self.peer.instance_id, item.transfer_id, item.layer_index)
+                cb.on_sent(self.peer.instance_id, item.transfer_id, (item.layer_index,))
         except (OSError, ConnectionError) as exc:
             if not self.stopped.is_set():
                 cb.on_peer_failed(
@@ -356,7 +356,8 @@ class TcpPlane(DataPlane):
 
     def _report_arrivals(self, arrivals: queue.SimpleQueue[tuple[str, str, int] | None]) -> None:
         while (arrival := arrivals.get()) is not None:
-            self.callbacks.on_received(*arrival)
+            peer_id, transfer_id, layer_index = arrival
+            self.callbacks.on_received(peer_id, transfer_id, (layer_index,))
 
     def _read_frame(self, conn: socket.socket, peer_id: str) -> tuple[str, int] | None:
         """Read one frame into its posted buffer; (transfer id, layer) when one landed."""

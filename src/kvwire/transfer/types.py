@@ -99,7 +99,9 @@ LayerSink = Callable[[int, torch.Tensor], None]
 # ``armed == 1`` (:meth:`kvwire.transfer.cuda_paged.PagedLayers.scatter` takes it). ``on_received`` is
 # reported only after the enqueued work completed; once ``cancel`` of the transfer returned, nothing
 # of it writes any more (the plane disarms the gates and waits for work that already started). The
-# consumer runs under a plane lock: it must only enqueue GPU work, never call the agent or the plane.
+# work of different messages may run concurrently (the NCCL plane alternates two streams): it must
+# not rely on an earlier message's work having finished. The consumer runs under a plane lock: it
+# must only enqueue GPU work, never call the agent or the plane.
 DeviceConsumer = Callable[[Sequence["RecvItem"], torch.Tensor], None]
 GATE_MAGIC = 0x4B565752  # "KVWR"
 

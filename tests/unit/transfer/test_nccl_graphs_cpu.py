@@ -137,3 +137,28 @@ def test_device_signal_states_and_driver_entry_point() -> None:
         raise AssertionError("expected TransferError without libcuda")
     finally:
         device_signal._wait_value32.cache_clear()
+
+
+def _batch(transfer_id: str, event: object, consumed: bool) -> Any:
+    from kvwire.transfer.nccl_channel import _Batch
+
+    chunk = ChunkPlan(comm_id="c", seq=0, transfer_id=transfer_id, layers=[0], num_bytes=8)
+    return _Batch(event, chunk, None, [], 0.0, recv_event=object() if consumed else None)  # type: ignore[arg-type]
+
+
+def test_completer_coalesces_reports_only_where_nothing_waits_on_them() -> None:
+    """Reports of a graph replay's chunks (one event) and of one transfer's GPU-consumed chunks wait
+    for the next; chunks with host delivery, or of another transfer, are reported at once."""
+    from kvwire.transfer.nccl_recv import RecvChannel
+    from kvwire.transfer.nccl_send import SendChannel
+
+    replay, other = object(), object()
+    # the hooks read nothing of the channel: called unbound (building a channel needs CUDA streams)
+    send = SendChannel._coalesce
+    assert send(None, _batch("t", replay, False), _batch("t", replay, False))  # type: ignore[arg-type]
+    assert not send(None, _batch("t", replay, False), _batch("t", other, False))  # type: ignore[arg-type]
+    recv = RecvChannel._coalesce
+    assert recv(None, _batch("t", replay, True), _batch("t", other, True))  # type: ignore[arg-type]
+    assert not recv(None, _batch("t", replay, True), _batch("u", other, True))  # type: ignore[arg-type]
+    assert not recv(None, _batch("t", replay, False), _batch("t", other, True))  # type: ignore[arg-type]
+    assert not recv(None, _batch("t", replay, True), _batch("t", other, False))  # type: ignore[arg-type]

@@ -75,6 +75,10 @@ def test_message_ranges_ramp_grows_from_the_edges() -> None:
     # ramp 0: the single-edge framing
     assert ramp(8, 128, factor=0) == [8, 120, 120, 8]
     assert message_ranges([8 * MiB] * 3, 128 * MiB, 8 * MiB, 4) == [(0, 3)]  # too small for edges
+    # the defaults (192 MiB, ramp 6): 5 / 7 / 3 messages at 2048 / 8192 / 512 tokens
+    assert ramp(8, 192, factor=6) == [8, 48, 144, 48, 8]
+    assert ramp(32, 192, factor=6) == [32, 192, 192, 192, 192, 192, 32]
+    assert ramp(2, 192, factor=6) == [8, 48, 8]
 
 
 def test_plan_chunks_applies_edges_per_transfer_run() -> None:
@@ -135,7 +139,7 @@ def test_plane_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = NcclPlaneConfig.from_env()
     assert (cfg.max_ctas, cfg.chunk_bytes, cfg.edge_bytes) == (4, 16 * MiB, 0)
     assert (cfg.ramp, cfg.send_graphs) == (0, 0)
-    assert (NcclPlaneConfig().ramp, NcclPlaneConfig().send_graphs) == (4, 8)
+    assert (NcclPlaneConfig().ramp, NcclPlaneConfig().send_graphs) == (6, 8)
     assert not NcclPlaneConfig().inline_launch and NcclPlaneConfig().edge_bytes == 8 * MiB
     assert not cfg.launch_holds_gil and not cfg.inline_launch
     for raw, expected in (("1", True), ("yes", True), ("off", False), ("0", False)):
