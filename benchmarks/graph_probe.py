@@ -33,7 +33,7 @@ MiB = 1 << 20
 WARMUP = 3
 
 
-DEFAULT_VARIANT = {"p": 4, "chunk": 64, "edge": 8, "ramp": 0, "copy": 1, "prio": 0, "armed": 0}
+DEFAULT_VARIANT = {"p": 1, "free": 32, "chunk": 64, "edge": 8, "ramp": 0, "copy": 1, "prio": 0, "armed": 0}
 
 
 def parse_variant(spec: str, chunk_mib: int) -> dict[str, int]:
@@ -213,6 +213,7 @@ def rank_main(
     chunk_mib: int,
     variants: list[dict[str, int]],
     queue: Any,
+    profile: str | None = None,
 ) -> None:
     h.set_safe_env()
     torch.cuda.set_device(rank)
@@ -222,8 +223,8 @@ def rank_main(
     comm = h.raw_comm(conn, rank)
     high = torch.cuda.Stream.priority_range()[1]  # (low, high): high is the smaller number
     rows = []
-    for variant in variants:
-        paged = PagedLayers(cache, w.LAYOUT, programs_per_sm=variant["p"])
+    for number, variant in enumerate(variants):
+        paged = PagedLayers(cache, w.LAYOUT, programs_per_sm=variant["p"], free_sms=variant["free"])
         copy = bool(variant["copy"])
         for tokens in tokens_list:
             ids = w.block_ids(shape, tokens, device, seed=1000 * tokens + rank)
@@ -243,6 +244,10 @@ def rank_main(
                 w.poison(cache, ids)
             graph_path(conn, rank, comm, paged, ids, ranges, 1, rp)
             ok = w.verify(conn, rank, comm, cache, ids)
+            if profile:  # untimed: 5 more iterations in one trace per rank
+                with h.profiled(profile, f"g{number}-{tokens}", rank):
+                    host = graph_path(conn, rank, comm, paged, ids, ranges, 5, rp, copy, variant["armed"])
+                h.save_host_samples(profile, f"g{number}-{tokens}", rank, host)
             if rank == 0:
                 sa, sg = w.summarize(a, num_bytes), w.summarize(g, num_bytes)
                 rows.append(
@@ -273,10 +278,14 @@ def main() -> None:
         default=[],
         help="comma-separated overrides of "
         + ",".join(f"{k}={v}" for k, v in DEFAULT_VARIANT.items())
-        + " (p: gather/scatter programs per SM, 0 unbounded; chunk/edge: MiB; ramp: message sizes grow by"
+        + " (p: gather/scatter programs per SM, 0 unbounded; free: SMs they leave free; chunk/edge: MiB;"
+        " ramp: message sizes grow by"
         " this factor from the edge, 0 = balanced middle; copy=0: framing only, no gather/scatter; prio=1:"
         " receive stream at high priority; armed=1/2: the replay queued before t0 behind a wait on a pinned"
         " host / device word that t0 fires); repeatable",
+    )
+    parser.add_argument(
+        "--profile", default=None, metavar="DIR", help="trace 5 more iterations per variant and size into DIR"
     )
     args = parser.parse_args()
     variants = [parse_variant(spec, args.chunk_mib) for spec in args.variant or [""]]
@@ -286,7 +295,7 @@ def main() -> None:
     procs = [
         ctx.Process(
             target=rank_main,
-            args=(r, c, args.tokens, args.iters, args.chunk_mib, variants, queue),
+            args=(r, c, args.tokens, args.iters, args.chunk_mib, variants, queue, args.profile),
             daemon=True,
         )
         for r, c in ((0, left), (1, right))
