@@ -289,6 +289,7 @@ def kvwire_path(
     """(c): from "every layer is in the sender's cache" to "every layer is in the receiver's cache"."""
     slab = torch.empty(paged.shape(ids.numel()), dtype=torch.bfloat16, device=ids.device)
     num_layers = len(paged.layers)
+    stream = torch.cuda.current_stream()  # the "forward's" stream, known ahead (as (a) takes its own)
     out = []
     for _ in range(iters):
         if side.rank == 0:
@@ -298,7 +299,7 @@ def kvwire_path(
             t0 = side.last_t0 = time.perf_counter()
             with h.marker("t0"):
                 if signal is not None:
-                    signal.fire()  # the KV is in the cache: the GPU starts the armed transfer
+                    signal.fire(stream)  # the KV is in the cache: the GPU starts the armed transfer
                 else:
                     side.send_data(tid, paged, ids, slab)
             side.handoff_us.append((time.perf_counter() - t0) * 1e6)

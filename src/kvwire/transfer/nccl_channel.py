@@ -12,7 +12,8 @@ Threads per channel:
   communicator and fails the peer) and closes the channel when idle;
 * the **completer** waits for each batch's CUDA event in issue order (``Event.synchronize`` releases
   the GIL; ``ncclCommAbort`` ends a stuck wait) and reports ``on_sent`` / ``on_received`` with the
-  channel's stream as the current stream, so a sink's scatter is ordered after the receive.
+  channel's delivery stream as the current stream (ordered after the receive where a host sink may
+  enqueue work), one callback per run of one transfer's completed chunks.
 """
 
 from __future__ import annotations
@@ -380,8 +381,14 @@ class _Channel:
     def _release_comm(self) -> None:
         """Last call before the communicator is aborted or destroyed."""
 
-    def _complete(self, batch: _Batch) -> None:
+    def _deliver(self, batches: list[_Batch]) -> None:
+        """Report completed batches (in issue order), one callback per run of one transfer."""
         raise NotImplementedError
+
+    def _needs_order(self, batch: _Batch) -> bool:
+        """True when the batch's callbacks may enqueue GPU work that must follow its data (a
+        receiver's host sinks): the delivery stream then waits for the batch's event first."""
+        return False
 
     def _coalesce(self, batch: _Batch, following: _Batch) -> bool:
         """True when ``batch``'s report may wait for ``following``'s (the next in flight): the
@@ -552,7 +559,7 @@ class _Channel:
                 if following is not None and self._coalesce(batch, following):
                     continue
                 for done in deferred:
-                    self.delivery_stream.wait_event(done.event)
-                for done in deferred:
-                    self._complete(done)
+                    if self._needs_order(done):
+                        self.delivery_stream.wait_event(done.event)
+                self._deliver(deferred)
                 deferred.clear()

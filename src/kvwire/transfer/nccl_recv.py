@@ -258,27 +258,43 @@ class RecvChannel(_Channel):
         same = following.chunk.transfer_id == batch.chunk.transfer_id
         return same and batch.recv_event is not None and following.recv_event is not None
 
-    def _complete(self, batch: _Batch) -> None:
-        if batch.recv_event is not None:
-            with self._gate_lock:
-                if self._gated.get(batch.status_slot, ("", None))[1] is batch:
-                    del self._gated[batch.status_slot]
-        tid = batch.chunk.transfer_id
-        if tid in self.cancelled:
+    def _needs_order(self, batch: _Batch) -> bool:
+        return batch.recv_event is None  # no device consumers: the agent's host sink may copy out
+
+    def _deliver(self, batches: list[_Batch]) -> None:
+        run_tid = ""  # the run of consecutive real chunks of one transfer, and its layers
+        run_layers: list[int] = []
+        for batch in batches:
+            if batch.recv_event is not None:
+                with self._gate_lock:
+                    if self._gated.get(batch.status_slot, ("", None))[1] is batch:
+                        del self._gated[batch.status_slot]
+            tid = batch.chunk.transfer_id
+            if tid in self.cancelled:
+                continue
+            magic, real = (int(v) for v in self._status_np[batch.status_slot][:2])
+            if magic != STATUS_MAGIC or real != 1:
+                self._report(run_tid, run_layers)  # what landed before goes first
+                run_tid, run_layers = "", []
+                reason = (
+                    "protocol: chunk status garbled"
+                    if magic != STATUS_MAGIC
+                    else "peer_aborted: sender cancelled"
+                )
+                self.cancelled.add(tid)  # report once; later chunks of it are ignored
+                self.callbacks.on_transfer_failed(tid, reason)
+                continue
+            if tid != run_tid:
+                self._report(run_tid, run_layers)
+                run_tid, run_layers = tid, []
+            run_layers.extend(item.layer_index for item in batch.items or ())
+        self._report(run_tid, run_layers)
+
+    def _report(self, transfer_id: str, layers: list[int]) -> None:
+        if not layers:
             return
-        magic, real = (int(v) for v in self._status_np[batch.status_slot][:2])
-        if magic != STATUS_MAGIC or real != 1:
-            reason = (
-                "protocol: chunk status garbled"
-                if magic != STATUS_MAGIC
-                else "peer_aborted: sender cancelled"
-            )
-            self.cancelled.add(tid)  # report once; later chunks of it are ignored
-            self.callbacks.on_transfer_failed(tid, reason)
-            return
-        layers = [item.layer_index for item in batch.items or ()]
         try:
-            self.callbacks.on_received(self.peer_instance, tid, layers)
+            self.callbacks.on_received(self.peer_instance, transfer_id, layers)
         except Exception:  # a sink/callback bug must not kill the channel
             log.exception("on_received callback failed")
 

@@ -318,14 +318,22 @@ class SendChannel(_Channel):
     def _coalesce(self, batch: _Batch, following: _Batch) -> bool:
         return following.event is batch.event  # one graph replay: its chunks complete together
 
-    def _complete(self, batch: _Batch) -> None:
-        if batch.items is None or batch.chunk.transfer_id in self.cancelled:
-            return
-        layers = [item.layer_index for item in batch.items]
-        try:
-            self.callbacks.on_sent(self.peer_instance, batch.chunk.transfer_id, layers)
-        except Exception:  # a callback bug must not kill the channel
-            log.exception("on_sent callback failed")
+    def _deliver(self, batches: list[_Batch]) -> None:
+        runs: list[tuple[str, list[int]]] = []  # (transfer, layers) in order
+        for batch in batches:
+            tid = batch.chunk.transfer_id
+            if batch.items is None or tid in self.cancelled:
+                continue
+            layers = [item.layer_index for item in batch.items]
+            if runs and runs[-1][0] == tid:
+                runs[-1][1].extend(layers)
+            else:
+                runs.append((tid, layers))
+        for tid, layers in runs:
+            try:
+                self.callbacks.on_sent(self.peer_instance, tid, layers)
+            except Exception:  # a callback bug must not kill the channel
+                log.exception("on_sent callback failed")
 
 
 def _signal_of(items: Sequence[SendItem] | None) -> DeviceSignal | None:

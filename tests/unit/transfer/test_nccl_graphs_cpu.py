@@ -162,3 +162,74 @@ def test_completer_coalesces_reports_only_where_nothing_waits_on_them() -> None:
     assert not recv(None, _batch("t", replay, True), _batch("u", other, True))  # type: ignore[arg-type]
     assert not recv(None, _batch("t", replay, False), _batch("t", other, True))  # type: ignore[arg-type]
     assert not recv(None, _batch("t", replay, True), _batch("t", other, False))  # type: ignore[arg-type]
+
+
+class _Calls:
+    """PlaneCallbacks that log every call in order."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str, Any]] = []
+
+    def on_sent(self, peer: str, transfer_id: str, layers: Sequence[int]) -> None:
+        self.log.append(("sent", transfer_id, list(layers)))
+
+    def on_received(self, peer: str, transfer_id: str, layers: Sequence[int]) -> None:
+        self.log.append(("received", transfer_id, list(layers)))
+
+    def on_transfer_failed(self, transfer_id: str, reason: str) -> None:
+        self.log.append(("failed", transfer_id, reason))
+
+
+def _chunk_batch(seq: int, transfer_id: str, layers: list[int], real: bool = True) -> Any:
+    from kvwire.transfer.nccl_channel import _Batch
+
+    chunk = ChunkPlan(comm_id="c", seq=seq, transfer_id=transfer_id, layers=layers, num_bytes=8)
+    items = [SendItem(transfer_id, i, torch.zeros(1)) for i in layers] if real else None
+    return _Batch(object(), chunk, items, [], 0.0, status_slot=seq)  # type: ignore[arg-type]
+
+
+def test_sender_reports_each_transfer_run_once() -> None:
+    import threading
+
+    from kvwire.transfer.nccl_channel import CancelledSet
+    from kvwire.transfer.nccl_send import SendChannel
+
+    channel = object.__new__(SendChannel)  # _deliver reads only these (a real one needs CUDA streams)
+    channel.cancelled, channel.callbacks, channel.peer_instance = CancelledSet(), _Calls(), "p"
+    channel.cond = threading.Condition()
+    channel.cancelled.add("gone")
+    batches = [
+        _chunk_batch(0, "t", [0, 1]),
+        _chunk_batch(1, "t", [2]),
+        _chunk_batch(2, "dummy", [0], real=False),
+        _chunk_batch(3, "gone", [0]),
+        _chunk_batch(4, "u", [0, 1]),
+    ]
+    channel._deliver(batches)
+    assert channel.callbacks.log == [("sent", "t", [0, 1, 2]), ("sent", "u", [0, 1])]  # type: ignore[attr-defined]
+
+
+def test_receiver_reports_runs_and_what_landed_before_a_failure_first() -> None:
+    import threading
+
+    import numpy as np
+
+    from kvwire.transfer.nccl_channel import STATUS_MAGIC, CancelledSet
+    from kvwire.transfer.nccl_recv import RecvChannel
+
+    channel = object.__new__(RecvChannel)
+    channel.cancelled, channel.callbacks, channel.peer_instance = CancelledSet(), _Calls(), "p"
+    channel._gate_lock, channel._gated = threading.Lock(), {}
+    status = np.zeros((8, 4), dtype=np.int32)
+    status[:, 0], status[:, 1] = STATUS_MAGIC, 1
+    status[2, 1] = 2  # chunk 2 of "t": the sender gave up (not real)
+    status[5, 0] = 0  # chunk 5 of "v": garbled
+    channel._status_np = status
+    batches = [_chunk_batch(seq, tid, [seq]) for seq, tid in enumerate("tttuuvv")]
+    channel._deliver(batches)
+    assert channel.callbacks.log == [  # type: ignore[attr-defined]
+        ("received", "t", [0, 1]),
+        ("failed", "t", "peer_aborted: sender cancelled"),
+        ("received", "u", [3, 4]),
+        ("failed", "v", "protocol: chunk status garbled"),
+    ]
