@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
+from kvwire.transfer import device_signal
 from kvwire.transfer.device_signal import DeviceSignal, prepare, wait_ready
 
 
@@ -52,6 +54,40 @@ def measure(iters: int, waiter: bool, blocking: bool, idle: bool) -> tuple[float
     return samples[len(samples) // 2], samples[int(len(samples) * 0.9)]
 
 
+def after_idle(iters: int, step: Callable[[], object]) -> tuple[float, float]:
+    """Host time of ``step`` right after a 1 ms sleep (the GPU idle meanwhile), median and p90."""
+    samples = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        time.sleep(0.001)
+        t0 = time.perf_counter()
+        step()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    samples.sort()
+    return samples[len(samples) // 2], samples[int(len(samples) * 0.9)]
+
+
+def idle_steps() -> dict[str, Callable[[], object]]:
+    """What a sender could do at t0, each alone: where the after-idle cost of fire() comes from."""
+    signal = DeviceSignal()
+    raw = torch.cuda.current_stream().cuda_stream
+    write = device_signal._write_value32()
+    word = torch.zeros(1, dtype=torch.int32, device="cuda")
+    pinned = torch.ones(1, dtype=torch.int32).pin_memory()
+
+    def memop() -> None:
+        write(raw, signal.address, 0, 0)
+
+    return {
+        "torch.cuda.current_stream()": torch.cuda.current_stream,
+        "DeviceSignal.fire()": signal.fire,
+        "cuStreamWriteValue32 only": memop,
+        "kernel launch (fill_ of a device word)": lambda: word.fill_(1),
+        "4-byte host-to-device copy": lambda: word.copy_(pinned, non_blocking=True),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=200)
@@ -66,6 +102,11 @@ def main() -> None:
         median, p90 = measure(args.iters, waiter, blocking, idle)
         case = f"waiter={waiter}, blocking={blocking}, idle={idle}"
         print(f"{case:<44} {median:>8.1f} {p90:>8.1f}")
+    print("one step after 1 ms idle (us)")
+    for name, step in idle_steps().items():
+        step()  # loaded and warm
+        median, p90 = after_idle(args.iters, step)
+        print(f"{name:<44} {median:>8.1f} {p90:>8.1f}")
 
 
 if __name__ == "__main__":
