@@ -22,7 +22,7 @@ def _random_bits(shape: tuple[int, ...]) -> torch.Tensor:
 
 
 # (programs per SM, SMs left free): 0 = one program per tile; else a bounded grid whose programs
-# stride over many tiles: the default, 4 per SM, and a single program (every SM but one left free)
+# stride over many tiles: the default, 4 per SM, and the most a launch leaves free (a quarter)
 GRIDS = [(0, 0), (cuda_paged.PROGRAMS_PER_SM, cuda_paged.FREE_SMS), (4, 0), (1, 10_000)]
 
 

@@ -40,10 +40,17 @@ _NUM_WARPS = 16
 # every SM (as one program per 4 KiB tile was: 16k programs for 64 MiB) makes the next NCCL kernel
 # (the next message's send behind a gather, the next receive beside a scatter) wait until the copy
 # drains: 20-35 us per message boundary, measured with benchmarks/timeline.py (decision 065). So a
-# launch is a bounded grid of fat programs, PROGRAMS_PER_SM per SM on all but FREE_SMS SMs, each
-# striding over the tiles; the free SMs take NCCL's CTAs the moment they launch.
+# launch is a bounded grid of fat programs, PROGRAMS_PER_SM per SM on all but FREE_SMS SMs (at most
+# a quarter of the GPU's SMs, so a small GPU still copies on most of them), each striding over the
+# tiles; the free SMs take NCCL's CTAs the moment they launch.
 FREE_SMS = 32
 PROGRAMS_PER_SM = 1
+
+
+def copy_grid(sm_count: int, programs_per_sm: int = PROGRAMS_PER_SM, free_sms: int = FREE_SMS) -> int:
+    """Programs of one gather/scatter launch on a GPU of ``sm_count`` SMs (0: one per tile)."""
+    free = min(free_sms, sm_count // 4)
+    return programs_per_sm * max(1, sm_count - free)
 
 
 @functools.lru_cache(maxsize=1)
@@ -170,8 +177,9 @@ class PagedLayers:
         self.layout = layout
         first = self.layers[0]
         # programs of one launch (0: unbounded); see FREE_SMS
-        used_sms = max(1, _sm_count(first.device) - free_sms) if first.is_cuda else 0
-        self.max_programs = programs_per_sm * used_sms
+        self.max_programs = 0
+        if first.is_cuda:
+            self.max_programs = copy_grid(_sm_count(first.device), programs_per_sm, free_sms)
         self.planes, num_blocks, chunk = _geometry(first, layout)
         self.one_launch = _layers_ok(self.layers, layout)
         words_per_elem = first.element_size() / 4

@@ -51,3 +51,14 @@ def test_bad_shapes_are_rejected() -> None:
     with pytest.raises(ValueError, match="does not match"):
         ids = block_ids_tensor([0], "cpu")
         scatter_blocks(torch.zeros(2, 4, 2, 1, 1), ids, torch.zeros(2, 2, 2, 1, 1), KVLayout.KV_FIRST)
+
+
+def test_copy_grid_leaves_sms_to_nccl_but_at_most_a_quarter() -> None:
+    from kvwire.transfer.cuda_paged import copy_grid
+
+    assert copy_grid(132) == 100  # H200: 32 SMs free for NCCL's CTAs
+    assert copy_grid(132, 4, 0) == 528
+    assert copy_grid(132, 1, 10_000) == 99  # never more than a quarter free
+    assert copy_grid(40) == 30  # a small GPU still copies on most of its SMs
+    assert copy_grid(1) == 1
+    assert copy_grid(132, 0) == 0  # unbounded: one program per tile
