@@ -40,6 +40,7 @@ MiB = 1 << 20
 STATUS_MAGIC = GATE_MAGIC  # every chunk is followed by an 8-byte status message [magic, real]
 _WAIT_PERIOD_S = 0.05
 _MAX_CANCELLED = 65536
+_MAX_DEFERRED = 64  # completed chunks whose reports wait for a following one (see _Channel._coalesce)
 
 
 class CancelledSet:
@@ -556,7 +557,8 @@ class _Channel:
                     )
                 )
                 deferred.append(batch)
-                if following is not None and self._coalesce(batch, following):
+                room = len(deferred) < _MAX_DEFERRED  # bounded: a receiver's status slots are reused
+                if following is not None and room and self._coalesce(batch, following):
                     continue
                 for done in deferred:
                     if self._needs_order(done):
