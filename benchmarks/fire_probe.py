@@ -23,6 +23,11 @@ from kvwire.transfer import device_signal
 from kvwire.transfer.device_signal import DeviceSignal, prepare, wait_ready
 
 
+def _median_p90(samples: list[float]) -> tuple[float, float]:
+    ordered = sorted(samples)
+    return ordered[len(ordered) // 2], ordered[int(len(ordered) * 0.9)]
+
+
 def measure(iters: int, waiter: bool, blocking: bool, idle: bool) -> tuple[float, float]:
     stream = torch.cuda.Stream()
     samples = []
@@ -50,8 +55,7 @@ def measure(iters: int, waiter: bool, blocking: bool, idle: bool) -> tuple[float
         event.synchronize()
         if thread is not None:
             thread.join(5.0)
-    samples.sort()
-    return samples[len(samples) // 2], samples[int(len(samples) * 0.9)]
+    return _median_p90(samples)
 
 
 def after_idle(iters: int, step: Callable[[], object]) -> tuple[float, float]:
@@ -64,8 +68,7 @@ def after_idle(iters: int, step: Callable[[], object]) -> tuple[float, float]:
         step()
         samples.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
-    samples.sort()
-    return samples[len(samples) // 2], samples[int(len(samples) * 0.9)]
+    return _median_p90(samples)
 
 
 def idle_steps() -> dict[str, Callable[[], object]]:

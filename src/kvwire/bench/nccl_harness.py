@@ -43,6 +43,9 @@ def set_safe_env() -> None:
         os.environ.setdefault(key, value)
 
 
+_profiling = False  # inside profiled(): markers are recorded
+
+
 @contextlib.contextmanager
 def profiled(directory: str | None, label: str, rank: int) -> Iterator[None]:
     """Record the block's CPU and GPU timeline (torch.profiler, CUPTI) into
@@ -63,9 +66,6 @@ def profiled(directory: str | None, label: str, rank: int) -> Iterator[None]:
         finally:
             _profiling = False
     prof.export_chrome_trace(os.path.join(directory, f"{label}-r{rank}.json"))
-
-
-_profiling = False  # inside profiled(): markers are recorded
 
 
 def save_host_samples(directory: str, label: str, rank: int, samples: Sequence[float]) -> None:

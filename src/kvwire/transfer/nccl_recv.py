@@ -249,7 +249,7 @@ class RecvChannel(_Channel):
         for batch in started:
             assert batch.recv_event is not None
             if batch.recv_event.query():
-                batch.event.synchronize()  # only its (and earlier) consumers: bounded
+                batch.event.synchronize()  # only its consumers (and earlier work on their stream)
 
     # --- completer ----------------------------------------------------------------------------------
     def _coalesce(self, batch: _Batch, following: _Batch) -> bool:
