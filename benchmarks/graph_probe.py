@@ -28,12 +28,25 @@ from kvwire.transfer.cuda_paged import PagedLayers
 from kvwire.transfer.device_signal import DeviceSignal
 from kvwire.transfer.nccl_channel import message_ranges
 from kvwire.transfer.nccl_lib import NcclComm
+from kvwire.transfer.nccl_memory import NcclBuffer
 
 MiB = 1 << 20
 WARMUP = 3
 
 
-DEFAULT_VARIANT = {"p": 1, "free": 32, "chunk": 64, "edge": 8, "ramp": 0, "copy": 1, "prio": 0, "armed": 0}
+DEFAULT_VARIANT = {
+    "p": 1,
+    "free": 32,
+    "chunk": 64,
+    "edge": 8,
+    "ramp": 0,
+    "copy": 1,
+    "prio": 0,
+    "armed": 0,
+    "reg": 0,
+    "gmid": 0,
+    "smid": 0,
+}
 
 
 def parse_variant(spec: str, chunk_mib: int) -> dict[str, int]:
@@ -91,6 +104,7 @@ def capture_sender(
     ranges: list[tuple[int, int]],
     comm: NcclComm,
     copy: bool = True,
+    mid: PagedLayers | None = None,
 ) -> torch.cuda.CUDAGraph:
     """One graph: gathers on a side stream, each message's send behind its own gather's event."""
     layer_bytes = slab[0].numel() * slab.element_size()
@@ -105,9 +119,11 @@ def capture_sender(
         gather_stream.wait_stream(capture)
         ready = []
         with torch.cuda.stream(gather_stream):
-            for start, stop in ranges:
+            for number, (start, stop) in enumerate(ranges):
                 if copy:  # else: the framing alone (sends of whatever the slab holds)
-                    paged.gather(ids, slab[start:stop], start, stop)
+                    # gathers from the third message on have slack: mid (fewer SMs) when given
+                    copier = mid if mid is not None and number >= 2 else paged
+                    copier.gather(ids, slab[start:stop], start, stop)
                 event = torch.cuda.Event()
                 event.record(gather_stream)
                 ready.append(event)
@@ -134,11 +150,12 @@ def post_receiver(
     recv_stream: torch.cuda.Stream,
     scatter_stream: torch.cuda.Stream,
     copy: bool = True,
+    mid: PagedLayers | None = None,
 ) -> torch.cuda.Event:
     """Every message's receive, and its scatter right behind it; the returned event marks the end."""
     layer_bytes = slab[0].numel() * slab.element_size()
     flat = slab.view(-1).view(torch.uint8)
-    for start, stop in ranges:
+    for number, (start, stop) in enumerate(ranges):
         with comm.group(time.monotonic() + 60):
             comm.recv(
                 flat[start * layer_bytes :].data_ptr(),
@@ -150,8 +167,10 @@ def post_receiver(
         landed.record(recv_stream)
         scatter_stream.wait_event(landed)
         if copy:
+            # scatters before the last two have slack: mid (fewer SMs) when given
+            copier = mid if mid is not None and number < len(ranges) - 2 else paged
             with torch.cuda.stream(scatter_stream):
-                paged.scatter(ids, slab[start:stop], start, stop)
+                copier.scatter(ids, slab[start:stop], start, stop)
     done = torch.cuda.Event()
     done.record(scatter_stream)
     return done
@@ -168,11 +187,14 @@ def graph_path(
     recv_priority: int = 0,
     copy: bool = True,
     armed: int = 0,
+    slab: torch.Tensor | None = None,
+    mid: PagedLayers | None = None,
 ) -> list[float]:
-    slab = torch.empty(paged.shape(ids.numel()), dtype=torch.bfloat16, device=ids.device)
+    if slab is None:
+        slab = torch.empty(paged.shape(ids.numel()), dtype=torch.bfloat16, device=ids.device)
     out = []
     if rank == 0:
-        graph = capture_sender(paged, ids, slab, ranges, comm, copy)
+        graph = capture_sender(paged, ids, slab, ranges, comm, copy, mid)
         send_stream = torch.cuda.Stream()
         ready = torch.ones(1, dtype=torch.int32, device=ids.device)
         torch.cuda.synchronize()
@@ -198,7 +220,7 @@ def graph_path(
         return out
     recv_stream, scatter_stream = torch.cuda.Stream(priority=recv_priority), torch.cuda.Stream()
     for _ in range(iters):
-        done = post_receiver(paged, ids, slab, ranges, comm, recv_stream, scatter_stream, copy)
+        done = post_receiver(paged, ids, slab, ranges, comm, recv_stream, scatter_stream, copy, mid)
         w.barrier(conn, 1)
         done.synchronize()
         conn.send(time.perf_counter())
@@ -225,6 +247,10 @@ def rank_main(
     rows = []
     for number, variant in enumerate(variants):
         paged = PagedLayers(cache, w.LAYOUT, programs_per_sm=variant["p"], free_sms=variant["free"])
+        mid = None
+        if variant["gmid"] if rank == 0 else variant["smid"]:  # copies with slack on fewer SMs
+            mid = PagedLayers(cache, w.LAYOUT, programs_per_sm=variant["p"], free_sms=variant["free"])
+            mid.max_programs = variant["gmid"] if rank == 0 else variant["smid"]
         copy = bool(variant["copy"])
         for tokens in tokens_list:
             ids = w.block_ids(shape, tokens, device, seed=1000 * tokens + rank)
@@ -235,18 +261,28 @@ def rank_main(
                 ranges = ramp_ranges(sizes, chunk, edge, variant["ramp"])
             else:
                 ranges = message_ranges(sizes, chunk, edge)
-            a = w.ceiling(conn, rank, comm, num_bytes, WARMUP + iters)[WARMUP:]
+            slab = abuf = None
+            handles: list[int] = []
+            buffers: list[NcclBuffer] = []
+            if variant["reg"]:  # both ends register: NCCL writes into the receiver's buffer directly
+                buffers = [NcclBuffer(num_bytes), NcclBuffer(num_bytes)]
+                handles = [comm.register(b.ptr, b.num_bytes) for b in buffers]
+                abuf = buffers[0].tensor
+                slab = buffers[1].tensor.view(torch.bfloat16).view(paged.shape(ids.numel()))
+            a = w.ceiling(conn, rank, comm, num_bytes, WARMUP + iters, abuf)[WARMUP:]
+            a_plain = a
+            if abuf is not None:
+                a_plain = w.ceiling(conn, rank, comm, num_bytes, WARMUP + iters)[WARMUP:]
             rp = high if variant["prio"] else 0
-            g = graph_path(conn, rank, comm, paged, ids, ranges, WARMUP + iters, rp, copy, variant["armed"])[
-                WARMUP:
-            ]
+            run = (copy, variant["armed"], slab, mid)
+            g = graph_path(conn, rank, comm, paged, ids, ranges, WARMUP + iters, rp, *run)[WARMUP:]
             if rank == 1:
                 w.poison(cache, ids)
-            graph_path(conn, rank, comm, paged, ids, ranges, 1, rp)
+            graph_path(conn, rank, comm, paged, ids, ranges, 1, rp, True, 0, slab, mid)
             ok = w.verify(conn, rank, comm, cache, ids)
             if profile:  # untimed: 5 more iterations in one trace per rank
                 with h.profiled(profile, f"g{number}-{tokens}", rank):
-                    host = graph_path(conn, rank, comm, paged, ids, ranges, 5, rp, copy, variant["armed"])
+                    host = graph_path(conn, rank, comm, paged, ids, ranges, 5, rp, *run)
                 h.save_host_samples(profile, f"g{number}-{tokens}", rank, host)
             if rank == 0:
                 sa, sg = w.summarize(a, num_bytes), w.summarize(g, num_bytes)
@@ -257,11 +293,17 @@ def rank_main(
                         "tokens": tokens,
                         "messages": len(ranges),
                         "ceiling": sa,
+                        "ceiling_plain": w.summarize(a_plain, num_bytes),
                         "graph": sg,
                         "ratio": round(sg["gbps"] / sa["gbps"], 3),
                         "verified": ok,
                     }
                 )
+            torch.cuda.synchronize()
+            for handle in handles:
+                comm.deregister(handle)
+            for buffer in buffers:
+                buffer.close()
     w.barrier(conn, rank)
     comm.abort()
     queue.put((rank, rows))
@@ -309,10 +351,12 @@ def main() -> None:
         f"graph prototype, {torch.cuda.get_device_name(0)} x2, messages <= {args.chunk_mib} MiB "
         f"(median of {args.iters})"
     )
-    print("tokens  (a) ceiling GB/s  graph GB/s  graph/a  verified  variant  message MiB")
+    print("tokens  (a) ceiling GB/s  (a) unregistered  graph GB/s  graph/a  verified  variant  message MiB")
     for row in results[0]:
         ceiling, graph = row["ceiling"]["gbps"], row["graph"]["gbps"]
-        head = f"{row['tokens']:>6} {ceiling:>17} {graph:>11} {row['ratio']:>8} {row['verified']!s:>9}"
+        plain = row["ceiling_plain"]["gbps"]
+        head = f"{row['tokens']:>6} {ceiling:>17} {plain:>17} {graph:>11} {row['ratio']:>8}"
+        head += f" {row['verified']!s:>9}"
         print(f"{head}  {row['variant']}  {row['sizes_mib']}")
 
 

@@ -4,6 +4,9 @@ queue; the ``spawn`` fixture kills whatever is still alive at the end of the tes
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
+import sys
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
@@ -30,6 +33,10 @@ def spawn() -> Iterator[Callable[..., Any]]:
     yield start
     for proc in procs:
         proc.join(timeout=10)
-        if proc.is_alive():
+        if proc.exitcode not in (None, 0):
+            print(f"GPU test child {proc.name} exited with {proc.exitcode}", file=sys.stderr)
+        if proc.is_alive():  # hung: its threads' stacks to stderr first (run_in_child), then kill
+            os.kill(proc.pid, signal.SIGUSR1)
+            proc.join(timeout=3)
             proc.kill()
             proc.join(timeout=5)

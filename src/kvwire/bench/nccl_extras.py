@@ -65,9 +65,7 @@ def overlap(
 ) -> dict[str, Any] | None:
     """Rank 0 runs the forward and saves each layer as it completes; rank 1 receives + scatters."""
     paged = PagedLayers(cache, LAYOUT)
-    slab = torch.empty(
-        (len(cache), 2, ids.numel(), *cache[0].shape[2:]), dtype=torch.bfloat16, device=ids.device
-    )
+    slab = side.slab((len(cache), 2, ids.numel(), *cache[0].shape[2:]))
     if side.rank == 1:
         for _ in range(iters + 1):
             barrier(conn, 1)

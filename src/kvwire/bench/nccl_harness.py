@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import faulthandler
 import json
 import logging
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -102,6 +104,12 @@ def child_results(queue: Any, count: int, timeout_s: float = 180.0) -> dict[str,
 
 def run_in_child(fn: Callable[..., Any], rank: int, conn: Connection, queue: Any, arg: Any) -> None:
     """Process entry of a two-GPU scenario: run ``fn(conn, arg)`` on GPU ``rank``, report to ``queue``."""
+    # SIGUSR1 prints every thread's stack to stderr (the GPU tests' teardown asks a hung child first)
+    faulthandler.enable()  # a crash in native code (NCCL, CUDA) still leaves a Python stack
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    dump_s = float(os.environ.get("KVWIRE_CHILD_DUMP_S", "0"))  # debugging hangs: stacks after that
+    if dump_s > 0:
+        faulthandler.dump_traceback_later(dump_s)
     try:
         set_safe_env()
         torch.cuda.set_device(rank)

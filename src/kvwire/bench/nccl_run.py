@@ -33,7 +33,14 @@ def _size_row(
 ) -> dict[str, Any]:
     ids = w.block_ids(shape, tokens, cache[0].device, seed=1000 * tokens + rank)
     num_bytes = shape.layers * shape.layer_bytes(tokens)
-    a = w.ceiling(conn, rank, comm, num_bytes, WARMUP + iters)[WARMUP:]
+    a_plain = w.ceiling(conn, rank, comm, num_bytes, WARMUP + iters)[WARMUP:]
+    # (a) both ways, and the faster is the ceiling: NCCL through its FIFO, and in place between
+    # registered buffers (what (c) uses on a zero-copy communicator; on NVLink they differ by a few %)
+    a_reg = w.registered_ceiling(conn, rank, comm, num_bytes, WARMUP + iters)
+    a_reg = a_reg[WARMUP:] if a_reg is not None else None
+    a = a_plain  # rank 1 records no times
+    if rank == 0 and a_reg is not None and w.median_ms(a_reg) < w.median_ms(a_plain):
+        a = a_reg
     b = w.reference(conn, rank, comm, cache, ids, WARMUP + iters)[WARMUP:]
     if rank == 1:
         w.poison(cache, ids)
@@ -61,6 +68,8 @@ def _size_row(
         "tokens": tokens,
         "bytes": num_bytes,
         "ceiling": sa,
+        "ceiling_unregistered_gbps": w.summarize(a_plain, num_bytes)["gbps"],
+        "ceiling_registered_gbps": w.summarize(a_reg, num_bytes)["gbps"] if a_reg else None,
         "reference": sb,
         "kvwire": sc,
         "gbps": sc["gbps"],
@@ -131,6 +140,7 @@ def run_rank(rank: int, conn: Connection, opts: dict[str, Any]) -> dict[str, Any
         "send_graphs": plane_cfg.send_graphs,
         "inline_launch": plane_cfg.inline_launch,
         "launch_holds_gil": plane_cfg.launch_holds_gil,
+        "zero_copy": plane_cfg.zero_copy,
         "max_ctas": opts["max_ctas"],
         "iters": opts["iters"],
         "sizes": [],

@@ -10,6 +10,7 @@ peer's cache (the ceiling moves one contiguous buffer of that size and touches n
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import threading
 import time
@@ -24,6 +25,7 @@ from kvwire.transfer.cuda_paged import PagedLayers, SlabGather
 from kvwire.transfer.device_signal import DeviceSignal
 from kvwire.transfer.nccl_channel import message_ranges
 from kvwire.transfer.nccl_lib import NcclComm
+from kvwire.transfer.nccl_memory import NcclBuffer
 from kvwire.transfer.paged import KVLayout, gather_blocks, scatter_blocks
 from kvwire.transfer.types import RecvItem, SendItem
 
@@ -79,8 +81,12 @@ def median_ms(samples: list[float]) -> float:
 
 
 # --- (a) ceiling: one contiguous NCCL send of the same bytes ----------------------------------------------
-def ceiling(conn: Connection, rank: int, comm: NcclComm, num_bytes: int, iters: int) -> list[float]:
-    buf = torch.empty(num_bytes, dtype=torch.uint8, device=torch.cuda.current_device())
+def ceiling(
+    conn: Connection, rank: int, comm: NcclComm, num_bytes: int, iters: int, buf: torch.Tensor | None = None
+) -> list[float]:
+    """(a): one contiguous send of ``num_bytes`` (from/into ``buf`` when given, e.g. a registered one)."""
+    if buf is None:
+        buf = torch.empty(num_bytes, dtype=torch.uint8, device=torch.cuda.current_device())
     stream = torch.cuda.current_stream()
     out = []
     for _ in range(iters):
@@ -95,6 +101,21 @@ def ceiling(conn: Connection, rank: int, comm: NcclComm, num_bytes: int, iters: 
             h.wait_stream(stream, comm)
             conn.send(time.perf_counter())
     return out
+
+
+def registered_ceiling(
+    conn: Connection, rank: int, comm: NcclComm, num_bytes: int, iters: int
+) -> list[float] | None:
+    """(a) between buffers both ranks registered with ``comm`` (None when this NCCL cannot)."""
+    if not comm.can_register:
+        return None
+    with NcclBuffer(num_bytes) as buf:
+        handle = comm.register(buf.ptr, num_bytes)
+        try:
+            return ceiling(conn, rank, comm, num_bytes, iters, buf.tensor)
+        finally:
+            torch.cuda.synchronize()
+            comm.deregister(handle)
 
 
 # --- (b) the reference's per-layer way ---------------------------------------------------------------------
@@ -147,6 +168,16 @@ class KvwireSide:
         self.handoff_us: list[float] = []  # rank 0: host time from t0 until fire()/hand-over returned
         self._row_key: tuple[int, tuple[int, ...]] | None = None
         self._row_views: list[torch.Tensor] = []
+        self._slabs: dict[tuple[int, ...], torch.Tensor] = {}  # shape -> zero-copy slab
+
+    def slab(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """The slab (bf16, ``shape``) a transfer of that shape gathers into (rank 0) or lands in (rank 1):
+        allocated once per shape from the plane's zero-copy memory, as a serving instance keeps one
+        per prompt-length bucket, so NCCL moves it in place."""
+        if shape not in self._slabs:
+            flat = self.plane.allocate_zero_copy(math.prod(shape) * 2)
+            self._slabs[shape] = flat.view(torch.bfloat16).view(shape)
+        return self._slabs[shape]
 
     def trace(self, conn: Connection, last: int) -> list[tuple[Any, ...]]:
         """Both ranks: the plane's last ``last`` chunks of each side, microseconds after the last t0
@@ -252,7 +283,8 @@ class KvwireSide:
         self.rec.wait_received(tid, num_layers)
 
     def close(self) -> None:
-        self.plane.close()
+        self.plane.close()  # frees the slabs too
+        self._slabs.clear()
 
 
 class Landing:
@@ -287,7 +319,7 @@ def kvwire_path(
     conn: Connection, side: KvwireSide, paged: PagedLayers, ids: torch.Tensor, iters: int
 ) -> list[float]:
     """(c): from "every layer is in the sender's cache" to "every layer is in the receiver's cache"."""
-    slab = torch.empty(paged.shape(ids.numel()), dtype=torch.bfloat16, device=ids.device)
+    slab = side.slab(paged.shape(ids.numel()))
     num_layers = len(paged.layers)
     stream = torch.cuda.current_stream()  # the "forward's" stream, known ahead (as (a) takes its own)
     out = []

@@ -2,7 +2,9 @@
 
 Per size (Llama-3-8B-shaped paged KV, bf16, block size 16, random block ids on both sides):
 
-* (a) ``ceiling``: one contiguous NCCL send of the same bytes;
+* (a) ``ceiling``: one contiguous NCCL send of the same bytes, measured both through NCCL's FIFO
+  and between registered buffers (in place, as (c) moves a zero-copy communicator's messages); the
+  faster of the two is the ceiling;
 * (b) ``reference``: the seed's per-layer way (gather one layer, one control round trip, one send,
   one sync, scatter) over the same communicator;
 * (c) ``kvwire``: the NCCL data plane (:mod:`kvwire.transfer.nccl`). By default (``--sender armed``)
@@ -181,6 +183,11 @@ def print_table(report: dict[str, Any], out: Any = None) -> None:
             f"{row['speedup_vs_reference']:>9.2f} {row['verified']}"
         )
     print("(GB/s; ms in the JSON)")
+    ceilings = [
+        f"{row['tokens']}: {row.get('ceiling_unregistered_gbps')} / {row.get('ceiling_registered_gbps')}"
+        for row in report["sizes"]
+    ]
+    print(f"(a) unregistered / registered buffers, GB/s (the faster is the ceiling): {', '.join(ceilings)}")
     handoffs = [f"{row['tokens']}: {row.get('kvwire_handoff_us')}" for row in report["sizes"]]
     print(f"(c) sender's t0 step on the host (fire or hand-over), median us: {', '.join(handoffs)}")
     for row in report["sizes"]:
@@ -190,7 +197,8 @@ def print_table(report: dict[str, Any], out: Any = None) -> None:
             print("   ", tuple(chunk))
     print(
         f"framing: messages of <= {report['chunk_mib']} MiB, first/last {report['edge_mib']} MiB, "
-        f"ramp {report.get('ramp')}; sender {report.get('sender')}, inline launch "
+        f"ramp {report.get('ramp')}, zero-copy {report.get('zero_copy')}; sender {report.get('sender')}, "
+        "inline launch "
         f"{report.get('inline_launch')}, launch holds GIL {report.get('launch_holds_gil')}; "
         f"send graphs {report.get('send_graph_stats')}"
     )

@@ -42,6 +42,7 @@ from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.nccl_channel import CancelledSet, _Channel
 from kvwire.transfer.nccl_config import NcclPlaneConfig
 from kvwire.transfer.nccl_lib import NcclUnavailableError, load_nccl
+from kvwire.transfer.nccl_memory import ZeroCopyMemory
 from kvwire.transfer.nccl_messages import NcclInfo, decode_info, encode_info
 from kvwire.transfer.nccl_recv import RecvChannel
 from kvwire.transfer.nccl_send import SendChannel
@@ -81,6 +82,7 @@ class NcclPlane(DataPlane):
         self._receivers: dict[str, RecvChannel] = {}
         self._callbacks: PlaneCallbacks | None = None
         self._alloc_stream: torch.cuda.Stream | None = None
+        self.memory: ZeroCopyMemory | None = None  # registrable memory (NCCL >= 2.19), see allocate_zero_copy
         self._cancelled = CancelledSet()
         self._retired_graph_stats: collections.Counter[str] = collections.Counter()  # of closed senders
         self._closed = False
@@ -100,6 +102,8 @@ class NcclPlane(DataPlane):
         with torch.cuda.device(self.device):
             device_signal.prepare(self.device)  # raises TransferError without cuStreamWaitValue32
         self._alloc_stream = torch.cuda.Stream(device=self.device)
+        if lib.has_registration:
+            self.memory = ZeroCopyMemory(self.device)
         self._janitor = threading.Thread(target=self._janitor_loop, name="kvwire-nccl-janitor", daemon=True)
         self._janitor.start()
 
@@ -142,6 +146,22 @@ class NcclPlane(DataPlane):
         assert self._alloc_stream is not None, "start() first"
         with torch.cuda.stream(self._alloc_stream):
             return torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+
+    def allocate_zero_copy(self, num_bytes: int) -> torch.Tensor:
+        """A flat ``uint8`` buffer that NCCL moves in place on a zero-copy communicator (sender: the
+        slab a producer gathers a transfer into; receiver: the slab its layers land in): no staging
+        copy on either end, and NCCL writes straight into the receiver's slab. Allocate once per
+        shape (e.g. per prompt-length bucket) and reuse: it costs an ``ncclMemAlloc`` now and an IPC
+        mapping per communicator at first use. Kept until :meth:`release_zero_copy` or :meth:`close`.
+        Ordinary device memory when this NCCL cannot register buffers (< 2.19)."""
+        if self.memory is None:
+            return self.allocate(num_bytes)
+        return self.memory.allocate(num_bytes)
+
+    def release_zero_copy(self, tensor: torch.Tensor) -> None:
+        """Free a buffer from :meth:`allocate_zero_copy` once no transfer uses it any more."""
+        if self.memory is not None:
+            self.memory.release(tensor)
 
     # --- data -------------------------------------------------------------------------------------------
     def send(self, peer: PeerRef, items: Sequence[SendItem]) -> None:
@@ -187,6 +207,8 @@ class NcclPlane(DataPlane):
             channel.close(abort=True)
         if self._janitor is not None and self._janitor is not threading.current_thread():
             self._janitor.join(timeout=5.0)
+        if self.memory is not None:
+            self.memory.close()
 
     def chunk_trace(self) -> list[tuple[Any, ...]]:
         """Recent chunks of every channel: (direction, peer, seq, bytes, launch start, launch end,
@@ -239,7 +261,13 @@ class NcclPlane(DataPlane):
             channel = self._senders.get(peer_instance)
             if channel is None:
                 channel = SendChannel(
-                    peer_instance, self.device, self.plane_config, self._cb(), self._dead, self._cancelled
+                    peer_instance,
+                    self.device,
+                    self.plane_config,
+                    self._cb(),
+                    self._dead,
+                    self._cancelled,
+                    memory=self.memory,
                 )
                 self._senders[peer_instance] = channel
                 channel.start()
@@ -269,7 +297,13 @@ class NcclPlane(DataPlane):
                 evict = min(idle, key=lambda c: c.last_active)
                 del self._receivers[evict.peer_instance]
             channel = RecvChannel(
-                peer_instance, self.device, self.plane_config, self._cb(), self._dead, self._cancelled
+                peer_instance,
+                self.device,
+                self.plane_config,
+                self._cb(),
+                self._dead,
+                self._cancelled,
+                memory=self.memory,
             )
             self._receivers[peer_instance] = channel
             channel.start()

@@ -31,6 +31,7 @@ from kvwire.errors import TransferError
 from kvwire.transfer.base import PlaneCallbacks
 from kvwire.transfer.nccl_config import NcclPlaneConfig
 from kvwire.transfer.nccl_lib import NcclComm
+from kvwire.transfer.nccl_memory import NcclBuffer, ZeroCopyMemory
 from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer
 from kvwire.transfer.types import GATE_MAGIC, RecvItem, SendItem
 
@@ -218,6 +219,8 @@ class _Batch:
     steps_us: tuple[int, ...] = ()  # the launch's marks (see _Channel.mark), us after its start
     # receiver with device consumers: the receive's own event (``event`` is then the consumers' end)
     recv_event: torch.cuda.Event | None = None
+    # zero-copy staging buffers the chunk used: back to the pool once ``event`` completed
+    pooled: list[NcclBuffer] = dataclasses.field(default_factory=list)
 
 
 _Work = list[tuple[ChunkPlan, list[SendItem] | list[RecvItem] | None]]
@@ -236,8 +239,13 @@ class _Channel:
         callbacks: PlaneCallbacks,
         on_dead: Callable[[_Channel, str | None], None],
         cancelled: CancelledSet,
+        memory: ZeroCopyMemory | None = None,
     ) -> None:
         self.peer_instance = peer_instance
+        # the plane's registrable memory; zero_copy: this communicator moves only registered buffers
+        # (the receiver decides in its offer, the sender follows; see NcclPlaneConfig.zero_copy)
+        self.memory = memory
+        self.zero_copy = False
         self.device = device
         self.config = config
         self.callbacks = callbacks
@@ -283,10 +291,17 @@ class _Channel:
             self.cond.notify_all()
         self._release_comm()
         if self.comm is not None:
+            if self.memory is not None and idle:
+                # before NCCL's own teardown of them (see deregister_all); only when nothing is in
+                # flight: a deregistration unmaps the buffer from the peer, whose kernel may be
+                # writing it (then the abort alone stops both ends' kernels first)
+                self.memory.deregister_all(self.comm)
             if abort or not idle:
                 self.comm.abort()
             else:
                 self.comm.destroy()
+            if self.memory is not None:
+                self.memory.forget(self.comm)  # its registrations went with it
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=5.0)
@@ -349,6 +364,30 @@ class _Channel:
     def mark(self) -> None:
         """Note the time of a step of the current launch (kept in the chunk trace)."""
         self._marks.append(time.perf_counter())
+
+    # --- zero-copy memory (issuer thread, or the thread that launches) -----------------------------
+    def _registered(self, address: int, num_bytes: int) -> bool:
+        """``[address, address + num_bytes)`` lies in the plane's registrable memory, registered with
+        this communicator (now, the first time this communicator moves that buffer)."""
+        if self.memory is None or self.comm is None:
+            return False
+        buffer = self.memory.find(address, num_bytes)
+        if buffer is None:
+            return False
+        self.memory.register(self.comm, buffer)
+        return True
+
+    def _staging(self, num_bytes: int, pooled: list[NcclBuffer]) -> torch.Tensor:
+        """A contiguous buffer for one message on the current stream: with zero-copy a registered
+        one from the pool (added to ``pooled``: back to the pool when the chunk completed), else one
+        from the caching allocator."""
+        if not self.zero_copy:
+            return torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+        assert self.memory is not None and self.comm is not None
+        buffer = self.memory.take(num_bytes)
+        self.memory.register(self.comm, buffer)
+        pooled.append(buffer)
+        return buffer.tensor[:num_bytes]
 
     # --- hooks for the two directions ----------------------------------------------------------------
     def _forget(self, transfer_id: str) -> None:
@@ -436,11 +475,16 @@ class _Channel:
         if isinstance(result, TransferError):
             self.fail(f"communicator init: {result}")
             return False
+        if offer.zero_copy and (self.memory is None or not result.can_register):
+            result.abort()
+            self.fail("the receiver asked for zero-copy messages, which this process cannot register")
+            return False
         with self.cond:
             if self.closed:
                 result.abort()
                 return False
             self.comm = result
+            self.zero_copy = offer.zero_copy
             self.joined = True
             self.last_active = time.monotonic()
             self.cond.notify_all()
@@ -539,6 +583,9 @@ class _Channel:
                         return
                     self.inflight.popleft()
                     following = self.inflight[0] if self.inflight else None
+                if batch.pooled and self.memory is not None:
+                    for buffer in batch.pooled:  # its GPU work is done
+                        self.memory.give(buffer)
                     self.last_active = time.monotonic()
                     if self._has_work():  # room for a chunk that waited (max_inflight_chunks);
                         self.cond.notify_all()  # else no wake-up: it would only compete for the GIL

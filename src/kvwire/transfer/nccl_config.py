@@ -53,6 +53,13 @@ class NcclPlaneConfig:
     # block (it should not once connected: max_inflight_chunks keeps NCCL's work FIFO from filling)
     # would then freeze every Python thread of the process, the janitor that aborts included.
     launch_holds_gil: bool = False
+    # Zero-copy messages (NCCL user buffer registration, decision 066): a receiver offering it makes
+    # both ends of its communicator pass only registered memory (ncclMemAlloc: the plane's
+    # allocate_zero_copy slabs, else a pooled staging buffer), and NCCL's sender then writes straight
+    # into the receiver's buffer instead of through a FIFO the receiving kernel copies out (which made
+    # every byte cross the receiver's HBM three times). The receiver decides per communicator (in its
+    # offer); the sender follows. Needs NCCL >= 2.19 (off otherwise).
+    zero_copy: bool = True
 
     def __post_init__(self) -> None:
         CommConfig(self.min_ctas, self.max_ctas)  # validates the CTA bounds
@@ -84,6 +91,7 @@ class NcclPlaneConfig:
         hold = os.environ.get("KVWIRE_NCCL_HOLD_GIL")
         ramp = opt_int("KVWIRE_NCCL_RAMP")
         graphs = opt_int("KVWIRE_NCCL_GRAPHS")
+        zero_copy = os.environ.get("KVWIRE_NCCL_ZERO_COPY")
         defaults = cls()
         chunk = chunk_mib * MiB if chunk_mib else defaults.chunk_bytes
         edge = edge_mib * MiB if edge_mib is not None else defaults.edge_bytes
@@ -97,6 +105,7 @@ class NcclPlaneConfig:
             stall_timeout_s=float(stall) if stall else defaults.stall_timeout_s,
             inline_launch=_flag(inline) if inline else defaults.inline_launch,
             launch_holds_gil=_flag(hold) if hold else defaults.launch_holds_gil,
+            zero_copy=_flag(zero_copy) if zero_copy else defaults.zero_copy,
         )
 
     @property

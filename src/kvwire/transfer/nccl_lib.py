@@ -144,6 +144,17 @@ class NcclLibrary:
         self._proto("ncclRecv", [c_void_p, c_size_t, c_int, c_int, c_void_p, c_void_p])
         self._proto("ncclGroupStart", [])
         self._proto("ncclGroupEnd", [])
+        # User buffer registration (NCCL >= 2.19): zero-copy point-to-point between GPUs of one host
+        # when both ends pass registered buffers (see kvwire.transfer.nccl_memory).
+        self.has_registration = all(
+            hasattr(self._lib, name)
+            for name in ("ncclCommRegister", "ncclCommDeregister", "ncclMemAlloc", "ncclMemFree")
+        )
+        if self.has_registration:
+            self._proto("ncclCommRegister", [c_void_p, c_void_p, c_size_t, ctypes.POINTER(c_void_p)])
+            self._proto("ncclCommDeregister", [c_void_p, c_void_p])
+            self._proto("ncclMemAlloc", [ctypes.POINTER(c_void_p), c_size_t])
+            self._proto("ncclMemFree", [c_void_p])
         self._lib.ncclGetErrorString.restype = ctypes.c_char_p
         self._lib.ncclGetErrorString.argtypes = [c_int]
         # The same functions called *without* releasing the GIL (ctypes.PyDLL): for the enqueue calls
@@ -342,6 +353,34 @@ class NcclComm:
             # outside a group a non-blocking comm may still be enqueueing: wait until it is on the stream
             if self._lib.check(code, "ncclRecv") == NCCL_IN_PROGRESS:
                 self.wait_ready(time.monotonic() + _ENQUEUE_TIMEOUT_S, "ncclRecv")
+
+    @property
+    def can_register(self) -> bool:
+        """The library has user buffer registration (:meth:`register`)."""
+        return self._lib.has_registration
+
+    def register(self, ptr: int, num_bytes: int) -> int:
+        """``ncclCommRegister``: let this communicator's sends/recvs use ``[ptr, ptr + num_bytes)``
+        in place (zero-copy over NVLink when the peer's buffer is registered too). Returns the handle
+        for :meth:`deregister`. Raises :class:`NcclUnavailableError` on a library without it."""
+        if not self._lib.has_registration:
+            raise NcclUnavailableError("this libnccl has no user buffer registration (needs >= 2.19)")
+        handle = ctypes.c_void_p()
+        with self.lock:
+            self._ensure_open()
+            code = self._lib.raw.ncclCommRegister(self._handle, ptr, num_bytes, ctypes.byref(handle))
+            if self._lib.check(code, "ncclCommRegister") == NCCL_IN_PROGRESS:
+                self.wait_ready(time.monotonic() + _ENQUEUE_TIMEOUT_S, "ncclCommRegister")
+        return int(handle.value or 0)
+
+    def deregister(self, handle: int) -> None:
+        """``ncclCommDeregister`` of a :meth:`register` handle (a no-op once the comm is closed)."""
+        with self.lock:
+            if self._closed:
+                return
+            code = self._lib.raw.ncclCommDeregister(self._handle, ctypes.c_void_p(handle))
+            if self._lib.check(code, "ncclCommDeregister") == NCCL_IN_PROGRESS:
+                self.wait_ready(time.monotonic() + _ENQUEUE_TIMEOUT_S, "ncclCommDeregister")
 
     def _ensure_open(self) -> None:
         if self._closed:

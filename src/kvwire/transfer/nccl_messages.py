@@ -3,8 +3,8 @@
 The **receiver** of a direction owns its communicator and its message framing:
 
 * :class:`CommOffer` — "join communicator ``comm_id`` (this NCCL unique id) as rank 0 and send to me
-  on it". Created lazily, the first time the receiver posts a buffer for that peer; repeated until
-  the receiver closes it (idle) or a new one replaces it.
+  on it" (with zero-copy messages or without). Created lazily, the first time the receiver posts a
+  buffer for that peer; repeated until the receiver closes it (idle) or a new one replaces it.
 * :class:`ChunkPlan` — the receiver coalesces consecutive granted layers of one transfer into one NCCL
   message (a *chunk*) and tells the sender how: chunk ``seq`` on ``comm_id`` carries ``layers`` of
   ``transfer_id`` (``num_bytes`` in total). The sender posts exactly these messages in ``seq`` order,
@@ -27,6 +27,10 @@ MAX_CHUNKS_PER_INFO = 65536
 class CommOffer(msgspec.Struct, array_like=True, frozen=True):
     comm_id: str  # random hex; names the communicator and its chunk sequence
     unique_id: bytes  # ncclUniqueId (128 bytes)
+    # Both ends pass only registered buffers to this communicator (NcclPlaneConfig.zero_copy): NCCL
+    # needs both or neither, so the receiver decides and the sender follows. Last, with a default:
+    # an offer from before this field decodes as False.
+    zero_copy: bool = False
 
 
 class ChunkPlan(msgspec.Struct, array_like=True, frozen=True):

@@ -6,10 +6,12 @@ queued for announcement (the next ``local_info`` to that peer carries the plans,
 with its own completion event, so the first chunks are delivered while later ones are still on the
 wire. A chunk whose destinations lie back to back on the device is received in place; otherwise into
 a staging buffer allocated on the receive stream and copied out to each destination (device or pinned
-host). Those copies, the device consumers and then the status word's copy to the host run on a
-consumer stream behind the receive's event (consecutive chunks alternate between two, so one
-message's scatter never waits for the previous one's): the receive stream carries only the receives,
-back to back.
+host). A zero-copy communicator (``NcclPlaneConfig.zero_copy``, announced in the offer) receives in
+place only into the plane's registrable memory, else into a pooled registered staging buffer.
+Those copies, the device consumers and then the status word's copy to the host run on a consumer
+stream behind the receive's event (consecutive chunks alternate between two, so one message's
+scatter never waits for the previous one's): the receive stream carries only the receives, back to
+back.
 
 Device consumers (``RecvItem.on_device``, see :data:`kvwire.transfer.types.DeviceConsumer`) are
 enqueued when the chunk is *posted*, on its consumer stream behind the receive's event, so the GPU
@@ -42,6 +44,7 @@ from kvwire.transfer.nccl_channel import (
     plan_chunks,
 )
 from kvwire.transfer.nccl_lib import load_nccl
+from kvwire.transfer.nccl_memory import NcclBuffer
 from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer
 from kvwire.transfer.types import DeviceConsumer, RecvItem, SendItem
 
@@ -54,7 +57,10 @@ class RecvChannel(_Channel):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.offer = CommOffer(comm_id=secrets.token_hex(8), unique_id=load_nccl().unique_id())
+        lib = load_nccl()
+        zero_copy = self.config.zero_copy and self.memory is not None and lib.has_registration
+        self.offer = CommOffer(comm_id=secrets.token_hex(8), unique_id=lib.unique_id(), zero_copy=zero_copy)
+        self.zero_copy = zero_copy
         self.next_seq = 0
         self.pending: list[tuple[ChunkPlan, list[RecvItem]]] = []
         self.unannounced: list[ChunkPlan] = []
@@ -135,9 +141,12 @@ class RecvChannel(_Channel):
         self.mark()
         sizes = [item.num_bytes for item in group]
         address = adjacent_ptr([item.dest for item in group], sizes, self.device)
+        if address is not None and self.zero_copy and not self._registered(address, chunk.num_bytes):
+            address = None  # a zero-copy communicator moves only registered memory: staged
         staging = None
+        pooled: list[NcclBuffer] = []
         if address is None:
-            staging = torch.empty(max(chunk.num_bytes, 1), dtype=torch.uint8, device=self.device)
+            staging = self._staging(max(chunk.num_bytes, 1), pooled)
             address = staging.data_ptr()
             for item in group:
                 if item.dest.is_cuda:
@@ -159,7 +168,8 @@ class RecvChannel(_Channel):
         after.wait_event(landed)
         with torch.cuda.stream(after):
             if staging is not None:
-                staging.record_stream(after)
+                if not pooled:  # a pooled buffer goes back to the pool only after the batch's event
+                    staging.record_stream(after)
                 offset = 0
                 for item in group:
                     if item.dest.is_cuda:
@@ -173,7 +183,9 @@ class RecvChannel(_Channel):
             event = torch.cuda.Event()
             event.record(after)
         keep = [staging] if staging is not None else []
-        batch = _Batch(event, chunk, group, keep, time.monotonic(), status_slot=slot, recv_event=landed)
+        batch = _Batch(
+            event, chunk, group, keep, time.monotonic(), status_slot=slot, recv_event=landed, pooled=pooled
+        )
         self.mark()
         if consumers:
             self._enqueue_consumers(batch, consumers, slot, after)

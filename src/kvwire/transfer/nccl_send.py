@@ -6,7 +6,9 @@ chunk's status message says so). Chunks launch strictly in ``seq`` order, each a
 (data + 8-byte status) with its own completion event. Before the group, on the send stream: a wait for
 each layer's ``ready_event``, then the chunk's device producers (``SendItem.on_device``, e.g. the
 gather that fills the layers). Layers that lie back to back in memory are sent in place; otherwise
-they are copied into one staging buffer first.
+they are copied into one staging buffer first. On a zero-copy communicator (the receiver's offer
+says so) every message's memory must be registrable: in place only from the plane's zero-copy
+memory, else staged in a pooled registered buffer.
 
 Once the channel is connected, a run of one transfer's chunks that can be captured (every chunk's
 layers back to back, every producer a :class:`~kvwire.transfer.types.CapturableProducer`) is
@@ -27,6 +29,7 @@ from kvwire.transfer.device_signal import DeviceSignal, wait_ready
 from kvwire.transfer.nccl_channel import STATUS_MAGIC, _Batch, _Channel, _Work, adjacent_ptr, log
 from kvwire.transfer.nccl_config import NcclPlaneConfig
 from kvwire.transfer.nccl_graphs import CaptureAborted, SendGraphs, producer_key
+from kvwire.transfer.nccl_memory import NcclBuffer
 from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer
 from kvwire.transfer.types import DeviceProducer, RecvItem, SendItem
 
@@ -122,10 +125,12 @@ class SendChannel(_Channel):
         return work
 
     def _source(
-        self, chunk: ChunkPlan, items: list[SendItem] | None
+        self, chunk: ChunkPlan, items: list[SendItem] | None, pooled: list[NcclBuffer]
     ) -> tuple[int, torch.Tensor | None, bool]:
         """(device address, buffer to keep alive, real data?) of one chunk, on the send stream (the
-        current stream). Not real: dummy bytes, and the chunk's status message says so."""
+        current stream). Not real: dummy bytes, and the chunk's status message says so. Layers back
+        to back are sent in place (with zero-copy only from registrable memory); otherwise they are
+        copied into a staging buffer (with zero-copy a pooled one, added to ``pooled``)."""
         if items is not None:
             sizes = [item.tensor.numel() * item.tensor.element_size() for item in items]
             if sum(sizes) == chunk.num_bytes:
@@ -136,9 +141,9 @@ class SendChannel(_Channel):
                 self.mark()
                 address = adjacent_ptr([item.tensor for item in items], sizes, self.device)
                 self.mark()
-                if address is not None:
+                if address is not None and (not self.zero_copy or self._registered(address, chunk.num_bytes)):
                     return address, None, True
-                staging = torch.empty(chunk.num_bytes, dtype=torch.uint8, device=self.device)
+                staging = self._staging(chunk.num_bytes, pooled)
                 offset = 0
                 for item, size in zip(items, sizes, strict=True):
                     flat = item.tensor.reshape(-1).view(torch.uint8)
@@ -162,9 +167,17 @@ class SendChannel(_Channel):
                         self.stream.wait_event(ready)
 
     def _dummy(self, chunk: ChunkPlan) -> tuple[int, torch.Tensor | None, bool]:
-        """Scratch bytes of the chunk's size: keeps the stream in step when there is no real data."""
+        """Scratch bytes of the chunk's size: keeps the stream in step when there is no real data
+        (with zero-copy a registered buffer, kept by the channel: chunks in flight may still read a
+        smaller one it outgrew, which stays in the plane's memory until the plane closes)."""
         if self._scratch is None or self._scratch.numel() < chunk.num_bytes:
-            self._scratch = torch.empty(max(chunk.num_bytes, 1), dtype=torch.uint8, device=self.device)
+            if self.zero_copy:
+                assert self.memory is not None and self.comm is not None
+                buffer = self.memory.take(max(chunk.num_bytes, 1))
+                self.memory.register(self.comm, buffer)
+                self._scratch = buffer.tensor
+            else:
+                self._scratch = torch.empty(max(chunk.num_bytes, 1), dtype=torch.uint8, device=self.device)
         return self._scratch.data_ptr(), self._scratch, False
 
     def _produce(self, chunk: ChunkPlan, items: list[SendItem]) -> bool:
@@ -197,7 +210,8 @@ class SendChannel(_Channel):
         current (see ``launch_pending``)."""
         assert self.comm is not None
         self._status_word(True)
-        address, keep, real = self._source(chunk, items)  # type: ignore[arg-type]
+        pooled: list[NcclBuffer] = []
+        address, keep, real = self._source(chunk, items, pooled)  # type: ignore[arg-type]
         keepalive = [keep] if keep is not None else []
         status = self._status[real]
         signal = _signal_of(items) if real else None  # type: ignore[arg-type]
@@ -213,7 +227,7 @@ class SendChannel(_Channel):
         self.mark()
         event = torch.cuda.Event()
         event.record(self.stream)
-        return _Batch(event, chunk, items if real else None, keepalive, time.monotonic())
+        return _Batch(event, chunk, items if real else None, keepalive, time.monotonic(), pooled=pooled)
 
     # --- captured runs (nccl_graphs) ------------------------------------------------------------------
     def _launch_next(self, work: _Work, hits_only: bool = False) -> list[_Batch]:
@@ -252,6 +266,13 @@ class SendChannel(_Channel):
                 return None  # the Python path reports the mismatch
             address = adjacent_ptr([item.tensor for item in items], sizes, self.device)
             if address is None:
+                return None  # staged: the Python path copies it
+            if self.zero_copy:
+                if not self._registered(address, chunk.num_bytes):
+                    return None  # not registrable: staged
+            elif self.memory is not None and self.memory.find(address, chunk.num_bytes) is not None:
+                # NCCL registers registrable memory by itself while capturing (NCCL_GRAPH_REGISTER),
+                # and a receiver that declined zero-copy does not: the two kernels would disagree
                 return None
             producers = _producers(items)
             keys = [producer_key(producer, its_items) for producer, its_items in producers]
