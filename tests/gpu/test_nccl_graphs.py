@@ -64,7 +64,7 @@ def _recv(conn: Connection, _: Any) -> dict[str, Any]:
 
     plane, rec = h.start_plane(1, "recv-g", _cfg())
     peer = h.peer_ref("send-g")
-    slab = plane.allocate(LAYER_BYTES * LAYERS)
+    slab = plane.allocate_zero_copy(LAYER_BYTES * LAYERS)  # received in place (zero-copy)
     exact: dict[str, bool] = {}
 
     def receive(tid: str, seed: int) -> None:
@@ -102,7 +102,8 @@ def _send(conn: Connection, _: Any) -> dict[str, Any]:
     cache = _cache(0, "cuda:0")
     paged = PagedLayers(cache, KVLayout.KV_FIRST)
     ids = torch.tensor(BLOCKS, dtype=torch.int64, device="cuda:0")
-    slab = torch.empty(paged.shape(len(BLOCKS)), dtype=torch.bfloat16, device="cuda:0")
+    # the plane's zero-copy memory: sent in place, so a run of messages can be captured
+    slab = plane.allocate_zero_copy(LAYER_BYTES * LAYERS).view(torch.bfloat16).view(paged.shape(len(BLOCKS)))
     gather = SlabGather(paged, ids, slab)
     stats: dict[str, dict[str, int]] = {}
 

@@ -51,7 +51,7 @@ def _recv(conn: Connection, _: Any) -> dict[str, Any]:
 
     plane, rec = h.start_plane(1, "recv-s", _cfg())
     peer = h.peer_ref("send-s")
-    slab = plane.allocate(LAYER_BYTES * LAYERS)
+    slab = plane.allocate_zero_copy(LAYER_BYTES * LAYERS)  # received in place (zero-copy)
     ids = torch.tensor(BLOCKS, device="cuda:1")
     exact: dict[str, bool] = {}
     for index, tid in enumerate(FIRED):
@@ -87,7 +87,8 @@ def _send(conn: Connection, _: Any) -> dict[str, Any]:
     cache = _cache(0, "cuda:0")
     paged = PagedLayers(cache, KVLayout.KV_FIRST)
     ids = torch.tensor(BLOCKS, dtype=torch.int64, device="cuda:0")
-    slab = torch.empty(paged.shape(len(BLOCKS)), dtype=torch.bfloat16, device="cuda:0")
+    # the plane's zero-copy memory: sent in place, so a run of messages can be captured
+    slab = plane.allocate_zero_copy(LAYER_BYTES * LAYERS).view(torch.bfloat16).view(paged.shape(len(BLOCKS)))
     gather = SlabGather(paged, ids, slab)
     compute = torch.cuda.Stream()
 

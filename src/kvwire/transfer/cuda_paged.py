@@ -21,9 +21,11 @@ stream; nothing synchronizes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -45,6 +47,36 @@ _NUM_WARPS = 16
 # tiles; the free SMs take NCCL's CTAs the moment they launch.
 FREE_SMS = 32
 PROGRAMS_PER_SM = 1
+
+
+_hint = threading.local()
+
+
+@contextlib.contextmanager
+def copy_share(share: float | None) -> Iterator[None]:
+    """Gathers and scatters launched by this thread inside the block run on at most ``share`` of the
+    GPU's SMs (None: no limit). A data plane wraps the copies that have slack in it, e.g. the gather
+    of a message that only leaves after two others: at full width such a copy saturates HBM in a
+    burst and slows the NCCL kernel beside it (a message ran at 290 instead of 360 GB/s next to one),
+    while half the SMs still finish it long before its message leaves (decision 066)."""
+    if share is not None and not 0.0 < share <= 1.0:
+        raise ConfigError("copy_share: share must be in (0, 1]")
+    previous = getattr(_hint, "share", None)
+    _hint.share = share
+    try:
+        yield
+    finally:
+        _hint.share = previous
+
+
+def _grid(total: int, max_programs: int, sm_count: int) -> int:
+    """Programs of one launch: ``total`` tiles, at most ``max_programs`` (0: no bound), and within the
+    current :func:`copy_share`."""
+    grid = min(total, max_programs) if max_programs else total
+    share = getattr(_hint, "share", None)
+    if share is not None and sm_count:
+        grid = min(grid, max(1, int(sm_count * share)))
+    return grid
 
 
 def copy_grid(sm_count: int, programs_per_sm: int = PROGRAMS_PER_SM, free_sms: int = FREE_SMS) -> int:
@@ -178,8 +210,10 @@ class PagedLayers:
         first = self.layers[0]
         # programs of one launch (0: unbounded); see FREE_SMS
         self.max_programs = 0
+        self.sm_count = 0
         if first.is_cuda:
-            self.max_programs = copy_grid(_sm_count(first.device), programs_per_sm, free_sms)
+            self.sm_count = _sm_count(first.device)
+            self.max_programs = copy_grid(self.sm_count, programs_per_sm, free_sms)
         self.planes, num_blocks, chunk = _geometry(first, layout)
         self.one_launch = _layers_ok(self.layers, layout)
         words_per_elem = first.element_size() / 4
@@ -262,7 +296,7 @@ class PagedLayers:
             self.planes,
             self._chunk_w,
             self._plane_stride_w,
-            self.max_programs,
+            self.max_programs,  # (a copy_share around the launch follows from the message's position)
             block_ids.data_ptr(),
             int(block_ids.numel()),
             buf.data_ptr(),
@@ -329,7 +363,7 @@ def _launch(
     total = rows * (stop - start) * tiles
     if not gather and gate is None:
         gate = _open_gate(buf.device)  # one scatter variant (the gated one) to compile and load
-    kernel[(min(total, group.max_programs) if group.max_programs else total,)](
+    kernel[(_grid(total, group.max_programs, group.sm_count),)](
         group._base,
         group._offsets,
         start,

@@ -583,12 +583,12 @@ class _Channel:
                         return
                     self.inflight.popleft()
                     following = self.inflight[0] if self.inflight else None
-                if batch.pooled and self.memory is not None:
-                    for buffer in batch.pooled:  # its GPU work is done
-                        self.memory.give(buffer)
                     self.last_active = time.monotonic()
                     if self._has_work():  # room for a chunk that waited (max_inflight_chunks);
                         self.cond.notify_all()  # else no wake-up: it would only compete for the GIL
+                if batch.pooled and self.memory is not None:
+                    for buffer in batch.pooled:  # its GPU work is done
+                        self.memory.give(buffer)
                 if not self.warmed:
                     self.warmed = True
                     if self.comm is not None and self.config.launch_holds_gil:

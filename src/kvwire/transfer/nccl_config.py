@@ -60,6 +60,11 @@ class NcclPlaneConfig:
     # every byte cross the receiver's HBM three times). The receiver decides per communicator (in its
     # offer); the sender follows. Needs NCCL >= 2.19 (off otherwise).
     zero_copy: bool = True
+    # Gathers and scatters with slack run on this share of the SMs (cuda_paged.copy_share): a
+    # message's gather when two messages of its transfer leave before it, a message's scatter when two
+    # land after it. At full width such a copy saturates HBM in a burst and slows the NCCL kernel
+    # beside it; the first gathers and the last scatters (the exposed ones) keep every SM. 1.0: off.
+    slack_copy_share: float = 0.5
 
     def __post_init__(self) -> None:
         CommConfig(self.min_ctas, self.max_ctas)  # validates the CTA bounds
@@ -75,6 +80,8 @@ class NcclPlaneConfig:
             raise ConfigError("NcclPlaneConfig.max_comms must be >= 1")
         if not 1 <= self.max_inflight_chunks <= 512:
             raise ConfigError("NcclPlaneConfig.max_inflight_chunks must be in [1, 512]")
+        if not 0.0 < self.slack_copy_share <= 1.0:
+            raise ConfigError("NcclPlaneConfig.slack_copy_share must be in (0, 1]")
         if min(self.idle_close_s, self.init_timeout_s, self.stall_timeout_s) <= 0:
             raise ConfigError("NcclPlaneConfig timeouts must be > 0")
 
@@ -92,6 +99,7 @@ class NcclPlaneConfig:
         ramp = opt_int("KVWIRE_NCCL_RAMP")
         graphs = opt_int("KVWIRE_NCCL_GRAPHS")
         zero_copy = os.environ.get("KVWIRE_NCCL_ZERO_COPY")
+        share = os.environ.get("KVWIRE_NCCL_SLACK_COPY_SHARE")
         defaults = cls()
         chunk = chunk_mib * MiB if chunk_mib else defaults.chunk_bytes
         edge = edge_mib * MiB if edge_mib is not None else defaults.edge_bytes
@@ -106,6 +114,7 @@ class NcclPlaneConfig:
             inline_launch=_flag(inline) if inline else defaults.inline_launch,
             launch_holds_gil=_flag(hold) if hold else defaults.launch_holds_gil,
             zero_copy=_flag(zero_copy) if zero_copy else defaults.zero_copy,
+            slack_copy_share=float(share) if share else defaults.slack_copy_share,
         )
 
     @property

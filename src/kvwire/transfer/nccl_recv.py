@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from kvwire.transfer.cuda_paged import copy_share
 from kvwire.transfer.nccl_channel import (
     STATUS_MAGIC,
     _Batch,
@@ -77,14 +78,19 @@ class RecvChannel(_Channel):
         self.gate_stream = torch.cuda.Stream(device=self.device)  # gate arm/disarm copies only
         self._gate_lock = threading.Lock()  # orders arm and disarm enqueues of a gate
         self._gated: dict[int, tuple[str, _Batch | None]] = {}  # status slot -> (transfer, batch)
+        self._slack: set[int] = set()  # seqs whose consumers have slack (NcclPlaneConfig.slack_copy_share)
 
     # --- called by the plane (agent threads) ------------------------------------------------------
     def add_items(self, items: Sequence[RecvItem]) -> None:
         assert self.offer is not None
         with self.cond:
-            for group in plan_chunks(
-                items, self.config.chunk_bytes, self.config.edge_bytes, self.config.ramp
-            ):
+            groups = plan_chunks(items, self.config.chunk_bytes, self.config.edge_bytes, self.config.ramp)
+            for index, group in enumerate(groups):
+                # the scatter of a message has slack when two more of its transfer land after it
+                later = groups[index + 1 : index + 3]
+                slack = len(later) == 2 and all(g[0].transfer_id == group[0].transfer_id for g in later)
+                if slack:
+                    self._slack.add(self.next_seq)
                 chunk = ChunkPlan(
                     comm_id=self.offer.comm_id,
                     seq=self.next_seq,
@@ -187,8 +193,10 @@ class RecvChannel(_Channel):
             event, chunk, group, keep, time.monotonic(), status_slot=slot, recv_event=landed, pooled=pooled
         )
         self.mark()
+        share = self.config.slack_copy_share if chunk.seq in self._slack else None
+        self._slack.discard(chunk.seq)
         if consumers:
-            self._enqueue_consumers(batch, consumers, slot, after)
+            self._enqueue_consumers(batch, consumers, slot, after, share if share != 1.0 else None)
             self.mark()
         return batch
 
@@ -211,6 +219,7 @@ class RecvChannel(_Channel):
         consumers: list[tuple[DeviceConsumer, list[RecvItem]]],
         slot: int,
         stream: torch.cuda.Stream,
+        share: float | None = None,
     ) -> None:
         """The consumers of a chunk on its consumer ``stream``, right behind its receive, then the copy of
         its status word to the host; the batch's event becomes their end (the completer reports the
@@ -221,7 +230,7 @@ class RecvChannel(_Channel):
         gate = self._status_dev[slot]
         failed = False
         with self._gate_lock:  # the consumer stream is already behind the receive
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), copy_share(share):
                 for consumer, its_items in consumers:
                     for item in its_items:
                         item.dest.record_stream(stream)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Container, Hashable, Sequence
 import torch
 
 from kvwire.errors import PeerLostError
+from kvwire.transfer.cuda_paged import copy_share
 from kvwire.transfer.device_signal import DeviceSignal, wait_ready
 from kvwire.transfer.nccl_channel import STATUS_MAGIC, _Batch, _Channel, _Work, adjacent_ptr, log
 from kvwire.transfer.nccl_config import NcclPlaneConfig
@@ -52,6 +53,8 @@ class SendChannel(_Channel):
         self.graphs = SendGraphs(self.device, self.config.send_graphs)
         # device signals of transfers handed over: abandoned on cancel and before the comm goes
         self._signals: collections.OrderedDict[str, DeviceSignal] = collections.OrderedDict()
+        self._ordinals: collections.OrderedDict[str, int] = collections.OrderedDict()  # plans per transfer
+        self._slack: set[int] = set()  # seqs whose gather has slack (see NcclPlaneConfig.slack_copy_share)
 
     # --- called by the plane (agent threads) ------------------------------------------------------
     def set_offer(self, offer: CommOffer) -> None:
@@ -65,6 +68,14 @@ class SendChannel(_Channel):
             for chunk in chunks:
                 if chunk.seq >= self.next_seq:
                     self.plans[chunk.seq] = chunk
+                    # the gather of a transfer's third message on has slack: two leave before it
+                    ordinal = self._ordinals.get(chunk.transfer_id, 0)
+                    self._ordinals[chunk.transfer_id] = ordinal + 1
+                    self._ordinals.move_to_end(chunk.transfer_id)
+                    if ordinal >= 2:
+                        self._slack.add(chunk.seq)
+            while len(self._ordinals) > _MAX_SIGNALS:
+                self._ordinals.popitem(last=False)
             self.last_active = time.monotonic()
         self._launch_then_wake()
 
@@ -180,12 +191,19 @@ class SendChannel(_Channel):
                 self._scratch = torch.empty(max(chunk.num_bytes, 1), dtype=torch.uint8, device=self.device)
         return self._scratch.data_ptr(), self._scratch, False
 
+    def _share(self, chunk: ChunkPlan) -> float | None:
+        """The SM share the chunk's producers may copy on (None: all; see cuda_paged.copy_share)."""
+        if chunk.seq in self._slack and self.config.slack_copy_share < 1.0:
+            return self.config.slack_copy_share
+        return None
+
     def _produce(self, chunk: ChunkPlan, items: list[SendItem]) -> bool:
         """Run the chunk's device producers (distinct ones, in first-use order) on the send stream.
         False when one raised: the transfer is failed and the chunk goes out as dummy bytes."""
         for producer, its_items in _producers(items):
             try:
-                producer(its_items)
+                with copy_share(self._share(chunk)):
+                    producer(its_items)
             except Exception:  # a producer bug fails its transfer, not the channel
                 log.exception("device producer of transfer %s failed", chunk.transfer_id)
                 self.callbacks.on_transfer_failed(chunk.transfer_id, "mismatch: device producer failed")
@@ -225,6 +243,7 @@ class SendChannel(_Channel):
                 self.comm.send(address, chunk.num_bytes, 1, stream)
             self.comm.send(status.data_ptr(), 8, 1, stream)
         self.mark()
+        self._slack.discard(chunk.seq)
         event = torch.cuda.Event()
         event.record(self.stream)
         return _Batch(event, chunk, items if real else None, keepalive, time.monotonic(), pooled=pooled)
@@ -295,7 +314,10 @@ class SendChannel(_Channel):
             status = self._fresh_status()
             try:
                 captured = self.graphs.capture(
-                    key, lambda: _produce_all(parts), self._captured_sends(parts, status.data_ptr()), status
+                    key,
+                    lambda: _produce_all(parts, self._share),
+                    self._captured_sends(parts, status.data_ptr()),
+                    status,
                 )
             except CaptureAborted as exc:
                 log.info("send graph not captured (%s); launching from Python", exc)
@@ -308,6 +330,8 @@ class SendChannel(_Channel):
         if not self.graphs.replay(captured):
             raise PeerLostError("the channel closed")
         self.mark()
+        for chunk, _, _, _ in parts:
+            self._slack.discard(chunk.seq)
         event = torch.cuda.Event()
         event.record(self.stream)
         now = time.monotonic()
@@ -384,12 +408,14 @@ def _leading_run(work: _Work, cancelled: Container[str]) -> list[tuple[ChunkPlan
     return run
 
 
-def _produce_all(parts: list[_Part]) -> list[torch.cuda.Event]:
-    """Every part's producers on the current stream, and an event after each part's."""
+def _produce_all(parts: list[_Part], share: Callable[[ChunkPlan], float | None]) -> list[torch.cuda.Event]:
+    """Every part's producers on the current stream (each within ``share(chunk)`` of the SMs), and an
+    event after each part's."""
     events = []
-    for _, _, _, producers in parts:
+    for chunk, _, _, producers in parts:
         for producer, its_items in producers:
-            producer(its_items)
+            with copy_share(share(chunk)):
+                producer(its_items)
         event = torch.cuda.Event()
         event.record()
         events.append(event)

@@ -233,3 +233,38 @@ def test_receiver_reports_runs_and_what_landed_before_a_failure_first() -> None:
         ("received", "u", [3, 4]),
         ("failed", "v", "protocol: chunk status garbled"),
     ]
+
+
+def test_copies_with_slack_are_the_later_gathers_and_the_earlier_scatters() -> None:
+    import collections
+    import threading
+
+    import torch
+
+    from kvwire.transfer.nccl_config import NcclPlaneConfig
+    from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer
+    from kvwire.transfer.nccl_recv import RecvChannel
+    from kvwire.transfer.nccl_send import SendChannel
+    from kvwire.transfer.types import RecvItem
+
+    sender = object.__new__(SendChannel)  # add_plans reads only these (a real one needs CUDA streams)
+    sender.cond, sender.plans, sender.next_seq, sender.warmed = threading.Condition(), {}, 0, False
+    sender._ordinals, sender._slack = collections.OrderedDict(), set()
+    sender.config = NcclPlaneConfig()
+    plans = [ChunkPlan("c", seq, tid, [seq], 1) for seq, tid in enumerate("ttttuu")]
+    sender.add_plans(plans[:3])
+    sender.add_plans(plans[3:])  # a transfer's plans may come in several announcements
+    assert sender._slack == {2, 3}  # the third and fourth message of "t"; "u" has two only
+    assert sender._share(plans[2]) == 0.5 and sender._share(plans[0]) is None
+
+    receiver = object.__new__(RecvChannel)
+    receiver.cond, receiver.next_seq = threading.Condition(), 0
+    receiver.pending, receiver.unannounced = [], []
+    receiver.offer = CommOffer("c", bytes(128))
+    receiver.config = NcclPlaneConfig(chunk_bytes=1 << 20, edge_bytes=0)
+    receiver._slack = set()
+    mib = 1 << 20
+    items = [RecvItem(tid, i, mib, torch.empty(0)) for tid, n in (("t", 4), ("u", 2)) for i in range(n)]
+    receiver.add_items(items)
+    assert [c.transfer_id for c in receiver.unannounced] == list("ttttuu")
+    assert receiver._slack == {0, 1}  # two more of "t" land after each; none of "u" has two after it

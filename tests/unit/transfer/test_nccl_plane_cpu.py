@@ -249,3 +249,34 @@ def test_comm_enqueues_hold_the_gil_only_once_connected() -> None:
     lib.log.clear()
     comm.abort()  # never through the GIL-holding entry points
     assert lib.log == ["raw.ncclCommAbort"]
+
+
+def test_copy_share_bounds_the_grid_of_this_threads_launches() -> None:
+    import threading
+
+    grid = cuda_paged._grid
+    assert grid(10_000, 100, 132) == 100  # the bounded grid
+    with cuda_paged.copy_share(0.5):
+        assert grid(10_000, 100, 132) == 66  # half of the SMs
+        assert grid(10, 100, 132) == 10  # never more programs than tiles
+        seen: list[int] = []
+        other = threading.Thread(target=lambda: seen.append(grid(10_000, 100, 132)))
+        other.start()
+        other.join()
+        assert seen == [100]  # another thread's launches are not limited
+        with cuda_paged.copy_share(None):
+            assert grid(10_000, 100, 132) == 100
+        assert grid(10_000, 100, 132) == 66  # restored on exit
+    assert grid(10_000, 100, 132) == 100
+    assert grid(10_000, 0, 0) == 10_000  # unbounded (no GPU)
+    with pytest.raises(ConfigError, match="share"), cuda_paged.copy_share(0.0):
+        pass
+
+
+def test_slack_copy_share_is_validated_and_read_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert NcclPlaneConfig().slack_copy_share == 0.5
+    for bad in (0.0, 1.5, -1.0):
+        with pytest.raises(ConfigError, match="slack_copy_share"):
+            NcclPlaneConfig(slack_copy_share=bad)
+    monkeypatch.setenv("KVWIRE_NCCL_SLACK_COPY_SHARE", "1.0")
+    assert NcclPlaneConfig.from_env().slack_copy_share == 1.0
