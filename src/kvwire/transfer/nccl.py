@@ -254,21 +254,17 @@ class NcclPlane(DataPlane):
         with self._lock:
             return [*self._senders.values(), *self._receivers.values()]
 
+    def _channel_args(self, peer_instance: str) -> tuple[Any, ...]:
+        """What a channel of either direction with ``peer_instance`` is built from."""
+        return (peer_instance, self.device, self.plane_config, self._cb(), self._dead, self._cancelled)
+
     def _sender(self, peer_instance: str) -> SendChannel:
         with self._lock:
             if self._closed:
                 raise TransferError("NCCL plane is closed")
             channel = self._senders.get(peer_instance)
             if channel is None:
-                channel = SendChannel(
-                    peer_instance,
-                    self.device,
-                    self.plane_config,
-                    self._cb(),
-                    self._dead,
-                    self._cancelled,
-                    memory=self.memory,
-                )
+                channel = SendChannel(*self._channel_args(peer_instance), memory=self.memory)
                 self._senders[peer_instance] = channel
                 channel.start()
             return channel
@@ -296,15 +292,7 @@ class NcclPlane(DataPlane):
                     raise TransferError(f"{self.plane_config.max_comms} NCCL communicators busy")
                 evict = min(idle, key=lambda c: c.last_active)
                 del self._receivers[evict.peer_instance]
-            channel = RecvChannel(
-                peer_instance,
-                self.device,
-                self.plane_config,
-                self._cb(),
-                self._dead,
-                self._cancelled,
-                memory=self.memory,
-            )
+            channel = RecvChannel(*self._channel_args(peer_instance), memory=self.memory)
             self._receivers[peer_instance] = channel
             channel.start()
         if evict is not None:
