@@ -103,7 +103,7 @@ def _send(conn: Connection, _: Any) -> dict[str, Any]:
     paged = PagedLayers(cache, KVLayout.KV_FIRST)
     ids = torch.tensor(BLOCKS, dtype=torch.int64, device="cuda:0")
     # the plane's zero-copy memory: sent in place, so a run of messages can be captured
-    slab = plane.allocate_zero_copy(LAYER_BYTES * LAYERS).view(torch.bfloat16).view(paged.shape(len(BLOCKS)))
+    slab = h.zero_copy_slab(plane, paged.shape(len(BLOCKS)))
     gather = SlabGather(paged, ids, slab)
     stats: dict[str, dict[str, int]] = {}
 

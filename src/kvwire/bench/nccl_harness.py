@@ -12,6 +12,7 @@ import contextlib
 import faulthandler
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -242,6 +243,15 @@ def post_layers(
         offset += size
     plane.post_recv(peer, items)
     return plane.local_info(peer)
+
+
+def zero_copy_slab(
+    plane: NcclPlane, shape: Sequence[int], dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """A ``shape`` tensor of ``dtype`` in the plane's zero-copy memory (moved in place by NCCL, so a
+    sender's run of messages from it can be captured; see ``NcclPlane.allocate_zero_copy``)."""
+    flat = plane.allocate_zero_copy(math.prod(shape) * dtype.itemsize)
+    return flat.view(dtype).view(tuple(shape))
 
 
 def send_layers(

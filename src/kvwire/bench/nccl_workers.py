@@ -10,7 +10,6 @@ peer's cache (the ceiling moves one contiguous buffer of that size and touches n
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 import threading
 import time
@@ -175,8 +174,7 @@ class KvwireSide:
         allocated once per shape from the plane's zero-copy memory, as a serving instance keeps one
         per prompt-length bucket, so NCCL moves it in place."""
         if shape not in self._slabs:
-            flat = self.plane.allocate_zero_copy(math.prod(shape) * 2)
-            self._slabs[shape] = flat.view(torch.bfloat16).view(shape)
+            self._slabs[shape] = h.zero_copy_slab(self.plane, shape)
         return self._slabs[shape]
 
     def trace(self, conn: Connection, last: int) -> list[tuple[Any, ...]]:

@@ -74,7 +74,7 @@ def _grid(total: int, max_programs: int, sm_count: int) -> int:
     current :func:`copy_share`."""
     grid = min(total, max_programs) if max_programs else total
     share = getattr(_hint, "share", None)
-    if share is not None and sm_count:
+    if share is not None and share < 1.0 and sm_count:  # 1.0: every SM, i.e. no limit
         grid = min(grid, max(1, int(sm_count * share)))
     return grid
 

@@ -159,9 +159,18 @@ class NcclPlane(DataPlane):
         return self.memory.allocate(num_bytes)
 
     def release_zero_copy(self, tensor: torch.Tensor) -> None:
-        """Free a buffer from :meth:`allocate_zero_copy` once no transfer uses it any more."""
+        """Free a buffer from :meth:`allocate_zero_copy` once no transfer uses it any more. It is
+        deregistered from each live communicator first, which waits for a communicator busy inside
+        an NCCL call (at most until the janitor aborts a stalled one, ``stall_timeout_s``). Raises
+        ``ValueError`` for a tensor that did not come from :meth:`allocate_zero_copy`."""
         if self.memory is not None:
             self.memory.release(tensor)
+
+    @property
+    def zero_copy_bytes(self) -> int:
+        """GPU memory held as zero-copy memory: the slabs and the pooled staging buffers (kept until
+        :meth:`close`; the pool holds at most what was staged in flight at once)."""
+        return self.memory.num_bytes if self.memory is not None else 0
 
     # --- data -------------------------------------------------------------------------------------------
     def send(self, peer: PeerRef, items: Sequence[SendItem]) -> None:

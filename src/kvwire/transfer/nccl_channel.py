@@ -383,11 +383,16 @@ class _Channel:
         from the caching allocator."""
         if not self.zero_copy:
             return torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+        buffer = self._take_registered(num_bytes)
+        pooled.append(buffer)
+        return buffer.tensor[:num_bytes]
+
+    def _take_registered(self, num_bytes: int) -> NcclBuffer:
+        """A pooled buffer of at least ``num_bytes``, registered with this communicator."""
         assert self.memory is not None and self.comm is not None
         buffer = self.memory.take(num_bytes)
         self.memory.register(self.comm, buffer)
-        pooled.append(buffer)
-        return buffer.tensor[:num_bytes]
+        return buffer
 
     # --- hooks for the two directions ----------------------------------------------------------------
     def _forget(self, transfer_id: str) -> None:

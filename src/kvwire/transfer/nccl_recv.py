@@ -196,7 +196,7 @@ class RecvChannel(_Channel):
         share = self.config.slack_copy_share if chunk.seq in self._slack else None
         self._slack.discard(chunk.seq)
         if consumers:
-            self._enqueue_consumers(batch, consumers, slot, after, share if share != 1.0 else None)
+            self._enqueue_consumers(batch, consumers, slot, after, share)
             self.mark()
         return batch
 

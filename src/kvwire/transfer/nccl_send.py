@@ -183,19 +183,14 @@ class SendChannel(_Channel):
         smaller one it outgrew, which stays in the plane's memory until the plane closes)."""
         if self._scratch is None or self._scratch.numel() < chunk.num_bytes:
             if self.zero_copy:
-                assert self.memory is not None and self.comm is not None
-                buffer = self.memory.take(max(chunk.num_bytes, 1))
-                self.memory.register(self.comm, buffer)
-                self._scratch = buffer.tensor
+                self._scratch = self._take_registered(max(chunk.num_bytes, 1)).tensor
             else:
                 self._scratch = torch.empty(max(chunk.num_bytes, 1), dtype=torch.uint8, device=self.device)
         return self._scratch.data_ptr(), self._scratch, False
 
     def _share(self, chunk: ChunkPlan) -> float | None:
         """The SM share the chunk's producers may copy on (None: all; see cuda_paged.copy_share)."""
-        if chunk.seq in self._slack and self.config.slack_copy_share < 1.0:
-            return self.config.slack_copy_share
-        return None
+        return self.config.slack_copy_share if chunk.seq in self._slack else None
 
     def _produce(self, chunk: ChunkPlan, items: list[SendItem]) -> bool:
         """Run the chunk's device producers (distinct ones, in first-use order) on the send stream.

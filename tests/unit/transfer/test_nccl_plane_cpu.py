@@ -269,6 +269,8 @@ def test_copy_share_bounds_the_grid_of_this_threads_launches() -> None:
         assert grid(10_000, 100, 132) == 66  # restored on exit
     assert grid(10_000, 100, 132) == 100
     assert grid(10_000, 0, 0) == 10_000  # unbounded (no GPU)
+    with cuda_paged.copy_share(1.0):
+        assert grid(10_000, 400, 132) == 400  # 1.0 is no limit, even above one program per SM
     with pytest.raises(ConfigError, match="share"), cuda_paged.copy_share(0.0):
         pass
 
