@@ -46,6 +46,8 @@ DEFAULT_VARIANT = {
     "reg": 0,
     "gmid": 0,
     "smid": 0,
+    "lanes": 1,
+    "even": 0,
 }
 
 
@@ -59,7 +61,9 @@ def parse_variant(spec: str, chunk_mib: int) -> dict[str, int]:
     return variant
 
 
-def ramp_ranges(sizes: list[int], max_bytes: int, edge_bytes: int, factor: int) -> list[tuple[int, int]]:
+def ramp_ranges(
+    sizes: list[int], max_bytes: int, edge_bytes: int, factor: int, multiple: int = 1
+) -> list[tuple[int, int]]:
     """Messages that grow from ``edge_bytes`` (each at most ``factor`` times the one before) up to
     ``max_bytes``, then balanced, then shrink the same way (each at least one layer): the copy of
     message k+1 (gather) or k-1 (scatter) hides behind message k's wire time, with few boundaries."""
@@ -89,7 +93,11 @@ def ramp_ranges(sizes: list[int], max_bytes: int, edge_bytes: int, factor: int) 
     for length in head:
         out.append((i, i + length))
         i += length
-    out += [(start + a, start + b) for a, b in message_ranges(sizes[start:end], max_bytes, 0)]
+    middle = message_ranges(sizes[start:end], max_bytes, 0)
+    if multiple > 1 and len(middle) % multiple:  # a middle of a multiple of ``multiple`` messages
+        count = -(-len(middle) // multiple) * multiple
+        middle = message_ranges(sizes[start:end], -(-sum(sizes[start:end]) // count), 0)
+    out += [(start + a, start + b) for a, b in middle]
     j = end
     for length in reversed(tail):
         out.append((j, j + length))
@@ -102,11 +110,12 @@ def capture_sender(
     ids: torch.Tensor,
     slab: torch.Tensor,
     ranges: list[tuple[int, int]],
-    comm: NcclComm,
+    comms: list[NcclComm],
     copy: bool = True,
     mid: PagedLayers | None = None,
 ) -> torch.cuda.CUDAGraph:
-    """One graph: gathers on a side stream, each message's send behind its own gather's event."""
+    """One graph: gathers on a side stream, each message's send behind its own gather's event
+    (message k on ``comms[k % len(comms)]``, each communicator on its own stream: lanes)."""
     layer_bytes = slab[0].numel() * slab.element_size()
     flat = slab.view(-1).view(torch.uint8)
     gather_stream = torch.cuda.Stream()
@@ -127,15 +136,21 @@ def capture_sender(
                 event = torch.cuda.Event()
                 event.record(gather_stream)
                 ready.append(event)
-        for (start, stop), event in zip(ranges, ready, strict=True):
-            capture.wait_event(event)
+        lanes = [capture] + [torch.cuda.Stream() for _ in comms[1:]]
+        for lane in lanes[1:]:
+            lane.wait_stream(capture)
+        for number, ((start, stop), event) in enumerate(zip(ranges, ready, strict=True)):
+            lane, comm = lanes[number % len(comms)], comms[number % len(comms)]
+            lane.wait_event(event)
             with comm.group(time.monotonic() + 60):
                 comm.send(
                     flat[start * layer_bytes :].data_ptr(),
                     (stop - start) * layer_bytes,
                     1,
-                    capture.cuda_stream,
+                    lane.cuda_stream,
                 )
+        for lane in lanes[1:]:
+            capture.wait_stream(lane)
         capture.wait_stream(gather_stream)
         graph.capture_end()
     return graph
@@ -146,8 +161,8 @@ def post_receiver(
     ids: torch.Tensor,
     slab: torch.Tensor,
     ranges: list[tuple[int, int]],
-    comm: NcclComm,
-    recv_stream: torch.cuda.Stream,
+    comms: list[NcclComm],
+    recv_streams: list[torch.cuda.Stream],
     scatter_stream: torch.cuda.Stream,
     copy: bool = True,
     mid: PagedLayers | None = None,
@@ -156,6 +171,7 @@ def post_receiver(
     layer_bytes = slab[0].numel() * slab.element_size()
     flat = slab.view(-1).view(torch.uint8)
     for number, (start, stop) in enumerate(ranges):
+        comm, recv_stream = comms[number % len(comms)], recv_streams[number % len(comms)]
         with comm.group(time.monotonic() + 60):
             comm.recv(
                 flat[start * layer_bytes :].data_ptr(),
@@ -179,7 +195,7 @@ def post_receiver(
 def graph_path(
     conn: Connection,
     rank: int,
-    comm: NcclComm,
+    comms: list[NcclComm],
     paged: PagedLayers,
     ids: torch.Tensor,
     ranges: list[tuple[int, int]],
@@ -194,7 +210,7 @@ def graph_path(
         slab = torch.empty(paged.shape(ids.numel()), dtype=torch.bfloat16, device=ids.device)
     out = []
     if rank == 0:
-        graph = capture_sender(paged, ids, slab, ranges, comm, copy, mid)
+        graph = capture_sender(paged, ids, slab, ranges, comms, copy, mid)
         send_stream = torch.cuda.Stream()
         ready = torch.ones(1, dtype=torch.int32, device=ids.device)
         torch.cuda.synchronize()
@@ -218,9 +234,10 @@ def graph_path(
             out.append(conn.recv() - t0)
             torch.cuda.synchronize()
         return out
-    recv_stream, scatter_stream = torch.cuda.Stream(priority=recv_priority), torch.cuda.Stream()
+    recv_streams = [torch.cuda.Stream(priority=recv_priority) for _ in comms]
+    scatter_stream = torch.cuda.Stream()
     for _ in range(iters):
-        done = post_receiver(paged, ids, slab, ranges, comm, recv_stream, scatter_stream, copy, mid)
+        done = post_receiver(paged, ids, slab, ranges, comms, recv_streams, scatter_stream, copy, mid)
         w.barrier(conn, 1)
         done.synchronize()
         conn.send(time.perf_counter())
@@ -243,6 +260,7 @@ def rank_main(
     shape = w.KVShape(cache_blocks=max(1200, 2 * w.KVShape().blocks(max(tokens_list))))
     cache = w.make_cache(shape, device, seed=rank + 1)
     comm = h.raw_comm(conn, rank)
+    extra = [h.raw_comm(conn, rank) for _ in range(max(v["lanes"] for v in variants) - 1)]
     high = torch.cuda.Stream.priority_range()[1]  # (low, high): high is the smaller number
     rows = []
     for number, variant in enumerate(variants):
@@ -252,21 +270,22 @@ def rank_main(
             mid = PagedLayers(cache, w.LAYOUT, programs_per_sm=variant["p"], free_sms=variant["free"])
             mid.max_programs = variant["gmid"] if rank == 0 else variant["smid"]
         copy = bool(variant["copy"])
+        comms = [comm, *extra[: variant["lanes"] - 1]]
         for tokens in tokens_list:
             ids = w.block_ids(shape, tokens, device, seed=1000 * tokens + rank)
             num_bytes = shape.layers * shape.layer_bytes(tokens)
             sizes = [shape.layer_bytes(tokens)] * shape.layers
             chunk, edge = variant["chunk"] * MiB, variant["edge"] * MiB
             if variant["ramp"]:
-                ranges = ramp_ranges(sizes, chunk, edge, variant["ramp"])
+                ranges = ramp_ranges(sizes, chunk, edge, variant["ramp"], variant["even"] or 1)
             else:
                 ranges = message_ranges(sizes, chunk, edge)
             slab = abuf = None
-            handles: list[int] = []
+            handles: list[tuple[NcclComm, int]] = []
             buffers: list[NcclBuffer] = []
             if variant["reg"]:  # both ends register: NCCL writes into the receiver's buffer directly
                 buffers = [NcclBuffer(num_bytes), NcclBuffer(num_bytes)]
-                handles = [comm.register(b.ptr, b.num_bytes) for b in buffers]
+                handles = [(c, c.register(b.ptr, b.num_bytes)) for c in comms for b in buffers]
                 abuf = buffers[0].tensor
                 slab = buffers[1].tensor.view(torch.bfloat16).view(paged.shape(ids.numel()))
             a = w.ceiling(conn, rank, comm, num_bytes, WARMUP + iters, abuf)[WARMUP:]
@@ -275,14 +294,14 @@ def rank_main(
                 a_plain = w.ceiling(conn, rank, comm, num_bytes, WARMUP + iters)[WARMUP:]
             rp = high if variant["prio"] else 0
             run = (copy, variant["armed"], slab, mid)
-            g = graph_path(conn, rank, comm, paged, ids, ranges, WARMUP + iters, rp, *run)[WARMUP:]
+            g = graph_path(conn, rank, comms, paged, ids, ranges, WARMUP + iters, rp, *run)[WARMUP:]
             if rank == 1:
                 w.poison(cache, ids)
-            graph_path(conn, rank, comm, paged, ids, ranges, 1, rp, True, 0, slab, mid)
+            graph_path(conn, rank, comms, paged, ids, ranges, 1, rp, True, 0, slab, mid)
             ok = w.verify(conn, rank, comm, cache, ids)
             if profile:  # untimed: 5 more iterations in one trace per rank
                 with h.profiled(profile, f"g{number}-{tokens}", rank):
-                    host = graph_path(conn, rank, comm, paged, ids, ranges, 5, rp, *run)
+                    host = graph_path(conn, rank, comms, paged, ids, ranges, 5, rp, *run)
                 h.save_host_samples(profile, f"g{number}-{tokens}", rank, host)
             if rank == 0:
                 sa, sg = w.summarize(a, num_bytes), w.summarize(g, num_bytes)
@@ -300,11 +319,13 @@ def rank_main(
                     }
                 )
             torch.cuda.synchronize()
-            for handle in handles:
-                comm.deregister(handle)
+            for owner, handle in handles:
+                owner.deregister(handle)
             for buffer in buffers:
                 buffer.close()
     w.barrier(conn, rank)
+    for other in extra:
+        other.abort()
     comm.abort()
     queue.put((rank, rows))
 
@@ -324,7 +345,8 @@ def main() -> None:
         " ramp: message sizes grow by"
         " this factor from the edge, 0 = balanced middle; copy=0: framing only, no gather/scatter; prio=1:"
         " receive stream at high priority; armed=1/2: the replay queued before t0 behind a wait on a pinned"
-        " host / device word that t0 fires); repeatable",
+        " host / device word that t0 fires; lanes=N: message k on communicator k %% N, each on its own"
+        " stream; even=N: the middle in a multiple of N messages); repeatable",
     )
     parser.add_argument(
         "--profile", default=None, metavar="DIR", help="trace 5 more iterations per variant and size into DIR"

@@ -49,11 +49,11 @@ TRANSFERS = [
 ]
 
 
-def _recv_bit_exact(conn: Connection, _: Any) -> dict[str, bool]:
+def _recv_bit_exact(conn: Connection, lanes: int) -> dict[str, bool]:
     from kvwire.bench import nccl_harness as h
     from kvwire.transfer.types import RecvItem
 
-    plane, rec = h.start_plane(1, "recv-1", _cfg())
+    plane, rec = h.start_plane(1, "recv-1", _cfg(lanes=lanes))  # the receiver's offer sets the lanes
     peer = h.peer_ref("send-0")
     dests: dict[str, list[torch.Tensor]] = {}
     for seed, (tid, sizes, slab, host) in enumerate(TRANSFERS):
@@ -80,10 +80,10 @@ def _recv_bit_exact(conn: Connection, _: Any) -> dict[str, bool]:
     return ok
 
 
-def _send_bit_exact(conn: Connection, _: Any) -> int:
+def _send_bit_exact(conn: Connection, _: Any) -> tuple[int, int]:
     from kvwire.bench import nccl_harness as h
 
-    plane, rec = h.start_plane(0, "send-0", _cfg())
+    plane, rec = h.start_plane(0, "send-0", _cfg())  # default lanes: follows the receiver's offer
     peer = h.peer_ref("recv-1")
     for _ in TRANSFERS:
         _, info = conn.recv()
@@ -102,17 +102,20 @@ def _send_bit_exact(conn: Connection, _: Any) -> int:
         rec.wait_sent(tid, len(sizes))
     assert conn.recv() == "done"
     assert not rec.failed and not rec.peer_failed and not rec.protocol_errors
+    lanes = len(plane._sender(peer.instance_id).comms)
     plane.close()
-    return plane.num_communicators()
+    return lanes, plane.num_communicators()
 
 
-def test_bit_exact_concurrent_transfers(spawn: Any) -> None:
+@pytest.mark.parametrize("lanes", [1, 2, 3])
+def test_bit_exact_concurrent_transfers(spawn: Any, lanes: int) -> None:
     left, right = spawn.ctx.Pipe()
     spawn(_send_bit_exact, 0, left)
-    spawn(_recv_bit_exact, 1, right)
+    spawn(_recv_bit_exact, 1, right, lanes)
     results = child_results(spawn.queue, 2)
     assert results["_recv_bit_exact"] == {tid: True for tid, *_ in TRANSFERS}
-    assert results["_send_bit_exact"] == 0  # close() dropped every communicator
+    # the sender joined the receiver's lanes; close() dropped every channel
+    assert results["_send_bit_exact"] == (lanes, 0)
 
 
 def _recv_abort(conn: Connection, _: Any) -> dict[str, Any]:

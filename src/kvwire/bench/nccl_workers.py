@@ -195,7 +195,8 @@ class KvwireSide:
         gathers exactly one message's layers per launch, so each message leaves once its own gather
         is done."""
         sizes = [layer_bytes] * num_layers
-        ranges = message_ranges(sizes, self.config.chunk_bytes, self.config.edge_bytes, self.config.ramp)
+        cfg = self.config
+        ranges = message_ranges(sizes, cfg.chunk_bytes, cfg.edge_bytes, cfg.ramp, cfg.lanes)
         return [range(a, b) for a, b in ranges]
 
     def send_handshake(self, conn: Connection) -> str:

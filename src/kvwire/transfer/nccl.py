@@ -1,8 +1,9 @@
 """NCCL point-to-point data plane between GPUs (see :mod:`kvwire.transfer.base` for the contract).
 
-Per peer epoch (``PeerRef.instance_id``) and direction there is one channel: a two-rank communicator
-created lazily by the **receiver**, whose NCCL unique id travels to the sender in the agent's
-``plane_info`` (with the GRANT that follows the first ``post_recv``). The receiver also decides how
+Per peer epoch (``PeerRef.instance_id``) and direction there is one channel: two-rank communicators
+(``NcclPlaneConfig.lanes`` of them, see :mod:`kvwire.transfer.nccl_channel`) created lazily by the
+**receiver**, whose NCCL unique ids travel to the sender in the agent's ``plane_info`` (with the
+GRANT that follows the first ``post_recv``). The receiver also decides how
 layers are coalesced into NCCL messages and announces those *chunk plans* the same way, so matched
 send/recv sizes always agree whatever the timing on either side (:mod:`kvwire.transfer.nccl_messages`).
 
@@ -60,6 +61,26 @@ def thread_stacks() -> str:
     for ident, frame in sys._current_frames().items():
         parts.append(f"--- thread {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame)))
     return "".join(parts)
+
+
+def _close_all(channels: Sequence[_Channel], timeout_s: float = 20.0) -> None:
+    """Close (abort) ``channels`` at once, each on a thread of its own, joined by ``timeout_s``: one
+    channel's abort can wait for another's kernels still spinning on a dead peer (see
+    ``nccl_lib.abort_all``), so one after the other could deadlock."""
+    if len(channels) == 1:
+        channels[0].close(abort=True)
+        return
+    threads = [
+        threading.Thread(target=c.close, kwargs={"abort": True}, name="kvwire-nccl-close", daemon=True)
+        for c in channels
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    if any(thread.is_alive() for thread in threads):
+        log.warning("NCCL channels did not close within %.0f s", timeout_s)
 
 
 class NcclPlane(DataPlane):
@@ -137,6 +158,10 @@ class NcclPlane(DataPlane):
         chunks = [c for c in decoded.chunks if c.comm_id == known]
         if len(chunks) != len(decoded.chunks):
             self._cb().on_protocol_error(f"from {peer.endpoint}: chunk plan for an unknown communicator")
+        lanes = channel.lanes()
+        if any(c.lane >= lanes for c in chunks):
+            chunks = [c for c in chunks if c.lane < lanes]
+            self._cb().on_protocol_error(f"from {peer.endpoint}: chunk plan on a lane the offer lacks")
         channel.add_plans(chunks)
 
     # --- memory -----------------------------------------------------------------------------------------
@@ -202,8 +227,7 @@ class NcclPlane(DataPlane):
             ]
             for channel in dropped:
                 self._retire(channel)
-        for channel in dropped:
-            channel.close(abort=True)
+        _close_all(dropped)
 
     def close(self) -> None:
         self._stop.set()
@@ -212,8 +236,7 @@ class NcclPlane(DataPlane):
             channels = [*self._senders.values(), *self._receivers.values()]
             self._senders.clear()
             self._receivers.clear()
-        for channel in channels:
-            channel.close(abort=True)
+        _close_all(channels)
         if self._janitor is not None and self._janitor is not threading.current_thread():
             self._janitor.join(timeout=5.0)
         if self.memory is not None:
@@ -251,7 +274,7 @@ class NcclPlane(DataPlane):
             self._retired_graph_stats["aborted"] += channel.graphs.aborted
 
     def num_communicators(self) -> int:
-        """Open channels (each holds one communicator once joined)."""
+        """Open channels (each holds ``lanes`` communicators once joined)."""
         return len(self._channels())
 
     # --- internals --------------------------------------------------------------------------------------

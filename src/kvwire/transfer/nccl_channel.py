@@ -1,8 +1,15 @@
-"""One direction of NCCL traffic with one peer epoch: a communicator, a CUDA stream, two threads.
+"""One direction of NCCL traffic with one peer epoch: its communicators (lanes), CUDA streams, two threads.
 
-A :class:`SendChannel` (rank 0) and the peer's :class:`RecvChannel` (rank 1) share one two-rank
-communicator used in one direction only: a posted receive waiting for data therefore never delays a
+A :class:`SendChannel` (rank 0) and the peer's :class:`RecvChannel` (rank 1) share two-rank
+communicators used in one direction only: a posted receive waiting for data therefore never delays a
 send in the other direction (NCCL runs the operations of one communicator in issue order).
+
+**Lanes.** A channel holds ``NcclPlaneConfig.lanes`` communicators (the receiver's offer names them),
+each driven on a CUDA stream of its own; the receiver's chunk plan says which lane carries each
+message, and a transfer's messages take turns. NCCL runs one communicator's kernels one after the
+other, and each message pays ~14 us of start-up (launch, rendezvous, first steps) before its bytes
+flow; on another lane the next message's start-up overlaps the current message's data (decision 067).
+Each lane keeps ``seq`` order on both ends, which is all NCCL asks.
 
 Threads per channel:
 
@@ -30,7 +37,7 @@ import torch
 from kvwire.errors import TransferError
 from kvwire.transfer.base import PlaneCallbacks
 from kvwire.transfer.nccl_config import NcclPlaneConfig
-from kvwire.transfer.nccl_lib import NcclComm
+from kvwire.transfer.nccl_lib import NcclComm, abort_all
 from kvwire.transfer.nccl_memory import NcclBuffer, ZeroCopyMemory
 from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer
 from kvwire.transfer.types import GATE_MAGIC, RecvItem, SendItem
@@ -64,7 +71,7 @@ class CancelledSet:
 
 
 def plan_chunks(
-    items: Sequence[RecvItem], max_bytes: int, edge_bytes: int = 0, ramp: int = 0
+    items: Sequence[RecvItem], max_bytes: int, edge_bytes: int = 0, ramp: int = 0, lanes: int = 1
 ) -> list[list[RecvItem]]:
     """Group consecutive layers of the same transfer into NCCL messages of at most ``max_bytes`` (a
     single larger layer is its own message); device and host destinations never share a message.
@@ -72,7 +79,7 @@ def plan_chunks(
     groups: list[list[RecvItem]] = []
     for run in _runs(items):
         sizes = [item.num_bytes for item in run]
-        for start, stop in message_ranges(sizes, max_bytes, edge_bytes, ramp):
+        for start, stop in message_ranges(sizes, max_bytes, edge_bytes, ramp, lanes):
             groups.append(list(run[start:stop]))
     return groups
 
@@ -94,7 +101,7 @@ def _runs(items: Sequence[RecvItem]) -> list[list[RecvItem]]:
 
 
 def message_ranges(
-    sizes: Sequence[int], max_bytes: int, edge_bytes: int, ramp: int = 0
+    sizes: Sequence[int], max_bytes: int, edge_bytes: int, ramp: int = 0, lanes: int = 1
 ) -> list[tuple[int, int]]:
     """``[start, stop)`` index ranges of the messages one transfer's consecutive layers of ``sizes``
     bytes become: ``ramp up | middle ... | ramp down``. A sender that gathers layer groups itself can
@@ -108,7 +115,10 @@ def message_ranges(
       message k-1) still hides behind message k's wire time, with fewer boundaries than edge-sized
       steps. ``ramp`` below the copy/wire speed ratio (~5 on H200) keeps the copies hidden.
     * The middle is cut into the fewest messages of at most ``max_bytes``, balanced in size (every
-      message boundary costs the wire ~10 us, so no tiny remainder message).
+      message boundary costs the wire ~10 us, so no tiny remainder message). With edges and
+      ``lanes > 1`` their number is rounded up to a multiple of ``lanes`` (when there are layers
+      enough): messages take turns on the lanes and overlap in pairs, and one big middle message
+      beside a small last one would land last, leaving its copy exposed (decision 067).
 
     ``edge_bytes=0``: no edges (and no ramp). Fewer than 4 edges' worth of bytes: no edges either (the
     extra boundaries would cost more than they hide)."""
@@ -129,7 +139,8 @@ def message_ranges(
     for length in head:
         out.append((start, start + length))
         start += length
-    for length in _balanced(sizes[start : n - sum(tail)], max_bytes):
+    multiple = lanes if head else 1
+    for length in _balanced(sizes[start : n - sum(tail)], max_bytes, multiple):
         out.append((start, start + length))
         start += length
     for length in reversed(tail):
@@ -168,14 +179,17 @@ def _reach(sizes: Sequence[int], goal: int) -> int:
     return len(sizes)
 
 
-def _balanced(sizes: Sequence[int], max_bytes: int) -> list[int]:
+def _balanced(sizes: Sequence[int], max_bytes: int, multiple: int = 1) -> list[int]:
     """Lengths of consecutive groups of at most ``max_bytes`` each (a larger single size is a group of
-    its own), as few as the bound allows and balanced: a group ends before the running sum would pass
-    the next ``k/count`` mark of the total."""
+    its own), as few as the bound allows (rounded up to a multiple of ``multiple``, at most one
+    group per size) and balanced: a group ends before the running sum would pass the next
+    ``k/count`` mark of the total."""
     if not sizes:
         return []
     total = sum(sizes)
-    share = total / max(1, -(-total // max_bytes))
+    count = max(1, -(-total // max_bytes))
+    count = min(len(sizes), -(-count // multiple) * multiple) if multiple > 1 else count
+    share = total / max(count, 1)
     lengths: list[int] = []
     length = group = done = 0
     for size in sizes:
@@ -254,14 +268,17 @@ class _Channel:
         self.stream = torch.cuda.Stream(device=device)  # NCCL work (and staging copies)
         self.delivery_stream = torch.cuda.Stream(device=device)  # current stream of callbacks/sinks
         self.cond = threading.Condition()
-        self.comm: NcclComm | None = None
+        self.comm: NcclComm | None = None  # lane 0
+        self.comms: list[NcclComm] = []  # every lane's communicator, lane 0 first (once joined)
+        self.lane_streams: list[torch.cuda.Stream] = []  # the stream each lane's NCCL work runs on
         self.offer: CommOffer | None = None
         self.inflight: collections.deque[_Batch] = collections.deque()
         self.closed = False
         self.condemned = False  # the janitor decided to fail or close this channel
         self.failing = False
         self.joined = False  # the communicator is up (both ranks joined)
-        self.warmed = False  # a first chunk completed (connection set up): inline launches allowed
+        self.warmed = False  # every lane completed a chunk (connections set up): inline launches allowed
+        self._warm_lanes: set[int] = set()
         self._launch_lock = threading.Lock()
         self.join_started: float | None = None
         self.busy_since: float | None = None  # issuer inside NCCL calls since
@@ -290,18 +307,21 @@ class _Channel:
             idle = not self.inflight and self.busy_since is None
             self.cond.notify_all()
         self._release_comm()
-        if self.comm is not None:
-            if self.memory is not None and idle:
+        if self.memory is not None and idle:
+            for comm in self.comms:
                 # before NCCL's own teardown of them (see deregister_all); only when nothing is in
                 # flight: a deregistration unmaps the buffer from the peer, whose kernel may be
                 # writing it (then the abort alone stops both ends' kernels first)
-                self.memory.deregister_all(self.comm)
-            if abort or not idle:
-                self.comm.abort()
-            else:
-                self.comm.destroy()
-            if self.memory is not None:
-                self.memory.forget(self.comm)  # its registrations went with it
+                self.memory.deregister_all(comm)
+        if abort or not idle:
+            if not abort_all(self.comms):
+                log.warning("NCCL abort of the channel with %s did not return in time", self.peer_instance)
+        else:
+            for comm in self.comms:
+                comm.destroy()
+        if self.memory is not None:
+            for comm in self.comms:
+                self.memory.forget(comm)  # its registrations went with it
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=5.0)
@@ -329,12 +349,13 @@ class _Channel:
             if self.closed or self.condemned:
                 return None
             verdict = self._verdict(now)
-            comm = self.comm if verdict is None and self.inflight else None
-        if comm is not None:
+            comms = list(self.comms) if verdict is None and self.inflight else []
+        for comm in comms:
             try:
                 comm.check_healthy()
             except TransferError as exc:
                 verdict = str(exc)
+                break
         if verdict is not None:
             with self.cond:
                 if self.condemned:
@@ -365,33 +386,43 @@ class _Channel:
         """Note the time of a step of the current launch (kept in the chunk trace)."""
         self._marks.append(time.perf_counter())
 
+    # --- lanes --------------------------------------------------------------------------------------
+    def _lane(self, chunk: ChunkPlan) -> tuple[NcclComm, torch.cuda.Stream]:
+        """The communicator and stream that carry ``chunk`` (its plan names the lane; plans naming a
+        lane the offer lacks never get here, see ``NcclPlane.on_peer_info``)."""
+        return self.comms[chunk.lane], self.lane_streams[chunk.lane]
+
+    def _new_lane_streams(self, count: int) -> list[torch.cuda.Stream]:
+        """The streams of ``count`` lanes (called once joined)."""
+        return [self.stream] + [torch.cuda.Stream(device=self.device) for _ in range(count - 1)]
+
     # --- zero-copy memory (issuer thread, or the thread that launches) -----------------------------
-    def _registered(self, address: int, num_bytes: int) -> bool:
+    def _registered(self, address: int, num_bytes: int, comm: NcclComm) -> bool:
         """``[address, address + num_bytes)`` lies in the plane's registrable memory, registered with
-        this communicator (now, the first time this communicator moves that buffer)."""
-        if self.memory is None or self.comm is None:
+        ``comm`` (now, the first time that communicator moves that buffer)."""
+        if self.memory is None:
             return False
         buffer = self.memory.find(address, num_bytes)
         if buffer is None:
             return False
-        self.memory.register(self.comm, buffer)
+        self.memory.register(comm, buffer)
         return True
 
-    def _staging(self, num_bytes: int, pooled: list[NcclBuffer]) -> torch.Tensor:
+    def _staging(self, num_bytes: int, pooled: list[NcclBuffer], comm: NcclComm) -> torch.Tensor:
         """A contiguous buffer for one message on the current stream: with zero-copy a registered
-        one from the pool (added to ``pooled``: back to the pool when the chunk completed), else one
-        from the caching allocator."""
+        one (with ``comm``) from the pool (added to ``pooled``: back to the pool when the chunk
+        completed), else one from the caching allocator."""
         if not self.zero_copy:
             return torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
-        buffer = self._take_registered(num_bytes)
+        buffer = self._take_registered(num_bytes, comm)
         pooled.append(buffer)
         return buffer.tensor[:num_bytes]
 
-    def _take_registered(self, num_bytes: int) -> NcclBuffer:
-        """A pooled buffer of at least ``num_bytes``, registered with this communicator."""
-        assert self.memory is not None and self.comm is not None
+    def _take_registered(self, num_bytes: int, comm: NcclComm) -> NcclBuffer:
+        """A pooled buffer of at least ``num_bytes``, registered with ``comm``."""
+        assert self.memory is not None
         buffer = self.memory.take(num_bytes)
-        self.memory.register(self.comm, buffer)
+        self.memory.register(comm, buffer)
         return buffer
 
     # --- hooks for the two directions ----------------------------------------------------------------
@@ -456,20 +487,28 @@ class _Channel:
                 return False
             offer = self.offer
             self.join_started = time.monotonic()
-        outcome: list[NcclComm | TransferError] = []
+        outcome: list[list[NcclComm] | TransferError] = []
         done = threading.Event()
 
         def join() -> None:
+            # every lane in the offer's order (both ends: a blocking init waits for the peer's)
             torch.cuda.set_device(self.device)
+            comms: list[NcclComm] = []
             try:
-                outcome.append(NcclComm.begin(offer.unique_id, self.rank, 2, self.config.comm_config))
+                for unique_id in offer.unique_ids:
+                    comms.append(NcclComm.begin(unique_id, self.rank, 2, self.config.comm_config))
             except TransferError as exc:
+                for comm in comms:
+                    comm.abort()
                 outcome.append(exc)
+            else:
+                outcome.append(comms)
             done.set()
             with self.cond:
                 late = self.closed
-            if late and isinstance(outcome[0], NcclComm):
-                outcome[0].abort()  # the channel gave up meanwhile
+            if late and isinstance(outcome[0], list):
+                for comm in outcome[0]:
+                    comm.abort()  # the channel gave up meanwhile
 
         threading.Thread(target=join, name="kvwire-nccl-join", daemon=True).start()
         while not done.wait(timeout=_WAIT_PERIOD_S):
@@ -480,15 +519,19 @@ class _Channel:
         if isinstance(result, TransferError):
             self.fail(f"communicator init: {result}")
             return False
-        if offer.zero_copy and (self.memory is None or not result.can_register):
-            result.abort()
+        if offer.zero_copy and (self.memory is None or not all(c.can_register for c in result)):
+            for comm in result:
+                comm.abort()
             self.fail("the receiver asked for zero-copy messages, which this process cannot register")
             return False
         with self.cond:
             if self.closed:
-                result.abort()
+                for comm in result:
+                    comm.abort()
                 return False
-            self.comm = result
+            self.comms = result
+            self.comm = result[0]
+            self.lane_streams = self._new_lane_streams(len(result))
             self.zero_copy = offer.zero_copy
             self.joined = True
             self.last_active = time.monotonic()
@@ -595,9 +638,11 @@ class _Channel:
                     for buffer in batch.pooled:  # its GPU work is done
                         self.memory.give(buffer)
                 if not self.warmed:
-                    self.warmed = True
-                    if self.comm is not None and self.config.launch_holds_gil:
-                        self.comm.hold_gil = True  # connected: enqueues no longer wait for the peer
+                    self._warm_lanes.add(batch.chunk.lane)
+                    self.warmed = len(self._warm_lanes) >= len(self.comms)
+                    if self.warmed and self.config.launch_holds_gil:
+                        for comm in self.comms:  # connected: enqueues no longer wait for the peer
+                            comm.hold_gil = True
                 self.trace.append(
                     (
                         batch.chunk.seq,

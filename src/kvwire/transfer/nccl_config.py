@@ -7,6 +7,7 @@ import os
 
 from kvwire.errors import ConfigError
 from kvwire.transfer.nccl_lib import CommConfig
+from kvwire.transfer.nccl_messages import MAX_LANES
 
 MiB = 1 << 20
 
@@ -17,9 +18,10 @@ class NcclPlaneConfig:
 
     min_ctas: int | None = None  # NCCL channels (thread blocks) per communicator; None = NCCL default
     max_ctas: int | None = None
-    # consecutive layers of one transfer coalesce up to this per message (each message boundary costs
-    # the wire ~10-15 us of NCCL start-up; graph_probe sweep in docs/performance.md, decision 065)
-    chunk_bytes: int = 192 * MiB
+    # consecutive layers of one transfer coalesce up to this per message (with one lane each message
+    # boundary costs the wire ~10-15 us of NCCL start-up; with two it is hidden, but more messages
+    # than ~16 per transfer still cost; graph_probe sweeps in docs/performance.md, decision 067)
+    chunk_bytes: int = 96 * MiB
     # The first and the last message of a transfer carry only this much (at least one layer): the
     # sender's gather before the first byte moves and the receiver's scatter after the last byte lands
     # are not overlapped with the wire, so they should be short (see message_ranges). 0: no edges.
@@ -27,7 +29,13 @@ class NcclPlaneConfig:
     # Messages grow from the edges inward by up to this factor (2..8; 0: edge, then the balanced
     # middle): fewer boundaries, copies still hidden as long as it stays below the copy/wire speed
     # ratio (~5-7 on H200 with the bounded copy grid; graph_probe, docs/performance.md).
-    ramp: int = 6
+    ramp: int = 4
+    # Communicators per channel (1..4), each on its own stream; a transfer's messages take turns
+    # (the receiver assigns them in its chunk plans). The next message's NCCL start-up (~14 us on
+    # H200: launch, rendezvous, first steps) then overlaps the current message's data instead of
+    # following it, and a transfer's middle is cut into a multiple of this many messages. Each lane
+    # costs a communicator's GPU memory (decision 061) and an IPC mapping of every registered buffer.
+    lanes: int = 2
     # Sender: captured CUDA graphs kept per channel (a whole run of one transfer's messages replayed
     # with one call; see nccl_graphs). 0: never capture.
     send_graphs: int = 8
@@ -74,6 +82,8 @@ class NcclPlaneConfig:
             raise ConfigError("NcclPlaneConfig.edge_bytes must be >= 0")
         if self.ramp != 0 and not 2 <= self.ramp <= 8:
             raise ConfigError("NcclPlaneConfig.ramp must be 0 or in [2, 8]")
+        if not 1 <= self.lanes <= MAX_LANES:
+            raise ConfigError(f"NcclPlaneConfig.lanes must be in [1, {MAX_LANES}]")
         if not 0 <= self.send_graphs <= 256:
             raise ConfigError("NcclPlaneConfig.send_graphs must be in [0, 256]")
         if self.max_comms < 1:
@@ -100,6 +110,7 @@ class NcclPlaneConfig:
         graphs = opt_int("KVWIRE_NCCL_GRAPHS")
         zero_copy = os.environ.get("KVWIRE_NCCL_ZERO_COPY")
         share = os.environ.get("KVWIRE_NCCL_SLACK_COPY_SHARE")
+        lanes = opt_int("KVWIRE_NCCL_LANES")
         defaults = cls()
         chunk = chunk_mib * MiB if chunk_mib else defaults.chunk_bytes
         edge = edge_mib * MiB if edge_mib is not None else defaults.edge_bytes
@@ -115,6 +126,7 @@ class NcclPlaneConfig:
             launch_holds_gil=_flag(hold) if hold else defaults.launch_holds_gil,
             zero_copy=_flag(zero_copy) if zero_copy else defaults.zero_copy,
             slack_copy_share=float(share) if share else defaults.slack_copy_share,
+            lanes=lanes if lanes is not None else defaults.lanes,
         )
 
     @property

@@ -17,7 +17,7 @@ import glob
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -417,6 +417,26 @@ class NcclComm:
             self._closed = True
             if self._lib.raw.ncclCommDestroy(self._handle) != NCCL_SUCCESS:
                 self._lib.raw.ncclCommAbort(self._handle)
+
+
+def abort_all(comms: Sequence[NcclComm], timeout_s: float = 10.0) -> bool:
+    """Abort ``comms`` at once, each on a thread of its own; True when every abort returned within
+    ``timeout_s`` (a late one goes on, on its daemon thread).
+
+    One after the other can deadlock: ``ncclCommAbort`` stops its own communicator's kernels, then
+    frees device memory, which waits for every kernel on the device, including another
+    communicator's kernel still spinning on a dead peer (seen with two lanes to a killed receiver:
+    the first abort never returned). Started together, each sets its abort flag first."""
+    if len(comms) == 1:
+        comms[0].abort()
+        return True
+    threads = [threading.Thread(target=comm.abort, name="kvwire-nccl-abort", daemon=True) for comm in comms]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    return not any(thread.is_alive() for thread in threads)
 
 
 def _make_config(config: CommConfig) -> _Config:

@@ -26,6 +26,7 @@ data had already landed (they may have read the gate before). A consumer whose d
 
 from __future__ import annotations
 
+import collections
 import secrets
 import threading
 import time
@@ -50,6 +51,7 @@ from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer
 from kvwire.transfer.types import DeviceConsumer, RecvItem, SendItem
 
 STATUS_RING = 1024  # status slots per channel: bounds the chunks in flight
+_MAX_ORDINALS = 4096  # transfers whose message count is remembered (for their lanes)
 _ARMED = (0, 0, 1, 0)  # a gate before its receive: no data yet, armed
 
 
@@ -60,7 +62,12 @@ class RecvChannel(_Channel):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         lib = load_nccl()
         zero_copy = self.config.zero_copy and self.memory is not None and lib.has_registration
-        self.offer = CommOffer(comm_id=secrets.token_hex(8), unique_id=lib.unique_id(), zero_copy=zero_copy)
+        self.offer = CommOffer(
+            comm_id=secrets.token_hex(8),
+            unique_id=lib.unique_id(),
+            zero_copy=zero_copy,
+            lane_ids=[lib.unique_id() for _ in range(self.config.lanes - 1)],
+        )
         self.zero_copy = zero_copy
         self.next_seq = 0
         self.pending: list[tuple[ChunkPlan, list[RecvItem]]] = []
@@ -79,28 +86,40 @@ class RecvChannel(_Channel):
         self._gate_lock = threading.Lock()  # orders arm and disarm enqueues of a gate
         self._gated: dict[int, tuple[str, _Batch | None]] = {}  # status slot -> (transfer, batch)
         self._slack: set[int] = set()  # seqs whose consumers have slack (NcclPlaneConfig.slack_copy_share)
+        # messages planned per transfer (bounded, oldest first out): a transfer's messages take turns
+        # on the lanes from lane 0, whatever came before, so its sender's captured graphs repeat
+        self._ordinals: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     # --- called by the plane (agent threads) ------------------------------------------------------
     def add_items(self, items: Sequence[RecvItem]) -> None:
         assert self.offer is not None
+        lanes = len(self.offer.unique_ids)
+        cfg = self.config
         with self.cond:
-            groups = plan_chunks(items, self.config.chunk_bytes, self.config.edge_bytes, self.config.ramp)
+            groups = plan_chunks(items, cfg.chunk_bytes, cfg.edge_bytes, cfg.ramp, lanes)
             for index, group in enumerate(groups):
                 # the scatter of a message has slack when two more of its transfer land after it
                 later = groups[index + 1 : index + 3]
                 slack = len(later) == 2 and all(g[0].transfer_id == group[0].transfer_id for g in later)
                 if slack:
                     self._slack.add(self.next_seq)
+                tid = group[0].transfer_id
+                ordinal = self._ordinals.get(tid, 0)
+                self._ordinals[tid] = ordinal + 1
+                self._ordinals.move_to_end(tid)
                 chunk = ChunkPlan(
                     comm_id=self.offer.comm_id,
                     seq=self.next_seq,
-                    transfer_id=group[0].transfer_id,
+                    transfer_id=tid,
                     layers=[item.layer_index for item in group],
                     num_bytes=sum(item.num_bytes for item in group),
+                    lane=ordinal % lanes,
                 )
                 self.next_seq += 1
                 self.pending.append((chunk, group))
                 self.unannounced.append(chunk)
+            while len(self._ordinals) > _MAX_ORDINALS:
+                self._ordinals.popitem(last=False)
             self.last_active = time.monotonic()
             self.cond.notify_all()
         # Posted by the issuer thread, never inline: posting may block on the GPU (a kernel's first
@@ -128,9 +147,9 @@ class RecvChannel(_Channel):
         return work
 
     def _launch(self, chunk: ChunkPlan, items: list[SendItem] | list[RecvItem] | None) -> _Batch:
-        """One chunk as one NCCL group (data + status), staging copies, status D2H, an event, and the
-        chunk's device consumers behind it; called with the receive stream current."""
-        assert self.comm is not None
+        """One chunk as one NCCL group (data + status) on its lane, staging copies, status D2H, an event,
+        and the chunk's device consumers behind it; called with the receive stream current."""
+        comm, lane = self._lane(chunk)
         if self._status_dev is None:
             self._status_dev = torch.zeros((STATUS_RING, 4), dtype=torch.int32, device=self.device)
             self._status_host = torch.zeros((STATUS_RING, 4), dtype=torch.int32, pin_memory=True)
@@ -142,31 +161,32 @@ class RecvChannel(_Channel):
         group: list[RecvItem] = items  # type: ignore[assignment]
         slot = chunk.seq % STATUS_RING
         consumers = _consumers(group)
-        if consumers and not self._arm(slot, chunk.transfer_id):
+        if consumers and not self._arm(slot, chunk.transfer_id, lane):
             consumers = []  # cancelled already: the bytes still come (dummy), nobody consumes them
         self.mark()
         sizes = [item.num_bytes for item in group]
         address = adjacent_ptr([item.dest for item in group], sizes, self.device)
-        if address is not None and self.zero_copy and not self._registered(address, chunk.num_bytes):
+        if address is not None and self.zero_copy and not self._registered(address, chunk.num_bytes, comm):
             address = None  # a zero-copy communicator moves only registered memory: staged
         staging = None
         pooled: list[NcclBuffer] = []
         if address is None:
-            staging = self._staging(max(chunk.num_bytes, 1), pooled)
+            with torch.cuda.stream(lane):  # allocated on the stream that writes it
+                staging = self._staging(max(chunk.num_bytes, 1), pooled, comm)
             address = staging.data_ptr()
             for item in group:
                 if item.dest.is_cuda:
-                    item.dest.record_stream(self.stream)  # allocator: no reuse before our writes end
+                    item.dest.record_stream(lane)  # allocator: no reuse before our writes end
         else:
-            group[0].dest.record_stream(self.stream)  # one allocation holds them all
-        stream = self.stream.cuda_stream
-        with self.comm.group(time.monotonic() + self.config.stall_timeout_s):
+            group[0].dest.record_stream(lane)  # one allocation holds them all
+        stream = lane.cuda_stream
+        with comm.group(time.monotonic() + self.config.stall_timeout_s):
             if chunk.num_bytes:
-                self.comm.recv(address, chunk.num_bytes, 0, stream)
-            self.comm.recv(self._status_dev.data_ptr() + 16 * slot, 8, 0, stream)
+                comm.recv(address, chunk.num_bytes, 0, stream)
+            comm.recv(self._status_dev.data_ptr() + 16 * slot, 8, 0, stream)
         self.mark()
         landed = torch.cuda.Event()
-        landed.record(self.stream)
+        landed.record(lane)
         # Everything after the receive runs on a consumer stream, so the receive stream holds only
         # the receives, back to back: a copy between two receives delays the next one by its latency
         # (~10 us per message boundary on H200).
@@ -200,9 +220,9 @@ class RecvChannel(_Channel):
             self.mark()
         return batch
 
-    def _arm(self, slot: int, transfer_id: str) -> bool:
-        """Arm the chunk's gate before its receive is enqueued (the receive stream waits for the arm);
-        False when the transfer is cancelled already."""
+    def _arm(self, slot: int, transfer_id: str, lane: torch.cuda.Stream) -> bool:
+        """Arm the chunk's gate before its receive is enqueued (the receive's ``lane`` stream waits for
+        the arm); False when the transfer is cancelled already."""
         assert self._status_dev is not None and self._armed is not None
         with self._gate_lock:
             if transfer_id in self.cancelled:
@@ -210,7 +230,7 @@ class RecvChannel(_Channel):
             self._gated[slot] = (transfer_id, None)
             with torch.cuda.stream(self.gate_stream):
                 self._status_dev[slot].copy_(self._armed, non_blocking=True)
-        self.stream.wait_stream(self.gate_stream)
+        lane.wait_stream(self.gate_stream)
         return True
 
     def _enqueue_consumers(

@@ -3,12 +3,14 @@
 The receiver's chunk plans are the law: chunk ``seq`` is launched once every layer it names is ready
 (or its transfer was cancelled: then dummy bytes of the same size keep the stream in step, and the
 chunk's status message says so). Chunks launch strictly in ``seq`` order, each as one NCCL group
-(data + 8-byte status) with its own completion event. Before the group, on the send stream: a wait for
-each layer's ``ready_event``, then the chunk's device producers (``SendItem.on_device``, e.g. the
-gather that fills the layers). Layers that lie back to back in memory are sent in place; otherwise
-they are copied into one staging buffer first. On a zero-copy communicator (the receiver's offer
-says so) every message's memory must be registrable: in place only from the plane's zero-copy
-memory, else staged in a pooled registered buffer.
+(data + 8-byte status) on the communicator of its plan's lane, with its own completion event. Before
+the group, on the send stream: a wait for each layer's ``ready_event``, then the chunk's device
+producers (``SendItem.on_device``, e.g. the gather that fills the layers). With more than one lane
+the NCCL groups go on the lanes' own streams, each behind the send stream's work for its chunk, so
+the next chunk's gather never waits for a send in flight. Layers that lie back to back in memory
+are sent in place; otherwise they are copied into one staging buffer first. On a zero-copy
+communicator (the receiver's offer says so) every message's memory must be registrable: in place
+only from the plane's zero-copy memory, else staged in a pooled registered buffer.
 
 Once the channel is connected, a run of one transfer's chunks that can be captured (every chunk's
 layers back to back, every producer a :class:`~kvwire.transfer.types.CapturableProducer`) is
@@ -30,6 +32,7 @@ from kvwire.transfer.device_signal import DeviceSignal, wait_ready
 from kvwire.transfer.nccl_channel import STATUS_MAGIC, _Batch, _Channel, _Work, adjacent_ptr, log
 from kvwire.transfer.nccl_config import NcclPlaneConfig
 from kvwire.transfer.nccl_graphs import CaptureAborted, SendGraphs, producer_key
+from kvwire.transfer.nccl_lib import NcclComm
 from kvwire.transfer.nccl_memory import NcclBuffer
 from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer
 from kvwire.transfer.types import DeviceProducer, RecvItem, SendItem
@@ -49,6 +52,8 @@ class SendChannel(_Channel):
         self.next_seq = 0
         self.ready: dict[tuple[str, int], SendItem] = {}
         self._scratch: torch.Tensor | None = None
+        self._scratch_buffer: NcclBuffer | None = None  # the scratch's registered buffer (zero-copy)
+        self._capture_lanes: list[torch.cuda.Stream] = []  # lanes 1.. while capturing a graph
         self._status: dict[bool, torch.Tensor] = {}  # real data? -> [magic, flag] on the device
         self.graphs = SendGraphs(self.device, self.config.send_graphs)
         # device signals of transfers handed over: abandoned on cancel and before the comm goes
@@ -62,6 +67,11 @@ class SendChannel(_Channel):
             if self.offer is None:
                 self.offer = offer
                 self.cond.notify_all()
+
+    def lanes(self) -> int:
+        """Lanes of the communicator offered (1 before an offer)."""
+        with self.cond:
+            return len(self.offer.unique_ids) if self.offer is not None else 1
 
     def add_plans(self, chunks: Sequence[ChunkPlan]) -> None:
         with self.cond:
@@ -135,8 +145,15 @@ class SendChannel(_Channel):
                 work.append((chunk, items))
         return work
 
+    def _new_lane_streams(self, count: int) -> list[torch.cuda.Stream]:
+        # one lane: the send stream itself (gathers and sends in one queue, as before lanes); more:
+        # every lane its own stream, so the send stream runs the producers back to back
+        if count == 1:
+            return [self.stream]
+        return [torch.cuda.Stream(device=self.device) for _ in range(count)]
+
     def _source(
-        self, chunk: ChunkPlan, items: list[SendItem] | None, pooled: list[NcclBuffer]
+        self, chunk: ChunkPlan, items: list[SendItem] | None, pooled: list[NcclBuffer], comm: NcclComm
     ) -> tuple[int, torch.Tensor | None, bool]:
         """(device address, buffer to keep alive, real data?) of one chunk, on the send stream (the
         current stream). Not real: dummy bytes, and the chunk's status message says so. Layers back
@@ -148,13 +165,15 @@ class SendChannel(_Channel):
                 self._wait_inputs(items)
                 self.mark()
                 if not self._produce(chunk, items):
-                    return self._dummy(chunk)
+                    return self._dummy(chunk, comm)
                 self.mark()
                 address = adjacent_ptr([item.tensor for item in items], sizes, self.device)
                 self.mark()
-                if address is not None and (not self.zero_copy or self._registered(address, chunk.num_bytes)):
+                if address is not None and (
+                    not self.zero_copy or self._registered(address, chunk.num_bytes, comm)
+                ):
                     return address, None, True
-                staging = self._staging(chunk.num_bytes, pooled)
+                staging = self._staging(chunk.num_bytes, pooled, comm)
                 offset = 0
                 for item, size in zip(items, sizes, strict=True):
                     flat = item.tensor.reshape(-1).view(torch.uint8)
@@ -163,7 +182,7 @@ class SendChannel(_Channel):
                 return staging.data_ptr(), staging, True
             reason = f"mismatch: layers of {sum(sizes)} bytes, receiver planned {chunk.num_bytes}"
             self.callbacks.on_transfer_failed(chunk.transfer_id, reason)
-        return self._dummy(chunk)
+        return self._dummy(chunk, comm)
 
     def _wait_inputs(self, items: Sequence[SendItem]) -> None:
         """Order the send stream after the items' ready events and their transfer's device signal."""
@@ -177,15 +196,19 @@ class SendChannel(_Channel):
                     else:
                         self.stream.wait_event(ready)
 
-    def _dummy(self, chunk: ChunkPlan) -> tuple[int, torch.Tensor | None, bool]:
+    def _dummy(self, chunk: ChunkPlan, comm: NcclComm) -> tuple[int, torch.Tensor | None, bool]:
         """Scratch bytes of the chunk's size: keeps the stream in step when there is no real data
-        (with zero-copy a registered buffer, kept by the channel: chunks in flight may still read a
-        smaller one it outgrew, which stays in the plane's memory until the plane closes)."""
+        (with zero-copy a buffer registered with ``comm``, kept by the channel: chunks in flight may
+        still read a smaller one it outgrew, which stays in the plane's memory until the plane
+        closes)."""
         if self._scratch is None or self._scratch.numel() < chunk.num_bytes:
             if self.zero_copy:
-                self._scratch = self._take_registered(max(chunk.num_bytes, 1)).tensor
+                self._scratch_buffer = self._take_registered(max(chunk.num_bytes, 1), comm)
+                self._scratch = self._scratch_buffer.tensor
             else:
                 self._scratch = torch.empty(max(chunk.num_bytes, 1), dtype=torch.uint8, device=self.device)
+        if self._scratch_buffer is not None and self.memory is not None:
+            self.memory.register(comm, self._scratch_buffer)  # once per communicator
         return self._scratch.data_ptr(), self._scratch, False
 
     def _share(self, chunk: ChunkPlan) -> float | None:
@@ -219,12 +242,12 @@ class SendChannel(_Channel):
         return status
 
     def _launch(self, chunk: ChunkPlan, items: list[SendItem] | list[RecvItem] | None) -> _Batch:
-        """One chunk as one NCCL group (data + status) and an event; called with the send stream
-        current (see ``launch_pending``)."""
-        assert self.comm is not None
+        """One chunk as one NCCL group (data + status) on its lane and an event; called with the send
+        stream current (see ``launch_pending``)."""
+        comm, lane = self._lane(chunk)
         self._status_word(True)
         pooled: list[NcclBuffer] = []
-        address, keep, real = self._source(chunk, items, pooled)  # type: ignore[arg-type]
+        address, keep, real = self._source(chunk, items, pooled, comm)  # type: ignore[arg-type]
         keepalive = [keep] if keep is not None else []
         status = self._status[real]
         signal = _signal_of(items) if real else None  # type: ignore[arg-type]
@@ -232,15 +255,17 @@ class SendChannel(_Channel):
             status = self._fresh_status()
             status[1:2].copy_(signal.real, non_blocking=True)
             keepalive.append(status)
-        stream = self.stream.cuda_stream
-        with self.comm.group(time.monotonic() + self.config.stall_timeout_s):
+        if lane is not self.stream:
+            lane.wait_stream(self.stream)  # the chunk's inputs, producers, staging and status word
+        stream = lane.cuda_stream
+        with comm.group(time.monotonic() + self.config.stall_timeout_s):
             if chunk.num_bytes:
-                self.comm.send(address, chunk.num_bytes, 1, stream)
-            self.comm.send(status.data_ptr(), 8, 1, stream)
+                comm.send(address, chunk.num_bytes, 1, stream)
+            comm.send(status.data_ptr(), 8, 1, stream)
         self.mark()
         self._slack.discard(chunk.seq)
         event = torch.cuda.Event()
-        event.record(self.stream)
+        event.record(lane)
         return _Batch(event, chunk, items if real else None, keepalive, time.monotonic(), pooled=pooled)
 
     # --- captured runs (nccl_graphs) ------------------------------------------------------------------
@@ -282,7 +307,7 @@ class SendChannel(_Channel):
             if address is None:
                 return None  # staged: the Python path copies it
             if self.zero_copy:
-                if not self._registered(address, chunk.num_bytes):
+                if not self._registered(address, chunk.num_bytes, self._lane(chunk)[0]):
                     return None  # not registrable: staged
             elif self.memory is not None and self.memory.find(address, chunk.num_bytes) is not None:
                 # NCCL registers registrable memory by itself while capturing (NCCL_GRAPH_REGISTER),
@@ -292,7 +317,7 @@ class SendChannel(_Channel):
             keys = [producer_key(producer, its_items) for producer, its_items in producers]
             if any(k is None for k in keys):
                 return None
-            key.append((tuple(chunk.layers), chunk.num_bytes, address, tuple(keys)))
+            key.append((tuple(chunk.layers), chunk.num_bytes, address, chunk.lane, tuple(keys)))
             parts.append((chunk, items, address, producers))
         # a signalled run's graph has its own status word, refreshed from the signal before each replay
         return (tuple(key), _signal_of(run[0][1]) is not None), parts
@@ -301,7 +326,6 @@ class SendChannel(_Channel):
         """Replay the run's graph (capturing it when its key was seen before, if ``capture``) on the
         send stream, the current stream. None: no graph (first sighting, or the capture gave up
         before NCCL, or not ``capture``)."""
-        assert self.comm is not None
         captured, seen = self.graphs.find(key, count=capture)
         if captured is None:
             if not seen or not capture:
@@ -336,13 +360,22 @@ class SendChannel(_Channel):
         self, parts: list[_Part], status: int
     ) -> Callable[[torch.cuda.Stream, list[torch.cuda.Event]], None]:
         def send(stream: torch.cuda.Stream, produced: list[torch.cuda.Event]) -> None:
-            assert self.comm is not None
+            # lane 0 on the capture stream, the others on side streams forked from it and joined
+            # back before the capture ends
+            while len(self._capture_lanes) < len(self.comms) - 1:
+                self._capture_lanes.append(torch.cuda.Stream(device=self.device))
+            lanes = [stream, *self._capture_lanes[: len(self.comms) - 1]]
+            for lane in lanes[1:]:
+                lane.wait_stream(stream)
             for (chunk, _, address, _), event in zip(parts, produced, strict=True):
-                stream.wait_event(event)
-                with self.comm.group(time.monotonic() + self.config.stall_timeout_s):
+                comm, lane = self.comms[chunk.lane], lanes[chunk.lane]
+                lane.wait_event(event)
+                with comm.group(time.monotonic() + self.config.stall_timeout_s):
                     if chunk.num_bytes:
-                        self.comm.send(address, chunk.num_bytes, 1, stream.cuda_stream)
-                    self.comm.send(status, 8, 1, stream.cuda_stream)
+                        comm.send(address, chunk.num_bytes, 1, lane.cuda_stream)
+                    comm.send(status, 8, 1, lane.cuda_stream)
+            for lane in lanes[1:]:
+                stream.wait_stream(lane)
 
         return send
 

@@ -262,9 +262,50 @@ def test_copies_with_slack_are_the_later_gathers_and_the_earlier_scatters() -> N
     receiver.pending, receiver.unannounced = [], []
     receiver.offer = CommOffer("c", bytes(128))
     receiver.config = NcclPlaneConfig(chunk_bytes=1 << 20, edge_bytes=0)
-    receiver._slack = set()
+    receiver._slack, receiver._ordinals = set(), collections.OrderedDict()
     mib = 1 << 20
     items = [RecvItem(tid, i, mib, torch.empty(0)) for tid, n in (("t", 4), ("u", 2)) for i in range(n)]
     receiver.add_items(items)
     assert [c.transfer_id for c in receiver.unannounced] == list("ttttuu")
     assert receiver._slack == {0, 1}  # two more of "t" land after each; none of "u" has two after it
+    assert {c.lane for c in receiver.unannounced} == {0}  # a one-lane offer
+
+
+def _bare_receiver(lanes: int, **config: int) -> object:
+    """A RecvChannel with only what ``add_items`` reads (a real one needs CUDA streams)."""
+    import collections
+    import threading
+
+    from kvwire.transfer.nccl_config import NcclPlaneConfig
+    from kvwire.transfer.nccl_messages import CommOffer
+    from kvwire.transfer.nccl_recv import RecvChannel
+
+    receiver = object.__new__(RecvChannel)
+    receiver.cond, receiver.next_seq = threading.Condition(), 0
+    receiver.pending, receiver.unannounced = [], []
+    receiver.offer = CommOffer("c", bytes(128), lane_ids=[bytes(128)] * (lanes - 1))
+    receiver.config = NcclPlaneConfig(lanes=lanes, **config)
+    receiver._slack, receiver._ordinals = set(), collections.OrderedDict()
+    return receiver
+
+
+def test_a_transfers_messages_take_turns_on_the_lanes_from_lane_0() -> None:
+    import torch
+
+    from kvwire.transfer.types import RecvItem
+
+    mib = 1 << 20
+    receiver: Any = _bare_receiver(2, chunk_bytes=mib, edge_bytes=0)
+    receiver.add_items([RecvItem("t", i, mib, torch.empty(0)) for i in range(3)])
+    receiver.add_items([RecvItem("u", i, mib, torch.empty(0)) for i in range(2)])
+    receiver.add_items([RecvItem("t", 3, mib, torch.empty(0))])  # "t" goes on where it left off
+    plans = [(c.transfer_id, c.seq, c.lane) for c in receiver.unannounced]
+    assert plans == [("t", 0, 0), ("t", 1, 1), ("t", 2, 0), ("u", 3, 0), ("u", 4, 1), ("t", 5, 1)]
+    # the framing cuts the middle into a multiple of the lanes: 512 tokens of Llama-3-8B KV
+    receiver = _bare_receiver(2, chunk_bytes=96 * mib, edge_bytes=8 * mib, ramp=4)
+    receiver.add_items([RecvItem("v", i, 2 * mib, torch.empty(0)) for i in range(32)])
+    assert [c.num_bytes // mib for c in receiver.unannounced] == [8, 24, 24, 8]
+    assert [c.lane for c in receiver.unannounced] == [0, 1, 0, 1]
+    one_lane: Any = _bare_receiver(1, chunk_bytes=96 * mib, edge_bytes=8 * mib, ramp=4)
+    one_lane.add_items([RecvItem("v", i, 2 * mib, torch.empty(0)) for i in range(32)])
+    assert [c.num_bytes // mib for c in one_lane.unannounced] == [8, 48, 8]

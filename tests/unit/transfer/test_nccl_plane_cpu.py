@@ -7,6 +7,7 @@ import ctypes
 import itertools
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -75,10 +76,28 @@ def test_message_ranges_ramp_grows_from_the_edges() -> None:
     # ramp 0: the single-edge framing
     assert ramp(8, 128, factor=0) == [8, 120, 120, 8]
     assert message_ranges([8 * MiB] * 3, 128 * MiB, 8 * MiB, 4) == [(0, 3)]  # too small for edges
-    # the defaults (192 MiB, ramp 6): 5 / 7 / 3 messages at 2048 / 8192 / 512 tokens
+    # one lane, 192 MiB, ramp 6 (the defaults before lanes): 5 / 7 / 3 messages at 2048 / 8192 / 512
     assert ramp(8, 192, factor=6) == [8, 48, 144, 48, 8]
     assert ramp(32, 192, factor=6) == [32, 192, 192, 192, 192, 192, 32]
     assert ramp(2, 192, factor=6) == [8, 48, 8]
+
+
+def test_message_ranges_cut_the_middle_into_a_multiple_of_the_lanes() -> None:
+    def framing(layer_mib: int, lanes: int, max_mib: int = 96, layers: int = 32) -> list[int]:
+        ranges = message_ranges([layer_mib * MiB] * layers, max_mib * MiB, 8 * MiB, 4, lanes)
+        assert [a for a, _ in ranges] == [0] + [b for _, b in ranges[:-1]] and ranges[-1][1] == layers
+        return [(b - a) * layer_mib for a, b in ranges]
+
+    # the defaults (96 MiB, ramp 4, two lanes) at 512 / 2048 / 8192 tokens of Llama-3-8B KV
+    assert framing(2, 2) == [8, 24, 24, 8]  # one lane: [8, 48, 8]
+    assert framing(2, 1) == [8, 48, 8]
+    assert framing(8, 2) == [8, 32, 88, 88, 32, 8]  # already even
+    assert framing(32, 2) == [32] + [96] * 10 + [32]
+    assert framing(8, 3) == [8, 32, 56, 56, 64, 32, 8]  # three lanes: three middle messages
+    assert framing(8, 4, layers=12) == [8, 32, 8, 8, 32, 8]  # at most one message per layer
+    # no edges (a small transfer): as few messages as the bound allows, whatever the lanes
+    assert message_ranges([MiB] * 3, 96 * MiB, 8 * MiB, 4, 2) == [(0, 3)]
+    assert message_ranges([MiB] * 4, 2 * MiB, 0, 0, 2) == [(0, 2), (2, 4)]
 
 
 def test_plan_chunks_applies_edges_per_transfer_run() -> None:
@@ -94,10 +113,23 @@ def test_adjacent_ptr_only_for_device_tensors() -> None:
 
 def test_info_round_trip_and_validation() -> None:
     info = NcclInfo(
-        offers=[CommOffer(comm_id="c1", unique_id=bytes(range(128)))],
-        chunks=[ChunkPlan(comm_id="c1", seq=3, transfer_id="t", layers=[0, 1], num_bytes=10)],
+        offers=[CommOffer(comm_id="c1", unique_id=bytes(range(128)), lane_ids=[bytes(128)])],
+        chunks=[ChunkPlan(comm_id="c1", seq=3, transfer_id="t", layers=[0, 1], num_bytes=10, lane=1)],
     )
     assert decode_info(encode_info(info)) == info
+    assert info.offers[0].unique_ids == [bytes(range(128)), bytes(128)]
+    # an offer and a plan from before lanes (no trailing fields) decode as one lane, lane 0
+    old = msgspec.msgpack.encode({"v": 1, "offers": [["c1", bytes(128)]], "chunks": [["c1", 0, "t", [0], 4]]})
+    decoded = decode_info(old)
+    assert decoded.offers[0].unique_ids == [bytes(128)] and decoded.chunks[0].lane == 0
+    for bad in (
+        NcclInfo(offers=[CommOffer(comm_id="c1", unique_id=bytes(128), lane_ids=[b"short"])]),
+        NcclInfo(offers=[CommOffer(comm_id="c1", unique_id=bytes(128), lane_ids=[bytes(128)] * 4)]),
+        NcclInfo(chunks=[ChunkPlan(comm_id="c", seq=0, transfer_id="t", layers=[0], num_bytes=1, lane=4)]),
+        NcclInfo(chunks=[ChunkPlan(comm_id="c", seq=0, transfer_id="t", layers=[0], num_bytes=1, lane=-1)]),
+    ):
+        with pytest.raises(ProtocolError):
+            decode_info(encode_info(bad))
     with pytest.raises(ProtocolError):
         decode_info(b"\x93garbage")
     bad_uid = NcclInfo(offers=[CommOffer(comm_id="c1", unique_id=b"short")])
@@ -127,6 +159,9 @@ def test_configs_are_validated() -> None:
         NcclPlaneConfig(ramp=1)
     with pytest.raises(ConfigError):
         NcclPlaneConfig(send_graphs=-1)
+    for lanes in (0, 5):
+        with pytest.raises(ConfigError, match="lanes"):
+            NcclPlaneConfig(lanes=lanes)
     assert NcclPlaneConfig(max_ctas=8).comm_config == CommConfig(max_ctas=8, blocking=True)
 
 
@@ -136,10 +171,12 @@ def test_plane_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVWIRE_NCCL_EDGE_MIB", "0")
     monkeypatch.setenv("KVWIRE_NCCL_RAMP", "0")
     monkeypatch.setenv("KVWIRE_NCCL_GRAPHS", "0")
+    monkeypatch.setenv("KVWIRE_NCCL_LANES", "1")
     cfg = NcclPlaneConfig.from_env()
     assert (cfg.max_ctas, cfg.chunk_bytes, cfg.edge_bytes) == (4, 16 * MiB, 0)
-    assert (cfg.ramp, cfg.send_graphs) == (0, 0)
-    assert (NcclPlaneConfig().ramp, NcclPlaneConfig().send_graphs) == (6, 8)
+    assert (cfg.ramp, cfg.send_graphs, cfg.lanes) == (0, 0, 1)
+    defaults = NcclPlaneConfig()
+    assert (defaults.ramp, defaults.send_graphs, defaults.lanes, defaults.chunk_bytes) == (4, 8, 2, 96 * MiB)
     assert not NcclPlaneConfig().inline_launch and NcclPlaneConfig().edge_bytes == 8 * MiB
     assert not cfg.launch_holds_gil and not cfg.inline_launch
     for raw, expected in (("1", True), ("yes", True), ("off", False), ("0", False)):
@@ -282,3 +319,37 @@ def test_slack_copy_share_is_validated_and_read_from_env(monkeypatch: pytest.Mon
             NcclPlaneConfig(slack_copy_share=bad)
     monkeypatch.setenv("KVWIRE_NCCL_SLACK_COPY_SHARE", "1.0")
     assert NcclPlaneConfig.from_env().slack_copy_share == 1.0
+
+
+def test_abort_all_aborts_the_lanes_together() -> None:
+    import threading
+
+    from kvwire.transfer.nccl_lib import abort_all
+
+    class Lane:
+        """An abort that returns only once every lane's abort began (as ncclCommAbort frees memory,
+        which waits for the other communicator's kernel, stopped only by that one's abort)."""
+
+        def __init__(self, barrier: threading.Barrier) -> None:
+            self.barrier = barrier
+            self.aborted = False
+
+        def abort(self) -> None:
+            self.barrier.wait(timeout=5.0)
+            self.aborted = True
+
+    barrier = threading.Barrier(3)
+    lanes = [Lane(barrier) for _ in range(3)]
+    assert abort_all(lanes, timeout_s=10.0)
+    assert all(lane.aborted for lane in lanes)
+    # one that does not return is left behind on its daemon thread, within the deadline
+    release = threading.Event()
+
+    class Stuck:
+        def abort(self) -> None:
+            release.wait(timeout=5.0)
+
+    quick = Lane(threading.Barrier(1))
+    assert not abort_all([Stuck(), quick], timeout_s=0.2)
+    assert quick.aborted
+    release.set()
