@@ -13,7 +13,7 @@ from kvwire.bench import nccl_harness as h
 from kvwire.bench import nccl_workers as w
 from kvwire.transfer.cuda_paged import PagedLayers
 from kvwire.transfer.nccl import NcclPlaneConfig
-from kvwire.transfer.nccl_lib import load_nccl
+from kvwire.transfer.nccl_lib import abort_all, load_nccl
 
 MiB = 1 << 20
 WARMUP = 3
@@ -23,7 +23,7 @@ PROFILED = 5  # --profile: iterations of (a) and (c) traced per size
 def _size_row(
     conn: Connection,
     rank: int,
-    comm: Any,
+    comms: list[Any],
     side: w.KvwireSide,
     cache: list[torch.Tensor],
     shape: w.KVShape,
@@ -33,11 +33,15 @@ def _size_row(
 ) -> dict[str, Any]:
     ids = w.block_ids(shape, tokens, cache[0].device, seed=1000 * tokens + rank)
     num_bytes = shape.layers * shape.layer_bytes(tokens)
+    comm = comms[0]
     a_plain = w.ceiling(conn, rank, comm, num_bytes, WARMUP + iters)[WARMUP:]
     # (a) both ways, and the faster is the ceiling: NCCL through its FIFO, and in place between
     # registered buffers (what (c) uses on a zero-copy communicator; on NVLink they differ by a few %)
     a_reg = w.registered_ceiling(conn, rank, comm, num_bytes, WARMUP + iters)
     a_reg = a_reg[WARMUP:] if a_reg is not None else None
+    # for reference, not the goal's ceiling: what two communicators move at once (as (c)'s lanes do)
+    a_two = w.two_lane_ceiling(conn, rank, comms, num_bytes, WARMUP + iters)
+    a_two = a_two[WARMUP:] if a_two is not None else None
     a = a_plain  # rank 1 records no times
     if rank == 0 and a_reg is not None and w.median_ms(a_reg) < w.median_ms(a_plain):
         a = a_reg
@@ -70,6 +74,7 @@ def _size_row(
         "ceiling": sa,
         "ceiling_unregistered_gbps": w.summarize(a_plain, num_bytes)["gbps"],
         "ceiling_registered_gbps": w.summarize(a_reg, num_bytes)["gbps"] if a_reg else None,
+        "ceiling_two_lanes_gbps": w.summarize(a_two, num_bytes)["gbps"] if a_two else None,
         "reference": sb,
         "kvwire": sc,
         "gbps": sc["gbps"],
@@ -96,20 +101,24 @@ def _sweep(
     ceilings: dict[int, float],
 ) -> list[dict[str, Any]]:
     rows = []
-    for chunk_mib, edge_mib in opts["sweep"]:
+    for number, (chunk_mib, edge_mib, *more) in enumerate(opts["sweep"]):
+        base = NcclPlaneConfig.from_env()
         cfg = dataclasses.replace(
-            NcclPlaneConfig.from_env(),
+            base,
             chunk_bytes=chunk_mib * MiB,
             edge_bytes=edge_mib * MiB,
             max_ctas=opts["max_ctas"],
+            lanes=more[0] if more else base.lanes,
+            ramp=more[1] if len(more) > 1 else base.ramp,
         )
-        side = w.KvwireSide(rank, cfg, f"sweep{chunk_mib}-{edge_mib}", opts["sender"])
+        side = w.KvwireSide(rank, cfg, f"sweep{number}", opts["sender"])
         for tokens in [t for t in opts["tokens"] if t <= 2048]:
             ids = w.block_ids(shape, tokens, cache[0].device, seed=1000 * tokens + rank)
             samples = w.kvwire_path(conn, side, PagedLayers(cache, w.LAYOUT), ids, WARMUP + 10)[WARMUP:]
             if rank == 0:
                 num_bytes = shape.layers * shape.layer_bytes(tokens)
                 row = {"chunk_mib": chunk_mib, "edge_mib": edge_mib, "tokens": tokens}
+                row.update(lanes=cfg.lanes, ramp=cfg.ramp)
                 row.update(w.summarize(samples, num_bytes))
                 row["ratio"] = round(row["gbps"] / ceilings[tokens], 3)
                 rows.append(row)
@@ -124,6 +133,7 @@ def run_rank(rank: int, conn: Connection, opts: dict[str, Any]) -> dict[str, Any
     shape = w.KVShape(cache_blocks=max(1200, 2 * w.KVShape().blocks(max(opts["tokens"]))))
     cache = w.make_cache(shape, device, seed=rank + 1)
     comm = h.raw_comm(conn, rank)
+    second = h.raw_comm(conn, rank)  # for the two-communicator reference
     defaults = NcclPlaneConfig.from_env()
     chunk = opts["chunk_mib"] * MiB if opts["chunk_mib"] else defaults.chunk_bytes
     edge = opts["edge_mib"] * MiB if opts["edge_mib"] is not None else defaults.edge_bytes
@@ -141,20 +151,23 @@ def run_rank(rank: int, conn: Connection, opts: dict[str, Any]) -> dict[str, Any
         "inline_launch": plane_cfg.inline_launch,
         "launch_holds_gil": plane_cfg.launch_holds_gil,
         "zero_copy": plane_cfg.zero_copy,
+        "lanes": plane_cfg.lanes,
         "max_ctas": opts["max_ctas"],
         "iters": opts["iters"],
         "sizes": [],
     }
     for tokens in opts["tokens"]:
         report["sizes"].append(
-            _size_row(conn, rank, comm, side, cache, shape, tokens, opts["iters"], opts.get("profile"))
+            _size_row(
+                conn, rank, [comm, second], side, cache, shape, tokens, opts["iters"], opts.get("profile")
+            )
         )
     ceilings = {row["tokens"]: row["ceiling_gbps"] for row in report["sizes"] if row}
     report["send_graph_stats"] = side.plane.send_graph_stats()  # rank 0's are the sender's
     if opts.get("sizes_only"):
         side.close()
         w.barrier(conn, rank)
-        comm.abort()
+        abort_all([comm, second])
         return report
     report["overlap"] = extras.overlap(
         conn,
@@ -173,5 +186,5 @@ def run_rank(rank: int, conn: Connection, opts: dict[str, Any]) -> dict[str, Any
             extras.gather_scatter(cache, w.block_ids(shape, t, device, 11), t) for t in opts["tokens"]
         ]
     w.barrier(conn, rank)
-    comm.abort()
+    abort_all([comm, second])
     return report

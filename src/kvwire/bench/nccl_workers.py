@@ -117,6 +117,41 @@ def registered_ceiling(
             comm.deregister(handle)
 
 
+def two_lane_ceiling(
+    conn: Connection, rank: int, comms: Sequence[NcclComm], num_bytes: int, iters: int
+) -> list[float] | None:
+    """For reference (the goal's ceiling is (a)): the same bytes as ``len(comms)`` contiguous parts
+    sent at once, each on its own communicator and stream, between registered buffers: what (c)'s
+    lanes could reach with no gathers, scatters or message boundaries. None when this NCCL cannot
+    register buffers."""
+    if not all(comm.can_register for comm in comms):
+        return None
+    streams = [torch.cuda.Stream() for _ in comms]
+    part = -(-num_bytes // len(comms) // 256) * 256
+    spans = [(i * part, min(part, num_bytes - i * part)) for i in range(len(comms))]
+    with NcclBuffer(num_bytes) as buf:
+        handles = [(comm, comm.register(buf.ptr, num_bytes)) for comm in comms]
+        try:
+            out = []
+            for _ in range(iters):
+                barrier(conn, rank)
+                t0 = time.perf_counter()
+                for comm, stream, (offset, size) in zip(comms, streams, spans, strict=True):
+                    op = comm.send if rank == 0 else comm.recv
+                    op(buf.ptr + offset, size, 1 - rank, stream.cuda_stream)
+                for stream in streams:
+                    h.wait_stream(stream)
+                if rank == 0:
+                    out.append(conn.recv() - t0)
+                else:
+                    conn.send(time.perf_counter())
+            return out
+        finally:
+            torch.cuda.synchronize()
+            for comm, handle in handles:
+                comm.deregister(handle)
+
+
 # --- (b) the reference's per-layer way ---------------------------------------------------------------------
 def reference(
     conn: Connection, rank: int, comm: NcclComm, cache: list[torch.Tensor], ids: torch.Tensor, iters: int

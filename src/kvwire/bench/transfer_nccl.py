@@ -54,8 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sweep",
         nargs="*",
-        default=["32:8", "64:0", "64:16", "128:8"],
-        help="extra CHUNK_MIB:EDGE_MIB framings to measure at <= 2048 tokens",
+        default=["192:8:1:6", "64:8", "128:8", "96:0"],
+        help="extra CHUNK_MIB:EDGE_MIB[:LANES[:RAMP]] framings to measure at <= 2048 tokens (lanes and"
+        " ramp default to the plane's; 192:8:1:6 is the one-lane framing before lanes)",
     )
     parser.add_argument("--max-ctas", type=int, default=None, help="NCCL channel bound (None = default)")
     parser.add_argument("--overlap-tokens", type=int, default=2048)
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         "iters": getattr(args, "iters", 15),
         "chunk_mib": getattr(args, "chunk_mib", None),
         "edge_mib": getattr(args, "edge_mib", None),
-        "sweep": [tuple(int(v) for v in pair.split(":")) for pair in getattr(args, "sweep", [])],
+        "sweep": [_framing(spec) for spec in getattr(args, "sweep", [])],
         "max_ctas": getattr(args, "max_ctas", None),
         "overlap_tokens": getattr(args, "overlap_tokens", 2048),
         "sizes_only": getattr(args, "sizes_only", False),
@@ -169,6 +170,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _framing(spec: str) -> tuple[int, ...]:
+    """``CHUNK_MIB:EDGE_MIB[:LANES[:RAMP]]`` of ``--sweep``."""
+    values = tuple(int(v) for v in spec.split(":"))
+    if not 2 <= len(values) <= 4:
+        raise SystemExit(f"--sweep {spec!r}: expected CHUNK_MIB:EDGE_MIB[:LANES[:RAMP]]")
+    return values
+
+
 def print_table(report: dict[str, Any], out: Any = None) -> None:
     def print(*parts: object) -> None:  # the table's own printer (to ``out``)
         builtins.print(*parts, file=out or sys.stdout)
@@ -188,6 +197,8 @@ def print_table(report: dict[str, Any], out: Any = None) -> None:
         for row in report["sizes"]
     ]
     print(f"(a) unregistered / registered buffers, GB/s (the faster is the ceiling): {', '.join(ceilings)}")
+    two = [f"{row['tokens']}: {row.get('ceiling_two_lanes_gbps')}" for row in report["sizes"]]
+    print(f"for reference, the same bytes as two halves sent at once on two communicators: {', '.join(two)}")
     handoffs = [f"{row['tokens']}: {row.get('kvwire_handoff_us')}" for row in report["sizes"]]
     print(f"(c) sender's t0 step on the host (fire or hand-over), median us: {', '.join(handoffs)}")
     for row in report["sizes"]:
@@ -197,15 +208,17 @@ def print_table(report: dict[str, Any], out: Any = None) -> None:
             print("   ", tuple(chunk))
     print(
         f"framing: messages of <= {report['chunk_mib']} MiB, first/last {report['edge_mib']} MiB, "
-        f"ramp {report.get('ramp')}, zero-copy {report.get('zero_copy')}; sender {report.get('sender')}, "
+        f"ramp {report.get('ramp')}, lanes {report.get('lanes')}, zero-copy {report.get('zero_copy')}; "
+        f"sender {report.get('sender')}, "
         "inline launch "
         f"{report.get('inline_launch')}, launch holds GIL {report.get('launch_holds_gil')}; "
         f"send graphs {report.get('send_graph_stats')}"
     )
     for row in report.get("chunk_sweep", []):
         print(
-            f"chunk {row['chunk_mib']:>3} MiB edge {row['edge_mib']:>3} MiB  tokens {row['tokens']:>5}: "
-            f"{row['gbps']:>6.1f} GB/s ratio {row['ratio']:.2f}"
+            f"chunk {row['chunk_mib']:>3} MiB edge {row['edge_mib']:>3} MiB lanes {row.get('lanes')} "
+            f"ramp {row.get('ramp')}  tokens {row['tokens']:>5}: {row['gbps']:>6.1f} GB/s "
+            f"ratio {row['ratio']:.2f}"
         )
     ov = report.get("overlap")
     if ov:
