@@ -2,7 +2,8 @@
 
 Against a running server or router (``--url``), or, without it, against local clusters it starts
 itself (``--setups``, default ``1p1d,colocated``: the same load on a 1 prefill + 1 decode cluster
-and on one colocated instance, both behind the router, in the same run). Arrivals are Poisson
+and on one colocated instance, both behind the router, in the same run; ``2colocated`` is two
+colocated instances, the same instance and GPU count as ``1p1d``). Arrivals are Poisson
 (``--arrival poisson``) or evenly spaced (``fixed``) at ``--request-rate`` requests/s (``inf``: all at
 once); ``--max-concurrency`` caps requests in flight. Prompts are random token ids (``--input-len``),
 outputs have exactly ``--output-len`` tokens (``ignore_eos``).
@@ -33,7 +34,9 @@ from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.errors import ClusterError
 from kvwire.kv_params import TransferMode
 
-SETUPS = {"1p1d": (1, 1, 0), "2p2d": (2, 2, 0), "colocated": (0, 0, 1)}
+# name -> (prefill, decode, colocated) instances; "2colocated" is the baseline with as many instances
+# (and, with --spread-gpus 2, GPUs) as 1p1d: two colocated instances behind the router
+SETUPS = {"1p1d": (1, 1, 0), "2p2d": (2, 2, 0), "colocated": (0, 0, 1), "2colocated": (0, 0, 2)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
