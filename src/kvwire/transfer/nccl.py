@@ -15,10 +15,11 @@ Guarantees asked of the agent (all hold for :class:`~kvwire.transfer.agent.Trans
 * ``cancel`` is called for every transfer the agent gives up (the plane then sends dummy bytes for
   its announced chunks so the stream stays in step).
 
-Communicators: at most ``max_comms`` receive communicators (an idle one is closed to make room);
-a receive communicator unused for ``idle_close_s`` is destroyed (the sender drops its side after twice
+Communicators: at most ``max_comms`` receive channels (an idle one is closed to make room);
+a receive channel unused for ``idle_close_s`` is destroyed (the sender drops its side after twice
 that, or as soon as a new offer replaces it); ``drop_peer`` (peer restarted / lost), a stalled
-operation (``stall_timeout_s``) or an asynchronous NCCL error abort it (``ncclCommAbort``). Channel
+operation (``stall_timeout_s``) or an asynchronous NCCL error abort its communicators
+(``ncclCommAbort``, all lanes at once). Channel
 count (``min_ctas``/``max_ctas``) is configurable; see docs/decisions/061-nccl-data-plane.md for the
 GPU memory each communicator costs.
 """
@@ -321,7 +322,7 @@ class NcclPlane(DataPlane):
             if len(self._receivers) >= self.plane_config.max_comms:
                 idle = [c for c in self._receivers.values() if not c.inflight and not c.pending]
                 if not idle:
-                    raise TransferError(f"{self.plane_config.max_comms} NCCL communicators busy")
+                    raise TransferError(f"{self.plane_config.max_comms} NCCL receive channels busy")
                 evict = min(idle, key=lambda c: c.last_active)
                 del self._receivers[evict.peer_instance]
             channel = RecvChannel(*self._channel_args(peer_instance), memory=self.memory)

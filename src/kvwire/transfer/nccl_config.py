@@ -39,7 +39,7 @@ class NcclPlaneConfig:
     # Sender: captured CUDA graphs kept per channel (a whole run of one transfer's messages replayed
     # with one call; see nccl_graphs). 0: never capture.
     send_graphs: int = 8
-    max_comms: int = 64  # receive-side communicators (one per sending peer epoch)
+    max_comms: int = 64  # receive-side channels (one per sending peer epoch, each of `lanes` communicators)
     idle_close_s: float = 120.0  # a receive communicator unused this long is destroyed
     init_timeout_s: float = 60.0  # communicator join deadline
     stall_timeout_s: float = 60.0  # an operation in flight longer than this aborts the communicator
