@@ -26,7 +26,7 @@ from kvwire.bench import nccl_workers as w
 from kvwire.transfer import device_signal
 from kvwire.transfer.cuda_paged import PagedLayers
 from kvwire.transfer.device_signal import DeviceSignal
-from kvwire.transfer.nccl_channel import message_ranges
+from kvwire.transfer.nccl_framing import message_ranges
 from kvwire.transfer.nccl_lib import NcclComm
 from kvwire.transfer.nccl_memory import NcclBuffer
 

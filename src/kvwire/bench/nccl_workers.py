@@ -22,7 +22,7 @@ import torch
 from kvwire.bench import nccl_harness as h
 from kvwire.transfer.cuda_paged import PagedLayers, SlabGather
 from kvwire.transfer.device_signal import DeviceSignal
-from kvwire.transfer.nccl_channel import message_ranges
+from kvwire.transfer.nccl_framing import message_ranges
 from kvwire.transfer.nccl_lib import NcclComm
 from kvwire.transfer.nccl_memory import NcclBuffer
 from kvwire.transfer.paged import KVLayout, gather_blocks, scatter_blocks

@@ -43,8 +43,8 @@ from kvwire.transfer.nccl_channel import (
     _Work,
     adjacent_ptr,
     log,
-    plan_chunks,
 )
+from kvwire.transfer.nccl_framing import plan_chunks
 from kvwire.transfer.nccl_lib import load_nccl
 from kvwire.transfer.nccl_memory import NcclBuffer
 from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer

@@ -15,7 +15,8 @@ from kvwire.errors import ConfigError, ProtocolError
 from kvwire.transfer import cuda_paged
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.nccl import NcclPlane, NcclPlaneConfig
-from kvwire.transfer.nccl_channel import adjacent_ptr, message_ranges, plan_chunks
+from kvwire.transfer.nccl_channel import adjacent_ptr
+from kvwire.transfer.nccl_framing import message_ranges, plan_chunks
 from kvwire.transfer.nccl_lib import CommConfig, NcclComm, NcclUnavailableError, _Config, _make_config
 from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer, NcclInfo, decode_info, encode_info
 from kvwire.transfer.paged import KVLayout, gather_blocks
