@@ -27,6 +27,7 @@ GPU memory each communicator costs.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import sys
 import threading
@@ -43,7 +44,7 @@ from kvwire.transfer.base import DataPlane, PlaneCallbacks
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.nccl_channel import CancelledSet, _Channel
 from kvwire.transfer.nccl_config import NcclPlaneConfig
-from kvwire.transfer.nccl_lib import NcclUnavailableError, load_nccl
+from kvwire.transfer.nccl_lib import NcclUnavailableError, load_nccl, run_together
 from kvwire.transfer.nccl_memory import ZeroCopyMemory
 from kvwire.transfer.nccl_messages import NcclInfo, decode_info, encode_info
 from kvwire.transfer.nccl_recv import RecvChannel
@@ -68,19 +69,8 @@ def _close_all(channels: Sequence[_Channel], timeout_s: float = 20.0) -> None:
     """Close (abort) ``channels`` at once, each on a thread of its own, joined by ``timeout_s``: one
     channel's abort can wait for another's kernels still spinning on a dead peer (see
     ``nccl_lib.abort_all``), so one after the other could deadlock."""
-    if len(channels) == 1:
-        channels[0].close(abort=True)
-        return
-    threads = [
-        threading.Thread(target=c.close, kwargs={"abort": True}, name="kvwire-nccl-close", daemon=True)
-        for c in channels
-    ]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + timeout_s
-    for thread in threads:
-        thread.join(timeout=max(0.0, deadline - time.monotonic()))
-    if any(thread.is_alive() for thread in threads):
+    closes = [functools.partial(channel.close, abort=True) for channel in channels]
+    if not run_together(closes, "kvwire-nccl-close", timeout_s):
         log.warning("NCCL channels did not close within %.0f s", timeout_s)
 
 

@@ -17,7 +17,7 @@ import glob
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -427,10 +427,14 @@ def abort_all(comms: Sequence[NcclComm], timeout_s: float = 10.0) -> bool:
     frees device memory, which waits for every kernel on the device, including another
     communicator's kernel still spinning on a dead peer (seen with two lanes to a killed receiver:
     the first abort never returned). Started together, each sets its abort flag first."""
-    if len(comms) == 1:
-        comms[0].abort()
-        return True
-    threads = [threading.Thread(target=comm.abort, name="kvwire-nccl-abort", daemon=True) for comm in comms]
+    return run_together([comm.abort for comm in comms], "kvwire-nccl-abort", timeout_s)
+
+
+def run_together(calls: Sequence[Callable[[], object]], name: str, timeout_s: float) -> bool:
+    """Run ``calls`` at once, each on a daemon thread of its own named ``name``, and wait for them
+    until ``timeout_s`` in all; True when every call returned by then (a late one goes on alone).
+    For teardown steps that may block inside NCCL on a peer that is gone."""
+    threads = [threading.Thread(target=call, name=name, daemon=True) for call in calls]
     for thread in threads:
         thread.start()
     deadline = time.monotonic() + timeout_s

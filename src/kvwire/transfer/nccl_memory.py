@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kvwire.errors import TransferError
-from kvwire.transfer.nccl_lib import NcclUnavailableError, load_nccl
+from kvwire.transfer.nccl_lib import NcclUnavailableError, load_nccl, run_together
 
 log = logging.getLogger(__name__)
 
@@ -181,10 +181,7 @@ class ZeroCopyMemory:
                 except TransferError as exc:  # the peer is gone: nothing left to unmap there
                     log.debug("deregistering a zero-copy buffer failed: %s", exc)
 
-        worker = threading.Thread(target=run, name="kvwire-nccl-deregister", daemon=True)
-        worker.start()
-        worker.join(timeout=timeout_s)
-        return not worker.is_alive()
+        return run_together([run], "kvwire-nccl-deregister", timeout_s)
 
     def forget(self, comm: Any) -> None:
         """``comm`` is gone (aborted or destroyed, which drops its registrations): stop tracking it."""
