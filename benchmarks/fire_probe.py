@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-from kvwire.transfer import device_signal
-from kvwire.transfer.device_signal import DeviceSignal, prepare, wait_ready
+from kvwire.transfer.planes.nccl import device_signal
+from kvwire.transfer.planes.nccl.device_signal import DeviceSignal, prepare, wait_ready
 
 
 def _median_p90(samples: list[float]) -> tuple[float, float]:

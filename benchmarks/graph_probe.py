@@ -23,12 +23,12 @@ import torch
 
 from kvwire.bench import nccl_harness as h
 from kvwire.bench import nccl_workers as w
-from kvwire.transfer import device_signal
-from kvwire.transfer.cuda_paged import PagedLayers
-from kvwire.transfer.device_signal import DeviceSignal
-from kvwire.transfer.nccl_framing import message_ranges
-from kvwire.transfer.nccl_lib import NcclComm
-from kvwire.transfer.nccl_memory import NcclBuffer
+from kvwire.transfer.planes.cuda_paged import PagedLayers
+from kvwire.transfer.planes.nccl import device_signal
+from kvwire.transfer.planes.nccl.bindings import NcclComm
+from kvwire.transfer.planes.nccl.device_signal import DeviceSignal
+from kvwire.transfer.planes.nccl.framing import message_ranges
+from kvwire.transfer.planes.nccl.memory import NcclBuffer
 
 MiB = 1 << 20
 WARMUP = 3

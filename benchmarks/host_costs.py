@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-from kvwire.transfer.cuda_paged import PagedLayers
 from kvwire.transfer.paged import KVLayout, gather_blocks
+from kvwire.transfer.planes.cuda_paged import PagedLayers
 
 REPS = 200
 

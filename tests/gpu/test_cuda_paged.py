@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvwire.transfer import cuda_paged
 from kvwire.transfer.paged import KVLayout, gather_blocks
+from kvwire.transfer.planes import cuda_paged
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -43,7 +43,7 @@ def _poll(agent: Any, wanted: set[str], field: str, timeout_s: float = 60.0) -> 
 
 def _agent_sender(conn: Connection, _: Any) -> dict[str, str]:
     from kvwire.transfer import Backend, LayerSpec, TransferAgent, TransferConfig
-    from kvwire.transfer.cuda_paged import gather_layers
+    from kvwire.transfer.planes.cuda_paged import gather_layers
 
     with TransferAgent(TransferConfig(backend=Backend.NCCL, device="cuda:0")) as agent:
         peer = conn.recv()

@@ -1,4 +1,4 @@
-"""Captured sends (kvwire.transfer.nccl_graphs) across two GPUs in two processes.
+"""Captured sends (kvwire.transfer.planes.nccl.graphs) across two GPUs in two processes.
 
 One sender sends transfers of one shape again and again from the same cache, block ids and slab, with
 new cache contents each time: the first two go out from Python, the third is captured, later ones
@@ -33,7 +33,7 @@ GOOD = ["g0", "g1", "g2", "g3", "g4"]  # Python, Python (seen), capture + replay
 
 
 def _cfg() -> Any:
-    from kvwire.transfer.nccl import NcclPlaneConfig
+    from kvwire.transfer.planes.nccl.plane import NcclPlaneConfig
 
     # 2 layers per message, no edges: 3 messages per transfer; short stall so a dead peer shows fast
     return NcclPlaneConfig(chunk_bytes=2 * LAYER_BYTES, edge_bytes=0, stall_timeout_s=4.0)
@@ -93,8 +93,8 @@ def _recv(conn: Connection, _: Any) -> dict[str, Any]:
 
 def _send(conn: Connection, _: Any) -> dict[str, Any]:
     from kvwire.bench import nccl_harness as h
-    from kvwire.transfer.cuda_paged import PagedLayers, SlabGather
-    from kvwire.transfer.paged import KVLayout
+    from kvwire.transfer.enums import KVLayout
+    from kvwire.transfer.planes.cuda_paged import PagedLayers, SlabGather
     from kvwire.transfer.types import SendItem
 
     plane, rec = h.start_plane(0, "send-g", _cfg())

@@ -35,7 +35,7 @@ def _gpu(tensors: list[torch.Tensor], rank: int = 0) -> list[torch.Tensor]:
 
 
 def _cfg(**kw: Any) -> Any:
-    from kvwire.transfer.nccl import NcclPlaneConfig
+    from kvwire.transfer.planes.nccl.plane import NcclPlaneConfig
 
     return NcclPlaneConfig(chunk_bytes=kw.pop("chunk_bytes", 1 * MiB), **kw)
 
@@ -282,8 +282,8 @@ def _step(side: str, what: str) -> None:
 
 def _recv_consumers(conn: Connection, _: Any) -> dict[str, Any]:
     from kvwire.bench import nccl_harness as h
-    from kvwire.transfer.cuda_paged import PagedLayers
-    from kvwire.transfer.paged import KVLayout
+    from kvwire.transfer.enums import KVLayout
+    from kvwire.transfer.planes.cuda_paged import PagedLayers
     from kvwire.transfer.types import RecvItem
 
     plane, rec = h.start_plane(1, "recv-c", _cfg(chunk_bytes=1 * MiB, edge_bytes=0, stall_timeout_s=20.0))
@@ -432,8 +432,8 @@ def _gathered_src(seed: int) -> torch.Tensor:
 
 def _send_producers(conn: Connection, _: Any) -> dict[str, Any]:
     from kvwire.bench import nccl_harness as h
-    from kvwire.transfer.cuda_paged import PagedLayers
-    from kvwire.transfer.paged import KVLayout
+    from kvwire.transfer.enums import KVLayout
+    from kvwire.transfer.planes.cuda_paged import PagedLayers
     from kvwire.transfer.types import SendItem
 
     plane, rec = h.start_plane(0, "send-p", _cfg(chunk_bytes=1 * MiB, edge_bytes=0, stall_timeout_s=20.0))

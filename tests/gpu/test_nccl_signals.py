@@ -1,4 +1,4 @@
-"""Armed sends (SendItem.ready_signal, kvwire.transfer.device_signal) across two GPUs.
+"""Armed sends (SendItem.ready_signal, kvwire.transfer.planes.nccl.device_signal) across two GPUs.
 
 The sender hands each transfer over *before* its data exists, then writes the KV on its compute
 stream and fires the signal there: the receiver must get the data written after the hand-over (a
@@ -30,7 +30,7 @@ FIRED = ["f0", "f1", "f2", "f3"]  # Python (not connected), Python (seen), captu
 
 
 def _cfg() -> Any:
-    from kvwire.transfer.nccl import NcclPlaneConfig
+    from kvwire.transfer.planes.nccl.plane import NcclPlaneConfig
 
     return NcclPlaneConfig(chunk_bytes=2 * LAYER_BYTES, edge_bytes=0, stall_timeout_s=20.0)
 
@@ -76,9 +76,9 @@ def _recv(conn: Connection, _: Any) -> dict[str, Any]:
 
 def _send(conn: Connection, _: Any) -> dict[str, Any]:
     from kvwire.bench import nccl_harness as h
-    from kvwire.transfer.cuda_paged import PagedLayers, SlabGather
-    from kvwire.transfer.device_signal import DeviceSignal, SignalState
-    from kvwire.transfer.paged import KVLayout
+    from kvwire.transfer.enums import KVLayout
+    from kvwire.transfer.planes.cuda_paged import PagedLayers, SlabGather
+    from kvwire.transfer.planes.nccl.device_signal import DeviceSignal, SignalState
     from kvwire.transfer.types import SendItem
 
     plane, rec = h.start_plane(0, "send-s", _cfg())

@@ -38,7 +38,7 @@ def _views(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
 
 
 def _cfg(zero_copy: bool) -> Any:
-    from kvwire.transfer.nccl import NcclPlaneConfig
+    from kvwire.transfer.planes.nccl.plane import NcclPlaneConfig
 
     return NcclPlaneConfig(chunk_bytes=1 * MiB, edge_bytes=0, zero_copy=zero_copy)
 

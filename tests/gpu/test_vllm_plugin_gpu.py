@@ -42,7 +42,7 @@ def _instance(role: str, device: str, permuted: bool, fill: bool) -> Any:
     from kvwire.integrations.vllm_config import VllmTransferView, plugin_config_from_vllm
     from kvwire.integrations.vllm_scheduler_side import Identity, RankEndpoint, SchedulerSide
     from kvwire.integrations.vllm_worker_side import WorkerSide
-    from kvwire.transfer.paged import KVLayout
+    from kvwire.transfer.enums import KVLayout
 
     cfg = plugin_config_from_vllm(
         VllmTransferView(kv_role=role, kv_buffer_device="cuda", kv_connector_extra_config={"deadline_s": 60})

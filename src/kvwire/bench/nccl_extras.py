@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 from kvwire.bench import nccl_harness as h
 from kvwire.bench.nccl_workers import LAYOUT, KvwireSide, barrier, ceiling, summarize
-from kvwire.transfer.cuda_paged import PagedLayers, triton_available
-from kvwire.transfer.nccl_lib import CommConfig
 from kvwire.transfer.paged import gather_blocks, scatter_blocks
+from kvwire.transfer.planes.cuda_paged import PagedLayers, triton_available
+from kvwire.transfer.planes.nccl.bindings import CommConfig
 from kvwire.transfer.types import SendItem
 
 # Llama-3-8B layer: hidden 4096, 32 query heads + 8 KV heads of 128, MLP 14336

@@ -1,4 +1,4 @@
-"""Drive two :class:`~kvwire.transfer.nccl.NcclPlane` s in two processes without the agent.
+"""Drive two :class:`~kvwire.transfer.planes.nccl.plane.NcclPlane` s in two processes without the agent.
 
 Used by the NCCL benchmark and the GPU tests: it plays the agent's part of the plane contract
 (post receive buffers, carry ``local_info`` bytes to the peer's ``on_peer_info`` with the "grant",
@@ -16,6 +16,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -27,9 +28,10 @@ import torch
 
 from kvwire.errors import TransferTimeout
 from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.nccl import NcclPlane, NcclPlaneConfig, thread_stacks
-from kvwire.transfer.nccl_lib import CommConfig, NcclComm, load_nccl
-from kvwire.transfer.types import Backend, DeviceConsumer, PeerRef, RecvItem, SendItem
+from kvwire.transfer.enums import Backend
+from kvwire.transfer.planes.nccl.bindings import CommConfig, NcclComm, load_nccl
+from kvwire.transfer.planes.nccl.plane import NcclPlane, NcclPlaneConfig
+from kvwire.transfer.types import DeviceConsumer, PeerRef, RecvItem, SendItem
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +212,7 @@ class Recorder:
             while not predicate():
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    log.error("harness wait timed out; Python stacks:\n%s", thread_stacks())
+                    log.error("harness wait timed out; Python stacks:\n%s", _thread_stacks())
                     raise TransferTimeout(
                         f"harness wait timed out; failed={self.failed} peers={self.peer_failed}"
                     )
@@ -292,3 +294,12 @@ def wait_stream(stream: torch.cuda.Stream, comm: NcclComm | None = None) -> None
     event = torch.cuda.Event()
     event.record(stream)
     event.synchronize()
+
+
+def _thread_stacks() -> str:
+    """Every Python thread's stack, for the harness's log line when a wait times out."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    return "".join(
+        f"--- thread {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame))
+        for ident, frame in sys._current_frames().items()
+    )

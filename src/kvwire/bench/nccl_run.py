@@ -11,9 +11,9 @@ import torch
 from kvwire.bench import nccl_extras as extras
 from kvwire.bench import nccl_harness as h
 from kvwire.bench import nccl_workers as w
-from kvwire.transfer.cuda_paged import PagedLayers
-from kvwire.transfer.nccl import NcclPlaneConfig
-from kvwire.transfer.nccl_lib import abort_all, load_nccl
+from kvwire.transfer.planes.cuda_paged import PagedLayers
+from kvwire.transfer.planes.nccl.bindings import abort_all, load_nccl
+from kvwire.transfer.planes.nccl.plane import NcclPlaneConfig
 
 MiB = 1 << 20
 WARMUP = 3
@@ -148,8 +148,6 @@ def run_rank(rank: int, conn: Connection, opts: dict[str, Any]) -> dict[str, Any
         "sender": opts["sender"],
         "ramp": plane_cfg.ramp,
         "send_graphs": plane_cfg.send_graphs,
-        "inline_launch": plane_cfg.inline_launch,
-        "launch_holds_gil": plane_cfg.launch_holds_gil,
         "zero_copy": plane_cfg.zero_copy,
         "lanes": plane_cfg.lanes,
         "max_ctas": opts["max_ctas"],

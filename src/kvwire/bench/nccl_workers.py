@@ -20,12 +20,12 @@ from typing import Any
 import torch
 
 from kvwire.bench import nccl_harness as h
-from kvwire.transfer.cuda_paged import PagedLayers, SlabGather
-from kvwire.transfer.device_signal import DeviceSignal
-from kvwire.transfer.nccl_framing import message_ranges
-from kvwire.transfer.nccl_lib import NcclComm
-from kvwire.transfer.nccl_memory import NcclBuffer
 from kvwire.transfer.paged import KVLayout, gather_blocks, scatter_blocks
+from kvwire.transfer.planes.cuda_paged import PagedLayers, SlabGather
+from kvwire.transfer.planes.nccl.bindings import NcclComm
+from kvwire.transfer.planes.nccl.device_signal import DeviceSignal
+from kvwire.transfer.planes.nccl.framing import message_ranges
+from kvwire.transfer.planes.nccl.memory import NcclBuffer
 from kvwire.transfer.types import RecvItem, SendItem
 
 LAYOUT = KVLayout.KV_FIRST

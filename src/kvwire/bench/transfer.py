@@ -37,7 +37,7 @@ from kvwire.transfer.paged import (
     gathered_shape,
     scatter_blocks,
 )
-from kvwire.transfer.tcp_wire import recv_exact, tensor_bytes, tune
+from kvwire.transfer.planes.tcp.wire import recv_exact, tensor_bytes, tune
 
 DEFAULT_TOKENS = (512, 2048, 8192)
 _CEILING_JOIN_S = 10.0  # the writer is done once the reader has every byte; this only guards a bug

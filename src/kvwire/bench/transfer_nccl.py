@@ -7,12 +7,13 @@ Per size (Llama-3-8B-shaped paged KV, bf16, block size 16, random block ids on b
   faster of the two is the ceiling;
 * (b) ``reference``: the seed's per-layer way (gather one layer, one control round trip, one send,
   one sync, scatter) over the same communicator;
-* (c) ``kvwire``: the NCCL data plane (:mod:`kvwire.transfer.nccl`). By default (``--sender armed``)
-  the sender hands every layer over *before* t0 with a device producer and a device signal
-  (:mod:`kvwire.transfer.device_signal`): the plane queues the transfer on its send stream behind a
-  wait for the signal (one CUDA graph replay once the shape repeats), and at t0 the sender's stream
-  fires it, as a P instance would right after its forward wrote the KV. The plane gathers each
-  message with one launch (:mod:`kvwire.transfer.cuda_paged`) right before sending it; the receiver
+* (c) ``kvwire``: the NCCL data plane (:mod:`kvwire.transfer.planes.nccl.plane`). By default
+  (``--sender armed``) the sender hands every layer over *before* t0 with a device producer and a
+  device signal (:mod:`kvwire.transfer.planes.nccl.device_signal`): the plane queues the transfer
+  on its send stream behind a wait for the signal (one CUDA graph replay once the shape repeats),
+  and at t0 the sender's stream fires it, as a P instance would right after its forward wrote the
+  KV. The plane gathers each message with one launch (:mod:`kvwire.transfer.planes.cuda_paged`)
+  right before sending it; the receiver
   posts every message before the data is ready and scatters each on arrival (device consumers).
   ``--sender producer`` hands the layers over at t0 instead.
 
@@ -209,9 +210,7 @@ def print_table(report: dict[str, Any], out: Any = None) -> None:
     print(
         f"framing: messages of <= {report['chunk_mib']} MiB, first/last {report['edge_mib']} MiB, "
         f"ramp {report.get('ramp')}, lanes {report.get('lanes')}, zero-copy {report.get('zero_copy')}; "
-        f"sender {report.get('sender')}, "
-        "inline launch "
-        f"{report.get('inline_launch')}, launch holds GIL {report.get('launch_holds_gil')}; "
+        f"sender {report.get('sender')}; "
         f"send graphs {report.get('send_graph_stats')}"
     )
     for row in report.get("chunk_sweep", []):

@@ -8,7 +8,7 @@ import enum
 from kvwire.errors import ConfigError
 from kvwire.kv_params import LoadFailurePolicy, TransferMode
 from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.paged import KVLayout
+from kvwire.transfer.enums import KVLayout
 
 
 class ConnectorRole(str, enum.Enum):

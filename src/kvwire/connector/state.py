@@ -7,7 +7,7 @@ import enum
 import time
 
 from kvwire.kv_params import KVTransferParams
-from kvwire.transfer.types import FailReason
+from kvwire.transfer.enums import FailReason
 
 _KNOWN_REASONS = frozenset(r.value for r in FailReason)
 

@@ -45,7 +45,7 @@ from kvwire.errors import ConfigError
 from kvwire.integrations.vllm_config import VllmPluginConfig, VllmTransferView, plugin_config_from_vllm
 from kvwire.integrations.vllm_scheduler_side import Identity, SchedulerSide, rank_endpoints
 from kvwire.integrations.vllm_worker_side import WorkerSide
-from kvwire.transfer.paged import KVLayout
+from kvwire.transfer.enums import KVLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

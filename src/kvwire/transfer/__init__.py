@@ -1,14 +1,35 @@
 """kvwire.transfer: moves a request's KV cache, layer by layer, between two processes.
 
 One :class:`TransferAgent` per process (per GPU worker): ZMQ control plane + a data plane
-(:class:`Backend` TCP for CPU tensors, NCCL for GPUs; see :mod:`kvwire.transfer.base`).
-Paged gather/scatter helpers live in :mod:`kvwire.transfer.paged`.
+(:class:`Backend` TCP for CPU tensors, NCCL for GPUs; one subpackage each under
+:mod:`kvwire.transfer.planes`). Paged gather/scatter helpers live in :mod:`kvwire.transfer.paged`.
+
+The names below are imported on first use (PEP 562), so importing a light submodule such as
+``kvwire.transfer.config`` does not import the agent, ZeroMQ or the planes.
 """
 
-from kvwire.transfer.agent import TransferAgent
-from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.stats import TransferStats
-from kvwire.transfer.types import Backend, FailReason, LayerSink, LayerSpec, TransferEvents
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvwire.transfer.agent import TransferAgent
+    from kvwire.transfer.config import TransferConfig
+    from kvwire.transfer.stats import TransferStats
+    from kvwire.transfer.types import LayerSink, LayerSpec, TransferEvents
+from kvwire.transfer.enums import Backend, FailReason
+
+_HOMES = {
+    "TransferAgent": "kvwire.transfer.agent",
+    "TransferConfig": "kvwire.transfer.config",
+    "TransferStats": "kvwire.transfer.stats",
+    "Backend": "kvwire.transfer.enums",
+    "FailReason": "kvwire.transfer.enums",
+    "LayerSink": "kvwire.transfer.types",
+    "LayerSpec": "kvwire.transfer.types",
+    "TransferEvents": "kvwire.transfer.types",
+}
 
 __all__ = [
     "Backend",
@@ -20,3 +41,10 @@ __all__ = [
     "TransferEvents",
     "TransferStats",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'kvwire.transfer' has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)

@@ -1,7 +1,7 @@
 """TransferAgent: one per process (per GPU worker); moves KV layers to/from peer agents.
 
 Threads: the control thread (:mod:`kvwire.transfer.control`: ZMQ I/O, message handling, deadlines,
-ack flushing, delayed sink deliveries) and the data plane's threads (:mod:`kvwire.transfer.base`).
+ack flushing, delayed sink deliveries) and the data plane's threads (:mod:`kvwire.transfer.planes.base`).
 Caller threads only touch in-memory state under the agent lock and queue work: no public method
 waits on the network. Completion is reported through :meth:`TransferAgent.poll`.
 
@@ -20,16 +20,17 @@ from typing import Any
 
 import torch
 
-from kvwire.transfer.base import make_plane
 from kvwire.transfer.buffers import RecvMemory
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.control import TICK_S, ControlLoop
 from kvwire.transfer.core import Core
+from kvwire.transfer.enums import FailReason
 from kvwire.transfer.messages import Abort, Ack, AnyMsg, Grant, Offer, Pull, Trailer
+from kvwire.transfer.planes.factory import make_plane
 from kvwire.transfer.receiver import Receiver
 from kvwire.transfer.sender import Sender
 from kvwire.transfer.stats import TransferStats
-from kvwire.transfer.types import ByteSpans, FailReason, LayerSink, LayerSpec, TransferEvents
+from kvwire.transfer.types import ByteSpans, LayerSink, LayerSpec, TransferEvents
 
 log = logging.getLogger("kvwire.transfer")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvwire.errors import ConfigError
-from kvwire.transfer.types import Backend
+from kvwire.transfer.enums import Backend
 
 GiB = 1 << 30
 MiB = 1 << 20

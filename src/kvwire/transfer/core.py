@@ -9,10 +9,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvwire.transfer.base import DataPlane
 from kvwire.transfer.buffers import RecvMemory
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.messages import Abort, AnyMsg
+from kvwire.transfer.planes.base import DataPlane
 from kvwire.transfer.stats import StatsRecorder
 from kvwire.transfer.types import TransferEvents
 

@@ -14,19 +14,12 @@ CUDA tensors of any dtype; on CUDA they are asynchronous on the current stream.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 
 import torch
 
+from kvwire.transfer.enums import KVLayout
 from kvwire.transfer.types import ByteSpans
-
-
-class KVLayout(str, enum.Enum):
-    KV_FIRST = "kv_first"  # [2, num_blocks, block_size, H, D]
-    BLOCK_FIRST = "block_first"  # [num_blocks, 2, block_size, H, D]
-    MLA = "mla"  # [num_blocks, block_size, dim]
-
 
 _BLOCK_DIM = {KVLayout.KV_FIRST: 1, KVLayout.BLOCK_FIRST: 0, KVLayout.MLA: 0}
 _NDIM = {KVLayout.KV_FIRST: 5, KVLayout.BLOCK_FIRST: 5, KVLayout.MLA: 3}

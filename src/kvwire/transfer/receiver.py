@@ -11,16 +11,9 @@ import torch
 from kvwire.errors import TransferError
 from kvwire.transfer.buffers import BufferKind, RecvBuffer
 from kvwire.transfer.core import Core
+from kvwire.transfer.enums import FailReason
 from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Trailer
-from kvwire.transfer.types import (
-    DTYPES_BY_NAME,
-    ByteSpans,
-    FailReason,
-    LayerSink,
-    LayerSpec,
-    PeerRef,
-    RecvItem,
-)
+from kvwire.transfer.types import DTYPES_BY_NAME, ByteSpans, LayerSink, LayerSpec, PeerRef, RecvItem
 
 SIDE = "recv"
 SpansFn = Callable[[int], ByteSpans]  # layer index -> where its bytes go

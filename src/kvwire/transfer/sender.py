@@ -11,8 +11,9 @@ import torch
 
 from kvwire.errors import TransferError
 from kvwire.transfer.core import Core
+from kvwire.transfer.enums import FailReason
 from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Trailer, WireLayer
-from kvwire.transfer.types import DTYPE_NAMES, ByteSpans, FailReason, LayerSpec, PeerRef, SendItem
+from kvwire.transfer.types import DTYPE_NAMES, ByteSpans, LayerSpec, PeerRef, SendItem
 
 SIDE = "send"
 MAX_PENDING_PULLS = 10_000

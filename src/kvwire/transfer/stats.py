@@ -6,7 +6,7 @@ import dataclasses
 import threading
 from collections import Counter
 
-from kvwire.transfer.types import FailReason
+from kvwire.transfer.enums import FailReason
 
 _KNOWN_REASONS = frozenset(r.value for r in FailReason)
 

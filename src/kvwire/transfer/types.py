@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 import typing
 from collections.abc import Callable, Hashable, Sequence
@@ -12,29 +11,6 @@ from typing import Any, Protocol
 import torch
 
 from kvwire.errors import ConfigError
-
-
-class Backend(str, enum.Enum):
-    """Which data plane moves the bytes. The control plane is always ZMQ."""
-
-    TCP = "tcp"  # raw loopback/LAN sockets, CPU tensors (kvwire.transfer.tcp)
-    NCCL = "nccl"  # NCCL point to point between GPUs (kvwire.transfer.nccl)
-
-
-class FailReason(str, enum.Enum):
-    """Why a transfer failed (the prefix of the reason string in ``TransferEvents.failed``;
-    also the label of the ``failed`` counter in :class:`TransferStats`)."""
-
-    ABORTED = "aborted"  # local abort(...)
-    PEER_ABORTED = "peer_aborted"  # the other side aborted (or closed)
-    DEADLINE = "deadline"  # deadline passed before every layer was acknowledged
-    PEER_LOST = "peer_lost"  # data connection broke, or the peer restarted (new instance id)
-    BUDGET = "budget"  # can never fit in receive budget + spill pool
-    MISMATCH = "mismatch"  # expect(num_layers) disagrees with the sender's offer, bad sizes...
-    UNKNOWN = "unknown_transfer"  # pull for a transfer the sender does not hold
-    CLOSED = "closed"  # the local agent closed
-    SINK = "sink"  # the caller's sink raised
-
 
 # torch dtype <-> wire name (bf16 has no numpy dtype: bytes travel as uint8 views anyway)
 DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -96,7 +72,7 @@ LayerSink = Callable[[int, torch.Tensor], None]
 # ``dest`` are filled. It enqueues work that reads ``dest`` (e.g. a scatter into paged KV blocks) and
 # that work must write nothing unless the *gate* passes: ``gate`` is a device int32 tensor
 # ``[magic, real, armed, 0]`` and the work may write only if ``magic == GATE_MAGIC``, ``real == 1`` and
-# ``armed == 1`` (:meth:`kvwire.transfer.cuda_paged.PagedLayers.scatter` takes it). ``on_received`` is
+# ``armed == 1`` (:meth:`kvwire.transfer.planes.cuda_paged.PagedLayers.scatter` takes it). ``on_received`` is
 # reported only after the enqueued work completed; once ``cancel`` of the transfer returned, nothing
 # of it writes any more (the plane disarms the gates and waits for work that already started). The
 # work of different messages may run concurrently (the NCCL plane alternates two streams): it must
@@ -110,7 +86,7 @@ GATE_MAGIC = 0x4B565752  # "KVWR"
 # before its send, with the message's items that name this producer and the plane's send stream
 # current (already ordered after those items' ``ready_event``). It enqueues the work that fills the
 # items' ``tensor`` (e.g. a one-launch gather of paged KV blocks, see
-# :meth:`kvwire.transfer.cuda_paged.PagedLayers.gather`); the send follows it on the same stream. The
+# :meth:`kvwire.transfer.planes.cuda_paged.PagedLayers.gather`); the send follows it on the same stream. The
 # caller thus hands a whole transfer over at once and the plane gathers message by message, each
 # gather just ahead of its message on the wire, with no event or thread hand-off per message. A
 # producer must only enqueue GPU work on the current stream (kernels already loaded: a first launch
@@ -122,7 +98,7 @@ DeviceProducer = Callable[[Sequence["SendItem"]], None]
 @typing.runtime_checkable
 class CapturableProducer(Protocol):
     """A :data:`DeviceProducer` whose work a plane may capture into a CUDA graph once and replay for
-    later transfers of the same shape (the NCCL plane does, see :mod:`kvwire.transfer.nccl_graphs`).
+    later transfers of the same shape (the NCCL plane does, see :mod:`kvwire.transfer.planes.nccl.graphs`).
 
     ``capture_key(items)`` names, by address and value, everything the work it would enqueue for
     ``items`` reads or writes apart from the items' tensors (the plane adds those): equal keys must
@@ -197,8 +173,9 @@ class SendItem:
     # Only for planes with ``supports_device_producers``: fills ``tensor`` just before it is sent (see
     # DeviceProducer); ``ready_event`` then marks when the producer's *inputs* are ready.
     on_device: DeviceProducer | None = None
-    # Only for planes with ``supports_device_signals``: a kvwire.transfer.device_signal.DeviceSignal
-    # the plane's send stream waits on before this item's work (hand the transfer over before its
+    # Only for planes with ``supports_device_signals``: a
+    # kvwire.transfer.planes.nccl.device_signal.DeviceSignal the plane's send stream waits on
+    # before this item's work (hand the transfer over before its
     # data exists; the producer's stream fires the signal once the KV is written). One per transfer.
     ready_signal: Any | None = None
 

@@ -225,7 +225,7 @@ def test_d_prefix_cache_hit_keeps_its_own_blocks(fabric: FakeFabric, registry) -
 
 @pytest.mark.parametrize("layout", ["block_first", "mla"])
 def test_other_paged_layouts(fabric: FakeFabric, registry, layout: str) -> None:
-    from kvwire.transfer.paged import KVLayout
+    from kvwire.transfer.enums import KVLayout
 
     kv_layout = KVLayout(layout)
     shape = (NUM_BLOCKS, 2, BLOCK, 2, 4) if kv_layout is KVLayout.BLOCK_FIRST else (NUM_BLOCKS, BLOCK, 12)

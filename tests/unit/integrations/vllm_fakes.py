@@ -14,7 +14,7 @@ from kvwire.connector.config import EngineInfo
 from kvwire.integrations.vllm_config import VllmPluginConfig, VllmTransferView, plugin_config_from_vllm
 from kvwire.integrations.vllm_scheduler_side import Identity, RankEndpoint, SchedulerSide
 from kvwire.integrations.vllm_worker_side import WorkerSide
-from kvwire.transfer.paged import KVLayout
+from kvwire.transfer.enums import KVLayout
 
 BLOCK = 4
 NUM_BLOCKS = 12

@@ -1,4 +1,4 @@
-"""The bookkeeping of captured sends (kvwire.transfer.nccl_graphs) without a GPU: when a run is
+"""The bookkeeping of captured sends (kvwire.transfer.planes.nccl.graphs) without a GPU: when a run is
 captured, what keys it, what is evicted. Capture and replay themselves are GPU tests
 (tests/gpu/test_nccl_graphs.py)."""
 
@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from kvwire.transfer.nccl_graphs import Captured, SendGraphs, producer_key
-from kvwire.transfer.nccl_messages import ChunkPlan
-from kvwire.transfer.nccl_send import _leading_run
+from kvwire.transfer.planes.nccl.graphs import Captured, SendGraphs, producer_key
+from kvwire.transfer.planes.nccl.messages import ChunkPlan
+from kvwire.transfer.planes.nccl.send import _leading_run
 from kvwire.transfer.types import CapturableProducer, SendItem
 
 
@@ -120,8 +120,8 @@ def test_leading_run_is_the_real_chunks_of_the_first_transfer() -> None:
 
 def test_device_signal_states_and_driver_entry_point() -> None:
     from kvwire.errors import TransferError
-    from kvwire.transfer import device_signal
-    from kvwire.transfer.nccl_send import _signal_of
+    from kvwire.transfer.planes.nccl import device_signal
+    from kvwire.transfer.planes.nccl.send import _signal_of
 
     assert [s.value for s in device_signal.SignalState] == [0, 1, 2]  # wait GEQ READY passes on both
     assert _signal_of([SendItem("t", 0, torch.zeros(1))]) is None
@@ -140,7 +140,7 @@ def test_device_signal_states_and_driver_entry_point() -> None:
 
 
 def _batch(transfer_id: str, event: object, consumed: bool) -> Any:
-    from kvwire.transfer.nccl_channel import _Batch
+    from kvwire.transfer.planes.nccl.channel import _Batch
 
     chunk = ChunkPlan(comm_id="c", seq=0, transfer_id=transfer_id, layers=[0], num_bytes=8)
     return _Batch(event, chunk, None, [], 0.0, recv_event=object() if consumed else None)  # type: ignore[arg-type]
@@ -149,8 +149,8 @@ def _batch(transfer_id: str, event: object, consumed: bool) -> Any:
 def test_completer_coalesces_reports_only_where_nothing_waits_on_them() -> None:
     """Reports of a graph replay's chunks (one event) and of one transfer's GPU-consumed chunks wait
     for the next; chunks with host delivery, or of another transfer, are reported at once."""
-    from kvwire.transfer.nccl_recv import RecvChannel
-    from kvwire.transfer.nccl_send import SendChannel
+    from kvwire.transfer.planes.nccl.recv import RecvChannel
+    from kvwire.transfer.planes.nccl.send import SendChannel
 
     replay, other = object(), object()
     # the hooks read nothing of the channel: called unbound (building a channel needs CUDA streams)
@@ -181,7 +181,7 @@ class _Calls:
 
 
 def _chunk_batch(seq: int, transfer_id: str, layers: list[int], real: bool = True) -> Any:
-    from kvwire.transfer.nccl_channel import _Batch
+    from kvwire.transfer.planes.nccl.channel import _Batch
 
     chunk = ChunkPlan(comm_id="c", seq=seq, transfer_id=transfer_id, layers=layers, num_bytes=8)
     items = [SendItem(transfer_id, i, torch.zeros(1)) for i in layers] if real else None
@@ -191,8 +191,8 @@ def _chunk_batch(seq: int, transfer_id: str, layers: list[int], real: bool = Tru
 def test_sender_reports_each_transfer_run_once() -> None:
     import threading
 
-    from kvwire.transfer.nccl_channel import CancelledSet
-    from kvwire.transfer.nccl_send import SendChannel
+    from kvwire.transfer.planes.nccl.channel import CancelledSet
+    from kvwire.transfer.planes.nccl.send import SendChannel
 
     channel = object.__new__(SendChannel)  # _deliver reads only these (a real one needs CUDA streams)
     channel.cancelled, channel.callbacks, channel.peer_instance = CancelledSet(), _Calls(), "p"
@@ -214,8 +214,8 @@ def test_receiver_reports_runs_and_what_landed_before_a_failure_first() -> None:
 
     import numpy as np
 
-    from kvwire.transfer.nccl_channel import STATUS_MAGIC, CancelledSet
-    from kvwire.transfer.nccl_recv import RecvChannel
+    from kvwire.transfer.planes.nccl.channel import STATUS_MAGIC, CancelledSet
+    from kvwire.transfer.planes.nccl.recv import RecvChannel
 
     channel = object.__new__(RecvChannel)
     channel.cancelled, channel.callbacks, channel.peer_instance = CancelledSet(), _Calls(), "p"
@@ -241,10 +241,10 @@ def test_copies_with_slack_are_the_later_gathers_and_the_earlier_scatters() -> N
 
     import torch
 
-    from kvwire.transfer.nccl_config import NcclPlaneConfig
-    from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer
-    from kvwire.transfer.nccl_recv import RecvChannel
-    from kvwire.transfer.nccl_send import SendChannel
+    from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
+    from kvwire.transfer.planes.nccl.messages import ChunkPlan, CommOffer
+    from kvwire.transfer.planes.nccl.recv import RecvChannel
+    from kvwire.transfer.planes.nccl.send import SendChannel
     from kvwire.transfer.types import RecvItem
 
     sender = object.__new__(SendChannel)  # add_plans reads only these (a real one needs CUDA streams)
@@ -276,9 +276,9 @@ def _bare_receiver(lanes: int, **config: int) -> object:
     import collections
     import threading
 
-    from kvwire.transfer.nccl_config import NcclPlaneConfig
-    from kvwire.transfer.nccl_messages import CommOffer
-    from kvwire.transfer.nccl_recv import RecvChannel
+    from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
+    from kvwire.transfer.planes.nccl.messages import CommOffer
+    from kvwire.transfer.planes.nccl.recv import RecvChannel
 
     receiver = object.__new__(RecvChannel)
     receiver.cond, receiver.next_seq = threading.Condition(), 0

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kvwire.errors import TransferError
-from kvwire.transfer.nccl_config import NcclPlaneConfig
-from kvwire.transfer.nccl_memory import ZeroCopyMemory, pool_size
-from kvwire.transfer.nccl_messages import CommOffer, NcclInfo, decode_info, encode_info
+from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
+from kvwire.transfer.planes.nccl.memory import ZeroCopyMemory, pool_size
+from kvwire.transfer.planes.nccl.messages import CommOffer, NcclInfo, decode_info, encode_info
 
 MiB = 1 << 20
 

@@ -5,22 +5,27 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-from typing import Any
 
 import msgspec
 import pytest
 import torch
 
 from kvwire.errors import ConfigError, ProtocolError
-from kvwire.transfer import cuda_paged
 from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.nccl import NcclPlane, NcclPlaneConfig
-from kvwire.transfer.nccl_channel import adjacent_ptr
-from kvwire.transfer.nccl_framing import message_ranges, plan_chunks
-from kvwire.transfer.nccl_lib import CommConfig, NcclComm, NcclUnavailableError, _Config, _make_config
-from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer, NcclInfo, decode_info, encode_info
+from kvwire.transfer.enums import Backend
 from kvwire.transfer.paged import KVLayout, gather_blocks
-from kvwire.transfer.types import Backend, RecvItem
+from kvwire.transfer.planes import cuda_paged
+from kvwire.transfer.planes.nccl.bindings import (
+    CommConfig,
+    NcclUnavailableError,
+    _Config,
+    _make_config,
+)
+from kvwire.transfer.planes.nccl.channel import adjacent_ptr
+from kvwire.transfer.planes.nccl.framing import message_ranges, plan_chunks
+from kvwire.transfer.planes.nccl.messages import ChunkPlan, CommOffer, NcclInfo, decode_info, encode_info
+from kvwire.transfer.planes.nccl.plane import NcclPlane, NcclPlaneConfig
+from kvwire.transfer.types import RecvItem
 
 MiB = 1 << 20
 
@@ -178,13 +183,10 @@ def test_plane_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (cfg.ramp, cfg.send_graphs, cfg.lanes) == (0, 0, 1)
     defaults = NcclPlaneConfig()
     assert (defaults.ramp, defaults.send_graphs, defaults.lanes, defaults.chunk_bytes) == (4, 8, 2, 96 * MiB)
-    assert not NcclPlaneConfig().inline_launch and NcclPlaneConfig().edge_bytes == 8 * MiB
-    assert not cfg.launch_holds_gil and not cfg.inline_launch
+    assert NcclPlaneConfig().edge_bytes == 8 * MiB
     for raw, expected in (("1", True), ("yes", True), ("off", False), ("0", False)):
-        monkeypatch.setenv("KVWIRE_NCCL_HOLD_GIL", raw)
-        monkeypatch.setenv("KVWIRE_NCCL_INLINE", raw)
-        cfg = NcclPlaneConfig.from_env()
-        assert (cfg.launch_holds_gil, cfg.inline_launch) == (expected, expected)
+        monkeypatch.setenv("KVWIRE_NCCL_ZERO_COPY", raw)
+        assert NcclPlaneConfig.from_env().zero_copy is expected
 
 
 def test_config_struct_matches_nccl_2_27_layout() -> None:
@@ -240,55 +242,6 @@ def test_gated_scatter_needs_the_one_launch_path() -> None:
     assert layers[1][:, :2].eq(1).all()
 
 
-def test_thread_stacks_name_every_thread_and_where_it_is() -> None:
-    from kvwire.transfer.nccl import thread_stacks
-
-    text = thread_stacks()
-    assert "--- thread MainThread" in text
-    assert "test_thread_stacks_name_every_thread_and_where_it_is" in text
-
-
-class _FakeCalls:
-    """Records which NCCL entry points were called through it."""
-
-    def __init__(self, name: str, log: list[str]) -> None:
-        self._name, self._log = name, log
-
-    def __getattr__(self, fn: str) -> Any:
-        def call(*_: object) -> int:
-            self._log.append(f"{self._name}.{fn}")
-            return 0
-
-        return call
-
-
-class _FakeLib:
-    def __init__(self) -> None:
-        self.log: list[str] = []
-        self.raw = _FakeCalls("raw", self.log)
-        self.fast = _FakeCalls("fast", self.log)
-
-    def check(self, code: int, what: str) -> int:
-        return code
-
-
-def test_comm_enqueues_hold_the_gil_only_once_connected() -> None:
-    lib = _FakeLib()
-    comm = NcclComm(lib, ctypes.c_void_p(1), 0, 2)  # type: ignore[arg-type]
-    with comm.group(deadline=float("inf")):
-        comm.send(16, 8, 1, 0)
-    assert lib.log == ["raw.ncclGroupStart", "raw.ncclSend", "raw.ncclGroupEnd"]  # may wait: GIL released
-    lib.log.clear()
-    comm.hold_gil = True  # the channel sets it after the first completed chunk
-    with comm.group(deadline=float("inf")):
-        comm.send(16, 8, 1, 0)
-        comm.recv(32, 8, 1, 0)
-    assert lib.log == ["fast.ncclGroupStart", "fast.ncclSend", "fast.ncclRecv", "fast.ncclGroupEnd"]
-    lib.log.clear()
-    comm.abort()  # never through the GIL-holding entry points
-    assert lib.log == ["raw.ncclCommAbort"]
-
-
 def test_copy_share_bounds_the_grid_of_this_threads_launches() -> None:
     import threading
 
@@ -325,7 +278,7 @@ def test_slack_copy_share_is_validated_and_read_from_env(monkeypatch: pytest.Mon
 def test_abort_all_aborts_the_lanes_together() -> None:
     import threading
 
-    from kvwire.transfer.nccl_lib import abort_all
+    from kvwire.transfer.planes.nccl.bindings import abort_all
 
     class Lane:
         """An abort that returns only once every lane's abort began (as ncclCommAbort frees memory,

@@ -54,7 +54,7 @@ def test_bad_shapes_are_rejected() -> None:
 
 
 def test_copy_grid_leaves_sms_to_nccl_but_at_most_a_quarter() -> None:
-    from kvwire.transfer.cuda_paged import copy_grid
+    from kvwire.transfer.planes.cuda_paged import copy_grid
 
     assert copy_grid(132) == 100  # H200: 32 SMs free for NCCL's CTAs
     assert copy_grid(132, 4, 0) == 528

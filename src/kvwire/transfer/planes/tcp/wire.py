@@ -1,4 +1,4 @@
-"""Wire format and socket helpers of the TCP data plane (see :mod:`kvwire.transfer.tcp`)."""
+"""Wire format and socket helpers of the TCP data plane (see :mod:`kvwire.transfer.planes.tcp.plane`)."""
 
 from __future__ import annotations
 

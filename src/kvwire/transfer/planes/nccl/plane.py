@@ -1,11 +1,11 @@
-"""NCCL point-to-point data plane between GPUs (see :mod:`kvwire.transfer.base` for the contract).
+"""NCCL point-to-point data plane between GPUs (see :mod:`kvwire.transfer.planes.base` for the contract).
 
 Per peer epoch (``PeerRef.instance_id``) and direction there is one channel: two-rank communicators
-(``NcclPlaneConfig.lanes`` of them, see :mod:`kvwire.transfer.nccl_channel`) created lazily by the
+(``NcclPlaneConfig.lanes`` of them, see :mod:`kvwire.transfer.planes.nccl.channel`) created lazily by the
 **receiver**, whose NCCL unique ids travel to the sender in the agent's ``plane_info`` (with the
 GRANT that follows the first ``post_recv``). The receiver also decides how
 layers are coalesced into NCCL messages and announces those *chunk plans* the same way, so matched
-send/recv sizes always agree whatever the timing on either side (:mod:`kvwire.transfer.nccl_messages`).
+send/recv sizes always agree whatever the timing on either side (:mod:`kvwire.transfer.planes.nccl.messages`).
 
 Guarantees asked of the agent (all hold for :class:`~kvwire.transfer.agent.TransferAgent`):
 
@@ -29,40 +29,29 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import sys
 import threading
 import time
-import traceback
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from kvwire.errors import ProtocolError, TransferError
-from kvwire.transfer import device_signal
-from kvwire.transfer.base import DataPlane, PlaneCallbacks
 from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.nccl_channel import CancelledSet, _Channel
-from kvwire.transfer.nccl_config import NcclPlaneConfig
-from kvwire.transfer.nccl_lib import NcclUnavailableError, load_nccl, run_together
-from kvwire.transfer.nccl_memory import ZeroCopyMemory
-from kvwire.transfer.nccl_messages import NcclInfo, decode_info, encode_info
-from kvwire.transfer.nccl_recv import RecvChannel
-from kvwire.transfer.nccl_send import SendChannel
+from kvwire.transfer.planes.base import DataPlane, PlaneCallbacks
+from kvwire.transfer.planes.nccl import device_signal
+from kvwire.transfer.planes.nccl.bindings import NcclUnavailableError, load_nccl, run_together
+from kvwire.transfer.planes.nccl.channel import CancelledSet, _Channel
+from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
+from kvwire.transfer.planes.nccl.memory import ZeroCopyMemory
+from kvwire.transfer.planes.nccl.messages import NcclInfo, decode_info, encode_info
+from kvwire.transfer.planes.nccl.recv import RecvChannel
+from kvwire.transfer.planes.nccl.send import SendChannel
 from kvwire.transfer.types import PeerRef, RecvItem, SendItem
 
-__all__ = ["NcclPlane", "NcclPlaneConfig", "thread_stacks"]
+__all__ = ["NcclPlane", "NcclPlaneConfig"]
 
-log = logging.getLogger("kvwire.transfer.nccl")
-
-
-def thread_stacks() -> str:
-    """Every Python thread's stack, for a log line when something hangs (no file descriptor needed)."""
-    names = {thread.ident: thread.name for thread in threading.enumerate()}
-    parts = []
-    for ident, frame in sys._current_frames().items():
-        parts.append(f"--- thread {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame)))
-    return "".join(parts)
+log = logging.getLogger("kvwire.transfer.planes.nccl.plane")
 
 
 def _close_all(channels: Sequence[_Channel], timeout_s: float = 20.0) -> None:
@@ -100,7 +89,6 @@ class NcclPlane(DataPlane):
         self._closed = False
         self._stop = threading.Event()
         self._janitor: threading.Thread | None = None
-        self._stacks_dumped = False
 
     def start(self, callbacks: PlaneCallbacks) -> None:
         if not torch.cuda.is_available():
@@ -245,7 +233,7 @@ class NcclPlane(DataPlane):
         return [(kind, c.peer_instance, *row) for kind, c in channels for row in list(c.trace)]
 
     def send_graph_stats(self) -> dict[str, int]:
-        """Captured sends over the open send channels (see :mod:`kvwire.transfer.nccl_graphs`): graphs
+        """Captured sends over the open send channels (see :mod:`kvwire.transfer.planes.nccl.graphs`): graphs
         held, captures, replays, and captures given up (a producer raised, or the channel closed)."""
         with self._lock:
             stores = [c.graphs for c in self._senders.values()]
@@ -336,14 +324,7 @@ class NcclPlane(DataPlane):
                 if verdict == "idle":
                     threading.Thread(target=channel.close_idle, daemon=True).start()
                 elif verdict is not None:
-                    if not self._stacks_dumped:
-                        self._stacks_dumped = True  # once per plane: where is every thread stuck?
-                        log.error(
-                            "NCCL channel with %s fails (%s); Python stacks:\n%s",
-                            channel.peer_instance,
-                            verdict,
-                            thread_stacks(),
-                        )
+                    log.error("NCCL channel with %s fails (%s)", channel.peer_instance, verdict)
                     threading.Thread(target=channel.fail, args=(verdict,), daemon=True).start()
 
     def _dead(self, channel: _Channel, reason: str | None) -> None:

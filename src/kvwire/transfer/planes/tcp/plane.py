@@ -33,9 +33,9 @@ from collections.abc import Sequence
 import torch
 
 from kvwire.errors import AuthenticationError, ProtocolError
-from kvwire.transfer.base import DataPlane, PlaneCallbacks
 from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.tcp_wire import (
+from kvwire.transfer.planes.base import DataPlane, PlaneCallbacks
+from kvwire.transfer.planes.tcp.wire import (
     CANCEL_MEMORY_S,
     CANCEL_WAIT_S,
     DISCARD_CHUNK,

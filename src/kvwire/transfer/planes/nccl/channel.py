@@ -35,14 +35,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kvwire.errors import TransferError
-from kvwire.transfer.base import PlaneCallbacks
-from kvwire.transfer.nccl_config import NcclPlaneConfig
-from kvwire.transfer.nccl_lib import NcclComm, abort_all
-from kvwire.transfer.nccl_memory import NcclBuffer, ZeroCopyMemory
-from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer
+from kvwire.transfer.planes.base import PlaneCallbacks
+from kvwire.transfer.planes.nccl.bindings import NcclComm, abort_all
+from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
+from kvwire.transfer.planes.nccl.memory import NcclBuffer, ZeroCopyMemory
+from kvwire.transfer.planes.nccl.messages import ChunkPlan, CommOffer
 from kvwire.transfer.types import GATE_MAGIC, RecvItem, SendItem
 
-log = logging.getLogger("kvwire.transfer.nccl")
+log = logging.getLogger("kvwire.transfer.planes.nccl.plane")
 
 MiB = 1 << 20
 STATUS_MAGIC = GATE_MAGIC  # every chunk is followed by an 8-byte status message [magic, real]
@@ -419,16 +419,13 @@ class _Channel:
 
     def launch_inline(self) -> None:
         """Launch on the calling (agent) thread what is launchable: saves a thread hand-off (and a GIL
-        switch). Only once the communicator carried a first chunk (connection setup, which may wait
-        for the peer, stays on the issuer thread); everything with ``inline_launch``, otherwise only
-        replays of captured graphs (``send_graphs``: one non-blocking launch, see nccl_graphs)."""
-        if not self.warmed:
-            return
-        hits_only = not self.config.inline_launch
-        if hits_only and not self._replays(self.config):
+        switch). Only replays of captured graphs (``send_graphs``: one non-blocking launch, see
+        ``graphs``), and only once the communicator carried a first chunk (connection setup, which may
+        wait for the peer, stays on the issuer thread)."""
+        if not self.warmed or not self._replays(self.config):
             return
         with torch.cuda.device(self.device):
-            self.launch_pending(hits_only=hits_only)
+            self.launch_pending(hits_only=True)
 
     def launch_pending(self, hits_only: bool = False, wait: bool = False) -> bool:
         """Take and launch every launchable chunk; one launcher at a time (a caller that finds another
@@ -506,9 +503,6 @@ class _Channel:
                 if not self.warmed:
                     self._warm_lanes.add(batch.chunk.lane)
                     self.warmed = len(self._warm_lanes) >= len(self.comms)
-                    if self.warmed and self.config.launch_holds_gil:
-                        for comm in self.comms:  # connected: enqueues no longer wait for the peer
-                            comm.hold_gil = True
                 self.trace.append(
                     (
                         batch.chunk.seq,

@@ -6,8 +6,8 @@ import dataclasses
 import os
 
 from kvwire.errors import ConfigError
-from kvwire.transfer.nccl_lib import CommConfig
-from kvwire.transfer.nccl_messages import MAX_LANES
+from kvwire.transfer.planes.nccl.bindings import CommConfig
+from kvwire.transfer.planes.nccl.messages import MAX_LANES
 
 MiB = 1 << 20
 
@@ -46,21 +46,6 @@ class NcclPlaneConfig:
     # Chunks posted to NCCL and not completed, per channel. Bounded so NCCL's host->GPU work FIFO (held by
     # queued kernels until they finish) never fills: a full FIFO makes ncclGroupEnd block.
     max_inflight_chunks: int = 32
-    # Sender: launch on the calling (agent/engine) thread once the communicator carried a chunk,
-    # instead of handing off to the issuer thread (saves a thread switch and a GIL hand-off per chunk;
-    # the issuer still makes the first, connecting launch). Off by default: measured on 2 x H200 it
-    # did not move (c) much (0.17/0.32/0.32 of the ceiling vs 0.15/0.29/0.42 off), and the peer-killed
-    # GPU test did not detect the dead peer with it on (not yet understood). Receivers always post on
-    # their issuer thread (see nccl_recv.RecvChannel.add_items).
-    inline_launch: bool = False
-    # Once a channel's connection is up, enqueue NCCL calls without releasing the GIL (ctypes.PyDLL).
-    # A released GIL is re-taken only when the thread holding it lets go: next to a busy Python thread
-    # that is up to the interpreter's 5 ms switch interval per call (benchmarks/launch_probe.py: one
-    # message launch 25.7 ms with releases, 10.4 ms holding it; 29 us in an idle process). Off by
-    # default: it did not move the transfer benchmark (no busy thread there), and an enqueue that did
-    # block (it should not once connected: max_inflight_chunks keeps NCCL's work FIFO from filling)
-    # would then freeze every Python thread of the process, the janitor that aborts included.
-    launch_holds_gil: bool = False
     # Zero-copy messages (NCCL user buffer registration, decision 066): a receiver offering it makes
     # both ends of its communicator pass only registered memory (ncclMemAlloc: the plane's
     # allocate_zero_copy slabs, else a pooled staging buffer), and NCCL's sender then writes straight
@@ -103,9 +88,7 @@ class NcclPlaneConfig:
 
         chunk_mib = opt_int("KVWIRE_NCCL_CHUNK_MIB")
         stall = os.environ.get("KVWIRE_NCCL_STALL_S")
-        inline = os.environ.get("KVWIRE_NCCL_INLINE")
         edge_mib = opt_int("KVWIRE_NCCL_EDGE_MIB")
-        hold = os.environ.get("KVWIRE_NCCL_HOLD_GIL")
         ramp = opt_int("KVWIRE_NCCL_RAMP")
         graphs = opt_int("KVWIRE_NCCL_GRAPHS")
         zero_copy = os.environ.get("KVWIRE_NCCL_ZERO_COPY")
@@ -122,8 +105,6 @@ class NcclPlaneConfig:
             ramp=ramp if ramp is not None else defaults.ramp,
             send_graphs=graphs if graphs is not None else defaults.send_graphs,
             stall_timeout_s=float(stall) if stall else defaults.stall_timeout_s,
-            inline_launch=_flag(inline) if inline else defaults.inline_launch,
-            launch_holds_gil=_flag(hold) if hold else defaults.launch_holds_gil,
             zero_copy=_flag(zero_copy) if zero_copy else defaults.zero_copy,
             slack_copy_share=float(share) if share else defaults.slack_copy_share,
             lanes=lanes if lanes is not None else defaults.lanes,

@@ -145,7 +145,7 @@ class NcclLibrary:
         self._proto("ncclGroupStart", [])
         self._proto("ncclGroupEnd", [])
         # User buffer registration (NCCL >= 2.19): zero-copy point-to-point between GPUs of one host
-        # when both ends pass registered buffers (see kvwire.transfer.nccl_memory).
+        # when both ends pass registered buffers (see kvwire.transfer.planes.nccl.memory).
         self.has_registration = all(
             hasattr(self._lib, name)
             for name in ("ncclCommRegister", "ncclCommDeregister", "ncclMemAlloc", "ncclMemFree")
@@ -157,22 +157,6 @@ class NcclLibrary:
             self._proto("ncclMemFree", [c_void_p])
         self._lib.ncclGetErrorString.restype = ctypes.c_char_p
         self._lib.ncclGetErrorString.argtypes = [c_int]
-        # The same functions called *without* releasing the GIL (ctypes.PyDLL): for the enqueue calls
-        # of a connected communicator, which return in microseconds. Releasing and re-taking the GIL
-        # around each of them lets any other busy Python thread of the process in between, and getting
-        # the GIL back then costs up to the interpreter's switch interval (5 ms): one message launch
-        # took 20-26 ms next to a busy Python thread (benchmarks/launch_probe.py). Never for calls that
-        # may wait for the peer; opt-in (NcclPlaneConfig.launch_holds_gil).
-        self._fast = ctypes.PyDLL(path)
-        for name, argtypes in (
-            ("ncclSend", [c_void_p, c_size_t, c_int, c_int, c_void_p, c_void_p]),
-            ("ncclRecv", [c_void_p, c_size_t, c_int, c_int, c_void_p, c_void_p]),
-            ("ncclGroupStart", []),
-            ("ncclGroupEnd", []),
-        ):
-            fn = getattr(self._fast, name)
-            fn.restype = ctypes.c_int
-            fn.argtypes = argtypes
 
     def _proto(self, name: str, argtypes: list[type]) -> None:
         fn = getattr(self._lib, name)
@@ -204,11 +188,6 @@ class NcclLibrary:
     @property
     def raw(self) -> ctypes.CDLL:
         return self._lib
-
-    @property
-    def fast(self) -> ctypes.PyDLL:
-        """The enqueue functions, called with the GIL held (see ``__init__``)."""
-        return self._fast
 
 
 @functools.lru_cache(maxsize=1)
@@ -246,13 +225,9 @@ class NcclComm:
         self.lock = threading.RLock()
         self._closed = False
         self._abort_requested = threading.Event()
-        # Set by the owner once the connection to the peer is up (a first operation completed): from
-        # then on group/send/recv enqueue without releasing the GIL (see NcclLibrary.fast). Before,
-        # an enqueue may wait for the peer to connect, and must let the rest of the process run.
-        self.hold_gil = False
 
     def _calls(self) -> ctypes.CDLL:
-        return self._lib.fast if self.hold_gil else self._lib.raw
+        return self._lib.raw
 
     @classmethod
     def begin(cls, unique_id: bytes, rank: int, nranks: int, config: CommConfig) -> NcclComm:

@@ -14,8 +14,8 @@ only from the plane's zero-copy memory, else staged in a pooled registered buffe
 
 Once the channel is connected, a run of one transfer's chunks that can be captured (every chunk's
 layers back to back, every producer a :class:`~kvwire.transfer.types.CapturableProducer`) is
-launched as one CUDA graph replay when the same run was seen before (:mod:`kvwire.transfer.nccl_graphs`):
-the same GPU work, without ~100-300 us of Python per message.
+launched as one CUDA graph replay when the same run was seen before
+(:mod:`kvwire.transfer.planes.nccl.graphs`): the same GPU work, without ~100-300 us of Python per message.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from collections.abc import Callable, Container, Hashable, Sequence
 import torch
 
 from kvwire.errors import PeerLostError
-from kvwire.transfer.cuda_paged import copy_share
-from kvwire.transfer.device_signal import DeviceSignal, wait_ready
-from kvwire.transfer.nccl_channel import STATUS_MAGIC, _Batch, _Channel, _Work, adjacent_ptr, log
-from kvwire.transfer.nccl_config import NcclPlaneConfig
-from kvwire.transfer.nccl_graphs import CaptureAborted, SendGraphs, producer_key
-from kvwire.transfer.nccl_lib import NcclComm
-from kvwire.transfer.nccl_memory import NcclBuffer
-from kvwire.transfer.nccl_messages import ChunkPlan, CommOffer
+from kvwire.transfer.planes.cuda_paged import copy_share
+from kvwire.transfer.planes.nccl.bindings import NcclComm
+from kvwire.transfer.planes.nccl.channel import STATUS_MAGIC, _Batch, _Channel, _Work, adjacent_ptr, log
+from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
+from kvwire.transfer.planes.nccl.device_signal import DeviceSignal, wait_ready
+from kvwire.transfer.planes.nccl.graphs import CaptureAborted, SendGraphs, producer_key
+from kvwire.transfer.planes.nccl.memory import NcclBuffer
+from kvwire.transfer.planes.nccl.messages import ChunkPlan, CommOffer
 from kvwire.transfer.types import DeviceProducer, RecvItem, SendItem
 
 _MAX_SIGNALS = 4096  # transfers' device signals remembered per channel (oldest forgotten first)

@@ -64,21 +64,20 @@ Memory: receive-budget buffers come from :meth:`allocate` (a GPU plane allocates
 stream); spill buffers are host memory (pinned on CUDA) allocated by the agent. A GPU plane given a
 host ``dest`` stages through device memory. ``dest`` is a flat ``uint8`` tensor of ``num_bytes``.
 
-Implementations: :class:`kvwire.transfer.tcp.TcpPlane`, ``kvwire.transfer.nccl.NcclPlane``; both are
-constructed as ``Plane(config: TransferConfig, instance_id: str)`` by :func:`make_plane`.
+Implementations: one subpackage per plane under :mod:`kvwire.transfer.planes` (``tcp``, ``nccl``),
+built by :func:`kvwire.transfer.planes.factory.make_plane`, which imports them lazily (this module
+imports none of them: no import circle).
 """
 
 from __future__ import annotations
 
 import abc
-import importlib
 from collections.abc import Sequence
 from typing import ClassVar, Protocol
 
 import torch
 
-from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.types import Backend, PeerRef, RecvItem, SendItem
+from kvwire.transfer.types import PeerRef, RecvItem, SendItem
 
 
 class PlaneCallbacks(Protocol):
@@ -162,14 +161,3 @@ class DataPlane(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Stop every plane thread and close every socket/communicator. Idempotent, bounded time."""
-
-
-def make_plane(config: TransferConfig, instance_id: str) -> DataPlane:
-    """Build the data plane named by ``config.backend`` (the NCCL module is imported lazily)."""
-    if config.backend is Backend.TCP:
-        from kvwire.transfer.tcp import TcpPlane
-
-        return TcpPlane(config, instance_id)
-    module = importlib.import_module("kvwire.transfer.nccl")
-    plane: DataPlane = module.NcclPlane(config, instance_id)
-    return plane

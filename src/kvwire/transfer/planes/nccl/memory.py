@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kvwire.errors import TransferError
-from kvwire.transfer.nccl_lib import NcclUnavailableError, load_nccl, run_together
+from kvwire.transfer.planes.nccl.bindings import NcclUnavailableError, load_nccl, run_together
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +149,9 @@ class ZeroCopyMemory:
         return buffer if address + num_bytes <= buffer.ptr + buffer.num_bytes else None
 
     def register(self, comm: Any, buffer: NcclBuffer) -> None:
-        """Register ``buffer`` with ``comm`` (an :class:`~kvwire.transfer.nccl_lib.NcclComm`) unless it
-        is already. Called by the thread that drives ``comm``."""
+        """Register ``buffer`` with ``comm`` (a
+        :class:`~kvwire.transfer.planes.nccl.bindings.NcclComm`) unless it is already. Called by the
+        thread that drives ``comm``."""
         with self._lock:
             known = self._registered.setdefault(buffer.ptr, {})
             if id(comm) in known and known[id(comm)][0] is comm:

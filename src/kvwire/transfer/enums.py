@@ -1,0 +1,34 @@
+"""The transfer package's torch-free vocabulary: which plane, why a transfer failed, how a KV cache
+is laid out. Importable by configs, the CLI and the vLLM plugin's config without torch."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Backend(str, enum.Enum):
+    """Which data plane moves the bytes. The control plane is always ZMQ."""
+
+    TCP = "tcp"  # raw loopback/LAN sockets, CPU tensors (kvwire.transfer.planes.tcp.plane)
+    NCCL = "nccl"  # NCCL point to point between GPUs (kvwire.transfer.planes.nccl.plane)
+
+
+class FailReason(str, enum.Enum):
+    """Why a transfer failed (the prefix of the reason string in ``TransferEvents.failed``;
+    also the label of the ``failed`` counter in :class:`TransferStats`)."""
+
+    ABORTED = "aborted"  # local abort(...)
+    PEER_ABORTED = "peer_aborted"  # the other side aborted (or closed)
+    DEADLINE = "deadline"  # deadline passed before every layer was acknowledged
+    PEER_LOST = "peer_lost"  # data connection broke, or the peer restarted (new instance id)
+    BUDGET = "budget"  # can never fit in receive budget + spill pool
+    MISMATCH = "mismatch"  # expect(num_layers) disagrees with the sender's offer, bad sizes...
+    UNKNOWN = "unknown_transfer"  # pull for a transfer the sender does not hold
+    CLOSED = "closed"  # the local agent closed
+    SINK = "sink"  # the caller's sink raised
+
+
+class KVLayout(str, enum.Enum):
+    KV_FIRST = "kv_first"  # [2, num_blocks, block_size, H, D]
+    BLOCK_FIRST = "block_first"  # [num_blocks, 2, block_size, H, D]
+    MLA = "mla"  # [num_blocks, block_size, dim]

@@ -1,0 +1,90 @@
+"""The package's module-level import graph has no circle (lazy imports inside functions excluded).
+
+Importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` first, so each import also depends on
+the packages above the imported module."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _top_level_imports(tree: ast.Module) -> list[str]:
+    """Names imported at module level (not inside functions or ``if TYPE_CHECKING:``)."""
+    found: list[str] = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append(node.module)
+            found += [f"{node.module}.{alias.name}" for alias in node.names]
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in SRC.rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for target in _top_level_imports(ast.parse(path.read_text())):
+            parts = target.split(".")
+            for i in range(1, len(parts) + 1):  # the module and every package above it
+                dep = ".".join(parts[:i])
+                if dep in modules and dep != name and not name.startswith(dep + "."):
+                    graph[name].add(dep)
+    return graph
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                return [*stack[stack.index(dep) :], dep]
+            if dep not in state and (cycle := visit(dep)) is not None:
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)) is not None:
+            return cycle
+    return None
+
+
+def test_no_import_circle() -> None:
+    graph = _graph()
+    assert "kvwire.transfer.planes.factory" in graph  # the walk sees the package
+    cycle = _find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_finds_one() -> None:
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_vllm_config_imports_without_torch_or_zmq() -> None:
+    """The plugin's config mapping is pure: vLLM's scheduler process may import it before torch."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kvwire.integrations.vllm_config, kvwire.transfer.config\n"
+        "heavy = [m for m in ('torch', 'zmq') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
