@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from transfer_helpers import DTYPES, digest, make_layer
 
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
+from kvwire.transfer.enums import KVLayout
 
 
 class Peer:
@@ -50,6 +51,21 @@ class Peer:
         self.op_send_more(tid, seed, specs, order)
         if kw.get("trailer") is not None:
             self.agent.send_trailer(tid, kw["trailer"].encode())
+        return {}
+
+    def op_send_blocks(
+        self, tid: str, peer: str, seed: int, shape: list[int], num_layers: int, block_ids: list[int],
+        layers: list[int],
+    ) -> Any:
+        """Register ``num_layers`` random caches of ``shape`` (KV_FIRST, seeded), announce a transfer
+        of ``block_ids`` and hand over only ``layers`` of it (the serving path)."""
+        gen = torch.Generator().manual_seed(seed)
+        caches = [torch.randn(shape, generator=gen) for _ in range(num_layers)]
+        self.agent.register_kv_caches(caches, KVLayout.KV_FIRST)
+        self.agent.start_send(tid, peer, self.agent.block_layers(len(block_ids)))
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        for index in layers:
+            self.agent.send_blocks(tid, index, ids)
         return {}
 
     def op_send_more(self, tid: str, seed: int, specs: list[Any], order: list[int]) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvwire.connector.base import ConnectorMetadata
+from kvwire.connector.messages import FirstTokenTrailer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +46,7 @@ class TrailerSpec:
 
     request_id: str
     transfer_id: str
-    payload: bytes
+    first_token: FirstTokenTrailer
 
 
 @dataclasses.dataclass(frozen=True)

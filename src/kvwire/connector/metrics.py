@@ -2,16 +2,23 @@
 
 ``side`` is ``send`` (P) or ``recv`` (D). Handover phases: ``p_prefill`` (P: request first seen by
 the scheduler -> prompt computed and first token sampled), ``transfer`` (P: end of prefill -> every
-layer and the trailer acknowledged by D), ``d_wait`` (D: blocks allocated -> all remote KV in).
+layer and the trailer acknowledged by D), ``d_wait`` (D: blocks allocated -> all remote KV in),
+``exposed`` (D: P's last layer handed over -> D can decode, from P's wall clock in the trailer).
+Per completed transfer and side: ``kvwire_pd_transfer_{seconds,size_bytes,gbps}``.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
+from kvwire.transfer.types import TransferTiming
+
 _HANDOVER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_SIZE_BUCKETS = tuple(float(1 << s) for s in range(16, 36, 2))  # 64 KiB .. 16 GiB
+_GBPS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 25.0, 50.0, 100.0, 200.0, 300.0, 400.0, 1000.0)
 
 
 class ConnectorMetrics:
@@ -39,6 +46,21 @@ class ConnectorMetrics:
             "kvwire_pd_handover_seconds", "P/D handover time by phase (p_prefill, transfer, d_wait)",
             ["phase"], buckets=_HANDOVER_BUCKETS_S, registry=registry,
         )
+        # One observation per completed transfer and side (TransferTiming: sender from its first
+        # layer handed to the plane to the last ack; receiver from the first layer landing to the last).
+        self.transfer_seconds = Histogram(
+            "kvwire_pd_transfer_seconds", "KV transfer data time per completed transfer",
+            ["side"], buckets=_HANDOVER_BUCKETS_S, registry=registry,
+        )
+        self.transfer_size_bytes = Histogram(
+            "kvwire_pd_transfer_size_bytes", "KV payload bytes per completed transfer",
+            ["side"], buckets=_SIZE_BUCKETS, registry=registry,
+        )
+        self.transfer_gbps = Histogram(
+            "kvwire_pd_transfer_gbps", "KV transfer throughput per completed transfer (GB/s, 1e9 bytes)",
+            ["side"], buckets=_GBPS_BUCKETS, registry=registry,
+        )
+        self.recent = RecentTransfers()
         self.blocks_awaiting_send = Gauge(
             "kvwire_pd_blocks_awaiting_send", "P's blocks of finished requests held until the send completes",
             registry=registry,
@@ -47,6 +69,35 @@ class ConnectorMetrics:
             "kvwire_pd_load_failures", "D: remote KV loads that failed, by policy applied (recompute|fail)",
             ["policy"], registry=registry,
         )
+
+
+    def observe_transfer(self, side: str, timing: TransferTiming) -> None:
+        """A completed transfer's data timing (one call per transfer and side)."""
+        self.transfer_seconds.labels(side=side).observe(timing.seconds)
+        self.transfer_size_bytes.labels(side=side).observe(timing.num_bytes)
+        self.transfer_gbps.labels(side=side).observe(timing.gbps)
+        self.recent.add(side, timing)
+
+
+class RecentTransfers:
+    """The last ``capacity`` completed transfers per side (bytes, seconds): exact percentiles for
+    ``kvwire bench serve`` (served at ``/kvwire/transfers``), which histogram buckets cannot give."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._lock = threading.Lock()
+        self._rows: dict[str, collections.deque[tuple[int, float]]] = {
+            side: collections.deque(maxlen=capacity) for side in ("send", "recv")
+        }
+
+    def add(self, side: str, timing: TransferTiming) -> None:
+        with self._lock:
+            self._rows.setdefault(side, collections.deque(maxlen=4096)).append(
+                (timing.num_bytes, timing.seconds)
+            )
+
+    def snapshot(self) -> dict[str, list[tuple[int, float]]]:
+        with self._lock:
+            return {side: list(rows) for side, rows in self._rows.items()}
 
 
 _lock = threading.Lock()

@@ -29,7 +29,7 @@ from kvwire.connector.base import (
     StepInfo,
 )
 from kvwire.connector.config import ConnectorConfig, ConnectorRole, EngineInfo
-from kvwire.connector.messages import FirstTokenTrailer, encode_trailer
+from kvwire.connector.messages import FirstTokenTrailer
 from kvwire.connector.metadata import AbortSpec, KvwireConnectorMetadata, RecvSpec, SendSpec, TrailerSpec
 from kvwire.connector.metrics import ConnectorMetrics, connector_metrics
 from kvwire.connector.state import Phase, RequestState
@@ -318,8 +318,7 @@ class KvwireSchedulerConnector(SchedulerConnector):
         if state.params.mode is TransferMode.PUSH:
             if self.config.use_first_token:
                 trailer = FirstTokenTrailer(token_id=token, num_prompt_tokens=state.num_prompt_tokens)
-                payload = encode_trailer(trailer)
-                self._trailers.append(TrailerSpec(state.request_id, state.params.transfer_id, payload))
+                self._trailers.append(TrailerSpec(state.request_id, state.params.transfer_id, trailer))
             return True, None
         if token is None:  # ended before sampling: nobody can use the leased KV
             self._abort(state, "request ended before its first token", report_free=True)

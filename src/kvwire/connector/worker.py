@@ -1,33 +1,37 @@
 """Worker half of the kvwire P/D connector: drives one transfer agent for one worker rank.
 
-Called on the model-runner thread, except the receive sinks, which run on the agent's transfer
-threads: each receive has a lock and a ``cancelled`` flag, so once a receive is cancelled (abort,
-failure) no scatter into its blocks is running or can start, and the engine may reuse them.
+Called on the model-runner thread. The connector registers the engine's KV caches with the agent
+once and then hands it block ids, never gathered copies (the serving path is the agent's fastest
+per plane: byte spans of the blocks on TCP, device gathers/scatters on NCCL; see
+:mod:`kvwire.transfer.paged_kv`). Safety of in-place transfers: P's blocks stay allocated until the
+agent reports the send finished or failed; D's blocks are reused only after the agent reported the
+receive, or after ``abort`` returned — from then on nothing of that transfer writes into them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import msgspec
 import torch
 
 from kvwire.connector.base import ConnectorMetadata, ConnectorOutput, WorkerConnector
 from kvwire.connector.config import ConnectorConfig, EngineInfo, LoadFailurePolicy
-from kvwire.connector.messages import decode_trailer
+from kvwire.connector.messages import FirstTokenTrailer, decode_trailer, encode_trailer
 from kvwire.connector.metadata import AbortSpec, KvwireConnectorMetadata, RecvSpec, SendSpec, TrailerSpec
 from kvwire.connector.metrics import ConnectorMetrics, connector_metrics
 from kvwire.connector.state import reason_label
 from kvwire.errors import KvwireError
-from kvwire.transfer.paged import KVLayout, block_ids_tensor, gather_blocks, gathered_shape, scatter_blocks
-from kvwire.transfer.types import LayerSink, LayerSpec, TransferEvents
+from kvwire.transfer.enums import KVLayout
+from kvwire.transfer.paged import block_ids_tensor, gather_blocks, gathered_shape, scatter_blocks
+from kvwire.transfer.paged_kv import BlockTarget
+from kvwire.transfer.types import LayerSpec, TransferEvents, TransferTiming
 
 logger = logging.getLogger(__name__)
-
-_BLOCK_DIM = {KVLayout.KV_FIRST: 1, KVLayout.BLOCK_FIRST: 0, KVLayout.MLA: 0}
 
 
 class AgentLike(Protocol):
@@ -44,15 +48,17 @@ class AgentLike(Protocol):
         deadline_s: float | None = None, with_trailer: bool = False,
     ) -> None: ...
 
-    def send_layer(
-        self, transfer_id: str, layer_index: int, tensor: torch.Tensor, ready_event: Any | None = None
+    def register_kv_caches(self, kv_caches: Sequence[torch.Tensor], layout: KVLayout) -> None: ...
+
+    def send_blocks(
+        self, transfer_id: str, layer_index: int, block_ids: torch.Tensor, ready_event: Any | None = None
     ) -> None: ...
 
     def send_trailer(self, transfer_id: str, payload: bytes) -> None: ...
 
     def expect(
-        self, transfer_id: str, *, num_layers: int, sink: LayerSink | None = None,
-        deadline_s: float | None = None, pull_from: str | None = None,
+        self, transfer_id: str, *, num_layers: int, deadline_s: float | None = None,
+        pull_from: str | None = None, into_blocks: BlockTarget | None = None,
     ) -> None: ...
 
     def take_trailer(self, transfer_id: str) -> bytes | None: ...
@@ -67,18 +73,16 @@ class AgentLike(Protocol):
 @dataclasses.dataclass
 class _Send:
     spec: SendSpec
-    ids: torch.Tensor
+    ids: torch.Tensor  # on the caches' device
+    layer_bytes: list[int]  # payload bytes per layer
     num_layers_sent: int = 0
     failed: bool = False
+    kv_ready_unix_s: float | None = None  # wall clock when the last layer was handed over
 
 
 @dataclasses.dataclass
 class _Recv:
     spec: RecvSpec
-    ids: torch.Tensor  # host memory (see _expect)
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    cancelled: bool = False
-    error: str | None = None  # a layer could not be scattered (shape/dtype mismatch)
 
 
 @dataclasses.dataclass
@@ -123,6 +127,8 @@ class KvwireWorkerConnector(WorkerConnector):
     def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
         self._kv_caches = list(kv_caches)
         self._preload_kernels()
+        if self._kv_caches:
+            self.agent.register_kv_caches(self._kv_caches, self._layout)
 
     def _preload_kernels(self) -> None:
         """Gather block 0 of one layer per dtype and scatter it back onto itself (same bytes, same
@@ -167,22 +173,26 @@ class KvwireWorkerConnector(WorkerConnector):
         del layer_index
 
     def save_kv_layer(self, layer_index: int, kv_layer: torch.Tensor) -> None:
+        """The forward wrote layer ``layer_index``'s KV (``kv_layer`` is that registered cache):
+        hand its blocks of every finishing prefill to the agent, ordered after the write on a GPU."""
+        del kv_layer  # the agent reads the registered cache itself
+        event = None
         for send in self._saving:
             if send.failed:
                 continue
-            data = gather_blocks(kv_layer, send.ids, self._layout)  # [.., num_blocks, ..] contiguous
-            event = None
-            if data.is_cuda:
+            if event is None and send.ids.is_cuda:
                 event = torch.cuda.Event()
                 event.record()
             try:
-                self.agent.send_layer(send.spec.transfer_id, layer_index, data, event)
+                self.agent.send_blocks(send.spec.transfer_id, layer_index, send.ids, event)
             except KvwireError as exc:
-                logger.warning("transfer %s: send_layer failed: %s", send.spec.transfer_id, exc)
+                logger.warning("transfer %s: send_blocks failed: %s", send.spec.transfer_id, exc)
                 send.failed = True
                 continue
             send.num_layers_sent += 1
-            self._metrics.send_bytes.inc(data.numel() * data.element_size())
+            if send.num_layers_sent == len(self._kv_caches):
+                send.kv_ready_unix_s = time.time()
+            self._metrics.send_bytes.inc(send.layer_bytes[layer_index])
 
     def wait_for_save(self) -> None:
         self._finish_saves()
@@ -192,9 +202,9 @@ class KvwireWorkerConnector(WorkerConnector):
         out, self._pending = self._pending, _StepOutput()
         events = self.agent.poll()
         for tid in events.finished_sending:
-            self._on_sent(tid, out)
+            self._on_sent(tid, out, events.timings.get(tid))
         for tid in events.finished_recving:
-            self._on_received(tid, out)
+            self._on_received(tid, out, events.timings.get(tid))
         for tid, reason in events.failed.items():
             self._on_failed(tid, reason, out)
         return ConnectorOutput(
@@ -215,11 +225,11 @@ class KvwireWorkerConnector(WorkerConnector):
                 self._count_failure("send", "mismatch: no endpoint for this rank")
                 return
             peer = spec.peer_endpoints[self.engine_info.rank]
-        send = _Send(spec, self._ids(spec.block_ids))
         layers = [
             LayerSpec(gathered_shape(cache, len(spec.block_ids), self._layout), cache.dtype)
             for cache in self._kv_caches
         ]
+        send = _Send(spec, self._ids(spec.block_ids), [layer.num_bytes for layer in layers])
         try:
             self.agent.start_send(
                 spec.transfer_id, peer, layers, deadline_s=spec.deadline_s, with_trailer=spec.with_trailer
@@ -243,25 +253,27 @@ class KvwireWorkerConnector(WorkerConnector):
         self._saving = []
 
     def _send_trailer(self, spec: TrailerSpec) -> None:
-        if spec.transfer_id not in self._sends:
+        send = self._sends.get(spec.transfer_id)
+        if send is None:
             return  # already failed or aborted
+        trailer = msgspec.structs.replace(spec.first_token, kv_ready_unix_s=send.kv_ready_unix_s)
         try:
-            self.agent.send_trailer(spec.transfer_id, spec.payload)
+            self.agent.send_trailer(spec.transfer_id, encode_trailer(trailer))
         except KvwireError as exc:
             logger.warning("transfer %s: send_trailer failed: %s", spec.transfer_id, exc)
 
-    def _on_sent(self, tid: str, out: _StepOutput) -> None:
+    def _on_sent(self, tid: str, out: _StepOutput, timing: TransferTiming | None) -> None:
         send = self._sends.pop(tid, None)
         if send is not None:
             self._metrics.transfers_completed.labels(side="send").inc()
             out.finished_sending.add(send.spec.request_id)
+        if timing is not None:
+            self._metrics.observe_transfer("send", timing)
 
     # --- receive side -----------------------------------------------------------------------
 
     def _expect(self, spec: RecvSpec) -> None:
-        # Host-side ids: the sink copies them on its own (delivery) stream, so the copy is ordered
-        # before the scatter whatever stream the engine thread had current here.
-        recv = _Recv(spec, self._host_ids(spec.block_ids[spec.skip_blocks :]))
+        recv = _Recv(spec)
         pull_from: str | None = None
         if spec.pull_from:
             if self.engine_info.rank >= len(spec.pull_from):
@@ -269,10 +281,10 @@ class KvwireWorkerConnector(WorkerConnector):
                 return
             pull_from = spec.pull_from[self.engine_info.rank]
         self._recvs[spec.transfer_id] = recv
-        sink: LayerSink = lambda index, tensor: self._sink(recv, index, tensor)  # noqa: E731
+        target = BlockTarget(tuple(spec.block_ids[spec.skip_blocks :]), spec.skip_blocks)
         try:
             self.agent.expect(
-                spec.transfer_id, num_layers=len(self._kv_caches), sink=sink,
+                spec.transfer_id, num_layers=len(self._kv_caches), into_blocks=target,
                 deadline_s=spec.deadline_s, pull_from=pull_from,
             )
         except KvwireError as exc:
@@ -281,59 +293,33 @@ class KvwireWorkerConnector(WorkerConnector):
             return
         self._metrics.transfers_started.labels(side="recv").inc()
 
-    def _sink(self, recv: _Recv, layer_index: int, tensor: torch.Tensor) -> None:
-        """Transfer thread: scatter one arrived layer into the request's blocks."""
-        with recv.lock:
-            if recv.cancelled or recv.error is not None:
-                return
-            try:
-                cache = self._kv_caches[layer_index]
-                data = self._fit(tensor, len(recv.spec.block_ids), recv.spec.skip_blocks)
-                ids = recv.ids if cache.device.type == "cpu" else recv.ids.to(cache.device, non_blocking=True)
-                scatter_blocks(cache, ids, data, self._layout)
-            except (IndexError, ValueError) as exc:
-                recv.error = f"mismatch: layer {layer_index}: {exc}"
-                return
-        self._metrics.recv_bytes.inc(tensor.numel() * tensor.element_size())
-
-    def _fit(self, data: torch.Tensor, num_blocks: int, skip_blocks: int) -> torch.Tensor:
-        """The part of P's payload D writes: P sends the whole prompt's blocks; D may load fewer (it
-        recomputes the last prompt token) and skips the blocks it already had."""
-        dim = _BLOCK_DIM[self._layout]
-        if data.dim() <= dim:
-            return data
-        end = min(num_blocks, int(data.shape[dim]))
-        return data.narrow(dim, skip_blocks, max(end - skip_blocks, 0))
-
-    def _on_received(self, tid: str, out: _StepOutput) -> None:
+    def _on_received(self, tid: str, out: _StepOutput, timing: TransferTiming | None) -> None:
         recv = self._recvs.pop(tid, None)
         if recv is None:
             return
-        with recv.lock:
-            recv.cancelled = True
-        if recv.error is not None:
-            self._abort_agent(tid, recv.error)
-            self._recv_failed(recv, recv.error, out)
-            return
         self._metrics.transfers_completed.labels(side="recv").inc()
+        if timing is not None:
+            self._metrics.recv_bytes.inc(timing.num_bytes)
+            self._metrics.observe_transfer("recv", timing)
         out.finished_recving.add(recv.spec.request_id)
         if recv.spec.want_trailer:
-            token = self._read_trailer(tid)
-            if token is not None:
-                out.first_token_ids[recv.spec.request_id] = token
+            trailer = self._read_trailer(tid)
+            if trailer is not None and trailer.token_id is not None:
+                out.first_token_ids[recv.spec.request_id] = trailer.token_id
+                if trailer.kv_ready_unix_s is not None:  # P's last layer computed -> D can decode
+                    exposed = max(time.time() - trailer.kv_ready_unix_s, 0.0)
+                    self._metrics.handover_seconds.labels(phase="exposed").observe(exposed)
 
-    def _read_trailer(self, tid: str) -> int | None:
+    def _read_trailer(self, tid: str) -> FirstTokenTrailer | None:
         try:
             payload = self.agent.take_trailer(tid)
-            return None if payload is None else decode_trailer(payload).token_id
+            return None if payload is None else decode_trailer(payload)
         except KvwireError as exc:
             logger.warning("transfer %s: no usable first token (%s); recomputing it", tid, exc)
             return None
 
     def _recv_failed(self, recv: _Recv, reason: str, out: _StepOutput) -> None:
         """Apply the load-failure policy: recompute (report the blocks invalid) or fail the request."""
-        with recv.lock:
-            recv.cancelled = True
         self._count_failure("recv", reason)
         request_id = recv.spec.request_id
         if self.config.kv_load_failure_policy is LoadFailurePolicy.RECOMPUTE:
@@ -359,8 +345,6 @@ class KvwireWorkerConnector(WorkerConnector):
         recv = self._recvs.pop(spec.transfer_id, None)
         send = self._sends.pop(spec.transfer_id, None)
         if recv is not None:
-            with recv.lock:
-                recv.cancelled = True
             self._count_failure("recv", "aborted")
         if send is not None:
             self._saving = [s for s in self._saving if s is not send]
@@ -378,13 +362,6 @@ class KvwireWorkerConnector(WorkerConnector):
     def _count_failure(self, side: str, reason: str) -> None:
         self._metrics.transfers_failed.labels(side=side, reason=reason_label(reason)).inc()
 
-    def _host_ids(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """int64 ids in host memory (pinned when the cache is on a GPU, for asynchronous copies)."""
-        ids = torch.tensor(list(block_ids), dtype=torch.int64)
-        if self._kv_caches and self._kv_caches[0].is_cuda:
-            ids = ids.pin_memory()
-        return ids
-
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         device = self._kv_caches[0].device if self._kv_caches else torch.device(self.engine_info.device)
         return block_ids_tensor(block_ids, device)
@@ -397,9 +374,6 @@ class KvwireWorkerConnector(WorkerConnector):
         if self._closed:
             return
         self._closed = True
-        for recv in self._recvs.values():
-            with recv.lock:
-                recv.cancelled = True
         self._sends.clear()
         self._recvs.clear()
         self._saving = []

@@ -20,12 +20,15 @@ from typing import Any
 
 import torch
 
+from kvwire.errors import TransferError
 from kvwire.transfer.buffers import RecvMemory
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.control import TICK_S, ControlLoop
 from kvwire.transfer.core import Core
-from kvwire.transfer.enums import FailReason
+from kvwire.transfer.enums import FailReason, KVLayout
 from kvwire.transfer.messages import Abort, Ack, AnyMsg, Grant, Offer, Pull, Trailer
+from kvwire.transfer.paged_kv import BlockTarget, PagedKV
+from kvwire.transfer.planes.base import DataPlane
 from kvwire.transfer.planes.factory import make_plane
 from kvwire.transfer.receiver import Receiver
 from kvwire.transfer.sender import Sender
@@ -38,10 +41,15 @@ log = logging.getLogger("kvwire.transfer")
 class TransferAgent:
     """Asynchronous per-transfer KV mover. Thread-safe; a context manager; ``close()`` stops all."""
 
-    def __init__(self, config: TransferConfig) -> None:
+    def __init__(
+        self, config: TransferConfig, plane_factory: Callable[[TransferConfig, str], DataPlane] = make_plane
+    ) -> None:
+        """``plane_factory(config, instance_id)`` builds the data plane (default: the one
+        ``config.backend`` names; tests pass fakes)."""
         self.config = config
         self._instance_id = secrets.token_hex(8)
-        plane = make_plane(config, self._instance_id)
+        self._paged: PagedKV | None = None
+        plane = plane_factory(config, self._instance_id)
         memory = RecvMemory(
             config.recv_budget_bytes,
             config.spill_budget_bytes,
@@ -75,6 +83,26 @@ class TransferAgent:
     def instance_id(self) -> str:
         """Random per agent start: the epoch peers use to detect a restart."""
         return self._instance_id
+
+    def register_kv_caches(self, kv_caches: Sequence[torch.Tensor], layout: KVLayout) -> None:
+        """Register the worker's paged KV caches (one tensor per KV-bearing layer, index = layer
+        index in transfers) once, before any :meth:`send_blocks` or ``expect(into_blocks=...)``. The
+        agent then moves blocks the plane's fastest way (``kvwire.transfer.paged_kv``). The tensors
+        must stay allocated for the agent's life."""
+        paged = PagedKV(kv_caches, layout)
+        with self._core.lock:
+            self._check_open()
+            self._paged = paged
+
+    def block_layers(self, num_blocks: int) -> list[LayerSpec]:
+        """The layer specs of a transfer of ``num_blocks`` blocks of every registered layer."""
+        paged = self._registered()
+        return [paged.spec(index, num_blocks) for index in range(paged.num_layers)]
+
+    def _registered(self) -> PagedKV:
+        if self._paged is None:
+            raise TransferError("register_kv_caches first")
+        return self._paged
 
     # --- send side ---------------------------------------------------------------------------------------
 
@@ -118,6 +146,18 @@ class TransferAgent:
             self._check_open()
             self._sender.add_layer_spans(transfer_id, layer_index, spans, ready_event)
 
+    def send_blocks(
+        self, transfer_id: str, layer_index: int, block_ids: torch.Tensor, ready_event: Any | None = None
+    ) -> None:
+        """Hand over one layer as blocks ``block_ids`` (int64, in token order; on the caches' device
+        for GPU caches) of the registered caches — the serving path. ``ready_event``: a CUDA event
+        recorded after the layer's KV was written. The blocks must not change until the transfer
+        ends. No-op if the transfer already failed."""
+        paged = self._registered()
+        with self._core.lock:
+            self._check_open()
+            self._sender.add_layer_blocks(transfer_id, layer_index, paged, block_ids, ready_event)
+
     def send_trailer(self, transfer_id: str, payload: bytes) -> None:
         """Small bytes delivered to the receiver with completion (``with_trailer=True`` transfers)."""
         with self._core.lock:
@@ -135,6 +175,7 @@ class TransferAgent:
         deadline_s: float | None = None,
         pull_from: str | None = None,
         scatter_into: Callable[[int], ByteSpans] | None = None,
+        into_blocks: BlockTarget | None = None,
     ) -> None:
         """Announce an incoming transfer (before or after its data arrives). ``sink(index, tensor)``
         runs on a transfer thread per layer (tensor valid during the call only); without a sink the
@@ -144,13 +185,22 @@ class TransferAgent:
         e.g. ``paged.block_spans(kv_cache[index], block_ids, layout)``. A plane that supports spans
         (TCP) receives straight into them, no buffer and no copy; others copy on arrival. Called under
         the agent lock when a layer is granted: must be cheap and must not call the agent. The spans
-        must stay valid until the transfer ends (finished or failed)."""
-        if sink is not None and scatter_into is not None:
-            raise ValueError("expect: give a sink or scatter_into, not both")
+        must stay valid until the transfer ends (finished or failed).
+
+        ``into_blocks`` (the serving path; :meth:`register_kv_caches` first): every layer lands in
+        those blocks of its registered cache, the plane's fastest way — in place where the payload
+        fits the blocks exactly, else through a copy that skips/drops blocks (see ``paged_kv``). The
+        blocks must not be reused until the transfer ended; once a cancel/abort of it returned,
+        nothing of it writes into them any more."""
+        if sum(x is not None for x in (sink, scatter_into, into_blocks)) > 1:
+            raise ValueError("expect: give at most one of sink, scatter_into, into_blocks")
+        target = None if into_blocks is None else (self._registered(), into_blocks)
         deadline = self.config.default_deadline_s if deadline_s is None else deadline_s
         with self._core.lock:
             self._check_open()
-            deliver = self._receiver.expect(transfer_id, num_layers, sink, deadline, pull_from, scatter_into)
+            deliver = self._receiver.expect(
+                transfer_id, num_layers, sink, deadline, pull_from, scatter_into, target
+            )
         if deliver:
             control = self._core.control
             assert control is not None

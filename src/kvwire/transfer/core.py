@@ -14,7 +14,7 @@ from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.messages import Abort, AnyMsg
 from kvwire.transfer.planes.base import DataPlane
 from kvwire.transfer.stats import StatsRecorder
-from kvwire.transfer.types import TransferEvents
+from kvwire.transfer.types import TransferEvents, TransferTiming
 
 if TYPE_CHECKING:
     from kvwire.transfer.control import ControlLoop
@@ -32,14 +32,19 @@ class EventBox:
         self._sent: set[str] = set()
         self._recvd: set[str] = set()
         self._failed: dict[str, str] = {}
+        self._timings: dict[str, TransferTiming] = {}
 
-    def sent(self, transfer_id: str) -> None:
+    def sent(self, transfer_id: str, timing: TransferTiming | None = None) -> None:
         with self._lock:
             self._sent.add(transfer_id)
+            if timing is not None:
+                self._timings[transfer_id] = timing
 
-    def recvd(self, transfer_id: str) -> None:
+    def recvd(self, transfer_id: str, timing: TransferTiming | None = None) -> None:
         with self._lock:
             self._recvd.add(transfer_id)
+            if timing is not None:
+                self._timings[transfer_id] = timing
 
     def failed(self, transfer_id: str, reason: str) -> None:
         with self._lock:
@@ -47,9 +52,9 @@ class EventBox:
 
     def swap(self) -> TransferEvents:
         with self._lock:
-            sent, recvd, failed = self._sent, self._recvd, self._failed
-            self._sent, self._recvd, self._failed = set(), set(), {}
-        return TransferEvents(frozenset(sent), frozenset(recvd), failed)
+            sent, recvd, failed, timings = self._sent, self._recvd, self._failed, self._timings
+            self._sent, self._recvd, self._failed, self._timings = set(), set(), {}, {}
+        return TransferEvents(frozenset(sent), frozenset(recvd), failed, timings)
 
 
 class Tombstones:

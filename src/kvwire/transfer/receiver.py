@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 from collections.abc import Callable
 
 import torch
@@ -13,11 +14,43 @@ from kvwire.transfer.buffers import BufferKind, RecvBuffer
 from kvwire.transfer.core import Core
 from kvwire.transfer.enums import FailReason
 from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Trailer
-from kvwire.transfer.types import DTYPES_BY_NAME, ByteSpans, LayerSink, LayerSpec, PeerRef, RecvItem
+from kvwire.transfer.paged_kv import BlockTarget, PagedKV
+from kvwire.transfer.types import (
+    DTYPES_BY_NAME,
+    ByteSpans,
+    DeviceConsumer,
+    LayerSink,
+    LayerSpec,
+    PeerRef,
+    RecvItem,
+    TransferTiming,
+)
 
 SIDE = "recv"
 SpansFn = Callable[[int], ByteSpans]  # layer index -> where its bytes go
 _NO_DEST = torch.empty(0, dtype=torch.uint8)
+
+
+class WriteGuard:
+    """Makes "once the transfer failed, nothing writes into the caller's blocks" hold for the copy
+    path: a write runs under the guard's lock and only while it is open; :meth:`close` (on failure,
+    under the agent lock) waits for a running write and stops later ones."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open = True
+
+    def wrap(self, write: LayerSink) -> LayerSink:
+        def guarded(index: int, data: torch.Tensor) -> None:
+            with self._lock:
+                if self._open:
+                    write(index, data)
+
+        return guarded
+
+    def close(self) -> None:
+        with self._lock:
+            self._open = False
 
 
 @dataclasses.dataclass
@@ -29,6 +62,13 @@ class RecvState:
     sink: LayerSink | None = None
     pull_from: str | None = None
     scatter_into: SpansFn | None = None  # destination spans per layer (zero-copy receive)
+    # expect(into_blocks=...): the registered caches' blocks this transfer lands in (see paged_kv)
+    paged: PagedKV | None = None
+    target: BlockTarget | None = None
+    consumer: DeviceConsumer | None = None  # built once, for a device-consumer plane
+    consumed: set[int] = dataclasses.field(default_factory=set)  # granted with the device consumer
+    guard: WriteGuard | None = None  # the copy path's writes into the caller's blocks
+    first_arrival: float | None = None  # time.monotonic() of the first layer landing
     specs: list[LayerSpec] | None = None  # from the Offer
     with_trailer: bool = False
     peer: PeerRef | None = None  # the sender (epoch + data address), from the Offer
@@ -81,6 +121,7 @@ class Receiver:
         deadline_s: float,
         pull_from: str | None,
         scatter_into: SpansFn | None = None,
+        into_blocks: tuple[PagedKV, BlockTarget] | None = None,
     ) -> bool:
         """Returns True when buffered layers must now be delivered to the new sink."""
         if not transfer_id or num_layers <= 0:
@@ -98,6 +139,10 @@ class Receiver:
         if scatter_into is not None:
             st.scatter_into = scatter_into
             st.sink = lambda index, data: scatter_into(index).scatter(data)  # layers buffered already
+        if into_blocks is not None:
+            paged, target = st.paged, st.target = into_blocks
+            st.guard = WriteGuard()
+            st.sink = st.guard.wrap(lambda index, data: paged.write(index, target, data))  # copy path
         self.core.stats.add("recvs_started")
         if pull_from is not None and st.peer is None:
             info = self.core.plane.local_info(PeerRef(pull_from, self.core.peer_ids.get(pull_from, ""), ""))
@@ -217,7 +262,10 @@ class Receiver:
             while st.to_grant:
                 index = st.to_grant[0]
                 num_bytes = st.specs[index].num_bytes
-                if st.expected and st.scatter_into is not None and self.core.plane.supports_spans:
+                in_place = self._in_place(st, index, num_bytes)
+                if in_place == "spans" or (
+                    st.expected and st.scatter_into is not None and self.core.plane.supports_spans
+                ):
                     item = self._span_item(st, index, num_bytes)
                     if item is None:
                         break
@@ -240,16 +288,45 @@ class Receiver:
                     self.core.stats.add("spilled_layers")
                 st.to_grant.popleft()
                 st.granted[index] = buf
-                items.append(RecvItem(st.transfer_id, index, num_bytes, buf.tensor[:num_bytes]))
+                consumer = None
+                if in_place == "device" and buf.kind is not BufferKind.SPILL:
+                    consumer = self._consumer(st)
+                    st.consumed.add(index)
+                dest = buf.tensor[:num_bytes]
+                items.append(RecvItem(st.transfer_id, index, num_bytes, dest, on_device=consumer))
             if items and st.transfer_id in self.recvs:
                 self._grant(st, items)
             if st.transfer_id in self.recvs and st.to_grant:
                 return  # out of memory: later transfers wait too (FIFO, no starvation)
 
+    def _in_place(self, st: RecvState, index: int, num_bytes: int) -> str | None:
+        """How layer ``index`` of an ``into_blocks`` transfer lands without a host copy: "spans"
+        (the plane writes into the blocks), "device" (the plane's stream scatters behind the receive),
+        or None (buffered, then the sink copies)."""
+        paged, target, plane = st.paged, st.target, self.core.plane
+        if not st.expected or paged is None or target is None:
+            return None
+        if not paged.takes_exactly(target, index, num_bytes):
+            return None
+        if plane.supports_spans and paged.contiguous:
+            return "spans"
+        if plane.supports_device_consumers and paged.device_paths():
+            return "device"
+        return None
+
+    def _consumer(self, st: RecvState) -> DeviceConsumer:
+        if st.consumer is None:
+            assert st.paged is not None and st.target is not None
+            st.consumer = st.paged.consumer(st.target)
+        return st.consumer
+
     def _span_item(self, st: RecvState, index: int, num_bytes: int) -> RecvItem | None:
-        assert st.scatter_into is not None
         try:
-            spans = st.scatter_into(index)
+            if st.scatter_into is not None:
+                spans = st.scatter_into(index)
+            else:
+                assert st.paged is not None and st.target is not None
+                spans = st.paged.spans(index, st.target.block_ids)
         except Exception as exc:
             self.fail(st.transfer_id, f"{FailReason.MISMATCH.value}: scatter_into({index}): {exc!r}", True)
             return None
@@ -285,10 +362,15 @@ class Receiver:
         assert st.specs is not None
         buf = st.granted.pop(index)
         self.core.stats.add("bytes_received", st.specs[index].num_bytes)
+        if st.first_arrival is None:
+            st.first_arrival = self.core.now()
         self._ack(st, index)
-        if buf is None:  # landed in the caller's spans
+        if buf is None or index in st.consumed:  # landed in the caller's blocks (spans or consumer)
+            if buf is not None:
+                buf.release()  # the plane reports a consumed layer only after its scatter finished
             st.arrived.add(index)
             self.maybe_complete(st)
+            self.grant_pass()
             return None
         if st.sink is not None and st.expected:
             st.delivering.add(index)
@@ -332,7 +414,11 @@ class Receiver:
             self.done_specs[st.transfer_id] = st.specs
         if st.trailer is not None:
             self.done_trailers[st.transfer_id] = st.trailer
-        self.core.events.recvd(st.transfer_id)
+        timing = None
+        if st.first_arrival is not None:
+            num_bytes = sum(spec.num_bytes for spec in st.specs)
+            timing = TransferTiming(num_bytes, self.core.now() - st.first_arrival)
+        self.core.events.recvd(st.transfer_id, timing)
         self.core.stats.add("recvs_completed")
         self.core.tombstones.add(SIDE, st.transfer_id, "done")
 
@@ -361,6 +447,8 @@ class Receiver:
         if st is None:
             return False
         self.core.plane.cancel(transfer_id)
+        if st.guard is not None:
+            st.guard.close()  # a copy into the caller's blocks running now finishes first
         for granted in st.granted.values():
             if granted is not None:  # a posted receive may still land in it (NCCL: until the
                 granted.hand_over()  # cancelled chunk's dummy bytes arrive): never hand it out again

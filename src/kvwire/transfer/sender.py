@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,7 +14,8 @@ from kvwire.errors import TransferError
 from kvwire.transfer.core import Core
 from kvwire.transfer.enums import FailReason
 from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Trailer, WireLayer
-from kvwire.transfer.types import DTYPE_NAMES, ByteSpans, LayerSpec, PeerRef, SendItem
+from kvwire.transfer.paged_kv import PagedKV
+from kvwire.transfer.types import DTYPE_NAMES, ByteSpans, LayerSpec, PeerRef, SendItem, TransferTiming
 
 SIDE = "send"
 MAX_PENDING_PULLS = 10_000
@@ -34,6 +36,11 @@ class SendState:
     trailer: bytes | None = None
     trailer_sent: bool = False
     trailer_acked: bool = False
+    first_dispatch: float | None = None  # time.monotonic() when the plane got its first layer
+    # send_blocks on a device-producer plane: the slab the plane gathers into, and its producer
+    slab: torch.Tensor | None = None
+    producer: Any | None = None
+    paged: PagedKV | None = None  # the caches the slab belongs to (it goes back to their pool)
 
     def done(self) -> bool:
         return len(self.acked) == len(self.layers) and (not self.with_trailer or self.trailer_acked)
@@ -108,6 +115,48 @@ class Sender:
             ready_event = torch.cuda.Event()
             ready_event.record()
         self.add_layer(transfer_id, index, tensor, ready_event)
+
+    def add_layer_blocks(
+        self, transfer_id: str, index: int, paged: PagedKV, block_ids: torch.Tensor, ready_event: Any
+    ) -> None:
+        """One layer as blocks of the registered caches; the plane's fastest way (see paged_kv)."""
+        st = self._check_layer(transfer_id, index)
+        if st is None:
+            return
+        plane = self.core.plane
+        num_blocks = int(block_ids.numel())
+        if plane.supports_spans and paged.contiguous:
+            spans = paged.spans(index, block_ids.tolist())
+            self.add_layer_spans(transfer_id, index, spans, ready_event)
+            return
+        if plane.supports_device_producers and paged.device_paths():
+            if st.producer is None:
+                from kvwire.transfer.planes.cuda_paged import PagedLayers, SlabGather
+
+                st.slab, st.paged = paged.take_slab(num_blocks, self._allocate_slab), paged
+                group = paged.group()
+                assert isinstance(group, PagedLayers)
+                st.producer = SlabGather(group, block_ids.to(paged.device), st.slab)
+            slab = st.slab
+            assert slab is not None
+            st.items[index] = SendItem(transfer_id, index, slab[index], ready_event, on_device=st.producer)
+            self._dispatch(st)
+            return
+        if ready_event is not None:  # order the gather after the producer's writes (CUDA)
+            ready_event.wait()
+            ready_event = None
+        tensor = paged.gather(index, block_ids)
+        if tensor.is_cuda:
+            ready_event = torch.cuda.Event()
+            ready_event.record()
+        self.add_layer(transfer_id, index, tensor, ready_event)
+
+    def _allocate_slab(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A send slab from the plane's zero-copy memory where it has some (NCCL moves it in place)."""
+        num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        allocate = getattr(self.core.plane, "allocate_zero_copy", None)
+        flat = allocate(num_bytes) if allocate is not None else self.core.plane.allocate(num_bytes)
+        return flat.view(dtype).view(shape)
 
     def add_layer(self, transfer_id: str, index: int, tensor: torch.Tensor, ready_event: Any) -> None:
         st = self._check_layer(transfer_id, index)
@@ -195,7 +244,9 @@ class Sender:
         st.trailer_acked = st.trailer_acked or (msg.trailer and st.trailer_sent)
         if st.done():
             del self.sends[st.transfer_id]
-            self.core.events.sent(st.transfer_id)
+            self.core.events.sent(st.transfer_id, self._timing(st))
+            if st.slab is not None and st.paged is not None:
+                st.paged.give_slab(st.slab)  # the plane is done with it (a failed send's is dropped)
             self.core.stats.add("sends_completed")
             self.core.tombstones.add(SIDE, st.transfer_id, "done")
 
@@ -224,6 +275,11 @@ class Sender:
 
     # --- data --------------------------------------------------------------------------------------------
 
+    def _timing(self, st: SendState) -> TransferTiming | None:
+        if st.first_dispatch is None:
+            return None
+        return TransferTiming(sum(spec.num_bytes for spec in st.layers), self.core.now() - st.first_dispatch)
+
     def _dispatch(self, st: SendState) -> None:
         if st.peer is None:
             return
@@ -232,6 +288,8 @@ class Sender:
             return
         ready = sorted(i for i in st.granted if i in st.items and i not in st.dispatched)
         if ready:
+            if st.first_dispatch is None:
+                st.first_dispatch = self.core.now()
             st.dispatched.update(ready)
             self.core.plane.send(st.peer, [st.items[i] for i in ready])
 
@@ -245,6 +303,8 @@ class Sender:
                 break  # the plane needs this layer next: hold the later ones
             queue.popleft()
             if st is not None:
+                if st.first_dispatch is None:
+                    st.first_dispatch = self.core.now()
                 st.dispatched.add(index)
                 batch.append(st.items[index])
         if batch:

@@ -52,12 +52,28 @@ class LayerSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class TransferTiming:
+    """How long a completed transfer's data took on this side. Sender: from its first layer handed
+    to the data plane (granted and ready) to the last acknowledgement. Receiver: from its first layer
+    landing to the last. ``num_bytes``: the layers' payload (what crossed the wire)."""
+
+    num_bytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class TransferEvents:
     """What happened since the previous ``poll()``. Each transfer id appears exactly once, in one set."""
 
     finished_sending: frozenset[str] = frozenset()
     finished_recving: frozenset[str] = frozenset()
     failed: dict[str, str] = dataclasses.field(default_factory=dict)  # transfer id -> reason
+    # completed transfers (either set above) -> their data timing on this side
+    timings: dict[str, TransferTiming] = dataclasses.field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.finished_sending or self.finished_recving or self.failed)

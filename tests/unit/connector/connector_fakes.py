@@ -19,6 +19,8 @@ import torch
 from kvwire.connector.base import ConnectorOutput, ScheduledChunk, StepInfo
 from kvwire.connector.scheduler import KvwireSchedulerConnector
 from kvwire.connector.worker import KvwireWorkerConnector
+from kvwire.transfer.enums import KVLayout
+from kvwire.transfer.paged_kv import BlockTarget, PagedKV
 from kvwire.transfer.types import LayerSink, LayerSpec, TransferEvents
 
 _ids = itertools.count()
@@ -91,6 +93,10 @@ class FakeAgent:
         self._failed: dict[str, str] = {}
         self.aborted: list[tuple[str, str]] = []
         self.closed = False
+        self.paged: PagedKV | None = None
+
+    def register_kv_caches(self, kv_caches: Sequence[torch.Tensor], layout: KVLayout) -> None:
+        self.paged = PagedKV(kv_caches, layout)
 
     @property
     def endpoint(self) -> str:
@@ -119,6 +125,12 @@ class FakeAgent:
         assert tuple(tensor.shape) == spec.shape and tensor.dtype == spec.dtype, (tensor.shape, spec)
         send.data[layer_index] = tensor
         self._pump(transfer_id)
+
+    def send_blocks(
+        self, transfer_id: str, layer_index: int, block_ids: torch.Tensor, ready_event: Any = None
+    ) -> None:
+        assert self.paged is not None, "register_kv_caches first"
+        self.send_layer(transfer_id, layer_index, self.paged.gather(layer_index, block_ids), ready_event)
 
     def send_trailer(self, transfer_id: str, payload: bytes) -> None:
         send = self.sends.get(transfer_id)
@@ -160,7 +172,12 @@ class FakeAgent:
     def expect(
         self, transfer_id: str, *, num_layers: int, sink: LayerSink | None = None,
         deadline_s: float | None = None, pull_from: str | None = None,
+        into_blocks: BlockTarget | None = None,
     ) -> None:
+        if into_blocks is not None:
+            paged = self.paged
+            assert paged is not None and sink is None, "register_kv_caches first; one destination"
+            sink = lambda index, data: paged.write(index, into_blocks, data)  # noqa: E731
         recv = self.recvs.setdefault(transfer_id, _FakeRecv(None, None, 0.0))
         recv.num_layers, recv.sink, recv.deadline = num_layers, sink, self._deadline(deadline_s)
         if pull_from is not None:
