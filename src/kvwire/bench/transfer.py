@@ -1,11 +1,15 @@
 """``kvwire bench transfer``: KV transfer throughput against the link's ceiling, measured in one run.
 
 Llama-3-8B-shaped KV (32 layers, 8 KV heads, head dim 128, bf16, 16-token blocks) moves from a paged
-source cache to a paged destination cache: per layer, gather the request's blocks, hand them to the
-sending agent, receive, scatter into the destination blocks in the sink. The clock runs from the first
-gather to the moment both agents report completion (every layer acknowledged). Every byte of the
-destination blocks is then compared with the source. The ceiling is a raw loopback socket moving the
-same number of bytes (``sendall`` -> ``recv_into`` a preallocated buffer) in the same process.
+source cache to a paged destination cache **through the serving code path**: two P/D worker
+connectors (``KvwireWorkerConnector``, what the built-in engine and the vLLM plugin run) with real
+transfer agents. D binds a receive of the request's blocks, P binds a send and saves each layer as
+its forward would (``save_kv_layer``); the agents move the blocks the plane's fastest way (TCP: the
+blocks' byte spans, in place). The clock runs from P's bind to both connectors reporting the request
+finished (every layer acknowledged). Every byte of the destination blocks is then compared with the
+source. Baseline in the same run: ``copy`` (gather each layer, ``send_layer``, scatter in a sink: the
+agent's generic API). Ceiling: a raw loopback socket moving the same number of bytes (``sendall`` ->
+``recv_into`` a preallocated buffer) in the same process.
 
 ``--backend nccl`` runs ``kvwire.bench.transfer_nccl`` (GPU machines).
 """
@@ -27,16 +31,15 @@ import time
 import uuid
 
 import torch
+from prometheus_client import CollectorRegistry
 
+from kvwire.connector.config import ConnectorConfig, ConnectorRole, EngineInfo
+from kvwire.connector.metadata import KvwireConnectorMetadata, RecvSpec, SendSpec
+from kvwire.connector.metrics import connector_metrics
+from kvwire.connector.worker import KvwireWorkerConnector
 from kvwire.transfer import Backend, LayerSpec, TransferAgent, TransferConfig
-from kvwire.transfer.paged import (
-    KVLayout,
-    block_ids_tensor,
-    block_spans,
-    gather_blocks,
-    gathered_shape,
-    scatter_blocks,
-)
+from kvwire.transfer.enums import KVLayout
+from kvwire.transfer.paged import block_ids_tensor, gather_blocks, gathered_shape, scatter_blocks
 from kvwire.transfer.planes.tcp.wire import recv_exact, tensor_bytes, tune
 
 DEFAULT_TOKENS = (512, 2048, 8192)
@@ -57,7 +60,7 @@ class Shape:
 class SizeResult:
     tokens: int
     num_bytes: int
-    seconds: float  # best of the repeats, zero-copy path (what kvwire's connector uses on TCP)
+    seconds: float  # best of the repeats, through the P/D connectors (the serving path)
     gbps: float
     ceiling_seconds: float  # best raw-socket time for the same bytes
     ceiling_gbps: float
@@ -149,9 +152,56 @@ class _Caches:
         return True
 
 
-def _transfer_once(sender: TransferAgent, receiver: TransferAgent, caches: _Caches, zero_copy: bool) -> float:
-    """One request's KV, paged -> paged. ``zero_copy``: the blocks travel as byte spans (the kernel
-    gathers/scatters through iovecs); else ``gather_blocks`` -> send -> sink ``scatter_blocks``."""
+class _ConnectorPair:
+    """A P and a D worker connector over real agents, on the benchmark's caches (the serving path)."""
+
+    def __init__(self, cfg: TransferConfig, caches: _Caches, shape: Shape) -> None:
+        info = EngineInfo(block_size=shape.block_size, device="cpu", kv_layout=KVLayout.KV_FIRST)
+        metrics = connector_metrics(CollectorRegistry())
+        self.p = KvwireWorkerConnector(
+            ConnectorConfig(role=ConnectorRole.PREFILL), info, TransferAgent(cfg), metrics=metrics
+        )
+        self.d = KvwireWorkerConnector(
+            ConnectorConfig(role=ConnectorRole.DECODE), info, TransferAgent(cfg), metrics=metrics
+        )
+        self.p.register_kv_caches(caches.src)
+        self.d.register_kv_caches(caches.dst)
+        self.caches = caches
+
+    def transfer_once(self) -> float:
+        """One request's KV as a prefill instance hands it over and a decode instance loads it."""
+        rid = tid = uuid.uuid4().hex
+        caches = self.caches
+        recv = RecvSpec(rid, tid, tuple(caches.dst_ids), 120.0, pull_from=(), want_trailer=False)
+        send = SendSpec(rid, tid, (self.d.kv_endpoint,), tuple(caches.src_ids), 120.0, with_trailer=False)
+        self.d.bind_connector_metadata(KvwireConnectorMetadata(recvs=(recv,)))
+        self.d.clear_connector_metadata()
+        start = time.perf_counter()
+        self.p.bind_connector_metadata(KvwireConnectorMetadata(sends=(send,)))
+        for index, layer in enumerate(caches.src):  # the forward's layers, in order
+            self.p.save_kv_layer(index, layer)
+        self.p.wait_for_save()
+        self.p.clear_connector_metadata()
+        sent = recvd = False
+        deadline = time.monotonic() + 120.0
+        while not (sent and recvd):
+            p_out, d_out = self.p.get_finished(set()), self.d.get_finished(set())
+            if p_out.failed or d_out.failed or d_out.invalid_block_ids:
+                raise RuntimeError(f"transfer failed: {p_out.failed or d_out.failed or 'invalid blocks'}")
+            sent = sent or rid in p_out.finished_sending
+            recvd = recvd or rid in d_out.finished_recving
+            if time.monotonic() > deadline:
+                raise TimeoutError("benchmark transfer did not complete within 120 s")
+            time.sleep(0.0002)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.p.close()
+        self.d.close()
+
+
+def _copy_once(sender: TransferAgent, receiver: TransferAgent, caches: _Caches) -> float:
+    """The baseline: ``gather_blocks`` -> ``send_layer`` -> sink ``scatter_blocks``, per layer."""
     tid = uuid.uuid4().hex
     n = len(caches.src)
     layout = KVLayout.KV_FIRST
@@ -160,22 +210,11 @@ def _transfer_once(sender: TransferAgent, receiver: TransferAgent, caches: _Cach
         scatter_blocks(caches.dst[index], caches.dst_ids_t, data, layout)
 
     start = time.perf_counter()
-    if zero_copy:
-        receiver.expect(
-            tid,
-            num_layers=n,
-            scatter_into=lambda i: block_spans(caches.dst[i], caches.dst_ids, layout),
-            deadline_s=120.0,
-        )
-    else:
-        receiver.expect(tid, num_layers=n, sink=sink, deadline_s=120.0)
+    receiver.expect(tid, num_layers=n, sink=sink, deadline_s=120.0)
     sender.start_send(tid, receiver.endpoint, [caches.spec] * n, deadline_s=120.0)
     for i in range(n):
-        if zero_copy:
-            sender.send_layer_spans(tid, i, block_spans(caches.src[i], caches.src_ids, layout))
-        else:
-            gather_blocks(caches.src[i], caches.src_ids_t, layout, out=caches.stage[i])
-            sender.send_layer(tid, i, caches.stage[i])
+        gather_blocks(caches.src[i], caches.src_ids_t, layout, out=caches.stage[i])
+        sender.send_layer(tid, i, caches.stage[i])
     sent = recvd = False
     deadline = time.monotonic() + 120.0
     while not (sent and recvd):
@@ -226,9 +265,14 @@ def measure(tokens: int, shape: Shape, repeats: int) -> SizeResult:
     times: dict[str, list[float]] = {"zero_copy": [], "copy": [], "ceiling": []}
     verified = True
     flat_dst = torch.empty(caches.num_bytes, dtype=torch.uint8)  # the ceiling's destination
-    with TransferAgent(cfg) as sender, TransferAgent(cfg) as receiver:
+    pair = _ConnectorPair(cfg, caches, shape)
+    with TransferAgent(cfg) as sender, TransferAgent(cfg) as receiver, contextlib.closing(pair):
+
+        def once(zero_copy: bool) -> float:
+            return pair.transfer_once() if zero_copy else _copy_once(sender, receiver, caches)
+
         for zero_copy in (True, False):  # warm-up: connections, buffer pools, page faults
-            _transfer_once(sender, receiver, caches, zero_copy)
+            once(zero_copy)
         caches.flat_stage.view(torch.uint8).copy_(torch.randint_like(flat_dst, 0, 255))
         # interleaved, so that load from other processes hits every variant alike; best of each
         for rep in range(repeats + 1):
@@ -237,7 +281,7 @@ def measure(tokens: int, shape: Shape, repeats: int) -> SizeResult:
                 if last:
                     for dst in caches.dst:
                         dst.zero_()
-                t = _transfer_once(sender, receiver, caches, zero_copy)
+                t = once(zero_copy)
                 if last:
                     verified = verified and caches.verify()
                 else:
@@ -278,7 +322,7 @@ def _print_table(results: list[SizeResult], shape: Shape) -> None:
     print(
         f"KV transfer, TCP loopback: {shape.num_layers} layers x [2, tokens, {shape.num_kv_heads}, "
         f"{shape.head_dim}] {str(shape.dtype).removeprefix('torch.')}, paged (block {shape.block_size}) "
-        "-> gather -> agent -> scatter -> paged"
+        "-> P connector -> agents -> D connector -> paged"
     )
     print(
         f"{'tokens':>7} {'MiB':>7} {'ms':>8} {'GB/s':>6} {'ratio':>6} {'copy ms':>8} {'copy GB/s':>9} "
@@ -290,7 +334,10 @@ def _print_table(results: list[SizeResult], shape: Shape) -> None:
             f"{r.copy_seconds * 1e3:>8.2f} {r.copy_gbps:>9.2f} {r.copy_ratio:>6.2f} "
             f"{r.ceiling_seconds * 1e3:>10.2f} {r.ceiling_gbps:>12.2f}  {r.verified}"
         )
-    print("zero-copy: blocks travel as byte spans (kernel gather/scatter via sendmsg/recvmsg_into iovecs);")
+    print(
+        "serving path (first columns): P/D worker connectors over real agents; the blocks travel as byte"
+        " spans (sendmsg/recvmsg_into iovecs, no copy);"
+    )
     print(
         "copy: gather_blocks -> send_layer -> sink scatter_blocks; ceiling: raw socket sendall -> recv_into."
     )
