@@ -21,6 +21,7 @@ from kvwire.errors import EngineError
 from kvwire.integrations.vllm_config import DataPlane, VllmPluginConfig
 from kvwire.integrations.vllm_layers import KVLayers, kv_layers
 from kvwire.transfer import Backend, TransferAgent, TransferConfig
+from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ def transfer_config(config: VllmPluginConfig, engine_info: EngineInfo) -> Transf
         spill_budget_bytes=config.spill_budget_bytes,
         default_deadline_s=config.connector.agent_deadline_s,
         secret=config.secret.encode() if config.secret else None,
+        # the plugin's edge: KVWIRE_NCCL_* read once per worker, when its agent is configured
+        nccl=NcclPlaneConfig.from_env(),
     )
 
 

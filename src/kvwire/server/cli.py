@@ -14,6 +14,7 @@ from typing import Any
 from kvwire.errors import ConfigError, KvwireError
 from kvwire.kv_params import TransferMode
 from kvwire.server.config import KVLoadFailure, ServerConfig, ServerRole
+from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         shutdown_deadline_s=args.shutdown_deadline_s,
         client_write_timeout_s=args.client_write_timeout_s,
         engine_stall_timeout_s=args.engine_stall_timeout_s,
+        kv_nccl=NcclPlaneConfig.from_env(),  # the one place the environment is read
     )
 
 

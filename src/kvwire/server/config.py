@@ -10,6 +10,7 @@ import enum
 
 from kvwire.errors import ConfigError
 from kvwire.kv_params import LoadFailurePolicy, TransferMode
+from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 
 # The one policy enum (kvwire.kv_params); this name is the server's spelling of it.
 KVLoadFailure = LoadFailurePolicy
@@ -44,6 +45,8 @@ class ServerConfig:
     kv_deadline_s: float = 30.0  # push transfer deadline and pull lease on P's blocks
     # D: what to do when remote KV does not arrive (recompute the prompt locally, or fail the request).
     kv_load_failure_policy: KVLoadFailure = KVLoadFailure.RECOMPUTE
+    # NCCL data plane tuning (--device cuda P/D); the CLI reads KVWIRE_NCCL_* once into it.
+    kv_nccl: NcclPlaneConfig = dataclasses.field(default_factory=NcclPlaneConfig)
     # SIGTERM/SIGINT: everything (abort in-flight, deregister, stop the engine thread) within this.
     shutdown_deadline_s: float = 10.0
     max_request_bytes: int = 16 * 1024 * 1024

@@ -56,7 +56,7 @@ def build_connector_set(
         host=config.public_host(), control_port=config.kv_port,
         backend=Backend.NCCL if engine_config.is_cuda else Backend.TCP,
         device=engine_config.device, default_deadline_s=config.kv_deadline_s,
-        secret=secret.encode() if secret else None,
+        secret=secret.encode() if secret else None, nccl=config.kv_nccl,
     )
     connector_config = ConnectorConfig(
         role=ConnectorRole(config.role.value), mode=config.kv_mode, deadline_s=config.kv_deadline_s,

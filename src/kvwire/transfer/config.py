@@ -6,6 +6,7 @@ import dataclasses
 
 from kvwire.errors import ConfigError
 from kvwire.transfer.enums import Backend
+from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -33,6 +34,9 @@ class TransferConfig:
     socket_buffer_bytes: int = 8 * MiB  # SO_SNDBUF / SO_RCVBUF of data sockets
     max_layers_per_transfer: int = 4096  # protocol sanity bound on offers
     max_pending_transfers: int = 65536  # bound on transfers tracked per agent
+    # The NCCL plane's tuning (used with backend NCCL). Built at the edge: the CLI / plugin reads
+    # KVWIRE_NCCL_* once (NcclPlaneConfig.from_env) and passes it down; nothing below reads the env.
+    nccl: NcclPlaneConfig = dataclasses.field(default_factory=NcclPlaneConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.secret, str):  # accept str for convenience; store bytes

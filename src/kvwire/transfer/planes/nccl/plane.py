@@ -76,7 +76,7 @@ class NcclPlane(DataPlane):
     ) -> None:
         self.config = config
         self.instance_id = instance_id
-        self.plane_config = plane_config or NcclPlaneConfig.from_env()
+        self.plane_config = plane_config or config.nccl
         self.device = torch.device(config.device)
         self._lock = threading.Lock()
         self._senders: dict[str, SendChannel] = {}  # peer instance id -> channel
