@@ -11,6 +11,8 @@ import torch
 from kvwire.bench import nccl_extras as extras
 from kvwire.bench import nccl_harness as h
 from kvwire.bench import nccl_workers as w
+from kvwire.bench.serving_path import KVGeometry, ServingSide, run_transfers
+from kvwire.transfer import Backend, TransferConfig
 from kvwire.transfer.planes.cuda_paged import PagedLayers
 from kvwire.transfer.planes.nccl.bindings import abort_all, load_nccl
 from kvwire.transfer.planes.nccl.plane import NcclPlaneConfig
@@ -24,6 +26,7 @@ def _size_row(
     conn: Connection,
     rank: int,
     comms: list[Any],
+    serving: ServingSide,
     side: w.KvwireSide,
     cache: list[torch.Tensor],
     shape: w.KVShape,
@@ -50,6 +53,9 @@ def _size_row(
         w.poison(cache, ids)
     w.reference(conn, rank, comm, cache, ids, 1)
     b_ok = w.verify(conn, rank, comm, cache, ids)
+    # (c) the serving path: P's and D's worker connectors over their agents' NCCL planes
+    served = run_transfers(conn, serving, tokens, iters, warmup=WARMUP)
+    # (p) the plane driven directly by the benchmark's own sender (diagnostic, decisions 064-067)
     paged = PagedLayers(cache, w.LAYOUT)
     c = w.kvwire_path(conn, side, paged, ids, WARMUP + iters)[WARMUP:]
     handoff = sorted(side.handoff_us[-iters:])
@@ -67,7 +73,8 @@ def _size_row(
         h.save_host_samples(profile, f"c-{tokens}", rank, host)
     if rank == 1:
         return {}
-    sa, sb, sc = (w.summarize(x, num_bytes) for x in (a, b, c))
+    sa, sb, sp = (w.summarize(x, num_bytes) for x in (a, b, c))
+    sc = w.summarize(served["samples_s"], served["bytes"])
     return {
         "tokens": tokens,
         "bytes": num_bytes,
@@ -76,7 +83,11 @@ def _size_row(
         "ceiling_registered_gbps": w.summarize(a_reg, num_bytes)["gbps"] if a_reg else None,
         "ceiling_two_lanes_gbps": w.summarize(a_two, num_bytes)["gbps"] if a_two else None,
         "reference": sb,
-        "kvwire": sc,
+        "kvwire": sc,  # the serving path (connectors + agents)
+        "plane": sp,  # the plane under the benchmark's own sender
+        "plane_gbps": sp["gbps"],
+        "plane_ratio": round(sp["gbps"] / sa["gbps"], 3),
+        "serving_bytes": served["bytes"],
         "gbps": sc["gbps"],
         "ceiling_gbps": sa["gbps"],
         "reference_gbps": sb["gbps"],
@@ -84,9 +95,10 @@ def _size_row(
         "speedup_vs_reference": round(sc["gbps"] / sb["gbps"], 2),
         # (c): host time of the sender's t0 step (fire() or the hand-over), median us
         "kvwire_handoff_us": round(handoff[len(handoff) // 2], 1) if handoff else None,
-        "verified": b_ok and c_ok,
+        "verified": b_ok and c_ok and served["verified"],
         "reference_verified": b_ok,
-        "kvwire_verified": c_ok,
+        "kvwire_verified": served["verified"],
+        "plane_verified": c_ok,
         # (side, seq, MiB, launch start, launched, completion seen: us after t0, launch CPU us, step marks)
         "kvwire_trace": trace,
     }
@@ -139,6 +151,11 @@ def run_rank(rank: int, conn: Connection, opts: dict[str, Any]) -> dict[str, Any
     edge = opts["edge_mib"] * MiB if opts["edge_mib"] is not None else defaults.edge_bytes
     plane_cfg = dataclasses.replace(defaults, chunk_bytes=chunk, edge_bytes=edge, max_ctas=opts["max_ctas"])
     side = w.KvwireSide(rank, plane_cfg, "main", opts["sender"])
+    serving = ServingSide(
+        rank,
+        KVGeometry(num_blocks=shape.cache_blocks),
+        TransferConfig(backend=Backend.NCCL, device=f"cuda:{rank}", nccl=plane_cfg, default_deadline_s=120.0),
+    )
     report: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(device),
         "nccl": ".".join(map(str, load_nccl().version())),
@@ -157,9 +174,19 @@ def run_rank(rank: int, conn: Connection, opts: dict[str, Any]) -> dict[str, Any
     for tokens in opts["tokens"]:
         report["sizes"].append(
             _size_row(
-                conn, rank, [comm, second], side, cache, shape, tokens, opts["iters"], opts.get("profile")
+                conn,
+                rank,
+                [comm, second],
+                serving,
+                side,
+                cache,
+                shape,
+                tokens,
+                opts["iters"],
+                opts.get("profile"),
             )
         )
+    serving.close()
     ceilings = {row["tokens"]: row["ceiling_gbps"] for row in report["sizes"] if row}
     report["send_graph_stats"] = side.plane.send_graph_stats()  # rank 0's are the sender's
     if opts.get("sizes_only"):

@@ -7,8 +7,13 @@ Per size (Llama-3-8B-shaped paged KV, bf16, block size 16, random block ids on b
   faster of the two is the ceiling;
 * (b) ``reference``: the seed's per-layer way (gather one layer, one control round trip, one send,
   one sync, scatter) over the same communicator;
-* (c) ``kvwire``: the NCCL data plane (:mod:`kvwire.transfer.planes.nccl.plane`). By default
-  (``--sender armed``) the sender hands every layer over *before* t0 with a device producer and a
+* (c) ``kvwire``: **the serving path** (:mod:`kvwire.bench.serving_path`): P's and D's worker
+  connectors over their agents' NCCL planes, exactly as an instance runs them — D binds the receive
+  of its blocks, P saves each layer (``save_kv_layer``), the agent hands the plane block ids, the
+  plane gathers each message from the paged cache into a zero-copy slab and D's stream scatters each
+  layer into its blocks (decision 068). The goals are (c)/(a).
+* (p) ``plane``: diagnostic, the plane driven by the benchmark's own sender (decisions 064-067). By
+  default (``--sender armed``) the sender hands every layer over *before* t0 with a device producer and a
   device signal (:mod:`kvwire.transfer.planes.nccl.device_signal`): the plane queues the transfer
   on its send stream behind a wait for the signal (one CUDA graph replay once the shape repeats),
   and at t0 the sender's stream fires it, as a P instance would right after its forward wrote the
@@ -184,14 +189,16 @@ def print_table(report: dict[str, Any], out: Any = None) -> None:
         builtins.print(*parts, file=out or sys.stdout)
 
     print(f"\nNCCL KV transfer, {report['gpu']} x2, NCCL {report['nccl']}, torch {report['torch']}")
-    head = ["tokens", "MiB", "(a) ceil", "(b) ref", "(c) kvw", "c/a", "c/b"]
+    head = ["tokens", "MiB", "(a) ceil", "(b) ref", "(c) serve", "c/a", "c/b", "(p) plane", "p/a"]
     print(" ".join(f"{name:>9}" for name in head), "verified")
     for row in report["sizes"]:
         print(
             f"{row['tokens']:>9} {row['bytes'] / 2**20:>9.0f} {row['ceiling_gbps']:>9.1f} "
             f"{row['reference_gbps']:>9.1f} {row['gbps']:>9.1f} {row['ratio']:>9.2f} "
-            f"{row['speedup_vs_reference']:>9.2f} {row['verified']}"
+            f"{row['speedup_vs_reference']:>9.2f} {row.get('plane_gbps', 0):>9.1f} "
+            f"{row.get('plane_ratio', 0):>9.2f} {row['verified']}"
         )
+    print("(c): the serving path (P/D connectors + agents); (p): the plane under the bench's own sender")
     print("(GB/s; ms in the JSON)")
     ceilings = [
         f"{row['tokens']}: {row.get('ceiling_unregistered_gbps')} / {row.get('ceiling_registered_gbps')}"
@@ -201,7 +208,7 @@ def print_table(report: dict[str, Any], out: Any = None) -> None:
     two = [f"{row['tokens']}: {row.get('ceiling_two_lanes_gbps')}" for row in report["sizes"]]
     print(f"for reference, the same bytes as two halves sent at once on two communicators: {', '.join(two)}")
     handoffs = [f"{row['tokens']}: {row.get('kvwire_handoff_us')}" for row in report["sizes"]]
-    print(f"(c) sender's t0 step on the host (fire or hand-over), median us: {', '.join(handoffs)}")
+    print(f"(p) sender's t0 step on the host (fire or hand-over), median us: {', '.join(handoffs)}")
     for row in report["sizes"]:
         legend = "(side, seq, MiB, launch start, launched, done: us after t0; launch CPU us; step marks)"
         print(f"chunks of the last (c) at {row['tokens']} tokens {legend}:")
