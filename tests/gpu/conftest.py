@@ -16,7 +16,7 @@ import pytest
 
 @pytest.fixture
 def spawn() -> Iterator[Callable[..., Any]]:
-    from kvwire.bench.nccl_harness import run_in_child
+    from support.nccl_planes import run_in_child
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvwire.bench.nccl_harness import child_results, two_gpus
 from kvwire.transfer.paged import KVLayout, gather_blocks
+from support.nccl_planes import child_results, two_gpus
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not two_gpus(), reason="needs 2 CUDA GPUs")]
 

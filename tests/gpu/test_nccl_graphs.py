@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvwire.bench.nccl_harness import child_results, two_gpus
+from support.nccl_planes import child_results, two_gpus
 
 MiB = 1 << 20
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not two_gpus(), reason="needs 2 CUDA GPUs")]
@@ -60,7 +60,7 @@ def _expected(seed: int) -> torch.Tensor:
 
 
 def _recv(conn: Connection, _: Any) -> dict[str, Any]:
-    from kvwire.bench import nccl_harness as h
+    from support import nccl_planes as h
 
     plane, rec = h.start_plane(1, "recv-g", _cfg())
     peer = h.peer_ref("send-g")
@@ -92,10 +92,10 @@ def _recv(conn: Connection, _: Any) -> dict[str, Any]:
 
 
 def _send(conn: Connection, _: Any) -> dict[str, Any]:
-    from kvwire.bench import nccl_harness as h
     from kvwire.transfer.enums import KVLayout
     from kvwire.transfer.planes.cuda_paged import PagedLayers, SlabGather
     from kvwire.transfer.types import SendItem
+    from support import nccl_planes as h
 
     plane, rec = h.start_plane(0, "send-g", _cfg())
     peer = h.peer_ref("recv-g")

@@ -36,8 +36,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvwire.bench.nccl_harness import child_results, two_gpus
 from kvwire.transfer.paged import KVLayout, gather_blocks, gathered_shape
+from support.nccl_planes import child_results, two_gpus
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,7 +1,7 @@
 """NCCL data plane across two GPUs in two processes (run with ``pytest -m gpu`` on a 2-GPU machine).
 
 The parent only orchestrates; each scenario is a pair of functions run in spawned processes that talk
-over a pipe, playing the agent's part (see ``kvwire.bench.nccl_harness``). Data is generated on the
+over a pipe, playing the agent's part (see ``tests/support/nccl_planes.py``). Data is generated on the
 CPU from a seed on both sides, so the receiver can check every byte.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvwire.bench.nccl_harness import child_results, two_gpus
+from support.nccl_planes import child_results, two_gpus
 
 MiB = 1 << 20
 
@@ -50,8 +50,8 @@ TRANSFERS = [
 
 
 def _recv_bit_exact(conn: Connection, lanes: int) -> dict[str, bool]:
-    from kvwire.bench import nccl_harness as h
     from kvwire.transfer.types import RecvItem
+    from support import nccl_planes as h
 
     plane, rec = h.start_plane(1, "recv-1", _cfg(lanes=lanes))  # the receiver's offer sets the lanes
     peer = h.peer_ref("send-0")
@@ -81,7 +81,7 @@ def _recv_bit_exact(conn: Connection, lanes: int) -> dict[str, bool]:
 
 
 def _send_bit_exact(conn: Connection, _: Any) -> tuple[int, int]:
-    from kvwire.bench import nccl_harness as h
+    from support import nccl_planes as h
 
     plane, rec = h.start_plane(0, "send-0", _cfg())  # default lanes: follows the receiver's offer
     peer = h.peer_ref("recv-1")
@@ -119,7 +119,7 @@ def test_bit_exact_concurrent_transfers(spawn: Any, lanes: int) -> None:
 
 
 def _recv_abort(conn: Connection, _: Any) -> dict[str, Any]:
-    from kvwire.bench import nccl_harness as h
+    from support import nccl_planes as h
 
     plane, rec = h.start_plane(1, "recv-a", _cfg())
     peer = h.peer_ref("send-a")
@@ -146,7 +146,7 @@ def _recv_abort(conn: Connection, _: Any) -> dict[str, Any]:
 
 
 def _send_abort(conn: Connection, _: Any) -> None:
-    from kvwire.bench import nccl_harness as h
+    from support import nccl_planes as h
 
     plane, rec = h.start_plane(0, "send-a", _cfg())
     peer = h.peer_ref("recv-a")
@@ -175,7 +175,7 @@ def test_abort_keeps_the_stream_in_step(spawn: Any) -> None:
 
 
 def _recv_then_die(conn: Connection, instance: str) -> None:
-    from kvwire.bench import nccl_harness as h
+    from support import nccl_planes as h
 
     plane, rec = h.start_plane(1, instance, _cfg())
     peer = h.peer_ref("send-k")
@@ -202,7 +202,7 @@ DEAD_LAYER_BYTES = 256 * MiB
 def _send_to_dying_then_restarted(conn: Connection, second: Connection) -> dict[str, Any]:
     import time
 
-    from kvwire.bench import nccl_harness as h
+    from support import nccl_planes as h
 
     plane, rec = h.start_plane(0, "send-k", _cfg(stall_timeout_s=3.0))
     old = h.peer_ref("recv-killed")
@@ -281,10 +281,10 @@ def _step(side: str, what: str) -> None:
 
 
 def _recv_consumers(conn: Connection, _: Any) -> dict[str, Any]:
-    from kvwire.bench import nccl_harness as h
     from kvwire.transfer.enums import KVLayout
     from kvwire.transfer.planes.cuda_paged import PagedLayers
     from kvwire.transfer.types import RecvItem
+    from support import nccl_planes as h
 
     plane, rec = h.start_plane(1, "recv-c", _cfg(chunk_bytes=1 * MiB, edge_bytes=0, stall_timeout_s=20.0))
     assert plane.supports_device_consumers
@@ -349,8 +349,8 @@ def _recv_consumers(conn: Connection, _: Any) -> dict[str, Any]:
 
 
 def _send_consumers(conn: Connection, _: Any) -> None:
-    from kvwire.bench import nccl_harness as h
     from kvwire.transfer.paged import KVLayout, gather_blocks
+    from support import nccl_planes as h
 
     plane, rec = h.start_plane(0, "send-c", _cfg(chunk_bytes=1 * MiB, edge_bytes=0, stall_timeout_s=20.0))
     peer = h.peer_ref("recv-c")
@@ -394,7 +394,7 @@ PRODUCER_TRANSFERS = ("gathered", "broken", "after-broken")
 
 
 def _recv_producers(conn: Connection, _: Any) -> dict[str, Any]:
-    from kvwire.bench import nccl_harness as h
+    from support import nccl_planes as h
 
     plane, rec = h.start_plane(1, "recv-p", _cfg(chunk_bytes=1 * MiB, edge_bytes=0, stall_timeout_s=20.0))
     peer = h.peer_ref("send-p")
@@ -431,10 +431,10 @@ def _gathered_src(seed: int) -> torch.Tensor:
 
 
 def _send_producers(conn: Connection, _: Any) -> dict[str, Any]:
-    from kvwire.bench import nccl_harness as h
     from kvwire.transfer.enums import KVLayout
     from kvwire.transfer.planes.cuda_paged import PagedLayers
     from kvwire.transfer.types import SendItem
+    from support import nccl_planes as h
 
     plane, rec = h.start_plane(0, "send-p", _cfg(chunk_bytes=1 * MiB, edge_bytes=0, stall_timeout_s=20.0))
     assert plane.supports_device_producers

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvwire.bench.nccl_harness import child_results, two_gpus
+from support.nccl_planes import child_results, two_gpus
 
 MiB = 1 << 20
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not two_gpus(), reason="needs 2 CUDA GPUs")]
@@ -46,8 +46,8 @@ def _cache(seed: int, device: str) -> list[torch.Tensor]:
 
 
 def _recv(conn: Connection, _: Any) -> dict[str, Any]:
-    from kvwire.bench import nccl_harness as h
     from kvwire.transfer.paged import KVLayout, gather_blocks
+    from support import nccl_planes as h
 
     plane, rec = h.start_plane(1, "recv-s", _cfg())
     peer = h.peer_ref("send-s")
@@ -75,11 +75,11 @@ def _recv(conn: Connection, _: Any) -> dict[str, Any]:
 
 
 def _send(conn: Connection, _: Any) -> dict[str, Any]:
-    from kvwire.bench import nccl_harness as h
     from kvwire.transfer.enums import KVLayout
     from kvwire.transfer.planes.cuda_paged import PagedLayers, SlabGather
     from kvwire.transfer.planes.nccl.device_signal import DeviceSignal, SignalState
     from kvwire.transfer.types import SendItem
+    from support import nccl_planes as h
 
     plane, rec = h.start_plane(0, "send-s", _cfg())
     assert plane.supports_device_signals

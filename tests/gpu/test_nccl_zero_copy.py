@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvwire.bench.nccl_harness import child_results, two_gpus
+from support.nccl_planes import child_results, two_gpus
 
 MiB = 1 << 20
 SLAB = [512 * 1024] * 12  # 6 MiB in 1 MiB messages
@@ -44,8 +44,8 @@ def _cfg(zero_copy: bool) -> Any:
 
 
 def _recv(conn: Connection, zero_copy: bool) -> dict[str, Any]:
-    from kvwire.bench import nccl_harness as h
     from kvwire.transfer.types import RecvItem
+    from support import nccl_planes as h
 
     plane, rec = h.start_plane(1, "zc-recv-1", _cfg(zero_copy))
     peer = h.peer_ref("zc-send-0")
@@ -75,7 +75,7 @@ def _recv(conn: Connection, zero_copy: bool) -> dict[str, Any]:
 
 
 def _send(conn: Connection, zero_copy: bool) -> dict[str, Any]:
-    from kvwire.bench import nccl_harness as h
+    from support import nccl_planes as h
 
     del zero_copy  # the sender runs the default config and follows the receiver's offer
     plane, rec = h.start_plane(0, "zc-send-0", _cfg(True))

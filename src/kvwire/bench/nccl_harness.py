@@ -15,7 +15,6 @@ import logging
 import math
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -31,7 +30,7 @@ from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.enums import Backend
 from kvwire.transfer.planes.nccl.bindings import CommConfig, NcclComm, load_nccl
 from kvwire.transfer.planes.nccl.plane import NcclPlane, NcclPlaneConfig
-from kvwire.transfer.types import DeviceConsumer, PeerRef, RecvItem, SendItem
+from kvwire.transfer.types import DeviceConsumer, PeerRef, RecvItem
 
 log = logging.getLogger(__name__)
 
@@ -86,12 +85,6 @@ def marker(name: str) -> contextlib.AbstractContextManager[object]:
     return torch.profiler.record_function(name) if _profiling else contextlib.nullcontext()
 
 
-def two_gpus() -> bool:
-    try:
-        return torch.cuda.device_count() >= 2
-    except Exception:  # a broken CUDA setup counts as "no GPUs", but say why
-        log.warning("cannot count CUDA devices", exc_info=True)
-        return False
 
 
 def child_results(queue: Any, count: int, timeout_s: float = 180.0) -> dict[str, Any]:
@@ -121,38 +114,8 @@ def run_in_child(fn: Callable[..., Any], rank: int, conn: Connection, queue: Any
         queue.put((fn.__name__, None, traceback.format_exc()))
 
 
-def wait_process_gone(pid: int, timeout_s: float = 30.0) -> None:
-    """Wait until process ``pid`` has exited (gone or a zombie: its CUDA context is torn down, so
-    receives it had posted can no longer take data). Raises TimeoutError past ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                state = stat.read().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
-            return
-        if state in ("Z", "X"):
-            return
-        time.sleep(0.01)  # polling an observable condition, under a deadline
-    raise TimeoutError(f"process {pid} still running after {timeout_s} s")
 
 
-def wait_gpu_released(pid: int, timeout_s: float = 30.0) -> bool:
-    """Wait until process ``pid`` no longer holds a CUDA context on any GPU (``nvidia-smi``'s compute
-    processes): a process can be gone while the driver still runs its last kernels, e.g. NCCL
-    receives it had posted, which then still take a sender's data. False when ``nvidia-smi`` is not
-    there (the caller then has only :func:`wait_process_gone`); TimeoutError past ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    query = ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"]
-    while time.monotonic() < deadline:
-        try:
-            out = subprocess.run(query, capture_output=True, text=True, timeout=10.0, check=True).stdout
-        except (OSError, subprocess.SubprocessError):
-            return False
-        if str(pid) not in {line.strip() for line in out.splitlines()}:
-            return True
-        time.sleep(0.05)  # polling an observable condition, under a deadline
-    raise TimeoutError(f"process {pid} still holds a GPU context after {timeout_s} s")
 
 
 def peer_ref(instance_id: str) -> PeerRef:
@@ -256,22 +219,6 @@ def zero_copy_slab(
     return flat.view(dtype).view(tuple(shape))
 
 
-def send_layers(
-    plane: NcclPlane,
-    peer: PeerRef,
-    transfer_id: str,
-    tensors: Sequence[torch.Tensor],
-    ready: Sequence[Any | None] | None = None,
-    first_layer: int = 0,
-) -> None:
-    events = ready if ready is not None else [None] * len(tensors)
-    plane.send(
-        peer,
-        [
-            SendItem(transfer_id, first_layer + i, t, e)
-            for i, (t, e) in enumerate(zip(tensors, events, strict=True))
-        ],
-    )
 
 
 def raw_comm(
