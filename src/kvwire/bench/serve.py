@@ -29,6 +29,7 @@ from typing import Any
 
 import aiohttp
 
+from kvwire.bench import serve_transfers
 from kvwire.cluster.client import RequestResult, post_completion
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.errors import ClusterError
@@ -186,6 +187,8 @@ def print_table(summaries: Sequence[dict[str, Any]]) -> None:
               f"{_ms(e2e, 'mean') + '/' + _ms(e2e, 'p50') + '/' + _ms(e2e, 'p99'):>25}")
         for error in s["errors"]:
             print(f"    error: {error}")
+        if "kv_transfers" in s:
+            print(f"    {serve_transfers.describe(s['kv_transfers'])}")
 
 
 def plot(summaries: Sequence[dict[str, Any]], path: str) -> bool:
@@ -224,7 +227,12 @@ def _bench_setup(name: str, args: argparse.Namespace, load: LoadSpec) -> dict[st
         results, duration = asyncio.run(
             run_load(cluster.router_url, load, warmup=args.warmup, progress=not args.no_progress)
         )
-    return summarize(name, results, duration)
+        summary = summarize(name, results, duration)
+        if num_p or num_d:  # in-serving transfer GB/s, and the ceiling on the same bytes (same run)
+            urls = [inst.url for inst in cluster.instances.values() if inst.url]
+            rows = serve_transfers.collect(urls)
+            summary["kv_transfers"] = serve_transfers.summarize(rows, with_ceiling=args.device == "cpu")
+    return summary
 
 
 def open_log(name: str) -> Any:

@@ -60,6 +60,11 @@ class ConnectorMetrics:
             "kvwire_pd_transfer_gbps", "KV transfer throughput per completed transfer (GB/s, 1e9 bytes)",
             ["side"], buckets=_GBPS_BUCKETS, registry=registry,
         )
+        self.transfer_busy_gbps = Histogram(
+            "kvwire_pd_transfer_busy_gbps",
+            "KV transfer throughput over the time the data plane held the transfer's layers (sender)",
+            ["side"], buckets=_GBPS_BUCKETS, registry=registry,
+        )
         self.recent = RecentTransfers()
         self.blocks_awaiting_send = Gauge(
             "kvwire_pd_blocks_awaiting_send", "P's blocks of finished requests held until the send completes",
@@ -76,32 +81,42 @@ class ConnectorMetrics:
         self.transfer_seconds.labels(side=side).observe(timing.seconds)
         self.transfer_size_bytes.labels(side=side).observe(timing.num_bytes)
         self.transfer_gbps.labels(side=side).observe(timing.gbps)
+        if timing.busy_gbps is not None:
+            self.transfer_busy_gbps.labels(side=side).observe(timing.busy_gbps)
         self.recent.add(side, timing)
 
 
 class RecentTransfers:
-    """The last ``capacity`` completed transfers per side (bytes, seconds): exact percentiles for
-    ``kvwire bench serve`` (served at ``/kvwire/transfers``), which histogram buckets cannot give."""
+    """The last ``capacity`` completed transfers per side (bytes, seconds, busy seconds or None):
+    exact percentiles for ``kvwire bench serve`` (served at ``/kvwire/transfers``), which histogram
+    buckets cannot give."""
 
     def __init__(self, capacity: int = 4096) -> None:
         self._lock = threading.Lock()
-        self._rows: dict[str, collections.deque[tuple[int, float]]] = {
+        self._rows: dict[str, collections.deque[tuple[int, float, float | None]]] = {
             side: collections.deque(maxlen=capacity) for side in ("send", "recv")
         }
 
     def add(self, side: str, timing: TransferTiming) -> None:
         with self._lock:
             self._rows.setdefault(side, collections.deque(maxlen=4096)).append(
-                (timing.num_bytes, timing.seconds)
+                (timing.num_bytes, timing.seconds, timing.busy_seconds)
             )
 
-    def snapshot(self) -> dict[str, list[tuple[int, float]]]:
+    def snapshot(self) -> dict[str, list[tuple[int, float, float | None]]]:
         with self._lock:
             return {side: list(rows) for side, rows in self._rows.items()}
 
 
 _lock = threading.Lock()
 _by_registry: dict[int, tuple[CollectorRegistry, ConnectorMetrics]] = {}
+
+
+def registered_connector_metrics(registry: CollectorRegistry) -> ConnectorMetrics | None:
+    """The connector's collectors in ``registry`` if a connector created them there, else None."""
+    with _lock:
+        entry = _by_registry.get(id(registry))
+        return entry[1] if entry is not None and entry[0] is registry else None
 
 
 def connector_metrics(registry: CollectorRegistry | None = None) -> ConnectorMetrics:

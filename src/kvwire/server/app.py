@@ -67,6 +67,7 @@ class ServerApp:
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/kvwire/transfers", self.transfers)
         app.router.add_post("/v1/completions", self._generation.completions)
         app.router.add_post("/v1/chat/completions", self._generation.chat)
         return app
@@ -94,3 +95,14 @@ class ServerApp:
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def transfers(self, request: web.Request) -> web.Response:
+        """The last completed KV transfers of this instance's connector, per side, as
+        ``{"send": [[bytes, seconds], ...], "recv": [...]}`` (exact percentiles for ``kvwire bench
+        serve``; empty lists on a colocated instance)."""
+        del request
+        from kvwire.connector.metrics import registered_connector_metrics
+
+        metrics = registered_connector_metrics(self._metrics.registry)
+        snapshot = metrics.recent.snapshot() if metrics is not None else {"send": [], "recv": []}
+        return web.json_response(snapshot)

@@ -37,6 +37,9 @@ class SendState:
     trailer_sent: bool = False
     trailer_acked: bool = False
     first_dispatch: float | None = None  # time.monotonic() when the plane got its first layer
+    in_plane: int = 0  # layers handed to the plane and not yet reported sent
+    busy_since: float = 0.0  # when in_plane last went 0 -> 1
+    busy_s: float = 0.0  # total time with in_plane > 0 (TransferTiming.busy_seconds)
     # send_blocks on a device-producer plane: the slab the plane gathers into, and its producer
     slab: torch.Tensor | None = None
     producer: Any | None = None
@@ -278,7 +281,16 @@ class Sender:
     def _timing(self, st: SendState) -> TransferTiming | None:
         if st.first_dispatch is None:
             return None
-        return TransferTiming(sum(spec.num_bytes for spec in st.layers), self.core.now() - st.first_dispatch)
+        num_bytes = sum(spec.num_bytes for spec in st.layers)
+        return TransferTiming(num_bytes, self.core.now() - st.first_dispatch, st.busy_s)
+
+    def _handed(self, st: SendState, count: int) -> None:
+        now = self.core.now()
+        if st.first_dispatch is None:
+            st.first_dispatch = now
+        if st.in_plane == 0:
+            st.busy_since = now
+        st.in_plane += count
 
     def _dispatch(self, st: SendState) -> None:
         if st.peer is None:
@@ -288,8 +300,7 @@ class Sender:
             return
         ready = sorted(i for i in st.granted if i in st.items and i not in st.dispatched)
         if ready:
-            if st.first_dispatch is None:
-                st.first_dispatch = self.core.now()
+            self._handed(st, len(ready))
             st.dispatched.update(ready)
             self.core.plane.send(st.peer, [st.items[i] for i in ready])
 
@@ -303,8 +314,7 @@ class Sender:
                 break  # the plane needs this layer next: hold the later ones
             queue.popleft()
             if st is not None:
-                if st.first_dispatch is None:
-                    st.first_dispatch = self.core.now()
+                self._handed(st, 1)
                 st.dispatched.add(index)
                 batch.append(st.items[index])
         if batch:
@@ -314,6 +324,10 @@ class Sender:
         st = self.sends.get(transfer_id)
         if st is not None:
             self.core.stats.add("bytes_sent", st.layers[index].num_bytes)
+            if st.in_plane > 0:
+                st.in_plane -= 1
+                if st.in_plane == 0:
+                    st.busy_s += self.core.now() - st.busy_since
 
     # --- failure -----------------------------------------------------------------------------------------
 

@@ -55,14 +55,26 @@ class LayerSpec:
 class TransferTiming:
     """How long a completed transfer's data took on this side. Sender: from its first layer handed
     to the data plane (granted and ready) to the last acknowledgement. Receiver: from its first layer
-    landing to the last. ``num_bytes``: the layers' payload (what crossed the wire)."""
+    landing to the last. ``num_bytes``: the layers' payload (what crossed the wire).
+
+    With layer-wise sends the first layer leaves while P's forward still computes the others, so
+    ``seconds`` spans part of the forward. ``busy_seconds`` (sender only) counts just the time the
+    plane held at least one of the transfer's layers (handed over -> reported sent): the wire's
+    share, what a link-speed comparison should use."""
 
     num_bytes: int
     seconds: float
+    busy_seconds: float | None = None
 
     @property
     def gbps(self) -> float:
         return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def busy_gbps(self) -> float | None:
+        if self.busy_seconds is None or self.busy_seconds <= 0:
+            return None
+        return self.num_bytes / self.busy_seconds / 1e9
 
 
 @dataclasses.dataclass(frozen=True)

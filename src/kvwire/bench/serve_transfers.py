@@ -1,0 +1,102 @@
+"""In-serving KV transfer throughput for ``kvwire bench serve``, beside the plane's ceiling on the
+same bytes measured in the same run.
+
+After a P/D setup's load, every instance's ``/kvwire/transfers`` lists its completed transfers:
+bytes, seconds (sender: first layer handed to the plane -> last acknowledgement; receiver: first
+layer landed -> last) and the sender's busy seconds (the time the plane held at least one of the
+transfer's layers). With layer-wise sends the first two span part of P's forward; the busy time is
+the wire's share, so ``wire`` GB/s (bytes / busy seconds) is what is compared with the ceiling: a
+raw loopback socket moving the median transfer's bytes (CPU instances talk TCP on one host). GPU
+setups report no ceiling here: ``kvwire bench transfer --backend nccl`` measures that one.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kvwire.cluster.local import http_json
+
+Row = tuple[int, float, "float | None"]  # bytes, seconds, busy seconds
+
+
+def collect(urls: Iterable[str]) -> dict[str, list[Row]]:
+    """Every instance's completed transfers, per side (instances that cannot answer are skipped)."""
+    rows: dict[str, list[Row]] = {"send": [], "recv": []}
+    for url in urls:
+        try:
+            snapshot = http_json(f"{url.rstrip('/')}/kvwire/transfers", timeout_s=5.0)
+        except (OSError, ValueError):
+            continue
+        for side in rows:
+            for entry in snapshot.get(side, []):
+                num_bytes, seconds, busy = [*list(entry), None][:3]
+                if seconds and seconds > 0:
+                    rows[side].append((int(num_bytes), float(seconds), None if busy is None else float(busy)))
+    return rows
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _stats(values: Sequence[float]) -> dict[str, float]:
+    return {"p50": _pct(values, 0.5), "p90": _pct(values, 0.9)}
+
+
+def summarize(rows: dict[str, list[Row]], with_ceiling: bool) -> dict[str, Any]:
+    """GB/s p50/p90 (end to end per side, and the sender's wire GB/s), the median transfer's bytes and
+    (CPU) the raw-socket ceiling for them, with the wire p50's ratio to it."""
+    out: dict[str, Any] = {"count": len(rows["send"]) or len(rows["recv"])}
+    for side in ("send", "recv"):
+        if rows[side]:
+            out[f"{side}_gbps"] = _stats([b / s / 1e9 for b, s, _ in rows[side]])
+    wire = [b / busy / 1e9 for b, _, busy in rows["send"] if busy]
+    if wire:
+        out["wire_gbps"] = _stats(wire)
+    sizes = [b for b, _, _ in rows["recv"] or rows["send"]]
+    if not sizes:
+        return out
+    out["median_bytes"] = int(statistics.median(sizes))
+    if with_ceiling and out["median_bytes"] > 0:
+        out["ceiling_gbps"] = socket_ceiling_gbps(out["median_bytes"])
+        if wire:
+            out["wire_ratio_p50"] = out["wire_gbps"]["p50"] / out["ceiling_gbps"]
+    return out
+
+
+def socket_ceiling_gbps(num_bytes: int, repeats: int = 5) -> float:
+    """Best of ``repeats`` raw loopback sends of ``num_bytes`` (sendall -> recv_into), GB/s."""
+    import torch
+
+    from kvwire.bench.transfer import _ceiling_once
+    from kvwire.transfer.config import TransferConfig
+
+    src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    buffer_bytes = TransferConfig().socket_buffer_bytes
+    best = min(_ceiling_once(src, dst, buffer_bytes) for _ in range(repeats))
+    return num_bytes / best / 1e9
+
+
+def describe(summary: dict[str, Any]) -> str:
+    """One line for the table."""
+    if not summary.get("count"):
+        return "in-serving KV transfer: none recorded"
+
+    def fmt(key: str) -> str:
+        s = summary.get(key)
+        return "-" if s is None else f"{s['p50']:.2f}/{s['p90']:.2f}"
+
+    mib = summary.get("median_bytes", 0) / 2**20
+    text = (
+        f"in-serving KV transfer x{summary['count']} ({mib:.1f} MiB median), GB/s p50/p90: "
+        f"wire {fmt('wire_gbps')}, send {fmt('send_gbps')}, recv {fmt('recv_gbps')}"
+    )
+    if "ceiling_gbps" in summary:
+        text += f"; ceiling {summary['ceiling_gbps']:.2f}"
+        if "wire_ratio_p50" in summary:
+            text += f", wire p50 / ceiling {summary['wire_ratio_p50']:.2f}"
+    return text

@@ -1,0 +1,36 @@
+"""``kvwire bench serve``'s in-serving transfer summary: percentiles per side, the sender's wire GB/s
+(bytes over the plane's busy time) and its ratio to a ceiling measured on the median bytes."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvwire.bench import serve_transfers
+
+
+def test_summary_uses_busy_time_for_the_wire_and_the_median_bytes_for_the_ceiling(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[int] = []
+
+    def ceiling(num_bytes: int, repeats: int = 5) -> float:
+        seen.append(num_bytes)
+        return 4.0
+
+    monkeypatch.setattr(serve_transfers, "socket_ceiling_gbps", ceiling)
+    rows: dict[str, list[serve_transfers.Row]] = {
+        # 1 GB each: 1 s end to end but the plane busy 0.5 s -> 1 GB/s end to end, 2 GB/s on the wire
+        "send": [(10**9, 1.0, 0.5), (10**9, 2.0, 0.25), (3 * 10**9, 3.0, 1.0)],
+        "recv": [(10**9, 0.5, None), (10**9, 0.5, None), (3 * 10**9, 1.0, None)],
+    }
+    out = serve_transfers.summarize(rows, with_ceiling=True)
+    assert out["count"] == 3 and out["median_bytes"] == 10**9 and seen == [10**9]
+    assert out["wire_gbps"] == {"p50": 3.0, "p90": 4.0}  # 2, 3, 4 GB/s
+    assert out["send_gbps"]["p50"] == 1.0 and out["recv_gbps"]["p50"] == 2.0
+    assert out["wire_ratio_p50"] == 3.0 / 4.0
+    assert "wire 3.00/4.00" in serve_transfers.describe(out)
+
+
+def test_no_transfers_says_so() -> None:
+    out = serve_transfers.summarize({"send": [], "recv": []}, with_ceiling=True)
+    assert serve_transfers.describe(out) == "in-serving KV transfer: none recorded"
