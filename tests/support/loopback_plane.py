@@ -6,6 +6,8 @@ hands it items with ``on_device`` producers and consumers): it calls a message's
 posted ``dest``, runs the receiver's consumer with an open gate, and reports ``on_received`` after
 the consumer returned — the NCCL plane's contract (:data:`kvwire.transfer.types.DeviceConsumer`) on
 one thread. A cancelled transfer's pending data never reaches its consumer (the gate is closed).
+On a CUDA agent device it does the same with device tensors (one process, one GPU): the producers'
+one-launch gathers and the consumers' gated scatters then run for real, without NCCL.
 
 Planes find each other through a class-level registry keyed by address; build agents with
 ``TransferAgent(config, plane_factory=LoopbackPlane)``.
@@ -36,7 +38,7 @@ class LoopbackPlane(DataPlane):
     _registry_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, config: TransferConfig, instance_id: str) -> None:
-        del config
+        self.device = torch.device(config.device)
         self.instance_id = instance_id
         self._address = f"loopback:{instance_id}"
         self._callbacks: PlaneCallbacks | None = None
@@ -59,6 +61,9 @@ class LoopbackPlane(DataPlane):
     @property
     def address(self) -> str:
         return self._address
+
+    def allocate(self, num_bytes: int) -> torch.Tensor:
+        return torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
 
     def send(self, peer: PeerRef, items: Sequence[SendItem]) -> None:
         self._work.put((peer, list(items)))
@@ -115,12 +120,16 @@ class LoopbackPlane(DataPlane):
             if cancelled:
                 self.gate_closed_drops += 1
             return False
+        if item.ready_event is not None:
+            item.ready_event.wait()  # the caller's writes before the copy (CUDA)
         posted.dest.copy_(item.tensor.reshape(-1).view(torch.uint8))
         if posted.on_device is not None:
             with self._lock:
                 gate = _CLOSED_GATE if item.transfer_id in self._cancelled else _OPEN_GATE
-            posted.on_device([posted], gate)
+            posted.on_device([posted], gate.to(posted.dest.device))
             self.consumer_calls += 1
+        if posted.dest.is_cuda:
+            torch.cuda.current_stream(posted.dest.device).synchronize()  # reported once written
         assert self._callbacks is not None
         self._callbacks.on_received(sender_id, item.transfer_id, [item.layer_index])
         return True
