@@ -9,8 +9,6 @@ import time
 from kvwire.kv_params import KVTransferParams
 from kvwire.transfer.enums import FailReason
 
-_KNOWN_REASONS = frozenset(r.value for r in FailReason)
-
 
 class Phase(enum.Enum):
     # P side
@@ -44,27 +42,6 @@ class RequestState:
 
 
 def reason_label(reason: str) -> str:
-    """Bounded metric label for a failure reason from the transfer agent (``FailReason`` prefix)."""
-    text = reason.lower()
-    head = text.split(":", 1)[0].strip()
-    if head in _KNOWN_REASONS:
-        return head
-    for needle, label in (
-        ("deadline", "deadline"),
-        ("timeout", "deadline"),
-        ("timed out", "deadline"),
-        ("lease", "deadline"),
-        ("expired", "deadline"),
-        ("peer", "peer_lost"),
-        ("lost", "peer_lost"),
-        ("epoch", "peer_lost"),
-        ("unreachable", "peer_lost"),
-        ("abort", "aborted"),
-        ("cancel", "aborted"),
-        ("budget", "budget"),
-        ("shape", "mismatch"),
-        ("mismatch", "mismatch"),
-    ):
-        if needle in text:
-            return label
-    return "error"
+    """Bounded metric label for a failure reason: its :class:`FailReason` kind (every reason the
+    agent and the connector produce starts with one; anything else is ``other``)."""
+    return FailReason.of(reason).value

@@ -219,11 +219,13 @@ class TransferAgent:
     # --- both sides --------------------------------------------------------------------------------------
 
     def abort(self, transfer_id: str, reason: str = FailReason.ABORTED.value) -> None:
-        """End the transfer as FAILED on both sides and free everything it holds. Idempotent."""
+        """End the transfer as FAILED on both sides and free everything it holds. Idempotent. The
+        local failure reads ``"aborted: <reason>"`` (the peer's ``"peer_aborted: <reason>"``)."""
         with self._core.lock:
             label = FailReason.ABORTED.value
-            self._sender.fail(transfer_id, reason, notify=True, label=label)
-            self._receiver.fail(transfer_id, reason, notify=True, label=label)
+            local = FailReason.ABORTED.says(reason)
+            self._sender.fail(transfer_id, local, notify=True, label=label, wire_reason=reason)
+            self._receiver.fail(transfer_id, local, notify=True, label=label, wire_reason=reason)
             self._receiver.drop_done(transfer_id)
 
     def poll(self) -> TransferEvents:

@@ -26,6 +26,23 @@ class FailReason(str, enum.Enum):
     UNKNOWN = "unknown_transfer"  # pull for a transfer the sender does not hold
     CLOSED = "closed"  # the local agent closed
     SINK = "sink"  # the caller's sink raised
+    OTHER = "other"  # a reason without a known prefix (never produced by the agent itself)
+
+    @classmethod
+    def of(cls, reason: str) -> FailReason:
+        """The kind of a failure reason string: every reason the agent reports starts with its
+        kind's value (``"deadline: 3/32 layers acknowledged"``); anything else is ``OTHER``."""
+        head = reason.split(":", 1)[0].strip()
+        try:
+            return cls(head)
+        except ValueError:
+            return cls.OTHER
+
+    def says(self, detail: str) -> str:
+        """``"<kind>: <detail>"`` (the detail unchanged when it already names a kind)."""
+        if FailReason.of(detail) is not FailReason.OTHER:
+            return detail
+        return f"{self.value}: {detail}"
 
 
 class KVLayout(str, enum.Enum):

@@ -442,7 +442,16 @@ class Receiver:
 
     # --- failure -----------------------------------------------------------------------------------------
 
-    def fail(self, transfer_id: str, reason: str, notify: bool, label: str | None = None) -> bool:
+    def fail(
+        self,
+        transfer_id: str,
+        reason: str,
+        notify: bool,
+        label: str | None = None,
+        wire_reason: str | None = None,
+    ) -> bool:
+        """End the transfer as failed with ``reason``; ``notify``: tell the peer (``wire_reason``, if
+        given, is what it is told; the local reason otherwise)."""
         st = self.recvs.pop(transfer_id, None)
         if st is None:
             return False
@@ -458,7 +467,9 @@ class Receiver:
         self.core.record_failure(SIDE, transfer_id, reason, label)
         target = st.peer.endpoint if st.peer is not None else st.pull_from
         if notify and target is not None:
-            self.core.send_abort(target, transfer_id, reason, st.peer.instance_id if st.peer else None)
+            self.core.send_abort(
+                target, transfer_id, wire_reason or reason, st.peer.instance_id if st.peer else None
+            )
         self.grant_pass()
         return True
 

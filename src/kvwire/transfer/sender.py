@@ -331,7 +331,16 @@ class Sender:
 
     # --- failure -----------------------------------------------------------------------------------------
 
-    def fail(self, transfer_id: str, reason: str, notify: bool, label: str | None = None) -> bool:
+    def fail(
+        self,
+        transfer_id: str,
+        reason: str,
+        notify: bool,
+        label: str | None = None,
+        wire_reason: str | None = None,
+    ) -> bool:
+        """End the transfer as failed with ``reason``; ``notify``: tell the peer (``wire_reason``, if
+        given, is what it is told; the local reason otherwise)."""
         st = self.sends.pop(transfer_id, None)
         if st is None:
             return False
@@ -339,7 +348,7 @@ class Sender:
         self.core.record_failure(SIDE, transfer_id, reason, label)
         if notify and st.endpoint is not None:
             dst = st.peer.instance_id if st.peer is not None else None
-            self.core.send_abort(st.endpoint, transfer_id, reason, dst)
+            self.core.send_abort(st.endpoint, transfer_id, wire_reason or reason, dst)
         if st.peer is not None and self.core.plane.ordered:
             self._dispatch_ordered(st.peer)
         return True

@@ -8,8 +8,6 @@ from collections import Counter
 
 from kvwire.transfer.enums import FailReason
 
-_KNOWN_REASONS = frozenset(r.value for r in FailReason)
-
 
 @dataclasses.dataclass(frozen=True)
 class TransferStats:
@@ -46,8 +44,7 @@ class StatsRecorder:
     def failed(self, reason: str) -> None:
         """Count a failure under its reason's prefix when that is a known ``FailReason`` value,
         else under "other" (caller-given abort reasons must not grow metric label sets)."""
-        prefix = reason.split(":", 1)[0].strip()
-        label = prefix if prefix in _KNOWN_REASONS else "other"
+        label = FailReason.of(reason).value
         with self._lock:
             self._failed[label] += 1
 

@@ -147,8 +147,8 @@ def test_api_misuse_raises_typed_errors(pair: tuple[TransferAgent, TransferAgent
     assert a.poll().failed == {"x": "aborted"}
     assert not a.poll()  # each event once
     a.start_send("y", b.endpoint, [LayerSpec.of(t) for t in layers])
-    a.abort("y", "client disconnected")  # free text reason: reported as given, counted as "aborted"
-    assert a.poll().failed == {"y": "client disconnected"}
+    a.abort("y", "client disconnected")  # free text reason: reported under its kind, counted as "aborted"
+    assert a.poll().failed == {"y": "aborted: client disconnected"}  # every reason names its kind
     assert a.stats().failed == {"aborted": 2}
 
 
