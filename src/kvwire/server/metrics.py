@@ -92,6 +92,9 @@ class ServerMetrics:
                              buckets=_ITL_BUCKETS, registry=reg)
         self.e2e = Histogram("kvwire_e2e_request_latency_seconds", "arrival to last token",
                              buckets=_E2E_BUCKETS, registry=reg)
+        self.refused = Counter(
+            "kvwire_refused", "requests refused before admission: missing/wrong API key (401), "
+            "kv_transfer_params unsigned, tampered, expired or replayed (403)", ["reason"], registry=reg)
         reg.register(_EngineStatsCollector(stats_fn))
         reg.register(_EngineStatusCollector(status_fn))
 
