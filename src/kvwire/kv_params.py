@@ -59,6 +59,10 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     first_token_id: int | None = None
     num_prompt_tokens: int | None = None
     v: int = KV_PARAMS_VERSION
+    # Set by a router with a shared secret (kvwire.kv_signing): Unix time after which instances
+    # refuse these params, and the HMAC over every other field. None = unsigned.
+    expires_at: float | None = None
+    sig: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict for the ``kv_transfer_params`` request/response field."""

@@ -29,6 +29,7 @@ from aiohttp import web
 from kvwire.discovery.messages import InstanceRole
 from kvwire.errors import InvalidRequestError
 from kvwire.kv_params import KVTransferParams, PDRole, TransferMode
+from kvwire.kv_signing import ParamsSigner
 from kvwire.router.client_body import send_body
 from kvwire.router.client_stream import ClientStream
 from kvwire.router.config import RouterConfig
@@ -52,6 +53,8 @@ class Dispatcher:
         self._upstream = upstream
         self._metrics = metrics
         self._background: set[asyncio.Task[Any]] = set()
+        # With a shared secret every kv_transfer_params is signed (instances refuse unsigned ones).
+        self._signer = ParamsSigner(cfg.secret, cfg.kv_params_ttl_s) if cfg.secret else None
 
     async def dispatch(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
         """Serve ``creq``; raises NoInstanceError / ModelNotFoundError / UpstreamFailure before any
@@ -233,10 +236,13 @@ class Dispatcher:
             raise self._upstream.lost(inst, inst.role.value, exc) from exc
 
     def _push_params(self, tid: str, role: PDRole, peer: InstanceView) -> KVTransferParams:
-        return KVTransferParams(
+        return self._seal(KVTransferParams(
             transfer_id=tid, mode=TransferMode.PUSH, role=role, peer_endpoints=list(peer.info.kv_endpoints),
             peer_instance_id=peer.instance_id, deadline_s=self._cfg.kv_deadline_s,
-        )
+        ))
+
+    def _seal(self, params: KVTransferParams) -> KVTransferParams:
+        return params if self._signer is None else self._signer.sign(params)
 
     async def _race(self, p_task: asyncio.Task[Opened], d_task: asyncio.Task[Opened]) -> Opened:
         """D's first bytes (or whole answer), unless P fails first in a way D cannot recover from.
@@ -273,9 +279,9 @@ class Dispatcher:
 
     async def _pull(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
         tid = uuid.uuid4().hex
-        p_params = KVTransferParams(
+        p_params = self._seal(KVTransferParams(
             transfer_id=tid, mode=TransferMode.PULL, role=PDRole.PREFILL, deadline_s=self._cfg.kv_deadline_s
-        )
+        ))
         p_body = _prefill_body(creq, p_params)
         p, answer = await self._retrying(lambda: self._prefill_only(creq, p_body))
         d_body = _decode_body(creq, self._params_from_prefill(p, answer))
@@ -299,10 +305,13 @@ class Dispatcher:
                 status=502, kind="bad_response", instance_id=p.instance_id,
             ) from exc
         endpoints = params.peer_endpoints or list(p.info.kv_endpoints)
-        return msgspec.structs.replace(
+        peer_id = params.peer_instance_id or p.instance_id
+        if self._signer is not None:  # vouch only for what discovery registered, not for P's answer
+            endpoints, peer_id = list(p.info.kv_endpoints), p.instance_id
+        return self._seal(msgspec.structs.replace(
             params, role=PDRole.DECODE, mode=TransferMode.PULL, peer_endpoints=endpoints,
-            peer_instance_id=params.peer_instance_id or p.instance_id,
-        )
+            peer_instance_id=peer_id, expires_at=None, sig=None,
+        ))
 
 
 def _prefill_body(creq: ClientRequest, params: KVTransferParams) -> bytes:
