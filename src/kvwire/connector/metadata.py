@@ -37,6 +37,9 @@ class RecvSpec:
     # Leading blocks D already holds (local prefix-cache hit, possibly shared with running
     # requests): their arriving copies are not written.
     skip_blocks: int = 0
+    # P's endpoints, one per rank, that the router named (both modes): the only agents whose offer
+    # of this transfer is accepted. Empty: the first offer wins.
+    sender_endpoints: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

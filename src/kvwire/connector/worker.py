@@ -52,7 +52,7 @@ class AgentLike(Protocol):
 
     def expect(
         self, transfer_id: str, *, num_layers: int, sink: LayerSink | None = None,
-        deadline_s: float | None = None, pull_from: str | None = None,
+        deadline_s: float | None = None, pull_from: str | None = None, accept_from: str | None = None,
     ) -> None: ...
 
     def take_trailer(self, transfer_id: str) -> bytes | None: ...
@@ -268,12 +268,14 @@ class KvwireWorkerConnector(WorkerConnector):
                 self._recv_failed(recv, "mismatch: no P endpoint for this rank", self._pending)
                 return
             pull_from = spec.pull_from[self.engine_info.rank]
+        rank = self.engine_info.rank
+        accept_from = spec.sender_endpoints[rank] if rank < len(spec.sender_endpoints) else None
         self._recvs[spec.transfer_id] = recv
         sink: LayerSink = lambda index, tensor: self._sink(recv, index, tensor)  # noqa: E731
         try:
             self.agent.expect(
                 spec.transfer_id, num_layers=len(self._kv_caches), sink=sink,
-                deadline_s=spec.deadline_s, pull_from=pull_from,
+                deadline_s=spec.deadline_s, pull_from=pull_from, accept_from=accept_from,
             )
         except KvwireError as exc:
             del self._recvs[spec.transfer_id]

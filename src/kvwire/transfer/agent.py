@@ -134,6 +134,7 @@ class TransferAgent:
         deadline_s: float | None = None,
         pull_from: str | None = None,
         scatter_into: Callable[[int], ByteSpans] | None = None,
+        accept_from: str | None = None,
     ) -> None:
         """Announce an incoming transfer (before or after its data arrives). ``sink(index, tensor)``
         runs on a transfer thread per layer (tensor valid during the call only); without a sink the
@@ -143,13 +144,19 @@ class TransferAgent:
         e.g. ``paged.block_spans(kv_cache[index], block_ids, layout)``. A plane that supports spans
         (TCP) receives straight into them, no buffer and no copy; others copy on arrival. Called under
         the agent lock when a layer is granted: must be cheap and must not call the agent. The spans
-        must stay valid until the transfer ends (finished or failed)."""
+        must stay valid until the transfer ends (finished or failed).
+
+        ``accept_from`` (default ``pull_from``): the sender's control endpoint; offers of this id from
+        any other agent are refused (counted in ``offers_refused``), so a third agent that knows the
+        id cannot inject data. Raises TransferError if another agent offered it already."""
         if sink is not None and scatter_into is not None:
             raise ValueError("expect: give a sink or scatter_into, not both")
         deadline = self.config.default_deadline_s if deadline_s is None else deadline_s
         with self._core.lock:
             self._check_open()
-            deliver = self._receiver.expect(transfer_id, num_layers, sink, deadline, pull_from, scatter_into)
+            deliver = self._receiver.expect(
+                transfer_id, num_layers, sink, deadline, pull_from, scatter_into, accept_from
+            )
         if deliver:
             control = self._core.control
             assert control is not None

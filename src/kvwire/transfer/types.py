@@ -34,6 +34,7 @@ class FailReason(str, enum.Enum):
     UNKNOWN = "unknown_transfer"  # pull for a transfer the sender does not hold
     CLOSED = "closed"  # the local agent closed
     SINK = "sink"  # the caller's sink raised
+    REFUSED = "refused"  # offered by another agent than the one the transfer is bound to
 
 
 # torch dtype <-> wire name (bf16 has no numpy dtype: bytes travel as uint8 views anyway)

@@ -159,8 +159,9 @@ class FakeAgent:
     # receive side
     def expect(
         self, transfer_id: str, *, num_layers: int, sink: LayerSink | None = None,
-        deadline_s: float | None = None, pull_from: str | None = None,
+        deadline_s: float | None = None, pull_from: str | None = None, accept_from: str | None = None,
     ) -> None:
+        del accept_from  # the fake fabric has no third agents
         recv = self.recvs.setdefault(transfer_id, _FakeRecv(None, None, 0.0))
         recv.num_layers, recv.sink, recv.deadline = num_layers, sink, self._deadline(deadline_s)
         if pull_from is not None:
