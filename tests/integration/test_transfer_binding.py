@@ -1,0 +1,87 @@
+"""A receive is bound to the sender the router named: a third agent that knows (or guessed) the
+transfer id cannot attach to it. Real agents: D in this process, P and the intruders in child
+processes, TCP on loopback, all with the shared secret unless said otherwise."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+
+import pytest
+from transfer_helpers import PeerProcess, digest, expected_digests, has_all, poll_until
+
+from kvwire.errors import TransferError
+from kvwire.transfer import TransferAgent, TransferConfig
+from kvwire.transfer.stats import TransferStats
+
+SECRET = "binding-test-secret"
+SPECS = [([2, 3, 4, 8], "float32"), ([2, 3, 4, 8], "float16")]
+
+
+@pytest.fixture(scope="module")
+def peers() -> Iterator[dict[str, PeerProcess]]:
+    procs = {"p": PeerProcess("--secret", SECRET), "intruder": PeerProcess("--secret", SECRET),
+             "outsider": PeerProcess()}  # the outsider lacks the secret
+    try:
+        for proc in procs.values():
+            proc.hello()
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.kill()
+
+
+@pytest.fixture
+def d_agent() -> Iterator[TransferAgent]:
+    with TransferAgent(TransferConfig(secret=SECRET.encode())) as agent:
+        yield agent
+
+
+def _send(peer: PeerProcess, tid: str, to: str, seed: int) -> None:
+    peer.call("send", tid=tid, peer=to, seed=seed, specs=SPECS, order=[0, 1], deadline_s=10.0)
+
+
+def _stats_reach(agent: TransferAgent, done: object, timeout_s: float = 10.0) -> TransferStats:
+    def check(_: object) -> bool:
+        return bool(done(agent.stats()))  # type: ignore[operator]
+
+    poll_until(agent, check, timeout_s)
+    return agent.stats()
+
+
+def test_offers_from_other_agents_are_refused_and_the_pair_completes(
+    peers: dict[str, PeerProcess], d_agent: TransferAgent
+) -> None:
+    tid = secrets.token_hex(16)
+    d_agent.expect(tid, num_layers=len(SPECS), accept_from=peers["p"].endpoint)
+    # Both intruders know the id and offer first: with the secret -> refused as the wrong peer;
+    # without it -> the message itself is rejected.
+    _send(peers["intruder"], tid, d_agent.endpoint, seed=666)
+    _send(peers["outsider"], tid, d_agent.endpoint, seed=667)
+    stats = _stats_reach(d_agent, lambda s: s.offers_refused >= 1 and s.messages_rejected >= 1)
+    intruder = peers["intruder"].call("wait", tids=[tid], timeout_s=10.0)
+    assert "not this transfer's peer" in intruder["events"]["failed"][tid]
+    # The real prefill's offer still goes through, with its own bytes.
+    _send(peers["p"], tid, d_agent.endpoint, seed=42)
+    poll_until(d_agent, has_all("recvd", [tid]), timeout_s=20)
+    layers = d_agent.take_layers(tid)
+    assert {i: digest(t) for i, t in layers.items()} == expected_digests(42, SPECS)
+    assert peers["p"].call("wait", tids=[tid])["events"]["sent"] == {tid: ""}
+    assert d_agent.stats().offers_refused == stats.offers_refused == 1
+
+
+def test_an_offer_that_came_before_expect_from_another_agent_fails_the_transfer(
+    peers: dict[str, PeerProcess], d_agent: TransferAgent
+) -> None:
+    tid = secrets.token_hex(16)
+    _send(peers["intruder"], tid, d_agent.endpoint, seed=5)
+    _stats_reach(d_agent, lambda s: s.bytes_received > 0)  # the intruder's offer is in, unexpected
+    with pytest.raises(TransferError, match="not by its peer"):
+        d_agent.expect(tid, num_layers=len(SPECS), accept_from=peers["p"].endpoint)
+    assert d_agent.stats().offers_refused == 1
+    assert "refused" in d_agent.poll().failed[tid]  # nothing of it is ever delivered
+    # The agent keeps serving: the next transfer from the real peer completes.
+    tid2 = secrets.token_hex(16)
+    d_agent.expect(tid2, num_layers=len(SPECS), accept_from=peers["p"].endpoint)
+    _send(peers["p"], tid2, d_agent.endpoint, seed=9)
+    poll_until(d_agent, has_all("recvd", [tid2]), timeout_s=20)
