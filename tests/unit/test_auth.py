@@ -61,3 +61,27 @@ def test_router_sends_its_own_key_and_never_the_clients_router_key() -> None:
     keyed = RouterConfig(api_keys=ApiKeyConfig(("sk-client-key",)))
     assert "Authorization" not in instance_headers(client, keyed)
     assert instance_headers(client, RouterConfig())["Authorization"] == "Bearer sk-client-key"  # pass-through
+
+
+def _parse(argv: list[str]) -> object:
+    from kvwire.cli import build_parser
+
+    return build_parser(argv).parse_args(argv)
+
+
+def test_cli_flags_become_configs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvwire.cluster.cli import spec_from_args
+    from kvwire.router.cli import config_from_args
+    from kvwire.server.cli import server_config_from_args
+
+    monkeypatch.setenv("KVWIRE_API_KEY", "sk-from-the-env")
+    monkeypatch.setenv("KVWIRE_INSTANCE_API_KEY", "sk-instance-env")
+    router = config_from_args(_parse(["router", "--api-key", "sk-router-one", "--api-key", "sk-router-two",
+                                      "--open-endpoint", "metrics"]))  # type: ignore[arg-type]
+    assert router.api_keys.keys == ("sk-router-one", "sk-router-two")
+    assert router.api_keys.open_paths == frozenset({"/metrics"})
+    assert router.instance_api_key == "sk-instance-env"
+    serve = server_config_from_args(_parse(["serve"]))  # type: ignore[arg-type]
+    assert serve.api_keys.keys == ("sk-from-the-env",) and not serve.api_keys.open_paths
+    up = spec_from_args(_parse(["up"]))  # type: ignore[arg-type]
+    assert up.api_key == "sk-from-the-env"
