@@ -1,6 +1,6 @@
-"""A receive is bound to the sender the router named: a third agent that knows (or guessed) the
-transfer id cannot attach to it. Real agents: D in this process, P and the intruders in child
-processes, TCP on loopback, all with the shared secret unless said otherwise."""
+"""A transfer is bound to the pair the router named: a third agent that knows (or guessed) the
+transfer id can neither offer into a receive nor pull a lease. Real agents: D in this process, P and
+the intruders in child processes, TCP on loopback, all with the shared secret unless said otherwise."""
 
 from __future__ import annotations
 
@@ -90,3 +90,22 @@ def test_an_offer_that_came_before_expect_from_another_agent_fails_the_transfer(
     d_agent.expect(tid2, num_layers=len(SPECS), accept_from=peers["p"].endpoint)
     _send(peers["p"], tid2, d_agent.endpoint, seed=9)
     poll_until(d_agent, has_all("recvd", [tid2]), timeout_s=20)
+
+
+def test_a_pull_lease_goes_only_to_the_named_receiver(
+    peers: dict[str, PeerProcess], d_agent: TransferAgent
+) -> None:
+    tid = secrets.token_hex(16)
+    p = peers["p"]
+    p.call("send", tid=tid, peer=None, seed=77, specs=SPECS, order=[0, 1], deadline_s=10.0,
+           pull_by=d_agent.endpoint)
+    refused_before = p.call("stats")["offers_refused"]
+    intruder = peers["intruder"]
+    intruder.call("expect", tid=tid, num_layers=len(SPECS), pull_from=p.endpoint, deadline_s=10.0)
+    failed = intruder.call("wait", tids=[tid], timeout_s=10.0)["events"]["failed"]
+    assert "not this transfer's peer" in failed[tid]
+    assert p.call("stats")["offers_refused"] == refused_before + 1
+    # The lease is intact: the receiver the router named pulls it.
+    d_agent.expect(tid, num_layers=len(SPECS), pull_from=p.endpoint)
+    poll_until(d_agent, has_all("recvd", [tid]), timeout_s=20)
+    assert {i: digest(t) for i, t in d_agent.take_layers(tid).items()} == expected_digests(77, SPECS)

@@ -22,6 +22,9 @@ class SendSpec:
     block_ids: tuple[int, ...]  # the prompt's blocks, in token order
     deadline_s: float
     with_trailer: bool  # the first token follows in a TrailerSpec
+    # Pull mode: D's endpoints, one per rank, the only agents that may pull this transfer (the pair
+    # the router named). Empty: the first puller gets the lease.
+    pull_by: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -240,6 +240,7 @@ class KvwireSchedulerConnector(SchedulerConnector):
                 block_ids=state.block_ids,
                 deadline_s=state.deadline_s,
                 with_trailer=push and self.config.use_first_token,
+                pull_by=() if push else tuple(state.params.peer_endpoints),
             )
         )
 

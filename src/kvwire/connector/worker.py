@@ -41,7 +41,7 @@ class AgentLike(Protocol):
 
     def start_send(
         self, transfer_id: str, peer_endpoint: str | None, layers: Sequence[LayerSpec], *,
-        deadline_s: float | None = None, with_trailer: bool = False,
+        deadline_s: float | None = None, with_trailer: bool = False, pull_by: str | None = None,
     ) -> None: ...
 
     def send_layer(
@@ -215,6 +215,8 @@ class KvwireWorkerConnector(WorkerConnector):
                 self._count_failure("send", "mismatch: no endpoint for this rank")
                 return
             peer = spec.peer_endpoints[self.engine_info.rank]
+        rank = self.engine_info.rank
+        pull_by = spec.pull_by[rank] if rank < len(spec.pull_by) else None
         send = _Send(spec, self._ids(spec.block_ids))
         layers = [
             LayerSpec(gathered_shape(cache, len(spec.block_ids), self._layout), cache.dtype)
@@ -222,7 +224,8 @@ class KvwireWorkerConnector(WorkerConnector):
         ]
         try:
             self.agent.start_send(
-                spec.transfer_id, peer, layers, deadline_s=spec.deadline_s, with_trailer=spec.with_trailer
+                spec.transfer_id, peer, layers, deadline_s=spec.deadline_s, with_trailer=spec.with_trailer,
+                pull_by=pull_by,
             )
         except KvwireError as exc:
             logger.warning("transfer %s: start_send failed: %s", spec.transfer_id, exc)

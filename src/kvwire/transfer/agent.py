@@ -85,9 +85,12 @@ class TransferAgent:
         *,
         deadline_s: float | None = None,
         with_trailer: bool = False,
+        pull_by: str | None = None,
     ) -> None:
         """Announce a transfer to ``peer_endpoint`` (one Offer message), or hold it for a pull
         (``peer_endpoint`` None: lease until the deadline). Never blocks on the network.
+        ``pull_by``: the one control endpoint allowed to pull it (others are refused and counted in
+        ``offers_refused``); None: the first puller.
 
         ``transfer_id``: caller-given, unique (e.g. a uuid minted by the router); do not reuse an id
         for a new transfer between the same agents (ended ids are remembered to reject late
@@ -95,7 +98,7 @@ class TransferAgent:
         with self._core.lock:
             self._check_open()
             deadline = self.config.default_deadline_s if deadline_s is None else deadline_s
-            self._sender.start(transfer_id, peer_endpoint, layers, deadline, with_trailer)
+            self._sender.start(transfer_id, peer_endpoint, layers, deadline, with_trailer, pull_by)
 
     def send_layer(
         self, transfer_id: str, layer_index: int, tensor: torch.Tensor, ready_event: Any | None = None

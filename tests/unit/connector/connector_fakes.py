@@ -106,8 +106,9 @@ class FakeAgent:
     # send side
     def start_send(
         self, transfer_id: str, peer_endpoint: str | None, layers: Sequence[LayerSpec], *,
-        deadline_s: float | None = None, with_trailer: bool = False,
+        deadline_s: float | None = None, with_trailer: bool = False, pull_by: str | None = None,
     ) -> None:
+        del pull_by  # the fake fabric has no third agents
         deadline = self._deadline(deadline_s)
         self.sends[transfer_id] = _FakeSend(peer_endpoint, list(layers), deadline, with_trailer)
 
