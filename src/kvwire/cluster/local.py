@@ -56,7 +56,8 @@ class ClusterSpec:
     router_args: tuple[str, ...] = ()  # extra ``kvwire router`` flags
     # Given to every process through the environment (never on a command line, where `ps` shows it):
     # the API key clients send to the router, which it also sends to the instances (KVWIRE_API_KEY,
-    # KVWIRE_INSTANCE_API_KEY), and the shared secret (KVWIRE_SECRET). None: inherited as they are.
+    # KVWIRE_INSTANCE_API_KEY), and the shared secret (KVWIRE_SECRET). None: inherited as they are
+    # (a KVWIRE_API_KEY in our environment is then the cluster's key, used the same way).
     api_key: str | None = None
     secret: str | None = None
 
@@ -118,6 +119,7 @@ class LocalCluster:
         self.router_url = ""
         self.discovery_address = ""
         self._stopped = False
+        self.api_key = spec.api_key or os.environ.get("KVWIRE_API_KEY") or None
 
     # --- start ----------------------------------------------------------------------------------
 
@@ -150,13 +152,13 @@ class LocalCluster:
             "--kv-deadline-s", str(spec.kv_deadline_s), "--instance-ttl-s", str(spec.instance_ttl_s),
             *spec.router_args,
         )
-        env = self._env(KVWIRE_INSTANCE_API_KEY=spec.api_key)
+        env = self._env(KVWIRE_INSTANCE_API_KEY=self.api_key)
         self.router = ManagedProcess("router", argv, sink=self._sink, sink_lock=self._sink_lock, env=env)
 
     def _env(self, **extra: str | None) -> dict[str, str] | None:
         """The children's environment: ours plus the spec's credentials (None: ours unchanged)."""
         spec = self.spec
-        values = {"KVWIRE_API_KEY": spec.api_key, "KVWIRE_SECRET": spec.secret, **extra}
+        values = {"KVWIRE_API_KEY": self.api_key, "KVWIRE_SECRET": spec.secret, **extra}
         given = {name: value for name, value in values.items() if value is not None}
         return dict(os.environ, **given) if given else None
 
@@ -200,7 +202,7 @@ class LocalCluster:
 
     def _all_registered(self) -> bool:
         try:
-            listed = http_json(f"{self.router_url}/instances", api_key=self.spec.api_key)
+            listed = http_json(f"{self.router_url}/instances", api_key=self.api_key)
         except (OSError, ValueError):
             return False
         alive = {entry["id"]: entry["url"] for entry in listed if entry.get("alive")}
