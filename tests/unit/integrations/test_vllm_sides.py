@@ -33,7 +33,8 @@ def pd() -> Iterator[tuple[Instance, Instance]]:
 def params(
     tid: str, role: PDRole, peer: Instance, mode: TransferMode = TransferMode.PUSH
 ) -> dict[str, object]:
-    peers = [peer.worker.endpoint] if role is PDRole.DECODE or mode is TransferMode.PUSH else []
+    # As the router sends them: the peer's endpoints in both modes (pull: P may lease only to that D).
+    peers = [peer.worker.endpoint]
     return KVTransferParams(transfer_id=tid, role=role, mode=mode, peer_endpoints=peers).to_dict()
 
 
