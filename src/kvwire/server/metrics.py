@@ -80,7 +80,7 @@ class ServerMetrics:
         reg = self.registry
         self.requests = Counter(
             "kvwire_requests", "finished requests by endpoint and outcome "
-            "(stop, length, abort, error, invalid, shutdown, stalled, disconnect, client_timeout)",
+            "(stop, length, abort, error, invalid, forbidden, shutdown, stalled, disconnect, client_timeout)",
             ["endpoint", "outcome"], registry=reg)
         self.prompt_tokens = Counter("kvwire_prompt_tokens", "prompt tokens of admitted requests",
                                      registry=reg)
