@@ -47,6 +47,15 @@ class AuthenticationError(ProtocolError, PermissionError):
     """A peer could not prove the shared secret."""
 
 
+class ForbiddenError(KvwireError, PermissionError):
+    """A request asks for something its sender may not (becomes HTTP 403). ``reason`` is a short
+    metric label (e.g. ``unsigned``, ``bad_signature``, ``expired``)."""
+
+    def __init__(self, message: str, reason: str = "forbidden") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 # --- engine / serving -------------------------------------------------------------------------------
 
 

@@ -6,7 +6,8 @@ field vLLM passes to its KV connectors); inside kvwire they are always a :class:
 
 Push mode (default): the router mints ``transfer_id`` and sends P and D their requests concurrently.
   P gets ``role=PREFILL`` and D's KV endpoints in ``peer_endpoints``; D gets ``role=DECODE`` and P's.
-Pull mode: the router calls P first (``role=PREFILL``, no peer); P answers with params of its own
+Pull mode: the router calls P first (``role=PREFILL``, ``peer_endpoints`` = the D it picked, the
+  only agents allowed to pull; empty = the first puller); P answers with params of its own
   (``peer_endpoints`` = P's endpoints, ``first_token_id``, ``num_prompt_tokens``) that the router
   forwards to D with ``role=DECODE``.
 
@@ -49,7 +50,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     mode: TransferMode = TransferMode.PUSH
     role: PDRole
     # The other side's transfer-agent endpoints, one per worker rank (rank r talks to rank r).
-    # Empty for P in pull mode (D comes to P).
+    # P in pull mode: the D that may pull (empty: the first puller).
     peer_endpoints: list[str] = msgspec.field(default_factory=list)
     # The other side's instance id (for logs/metrics and epoch checks); optional.
     peer_instance_id: str | None = None
@@ -59,6 +60,10 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     first_token_id: int | None = None
     num_prompt_tokens: int | None = None
     v: int = KV_PARAMS_VERSION
+    # Set by a router with a shared secret (kvwire.kv_signing): Unix time after which instances
+    # refuse these params, and the HMAC over every other field. None = unsigned.
+    expires_at: float | None = None
+    sig: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict for the ``kv_transfer_params`` request/response field."""

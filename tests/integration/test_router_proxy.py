@@ -231,7 +231,8 @@ def test_pull_forwards_prefill_params_to_decode(pull_pair: MockCluster) -> None:
     p_req = c.mocks["p0"].stats()["requests"][n_p]
     d_req = c.mocks["d0"].stats()["requests"][n_d]
     pk, dk = p_req["body"]["kv_transfer_params"], d_req["body"]["kv_transfer_params"]
-    assert (pk["mode"], pk["role"], pk["peer_endpoints"]) == ("pull", "prefill", [])
+    # D is picked first and named in P's params: only it may pull P's leased KV (decision 044).
+    assert (pk["mode"], pk["role"], pk["peer_endpoints"]) == ("pull", "prefill", ["tcp://127.0.0.1:7002"])
     assert (dk["mode"], dk["role"], dk["transfer_id"]) == ("pull", "decode", pk["transfer_id"])
     assert dk["peer_endpoints"] == ["tcp://127.0.0.1:7001"] and dk["first_token_id"] == 42
     assert d_req["received_at"] >= p_req["answered_at"]

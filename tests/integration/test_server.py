@@ -20,6 +20,8 @@ import zmq
 
 from kvwire.cluster.local import free_port
 from kvwire.discovery import Deregister, Heartbeat, InstanceRole, decode_frames
+from kvwire.kv_params import KVTransferParams, PDRole, TransferMode
+from kvwire.kv_signing import ParamsSigner
 
 START_DEADLINE_S = 90.0
 BASE_ARGS = ["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--max-model-len", "256",
@@ -342,8 +344,10 @@ def test_prefill_role_registers_serves_pull_and_deregisters(tmp_path: Path) -> N
         assert len(info.kv_endpoints) == 1 and info.kv_endpoints[0].startswith("tcp://127.0.0.1:")
         assert beat.load is not None and beat.load.total_kv_blocks == 512
 
-        # Pull mode: P prefills, keeps the blocks under a lease and returns params for D.
-        kv = {"transfer_id": "t-pull", "role": "prefill", "mode": "pull"}
+        # Pull mode: P prefills, keeps the blocks under a lease and returns params for D. With the
+        # secret set, P accepts only params the router signed (docs/security.md).
+        kv = ParamsSigner("s3cret").sign(KVTransferParams(
+            transfer_id="t-pull", role=PDRole.PREFILL, mode=TransferMode.PULL)).to_dict()
         async def body() -> dict[str, Any]:
             async with aiohttp.ClientSession() as session:
                 status, out = await post(session, proc.url + "/v1/completions",

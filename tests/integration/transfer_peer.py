@@ -47,6 +47,7 @@ class Peer:
             layer_specs,
             deadline_s=kw.get("deadline_s"),
             with_trailer=kw.get("trailer") is not None,
+            pull_by=kw.get("pull_by"),
         )
         self.op_send_more(tid, seed, specs, order)
         if kw.get("trailer") is not None:

@@ -7,11 +7,13 @@ Every child's output is prefixed with its name; the router URL is printed once e
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
 from types import FrameType
 
+from kvwire.auth import API_KEY_ENV
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.errors import ClusterError, ConfigError
 from kvwire.kv_params import LoadFailurePolicy, TransferMode
@@ -36,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-grace-s", type=float, default=10.0, help="SIGTERM->SIGKILL grace")
     parser.add_argument("--spread-gpus", type=int, default=0, metavar="N",
                         help="give instance k only GPU k %% N (CUDA_VISIBLE_DEVICES); 0 = leave as is")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                        help="API key clients must send to the router; the router sends it to the "
+                             "instances too (default: $KVWIRE_API_KEY, else none)")
     parser.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
                         help="extra `kvwire serve` flag (repeat; e.g. --serve-arg=--num-kv-blocks=512)")
 
@@ -47,7 +52,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         kv_deadline_s=args.kv_deadline_s,
         kv_load_failure_policy=LoadFailurePolicy(args.kv_load_failure_policy),
         start_timeout_s=args.start_timeout_s, stop_grace_s=args.stop_grace_s,
-        serve_args=tuple(args.serve_arg), spread_gpus=args.spread_gpus,
+        serve_args=tuple(args.serve_arg), spread_gpus=args.spread_gpus, api_key=args.api_key,
     )
 
 

@@ -49,10 +49,13 @@ def _describe(label: str, result: RequestResult) -> str:
     )
 
 
-async def _requests(router_url: str, model: str, max_tokens: int) -> list[tuple[str, RequestResult]]:
+async def _requests(
+    router_url: str, model: str, max_tokens: int, api_key: str | None = None
+) -> list[tuple[str, RequestResult]]:
     base = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "return_token_ids": True}
-    async with aiohttp.ClientSession() as session:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with aiohttp.ClientSession(headers=headers) as session:
         url = f"{router_url}/v1/completions"
         plain = [post_completion(session, url, {**base, "prompt": p}) for p in PROMPTS[:2]]
         chat_body = {**base, "messages": CHAT_MESSAGES, "stream": True}
@@ -77,11 +80,13 @@ def _colocated_token_ids(model: str, device: str, max_tokens: int) -> list[list[
         llm.close()
 
 
-def _handover_summary(url: str | None) -> str:
+def _handover_summary(url: str | None, api_key: str | None = None) -> str:
     if url is None:
         return "n/a"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    request = urllib.request.Request(f"{url}/metrics", headers=headers)
     try:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+        with urllib.request.urlopen(request, timeout=5) as resp:
             text = resp.read().decode()
     except OSError as exc:  # URLError, timeouts, refused: say so, keep the demo's summary going
         return f"metrics unavailable ({exc})"
@@ -100,11 +105,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         cluster.start()
         print(f"kvwire demo: router at {cluster.router_url}")
-        results = asyncio.run(_requests(cluster.router_url, args.model, args.max_tokens))
+        # A KVWIRE_API_KEY in the environment protects the demo's cluster too (LocalCluster.api_key).
+        results = asyncio.run(_requests(cluster.router_url, args.model, args.max_tokens, cluster.api_key))
         for label, result in results:
             print(_describe(label, result))
         for instance in cluster.instances.values():
-            print(f"{instance.name} metrics: {_handover_summary(instance.url)}")
+            print(f"{instance.name} metrics: {_handover_summary(instance.url, cluster.api_key)}")
         ok = all(result.ok for _, result in results)
         reference = _colocated_token_ids(args.model, args.device, args.max_tokens)
         same = sum(r.token_ids == ref for (_, r), ref in zip(results, reference, strict=True))

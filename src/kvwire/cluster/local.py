@@ -54,6 +54,12 @@ class ClusterSpec:
     # 1P1D cluster on a 2-GPU host puts P and D on different GPUs (NCCL needs distinct devices).
     spread_gpus: int = 0
     router_args: tuple[str, ...] = ()  # extra ``kvwire router`` flags
+    # Given to every process through the environment (never on a command line, where `ps` shows it):
+    # the API key clients send to the router, which it also sends to the instances (KVWIRE_API_KEY,
+    # KVWIRE_INSTANCE_API_KEY), and the shared secret (KVWIRE_SECRET). None: inherited as they are
+    # (a KVWIRE_API_KEY in our environment is then the cluster's key, used the same way).
+    api_key: str | None = None
+    secret: str | None = None
 
     def __post_init__(self) -> None:
         if min(self.num_prefill, self.num_decode, self.num_both) < 0:
@@ -93,9 +99,11 @@ def free_port(host: str) -> int:
         return port
 
 
-def http_json(url: str, timeout_s: float = 2.0) -> Any:
-    """GET ``url`` and decode JSON; raises OSError/ValueError on failure."""
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+def http_json(url: str, timeout_s: float = 2.0, api_key: str | None = None) -> Any:
+    """GET ``url`` (with ``Authorization: Bearer api_key`` when given) and decode JSON; raises
+    OSError/ValueError on failure."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as resp:
         return json.loads(resp.read().decode())
 
 
@@ -111,6 +119,7 @@ class LocalCluster:
         self.router_url = ""
         self.discovery_address = ""
         self._stopped = False
+        self.api_key = spec.api_key or os.environ.get("KVWIRE_API_KEY") or None
 
     # --- start ----------------------------------------------------------------------------------
 
@@ -143,7 +152,15 @@ class LocalCluster:
             "--kv-deadline-s", str(spec.kv_deadline_s), "--instance-ttl-s", str(spec.instance_ttl_s),
             *spec.router_args,
         )
-        self.router = ManagedProcess("router", argv, sink=self._sink, sink_lock=self._sink_lock)
+        env = self._env(KVWIRE_INSTANCE_API_KEY=self.api_key)
+        self.router = ManagedProcess("router", argv, sink=self._sink, sink_lock=self._sink_lock, env=env)
+
+    def _env(self, **extra: str | None) -> dict[str, str] | None:
+        """The children's environment: ours plus the spec's credentials (None: ours unchanged)."""
+        spec = self.spec
+        values = {"KVWIRE_API_KEY": self.api_key, "KVWIRE_SECRET": spec.secret, **extra}
+        given = {name: value for name, value in values.items() if value is not None}
+        return dict(os.environ, **given) if given else None
 
     def start_instance(self, name: str, role: InstanceRole) -> Instance:
         """Start one more instance (also used to restart a killed one under a new name). ``role`` may
@@ -157,9 +174,9 @@ class LocalCluster:
             "--kv-deadline-s", str(spec.kv_deadline_s),
             "--kv-load-failure-policy", spec.kv_load_failure_policy.value, *spec.serve_args,
         )
-        env = None
+        env = self._env()
         if spec.spread_gpus > 0:
-            env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(len(self.instances) % spec.spread_gpus))
+            env = dict(env or os.environ, CUDA_VISIBLE_DEVICES=str(len(self.instances) % spec.spread_gpus))
         process = ManagedProcess(name, argv, sink=self._sink, sink_lock=self._sink_lock, env=env)
         instance = Instance(name, role, process)
         self.instances[name] = instance
@@ -185,7 +202,7 @@ class LocalCluster:
 
     def _all_registered(self) -> bool:
         try:
-            listed = http_json(f"{self.router_url}/instances")
+            listed = http_json(f"{self.router_url}/instances", api_key=self.api_key)
         except (OSError, ValueError):
             return False
         alive = {entry["id"]: entry["url"] for entry in listed if entry.get("alive")}

@@ -23,6 +23,9 @@ class SendSpec:
     block_ids: tuple[int, ...]  # the prompt's blocks, in token order
     deadline_s: float
     with_trailer: bool  # the first token follows in a TrailerSpec
+    # Pull mode: D's endpoints, one per rank, the only agents that may pull this transfer (the pair
+    # the router named). Empty: the first puller gets the lease.
+    pull_by: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +41,9 @@ class RecvSpec:
     # Leading blocks D already holds (local prefix-cache hit, possibly shared with running
     # requests): their arriving copies are not written.
     skip_blocks: int = 0
+    # P's endpoints, one per rank, that the router named (both modes): the only agents whose offer
+    # of this transfer is accepted. Empty: the first offer wins.
+    sender_endpoints: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

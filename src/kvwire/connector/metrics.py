@@ -74,6 +74,10 @@ class ConnectorMetrics:
             "kvwire_pd_load_failures", "D: remote KV loads that failed, by policy applied (recompute|fail)",
             ["policy"], registry=registry,
         )
+        self.params_refused = Counter(
+            "kvwire_pd_kv_params_refused", "kv_transfer_params refused (unsigned, bad_signature, expired, "
+            "replayed); the request ran without a transfer", ["reason"], registry=registry,
+        )
 
 
     def observe_transfer(self, side: str, timing: TransferTiming) -> None:

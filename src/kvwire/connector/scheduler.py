@@ -200,6 +200,7 @@ class KvwireSchedulerConnector(SchedulerConnector):
                 pull_from=tuple(state.params.peer_endpoints) if pull else (),
                 want_trailer=not pull and self.config.use_first_token,
                 skip_blocks=state.num_local_tokens // self.engine_info.block_size,
+                sender_endpoints=tuple(state.params.peer_endpoints),
             )
         )
 
@@ -239,6 +240,7 @@ class KvwireSchedulerConnector(SchedulerConnector):
                 block_ids=state.block_ids,
                 deadline_s=state.deadline_s,
                 with_trailer=push and self.config.use_first_token,
+                pull_by=() if push else tuple(state.params.peer_endpoints),
             )
         )
 

@@ -45,7 +45,7 @@ class AgentLike(Protocol):
 
     def start_send(
         self, transfer_id: str, peer_endpoint: str | None, layers: Sequence[LayerSpec], *,
-        deadline_s: float | None = None, with_trailer: bool = False,
+        deadline_s: float | None = None, with_trailer: bool = False, pull_by: str | None = None,
     ) -> None: ...
 
     def register_kv_caches(self, kv_caches: Sequence[torch.Tensor], layout: KVLayout) -> None: ...
@@ -59,6 +59,7 @@ class AgentLike(Protocol):
     def expect(
         self, transfer_id: str, *, num_layers: int, deadline_s: float | None = None,
         pull_from: str | None = None, into_blocks: BlockTarget | None = None,
+        accept_from: str | None = None,
     ) -> None: ...
 
     def take_trailer(self, transfer_id: str) -> bytes | None: ...
@@ -225,6 +226,8 @@ class KvwireWorkerConnector(WorkerConnector):
                 self._count_failure("send", "mismatch: no endpoint for this rank")
                 return
             peer = spec.peer_endpoints[self.engine_info.rank]
+        rank = self.engine_info.rank
+        pull_by = spec.pull_by[rank] if rank < len(spec.pull_by) else None
         layers = [
             LayerSpec(gathered_shape(cache, len(spec.block_ids), self._layout), cache.dtype)
             for cache in self._kv_caches
@@ -232,7 +235,8 @@ class KvwireWorkerConnector(WorkerConnector):
         send = _Send(spec, self._ids(spec.block_ids), [layer.num_bytes for layer in layers])
         try:
             self.agent.start_send(
-                spec.transfer_id, peer, layers, deadline_s=spec.deadline_s, with_trailer=spec.with_trailer
+                spec.transfer_id, peer, layers, deadline_s=spec.deadline_s, with_trailer=spec.with_trailer,
+                pull_by=pull_by,
             )
         except KvwireError as exc:
             logger.warning("transfer %s: start_send failed: %s", spec.transfer_id, exc)
@@ -280,12 +284,14 @@ class KvwireWorkerConnector(WorkerConnector):
                 self._recv_failed(recv, "mismatch: no P endpoint for this rank", self._pending)
                 return
             pull_from = spec.pull_from[self.engine_info.rank]
+        rank = self.engine_info.rank
+        accept_from = spec.sender_endpoints[rank] if rank < len(spec.sender_endpoints) else None
         self._recvs[spec.transfer_id] = recv
         target = BlockTarget(tuple(spec.block_ids[spec.skip_blocks :]), spec.skip_blocks)
         try:
             self.agent.expect(
                 spec.transfer_id, num_layers=len(self._kv_caches), into_blocks=target,
-                deadline_s=spec.deadline_s, pull_from=pull_from,
+                deadline_s=spec.deadline_s, pull_from=pull_from, accept_from=accept_from,
             )
         except KvwireError as exc:
             del self._recvs[spec.transfer_id]

@@ -18,11 +18,15 @@ from typing import Any
 from kvwire.connector.base import ConnectorOutput, ConnectorRequest
 from kvwire.connector.config import EngineInfo
 from kvwire.connector.metadata import KvwireConnectorMetadata
+from kvwire.connector.metrics import connector_metrics
 from kvwire.connector.scheduler import KvwireSchedulerConnector
 from kvwire.discovery import HeartbeatClient, InstanceLoad, start_registration
-from kvwire.errors import EngineError
+from kvwire.errors import EngineError, InvalidRequestError
 from kvwire.integrations.vllm_config import VllmPluginConfig
 from kvwire.integrations.vllm_steps import DeliveryLedger, StepTracker
+from kvwire.kv_params import KVTransferParams
+from kvwire.kv_signing import KVParamsRefused, verifier_from_secret
+from kvwire.refusal_log import RefusalLog
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +63,11 @@ class SchedulerSide:
         self._num_inflight = 0
         self._load = InstanceLoad()
         self._closed = False
+        # With a shared secret, kv_transfer_params must be router-signed (kvwire.kv_signing); a
+        # request whose params are refused runs locally: no transfer, no connection to any peer.
+        self._verifier = verifier_from_secret(config.secret)
+        self._judged: dict[str, bool] = {}  # request id -> params accepted (until request_finished)
+        self._refusals = RefusalLog(logger, "kv_transfer_params")
 
     # --- start-up -------------------------------------------------------------------------------
 
@@ -104,7 +113,30 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int
     ) -> tuple[int, bool]:
+        if not self._params_accepted(request):
+            return 0, False
         return self.core.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def _params_accepted(self, request: ConnectorRequest) -> bool:
+        """False when a secret is set and the request's kv_transfer_params fail verification (judged
+        once per request; malformed params are left to the core, which ignores them)."""
+        if self._verifier is None or request.kv_transfer_params is None:
+            return True
+        accepted = self._judged.get(request.request_id)
+        if accepted is not None:
+            return accepted
+        try:
+            params = KVTransferParams.from_dict(request.kv_transfer_params)
+            self._verifier.verify(params)
+            accepted = True
+        except InvalidRequestError:
+            accepted = True
+        except KVParamsRefused as exc:
+            accepted = False
+            connector_metrics().params_refused.labels(reason=exc.reason).inc()
+            self._refusals.refused(exc.reason, f"request {request.request_id}: {exc}; running it locally")
+        self._judged[request.request_id] = accepted
+        return accepted
 
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: Sequence[int], num_external_tokens: int
@@ -136,6 +168,8 @@ class SchedulerSide:
         self, request: ConnectorRequest, block_ids: Sequence[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._num_inflight = max(0, self._num_inflight - 1)
+        if not self._judged.pop(request.request_id, True):
+            return False, None
         delay_free, params = self.core.request_finished(request, block_ids)
         if delay_free:
             self._ledger.delayed_free(request.request_id)

@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvwire.auth import Refusal, RefusalLog, api_key_middleware
 from kvwire.errors import InvalidRequestError, NoInstanceError
 from kvwire.router.client_stream import CLIENT_TIMEOUT
 from kvwire.router.config import RouterConfig
@@ -28,6 +29,7 @@ from kvwire.router.metrics import RouterMetrics
 from kvwire.router.proxy import Dispatcher
 from kvwire.router.registry import InstanceView, Registry, RegistrySweeper
 from kvwire.router.request import ClientRequest, parse_client_request
+from kvwire.router.security import instance_headers
 from kvwire.router.selection import ModelNotFoundError, Selector
 from kvwire.router.upstream import Upstream, UpstreamFailure
 
@@ -57,7 +59,9 @@ class RouterServer:
         self.metrics.add_discovery(
             self.registry, lambda: dict(self.listener.received), lambda: dict(self.listener.dropped)
         )
-        self.app = web.Application(client_max_size=cfg.max_body_bytes)
+        refusals = RefusalLog(log, "client request")
+        middlewares = [api_key_middleware(cfg.api_keys, self._auth_refused, refusals)]
+        self.app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=middlewares)
         self.app.router.add_post(COMPLETIONS, self._completions)
         self.app.router.add_post(CHAT, self._chat)
         self.app.router.add_get("/v1/models", self._models)
@@ -142,6 +146,7 @@ class RouterServer:
         try:
             creq = parse_client_request(path, await self._read_body(request), request.headers)
             creq.t0, stream = t0, creq.stream
+            creq.headers = instance_headers(creq.headers, self.cfg)
             response = await self._dispatcher.dispatch(request, creq)
             outcome = creq.outcome
             return response
@@ -172,6 +177,9 @@ class RouterServer:
             return await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
             raise _BodyTooLarge(f"request body exceeds the {limit}-byte limit") from exc
+
+    def _auth_refused(self, refusal: Refusal) -> None:
+        self.metrics.auth_refused.labels(reason=refusal.value).inc()
 
     # --- service endpoints ----------------------------------------------------------------------
 

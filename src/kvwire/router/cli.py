@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import zmq
 
+from kvwire.auth import ApiKeyConfig, keys_from_cli
 from kvwire.errors import ConfigError
 from kvwire.kv_params import TransferMode
 from kvwire.router.app import RouterServer
@@ -21,6 +22,8 @@ from kvwire.router.config import Policy, RouterConfig
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+INSTANCE_API_KEY_ENV = "KVWIRE_INSTANCE_API_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +41,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=[m.value for m in TransferMode], default=d.mode.value,
                         help="P/D KV transfer mode (default %(default)s)")
     parser.add_argument("--secret", default=os.environ.get("KVWIRE_SECRET"),
-                        help="HMAC key heartbeats must be signed with (default: $KVWIRE_SECRET, else none)")
+                        help="shared HMAC key: heartbeats must be signed with it and kv_transfer_params "
+                             "are signed with it (default: $KVWIRE_SECRET, else none)")
+    parser.add_argument("--kv-params-ttl-s", type=float, default=d.kv_params_ttl_s,
+                        help="signed kv_transfer_params expire after this long (default %(default)s)")
+    parser.add_argument("--api-key", action="append", default=None,
+                        help="key clients must send as 'Authorization: Bearer KEY' (repeatable; "
+                             "default: $KVWIRE_API_KEY, else no authentication)")
+    parser.add_argument("--instance-api-key", default=None,
+                        help="key the router sends to instances (their --api-key; default: "
+                             "$KVWIRE_INSTANCE_API_KEY)")
+    parser.add_argument("--open-endpoint", action="append", choices=["metrics", "instances"], default=[],
+                        help="serve /metrics or /instances without an API key (repeatable; /health "
+                             "is always open)")
     parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                         help="largest accepted request body (default %(default)s)")
     parser.add_argument("--kv-deadline-s", type=float, default=d.kv_deadline_s,
@@ -62,6 +77,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         upstream_timeout_s=args.upstream_timeout_s, max_connect_retries=args.max_connect_retries,
         client_write_timeout_s=args.client_write_timeout_s,
         stream_first_token_from_prefill=args.stream_first_token_from_prefill,
+        kv_params_ttl_s=args.kv_params_ttl_s,
+        api_keys=ApiKeyConfig(keys_from_cli(args.api_key, os.environ),
+                              frozenset(f"/{name}" for name in args.open_endpoint)),
+        instance_api_key=args.instance_api_key or os.environ.get(INSTANCE_API_KEY_ENV) or None,
     )
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvwire.auth import ApiKeyConfig
 from kvwire.errors import ConfigError
 from kvwire.kv_params import TransferMode
 
@@ -25,7 +26,12 @@ class RouterConfig:
     forget_after_s: float = 60.0  # expired entries stay visible in /instances this long
     policy: Policy = Policy.LEAST_LOADED
     mode: TransferMode = TransferMode.PUSH
-    secret: str | None = None  # HMAC key for heartbeats; unsigned ones are dropped when set
+    secret: str | None = None  # HMAC key for heartbeats (unsigned ones are dropped) and kv_transfer_params
+    kv_params_ttl_s: float = 60.0  # signed kv_transfer_params are refused by instances after this long
+    api_keys: ApiKeyConfig = field(default_factory=ApiKeyConfig)  # keys clients must present (none: open)
+    # Sent as 'Authorization: Bearer' to instances (their --api-key). None: the client's Authorization
+    # header is passed on when the router has no keys of its own, else nothing.
+    instance_api_key: str | None = None
     max_body_bytes: int = 16 * 1024 * 1024
     connect_timeout_s: float = 5.0
     upstream_timeout_s: float = 600.0  # whole upstream request, streaming included
@@ -46,7 +52,7 @@ class RouterConfig:
                 raise ConfigError(f"{name} must be in 0..65535, got {value}")
         positive = (
             "instance_ttl_s", "forget_after_s", "connect_timeout_s", "upstream_timeout_s", "kv_deadline_s",
-            "client_write_timeout_s",
+            "client_write_timeout_s", "kv_params_ttl_s",
         )
         for name in positive:
             if getattr(self, name) <= 0:

@@ -50,6 +50,10 @@ class RouterMetrics:
         self.retries = Counter(
             "kvwire_router_retries", "Dispatches retried after a refused connection", registry=r
         )
+        self.auth_refused = Counter(
+            "kvwire_router_auth_refused", "Client requests refused for a missing or wrong API key (401)",
+            ["reason"], registry=r,
+        )
         self.inflight = Gauge("kvwire_router_inflight_requests", "Client requests in progress", registry=r)
 
     def add_discovery(self, registry: Registry, received: Callable[[], dict[str, int]],

@@ -6,7 +6,8 @@
   answer is streamed back. If P rejects the request (4xx) before D has produced anything, D is
   cancelled and P's error returned; if P refused the connection the pair is re-picked; if P died or
   failed (5xx), D owns the outcome (it recomputes or fails per its failure policy).
-* P/D pull: P first; its returned ``kv_transfer_params`` go to D with the role switched to decode.
+* P/D pull: D is picked first and named in P's params (P leases its KV to that D only); P is called
+  first; its returned ``kv_transfer_params`` go to D with the role switched to decode.
 
 Connections refused (the request surely never arrived) are retried on other instances, up to
 ``max_connect_retries``. Cancellation (client disconnect, or a client that stopped reading and hit
@@ -29,6 +30,7 @@ from aiohttp import web
 from kvwire.discovery.messages import InstanceRole
 from kvwire.errors import InvalidRequestError
 from kvwire.kv_params import KVTransferParams, PDRole, TransferMode
+from kvwire.kv_signing import ParamsSigner
 from kvwire.router.client_body import send_body
 from kvwire.router.client_stream import ClientStream
 from kvwire.router.config import RouterConfig
@@ -52,6 +54,8 @@ class Dispatcher:
         self._upstream = upstream
         self._metrics = metrics
         self._background: set[asyncio.Task[Any]] = set()
+        # With a shared secret every kv_transfer_params is signed (instances refuse unsigned ones).
+        self._signer = ParamsSigner(cfg.secret, cfg.kv_params_ttl_s) if cfg.secret else None
 
     async def dispatch(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
         """Serve ``creq``; raises NoInstanceError / ModelNotFoundError / UpstreamFailure before any
@@ -83,9 +87,9 @@ class Dispatcher:
 
     async def _single(
         self, request: web.Request, creq: ClientRequest, role: InstanceRole, body: bytes,
-        model: str | None = None,
+        model: str | None = None, inst: InstanceView | None = None,
     ) -> web.StreamResponse:
-        inst = self._selector.pick(role, model or creq.model)
+        inst = inst if inst is not None else self._selector.pick(role, model or creq.model)
         mode = "colocated" if role is InstanceRole.BOTH else "pd"
         with self._selector.track(inst.instance_id, creq.est_prompt_tokens + creq.max_new_tokens):
             opened = await self._call(inst, role.value, creq, body, stream=creq.stream)
@@ -233,10 +237,13 @@ class Dispatcher:
             raise self._upstream.lost(inst, inst.role.value, exc) from exc
 
     def _push_params(self, tid: str, role: PDRole, peer: InstanceView) -> KVTransferParams:
-        return KVTransferParams(
+        return self._seal(KVTransferParams(
             transfer_id=tid, mode=TransferMode.PUSH, role=role, peer_endpoints=list(peer.info.kv_endpoints),
             peer_instance_id=peer.instance_id, deadline_s=self._cfg.kv_deadline_s,
-        )
+        ))
+
+    def _seal(self, params: KVTransferParams) -> KVTransferParams:
+        return params if self._signer is None else self._signer.sign(params)
 
     async def _race(self, p_task: asyncio.Task[Opened], d_task: asyncio.Task[Opened]) -> Opened:
         """D's first bytes (or whole answer), unless P fails first in a way D cannot recover from.
@@ -273,17 +280,24 @@ class Dispatcher:
 
     async def _pull(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
         tid = uuid.uuid4().hex
-        p_params = KVTransferParams(
-            transfer_id=tid, mode=TransferMode.PULL, role=PDRole.PREFILL, deadline_s=self._cfg.kv_deadline_s
-        )
+        # D is picked first and named in P's params: P leases its KV to that D only (decision 044).
+        d = self._selector.pick(InstanceRole.DECODE, creq.model)
+        model = creq.model or d.info.model  # P must serve the model D decodes
+        p_params = self._seal(KVTransferParams(
+            transfer_id=tid, mode=TransferMode.PULL, role=PDRole.PREFILL,
+            peer_endpoints=list(d.info.kv_endpoints), peer_instance_id=d.instance_id,
+            deadline_s=self._cfg.kv_deadline_s,
+        ))
         p_body = _prefill_body(creq, p_params)
-        p, answer = await self._retrying(lambda: self._prefill_only(creq, p_body))
+        p, answer = await self._retrying(lambda: self._prefill_only(creq, p_body, model))
         d_body = _decode_body(creq, self._params_from_prefill(p, answer))
-        model = creq.model or p.info.model  # D must serve the model P prefilled
-        return await self._retrying(lambda: self._single(request, creq, InstanceRole.DECODE, d_body, model))
+        picked = [d]  # a retry re-picks; P refuses that D's pull and it recomputes the prompt
+        return await self._retrying(lambda: self._single(
+            request, creq, InstanceRole.DECODE, d_body, model, picked.pop() if picked else None))
 
-    async def _prefill_only(self, creq: ClientRequest, body: bytes) -> tuple[InstanceView, bytes]:
-        p = self._selector.pick(InstanceRole.PREFILL, creq.model)
+    async def _prefill_only(self, creq: ClientRequest, body: bytes, model: str | None
+                            ) -> tuple[InstanceView, bytes]:
+        p = self._selector.pick(InstanceRole.PREFILL, model)
         with self._selector.track(p.instance_id, creq.est_prompt_tokens):
             _, data = await self._call(p, "prefill", creq, body, stream=False)
         return p, data
@@ -299,10 +313,13 @@ class Dispatcher:
                 status=502, kind="bad_response", instance_id=p.instance_id,
             ) from exc
         endpoints = params.peer_endpoints or list(p.info.kv_endpoints)
-        return msgspec.structs.replace(
+        peer_id = params.peer_instance_id or p.instance_id
+        if self._signer is not None:  # vouch only for what discovery registered, not for P's answer
+            endpoints, peer_id = list(p.info.kv_endpoints), p.instance_id
+        return self._seal(msgspec.structs.replace(
             params, role=PDRole.DECODE, mode=TransferMode.PULL, peer_endpoints=endpoints,
-            peer_instance_id=params.peer_instance_id or p.instance_id,
-        )
+            peer_instance_id=peer_id, expires_at=None, sig=None,
+        ))
 
 
 def _prefill_body(creq: ClientRequest, params: KVTransferParams) -> bytes:

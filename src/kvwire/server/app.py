@@ -14,6 +14,8 @@ from typing import Any
 
 from aiohttp import web
 
+from kvwire.auth import ApiKeyConfig, Refusal, api_key_middleware
+from kvwire.refusal_log import RefusalLog
 from kvwire.server.engine_loop import EngineLoop
 from kvwire.server.engine_status import EngineHealth
 from kvwire.server.generate import GenerationHandler, error_response
@@ -62,8 +64,10 @@ class ServerApp:
         # Shown by /health: instance id, role, KV endpoints (what registration advertises).
         self._identity = dict(identity or {})
 
-    def build(self, max_request_bytes: int) -> web.Application:
-        app = web.Application(client_max_size=max_request_bytes, middlewares=[_errors_as_json])
+    def build(self, max_request_bytes: int, api_keys: ApiKeyConfig | None = None) -> web.Application:
+        auth = api_key_middleware(api_keys or ApiKeyConfig(), self._auth_refused,
+                                  RefusalLog(logger, "HTTP request"))
+        app = web.Application(client_max_size=max_request_bytes, middlewares=[auth, _errors_as_json])
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)
@@ -71,6 +75,9 @@ class ServerApp:
         app.router.add_post("/v1/completions", self._generation.completions)
         app.router.add_post("/v1/chat/completions", self._generation.chat)
         return app
+
+    def _auth_refused(self, refusal: Refusal) -> None:
+        self._metrics.refused.labels(reason=refusal.value).inc()
 
     async def health(self, request: web.Request) -> web.Response:
         if self._generation.draining:

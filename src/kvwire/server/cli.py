@@ -11,6 +11,7 @@ import sys
 from collections.abc import Coroutine
 from typing import Any
 
+from kvwire.auth import ApiKeyConfig, keys_from_cli
 from kvwire.errors import ConfigError, KvwireError
 from kvwire.kv_params import TransferMode
 from kvwire.server.config import KVLoadFailure, ServerConfig, ServerRole
@@ -48,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-stall-timeout-s", type=float, default=120.0,
                         help="fail in-flight requests with 503 (and /health) when no engine step completes "
                              "for this long; 0: off")
+    parser.add_argument("--api-key", action="append", default=None,
+                        help="key clients must send as 'Authorization: Bearer KEY' (repeatable; default: "
+                             "$KVWIRE_API_KEY, else no authentication); /health stays open")
+    parser.add_argument("--open-endpoint", action="append", choices=["metrics"], default=[],
+                        help="serve /metrics without an API key")
     sizing = parser.add_argument_group("engine sizing (default: derived from the model and device)")
     sizing.add_argument("--block-size", type=int, default=None)
     sizing.add_argument("--num-kv-blocks", type=int, default=None)
@@ -75,6 +81,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         client_write_timeout_s=args.client_write_timeout_s,
         engine_stall_timeout_s=args.engine_stall_timeout_s,
         kv_nccl=NcclPlaneConfig.from_env(),  # the one place the environment is read
+        api_keys=ApiKeyConfig(keys_from_cli(args.api_key, os.environ),
+                              frozenset(f"/{name}" for name in args.open_endpoint)),
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from kvwire.auth import ApiKeyConfig
 from kvwire.errors import ConfigError
 from kvwire.kv_params import LoadFailurePolicy, TransferMode
 from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
@@ -57,6 +58,8 @@ class ServerConfig:
     # 503 until the engine makes progress again. Must exceed the longest legitimate step (a first CUDA
     # compile included). None or 0 = no watchdog.
     engine_stall_timeout_s: float | None = 120.0
+    # Keys clients (the router) must send as 'Authorization: Bearer'; none = open (kvwire.auth).
+    api_keys: ApiKeyConfig = dataclasses.field(default_factory=ApiKeyConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, ServerRole):

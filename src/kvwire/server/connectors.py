@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterator
 from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from kvwire.engine.config import EngineConfig
 from kvwire.errors import ConfigError
@@ -35,6 +38,23 @@ class ConnectorSet:
                     close()
                 except Exception:
                     logger.exception("closing connector %r failed", half)
+
+
+class _TransferRefusals:
+    """``kvwire_transfer_refused{reason}`` from the transfer agent's counters, read at scrape time:
+    control messages that failed the shared secret (or were malformed), and offers from an agent
+    that is not the transfer's bound peer."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._agent.stats()
+        family = CounterMetricFamily("kvwire_transfer_refused", "transfer control messages refused, by "
+                                     "reason", labels=["reason"])
+        family.add_metric(["unauthenticated_or_malformed"], stats.messages_rejected)
+        family.add_metric(["wrong_peer"], stats.offers_refused)
+        yield family
 
 
 def build_connector_set(
@@ -65,6 +85,9 @@ def build_connector_set(
     )
     engine_info = EngineInfo(block_size=engine_config.block_size, device=engine_config.device)
     scheduler, worker = build_connectors(connector_config, engine_info, registry=registry)
+    agent = getattr(worker, "agent", None)
+    if agent is not None and registry is not None:
+        registry.register(_TransferRefusals(agent))
     endpoints = list(scheduler.kv_endpoints)
     logger.info("P/D connector (%s, %s) listening on %s", config.role.value, config.kv_mode.value, endpoints)
     return ConnectorSet(scheduler=scheduler, worker=worker, kv_endpoints=endpoints, enabled=True)

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from kvwire.client_writer import ClientWriter
 from kvwire.engine.sampling_params import SamplingParams
-from kvwire.errors import EngineError, EngineStalled, InvalidRequestError, ServerShuttingDown
+from kvwire.errors import EngineError, EngineStalled, ForbiddenError, InvalidRequestError, ServerShuttingDown
 from kvwire.kv_params import KVTransferParams
 from kvwire.server.engine_loop import EngineLoop, RequestStream
 from kvwire.server.metrics import RequestTimer, ServerMetrics
@@ -154,6 +154,9 @@ class GenerationHandler:
         except InvalidRequestError as exc:
             self._count(endpoint, "invalid")
             return error_response(400, str(exc))
+        except ForbiddenError as exc:  # e.g. unsigned kv_transfer_params (counted where refused)
+            self._count(endpoint, "forbidden")
+            return error_response(403, str(exc), "permission_error", "kv_transfer_params", exc.reason)
         prefix = "chatcmpl" if kind is RequestKind.CHAT else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:

@@ -11,11 +11,14 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
 from kvwire.engine.config import EngineConfig
+from kvwire.kv_signing import KVParamsRefused, verifier_from_secret, verifying
+from kvwire.refusal_log import RefusalLog
 from kvwire.server.app import ServerApp
 from kvwire.server.config import ServerConfig
 from kvwire.server.connectors import ConnectorSet, build_connector_set
@@ -65,7 +68,7 @@ class ServerInstance:
         self._generation = GenerationHandler(
             engine_loop, self._engine.tokenizer, metrics, model_name, max_model_len,
             accepts_kv_transfer_params=self._connectors.enabled,
-            check_kv_transfer_params=getattr(self._connectors.scheduler, "check_request_params", None),
+            check_kv_transfer_params=self._kv_params_check(metrics),
             client_write_timeout_s=self.config.client_write_timeout_s,
         )
         identity = {"instance_id": self.instance_id, "role": self.config.role.value,
@@ -73,7 +76,8 @@ class ServerInstance:
         app = ServerApp(engine_loop, self._generation, metrics, model_name, max_model_len, identity)
         engine_loop.start(loop)
         self._runner = web.AppRunner(
-            app.build(self.config.max_request_bytes), handler_cancellation=True, access_log=None,
+            app.build(self.config.max_request_bytes, self.config.api_keys), handler_cancellation=True,
+            access_log=None,
             shutdown_timeout=max(0.5, self.config.shutdown_deadline_s / 2),
         )
         await self._runner.setup()
@@ -89,6 +93,22 @@ class ServerInstance:
         logger.info("kvwire serve ready: %s (model %s, role %s, max_model_len %d, instance %s)",
                     self.url, model_name, self.config.role.value, max_model_len, self.instance_id)
         return self.url
+
+    def _kv_params_check(self, metrics: ServerMetrics) -> Callable[[object], object] | None:
+        """The connector's admission check of kv_transfer_params, preceded (with a shared secret) by
+        the router-signature check: refused params are a 403, before anything is scheduled."""
+        assert self._connectors is not None
+        check = getattr(self._connectors.scheduler, "check_request_params", None)
+        verifier = verifier_from_secret(self._secret)
+        if check is None or verifier is None:
+            return check
+        logbook = RefusalLog(logger, "kv_transfer_params")
+
+        def refused(exc: KVParamsRefused) -> None:
+            metrics.refused.labels(reason=exc.reason).inc()
+            logbook.refused(exc.reason, str(exc))
+
+        return verifying(check, verifier, refused)
 
     def _stats(self) -> StatsSnapshot:
         return self._engine_loop.stats if self._engine_loop is not None else StatsSnapshot()

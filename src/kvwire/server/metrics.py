@@ -80,7 +80,7 @@ class ServerMetrics:
         reg = self.registry
         self.requests = Counter(
             "kvwire_requests", "finished requests by endpoint and outcome "
-            "(stop, length, abort, error, invalid, shutdown, stalled, disconnect, client_timeout)",
+            "(stop, length, abort, error, invalid, forbidden, shutdown, stalled, disconnect, client_timeout)",
             ["endpoint", "outcome"], registry=reg)
         self.prompt_tokens = Counter("kvwire_prompt_tokens", "prompt tokens of admitted requests",
                                      registry=reg)
@@ -92,6 +92,9 @@ class ServerMetrics:
                              buckets=_ITL_BUCKETS, registry=reg)
         self.e2e = Histogram("kvwire_e2e_request_latency_seconds", "arrival to last token",
                              buckets=_E2E_BUCKETS, registry=reg)
+        self.refused = Counter(
+            "kvwire_refused", "requests refused before admission: missing/wrong API key (401), "
+            "kv_transfer_params unsigned, tampered, expired or replayed (403)", ["reason"], registry=reg)
         reg.register(_EngineStatsCollector(stats_fn))
         reg.register(_EngineStatusCollector(status_fn))
 

@@ -114,9 +114,12 @@ class TransferAgent:
         *,
         deadline_s: float | None = None,
         with_trailer: bool = False,
+        pull_by: str | None = None,
     ) -> None:
         """Announce a transfer to ``peer_endpoint`` (one Offer message), or hold it for a pull
         (``peer_endpoint`` None: lease until the deadline). Never blocks on the network.
+        ``pull_by``: the one control endpoint allowed to pull it (others are refused and counted in
+        ``offers_refused``); None: the first puller.
 
         ``transfer_id``: caller-given, unique (e.g. a uuid minted by the router); do not reuse an id
         for a new transfer between the same agents (ended ids are remembered to reject late
@@ -124,7 +127,7 @@ class TransferAgent:
         with self._core.lock:
             self._check_open()
             deadline = self.config.default_deadline_s if deadline_s is None else deadline_s
-            self._sender.start(transfer_id, peer_endpoint, layers, deadline, with_trailer)
+            self._sender.start(transfer_id, peer_endpoint, layers, deadline, with_trailer, pull_by)
 
     def send_layer(
         self, transfer_id: str, layer_index: int, tensor: torch.Tensor, ready_event: Any | None = None
@@ -176,6 +179,7 @@ class TransferAgent:
         pull_from: str | None = None,
         scatter_into: Callable[[int], ByteSpans] | None = None,
         into_blocks: BlockTarget | None = None,
+        accept_from: str | None = None,
     ) -> None:
         """Announce an incoming transfer (before or after its data arrives). ``sink(index, tensor)``
         runs on a transfer thread per layer (tensor valid during the call only); without a sink the
@@ -191,7 +195,11 @@ class TransferAgent:
         those blocks of its registered cache, the plane's fastest way — in place where the payload
         fits the blocks exactly, else through a copy that skips/drops blocks (see ``paged_kv``). The
         blocks must not be reused until the transfer ended; once a cancel/abort of it returned,
-        nothing of it writes into them any more."""
+        nothing of it writes into them any more.
+
+        ``accept_from`` (default ``pull_from``): the sender's control endpoint; offers of this id from
+        any other agent are refused (counted in ``offers_refused``), so a third agent that knows the
+        id cannot inject data. Raises TransferError if another agent offered it already."""
         if sum(x is not None for x in (sink, scatter_into, into_blocks)) > 1:
             raise ValueError("expect: give at most one of sink, scatter_into, into_blocks")
         target = None if into_blocks is None else (self._registered(), into_blocks)
@@ -199,7 +207,7 @@ class TransferAgent:
         with self._core.lock:
             self._check_open()
             deliver = self._receiver.expect(
-                transfer_id, num_layers, sink, deadline, pull_from, scatter_into, target
+                transfer_id, num_layers, sink, deadline, pull_from, scatter_into, target, accept_from
             )
         if deliver:
             control = self._core.control

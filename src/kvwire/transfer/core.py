@@ -9,6 +9,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvwire.refusal_log import RefusalLog
 from kvwire.transfer.buffers import RecvMemory
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.messages import Abort, AnyMsg
@@ -87,6 +88,8 @@ class Core:
     stats: StatsRecorder = dataclasses.field(default_factory=StatsRecorder)
     tombstones: Tombstones = dataclasses.field(default_factory=Tombstones)
     peer_ids: dict[str, str] = dataclasses.field(default_factory=dict)  # endpoint -> instance id
+    # Offers from an agent a transfer is not bound to: logged once per minute, not per message.
+    refusals: RefusalLog = dataclasses.field(default_factory=lambda: RefusalLog(log, "transfer message"))
     control: ControlLoop | None = None
     closed: bool = False
 

@@ -26,6 +26,7 @@ class FailReason(str, enum.Enum):
     UNKNOWN = "unknown_transfer"  # pull for a transfer the sender does not hold
     CLOSED = "closed"  # the local agent closed
     SINK = "sink"  # the caller's sink raised
+    REFUSED = "refused"  # offered by another agent than the one the transfer is bound to
     OTHER = "other"  # a reason without a known prefix (never produced by the agent itself)
 
     @classmethod

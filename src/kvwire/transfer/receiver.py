@@ -61,6 +61,9 @@ class RecvState:
     num_layers: int | None = None
     sink: LayerSink | None = None
     pull_from: str | None = None
+    # The one sender endpoint this transfer may come from (the P/D pair the router named); offers
+    # from any other agent are refused. None: the first offer wins.
+    accept_from: str | None = None
     scatter_into: SpansFn | None = None  # destination spans per layer (zero-copy receive)
     # expect(into_blocks=...): the registered caches' blocks this transfer lands in (see paged_kv)
     paged: PagedKV | None = None
@@ -122,13 +125,22 @@ class Receiver:
         pull_from: str | None,
         scatter_into: SpansFn | None = None,
         into_blocks: tuple[PagedKV, BlockTarget] | None = None,
+        accept_from: str | None = None,
     ) -> bool:
-        """Returns True when buffered layers must now be delivered to the new sink."""
+        """Returns True when buffered layers must now be delivered to the new sink. Raises
+        TransferError when the transfer was already offered by another agent than ``accept_from``
+        (that transfer is failed: its data is never delivered)."""
         if not transfer_id or num_layers <= 0:
             raise TransferError("expect needs a transfer_id and num_layers > 0", transfer_id)
         st = self.recvs.get(transfer_id)
         if st is not None and st.expected:
             raise TransferError(f"transfer {transfer_id} is already expected", transfer_id)
+        accept_from = accept_from or pull_from
+        if st is not None and st.peer is not None and accept_from and st.peer.endpoint != accept_from:
+            self._refused(st.peer.endpoint, transfer_id)
+            self.fail(transfer_id, f"{FailReason.REFUSED.value}: offered by an unexpected peer", notify=True)
+            raise TransferError(f"transfer {transfer_id} was offered by {st.peer.endpoint}, not by "
+                                f"its peer {accept_from}", transfer_id)
         deadline = self.core.now() + deadline_s
         if st is None:
             if len(self.recvs) >= self.core.config.max_pending_transfers:
@@ -136,6 +148,7 @@ class Receiver:
             st = self.recvs[transfer_id] = RecvState(transfer_id, deadline)
         st.deadline = min(st.deadline, deadline)
         st.expected, st.num_layers, st.sink, st.pull_from = True, num_layers, sink, pull_from
+        st.accept_from = accept_from
         if scatter_into is not None:
             st.scatter_into = scatter_into
             st.sink = lambda index, data: scatter_into(index).scatter(data)  # layers buffered already
@@ -189,6 +202,10 @@ class Receiver:
     def on_offer(self, msg: Offer) -> None:
         tid = msg.transfer_id
         st = self.recvs.get(tid)
+        if st is not None and st.accept_from is not None and msg.src_endpoint != st.accept_from:
+            self._refused(msg.src_endpoint, tid)  # not the pair's sender: leave the transfer alone
+            self.core.send_abort(msg.src_endpoint, tid, "not this transfer's peer", msg.src_id)
+            return
         ended = self.core.tombstones.get(SIDE, tid)
         if (st is None and ended is not None) or (st is not None and st.specs is not None):
             if st is None:
@@ -215,6 +232,10 @@ class Receiver:
         st.to_grant.extend(range(len(st.specs)))
         self.grant_queue.append(tid)
         self.grant_pass()
+
+    def _refused(self, endpoint: str, transfer_id: str) -> None:
+        self.core.stats.add("offers_refused")
+        self.core.refusals.refused("wrong_peer", f"offer of transfer {transfer_id} from {endpoint}")
 
     def _check_offer(self, st: RecvState) -> bool:
         assert st.specs is not None

@@ -28,6 +28,7 @@ class SendState:
     deadline: float  # time.monotonic()
     with_trailer: bool
     endpoint: str | None  # receiver's control endpoint; None until pulled
+    pull_by: str | None = None  # the only endpoint that may pull (None: the first puller)
     peer: PeerRef | None = None  # bound by the first Grant (receiver's epoch + data address)
     items: dict[int, SendItem] = dataclasses.field(default_factory=dict)  # layers handed over
     granted: set[int] = dataclasses.field(default_factory=set)
@@ -68,6 +69,7 @@ class Sender:
         layers: Sequence[LayerSpec],
         deadline_s: float,
         trailer: bool,
+        pull_by: str | None = None,
     ) -> None:
         if not transfer_id:
             raise TransferError("transfer_id must not be empty")
@@ -77,7 +79,7 @@ class Sender:
             raise TransferError(f"a transfer needs 1..{self.core.config.max_layers_per_transfer} layers")
         if len(self.sends) >= self.core.config.max_pending_transfers:
             raise TransferError("too many transfers in flight", transfer_id)
-        st = SendState(transfer_id, list(layers), self.core.now() + deadline_s, trailer, endpoint)
+        st = SendState(transfer_id, list(layers), self.core.now() + deadline_s, trailer, endpoint, pull_by)
         self.sends[transfer_id] = st
         self.core.stats.add("sends_started")
         if endpoint is not None:
@@ -263,7 +265,12 @@ class Sender:
             else:  # the pull overtook start_send: hold it until the puller's deadline
                 self.pending_pulls[msg.transfer_id] = (msg, self.core.now() + msg.deadline_s)
             return
-        if st.endpoint is None:
+        if st.endpoint is None and st.pull_by is not None and msg.src_endpoint != st.pull_by:
+            self.core.stats.add("offers_refused")  # not the pair's receiver: the lease stays
+            detail = f"pull of transfer {msg.transfer_id} from {msg.src_endpoint}"
+            self.core.refusals.refused("wrong_peer", detail)
+            self.core.send_abort(msg.src_endpoint, msg.transfer_id, "not this transfer's peer", msg.src_id)
+        elif st.endpoint is None:
             st.endpoint = msg.src_endpoint
             self._offer(st)
         elif st.endpoint != msg.src_endpoint:

@@ -21,6 +21,7 @@ class TransferStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     messages_rejected: int = 0  # malformed / unknown / old-version / unauthenticated messages
+    offers_refused: int = 0  # offers (or pulls) from an agent other than the transfer's bound peer
     peers_restarted: int = 0  # new instance id seen at a known endpoint
     spilled_layers: int = 0  # layers that landed in the spill pool (receive budget full)
     credit_waits: int = 0  # times granting stopped because budget and spill pool were full

@@ -112,8 +112,9 @@ class FakeAgent:
     # send side
     def start_send(
         self, transfer_id: str, peer_endpoint: str | None, layers: Sequence[LayerSpec], *,
-        deadline_s: float | None = None, with_trailer: bool = False,
+        deadline_s: float | None = None, with_trailer: bool = False, pull_by: str | None = None,
     ) -> None:
+        del pull_by  # the fake fabric has no third agents
         deadline = self._deadline(deadline_s)
         self.sends[transfer_id] = _FakeSend(peer_endpoint, list(layers), deadline, with_trailer)
 
@@ -172,8 +173,9 @@ class FakeAgent:
     def expect(
         self, transfer_id: str, *, num_layers: int, sink: LayerSink | None = None,
         deadline_s: float | None = None, pull_from: str | None = None,
-        into_blocks: BlockTarget | None = None,
+        into_blocks: BlockTarget | None = None, accept_from: str | None = None,
     ) -> None:
+        del accept_from  # the fake fabric has no third agents
         if into_blocks is not None:
             paged = self.paged
             assert paged is not None and sink is None, "register_kv_caches first; one destination"

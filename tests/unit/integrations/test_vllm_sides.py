@@ -33,7 +33,8 @@ def pd() -> Iterator[tuple[Instance, Instance]]:
 def params(
     tid: str, role: PDRole, peer: Instance, mode: TransferMode = TransferMode.PUSH
 ) -> dict[str, object]:
-    peers = [peer.worker.endpoint] if role is PDRole.DECODE or mode is TransferMode.PUSH else []
+    # As the router sends them: the peer's endpoints in both modes (pull: P may lease only to that D).
+    peers = [peer.worker.endpoint]
     return KVTransferParams(transfer_id=tid, role=role, mode=mode, peer_endpoints=peers).to_dict()
 
 
@@ -192,3 +193,45 @@ def test_kv_both_serves_either_role() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_with_a_secret_only_router_signed_params_move_kv() -> None:
+    """The plugin verifies kv_transfer_params like `kvwire serve` does; a refused request runs
+    locally (no transfer, no connection), is counted and is judged once."""
+    from prometheus_client import REGISTRY
+
+    from kvwire.kv_signing import ParamsSigner
+
+    secret = "plugin-test-secret"
+    p = Instance("kv_producer", torch.randn, deadline_s=10, secret=secret)
+    d = Instance("kv_consumer", torch.zeros, deadline_s=10, secret=secret)
+    try:
+        def refused() -> float:
+            value = REGISTRY.get_sample_value("kvwire_pd_kv_params_refused_total", {"reason": "unsigned"})
+            return value or 0.0
+
+        before = refused()
+        forged = Request("d-forged", list(range(10)), params("t-forged", PDRole.DECODE, p))
+        assert d.sched.get_num_new_matched_tokens(forged, 0) == (0, False)
+        assert d.sched.get_num_new_matched_tokens(forged, 0) == (0, False)  # e.g. after preemption
+        assert refused() == before + 1
+        assert d.sched.request_finished(forged, []) == (False, None)
+
+        signer = ParamsSigner(secret)
+
+        def signed(tid: str, role: PDRole, peer: Instance) -> dict[str, object]:
+            return signer.sign(KVTransferParams.from_dict(params(tid, role, peer))).to_dict()
+
+        prompt = list(range(10))
+        req_d = Request("d-1", prompt, signed("t1", PDRole.DECODE, p))
+        assert d.sched.get_num_new_matched_tokens(req_d, 0) == (9, True)
+        d.sched.update_state_after_alloc(req_d, [7, 8, 9], 9)
+        d.step(SchedulerOutput())
+        req_p = Request("p-1", prompt, signed("t1", PDRole.PREFILL, d), output_token_ids=[5])
+        prefill(p, req_p, [1, 2, 3])
+        assert p.sched.request_finished(req_p, [1, 2, 3]) == (True, None)
+        d.idle_until(lambda: "d-1" in d.seen_recving)
+        assert same_blocks(p, [1, 2, 3], d, [7, 8, 9])
+    finally:
+        p.close()
+        d.close()
