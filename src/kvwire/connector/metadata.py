@@ -19,7 +19,7 @@ class SendSpec:
     request_id: str
     transfer_id: str
     peer_endpoints: tuple[str, ...]  # D's endpoints, one per rank; empty = pull (held under a lease)
-    block_ids: tuple[int, ...]  # the prompt's blocks, in token order
+    block_ids: tuple[int, ...]  # the prompt's blocks to send, in token order (partial: after D's prefix)
     deadline_s: float
     with_trailer: bool  # the first token follows in a TrailerSpec
 
@@ -37,6 +37,9 @@ class RecvSpec:
     # Leading blocks D already holds (local prefix-cache hit, possibly shared with running
     # requests): their arriving copies are not written.
     skip_blocks: int = 0
+    # Partial transfer: P's payload starts at this block of ``block_ids`` (P does not send the
+    # blocks before it; D holds them). ``first_block <= skip_blocks``.
+    first_block: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,6 +47,12 @@ class ConnectorMetrics:
             "kvwire_pd_load_failures", "D: remote KV loads that failed, by policy applied (recompute|fail)",
             ["policy"], registry=registry,
         )
+        self.partial_transfers = Counter(
+            "kvwire_pd_partial_transfers",
+            "Partial transfers (D holds a prefix, P sends the rest) by side and outcome "
+            "(started | missed: D no longer held the prefix and prefilled locally)",
+            ["side", "outcome"], registry=registry,
+        )
 
 
 _lock = threading.Lock()

@@ -288,7 +288,8 @@ class KvwireWorkerConnector(WorkerConnector):
                 return
             try:
                 cache = self._kv_caches[layer_index]
-                data = self._fit(tensor, len(recv.spec.block_ids), recv.spec.skip_blocks)
+                spec = recv.spec
+                data = self._fit(tensor, len(spec.block_ids), spec.skip_blocks, spec.first_block)
                 ids = recv.ids if cache.device.type == "cpu" else recv.ids.to(cache.device, non_blocking=True)
                 scatter_blocks(cache, ids, data, self._layout)
             except (IndexError, ValueError) as exc:
@@ -296,14 +297,17 @@ class KvwireWorkerConnector(WorkerConnector):
                 return
         self._metrics.recv_bytes.inc(tensor.numel() * tensor.element_size())
 
-    def _fit(self, data: torch.Tensor, num_blocks: int, skip_blocks: int) -> torch.Tensor:
-        """The part of P's payload D writes: P sends the whole prompt's blocks; D may load fewer (it
-        recomputes the last prompt token) and skips the blocks it already had."""
+    def _fit(
+        self, data: torch.Tensor, num_blocks: int, skip_blocks: int, first_block: int = 0
+    ) -> torch.Tensor:
+        """The part of P's payload D writes: P sends the prompt's blocks from ``first_block`` on (a
+        partial transfer starts after the prefix D holds); D may load fewer (it recomputes the last
+        prompt token) and skips the blocks it already had."""
         dim = _BLOCK_DIM[self._layout]
         if data.dim() <= dim:
             return data
-        end = min(num_blocks, int(data.shape[dim]))
-        return data.narrow(dim, skip_blocks, max(end - skip_blocks, 0))
+        end = min(num_blocks, first_block + int(data.shape[dim]))
+        return data.narrow(dim, skip_blocks - first_block, max(end - skip_blocks, 0))
 
     def _on_received(self, tid: str, out: _StepOutput) -> None:
         recv = self._recvs.pop(tid, None)
