@@ -198,7 +198,7 @@ def test_kv_aware_on_decode_prefers_the_longest_prefix() -> None:
     assert kv_aware(overloaded, d).instance_id == "a"
 
 
-# --- router tokenizer ---------------------------------------------------------------------------------------
+# --- router tokenizer ---------------------------------------------------------------------------------
 
 
 def test_prompt_tokenizer_matches_the_engine() -> None:
@@ -214,7 +214,7 @@ def test_prompt_tokenizer_matches_the_engine() -> None:
     assert PromptTokenizer().token_ids("/v1/completions", {"prompt": "x"}, "/nonexistent/model") is None
 
 
-# --- D-first planning ------------------------------------------------------------------------------------------
+# --- D-first planning ---------------------------------------------------------------------------------
 
 
 def planner(cached: dict[str, list[int]]) -> tuple[Selector, Prefix]:
