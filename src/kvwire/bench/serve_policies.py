@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvwire.bench.workloads import Session
+from kvwire.bench.workloads import Session, carry_tokens
 from kvwire.cluster.client import RequestResult, post_completion
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.kv_params import TransferMode
@@ -53,7 +53,7 @@ async def run_sessions(
             out: list[RequestResult] = []
             prompt: tuple[int, ...] = ()
             for i, turn in enumerate(session.turns):
-                carried = prompt + tuple(out[-1].token_ids) if i > 0 and session.carry else ()
+                carried = prompt + carry_tokens(out[-1].token_ids) if i > 0 and session.carry else ()
                 prompt = carried + turn
                 async with limit:
                     out.append(await post_completion(http, endpoint, body(prompt), timeout_s=timeout_s))

@@ -7,8 +7,11 @@
   ``--input-len`` tokens, each later turn is the previous prompt + the previous answer's tokens + a new
   ``--suffix-len``-token user message (so it is sent only once the previous turn has finished).
 
-Token ids are drawn from 1..249 (inside every preset's vocabulary). Arrivals: a session starts at
-its offset (Poisson or fixed at ``--request-rate`` requests/s, ``inf`` = all at once).
+Token ids are drawn from 1..249 (inside every preset's vocabulary); a carried answer token outside
+that range (a random-weight model can sample any id of its larger output layer) is folded into it
+(:func:`carry_tokens`), like a re-tokenized answer that differs from the sampled ids.
+Arrivals: a session starts at its offset (Poisson or fixed at ``--request-rate`` requests/s,
+``inf`` = all at once).
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ class Session:
     start_s: float  # offset from the start of the run
     turns: tuple[tuple[int, ...], ...]  # turn 1's prompt, then each later turn's new tokens
     carry: bool = False  # later turns extend the previous prompt and its answer (multi-turn)
+
+
+def carry_tokens(token_ids: list[int]) -> tuple[int, ...]:
+    """An answer's token ids as the next turn's prompt carries them (ids kept inside 1..249)."""
+    return tuple(t if 1 <= t < 250 else t % 249 + 1 for t in token_ids)
 
 
 def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
