@@ -90,6 +90,16 @@ def test_event_log_batches_are_bounded_and_resync_resends_everything() -> None:
     assert again is not None and again.cleared and sorted(again.stored) == list(range(10))
 
 
+def test_event_log_stays_bounded_when_nobody_drains() -> None:
+    log = KvEventLog(BS, max_pending=100)
+    for k in range(50):  # an instance without a router: blocks come and go, nobody drains
+        log.stored(range(k * 100, k * 100 + 100))
+        log.removed(range(k * 100, k * 100 + 90))
+    assert len(log._dirty) <= 100
+    batch = log.drain(max_hashes=10_000)
+    assert batch is not None and batch.cleared and len(batch.stored) == log.num_cached_blocks == 500
+
+
 def test_block_manager_reports_stores_and_evictions() -> None:
     from kvwire.engine.block_manager import BlockManager
 
