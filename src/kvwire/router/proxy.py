@@ -7,6 +7,8 @@
   cancelled and P's error returned; if P refused the connection the pair is re-picked; if P died or
   failed (5xx), D owns the outcome (it recomputes or fails per its failure policy).
 * P/D pull: P first; its returned ``kv_transfer_params`` go to D with the role switched to decode.
+* policy ``kv_aware`` (push): D first by its cached prefix; P skipped when D holds nearly the whole
+  prompt, else told to send only the blocks D lacks (:mod:`kvwire.router.kv_routing`).
 
 Connections refused (the request surely never arrived) are retried on other instances, up to
 ``max_connect_retries``. Cancellation (client disconnect, or a client that stopped reading and hit
