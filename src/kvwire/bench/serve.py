@@ -12,6 +12,10 @@ TTFT: request sent -> first streamed output token. ITL: gaps between streamed ou
 (E2E - TTFT) / (output tokens - 1) per request. E2E: request sent -> last byte.
 
 Example: ``kvwire bench serve --num-prompts 64 --input-len 256 --output-len 32 --request-rate 4``.
+
+``--workload shared-prefix|multi-turn`` (prompt patterns, :mod:`kvwire.bench.workloads`) and
+``--policies round_robin,least_loaded,kv_aware`` (router policies compared on the same sessions, with
+prefix-hit rate and KV bytes per request: :mod:`kvwire.bench.serve_policies`) take the second path.
 """
 
 from __future__ import annotations
