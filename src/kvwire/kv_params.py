@@ -59,6 +59,10 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     # Pull mode, P -> router -> D: the token P sampled and the prompt length P computed KV for.
     first_token_id: int | None = None
     num_prompt_tokens: int | None = None
+    # Push mode, partial transfer (KV-aware routing): D holds the prompt's first ``skip_blocks`` KV
+    # blocks in its prefix cache, so P sends only the blocks after them and D writes P's payload from
+    # that block on. D checks on admission that it still holds them (else it prefills locally).
+    skip_blocks: int = 0
     v: int = KV_PARAMS_VERSION
     # Set by a router with a shared secret (kvwire.kv_signing): Unix time after which instances
     # refuse these params, and the HMAC over every other field. None = unsigned.
@@ -87,4 +91,6 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidRequestError("kv_transfer_params.transfer_id must not be empty")
         if params.deadline_s <= 0:
             raise InvalidRequestError("kv_transfer_params.deadline_s must be > 0")
+        if params.skip_blocks < 0:
+            raise InvalidRequestError("kv_transfer_params.skip_blocks must be >= 0")
         return params

@@ -12,6 +12,10 @@ TTFT: request sent -> first streamed output token. ITL: gaps between streamed ou
 (E2E - TTFT) / (output tokens - 1) per request. E2E: request sent -> last byte.
 
 Example: ``kvwire bench serve --num-prompts 64 --input-len 256 --output-len 32 --request-rate 4``.
+
+``--workload shared-prefix|multi-turn`` (prompt patterns, :mod:`kvwire.bench.workloads`) and
+``--policies round_robin,least_loaded,kv_aware`` (router policies compared on the same sessions, with
+prefix-hit rate and KV bytes per request: :mod:`kvwire.bench.serve_policies`) take the second path.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 
 import aiohttp
 
-from kvwire.bench import serve_transfers
+from kvwire.bench import serve_transfers, workloads
 from kvwire.cluster.client import RequestResult, post_completion
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.errors import ClusterError
@@ -61,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve-arg", action="append", default=[], help="extra `kvwire serve` flag (repeat)")
     parser.add_argument("--spread-gpus", type=int, default=0,
                         help="local setups: instance k uses GPU k %% N (1P1D on 2 GPUs: P and D apart)")
+    parser.add_argument("--policies", default=None,
+                        help="router policies to compare in the same run, e.g. round_robin,least_loaded,"
+                             "kv_aware (local setups; adds prefix-hit rate and KV bytes per request)")
+    workloads.add_arguments(parser)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +249,8 @@ def open_log(name: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.policies or args.workload != workloads.Workload.RANDOM.value:
+        return _run_compare(args)
     try:
         load = make_load(args)
         names = [n.strip() for n in args.setups.split(",") if n.strip()]
@@ -271,3 +281,31 @@ def run(args: argparse.Namespace) -> int:
               f"max concurrency {args.max_concurrency or 'inf'}")
         print_table(summaries)
     return 0 if plotted and all(s["failed"] == 0 for s in summaries) else 1
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    """Sessions of ``--workload`` through each of ``--policies`` (kvwire.bench.serve_policies)."""
+    from kvwire.bench.serve_policies import print_policy_table, run_compare
+
+    try:
+        if args.url is not None:
+            raise ValueError("--policies/--workload start local setups; drop --url")
+        unknown = [n for n in args.setups.split(",") if n.strip() and n.strip() not in SETUPS]
+        if unknown:
+            raise ValueError(f"unknown setups {unknown}; choose from {list(SETUPS)}")
+        summaries = run_compare(args, SETUPS)
+    except ValueError as exc:
+        print(f"kvwire bench serve: {exc}", file=sys.stderr)
+        return 2
+    except ClusterError as exc:
+        print(f"kvwire bench serve: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([{k: v for k, v in s.items() if k != "samples"} for s in summaries], indent=2))
+    else:
+        print(f"workload {args.workload}: {summaries[0]['requests'] if summaries else 0} requests, "
+              f"input {args.input_len} (+{args.suffix_len}) tokens -> {args.output_len} tokens, "
+              f"rate {args.request_rate} req/s ({args.arrival}), "
+              f"max concurrency {args.max_concurrency or 'inf'}")
+        print_policy_table(summaries)
+    return 0 if all(s["failed"] == 0 for s in summaries) else 1

@@ -20,7 +20,7 @@ class SendSpec:
     request_id: str
     transfer_id: str
     peer_endpoints: tuple[str, ...]  # D's endpoints, one per rank; empty = pull (held under a lease)
-    block_ids: tuple[int, ...]  # the prompt's blocks, in token order
+    block_ids: tuple[int, ...]  # the prompt's blocks to send, in token order (partial: after D's prefix)
     deadline_s: float
     with_trailer: bool  # the first token follows in a TrailerSpec
     # Pull mode: D's endpoints, one per rank, the only agents that may pull this transfer (the pair
@@ -44,6 +44,9 @@ class RecvSpec:
     # P's endpoints, one per rank, that the router named (both modes): the only agents whose offer
     # of this transfer is accepted. Empty: the first offer wins.
     sender_endpoints: tuple[str, ...] = ()
+    # Partial transfer: P's payload starts at this block of ``block_ids`` (P does not send the
+    # blocks before it; D holds them). ``first_block <= skip_blocks``.
+    first_block: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -78,7 +78,12 @@ class ConnectorMetrics:
             "kvwire_pd_kv_params_refused", "kv_transfer_params refused (unsigned, bad_signature, expired, "
             "replayed); the request ran without a transfer", ["reason"], registry=registry,
         )
-
+        self.partial_transfers = Counter(
+            "kvwire_pd_partial_transfers",
+            "Partial transfers (D holds a prefix, P sends the rest) by side and outcome "
+            "(started | missed: D no longer held the prefix and prefilled locally)",
+            ["side", "outcome"], registry=registry,
+        )
 
     def observe_transfer(self, side: str, timing: TransferTiming) -> None:
         """A completed transfer's data timing (one call per transfer and side)."""

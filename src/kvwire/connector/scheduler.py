@@ -163,6 +163,8 @@ class KvwireSchedulerConnector(SchedulerConnector):
             state = self._new_state(request, params)
             self._reqs[request.request_id] = state
         if state.phase is Phase.WAITING_ALLOC:
+            if self._partial_missed(state, num_computed_tokens):
+                return 0, False
             total = self._num_remote_tokens(state)
             if total - num_computed_tokens <= 0:
                 self._abort(state, "remote KV not needed", report_free=False)
@@ -179,6 +181,24 @@ class KvwireSchedulerConnector(SchedulerConnector):
             self._metrics.load_failures.labels(policy="recompute").inc()
             state.phase = Phase.LOCAL
         return 0, False
+
+    def _partial_missed(self, state: RequestState, num_computed_tokens: int) -> bool:
+        """D, partial transfer: P sends nothing before block ``skip_blocks``, so D must hold those
+        blocks. If it evicted some since the router looked, drop the transfer and prefill locally."""
+        skip = state.params.skip_blocks
+        if skip <= 0:
+            return False
+        if num_computed_tokens >= skip * self.engine_info.block_size:
+            self._metrics.partial_transfers.labels(side="recv", outcome="started").inc()
+            return False
+        logger.info(
+            "request %s: D holds %d of the %d prefix blocks P skips; prefilling locally",
+            state.request_id, num_computed_tokens // self.engine_info.block_size, skip,
+        )
+        self._metrics.partial_transfers.labels(side="recv", outcome="missed").inc()
+        self._abort(state, "partial transfer: decode no longer holds the prefix", report_free=False)
+        state.phase = Phase.LOCAL
+        return True
 
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: Sequence[int], num_external_tokens: int
@@ -201,6 +221,7 @@ class KvwireSchedulerConnector(SchedulerConnector):
                 want_trailer=not pull and self.config.use_first_token,
                 skip_blocks=state.num_local_tokens // self.engine_info.block_size,
                 sender_endpoints=tuple(state.params.peer_endpoints),
+                first_block=state.params.skip_blocks,
             )
         )
 
@@ -229,7 +250,11 @@ class KvwireSchedulerConnector(SchedulerConnector):
     def _start_send(self, state: RequestState, block_ids: Sequence[int]) -> None:
         num_blocks = math.ceil(state.num_prompt_tokens / self.engine_info.block_size)
         push = state.params.mode is TransferMode.PUSH
-        state.block_ids = tuple(block_ids[:num_blocks])
+        # Partial transfer: D holds the first blocks; the block of the last prompt token always goes.
+        skip = min(state.params.skip_blocks, num_blocks - 1) if push else 0
+        if skip > 0:
+            self._metrics.partial_transfers.labels(side="send", outcome="started").inc()
+        state.block_ids = tuple(block_ids[skip:num_blocks])
         state.phase = Phase.SENDING
         state.transfer_started_s = time.monotonic()
         self._sends.append(

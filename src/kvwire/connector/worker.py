@@ -287,7 +287,9 @@ class KvwireWorkerConnector(WorkerConnector):
         rank = self.engine_info.rank
         accept_from = spec.sender_endpoints[rank] if rank < len(spec.sender_endpoints) else None
         self._recvs[spec.transfer_id] = recv
-        target = BlockTarget(tuple(spec.block_ids[spec.skip_blocks :]), spec.skip_blocks)
+        # P's payload starts at D's block ``first_block`` (a partial transfer: P skips the prefix the
+        # router said D holds); D writes from ``skip_blocks`` on (what it holds itself now)
+        target = BlockTarget(tuple(spec.block_ids[spec.skip_blocks :]), spec.skip_blocks - spec.first_block)
         try:
             self.agent.expect(
                 spec.transfer_id, num_layers=len(self._kv_caches), into_blocks=target,

@@ -8,6 +8,11 @@ Contract:
   an exception there is logged and the heartbeat carries ``load=None``).
 * Sends never block: a ZeroMQ PUSH socket with a small high-water mark; if the router is down the
   newest few heartbeats wait in the queue and the rest are dropped (counted in ``dropped``).
+* KV events (optional ``kv_events`` log): every ``kv_events_interval_s`` the thread drains the
+  log's coalesced changes into :class:`KvEvents` batches on the same socket (at most
+  ``MAX_EVENT_BATCHES_PER_TICK`` per tick: a bounded rate). A batch that cannot be queued makes the
+  log resync (the next batches say ``cleared`` and carry the whole cache), so a lost batch leaves
+  the router's index stale for one tick, not forever.
 * :meth:`close` (idempotent; also the context-manager exit) stops the thread, sends a
   :class:`Deregister` so the router drops this instance at once, and waits at most ``linger_s`` for
   it to leave.
@@ -29,13 +34,16 @@ from kvwire.discovery.messages import (
     Heartbeat,
     InstanceInfo,
     InstanceLoad,
+    KvEvents,
     encode_frames,
 )
 from kvwire.errors import ConfigError
+from kvwire.kv_events import KvEventLog
 
 log = logging.getLogger(__name__)
 
 LoadFn = Callable[[], InstanceLoad]
+MAX_EVENT_BATCHES_PER_TICK = 4
 
 
 def _secret_bytes(secret: str | bytes | None) -> bytes | None:
@@ -55,6 +63,8 @@ class HeartbeatClient:
         interval_s: float = 2.0,
         secret: str | bytes | None = None,
         linger_s: float = 0.5,
+        kv_events: KvEventLog | None = None,
+        kv_events_interval_s: float = 0.05,
     ) -> None:
         if not router_address.startswith(("tcp://", "ipc://", "inproc://")):
             raise ConfigError(f"router address must look like tcp://host:port, got {router_address!r}")
@@ -63,6 +73,10 @@ class HeartbeatClient:
         self.router_address = router_address
         self.info = info
         self.interval_s = interval_s
+        if kv_events_interval_s <= 0:
+            raise ConfigError(f"kv_events_interval_s must be > 0, got {kv_events_interval_s}")
+        self._kv_events = kv_events
+        self._kv_events_interval_s = kv_events_interval_s
         self._load_fn = load_fn
         self._secret = _secret_bytes(secret)
         self._linger_s = linger_s
@@ -108,14 +122,22 @@ class HeartbeatClient:
     def _run(self) -> None:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.SNDHWM, 4)
+        sock.setsockopt(zmq.SNDHWM, 4 if self._kv_events is None else 16)
         sock.setsockopt(zmq.LINGER, int(self._linger_s * 1000))
         try:
             sock.connect(self.router_address)
+            next_beat = 0.0
             while not self._stop.is_set():
-                self._send(sock, self._heartbeat())
-                self._wake.wait(self.interval_s)
-                self._wake.clear()
+                now = time.monotonic()
+                if now >= next_beat or self._wake.is_set():
+                    self._wake.clear()
+                    self._send(sock, self._heartbeat())
+                    next_beat = now + self.interval_s
+                self._send_kv_events(sock)
+                wait_s = next_beat - time.monotonic()
+                if self._kv_events is not None:
+                    wait_s = min(wait_s, self._kv_events_interval_s)
+                self._wake.wait(max(wait_s, 0.0))
             self._send(sock, self._deregister())
         except Exception:  # the thread must never die silently
             log.exception("heartbeat thread of %s failed", self.info.instance_id)
@@ -144,9 +166,28 @@ class HeartbeatClient:
             sent_at=time.time(),
         )
 
-    def _send(self, sock: zmq.Socket, msg: DiscoveryMessage) -> None:
+    def _send_kv_events(self, sock: zmq.Socket) -> None:
+        log_ = self._kv_events
+        if log_ is None:
+            return
+        for _ in range(MAX_EVENT_BATCHES_PER_TICK):
+            batch = log_.drain()
+            if batch is None:
+                return
+            msg = KvEvents(
+                instance_id=self.info.instance_id, epoch=self.info.epoch, block_size=batch.block_size,
+                stored=batch.stored, removed=batch.removed, cleared=batch.cleared,
+                num_cached_blocks=batch.num_cached_blocks, seq=self._next_seq(), sent_at=time.time(),
+            )
+            if not self._send(sock, msg):
+                log_.resync()
+                return
+
+    def _send(self, sock: zmq.Socket, msg: DiscoveryMessage) -> bool:
         try:
             sock.send_multipart(encode_frames(msg, self._secret), flags=zmq.NOBLOCK)
             self.sent += 1
+            return True
         except zmq.Again:
             self.dropped += 1
+            return False

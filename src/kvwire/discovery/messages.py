@@ -49,6 +49,10 @@ class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True):
     epoch: int = msgspec.field(default_factory=new_epoch)  # per process start; newer wins
     kv_endpoints: list[str] = msgspec.field(default_factory=list)  # transfer agent, one per rank
     version: str = ""  # software version of the instance (kvwire or the host engine)
+    # How the router can tokenize prompts like this instance does, so that its prefix hashes match
+    # the instance's KV events: "byte" (built-in presets) or a local Hugging Face model directory;
+    # "" = unknown (the router then needs --tokenizer to use KV events).
+    tokenizer: str = ""
 
 
 class InstanceLoad(msgspec.Struct, frozen=True, kw_only=True):
@@ -91,7 +95,26 @@ class Deregister(msgspec.Struct, frozen=True, kw_only=True, tag="deregister"):
     v: int = DISCOVERY_VERSION
 
 
-DiscoveryMessage = Heartbeat | Deregister
+class KvEvents(msgspec.Struct, frozen=True, kw_only=True, tag="kv_events"):
+    """Prefix-cache changes of one instance since its previous batch (see :mod:`kvwire.kv_events`).
+
+    Hashes are :mod:`kvwire.kv_hash` chained block hashes over ``block_size``-token blocks.
+    ``cleared``: forget every hash of this instance before applying (a resync after a lost batch).
+    """
+
+    instance_id: str
+    epoch: int
+    block_size: int
+    stored: list[int] = msgspec.field(default_factory=list)
+    removed: list[int] = msgspec.field(default_factory=list)
+    cleared: bool = False
+    num_cached_blocks: int = 0  # hashes the instance holds after this batch
+    seq: int = 0
+    sent_at: float = 0.0
+    v: int = DISCOVERY_VERSION
+
+
+DiscoveryMessage = Heartbeat | Deregister | KvEvents
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(DiscoveryMessage)
@@ -133,6 +156,8 @@ def decode_frames(frames: Sequence[bytes], secret: bytes | None = None) -> Disco
         raise ProtocolError(f"discovery message version {msg.v} unsupported (expected {DISCOVERY_VERSION})")
     if isinstance(msg, Heartbeat):
         _check_info(msg.info)
+    if isinstance(msg, KvEvents) and (not msg.instance_id or msg.block_size <= 0):
+        raise ProtocolError("kv_events need an instance_id and a block_size > 0")
     return msg
 
 

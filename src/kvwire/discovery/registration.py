@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from kvwire.discovery.client import HeartbeatClient, LoadFn
 from kvwire.discovery.messages import InstanceInfo, InstanceRole
 from kvwire.enum_values import as_enum
+from kvwire.kv_events import KvEventLog
 
 logger = logging.getLogger(__name__)
 
@@ -29,13 +30,17 @@ def start_registration(
     load_fn: LoadFn | None,
     interval_s: float,
     secret: str | bytes | None = None,
+    kv_events: KvEventLog | None = None,
+    tokenizer: str = "",
 ) -> HeartbeatClient:
     """Start heartbeating to ``router_address`` and return the client (``close()`` deregisters).
 
     ``role`` is an :class:`InstanceRole` or its value (``prefill``, ``decode`` or ``both``): the
     server's and the connector's role enums share those values. ``load_fn`` runs on the heartbeat
-    thread. Raises :class:`~kvwire.errors.ConfigError` for a malformed address or interval or an
-    unknown role; nothing is started then.
+    thread. ``kv_events``: the host's prefix-cache log, published as KV events on the same connection;
+    ``tokenizer``: how the router can tokenize like this host (see ``InstanceInfo.tokenizer``).
+    Raises :class:`~kvwire.errors.ConfigError` for a malformed address or interval or an unknown
+    role; nothing is started then.
     """
     info = InstanceInfo(
         instance_id=instance_id,
@@ -44,8 +49,10 @@ def start_registration(
         model=model,
         kv_endpoints=list(kv_endpoints),
         version=version,
+        tokenizer=tokenizer,
     )
-    client = HeartbeatClient(router_address, info, load_fn=load_fn, interval_s=interval_s, secret=secret)
+    client = HeartbeatClient(router_address, info, load_fn=load_fn, interval_s=interval_s, secret=secret,
+                             kv_events=kv_events)
     client.start()
     logger.info("registering %s (%s, %s, KV endpoints %s) with router %s", instance_id, info.role.value,
                 url, info.kv_endpoints, router_address)

@@ -4,6 +4,8 @@ Each block holds ``block_size`` tokens of every layer's KV. A block is *free* wh
 (ref count 0). A full block whose KV was computed is registered under a hash of its tokens and of
 every token before it (a hash chain); a later request with the same prefix takes the block instead
 of recomputing it. Free blocks stay cached until they are reused (least recently freed first).
+The hashes are those of :mod:`kvwire.kv_hash` (shared with the router); every hash that enters or
+leaves the cache is reported to the optional :class:`~kvwire.kv_events.KvEventLog` (KV events).
 """
 
 from __future__ import annotations
@@ -11,13 +13,18 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-BlockHash = int
+from kvwire.kv_events import KvEventLog
+from kvwire.kv_hash import BlockHash, block_hashes
 
 
 class BlockManager:
     """Owned by the scheduler (engine thread only)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+        events: KvEventLog | None = None,
+    ) -> None:
+        self.events = events
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -48,12 +55,7 @@ class BlockManager:
     ) -> list[BlockHash]:
         """Chained hashes of the full blocks of ``token_ids[:num_tokens]``. ``memo`` (a request's
         list, extended in place) keeps earlier blocks' hashes so each block is hashed once."""
-        hashes = [] if memo is None else memo
-        parent = hashes[-1] if hashes else 0
-        for start in range(len(hashes) * self.block_size, num_tokens - self.block_size + 1, self.block_size):
-            parent = hash((parent, tuple(token_ids[start : start + self.block_size])))
-            hashes.append(parent)
-        return hashes[: max(num_tokens, 0) // self.block_size]
+        return block_hashes(token_ids, self.block_size, max(num_tokens, 0), memo)
 
     def find_cached_blocks(self, token_ids: Sequence[int], memo: list[BlockHash] | None = None) -> list[int]:
         """Longest run of cached blocks that prefixes ``token_ids``, leaving at least one token to
@@ -79,10 +81,14 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         hashes = self.block_hashes(token_ids, num_computed_tokens, memo)
+        new: list[BlockHash] = []
         for block, block_hash in zip(block_ids, hashes, strict=False):
             if block not in self._hash_of_block and block_hash not in self._block_of_hash:
                 self._block_of_hash[block_hash] = block
                 self._hash_of_block[block] = block_hash
+                new.append(block_hash)
+        if new and self.events is not None:
+            self.events.stored(new)
 
     # --- allocation -------------------------------------------------------------------------------
 
@@ -123,3 +129,5 @@ class BlockManager:
         block_hash = self._hash_of_block.pop(block, None)
         if block_hash is not None and self._block_of_hash.get(block_hash) == block:
             del self._block_of_hash[block_hash]
+            if self.events is not None:
+                self.events.removed((block_hash,))

@@ -31,6 +31,7 @@ from kvwire.engine.scheduler import Scheduler
 from kvwire.engine.stop import check_stop
 from kvwire.engine.tokenizer import IncrementalDetokenizer
 from kvwire.errors import InvalidRequestError
+from kvwire.kv_events import KvEventLog
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,11 @@ class LLMEngine:
             log.warning("max_model_len lowered to %d: the KV cache holds no more", self.max_model_len)
         self.scheduler_connector = scheduler_connector or NoOpSchedulerConnector()
         self.worker_connector = worker_connector or NoOpWorkerConnector()
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # KV events: the prefix-cache hashes this engine holds, drained by the discovery client.
+        self.kv_events = KvEventLog(config.block_size)
+        self.blocks = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, events=self.kv_events
+        )
         self.scheduler = Scheduler(config, self.blocks, self.scheduler_connector)
         self.runner = ModelRunner(
             config, self.model, num_blocks, self.worker_connector, self.device, self.dtype, self.max_model_len

@@ -24,6 +24,7 @@ from kvwire.auth import Refusal, RefusalLog, api_key_middleware
 from kvwire.errors import InvalidRequestError, NoInstanceError
 from kvwire.router.client_stream import CLIENT_TIMEOUT
 from kvwire.router.config import RouterConfig
+from kvwire.router.kv_index import KvIndex
 from kvwire.router.listener import DiscoveryListener
 from kvwire.router.metrics import RouterMetrics
 from kvwire.router.proxy import Dispatcher
@@ -50,12 +51,13 @@ class RouterServer:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
         self.metrics = RouterMetrics()
-        self.registry = Registry(cfg.instance_ttl_s, cfg.forget_after_s)
+        self.kv_index = KvIndex(cfg.kv_index_max_blocks)
+        self.registry = Registry(cfg.instance_ttl_s, cfg.forget_after_s, on_remove=self._forget_instance)
         self.listener = DiscoveryListener(
-            self.registry, cfg.discovery_host, cfg.discovery_port, cfg.secret_bytes
+            self.registry, cfg.discovery_host, cfg.discovery_port, cfg.secret_bytes, kv_index=self.kv_index
         )
         self.sweeper = RegistrySweeper(self.registry, cfg.sweep_interval_s)
-        self.selector = Selector(self.registry, cfg.policy, cfg.seed)
+        self.selector = Selector(self.registry, cfg.policy, cfg.seed, kv_index=self.kv_index)
         self.metrics.add_discovery(
             self.registry, lambda: dict(self.listener.received), lambda: dict(self.listener.dropped)
         )
@@ -221,7 +223,16 @@ class RouterServer:
                 "total_kv_blocks": load.total_kv_blocks,
             },
             "router_inflight": {"requests": requests, "tokens": tokens},
+            "kv_cache": {
+                "cached_blocks": self.kv_index.num_blocks(v.instance_id),  # in the router's KV index
+                "block_size": self.kv_index.block_size(v.instance_id),
+                "hit_rate": self.selector.hit_rate(v.instance_id),  # cached share of prompts routed there
+            },
         }
+
+    def _forget_instance(self, instance_id: str) -> None:
+        """Registry callback (listener or sweeper thread): the instance left; drop its KV entries."""
+        self.selector.forget(instance_id)
 
 
 class _BodyTooLarge(InvalidRequestError):

@@ -66,6 +66,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="push mode, streaming: send P's first token at once, trim it off D's stream")
     parser.add_argument("--max-connect-retries", type=int, default=d.max_connect_retries,
                         help="re-dispatches after a refused connection (default %(default)s)")
+    parser.add_argument("--decode-local-prefill-tokens", type=int, default=d.decode_local_prefill_tokens,
+                        help="kv_aware: skip P when D holds all but fewer than this many prompt tokens "
+                             "(0 = never; default %(default)s)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="prompt tokenizer for KV-aware routing: 'byte' or a local HF model directory "
+                             "(default: what the instances announce)")
+    parser.add_argument("--kv-index-max-blocks", type=int, default=d.kv_index_max_blocks,
+                        help="block hashes the router's KV index keeps (default %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -81,6 +89,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         api_keys=ApiKeyConfig(keys_from_cli(args.api_key, os.environ),
                               frozenset(f"/{name}" for name in args.open_endpoint)),
         instance_api_key=args.instance_api_key or os.environ.get(INSTANCE_API_KEY_ENV) or None,
+        decode_local_prefill_tokens=args.decode_local_prefill_tokens, tokenizer=args.tokenizer,
+        kv_index_max_blocks=args.kv_index_max_blocks,
     )
 
 

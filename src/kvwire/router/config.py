@@ -14,6 +14,7 @@ class Policy(str, enum.Enum):
     ROUND_ROBIN = "round_robin"
     LEAST_LOADED = "least_loaded"
     RANDOM = "random"
+    KV_AWARE = "kv_aware"  # prefix-cache overlap (KV events) minus load; decision 045
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,11 @@ class RouterConfig:
     # Push mode, streaming: send P's first token to the client as soon as P answers, and trim it off
     # the start of D's stream (D's text must start with it; greedy decoding guarantees that).
     stream_first_token_from_prefill: bool = False
+    # kv_aware: when D holds all but fewer than this many prompt tokens, skip P and let D prefill the
+    # rest itself (0 = never skip).
+    decode_local_prefill_tokens: int = 256
+    tokenizer: str | None = None  # "byte" or a local HF model dir; None = what instances announce
+    kv_index_max_blocks: int = 1 << 20  # block hashes the KV index keeps (least recently stored go)
 
     def __post_init__(self) -> None:
         for name in ("port", "discovery_port"):
@@ -59,6 +65,12 @@ class RouterConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_body_bytes < 1024:
             raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.decode_local_prefill_tokens < 0:
+            raise ConfigError(
+                f"decode_local_prefill_tokens must be >= 0, got {self.decode_local_prefill_tokens}"
+            )
+        if self.kv_index_max_blocks <= 0:
+            raise ConfigError(f"kv_index_max_blocks must be > 0, got {self.kv_index_max_blocks}")
         if self.max_connect_retries < 0:
             raise ConfigError(f"max_connect_retries must be >= 0, got {self.max_connect_retries}")
         if not isinstance(self.policy, Policy):

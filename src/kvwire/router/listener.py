@@ -20,8 +20,9 @@ import threading
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvwire.discovery.messages import Heartbeat, decode_frames
+from kvwire.discovery.messages import Heartbeat, KvEvents, decode_frames
 from kvwire.errors import AuthenticationError, ProtocolError
+from kvwire.router.kv_index import KvIndex
 from kvwire.router.registry import ApplyResult, Registry, stop_thread
 
 log = logging.getLogger(__name__)
@@ -32,8 +33,12 @@ _POLL_MS = 100  # how often the thread checks for close()
 class DiscoveryListener:
     """Binds ``tcp://host:port`` (port 0 = a free port) at construction; :meth:`start` runs the thread."""
 
-    def __init__(self, registry: Registry, host: str, port: int, secret: bytes | None = None) -> None:
+    def __init__(
+        self, registry: Registry, host: str, port: int, secret: bytes | None = None,
+        kv_index: KvIndex | None = None,
+    ) -> None:
         self._registry = registry
+        self._kv_index = kv_index  # KV events go there (dropped, counted, when None)
         self._secret = secret
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PULL)
@@ -102,6 +107,10 @@ class DiscoveryListener:
         except ProtocolError as exc:
             self.dropped["malformed"] += 1
             log.warning("dropped discovery message: %s", exc)
+            return
+        if isinstance(msg, KvEvents):
+            applied = self._kv_index is not None and self._kv_index.apply(msg)
+            self.received["kv_events" if applied else "kv_events_ignored"] += 1
             return
         result = self._registry.apply(msg)
         self.received[result.value] += 1

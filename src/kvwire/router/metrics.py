@@ -55,6 +55,23 @@ class RouterMetrics:
             ["reason"], registry=r,
         )
         self.inflight = Gauge("kvwire_router_inflight_requests", "Client requests in progress", registry=r)
+        # KV-aware routing (policy kv_aware): prompt tokens routed, and those the chosen instance held
+        self.kv_prompt_tokens = Counter(
+            "kvwire_router_kv_prompt_tokens", "Prompt tokens routed by KV-aware picks, by role", ["role"],
+            registry=r,
+        )
+        self.kv_hit_tokens = Counter(
+            "kvwire_router_kv_hit_tokens", "Prompt tokens the KV-aware pick held cached (KV index), by role",
+            ["role"], registry=r,
+        )
+        self.partial_transfers = Counter(
+            "kvwire_router_partial_transfers", "P/D requests where P sends only the blocks D lacks",
+            registry=r,
+        )
+        self.skipped_prefills = Counter(
+            "kvwire_router_skipped_prefills", "P/D requests sent to D alone (it held nearly all the prompt)",
+            registry=r,
+        )
 
     def add_discovery(self, registry: Registry, received: Callable[[], dict[str, int]],
                       dropped: Callable[[], dict[str, int]]) -> None:

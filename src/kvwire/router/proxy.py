@@ -8,6 +8,8 @@
   failed (5xx), D owns the outcome (it recomputes or fails per its failure policy).
 * P/D pull: D is picked first and named in P's params (P leases its KV to that D only); P is called
   first; its returned ``kv_transfer_params`` go to D with the role switched to decode.
+* policy ``kv_aware`` (push): D first by its cached prefix; P skipped when D holds nearly the whole
+  prompt, else told to send only the blocks D lacks (:mod:`kvwire.router.kv_routing`).
 
 Connections refused (the request surely never arrived) are retried on other instances, up to
 ``max_connect_retries``. Cancellation (client disconnect, or a client that stopped reading and hit
@@ -34,10 +36,12 @@ from kvwire.kv_signing import ParamsSigner
 from kvwire.router.client_body import send_body
 from kvwire.router.client_stream import ClientStream
 from kvwire.router.config import RouterConfig
+from kvwire.router.kv_routing import PushPlan, plan_push, prefix_for
 from kvwire.router.metrics import RouterMetrics, SSETokenMeter
+from kvwire.router.prompt_tokens import PromptTokenizer
 from kvwire.router.registry import InstanceView
 from kvwire.router.request import ClientRequest
-from kvwire.router.selection import Plan, Selector
+from kvwire.router.selection import Plan, Prefix, Selector
 from kvwire.router.splice import FirstTokenSplicer
 from kvwire.router.upstream import BODY_ERRORS, Upstream, UpstreamFailure
 
@@ -53,6 +57,7 @@ class Dispatcher:
         self._selector = selector
         self._upstream = upstream
         self._metrics = metrics
+        self._tokenizer = PromptTokenizer(cfg.tokenizer)
         self._background: set[asyncio.Task[Any]] = set()
         # With a shared secret every kv_transfer_params is signed (instances refuse unsigned ones).
         self._signer = ParamsSigner(cfg.secret, cfg.kv_params_ttl_s) if cfg.secret else None
@@ -61,10 +66,14 @@ class Dispatcher:
         """Serve ``creq``; raises NoInstanceError / ModelNotFoundError / UpstreamFailure before any
         byte went to the client (afterwards failures are reported in-band)."""
         plan = self._selector.plan(creq.model)
+        prefix = prefix_for(self._selector, self._tokenizer, creq)  # token counts for every policy
+        if not self._selector.kv_aware:
+            prefix = None
         if plan is Plan.COLOCATED:
-            return await self._retrying(lambda: self._single(request, creq, InstanceRole.BOTH, creq.raw))
+            return await self._retrying(
+                lambda: self._single(request, creq, InstanceRole.BOTH, creq.raw, prefix=prefix))
         if self._cfg.mode is TransferMode.PUSH:
-            return await self._retrying(lambda: self._push(request, creq))
+            return await self._retrying(lambda: self._push(request, creq, prefix))
         return await self._pull(request, creq)
 
     async def close(self) -> None:
@@ -87,9 +96,10 @@ class Dispatcher:
 
     async def _single(
         self, request: web.Request, creq: ClientRequest, role: InstanceRole, body: bytes,
-        model: str | None = None, inst: InstanceView | None = None,
+        model: str | None = None, prefix: Prefix | None = None, inst: InstanceView | None = None,
     ) -> web.StreamResponse:
-        inst = inst if inst is not None else self._selector.pick(role, model or creq.model)
+        if inst is None:
+            inst = self._selector.pick_for(role, model or creq.model, prefix).view
         mode = "colocated" if role is InstanceRole.BOTH else "pd"
         with self._selector.track(inst.instance_id, creq.est_prompt_tokens + creq.max_new_tokens):
             opened = await self._call(inst, role.value, creq, body, stream=creq.stream)
@@ -153,15 +163,21 @@ class Dispatcher:
 
     # --- P/D ------------------------------------------------------------------------------------
 
-    async def _push(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
-        d = self._selector.pick(InstanceRole.DECODE, creq.model)
-        p = self._selector.pick(InstanceRole.PREFILL, creq.model or d.info.model)  # same model as D
+    async def _push(
+        self, request: web.Request, creq: ClientRequest, prefix: Prefix | None
+    ) -> web.StreamResponse:
+        pick = plan_push(self._selector, creq.model, prefix, self._cfg.decode_local_prefill_tokens)
+        self._count_kv(pick, prefix)
+        d = pick.decode.view
+        if pick.prefill is None:  # D holds nearly all of the prompt: it prefills the rest itself
+            return await self._single(request, creq, InstanceRole.DECODE, creq.raw, inst=d)
+        p = pick.prefill.view
         tid = uuid.uuid4().hex
-        p_params = self._push_params(tid, PDRole.PREFILL, peer=d)
-        d_params = self._push_params(tid, PDRole.DECODE, peer=p)
+        p_params = self._push_params(tid, PDRole.PREFILL, peer=d, skip_blocks=pick.skip_blocks)
+        d_params = self._push_params(tid, PDRole.DECODE, peer=p, skip_blocks=pick.skip_blocks)
         p_body, d_body = _prefill_body(creq, p_params), _decode_body(creq, d_params)
         prompt = creq.est_prompt_tokens
-        with self._selector.track(p.instance_id, prompt), \
+        with self._selector.track(p.instance_id, prompt - pick.prefill.cached_tokens), \
                 self._selector.track(d.instance_id, prompt + creq.max_new_tokens):
             p_task = asyncio.create_task(self._call(p, "prefill", creq, p_body, stream=False))
             d_task = asyncio.create_task(self._call(d, "decode", creq, d_body, stream=creq.stream))
@@ -236,14 +252,30 @@ class Dispatcher:
         except (*BODY_ERRORS, asyncio.TimeoutError) as exc:
             raise self._upstream.lost(inst, inst.role.value, exc) from exc
 
-    def _push_params(self, tid: str, role: PDRole, peer: InstanceView) -> KVTransferParams:
+    def _push_params(
+        self, tid: str, role: PDRole, peer: InstanceView, skip_blocks: int = 0
+    ) -> KVTransferParams:
         return self._seal(KVTransferParams(
             transfer_id=tid, mode=TransferMode.PUSH, role=role, peer_endpoints=list(peer.info.kv_endpoints),
-            peer_instance_id=peer.instance_id, deadline_s=self._cfg.kv_deadline_s,
+            peer_instance_id=peer.instance_id, deadline_s=self._cfg.kv_deadline_s, skip_blocks=skip_blocks,
         ))
 
     def _seal(self, params: KVTransferParams) -> KVTransferParams:
         return params if self._signer is None else self._signer.sign(params)
+
+    def _count_kv(self, pick: PushPlan, prefix: Prefix | None) -> None:
+        if prefix is None:
+            return
+        n = len(prefix.token_ids)
+        self._metrics.kv_prompt_tokens.labels(role="decode").inc(n)
+        self._metrics.kv_hit_tokens.labels(role="decode").inc(pick.decode.cached_tokens)
+        if pick.prefill is None:
+            self._metrics.skipped_prefills.inc()
+            return
+        self._metrics.kv_prompt_tokens.labels(role="prefill").inc(n)
+        self._metrics.kv_hit_tokens.labels(role="prefill").inc(pick.prefill.cached_tokens)
+        if pick.partial:
+            self._metrics.partial_transfers.inc()
 
     async def _race(self, p_task: asyncio.Task[Opened], d_task: asyncio.Task[Opened]) -> Opened:
         """D's first bytes (or whole answer), unless P fails first in a way D cannot recover from.
@@ -293,7 +325,7 @@ class Dispatcher:
         d_body = _decode_body(creq, self._params_from_prefill(p, answer))
         picked = [d]  # a retry re-picks; P refuses that D's pull and it recomputes the prompt
         return await self._retrying(lambda: self._single(
-            request, creq, InstanceRole.DECODE, d_body, model, picked.pop() if picked else None))
+            request, creq, InstanceRole.DECODE, d_body, model, inst=picked.pop() if picked else None))
 
     async def _prefill_only(self, creq: ClientRequest, body: bytes, model: str | None
                             ) -> tuple[InstanceView, bytes]:

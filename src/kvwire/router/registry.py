@@ -13,6 +13,10 @@ Liveness rules:
 * :meth:`Registry.sweep` (run by :class:`RegistrySweeper` every ``interval_s``) expires entries
   silent for ``ttl_s`` and forgets expired ones after ``forget_after_s``;
 * a :class:`Deregister` for the current epoch removes the entry at once.
+
+``on_remove(instance_id)`` (optional) is called, outside the lock, for every entry removed
+(deregistered, forgotten, or replaced by another instance at its URL): the router drops the
+instance's KV index entries then.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from kvwire.discovery.messages import Deregister, DiscoveryMessage, InstanceInfo, InstanceLoad, InstanceRole
+from kvwire.discovery.messages import Deregister, Heartbeat, InstanceInfo, InstanceLoad, InstanceRole
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +78,13 @@ class InstanceView:
 
 
 class Registry:
-    def __init__(self, ttl_s: float, forget_after_s: float = 60.0, clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self, ttl_s: float, forget_after_s: float = 60.0, clock: Clock = time.monotonic,
+        on_remove: Callable[[str], None] | None = None,
+    ) -> None:
         self.ttl_s = ttl_s
+        self._on_remove = on_remove
+        self._removed: list[str] = []  # ids removed under the lock, reported after it
         self.forget_after_s = forget_after_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -86,7 +95,7 @@ class Registry:
 
     # --- writers --------------------------------------------------------------------------------
 
-    def apply(self, msg: DiscoveryMessage) -> ApplyResult:
+    def apply(self, msg: Heartbeat | Deregister) -> ApplyResult:
         with self._lock:
             if isinstance(msg, Deregister):
                 result = self._deregister(msg)
@@ -94,6 +103,7 @@ class Registry:
                 result = self._heartbeat(msg.info, msg.load, msg.seq)
             if result is not ApplyResult.STALE:
                 self._rebuild()
+        self._report_removed()
         if result in (ApplyResult.REGISTERED, ApplyResult.REPLACED, ApplyResult.DEREGISTERED):
             ident = msg.instance_id if isinstance(msg, Deregister) else msg.info.instance_id
             log.info("instance %s %s", ident, result.value)
@@ -107,6 +117,7 @@ class Registry:
             result = ApplyResult.REGISTERED
             for other in [e for e in self._entries.values() if e.url == info.url]:
                 del self._entries[other.instance_id]  # a new process took over that address
+                self._removed.append(other.instance_id)
                 result = ApplyResult.REPLACED
         elif info.epoch < old.info.epoch or (info.epoch == old.info.epoch and seq <= old.last_seq):
             return ApplyResult.STALE
@@ -124,6 +135,7 @@ class Registry:
         if old is None or old.info.epoch != msg.epoch:
             return ApplyResult.STALE
         del self._entries[msg.instance_id]
+        self._removed.append(msg.instance_id)
         return ApplyResult.DEREGISTERED
 
     def mark_unreachable(self, instance_id: str, epoch: int | None, reason: str) -> bool:
@@ -149,6 +161,7 @@ class Registry:
                 if entry.state is InstanceState.EXPIRED:
                     if silent_s > self.forget_after_s:
                         del self._entries[ident]
+                        self._removed.append(ident)
                         changed.append(ident)
                 elif silent_s > self.ttl_s:
                     reason = f"no heartbeat for {silent_s:.1f} s"
@@ -157,7 +170,15 @@ class Registry:
                     log.warning("instance %s expired: %s", ident, reason)
             if changed:
                 self._rebuild()
+        self._report_removed()
         return changed
+
+    def _report_removed(self) -> None:
+        with self._lock:
+            removed, self._removed = self._removed, []
+        if self._on_remove is not None:
+            for ident in removed:
+                self._on_remove(ident)
 
     def _rebuild(self) -> None:
         # caller holds the lock

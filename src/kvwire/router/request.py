@@ -23,6 +23,7 @@ class ClientRequest:
     headers: dict[str, str]  # forwarded to instances
     t0: float = field(default_factory=time.perf_counter)  # arrival, perf_counter seconds
     outcome: str = "ok"  # set by whoever decides how the request ended (metrics label)
+    prompt_token_ids: list[int] | None = None  # set when the router tokenized the prompt (kv_aware)
 
     @property
     def stream(self) -> bool:
@@ -43,7 +44,10 @@ class ClientRequest:
 
     @property
     def est_prompt_tokens(self) -> int:
-        """Rough prompt length (characters / 4 or token ids); for load accounting only."""
+        """The prompt's length in tokens when the router tokenized it (KV-aware routing), else a
+        rough estimate (characters / 4 or token ids); for load accounting only."""
+        if self.prompt_token_ids is not None:
+            return len(self.prompt_token_ids)
         prompt = self.body.get("prompt")
         if isinstance(prompt, str):
             return len(prompt) // 4 + 1

@@ -9,10 +9,13 @@ import enum
 import random
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from kvwire.discovery.messages import InstanceRole
 from kvwire.errors import NoInstanceError, RouterError
+from kvwire.kv_hash import BlockHash, block_hashes
 from kvwire.router.config import Policy
+from kvwire.router.kv_index import KvIndex
 from kvwire.router.policy import POLICIES, Candidate, PickContext
 from kvwire.router.registry import InstanceView, Registry
 
@@ -22,22 +25,50 @@ class Plan(str, enum.Enum):
     DISAGGREGATED = "pd"  # prefill on a `prefill` instance, decode on a `decode` instance
 
 
+@dataclass(frozen=True)
+class Prefix:
+    """A request's prompt as KV-aware routing sees it: token ids and their block hashes per block size."""
+
+    token_ids: tuple[int, ...]
+
+    def hashes(self, block_size: int) -> list[BlockHash]:
+        return block_hashes(self.token_ids, block_size)
+
+
+@dataclass(frozen=True)
+class Picked:
+    """One policy pick with what the KV index says the instance holds of the request's prompt."""
+
+    view: InstanceView
+    cached_tokens: int = 0
+    block_size: int = 0  # of the instance's KV events (0 = none known)
+
+
 class ModelNotFoundError(RouterError):
     """No instance, alive or not, serves the requested model (becomes HTTP 404)."""
 
 
 class Selector:
-    def __init__(self, registry: Registry, policy: Policy, seed: int | None = None) -> None:
+    def __init__(
+        self, registry: Registry, policy: Policy, seed: int | None = None, kv_index: KvIndex | None = None
+    ) -> None:
         self._registry = registry
         self._policy = POLICIES[policy]
-        self._ctx = {role: PickContext(turn=0, rng=random.Random(seed)) for role in InstanceRole}
+        self.kv_aware = policy is Policy.KV_AWARE
+        self.kv_index = kv_index if kv_index is not None else KvIndex()
+        self._ctx = {role: PickContext(turn=0, rng=random.Random(seed), role=role) for role in InstanceRole}
         self._inflight: dict[str, list[int]] = {}  # instance id -> [requests, tokens]
+        self._hits: dict[str, list[int]] = {}  # instance id -> [cached prompt tokens, prompt tokens] routed
 
     def _live(self, role: InstanceRole, model: str | None) -> Sequence[InstanceView]:
         views = self._registry.live(role)  # the registry's cached tuple: no copy when no model filter
         if model is None:
             return views
         return [v for v in views if v.info.model == model]
+
+    def live_views(self, role: InstanceRole, model: str | None) -> Sequence[InstanceView]:
+        """Live instances of ``role`` serving ``model`` (any model when None)."""
+        return self._live(role, model)
 
     def _has_live(self, role: InstanceRole, model: str | None) -> bool:
         return any(model is None or v.info.model == model for v in self._registry.live(role))
@@ -67,18 +98,46 @@ class Selector:
 
     def pick(self, role: InstanceRole, model: str | None) -> InstanceView:
         """Pick a live instance of ``role`` by the policy; P and D keep separate turns."""
+        return self.pick_for(role, model).view
+
+    def pick_for(self, role: InstanceRole, model: str | None, prefix: Prefix | None = None) -> Picked:
+        """Pick as :meth:`pick`; with ``prefix`` (KV-aware routing) the candidates carry the prompt
+        tokens each holds (KV index) and the pick records its expected hit for ``/instances``."""
         views = self._live(role, model)
         if not views:
             raise NoInstanceError(f"no live {role.value} instance")
-        candidates = [self._candidate(v) for v in views]
+        cached = {} if prefix is None else self.kv_index.match([v.instance_id for v in views], prefix.hashes)
+        candidates = [self._candidate(v, cached, prefix) for v in views]
         ctx = self._ctx[role]
+        ctx.prompt_tokens = 0 if prefix is None else len(prefix.token_ids)
         chosen = self._policy(candidates, ctx)
         ctx.turn += 1
-        return views[next(i for i, c in enumerate(candidates) if c is chosen)]
+        view = views[next(i for i, c in enumerate(candidates) if c is chosen)]
+        if prefix is None:
+            return Picked(view)
+        hits = self._hits.setdefault(view.instance_id, [0, 0])
+        hits[0] += chosen.cached_tokens
+        hits[1] += len(prefix.token_ids)
+        return Picked(view, chosen.cached_tokens, self.kv_index.block_size(view.instance_id) or 0)
 
-    def _candidate(self, view: InstanceView) -> Candidate:
+    def _candidate(self, view: InstanceView, cached: dict[str, int], prefix: Prefix | None) -> Candidate:
         requests, tokens = self._inflight.get(view.instance_id, (0, 0))
-        return Candidate(view.instance_id, view.url, view.load, requests, tokens)
+        num_blocks = cached.get(view.instance_id, 0)
+        cached_tokens = 0
+        if num_blocks and prefix is not None:
+            block_size = self.kv_index.block_size(view.instance_id) or 0
+            cached_tokens = min(num_blocks * block_size, len(prefix.token_ids))
+        return Candidate(view.instance_id, view.url, view.load, requests, tokens, cached_tokens)
+
+    def hit_rate(self, instance_id: str) -> float | None:
+        """Share of the prompt tokens routed to ``instance_id`` (KV-aware picks) that it held cached."""
+        hit, total = self._hits.get(instance_id, (0, 0))
+        return hit / total if total else None
+
+    def forget(self, instance_id: str) -> None:
+        """``instance_id`` left: drop its KV index entries and hit counts."""
+        self.kv_index.drop(instance_id)
+        self._hits.pop(instance_id, None)
 
     @contextmanager
     def track(self, instance_id: str, num_tokens: int) -> Iterator[None]:

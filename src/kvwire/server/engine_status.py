@@ -39,6 +39,7 @@ class StatsSnapshot:
     kv_blocks_in_use: int = 0
     kv_blocks_total: int = 0
     num_preemptions: int = 0
+    num_prefix_cache_hit_tokens: int = 0  # prompt tokens found in the local prefix cache, since start
     # time.monotonic() when copied: the loop refreshes the snapshot between engine steps, so during a
     # long step it lags the live connector/transfer metrics (exported as its age)
     taken_at: float = dataclasses.field(default_factory=time.monotonic)

@@ -88,7 +88,8 @@ class ServerInstance:
         self._heartbeats = start_heartbeats(
             self.config, instance_id=self.instance_id, url=self.url, model=model_name,
             kv_endpoints=self._connectors.kv_endpoints, stats_fn=self._stats,
-            secret=self._secret,
+            secret=self._secret, kv_events=getattr(self._engine, "kv_events", None),
+            tokenizer=tokenizer_spec(self._engine.tokenizer, self.engine_config.model),
         )
         logger.info("kvwire serve ready: %s (model %s, role %s, max_model_len %d, instance %s)",
                     self.url, model_name, self.config.role.value, max_model_len, self.instance_id)
@@ -171,3 +172,9 @@ async def serve(config: ServerConfig, engine_config: EngineConfig, secret: str |
             loop.remove_signal_handler(sig)
         clean = await instance.stop()
     return 0 if clean else 1
+
+
+def tokenizer_spec(tokenizer: Any, model: str) -> str:
+    """What the router needs to tokenize like this engine (``InstanceInfo.tokenizer``): "byte" for the
+    presets' byte tokenizer, else the model directory the tokenizer was loaded from."""
+    return "byte" if type(tokenizer).__name__ == "ByteTokenizer" else model

@@ -50,6 +50,9 @@ class _EngineStatsCollector:
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("kvwire_num_preemptions", "requests preempted (recompute)",
                                   value=stats.num_preemptions)
+        yield CounterMetricFamily("kvwire_prefix_cache_hit_tokens", "prompt tokens found in the local "
+                                  "prefix cache (not computed, not received)",
+                                  value=stats.num_prefix_cache_hit_tokens)
         yield GaugeMetricFamily("kvwire_engine_stats_age_seconds", "age of the engine statistics above "
                                 "(copied between engine steps; live metrics may be newer)",
                                 value=stats.age_s())

@@ -17,6 +17,7 @@ from kvwire.server.engine_status import StatsSnapshot
 
 if TYPE_CHECKING:
     from kvwire.discovery import HeartbeatClient
+    from kvwire.kv_events import KvEventLog
 
 
 def default_instance_id(config: ServerConfig) -> str:
@@ -32,9 +33,12 @@ def start_heartbeats(
     kv_endpoints: Sequence[str],
     stats_fn: Callable[[], StatsSnapshot],
     secret: str | None = None,
+    kv_events: KvEventLog | None = None,
+    tokenizer: str = "",
 ) -> HeartbeatClient | None:
     """Start heartbeating to ``config.router_address``; returns the client (call ``close()`` to
-    deregister) or None when no router is configured."""
+    deregister) or None when no router is configured. ``kv_events``: the engine's prefix-cache log,
+    published to the router as KV events; ``tokenizer``: ``InstanceInfo.tokenizer``."""
     if config.router_address is None:
         return None
     from kvwire.discovery import InstanceLoad, start_registration
@@ -51,5 +55,5 @@ def start_heartbeats(
     return start_registration(
         config.router_address, instance_id=instance_id, role=config.role, url=url, model=model,
         kv_endpoints=kv_endpoints, version=f"kvwire {kvwire.__version__}", load_fn=load,
-        interval_s=config.heartbeat_interval_s, secret=secret,
+        interval_s=config.heartbeat_interval_s, secret=secret, kv_events=kv_events, tokenizer=tokenizer,
     )

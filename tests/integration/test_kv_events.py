@@ -1,0 +1,45 @@
+"""KV events end to end over the real discovery connection: an instance's heartbeat client publishes
+its event log in batches; the router's listener fills the KV index; deregistration empties it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kvwire.discovery import HeartbeatClient, InstanceInfo, InstanceRole
+from kvwire.kv_events import KvEventLog
+from kvwire.router.kv_index import KvIndex
+from kvwire.router.listener import DiscoveryListener
+from kvwire.router.registry import Registry
+
+
+def poll(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
+
+
+def test_events_reach_the_index_and_leave_with_the_instance() -> None:
+    index = KvIndex()
+    registry = Registry(ttl_s=30.0, on_remove=index.drop)
+    listener = DiscoveryListener(registry, "127.0.0.1", 0, secret=b"s", kv_index=index).start()
+    log = KvEventLog(16)
+    info = InstanceInfo(instance_id="d0", role=InstanceRole.DECODE, url="http://127.0.0.1:1", model="m")
+    client = HeartbeatClient(listener.address, info, interval_s=10.0, secret="s", kv_events=log,
+                             kv_events_interval_s=0.01).start()
+    try:
+        assert poll(lambda: registry.get("d0") is not None)
+        log.stored(range(1, 9001))  # more than one batch: sent over a few ticks
+        assert poll(lambda: index.num_blocks("d0") == 9000)
+        assert index.block_size("d0") == 16
+        log.removed(range(1, 101))
+        assert poll(lambda: index.num_blocks("d0") == 8900)
+        assert listener.received["kv_events"] >= 3
+    finally:
+        client.close()
+        assert poll(lambda: registry.get("d0") is None)
+        assert index.num_blocks("d0") == 0
+        listener.close()
