@@ -94,3 +94,14 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
         if params.skip_blocks < 0:
             raise InvalidRequestError("kv_transfer_params.skip_blocks must be >= 0")
         return params
+
+    @classmethod
+    def parse(cls, data: KVParams) -> KVTransferParams:
+        """``data`` as typed params: parsed already (the server's edge did it) or a JSON object (an
+        engine API given a dict, vLLM's scheduler); raises :class:`InvalidRequestError`."""
+        return data if isinstance(data, KVTransferParams) else cls.from_dict(data)
+
+
+# What an engine's request may carry: typed params (parsed once at the server's edge) or the raw
+# JSON object (vLLM hands its connector dicts; the offline API takes either).
+KVParams = KVTransferParams | dict[str, Any]

@@ -34,13 +34,15 @@ from typing import Any, Protocol
 
 import torch
 
+from kvwire.kv_params import KVParams
+
 
 class ConnectorRequest(Protocol):
     """What the connector reads from an engine's request. vLLM's ``Request`` satisfies it."""
 
     request_id: str
     prompt_token_ids: Sequence[int]
-    kv_transfer_params: dict[str, Any] | None
+    kv_transfer_params: KVParams | None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -81,8 +81,8 @@ class KvwireSchedulerConnector(SchedulerConnector):
 
     def check_request_params(self, raw: object) -> KVTransferParams:
         """For the server's request validation (becomes HTTP 400): well-formed ``kv_transfer_params``
-        with a role this instance serves. Raises :class:`InvalidRequestError`. Any thread."""
-        params = KVTransferParams.from_dict(raw)
+        with a role this instance serves, typed. Raises :class:`InvalidRequestError`. Any thread."""
+        params = raw if isinstance(raw, KVTransferParams) else KVTransferParams.from_dict(raw)
         if params.role not in _ACCEPTS[self.config.role]:
             raise InvalidRequestError(
                 f"kv_transfer_params.role {params.role.value!r} is not served by this "
@@ -99,7 +99,7 @@ class KvwireSchedulerConnector(SchedulerConnector):
         if raw is None:
             return None
         try:
-            params = KVTransferParams.from_dict(raw)
+            params = KVTransferParams.parse(raw)
         except InvalidRequestError as exc:
             logger.warning("request %s: ignoring kv_transfer_params: %s", request.request_id, exc)
             return None

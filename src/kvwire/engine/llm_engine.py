@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import Any
 
 import torch
 
@@ -32,6 +31,7 @@ from kvwire.engine.stop import check_stop
 from kvwire.engine.tokenizer import IncrementalDetokenizer
 from kvwire.errors import InvalidRequestError
 from kvwire.kv_events import KvEventLog
+from kvwire.kv_params import KVParams, KVTransferParams
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class LLMEngine:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVParams | None = None,
     ) -> None:
         """Queue a request. Raises InvalidRequestError for a bad id, prompt or params."""
         self._validate(request_id, prompt_token_ids, params, kv_transfer_params)
@@ -119,7 +119,7 @@ class LLMEngine:
         return pending or bool(self.scheduler.delayed_free)
 
     def _validate(
-        self, request_id: str, prompt: list[int], params: SamplingParams, kv_params: dict[str, Any] | None
+        self, request_id: str, prompt: list[int], params: SamplingParams, kv_params: KVParams | None
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string")
@@ -134,8 +134,8 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"the prompt has {len(prompt)} tokens; this model accepts at most {self.max_model_len - 1}"
             )
-        if kv_params is not None and not isinstance(kv_params, dict):
-            raise InvalidRequestError("kv_transfer_params must be a dict")
+        if kv_params is not None and not isinstance(kv_params, (dict, KVTransferParams)):
+            raise InvalidRequestError("kv_transfer_params must be a dict or KVTransferParams")
 
     # --- the loop (engine thread) -------------------------------------------------------------------
 

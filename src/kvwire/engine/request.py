@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from kvwire.engine.sampling_params import SamplingParams
 from kvwire.engine.tokenizer import IncrementalDetokenizer
+from kvwire.kv_params import KVParams
 
 
 class RequestStatus(enum.Enum):
@@ -48,7 +48,7 @@ class Request:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         detokenizer: IncrementalDetokenizer,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVParams | None = None,
         generator: torch.Generator | None = None,
     ) -> None:
         self.request_id = request_id

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from kvwire.errors import EngineError, EngineStalled, ServerShuttingDown  # the last still importable here
+from kvwire.kv_params import KVParams
 from kvwire.server.engine_status import EngineHealth, EngineStatus, StatsSnapshot
 from kvwire.server.stall_watchdog import StallWatchdog
 
@@ -42,7 +43,7 @@ class EngineLike(Protocol):
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: Any,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVParams | None = None,
     ) -> None: ...
 
     def abort_request(self, request_id: str) -> None: ...
@@ -92,7 +93,7 @@ class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: Any
-    kv_transfer_params: dict[str, Any] | None
+    kv_transfer_params: KVParams | None
     done: concurrent.futures.Future[None]
 
 
@@ -177,7 +178,7 @@ class EngineLoop:
 
     async def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: Any,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVParams | None = None,
     ) -> RequestStream:
         """Hand a request to the engine; raises what ``engine.add_request`` raised."""
         if self._closing:

@@ -84,7 +84,7 @@ class Prepared:
     kind: RequestKind
     prompt_token_ids: list[int]
     params: SamplingParams
-    kv_transfer_params: dict[str, Any] | None
+    kv_transfer_params: KVTransferParams | None
     stream: bool
     include_usage: bool
     return_token_ids: bool
@@ -228,17 +228,19 @@ class GenerationHandler:
             ignore_eos=req.ignore_eos,
         )
 
-    def _kv_params(self, params: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _kv_params(self, params: dict[str, Any] | None) -> KVTransferParams | None:
+        """The request's ``kv_transfer_params``, parsed and checked once, here at the edge; the engine
+        and the connector get the typed value."""
         if params is None:
             return None
         if not self._accepts_kv:
             raise BadRequest("kv_transfer_params given, but this instance has no KV connector "
                              "(start it with --role prefill or decode)", param="kv_transfer_params")
         try:
-            self._check_kv(params)
+            checked = self._check_kv(params)
         except InvalidRequestError as exc:
             raise BadRequest(str(exc), param="kv_transfer_params") from exc
-        return params
+        return checked if isinstance(checked, KVTransferParams) else KVTransferParams.from_dict(params)
 
     # --- responses -----------------------------------------------------------------------------
 

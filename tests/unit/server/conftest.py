@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -21,6 +22,7 @@ from kvwire.engine.outputs import EngineStats, RequestOutput
 from kvwire.engine.sampling_params import SamplingParams
 from kvwire.engine.tokenizer import ByteTokenizer
 from kvwire.errors import InvalidRequestError
+from kvwire.kv_params import KVTransferParams
 from kvwire.server.app import ServerApp
 from kvwire.server.engine_loop import EngineLoop
 from kvwire.server.generate import GenerationHandler
@@ -101,7 +103,8 @@ class FakeEngine:
             new_text=chr(token), text=bytes(req.out).decode(), finished=finished,
             finish_reason=("error" if error else "length") if finished else None,
             error="injected" if error else None, num_prompt_tokens=len(req.prompt),
-            kv_transfer_params={"echo": req.kv_params} if finished and req.kv_params else None,
+            # the params the engine got (typed: the server parses them once, at its edge)
+            kv_transfer_params={"echo": _wire(req.kv_params)} if finished and req.kv_params else None,
         )
 
     def blocks_in_use(self) -> int:
@@ -183,3 +186,11 @@ def run_with_fake_server() -> Iterator[Callable[..., Any]]:
 
     yield run
 
+
+def _wire(params: object) -> object:
+    """Typed params as the JSON object they came from (only the fields the client set)."""
+    if isinstance(params, KVTransferParams):
+        full = msgspec.to_builtins(params)
+        default = msgspec.to_builtins(KVTransferParams(transfer_id=params.transfer_id, role=params.role))
+        return {k: v for k, v in full.items() if k in ("transfer_id", "role") or default.get(k) != v}
+    return params
