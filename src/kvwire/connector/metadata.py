@@ -37,6 +37,8 @@ class RecvSpec:
     # Leading blocks D already holds (local prefix-cache hit, possibly shared with running
     # requests): their arriving copies are not written.
     skip_blocks: int = 0
+    # P's tensor-parallel size (push: how many endpoints P has); 0 = the same as D's.
+    peer_tp_size: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -200,6 +200,7 @@ class KvwireSchedulerConnector(SchedulerConnector):
                 pull_from=tuple(state.params.peer_endpoints) if pull else (),
                 want_trailer=not pull and self.config.use_first_token,
                 skip_blocks=state.num_local_tokens // self.engine_info.block_size,
+                peer_tp_size=len(state.params.peer_endpoints),
             )
         )
 

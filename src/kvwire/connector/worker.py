@@ -20,8 +20,9 @@ from kvwire.connector.config import ConnectorConfig, EngineInfo, LoadFailurePoli
 from kvwire.connector.messages import decode_trailer
 from kvwire.connector.metadata import AbortSpec, KvwireConnectorMetadata, RecvSpec, SendSpec, TrailerSpec
 from kvwire.connector.metrics import ConnectorMetrics, connector_metrics
+from kvwire.connector.pieces import PieceBook, RankPiece, head_slice, pull_pieces, recv_pieces, send_pieces
 from kvwire.connector.state import reason_label
-from kvwire.errors import KvwireError
+from kvwire.errors import ConfigError, KvwireError
 from kvwire.transfer.paged import KVLayout, block_ids_tensor, gather_blocks, gathered_shape, scatter_blocks
 from kvwire.transfer.types import LayerSink, LayerSpec, TransferEvents
 
@@ -68,6 +69,8 @@ class AgentLike(Protocol):
 class _Send:
     spec: SendSpec
     ids: torch.Tensor
+    piece_id: str = ""  # the agent-level transfer id (the request's own in the symmetric plan)
+    heads: range | None = None  # this rank's KV heads the piece carries (None: all)
     num_layers_sent: int = 0
     failed: bool = False
 
@@ -76,6 +79,8 @@ class _Send:
 class _Recv:
     spec: RecvSpec
     ids: torch.Tensor  # host memory (see _expect)
+    piece_id: str = ""  # as _Send's
+    heads: range | None = None  # this rank's KV heads the piece fills (None: all)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     cancelled: bool = False
     error: str | None = None  # a layer could not be scattered (shape/dtype mismatch)
@@ -109,8 +114,11 @@ class KvwireWorkerConnector(WorkerConnector):
         self._metrics = metrics if metrics is not None else connector_metrics()
         self._layout = KVLayout(engine_info.kv_layout)
         self._kv_caches: list[torch.Tensor] = []
-        self._sends: dict[str, _Send] = {}  # transfer id -> live send
-        self._recvs: dict[str, _Recv] = {}  # transfer id -> live receive
+        self._sends: dict[str, _Send] = {}  # piece transfer id -> live send
+        self._recvs: dict[str, _Recv] = {}  # piece transfer id -> live receive
+        # Request transfer id -> this rank's pieces (P and D of different TP sizes: pieces.py).
+        self._send_pieces = PieceBook()
+        self._recv_pieces = PieceBook()
         self._saving: list[_Send] = []  # sends whose layers this step's forward hands over
         self._pending = _StepOutput()  # local outcomes reported by the next get_finished
         self._closed = False
@@ -170,15 +178,16 @@ class KvwireWorkerConnector(WorkerConnector):
         for send in self._saving:
             if send.failed:
                 continue
-            data = gather_blocks(kv_layer, send.ids, self._layout)  # [.., num_blocks, ..] contiguous
+            # [.., num_blocks, .., heads, ..] contiguous: only the heads this piece carries
+            data = gather_blocks(head_slice(kv_layer, send.heads, self._layout), send.ids, self._layout)
             event = None
             if data.is_cuda:
                 event = torch.cuda.Event()
                 event.record()
             try:
-                self.agent.send_layer(send.spec.transfer_id, layer_index, data, event)
+                self.agent.send_layer(send.piece_id, layer_index, data, event)
             except KvwireError as exc:
-                logger.warning("transfer %s: send_layer failed: %s", send.spec.transfer_id, exc)
+                logger.warning("transfer %s: send_layer failed: %s", send.piece_id, exc)
                 send.failed = True
                 continue
             send.num_layers_sent += 1
@@ -208,78 +217,121 @@ class KvwireWorkerConnector(WorkerConnector):
     # --- send side --------------------------------------------------------------------------
 
     def _announce(self, spec: SendSpec) -> None:
-        peer: str | None = None
-        if spec.peer_endpoints:
-            if self.engine_info.rank >= len(spec.peer_endpoints):
+        info = self.engine_info
+        d_tp = len(spec.peer_endpoints) or info.tp_size  # pull: held whole, as D of our size reads it
+        try:
+            pieces = send_pieces(spec.transfer_id, info.rank, info.tp_size, d_tp, self._kv_heads())
+        except ConfigError as exc:
+            self._pending.finished_sending.add(spec.request_id)
+            self._count_failure("send", f"mismatch: {exc}")
+            return
+        if not pieces:  # a replica: another rank of ours sends these heads
+            self._pending.finished_sending.add(spec.request_id)
+            return
+        ids = self._ids(spec.block_ids)
+        sends: list[_Send] = []
+        for piece in pieces:
+            send = self._start_piece(spec, ids, piece)
+            if send is None:
+                for started in sends:
+                    self._abort_agent(started.piece_id, "a sibling piece failed to start")
                 self._pending.finished_sending.add(spec.request_id)
-                self._count_failure("send", "mismatch: no endpoint for this rank")
                 return
-            peer = spec.peer_endpoints[self.engine_info.rank]
-        send = _Send(spec, self._ids(spec.block_ids))
+            sends.append(send)
+        self._send_pieces.add(spec.transfer_id, spec.request_id, [s.piece_id for s in sends])
+        for send in sends:
+            self._metrics.transfers_started.labels(side="send").inc()
+            self._sends[send.piece_id] = send
+            self._saving.append(send)
+
+    def _start_piece(self, spec: SendSpec, ids: torch.Tensor, piece: RankPiece) -> _Send | None:
+        peer = spec.peer_endpoints[piece.peer_rank] if spec.peer_endpoints else None
+        n, layout = len(spec.block_ids), self._layout
         layers = [
-            LayerSpec(gathered_shape(cache, len(spec.block_ids), self._layout), cache.dtype)
-            for cache in self._kv_caches
+            LayerSpec(gathered_shape(head_slice(c, piece.heads, layout), n, layout), c.dtype)
+            for c in self._kv_caches
         ]
         try:
             self.agent.start_send(
-                spec.transfer_id, peer, layers, deadline_s=spec.deadline_s, with_trailer=spec.with_trailer
+                piece.transfer_id, peer, layers, deadline_s=spec.deadline_s, with_trailer=spec.with_trailer
             )
         except KvwireError as exc:
-            logger.warning("transfer %s: start_send failed: %s", spec.transfer_id, exc)
-            self._pending.finished_sending.add(spec.request_id)
+            logger.warning("transfer %s: start_send failed: %s", piece.transfer_id, exc)
             self._count_failure("send", str(exc))
-            return
-        self._metrics.transfers_started.labels(side="send").inc()
-        self._sends[spec.transfer_id] = send
-        self._saving.append(send)
+            return None
+        return _Send(spec, ids, piece.transfer_id, piece.heads)
+
+    def _kv_heads(self) -> int | None:
+        """The model's KV heads over all ranks (None for MLA: no head dimension)."""
+        if self._layout is KVLayout.MLA:
+            return None
+        if self.engine_info.num_kv_heads is not None:
+            return self.engine_info.num_kv_heads
+        local = int(self._kv_caches[0].shape[3]) if self._kv_caches else 1
+        return local * self.engine_info.tp_size
 
     def _finish_saves(self) -> None:
         """After the forward: a send that did not get every KV layer can never complete; fail it now
         rather than at its deadline."""
         for send in self._saving:
-            if send.num_layers_sent < len(self._kv_caches) and send.spec.transfer_id in self._sends:
+            if send.num_layers_sent < len(self._kv_caches) and send.piece_id in self._sends:
                 reason = f"mismatch: {send.num_layers_sent} of {len(self._kv_caches)} layers saved"
-                self._abort_agent(send.spec.transfer_id, reason)
+                self._abort_agent(send.piece_id, reason)
         self._saving = []
 
     def _send_trailer(self, spec: TrailerSpec) -> None:
-        if spec.transfer_id not in self._sends:
-            return  # already failed or aborted
-        try:
-            self.agent.send_trailer(spec.transfer_id, spec.payload)
-        except KvwireError as exc:
-            logger.warning("transfer %s: send_trailer failed: %s", spec.transfer_id, exc)
+        for piece_id in sorted(self._send_pieces.pieces(spec.transfer_id)):
+            if piece_id not in self._sends:
+                continue  # already failed or aborted
+            try:
+                self.agent.send_trailer(piece_id, spec.payload)
+            except KvwireError as exc:
+                logger.warning("transfer %s: send_trailer failed: %s", piece_id, exc)
 
     def _on_sent(self, tid: str, out: _StepOutput) -> None:
         send = self._sends.pop(tid, None)
         if send is not None:
             self._metrics.transfers_completed.labels(side="send").inc()
-            out.finished_sending.add(send.spec.request_id)
+            self._send_piece_done(tid, out)
+
+    def _send_piece_done(self, piece_id: str, out: _StepOutput) -> None:
+        """P frees the request's blocks once every piece this rank sends is acknowledged or failed."""
+        group = self._send_pieces.finish(piece_id)
+        if group is not None:
+            out.finished_sending.add(group.request_id)
 
     # --- receive side -----------------------------------------------------------------------
 
     def _expect(self, spec: RecvSpec) -> None:
         # Host-side ids: the sink copies them on its own (delivery) stream, so the copy is ordered
         # before the scatter whatever stream the engine thread had current here.
-        recv = _Recv(spec, self._host_ids(spec.block_ids[spec.skip_blocks :]))
-        pull_from: str | None = None
-        if spec.pull_from:
-            if self.engine_info.rank >= len(spec.pull_from):
-                self._recv_failed(recv, "mismatch: no P endpoint for this rank", self._pending)
-                return
-            pull_from = spec.pull_from[self.engine_info.rank]
-        self._recvs[spec.transfer_id] = recv
-        sink: LayerSink = lambda index, tensor: self._sink(recv, index, tensor)  # noqa: E731
+        ids = self._host_ids(spec.block_ids[spec.skip_blocks :])
+        info = self.engine_info
+        p_tp = len(spec.pull_from) or spec.peer_tp_size or info.tp_size
         try:
-            self.agent.expect(
-                spec.transfer_id, num_layers=len(self._kv_caches), sink=sink,
-                deadline_s=spec.deadline_s, pull_from=pull_from,
-            )
-        except KvwireError as exc:
-            del self._recvs[spec.transfer_id]
-            self._recv_failed(recv, str(exc), self._pending)
+            plan = pull_pieces if spec.pull_from else recv_pieces
+            pieces = plan(spec.transfer_id, info.rank, p_tp, info.tp_size, self._kv_heads())
+        except ConfigError as exc:
+            self._recv_failed(_Recv(spec, ids), f"mismatch: {exc}", self._pending)
             return
-        self._metrics.transfers_started.labels(side="recv").inc()
+        recvs = [_Recv(spec, ids, piece.transfer_id, piece.heads) for piece in pieces]
+        self._recv_pieces.add(spec.transfer_id, spec.request_id, [r.piece_id for r in recvs])
+        for recv, piece in zip(recvs, pieces, strict=True):
+            self._recvs[recv.piece_id] = recv
+            sink: LayerSink = lambda index, tensor, r=recv: self._sink(r, index, tensor)  # type: ignore[misc]  # noqa: E731
+            pull_from = spec.pull_from[piece.peer_rank] if spec.pull_from else None
+            try:
+                self.agent.expect(
+                    recv.piece_id,
+                    num_layers=len(self._kv_caches),
+                    sink=sink,
+                    deadline_s=spec.deadline_s,
+                    pull_from=pull_from,
+                )
+            except KvwireError as exc:
+                self._recv_piece_failed(recv, str(exc), self._pending)
+                return
+            self._metrics.transfers_started.labels(side="recv").inc()
 
     def _sink(self, recv: _Recv, layer_index: int, tensor: torch.Tensor) -> None:
         """Transfer thread: scatter one arrived layer into the request's blocks."""
@@ -287,7 +339,7 @@ class KvwireWorkerConnector(WorkerConnector):
             if recv.cancelled or recv.error is not None:
                 return
             try:
-                cache = self._kv_caches[layer_index]
+                cache = head_slice(self._kv_caches[layer_index], recv.heads, self._layout)
                 data = self._fit(tensor, len(recv.spec.block_ids), recv.spec.skip_blocks)
                 ids = recv.ids if cache.device.type == "cpu" else recv.ids.to(cache.device, non_blocking=True)
                 scatter_blocks(cache, ids, data, self._layout)
@@ -313,14 +365,31 @@ class KvwireWorkerConnector(WorkerConnector):
             recv.cancelled = True
         if recv.error is not None:
             self._abort_agent(tid, recv.error)
-            self._recv_failed(recv, recv.error, out)
+            self._recv_piece_failed(recv, recv.error, out)
             return
         self._metrics.transfers_completed.labels(side="recv").inc()
+        group = self._recv_pieces.group_of(tid)
+        if recv.spec.want_trailer and group is not None:
+            token = self._read_trailer(tid)  # every piece carries it: take each, keep one
+            group.first_token = token if group.first_token is None else group.first_token
+        group = self._recv_pieces.finish(tid)
+        if group is None:
+            return  # other pieces of this rank still arriving
         out.finished_recving.add(recv.spec.request_id)
-        if recv.spec.want_trailer:
-            token = self._read_trailer(tid)
-            if token is not None:
-                out.first_token_ids[recv.spec.request_id] = token
+        if group.first_token is not None:
+            out.first_token_ids[recv.spec.request_id] = group.first_token
+
+    def _recv_piece_failed(self, recv: _Recv, reason: str, out: _StepOutput) -> None:
+        """One piece failed: end this rank's other pieces of the request, apply the policy once."""
+        self._recvs.pop(recv.piece_id, None)
+        group = self._recv_pieces.drop(recv.spec.transfer_id)
+        for piece_id in group.pending if group is not None else ():
+            other = self._recvs.pop(piece_id, None)
+            if other is not None and other is not recv:
+                with other.lock:
+                    other.cancelled = True
+                self._abort_agent(piece_id, f"a sibling piece failed: {reason}")
+        self._recv_failed(recv, reason, out)
 
     def _read_trailer(self, tid: str) -> int | None:
         try:
@@ -350,14 +419,26 @@ class KvwireWorkerConnector(WorkerConnector):
         send = self._sends.pop(tid, None)
         if send is not None:
             self._count_failure("send", reason)
-            out.finished_sending.add(send.spec.request_id)  # P's blocks may be freed
-        recv = self._recvs.pop(tid, None)
+            self._send_piece_done(tid, out)  # P's blocks may be freed (once no piece is in flight)
+        recv = self._recvs.get(tid)
         if recv is not None:
-            self._recv_failed(recv, reason, out)
+            self._recv_piece_failed(recv, reason, out)
 
     def _apply_abort(self, spec: AbortSpec) -> None:
-        recv = self._recvs.pop(spec.transfer_id, None)
-        send = self._sends.pop(spec.transfer_id, None)
+        """Cancel every piece of the request's transfer on this rank."""
+        recv_group = self._recv_pieces.drop(spec.transfer_id)
+        send_group = self._send_pieces.drop(spec.transfer_id)
+        piece_ids = {spec.transfer_id}
+        piece_ids |= recv_group.pending if recv_group is not None else set()
+        piece_ids |= send_group.pending if send_group is not None else set()
+        for piece_id in sorted(piece_ids):
+            self._abort_piece(piece_id, spec.reason)
+        if spec.report_free:
+            self._pending.finished_sending.add(spec.request_id)
+
+    def _abort_piece(self, piece_id: str, reason: str) -> None:
+        recv = self._recvs.pop(piece_id, None)
+        send = self._sends.pop(piece_id, None)
         if recv is not None:
             with recv.lock:
                 recv.cancelled = True
@@ -365,9 +446,7 @@ class KvwireWorkerConnector(WorkerConnector):
         if send is not None:
             self._saving = [s for s in self._saving if s is not send]
             self._count_failure("send", "aborted")
-        self._abort_agent(spec.transfer_id, spec.reason)
-        if spec.report_free:
-            self._pending.finished_sending.add(spec.request_id)
+        self._abort_agent(piece_id, reason)
 
     def _abort_agent(self, tid: str, reason: str) -> None:
         try:

@@ -99,6 +99,12 @@ def _tp_rank() -> int:
     return int(get_tensor_model_parallel_rank())
 
 
+def _tp_size() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+
+    return int(get_tensor_model_parallel_world_size())
+
+
 def _device(plugin: VllmPluginConfig) -> str:
     if plugin.device_type == "cuda":
         return f"cuda:{torch.cuda.current_device()}"
@@ -141,7 +147,7 @@ class KvwireConnector(KVConnectorBase_V1):
         else:
             info = EngineInfo(
                 block_size=block_size, device=_device(self._plugin), rank=_tp_rank(),
-                kv_layout=KVLayout.MLA,
+                kv_layout=KVLayout.MLA, tp_size=_tp_size(),
             )
             self._worker = WorkerSide(self._plugin, info)
 

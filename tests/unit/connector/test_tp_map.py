@@ -47,7 +47,10 @@ def test_replicated_heads_are_read_from_different_replicas() -> None:
     # P TP=1 -> D TP=2 with one head: P sends its whole (single-head) layer to both.
     assert plan_pieces(1, 2, 1) == (Piece(0, 0, None, None), Piece(0, 1, None, None))
     # P TP=4 (2 heads, each on 2 ranks) -> D TP=1: one replica of each head, nothing twice.
-    assert plan_pieces(4, 1, 2) == (Piece(0, 0, range(0, 1), range(0, 1)), Piece(2, 0, range(0, 1), range(1, 2)))
+    assert plan_pieces(4, 1, 2) == (
+        Piece(0, 0, range(0, 1), range(0, 1)),
+        Piece(2, 0, range(0, 1), range(1, 2)),
+    )
 
 
 def test_mla_is_sent_whole() -> None:
