@@ -14,7 +14,14 @@ import dataclasses
 
 import torch
 
-from kvwire.connector.tp_map import is_identity, piece_transfer_id, plan_pieces, received_by, sent_by
+from kvwire.connector.tp_map import (
+    PIECE_SEPARATOR,
+    is_identity,
+    piece_transfer_id,
+    plan_pieces,
+    received_by,
+    sent_by,
+)
 from kvwire.errors import ConfigError
 from kvwire.transfer.enums import KVLayout
 
@@ -51,6 +58,17 @@ def recv_pieces(
     )
 
 
+def pull_piece_id(transfer_id: str, p_rank: int, p_tp: int) -> str:
+    """Pull mode: P rank ``p_rank`` holds its whole layer under this id (the request's own id when
+    P has one rank; suffixed otherwise, so one D rank can pull several P ranks' layers)."""
+    return transfer_id if p_tp == 1 else f"{transfer_id}{PIECE_SEPARATOR}p{p_rank}"
+
+
+def held_pieces(transfer_id: str, rank: int, p_tp: int) -> tuple[RankPiece, ...]:
+    """P in pull mode does not know D's size: each rank holds its whole layer for D to pull."""
+    return (RankPiece(pull_piece_id(transfer_id, rank, p_tp), -1, None),)
+
+
 def pull_pieces(
     transfer_id: str, rank: int, p_tp: int, d_tp: int, num_kv_heads: int | None
 ) -> tuple[RankPiece, ...]:
@@ -58,15 +76,17 @@ def pull_pieces(
     know D's size), so each piece must be a whole P rank's layer, pulled by one D rank only:
     P's size a multiple of D's, with no KV head replicated on P. Raises ConfigError otherwise."""
     pieces = plan_pieces(p_tp, d_tp, num_kv_heads)
-    if p_tp == d_tp or is_identity(pieces):
-        return recv_pieces(transfer_id, rank, p_tp, d_tp, num_kv_heads)
-    if p_tp % d_tp or (num_kv_heads is not None and p_tp > num_kv_heads) or num_kv_heads is None:
+    whole = is_identity(pieces) or (num_kv_heads is not None and p_tp % d_tp == 0 and p_tp <= num_kv_heads)
+    if not whole:
         raise ConfigError(
             f"pull mode from TP {p_tp} to TP {d_tp} needs P's size to be a multiple of D's without "
             "replicated KV heads on P (use push mode)"
         )
-    # Each piece is then one P rank's whole layer, held under the request's own transfer id.
-    return tuple(RankPiece(transfer_id, p.p_rank, p.dst) for p in received_by(pieces, rank))
+    # Each piece is then one P rank's whole layer, held under its pull id.
+    return tuple(
+        RankPiece(pull_piece_id(transfer_id, p.p_rank, p_tp), p.p_rank, p.dst)
+        for p in received_by(pieces, rank)
+    )
 
 
 def head_slice(tensor: torch.Tensor, heads: range | None, layout: KVLayout) -> torch.Tensor:

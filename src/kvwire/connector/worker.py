@@ -20,7 +20,15 @@ from kvwire.connector.config import ConnectorConfig, EngineInfo, LoadFailurePoli
 from kvwire.connector.messages import decode_trailer
 from kvwire.connector.metadata import AbortSpec, KvwireConnectorMetadata, RecvSpec, SendSpec, TrailerSpec
 from kvwire.connector.metrics import ConnectorMetrics, connector_metrics
-from kvwire.connector.pieces import PieceBook, RankPiece, head_slice, pull_pieces, recv_pieces, send_pieces
+from kvwire.connector.pieces import (
+    PieceBook,
+    RankPiece,
+    head_slice,
+    held_pieces,
+    pull_pieces,
+    recv_pieces,
+    send_pieces,
+)
 from kvwire.connector.state import reason_label
 from kvwire.errors import ConfigError, KvwireError
 from kvwire.transfer.paged import KVLayout, block_ids_tensor, gather_blocks, gathered_shape, scatter_blocks
@@ -218,9 +226,13 @@ class KvwireWorkerConnector(WorkerConnector):
 
     def _announce(self, spec: SendSpec) -> None:
         info = self.engine_info
-        d_tp = len(spec.peer_endpoints) or info.tp_size  # pull: held whole, as D of our size reads it
+        tid, rank, d_tp = spec.transfer_id, info.rank, len(spec.peer_endpoints)
         try:
-            pieces = send_pieces(spec.transfer_id, info.rank, info.tp_size, d_tp, self._kv_heads())
+            pieces = (
+                send_pieces(tid, rank, info.tp_size, d_tp, self._kv_heads())
+                if spec.peer_endpoints
+                else held_pieces(tid, rank, info.tp_size)  # pull: D's size is unknown
+            )
         except ConfigError as exc:
             self._pending.finished_sending.add(spec.request_id)
             self._count_failure("send", f"mismatch: {exc}")

@@ -1,22 +1,17 @@
-"""The tensor-parallel group of processes (torch.distributed default group): the all-reduce of the
-model's row-parallel layers. Step messages travel over pipes (tp/workers.py), not through it."""
+"""The tensor-parallel group of one engine's processes: the all-reduce of the model's row-parallel
+layers. Its own process group object (gloo on the CPU, NCCL on CUDA) over its own TCP store, not
+torch.distributed's process-wide default group: two engines may live in one process (P and D in a
+test) and each has a group of its own. Step messages travel over pipes (workers.py), not here."""
 
 from __future__ import annotations
 
 import datetime
-import socket
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from kvwire.errors import EngineError
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now on ``host`` (the rendezvous of the group's TCP store)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -27,26 +22,34 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{base + rank}"
 
 
-def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum ``tensor`` over the ranks of the default group, in place (the model's row-parallel
-    outputs). Fails after the group's timeout when a rank is lost instead of waiting forever."""
-    dist.all_reduce(tensor)
-    return tensor
-
-
-def leave_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def join_group(rank: int, size: int, init_method: str, device: str, timeout_s: float) -> None:
-    """Join (rank 0: create) the default group; every collective afterwards fails after
-    ``timeout_s`` instead of waiting for a lost rank forever. Raises EngineError when it does not form."""
+def create_store(timeout_s: float, host: str = "127.0.0.1") -> dist.TCPStore:
+    """Rank 0's rendezvous store on a free port of ``host`` (read ``.port``)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    try:
-        if backend == "nccl":
-            torch.cuda.set_device(torch.device(device))
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
-    except (RuntimeError, ValueError) as exc:
-        raise EngineError(f"tensor-parallel rank {rank}/{size}: the group did not form: {exc}") from exc
+    return dist.TCPStore(host, 0, is_master=True, timeout=timeout, wait_for_workers=False)
+
+
+class TPGroup:
+    """This rank's membership. ``all_reduce`` sums a tensor over the ranks in place and fails after
+    the timeout when a rank is lost, instead of waiting for it forever."""
+
+    def __init__(self, rank: int, size: int, port: int, device: str, timeout_s: float,
+                 store: dist.TCPStore | None = None) -> None:  # fmt: skip
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.rank, self.size = rank, size
+        try:
+            if store is None:
+                store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+            self._store = store
+            if device.startswith("cuda"):
+                torch.cuda.set_device(torch.device(device))
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                self._pg: Any = dist.ProcessGroupNCCL(store, rank, size, options)
+            else:
+                self._pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+        except (RuntimeError, ValueError) as exc:
+            raise EngineError(f"tensor-parallel rank {rank}/{size}: the group did not form: {exc}") from exc
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._pg.allreduce([tensor]).wait()
+        return tensor

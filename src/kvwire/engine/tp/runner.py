@@ -17,7 +17,7 @@ from kvwire.engine.model_runner import ModelRunner, StepResult
 from kvwire.engine.models.config import ModelConfig
 from kvwire.engine.scheduler import ScheduledRequest
 from kvwire.engine.tp.aggregate import OutputAggregator
-from kvwire.engine.tp.group import all_reduce, join_group, leave_group
+from kvwire.engine.tp.group import TPGroup
 from kvwire.engine.tp.messages import Sizes, WorkerConnectorFactory, to_message
 from kvwire.engine.tp.shard import check_shardable, shard_model
 from kvwire.engine.tp.workers import Workers
@@ -47,8 +47,8 @@ class TPLeader:
     def shard(self, model: Any, device: str) -> None:
         """After rank 0 loaded the model: wait for the workers' models, form the group, shard."""
         self.workers.expect("loaded")
-        join_group(0, self.size, self.workers.init_method, device, self.timeout_s)
-        shard_model(model, 0, self.size, all_reduce)
+        group = TPGroup(0, self.size, self.workers.store.port, device, self.timeout_s, self.workers.store)
+        shard_model(model, 0, self.size, group.all_reduce)
 
     def start_runners(self, num_blocks: int, max_model_len: int) -> list[str | None]:
         """Workers allocate their KV caches; returns their agents' endpoints (rank 1..N-1)."""
@@ -57,7 +57,6 @@ class TPLeader:
 
     def close(self) -> None:
         self.workers.close()
-        leave_group()
 
 
 class TPRunner:
@@ -85,3 +84,8 @@ class TPRunner:
         result = self.local.execute(scheduled, metadata, finished)
         outputs = [result.connector_output, *self.leader.workers.expect("step")]
         return StepResult(result.sampled, self.aggregator.merge(outputs))
+
+    def worker_stats(self) -> list[dict[str, int]]:
+        """Ranks 1..N-1: transfers their connectors still track (engine thread, between steps)."""
+        self.leader.workers.send("stats")
+        return list(self.leader.workers.expect("stats"))

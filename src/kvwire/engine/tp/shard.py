@@ -35,7 +35,7 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
 
 
 def shard_model(
-    model: LlamaModel, rank: int, size: int, all_reduce: Callable[[torch.Tensor], torch.Tensor]
+    model: LlamaModel, rank: int, size: int, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None
 ) -> None:
     """Keep rank ``rank``'s share of every layer's weights, in place."""
     cfg = model.config
@@ -59,11 +59,18 @@ def shard_model(
         _keep_rows(attn.qkv_proj, qkv_rows)
         _keep_cols(attn.o_proj, slice(q_heads.start * dim, q_heads.stop * dim))
         attn.num_heads, attn.num_kv_heads = len(q_heads), len(kv_heads)
-        attn.all_reduce = all_reduce
         _keep_rows(mlp.gate_up_proj, gate_up_rows)
         _keep_cols(mlp.down_proj, slice(rank * per, (rank + 1) * per))
-        mlp.all_reduce = all_reduce
     model.tp_rank, model.tp_size = rank, size
+    set_all_reduce(model, all_reduce)
+
+
+def set_all_reduce(model: LlamaModel, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+    """Bind the group's all-reduce to every row-parallel output (o_proj, down_proj)."""
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        assert isinstance(attn, Attention) and isinstance(mlp, MLP)
+        attn.all_reduce = mlp.all_reduce = all_reduce
 
 
 def _keep_rows(linear: nn.Linear, rows: torch.Tensor) -> None:

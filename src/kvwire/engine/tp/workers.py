@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 from kvwire.engine.config import EngineConfig
-from kvwire.engine.tp.group import all_reduce, join_group, leave_group, rank_device
+from kvwire.engine.tp.group import TPGroup, create_store, rank_device
 from kvwire.engine.tp.messages import Sizes, StepMessage, WorkerConnectorFactory, from_message
+from kvwire.engine.tp.shard import set_all_reduce
 from kvwire.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ class WorkerSpec:
     rank: int
     size: int
     config: EngineConfig
-    init_method: str
+    store_port: int
     timeout_s: float
     connector_factory: WorkerConnectorFactory | None
     num_threads: int
@@ -50,7 +51,8 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     try:
         model, config = _load(spec)
         conn.send(("loaded", None))
-        join_group(spec.rank, spec.size, spec.init_method, config.device, spec.timeout_s)
+        group = TPGroup(spec.rank, spec.size, spec.store_port, config.device, spec.timeout_s)
+        set_all_reduce(model, group.all_reduce)
         sizes = _recv(conn)
         if not isinstance(sizes, Sizes):
             return
@@ -64,6 +66,9 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         )  # fmt: skip
         conn.send(("ready", getattr(connector, "kv_endpoint", None)))
         while (msg := _recv(conn)) is not None:
+            if msg == "stats":  # for tests and introspection: what this rank still tracks
+                conn.send(("stats", {"live_transfers": getattr(connector, "num_live_transfers", 0)}))
+                continue
             assert isinstance(msg, StepMessage)
             result = runner.execute(from_message(msg), msg.metadata, msg.finished_ids)
             conn.send(("step", result.connector_output))
@@ -74,7 +79,6 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     finally:
         if connector is not None:
             connector.close()
-        leave_group()
 
 
 def _load(spec: WorkerSpec) -> tuple[Any, EngineConfig]:
@@ -83,7 +87,7 @@ def _load(spec: WorkerSpec) -> tuple[Any, EngineConfig]:
 
     config = dataclasses.replace(spec.config, device=rank_device(spec.config.device, spec.rank))
     loaded = load_model(config)
-    shard_model(loaded.model, spec.rank, spec.size, all_reduce)
+    shard_model(loaded.model, spec.rank, spec.size, None)  # all_reduce bound once the group forms
     return loaded.model, config
 
 
@@ -105,18 +109,16 @@ class Workers:
     def __init__(
         self, config: EngineConfig, factory: WorkerConnectorFactory | None, timeout_s: float
     ) -> None:
-        from kvwire.engine.tp.group import free_port
-
         size = config.tensor_parallel_size
         self.timeout_s = timeout_s
-        self.init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.store = create_store(timeout_s)
         ctx = mp.get_context("spawn")
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
         for rank in range(1, size):
             ours, theirs = ctx.Pipe()
             spec = WorkerSpec(
-                rank, size, config, self.init_method, timeout_s, factory, torch.get_num_threads()
+                rank, size, config, self.store.port, timeout_s, factory, torch.get_num_threads()
             )
             proc = ctx.Process(target=worker_main, args=(spec, theirs), name=f"kvwire-tp{rank}", daemon=True)
             proc.start()
