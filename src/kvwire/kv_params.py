@@ -44,6 +44,37 @@ class PDRole(str, enum.Enum):
     DECODE = "decode"
 
 
+class KVCacheLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """What must agree between a P and a D instance for P's KV to be usable on D (decision 057).
+
+    Advertised by each instance (discovery ``InstanceInfo.kv_layout``) and handed by the router to
+    the other side of a pair (``KVTransferParams.peer_kv_layout``), which refuses an incompatible
+    pair at admission with a clear error instead of loading garbage. ``num_kv_heads`` counts the
+    model's KV heads over all ranks (0: no head dimension, MLA); ``tp_size`` may differ between
+    P and D as long as each divides, or is a multiple of, ``num_kv_heads``."""
+
+    model: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    tp_size: int = 1
+
+
+def layout_mismatch(mine: KVCacheLayout, peer: KVCacheLayout) -> str | None:
+    """Why ``peer``'s KV cannot be exchanged with ``mine`` (None when it can)."""
+    for field in ("model", "num_layers", "num_kv_heads", "head_dim", "block_size", "dtype"):
+        a, b = getattr(mine, field), getattr(peer, field)
+        if a != b:
+            return f"KV layouts differ: {field} is {a!r} here and {b!r} on the peer"
+    heads = mine.num_kv_heads
+    for who, tp in (("this instance's", mine.tp_size), ("the peer's", peer.tp_size)):
+        if tp < 1 or (heads and heads % tp and tp % heads):
+            return f"{who} tensor-parallel size {tp} neither divides nor is a multiple of {heads} KV heads"
+    return None
+
+
 class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     transfer_id: str
     mode: TransferMode = TransferMode.PUSH
@@ -58,6 +89,8 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     # Pull mode, P -> router -> D: the token P sampled and the prompt length P computed KV for.
     first_token_id: int | None = None
     num_prompt_tokens: int | None = None
+    # The other side's KV layout (the router copies it from discovery): checked at admission.
+    peer_kv_layout: KVCacheLayout | None = None
     v: int = KV_PARAMS_VERSION
 
     def to_dict(self) -> dict[str, Any]:

@@ -36,6 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-grace-s", type=float, default=10.0, help="SIGTERM->SIGKILL grace")
     parser.add_argument("--spread-gpus", type=int, default=0, metavar="N",
                         help="give instance k only GPU k %% N (CUDA_VISIBLE_DEVICES); 0 = leave as is")
+    parser.add_argument("--prefill-tp", type=int, default=1,
+                        help="tensor-parallel size of each prefill (and colocated) instance")
+    parser.add_argument("--decode-tp", type=int, default=1,
+                        help="tensor-parallel size of each decode instance")
     parser.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
                         help="extra `kvwire serve` flag (repeat; e.g. --serve-arg=--num-kv-blocks=512)")
 
@@ -48,6 +52,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         kv_load_failure_policy=LoadFailurePolicy(args.kv_load_failure_policy),
         start_timeout_s=args.start_timeout_s, stop_grace_s=args.stop_grace_s,
         serve_args=tuple(args.serve_arg), spread_gpus=args.spread_gpus,
+        prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
     )
 
 

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import msgspec
 
 from kvwire.errors import AuthenticationError, ProtocolError
+from kvwire.kv_params import KVCacheLayout
 
 DISCOVERY_VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024  # a heartbeat is a few hundred bytes; anything bigger is garbage
@@ -49,6 +50,8 @@ class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True):
     epoch: int = msgspec.field(default_factory=new_epoch)  # per process start; newer wins
     kv_endpoints: list[str] = msgspec.field(default_factory=list)  # transfer agent, one per rank
     version: str = ""  # software version of the instance (kvwire or the host engine)
+    # P/D instances: the KV layout a peer must match (tp_size = len(kv_endpoints)); None: unknown.
+    kv_layout: KVCacheLayout | None = None
 
 
 class InstanceLoad(msgspec.Struct, frozen=True, kw_only=True):

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from kvwire.discovery.client import HeartbeatClient, LoadFn
 from kvwire.discovery.messages import InstanceInfo, InstanceRole
 from kvwire.enum_values import as_enum
+from kvwire.kv_params import KVCacheLayout
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ def start_registration(
     load_fn: LoadFn | None,
     interval_s: float,
     secret: str | bytes | None = None,
+    kv_layout: KVCacheLayout | None = None,
 ) -> HeartbeatClient:
     """Start heartbeating to ``router_address`` and return the client (``close()`` deregisters).
 
@@ -44,6 +46,7 @@ def start_registration(
         model=model,
         kv_endpoints=list(kv_endpoints),
         version=version,
+        kv_layout=kv_layout,
     )
     client = HeartbeatClient(router_address, info, load_fn=load_fn, interval_s=interval_s, secret=secret)
     client.start()

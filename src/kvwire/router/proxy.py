@@ -236,6 +236,7 @@ class Dispatcher:
         return KVTransferParams(
             transfer_id=tid, mode=TransferMode.PUSH, role=role, peer_endpoints=list(peer.info.kv_endpoints),
             peer_instance_id=peer.instance_id, deadline_s=self._cfg.kv_deadline_s,
+            peer_kv_layout=peer.info.kv_layout,
         )
 
     async def _race(self, p_task: asyncio.Task[Opened], d_task: asyncio.Task[Opened]) -> Opened:
@@ -302,6 +303,7 @@ class Dispatcher:
         return msgspec.structs.replace(
             params, role=PDRole.DECODE, mode=TransferMode.PULL, peer_endpoints=endpoints,
             peer_instance_id=params.peer_instance_id or p.instance_id,
+            peer_kv_layout=params.peer_kv_layout or p.info.kv_layout,
         )
 
 

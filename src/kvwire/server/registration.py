@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import kvwire
 from kvwire.server.config import ServerConfig
@@ -32,6 +32,7 @@ def start_heartbeats(
     kv_endpoints: Sequence[str],
     stats_fn: Callable[[], StatsSnapshot],
     secret: str | None = None,
+    kv_layout: Any = None,
 ) -> HeartbeatClient | None:
     """Start heartbeating to ``config.router_address``; returns the client (call ``close()`` to
     deregister) or None when no router is configured."""
@@ -51,5 +52,5 @@ def start_heartbeats(
     return start_registration(
         config.router_address, instance_id=instance_id, role=config.role, url=url, model=model,
         kv_endpoints=kv_endpoints, version=f"kvwire {kvwire.__version__}", load_fn=load,
-        interval_s=config.heartbeat_interval_s, secret=secret,
+        interval_s=config.heartbeat_interval_s, secret=secret, kv_layout=kv_layout,
     )
