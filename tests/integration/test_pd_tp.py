@@ -120,7 +120,25 @@ def assert_all_freed(engines: list[LLMEngine], results: dict[str, Any]) -> None:
         assert e.scheduler_connector.num_tracked_requests == 0  # type: ignore[attr-defined]
         assert e.worker_connector.num_live_transfers == 0  # type: ignore[attr-defined]
         if isinstance(e.runner, TPRunner):
-            assert e.runner.worker_stats() == [{"live_transfers": 0}] * (e.runner.leader.size - 1)
+            live = [s["num_live_transfers"] for s in e.runner.worker_stats()]
+            assert live == [0] * (e.runner.leader.size - 1)
+
+
+def rank_bytes(e: LLMEngine, name: str) -> int:
+    """KV payload bytes over every rank of ``e`` (``bytes_sent`` or ``bytes_received``)."""
+    total = int(getattr(e.worker_connector, name))
+    if isinstance(e.runner, TPRunner):
+        total += sum(s[name] for s in e.runner.worker_stats())
+    return total
+
+
+def d_kv_bytes(d: LLMEngine) -> int:
+    """The KV D holds for the prompts, over all its ranks (replicated heads count on each rank)."""
+    cfg = model_config_of(d.config)
+    tp = d.config.tensor_parallel_size
+    heads = max(1, cfg.num_kv_heads // tp) * tp
+    blocks = sum(-(-n // BLOCK) for n in LENGTHS)
+    return cfg.num_layers * 2 * blocks * BLOCK * heads * cfg.head_dim * 4
 
 
 def pd_generate(p: LLMEngine, d: LLMEngine, mode: TransferMode) -> dict[str, Any]:
@@ -169,6 +187,8 @@ def test_decode_equals_colocated_tp1(request: pytest.FixtureRequest, model: str,
             assert out.error is None and out.token_ids == expected[i], (i, out)
         assert d.stats().num_kv_load_failures == 0 and d.stats().num_kv_load_recomputes == 0
         assert d.stats().num_prompt_tokens < sum(LENGTHS)  # the KV came from P
+        # Every D rank got exactly its heads: the bytes moved are D's KV size, not a multiple of it.
+        assert rank_bytes(p, "bytes_sent") == rank_bytes(d, "bytes_received") == d_kv_bytes(d)
         assert_all_freed([p, d], results)
     finally:
         p.close()

@@ -131,6 +131,7 @@ class KvwireWorkerConnector(WorkerConnector):
         self._pending = _StepOutput()  # local outcomes reported by the next get_finished
         self._closed = False
         self._metadata = None
+        self.bytes_sent = self.bytes_received = 0  # KV payload bytes of this rank (also in metrics)
 
     @property
     def kv_endpoint(self) -> str:
@@ -199,6 +200,7 @@ class KvwireWorkerConnector(WorkerConnector):
                 send.failed = True
                 continue
             send.num_layers_sent += 1
+            self.bytes_sent += data.numel() * data.element_size()
             self._metrics.send_bytes.inc(data.numel() * data.element_size())
 
     def wait_for_save(self) -> None:
@@ -229,7 +231,7 @@ class KvwireWorkerConnector(WorkerConnector):
         tid, rank, d_tp = spec.transfer_id, info.rank, len(spec.peer_endpoints)
         try:
             pieces = (
-                send_pieces(tid, rank, info.tp_size, d_tp, self._kv_heads())
+                send_pieces(tid, rank, info.tp_size, d_tp, self._kv_heads(info.tp_size, d_tp))
                 if spec.peer_endpoints
                 else held_pieces(tid, rank, info.tp_size)  # pull: D's size is unknown
             )
@@ -273,9 +275,15 @@ class KvwireWorkerConnector(WorkerConnector):
             return None
         return _Send(spec, ids, piece.transfer_id, piece.heads)
 
-    def _kv_heads(self) -> int | None:
-        """The model's KV heads over all ranks (None for MLA: no head dimension)."""
+    def _kv_heads(self, p_tp: int, d_tp: int) -> int | None:
+        """The model's KV heads over all ranks (None for MLA: no head dimension). A host whose KV is
+        opaque to kvwire (MLA layout with ``num_kv_heads`` set: heads inside each block, e.g. vLLM)
+        cannot cut heads: P and D of different TP sizes are refused (ConfigError), never garbled."""
         if self._layout is KVLayout.MLA:
+            if self.engine_info.num_kv_heads is not None and p_tp != d_tp:
+                raise ConfigError(
+                    f"TP {p_tp} -> TP {d_tp} needs per-head KV slices; this host's KV layout is opaque"
+                )
             return None
         if self.engine_info.num_kv_heads is not None:
             return self.engine_info.num_kv_heads
@@ -322,7 +330,7 @@ class KvwireWorkerConnector(WorkerConnector):
         p_tp = len(spec.pull_from) or spec.peer_tp_size or info.tp_size
         try:
             plan = pull_pieces if spec.pull_from else recv_pieces
-            pieces = plan(spec.transfer_id, info.rank, p_tp, info.tp_size, self._kv_heads())
+            pieces = plan(spec.transfer_id, info.rank, p_tp, info.tp_size, self._kv_heads(p_tp, info.tp_size))
         except ConfigError as exc:
             self._recv_failed(_Recv(spec, ids), f"mismatch: {exc}", self._pending)
             return
@@ -358,6 +366,7 @@ class KvwireWorkerConnector(WorkerConnector):
             except (IndexError, ValueError) as exc:
                 recv.error = f"mismatch: layer {layer_index}: {exc}"
                 return
+        self.bytes_received += tensor.numel() * tensor.element_size()
         self._metrics.recv_bytes.inc(tensor.numel() * tensor.element_size())
 
     def _fit(self, data: torch.Tensor, num_blocks: int, skip_blocks: int) -> torch.Tensor:

@@ -67,7 +67,9 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         conn.send(("ready", getattr(connector, "kv_endpoint", None)))
         while (msg := _recv(conn)) is not None:
             if msg == "stats":  # for tests and introspection: what this rank still tracks
-                conn.send(("stats", {"live_transfers": getattr(connector, "num_live_transfers", 0)}))
+                stats = {name: int(getattr(connector, name, 0))
+                         for name in ("num_live_transfers", "bytes_sent", "bytes_received")}  # fmt: skip
+                conn.send(("stats", stats))
                 continue
             assert isinstance(msg, StepMessage)
             result = runner.execute(from_message(msg), msg.metadata, msg.finished_ids)
