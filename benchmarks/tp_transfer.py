@@ -5,7 +5,8 @@ For each topology: the same prompts go through P (prefill, 1 token) and D (loads
 token). Bytes are counted by every rank's worker connector (rank 0 in-process, the others through
 the engine's rank stats) and compared with the KV size D holds for those prompts (all ranks);
 time is D's time to first token (request added on both sides at once -> D's first token), which
-includes P's prefill. Usage::
+includes P's prefill, and the handover (P's first token -> D's first token: what is left of the
+transfer after P's forward, plus D's step that resumes the request). Usage::
 
     PYTHONPATH=src python benchmarks/tp_transfer.py [--prompts 8] [--prompt-len 256]
 """
@@ -57,6 +58,7 @@ def measure(p_tp: int, d_tp: int, prompts: list[list[int]]) -> dict[str, Any]:
         p_eps = list(p.scheduler_connector.kv_endpoints)  # type: ignore[attr-defined]
         d_eps = list(d.scheduler_connector.kv_endpoints)  # type: ignore[attr-defined]
         ttft: list[float] = []
+        handover: list[float] = []  # P's first token -> D's first token: transfer tail + D's resume
         for i, prompt in enumerate(prompts):  # one request at a time: per-request figures
             tid = uuid.uuid4().hex
             start = time.perf_counter()
@@ -65,12 +67,16 @@ def measure(p_tp: int, d_tp: int, prompts: list[list[int]]) -> dict[str, Any]:
             d.add_request(f"d{i}", prompt, first, KVTransferParams(
                 transfer_id=tid, role=PDRole.DECODE, peer_endpoints=p_eps).to_dict())  # fmt: skip
             done = False
+            p_done = start
             while not done or p.has_unfinished_requests():
-                p.step()
+                for out in p.step():
+                    if out.request_id == f"p{i}" and out.new_token_ids:
+                        p_done = time.perf_counter()
                 for out in d.step():
                     if out.finished:
                         assert out.error is None, out.error
                         ttft.append(time.perf_counter() - start)
+                        handover.append(time.perf_counter() - p_done)
                         done = True
         cfg = model_config_of(p.config)
         d_heads = max(1, cfg.num_kv_heads // d_tp) * d_tp  # heads D holds over its ranks
@@ -78,7 +84,8 @@ def measure(p_tp: int, d_tp: int, prompts: list[list[int]]) -> dict[str, Any]:
                        for x in prompts)  # fmt: skip
         return {
             "sent": rank_bytes(p, "bytes_sent"), "received": rank_bytes(d, "bytes_received"),
-            "kv": kv_bytes, "ttft": ttft, "recomputes": d.stats().num_kv_load_recomputes,
+            "kv": kv_bytes, "ttft": ttft, "handover": handover,
+            "recomputes": d.stats().num_kv_load_recomputes,
         }  # fmt: skip
     finally:
         p.close()
@@ -92,16 +99,17 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     prompts = [[(7 * j + 13 * i) % 250 + 1 for j in range(args.prompt_len)] for i in range(args.prompts)]
-    print(f"tiny preset (4 layers, 2 KV heads x 32, fp32), {args.prompts} prompts x {args.prompt_len} tokens, "
-          "push over loopback TCP, one request at a time")  # fmt: skip
+    print(f"tiny preset (4 layers, 2 KV heads x 32, fp32), {args.prompts} prompts x {args.prompt_len} "
+          "tokens, push over loopback TCP, one request at a time")  # fmt: skip
     print(f"{'P TP -> D TP':>13} {'KV/req KiB':>11} {'sent/req KiB':>13} {'recv/req KiB':>13} {'sent/KV':>8} "
-          f"{'D TTFT p50 ms':>14} {'min ms':>7}")  # fmt: skip
+          f"{'D TTFT p50 ms':>14} {'min ms':>7} {'handover p50 ms':>16} {'min ms':>7}")  # fmt: skip
     for p_tp, d_tp in ((1, 1), (1, 2), (2, 1), (2, 2)):
         r = measure(p_tp, d_tp, prompts)
         n = len(prompts)
         print(f"{f'{p_tp} -> {d_tp}':>13} {r['kv'] / n / 1024:>11.1f} {r['sent'] / n / 1024:>13.1f} "
               f"{r['received'] / n / 1024:>13.1f} {r['sent'] / r['kv']:>8.3f} "
-              f"{statistics.median(r['ttft']) * 1e3:>14.1f} {min(r['ttft']) * 1e3:>7.1f}"
+              f"{statistics.median(r['ttft']) * 1e3:>14.1f} {min(r['ttft']) * 1e3:>7.1f} "
+              f"{statistics.median(r['handover']) * 1e3:>16.1f} {min(r['handover']) * 1e3:>7.1f}"
               + (f"  ({r['recomputes']} recomputed!)" if r["recomputes"] else ""))  # fmt: skip
 
 
