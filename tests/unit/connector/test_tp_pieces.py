@@ -114,3 +114,29 @@ def test_an_incompatible_pair_is_refused_at_admission() -> None:
     wrong_count = msgspec.structs.replace(ok, peer_endpoints=["a"])
     with pytest.raises(InvalidRequestError, match="1 peer endpoints"):
         sched.check_request_params(wrong_count.to_dict())
+
+
+def test_an_opaque_layout_refuses_different_tp_sizes_and_keeps_equal_ones() -> None:
+    """vLLM registers its KV as opaque blocks (MLA layout with num_kv_heads set): a P/D pair of
+    different TP sizes must be refused (P frees, nothing sent), never sent whole as if it were MLA."""
+    from connector_fakes import FakeFabric
+    from prometheus_client import CollectorRegistry
+
+    from kvwire.connector.metadata import SendSpec
+    from kvwire.connector.metrics import connector_metrics
+    from kvwire.connector.worker import KvwireWorkerConnector
+
+    agent = FakeFabric().agent("p")
+    info = EngineInfo(block_size=4, kv_layout=KVLayout.MLA, tp_size=1, num_kv_heads=2)
+    worker = KvwireWorkerConnector(ConnectorConfig(role=ConnectorRole.PREFILL), info, agent,
+                                   metrics=connector_metrics(CollectorRegistry()))  # fmt: skip
+    worker.register_kv_caches([torch.zeros(8, 4, 16)])
+    two_d_ranks = SendSpec("r", "t", ("tcp://d0:1", "tcp://d1:1"), (1, 2), 5.0, False)
+    worker.bind_connector_metadata(KvwireConnectorMetadata(sends=(two_d_ranks,)))
+    assert agent.sends == {}
+    assert worker.get_finished(set()).finished_sending == {"r"}  # P may free its blocks at once
+    worker.clear_connector_metadata()
+    one_d_rank = SendSpec("r2", "t2", ("tcp://d0:1",), (1, 2), 5.0, False)
+    worker.bind_connector_metadata(KvwireConnectorMetadata(sends=(one_d_rank,)))
+    assert list(agent.sends) == ["t2"]  # same sizes: the whole opaque layer, as before
+    worker.close()
