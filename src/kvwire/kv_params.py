@@ -79,7 +79,8 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     transfer_id: str
     mode: TransferMode = TransferMode.PUSH
     role: PDRole
-    # The other side's transfer-agent endpoints, one per worker rank (rank r talks to rank r).
+    # The other side's transfer-agent endpoints, one per worker rank (their count is the peer's TP
+    # size; which rank talks to which: connector/tp_map.py).
     # Empty for P in pull mode (D comes to P).
     peer_endpoints: list[str] = msgspec.field(default_factory=list)
     # The other side's instance id (for logs/metrics and epoch checks); optional.
