@@ -140,3 +140,15 @@ def test_an_opaque_layout_refuses_different_tp_sizes_and_keeps_equal_ones() -> N
     worker.bind_connector_metadata(KvwireConnectorMetadata(sends=(one_d_rank,)))
     assert list(agent.sends) == ["t2"]  # same sizes: the whole opaque layer, as before
     worker.close()
+
+
+def test_aggregator_fail_policy_fails_once_and_aborts_the_other_ranks() -> None:
+    agg = OutputAggregator(3)
+    agg.note_metadata(_meta("c", (5,)))
+    out = agg.merge([ConnectorOutput(finished_recving=frozenset({"c"})),
+                     ConnectorOutput(failed={"c": "deadline"}), ConnectorOutput()])  # fmt: skip
+    assert out.failed == {"c": "deadline"} and not out.finished_recving
+    assert [a.transfer_id for a in agg.take_aborts()] == ["t-c"]
+    late = agg.merge([ConnectorOutput(), ConnectorOutput(failed={"c": "aborted"}),
+                      ConnectorOutput(finished_recving=frozenset({"c"}))])  # fmt: skip
+    assert not late.failed and not late.finished_recving and not agg.take_aborts()
