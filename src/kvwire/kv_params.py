@@ -45,11 +45,43 @@ class PDRole(str, enum.Enum):
     DECODE = "decode"
 
 
+class KVCacheLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """What must agree between a P and a D instance for P's KV to be usable on D (decision 057).
+
+    Advertised by each instance (discovery ``InstanceInfo.kv_layout``) and handed by the router to
+    the other side of a pair (``KVTransferParams.peer_kv_layout``), which refuses an incompatible
+    pair at admission with a clear error instead of loading garbage. ``num_kv_heads`` counts the
+    model's KV heads over all ranks (0: no head dimension, MLA); ``tp_size`` may differ between
+    P and D as long as each divides, or is a multiple of, ``num_kv_heads``."""
+
+    model: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    tp_size: int = 1
+
+
+def layout_mismatch(mine: KVCacheLayout, peer: KVCacheLayout) -> str | None:
+    """Why ``peer``'s KV cannot be exchanged with ``mine`` (None when it can)."""
+    for field in ("model", "num_layers", "num_kv_heads", "head_dim", "block_size", "dtype"):
+        a, b = getattr(mine, field), getattr(peer, field)
+        if a != b:
+            return f"KV layouts differ: {field} is {a!r} here and {b!r} on the peer"
+    heads = mine.num_kv_heads
+    for who, tp in (("this instance's", mine.tp_size), ("the peer's", peer.tp_size)):
+        if tp < 1 or (heads and heads % tp and tp % heads):
+            return f"{who} tensor-parallel size {tp} neither divides nor is a multiple of {heads} KV heads"
+    return None
+
+
 class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     transfer_id: str
     mode: TransferMode = TransferMode.PUSH
     role: PDRole
-    # The other side's transfer-agent endpoints, one per worker rank (rank r talks to rank r).
+    # The other side's transfer-agent endpoints, one per worker rank (their count is the peer's TP
+    # size; which rank talks to which: connector/tp_map.py).
     # P in pull mode: the D that may pull (empty: the first puller).
     peer_endpoints: list[str] = msgspec.field(default_factory=list)
     # The other side's instance id (for logs/metrics and epoch checks); optional.
@@ -63,6 +95,8 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     # blocks in its prefix cache, so P sends only the blocks after them and D writes P's payload from
     # that block on. D checks on admission that it still holds them (else it prefills locally).
     skip_blocks: int = 0
+    # The other side's KV layout (the router copies it from discovery): checked at admission.
+    peer_kv_layout: KVCacheLayout | None = None
     v: int = KV_PARAMS_VERSION
     # Set by a router with a shared secret (kvwire.kv_signing): Unix time after which instances
     # refuse these params, and the HMAC over every other field. None = unsigned.

@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                         help="API key clients must send to the router; the router sends it to the "
                              "instances too (default: $KVWIRE_API_KEY, else none)")
+    parser.add_argument("--prefill-tp", type=int, default=1,
+                        help="tensor-parallel size of each prefill (and colocated) instance")
+    parser.add_argument("--decode-tp", type=int, default=1,
+                        help="tensor-parallel size of each decode instance")
     parser.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
                         help="extra `kvwire serve` flag (repeat; e.g. --serve-arg=--num-kv-blocks=512)")
 
@@ -53,6 +57,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         kv_load_failure_policy=LoadFailurePolicy(args.kv_load_failure_policy),
         start_timeout_s=args.start_timeout_s, stop_grace_s=args.stop_grace_s,
         serve_args=tuple(args.serve_arg), spread_gpus=args.spread_gpus, api_key=args.api_key,
+        prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
     )
 
 

@@ -60,6 +60,8 @@ class ClusterSpec:
     # (a KVWIRE_API_KEY in our environment is then the cluster's key, used the same way).
     api_key: str | None = None
     secret: str | None = None
+    prefill_tp: int = 1  # tensor-parallel size of each prefill instance (and of colocated ones)
+    decode_tp: int = 1  # tensor-parallel size of each decode instance
 
     def __post_init__(self) -> None:
         if min(self.num_prefill, self.num_decode, self.num_both) < 0:
@@ -76,6 +78,8 @@ class ClusterSpec:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
         if self.spread_gpus < 0:
             raise ConfigError("spread_gpus must be >= 0")
+        if min(self.prefill_tp, self.decode_tp) < 1:
+            raise ConfigError("prefill_tp and decode_tp must be >= 1")
         positive = ("kv_deadline_s", "heartbeat_interval_s", "instance_ttl_s", "start_timeout_s",
                     "stop_grace_s")
         for name in positive:
@@ -172,7 +176,9 @@ class LocalCluster:
             "--role", role.value, "--router", self.discovery_address, "--instance-id", name,
             "--heartbeat-interval-s", str(spec.heartbeat_interval_s), "--kv-mode", spec.mode.value,
             "--kv-deadline-s", str(spec.kv_deadline_s),
-            "--kv-load-failure-policy", spec.kv_load_failure_policy.value, *spec.serve_args,
+            "--kv-load-failure-policy", spec.kv_load_failure_policy.value,
+            "--tensor-parallel-size", str(spec.decode_tp if role is InstanceRole.DECODE else spec.prefill_tp),
+            *spec.serve_args,
         )
         env = self._env()
         if spec.spread_gpus > 0:

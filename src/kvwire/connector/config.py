@@ -28,12 +28,18 @@ class EngineInfo:
     device: str = "cpu"
     rank: int = 0
     kv_layout: KVLayout = KVLayout.KV_FIRST  # of the KV cache tensors given to the worker
+    # Tensor parallelism (connector/tp_map.py): ranks of this instance, and the model's KV heads
+    # over all ranks (None: the cache's heads times tp_size, i.e. no replication; ignored for MLA).
+    tp_size: int = 1
+    num_kv_heads: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ConfigError(f"block_size must be > 0, got {self.block_size}")
         if self.rank < 0:
             raise ConfigError(f"rank must be >= 0, got {self.rank}")
+        if self.tp_size < 1 or self.rank >= self.tp_size:
+            raise ConfigError(f"rank {self.rank} is not in a tensor-parallel group of {self.tp_size}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,3 +48,29 @@ def build_connectors(
 def with_rank(engine_info: EngineInfo, rank: int) -> EngineInfo:
     """The same engine info for another worker rank (hosts with several workers: one agent each)."""
     return dataclasses.replace(engine_info, rank=rank)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankConnectorFactory:
+    """Builds tensor-parallel rank ``r``'s worker half, with its own transfer agent, in that rank's
+    process (picklable; the built-in engine's ``worker_connector_factory``). Fixed ports become
+    ``port + r``; ``cuda:N`` becomes ``cuda:N+r``. Its metrics stay in that process."""
+
+    config: ConnectorConfig
+    engine_info: EngineInfo
+
+    def __call__(self, rank: int) -> KvwireWorkerConnector:
+        info = with_rank(self.engine_info, rank)
+        if info.device.startswith("cuda"):
+            base = int(info.device.split(":", 1)[1]) if ":" in info.device else 0
+            info = dataclasses.replace(info, device=f"cuda:{base + rank}")
+        transfer = transfer_config_for(self.config, info)
+        transfer = dataclasses.replace(
+            transfer,
+            control_port=transfer.control_port + rank if transfer.control_port else 0,
+            data_port=transfer.data_port + rank if transfer.data_port else 0,
+            device=info.device,
+        )
+        agent = TransferAgent(transfer)
+        metrics = connector_metrics(CollectorRegistry())
+        return KvwireWorkerConnector(self.config, info, agent, metrics=metrics, owns_agent=True)

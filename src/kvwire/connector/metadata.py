@@ -47,6 +47,8 @@ class RecvSpec:
     # Partial transfer: P's payload starts at this block of ``block_ids`` (P does not send the
     # blocks before it; D holds them). ``first_block <= skip_blocks``.
     first_block: int = 0
+    # P's tensor-parallel size (push: how many endpoints P has); 0 = the same as D's.
+    peer_tp_size: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

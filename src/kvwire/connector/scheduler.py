@@ -34,7 +34,7 @@ from kvwire.connector.metadata import AbortSpec, KvwireConnectorMetadata, RecvSp
 from kvwire.connector.metrics import ConnectorMetrics, connector_metrics
 from kvwire.connector.state import Phase, RequestState
 from kvwire.errors import InvalidRequestError
-from kvwire.kv_params import KVTransferParams, PDRole, TransferMode
+from kvwire.kv_params import KVCacheLayout, KVTransferParams, PDRole, TransferMode, layout_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class KvwireSchedulerConnector(SchedulerConnector):
         self.config = config
         self.engine_info = engine_info
         self.kv_endpoints: tuple[str, ...] = tuple(kv_endpoints)
+        self.kv_layout: KVCacheLayout | None = None  # set by the host once the model is loaded
         self.instance_id = instance_id
         self._metrics = metrics if metrics is not None else connector_metrics()
         self._reqs: dict[str, RequestState] = {}
@@ -90,9 +91,22 @@ class KvwireSchedulerConnector(SchedulerConnector):
             )
         if params.role is PDRole.PREFILL and params.mode is TransferMode.PUSH and not params.peer_endpoints:
             raise InvalidRequestError("push mode: kv_transfer_params.peer_endpoints (D's) must not be empty")
+        self._check_layout(params)
         if params.role is PDRole.DECODE and params.mode is TransferMode.PULL and not params.peer_endpoints:
             raise InvalidRequestError("pull mode: kv_transfer_params.peer_endpoints (P's) must not be empty")
         return params
+
+    def _check_layout(self, params: KVTransferParams) -> None:
+        """The handshake's compatibility check: raise InvalidRequestError when the peer's KV cannot
+        be used here (another model, dtype, block size or head layout; an unusable TP size)."""
+        peer = params.peer_kv_layout
+        if peer is None or self.kv_layout is None:
+            return
+        reason = layout_mismatch(self.kv_layout, peer)
+        if reason is None and len(params.peer_endpoints) not in (0, peer.tp_size):
+            reason = f"{len(params.peer_endpoints)} peer endpoints for tensor-parallel size {peer.tp_size}"
+        if reason is not None:
+            raise InvalidRequestError(f"incompatible P/D pair: {reason}")
 
     def _params_for(self, request: ConnectorRequest) -> KVTransferParams | None:
         raw = request.kv_transfer_params
@@ -100,6 +114,7 @@ class KvwireSchedulerConnector(SchedulerConnector):
             return None
         try:
             params = KVTransferParams.parse(raw)
+            self._check_layout(params)
         except InvalidRequestError as exc:
             logger.warning("request %s: ignoring kv_transfer_params: %s", request.request_id, exc)
             return None
@@ -222,6 +237,7 @@ class KvwireSchedulerConnector(SchedulerConnector):
                 skip_blocks=state.num_local_tokens // self.engine_info.block_size,
                 sender_endpoints=tuple(state.params.peer_endpoints),
                 first_block=state.params.skip_blocks,
+                peer_tp_size=len(state.params.peer_endpoints),
             )
         )
 
@@ -359,6 +375,7 @@ class KvwireSchedulerConnector(SchedulerConnector):
             deadline_s=state.deadline_s,
             first_token_id=token,
             num_prompt_tokens=state.num_prompt_tokens,
+            peer_kv_layout=self.kv_layout,
         )
         return True, params.to_dict()
 

@@ -6,6 +6,9 @@ per plane: byte spans of the blocks on TCP, device gathers/scatters on NCCL; see
 :mod:`kvwire.transfer.paged_kv`). Safety of in-place transfers: P's blocks stay allocated until the
 agent reports the send finished or failed; D's blocks are reused only after the agent reported the
 receive, or after ``abort`` returned — from then on nothing of that transfer writes into them.
+
+P and D of different tensor-parallel sizes exchange *pieces* (one per pair of ranks, a head range
+each; :mod:`kvwire.connector.pieces`): a request is done on this rank when every piece is.
 """
 
 from __future__ import annotations
@@ -24,8 +27,17 @@ from kvwire.connector.config import ConnectorConfig, EngineInfo, LoadFailurePoli
 from kvwire.connector.messages import FirstTokenTrailer, decode_trailer, encode_trailer
 from kvwire.connector.metadata import AbortSpec, KvwireConnectorMetadata, RecvSpec, SendSpec, TrailerSpec
 from kvwire.connector.metrics import ConnectorMetrics, connector_metrics
+from kvwire.connector.pieces import (
+    PieceBook,
+    RankPiece,
+    head_slice,
+    held_pieces,
+    pull_pieces,
+    recv_pieces,
+    send_pieces,
+)
 from kvwire.connector.state import reason_label
-from kvwire.errors import KvwireError
+from kvwire.errors import ConfigError, KvwireError
 from kvwire.transfer.enums import KVLayout
 from kvwire.transfer.paged import block_ids_tensor, gather_blocks, gathered_shape, scatter_blocks
 from kvwire.transfer.paged_kv import BlockTarget
@@ -51,7 +63,8 @@ class AgentLike(Protocol):
     def register_kv_caches(self, kv_caches: Sequence[torch.Tensor], layout: KVLayout) -> None: ...
 
     def send_blocks(
-        self, transfer_id: str, layer_index: int, block_ids: torch.Tensor, ready_event: Any | None = None
+        self, transfer_id: str, layer_index: int, block_ids: torch.Tensor, ready_event: Any | None = None,
+        heads: range | None = None,
     ) -> None: ...
 
     def send_trailer(self, transfer_id: str, payload: bytes) -> None: ...
@@ -75,7 +88,9 @@ class AgentLike(Protocol):
 class _Send:
     spec: SendSpec
     ids: torch.Tensor  # on the caches' device
-    layer_bytes: list[int]  # payload bytes per layer
+    piece_id: str = ""  # the agent-level transfer id (the request's own in the symmetric plan)
+    heads: range | None = None  # this rank's KV heads the piece carries (None: all)
+    layer_bytes: tuple[int, ...] = ()  # payload bytes per layer
     num_layers_sent: int = 0
     failed: bool = False
     kv_ready_unix_s: float | None = None  # wall clock when the last layer was handed over
@@ -84,6 +99,8 @@ class _Send:
 @dataclasses.dataclass
 class _Recv:
     spec: RecvSpec
+    piece_id: str = ""  # as _Send's
+    heads: range | None = None  # this rank's KV heads the piece fills (None: all)
 
 
 @dataclasses.dataclass
@@ -114,12 +131,16 @@ class KvwireWorkerConnector(WorkerConnector):
         self._metrics = metrics if metrics is not None else connector_metrics()
         self._layout = KVLayout(engine_info.kv_layout)
         self._kv_caches: list[torch.Tensor] = []
-        self._sends: dict[str, _Send] = {}  # transfer id -> live send
-        self._recvs: dict[str, _Recv] = {}  # transfer id -> live receive
+        self._sends: dict[str, _Send] = {}  # piece transfer id -> live send
+        self._recvs: dict[str, _Recv] = {}  # piece transfer id -> live receive
+        # Request transfer id -> this rank's pieces (P and D of different TP sizes: pieces.py).
+        self._send_pieces = PieceBook()
+        self._recv_pieces = PieceBook()
         self._saving: list[_Send] = []  # sends whose layers this step's forward hands over
         self._pending = _StepOutput()  # local outcomes reported by the next get_finished
         self._closed = False
         self._metadata = None
+        self.bytes_sent = self.bytes_received = 0  # KV payload bytes of this rank (also in metrics)
 
     @property
     def kv_endpoint(self) -> str:
@@ -175,7 +196,8 @@ class KvwireWorkerConnector(WorkerConnector):
 
     def save_kv_layer(self, layer_index: int, kv_layer: torch.Tensor) -> None:
         """The forward wrote layer ``layer_index``'s KV (``kv_layer`` is that registered cache):
-        hand its blocks of every finishing prefill to the agent, ordered after the write on a GPU."""
+        hand its blocks (of this piece's heads) of every finishing prefill to the agent, ordered
+        after the write on a GPU."""
         del kv_layer  # the agent reads the registered cache itself
         event = None
         for send in self._saving:
@@ -185,14 +207,15 @@ class KvwireWorkerConnector(WorkerConnector):
                 event = torch.cuda.Event()
                 event.record()
             try:
-                self.agent.send_blocks(send.spec.transfer_id, layer_index, send.ids, event)
+                self.agent.send_blocks(send.piece_id, layer_index, send.ids, event, heads=send.heads)
             except KvwireError as exc:
-                logger.warning("transfer %s: send_blocks failed: %s", send.spec.transfer_id, exc)
+                logger.warning("transfer %s: send_blocks failed: %s", send.piece_id, exc)
                 send.failed = True
                 continue
             send.num_layers_sent += 1
             if send.num_layers_sent == len(self._kv_caches):
                 send.kv_ready_unix_s = time.time()
+            self.bytes_sent += send.layer_bytes[layer_index]
             self._metrics.send_bytes.inc(send.layer_bytes[layer_index])
 
     def wait_for_save(self) -> None:
@@ -219,87 +242,138 @@ class KvwireWorkerConnector(WorkerConnector):
     # --- send side --------------------------------------------------------------------------
 
     def _announce(self, spec: SendSpec) -> None:
-        peer: str | None = None
-        if spec.peer_endpoints:
-            if self.engine_info.rank >= len(spec.peer_endpoints):
+        info = self.engine_info
+        tid, rank, d_tp = spec.transfer_id, info.rank, len(spec.peer_endpoints)
+        try:
+            pieces = (
+                send_pieces(tid, rank, info.tp_size, d_tp, self._kv_heads(info.tp_size, d_tp))
+                if spec.peer_endpoints
+                else held_pieces(tid, rank, info.tp_size)  # pull: D's size is unknown
+            )
+        except ConfigError as exc:
+            self._pending.finished_sending.add(spec.request_id)
+            self._count_failure("send", f"mismatch: {exc}")
+            return
+        if not pieces:  # a replica: another rank of ours sends these heads
+            self._pending.finished_sending.add(spec.request_id)
+            return
+        ids = self._ids(spec.block_ids)
+        sends: list[_Send] = []
+        for piece in pieces:
+            send = self._start_piece(spec, ids, piece)
+            if send is None:
+                for started in sends:
+                    self._abort_agent(started.piece_id, "a sibling piece failed to start")
                 self._pending.finished_sending.add(spec.request_id)
-                self._count_failure("send", "mismatch: no endpoint for this rank")
                 return
-            peer = spec.peer_endpoints[self.engine_info.rank]
-        rank = self.engine_info.rank
-        pull_by = spec.pull_by[rank] if rank < len(spec.pull_by) else None
+            sends.append(send)
+        self._send_pieces.add(spec.transfer_id, spec.request_id, [s.piece_id for s in sends])
+        for send in sends:
+            self._metrics.transfers_started.labels(side="send").inc()
+            self._sends[send.piece_id] = send
+            self._saving.append(send)
+
+    def _start_piece(self, spec: SendSpec, ids: torch.Tensor, piece: RankPiece) -> _Send | None:
+        peer = spec.peer_endpoints[piece.peer_rank] if spec.peer_endpoints else None
+        n, layout = len(spec.block_ids), self._layout
         layers = [
-            LayerSpec(gathered_shape(cache, len(spec.block_ids), self._layout), cache.dtype)
-            for cache in self._kv_caches
+            LayerSpec(gathered_shape(head_slice(c, piece.heads, layout), n, layout), c.dtype)
+            for c in self._kv_caches
         ]
-        send = _Send(spec, self._ids(spec.block_ids), [layer.num_bytes for layer in layers])
+        pull_by = None
+        if spec.pull_by:  # pull: the D rank the router named for this P rank's held piece
+            pull_by = spec.pull_by[self.engine_info.rank * len(spec.pull_by) // self.engine_info.tp_size]
         try:
             self.agent.start_send(
-                spec.transfer_id, peer, layers, deadline_s=spec.deadline_s, with_trailer=spec.with_trailer,
+                piece.transfer_id, peer, layers, deadline_s=spec.deadline_s, with_trailer=spec.with_trailer,
                 pull_by=pull_by,
             )
         except KvwireError as exc:
-            logger.warning("transfer %s: start_send failed: %s", spec.transfer_id, exc)
-            self._pending.finished_sending.add(spec.request_id)
+            logger.warning("transfer %s: start_send failed: %s", piece.transfer_id, exc)
             self._count_failure("send", str(exc))
-            return
-        self._metrics.transfers_started.labels(side="send").inc()
-        self._sends[spec.transfer_id] = send
-        self._saving.append(send)
+            return None
+        return _Send(spec, ids, piece.transfer_id, piece.heads, tuple(layer.num_bytes for layer in layers))
+
+    def _kv_heads(self, p_tp: int, d_tp: int) -> int | None:
+        """The model's KV heads over all ranks (None for MLA: no head dimension). A host whose KV is
+        opaque to kvwire (MLA layout with ``num_kv_heads`` set: heads inside each block, e.g. vLLM)
+        cannot cut heads: P and D of different TP sizes are refused (ConfigError), never garbled."""
+        if self._layout is KVLayout.MLA:
+            if self.engine_info.num_kv_heads is not None and p_tp != d_tp:
+                raise ConfigError(
+                    f"TP {p_tp} -> TP {d_tp} needs per-head KV slices; this host's KV layout is opaque"
+                )
+            return None
+        if self.engine_info.num_kv_heads is not None:
+            return self.engine_info.num_kv_heads
+        local = int(self._kv_caches[0].shape[3]) if self._kv_caches else 1
+        return local * self.engine_info.tp_size
 
     def _finish_saves(self) -> None:
         """After the forward: a send that did not get every KV layer can never complete; fail it now
         rather than at its deadline."""
         for send in self._saving:
-            if send.num_layers_sent < len(self._kv_caches) and send.spec.transfer_id in self._sends:
+            if send.num_layers_sent < len(self._kv_caches) and send.piece_id in self._sends:
                 reason = f"mismatch: {send.num_layers_sent} of {len(self._kv_caches)} layers saved"
-                self._abort_agent(send.spec.transfer_id, reason)
+                self._abort_agent(send.piece_id, reason)
         self._saving = []
 
     def _send_trailer(self, spec: TrailerSpec) -> None:
-        send = self._sends.get(spec.transfer_id)
-        if send is None:
-            return  # already failed or aborted
-        trailer = msgspec.structs.replace(spec.first_token, kv_ready_unix_s=send.kv_ready_unix_s)
-        try:
-            self.agent.send_trailer(spec.transfer_id, encode_trailer(trailer))
-        except KvwireError as exc:
-            logger.warning("transfer %s: send_trailer failed: %s", spec.transfer_id, exc)
+        for piece_id in sorted(self._send_pieces.pieces(spec.transfer_id)):
+            send = self._sends.get(piece_id)
+            if send is None:
+                continue  # already failed or aborted
+            trailer = msgspec.structs.replace(spec.first_token, kv_ready_unix_s=send.kv_ready_unix_s)
+            try:
+                self.agent.send_trailer(piece_id, encode_trailer(trailer))
+            except KvwireError as exc:
+                logger.warning("transfer %s: send_trailer failed: %s", piece_id, exc)
 
     def _on_sent(self, tid: str, out: _StepOutput, timing: TransferTiming | None) -> None:
         send = self._sends.pop(tid, None)
         if send is not None:
             self._metrics.transfers_completed.labels(side="send").inc()
-            out.finished_sending.add(send.spec.request_id)
+            self._send_piece_done(tid, out)
         if timing is not None:
             self._metrics.observe_transfer("send", timing)
+
+    def _send_piece_done(self, piece_id: str, out: _StepOutput) -> None:
+        """P frees the request's blocks once every piece this rank sends is acknowledged or failed."""
+        group = self._send_pieces.finish(piece_id)
+        if group is not None:
+            out.finished_sending.add(group.request_id)
 
     # --- receive side -----------------------------------------------------------------------
 
     def _expect(self, spec: RecvSpec) -> None:
-        recv = _Recv(spec)
-        pull_from: str | None = None
-        if spec.pull_from:
-            if self.engine_info.rank >= len(spec.pull_from):
-                self._recv_failed(recv, "mismatch: no P endpoint for this rank", self._pending)
-                return
-            pull_from = spec.pull_from[self.engine_info.rank]
-        rank = self.engine_info.rank
-        accept_from = spec.sender_endpoints[rank] if rank < len(spec.sender_endpoints) else None
-        self._recvs[spec.transfer_id] = recv
+        info = self.engine_info
+        p_tp = len(spec.pull_from) or spec.peer_tp_size or info.tp_size
+        try:
+            plan = pull_pieces if spec.pull_from else recv_pieces
+            pieces = plan(spec.transfer_id, info.rank, p_tp, info.tp_size, self._kv_heads(p_tp, info.tp_size))
+        except ConfigError as exc:
+            self._recv_failed(_Recv(spec), f"mismatch: {exc}", self._pending)
+            return
+        recvs = [_Recv(spec, piece.transfer_id, piece.heads) for piece in pieces]
+        self._recv_pieces.add(spec.transfer_id, spec.request_id, [r.piece_id for r in recvs])
         # P's payload starts at D's block ``first_block`` (a partial transfer: P skips the prefix the
         # router said D holds); D writes from ``skip_blocks`` on (what it holds itself now)
-        target = BlockTarget(tuple(spec.block_ids[spec.skip_blocks :]), spec.skip_blocks - spec.first_block)
-        try:
-            self.agent.expect(
-                spec.transfer_id, num_layers=len(self._kv_caches), into_blocks=target,
-                deadline_s=spec.deadline_s, pull_from=pull_from, accept_from=accept_from,
-            )
-        except KvwireError as exc:
-            del self._recvs[spec.transfer_id]
-            self._recv_failed(recv, str(exc), self._pending)
-            return
-        self._metrics.transfers_started.labels(side="recv").inc()
+        ids = tuple(spec.block_ids[spec.skip_blocks :])
+        for recv, piece in zip(recvs, pieces, strict=True):
+            self._recvs[recv.piece_id] = recv
+            pull_from = spec.pull_from[piece.peer_rank] if spec.pull_from else None
+            senders = spec.sender_endpoints
+            accept_from = senders[piece.peer_rank] if piece.peer_rank < len(senders) else None
+            target = BlockTarget(ids, spec.skip_blocks - spec.first_block, heads=piece.heads)
+            try:
+                self.agent.expect(
+                    recv.piece_id, num_layers=len(self._kv_caches), into_blocks=target,
+                    deadline_s=spec.deadline_s, pull_from=pull_from, accept_from=accept_from,
+                )
+            except KvwireError as exc:
+                self._recv_piece_failed(recv, str(exc), self._pending)
+                return
+            self._metrics.transfers_started.labels(side="recv").inc()
 
     def _on_received(self, tid: str, out: _StepOutput, timing: TransferTiming | None) -> None:
         recv = self._recvs.pop(tid, None)
@@ -307,16 +381,33 @@ class KvwireWorkerConnector(WorkerConnector):
             return
         self._metrics.transfers_completed.labels(side="recv").inc()
         if timing is not None:
+            self.bytes_received += timing.num_bytes
             self._metrics.recv_bytes.inc(timing.num_bytes)
             self._metrics.observe_transfer("recv", timing)
-        out.finished_recving.add(recv.spec.request_id)
-        if recv.spec.want_trailer:
-            trailer = self._read_trailer(tid)
-            if trailer is not None and trailer.token_id is not None:
-                out.first_token_ids[recv.spec.request_id] = trailer.token_id
+        group = self._recv_pieces.group_of(tid)
+        if recv.spec.want_trailer and group is not None:
+            trailer = self._read_trailer(tid)  # every piece carries it: take each, keep one
+            if trailer is not None and group.first_token is None:
+                group.first_token = trailer.token_id
                 if trailer.kv_ready_unix_s is not None:  # P's last layer computed -> D can decode
                     exposed = max(time.time() - trailer.kv_ready_unix_s, 0.0)
                     self._metrics.handover_seconds.labels(phase="exposed").observe(exposed)
+        group = self._recv_pieces.finish(tid)
+        if group is None:
+            return  # other pieces of this rank still arriving
+        out.finished_recving.add(recv.spec.request_id)
+        if group.first_token is not None:
+            out.first_token_ids[recv.spec.request_id] = group.first_token
+
+    def _recv_piece_failed(self, recv: _Recv, reason: str, out: _StepOutput) -> None:
+        """One piece failed: end this rank's other pieces of the request, apply the policy once."""
+        self._recvs.pop(recv.piece_id, None)
+        group = self._recv_pieces.drop(recv.spec.transfer_id)
+        for piece_id in group.pending if group is not None else ():
+            other = self._recvs.pop(piece_id, None)
+            if other is not None and other is not recv:
+                self._abort_agent(piece_id, f"a sibling piece failed: {reason}")
+        self._recv_failed(recv, reason, out)
 
     def _read_trailer(self, tid: str) -> FirstTokenTrailer | None:
         try:
@@ -344,22 +435,32 @@ class KvwireWorkerConnector(WorkerConnector):
         send = self._sends.pop(tid, None)
         if send is not None:
             self._count_failure("send", reason)
-            out.finished_sending.add(send.spec.request_id)  # P's blocks may be freed
-        recv = self._recvs.pop(tid, None)
+            self._send_piece_done(tid, out)  # P's blocks may be freed (once no piece is in flight)
+        recv = self._recvs.get(tid)
         if recv is not None:
-            self._recv_failed(recv, reason, out)
+            self._recv_piece_failed(recv, reason, out)
 
     def _apply_abort(self, spec: AbortSpec) -> None:
-        recv = self._recvs.pop(spec.transfer_id, None)
-        send = self._sends.pop(spec.transfer_id, None)
+        """Cancel every piece of the request's transfer on this rank."""
+        recv_group = self._recv_pieces.drop(spec.transfer_id)
+        send_group = self._send_pieces.drop(spec.transfer_id)
+        piece_ids = {spec.transfer_id}
+        piece_ids |= recv_group.pending if recv_group is not None else set()
+        piece_ids |= send_group.pending if send_group is not None else set()
+        for piece_id in sorted(piece_ids):
+            self._abort_piece(piece_id, spec.reason)
+        if spec.report_free:
+            self._pending.finished_sending.add(spec.request_id)
+
+    def _abort_piece(self, piece_id: str, reason: str) -> None:
+        recv = self._recvs.pop(piece_id, None)
+        send = self._sends.pop(piece_id, None)
         if recv is not None:
             self._count_failure("recv", "aborted")
         if send is not None:
             self._saving = [s for s in self._saving if s is not send]
             self._count_failure("send", "aborted")
-        self._abort_agent(spec.transfer_id, spec.reason)
-        if spec.report_free:
-            self._pending.finished_sending.add(spec.request_id)
+        self._abort_agent(piece_id, reason)
 
     def _abort_agent(self, tid: str, reason: str) -> None:
         try:

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import msgspec
 
 from kvwire.errors import AuthenticationError, ProtocolError
+from kvwire.kv_params import KVCacheLayout
 
 DISCOVERY_VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024  # a heartbeat is a few hundred bytes; anything bigger is garbage
@@ -53,6 +54,8 @@ class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True):
     # the instance's KV events: "byte" (built-in presets) or a local Hugging Face model directory;
     # "" = unknown (the router then needs --tokenizer to use KV events).
     tokenizer: str = ""
+    # P/D instances: the KV layout a peer must match (tp_size = len(kv_endpoints)); None: unknown.
+    kv_layout: KVCacheLayout | None = None
 
 
 class InstanceLoad(msgspec.Struct, frozen=True, kw_only=True):

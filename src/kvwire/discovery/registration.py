@@ -14,6 +14,7 @@ from kvwire.discovery.client import HeartbeatClient, LoadFn
 from kvwire.discovery.messages import InstanceInfo, InstanceRole
 from kvwire.enum_values import as_enum
 from kvwire.kv_events import KvEventLog
+from kvwire.kv_params import KVCacheLayout
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ def start_registration(
     secret: str | bytes | None = None,
     kv_events: KvEventLog | None = None,
     tokenizer: str = "",
+    kv_layout: KVCacheLayout | None = None,
 ) -> HeartbeatClient:
     """Start heartbeating to ``router_address`` and return the client (``close()`` deregisters).
 
@@ -50,6 +52,7 @@ def start_registration(
         kv_endpoints=list(kv_endpoints),
         version=version,
         tokenizer=tokenizer,
+        kv_layout=kv_layout,
     )
     client = HeartbeatClient(router_address, info, load_fn=load_fn, interval_s=interval_s, secret=secret,
                              kv_events=kv_events)

@@ -44,6 +44,9 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.8  # CUDA: share of free memory (after weights) for KV
     cpu_kv_cache_bytes: int = 1 << 30  # CPU: most bytes the auto-sized KV cache may take
     seed: int = 0  # seeds the sampler of requests without their own seed
+    # Ranks (processes) the model is split over: attention heads and MLP columns (engine/tp).
+    tensor_parallel_size: int = 1
+    tp_timeout_s: float = 120.0  # bound on every wait for another rank (start-up: each phase)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -62,6 +65,9 @@ class EngineConfig:
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ConfigError("kv_cache_memory_fraction must be in (0, 1]")
         _positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if not self.tp_timeout_s > 0:
+            raise ConfigError("tp_timeout_s must be > 0")
         # Accept the enums' string values from CLIs (frozen: set through object.__setattr__).
         try:
             object.__setattr__(

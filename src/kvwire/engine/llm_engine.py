@@ -29,6 +29,8 @@ from kvwire.engine.sampling_params import SamplingParams
 from kvwire.engine.scheduler import Scheduler
 from kvwire.engine.stop import check_stop
 from kvwire.engine.tokenizer import IncrementalDetokenizer
+from kvwire.engine.tp.messages import WorkerConnectorFactory
+from kvwire.engine.tp.runner import TPLeader, TPRunner
 from kvwire.errors import InvalidRequestError
 from kvwire.kv_events import KvEventLog
 from kvwire.kv_params import KVParams, KVTransferParams
@@ -42,9 +44,28 @@ class LLMEngine:
         config: EngineConfig,
         scheduler_connector: SchedulerConnector | None = None,
         worker_connector: WorkerConnector | None = None,
+        worker_connector_factory: WorkerConnectorFactory | None = None,
     ) -> None:
+        """``worker_connector`` is rank 0's; with ``tensor_parallel_size > 1`` the other ranks build
+        theirs in their own processes with ``worker_connector_factory(rank)`` (picklable)."""
         self.config = config
+        self._tp = TPLeader(config, worker_connector_factory) if config.tensor_parallel_size > 1 else None
+        try:
+            self._init(config, scheduler_connector, worker_connector)
+        except BaseException:
+            if self._tp is not None:
+                self._tp.close()
+            raise
+
+    def _init(
+        self,
+        config: EngineConfig,
+        scheduler_connector: SchedulerConnector | None,
+        worker_connector: WorkerConnector | None,
+    ) -> None:
         loaded = load_model(config)
+        if self._tp is not None:
+            self._tp.shard(loaded.model, config.device)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_name = config.model
@@ -66,17 +87,24 @@ class LLMEngine:
             num_blocks, config.block_size, config.enable_prefix_caching, events=self.kv_events
         )
         self.scheduler = Scheduler(config, self.blocks, self.scheduler_connector)
-        self.runner = ModelRunner(
+        self.runner: ModelRunner | TPRunner = ModelRunner(
             config, self.model, num_blocks, self.worker_connector, self.device, self.dtype, self.max_model_len
         )
+        if self._tp is not None:
+            endpoints = self._tp.start_runners(num_blocks, self.max_model_len)
+            self.runner = TPRunner(self.runner, self._tp)
+            own = getattr(self.worker_connector, "kv_endpoint", None)
+            if own is not None and hasattr(self.scheduler_connector, "kv_endpoints"):
+                self.scheduler_connector.kv_endpoints = (own, *endpoints)  # one per rank
         self._requests: dict[str, Request] = {}  # live (not finished) requests, engine thread
         self._inbox: deque[tuple[str, Request | str]] = deque()  # ("add", req) | ("abort", id)
         self._lock = threading.Lock()
         self._pending_ids: set[str] = set()  # ids added and not yet finished (any thread)
         self._num_prompt_tokens = self._num_generation_tokens = self._num_steps = 0
         log.info(
-            "engine ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d",
+            "engine ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d, tp=%d",
             *(config.model, config.device, self.dtype, num_blocks, config.block_size, self.max_model_len),
+            config.tensor_parallel_size,
         )
 
     # --- requests (any thread) ------------------------------------------------------------------------
@@ -234,6 +262,9 @@ class LLMEngine:
         """Close both connectors (the engine owns them). Idempotent."""
         self.scheduler_connector.close()
         self.worker_connector.close()
+        if self._tp is not None:
+            self._tp.close()
+            self._tp = None
 
     def __enter__(self) -> LLMEngine:
         return self

@@ -31,7 +31,7 @@ class StepResult:
 
 def kv_cache_bytes_per_block(model: LlamaModel, block_size: int, dtype: torch.dtype) -> int:
     cfg = model.config
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    return cfg.num_layers * 2 * block_size * model.num_local_kv_heads * cfg.head_dim * dtype.itemsize
 
 
 def num_kv_blocks_for(config: EngineConfig, model: LlamaModel, dtype: torch.dtype, max_model_len: int) -> int:
@@ -60,17 +60,22 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         max_model_len: int,
+        *,
+        samples: bool = True,
     ) -> None:
         cfg = model.config
+        self.samples = samples  # False on tensor-parallel ranks > 0: they compute, rank 0 samples
         self.model = model
         self.device = device
         self.block_size = config.block_size
         self.connector = connector
         backend = config.attention_backend
         self.backend = AttentionBackend.SDPA if backend is AttentionBackend.AUTO else backend
-        use_graphs = config.decode_graphs and isinstance(connector, NoOpWorkerConnector)
+        use_graphs = (
+            config.decode_graphs and isinstance(connector, NoOpWorkerConnector) and model.tp_size == 1
+        )
         # With graphs, one more block than the block manager knows: the padding rows' scratch block.
-        shape = (2, num_blocks + int(use_graphs), config.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (2, num_blocks + int(use_graphs), config.block_size, model.num_local_kv_heads, cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         connector.register_kv_caches(self.kv_caches)
         self.sampler = Sampler(device, config.seed)
@@ -99,7 +104,7 @@ class ModelRunner:
         batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         hidden, query_start_loc = self._forward(batch)  # [T, hidden]
         rows = [i for i, s in enumerate(batch) if s.samples]
-        if not rows:
+        if not rows or not self.samples:
             return {}
         last_token = torch.tensor([query_start_loc[i + 1] - 1 for i in rows], device=self.device)
         logits = self.model.compute_logits(hidden[last_token])  # [N, vocab]

@@ -99,6 +99,20 @@ def _tp_rank() -> int:
     return int(get_tensor_model_parallel_rank())
 
 
+def _tp_size() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+
+    return int(get_tensor_model_parallel_world_size())
+
+
+def _num_kv_heads(vllm_config: VllmConfig) -> int | None:
+    """The model's KV heads over all ranks; None for MLA models (one latent per token)."""
+    model = vllm_config.model_config
+    if getattr(model, "use_mla", False):
+        return None
+    return int(model.get_total_num_kv_heads())
+
+
 def _device(plugin: VllmPluginConfig) -> str:
     if plugin.device_type == "cuda":
         return f"cuda:{torch.cuda.current_device()}"
@@ -141,7 +155,7 @@ class KvwireConnector(KVConnectorBase_V1):
         else:
             info = EngineInfo(
                 block_size=block_size, device=_device(self._plugin), rank=_tp_rank(),
-                kv_layout=KVLayout.MLA,
+                kv_layout=KVLayout.MLA, tp_size=_tp_size(), num_kv_heads=_num_kv_heads(vllm_config),
             )
             self._worker = WorkerSide(self._plugin, info)
 

@@ -17,6 +17,7 @@ import socket
 import time
 from typing import Any
 
+import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -211,6 +212,7 @@ class RouterServer:
             "url": v.url,
             "model": v.info.model,
             "kv_endpoints": list(v.info.kv_endpoints),
+            "kv_layout": None if v.info.kv_layout is None else msgspec.to_builtins(v.info.kv_layout),
             "version": v.info.version,
             "alive": v.alive,
             "state": v.state.value,

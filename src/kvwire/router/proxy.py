@@ -258,6 +258,7 @@ class Dispatcher:
         return self._seal(KVTransferParams(
             transfer_id=tid, mode=TransferMode.PUSH, role=role, peer_endpoints=list(peer.info.kv_endpoints),
             peer_instance_id=peer.instance_id, deadline_s=self._cfg.kv_deadline_s, skip_blocks=skip_blocks,
+            peer_kv_layout=peer.info.kv_layout,
         ))
 
     def _seal(self, params: KVTransferParams) -> KVTransferParams:
@@ -350,7 +351,8 @@ class Dispatcher:
             endpoints, peer_id = list(p.info.kv_endpoints), p.instance_id
         return self._seal(msgspec.structs.replace(
             params, role=PDRole.DECODE, mode=TransferMode.PULL, peer_endpoints=endpoints,
-            peer_instance_id=peer_id, expires_at=None, sig=None,
+            peer_instance_id=peer_id, peer_kv_layout=params.peer_kv_layout or p.info.kv_layout,
+            expires_at=None, sig=None,
         ))
 
 

@@ -61,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sizing.add_argument("--max-num-seqs", type=int, default=None)
     sizing.add_argument("--max-num-batched-tokens", type=int, default=None)
     sizing.add_argument("--seed", type=int, default=None, help="engine sampler seed")
+    sizing.add_argument("--tensor-parallel-size", "--tp", type=int, default=None, dest="tensor_parallel_size",
+                        help="ranks (processes; GPUs on CUDA) the model is split over (default 1)")
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -93,7 +95,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
     sizing = {
         name: getattr(args, name)
         for name in ("block_size", "num_kv_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                     "seed")
+                     "seed", "tensor_parallel_size")
         if getattr(args, name) is not None
     }
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,

@@ -29,6 +29,7 @@ class ConnectorSet:
     worker: Any = None
     kv_endpoints: list[str] = dataclasses.field(default_factory=list)
     enabled: bool = False
+    worker_factory: Any = None  # builds rank r's worker half in that rank's process (TP > 1)
 
     def close(self) -> None:
         for half in (self.worker, self.scheduler):
@@ -66,7 +67,8 @@ def build_connector_set(
         return ConnectorSet()
     try:
         from kvwire.connector.config import ConnectorConfig, ConnectorRole, EngineInfo, LoadFailurePolicy
-        from kvwire.connector.factory import build_connectors
+        from kvwire.connector.factory import RankConnectorFactory, build_connectors
+        from kvwire.engine.tp.runner import model_config_of
         from kvwire.transfer import Backend, TransferConfig
     except ImportError as exc:
         raise ConfigError(
@@ -83,11 +85,15 @@ def build_connector_set(
         lease_s=config.kv_deadline_s,
         kv_load_failure_policy=LoadFailurePolicy(config.kv_load_failure_policy.value), transfer=transfer,
     )
-    engine_info = EngineInfo(block_size=engine_config.block_size, device=engine_config.device)
+    engine_info = EngineInfo(
+        block_size=engine_config.block_size, device=engine_config.device,
+        tp_size=engine_config.tensor_parallel_size, num_kv_heads=model_config_of(engine_config).num_kv_heads,
+    )
     scheduler, worker = build_connectors(connector_config, engine_info, registry=registry)
     agent = getattr(worker, "agent", None)
     if agent is not None and registry is not None:
         registry.register(_TransferRefusals(agent))
-    endpoints = list(scheduler.kv_endpoints)
+    endpoints = list(scheduler.kv_endpoints)  # rank 0's; the engine adds the other ranks' (TP > 1)
     logger.info("P/D connector (%s, %s) listening on %s", config.role.value, config.kv_mode.value, endpoints)
-    return ConnectorSet(scheduler=scheduler, worker=worker, kv_endpoints=endpoints, enabled=True)
+    return ConnectorSet(scheduler=scheduler, worker=worker, kv_endpoints=endpoints, enabled=True,
+                        worker_factory=RankConnectorFactory(connector_config, engine_info))

@@ -35,7 +35,19 @@ def _build_engine(engine_config: EngineConfig, connectors: ConnectorSet) -> Any:
     from kvwire.engine import LLMEngine
 
     return LLMEngine(engine_config, scheduler_connector=connectors.scheduler,
-                     worker_connector=connectors.worker)
+                     worker_connector=connectors.worker, worker_connector_factory=connectors.worker_factory)
+
+
+def _kv_layout(engine: Any, model_name: str) -> Any:
+    """What a P/D peer must match (kv_params.KVCacheLayout), advertised and checked per request."""
+    from kvwire.kv_params import KVCacheLayout
+
+    cfg = engine.model.config
+    return KVCacheLayout(
+        model=model_name, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        block_size=engine.config.block_size, dtype=str(engine.dtype).removeprefix("torch."),
+        tp_size=engine.config.tensor_parallel_size,
+    )
 
 
 class ServerInstance:
@@ -64,6 +76,11 @@ class ServerInstance:
         engine_loop = EngineLoop(self._engine, stall_timeout_s=self.config.engine_stall_timeout_s)
         self._engine_loop = engine_loop
         model_name = self.config.served_model_name or str(self._engine.model_name)
+        kv_layout = None
+        if self._connectors.enabled:  # every rank's endpoint, once the engine started its ranks
+            self._connectors.kv_endpoints = list(self._connectors.scheduler.kv_endpoints)
+            kv_layout = _kv_layout(self._engine, model_name)
+            self._connectors.scheduler.kv_layout = kv_layout
         max_model_len = int(self._engine.max_model_len)
         self._generation = GenerationHandler(
             engine_loop, self._engine.tokenizer, metrics, model_name, max_model_len,
@@ -89,7 +106,7 @@ class ServerInstance:
             self.config, instance_id=self.instance_id, url=self.url, model=model_name,
             kv_endpoints=self._connectors.kv_endpoints, stats_fn=self._stats,
             secret=self._secret, kv_events=getattr(self._engine, "kv_events", None),
-            tokenizer=tokenizer_spec(self._engine.tokenizer, self.engine_config.model),
+            tokenizer=tokenizer_spec(self._engine.tokenizer, self.engine_config.model), kv_layout=kv_layout,
         )
         logger.info("kvwire serve ready: %s (model %s, role %s, max_model_len %d, instance %s)",
                     self.url, model_name, self.config.role.value, max_model_len, self.instance_id)

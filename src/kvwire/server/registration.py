@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import kvwire
 from kvwire.server.config import ServerConfig
@@ -35,6 +35,7 @@ def start_heartbeats(
     secret: str | None = None,
     kv_events: KvEventLog | None = None,
     tokenizer: str = "",
+    kv_layout: Any = None,
 ) -> HeartbeatClient | None:
     """Start heartbeating to ``config.router_address``; returns the client (call ``close()`` to
     deregister) or None when no router is configured. ``kv_events``: the engine's prefix-cache log,
@@ -56,4 +57,5 @@ def start_heartbeats(
         config.router_address, instance_id=instance_id, role=config.role, url=url, model=model,
         kv_endpoints=kv_endpoints, version=f"kvwire {kvwire.__version__}", load_fn=load,
         interval_s=config.heartbeat_interval_s, secret=secret, kv_events=kv_events, tokenizer=tokenizer,
+        kv_layout=kv_layout,
     )

@@ -94,9 +94,10 @@ class TransferAgent:
             self._check_open()
             self._paged = paged
 
-    def block_layers(self, num_blocks: int) -> list[LayerSpec]:
-        """The layer specs of a transfer of ``num_blocks`` blocks of every registered layer."""
-        paged = self._registered()
+    def block_layers(self, num_blocks: int, heads: range | None = None) -> list[LayerSpec]:
+        """The layer specs of a transfer of ``num_blocks`` blocks of every registered layer (only KV
+        ``heads`` of each block, when given)."""
+        paged = self._registered().heads(heads)
         return [paged.spec(index, num_blocks) for index in range(paged.num_layers)]
 
     def _registered(self) -> PagedKV:
@@ -150,13 +151,19 @@ class TransferAgent:
             self._sender.add_layer_spans(transfer_id, layer_index, spans, ready_event)
 
     def send_blocks(
-        self, transfer_id: str, layer_index: int, block_ids: torch.Tensor, ready_event: Any | None = None
+        self,
+        transfer_id: str,
+        layer_index: int,
+        block_ids: torch.Tensor,
+        ready_event: Any | None = None,
+        heads: range | None = None,
     ) -> None:
         """Hand over one layer as blocks ``block_ids`` (int64, in token order; on the caches' device
         for GPU caches) of the registered caches — the serving path. ``ready_event``: a CUDA event
-        recorded after the layer's KV was written. The blocks must not change until the transfer
-        ends. No-op if the transfer already failed."""
-        paged = self._registered()
+        recorded after the layer's KV was written. ``heads``: only these KV heads of each block (a
+        tensor-parallel peer's share). The blocks must not change until the transfer ends. No-op if
+        the transfer already failed."""
+        paged = self._registered().heads(heads)
         with self._core.lock:
             self._check_open()
             self._sender.add_layer_blocks(transfer_id, layer_index, paged, block_ids, ready_event)
@@ -202,7 +209,7 @@ class TransferAgent:
         id cannot inject data. Raises TransferError if another agent offered it already."""
         if sum(x is not None for x in (sink, scatter_into, into_blocks)) > 1:
             raise ValueError("expect: give at most one of sink, scatter_into, into_blocks")
-        target = None if into_blocks is None else (self._registered(), into_blocks)
+        target = None if into_blocks is None else (self._registered().heads(into_blocks.heads), into_blocks)
         deadline = self.config.default_deadline_s if deadline_s is None else deadline_s
         with self._core.lock:
             self._check_open()

@@ -18,10 +18,12 @@ from collections.abc import Sequence
 
 import torch
 
+from kvwire.errors import ConfigError
 from kvwire.transfer.enums import KVLayout
 from kvwire.transfer.types import ByteSpans
 
 _BLOCK_DIM = {KVLayout.KV_FIRST: 1, KVLayout.BLOCK_FIRST: 0, KVLayout.MLA: 0}
+_HEAD_DIM = {KVLayout.KV_FIRST: 3, KVLayout.BLOCK_FIRST: 3}  # MLA: no head dimension
 _NDIM = {KVLayout.KV_FIRST: 5, KVLayout.BLOCK_FIRST: 5, KVLayout.MLA: 3}
 
 
@@ -119,3 +121,14 @@ def block_spans(kv_layer: torch.Tensor, block_ids: Sequence[int], layout: KVLayo
     runs = _runs(block_ids)
     spans = tuple((h + first * block_bytes, count * block_bytes) for h in halves for first, count in runs)
     return ByteSpans(kv_layer, spans)
+
+
+def head_slice(tensor: torch.Tensor, heads: range | None, layout: KVLayout) -> torch.Tensor:
+    """The view of a layer (or gathered layer) restricted to KV ``heads`` (the tensor itself for
+    None): what one rank of a tensor-parallel peer owns. Not contiguous for a strict sub-range."""
+    if heads is None:
+        return tensor
+    dim = _HEAD_DIM.get(layout)
+    if dim is None:
+        raise ConfigError(f"{layout.value} layout has no head dimension to slice")
+    return tensor.narrow(dim, heads.start, len(heads))

@@ -33,7 +33,7 @@ import torch
 
 from kvwire.errors import ConfigError
 from kvwire.transfer.enums import KVLayout
-from kvwire.transfer.paged import block_spans, gather_blocks, gathered_shape, scatter_blocks
+from kvwire.transfer.paged import block_spans, gather_blocks, gathered_shape, head_slice, scatter_blocks
 from kvwire.transfer.types import GATE_MAGIC, ByteSpans, DeviceConsumer, LayerSpec, RecvItem
 
 _BLOCK_DIM = {KVLayout.KV_FIRST: 1, KVLayout.BLOCK_FIRST: 0, KVLayout.MLA: 0}
@@ -48,6 +48,8 @@ class BlockTarget:
 
     block_ids: tuple[int, ...]
     skip_blocks: int = 0
+    # Only these KV heads of each block (a tensor-parallel peer owns a head range); None: all.
+    heads: range | None = None
 
     def __post_init__(self) -> None:
         if self.skip_blocks < 0:
@@ -70,6 +72,20 @@ class PagedKV:
         self._group_lock = threading.Lock()
         self._slabs: dict[tuple[tuple[int, ...], torch.dtype], collections.deque[torch.Tensor]] = {}
         self._slab_lock = threading.Lock()
+        self._views: dict[tuple[int, int], PagedKV] = {}  # head range -> the caches restricted to it
+
+    def heads(self, heads: range | None) -> PagedKV:
+        """The caches restricted to KV ``heads`` (itself for None): views that are not contiguous,
+        so transfers of a head range take the copy path. Built once per range."""
+        if heads is None:
+            return self
+        key = (heads.start, heads.stop)
+        with self._group_lock:
+            view = self._views.get(key)
+            if view is None:
+                view = PagedKV([head_slice(layer, heads, self.layout) for layer in self.layers], self.layout)
+                self._views[key] = view
+            return view
 
     @property
     def num_layers(self) -> int:

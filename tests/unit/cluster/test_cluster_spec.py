@@ -104,3 +104,17 @@ def test_unknown_role_starts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="role must be one of prefill, decode, both"):
         cluster.start_instance("router-0", "router")  # type: ignore[arg-type]
     assert cluster.instances == {} and _FakeProcess.started == []
+
+
+def test_prefill_and_decode_get_their_tensor_parallel_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(local, "ManagedProcess", _FakeProcess)
+    _FakeProcess.started = []
+    spec = spec_from_args(_up_args("--prefill-tp", "2", "--decode-tp", "4"))
+    assert (spec.prefill_tp, spec.decode_tp) == (2, 4)
+    cluster = LocalCluster(spec)
+    cluster.start_instance("prefill-0", InstanceRole.PREFILL)
+    cluster.start_instance("decode-0", InstanceRole.DECODE)
+    p_argv, d_argv = _FakeProcess.started
+    assert _flag(p_argv, "--tensor-parallel-size") == "2" and _flag(d_argv, "--tensor-parallel-size") == "4"
+    with pytest.raises(ConfigError, match="decode_tp"):
+        ClusterSpec(decode_tp=0)

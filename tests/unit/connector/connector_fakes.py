@@ -128,10 +128,12 @@ class FakeAgent:
         self._pump(transfer_id)
 
     def send_blocks(
-        self, transfer_id: str, layer_index: int, block_ids: torch.Tensor, ready_event: Any = None
+        self, transfer_id: str, layer_index: int, block_ids: torch.Tensor, ready_event: Any = None,
+        heads: range | None = None,
     ) -> None:
         assert self.paged is not None, "register_kv_caches first"
-        self.send_layer(transfer_id, layer_index, self.paged.gather(layer_index, block_ids), ready_event)
+        data = self.paged.heads(heads).gather(layer_index, block_ids)
+        self.send_layer(transfer_id, layer_index, data, ready_event)
 
     def send_trailer(self, transfer_id: str, payload: bytes) -> None:
         send = self.sends.get(transfer_id)
@@ -177,8 +179,8 @@ class FakeAgent:
     ) -> None:
         del accept_from  # the fake fabric has no third agents
         if into_blocks is not None:
-            paged = self.paged
-            assert paged is not None and sink is None, "register_kv_caches first; one destination"
+            assert self.paged is not None and sink is None, "register_kv_caches first; one destination"
+            paged = self.paged.heads(into_blocks.heads)
             sink = lambda index, data: paged.write(index, into_blocks, data)  # noqa: E731
         recv = self.recvs.setdefault(transfer_id, _FakeRecv(None, None, 0.0))
         recv.num_layers, recv.sink, recv.deadline = num_layers, sink, self._deadline(deadline_s)

@@ -9,6 +9,7 @@ Tokens are packed: every tensor is ``[T, ...]`` over the step's new tokens of al
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +95,8 @@ class Attention(nn.Module):
         norm = (lambda: RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device, dtype)) if cfg.qk_norm else None
         self.q_norm = norm() if norm else None
         self.k_norm = norm() if norm else None
+        # Tensor parallelism (engine/tp/shard.py): sums o_proj's partial outputs over the ranks.
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 * Hkv) * D]
@@ -105,8 +108,8 @@ class Attention(nn.Module):
             q, k = apply_rope(self.q_norm(q), rope), apply_rope(self.k_norm(k), rope)
         else:  # one rotation for q and k together (fewer kernel launches per layer)
             q, k = apply_rope(qk, rope).split((self.num_heads, self.num_kv_heads), dim=1)
-        out = attention(self.layer_index, q, k, v, ctx)  # [T, Hq, D]
-        return self.o_proj(out.flatten(1))
+        out = self.o_proj(attention(self.layer_index, q, k, v, ctx).flatten(1))  # [T, hidden]
+        return out if self.all_reduce is None else self.all_reduce(out)
 
 
 class MLP(nn.Module):
@@ -118,10 +121,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(
             cfg.intermediate_size, cfg.hidden_size, bias=False, device=device, dtype=dtype
         )
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # as Attention's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.all_reduce is None else self.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -145,6 +150,7 @@ class LlamaModel(nn.Module):
     ):
         super().__init__()
         self.config = cfg
+        self.tp_rank, self.tp_size = 0, 1  # set by engine/tp/shard.py
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
         self.rope = RotaryEmbedding(cfg, device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, device, dtype) for i in range(cfg.num_layers))
@@ -162,6 +168,12 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             x = layer(x, rope, ctx)
         return self.norm(x)
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank's cache holds (all of them without tensor parallelism)."""
+        attn = self.layers[0].self_attn if len(self.layers) else None
+        return attn.num_kv_heads if isinstance(attn, Attention) else self.config.num_kv_heads
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]."""

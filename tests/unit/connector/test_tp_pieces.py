@@ -1,0 +1,154 @@
+"""Per-rank pieces, the TP output merge and the P/D compatibility check (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvwire.connector.base import ConnectorOutput
+from kvwire.connector.config import ConnectorConfig, ConnectorRole, EngineInfo
+from kvwire.connector.metadata import KvwireConnectorMetadata, RecvSpec
+from kvwire.connector.pieces import PieceBook, head_slice, held_pieces, pull_pieces, recv_pieces, send_pieces
+from kvwire.connector.scheduler import KvwireSchedulerConnector
+from kvwire.engine.tp.aggregate import OutputAggregator
+from kvwire.errors import ConfigError, InvalidRequestError
+from kvwire.kv_params import KVCacheLayout, KVTransferParams, PDRole, layout_mismatch
+from kvwire.transfer.enums import KVLayout
+
+
+def test_symmetric_plan_keeps_the_request_transfer_id() -> None:
+    assert [p.transfer_id for p in send_pieces("t", 1, 2, 2, 4)] == ["t"]
+    assert [p.transfer_id for p in recv_pieces("t", 0, 1, 1, 4)] == ["t"]
+    split = send_pieces("t", 0, 1, 2, 4)
+    assert [(p.transfer_id, p.peer_rank, p.heads) for p in split] == [
+        ("t~p0d0", 0, range(0, 2)), ("t~p0d1", 1, range(2, 4))]  # fmt: skip
+    assert send_pieces("t", 1, 2, 1, 1) == ()  # a replica: rank 0 sends the one head
+
+
+def test_pull_pieces_merge_whole_p_layers_and_refuse_splits() -> None:
+    assert held_pieces("t", 1, 2)[0].transfer_id == "t~p1"
+    merged = pull_pieces("t", 0, 2, 1, 4)
+    assert [(p.transfer_id, p.peer_rank, p.heads) for p in merged] == [
+        ("t~p0", 0, range(0, 2)),
+        ("t~p1", 1, range(2, 4)),
+    ]
+    with pytest.raises(ConfigError, match="push mode"):
+        pull_pieces("t", 0, 1, 2, 4)
+
+
+def test_head_slice_is_a_view_of_the_heads() -> None:
+    cache = torch.arange(2 * 3 * 4 * 4 * 2).view(2, 3, 4, 4, 2)
+    view = head_slice(cache, range(1, 3), KVLayout.KV_FIRST)
+    assert view.shape == (2, 3, 4, 2, 2) and view.data_ptr() == cache[:, :, :, 1].data_ptr()
+    with pytest.raises(ConfigError):
+        head_slice(torch.zeros(3, 4, 8), range(0, 1), KVLayout.MLA)
+
+
+def test_piece_book_finishes_a_request_with_its_last_piece() -> None:
+    book = PieceBook()
+    book.add("t", "r", ["t~p0d0", "t~p1d0"])
+    assert book.finish("t~p0d0") is None
+    group = book.finish("t~p1d0")
+    assert group is not None and group.request_id == "r" and len(book) == 0
+
+
+def _meta(rid: str, blocks: tuple[int, ...]) -> KvwireConnectorMetadata:
+    return KvwireConnectorMetadata(recvs=(RecvSpec(rid, "t-" + rid, blocks, 5.0, (), True),))
+
+
+def test_aggregator_waits_for_every_rank_and_fails_all_ranks_at_once() -> None:
+    agg = OutputAggregator(2)
+    agg.note_metadata(_meta("a", (1, 2)))
+    agg.note_metadata(_meta("b", (3, 4)))
+    out = agg.merge([ConnectorOutput(finished_recving=frozenset({"a"}), first_token_ids={"a": 7}),
+                     ConnectorOutput(finished_sending=frozenset({"p"}))])  # fmt: skip
+    assert not out.finished_recving and not out.finished_sending  # one rank of two each
+    out = agg.merge([ConnectorOutput(finished_sending=frozenset({"p"})),
+                     ConnectorOutput(finished_recving=frozenset({"a"}))])  # fmt: skip
+    assert out.finished_recving == {"a"} and out.first_token_ids == {"a": 7} and out.finished_sending == {"p"}
+    # Rank 1's pieces of "b" fail (recompute): reported now, rank 0's pieces aborted next step.
+    out = agg.merge(
+        [
+            ConnectorOutput(),
+            ConnectorOutput(finished_recving=frozenset({"b"}), invalid_block_ids=frozenset({3, 4})),
+        ]
+    )
+    assert out.finished_recving == {"b"} and out.invalid_block_ids == {3, 4}
+    aborts = agg.take_aborts()
+    assert [(a.request_id, a.transfer_id, a.report_free) for a in aborts] == [("b", "t-b", False)]
+    assert not agg.merge(
+        [ConnectorOutput(finished_recving=frozenset({"b"})), ConnectorOutput()]
+    ).finished_recving
+
+
+LAYOUT = KVCacheLayout(
+    model="tiny", num_layers=4, num_kv_heads=2, head_dim=32, block_size=16, dtype="float32"
+)
+
+
+def test_layout_mismatch_names_the_difference() -> None:
+    import msgspec
+
+    assert layout_mismatch(LAYOUT, msgspec.structs.replace(LAYOUT, tp_size=2)) is None
+    assert "block_size" in (layout_mismatch(LAYOUT, msgspec.structs.replace(LAYOUT, block_size=8)) or "")
+    assert "tensor-parallel size 3" in (
+        layout_mismatch(LAYOUT, msgspec.structs.replace(LAYOUT, tp_size=3)) or ""
+    )
+
+
+def test_an_incompatible_pair_is_refused_at_admission() -> None:
+    import msgspec
+
+    sched = KvwireSchedulerConnector(
+        ConnectorConfig(role=ConnectorRole.DECODE), EngineInfo(block_size=16), ["x"]
+    )
+    sched.kv_layout = LAYOUT
+    ok = KVTransferParams(transfer_id="t", role=PDRole.DECODE, peer_endpoints=["a", "b"],
+                          peer_kv_layout=msgspec.structs.replace(LAYOUT, tp_size=2))  # fmt: skip
+    sched.check_request_params(ok.to_dict())
+    bad = msgspec.structs.replace(
+        ok, peer_kv_layout=msgspec.structs.replace(LAYOUT, dtype="bfloat16", tp_size=2)
+    )
+    with pytest.raises(InvalidRequestError, match=r"incompatible P/D pair: .*dtype"):
+        sched.check_request_params(bad.to_dict())
+    wrong_count = msgspec.structs.replace(ok, peer_endpoints=["a"])
+    with pytest.raises(InvalidRequestError, match="1 peer endpoints"):
+        sched.check_request_params(wrong_count.to_dict())
+
+
+def test_an_opaque_layout_refuses_different_tp_sizes_and_keeps_equal_ones() -> None:
+    """vLLM registers its KV as opaque blocks (MLA layout with num_kv_heads set): a P/D pair of
+    different TP sizes must be refused (P frees, nothing sent), never sent whole as if it were MLA."""
+    from connector_fakes import FakeFabric
+    from prometheus_client import CollectorRegistry
+
+    from kvwire.connector.metadata import SendSpec
+    from kvwire.connector.metrics import connector_metrics
+    from kvwire.connector.worker import KvwireWorkerConnector
+
+    agent = FakeFabric().agent("p")
+    info = EngineInfo(block_size=4, kv_layout=KVLayout.MLA, tp_size=1, num_kv_heads=2)
+    worker = KvwireWorkerConnector(ConnectorConfig(role=ConnectorRole.PREFILL), info, agent,
+                                   metrics=connector_metrics(CollectorRegistry()))  # fmt: skip
+    worker.register_kv_caches([torch.zeros(8, 4, 16)])
+    two_d_ranks = SendSpec("r", "t", ("tcp://d0:1", "tcp://d1:1"), (1, 2), 5.0, False)
+    worker.bind_connector_metadata(KvwireConnectorMetadata(sends=(two_d_ranks,)))
+    assert agent.sends == {}
+    assert worker.get_finished(set()).finished_sending == {"r"}  # P may free its blocks at once
+    worker.clear_connector_metadata()
+    one_d_rank = SendSpec("r2", "t2", ("tcp://d0:1",), (1, 2), 5.0, False)
+    worker.bind_connector_metadata(KvwireConnectorMetadata(sends=(one_d_rank,)))
+    assert list(agent.sends) == ["t2"]  # same sizes: the whole opaque layer, as before
+    worker.close()
+
+
+def test_aggregator_fail_policy_fails_once_and_aborts_the_other_ranks() -> None:
+    agg = OutputAggregator(3)
+    agg.note_metadata(_meta("c", (5,)))
+    out = agg.merge([ConnectorOutput(finished_recving=frozenset({"c"})),
+                     ConnectorOutput(failed={"c": "deadline"}), ConnectorOutput()])  # fmt: skip
+    assert out.failed == {"c": "deadline"} and not out.finished_recving
+    assert [a.transfer_id for a in agg.take_aborts()] == ["t-c"]
+    late = agg.merge([ConnectorOutput(), ConnectorOutput(failed={"c": "aborted"}),
+                      ConnectorOutput(finished_recving=frozenset({"c"}))])  # fmt: skip
+    assert not late.failed and not late.finished_recving and not agg.take_aborts()
