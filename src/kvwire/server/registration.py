@@ -16,7 +16,7 @@ from kvwire.server.config import ServerConfig
 from kvwire.server.engine_status import StatsSnapshot
 
 if TYPE_CHECKING:
-    from kvwire.discovery import HeartbeatClient
+    from kvwire.discovery import Registration
 
 
 def default_instance_id(config: ServerConfig) -> str:
@@ -32,7 +32,7 @@ def start_heartbeats(
     kv_endpoints: Sequence[str],
     stats_fn: Callable[[], StatsSnapshot],
     secret: str | None = None,
-) -> HeartbeatClient | None:
+) -> Registration | None:
     """Start heartbeating to ``config.router_address``; returns the client (call ``close()`` to
     deregister) or None when no router is configured."""
     if config.router_address is None:
