@@ -96,6 +96,11 @@ class LocalEtcd:
             self.process.wait_exit(10.0)
             self.process = None
 
+    def wipe(self) -> None:
+        """Delete etcd's data (stopped first): the next :meth:`start` is an etcd that lost everything."""
+        self.kill()
+        shutil.rmtree(self.data_dir / "data", ignore_errors=True)
+
     def stop(self) -> None:
         """Stop etcd and remove a temporary data directory (idempotent)."""
         if self.process is not None:
