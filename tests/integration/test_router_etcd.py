@@ -10,11 +10,14 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from mock_instance import MockProcess, RouterThread, get, get_raw, post, router_config, wait_for
+from pd_cluster_helpers import body, metric, running_cluster, send_all
 
 from kvwire.cluster.etcd import INSTALL_HINT, LocalEtcd, etcd_binary
+from kvwire.cluster.local import ClusterSpec, http_json
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None, reason=f"etcd binary not installed: {INSTALL_HINT}")
 
@@ -118,3 +121,21 @@ def test_etcd_restart_routes_on_last_view_then_resyncs(etcd: LocalEtcd) -> None:
             m.kill()
         for router in routers:
             router.close()
+
+
+def test_kvwire_up_with_etcd_serves_pd(tmp_path: Path) -> None:
+    """`kvwire up --discovery etcd`'s cluster: a local etcd, `kvwire serve --router etcd://...` P and D
+    (built-in engine, tiny model), the router watching etcd; one P/D request end to end."""
+    spec = ClusterSpec(num_prefill=1, num_decode=1, discovery="etcd", heartbeat_interval_s=0.5)
+    with running_cluster(spec, tmp_path / "cluster.log") as cluster:
+        assert cluster.discovery_address.startswith("etcd://127.0.0.1:")
+        listed = {e["id"]: e for e in http_json(f"{cluster.router_url}/instances")}
+        assert set(listed) == {"prefill-0", "decode-0"}
+        assert listed["decode-0"]["kv_endpoints"] and listed["decode-0"]["load"] is not None
+        result = send_all(cluster.router_url, [body([1, 2, 3, 4], stream=False)])[0]
+        assert result.ok, result
+        decode_url = cluster.instances["decode-0"].url
+        assert decode_url is not None
+        assert metric(decode_url, "kvwire_pd_transfers_completed_total") == 1  # really P/D
+        etcd = cluster.etcd
+    assert etcd is not None and etcd.process is None  # stopped with the cluster

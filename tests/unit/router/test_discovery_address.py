@@ -63,7 +63,7 @@ def test_prefix_range_end_covers_exactly_the_prefix() -> None:
     end = prefix_range_end("/kvwire/instances/")
     assert end == "/kvwire/instances0"
     assert "/kvwire/instances/" <= "/kvwire/instances/zzz" < end
-    assert not "/kvwire/instancesX" < end
+    assert end <= "/kvwire/instancesX"
 
 
 def test_record_round_trip_and_validation() -> None:
@@ -83,3 +83,13 @@ def test_record_round_trip_and_validation() -> None:
 @pytest.mark.parametrize(("interval_s", "ttl"), [(2.0, 6), (1.0, 3), (0.5, 2), (0.1, 2), (1.5, 5)])
 def test_lease_ttl_is_three_intervals(interval_s: float, ttl: int) -> None:
     assert lease_ttl_for(interval_s) == ttl
+
+
+def test_cluster_discovery_choice() -> None:
+    from kvwire.cluster.local import ClusterSpec
+
+    assert ClusterSpec(discovery="etcd").discovery == "etcd"
+    assert ClusterSpec(discovery="etcd://h:2379").discovery == "etcd://h:2379"
+    for bad in ("tcp://h:1", "consul"):
+        with pytest.raises(ConfigError, match="etcd"):
+            ClusterSpec(discovery=bad)
