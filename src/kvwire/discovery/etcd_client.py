@@ -156,6 +156,17 @@ class EtcdRegistration:
                 log.warning("etcd registration of %s: %s", self.info.instance_id, exc)
                 self._failing = True
 
+    def revoke(self) -> None:
+        """Revoke the lease now (the record goes at once); for callers that drive :meth:`tick` themselves.
+        Raises :class:`EtcdError`."""
+        if self._lease is not None:
+            self._http.revoke(self._lease)
+            self._lease = None
+
+    def disconnect(self) -> None:
+        """Close the HTTP connection to etcd (the next call opens a new one)."""
+        self._http.close()
+
     def _put(self, load: InstanceLoad | None, *, force: bool) -> None:
         assert self._lease is not None
         now = time.monotonic()
