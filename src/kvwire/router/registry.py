@@ -4,6 +4,10 @@ Thread-safety: the discovery listener thread and the sweeper thread write, the r
 reads. Every method takes the one lock; readers get immutable :class:`InstanceView` tuples, cached
 until the next change, so the request path costs one attribute read when nothing changed.
 
+Cost at scale: a heartbeat that only refreshes a live entry (the steady state: N of them per
+interval) swaps that one entry into the cached tuples at its known position (a C-level tuple copy)
+instead of re-sorting everything; any other change rebuilds the tuples (O(N log N)).
+
 Liveness rules:
 * a heartbeat registers or refreshes ``(instance_id, epoch)``; a newer epoch replaces the old entry
   (restart); an older epoch or a non-increasing ``seq`` is stale and ignored;
@@ -81,7 +85,10 @@ class Registry:
         self._lock = threading.Lock()
         self._entries: dict[str, InstanceView] = {}
         self._all: tuple[InstanceView, ...] = ()
-        self._live: dict[InstanceRole, tuple[InstanceView, ...]] = {}
+        # Live entries by role, and by (role, model); None = any model.
+        self._live: dict[tuple[InstanceRole, str | None], tuple[InstanceView, ...]] = {}
+        # instance id -> its position in each cached tuple above (key None: ``_all``)
+        self._pos: dict[str, list[tuple[tuple[InstanceRole, str | None] | None, int]]] = {}
         self.version = 0  # bumps on every change that affects routing
 
     # --- writers --------------------------------------------------------------------------------
@@ -91,7 +98,11 @@ class Registry:
             if isinstance(msg, Deregister):
                 result = self._deregister(msg)
             else:
+                old = self._entries.get(msg.info.instance_id)
                 result = self._heartbeat(msg.info, msg.load, msg.seq)
+                if result is ApplyResult.REFRESHED and old is not None and old.alive and old.info == msg.info:
+                    self._swap(self._entries[msg.info.instance_id])
+                    return result
             if result is not ApplyResult.STALE:
                 self._rebuild()
         if result in (ApplyResult.REGISTERED, ApplyResult.REPLACED, ApplyResult.DEREGISTERED):
@@ -163,11 +174,30 @@ class Registry:
         # caller holds the lock
         self.version += 1
         self._all = tuple(sorted(self._entries.values(), key=lambda e: e.instance_id))
-        live: dict[InstanceRole, list[InstanceView]] = {role: [] for role in InstanceRole}
-        for entry in self._all:
+        live: dict[tuple[InstanceRole, str | None], list[InstanceView]] = {}
+        pos: dict[str, list[tuple[tuple[InstanceRole, str | None] | None, int]]] = {}
+        for index, entry in enumerate(self._all):
+            slots: list[tuple[tuple[InstanceRole, str | None] | None, int]] = [(None, index)]
             if entry.alive:
-                live[entry.role].append(entry)
-        self._live = {role: tuple(entries) for role, entries in live.items()}
+                for key in ((entry.role, None), (entry.role, entry.info.model)):
+                    bucket = live.setdefault(key, [])
+                    slots.append((key, len(bucket)))
+                    bucket.append(entry)
+            pos[entry.instance_id] = slots
+        self._live = {key: tuple(entries) for key, entries in live.items()}
+        self._pos = pos
+
+    def _swap(self, fresh: InstanceView) -> None:
+        """Put ``fresh`` where its previous (live) version sits in every cached tuple (caller holds
+        the lock; same id, role and model, so the positions hold)."""
+        self.version += 1
+        for key, index in self._pos[fresh.instance_id]:
+            old = self._all if key is None else self._live[key]
+            new = (*old[:index], fresh, *old[index + 1:])
+            if key is None:
+                self._all = new
+            else:
+                self._live[key] = new
 
     # --- readers (any thread; lock-free reads of immutable tuples) -------------------------------
 
@@ -175,9 +205,9 @@ class Registry:
         """Every known entry (alive or not), sorted by instance id."""
         return self._all
 
-    def live(self, role: InstanceRole) -> tuple[InstanceView, ...]:
-        """Instances of ``role`` in routing, sorted by instance id."""
-        return self._live.get(role, ())
+    def live(self, role: InstanceRole, model: str | None = None) -> tuple[InstanceView, ...]:
+        """Instances of ``role`` (serving ``model``, when given) in routing, sorted by instance id."""
+        return self._live.get((role, model), ())
 
     def get(self, instance_id: str) -> InstanceView | None:
         return self._entries.get(instance_id)

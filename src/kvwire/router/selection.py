@@ -22,6 +22,12 @@ class Plan(str, enum.Enum):
     DISAGGREGATED = "pd"  # prefill on a `prefill` instance, decode on a `decode` instance
 
 
+# least_loaded and random look at a random sample of this many live instances when there are more
+# (the "power of d choices": near the true least loaded, at a cost that does not grow with N).
+# round_robin always walks them all.
+SAMPLE_SIZE = 32
+
+
 class ModelNotFoundError(RouterError):
     """No instance, alive or not, serves the requested model (becomes HTTP 404)."""
 
@@ -30,17 +36,15 @@ class Selector:
     def __init__(self, registry: Registry, policy: Policy, seed: int | None = None) -> None:
         self._registry = registry
         self._policy = POLICIES[policy]
+        self._sampled = policy in (Policy.LEAST_LOADED, Policy.RANDOM)
         self._ctx = {role: PickContext(turn=0, rng=random.Random(seed)) for role in InstanceRole}
         self._inflight: dict[str, list[int]] = {}  # instance id -> [requests, tokens]
 
     def _live(self, role: InstanceRole, model: str | None) -> Sequence[InstanceView]:
-        views = self._registry.live(role)  # the registry's cached tuple: no copy when no model filter
-        if model is None:
-            return views
-        return [v for v in views if v.info.model == model]
+        return self._registry.live(role, model)  # the registry's cached tuple: no copy
 
     def _has_live(self, role: InstanceRole, model: str | None) -> bool:
-        return any(model is None or v.info.model == model for v in self._registry.live(role))
+        return bool(self._registry.live(role, model))
 
     def plan(self, model: str | None) -> Plan:
         """P/D when a prefill and a decode instance are live, else colocated; raises if neither."""
@@ -70,8 +74,10 @@ class Selector:
         views = self._live(role, model)
         if not views:
             raise NoInstanceError(f"no live {role.value} instance")
-        candidates = [self._candidate(v) for v in views]
         ctx = self._ctx[role]
+        if self._sampled and len(views) > SAMPLE_SIZE:
+            views = [views[i] for i in sorted(ctx.rng.sample(range(len(views)), SAMPLE_SIZE))]
+        candidates = [self._candidate(v) for v in views]
         chosen = self._policy(candidates, ctx)
         ctx.turn += 1
         return views[next(i for i, c in enumerate(candidates) if c is chosen)]

@@ -93,3 +93,23 @@ def test_cluster_discovery_choice() -> None:
     for bad in ("tcp://h:1", "consul"):
         with pytest.raises(ConfigError, match="etcd"):
             ClusterSpec(discovery=bad)
+
+
+def test_least_loaded_samples_large_pools() -> None:
+    """Over SAMPLE_SIZE live instances, least_loaded looks at a random sample: every pick is one of
+    the live instances, picks spread, and an idle instance among busy ones is found often."""
+    from kvwire.router.config import Policy
+    from kvwire.router.registry import Registry
+    from kvwire.router.selection import SAMPLE_SIZE, Selector
+
+    reg = Registry(ttl_s=10.0)
+    n = 4 * SAMPLE_SIZE
+    for i in range(n):
+        info = InstanceInfo(instance_id=f"d{i:03d}", role=InstanceRole.DECODE, url=f"http://h/{i}", model="m")
+        busy = 0 if i % 8 == 0 else 5  # one in eight idle
+        reg.apply(Heartbeat(info=info, seq=1, load=InstanceLoad(num_running=busy)))
+    selector = Selector(reg, Policy.LEAST_LOADED, seed=3)
+    picks = [selector.pick(InstanceRole.DECODE, "m").instance_id for _ in range(200)]
+    idle = sum(int(p[1:]) % 8 == 0 for p in picks)
+    assert idle >= 190  # a sample of 32 misses all 16 idle ones with p ~ 0.015
+    assert len(set(picks)) > 8
