@@ -11,8 +11,9 @@ evenly over the interval:
   HTTP connection, lease and key), driven by :meth:`~EtcdRegistration.tick` from a few worker
   threads instead of one thread each: a keep-alive and a load put per round.
 
-Commands on stdin, answers on stdout: ``kill silent K`` (the next K instances stop sending but keep
-their connections: a SIGSTOPped or cut-off instance) and ``kill crash K`` (their connections are
+Commands on stdin, answers on stdout: ``kill silent K`` (K running instances, spread over the round,
+stop sending but keep their connections: a SIGSTOPped or cut-off instance) and ``kill crash K``
+(likewise, but their connections are
 closed as a kill -9 would) answer ``KILLED <wall time> <ids,...>``; ``stats`` answers
 ``STATS <json>``; ``quit`` (or stdin closed) stops everything. ``SIM_READY`` is printed after the
 first round.
@@ -61,7 +62,6 @@ class Sim:
         self.n = n
         self.interval_s = interval_s
         self.stopped: set[int] = set()
-        self.next_victim = 0
         self.sent = 0
         self.failed = 0
         self.rounds = 0
@@ -86,9 +86,10 @@ class Sim:
             self.stop.wait(max(0.0, t0 + self.interval_s - time.monotonic()))
 
     def victims(self, k: int) -> list[int]:
-        chosen = list(range(self.next_victim, min(self.n, self.next_victim + k)))
-        self.next_victim += len(chosen)
-        return chosen
+        """``k`` running instances spread evenly over the round (so over every phase of it)."""
+        running = [i for i in range(self.n) if i not in self.stopped]
+        step = max(1, len(running) // max(1, k))
+        return running[::step][:k]
 
 
 class ZmqSim(Sim):

@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 
+_MIN_SWEEP_WAIT_S = 0.005  # the sweeper never spins faster than this
+_SWEEP_MARGIN_S = 0.002  # wake just past a deadline, so the entry is past its TTL
+
 
 class InstanceState(str, enum.Enum):
     ALIVE = "alive"
@@ -170,6 +173,16 @@ class Registry:
                 self._rebuild()
         return changed
 
+    def seconds_to_next_change(self) -> float | None:
+        """Seconds until the earliest entry :meth:`sweep` would expire or forget (<= 0: due now);
+        None when the registry is empty. O(N); the sweeper calls it once per wake-up."""
+        with self._lock:
+            deadlines = [
+                e.last_seen + (self.forget_after_s if e.state is InstanceState.EXPIRED else self.ttl_s)
+                for e in self._entries.values()
+            ]
+        return min(deadlines) - self._clock() if deadlines else None
+
     def _rebuild(self) -> None:
         # caller holds the lock
         self.version += 1
@@ -217,7 +230,10 @@ class Registry:
 
 
 class RegistrySweeper:
-    """Daemon thread calling ``registry.sweep()`` every ``interval_s`` until :meth:`close`."""
+    """Daemon thread calling ``registry.sweep()`` until :meth:`close`: at the earliest entry's expiry
+    (so a silent instance is out within a few ms of its TTL), and at least every ``interval_s``.
+    In the steady state (every instance heartbeating) that is about once per TTL minus one
+    heartbeat interval, whatever the number of instances."""
 
     def __init__(self, registry: Registry, interval_s: float) -> None:
         self._registry = registry
@@ -230,11 +246,17 @@ class RegistrySweeper:
         return self
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
+        while not self._stop.wait(self._next_wait()):
             try:
                 self._registry.sweep()
             except Exception:  # never let the sweeper die: liveness depends on it
                 log.exception("registry sweep failed")
+
+    def _next_wait(self) -> float:
+        due = self._registry.seconds_to_next_change()
+        if due is None:  # an entry registered from now on expires a TTL from now at the earliest
+            return min(self._interval_s, self._registry.ttl_s)
+        return min(self._interval_s, max(_MIN_SWEEP_WAIT_S, due + _SWEEP_MARGIN_S))
 
     def close(self) -> None:
         stop_thread(self._thread, self._stop)

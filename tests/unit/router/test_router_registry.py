@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from kvwire.discovery import Deregister, Heartbeat, InstanceInfo, InstanceLoad, InstanceRole
 from kvwire.router.registry import ApplyResult, InstanceState, Registry, RegistrySweeper
 
@@ -136,3 +138,35 @@ def test_refresh_in_place_keeps_every_view_consistent() -> None:
     assert [v.instance_id for v in reg.live(InstanceRole.PREFILL, "x")] == ["p2"]
     reg.apply(_model_hb("p0", "x", 2, InstanceRole.PREFILL, 1))
     assert [v.instance_id for v in reg.live(InstanceRole.PREFILL, "x")] == ["p0", "p2"]
+
+
+def test_sweeper_wakes_at_the_earliest_expiry() -> None:
+    clock = Clock()
+    reg = Registry(ttl_s=1.0, forget_after_s=5.0, clock=clock)
+    assert reg.seconds_to_next_change() is None
+    reg.apply(hb("a"))
+    clock.now += 0.3
+    reg.apply(hb("b"))
+    assert reg.seconds_to_next_change() == pytest.approx(0.7)  # a's TTL
+    clock.now += 0.8
+    assert reg.sweep() == ["a"]
+    assert reg.seconds_to_next_change() == pytest.approx(0.2)  # b's TTL; a is forgotten at 5 s
+    clock.now += 0.3
+    reg.sweep()
+    assert reg.seconds_to_next_change() == pytest.approx(5.0 - 1.4)  # a forgotten next
+
+
+def test_sweeper_thread_expires_on_time_not_on_its_period() -> None:
+    reg = Registry(ttl_s=0.3)
+    sweeper = RegistrySweeper(reg, interval_s=10.0).start()  # a period far longer than the TTL
+    try:
+        reg.apply(hb("a"))
+        t0 = time.monotonic()
+        deadline = t0 + 5.0
+        while reg.live(InstanceRole.BOTH) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        took = time.monotonic() - t0
+        assert not reg.live(InstanceRole.BOTH)
+        assert 0.3 <= took < 1.0, took
+    finally:
+        sweeper.close()

@@ -73,8 +73,7 @@ def test_config_validation() -> None:
         RouterConfig(max_connect_retries=-1)
     with pytest.raises(ConfigError):
         RouterConfig(policy="fastest")  # type: ignore[arg-type]
-    assert RouterConfig(instance_ttl_s=0.2).sweep_interval_s == pytest.approx(0.05)
-    assert RouterConfig(instance_ttl_s=6.0).sweep_interval_s == pytest.approx(0.1)
+    assert RouterConfig(instance_ttl_s=0.6).sweep_interval_s == pytest.approx(0.15)
 
 
 def test_cli_arguments_build_config() -> None:
