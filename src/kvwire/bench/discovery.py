@@ -31,6 +31,7 @@ import logging
 import os
 import queue
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -38,6 +39,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 from kvwire.discovery.address import parse_discovery_address
@@ -305,7 +307,17 @@ async def _main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    del signum, frame
+    raise KeyboardInterrupt  # SIGTERM too unwinds through the finally blocks (etcd, simulator)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("kvwire.router").setLevel(logging.ERROR)  # 1,000 "registered"/"expired" lines
     logging.getLogger("kvwire.discovery").setLevel(logging.ERROR)
-    return asyncio.run(_main(args))
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return asyncio.run(_main(args))
+    except KeyboardInterrupt:
+        print("kvwire bench discovery: interrupted", file=sys.stderr)
+        return 130

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from kvwire.discovery.address import DiscoveryAddress
 from kvwire.discovery.etcd_gateway import EtcdError, check_answer, decode_record, prefix_request, unb64
@@ -170,13 +170,29 @@ class EtcdWatcher:
 
 
 async def _json_lines(stream: aiohttp.StreamReader) -> AsyncIterator[dict[str, Any]]:
-    """Newline-separated JSON objects of a gateway stream, whatever their size."""
-    buf = b""
+    """Newline-separated JSON objects of a gateway stream, whatever their size (a message is
+    collected from its chunks once, when its newline arrives)."""
+    parts: list[bytes] = []
     async for chunk in stream.iter_any():
-        buf += chunk
-        *lines, buf = buf.split(b"\n")
-        for line in lines:
-            if line.strip():
-                yield json.loads(line)
-    if buf.strip():
-        yield json.loads(buf)
+        *lines, rest = chunk.split(b"\n")
+        if lines:
+            lines[0] = b"".join([*parts, lines[0]])
+            parts = []
+            for line in lines:
+                if line.strip():
+                    yield _decode_message(line)
+        if rest:
+            parts.append(rest)
+    tail = b"".join(parts)
+    if tail.strip():
+        yield _decode_message(tail)
+
+
+def _decode_message(line: bytes) -> dict[str, Any]:
+    try:
+        message = msgspec.json.decode(line)
+    except msgspec.DecodeError as exc:
+        raise EtcdError(f"etcd watch stream: not JSON: {line[:200]!r}") from exc
+    if not isinstance(message, dict):
+        raise EtcdError(f"etcd watch stream: not a JSON object: {line[:200]!r}")
+    return message

@@ -113,3 +113,32 @@ def test_least_loaded_samples_large_pools() -> None:
     idle = sum(int(p[1:]) % 8 == 0 for p in picks)
     assert idle >= 190  # a sample of 32 misses all 16 idle ones with p ~ 0.015
     assert len(set(picks)) > 8
+
+
+def test_watch_stream_lines_survive_any_chunking() -> None:
+    import asyncio
+
+    from kvwire.router.etcd_watcher import _json_lines
+
+    messages = [{"result": {"events": [{"kv": {"key": "a" * n}}]}} for n in (1, 70_000, 5)]
+    raw = b"\n".join(msgspec_json(m) for m in messages) + b"\n"
+
+    class Stream:
+        def __init__(self, size: int) -> None:
+            self.size = size
+
+        async def iter_any(self):  # type: ignore[no-untyped-def]
+            for i in range(0, len(raw), self.size):
+                yield raw[i:i + self.size]
+
+    async def collect(size: int) -> list[dict[str, object]]:
+        return [m async for m in _json_lines(Stream(size))]  # type: ignore[arg-type]
+
+    for size in (1, 7, 4096, len(raw)):
+        assert asyncio.run(collect(size)) == messages
+
+
+def msgspec_json(obj: object) -> bytes:
+    import msgspec
+
+    return msgspec.json.encode(obj)
