@@ -210,7 +210,7 @@ async def _run_one(backend: str, n: int, args: argparse.Namespace, etcd_address:
     sim = SimProcess(backend, discovery.address, n, interval)
     try:
         await sim.expect("SIM_READY", 120 + n * 0.05)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while registry.live_count() < n:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"only {registry.live_count()} of {n} instances registered")

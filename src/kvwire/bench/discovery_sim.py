@@ -7,9 +7,10 @@ evenly over the interval:
 
 * ``zmq``: one ZeroMQ PUSH socket (its own TCP connection) per instance, the messages built and
   signed by the same :func:`~kvwire.discovery.messages.encode_frames` the real client uses.
-* ``etcd``: one real :class:`~kvwire.discovery.etcd_client.EtcdRegistration` per instance (its own
-  HTTP connection, lease and key), driven by :meth:`~EtcdRegistration.tick` from a few worker
-  threads instead of one thread each: a keep-alive and a load put per round.
+* ``etcd``: one lease and one key per instance, as :class:`~kvwire.discovery.etcd_client.EtcdRegistration`
+  keeps them: each round renews the lease and puts the record with a new load. The calls are
+  batched by groups of 10 instances (one keep-alive request, one put transaction per group);
+  see :class:`EtcdSim`.
 
 Commands on stdin, answers on stdout: ``kill silent K`` (K running instances, spread over the round,
 stop sending but keep their connections: a SIGSTOPped or cut-off instance) and ``kill crash K``
@@ -33,12 +34,13 @@ from collections.abc import Callable
 import zmq
 
 from kvwire.discovery.address import parse_discovery_address
-from kvwire.discovery.etcd_client import EtcdRegistration
-from kvwire.discovery.etcd_gateway import EtcdError
+from kvwire.discovery.etcd_client import lease_ttl_for
+from kvwire.discovery.etcd_gateway import EtcdError, EtcdHttp, encode_record
 from kvwire.discovery.messages import Heartbeat, InstanceInfo, InstanceLoad, InstanceRole, encode_frames
 
 MODEL = "sim"
-ETCD_WORKERS = 64  # blocking HTTP calls: threads wait on etcd, not on the CPU
+ETCD_WORKERS = 32  # threads sending the groups' calls (blocking HTTP: they wait on etcd)
+ETCD_GROUP = 10  # instances per keep-alive request and per put transaction
 
 
 def sim_info(i: int) -> InstanceInfo:
@@ -145,49 +147,89 @@ class ZmqSim(Sim):
 
 
 class EtcdSim(Sim):
+    """Instances in groups of :data:`ETCD_GROUP`: one gateway request renews a group's leases, one
+    transaction puts their records (each bound to its own lease). Real instances make one call per
+    lease and per put; batching here keeps 1,000 instances within what this process and etcd can
+    send on a small machine. The router sees the same records, deletions and event rate."""
+
     def __init__(self, address: str, n: int, interval_s: float) -> None:
         super().__init__(n, interval_s)
-        target = parse_discovery_address(address)
-        self.regs = [
-            EtcdRegistration(target, sim_info(i), _load_fn(random.Random(i)), interval_s,
-                             min_put_interval_s=interval_s / 2)
-            for i in range(n)
-        ]
+        self.target = parse_discovery_address(address)
+        self.infos = [sim_info(i) for i in range(n)]
+        self.leases = [0] * n
+        self.seq = [0] * n
+        self.ttl = lease_ttl_for(interval_s)
+        self.rng = random.Random(1)
+        self.groups = [list(range(g, min(n, g + ETCD_GROUP))) for g in range(0, n, ETCD_GROUP)]
+        self.clients: list[EtcdHttp] = []
+        self.regrants = 0
+        self._local = threading.local()
 
     def start(self) -> list[threading.Event]:
         events = []
-        for w in range(ETCD_WORKERS):
+        workers = min(ETCD_WORKERS, len(self.groups))
+        for w in range(workers):
             ready = threading.Event()
-            threading.Thread(target=self.run_rounds, args=(list(range(w, self.n, ETCD_WORKERS)), self.send,
-                                                           ready), daemon=True).start()
+            mine = list(range(w, len(self.groups), workers))
+            threading.Thread(target=self.run_rounds, args=(mine, self.send, ready), daemon=True).start()
             events.append(ready)
         return events
 
-    def send(self, i: int) -> None:
-        reg = self.regs[i]
-        before = reg.dropped
-        reg.tick()
+    def _http(self) -> EtcdHttp:
+        client: EtcdHttp | None = getattr(self._local, "client", None)
+        if client is None:
+            client = EtcdHttp(self.target.address, timeout_s=5.0)
+            self._local.client = client
+            with self.lock:
+                self.clients.append(client)
+        return client
+
+    def send(self, g: int) -> None:
+        """One round of group ``g``: renew (or grant) its leases, then put its records."""
+        ids = [i for i in self.groups[g] if i not in self.stopped]
+        if not ids:
+            return
+        http = self._http()
+        try:
+            held = [i for i in ids if self.leases[i]]
+            if held:
+                ttls = http.keepalive_many([self.leases[i] for i in held])
+                for i, ttl in zip(held, ttls, strict=True):
+                    if ttl <= 0:  # lost (expired while this process was late): register again
+                        self.leases[i] = 0
+                        self.regrants += 1
+            for i in ids:
+                if not self.leases[i]:
+                    self.leases[i] = http.grant(self.ttl)
+            items = []
+            for i in ids:
+                self.seq[i] += 1
+                hb = Heartbeat(info=self.infos[i], load=random_load(self.rng), seq=self.seq[i],
+                               sent_at=time.time())
+                items.append((self.target.key(self.infos[i].instance_id), encode_record(hb), self.leases[i]))
+            http.put_many(items)
+        except EtcdError:
+            with self.lock:
+                self.failed += len(ids)
+            return
         with self.lock:
-            if reg.dropped > before:
-                self.failed += 1
-            else:
-                self.sent += 1
+            self.sent += len(ids)
 
     def kill(self, ids: list[int], crash: bool) -> None:
-        with self.lock:
+        with self.lock:  # no connection of their own to close: crash and silent are the same here
             self.stopped.update(ids)
-        if crash:
-            for i in ids:
-                self.regs[i].disconnect()
 
     def close(self) -> None:
         self.stop.set()
         time.sleep(0.05)
-        for i, reg in enumerate(self.regs):  # revoke what is left (an external etcd stays clean)
-            if i not in self.stopped:
+        http = EtcdHttp(self.target.address, timeout_s=5.0)
+        for i, lease in enumerate(self.leases):  # revoke what is left (an external etcd stays clean)
+            if lease and i not in self.stopped:
                 with contextlib.suppress(EtcdError):
-                    reg.revoke()
-            reg.disconnect()
+                    http.revoke(lease)
+        http.close()
+        for client in self.clients:
+            client.close()
 
 
 def main(argv: list[str]) -> int:
@@ -209,7 +251,8 @@ def main(argv: list[str]) -> int:
                 sim.kill(ids, crash=words[1] == "crash")
                 print(f"KILLED {now:.6f} {','.join(sim_info(i).instance_id for i in ids)}", flush=True)
             elif words[:1] == ["stats"]:
-                stats = {"sent": sim.sent, "failed": sim.failed, "rounds": sim.rounds}
+                stats = {"sent": sim.sent, "failed": sim.failed, "rounds": sim.rounds,
+                         "regrants": getattr(sim, "regrants", 0)}
                 print(f"STATS {json.dumps(stats)}", flush=True)
             elif words[:1] == ["quit"]:
                 break

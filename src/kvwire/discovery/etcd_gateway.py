@@ -99,7 +99,10 @@ class EtcdHttp:
         self._conn: http.client.HTTPConnection | None = None
 
     def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        payload = json.dumps(body).encode()
+        return check_answer(path, 200, self._raw(path, json.dumps(body).encode()))
+
+    def _raw(self, path: str, payload: bytes) -> bytes:
+        """POST ``payload``; the answer's body (HTTP errors raised as :class:`EtcdError`)."""
         reused = self._conn is not None
         try:
             status, data = self._request(path, payload)
@@ -112,7 +115,9 @@ class EtcdHttp:
             except (OSError, http.client.HTTPException) as exc2:
                 self.close()
                 raise EtcdError(f"etcd at {self.url} unreachable ({path}): {exc2}") from exc2
-        return check_answer(path, status, data)
+        if status != 200:
+            check_answer(path, status, data)  # raises with etcd's message
+        return data
 
     def _request(self, path: str, payload: bytes) -> tuple[int, bytes]:
         if self._conn is None:
@@ -133,6 +138,26 @@ class EtcdHttp:
     def put(self, key: str, value: bytes, lease: int) -> None:
         body = {"key": b64(key), "value": base64.b64encode(value).decode(), "lease": str(lease)}
         self.call("/v3/kv/put", body)
+
+    def keepalive_many(self, leases: list[int]) -> list[int]:
+        """Renew several leases in one request (the gateway streams one answer per lease, in order);
+        their TTLs, 0 for a lease etcd no longer knows. For processes holding many leases (the
+        discovery benchmark's simulator)."""
+        body = "\n".join(json.dumps({"ID": str(lease)}) for lease in leases).encode()
+        data = self._raw("/v3/lease/keepalive", body)
+        answers = [json.loads(line) for line in data.splitlines() if line.strip()]
+        ttls = [int(answer.get("result", {}).get("TTL", 0)) for answer in answers]
+        if len(ttls) != len(leases):
+            raise EtcdError(f"etcd keep-alive: {len(ttls)} answers for {len(leases)} leases")
+        return ttls
+
+    def put_many(self, items: list[tuple[str, bytes, int]]) -> None:
+        """Put several ``(key, value, lease)`` in one transaction (at most 128: etcd's default limit)."""
+        ops = [
+            {"request_put": {"key": b64(key), "value": base64.b64encode(value).decode(), "lease": str(lease)}}
+            for key, value, lease in items
+        ]
+        self.call("/v3/kv/txn", {"success": ops})
 
     def revoke(self, lease: int) -> None:
         """Drop ``lease`` and every key bound to it (watchers see the deletions at once)."""
