@@ -72,7 +72,8 @@ class Sim:
         self.lock = threading.Lock()
 
     def run_rounds(self, indices: list[int], send: Callable[[int], None], ready: threading.Event) -> None:
-        """Announce ``indices`` once per interval, spread evenly, until :attr:`stop`."""
+        """Call ``send`` for each of ``indices`` (instances, or groups of them) once per interval,
+        spread evenly, until :attr:`stop`."""
         while not self.stop.is_set():
             t0 = time.monotonic()
             for k, i in enumerate(indices):
@@ -81,8 +82,7 @@ class Sim:
                 delay = t0 + k * self.interval_s / len(indices) - time.monotonic()
                 if delay > 0.002:
                     self.stop.wait(delay)
-                if i not in self.stopped:
-                    send(i)
+                send(i)  # each send skips what was killed
             ready.set()
             with self.lock:
                 self.rounds += 1
@@ -118,7 +118,7 @@ class ZmqSim(Sim):
 
     def send(self, i: int) -> None:
         sock = self.socks[i]
-        if sock is None:
+        if sock is None or i in self.stopped:
             return
         self.seq[i] += 1
         hb = Heartbeat(info=self.infos[i], load=random_load(self.rng), seq=self.seq[i], sent_at=time.time())
