@@ -1,6 +1,7 @@
 """A mock OpenAI upstream that heartbeats to a kvwire router, plus test helpers to run it.
 
-Run as a process: ``python tests/integration/mock_instance.py --router tcp://H:P --role both --id m0``;
+Run as a process: ``python tests/integration/mock_instance.py --router tcp://H:P --role both --id m0``
+(``--router etcd://H:P`` registers in etcd instead);
 it prints ``MOCK_READY <port>`` once serving. It answers at once with deterministic text
 (``max_tokens`` tokens ``" t0 t1 ..."``), streaming or not, completions or chat. Directives in the
 prompt (or the last chat message) change the behaviour:
@@ -43,7 +44,14 @@ from typing import Any
 from aiohttp import web
 
 from kvwire.cluster.process import ManagedProcess, wait_until
-from kvwire.discovery import HeartbeatClient, InstanceInfo, InstanceLoad, InstanceRole
+from kvwire.discovery import (
+    EtcdRegistration,
+    HeartbeatClient,
+    InstanceInfo,
+    InstanceLoad,
+    InstanceRole,
+    parse_discovery_address,
+)
 from kvwire.router.config import Policy, RouterConfig
 
 HERE = Path(__file__).resolve()
@@ -200,7 +208,11 @@ async def _main(args: argparse.Namespace) -> None:
         instance_id=args.id, role=InstanceRole(args.role), url=f"http://127.0.0.1:{port}",
         model=args.model, kv_endpoints=[mock.kv_endpoint], version="mock",
     )
-    client = HeartbeatClient(args.router, info, mock.load, interval_s=args.interval_s, secret=args.secret)
+    client: HeartbeatClient | EtcdRegistration
+    if args.router.startswith("etcd://"):
+        client = EtcdRegistration(parse_discovery_address(args.router), info, mock.load, args.interval_s)
+    else:
+        client = HeartbeatClient(args.router, info, mock.load, interval_s=args.interval_s, secret=args.secret)
     client.start()
     print(f"MOCK_READY {port}", flush=True)
     stop = asyncio.Event()

@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-load-failure-policy", choices=[p.value for p in LoadFailurePolicy],
                         default=LoadFailurePolicy.RECOMPUTE.value,
                         help="what decode instances do when remote KV cannot be loaded (default %(default)s)")
+    parser.add_argument("--discovery", default="zmq", metavar="zmq|etcd|etcd://HOST:PORT[/prefix]",
+                        help="zmq: the router's heartbeats (default); etcd: start a local etcd (binary "
+                             "needed) for instances and router; etcd://...: use a running etcd")
     parser.add_argument("--start-timeout-s", type=float, default=180.0, help="deadline for all to be healthy")
     parser.add_argument("--stop-grace-s", type=float, default=10.0, help="SIGTERM->SIGKILL grace")
     parser.add_argument("--spread-gpus", type=int, default=0, metavar="N",
@@ -58,6 +61,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         start_timeout_s=args.start_timeout_s, stop_grace_s=args.stop_grace_s,
         serve_args=tuple(args.serve_arg), spread_gpus=args.spread_gpus, api_key=args.api_key,
         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
+        discovery=args.discovery,
     )
 
 

@@ -4,7 +4,9 @@ Used by ``kvwire up``, ``kvwire demo``, the end-to-end tests and ``kvwire bench 
 Start order: router, then instances (``--instance-id`` = their name, HTTP and KV ports picked by
 the OS); ready = every instance registered alive with the router and answering ``/health``, within
 ``start_timeout_s``. Stop order: instances (they deregister), then the router; each is SIGTERMed and
-SIGKILLed after ``stop_grace_s``.
+SIGKILLed after ``stop_grace_s``. With ``discovery="etcd"`` a local etcd starts first (the ``etcd``
+binary must be installed) and stops last; instances register there and the router watches it;
+``discovery="etcd://HOST:PORT[/prefix]"`` uses an etcd that is already running.
 
 Modes, roles and policies are enums (:class:`~kvwire.kv_params.TransferMode`,
 :class:`~kvwire.discovery.messages.InstanceRole`, :class:`~kvwire.kv_params.LoadFailurePolicy`);
@@ -27,6 +29,7 @@ from types import TracebackType
 from typing import Any, TextIO
 
 from kvwire.cluster.process import ManagedProcess, kvwire_argv
+from kvwire.discovery.address import parse_discovery_address
 from kvwire.discovery.messages import InstanceRole
 from kvwire.enum_values import as_enum
 from kvwire.errors import ClusterError, ConfigError
@@ -62,10 +65,17 @@ class ClusterSpec:
     secret: str | None = None
     prefill_tp: int = 1  # tensor-parallel size of each prefill instance (and of colocated ones)
     decode_tp: int = 1  # tensor-parallel size of each decode instance
+    # "zmq": the router's embedded heartbeats; "etcd": start a local etcd; "etcd://...": use that etcd.
+    discovery: str = "zmq"
 
     def __post_init__(self) -> None:
         if min(self.num_prefill, self.num_decode, self.num_both) < 0:
             raise ConfigError("instance counts must be >= 0")
+        if self.discovery not in ("zmq", "etcd"):
+            parse_discovery_address(self.discovery)  # raises ConfigError naming the accepted forms
+            if not self.discovery.startswith("etcd://"):
+                raise ConfigError(f"discovery must be zmq, etcd or etcd://HOST:PORT[/prefix], "
+                                  f"got {self.discovery!r}")
         if self.num_prefill + self.num_decode + self.num_both == 0:
             raise ConfigError("a cluster needs at least one instance")
         if (self.num_prefill == 0) != (self.num_decode == 0):
@@ -122,6 +132,7 @@ class LocalCluster:
         self.instances: dict[str, Instance] = {}
         self.router_url = ""
         self.discovery_address = ""
+        self.etcd: Any = None  # kvwire.cluster.etcd.LocalEtcd when spec.discovery == "etcd"
         self._stopped = False
         self.api_key = spec.api_key or os.environ.get("KVWIRE_API_KEY") or None
 
@@ -150,9 +161,13 @@ class LocalCluster:
         discovery_port = free_port(spec.host)
         self.router_url = f"http://{spec.host}:{port}"
         self.discovery_address = f"tcp://{spec.host}:{discovery_port}"
+        watch: tuple[str, ...] = ()
+        if spec.discovery != "zmq":
+            self.discovery_address = self._etcd_address()
+            watch = ("--discovery", self.discovery_address)
         argv = kvwire_argv(
             "router", "--host", spec.host, "--port", str(port), "--discovery-host", spec.host,
-            "--discovery-port", str(discovery_port), "--mode", spec.mode.value,
+            "--discovery-port", str(discovery_port), "--mode", spec.mode.value, *watch,
             "--kv-deadline-s", str(spec.kv_deadline_s), "--instance-ttl-s", str(spec.instance_ttl_s),
             *spec.router_args,
         )
@@ -165,6 +180,18 @@ class LocalCluster:
         values = {"KVWIRE_API_KEY": self.api_key, "KVWIRE_SECRET": spec.secret, **extra}
         given = {name: value for name, value in values.items() if value is not None}
         return dict(os.environ, **given) if given else None
+
+    def _etcd_address(self) -> str:
+        if self.spec.discovery != "etcd":
+            return self.spec.discovery
+        from kvwire.cluster.etcd import EtcdStartError, EtcdUnavailable, LocalEtcd
+
+        try:
+            self.etcd = LocalEtcd(self.spec.host, sink=self._sink).start()
+        except (EtcdUnavailable, EtcdStartError) as exc:
+            raise ClusterError(f"--discovery etcd: {exc}") from exc
+        address: str = self.etcd.discovery
+        return address
 
     def start_instance(self, name: str, role: InstanceRole) -> Instance:
         """Start one more instance (also used to restart a killed one under a new name). ``role`` may
@@ -271,6 +298,8 @@ class LocalCluster:
             thread.join(timeout=3 * grace)
         if self.router is not None:
             self.router.stop(grace)
+        if self.etcd is not None:
+            self.etcd.stop()
 
     def __enter__(self) -> LocalCluster:
         return self.start()

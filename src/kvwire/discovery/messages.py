@@ -158,13 +158,14 @@ def decode_frames(frames: Sequence[bytes], secret: bytes | None = None) -> Disco
     if msg.v != DISCOVERY_VERSION:
         raise ProtocolError(f"discovery message version {msg.v} unsupported (expected {DISCOVERY_VERSION})")
     if isinstance(msg, Heartbeat):
-        _check_info(msg.info)
+        check_info(msg.info)
     if isinstance(msg, KvEvents) and (not msg.instance_id or msg.block_size <= 0):
         raise ProtocolError("kv_events need an instance_id and a block_size > 0")
     return msg
 
 
-def _check_info(info: InstanceInfo) -> None:
+def check_info(info: InstanceInfo) -> None:
+    """Raise ``ProtocolError`` for an empty id or model, or a URL that is not http(s)."""
     if not info.instance_id:
         raise ProtocolError("heartbeat with an empty instance_id")
     if not info.url.startswith(("http://", "https://")):

@@ -1,8 +1,11 @@
-"""Registering an instance with the router: its :class:`InstanceInfo` and a running heartbeat thread.
+"""Registering an instance for discovery: its :class:`InstanceInfo` and a running registration thread.
 
 Shared by every host that announces itself (``kvwire serve`` through
 :mod:`kvwire.server.registration`, the vLLM plugin's scheduler half), so they all announce the same
-way; each keeps only its own ``load_fn``. No torch.
+way; each keeps only its own ``load_fn``. The address picks the backend
+(:func:`~kvwire.discovery.address.parse_discovery_address`): ``tcp://`` -> ZeroMQ heartbeats to one
+router (:class:`HeartbeatClient`), ``etcd://`` -> a leased record in etcd (:class:`EtcdRegistration`).
+No torch.
 """
 
 from __future__ import annotations
@@ -10,13 +13,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from kvwire.discovery.address import DiscoveryKind, parse_discovery_address
 from kvwire.discovery.client import HeartbeatClient, LoadFn
+from kvwire.discovery.etcd_client import EtcdRegistration
 from kvwire.discovery.messages import InstanceInfo, InstanceRole
 from kvwire.enum_values import as_enum
 from kvwire.kv_events import KvEventLog
 from kvwire.kv_params import KVCacheLayout
 
 logger = logging.getLogger(__name__)
+
+Registration = HeartbeatClient | EtcdRegistration  # start(), send_now(), close() (deregisters)
 
 
 def start_registration(
@@ -34,8 +41,11 @@ def start_registration(
     kv_events: KvEventLog | None = None,
     tokenizer: str = "",
     kv_layout: KVCacheLayout | None = None,
-) -> HeartbeatClient:
-    """Start heartbeating to ``router_address`` and return the client (``close()`` deregisters).
+) -> Registration:
+    """Start registering at ``router_address`` (``tcp://HOST:PORT`` or ``etcd://HOST:PORT[/prefix]``)
+    and return the client (``close()`` deregisters). ``secret`` signs ZeroMQ heartbeats (etcd has its
+    own access control; the secret is not used there). KV events travel on the ZeroMQ connection
+    only: an instance registered in etcd is routed on load (decision 046).
 
     ``role`` is an :class:`InstanceRole` or its value (``prefill``, ``decode`` or ``both``): the
     server's and the connector's role enums share those values. ``load_fn`` runs on the heartbeat
@@ -54,9 +64,15 @@ def start_registration(
         tokenizer=tokenizer,
         kv_layout=kv_layout,
     )
-    client = HeartbeatClient(router_address, info, load_fn=load_fn, interval_s=interval_s, secret=secret,
-                             kv_events=kv_events)
+    target = parse_discovery_address(router_address)
+    client: Registration
+    if target.kind is DiscoveryKind.ETCD:
+        client = EtcdRegistration(target, info, load_fn=load_fn, interval_s=interval_s)
+    else:
+        client = HeartbeatClient(
+            router_address, info, load_fn=load_fn, interval_s=interval_s, secret=secret, kv_events=kv_events
+        )
     client.start()
-    logger.info("registering %s (%s, %s, KV endpoints %s) with router %s", instance_id, info.role.value,
+    logger.info("registering %s (%s, %s, KV endpoints %s) at %s", instance_id, info.role.value,
                 url, info.kv_endpoints, router_address)
     return client

@@ -12,7 +12,8 @@ Seed keys and what they become (docs/vllm.md has the full migration table):
   (14579) means "any free port" because vLLM cannot tell us whether it was set explicitly.
 * ``kv_buffer_size`` (bytes; must move into ``kv_connector_extra_config``: vLLM >= 0.32 rejects it at
   the top level) -> the agent's receive budget.
-* ``proxy_ip`` + ``proxy_port`` -> the kvwire router's discovery address ``tcp://ip:port``.
+* ``proxy_ip`` + ``proxy_port`` -> the kvwire router's discovery address ``tcp://ip:port``
+  (kvwire's own key ``discovery`` takes ``tcp://HOST:PORT`` or ``etcd://HOST:PORT[/prefix]`` instead).
 * ``http_port`` -> the OpenAI API URL advertised to the router (``http://http_host:http_port``).
 * ``send_type`` ``PUT`` / ``PUT_ASYNC`` -> push mode, ``GET`` -> pull mode.
 * ``nccl_num_channels`` -> ``NCCL_MIN_NCHANNELS``/``NCCL_MAX_NCHANNELS`` for the NCCL data plane.
@@ -27,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvwire.connector.config import ConnectorConfig, ConnectorRole, LoadFailurePolicy
+from kvwire.discovery.address import parse_discovery_address
 from kvwire.errors import ConfigError
 from kvwire.kv_params import TransferMode
 
@@ -38,8 +40,8 @@ SEED_KEYS = frozenset(
      "kv_buffer_size"}
 )
 KVWIRE_KEYS = frozenset(
-    {"router", "host", "http_host", "mode", "deadline_s", "lease_s", "backend", "recv_budget_bytes",
-     "spill_budget_bytes", "secret", "heartbeat_interval_s", "instance_id", "model_name"}
+    {"router", "discovery", "host", "http_host", "mode", "deadline_s", "lease_s", "backend",
+     "recv_budget_bytes", "spill_budget_bytes", "secret", "heartbeat_interval_s", "instance_id", "model_name"}
 )
 _SEND_TYPES = {"PUT": TransferMode.PUSH, "PUT_ASYNC": TransferMode.PUSH, "GET": TransferMode.PULL}
 _ROLES = {
@@ -92,7 +94,7 @@ class VllmPluginConfig:
     recv_budget_bytes: int = 1 * GiB
     spill_budget_bytes: int = 1 * GiB
     secret: str | None = None
-    router_address: str | None = None  # "tcp://host:port"; None = do not register
+    router_address: str | None = None  # "tcp://host:port" or "etcd://host:port[/prefix]"; None = none
     http_url: str | None = None  # advertised OpenAI API base, needed when router_address is set
     heartbeat_interval_s: float = 2.0
     instance_id: str | None = None  # stable name; None = vLLM's engine_id
@@ -216,9 +218,12 @@ def _router(extra: Mapping[str, Any]) -> str | None:
     seed = f"tcp://{proxy_ip}:{proxy_port}" if proxy_ip is not None else None
     if seed is not None and router is not None and seed != router:
         raise ConfigError(f"router {router!r} contradicts proxy_ip/proxy_port ({seed})")
-    address = router or seed
-    if address is not None and not address.startswith(("tcp://", "ipc://")):
-        raise ConfigError(f"router must look like tcp://host:port, got {address!r}")
+    discovery = _get_str(extra, "discovery")
+    if discovery is not None and (router or seed) is not None:
+        raise ConfigError(f"discovery {discovery!r} and router/proxy_ip+proxy_port are alternatives: set one")
+    address = discovery or router or seed
+    if address is not None:
+        parse_discovery_address(address)  # raises ConfigError naming tcp:// and etcd:// forms
     return address
 
 

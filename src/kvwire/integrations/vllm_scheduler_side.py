@@ -20,7 +20,7 @@ from kvwire.connector.config import EngineInfo
 from kvwire.connector.metadata import KvwireConnectorMetadata
 from kvwire.connector.metrics import connector_metrics
 from kvwire.connector.scheduler import KvwireSchedulerConnector
-from kvwire.discovery import HeartbeatClient, InstanceLoad, start_registration
+from kvwire.discovery import InstanceLoad, Registration, start_registration
 from kvwire.errors import EngineError, InvalidRequestError
 from kvwire.integrations.vllm_config import VllmPluginConfig
 from kvwire.integrations.vllm_steps import DeliveryLedger, StepTracker
@@ -58,7 +58,7 @@ class SchedulerSide:
         self._core: KvwireSchedulerConnector | None = None
         self._tracker = StepTracker()
         self._ledger = DeliveryLedger()
-        self._heartbeat: HeartbeatClient | None = None
+        self._heartbeat: Registration | None = None
         self._block_pool: Any = None
         self._num_inflight = 0
         self._load = InstanceLoad()

@@ -25,11 +25,12 @@ from kvwire.auth import Refusal, RefusalLog, api_key_middleware
 from kvwire.errors import InvalidRequestError, NoInstanceError
 from kvwire.router.client_stream import CLIENT_TIMEOUT
 from kvwire.router.config import RouterConfig
+from kvwire.router.discovery_backend import ZmqDiscovery, make_discovery
 from kvwire.router.kv_index import KvIndex
 from kvwire.router.listener import DiscoveryListener
 from kvwire.router.metrics import RouterMetrics
 from kvwire.router.proxy import Dispatcher
-from kvwire.router.registry import InstanceView, Registry, RegistrySweeper
+from kvwire.router.registry import InstanceView, Registry
 from kvwire.router.request import ClientRequest, parse_client_request
 from kvwire.router.security import instance_headers
 from kvwire.router.selection import ModelNotFoundError, Selector
@@ -54,13 +55,12 @@ class RouterServer:
         self.metrics = RouterMetrics()
         self.kv_index = KvIndex(cfg.kv_index_max_blocks)
         self.registry = Registry(cfg.instance_ttl_s, cfg.forget_after_s, on_remove=self._forget_instance)
-        self.listener = DiscoveryListener(
-            self.registry, cfg.discovery_host, cfg.discovery_port, cfg.secret_bytes, kv_index=self.kv_index
-        )
-        self.sweeper = RegistrySweeper(self.registry, cfg.sweep_interval_s)
+        # ZeroMQ heartbeats (default, with KV events into the index) or an etcd watch
+        self.discovery = make_discovery(cfg, self.registry, self.kv_index)
         self.selector = Selector(self.registry, cfg.policy, cfg.seed, kv_index=self.kv_index)
         self.metrics.add_discovery(
-            self.registry, lambda: dict(self.listener.received), lambda: dict(self.listener.dropped)
+            self.registry, lambda: dict(self.discovery.received), lambda: dict(self.discovery.dropped),
+            lambda: self.discovery.stale,
         )
         refusals = RefusalLog(log, "client request")
         middlewares = [api_key_middleware(cfg.api_keys, self._auth_refused, refusals)]
@@ -80,15 +80,20 @@ class RouterServer:
 
     @property
     def discovery_address(self) -> str:
-        return self.listener.address
+        return self.discovery.address
+
+    @property
+    def listener(self) -> DiscoveryListener:
+        """The ZeroMQ heartbeat listener (embedded discovery only)."""
+        assert isinstance(self.discovery, ZmqDiscovery), "the router watches etcd"
+        return self.discovery.listener
 
     @property
     def url(self) -> str:
         return f"http://{self.cfg.host}:{self.port}"
 
     async def start(self) -> None:
-        self.listener.start()
-        self.sweeper.start()
+        await self.discovery.start()
         self._upstream = Upstream(
             self.registry, self.metrics, self.cfg.connect_timeout_s, self.cfg.upstream_timeout_s
         )
@@ -123,11 +128,7 @@ class RouterServer:
             await self._runner.cleanup()
         if self._upstream is not None:
             await self._upstream.close()
-        await asyncio.get_running_loop().run_in_executor(None, self._stop_threads)
-
-    def _stop_threads(self) -> None:
-        self.sweeper.close()
-        self.listener.close()
+        await self.discovery.stop()
 
     # --- OpenAI endpoints -----------------------------------------------------------------------
 
@@ -193,16 +194,18 @@ class RouterServer:
 
     async def _health(self, request: web.Request) -> web.Response:
         live = sum(1 for v in self.registry.snapshot() if v.alive)
-        return web.json_response({"status": "ok", "live_instances": live})
+        discovery = {"backend": self.discovery.kind.value, "stale": self.discovery.stale}
+        return web.json_response({"status": "ok", "live_instances": live, "discovery": discovery})
 
     async def _metrics_handler(self, request: web.Request) -> web.Response:
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _instances(self, request: web.Request) -> web.Response:
-        return web.json_response([self._instance_json(v) for v in self.registry.snapshot()])
+        stale = self.discovery.stale
+        return web.json_response([self._instance_json(v, stale) for v in self.registry.snapshot()])
 
-    def _instance_json(self, v: InstanceView) -> dict[str, Any]:
+    def _instance_json(self, v: InstanceView, stale: bool) -> dict[str, Any]:
         load = v.load
         requests, tokens = self.selector.inflight(v.instance_id)
         return {
@@ -217,6 +220,8 @@ class RouterServer:
             "alive": v.alive,
             "state": v.state.value,
             "reason": v.reason,
+            # True while etcd is unreachable: this entry is the router's last view, not a live one.
+            "discovery_stale": stale,
             "last_seen_s": round(self.registry.age_s(v), 3),
             "load": None if load is None else {
                 "num_running": load.num_running,

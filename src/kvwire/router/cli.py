@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="heartbeat (ZeroMQ) bind address (default %(default)s)")
     parser.add_argument("--discovery-port", type=int, default=d.discovery_port,
                         help="heartbeat port; instances use --router tcp://HOST:PORT (default %(default)s)")
+    parser.add_argument("--discovery", default="zmq", metavar="zmq|etcd://HOST:PORT[/prefix]",
+                        help="zmq: the embedded heartbeat socket (default); etcd://...: watch instances in "
+                             "etcd (any number of routers can)")
     parser.add_argument("--instance-ttl-s", type=float, default=d.instance_ttl_s,
                         help="expire an instance after this long without a heartbeat (default %(default)s)")
     parser.add_argument("--policy", choices=[p.value for p in Policy], default=d.policy.value,
@@ -79,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         host=args.host, port=args.port,
-        discovery_host=args.discovery_host, discovery_port=args.discovery_port,
+        discovery_host=args.discovery_host, discovery_port=args.discovery_port, discovery=args.discovery,
         instance_ttl_s=args.instance_ttl_s, policy=Policy(args.policy), mode=TransferMode(args.mode),
         secret=args.secret or None, max_body_bytes=args.max_body_bytes, kv_deadline_s=args.kv_deadline_s,
         upstream_timeout_s=args.upstream_timeout_s, max_connect_retries=args.max_connect_retries,

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from kvwire.auth import ApiKeyConfig
+from kvwire.discovery.address import DiscoveryAddress, DiscoveryKind, parse_discovery_address
 from kvwire.errors import ConfigError
 from kvwire.kv_params import TransferMode
 
@@ -23,6 +24,8 @@ class RouterConfig:
     port: int = 8000  # HTTP (OpenAI API); 0 = pick a free port
     discovery_host: str = "127.0.0.1"
     discovery_port: int = 8001  # ZeroMQ heartbeats; 0 = pick a free port
+    # None: the embedded ZeroMQ heartbeat socket above; "etcd://HOST:PORT[/prefix]": watch etcd.
+    discovery: str | None = None
     instance_ttl_s: float = 6.0  # no heartbeat for this long -> expired (3 missed at the default 2 s)
     forget_after_s: float = 60.0  # expired entries stay visible in /instances this long
     policy: Policy = Policy.LEAST_LOADED
@@ -77,10 +80,25 @@ class RouterConfig:
             raise ConfigError(f"policy must be a Policy, got {self.policy!r}")
         if not isinstance(self.mode, TransferMode):
             raise ConfigError(f"mode must be a TransferMode, got {self.mode!r}")
+        _ = self.discovery_target  # raises ConfigError for a bad discovery address
+
+    @property
+    def discovery_target(self) -> DiscoveryAddress | None:
+        """The etcd prefix to watch, or None for the embedded ZeroMQ listener."""
+        if self.discovery is None or self.discovery in ("", "zmq"):
+            return None
+        target = parse_discovery_address(self.discovery)
+        if target.kind is not DiscoveryKind.ETCD:
+            raise ConfigError(
+                f"router --discovery takes zmq or etcd://HOST:PORT[/prefix], got {self.discovery!r} "
+                "(the embedded heartbeat socket is set with --discovery-host/--discovery-port)"
+            )
+        return target
 
     @property
     def sweep_interval_s(self) -> float:
-        """How often the sweeper looks for expired instances (a quarter of the TTL, at most 1 s)."""
+        """The longest the sweeper sleeps (a quarter of the TTL, at most 1 s); it also wakes at the
+        earliest entry's expiry."""
         return min(1.0, self.instance_ttl_s / 4)
 
     @property

@@ -28,6 +28,7 @@ from kvwire.router.registry import ApplyResult, Registry, stop_thread
 log = logging.getLogger(__name__)
 
 _POLL_MS = 100  # how often the thread checks for close()
+_DRAIN_MAX = 10_000  # messages handled per wake-up at most (10 s of heartbeats from 1,000 instances)
 
 
 class DiscoveryListener:
@@ -79,23 +80,26 @@ class DiscoveryListener:
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(_POLL_MS))
-                if self._monitor in events:
-                    self._on_monitor_event()
-                if self._sock in events:
-                    self._drain()
+                # Messages first: a heartbeat an instance sent just before dying is queued before
+                # its connection's close event; applied after it, it would bring the dead
+                # instance back until the TTL. ZeroMQ queues a connection's messages before it
+                # emits the event, so a full drain, then the events, keeps that order.
+                if self._drain() and self._monitor in events:
+                    self._on_monitor_events()
         except Exception:
             log.exception("discovery listener failed")
         finally:
             self._close_sockets()
 
-    def _drain(self) -> None:
-        # Handle everything queued now (bounded) before polling again.
-        for _ in range(1000):
+    def _drain(self) -> bool:
+        """Handle everything queued now; False if it stopped at the bound (more is waiting)."""
+        for _ in range(_DRAIN_MAX):
             try:
                 frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                return True
             self._on_frames(frames)
+        return False
 
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
         try:
@@ -119,11 +123,15 @@ class DiscoveryListener:
             if isinstance(fd, int) and fd >= 0:
                 self._fd_owner[fd] = (msg.info.instance_id, msg.info.epoch)
 
-    def _on_monitor_event(self) -> None:
-        event = recv_monitor_message(self._monitor)
-        if event["event"] != zmq.EVENT_DISCONNECTED:
-            return
-        owner = self._fd_owner.pop(int(event["value"]), None)
-        if owner is not None:
-            instance_id, epoch = owner
-            self._registry.mark_unreachable(instance_id, epoch, "discovery connection closed")
+    def _on_monitor_events(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            owner = self._fd_owner.pop(int(event["value"]), None)
+            if owner is not None:
+                instance_id, epoch = owner
+                self._registry.mark_unreachable(instance_id, epoch, "discovery connection closed")

@@ -74,18 +74,19 @@ class RouterMetrics:
         )
 
     def add_discovery(self, registry: Registry, received: Callable[[], dict[str, int]],
-                      dropped: Callable[[], dict[str, int]]) -> None:
-        self.registry.register(_DiscoveryCollector(registry, received, dropped))
+                      dropped: Callable[[], dict[str, int]], stale: Callable[[], bool] = bool) -> None:
+        self.registry.register(_DiscoveryCollector(registry, received, dropped, stale))
 
 
 class _DiscoveryCollector(Collector):
     """Instances by role and state, discovery messages by result, read at scrape time."""
 
     def __init__(self, registry: Registry, received: Callable[[], dict[str, int]],
-                 dropped: Callable[[], dict[str, int]]) -> None:
+                 dropped: Callable[[], dict[str, int]], stale: Callable[[], bool]) -> None:
         self._registry = registry
         self._received = received
         self._dropped = dropped
+        self._stale = stale
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         yield self._instances()
@@ -103,6 +104,11 @@ class _DiscoveryCollector(Collector):
         for reason, n in sorted(self._dropped().items()):
             drop.add_metric([reason], n)
         yield drop
+        yield GaugeMetricFamily(
+            "kvwire_router_discovery_stale",
+            "1 while the instance view is not backed by live discovery (etcd unreachable)",
+            value=1.0 if self._stale() else 0.0,
+        )
 
     def _instances(self) -> GaugeMetricFamily:
         gauge = GaugeMetricFamily(

@@ -4,6 +4,10 @@ Thread-safety: the discovery listener thread and the sweeper thread write, the r
 reads. Every method takes the one lock; readers get immutable :class:`InstanceView` tuples, cached
 until the next change, so the request path costs one attribute read when nothing changed.
 
+Cost at scale: a heartbeat that only refreshes a live entry (the steady state: N of them per
+interval) swaps that one entry into the cached tuples at its known position (a C-level tuple copy)
+instead of re-sorting everything; any other change rebuilds the tuples (O(N log N)).
+
 Liveness rules:
 * a heartbeat registers or refreshes ``(instance_id, epoch)``; a newer epoch replaces the old entry
   (restart); an older epoch or a non-increasing ``seq`` is stale and ignored;
@@ -33,6 +37,9 @@ from kvwire.discovery.messages import Deregister, Heartbeat, InstanceInfo, Insta
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+
+_MIN_SWEEP_WAIT_S = 0.005  # the sweeper never spins faster than this
+_SWEEP_MARGIN_S = 0.002  # wake just past a deadline, so the entry is past its TTL
 
 
 class InstanceState(str, enum.Enum):
@@ -90,7 +97,10 @@ class Registry:
         self._lock = threading.Lock()
         self._entries: dict[str, InstanceView] = {}
         self._all: tuple[InstanceView, ...] = ()
-        self._live: dict[InstanceRole, tuple[InstanceView, ...]] = {}
+        # Live entries by role, and by (role, model); None = any model.
+        self._live: dict[tuple[InstanceRole, str | None], tuple[InstanceView, ...]] = {}
+        # instance id -> its position in each cached tuple above (key None: ``_all``)
+        self._pos: dict[str, list[tuple[tuple[InstanceRole, str | None] | None, int]]] = {}
         self.version = 0  # bumps on every change that affects routing
 
     # --- writers --------------------------------------------------------------------------------
@@ -100,7 +110,11 @@ class Registry:
             if isinstance(msg, Deregister):
                 result = self._deregister(msg)
             else:
+                old = self._entries.get(msg.info.instance_id)
                 result = self._heartbeat(msg.info, msg.load, msg.seq)
+                if result is ApplyResult.REFRESHED and old is not None and old.alive and old.info == msg.info:
+                    self._swap(self._entries[msg.info.instance_id])
+                    return result
             if result is not ApplyResult.STALE:
                 self._rebuild()
         self._report_removed()
@@ -180,15 +194,44 @@ class Registry:
             for ident in removed:
                 self._on_remove(ident)
 
+    def seconds_to_next_change(self) -> float | None:
+        """Seconds until the earliest entry :meth:`sweep` would expire or forget (<= 0: due now);
+        None when the registry is empty. O(N); the sweeper calls it once per wake-up."""
+        with self._lock:
+            deadlines = [
+                e.last_seen + (self.forget_after_s if e.state is InstanceState.EXPIRED else self.ttl_s)
+                for e in self._entries.values()
+            ]
+        return min(deadlines) - self._clock() if deadlines else None
+
     def _rebuild(self) -> None:
         # caller holds the lock
         self.version += 1
         self._all = tuple(sorted(self._entries.values(), key=lambda e: e.instance_id))
-        live: dict[InstanceRole, list[InstanceView]] = {role: [] for role in InstanceRole}
-        for entry in self._all:
+        live: dict[tuple[InstanceRole, str | None], list[InstanceView]] = {}
+        pos: dict[str, list[tuple[tuple[InstanceRole, str | None] | None, int]]] = {}
+        for index, entry in enumerate(self._all):
+            slots: list[tuple[tuple[InstanceRole, str | None] | None, int]] = [(None, index)]
             if entry.alive:
-                live[entry.role].append(entry)
-        self._live = {role: tuple(entries) for role, entries in live.items()}
+                for key in ((entry.role, None), (entry.role, entry.info.model)):
+                    bucket = live.setdefault(key, [])
+                    slots.append((key, len(bucket)))
+                    bucket.append(entry)
+            pos[entry.instance_id] = slots
+        self._live = {key: tuple(entries) for key, entries in live.items()}
+        self._pos = pos
+
+    def _swap(self, fresh: InstanceView) -> None:
+        """Put ``fresh`` where its previous (live) version sits in every cached tuple (caller holds
+        the lock; same id, role and model, so the positions hold)."""
+        self.version += 1
+        for key, index in self._pos[fresh.instance_id]:
+            old = self._all if key is None else self._live[key]
+            new = (*old[:index], fresh, *old[index + 1:])
+            if key is None:
+                self._all = new
+            else:
+                self._live[key] = new
 
     # --- readers (any thread; lock-free reads of immutable tuples) -------------------------------
 
@@ -196,9 +239,9 @@ class Registry:
         """Every known entry (alive or not), sorted by instance id."""
         return self._all
 
-    def live(self, role: InstanceRole) -> tuple[InstanceView, ...]:
-        """Instances of ``role`` in routing, sorted by instance id."""
-        return self._live.get(role, ())
+    def live(self, role: InstanceRole, model: str | None = None) -> tuple[InstanceView, ...]:
+        """Instances of ``role`` (serving ``model``, when given) in routing, sorted by instance id."""
+        return self._live.get((role, model), ())
 
     def get(self, instance_id: str) -> InstanceView | None:
         return self._entries.get(instance_id)
@@ -208,7 +251,10 @@ class Registry:
 
 
 class RegistrySweeper:
-    """Daemon thread calling ``registry.sweep()`` every ``interval_s`` until :meth:`close`."""
+    """Daemon thread calling ``registry.sweep()`` until :meth:`close`: at the earliest entry's expiry
+    (so a silent instance is out within a few ms of its TTL), and at least every ``interval_s``.
+    In the steady state (every instance heartbeating) that is about once per TTL minus one
+    heartbeat interval, whatever the number of instances."""
 
     def __init__(self, registry: Registry, interval_s: float) -> None:
         self._registry = registry
@@ -221,11 +267,17 @@ class RegistrySweeper:
         return self
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
+        while not self._stop.wait(self._next_wait()):
             try:
                 self._registry.sweep()
             except Exception:  # never let the sweeper die: liveness depends on it
                 log.exception("registry sweep failed")
+
+    def _next_wait(self) -> float:
+        due = self._registry.seconds_to_next_change()
+        if due is None:  # an entry registered from now on expires a TTL from now at the earliest
+            return min(self._interval_s, self._registry.ttl_s)
+        return min(self._interval_s, max(_MIN_SWEEP_WAIT_S, due + _SWEEP_MARGIN_S))
 
     def close(self) -> None:
         stop_thread(self._thread, self._stop)

@@ -25,6 +25,12 @@ class Plan(str, enum.Enum):
     DISAGGREGATED = "pd"  # prefill on a `prefill` instance, decode on a `decode` instance
 
 
+# least_loaded and random look at a random sample of this many live instances when there are more
+# (the "power of d choices": near the true least loaded, at a cost that does not grow with N).
+# round_robin always walks them all.
+SAMPLE_SIZE = 32
+
+
 @dataclass(frozen=True)
 class Prefix:
     """A request's prompt as KV-aware routing sees it: token ids and their block hashes per block size."""
@@ -56,22 +62,22 @@ class Selector:
         self._policy = POLICIES[policy]
         self.kv_aware = policy is Policy.KV_AWARE
         self.kv_index = kv_index if kv_index is not None else KvIndex()
+        # kv_aware scores every live instance (a cache hit may be on any of them); the load-only
+        # policies look at a sample when there are many
+        self._sampled = policy in (Policy.LEAST_LOADED, Policy.RANDOM)
         self._ctx = {role: PickContext(turn=0, rng=random.Random(seed), role=role) for role in InstanceRole}
         self._inflight: dict[str, list[int]] = {}  # instance id -> [requests, tokens]
         self._hits: dict[str, list[int]] = {}  # instance id -> [cached prompt tokens, prompt tokens] routed
 
     def _live(self, role: InstanceRole, model: str | None) -> Sequence[InstanceView]:
-        views = self._registry.live(role)  # the registry's cached tuple: no copy when no model filter
-        if model is None:
-            return views
-        return [v for v in views if v.info.model == model]
+        return self._registry.live(role, model)  # the registry's cached tuple: no copy
 
     def live_views(self, role: InstanceRole, model: str | None) -> Sequence[InstanceView]:
         """Live instances of ``role`` serving ``model`` (any model when None)."""
         return self._live(role, model)
 
     def _has_live(self, role: InstanceRole, model: str | None) -> bool:
-        return any(model is None or v.info.model == model for v in self._registry.live(role))
+        return bool(self._registry.live(role, model))
 
     def plan(self, model: str | None) -> Plan:
         """P/D when a prefill and a decode instance are live, else colocated; raises if neither."""
@@ -106,9 +112,11 @@ class Selector:
         views = self._live(role, model)
         if not views:
             raise NoInstanceError(f"no live {role.value} instance")
+        ctx = self._ctx[role]
+        if self._sampled and len(views) > SAMPLE_SIZE:
+            views = [views[i] for i in sorted(ctx.rng.sample(range(len(views)), SAMPLE_SIZE))]
         cached = {} if prefix is None else self.kv_index.match([v.instance_id for v in views], prefix.hashes)
         candidates = [self._candidate(v, cached, prefix) for v in views]
-        ctx = self._ctx[role]
         ctx.prompt_tokens = 0 if prefix is None else len(prefix.token_ids)
         chosen = self._policy(candidates, ctx)
         ctx.turn += 1

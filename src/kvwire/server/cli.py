@@ -30,8 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     parser.add_argument("--role", choices=[r.value for r in ServerRole], default=ServerRole.BOTH.value)
-    parser.add_argument("--router", default=None, metavar="tcp://H:P",
-                        help="router discovery address to register and heartbeat with")
+    parser.add_argument("--router", "--discovery", dest="router", default=None,
+                        metavar="tcp://H:P|etcd://H:P[/prefix]",
+                        help="where to register: a router's heartbeat socket (tcp://) or etcd (etcd://)")
     parser.add_argument("--heartbeat-interval-s", type=float, default=2.0)
     parser.add_argument("--instance-id", default=None, help="stable instance name (default: random)")
     parser.add_argument("--advertise-host", default=None, help="host in the URL given to the router")

@@ -16,7 +16,7 @@ from kvwire.server.config import ServerConfig
 from kvwire.server.engine_status import StatsSnapshot
 
 if TYPE_CHECKING:
-    from kvwire.discovery import HeartbeatClient
+    from kvwire.discovery import Registration
     from kvwire.kv_events import KvEventLog
 
 
@@ -36,7 +36,7 @@ def start_heartbeats(
     kv_events: KvEventLog | None = None,
     tokenizer: str = "",
     kv_layout: Any = None,
-) -> HeartbeatClient | None:
+) -> Registration | None:
     """Start heartbeating to ``config.router_address``; returns the client (call ``close()`` to
     deregister) or None when no router is configured. ``kv_events``: the engine's prefix-cache log,
     published to the router as KV events; ``tokenizer``: ``InstanceInfo.tokenizer``."""

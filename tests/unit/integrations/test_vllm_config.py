@@ -76,6 +76,11 @@ def test_seed_keys_map() -> None:
     assert cfg.control_port(0) == 21001 and cfg.control_port(2) == 21003
 
 
+def test_discovery_etcd() -> None:
+    cfg = plugin_config_from_vllm(view(discovery="etcd://10.0.0.9:2379/team-a", http_port=8100))
+    assert cfg.router_address == "etcd://10.0.0.9:2379/team-a"
+
+
 @pytest.mark.parametrize(("send_type", "mode"), [("PUT", TransferMode.PUSH), ("get", TransferMode.PULL)])
 def test_send_type(send_type: str, mode: TransferMode) -> None:
     assert plugin_config_from_vllm(view(send_type=send_type)).connector.mode is mode
@@ -125,7 +130,9 @@ def test_failure_policy_follows_vllm() -> None:
             "contradicts",
         ),
         ({"router": "tcp://127.0.0.1:1"}, "http_port"),
-        ({"router": "127.0.0.1:1", "http_port": 1}, "tcp://host:port"),
+        ({"router": "127.0.0.1:1", "http_port": 1}, "tcp://HOST:PORT"),
+        ({"discovery": "etcd://h:2379", "router": "tcp://h:1", "http_port": 1}, "alternatives"),
+        ({"discovery": "etcd://h", "http_port": 1}, r"etcd://HOST:PORT\[/prefix\]"),
         ({"http_port": "eighty"}, "must be an integer"),
         ({"http_port": True}, "must be an integer"),
         ({"kv_buffer_size": 1, "recv_budget_bytes": 2}, "both"),

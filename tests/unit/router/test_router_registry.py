@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from kvwire.discovery import Deregister, Heartbeat, InstanceInfo, InstanceLoad, InstanceRole
 from kvwire.router.registry import ApplyResult, InstanceState, Registry, RegistrySweeper
 
@@ -106,3 +108,65 @@ def test_sweeper_thread_expires_without_heartbeats() -> None:
     finally:
         sweeper.close()
     assert not sweeper._thread.is_alive()
+
+
+def _model_hb(ident: str, model: str, seq: int, role: InstanceRole, running: int) -> Heartbeat:
+    info = InstanceInfo(instance_id=ident, epoch=1, role=role, url=f"http://h/{ident}", model=model)
+    return Heartbeat(info=info, seq=seq, load=InstanceLoad(num_running=running))
+
+
+def test_refresh_in_place_keeps_every_view_consistent() -> None:
+    """A refresh swaps the entry into the cached tuples; they must equal a full rebuild's."""
+    reg = Registry(ttl_s=1.0)
+    specs = [("p0", "x", InstanceRole.PREFILL), ("p1", "y", InstanceRole.PREFILL),
+             ("p2", "x", InstanceRole.PREFILL), ("d0", "x", InstanceRole.DECODE)]
+    for ident, model, role in specs:
+        reg.apply(_model_hb(ident, model, 1, role, 0))
+    assert [v.instance_id for v in reg.live(InstanceRole.PREFILL, "x")] == ["p0", "p2"]
+    assert [v.instance_id for v in reg.live(InstanceRole.PREFILL, "y")] == ["p1"]
+    assert reg.live(InstanceRole.DECODE, "y") == ()
+    version = reg.version
+    assert reg.apply(_model_hb("p2", "x", 2, InstanceRole.PREFILL, 7)) is ApplyResult.REFRESHED
+    assert reg.version == version + 1
+    swapped = (reg.snapshot(), reg.live(InstanceRole.PREFILL), reg.live(InstanceRole.PREFILL, "x"))
+    reg._rebuild()  # what a full rebuild gives
+    assert swapped == (reg.snapshot(), reg.live(InstanceRole.PREFILL), reg.live(InstanceRole.PREFILL, "x"))
+    assert reg.get("p2").load == InstanceLoad(num_running=7)  # type: ignore[union-attr]
+    assert reg.live(InstanceRole.PREFILL, "x")[1].load == InstanceLoad(num_running=7)
+    # An entry out of routing comes back through a full rebuild, in order.
+    assert reg.mark_unreachable("p0", None, "test")
+    assert [v.instance_id for v in reg.live(InstanceRole.PREFILL, "x")] == ["p2"]
+    reg.apply(_model_hb("p0", "x", 2, InstanceRole.PREFILL, 1))
+    assert [v.instance_id for v in reg.live(InstanceRole.PREFILL, "x")] == ["p0", "p2"]
+
+
+def test_sweeper_wakes_at_the_earliest_expiry() -> None:
+    clock = Clock()
+    reg = Registry(ttl_s=1.0, forget_after_s=5.0, clock=clock)
+    assert reg.seconds_to_next_change() is None
+    reg.apply(hb("a"))
+    clock.now += 0.3
+    reg.apply(hb("b"))
+    assert reg.seconds_to_next_change() == pytest.approx(0.7)  # a's TTL
+    clock.now += 0.8
+    assert reg.sweep() == ["a"]
+    assert reg.seconds_to_next_change() == pytest.approx(0.2)  # b's TTL; a is forgotten at 5 s
+    clock.now += 0.3
+    reg.sweep()
+    assert reg.seconds_to_next_change() == pytest.approx(5.0 - 1.4)  # a forgotten next
+
+
+def test_sweeper_thread_expires_on_time_not_on_its_period() -> None:
+    reg = Registry(ttl_s=0.3)
+    sweeper = RegistrySweeper(reg, interval_s=10.0).start()  # a period far longer than the TTL
+    try:
+        reg.apply(hb("a"))
+        t0 = time.monotonic()
+        deadline = t0 + 5.0
+        while reg.live(InstanceRole.BOTH) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        took = time.monotonic() - t0
+        assert not reg.live(InstanceRole.BOTH)
+        assert 0.3 <= took < 1.0, took
+    finally:
+        sweeper.close()

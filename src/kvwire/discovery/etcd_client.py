@@ -1,0 +1,191 @@
+"""Instance side of etcd discovery: keep this instance's record under a lease in etcd.
+
+Same surface as :class:`~kvwire.discovery.client.HeartbeatClient` (``start``, ``send_now``,
+``close``, ``sent``/``dropped``), so every host registers the same way whatever the backend.
+
+Contract:
+* One daemon thread. It grants a lease of ``lease_ttl_s`` (the heartbeat TTL: 3 heartbeat
+  intervals, at least 2 s) and puts the record (a JSON :class:`Heartbeat`: role, model, URL, KV
+  endpoints (one per TP rank), load) at ``prefix + instance_id`` bound to that lease.
+* Every ``interval_s`` it renews the lease (a keep-alive). If the process dies or stops (kill -9,
+  SIGSTOP, host gone), the keep-alives stop and etcd deletes the key when the lease runs out:
+  every router watching sees the deletion.
+* Load updates are puts, rate-limited: at most one per ``min_put_interval_s``, made only when the
+  load changed, and at least one per ``refresh_s`` (which brings back an instance a router took out
+  of routing after a request-path failure).
+* etcd unreachable: the thread keeps trying every interval (failures counted in ``dropped``,
+  logged once per outage). A keep-alive answered "unknown lease" (etcd lost it: restarted without
+  its data, or the lease expired meanwhile) makes it grant a new lease and put the record again.
+* :meth:`close` revokes the lease (the key goes at once: a graceful deregistration), waiting at most
+  ``linger_s`` + the call deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from types import TracebackType
+
+from kvwire.discovery.address import DiscoveryAddress
+from kvwire.discovery.client import LoadFn
+from kvwire.discovery.etcd_gateway import EtcdError, EtcdHttp, encode_record
+from kvwire.discovery.messages import Heartbeat, InstanceInfo, InstanceLoad
+from kvwire.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def lease_ttl_for(interval_s: float) -> int:
+    """The lease TTL for a heartbeat interval: 3 missed intervals, whole seconds, at least 2 s."""
+    return max(2, math.ceil(3 * interval_s))
+
+
+class EtcdRegistration:
+    """Keeps ``info``'s record alive in etcd at ``target`` until :meth:`close`."""
+
+    def __init__(
+        self,
+        target: DiscoveryAddress,
+        info: InstanceInfo,
+        load_fn: LoadFn | None = None,
+        interval_s: float = 2.0,
+        *,
+        lease_ttl_s: int | None = None,
+        min_put_interval_s: float | None = None,
+        refresh_s: float | None = None,
+        linger_s: float = 0.5,
+    ) -> None:
+        if interval_s <= 0:
+            raise ConfigError(f"heartbeat interval_s must be > 0, got {interval_s}")
+        self.target = target
+        self.info = info
+        self.interval_s = interval_s
+        self.lease_ttl_s = lease_ttl_s or lease_ttl_for(interval_s)
+        self.min_put_interval_s = interval_s if min_put_interval_s is None else min_put_interval_s
+        self.refresh_s = float(self.lease_ttl_s) if refresh_s is None else refresh_s
+        self._key = target.key(info.instance_id)
+        self._load_fn = load_fn
+        self._linger_s = linger_s
+        self._http = EtcdHttp(target.address, timeout_s=min(2.0, max(0.5, interval_s)))
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._seq = 0
+        self._lease: int | None = None
+        self._last_put = -math.inf
+        self._last_load: InstanceLoad | None = None
+        self._failing = False
+        self.sent = 0  # successful etcd calls (grants, puts, keep-alives)
+        self.puts = 0  # record puts (registrations and load updates)
+        self.dropped = 0  # failed etcd calls
+        self.leases_granted = 0
+
+    @property
+    def lease(self) -> int | None:
+        return self._lease
+
+    def start(self) -> EtcdRegistration:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"kvwire-etcd-{self.info.instance_id}", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def send_now(self) -> None:
+        """Ask the thread for a load update now (still rate-limited)."""
+        self._wake.set()
+
+    def close(self) -> None:
+        """Stop renewing and revoke the lease (idempotent)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self._linger_s + 4.0)
+            if self._thread.is_alive():
+                log.warning("etcd registration thread of %s did not stop in time", self.info.instance_id)
+
+    def __enter__(self) -> EtcdRegistration:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # --- thread ---------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.tick()
+                self._wake.wait(self.interval_s)
+                self._wake.clear()
+            if self._lease is not None:
+                self._http.revoke(self._lease)
+        except EtcdError as exc:
+            log.warning("could not revoke the etcd lease of %s: %s", self.info.instance_id, exc)
+        except Exception:  # the thread must never die silently
+            log.exception("etcd registration thread of %s failed", self.info.instance_id)
+        finally:
+            self._http.close()
+
+    def tick(self) -> None:
+        """One round: renew (or re-create) the lease, then put the record if due. Never raises
+        :class:`EtcdError` (counted and logged instead)."""
+        try:
+            if self._lease is not None and self._http.keepalive(self._lease) <= 0:
+                log.warning("etcd lost the lease of %s; registering again", self.info.instance_id)
+                self._lease = None
+            if self._lease is None:
+                self._lease = self._http.grant(self.lease_ttl_s)
+                self.leases_granted += 1
+                self.sent += 1
+                self._put(self._load(), force=True)
+            else:
+                self.sent += 1
+                self._put(self._load(), force=False)
+            if self._failing:
+                log.info("etcd at %s reachable again (%s)", self.target.address, self.info.instance_id)
+                self._failing = False
+        except EtcdError as exc:
+            self.dropped += 1
+            if not self._failing:
+                log.warning("etcd registration of %s: %s", self.info.instance_id, exc)
+                self._failing = True
+
+    def revoke(self) -> None:
+        """Revoke the lease now (the record goes at once); for callers that drive :meth:`tick` themselves.
+        Raises :class:`EtcdError`."""
+        if self._lease is not None:
+            self._http.revoke(self._lease)
+            self._lease = None
+
+    def disconnect(self) -> None:
+        """Close the HTTP connection to etcd (the next call opens a new one)."""
+        self._http.close()
+
+    def _put(self, load: InstanceLoad | None, *, force: bool) -> None:
+        assert self._lease is not None
+        now = time.monotonic()
+        since = now - self._last_put
+        changed = load != self._last_load
+        if not force and not (changed and since >= self.min_put_interval_s) and since < self.refresh_s:
+            return
+        self._seq += 1
+        record = Heartbeat(info=self.info, load=load, seq=self._seq, sent_at=time.time())
+        self._http.put(self._key, encode_record(record), self._lease)
+        self._last_put, self._last_load = now, load
+        self.puts += 1
+        self.sent += 1
+
+    def _load(self) -> InstanceLoad | None:
+        if self._load_fn is None:
+            return None
+        try:
+            return self._load_fn()
+        except Exception:
+            log.exception("load_fn of %s raised; the record carries no load", self.info.instance_id)
+            return None

@@ -1,0 +1,169 @@
+"""etcd v3 through its JSON gateway (``POST /v3/...``): the few calls kvwire's discovery makes.
+
+etcd serves every v3 RPC as JSON over HTTP on its client port (grpc-gateway; keys and values are
+base64, 64-bit integers are strings). kvwire talks to it with the standard library (instances: a
+blocking client on the registration thread) and aiohttp (routers: range + watch stream), so neither
+side needs gRPC, protobuf or an etcd client package (decision 036). No torch.
+
+Also here: the record an instance keeps under its key (:func:`encode_record` / :func:`decode_record`,
+a JSON :class:`~kvwire.discovery.messages.Heartbeat`, readable with ``etcdctl get``).
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import logging
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+
+from kvwire.discovery.messages import DISCOVERY_VERSION, MAX_FRAME_BYTES, Heartbeat, check_info
+from kvwire.errors import KvwireError, ProtocolError
+
+log = logging.getLogger(__name__)
+
+
+class EtcdError(KvwireError):
+    """etcd could not be reached, or answered an error."""
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def prefix_range_end(prefix: str) -> str:
+    """The exclusive end of the key range holding every key that starts with ``prefix`` (ASCII)."""
+    raw = prefix.encode()
+    return (raw[:-1] + bytes([raw[-1] + 1])).decode()
+
+
+def prefix_request(prefix: str) -> dict[str, Any]:
+    return {"key": b64(prefix), "range_end": b64(prefix_range_end(prefix))}
+
+
+_record_encoder = msgspec.json.Encoder()
+_record_decoder = msgspec.json.Decoder(Heartbeat)
+
+
+def encode_record(hb: Heartbeat) -> bytes:
+    return _record_encoder.encode(hb)
+
+
+def decode_record(value: bytes) -> Heartbeat:
+    """A record read from etcd -> :class:`Heartbeat`; raises ``ProtocolError`` for anything else."""
+    if len(value) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"instance record of {len(value)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        hb = _record_decoder.decode(value)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed instance record: {exc}") from exc
+    if hb.v != DISCOVERY_VERSION:
+        raise ProtocolError(f"instance record version {hb.v} unsupported (expected {DISCOVERY_VERSION})")
+    check_info(hb.info)
+    return hb
+
+
+def check_answer(path: str, status: int, body: bytes) -> dict[str, Any]:
+    """Parse a gateway answer; raises :class:`EtcdError` for HTTP errors and gateway error bodies."""
+    try:
+        data = json.loads(body) if body else {}
+    except ValueError as exc:
+        raise EtcdError(f"etcd {path}: HTTP {status}, not JSON: {body[:200]!r}") from exc
+    if status != 200 or (isinstance(data, dict) and "error" in data and "result" not in data):
+        message = data.get("message") or data.get("error") if isinstance(data, dict) else body[:200].decode()
+        raise EtcdError(f"etcd {path}: HTTP {status}: {message}")
+    return data if isinstance(data, dict) else {}
+
+
+class EtcdHttp:
+    """Blocking gateway client on one keep-alive HTTP connection (one thread uses it).
+
+    Every call has a deadline (``timeout_s``) and raises :class:`EtcdError` on any failure; the
+    connection is reopened on the next call.
+    """
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        parts = urlsplit(url)
+        if parts.hostname is None or parts.port is None:
+            raise EtcdError(f"etcd URL must be http://HOST:PORT, got {url!r}")
+        self.url = url
+        self._host, self._port = parts.hostname, parts.port
+        self._timeout_s = timeout_s
+        self._conn: http.client.HTTPConnection | None = None
+
+    def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return check_answer(path, 200, self._raw(path, json.dumps(body).encode()))
+
+    def _raw(self, path: str, payload: bytes) -> bytes:
+        """POST ``payload``; the answer's body (HTTP errors raised as :class:`EtcdError`)."""
+        reused = self._conn is not None
+        try:
+            status, data = self._request(path, payload)
+        except (OSError, http.client.HTTPException) as exc:
+            self.close()
+            if not reused:
+                raise EtcdError(f"etcd at {self.url} unreachable ({path}): {exc}") from exc
+            try:  # the kept-alive connection may have been closed by a restarted etcd: once more, fresh
+                status, data = self._request(path, payload)
+            except (OSError, http.client.HTTPException) as exc2:
+                self.close()
+                raise EtcdError(f"etcd at {self.url} unreachable ({path}): {exc2}") from exc2
+        if status != 200:
+            check_answer(path, status, data)  # raises with etcd's message
+        return data
+
+    def _request(self, path: str, payload: bytes) -> tuple[int, bytes]:
+        if self._conn is None:
+            self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout_s)
+        self._conn.request("POST", path, payload, {"Content-Type": "application/json"})
+        resp = self._conn.getresponse()
+        return resp.status, resp.read()
+
+    def grant(self, ttl_s: int) -> int:
+        """A new lease of ``ttl_s`` seconds; returns its id."""
+        return int(self.call("/v3/lease/grant", {"TTL": ttl_s})["ID"])
+
+    def keepalive(self, lease: int) -> int:
+        """Renew ``lease``; returns its TTL, 0 when etcd no longer knows it (expired or revoked)."""
+        result = self.call("/v3/lease/keepalive", {"ID": str(lease)}).get("result", {})
+        return int(result.get("TTL", 0))
+
+    def put(self, key: str, value: bytes, lease: int) -> None:
+        body = {"key": b64(key), "value": base64.b64encode(value).decode(), "lease": str(lease)}
+        self.call("/v3/kv/put", body)
+
+    def keepalive_many(self, leases: list[int]) -> list[int]:
+        """Renew several leases in one request (the gateway streams one answer per lease, in order);
+        their TTLs, 0 for a lease etcd no longer knows. For processes holding many leases (the
+        discovery benchmark's simulator)."""
+        body = "\n".join(json.dumps({"ID": str(lease)}) for lease in leases).encode()
+        data = self._raw("/v3/lease/keepalive", body)
+        answers = [json.loads(line) for line in data.splitlines() if line.strip()]
+        ttls = [int(answer.get("result", {}).get("TTL", 0)) for answer in answers]
+        if len(ttls) != len(leases):
+            raise EtcdError(f"etcd keep-alive: {len(ttls)} answers for {len(leases)} leases")
+        return ttls
+
+    def put_many(self, items: list[tuple[str, bytes, int]]) -> None:
+        """Put several ``(key, value, lease)`` in one transaction (at most 128: etcd's default limit)."""
+        ops = [
+            {"request_put": {"key": b64(key), "value": base64.b64encode(value).decode(), "lease": str(lease)}}
+            for key, value, lease in items
+        ]
+        self.call("/v3/kv/txn", {"success": ops})
+
+    def revoke(self, lease: int) -> None:
+        """Drop ``lease`` and every key bound to it (watchers see the deletions at once)."""
+        self.call("/v3/lease/revoke", {"ID": str(lease)})
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None

@@ -1,0 +1,84 @@
+"""The router's discovery backend, chosen by :attr:`RouterConfig.discovery`.
+
+* :class:`ZmqDiscovery` (default, embedded): the ZeroMQ heartbeat listener + the TTL sweeper.
+* :class:`~kvwire.router.etcd_watcher.EtcdWatcher`: range + watch on an etcd prefix; any number of
+  routers watching one prefix see the same instances.
+
+Both feed the same :class:`~kvwire.router.registry.Registry`; the rest of the router (selection,
+dispatch, ``/instances``, metrics) does not know which one runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import Protocol
+
+from kvwire.discovery.address import DiscoveryKind
+from kvwire.router.config import RouterConfig
+from kvwire.router.etcd_watcher import EtcdWatcher
+from kvwire.router.kv_index import KvIndex
+from kvwire.router.listener import DiscoveryListener
+from kvwire.router.registry import Registry, RegistrySweeper
+
+
+class RouterDiscovery(Protocol):
+    kind: DiscoveryKind
+    received: collections.Counter[str]  # discovery updates applied, by ApplyResult value
+    dropped: collections.Counter[str]  # discarded updates, by reason
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def stale(self) -> bool:
+        """True while the registry is not backed by a live discovery source (etcd unreachable)."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+class ZmqDiscovery:
+    """Embedded discovery: the heartbeat socket (bound at construction) and the TTL sweeper."""
+
+    kind = DiscoveryKind.ZMQ
+    stale = False  # the router itself is the source of truth
+
+    def __init__(self, registry: Registry, cfg: RouterConfig, kv_index: KvIndex | None = None) -> None:
+        self.listener = DiscoveryListener(
+            registry, cfg.discovery_host, cfg.discovery_port, cfg.secret_bytes, kv_index=kv_index
+        )
+        self.sweeper = RegistrySweeper(registry, cfg.sweep_interval_s)
+        self.received = self.listener.received
+        self.dropped = self.listener.dropped
+
+    @property
+    def address(self) -> str:
+        return self.listener.address
+
+    async def start(self) -> None:
+        self.listener.start()
+        self.sweeper.start()
+
+    async def stop(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self._stop_threads)
+
+    def _stop_threads(self) -> None:
+        self.sweeper.close()
+        self.listener.close()
+
+
+class EtcdDiscovery(EtcdWatcher):
+    kind = DiscoveryKind.ETCD
+
+
+def make_discovery(
+    cfg: RouterConfig, registry: Registry, kv_index: KvIndex | None = None
+) -> ZmqDiscovery | EtcdDiscovery:
+    """The backend ``cfg`` names. KV events (``kv_index``) arrive on the ZeroMQ connection only."""
+    target = cfg.discovery_target
+    if target is None:
+        return ZmqDiscovery(registry, cfg, kv_index)
+    return EtcdDiscovery(registry, target)

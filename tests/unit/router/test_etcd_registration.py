@@ -1,0 +1,114 @@
+"""EtcdRegistration's rounds against a fake gateway: lease renewal, re-creation, rate-limited puts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import kvwire.discovery.etcd_client as etcd_client
+from kvwire.discovery import InstanceInfo, InstanceLoad, InstanceRole, parse_discovery_address
+from kvwire.discovery.etcd_client import EtcdRegistration
+from kvwire.discovery.etcd_gateway import EtcdError, decode_record
+
+
+class FakeEtcd:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.leases: set[int] = set()
+        self.records: dict[str, bytes] = {}
+        self.down = False
+        self._next = 100
+
+    def _check(self) -> None:
+        if self.down:
+            raise EtcdError("down")
+
+    def grant(self, ttl_s: int) -> int:
+        self._check()
+        self._next += 1
+        self.leases.add(self._next)
+        self.calls.append(("grant", ttl_s))
+        return self._next
+
+    def keepalive(self, lease: int) -> int:
+        self._check()
+        self.calls.append(("keepalive", lease))
+        return 6 if lease in self.leases else 0
+
+    def put(self, key: str, value: bytes, lease: int) -> None:
+        self._check()
+        self.calls.append(("put", lease))
+        self.records[key] = value
+
+    def revoke(self, lease: int) -> None:
+        self.leases.discard(lease)
+
+    def close(self) -> None:
+        pass
+
+    def kinds(self) -> list[str]:
+        out = [c[0] for c in self.calls]
+        self.calls.clear()
+        return out
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    now = [1000.0]
+    monkeypatch.setattr(etcd_client.time, "monotonic", lambda: now[0])
+    return now
+
+
+def make(load: list[int]) -> tuple[EtcdRegistration, FakeEtcd]:
+    info = InstanceInfo(instance_id="p0", role=InstanceRole.PREFILL, url="http://h:1", model="m")
+    reg = EtcdRegistration(parse_discovery_address("etcd://h:2379"), info,
+                           lambda: InstanceLoad(num_running=load[0]), interval_s=1.0)
+    fake = FakeEtcd()
+    reg._http = fake  # type: ignore[assignment]
+    return reg, fake
+
+
+def test_registers_then_renews_and_rate_limits_load_puts(clock: list[float]) -> None:
+    load = [0]
+    reg, fake = make(load)
+    assert (reg.lease_ttl_s, reg.min_put_interval_s, reg.refresh_s) == (3, 1.0, 3.0)
+    reg.tick()
+    assert fake.kinds() == ["grant", "put"]
+    assert decode_record(fake.records["/kvwire/instances/p0"]).info.instance_id == "p0"
+    clock[0] += 1.0
+    reg.tick()  # load unchanged, refresh not due: only the keep-alive
+    assert fake.kinds() == ["keepalive"]
+    load[0] = 5
+    clock[0] += 0.5
+    reg.tick()  # changed, but the last put was 1.5 s ago >= 1 s: put
+    assert fake.kinds() == ["keepalive", "put"]
+    load[0] = 6
+    clock[0] += 0.3
+    reg.tick()  # changed again 0.3 s later: rate-limited
+    assert fake.kinds() == ["keepalive"]
+    clock[0] += 0.8
+    reg.tick()  # now due
+    assert fake.kinds() == ["keepalive", "put"]
+    clock[0] += 3.0
+    reg.tick()  # unchanged but refresh_s passed: put (brings back a router's "unreachable" entry)
+    assert fake.kinds() == ["keepalive", "put"]
+    seqs = [decode_record(fake.records["/kvwire/instances/p0"]).seq]
+    assert seqs == [4]
+
+
+def test_lost_lease_is_recreated_and_outage_is_survived(clock: list[float]) -> None:
+    reg, fake = make([1])
+    reg.tick()
+    first = reg.lease
+    fake.down = True
+    clock[0] += 1.0
+    reg.tick()  # etcd down: counted, no exception
+    assert reg.dropped == 1 and reg.lease == first
+    fake.down = False
+    fake.leases.clear()  # etcd came back without its data
+    fake.calls.clear()
+    clock[0] += 1.0
+    reg.tick()
+    assert fake.kinds() == ["keepalive", "grant", "put"]
+    assert reg.lease != first and reg.leases_granted == 2
