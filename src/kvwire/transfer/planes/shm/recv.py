@@ -103,7 +103,10 @@ class Inbound:
                 for key in [k for k, v in plane.landing.items() if v.peer_id == self.peer_id]:
                     del plane.landing[key]
             self.conn.close()
-        self._report_end(error)
+        try:
+            self._report_end(error)
+        finally:
+            del error  # its traceback holds this frame (and the ring): no cycle keeps the mapping
 
     def _report_end(self, error: BaseException | None) -> None:
         plane = self.plane

@@ -78,29 +78,34 @@ class Outbound:
     def _run(self) -> None:
         cb = self.plane.callbacks
         try:
-            sock = self._connect()
-            assert self._ring is not None
-            ring = ring_array(self._ring)
-            while not self.stopped.is_set():
-                try:
-                    item = self.queue.get(timeout=POLL_S)
-                except queue.Empty:
-                    self._read_credit(sock, wait=False)  # also notices a receiver that went away
-                    continue
-                if item is None:
-                    break
-                if self.plane.is_cancelled(item.transfer_id):
-                    continue
-                try:
-                    self._write(sock, ring, item)
-                except _Cancelled:
-                    continue
-                cb.on_sent(self.peer.instance_id, item.transfer_id, (item.layer_index,))
+            self._pump(self._connect())
         except (OSError, ConnectionError, ValueError) as exc:
             if not self.stopped.is_set():
                 cb.on_peer_failed(self.peer.instance_id, f"peer_lost: shared-memory link to {self.peer.endpoint}: {exc}")
         finally:
             self._finish()
+
+    def _pump(self, sock: socket.socket) -> None:
+        """Write queued layers until stopped (the ring's array lives in this frame only, so that
+        ``_finish`` can unmap the ring)."""
+        cb = self.plane.callbacks
+        assert self._ring is not None
+        ring = ring_array(self._ring)
+        while not self.stopped.is_set():
+            try:
+                item = self.queue.get(timeout=POLL_S)
+            except queue.Empty:
+                self._read_credit(sock, wait=False)  # also notices a receiver that went away
+                continue
+            if item is None:
+                break
+            if self.plane.is_cancelled(item.transfer_id):
+                continue
+            try:
+                self._write(sock, ring, item)
+            except _Cancelled:
+                continue
+            cb.on_sent(self.peer.instance_id, item.transfer_id, (item.layer_index,))
 
     def _write(self, sock: socket.socket, ring: Bytes, item: SendItem) -> None:
         if item.spans is not None:
