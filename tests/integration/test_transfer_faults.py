@@ -88,7 +88,9 @@ def test_deadline_expires_on_both_sides(peer: PeerProcess, agent: TransferAgent)
     assert agent.stats().budget_bytes_in_use == 0
 
 
-def test_sender_killed_mid_transfer_fails_receiver_before_deadline(agent: TransferAgent, transport: str) -> None:
+def test_sender_killed_mid_transfer_fails_receiver_before_deadline(
+    agent: TransferAgent, transport: str
+) -> None:
     rings_before = shm_rings_mapped()
     sender = PeerProcess("--transport", transport)
     try:

@@ -41,7 +41,7 @@ class TransferAgent:
     def __init__(self, config: TransferConfig) -> None:
         self.config = config
         self._instance_id = secrets.token_hex(8)
-        plane = make_plane(config, self._instance_id)
+        self._planes = plane = make_plane(config, self._instance_id)  # routes per peer (negotiated)
         memory = RecvMemory(
             config.recv_budget_bytes,
             config.spill_budget_bytes,
@@ -70,6 +70,16 @@ class TransferAgent:
     def data_address(self) -> str:
         """The data plane's address (TCP: "host:port"); peers learn it from control messages."""
         return self._core.plane.address
+
+    @property
+    def transports(self) -> list[str]:
+        """The data planes this agent holds, in preference order (e.g. ``["shm", "tcp"]``)."""
+        return [backend.value for backend in self._planes.members]
+
+    def peer_transports(self) -> dict[str, str]:
+        """Peer control endpoint -> the data plane negotiated with it (``"none"``: the pair has
+        none, its transfers fail with ``transport``). Latest epoch of each peer seen."""
+        return self._planes.peer_transports()
 
     @property
     def instance_id(self) -> str:

@@ -53,7 +53,8 @@ class TransferConfig:
                 object.__setattr__(self, "transport", Transport(self.transport))
             except ValueError as exc:
                 choices = "|".join(t.value for t in Transport)
-                raise ConfigError(f"TransferConfig.transport: {self.transport!r} is not one of {choices}") from exc
+                msg = f"TransferConfig.transport: {self.transport!r} is not one of {choices}"
+                raise ConfigError(msg) from exc
         self._check_transport()
         for name in ("control_port", "data_port"):
             port = getattr(self, name)
@@ -79,11 +80,14 @@ class TransferConfig:
     def _check_transport(self) -> None:
         if self.backend not in (Backend.TCP, Backend.NCCL):
             raise ConfigError(
-                f"TransferConfig.backend is the plane for other hosts (tcp or nccl), got {self.backend.value!r}; "
+                "TransferConfig.backend is the plane for other hosts (tcp or nccl), "
+                f"got {self.backend.value!r}; "
                 "choose same-host planes with transport"
             )
         cuda = self.device.startswith("cuda")
         if self.transport is Transport.SHM and cuda:
             raise ConfigError("transport 'shm' moves CPU tensors; a CUDA device uses 'ipc' (or 'auto')")
         if self.transport in (Transport.IPC, Transport.NCCL) and not cuda:
-            raise ConfigError(f"transport {self.transport.value!r} needs a CUDA device (device is {self.device!r})")
+            raise ConfigError(
+                f"transport {self.transport.value!r} needs a CUDA device (device is {self.device!r})"
+            )

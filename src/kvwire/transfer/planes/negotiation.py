@@ -39,7 +39,8 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True):
 
     def describe(self) -> str:
         gpu = f" {self.gpu_uuid}" if self.gpu_uuid else ""
-        return f"{self.hostname} (instance {self.instance_id[:8]}, {self.device}{gpu}, planes {','.join(self.planes)})"
+        planes = ",".join(self.planes)
+        return f"{self.hostname} (instance {self.instance_id[:8]}, {self.device}{gpu}, planes {planes})"
 
 
 class Envelope(msgspec.Struct, frozen=True):
@@ -74,11 +75,15 @@ def host_identity() -> tuple[str, str, int]:
 
 def same_host(a: Hello, b: Hello) -> bool:
     """Both processes share the host's memory and its abstract Unix sockets."""
-    return bool(a.boot_id) and a.netns != 0 and (a.boot_id, a.hostname, a.netns) == (b.boot_id, b.hostname, b.netns)
+    return (
+        bool(a.boot_id)
+        and a.netns != 0
+        and (a.boot_id, a.hostname, a.netns) == (b.boot_id, b.hostname, b.netns)
+    )
 
 
 def usable(backend: Backend, a: Hello, b: Hello) -> str:
-    """"" when the pair can use ``backend``; otherwise why not."""
+    """ "" when the pair can use ``backend``; otherwise why not."""
     if backend.value not in a.planes or backend.value not in b.planes:
         holders = [h.hostname + "/" + h.instance_id[:8] for h in (a, b) if backend.value in h.planes]
         return f"not held by both ends (held by: {', '.join(holders) or 'neither'})"
@@ -101,7 +106,9 @@ def choose(local: Hello, remote: Hello) -> Choice:
         backend = Backend(forced.pop())
         why = usable(backend, local, remote)
         if why:
-            return Choice(None, f"transport {backend.value!r} is forced but cannot be used between {ends}: {why}")
+            return Choice(
+                None, f"transport {backend.value!r} is forced but cannot be used between {ends}: {why}"
+            )
         return Choice(backend)
     for backend in PREFERENCE:
         if not usable(backend, local, remote):

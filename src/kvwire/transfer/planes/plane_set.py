@@ -40,7 +40,12 @@ from kvwire.transfer.types import PeerRef, RecvItem, SendItem
 
 log = logging.getLogger("kvwire.transfer")
 _FLAGS_ANY = ("ordered",)
-_FLAGS_ALL = ("supports_spans", "supports_device_consumers", "supports_device_producers", "supports_device_signals")
+_FLAGS_ALL = (
+    "supports_spans",
+    "supports_device_consumers",
+    "supports_device_producers",
+    "supports_device_signals",
+)
 _STOP_WAIT_S = 5.0
 
 
@@ -126,7 +131,10 @@ class PlaneSet(DataPlane):
         """Peer control endpoint -> chosen plane (``"none"`` when the pair has none), for
         heartbeats and logs. Latest epoch per endpoint."""
         with self._lock:
-            return {p.endpoint: (p.choice.backend.value if p.choice.backend else "none") for p in self._peers.values()}
+            return {
+                p.endpoint: (p.choice.backend.value if p.choice.backend else "none")
+                for p in self._peers.values()
+            }
 
     def choice_for(self, peer_instance_id: str) -> Choice | None:
         with self._lock:
@@ -143,7 +151,9 @@ class PlaneSet(DataPlane):
             inner = member.local_info(self._member_peer(peer, known))
             if not inner and cached is not None:
                 return cached  # the common case (TCP, SHM): the same bytes every message
-            info = msgspec.msgpack.encode(Envelope(self._hello, {known.choice.backend.value: inner} if inner else {}))
+            info = msgspec.msgpack.encode(
+                Envelope(self._hello, {known.choice.backend.value: inner} if inner else {})
+            )
             if not inner:
                 with self._lock:
                     self._info_cache[peer.instance_id] = info
@@ -177,7 +187,9 @@ class PlaneSet(DataPlane):
             choice = choose(self._hello, hello)
             known = self._peers[peer.instance_id] = _Peer(hello, choice, peer.endpoint)
         if choice.backend is not None:
-            log.info("data plane with peer %s (%s): %s", peer.endpoint, hello.describe(), choice.backend.value)
+            log.info(
+                "data plane with peer %s (%s): %s", peer.endpoint, hello.describe(), choice.backend.value
+            )
         else:
             log.error("no data plane with peer %s: %s", peer.endpoint, choice.error)
         return known

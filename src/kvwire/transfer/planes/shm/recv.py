@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING
 from kvwire.errors import AuthenticationError, ProtocolError
 from kvwire.transfer.planes.shm.ring import Bytes, SpanCursor, create_ring, ring_array, tensor_array
 from kvwire.transfer.planes.shm.wire import CHUNK, CREDIT, MAGIC, RING, VERSION
-from kvwire.transfer.planes.tcp.wire import HANDSHAKE_TIMEOUT_S, HELLO, MAC_BYTES, NONCE_BYTES, hello_mac, recv_bytes
+from kvwire.transfer.planes.tcp.wire import (
+    HANDSHAKE_TIMEOUT_S,
+    HELLO,
+    MAC_BYTES,
+    NONCE_BYTES,
+    hello_mac,
+    recv_bytes,
+)
 from kvwire.transfer.types import RecvItem
 
 if TYPE_CHECKING:
@@ -81,7 +88,9 @@ class Inbound:
     def serve(self) -> None:
         plane = self.plane
         arrivals: queue.SimpleQueue[Arrival] = queue.SimpleQueue()
-        reporter = threading.Thread(target=self._report, args=(arrivals,), name="kvwire-shm-deliver", daemon=True)
+        reporter = threading.Thread(
+            target=self._report, args=(arrivals,), name="kvwire-shm-deliver", daemon=True
+        )
         error: BaseException | None = None
         try:
             ring = self._handshake()
@@ -114,9 +123,13 @@ class Inbound:
             if isinstance(error, ProtocolError):
                 plane.callbacks.on_protocol_error(f"shared-memory connection refused: {error}")
             elif error is not None and not self.peer_id:
-                plane.callbacks.on_protocol_error(f"shared-memory connection failed during handshake: {error}")
+                plane.callbacks.on_protocol_error(
+                    f"shared-memory connection failed during handshake: {error}"
+                )
             elif error is not None and not plane.closing.is_set():
-                plane.callbacks.on_peer_failed(self.peer_id, f"peer_lost: shared-memory link from peer broke: {error}")
+                plane.callbacks.on_peer_failed(
+                    self.peer_id, f"peer_lost: shared-memory link from peer broke: {error}"
+                )
         finally:
             with plane.lock:
                 plane.readers.discard(threading.current_thread())  # last: close() joins until here
@@ -168,7 +181,9 @@ class Inbound:
                     (key[0], f"mismatch: layer {key[1]} of {total} bytes from an unexpected sender/size")
                 )
             elif key[0] not in plane.cancelled:
-                self._later.append(("", f"unsolicited shared-memory chunk for {key[0]!r} layer {key[1]} ({total} B)"))
+                self._later.append(
+                    ("", f"unsolicited shared-memory chunk for {key[0]!r} layer {key[1]} ({total} B)")
+                )
             return None
         try:
             landing = landing_for(self.peer_id, posted[1])
@@ -177,7 +192,6 @@ class Inbound:
             return None
         plane.landing[key] = landing
         return landing
-
 
     def _flush_later(self) -> None:
         later, self._later = self._later, []

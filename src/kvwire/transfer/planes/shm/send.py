@@ -27,7 +27,14 @@ from kvwire.transfer.planes.shm.wire import (
     abstract_name,
     recv_ring_fd,
 )
-from kvwire.transfer.planes.tcp.wire import HANDSHAKE_TIMEOUT_S, HELLO, NONCE_BYTES, POLL_S, hello_mac, recv_bytes
+from kvwire.transfer.planes.tcp.wire import (
+    HANDSHAKE_TIMEOUT_S,
+    HELLO,
+    NONCE_BYTES,
+    POLL_S,
+    hello_mac,
+    recv_bytes,
+)
 from kvwire.transfer.types import PeerRef, SendItem
 
 if TYPE_CHECKING:
@@ -52,7 +59,9 @@ class Outbound:
         self._head = 0  # ring position of the next chunk (monotonic)
         self._consumed = 0  # ring position the receiver has copied out up to
         self._credit_buf = b""
-        self.thread = threading.Thread(target=self._run, name=f"kvwire-shm-send-{peer.instance_id[:8]}", daemon=True)
+        self.thread = threading.Thread(
+            target=self._run, name=f"kvwire-shm-send-{peer.instance_id[:8]}", daemon=True
+        )
 
     def stop(self) -> None:
         self.stopped.set()
@@ -81,7 +90,9 @@ class Outbound:
             self._pump(self._connect())
         except (OSError, ConnectionError, ValueError) as exc:
             if not self.stopped.is_set():
-                cb.on_peer_failed(self.peer.instance_id, f"peer_lost: shared-memory link to {self.peer.endpoint}: {exc}")
+                cb.on_peer_failed(
+                    self.peer.instance_id, f"peer_lost: shared-memory link to {self.peer.endpoint}: {exc}"
+                )
         finally:
             self._finish()
 
@@ -170,4 +181,6 @@ class Outbound:
                 break
             if item is not None and item.transfer_id not in failed and not self.stopped.is_set():
                 failed.add(item.transfer_id)
-                self.plane.callbacks.on_transfer_failed(item.transfer_id, "peer_lost: shared-memory link closed")
+                self.plane.callbacks.on_transfer_failed(
+                    item.transfer_id, "peer_lost: shared-memory link closed"
+                )
