@@ -7,7 +7,9 @@ gather to the moment both agents report completion (every layer acknowledged). E
 destination blocks is then compared with the source. The ceiling is a raw loopback socket moving the
 same number of bytes (``sendall`` -> ``recv_into`` a preallocated buffer) in the same process.
 
-``--backend nccl`` runs ``kvwire.bench.transfer_nccl`` (GPU machines).
+``--backend nccl`` runs ``kvwire.bench.transfer_nccl`` (GPU machines), ``--backend shm``
+:mod:`kvwire.bench.transfer_shm` (shared memory vs memcpy vs TCP), ``--backend ipc``
+:mod:`kvwire.bench.transfer_ipc` (CUDA IPC, two processes on one GPU).
 """
 
 from __future__ import annotations
@@ -98,6 +100,10 @@ def _add_nccl_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.backend in (Backend.SHM.value, Backend.IPC.value):
+        module = importlib.import_module(f"kvwire.bench.transfer_{args.backend}")
+        code: int = module.run(args)
+        return code
     if args.backend == Backend.NCCL.value:
         try:
             module = importlib.import_module("kvwire.bench.transfer_nccl")
@@ -222,7 +228,9 @@ def _ceiling_once(src: torch.Tensor, dst: torch.Tensor, buffer_bytes: int) -> fl
 
 def measure(tokens: int, shape: Shape, repeats: int) -> SizeResult:
     caches = _Caches(tokens, shape)
-    cfg = TransferConfig(recv_budget_bytes=max(256 * MiB, 4 * caches.spec.num_bytes), spill_budget_bytes=0)
+    cfg = TransferConfig(
+        recv_budget_bytes=max(256 * MiB, 4 * caches.spec.num_bytes), spill_budget_bytes=0, transport="tcp"
+    )
     times: dict[str, list[float]] = {"zero_copy": [], "copy": [], "ceiling": []}
     verified = True
     flat_dst = torch.empty(caches.num_bytes, dtype=torch.uint8)  # the ceiling's destination

@@ -12,7 +12,7 @@ RING = struct.Struct("!Q")  # receiver -> sender, with the memfd (SCM_RIGHTS): r
 # transfer-id length (the id follows)
 CHUNK = struct.Struct("!IQQQIH")
 CREDIT = struct.Struct("!Q")  # receiver -> sender: ring position up to which bytes were consumed
-CHUNK_BYTES = 2 << 20  # the most bytes one chunk carries (a ring holds several: they pipeline)
+CHUNK_BYTES = 1 << 20  # the most bytes one chunk carries (a ring holds several: they pipeline)
 
 
 def abstract_name(address: str) -> str:
