@@ -31,6 +31,7 @@ import uuid
 import torch
 
 from kvwire.transfer import Backend, LayerSpec, TransferAgent, TransferConfig
+from kvwire.transfer.enums import Transport
 from kvwire.transfer.paged import (
     KVLayout,
     block_ids_tensor,
@@ -228,9 +229,8 @@ def _ceiling_once(src: torch.Tensor, dst: torch.Tensor, buffer_bytes: int) -> fl
 
 def measure(tokens: int, shape: Shape, repeats: int) -> SizeResult:
     caches = _Caches(tokens, shape)
-    cfg = TransferConfig(
-        recv_budget_bytes=max(256 * MiB, 4 * caches.spec.num_bytes), spill_budget_bytes=0, transport="tcp"
-    )
+    budget = max(256 * MiB, 4 * caches.spec.num_bytes)
+    cfg = TransferConfig(recv_budget_bytes=budget, spill_budget_bytes=0, transport=Transport.TCP)
     times: dict[str, list[float]] = {"zero_copy": [], "copy": [], "ceiling": []}
     verified = True
     flat_dst = torch.empty(caches.num_bytes, dtype=torch.uint8)  # the ceiling's destination

@@ -27,6 +27,7 @@ import torch
 
 from kvwire.bench.transfer import MiB, Shape, _Caches, _transfer_once
 from kvwire.transfer import TransferAgent, TransferConfig
+from kvwire.transfer.enums import Transport
 
 DEFAULT_TOKENS = (512, 2048, 8192)
 
@@ -56,7 +57,7 @@ def measure(tokens: int, shape: Shape, repeats: int) -> ShmResult:
     caches = _Caches(tokens, shape)
     budget = max(256 * MiB, 4 * caches.spec.num_bytes)
     configs = {
-        name: TransferConfig(recv_budget_bytes=budget, spill_budget_bytes=0, transport=name)
+        name: TransferConfig(recv_budget_bytes=budget, spill_budget_bytes=0, transport=Transport(name))
         for name in ("shm", "tcp")
     }
     src = np.frombuffer(torch.randint(0, 255, (caches.num_bytes,), dtype=torch.uint8).numpy(), np.uint8)
@@ -140,4 +141,6 @@ def _print_table(results: list[ShmResult], shape: Shape) -> None:
             f"{r.memcpy_seconds * 1e3:>9.2f} {r.memcpy_gbps:>6.2f} {r.tcp_seconds * 1e3:>8.2f} "
             f"{r.tcp_gbps:>6.2f} {r.vs_memcpy:>7.2f} {r.vs_tcp:>5.2f}  {r.verified}"
         )
-    print("goals at >= 2048 tokens: /memcpy >= 0.7 (one single-threaded memcpy of the same bytes), /tcp >= 2.")
+    print(
+        "goals at >= 2048 tokens: /memcpy >= 0.7 (one single-threaded memcpy of the same bytes), /tcp >= 2."
+    )

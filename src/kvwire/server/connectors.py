@@ -27,6 +27,11 @@ class ConnectorSet:
     kv_endpoints: list[str] = dataclasses.field(default_factory=list)
     enabled: bool = False
 
+    def kv_transports(self) -> dict[str, str]:
+        """Peer KV endpoint -> the data plane negotiated with it (empty without a transfer agent)."""
+        peer_transports = getattr(getattr(self.worker, "agent", None), "peer_transports", None)
+        return dict(peer_transports()) if peer_transports is not None else {}
+
     def close(self) -> None:
         for half in (self.worker, self.scheduler):
             close = getattr(half, "close", None)
@@ -54,7 +59,7 @@ def build_connector_set(
         ) from exc
     transfer = TransferConfig(
         host=config.public_host(), control_port=config.kv_port,
-        backend=Backend.NCCL if engine_config.is_cuda else Backend.TCP,
+        backend=Backend.NCCL if engine_config.is_cuda else Backend.TCP, transport=config.kv_transport,
         device=engine_config.device, default_deadline_s=config.kv_deadline_s,
         secret=secret.encode() if secret else None,
     )
@@ -66,5 +71,10 @@ def build_connector_set(
     engine_info = EngineInfo(block_size=engine_config.block_size, device=engine_config.device)
     scheduler, worker = build_connectors(connector_config, engine_info, registry=registry)
     endpoints = list(scheduler.kv_endpoints)
+    agent = getattr(worker, "agent", None)
+    if registry is not None and agent is not None and hasattr(agent, "peer_transports"):
+        from kvwire.connector.transport_metrics import TransportCollector
+
+        registry.register(TransportCollector(agent))
     logger.info("P/D connector (%s, %s) listening on %s", config.role.value, config.kv_mode.value, endpoints)
     return ConnectorSet(scheduler=scheduler, worker=worker, kv_endpoints=endpoints, enabled=True)

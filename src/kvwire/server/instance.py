@@ -84,7 +84,7 @@ class ServerInstance:
         self._heartbeats = start_heartbeats(
             self.config, instance_id=self.instance_id, url=self.url, model=model_name,
             kv_endpoints=self._connectors.kv_endpoints, stats_fn=self._stats,
-            secret=self._secret,
+            secret=self._secret, transports_fn=self._connectors.kv_transports,
         )
         logger.info("kvwire serve ready: %s (model %s, role %s, max_model_len %d, instance %s)",
                     self.url, model_name, self.config.role.value, max_model_len, self.instance_id)
