@@ -9,8 +9,9 @@ checked). Measured in one run, interleaved, best of ``--repeats``:
   (numpy ``copyto``: one ``memcpy``) - the ceiling of any one-copy path;
 * (b) ``tcp``: two agents forced to the TCP plane (zero-copy iovecs, as today between hosts).
 
-Both agents of a pair live in this process (as in the TCP benchmark); the plane's two copies run on
-two threads that release the GIL for each memcpy.
+P (this process) and D (a spawned child process, as prefill and decode are) each hold one agent per
+plane; the clock runs from ``start_send`` until every layer is acknowledged by D. D checks every
+destination block of the last run of each plane.
 """
 
 from __future__ import annotations
@@ -18,16 +19,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing as mp
 import os
 import platform
 import time
+import uuid
+from multiprocessing.connection import Connection
 
 import numpy as np
 import torch
 
-from kvwire.bench.transfer import MiB, Shape, _Caches, _transfer_once
+from kvwire.bench.transfer import MiB, Shape, _Caches
 from kvwire.transfer import TransferAgent, TransferConfig
 from kvwire.transfer.enums import Transport
+from kvwire.transfer.paged import KVLayout, block_spans
 
 DEFAULT_TOKENS = (512, 2048, 8192)
 
@@ -53,41 +58,113 @@ def _memcpy_once(src: np.ndarray, dst: np.ndarray) -> float:
     return time.perf_counter() - start
 
 
-def measure(tokens: int, shape: Shape, repeats: int) -> ShmResult:
-    caches = _Caches(tokens, shape)
+def _configs(caches: _Caches) -> dict[str, TransferConfig]:
     budget = max(256 * MiB, 4 * caches.spec.num_bytes)
-    configs = {
+    return {
         name: TransferConfig(recv_budget_bytes=budget, spill_budget_bytes=0, transport=Transport(name))
         for name in ("shm", "tcp")
     }
+
+
+def _wait(agent: TransferAgent, tid: str, field: str) -> None:
+    deadline = time.monotonic() + 120.0
+    while True:
+        ev = agent.poll()
+        if tid in ev.failed:
+            raise RuntimeError(f"transfer failed: {ev.failed[tid]}")
+        if tid in getattr(ev, field):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError("benchmark transfer did not complete within 120 s")
+        time.sleep(0.0002)
+
+
+def _receiver_process(conn: Connection, tokens: int, shape: Shape) -> None:
+    """D in its own process: one receiving agent per plane, the destination cache, verification."""
+    caches = _Caches(tokens, shape)
+    configs = _configs(caches)
+    with TransferAgent(configs["shm"]) as shm_rx, TransferAgent(configs["tcp"]) as tcp_rx:
+        agents = {"shm": shm_rx, "tcp": tcp_rx}
+        conn.send({name: a.endpoint for name, a in agents.items()})
+        while (cmd := conn.recv()) != "stop":
+            if cmd == "zero":
+                for d in caches.dst:
+                    d.zero_()
+                conn.send(True)
+            elif cmd == "verify":
+                conn.send(caches.verify())
+            else:
+                name, tid = cmd
+                agent = agents[name]
+                agent.expect(
+                    tid,
+                    num_layers=len(caches.dst),
+                    scatter_into=lambda i: block_spans(caches.dst[i], caches.dst_ids, KVLayout.KV_FIRST),
+                    deadline_s=120.0,
+                )
+                conn.send("expecting")
+                _wait(agent, tid, "finished_recving")
+                conn.send("received")
+
+
+def _send_remote(agent: TransferAgent, conn: Connection, name: str, endpoint: str, caches: _Caches) -> float:
+    """One request's KV to D's process; the clock stops when every layer is acknowledged."""
+    tid = uuid.uuid4().hex
+    conn.send((name, tid))
+    assert conn.recv() == "expecting"
+    start = time.perf_counter()
+    agent.start_send(tid, endpoint, [caches.spec] * len(caches.src), deadline_s=120.0)
+    for i, src in enumerate(caches.src):
+        agent.send_layer_spans(tid, i, block_spans(src, caches.src_ids, KVLayout.KV_FIRST))
+    _wait(agent, tid, "finished_sending")
+    elapsed = time.perf_counter() - start
+    assert conn.recv() == "received"
+    return elapsed
+
+
+def measure(tokens: int, shape: Shape, repeats: int) -> ShmResult:
+    """P (this process) sends to D (a child process), over each plane, interleaved with memcpy."""
+    caches = _Caches(tokens, shape)
+    configs = _configs(caches)
     src = np.frombuffer(torch.randint(0, 255, (caches.num_bytes,), dtype=torch.uint8).numpy(), np.uint8)
     dst = np.empty_like(src)
     times: dict[str, list[float]] = {"shm": [], "tcp": [], "memcpy": []}
     verified = True
-    with (
-        TransferAgent(configs["shm"]) as shm_tx,
-        TransferAgent(configs["shm"]) as shm_rx,
-        TransferAgent(configs["tcp"]) as tcp_tx,
-        TransferAgent(configs["tcp"]) as tcp_rx,
-    ):
-        pairs = {"shm": (shm_tx, shm_rx), "tcp": (tcp_tx, tcp_rx)}
-        for tx, rx in pairs.values():  # warm-up: links, rings, page faults
-            _transfer_once(tx, rx, caches, zero_copy=True)
-        _memcpy_once(src, dst)
-        for rep in range(repeats + 1):
-            last = rep == repeats
-            for name, (tx, rx) in pairs.items():
-                if last:
-                    for d in caches.dst:
-                        d.zero_()
-                elapsed = _transfer_once(tx, rx, caches, zero_copy=True)
-                if last:
-                    verified = verified and caches.verify()
-                else:
-                    times[name].append(elapsed)
-            if not last:
-                times["memcpy"].append(_memcpy_once(src, dst))
-        assert shm_tx.peer_transports() == {shm_rx.endpoint: "shm"}, shm_tx.peer_transports()
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=_receiver_process, args=(child_conn, tokens, shape), daemon=True)
+    child.start()
+    try:
+        with TransferAgent(configs["shm"]) as shm_tx, TransferAgent(configs["tcp"]) as tcp_tx:
+            senders = {"shm": shm_tx, "tcp": tcp_tx}
+            if not conn.poll(120.0):
+                raise TimeoutError("the receiving process did not start within 120 s")
+            endpoints = conn.recv()
+            for name, agent in senders.items():  # warm-up: links, rings, page faults
+                _send_remote(agent, conn, name, endpoints[name], caches)
+            _memcpy_once(src, dst)
+            for rep in range(repeats + 1):
+                last = rep == repeats
+                for name, agent in senders.items():
+                    if last:
+                        conn.send("zero")
+                        conn.recv()
+                    elapsed = _send_remote(agent, conn, name, endpoints[name], caches)
+                    if last:
+                        conn.send("verify")
+                        verified = verified and bool(conn.recv())
+                    else:
+                        times[name].append(elapsed)
+                if not last:
+                    times["memcpy"].append(_memcpy_once(src, dst))
+            assert shm_tx.peer_transports() == {endpoints["shm"]: "shm"}, shm_tx.peer_transports()
+            assert tcp_tx.peer_transports() == {endpoints["tcp"]: "tcp"}, tcp_tx.peer_transports()
+        conn.send("stop")
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+            child.join(timeout=10)
     best = {k: min(v) for k, v in times.items()}
     gbps = {k: caches.num_bytes / v / 1e9 for k, v in best.items()}
     return ShmResult(
