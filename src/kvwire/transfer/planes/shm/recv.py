@@ -154,8 +154,8 @@ class Inbound:
                 landing = None
             if landing is not None:
                 plane.writing[conn] = tid  # in the same critical section: cancel() sees it
-        self._flush_later()
-        if landing is None:
+        if landing is None:  # only then are failures queued: none is reported while ``writing`` is set
+            self._flush_later()
             conn.sendall(CREDIT.pack(pos + num_bytes))  # dropped (cancelled/unsolicited): free it
             return None
         try:
