@@ -81,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument(
+        "--shm-ring-mib", type=int, default=None, help="--backend shm: ring per link (default: the config's)"
+    )
     _add_nccl_arguments(parser)
 
 

@@ -58,10 +58,13 @@ def _memcpy_once(src: np.ndarray, dst: np.ndarray) -> float:
     return time.perf_counter() - start
 
 
-def _configs(caches: _Caches) -> dict[str, TransferConfig]:
+def _configs(caches: _Caches, ring_mib: int | None) -> dict[str, TransferConfig]:
     budget = max(256 * MiB, 4 * caches.spec.num_bytes)
+    ring = {} if ring_mib is None else {"shm_ring_bytes": ring_mib * MiB}
     return {
-        name: TransferConfig(recv_budget_bytes=budget, spill_budget_bytes=0, transport=Transport(name))
+        name: TransferConfig(
+            recv_budget_bytes=budget, spill_budget_bytes=0, transport=Transport(name), **ring  # type: ignore[arg-type]
+        )
         for name in ("shm", "tcp")
     }
 
@@ -79,10 +82,10 @@ def _wait(agent: TransferAgent, tid: str, field: str) -> None:
         time.sleep(0.0002)
 
 
-def _receiver_process(conn: Connection, tokens: int, shape: Shape) -> None:
+def _receiver_process(conn: Connection, tokens: int, shape: Shape, ring_mib: int | None) -> None:
     """D in its own process: one receiving agent per plane, the destination cache, verification."""
     caches = _Caches(tokens, shape)
-    configs = _configs(caches)
+    configs = _configs(caches, ring_mib)
     with TransferAgent(configs["shm"]) as shm_rx, TransferAgent(configs["tcp"]) as tcp_rx:
         agents = {"shm": shm_rx, "tcp": tcp_rx}
         conn.send({name: a.endpoint for name, a in agents.items()})
@@ -122,17 +125,17 @@ def _send_remote(agent: TransferAgent, conn: Connection, name: str, endpoint: st
     return elapsed
 
 
-def measure(tokens: int, shape: Shape, repeats: int) -> ShmResult:
+def measure(tokens: int, shape: Shape, repeats: int, ring_mib: int | None = None) -> ShmResult:
     """P (this process) sends to D (a child process), over each plane, interleaved with memcpy."""
     caches = _Caches(tokens, shape)
-    configs = _configs(caches)
+    configs = _configs(caches, ring_mib)
     src = np.frombuffer(torch.randint(0, 255, (caches.num_bytes,), dtype=torch.uint8).numpy(), np.uint8)
     dst = np.empty_like(src)
     times: dict[str, list[float]] = {"shm": [], "tcp": [], "memcpy": []}
     verified = True
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=_receiver_process, args=(child_conn, tokens, shape), daemon=True)
+    child = ctx.Process(target=_receiver_process, args=(child_conn, tokens, shape, ring_mib), daemon=True)
     child.start()
     try:
         with TransferAgent(configs["shm"]) as shm_tx, TransferAgent(configs["tcp"]) as tcp_tx:
@@ -184,7 +187,8 @@ def measure(tokens: int, shape: Shape, repeats: int) -> ShmResult:
 
 def run(args: argparse.Namespace) -> int:
     shape = Shape(num_layers=args.layers)
-    results = [measure(t, shape, max(1, args.repeats)) for t in (args.tokens or DEFAULT_TOKENS)]
+    ring_mib = getattr(args, "shm_ring_mib", None)
+    results = [measure(t, shape, max(1, args.repeats), ring_mib) for t in (args.tokens or DEFAULT_TOKENS)]
     if args.json:
         print(
             json.dumps(

@@ -38,7 +38,7 @@ class TransferConfig:
     socket_buffer_bytes: int = 8 * MiB  # SO_SNDBUF / SO_RCVBUF of data sockets
     max_layers_per_transfer: int = 4096  # protocol sanity bound on offers
     max_pending_transfers: int = 65536  # bound on transfers tracked per agent
-    shm_ring_bytes: int = 8 * MiB  # shared-memory plane: staging ring per inbound peer (fits in L3)
+    shm_ring_bytes: int = 64 * MiB  # shared-memory plane: staging ring per inbound peer link
 
     def __post_init__(self) -> None:
         if isinstance(self.secret, str):  # accept str for convenience; store bytes
