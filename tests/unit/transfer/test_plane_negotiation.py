@@ -166,3 +166,22 @@ def test_coalesce_and_ring_slots() -> None:
     assert next_slot(10, 6, 16) == 10  # fits exactly before the end
     assert next_slot(10, 7, 16) == 16  # skips the 6 bytes left: a chunk never wraps
     assert next_slot(35, 4, 16) == 35
+
+
+def test_shm_link_survives_many_tiny_layers() -> None:
+    """Thousands of tiny chunks on one link (each returns a credit) keep flowing."""
+    layers = [torch.full((3,), float(i)) for i in range(64)]
+    with TransferAgent(TransferConfig()) as a, TransferAgent(TransferConfig()) as b:
+        for round_ in range(40):  # 2,560 chunks of 12 bytes: 20 KiB of credits
+            tid = f"tiny-{round_}"
+            b.expect(tid, num_layers=len(layers))
+            a.start_send(tid, b.endpoint, [LayerSpec.of(t) for t in layers])
+            for i, t in enumerate(layers):
+                a.send_layer(tid, i, t)
+            deadline = time.monotonic() + 10
+            while tid not in b.poll().finished_recving:
+                assert time.monotonic() < deadline, f"{tid} stuck"
+                time.sleep(0.001)
+            assert torch.equal(b.take_layers(tid)[63], layers[63])
+        assert a.peer_transports() == {b.endpoint: "shm"}
+

@@ -142,7 +142,11 @@ class Outbound:
                 return
 
     def _reserve(self, sock: socket.socket, num_bytes: int, size: int) -> int:
-        """Ring position for the next chunk, once the receiver has freed enough (waits for credit)."""
+        """Ring position for the next chunk, once the receiver has freed enough (waits for credit).
+        Credits are drained before every chunk, not only when the ring is full: many small layers
+        would otherwise fill the socket with unread credits until the receiver blocks writing one
+        while this side blocks writing a frame."""
+        self._read_credit(sock, wait=False)
         pos = next_slot(self._head, num_bytes, size)
         while pos + num_bytes - self._consumed > size:
             if self.stopped.is_set():
