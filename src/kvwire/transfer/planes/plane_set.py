@@ -47,6 +47,9 @@ _FLAGS_ALL = (
     "supports_device_signals",
 )
 _STOP_WAIT_S = 5.0
+#: Peer epochs remembered; the oldest is forgotten beyond (it renegotiates from its next message's
+#: hello, which every plane_info carries), so peers that come and go never grow the table.
+MAX_PEERS = 4096
 
 
 @dataclasses.dataclass
@@ -186,6 +189,10 @@ class PlaneSet(DataPlane):
                 return known
             choice = choose(self._hello, hello)
             known = self._peers[peer.instance_id] = _Peer(hello, choice, peer.endpoint)
+            while len(self._peers) > MAX_PEERS:
+                oldest = next(iter(self._peers))  # dicts keep insertion order
+                del self._peers[oldest]
+                self._info_cache.pop(oldest, None)
         if choice.backend is not None:
             log.info(
                 "data plane with peer %s (%s): %s", peer.endpoint, hello.describe(), choice.backend.value
