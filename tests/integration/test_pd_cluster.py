@@ -9,6 +9,8 @@ live in test_pd_faults.py.
 from __future__ import annotations
 
 import asyncio
+import json
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,12 +20,14 @@ from pd_cluster_helpers import ColocatedServer, body, metric, prompts, running_c
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.kv_params import TransferMode
+from kvwire.transfer.enums import Transport
 
 pytestmark = pytest.mark.slow
 KV_DEADLINE_S = 10.0  # push transfer deadline and pull lease
 
-TOPOLOGIES = [(1, 1, TransferMode.PUSH), (1, 1, TransferMode.PULL), (2, 2, TransferMode.PUSH),
-              (2, 2, TransferMode.PULL)]
+# KV moves over the plane P and D negotiate (shared memory: one host), and over forced TCP once.
+TOPOLOGIES = [(1, 1, TransferMode.PUSH, Transport.AUTO), (1, 1, TransferMode.PULL, Transport.AUTO),
+              (2, 2, TransferMode.PUSH, Transport.AUTO), (2, 2, TransferMode.PULL, Transport.TCP)]
 
 
 def bodies() -> list[dict]:
@@ -47,11 +51,12 @@ def reference(log_dir: Path) -> list[list[int]]:
     return [r.token_ids for r in results]
 
 
-@pytest.fixture(scope="module", params=TOPOLOGIES, ids=lambda t: f"{t[0]}P{t[1]}D-{t[2].value}")
+@pytest.fixture(scope="module", params=TOPOLOGIES,
+                ids=lambda t: f"{t[0]}P{t[1]}D-{t[2].value}-{t[3].value}")
 def cluster(request: pytest.FixtureRequest, log_dir: Path) -> Iterator[LocalCluster]:
-    num_p, num_d, mode = request.param
+    num_p, num_d, mode, transport = request.param
     spec = ClusterSpec(num_prefill=num_p, num_decode=num_d, mode=mode, kv_deadline_s=KV_DEADLINE_S,
-                       heartbeat_interval_s=0.5)
+                       heartbeat_interval_s=0.5, kv_transport=transport)
     with running_cluster(spec, log_dir / f"cluster-{num_p}p{num_d}d-{mode.value}.log") as pd:
         yield pd
     assert all(i.process.poll() is not None for i in pd.instances.values())
@@ -78,6 +83,24 @@ def test_outputs_equal_colocated(cluster: LocalCluster, reference: list[list[int
     failures = sum(metric(i.url, "kvwire_pd_load_failures_total") for i in decode if i.url)
     assert failures == 0
     assert_no_blocks_held(cluster)
+    assert_kv_transport(cluster, "shm" if cluster.spec.kv_transport is Transport.AUTO else "tcp")
+
+
+def assert_kv_transport(cluster: LocalCluster, want: str) -> None:
+    """Every P/D pair that moved KV shows the plane in the instances' metrics and the router's
+    /instances (heartbeat load): shm when negotiated on one host, tcp when forced."""
+    for instance in cluster.live_instances():
+        assert instance.url is not None
+        assert metric(instance.url, f'kvwire_kv_peers{{transport="{want}"}}') >= 1, instance.name
+        assert metric(instance.url, 'kvwire_kv_peers{transport="none"}') == 0
+
+    def reported() -> bool:
+        with urllib.request.urlopen(f"{cluster.router_url}/instances", timeout=5) as resp:
+            views = json.load(resp)
+        live = [v for v in views if v["alive"]]
+        return all(v["load"] and set(v["load"]["kv_transports"].values()) == {want} for v in live)
+
+    wait_for(reported, 10.0, f"/instances shows kv_transports {want}")
 
 
 async def _abort_after(url: str, payload: dict, delay_s: float) -> None:

@@ -1,6 +1,7 @@
-"""The connector core on real transfer agents (TCP) with 8B-shaped KV: 32 layers of bf16 blocks,
-a 2048-token prompt (8 MiB per layer, 256 MiB per request), two requests at once. Every block
-arrives bit-exact in D's (different) block ids; P's blocks are released after the acknowledgement."""
+"""The connector core on real transfer agents (the plane they negotiate on one host: shared memory)
+with 8B-shaped KV: 32 layers of bf16 blocks, a 2048-token prompt (8 MiB per layer, 256 MiB per
+request), two requests at once. Every block arrives bit-exact in D's (different) block ids; P's
+blocks are released after the acknowledgement."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def _step(sched, worker, caches: Sequence[torch.Tensor], chunks=()) -> Connector
     return out
 
 
-def test_8b_shaped_transfers_over_tcp() -> None:
+def test_8b_shaped_transfers_bit_exact() -> None:
     info = EngineInfo(block_size=BLOCK)
     shape = (2, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
     p_sched, p_worker = build_connectors(ConnectorConfig(role=ConnectorRole.PREFILL), info,

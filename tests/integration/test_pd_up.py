@@ -130,6 +130,7 @@ def test_demo_runs_the_main_job() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert "chat (streaming): 6 tokens" in out.stdout
     assert 'kvwire_pd_transfers_completed_total{side="recv"} 3.0' in out.stdout
+    assert 'kvwire_kv_peers{transport="shm"} 1.0' in out.stdout  # negotiated: P and D share the host
     assert "P/D output == colocated output (greedy, token for token): 3/3 requests" in out.stdout
     assert "cluster stopped" in out.stdout
 
@@ -143,6 +144,8 @@ def test_cluster_spec_is_validated() -> None:
         ClusterSpec(kv_load_failure_policy="maybe")
     with pytest.raises(ConfigError):
         ClusterSpec(spread_gpus=-1)
+    with pytest.raises(ConfigError):
+        ClusterSpec(kv_transport="carrier-pigeon")
 
 
 def test_up_flags_reach_the_cluster_spec() -> None:
@@ -153,8 +156,9 @@ def test_up_flags_reach_the_cluster_spec() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--prefill", "2", "--decode", "3", "--mode", "pull", "--spread-gpus", "2",
-                              "--serve-arg=--num-kv-blocks=64"])
+                              "--serve-arg=--num-kv-blocks=64", "--kv-transport", "tcp"])
     spec = spec_from_args(args)
+    assert spec.kv_transport.value == "tcp"
     assert (spec.num_prefill, spec.num_decode, spec.spread_gpus) == (2, 3, 2)
     assert spec.mode.value == "pull" and spec.serve_args == ("--num-kv-blocks=64",)
 

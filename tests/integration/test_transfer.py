@@ -21,10 +21,17 @@ from transfer_helpers import (
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
 
 
+@pytest.fixture(scope="module", params=["auto", "tcp"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """Every test runs on the plane agents negotiate by default (shared memory: one host) and on
+    forced TCP (the plane between hosts)."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def peers() -> Iterator[list[PeerProcess]]:
+def peers(transport: str) -> Iterator[list[PeerProcess]]:
     """Two peer processes shared by this module's tests (distinct transfer ids); always killed."""
-    procs = [PeerProcess(), PeerProcess()]
+    procs = [PeerProcess("--transport", transport), PeerProcess("--transport", transport)]
     try:
         yield procs
     finally:
@@ -33,8 +40,8 @@ def peers() -> Iterator[list[PeerProcess]]:
 
 
 @pytest.fixture
-def agent() -> Iterator[TransferAgent]:
-    with TransferAgent(TransferConfig()) as a:
+def agent(transport: str) -> Iterator[TransferAgent]:
+    with TransferAgent(TransferConfig(transport=transport)) as a:
         yield a
 
 

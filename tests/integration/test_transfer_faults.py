@@ -3,6 +3,7 @@ restart on the same port, budget -> spill -> backpressure, malformed messages.""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -11,7 +12,16 @@ import msgspec
 import pytest
 import torch
 import zmq
-from transfer_helpers import DTYPES, PeerProcess, expected_digests, has_all, make_layer, poll_until
+from transfer_helpers import (
+    DTYPES,
+    PeerProcess,
+    expected_digests,
+    has_all,
+    make_layer,
+    plane_address,
+    poll_until,
+    shm_rings_mapped,
+)
 
 from kvwire.cluster.local import free_port
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig, TransferStats
@@ -21,9 +31,15 @@ KIB = 1024
 SPECS3 = [([2, 4, 8, 64], "float32")] * 3
 
 
+@pytest.fixture(scope="module", params=["auto", "tcp"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """Faults on the default plane of one host (shared memory) and on forced TCP."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def peer() -> Iterator[PeerProcess]:
-    proc = PeerProcess()
+def peer(transport: str) -> Iterator[PeerProcess]:
+    proc = PeerProcess("--transport", transport)
     try:
         yield proc
     finally:
@@ -31,8 +47,8 @@ def peer() -> Iterator[PeerProcess]:
 
 
 @pytest.fixture
-def agent() -> Iterator[TransferAgent]:
-    with TransferAgent(TransferConfig()) as a:
+def agent(transport: str) -> Iterator[TransferAgent]:
+    with TransferAgent(TransferConfig(transport=transport)) as a:
         yield a
 
 
@@ -72,8 +88,11 @@ def test_deadline_expires_on_both_sides(peer: PeerProcess, agent: TransferAgent)
     assert agent.stats().budget_bytes_in_use == 0
 
 
-def test_sender_killed_mid_transfer_fails_receiver_before_deadline(agent: TransferAgent) -> None:
-    sender = PeerProcess()
+def test_sender_killed_mid_transfer_fails_receiver_before_deadline(
+    agent: TransferAgent, transport: str
+) -> None:
+    rings_before = shm_rings_mapped()
+    sender = PeerProcess("--transport", transport)
     try:
         arrived: list[int] = []
         agent.expect("kill-1", num_layers=3, sink=lambda i, t: arrived.append(i), deadline_s=30.0)
@@ -87,6 +106,7 @@ def test_sender_killed_mid_transfer_fails_receiver_before_deadline(agent: Transf
     assert events["failed"]["kill-1"].startswith("peer_lost")
     assert time.monotonic() - start < 10.0  # far within the 30 s deadline
     assert arrived == [0] and agent.stats().budget_bytes_in_use == 0
+    poll_until_true(lambda: shm_rings_mapped() == rings_before)  # the survivor unmapped the ring
 
 
 def _send_all(
@@ -98,9 +118,9 @@ def _send_all(
         agent.send_layer(tid, i, make_layer(seed, i, shape, dt))
 
 
-def test_receiver_restarted_on_same_port(agent: TransferAgent) -> None:
+def test_receiver_restarted_on_same_port(agent: TransferAgent, transport: str) -> None:
     port = free_port("127.0.0.1")
-    old = PeerProcess("--port", str(port))
+    old = PeerProcess("--port", str(port), "--transport", transport)
     new: PeerProcess | None = None
     try:
         endpoint = old.endpoint
@@ -110,8 +130,9 @@ def test_receiver_restarted_on_same_port(agent: TransferAgent) -> None:
         old.call("expect", tid="rs-2", num_layers=3, sink=True)  # in flight when the receiver dies
         _send_all(agent, "rs-2", endpoint, 6, SPECS3, [0])
         poll_until_peer(old, "rs-2", 1)
+        rings_with_old = shm_rings_mapped()
         old.kill()
-        new = PeerProcess("--port", str(port))
+        new = PeerProcess("--port", str(port), "--transport", transport)
         assert new.endpoint == endpoint and new.instance_id != old.instance_id
         start = time.monotonic()
         new.call("expect", tid="rs-3", num_layers=3)
@@ -119,6 +140,8 @@ def test_receiver_restarted_on_same_port(agent: TransferAgent) -> None:
         events = poll_until(agent, lambda ev: "rs-3" in ev["sent"] and "rs-2" in ev["failed"], timeout_s=15)
         assert events["failed"]["rs-2"].startswith("peer_lost")
         assert time.monotonic() - start < 15.0  # the old transfer's deadline is 30 s
+        if transport == "auto":  # the ring to the killed receiver is gone, one to the new one mapped
+            poll_until_true(lambda: shm_rings_mapped() == rings_with_old)
         reply = new.call("wait", tids=["rs-3"])
         assert reply["digests"]["rs-3"] == {str(i): d for i, d in expected_digests(7, SPECS3).items()}
     finally:
@@ -127,9 +150,9 @@ def test_receiver_restarted_on_same_port(agent: TransferAgent) -> None:
             new.kill()
 
 
-def test_budget_exhaustion_spills_then_backpressure_without_loss(peer: PeerProcess) -> None:
+def test_budget_exhaustion_spills_then_backpressure_without_loss(peer: PeerProcess, transport: str) -> None:
     layer = ([2, 8, 16, 64], "float32")  # 64 KiB
-    cfg = TransferConfig(recv_budget_bytes=256 * KIB, spill_budget_bytes=256 * KIB)
+    cfg = TransferConfig(recv_budget_bytes=256 * KIB, spill_budget_bytes=256 * KIB, transport=transport)
     with TransferAgent(cfg) as agent:
         sunk: dict[int, torch.Tensor] = {}
         agent.expect("bp-a", num_layers=6)  # held: 384 KiB of 512 KiB
@@ -201,7 +224,7 @@ def test_malformed_control_and_data_messages_are_rejected(peer: PeerProcess, age
         dealer.close()
     finally:
         ctx.term()
-    host, port = agent.data_address.rsplit(":", 1)
+    host, port = plane_address(agent, "tcp").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as raw:
         raw.recv(16)
         raw.sendall(b"HTTP/1.1 GET /\r\n\r\n" + bytes(64))
@@ -210,12 +233,29 @@ def test_malformed_control_and_data_messages_are_rejected(peer: PeerProcess, age
         except ConnectionResetError:
             hung_up = True  # ... with our junk unread: RST
         assert hung_up
-    poll_until_stat(agent, lambda s: s.messages_rejected >= len(bad) + 1)
+    junk_links = 1
+    if "shm=" in agent.data_address:  # the shared-memory plane's socket refuses junk the same way
+        junk_links += 1
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+            raw.settimeout(5)
+            raw.connect("\0" + plane_address(agent, "shm")[1:])
+            raw.recv(16)
+            raw.sendall(b"HTTP/1.1 GET /\r\n\r\n" + bytes(64))
+            with contextlib.suppress(ConnectionResetError):
+                assert raw.recv(1) == b""
+    poll_until_stat(agent, lambda s: s.messages_rejected >= len(bad) + junk_links)
     agent.expect("after-bad", num_layers=3)
     peer.call("send", tid="after-bad", peer=agent.endpoint, seed=8, specs=SPECS3, order=[0, 1, 2])
     poll_until(agent, has_all("recvd", ["after-bad"]), timeout_s=10)
     got = agent.take_layers("after-bad")
     assert all(torch.equal(got[i], make_layer(8, i, *SPECS3[i])) for i in range(3))
+
+
+def poll_until_true(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met"
+        time.sleep(0.005)
 
 
 def poll_until_stat(

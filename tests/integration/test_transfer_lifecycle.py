@@ -10,7 +10,7 @@ import threading
 import time
 
 import torch
-from transfer_helpers import has_all, poll_until
+from transfer_helpers import has_all, plane_address, poll_until, shm_rings_mapped
 
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
 
@@ -46,15 +46,23 @@ def test_secret_is_required_on_control_and_data_planes() -> None:
         rejected = guarded.stats().messages_rejected
         assert rejected >= 2
         # data plane: a connection whose hello carries no valid MAC is closed
-        host, port = guarded.data_address.rsplit(":", 1)
+        host, port = plane_address(guarded, "tcp").rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=5) as raw:
             raw.recv(16)
             me = b"intruder"
             raw.sendall(struct.pack("!4sBH", b"KVWD", 1, len(me)) + me + bytes(32))
             with contextlib.suppress(ConnectionResetError):
                 assert raw.recv(1) == b""
+        # ... and so is one on the shared-memory plane's socket (before any ring is handed out)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+            raw.settimeout(5)
+            raw.connect("\0" + plane_address(guarded, "shm")[1:])
+            raw.recv(16)
+            raw.sendall(struct.pack("!4sBH", b"KVWS", 1, len(me)) + me + bytes(32))
+            with contextlib.suppress(ConnectionResetError):
+                assert raw.recv(1) == b""
         deadline = time.monotonic() + 10
-        while guarded.stats().messages_rejected <= rejected:
+        while guarded.stats().messages_rejected <= rejected + 1:
             assert time.monotonic() < deadline
             time.sleep(0.005)
 
@@ -66,12 +74,14 @@ def _open_fds() -> set[str]:
 def test_close_leaves_no_thread_or_socket() -> None:
     threads_before = set(threading.enumerate())
     fds_before = _open_fds()
+    rings_before = shm_rings_mapped()
     a = TransferAgent(TransferConfig())
     b = TransferAgent(TransferConfig())
     _push(a, b, "one")
     _push(b, a, "two")
     poll_until(b, has_all("recvd", ["one"]), timeout_s=10)
     poll_until(a, has_all("recvd", ["two"]), timeout_s=10)
+    assert shm_rings_mapped() == rings_before + 4  # both links, each mapped by both ends
     a.start_send("left-open", b.endpoint, [LayerSpec.of(LAYERS[0])])  # in flight at close
     assert len(set(threading.enumerate()) - threads_before) >= 6  # control + plane threads
     a.close()
@@ -79,4 +89,5 @@ def test_close_leaves_no_thread_or_socket() -> None:
     b.close()  # idempotent
     assert set(threading.enumerate()) == threads_before
     assert _open_fds() <= fds_before
+    assert shm_rings_mapped() == rings_before and not any("kvwire" in n for n in os.listdir("/dev/shm"))
     assert "left-open" in a.poll().failed

@@ -77,6 +77,18 @@ def has_all(key: str, ids: Sequence[str]) -> Callable[[dict[str, dict[str, str]]
     return lambda ev: all(t in ev[key] for t in ids)
 
 
+def plane_address(agent: Any, backend: str) -> str:
+    """One member plane's address out of ``agent.data_address`` ("shm=@...,tcp=host:port")."""
+    parts = dict(part.split("=", 1) for part in agent.data_address.split(","))
+    return parts[backend]
+
+
+def shm_rings_mapped() -> int:
+    """Shared-memory plane rings mapped into this process (memfds: they have no /dev/shm name)."""
+    with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+        return sum("kvwire-shm-ring" in line for line in f)
+
+
 class PeerProcess:
     """A TransferAgent in a child process, driven by JSON-line RPC. Always ``kill()`` it."""
 

@@ -137,6 +137,7 @@ def main() -> None:
     parser.add_argument("--secret", default=None)
     parser.add_argument("--budget", type=int, default=1 << 30)
     parser.add_argument("--spill", type=int, default=1 << 30)
+    parser.add_argument("--transport", default="auto")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     cfg = TransferConfig(
@@ -144,6 +145,7 @@ def main() -> None:
         secret=args.secret.encode() if args.secret else None,
         recv_budget_bytes=args.budget,
         spill_budget_bytes=args.spill,
+        transport=args.transport,
     )
     agent = TransferAgent(cfg)
     peer = Peer(agent)

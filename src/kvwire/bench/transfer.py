@@ -11,7 +11,9 @@ source. Baseline in the same run: ``copy`` (gather each layer, ``send_layer``, s
 agent's generic API). Ceiling: a raw loopback socket moving the same number of bytes (``sendall`` ->
 ``recv_into`` a preallocated buffer) in the same process.
 
-``--backend nccl`` runs ``kvwire.bench.transfer_nccl`` (GPU machines).
+``--backend nccl`` runs ``kvwire.bench.transfer_nccl`` (GPU machines), ``--backend shm``
+:mod:`kvwire.bench.transfer_shm` (shared memory vs memcpy vs TCP), ``--backend ipc``
+:mod:`kvwire.bench.transfer_ipc` (CUDA IPC, two processes on one GPU).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from kvwire.connector.metadata import KvwireConnectorMetadata, RecvSpec, SendSpe
 from kvwire.connector.metrics import connector_metrics
 from kvwire.connector.worker import KvwireWorkerConnector
 from kvwire.transfer import Backend, LayerSpec, TransferAgent, TransferConfig
-from kvwire.transfer.enums import KVLayout
+from kvwire.transfer.enums import KVLayout, Transport
 from kvwire.transfer.paged import block_ids_tensor, gather_blocks, gathered_shape, scatter_blocks
 from kvwire.transfer.planes.tcp.wire import recv_exact, tensor_bytes, tune
 
@@ -81,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument(
+        "--shm-ring-mib", type=int, default=None, help="--backend shm: ring per link (default: the config's)"
+    )
     _add_nccl_arguments(parser)
 
 
@@ -101,6 +106,10 @@ def _add_nccl_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.backend in (Backend.SHM.value, Backend.IPC.value):
+        module = importlib.import_module(f"kvwire.bench.transfer_{args.backend}")
+        code: int = module.run(args)
+        return code
     if args.backend == Backend.NCCL.value:
         try:
             module = importlib.import_module("kvwire.bench.transfer_nccl")
@@ -261,7 +270,8 @@ def _ceiling_once(src: torch.Tensor, dst: torch.Tensor, buffer_bytes: int) -> fl
 
 def measure(tokens: int, shape: Shape, repeats: int) -> SizeResult:
     caches = _Caches(tokens, shape)
-    cfg = TransferConfig(recv_budget_bytes=max(256 * MiB, 4 * caches.spec.num_bytes), spill_budget_bytes=0)
+    budget = max(256 * MiB, 4 * caches.spec.num_bytes)
+    cfg = TransferConfig(recv_budget_bytes=budget, spill_budget_bytes=0, transport=Transport.TCP)
     times: dict[str, list[float]] = {"zero_copy": [], "copy": [], "ceiling": []}
     verified = True
     flat_dst = torch.empty(caches.num_bytes, dtype=torch.uint8)  # the ceiling's destination

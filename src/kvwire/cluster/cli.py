@@ -17,6 +17,7 @@ from kvwire.auth import API_KEY_ENV
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.errors import ClusterError, ConfigError
 from kvwire.kv_params import LoadFailurePolicy, TransferMode
+from kvwire.transfer.enums import Transport
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--port", type=int, default=8000, help="router HTTP port, 0 = any (default %(default)s)"
     )
     parser.add_argument("--kv-deadline-s", type=float, default=30.0, help="KV deadline / lease")
+    parser.add_argument("--kv-transport", choices=[t.value for t in Transport], default=Transport.AUTO.value,
+                        help="KV data plane of every instance: auto (negotiated per peer) or forced")
     parser.add_argument("--kv-load-failure-policy", choices=[p.value for p in LoadFailurePolicy],
                         default=LoadFailurePolicy.RECOMPUTE.value,
                         help="what decode instances do when remote KV cannot be loaded (default %(default)s)")
@@ -56,7 +59,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     return ClusterSpec(
         num_prefill=args.prefill, num_decode=args.decode, num_both=args.both, model=args.model,
         device=args.device, mode=TransferMode(args.mode), host=args.host, port=args.port,
-        kv_deadline_s=args.kv_deadline_s,
+        kv_deadline_s=args.kv_deadline_s, kv_transport=Transport(args.kv_transport),
         kv_load_failure_policy=LoadFailurePolicy(args.kv_load_failure_policy),
         start_timeout_s=args.start_timeout_s, stop_grace_s=args.stop_grace_s,
         serve_args=tuple(args.serve_arg), spread_gpus=args.spread_gpus, api_key=args.api_key,

@@ -91,7 +91,7 @@ def _handover_summary(url: str | None, api_key: str | None = None) -> str:
     except OSError as exc:  # URLError, timeouts, refused: say so, keep the demo's summary going
         return f"metrics unavailable ({exc})"
     wanted = ("kvwire_pd_transfers_completed_total", "kvwire_pd_transfer_bytes_total",
-              "kvwire_kv_blocks_in_use")
+              "kvwire_kv_blocks_in_use", "kvwire_kv_peers")  # kvwire_kv_peers{transport}: the plane
     lines = [line for line in text.splitlines() if line.startswith(wanted)]
     return "; ".join(lines) or "no P/D metrics"
 

@@ -34,6 +34,7 @@ from kvwire.discovery.messages import InstanceRole
 from kvwire.enum_values import as_enum
 from kvwire.errors import ClusterError, ConfigError
 from kvwire.kv_params import LoadFailurePolicy, TransferMode
+from kvwire.transfer.enums import Transport
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,7 @@ class ClusterSpec:
     host: str = "127.0.0.1"
     port: int = 0  # the router's HTTP port; 0 = any free port
     kv_deadline_s: float = 30.0
+    kv_transport: Transport = Transport.AUTO  # KV data plane of every instance (auto: negotiated)
     kv_load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE  # of decode instances
     heartbeat_interval_s: float = 1.0
     instance_ttl_s: float = 3.0
@@ -82,6 +84,7 @@ class ClusterSpec:
             raise ConfigError("P/D needs at least one prefill and one decode instance (or neither)")
         # Frozen: the converted members are stored with object.__setattr__ (dataclasses' own way).
         object.__setattr__(self, "mode", as_enum(TransferMode, self.mode, "mode"))
+        object.__setattr__(self, "kv_transport", as_enum(Transport, self.kv_transport, "kv_transport"))
         policy = as_enum(LoadFailurePolicy, self.kv_load_failure_policy, "kv_load_failure_policy")
         object.__setattr__(self, "kv_load_failure_policy", policy)
         if not 0 <= self.port <= 65535:
@@ -202,7 +205,7 @@ class LocalCluster:
             "serve", "--model", spec.model, "--device", spec.device, "--host", spec.host, "--port", "0",
             "--role", role.value, "--router", self.discovery_address, "--instance-id", name,
             "--heartbeat-interval-s", str(spec.heartbeat_interval_s), "--kv-mode", spec.mode.value,
-            "--kv-deadline-s", str(spec.kv_deadline_s),
+            "--kv-deadline-s", str(spec.kv_deadline_s), "--kv-transport", spec.kv_transport.value,
             "--kv-load-failure-policy", spec.kv_load_failure_policy.value,
             "--tensor-parallel-size", str(spec.decode_tp if role is InstanceRole.DECODE else spec.prefill_tp),
             *spec.serve_args,

@@ -65,6 +65,8 @@ class InstanceLoad(msgspec.Struct, frozen=True, kw_only=True):
     num_waiting: int = 0
     free_kv_blocks: int = 0
     total_kv_blocks: int = 0
+    # peer KV endpoint -> the data plane negotiated with it (shm, tcp, nccl, ipc; "none")
+    kv_transports: dict[str, str] = msgspec.field(default_factory=dict)
 
     @property
     def num_requests(self) -> int:

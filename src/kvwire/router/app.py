@@ -228,6 +228,7 @@ class RouterServer:
                 "num_waiting": load.num_waiting,
                 "free_kv_blocks": load.free_kv_blocks,
                 "total_kv_blocks": load.total_kv_blocks,
+                "kv_transports": dict(load.kv_transports),
             },
             "router_inflight": {"requests": requests, "tokens": tokens},
             "kv_cache": {

@@ -15,6 +15,7 @@ from kvwire.auth import ApiKeyConfig, keys_from_cli
 from kvwire.errors import ConfigError, KvwireError
 from kvwire.kv_params import TransferMode
 from kvwire.server.config import KVLoadFailure, ServerConfig, ServerRole
+from kvwire.transfer.enums import Transport
 from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default P/D transfer mode (the router's kv_transfer_params.mode wins)")
     parser.add_argument("--kv-deadline-s", type=float, default=30.0,
                         help="push transfer deadline / pull lease of P's blocks")
+    parser.add_argument("--kv-transport", choices=[t.value for t in Transport], default=Transport.AUTO.value,
+                        help="KV data plane: auto (negotiated per peer: ipc > shm > nccl > tcp) or forced")
     parser.add_argument("--kv-load-failure-policy", choices=[p.value for p in KVLoadFailure],
                         default=KVLoadFailure.RECOMPUTE.value,
                         help="decode side: recompute the prompt or fail the request when KV does not arrive")
@@ -79,6 +82,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         kv_port=args.kv_port,
         kv_mode=TransferMode(args.kv_mode),
         kv_deadline_s=args.kv_deadline_s,
+        kv_transport=Transport(args.kv_transport),
         kv_load_failure_policy=KVLoadFailure(args.kv_load_failure_policy),
         shutdown_deadline_s=args.shutdown_deadline_s,
         client_write_timeout_s=args.client_write_timeout_s,

@@ -10,8 +10,10 @@ import enum
 
 from kvwire.auth import ApiKeyConfig
 from kvwire.discovery.address import parse_discovery_address
+from kvwire.enum_values import as_enum
 from kvwire.errors import ConfigError
 from kvwire.kv_params import LoadFailurePolicy, TransferMode
+from kvwire.transfer.enums import Transport
 from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 
 # The one policy enum (kvwire.kv_params); this name is the server's spelling of it.
@@ -46,6 +48,8 @@ class ServerConfig:
     # P/D connector defaults (the router's per-request kv_transfer_params may override mode/deadline).
     kv_mode: TransferMode = TransferMode.PUSH
     kv_deadline_s: float = 30.0  # push transfer deadline and pull lease on P's blocks
+    # Data plane per peer: negotiated (auto: shm on one host for CPU, else tcp / nccl) or forced.
+    kv_transport: Transport = Transport.AUTO
     # D: what to do when remote KV does not arrive (recompute the prompt locally, or fail the request).
     kv_load_failure_policy: KVLoadFailure = KVLoadFailure.RECOMPUTE
     # NCCL data plane tuning (--device cuda P/D); the CLI reads KVWIRE_NCCL_* once into it.
@@ -68,6 +72,7 @@ class ServerConfig:
             raise ConfigError(f"role must be a ServerRole, got {self.role!r}")
         if not isinstance(self.kv_mode, TransferMode):
             raise ConfigError(f"kv_mode must be a TransferMode, got {self.kv_mode!r}")
+        object.__setattr__(self, "kv_transport", as_enum(Transport, self.kv_transport, "kv_transport"))
         if not isinstance(self.kv_load_failure_policy, KVLoadFailure):
             policy = self.kv_load_failure_policy
             raise ConfigError(f"kv_load_failure_policy must be a KVLoadFailure, got {policy!r}")

@@ -31,6 +31,11 @@ class ConnectorSet:
     enabled: bool = False
     worker_factory: Any = None  # builds rank r's worker half in that rank's process (TP > 1)
 
+    def kv_transports(self) -> dict[str, str]:
+        """Peer KV endpoint -> the data plane negotiated with it (empty without a transfer agent)."""
+        peer_transports = getattr(getattr(self.worker, "agent", None), "peer_transports", None)
+        return dict(peer_transports()) if peer_transports is not None else {}
+
     def close(self) -> None:
         for half in (self.worker, self.scheduler):
             close = getattr(half, "close", None)
@@ -76,7 +81,7 @@ def build_connector_set(
         ) from exc
     transfer = TransferConfig(
         host=config.public_host(), control_port=config.kv_port,
-        backend=Backend.NCCL if engine_config.is_cuda else Backend.TCP,
+        backend=Backend.NCCL if engine_config.is_cuda else Backend.TCP, transport=config.kv_transport,
         device=engine_config.device, default_deadline_s=config.kv_deadline_s,
         secret=secret.encode() if secret else None, nccl=config.kv_nccl,
     )
@@ -93,6 +98,10 @@ def build_connector_set(
     agent = getattr(worker, "agent", None)
     if agent is not None and registry is not None:
         registry.register(_TransferRefusals(agent))
+    if registry is not None and agent is not None and hasattr(agent, "peer_transports"):
+        from kvwire.connector.transport_metrics import TransportCollector
+
+        registry.register(TransportCollector(agent))
     endpoints = list(scheduler.kv_endpoints)  # rank 0's; the engine adds the other ranks' (TP > 1)
     logger.info("P/D connector (%s, %s) listening on %s", config.role.value, config.kv_mode.value, endpoints)
     return ConnectorSet(scheduler=scheduler, worker=worker, kv_endpoints=endpoints, enabled=True,

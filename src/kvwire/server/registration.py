@@ -36,10 +36,13 @@ def start_heartbeats(
     kv_events: KvEventLog | None = None,
     tokenizer: str = "",
     kv_layout: Any = None,
+    transports_fn: Callable[[], dict[str, str]] | None = None,
 ) -> Registration | None:
     """Start heartbeating to ``config.router_address``; returns the client (call ``close()`` to
     deregister) or None when no router is configured. ``kv_events``: the engine's prefix-cache log,
-    published to the router as KV events; ``tokenizer``: ``InstanceInfo.tokenizer``."""
+    published to the router as KV events; ``tokenizer``: ``InstanceInfo.tokenizer``;
+    ``transports_fn``: peer KV endpoint -> data plane negotiated with it (reported in each
+    heartbeat's load, shown by the router's /instances)."""
     if config.router_address is None:
         return None
     from kvwire.discovery import InstanceLoad, start_registration
@@ -51,6 +54,7 @@ def start_heartbeats(
             num_waiting=stats.num_waiting + stats.num_waiting_for_remote_kv,
             free_kv_blocks=max(0, stats.kv_blocks_total - stats.kv_blocks_in_use),
             total_kv_blocks=stats.kv_blocks_total,
+            kv_transports=transports_fn() if transports_fn is not None else {},
         )
 
     return start_registration(

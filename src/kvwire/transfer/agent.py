@@ -30,6 +30,7 @@ from kvwire.transfer.messages import Abort, Ack, AnyMsg, Grant, Offer, Pull, Tra
 from kvwire.transfer.paged_kv import BlockTarget, PagedKV
 from kvwire.transfer.planes.base import DataPlane
 from kvwire.transfer.planes.factory import make_plane
+from kvwire.transfer.planes.plane_set import PlaneSet
 from kvwire.transfer.receiver import Receiver
 from kvwire.transfer.sender import Sender
 from kvwire.transfer.stats import TransferStats
@@ -49,7 +50,8 @@ class TransferAgent:
         self.config = config
         self._instance_id = secrets.token_hex(8)
         self._paged: PagedKV | None = None
-        plane = plane_factory(config, self._instance_id)
+        # every held plane behind one DataPlane, routed per peer (negotiated; decision 075)
+        self._planes = plane = plane_factory(config, self._instance_id)
         memory = RecvMemory(
             config.recv_budget_bytes,
             config.spill_budget_bytes,
@@ -78,6 +80,18 @@ class TransferAgent:
     def data_address(self) -> str:
         """The data plane's address (TCP: "host:port"); peers learn it from control messages."""
         return self._core.plane.address
+
+    @property
+    def transports(self) -> list[str]:
+        """The data planes this agent holds, in preference order (e.g. ``["shm", "tcp"]``)."""
+        if not isinstance(self._planes, PlaneSet):
+            return []  # a single plane a caller built (plane_factory)
+        return [backend.value for backend in self._planes.members]
+
+    def peer_transports(self) -> dict[str, str]:
+        """Peer control endpoint -> the data plane negotiated with it (``"none"``: the pair has
+        none, its transfers fail with ``transport``). Latest epoch of each peer seen."""
+        return self._planes.peer_transports() if isinstance(self._planes, PlaneSet) else {}
 
     @property
     def instance_id(self) -> str:

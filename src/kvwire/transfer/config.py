@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvwire.errors import ConfigError
-from kvwire.transfer.enums import Backend
+from kvwire.transfer.enums import Backend, Transport
 from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 
 GiB = 1 << 30
@@ -20,11 +20,16 @@ class TransferConfig:
     ``device``; beyond it layers go to a spill pool of at most ``spill_budget_bytes`` host memory
     (pinned when ``device`` is CUDA), allocated lazily. When both are full the receiver grants no
     more credit and senders wait (within their deadlines).
+
+    ``transport`` picks the plane per peer (docs/decisions/075-plane-negotiation.md): ``auto`` holds
+    the same-host plane of ``device`` (``shm`` on CPU) next to ``backend`` (the plane for peers on
+    other hosts) and lets each pair of agents negotiate; a forced value holds that plane alone.
     """
 
     host: str = "127.0.0.1"  # interface the control endpoint and the data plane bind to
     control_port: int = 0  # 0 = any free port (read agent.endpoint)
-    backend: Backend = Backend.TCP
+    backend: Backend = Backend.TCP  # the plane for peers on other hosts (tcp or nccl)
+    transport: Transport = Transport.AUTO  # per-peer choice (auto) or one forced plane
     device: str = "cpu"  # "cpu" or "cuda[:N]": where received layers land
     recv_budget_bytes: int = 1 * GiB
     spill_budget_bytes: int = 1 * GiB
@@ -34,6 +39,7 @@ class TransferConfig:
     socket_buffer_bytes: int = 8 * MiB  # SO_SNDBUF / SO_RCVBUF of data sockets
     max_layers_per_transfer: int = 4096  # protocol sanity bound on offers
     max_pending_transfers: int = 65536  # bound on transfers tracked per agent
+    shm_ring_bytes: int = 64 * MiB  # shared-memory plane: staging ring per inbound peer link
     # The NCCL plane's tuning (used with backend NCCL). Built at the edge: the CLI / plugin reads
     # KVWIRE_NCCL_* once (NcclPlaneConfig.from_env) and passes it down; nothing below reads the env.
     nccl: NcclPlaneConfig = dataclasses.field(default_factory=NcclPlaneConfig)
@@ -46,6 +52,14 @@ class TransferConfig:
                 object.__setattr__(self, "backend", Backend(self.backend))
             except ValueError as exc:
                 raise ConfigError(f"TransferConfig.backend: unknown backend {self.backend!r}") from exc
+        if not isinstance(self.transport, Transport):
+            try:
+                object.__setattr__(self, "transport", Transport(self.transport))
+            except ValueError as exc:
+                choices = "|".join(t.value for t in Transport)
+                msg = f"TransferConfig.transport: {self.transport!r} is not one of {choices}"
+                raise ConfigError(msg) from exc
+        self._check_transport()
         for name in ("control_port", "data_port"):
             port = getattr(self, name)
             if not 0 <= port <= 65535:
@@ -64,3 +78,20 @@ class TransferConfig:
             raise ConfigError("TransferConfig: socket_buffer_bytes and max_layers_per_transfer must be > 0")
         if not self.host:
             raise ConfigError("TransferConfig.host must not be empty")
+        if self.shm_ring_bytes < 1 * MiB:
+            raise ConfigError("TransferConfig.shm_ring_bytes must be at least 1 MiB")
+
+    def _check_transport(self) -> None:
+        if self.backend not in (Backend.TCP, Backend.NCCL):
+            raise ConfigError(
+                "TransferConfig.backend is the plane for other hosts (tcp or nccl), "
+                f"got {self.backend.value!r}; "
+                "choose same-host planes with transport"
+            )
+        cuda = self.device.startswith("cuda")
+        if self.transport is Transport.SHM and cuda:
+            raise ConfigError("transport 'shm' moves CPU tensors; a CUDA device uses 'ipc' (or 'auto')")
+        if self.transport in (Transport.IPC, Transport.NCCL) and not cuda:
+            raise ConfigError(
+                f"transport {self.transport.value!r} needs a CUDA device (device is {self.device!r})"
+            )

@@ -11,6 +11,20 @@ class Backend(str, enum.Enum):
 
     TCP = "tcp"  # raw loopback/LAN sockets, CPU tensors (kvwire.transfer.planes.tcp.plane)
     NCCL = "nccl"  # NCCL point to point between GPUs (kvwire.transfer.planes.nccl.plane)
+    SHM = "shm"  # shared-memory ring between two processes of one host, CPU tensors (planes.shm)
+    IPC = "ipc"  # CUDA IPC: the peer's KV memory mapped, copy engines, one host (planes.ipc)
+
+
+class Transport(str, enum.Enum):
+    """``--kv-transport``: which plane a pair of agents uses. ``auto`` negotiates per peer at first
+    contact (ipc > shm > nccl > tcp, among the planes both ends hold and can use together); any other
+    value forces that plane, and a pair that cannot use it fails its transfers with ``transport``."""
+
+    AUTO = "auto"
+    IPC = "ipc"
+    SHM = "shm"
+    NCCL = "nccl"
+    TCP = "tcp"
 
 
 class FailReason(str, enum.Enum):
@@ -26,6 +40,7 @@ class FailReason(str, enum.Enum):
     UNKNOWN = "unknown_transfer"  # pull for a transfer the sender does not hold
     CLOSED = "closed"  # the local agent closed
     SINK = "sink"  # the caller's sink raised
+    TRANSPORT = "transport"  # the pair cannot use the forced --kv-transport (names both ends)
     REFUSED = "refused"  # offered by another agent than the one the transfer is bound to
     OTHER = "other"  # a reason without a known prefix (never produced by the agent itself)
 

@@ -324,9 +324,10 @@ class Receiver:
         """How layer ``index`` of an ``into_blocks`` transfer lands without a host copy: "spans"
         (the plane writes into the blocks), "device" (the plane's stream scatters behind the receive),
         or None (buffered, then the sink copies)."""
-        paged, target, plane = st.paged, st.target, self.core.plane
-        if not st.expected or paged is None or target is None:
+        paged, target = st.paged, st.target
+        if not st.expected or paged is None or target is None or st.peer is None:
             return None
+        plane = self.core.plane.for_peer(st.peer)  # the plane negotiated with the sender
         if not paged.takes_exactly(target, index, num_bytes):
             return None
         if plane.supports_spans and paged.contiguous:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -15,10 +15,20 @@ from kvwire.transfer.core import Core
 from kvwire.transfer.enums import FailReason
 from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Trailer, WireLayer
 from kvwire.transfer.paged_kv import PagedKV
+from kvwire.transfer.planes.base import DataPlane
 from kvwire.transfer.types import DTYPE_NAMES, ByteSpans, LayerSpec, PeerRef, SendItem, TransferTiming
 
 SIDE = "send"
 MAX_PENDING_PULLS = 10_000
+
+
+@dataclasses.dataclass(frozen=True)
+class _Blocks:
+    """A layer handed over as blocks of the registered caches, not yet made a plane item."""
+
+    paged: PagedKV
+    block_ids: torch.Tensor
+    ready_event: Any
 
 
 @dataclasses.dataclass
@@ -30,7 +40,7 @@ class SendState:
     endpoint: str | None  # receiver's control endpoint; None until pulled
     pull_by: str | None = None  # the only endpoint that may pull (None: the first puller)
     peer: PeerRef | None = None  # bound by the first Grant (receiver's epoch + data address)
-    items: dict[int, SendItem] = dataclasses.field(default_factory=dict)  # layers handed over
+    items: dict[int, SendItem | _Blocks] = dataclasses.field(default_factory=dict)  # layers handed over
     granted: set[int] = dataclasses.field(default_factory=set)
     dispatched: set[int] = dataclasses.field(default_factory=set)
     acked: set[int] = dataclasses.field(default_factory=set)
@@ -124,44 +134,59 @@ class Sender:
     def add_layer_blocks(
         self, transfer_id: str, index: int, paged: PagedKV, block_ids: torch.Tensor, ready_event: Any
     ) -> None:
-        """One layer as blocks of the registered caches; the plane's fastest way (see paged_kv)."""
+        """One layer as blocks of the registered caches. Which way it moves (spans, a device gather,
+        a copy) depends on the plane negotiated with the receiver, known for sure only once it granted:
+        the layer waits as a :class:`_Blocks` and becomes a :class:`SendItem` at dispatch."""
         st = self._check_layer(transfer_id, index)
         if st is None:
             return
-        plane = self.core.plane
-        num_blocks = int(block_ids.numel())
+        st.items[index] = _Blocks(paged, block_ids, ready_event)
+        self._dispatch(st)
+
+    def _item(self, st: SendState, index: int, plane: DataPlane) -> SendItem:
+        """Layer ``index`` as ``plane`` (the one negotiated with the receiver) takes it best."""
+        held = st.items[index]
+        if isinstance(held, SendItem):
+            return held
+        paged, block_ids, ready_event = held.paged, held.block_ids, held.ready_event
+        tid = st.transfer_id
         if plane.supports_spans and paged.contiguous:
             spans = paged.spans(index, block_ids.tolist())
-            self.add_layer_spans(transfer_id, index, spans, ready_event)
-            return
-        if plane.supports_device_producers and paged.device_paths():
+            item = SendItem(tid, index, spans.base, ready_event, spans)
+        elif plane.supports_device_producers and paged.device_paths():
             if st.producer is None:
                 from kvwire.transfer.planes.cuda_paged import PagedLayers, SlabGather
 
-                st.slab, st.paged = paged.take_slab(num_blocks, self._allocate_slab), paged
+                st.slab = paged.take_slab(int(block_ids.numel()), self._slab_allocator(plane))
+                st.paged = paged
                 group = paged.group()
                 assert isinstance(group, PagedLayers)
                 st.producer = SlabGather(group, block_ids.to(paged.device), st.slab)
-            slab = st.slab
-            assert slab is not None
-            st.items[index] = SendItem(transfer_id, index, slab[index], ready_event, on_device=st.producer)
-            self._dispatch(st)
-            return
-        if ready_event is not None:  # order the gather after the producer's writes (CUDA)
-            ready_event.wait()
-            ready_event = None
-        tensor = paged.gather(index, block_ids)
-        if tensor.is_cuda:
-            ready_event = torch.cuda.Event()
-            ready_event.record()
-        self.add_layer(transfer_id, index, tensor, ready_event)
+            assert st.slab is not None
+            item = SendItem(tid, index, st.slab[index], ready_event, on_device=st.producer)
+        else:
+            if ready_event is not None:  # order the gather after the producer's writes (CUDA)
+                ready_event.wait()
+            tensor = paged.gather(index, block_ids)
+            event = None
+            if tensor.is_cuda:
+                event = torch.cuda.Event()
+                event.record()
+            item = SendItem(tid, index, tensor, event)
+        st.items[index] = item
+        return item
 
-    def _allocate_slab(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A send slab from the plane's zero-copy memory where it has some (NCCL moves it in place)."""
-        num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        allocate = getattr(self.core.plane, "allocate_zero_copy", None)
-        flat = allocate(num_bytes) if allocate is not None else self.core.plane.allocate(num_bytes)
-        return flat.view(dtype).view(shape)
+    @staticmethod
+    def _slab_allocator(plane: DataPlane) -> Callable[[tuple[int, ...], torch.dtype], torch.Tensor]:
+        """Send slabs from the plane's zero-copy memory where it has some (NCCL moves them in place)."""
+
+        def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            zero_copy = getattr(plane, "allocate_zero_copy", None)
+            flat = zero_copy(num_bytes) if zero_copy is not None else plane.allocate(num_bytes)
+            return flat.view(dtype).view(shape)
+
+        return allocate
 
     def add_layer(self, transfer_id: str, index: int, tensor: torch.Tensor, ready_event: Any) -> None:
         st = self._check_layer(transfer_id, index)
@@ -307,9 +332,11 @@ class Sender:
             return
         ready = sorted(i for i in st.granted if i in st.items and i not in st.dispatched)
         if ready:
+            plane = self.core.plane.for_peer(st.peer)
+            items = [self._item(st, i, plane) for i in ready]
             self._handed(st, len(ready))
             st.dispatched.update(ready)
-            self.core.plane.send(st.peer, [st.items[i] for i in ready])
+            self.core.plane.send(st.peer, items)
 
     def _dispatch_ordered(self, peer: PeerRef) -> None:
         queue = self.order.get(peer.instance_id)
@@ -323,7 +350,7 @@ class Sender:
             if st is not None:
                 self._handed(st, 1)
                 st.dispatched.add(index)
-                batch.append(st.items[index])
+                batch.append(self._item(st, index, self.core.plane.for_peer(peer)))
         if batch:
             self.core.plane.send(peer, batch)
 

@@ -16,6 +16,7 @@ from kvwire.integrations.vllm_config import (
     plugin_config_from_vllm,
 )
 from kvwire.kv_params import TransferMode
+from kvwire.transfer.enums import Transport
 
 
 def view(role: str = "kv_producer", **extra: Any) -> VllmTransferView:
@@ -27,7 +28,8 @@ def test_defaults() -> None:
     assert cfg.connector.role is ConnectorRole.PREFILL
     assert cfg.connector.mode is TransferMode.PUSH
     assert cfg.connector.use_first_token is False
-    assert cfg.data_plane is DataPlane.TCP
+    assert cfg.data_plane is DataPlane.TCP and cfg.transport is Transport.AUTO  # shm on one host
+    assert plugin_config_from_vllm(view(transport="TCP")).transport is Transport.TCP
     assert cfg.base_control_port == 0 and cfg.control_port(3) == 0
     assert cfg.router_address is None and cfg.http_url is None
     assert cfg.recv_budget_bytes == GiB and cfg.spill_budget_bytes == GiB
@@ -140,6 +142,8 @@ def test_failure_policy_follows_vllm() -> None:
         ({"kv_buffer_size": 0}, "must be > 0"),
         ({"backend": "nccl"}, "needs kv_buffer_device 'cuda'"),
         ({"backend": "rdma"}, "backend must be"),
+        ({"transport": "carrier-pigeon"}, "transport must be one of auto"),
+        ({"transport": "ipc"}, "needs kv_buffer_device 'cuda'"),
         ({"nccl_num_channels": 0, "backend": "tcp"}, "nccl_num_channels must be > 0"),
         ({"deadline_s": 0}, "deadline_s must be > 0"),
         ({"mode": ""}, "non-empty string"),

@@ -56,3 +56,14 @@ def test_bench_transfer_table(capsys: pytest.CaptureFixture[str]) -> None:
     )
     table = capsys.readouterr().out
     assert "ceiling GB/s" in table and "True" in table
+
+
+def test_bench_transfer_shm_compares_memcpy_and_tcp_in_one_run(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--log-level", "WARNING", "bench", "transfer", "--backend", "shm", "--tokens", "32"]
+    rc = main([*args, "--layers", "2", "--repeats", "1", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["backend"] == "shm"
+    (r,) = out["results"]
+    assert r["verified"] is True and min(r["shm_gbps"], r["memcpy_gbps"], r["tcp_gbps"]) > 0
+    assert r["vs_memcpy"] == pytest.approx(r["shm_gbps"] / r["memcpy_gbps"])
+    assert r["vs_tcp"] == pytest.approx(r["shm_gbps"] / r["tcp_gbps"])

@@ -16,9 +16,11 @@ from kvwire.transfer.paged import KVLayout, block_ids_tensor, block_spans, gathe
 Events = dict[str, dict[str, str]]
 
 
-@pytest.fixture
-def pair() -> Iterator[tuple[TransferAgent, TransferAgent]]:
-    with TransferAgent(TransferConfig()) as a, TransferAgent(TransferConfig()) as b:
+@pytest.fixture(params=["auto", "tcp"])
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[TransferAgent, TransferAgent]]:
+    """Two agents on the plane they negotiate by default (shared memory) or on forced TCP."""
+    cfg = TransferConfig(transport=request.param)
+    with TransferAgent(cfg) as a, TransferAgent(cfg) as b:
         yield a, b
 
 

@@ -137,6 +137,13 @@ class DataPlane(abc.ABC):
         """``peer`` sent handshake bytes (non-empty ``plane_info``). Must not block."""
         del peer, info
 
+    def for_peer(self, peer: PeerRef) -> DataPlane:
+        """The plane that moves data with ``peer``: its flags (``supports_spans``, device
+        producers/consumers) say which items it takes, and a GPU plane's ``allocate_zero_copy`` is
+        reached through it. This plane itself, except for a set of planes routing per peer."""
+        del peer
+        return self
+
     def allocate(self, num_bytes: int) -> torch.Tensor:
         """A flat ``uint8`` receive buffer in the receive budget (on the plane's device)."""
         return torch.empty(num_bytes, dtype=torch.uint8)

@@ -1,4 +1,4 @@
-"""Build the data plane a :class:`~kvwire.transfer.config.TransferConfig` names.
+"""Build the data planes a :class:`~kvwire.transfer.config.TransferConfig` asks for.
 
 Each plane is imported only when chosen, so a CPU process never imports the NCCL modules, and
 ``planes.base`` imports no plane (the planes import it: dependencies point one way).
@@ -7,19 +7,47 @@ Each plane is imported only when chosen, so a CPU process never imports the NCCL
 from __future__ import annotations
 
 from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.enums import Backend
+from kvwire.transfer.enums import Backend, Transport
 from kvwire.transfer.planes.base import DataPlane
+from kvwire.transfer.planes.plane_set import PlaneSet
 
 
-def make_plane(config: TransferConfig, instance_id: str) -> DataPlane:
-    """The plane for ``config.backend``, configured from ``config`` alone (nothing read from the
-    environment here: the CLI / plugin config built ``config`` at the edge)."""
-    if config.backend is Backend.TCP:
+def held_backends(config: TransferConfig) -> list[Backend]:
+    """The planes an agent holds, in preference order: the forced one alone, or (``auto``) the
+    same-host plane of its device next to ``config.backend`` (the plane for other hosts).
+
+    CUDA agents hold no same-host plane under ``auto`` yet: the IPC plane is chosen by forcing
+    ``ipc`` until it has been measured on GPUs (docs/decisions/077-cuda-ipc-plane.md)."""
+    if config.transport is not Transport.AUTO:
+        return [Backend(config.transport.value)]
+    if config.device.startswith("cuda"):
+        return [config.backend]
+    return [Backend.SHM, config.backend]
+
+
+def make_member(backend: Backend, config: TransferConfig, instance_id: str) -> DataPlane:
+    """One plane, configured from ``config`` alone (nothing read from the environment here: the CLI /
+    plugin config built ``config`` at the edge)."""
+    if backend is Backend.TCP:
         from kvwire.transfer.planes.tcp.plane import TcpPlane
 
         return TcpPlane(config, instance_id)
-    if config.backend is Backend.NCCL:
+    if backend is Backend.NCCL:
         from kvwire.transfer.planes.nccl.plane import NcclPlane
 
         return NcclPlane(config, instance_id)
-    raise AssertionError(f"no plane for backend {config.backend!r}")  # Backend is exhaustive here
+    if backend is Backend.SHM:
+        from kvwire.transfer.planes.shm.plane import ShmPlane
+
+        return ShmPlane(config, instance_id)
+    if backend is Backend.IPC:
+        from kvwire.transfer.planes.ipc.plane import IpcPlane
+
+        return IpcPlane(config, instance_id)
+    raise AssertionError(f"no plane for backend {backend!r}")  # Backend is exhaustive here
+
+
+def make_plane(config: TransferConfig, instance_id: str) -> PlaneSet:
+    """The agent's plane set: every held plane behind one :class:`DataPlane`, routed per peer."""
+    members = [(b, make_member(b, config, instance_id)) for b in held_backends(config)]
+    return PlaneSet(members, instance_id, config.device, config.transport)

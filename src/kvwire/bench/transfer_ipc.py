@@ -1,0 +1,213 @@
+"""``kvwire bench transfer --backend ipc``: the CUDA IPC plane, two processes on one GPU, against a
+device-to-device copy of the same bytes in one process (same run). Needs one CUDA GPU.
+
+Workload as :mod:`kvwire.bench.transfer` (Llama-3-8B-shaped paged KV, the request's blocks scattered
+differently in both caches), moved paged -> paged as byte spans: the sender's plane copies P's blocks
+straight into D's granted blocks. Time: ``start_send`` to ``finished_sending`` on P (every layer
+acknowledged by D after it landed), best of ``--repeats``; D checks every destination block of the
+last run. Baseline: one contiguous ``copy_`` of the same number of bytes on the same GPU.
+Goal (issue 17): >= 0.8 of the baseline at >= 2048 tokens, >= 0.5 at 512.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing as mp
+import time
+import uuid
+from multiprocessing.connection import Connection
+
+import torch
+
+from kvwire.bench.transfer import MiB, Shape
+
+DEFAULT_TOKENS = (512, 2048, 8192)
+DEVICE = "cuda:0"
+
+
+@dataclasses.dataclass
+class IpcResult:
+    tokens: int
+    num_bytes: int
+    ipc_seconds: float
+    ipc_gbps: float
+    d2d_seconds: float  # one contiguous device-to-device copy of the same bytes, one process
+    d2d_gbps: float
+    ratio: float
+    verified: bool
+
+
+def _ids(tokens: int, shape: Shape, seed: int) -> tuple[int, list[int]]:
+    num_blocks = -(-tokens // shape.block_size)
+    total = num_blocks + max(16, num_blocks // 4)
+    gen = torch.Generator().manual_seed(seed)
+    return total, torch.randperm(total, generator=gen)[:num_blocks].tolist()
+
+
+def _layer_shape(total: int, shape: Shape) -> tuple[int, ...]:
+    return (2, total, shape.block_size, shape.num_kv_heads, shape.head_dim)
+
+
+def _receiver(conn: Connection, tokens: int, shape: Shape, runs: int) -> None:
+    from kvwire.transfer import TransferAgent, TransferConfig
+    from kvwire.transfer.enums import Transport
+    from kvwire.transfer.paged import KVLayout, block_spans, gather_blocks
+
+    torch.cuda.set_device(0)
+    total, dst_ids = _ids(tokens, shape, 2)
+    _, src_ids = _ids(tokens, shape, 1)
+    dst = [
+        torch.zeros(_layer_shape(total, shape), dtype=shape.dtype, device=DEVICE)
+        for _ in range(shape.num_layers)
+    ]
+    with TransferAgent(
+        TransferConfig(device=DEVICE, transport=Transport.IPC, default_deadline_s=120.0)
+    ) as agent:
+        conn.send(agent.endpoint)
+        verified = True
+        for run in range(runs):
+            tid = conn.recv()
+            agent.expect(
+                tid,
+                num_layers=shape.num_layers,
+                scatter_into=lambda i: block_spans(dst[i], dst_ids, KVLayout.KV_FIRST),
+            )
+            deadline = time.monotonic() + 120
+            while True:
+                ev = agent.poll()
+                if tid in ev.failed:
+                    raise RuntimeError(f"receive failed: {ev.failed[tid]}")
+                if tid in ev.finished_recving:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError("receive did not finish in 120 s")
+                time.sleep(0.0005)
+            if run == runs - 1:
+                gen = torch.Generator().manual_seed(tokens)
+                for layer in range(shape.num_layers):
+                    src = torch.randn(_layer_shape(total, shape), generator=gen).to(shape.dtype)
+                    want = gather_blocks(src, torch.tensor(src_ids), KVLayout.KV_FIRST)
+                    got = gather_blocks(dst[layer].cpu(), torch.tensor(dst_ids), KVLayout.KV_FIRST)
+                    verified = verified and torch.equal(want.view(torch.int16), got.view(torch.int16))
+            conn.send("received")
+        conn.send(verified)
+
+
+def _sender(conn: Connection, tokens: int, shape: Shape, runs: int) -> list[float]:
+    from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
+    from kvwire.transfer.enums import Transport
+    from kvwire.transfer.paged import KVLayout, block_spans
+
+    total, src_ids = _ids(tokens, shape, 1)
+    gen = torch.Generator().manual_seed(tokens)
+    src = [
+        torch.randn(_layer_shape(total, shape), generator=gen).to(shape.dtype).to(DEVICE)
+        for _ in range(shape.num_layers)
+    ]
+    spans = [block_spans(t, src_ids, KVLayout.KV_FIRST) for t in src]
+    spec = LayerSpec((spans[0].num_bytes,), torch.uint8)
+    times = []
+    with TransferAgent(
+        TransferConfig(device=DEVICE, transport=Transport.IPC, default_deadline_s=120.0)
+    ) as agent:
+        peer = conn.recv()
+        for _ in range(runs):
+            tid = uuid.uuid4().hex
+            conn.send(tid)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            agent.start_send(tid, peer, [spec] * shape.num_layers)
+            for layer, s in enumerate(spans):
+                agent.send_layer_spans(tid, layer, s)
+            while True:
+                ev = agent.poll()
+                if tid in ev.failed:
+                    raise RuntimeError(f"send failed: {ev.failed[tid]}")
+                if tid in ev.finished_sending:
+                    break
+                time.sleep(0.0002)
+            times.append(time.perf_counter() - start)
+            assert conn.recv() == "received"
+    return times
+
+
+def _d2d(num_bytes: int, repeats: int) -> float:
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def measure(tokens: int, shape: Shape, repeats: int) -> IpcResult:
+    ctx = mp.get_context("spawn")
+    left, right = ctx.Pipe()
+    runs = repeats + 1  # the first maps the receiver's memory (warm-up)
+    receiver = ctx.Process(target=_receiver, args=(right, tokens, shape, runs), daemon=True)
+    receiver.start()
+    try:
+        times = _sender(left, tokens, shape, runs)
+        verified = bool(left.recv())
+    finally:
+        receiver.join(timeout=30)
+        if receiver.is_alive():
+            receiver.kill()
+    num_blocks = -(-tokens // shape.block_size)
+    num_bytes = 2 * num_blocks * shape.block_size * shape.num_kv_heads * shape.head_dim * shape.dtype.itemsize
+    num_bytes *= shape.num_layers
+    ipc_s, d2d_s = min(times[1:]), _d2d(num_bytes, max(3, repeats))
+    return IpcResult(
+        tokens,
+        num_bytes,
+        ipc_s,
+        num_bytes / ipc_s / 1e9,
+        d2d_s,
+        num_bytes / d2d_s / 1e9,
+        d2d_s / ipc_s,
+        verified,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("kvwire bench transfer --backend ipc: needs a CUDA GPU")
+        return 2
+    shape = Shape(num_layers=args.layers)
+    results = [measure(t, shape, max(1, args.repeats)) for t in (args.tokens or DEFAULT_TOKENS)]
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "benchmark": "transfer",
+                    "backend": "ipc",
+                    "results": [dataclasses.asdict(r) for r in results],
+                }
+            )
+        )
+    else:
+        print(
+            f"KV transfer over CUDA IPC, two processes on one GPU, {shape.num_layers} layers, paged -> paged"
+        )
+        print(
+            f"{'tokens':>7} {'MiB':>7} {'ipc ms':>8} {'GB/s':>7} {'d2d ms':>8} {'GB/s':>7} "
+            f"{'ratio':>6}  verified"
+        )
+        for r in results:
+            print(
+                f"{r.tokens:>7} {r.num_bytes / MiB:>7.1f} {r.ipc_seconds * 1e3:>8.3f} {r.ipc_gbps:>7.1f} "
+                f"{r.d2d_seconds * 1e3:>8.3f} {r.d2d_gbps:>7.1f} {r.ratio:>6.2f}  {r.verified}"
+            )
+        print(
+            "ratio: ipc GB/s / one-process device-to-device copy GB/s "
+            "(goal >= 0.8 at >= 2048 tokens, >= 0.5 at 512)"
+        )
+    return 0 if all(r.verified for r in results) else 1

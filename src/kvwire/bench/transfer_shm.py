@@ -1,0 +1,227 @@
+"""``kvwire bench transfer --backend shm``: the shared-memory plane against memcpy and the TCP plane.
+
+Same workload as the TCP benchmark (:mod:`kvwire.bench.transfer`: Llama-3-8B-shaped paged KV, the
+request's blocks scattered in both caches, paged -> paged as byte spans, every destination byte
+checked). Measured in one run, interleaved, best of ``--repeats``:
+
+* ``shm``: two agents negotiating the shared-memory plane (the default between processes of one host);
+* (a) ``memcpy``: one single-threaded copy of the same number of bytes, contiguous to contiguous
+  (numpy ``copyto``: one ``memcpy``) - the ceiling of any one-copy path;
+* (b) ``tcp``: two agents forced to the TCP plane (zero-copy iovecs, as today between hosts).
+
+P (this process) and D (a spawned child process, as prefill and decode are) each hold one agent per
+plane; the clock runs from ``start_send`` until every layer is acknowledged by D. D checks every
+destination block of the last run of each plane.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import platform
+import time
+import uuid
+from multiprocessing.connection import Connection
+
+import numpy as np
+import torch
+
+from kvwire.bench.transfer import MiB, Shape, _Caches
+from kvwire.transfer import TransferAgent, TransferConfig
+from kvwire.transfer.enums import Transport
+from kvwire.transfer.paged import KVLayout, block_spans
+
+DEFAULT_TOKENS = (512, 2048, 8192)
+
+
+@dataclasses.dataclass
+class ShmResult:
+    tokens: int
+    num_bytes: int
+    shm_seconds: float
+    shm_gbps: float
+    memcpy_seconds: float  # (a) one single-threaded memcpy of the same bytes
+    memcpy_gbps: float
+    tcp_seconds: float  # (b) the TCP plane, same workload
+    tcp_gbps: float
+    vs_memcpy: float  # shm_gbps / memcpy_gbps (goal >= 0.7 at >= 2048 tokens)
+    vs_tcp: float  # shm_gbps / tcp_gbps (goal >= 2 at >= 2048 tokens)
+    verified: bool
+
+
+def _memcpy_once(src: np.ndarray, dst: np.ndarray) -> float:
+    start = time.perf_counter()
+    np.copyto(dst, src)
+    return time.perf_counter() - start
+
+
+def _configs(caches: _Caches, ring_mib: int | None) -> dict[str, TransferConfig]:
+    budget = max(256 * MiB, 4 * caches.spec.num_bytes)
+    ring = {} if ring_mib is None else {"shm_ring_bytes": ring_mib * MiB}
+    return {
+        name: TransferConfig(
+            recv_budget_bytes=budget, spill_budget_bytes=0, transport=Transport(name), **ring  # type: ignore[arg-type]
+        )
+        for name in ("shm", "tcp")
+    }
+
+
+def _wait(agent: TransferAgent, tid: str, field: str) -> None:
+    deadline = time.monotonic() + 120.0
+    while True:
+        ev = agent.poll()
+        if tid in ev.failed:
+            raise RuntimeError(f"transfer failed: {ev.failed[tid]}")
+        if tid in getattr(ev, field):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError("benchmark transfer did not complete within 120 s")
+        time.sleep(0.0002)
+
+
+def _receiver_process(conn: Connection, tokens: int, shape: Shape, ring_mib: int | None) -> None:
+    """D in its own process: one receiving agent per plane, the destination cache, verification."""
+    caches = _Caches(tokens, shape)
+    configs = _configs(caches, ring_mib)
+    with TransferAgent(configs["shm"]) as shm_rx, TransferAgent(configs["tcp"]) as tcp_rx:
+        agents = {"shm": shm_rx, "tcp": tcp_rx}
+        conn.send({name: a.endpoint for name, a in agents.items()})
+        while (cmd := conn.recv()) != "stop":
+            if cmd == "zero":
+                for d in caches.dst:
+                    d.zero_()
+                conn.send(True)
+            elif cmd == "verify":
+                conn.send(caches.verify())
+            else:
+                name, tid = cmd
+                agent = agents[name]
+                agent.expect(
+                    tid,
+                    num_layers=len(caches.dst),
+                    scatter_into=lambda i: block_spans(caches.dst[i], caches.dst_ids, KVLayout.KV_FIRST),
+                    deadline_s=120.0,
+                )
+                conn.send("expecting")
+                _wait(agent, tid, "finished_recving")
+                conn.send("received")
+
+
+def _send_remote(agent: TransferAgent, conn: Connection, name: str, endpoint: str, caches: _Caches) -> float:
+    """One request's KV to D's process; the clock stops when every layer is acknowledged."""
+    tid = uuid.uuid4().hex
+    conn.send((name, tid))
+    assert conn.recv() == "expecting"
+    start = time.perf_counter()
+    agent.start_send(tid, endpoint, [caches.spec] * len(caches.src), deadline_s=120.0)
+    for i, src in enumerate(caches.src):
+        agent.send_layer_spans(tid, i, block_spans(src, caches.src_ids, KVLayout.KV_FIRST))
+    _wait(agent, tid, "finished_sending")
+    elapsed = time.perf_counter() - start
+    assert conn.recv() == "received"
+    return elapsed
+
+
+def measure(tokens: int, shape: Shape, repeats: int, ring_mib: int | None = None) -> ShmResult:
+    """P (this process) sends to D (a child process), over each plane, interleaved with memcpy."""
+    caches = _Caches(tokens, shape)
+    configs = _configs(caches, ring_mib)
+    src = np.frombuffer(torch.randint(0, 255, (caches.num_bytes,), dtype=torch.uint8).numpy(), np.uint8)
+    dst = np.empty_like(src)
+    times: dict[str, list[float]] = {"shm": [], "tcp": [], "memcpy": []}
+    verified = True
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=_receiver_process, args=(child_conn, tokens, shape, ring_mib), daemon=True)
+    child.start()
+    try:
+        with TransferAgent(configs["shm"]) as shm_tx, TransferAgent(configs["tcp"]) as tcp_tx:
+            senders = {"shm": shm_tx, "tcp": tcp_tx}
+            if not conn.poll(120.0):
+                raise TimeoutError("the receiving process did not start within 120 s")
+            endpoints = conn.recv()
+            for name, agent in senders.items():  # warm-up: links, rings, page faults
+                _send_remote(agent, conn, name, endpoints[name], caches)
+            _memcpy_once(src, dst)
+            for rep in range(repeats + 1):
+                last = rep == repeats
+                for name, agent in senders.items():
+                    if last:
+                        conn.send("zero")
+                        conn.recv()
+                    elapsed = _send_remote(agent, conn, name, endpoints[name], caches)
+                    if last:
+                        conn.send("verify")
+                        verified = verified and bool(conn.recv())
+                    else:
+                        times[name].append(elapsed)
+                if not last:
+                    times["memcpy"].append(_memcpy_once(src, dst))
+            assert shm_tx.peer_transports() == {endpoints["shm"]: "shm"}, shm_tx.peer_transports()
+            assert tcp_tx.peer_transports() == {endpoints["tcp"]: "tcp"}, tcp_tx.peer_transports()
+        conn.send("stop")
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+            child.join(timeout=10)
+    best = {k: min(v) for k, v in times.items()}
+    gbps = {k: caches.num_bytes / v / 1e9 for k, v in best.items()}
+    return ShmResult(
+        tokens=tokens,
+        num_bytes=caches.num_bytes,
+        shm_seconds=best["shm"],
+        shm_gbps=gbps["shm"],
+        memcpy_seconds=best["memcpy"],
+        memcpy_gbps=gbps["memcpy"],
+        tcp_seconds=best["tcp"],
+        tcp_gbps=gbps["tcp"],
+        vs_memcpy=gbps["shm"] / gbps["memcpy"],
+        vs_tcp=gbps["shm"] / gbps["tcp"],
+        verified=verified,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    shape = Shape(num_layers=args.layers)
+    ring_mib = getattr(args, "shm_ring_mib", None)
+    results = [measure(t, shape, max(1, args.repeats), ring_mib) for t in (args.tokens or DEFAULT_TOKENS)]
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "benchmark": "transfer",
+                    "backend": "shm",
+                    "shape": {**dataclasses.asdict(shape), "dtype": str(shape.dtype)},
+                    "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+                    "results": [dataclasses.asdict(r) for r in results],
+                }
+            )
+        )
+    else:
+        _print_table(results, shape)
+    return 0 if all(r.verified for r in results) else 1
+
+
+def _print_table(results: list[ShmResult], shape: Shape) -> None:
+    print(
+        f"KV transfer, shared memory vs memcpy vs TCP: {shape.num_layers} layers x [2, tokens, "
+        f"{shape.num_kv_heads}, {shape.head_dim}] {str(shape.dtype).removeprefix('torch.')}, paged "
+        f"(block {shape.block_size}) -> paged"
+    )
+    print(
+        f"{'tokens':>7} {'MiB':>7} {'shm ms':>8} {'GB/s':>6} {'memcpy ms':>9} {'GB/s':>6} "
+        f"{'tcp ms':>8} {'GB/s':>6} {'/memcpy':>7} {'/tcp':>5}  verified"
+    )
+    for r in results:
+        print(
+            f"{r.tokens:>7} {r.num_bytes / MiB:>7.1f} {r.shm_seconds * 1e3:>8.2f} {r.shm_gbps:>6.2f} "
+            f"{r.memcpy_seconds * 1e3:>9.2f} {r.memcpy_gbps:>6.2f} {r.tcp_seconds * 1e3:>8.2f} "
+            f"{r.tcp_gbps:>6.2f} {r.vs_memcpy:>7.2f} {r.vs_tcp:>5.2f}  {r.verified}"
+        )
+    print(
+        "goals at >= 2048 tokens: /memcpy >= 0.7 (one single-threaded memcpy of the same bytes), /tcp >= 2."
+    )

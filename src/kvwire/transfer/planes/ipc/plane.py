@@ -1,0 +1,271 @@
+"""CUDA IPC data plane: the sender copies straight into the receiver's GPU memory (same host).
+
+Flow (push and pull alike, after the agents negotiated ``ipc``, decision 077)::
+
+    receiver  post_recv: export the allocation under each destination (CUDA IPC handle, cached),
+              queue Dest(transfer, layer, handle, spans relative to the allocation base)
+              local_info -> the Grant's plane_info carries those Dests
+    sender    on_peer_info: remember the Dests; send(): map the handle once per peer epoch
+              (cuIpcOpenMemHandle), copy the source byte runs straight into the mapped blocks
+              (paged -> paged, no staging: coalesced runs, one Triton launch per layer), batch the
+              queued layers, synchronize once per batch, then DONE(transfer, layer) on the link
+    receiver  link reader: DONE -> on_received
+
+The link is an abstract Unix socket (as the shared-memory plane's: same hello and secret); it
+carries only DONE frames and shows a dead peer as EOF (``peer_lost``). The sender closes every
+mapping of a peer when the peer is dropped (loss, restart, close). An exporter that dies never
+crashes the importer: the driver keeps a mapped allocation alive until the importer unmaps it.
+
+Limits (first version, not yet run on a GPU): completion costs a host synchronization per batch
+(no interprocess CUDA events yet); destinations must be device memory (a host spill buffer fails the
+transfer: size ``recv_budget_bytes`` to hold what is in flight, or receive into paged spans); a
+receiver-side cancel cannot stop a copy the sender has already enqueued (at most one batch lands
+after it); PyTorch's ``expandable_segments`` memory has no IPC handle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Sequence
+
+import msgspec
+import torch
+
+from kvwire.transfer.config import TransferConfig
+from kvwire.transfer.planes.base import DataPlane, PlaneCallbacks
+from kvwire.transfer.planes.ipc.link import IpcInbound, IpcOutbound
+from kvwire.transfer.planes.ipc.runs import Dest, GrantInfo, ImportTable
+from kvwire.transfer.planes.shm.recv import shutdown
+from kvwire.transfer.planes.shm.wire import abstract_name
+from kvwire.transfer.planes.tcp.wire import CANCEL_MEMORY_S, POLL_S
+from kvwire.transfer.types import PeerRef, RecvItem, SendItem
+
+_JOIN_S = 5.0
+
+
+class IpcPlane(DataPlane):
+    """CUDA IPC data plane for GPU tensors of processes on one host."""
+
+    ordered = False
+    supports_spans = True
+
+    def __init__(self, config: TransferConfig, instance_id: str) -> None:
+        self.config = config
+        self.instance_id = instance_id
+        self.secret = config.secret
+        self.device = torch.device(config.device)
+        self.lock = threading.Lock()
+        self.closing = threading.Event()
+        self.outbound: dict[str, IpcOutbound] = {}
+        self.inbound: dict[socket.socket, str] = {}
+        self.readers: set[threading.Thread] = set()
+        self.posted: dict[tuple[str, int], str] = {}  # receiver: (transfer, layer) -> peer id
+        self.dests: dict[tuple[str, int], tuple[str, Dest]] = {}  # sender: granted destinations
+        self.cancelled: dict[str, float] = {}
+        self._pending: dict[str, list[Dest]] = {}  # receiver: Dests for the next Grant, per peer
+        self._exported: dict[int, bytes] = {}  # allocation base -> its IPC handle
+        self.imports = ImportTable(self._open, self._close)
+        self._listener: socket.socket | None = None
+        self._address = ""
+        self._acceptor: threading.Thread | None = None
+        self._callbacks: PlaneCallbacks | None = None
+
+    @property
+    def callbacks(self) -> PlaneCallbacks:
+        assert self._callbacks is not None, "start() first"
+        return self._callbacks
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    def start(self, callbacks: PlaneCallbacks) -> None:
+        self._callbacks = callbacks
+        address = f"@kvwire-ipc-{self.instance_id}-{secrets.token_hex(4)}"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(abstract_name(address))
+            listener.listen(128)
+        except OSError:
+            listener.close()
+            raise
+        listener.settimeout(POLL_S)
+        self._listener, self._address = listener, address
+        self._acceptor = threading.Thread(target=self._accept_loop, name="kvwire-ipc-accept", daemon=True)
+        self._acceptor.start()
+
+    @property
+    def address(self) -> str:
+        assert self._address, "start() first"
+        return self._address
+
+    def allocate(self, num_bytes: int) -> torch.Tensor:
+        return torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+
+    def close(self) -> None:
+        if self.closing.is_set():
+            return
+        self.closing.set()
+        with self.lock:
+            outbound = list(self.outbound.values())
+            inbound = list(self.inbound)
+        for out in outbound:
+            out.stop()
+        for conn in inbound:
+            shutdown(conn)
+        if self._acceptor is not None:
+            self._acceptor.join(timeout=_JOIN_S)
+        for out in outbound:
+            out.thread.join(timeout=_JOIN_S)
+        with self.lock:
+            readers = list(self.readers)
+        for reader in readers:
+            reader.join(timeout=_JOIN_S)
+        with self.lock:
+            self.imports.close_all()
+        if self._listener is not None:
+            self._listener.close()
+
+    # --- handles -----------------------------------------------------------------------------------
+
+    def _open(self, handle: bytes) -> int:
+        from kvwire.transfer.planes.ipc.cuda_ipc import open_handle
+
+        torch.cuda.set_device(self.device)
+        return open_handle(handle)
+
+    def _close(self, address: int) -> None:
+        from kvwire.transfer.planes.ipc.cuda_ipc import close_handle
+
+        torch.cuda.set_device(self.device)
+        close_handle(address)
+
+    def _dest(self, item: RecvItem) -> Dest:
+        """Export the allocation under ``item``'s destination (once) and describe the spans."""
+        from kvwire.transfer.planes.ipc.cuda_ipc import allocation_of, export_handle
+
+        if item.dest_spans is not None:
+            base, spans = item.dest_spans.base, list(item.dest_spans.spans)
+        else:
+            base, spans = item.dest, [(0, item.num_bytes)]
+        if base.device.type != "cuda":
+            return Dest(item.transfer_id, item.layer_index, b"", [])  # the sender fails it
+        torch.cuda.set_device(base.device)
+        alloc, _ = allocation_of(base)
+        handle = self._exported.get(alloc)
+        if handle is None:
+            handle = self._exported[alloc] = export_handle(alloc)
+        shift = base.data_ptr() - alloc
+        return Dest(item.transfer_id, item.layer_index, handle, [(shift + off, n) for off, n in spans])
+
+    # --- receiver side -----------------------------------------------------------------------------
+
+    def post_recv(self, peer: PeerRef, items: Sequence[RecvItem]) -> None:
+        dests = []
+        for item in items:
+            try:
+                dests.append(self._dest(item))
+            except Exception:  # no handle (e.g. VMM memory): the sender fails the layer
+                dests.append(Dest(item.transfer_id, item.layer_index, b"", []))
+        with self.lock:
+            for item in items:
+                self.posted[(item.transfer_id, item.layer_index)] = peer.instance_id
+            self._pending.setdefault(peer.instance_id, []).extend(dests)
+
+    def local_info(self, peer: PeerRef) -> bytes:
+        with self.lock:
+            dests = self._pending.pop(peer.instance_id, None)
+        return msgspec.msgpack.encode(GrantInfo(dests)) if dests else b""
+
+    def done(self, peer_id: str, transfer_id: str, layer: int) -> bool:
+        """A DONE frame arrived: True when it completes a layer posted for that peer."""
+        with self.lock:
+            return self.posted.pop((transfer_id, layer), None) == peer_id
+
+    # --- sender side -------------------------------------------------------------------------------
+
+    def on_peer_info(self, peer: PeerRef, info: bytes) -> None:
+        try:
+            grant = msgspec.msgpack.decode(info, type=GrantInfo)
+        except msgspec.DecodeError:
+            self.callbacks.on_protocol_error(f"IPC plane info from {peer.endpoint} does not decode")
+            return
+        with self.lock:
+            for dest in grant.dests:
+                self.dests[(dest.transfer_id, dest.layer)] = (peer.instance_id, dest)
+
+    def send(self, peer: PeerRef, items: Sequence[SendItem]) -> None:
+        with self.lock:
+            if self.closing.is_set():
+                return
+            out = self.outbound.get(peer.instance_id)
+            if out is None or out.dead:
+                out = IpcOutbound(self, peer)
+                self.outbound[peer.instance_id] = out
+                out.thread.start()
+        for item in items:
+            out.queue.put(item)
+
+    def take_dest(self, peer_id: str, transfer_id: str, layer: int) -> Dest | None:
+        with self.lock:
+            entry = self.dests.get((transfer_id, layer))
+            if entry is None or entry[0] != peer_id:
+                return None
+            del self.dests[(transfer_id, layer)]
+        return entry[1]
+
+    def is_cancelled(self, transfer_id: str) -> bool:
+        with self.lock:
+            return transfer_id in self.cancelled
+
+    # --- both --------------------------------------------------------------------------------------
+
+    def cancel(self, transfer_id: str) -> None:
+        now = time.monotonic()
+        with self.lock:
+            self.cancelled[transfer_id] = now
+            if len(self.cancelled) > 4096:
+                self.cancelled = {t: s for t, s in self.cancelled.items() if now - s < CANCEL_MEMORY_S}
+            for table in (self.posted, self.dests):
+                for key in [k for k in table if k[0] == transfer_id]:
+                    del table[key]
+
+    def drop_peer(self, peer_instance_id: str) -> None:
+        with self.lock:
+            out = self.outbound.pop(peer_instance_id, None)
+            inbound = [c for c, pid in self.inbound.items() if pid == peer_instance_id]
+            for key in [k for k, pid in self.posted.items() if pid == peer_instance_id]:
+                del self.posted[key]
+            for key in [k for k, (pid, _) in self.dests.items() if pid == peer_instance_id]:
+                del self.dests[key]
+            self._pending.pop(peer_instance_id, None)
+        if out is not None:
+            out.stop()  # its thread unmaps the peer's allocations when it ends
+        else:
+            with self.lock, contextlib.suppress(Exception):
+                self.imports.close_peer(peer_instance_id)
+        for conn in inbound:
+            shutdown(conn)
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self.closing.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self.closing.is_set():
+                    return
+                continue
+            inbound = IpcInbound(self, conn)
+            reader = threading.Thread(target=inbound.serve, name="kvwire-ipc-recv", daemon=True)
+            with self.lock:
+                if self.closing.is_set():
+                    conn.close()
+                    return
+                self.inbound[conn] = ""
+                self.readers.add(reader)
+            reader.start()

@@ -1,0 +1,1 @@
+"""Shared-memory data plane for CPU tensors of two processes on one host (see ``plane``)."""

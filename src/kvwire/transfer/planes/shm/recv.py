@@ -1,0 +1,207 @@
+"""Receiver half of the shared-memory plane: one reader thread per inbound peer connection.
+
+The reader authenticates the sender, creates this connection's ring (a memfd of
+``config.shm_ring_bytes``), passes it over (SCM_RIGHTS), then handles chunk frames in order: copy
+the chunk out of the ring into the posted destination (the caller's byte spans, or the receive
+buffer), return credit, and once a layer's last chunk landed report it (from a second thread, so the
+caller's sink for layer i overlaps the copy of layer i+1, as on the TCP plane).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hmac
+import os
+import queue
+import socket
+import threading
+from typing import TYPE_CHECKING
+
+from kvwire.errors import AuthenticationError, ProtocolError
+from kvwire.transfer.planes.shm.ring import Bytes, SpanCursor, create_ring, ring_array, tensor_array
+from kvwire.transfer.planes.shm.wire import CHUNK, CREDIT, MAGIC, RING, VERSION
+from kvwire.transfer.planes.tcp.wire import (
+    HANDSHAKE_TIMEOUT_S,
+    HELLO,
+    MAC_BYTES,
+    NONCE_BYTES,
+    hello_mac,
+    recv_bytes,
+)
+from kvwire.transfer.types import RecvItem
+
+if TYPE_CHECKING:
+    from kvwire.transfer.planes.shm.plane import ShmPlane
+
+Arrival = tuple[str, str, int] | None  # (peer id, transfer id, layer) or the end marker
+
+
+@dataclasses.dataclass
+class Landing:
+    """A layer being received: where its bytes go and how far they got."""
+
+    peer_id: str
+    item: RecvItem
+    cursor: SpanCursor
+
+
+def landing_for(peer_id: str, item: RecvItem) -> Landing:
+    if item.dest_spans is not None:
+        return Landing(peer_id, item, SpanCursor(tensor_array(item.dest_spans.base), item.dest_spans.spans))
+    if item.dest.device.type != "cpu":
+        raise ProtocolError("the shared-memory plane receives into CPU memory only")
+    return Landing(peer_id, item, SpanCursor(tensor_array(item.dest), [(0, item.num_bytes)]))
+
+
+class Inbound:
+    """Serves one accepted connection (runs on its own thread: :meth:`serve`)."""
+
+    def __init__(self, plane: ShmPlane, conn: socket.socket) -> None:
+        self.plane = plane
+        self.conn = conn
+        self.peer_id = ""
+        self._later: list[tuple[str, str]] = []  # (transfer id | "", reason): reported outside the lock
+
+    def _handshake(self) -> Bytes:
+        conn = self.conn
+        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        nonce = os.urandom(NONCE_BYTES)
+        conn.sendall(nonce)
+        magic, version, id_len = HELLO.unpack(recv_bytes(conn, HELLO.size))
+        if magic != MAGIC or version != VERSION or not 0 < id_len <= 512:
+            raise ProtocolError(f"bad shared-memory hello (magic {magic!r}, version {version})")
+        peer_id = recv_bytes(conn, id_len)
+        mac = recv_bytes(conn, MAC_BYTES)
+        if not hmac.compare_digest(mac, hello_mac(self.plane.secret, nonce, peer_id)):
+            raise AuthenticationError("shared-memory connection could not prove the shared secret")
+        size = self.plane.config.shm_ring_bytes
+        fd, ring = create_ring(size)
+        try:
+            socket.send_fds(conn, [RING.pack(size)], [fd])
+        finally:
+            os.close(fd)  # the mapping (here) and the sender's keep the memory; no name exists
+        conn.settimeout(None)
+        self.peer_id = peer_id.decode(errors="replace")
+        return ring_array(ring)
+
+    def serve(self) -> None:
+        plane = self.plane
+        arrivals: queue.SimpleQueue[Arrival] = queue.SimpleQueue()
+        reporter = threading.Thread(
+            target=self._report, args=(arrivals,), name="kvwire-shm-deliver", daemon=True
+        )
+        error: BaseException | None = None
+        try:
+            ring = self._handshake()
+            with plane.lock:
+                plane.inbound[self.conn] = self.peer_id
+            reporter.start()
+            while not plane.closing.is_set():
+                arrived = self._read_chunk(ring)
+                if arrived is not None:
+                    arrivals.put((self.peer_id, *arrived))
+        except (ProtocolError, OSError, ConnectionError, ValueError) as exc:
+            error = exc
+        finally:
+            if reporter.is_alive():  # report what fully arrived before any failure
+                arrivals.put(None)
+                reporter.join(timeout=10.0)
+            with plane.lock:
+                plane.inbound.pop(self.conn, None)
+                for key in [k for k, v in plane.landing.items() if v.peer_id == self.peer_id]:
+                    del plane.landing[key]
+            self.conn.close()
+        try:
+            self._report_end(error)
+        finally:
+            del error  # its traceback holds this frame (and the ring): no cycle keeps the mapping
+
+    def _report_end(self, error: BaseException | None) -> None:
+        plane = self.plane
+        try:
+            if isinstance(error, ProtocolError):
+                plane.callbacks.on_protocol_error(f"shared-memory connection refused: {error}")
+            elif error is not None and not self.peer_id:
+                plane.callbacks.on_protocol_error(
+                    f"shared-memory connection failed during handshake: {error}"
+                )
+            elif error is not None and not plane.closing.is_set():
+                plane.callbacks.on_peer_failed(
+                    self.peer_id, f"peer_lost: shared-memory link from peer broke: {error}"
+                )
+        finally:
+            with plane.lock:
+                plane.readers.discard(threading.current_thread())  # last: close() joins until here
+
+    def _report(self, arrivals: queue.SimpleQueue[Arrival]) -> None:
+        while (arrival := arrivals.get()) is not None:
+            peer_id, transfer_id, layer_index = arrival
+            self.plane.callbacks.on_received(peer_id, transfer_id, (layer_index,))
+
+    def _read_chunk(self, ring: Bytes) -> tuple[str, int] | None:
+        """Handle one chunk frame; (transfer id, layer) when it completed a layer."""
+        conn, plane = self.conn, self.plane
+        layer, total, layer_off, pos, num_bytes, tid_len = CHUNK.unpack(recv_bytes(conn, CHUNK.size))
+        tid = recv_bytes(conn, tid_len).decode(errors="replace")
+        at = pos % ring.size
+        if at + num_bytes > ring.size:
+            raise ProtocolError(f"chunk at ring position {pos} of {num_bytes} bytes runs past the ring")
+        key = (tid, layer)
+        with plane.lock:
+            landing = plane.landing.get(key) if layer_off else self._start_layer(key, total)
+            if landing is not None and landing.cursor.pos != layer_off:
+                landing = None
+            if landing is not None:
+                plane.writing[conn] = tid  # in the same critical section: cancel() sees it
+        if landing is None:  # only then are failures queued: none is reported while ``writing`` is set
+            self._flush_later()
+            conn.sendall(CREDIT.pack(pos + num_bytes))  # dropped (cancelled/unsolicited): free it
+            return None
+        try:
+            landing.cursor.scatter(ring, at, num_bytes)
+        finally:
+            with plane.lock:
+                plane.writing.pop(conn, None)
+                plane.written.notify_all()
+        conn.sendall(CREDIT.pack(pos + num_bytes))
+        if landing.cursor.remaining():
+            return None
+        with plane.lock:
+            done = plane.landing.pop(key, None) is landing
+        return (tid, layer) if done else None
+
+    def _start_layer(self, key: tuple[str, int], total: int) -> Landing | None:
+        """First chunk of a layer (caller holds the lock): match it to its posted receive."""
+        plane = self.plane
+        posted = plane.posted.pop(key, None)
+        if posted is None or posted[0] != self.peer_id or posted[1].num_bytes != total:
+            if posted is not None:
+                self._later.append(
+                    (key[0], f"mismatch: layer {key[1]} of {total} bytes from an unexpected sender/size")
+                )
+            elif key[0] not in plane.cancelled:
+                self._later.append(
+                    ("", f"unsolicited shared-memory chunk for {key[0]!r} layer {key[1]} ({total} B)")
+                )
+            return None
+        try:
+            landing = landing_for(self.peer_id, posted[1])
+        except ProtocolError as exc:
+            self._later.append((key[0], f"mismatch: {exc}"))
+            return None
+        plane.landing[key] = landing
+        return landing
+
+    def _flush_later(self) -> None:
+        later, self._later = self._later, []
+        for transfer_id, reason in later:
+            if transfer_id:
+                self.plane.callbacks.on_transfer_failed(transfer_id, reason)
+            else:
+                self.plane.callbacks.on_protocol_error(reason)
+
+
+def shutdown(conn: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_RDWR)

@@ -1,0 +1,190 @@
+"""Sender half of the shared-memory plane: one writer thread per peer epoch.
+
+The writer connects to the receiver's abstract Unix socket, authenticates (the TCP plane's hello),
+receives and maps the receiver's ring, then for every queued layer copies its byte runs into the
+ring chunk by chunk and announces each chunk with a small frame. The receiver returns credit (the
+ring position it has consumed) after copying each chunk out, so the ring bounds the bytes in flight
+and the two copies (this gather, the receiver's scatter) overlap chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import queue
+import select
+import socket
+import threading
+from typing import TYPE_CHECKING
+
+from kvwire.transfer.planes.shm.ring import Bytes, SpanCursor, map_ring, next_slot, ring_array, tensor_array
+from kvwire.transfer.planes.shm.wire import (
+    CHUNK,
+    CHUNK_BYTES,
+    CREDIT,
+    MAGIC,
+    VERSION,
+    abstract_name,
+    recv_ring_fd,
+)
+from kvwire.transfer.planes.tcp.wire import (
+    HANDSHAKE_TIMEOUT_S,
+    HELLO,
+    NONCE_BYTES,
+    POLL_S,
+    hello_mac,
+    recv_bytes,
+)
+from kvwire.transfer.types import PeerRef, SendItem
+
+if TYPE_CHECKING:
+    from kvwire.transfer.planes.shm.plane import ShmPlane
+
+
+class _Cancelled(Exception):
+    """The item's transfer was cancelled between two chunks."""
+
+
+class Outbound:
+    """Writer thread for one peer epoch."""
+
+    def __init__(self, plane: ShmPlane, peer: PeerRef) -> None:
+        self.plane = plane
+        self.peer = peer
+        self.queue: queue.SimpleQueue[SendItem | None] = queue.SimpleQueue()
+        self.stopped = threading.Event()
+        self.dead = False  # set under plane.lock when the thread gives up
+        self.sock: socket.socket | None = None
+        self._ring: mmap.mmap | None = None
+        self._head = 0  # ring position of the next chunk (monotonic)
+        self._consumed = 0  # ring position the receiver has copied out up to
+        self._credit_buf = b""
+        self.thread = threading.Thread(
+            target=self._run, name=f"kvwire-shm-send-{peer.instance_id[:8]}", daemon=True
+        )
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.queue.put(None)
+        sock = self.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock = sock
+        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        sock.connect(abstract_name(self.peer.data_address))
+        nonce = recv_bytes(sock, NONCE_BYTES)
+        me = self.plane.instance_id.encode()
+        sock.sendall(HELLO.pack(MAGIC, VERSION, len(me)) + me + hello_mac(self.plane.secret, nonce, me))
+        size, fd = recv_ring_fd(sock)
+        self._ring = map_ring(fd, size)
+        sock.settimeout(None)
+        return sock
+
+    def _run(self) -> None:
+        cb = self.plane.callbacks
+        try:
+            self._pump(self._connect())
+        except (OSError, ConnectionError, ValueError) as exc:
+            if not self.stopped.is_set():
+                cb.on_peer_failed(
+                    self.peer.instance_id, f"peer_lost: shared-memory link to {self.peer.endpoint}: {exc}"
+                )
+        finally:
+            self._finish()
+
+    def _pump(self, sock: socket.socket) -> None:
+        """Write queued layers until stopped (the ring's array lives in this frame only, so that
+        ``_finish`` can unmap the ring)."""
+        cb = self.plane.callbacks
+        assert self._ring is not None
+        ring = ring_array(self._ring)
+        while not self.stopped.is_set():
+            try:
+                item = self.queue.get(timeout=POLL_S)
+            except queue.Empty:
+                self._read_credit(sock, wait=False)  # also notices a receiver that went away
+                continue
+            if item is None:
+                break
+            if self.plane.is_cancelled(item.transfer_id):
+                continue
+            try:
+                self._write(sock, ring, item)
+            except _Cancelled:
+                continue
+            cb.on_sent(self.peer.instance_id, item.transfer_id, (item.layer_index,))
+
+    def _write(self, sock: socket.socket, ring: Bytes, item: SendItem) -> None:
+        if item.spans is not None:
+            cursor = SpanCursor(tensor_array(item.spans.base), item.spans.spans)
+        else:
+            tensor = item.tensor if item.tensor.device.type == "cpu" else item.tensor.cpu()
+            flat = tensor_array(tensor)
+            cursor = SpanCursor(flat, [(0, flat.size)])
+        tid = item.transfer_id.encode()
+        size = ring.size
+        chunk_max = min(CHUNK_BYTES, size // 4)
+        total = cursor.total
+        while True:
+            n = min(chunk_max, cursor.remaining())
+            pos = self._reserve(sock, n, size)
+            if self.plane.is_cancelled(item.transfer_id):
+                raise _Cancelled
+            layer_off = cursor.pos
+            cursor.gather(ring, pos % size, n)
+            sock.sendall(CHUNK.pack(item.layer_index, total, layer_off, pos, n, len(tid)) + tid)
+            self._head = pos + n
+            if cursor.remaining() == 0:
+                return
+
+    def _reserve(self, sock: socket.socket, num_bytes: int, size: int) -> int:
+        """Ring position for the next chunk, once the receiver has freed enough (waits for credit).
+        Credits are drained before every chunk, not only when the ring is full: many small layers
+        would otherwise fill the socket with unread credits until the receiver blocks writing one
+        while this side blocks writing a frame."""
+        self._read_credit(sock, wait=False)
+        pos = next_slot(self._head, num_bytes, size)
+        while pos + num_bytes - self._consumed > size:
+            if self.stopped.is_set():
+                raise ConnectionError("plane closing")
+            self._read_credit(sock, wait=True)
+        return pos
+
+    def _read_credit(self, sock: socket.socket, wait: bool) -> None:
+        readable, _, _ = select.select([sock], [], [], POLL_S if wait else 0)
+        if not readable:
+            return
+        data = sock.recv(4096)
+        if not data:
+            raise ConnectionError("receiver closed the shared-memory link")
+        buf = self._credit_buf + data
+        whole = len(buf) - len(buf) % CREDIT.size
+        if whole:
+            self._consumed = max(self._consumed, CREDIT.unpack_from(buf, whole - CREDIT.size)[0])
+        self._credit_buf = buf[whole:]
+
+    def _finish(self) -> None:
+        with self.plane.lock:
+            self.dead = True
+            if self.plane.outbound.get(self.peer.instance_id) is self:
+                del self.plane.outbound[self.peer.instance_id]
+        if self.sock is not None:
+            self.sock.close()
+        if self._ring is not None:
+            with contextlib.suppress(BufferError):  # a numpy view may still be alive: GC unmaps then
+                self._ring.close()
+        failed: set[str] = set()
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None and item.transfer_id not in failed and not self.stopped.is_set():
+                failed.add(item.transfer_id)
+                self.plane.callbacks.on_transfer_failed(
+                    item.transfer_id, "peer_lost: shared-memory link closed"
+                )
