@@ -22,6 +22,7 @@ class SendSpec:
     block_ids: tuple[int, ...]  # the prompt's blocks, in token order
     deadline_s: float
     with_trailer: bool  # the first token follows in a TrailerSpec
+    limit_s: float | None = None  # overall bound on the renewed lease (None: the agent's default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,9 @@ class RecvSpec:
     # Leading blocks D already holds (local prefix-cache hit, possibly shared with running
     # requests): their arriving copies are not written.
     skip_blocks: int = 0
+    # Push: P's endpoints, one per rank; D renews its lease with P before P's Offer arrives.
+    sender_endpoints: tuple[str, ...] = ()
+    limit_s: float | None = None  # overall bound on the renewed lease (None: the agent's default)
 
 
 @dataclasses.dataclass(frozen=True)

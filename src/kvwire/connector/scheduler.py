@@ -200,6 +200,8 @@ class KvwireSchedulerConnector(SchedulerConnector):
                 pull_from=tuple(state.params.peer_endpoints) if pull else (),
                 want_trailer=not pull and self.config.use_first_token,
                 skip_blocks=state.num_local_tokens // self.engine_info.block_size,
+                sender_endpoints=() if pull else tuple(state.params.peer_endpoints),
+                limit_s=state.params.limit_s,
             )
         )
 
@@ -239,6 +241,7 @@ class KvwireSchedulerConnector(SchedulerConnector):
                 block_ids=state.block_ids,
                 deadline_s=state.deadline_s,
                 with_trailer=push and self.config.use_first_token,
+                limit_s=state.params.limit_s,
             )
         )
 

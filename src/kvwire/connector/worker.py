@@ -41,7 +41,7 @@ class AgentLike(Protocol):
 
     def start_send(
         self, transfer_id: str, peer_endpoint: str | None, layers: Sequence[LayerSpec], *,
-        deadline_s: float | None = None, with_trailer: bool = False,
+        deadline_s: float | None = None, with_trailer: bool = False, limit_s: float | None = None,
     ) -> None: ...
 
     def send_layer(
@@ -53,6 +53,7 @@ class AgentLike(Protocol):
     def expect(
         self, transfer_id: str, *, num_layers: int, sink: LayerSink | None = None,
         deadline_s: float | None = None, pull_from: str | None = None,
+        sender: str | None = None, limit_s: float | None = None,
     ) -> None: ...
 
     def take_trailer(self, transfer_id: str) -> bytes | None: ...
@@ -222,7 +223,8 @@ class KvwireWorkerConnector(WorkerConnector):
         ]
         try:
             self.agent.start_send(
-                spec.transfer_id, peer, layers, deadline_s=spec.deadline_s, with_trailer=spec.with_trailer
+                spec.transfer_id, peer, layers, deadline_s=spec.deadline_s,
+                with_trailer=spec.with_trailer, limit_s=spec.limit_s,
             )
         except KvwireError as exc:
             logger.warning("transfer %s: start_send failed: %s", spec.transfer_id, exc)
@@ -268,12 +270,14 @@ class KvwireWorkerConnector(WorkerConnector):
                 self._recv_failed(recv, "mismatch: no P endpoint for this rank", self._pending)
                 return
             pull_from = spec.pull_from[self.engine_info.rank]
+        rank = self.engine_info.rank
+        sender = spec.sender_endpoints[rank] if rank < len(spec.sender_endpoints) else None
         self._recvs[spec.transfer_id] = recv
         sink: LayerSink = lambda index, tensor: self._sink(recv, index, tensor)  # noqa: E731
         try:
             self.agent.expect(
                 spec.transfer_id, num_layers=len(self._kv_caches), sink=sink,
-                deadline_s=spec.deadline_s, pull_from=pull_from,
+                deadline_s=spec.deadline_s, pull_from=pull_from, sender=sender, limit_s=spec.limit_s,
             )
         except KvwireError as exc:
             del self._recvs[spec.transfer_id]

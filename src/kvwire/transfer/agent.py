@@ -25,7 +25,8 @@ from kvwire.transfer.buffers import RecvMemory
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.control import TICK_S, ControlLoop
 from kvwire.transfer.core import Core
-from kvwire.transfer.messages import Abort, Ack, AnyMsg, Grant, Offer, Pull, Trailer
+from kvwire.transfer.lease import PeerState
+from kvwire.transfer.messages import Abort, Ack, AnyMsg, Grant, Offer, Pull, Renew, Trailer
 from kvwire.transfer.receiver import Receiver
 from kvwire.transfer.sender import Sender
 from kvwire.transfer.stats import TransferStats
@@ -85,9 +86,13 @@ class TransferAgent:
         *,
         deadline_s: float | None = None,
         with_trailer: bool = False,
+        limit_s: float | None = None,
     ) -> None:
         """Announce a transfer to ``peer_endpoint`` (one Offer message), or hold it for a pull
         (``peer_endpoint`` None: lease until the deadline). Never blocks on the network.
+
+        ``deadline_s`` is a liveness lease (:mod:`kvwire.transfer.lease`): renewed while the
+        receiver shows life, never past ``limit_s`` (default ``config.default_limit_s``).
 
         ``transfer_id``: caller-given, unique (e.g. a uuid minted by the router); do not reuse an id
         for a new transfer between the same agents (ended ids are remembered to reject late
@@ -95,7 +100,8 @@ class TransferAgent:
         with self._core.lock:
             self._check_open()
             deadline = self.config.default_deadline_s if deadline_s is None else deadline_s
-            self._sender.start(transfer_id, peer_endpoint, layers, deadline, with_trailer)
+            limit = self.config.default_limit_s if limit_s is None else limit_s
+            self._sender.start(transfer_id, peer_endpoint, layers, deadline, with_trailer, limit)
 
     def send_layer(
         self, transfer_id: str, layer_index: int, tensor: torch.Tensor, ready_event: Any | None = None
@@ -134,6 +140,8 @@ class TransferAgent:
         deadline_s: float | None = None,
         pull_from: str | None = None,
         scatter_into: Callable[[int], ByteSpans] | None = None,
+        sender: str | None = None,
+        limit_s: float | None = None,
     ) -> None:
         """Announce an incoming transfer (before or after its data arrives). ``sink(index, tensor)``
         runs on a transfer thread per layer (tensor valid during the call only); without a sink the
@@ -143,13 +151,19 @@ class TransferAgent:
         e.g. ``paged.block_spans(kv_cache[index], block_ids, layout)``. A plane that supports spans
         (TCP) receives straight into them, no buffer and no copy; others copy on arrival. Called under
         the agent lock when a layer is granted: must be cheap and must not call the agent. The spans
-        must stay valid until the transfer ends (finished or failed)."""
+        must stay valid until the transfer ends (finished or failed).
+
+        ``deadline_s`` is a liveness lease: renewed while the sender (``pull_from``, the Offer's
+        sender, or ``sender``: push mode's sender endpoint when known in advance) shows life, so a
+        slow but alive sender (prefill queued) does not fail it; never past ``limit_s``."""
         if sink is not None and scatter_into is not None:
             raise ValueError("expect: give a sink or scatter_into, not both")
         deadline = self.config.default_deadline_s if deadline_s is None else deadline_s
         with self._core.lock:
             self._check_open()
-            deliver = self._receiver.expect(transfer_id, num_layers, sink, deadline, pull_from, scatter_into)
+            deliver = self._receiver.expect(
+                transfer_id, num_layers, sink, deadline, pull_from, scatter_into, sender, limit_s
+            )
         if deliver:
             control = self._core.control
             assert control is not None
@@ -244,9 +258,33 @@ class TransferAgent:
             self._receiver.on_trailer(msg)
         elif isinstance(msg, Pull):
             self._sender.on_pull(msg)
+        elif isinstance(msg, Renew):
+            self._on_renew(msg)
         elif isinstance(msg, Abort):
             self._sender.on_abort(msg.transfer_id, msg.src_endpoint, msg.reason)
-            self._receiver.on_abort(msg.transfer_id, msg.src_id, msg.reason)
+            self._receiver.on_abort(msg.transfer_id, msg.src_id, msg.reason, msg.src_endpoint)
+
+    def _on_renew(self, msg: Renew) -> None:
+        """The peer is alive: extend our lease on the transfer; answer a non-reply with our state."""
+        core, tid, endpoint = self._core, msg.transfer_id, msg.src_endpoint
+        sending = self._sender.on_renew(msg)
+        receiving = self._receiver.on_renew(msg)
+        if msg.reply:
+            return
+        if sending:
+            core.send(endpoint, self._sender.renew_msg(endpoint, tid, reply=True))
+            return
+        if receiving:
+            core.send(endpoint, self._receiver.renew_msg(endpoint, tid, reply=True))
+            return
+        # the asker receives if it reports so: our side of the transfer is then the send side
+        side = "send" if msg.state == PeerState.RECEIVING.value else "recv"
+        ended = core.tombstones.get(side, tid)
+        if ended is not None and ended != "done":
+            core.send_abort(endpoint, tid, ended, msg.src_id)
+            return
+        state = PeerState.DONE if ended == "done" else PeerState.UNKNOWN
+        core.send(endpoint, Renew(**core.header(endpoint, tid, msg.src_id), state=state.value, reply=True))
 
     def _check_epoch(self, msg: AnyMsg) -> None:
         """A new instance id at a known endpoint: the old process is gone; fail its transfers."""
@@ -281,6 +319,8 @@ class TransferAgent:
                 self._next_expiry = now + TICK_S
                 self._sender.expire(now)
                 self._receiver.expire(now)
+                self._sender.renew(now)
+                self._receiver.renew(now)
             self._receiver.flush_acks()
 
     def _deliver_held(self, transfer_id: str) -> None:

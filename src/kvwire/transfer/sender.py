@@ -11,7 +11,8 @@ import torch
 
 from kvwire.errors import TransferError
 from kvwire.transfer.core import Core
-from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Trailer, WireLayer
+from kvwire.transfer.lease import Lease, PeerState
+from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Renew, Trailer, WireLayer
 from kvwire.transfer.types import DTYPE_NAMES, ByteSpans, FailReason, LayerSpec, PeerRef, SendItem
 
 SIDE = "send"
@@ -22,7 +23,7 @@ MAX_PENDING_PULLS = 10_000
 class SendState:
     transfer_id: str
     layers: list[LayerSpec]
-    deadline: float  # time.monotonic()
+    lease: Lease  # deadline, renewed while the receiver shows life, up to its limit
     with_trailer: bool
     endpoint: str | None  # receiver's control endpoint; None until pulled
     peer: PeerRef | None = None  # bound by the first Grant (receiver's epoch + data address)
@@ -57,6 +58,7 @@ class Sender:
         layers: Sequence[LayerSpec],
         deadline_s: float,
         trailer: bool,
+        limit_s: float | None = None,
     ) -> None:
         if not transfer_id:
             raise TransferError("transfer_id must not be empty")
@@ -66,7 +68,8 @@ class Sender:
             raise TransferError(f"a transfer needs 1..{self.core.config.max_layers_per_transfer} layers")
         if len(self.sends) >= self.core.config.max_pending_transfers:
             raise TransferError("too many transfers in flight", transfer_id)
-        st = SendState(transfer_id, list(layers), self.core.now() + deadline_s, trailer, endpoint)
+        lease = Lease.start(self.core.now(), deadline_s, limit_s)
+        st = SendState(transfer_id, list(layers), lease, trailer, endpoint)
         self.sends[transfer_id] = st
         self.core.stats.add("sends_started")
         if endpoint is not None:
@@ -148,7 +151,7 @@ class Sender:
             **core.header(st.endpoint, st.transfer_id),
             layers=[WireLayer(list(spec.shape), DTYPE_NAMES[spec.dtype]) for spec in st.layers],
             with_trailer=st.with_trailer,
-            deadline_s=max(st.deadline - core.now(), 1e-3),
+            deadline_s=st.lease.lease_s,
             data_address=core.plane.address,
             plane_info=info,
         )
@@ -193,10 +196,13 @@ class Sender:
         st.acked.update(i for i in msg.layers if i in st.dispatched)
         st.trailer_acked = st.trailer_acked or (msg.trailer and st.trailer_sent)
         if st.done():
-            del self.sends[st.transfer_id]
-            self.core.events.sent(st.transfer_id)
-            self.core.stats.add("sends_completed")
-            self.core.tombstones.add(SIDE, st.transfer_id, "done")
+            self._complete(st)
+
+    def _complete(self, st: SendState) -> None:
+        del self.sends[st.transfer_id]
+        self.core.events.sent(st.transfer_id)
+        self.core.stats.add("sends_completed")
+        self.core.tombstones.add(SIDE, st.transfer_id, "done")
 
     def on_pull(self, msg: Pull) -> None:
         st = self.sends.get(msg.transfer_id)
@@ -282,7 +288,7 @@ class Sender:
             self.fail(transfer_id, f"{FailReason.PEER_ABORTED.value}: {reason}", notify=False)
 
     def expire(self, now: float) -> None:
-        for tid in [t for t, st in self.sends.items() if st.deadline <= now]:
+        for tid in [t for t, st in self.sends.items() if st.lease.deadline <= now]:
             st = self.sends[tid]
             what = (
                 "not pulled"
@@ -293,6 +299,33 @@ class Sender:
         for tid in [t for t, (_, until) in self.pending_pulls.items() if until <= now]:
             msg, _ = self.pending_pulls.pop(tid)
             self.core.send_abort(msg.src_endpoint, tid, FailReason.UNKNOWN.value, msg.src_id)
+
+    # --- leases ------------------------------------------------------------------------------------------
+
+    def renew(self, now: float) -> None:
+        """Send a Renew to the receiver of every transfer whose renewal is due."""
+        for st in self.sends.values():
+            if st.endpoint is not None and st.lease.due(now):
+                self.core.send(st.endpoint, self.renew_msg(st.endpoint, st.transfer_id, reply=False))
+
+    def renew_msg(self, endpoint: str, transfer_id: str, reply: bool) -> Renew:
+        return Renew(
+            **self.core.header(endpoint, transfer_id), state=PeerState.SENDING.value, reply=reply
+        )
+
+    def on_renew(self, msg: Renew) -> bool:
+        """The receiver of ``msg.transfer_id`` is alive: extend the lease. True if the transfer is ours."""
+        st = self.sends.get(msg.transfer_id)
+        if st is None or st.endpoint != msg.src_endpoint:
+            return False
+        if st.peer is not None and st.peer.instance_id != msg.src_id:
+            return False  # an older or newer epoch of the receiver: epoch checks handle it
+        if msg.state == PeerState.DONE.value and st.peer is not None:
+            # the receiver finished (e.g. without a trailer that came too late): so did we
+            self._complete(st)
+            return True
+        st.lease.renewed(self.core.now())
+        return True
 
     def close(self, reason: str) -> None:
         for tid in list(self.sends):

@@ -106,7 +106,7 @@ class FakeAgent:
     # send side
     def start_send(
         self, transfer_id: str, peer_endpoint: str | None, layers: Sequence[LayerSpec], *,
-        deadline_s: float | None = None, with_trailer: bool = False,
+        deadline_s: float | None = None, with_trailer: bool = False, limit_s: float | None = None,
     ) -> None:
         deadline = self._deadline(deadline_s)
         self.sends[transfer_id] = _FakeSend(peer_endpoint, list(layers), deadline, with_trailer)
@@ -160,6 +160,7 @@ class FakeAgent:
     def expect(
         self, transfer_id: str, *, num_layers: int, sink: LayerSink | None = None,
         deadline_s: float | None = None, pull_from: str | None = None,
+        sender: str | None = None, limit_s: float | None = None,
     ) -> None:
         recv = self.recvs.setdefault(transfer_id, _FakeRecv(None, None, 0.0))
         recv.num_layers, recv.sink, recv.deadline = num_layers, sink, self._deadline(deadline_s)
