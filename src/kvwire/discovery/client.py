@@ -3,9 +3,11 @@
 Any host uses it: the kvwire server, the vLLM plugin, test mocks. It imports no torch.
 
 Contract:
-* :meth:`HeartbeatClient.start` starts one daemon thread that sends a :class:`Heartbeat` at once and
-  then every ``interval_s`` seconds, with the load returned by ``load_fn`` (called on that thread;
-  an exception there is logged and the heartbeat carries ``load=None``).
+* :meth:`HeartbeatClient.start` starts one daemon thread that sends a :class:`Heartbeat` at once (or,
+  with ``wait_for_http``, as soon as the instance's HTTP server answers at ``info.url``: a router must
+  not route to an instance that refuses connections) and then every ``interval_s`` seconds, with
+  the load returned by ``load_fn`` (called on that thread; an exception there is logged and the
+  heartbeat carries ``load=None``).
 * Sends never block: a ZeroMQ PUSH socket with a small high-water mark; if the router is down the
   newest few heartbeats wait in the queue and the rest are dropped (counted in ``dropped``).
 * :meth:`close` (idempotent; also the context-manager exit) stops the thread, sends a
@@ -18,6 +20,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from types import TracebackType
 
@@ -36,6 +40,19 @@ from kvwire.errors import ConfigError
 log = logging.getLogger(__name__)
 
 LoadFn = Callable[[], InstanceLoad]
+HTTP_PROBE_INTERVAL_S = 0.2
+HTTP_PROBE_TIMEOUT_S = 1.0
+
+
+def http_answers(url: str, timeout_s: float = HTTP_PROBE_TIMEOUT_S) -> bool:
+    """True when an HTTP server answers at ``url`` (``GET url/health``; any HTTP status counts)."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout_s):
+            return True
+    except urllib.error.HTTPError:
+        return True  # it answered, with an error status: it is serving HTTP
+    except (OSError, ValueError):
+        return False
 
 
 def _secret_bytes(secret: str | bytes | None) -> bytes | None:
@@ -55,6 +72,7 @@ class HeartbeatClient:
         interval_s: float = 2.0,
         secret: str | bytes | None = None,
         linger_s: float = 0.5,
+        wait_for_http: bool = False,
     ) -> None:
         if not router_address.startswith(("tcp://", "ipc://", "inproc://")):
             raise ConfigError(f"router address must look like tcp://host:port, got {router_address!r}")
@@ -66,6 +84,7 @@ class HeartbeatClient:
         self._load_fn = load_fn
         self._secret = _secret_bytes(secret)
         self._linger_s = linger_s
+        self._wait_for_http = wait_for_http
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -112,6 +131,8 @@ class HeartbeatClient:
         sock.setsockopt(zmq.LINGER, int(self._linger_s * 1000))
         try:
             sock.connect(self.router_address)
+            if self._wait_for_http and not self._await_http():
+                return  # closed before the server answered: never registered, nothing to deregister
             while not self._stop.is_set():
                 self._send(sock, self._heartbeat())
                 self._wake.wait(self.interval_s)
@@ -122,6 +143,19 @@ class HeartbeatClient:
         finally:
             sock.close()  # waits up to LINGER for the deregistration to leave
             ctx.term()
+
+    def _await_http(self) -> bool:
+        """Wait (until close) for the instance's HTTP server to answer. False if closed first."""
+        logged = False
+        while not self._stop.is_set():
+            if http_answers(self.info.url):
+                return True
+            if not logged:
+                log.info("%s: waiting for %s to answer before registering", self.info.instance_id,
+                         self.info.url)
+                logged = True
+            self._stop.wait(HTTP_PROBE_INTERVAL_S)
+        return False
 
     def _next_seq(self) -> int:
         self._seq += 1

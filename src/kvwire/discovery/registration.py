@@ -29,13 +29,15 @@ def start_registration(
     load_fn: LoadFn | None,
     interval_s: float,
     secret: str | bytes | None = None,
+    wait_for_http: bool = False,
 ) -> HeartbeatClient:
     """Start heartbeating to ``router_address`` and return the client (``close()`` deregisters).
 
     ``role`` is an :class:`InstanceRole` or its value (``prefill``, ``decode`` or ``both``): the
     server's and the connector's role enums share those values. ``load_fn`` runs on the heartbeat
     thread. Raises :class:`~kvwire.errors.ConfigError` for a malformed address or interval or an
-    unknown role; nothing is started then.
+    unknown role; nothing is started then. ``wait_for_http``: send the first heartbeat only once
+    an HTTP server answers at ``url`` (hosts that start registration before they listen: vLLM).
     """
     info = InstanceInfo(
         instance_id=instance_id,
@@ -45,7 +47,10 @@ def start_registration(
         kv_endpoints=list(kv_endpoints),
         version=version,
     )
-    client = HeartbeatClient(router_address, info, load_fn=load_fn, interval_s=interval_s, secret=secret)
+    client = HeartbeatClient(
+        router_address, info, load_fn=load_fn, interval_s=interval_s, secret=secret,
+        wait_for_http=wait_for_http,
+    )
     client.start()
     logger.info("registering %s (%s, %s, KV endpoints %s) with router %s", instance_id, info.role.value,
                 url, info.kv_endpoints, router_address)

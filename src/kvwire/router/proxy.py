@@ -236,6 +236,7 @@ class Dispatcher:
         return KVTransferParams(
             transfer_id=tid, mode=TransferMode.PUSH, role=role, peer_endpoints=list(peer.info.kv_endpoints),
             peer_instance_id=peer.instance_id, deadline_s=self._cfg.kv_deadline_s,
+            limit_s=self._cfg.kv_limit_s,
         )
 
     async def _race(self, p_task: asyncio.Task[Opened], d_task: asyncio.Task[Opened]) -> Opened:
@@ -274,7 +275,8 @@ class Dispatcher:
     async def _pull(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
         tid = uuid.uuid4().hex
         p_params = KVTransferParams(
-            transfer_id=tid, mode=TransferMode.PULL, role=PDRole.PREFILL, deadline_s=self._cfg.kv_deadline_s
+            transfer_id=tid, mode=TransferMode.PULL, role=PDRole.PREFILL, deadline_s=self._cfg.kv_deadline_s,
+            limit_s=self._cfg.kv_limit_s,
         )
         p_body = _prefill_body(creq, p_params)
         p, answer = await self._retrying(lambda: self._prefill_only(creq, p_body))
