@@ -1,7 +1,7 @@
 """Per-step metadata from the scheduler half to the worker halves (picklable: vLLM ships it to workers).
 
-Every item names the request and its router-minted transfer id. Workers apply, in order: aborts,
-receives, sends, trailers (``KvwireWorkerConnector.bind_connector_metadata``).
+Every item names the request and its router-minted transfer id. Workers apply, in order: promises,
+aborts, receives, sends, trailers (``KvwireWorkerConnector.bind_connector_metadata``).
 """
 
 from __future__ import annotations
@@ -44,6 +44,17 @@ class RecvSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class PromiseSpec:
+    """P: this transfer's request was accepted (its prefill may be queued); the agent renews D's
+    lease on it until the send starts (decision 051)."""
+
+    transfer_id: str
+    peer_endpoints: tuple[str, ...]  # D's endpoints, one per rank
+    deadline_s: float
+    limit_s: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class TrailerSpec:
     """P: the small payload (first sampled token) delivered with the transfer's completion."""
 
@@ -69,6 +80,7 @@ class KvwireConnectorMetadata(ConnectorMetadata):
     recvs: tuple[RecvSpec, ...] = ()
     trailers: tuple[TrailerSpec, ...] = ()
     aborts: tuple[AbortSpec, ...] = ()
+    promises: tuple[PromiseSpec, ...] = ()
 
     def is_empty(self) -> bool:
-        return not (self.sends or self.recvs or self.trailers or self.aborts)
+        return not (self.sends or self.recvs or self.trailers or self.aborts or self.promises)

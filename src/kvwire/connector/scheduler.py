@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +31,14 @@ from kvwire.connector.base import (
 )
 from kvwire.connector.config import ConnectorConfig, ConnectorRole, EngineInfo
 from kvwire.connector.messages import FirstTokenTrailer, encode_trailer
-from kvwire.connector.metadata import AbortSpec, KvwireConnectorMetadata, RecvSpec, SendSpec, TrailerSpec
+from kvwire.connector.metadata import (
+    AbortSpec,
+    KvwireConnectorMetadata,
+    PromiseSpec,
+    RecvSpec,
+    SendSpec,
+    TrailerSpec,
+)
 from kvwire.connector.metrics import ConnectorMetrics, connector_metrics
 from kvwire.connector.state import Phase, RequestState
 from kvwire.errors import InvalidRequestError
@@ -76,6 +84,8 @@ class KvwireSchedulerConnector(SchedulerConnector):
         self._recvs: list[RecvSpec] = []
         self._trailers: list[TrailerSpec] = []
         self._aborts: list[AbortSpec] = []
+        self._promises: list[PromiseSpec] = []  # appended by any thread (admission): under the lock
+        self._promises_lock = threading.Lock()
 
     # --- request admission -------------------------------------------------------------------
 
@@ -92,7 +102,17 @@ class KvwireSchedulerConnector(SchedulerConnector):
             raise InvalidRequestError("push mode: kv_transfer_params.peer_endpoints (D's) must not be empty")
         if params.role is PDRole.DECODE and params.mode is TransferMode.PULL and not params.peer_endpoints:
             raise InvalidRequestError("pull mode: kv_transfer_params.peer_endpoints (P's) must not be empty")
+        self._promise(params)  # P: D may wait for this request's KV from now on
         return params
+
+    def _promise(self, params: KVTransferParams) -> None:
+        """P in push mode accepted a request: its agents renew D's lease until the send starts."""
+        if params.role is not PDRole.PREFILL or params.mode is not TransferMode.PUSH:
+            return
+        spec = PromiseSpec(params.transfer_id, tuple(params.peer_endpoints),
+                           min(params.deadline_s, self.config.deadline_s), params.limit_s)
+        with self._promises_lock:
+            self._promises.append(spec)
 
     def _params_for(self, request: ConnectorRequest) -> KVTransferParams | None:
         raw = request.kv_transfer_params
@@ -124,6 +144,8 @@ class KvwireSchedulerConnector(SchedulerConnector):
         if prefill and params.mode is TransferMode.PUSH and not params.peer_endpoints:
             logger.warning("request %s: push without D endpoints; not sending", request.request_id)
             state.phase = Phase.LOCAL
+        elif prefill:
+            self._promise(params)  # hosts that do not validate at admission (vLLM) promise here
         if not prefill and self._pull_mismatch(state):
             self._abort(state, "prompt length mismatch", report_free=False)
             state.phase = Phase.LOCAL
@@ -223,6 +245,7 @@ class KvwireSchedulerConnector(SchedulerConnector):
             recvs=tuple(self._recvs),
             trailers=tuple(self._trailers),
             aborts=tuple(self._aborts),
+            promises=self._take_promises(),
         )
         self._sends, self._recvs, self._trailers, self._aborts = [], [], [], []
         return meta
@@ -353,6 +376,11 @@ class KvwireSchedulerConnector(SchedulerConnector):
         return False, None
 
     # --- helpers --------------------------------------------------------------------------------
+
+    def _take_promises(self) -> tuple[PromiseSpec, ...]:
+        with self._promises_lock:
+            promises, self._promises = tuple(self._promises), []
+        return promises
 
     def _abort(self, state: RequestState, reason: str, *, report_free: bool) -> None:
         self._aborts.append(AbortSpec(state.request_id, state.params.transfer_id, reason, report_free))

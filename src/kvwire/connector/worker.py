@@ -18,7 +18,14 @@ import torch
 from kvwire.connector.base import ConnectorMetadata, ConnectorOutput, WorkerConnector
 from kvwire.connector.config import ConnectorConfig, EngineInfo, LoadFailurePolicy
 from kvwire.connector.messages import decode_trailer
-from kvwire.connector.metadata import AbortSpec, KvwireConnectorMetadata, RecvSpec, SendSpec, TrailerSpec
+from kvwire.connector.metadata import (
+    AbortSpec,
+    KvwireConnectorMetadata,
+    PromiseSpec,
+    RecvSpec,
+    SendSpec,
+    TrailerSpec,
+)
 from kvwire.connector.metrics import ConnectorMetrics, connector_metrics
 from kvwire.connector.state import reason_label
 from kvwire.errors import KvwireError
@@ -49,6 +56,11 @@ class AgentLike(Protocol):
     ) -> None: ...
 
     def send_trailer(self, transfer_id: str, payload: bytes) -> None: ...
+
+    def promise(
+        self, transfer_id: str, peer_endpoint: str, *, deadline_s: float | None = None,
+        limit_s: float | None = None,
+    ) -> None: ...
 
     def expect(
         self, transfer_id: str, *, num_layers: int, sink: LayerSink | None = None,
@@ -147,6 +159,8 @@ class KvwireWorkerConnector(WorkerConnector):
         super().bind_connector_metadata(metadata)
         if not isinstance(metadata, KvwireConnectorMetadata):
             return
+        for promise in metadata.promises:
+            self._promise(promise)
         for abort in metadata.aborts:
             self._apply_abort(abort)
         for recv in metadata.recvs:
@@ -234,6 +248,16 @@ class KvwireWorkerConnector(WorkerConnector):
         self._metrics.transfers_started.labels(side="send").inc()
         self._sends[spec.transfer_id] = send
         self._saving.append(send)
+
+    def _promise(self, spec: PromiseSpec) -> None:
+        rank = self.engine_info.rank
+        if rank >= len(spec.peer_endpoints):
+            return
+        try:
+            self.agent.promise(spec.transfer_id, spec.peer_endpoints[rank], deadline_s=spec.deadline_s,
+                               limit_s=spec.limit_s)
+        except KvwireError as exc:
+            logger.warning("transfer %s: promise failed: %s", spec.transfer_id, exc)
 
     def _finish_saves(self) -> None:
         """After the forward: a send that did not get every KV layer can never complete; fail it now

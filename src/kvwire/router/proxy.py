@@ -33,6 +33,8 @@ from kvwire.router.client_body import send_body
 from kvwire.router.client_stream import ClientStream
 from kvwire.router.config import RouterConfig
 from kvwire.router.metrics import RouterMetrics, SSETokenMeter
+from kvwire.router.migration import StreamInterrupted
+from kvwire.router.migrator import Migrator
 from kvwire.router.registry import InstanceView
 from kvwire.router.request import ClientRequest
 from kvwire.router.selection import Plan, Selector
@@ -55,7 +57,12 @@ class Dispatcher:
 
     async def dispatch(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
         """Serve ``creq``; raises NoInstanceError / ModelNotFoundError / UpstreamFailure before any
-        byte went to the client (afterwards failures are reported in-band)."""
+        byte went to the client (afterwards failures are reported in-band). An instance that dies
+        is survived: re-dispatch before the first byte, migration after (:mod:`.migration`)."""
+        return await Migrator(self.dispatch_once, self._cfg, self._metrics).serve(request, creq)
+
+    async def dispatch_once(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
+        """One dispatch of ``creq`` (a client request or a continuation), no re-dispatch."""
         plan = self._selector.plan(creq.model)
         if plan is Plan.COLOCATED:
             return await self._retrying(lambda: self._single(request, creq, InstanceRole.BOTH, creq.raw))
@@ -125,6 +132,7 @@ class Dispatcher:
     ) -> web.StreamResponse:
         """Forward an SSE stream (byte for byte unless ``splicer`` trims P's token off its start)."""
         try:
+            out = out or creq.resume_stream
             if out is None:
                 ctype = resp.headers.get("Content-Type", "text/event-stream")
                 out = await ClientStream(request, creq, self._metrics, mode, status=resp.status,
@@ -136,9 +144,14 @@ class Dispatcher:
                 chunk = await resp.content.readany()
             if splicer is not None:
                 await out.write(splicer.flush())
+            if out.ledger is not None and out.ledger.interrupted:
+                reason = out.ledger.error or "stream ended early"
+                raise StreamInterrupted(out, f"{inst.role.value} instance {inst.instance_id}: {reason}")
         except (*BODY_ERRORS, asyncio.TimeoutError) as exc:
             assert out is not None
             failure = self._upstream.lost(inst, inst.role.value, exc)
+            if out.ledger is not None:
+                raise StreamInterrupted(out, str(failure)) from exc
             await out.error_event(f"failed mid-stream: {failure}", failure.status)
         finally:
             if resp.content.at_eof():
@@ -162,7 +175,7 @@ class Dispatcher:
             p_task = asyncio.create_task(self._call(p, "prefill", creq, p_body, stream=False))
             d_task = asyncio.create_task(self._call(d, "decode", creq, d_body, stream=creq.stream))
             try:
-                if creq.stream and self._cfg.stream_first_token_from_prefill:
+                if creq.stream and self._cfg.stream_first_token_from_prefill and creq.ledger is None:
                     response = await self._push_early(request, creq, d, p_task, d_task)
                 else:
                     opened = await self._race(p_task, d_task)

@@ -281,9 +281,12 @@ class GenerationHandler:
         try:
             await writer.open(response)
             first = builder.first_chunk()
+            extras = _first_extras(prepared) if builder.return_token_ids else {}
             if first is not None:
+                first.update(extras)
+                extras = {}
                 await writer.write(sse_event(first))
-            outcome, usage = await self._stream_outputs(writer, stream, builder, prepared)
+            outcome, usage = await self._stream_outputs(writer, stream, builder, prepared, extras)
             self._count(prepared.kind.value, outcome)
             if usage is not None and prepared.include_usage:
                 await writer.write(sse_event(builder.usage_chunk(usage)))
@@ -295,9 +298,10 @@ class GenerationHandler:
 
     async def _stream_outputs(
         self, writer: ClientWriter, stream: RequestStream, builder: ResponseBuilder,
-        prepared: Prepared,
+        prepared: Prepared, extras: dict[str, Any],
     ) -> tuple[str, dict[str, int] | None]:
-        """Write content chunks; returns (outcome, usage or None when it ended in an error)."""
+        """Write content chunks (``extras`` go into the first); returns (outcome, usage or None when
+        it ended in an error)."""
         timer = RequestTimer(self._metrics, stream.arrival_s)
         try:
             async for item in stream:
@@ -310,6 +314,8 @@ class GenerationHandler:
                     reason = (out.finish_reason or "stop") if out.finished else None
                     chunk = builder.chunk(out.new_text, list(out.new_token_ids), reason,
                                           out.kv_transfer_params)
+                    chunk.update(extras)
+                    extras = {}
                     await writer.write(sse_event(chunk))
                 if out.finished:
                     timer.on_finish(time.monotonic())
@@ -329,3 +335,12 @@ class GenerationHandler:
 
     def _count(self, endpoint: str, outcome: str) -> None:
         self._metrics.requests.labels(endpoint, outcome).inc()
+
+
+def _first_extras(prepared: Prepared) -> dict[str, Any]:
+    """Fields of a stream's first event when the request asked ``return_token_ids``: the prompt's
+    token ids and the resolved completion budget, so that a router can continue the answer
+    elsewhere exactly (mid-stream migration, decision 052)."""
+    return {"prompt_token_ids": list(prepared.prompt_token_ids),
+            "kvwire_max_tokens": prepared.params.max_tokens}
+

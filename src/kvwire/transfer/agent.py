@@ -103,6 +103,23 @@ class TransferAgent:
             limit = self.config.default_limit_s if limit_s is None else limit_s
             self._sender.start(transfer_id, peer_endpoint, layers, deadline, with_trailer, limit)
 
+    def promise(
+        self, transfer_id: str, peer_endpoint: str, *, deadline_s: float | None = None,
+        limit_s: float | None = None,
+    ) -> None:
+        """Tell ``peer_endpoint`` (the receiver) that this side accepted ``transfer_id`` and will
+        send it (its prefill may be queued): the receiver's lease on it is renewed (state QUEUED)
+        until :meth:`start_send` or :meth:`abort`, as long as the receiver answers within
+        ``deadline_s`` and for at most ``limit_s``. Idempotent; never blocks."""
+        with self._core.lock:
+            self._check_open()
+            deadline = self.config.default_deadline_s if deadline_s is None else deadline_s
+            limit = self.config.default_limit_s if limit_s is None else limit_s
+            self._sender.promise(transfer_id, peer_endpoint, deadline, limit)
+        control = self._core.control
+        assert control is not None
+        control.wake()
+
     def send_layer(
         self, transfer_id: str, layer_index: int, tensor: torch.Tensor, ready_event: Any | None = None
     ) -> None:
@@ -185,6 +202,7 @@ class TransferAgent:
         """End the transfer as FAILED on both sides and free everything it holds. Idempotent."""
         with self._core.lock:
             label = FailReason.ABORTED.value
+            self._sender.forget(transfer_id)
             self._sender.fail(transfer_id, reason, notify=True, label=label)
             self._receiver.fail(transfer_id, reason, notify=True, label=label)
             self._receiver.drop_done(transfer_id)
@@ -268,8 +286,13 @@ class TransferAgent:
         """The peer is alive: extend our lease on the transfer; answer a non-reply with our state."""
         core, tid, endpoint = self._core, msg.transfer_id, msg.src_endpoint
         sending = self._sender.on_renew(msg)
+        promised = self._sender.on_promise_renew(msg)
         receiving = self._receiver.on_renew(msg)
         if msg.reply:
+            return
+        if promised and not sending:
+            state = PeerState.QUEUED.value
+            core.send(endpoint, Renew(**core.header(endpoint, tid, msg.src_id), state=state, reply=True))
             return
         if sending:
             core.send(endpoint, self._sender.renew_msg(endpoint, tid, reply=True))

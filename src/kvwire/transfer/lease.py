@@ -1,5 +1,10 @@
 """Liveness leases: a transfer's deadline is renewed while its peer is alive, up to a hard limit.
 
+Only a peer that knows the transfer renews it: the send side once the request was accepted
+(:meth:`~kvwire.transfer.agent.TransferAgent.promise`, state QUEUED) or started (SENDING), the
+receive side once it expects the transfer or holds its Offer (RECEIVING). A peer that is alive but
+answers UNKNOWN (it never got the request) renews nothing.
+
 A transfer starts with ``deadline = now + lease_s`` (the caller's ``deadline_s``, e.g.
 ``--kv-deadline-s``) and ``limit = now + limit_s`` (the overall per-request bound). While it is in
 flight each side sends its peer a :class:`~kvwire.transfer.messages.Renew` every
@@ -22,7 +27,8 @@ MAX_RENEW_S = 5.0
 class PeerState(str, enum.Enum):
     """What a Renew reports about the transfer on its sender's side."""
 
-    UNKNOWN = "unknown"  # alive, not (yet) told about the transfer (e.g. P's prefill is queued)
+    UNKNOWN = "unknown"  # alive, but does not know the transfer (renews nothing)
+    QUEUED = "queued"  # send side promised it: the request is queued or prefilling
     SENDING = "sending"  # send side started: offering, waiting for credit, sending layers
     RECEIVING = "receiving"  # receive side expects it or holds an offer
     DONE = "done"  # this side finished it

@@ -24,6 +24,7 @@ from kvwire.transfer.types import (
 )
 
 SIDE = "recv"
+_SENDER_PROGRESS = frozenset({PeerState.QUEUED.value, PeerState.SENDING.value})
 SpansFn = Callable[[int], ByteSpans]  # layer index -> where its bytes go
 _NO_DEST = torch.empty(0, dtype=torch.uint8)
 
@@ -444,8 +445,8 @@ class Receiver:
             return False
         if st.peer is not None and st.peer.instance_id != msg.src_id:
             return False
-        if msg.state == PeerState.DONE.value:
-            return True  # the sender thinks it finished: nothing more will come, no renewal
+        if msg.state not in _SENDER_PROGRESS:
+            return True  # done, or does not know it: nothing more will come, no renewal
         if st.peer is None:  # before the Offer: the sender's epoch must not change meanwhile
             if st.sender_id is None:
                 st.sender_id = msg.src_id

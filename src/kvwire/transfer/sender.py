@@ -45,6 +45,7 @@ class Sender:
     def __init__(self, core: Core) -> None:
         self.core = core
         self.sends: dict[str, SendState] = {}
+        self.promised: dict[str, tuple[str, Lease]] = {}  # accepted, not started: receiver endpoint
         self.pending_pulls: dict[str, tuple[Pull, float]] = {}  # pulls that came before start_send
         # ordered planes: per receiver epoch, granted (transfer, layer) in grant order
         self.order: dict[str, collections.deque[tuple[str, int]]] = {}
@@ -70,6 +71,7 @@ class Sender:
             raise TransferError("too many transfers in flight", transfer_id)
         lease = Lease.start(self.core.now(), deadline_s, limit_s)
         st = SendState(transfer_id, list(layers), lease, trailer, endpoint)
+        self.promised.pop(transfer_id, None)
         self.sends[transfer_id] = st
         self.core.stats.add("sends_started")
         if endpoint is not None:
@@ -303,10 +305,17 @@ class Sender:
     # --- leases ------------------------------------------------------------------------------------------
 
     def renew(self, now: float) -> None:
-        """Send a Renew to the receiver of every transfer whose renewal is due."""
+        """Send a Renew to the receiver of every transfer (or promise) whose renewal is due; drop
+        promises past their limit (a request that never started)."""
         for st in self.sends.values():
             if st.endpoint is not None and st.lease.due(now):
                 self.core.send(st.endpoint, self.renew_msg(st.endpoint, st.transfer_id, reply=False))
+        for tid in [t for t, (_, lease) in self.promised.items() if lease.limit <= now]:
+            del self.promised[tid]
+        for tid, (endpoint, lease) in self.promised.items():
+            if lease.due(now):
+                msg = Renew(**self.core.header(endpoint, tid), state=PeerState.QUEUED.value, reply=False)
+                self.core.send(endpoint, msg)
 
     def renew_msg(self, endpoint: str, transfer_id: str, reply: bool) -> Renew:
         return Renew(
@@ -324,8 +333,31 @@ class Sender:
             # the receiver finished (e.g. without a trailer that came too late): so did we
             self._complete(st)
             return True
-        st.lease.renewed(self.core.now())
+        if msg.state == PeerState.RECEIVING.value:
+            st.lease.renewed(self.core.now())
         return True
+
+    def promise(self, transfer_id: str, endpoint: str, deadline_s: float, limit_s: float | None) -> None:
+        """The request behind ``transfer_id`` was accepted (its prefill may be queued): renew the
+        receiver's lease (state QUEUED) until ``start``, ``forget`` or the limit."""
+        if transfer_id in self.sends or transfer_id in self.promised or self.core.tombstones.get(
+            SIDE, transfer_id
+        ) is not None:
+            return
+        if len(self.promised) >= self.core.config.max_pending_transfers:
+            raise TransferError("too many promised transfers", transfer_id)
+        lease = Lease.start(self.core.now(), deadline_s, limit_s)
+        lease.next_renew = 0.0  # tell the receiver at once
+        self.promised[transfer_id] = (endpoint, lease)
+
+    def forget(self, transfer_id: str) -> None:
+        self.promised.pop(transfer_id, None)
+
+    def on_promise_renew(self, msg: Renew) -> bool:
+        """True if ``msg`` is about a transfer promised to its sender (promises live until start,
+        abort or their limit: this side's own word, whatever the receiver says)."""
+        entry = self.promised.get(msg.transfer_id)
+        return entry is not None and entry[0] == msg.src_endpoint
 
     def close(self, reason: str) -> None:
         for tid in list(self.sends):

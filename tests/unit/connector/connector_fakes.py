@@ -84,6 +84,7 @@ class FakeAgent:
         self.default_deadline_s = default_deadline_s
         self.sends: dict[str, _FakeSend] = {}
         self.recvs: dict[str, _FakeRecv] = {}
+        self.promises: list[str] = []  # transfer ids promised (P accepted the request)
         self._done_recvs: dict[str, _FakeRecv] = {}
         self._lock = threading.Lock()
         self._sent: set[str] = set()
@@ -155,6 +156,12 @@ class FakeAgent:
             return
         send.peer = receiver
         self._pump(tid)
+
+    def promise(
+        self, transfer_id: str, peer_endpoint: str, *, deadline_s: float | None = None,
+        limit_s: float | None = None,
+    ) -> None:
+        self.promises.append(transfer_id)
 
     # receive side
     def expect(

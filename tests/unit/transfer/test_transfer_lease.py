@@ -32,8 +32,9 @@ def _quiet_for(agent: TransferAgent, seconds: float) -> None:
 
 def test_receiver_waits_for_a_slow_but_alive_sender(pair: tuple[TransferAgent, TransferAgent]) -> None:
     a, b = pair
+    a.promise("slow", b.endpoint, deadline_s=LEASE_S, limit_s=30)  # P accepted the request
     b.expect("slow", num_layers=3, deadline_s=LEASE_S, sender=a.endpoint, limit_s=30)
-    _quiet_for(b, 5 * LEASE_S)  # P's prefill is "queued": no offer yet, but P answers renewals
+    _quiet_for(b, 5 * LEASE_S)  # P's prefill is "queued": no offer yet, but P renews the lease
     layers = _layers()
     _send(a, "slow", b.endpoint, layers, deadline_s=LEASE_S)
     poll_until(b, lambda ev: "slow" in ev["recvd"])
@@ -44,6 +45,7 @@ def test_receiver_waits_for_a_slow_but_alive_sender(pair: tuple[TransferAgent, T
 
 def test_dead_sender_fails_within_one_lease(pair: tuple[TransferAgent, TransferAgent]) -> None:
     a, b = pair
+    a.promise("dead", b.endpoint, deadline_s=LEASE_S, limit_s=30)
     b.expect("dead", num_layers=3, deadline_s=LEASE_S, sender=a.endpoint, limit_s=30)
     _quiet_for(b, 2 * LEASE_S)
     a.close()  # the sender's process is gone: no more renewals
@@ -61,9 +63,20 @@ def test_silent_endpoint_fails_at_the_first_deadline(pair: tuple[TransferAgent, 
     assert time.monotonic() - start < LEASE_S + 0.5
 
 
+def test_alive_sender_that_never_got_the_request_renews_nothing(
+    pair: tuple[TransferAgent, TransferAgent],
+) -> None:
+    a, b = pair  # a is alive and answers renewals, but "unknown": P never got the request
+    start = time.monotonic()
+    b.expect("lost", num_layers=1, deadline_s=LEASE_S, sender=a.endpoint, limit_s=30)
+    poll_until(b, lambda ev: "lost" in ev["failed"])
+    assert time.monotonic() - start < LEASE_S + 0.5
+
+
 def test_renewals_stop_at_the_limit(pair: tuple[TransferAgent, TransferAgent]) -> None:
     a, b = pair
     start = time.monotonic()
+    a.promise("capped", b.endpoint, deadline_s=0.2, limit_s=30)
     b.expect("capped", num_layers=1, deadline_s=0.2, sender=a.endpoint, limit_s=1.0)
     poll_until(b, lambda ev: "capped" in ev["failed"])
     assert 0.9 <= time.monotonic() - start < 1.6
