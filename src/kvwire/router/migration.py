@@ -152,7 +152,7 @@ class StreamLedger:
         if choice.get("finish_reason") is not None:
             self.finished = True
         if self._continuing:
-            return self._rewrite(choice, text)
+            return self._rewrite(choice, text, bool(ids))
         return _sse(data)
 
     def _text(self, choice: dict[str, Any]) -> str:
@@ -160,11 +160,12 @@ class StreamLedger:
         value = delta.get("content") if isinstance(delta, dict) else choice.get("text")
         return value if isinstance(value, str) else ""
 
-    def _rewrite(self, choice: dict[str, Any], text: str) -> bytes:
-        """A continuation (text completion) event in the client's format."""
+    def _rewrite(self, choice: dict[str, Any], text: str, has_ids: bool) -> bytes:
+        """A continuation (text completion) event in the client's format (an event that only
+        carries token ids, e.g. half a UTF-8 character, is kept: like the instance's own stream)."""
         assert self.base is not None
         reason = choice.get("finish_reason")
-        if not text and reason is None:
+        if not text and reason is None and not has_ids:
             return b""
         new: dict[str, Any] = {"index": 0, "logprobs": choice.get("logprobs"), "finish_reason": reason}
         if self.chat:
@@ -219,7 +220,7 @@ class StreamLedger:
         body: dict[str, Any] = {k: self._creq.body[k] for k in _CARRIED if k in self._creq.body}
         body.update(
             prompt=self.prompt_ids + self.token_ids, stream=True, return_token_ids=True,
-            stream_options={"include_usage": True},
+            stream_options={"include_usage": True}, kvwire_prior_output_tokens=len(self.token_ids),
         )
         remaining = self.remaining()
         if remaining is not None:

@@ -59,6 +59,7 @@ class Migrator:
     async def serve(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
         ledger = self._attach_ledger(creq)
         current, moves = creq, 0
+        failure: UpstreamFailure | None = None  # the last instance failure before a re-dispatch
         while True:
             try:
                 return await self._dispatch_once(request, current)
@@ -66,14 +67,19 @@ class Migrator:
                 out, reason = exc.out, exc.reason
             except (UpstreamFailure, NoInstanceError) as exc:
                 if current.resume_stream is None:  # nothing went to the client yet
+                    if isinstance(exc, NoInstanceError) and failure is not None:
+                        raise failure from exc  # nowhere left to go: the client sees what went wrong
                     if moves >= self._cfg.max_migrations or not isinstance(exc, UpstreamFailure) \
                             or not redispatchable(exc):
                         raise
+                    failure = exc
                     moves += 1
                     self._metrics.migrations.labels(kind="redispatch").inc()
                     log.warning("re-dispatching request to %s (move %d): %s", creq.path, moves, exc)
                     continue
                 out, reason = current.resume_stream, str(exc)
+                if not isinstance(exc, UpstreamFailure) or not redispatchable(exc):
+                    return await self._give_up(out, ledger, reason, final=True)
             assert ledger is not None
             if ledger.finished:  # the answer is complete; only its end was lost
                 await out.write_direct(ledger.tail())
@@ -87,8 +93,13 @@ class Migrator:
             current = ledger.continuation()
             current.resume_stream = out
 
-    async def _give_up(self, out: ClientStream, ledger: StreamLedger, reason: str) -> web.StreamResponse:
-        why = "no move left" if ledger.can_continue() else "the stream cannot be continued"
+    async def _give_up(
+        self, out: ClientStream, ledger: StreamLedger | None, reason: str, final: bool = False
+    ) -> web.StreamResponse:
+        if final:
+            why = "no instance can continue it"
+        else:
+            why = "no move left" if ledger is not None and ledger.can_continue() else "cannot be continued"
         await out.error_event(f"failed mid-stream ({why}): {reason}", 502)
         await out.write_direct(DONE)
         return await out.close()

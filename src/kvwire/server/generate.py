@@ -96,13 +96,16 @@ class GenerationHandler:
         max_model_len: int, accepts_kv_transfer_params: bool,
         check_kv_transfer_params: Callable[[object], object] | None = None,
         client_write_timeout_s: float = 30.0,
+        vocab_size: int | None = None,
     ) -> None:
         self._loop = engine_loop
         self._tokenizer = tokenizer
         self._metrics = metrics
         self._model_name = model_name
         self._max_model_len = max_model_len
-        self._vocab_size: int | None = getattr(tokenizer, "vocab_size", None)
+        # The model's vocabulary (it may be larger than the tokenizer's: ids the model generated are
+        # valid input, e.g. a migrated answer's continuation), else the tokenizer's.
+        self._vocab_size: int | None = vocab_size or getattr(tokenizer, "vocab_size", None)
         self._accepts_kv = accepts_kv_transfer_params
         # The connector's own admission check (role served, endpoints present) -> HTTP 400.
         self._check_kv = check_kv_transfer_params or KVTransferParams.from_dict
@@ -223,6 +226,7 @@ class GenerationHandler:
             stop=stop_strings(req),
             stop_token_ids=req.stop_token_ids or (),
             ignore_eos=req.ignore_eos,
+            prior_output_tokens=req.kvwire_prior_output_tokens,
         )
 
     def _kv_params(self, params: dict[str, Any] | None) -> dict[str, Any] | None:
