@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "router": ("kvwire.bench.router", "router added latency and requests/s against mock upstreams"),
     "serve": ("kvwire.bench.serve", "OpenAI-API load generator: TTFT/ITL/TPOT/E2E percentiles"),
     "engine": ("kvwire.bench.engine", "built-in engine prefill/decode throughput"),
+    "soak": ("kvwire.bench.soak", "cluster under load while instances are killed: failures, hangs, leaks"),
 }
 
 

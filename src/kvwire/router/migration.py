@@ -126,6 +126,8 @@ class StreamLedger:
         return self._data_event(data, event)
 
     def _data_event(self, data: dict[str, Any], event: bytes) -> bytes:
+        """Record the event; return it unchanged (byte for byte) unless a field had to go."""
+        changed = "kvwire_max_tokens" in data or ("prompt_token_ids" in data and not self._client_ids)
         prompt = data.pop("prompt_token_ids", None)
         budget = data.pop("kvwire_max_tokens", None)
         if not self._continuing:
@@ -135,9 +137,11 @@ class StreamLedger:
                 self.max_tokens = budget
             if self.base is None:
                 self.base = {k: data.get(k) for k in ("id", "object", "created", "model")}
+        if self._client_ids and isinstance(prompt, list):
+            data["prompt_token_ids"] = prompt
         choices = data.get("choices")
         if not isinstance(choices, list) or not choices:
-            return self._usage_event(data)
+            return self._usage_event(data, event, changed)
         choice = choices[0]
         if not isinstance(choice, dict):
             return event
@@ -149,11 +153,13 @@ class StreamLedger:
             self.ids_complete = False
         if self._client_ids and isinstance(ids, list):
             choice["token_ids"] = ids
+        else:
+            changed = changed or ids is not None
         if choice.get("finish_reason") is not None:
             self.finished = True
         if self._continuing:
             return self._rewrite(choice, text, bool(ids))
-        return _sse(data)
+        return _sse(data) if changed else event
 
     def _text(self, choice: dict[str, Any]) -> str:
         delta = choice.get("delta")
@@ -176,10 +182,12 @@ class StreamLedger:
             new["token_ids"] = choice["token_ids"]
         return _sse(dict(self.base, choices=[new]))
 
-    def _usage_event(self, data: dict[str, Any]) -> bytes:
+    def _usage_event(self, data: dict[str, Any], event: bytes, changed: bool) -> bytes:
         usage = data.get("usage")
         if not self._continuing:
-            return _sse(data) if self._client_usage or not isinstance(usage, dict) else b""
+            if isinstance(usage, dict) and not self._client_usage:
+                return b""
+            return _sse(data) if changed else event
         if not self._client_usage or not isinstance(usage, dict):
             return b""
         return _sse(dict(self.base or {}, choices=[], usage=self._whole_usage()))
