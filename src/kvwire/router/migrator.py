@@ -33,7 +33,8 @@ from kvwire.router.upstream import UpstreamFailure
 log = logging.getLogger(__name__)
 
 DispatchOnce = Callable[[web.Request, ClientRequest], Awaitable[web.StreamResponse]]
-_REDISPATCH_KINDS = frozenset({"connect", "disconnect", "http_5xx"})  # the instance failed, not the request
+# the instance failed, not the request (silent: it stopped heartbeating mid-answer)
+_REDISPATCH_KINDS = frozenset({"connect", "disconnect", "http_5xx", "silent"})
 
 
 def redispatchable(exc: UpstreamFailure) -> bool:

@@ -105,7 +105,7 @@ class Dispatcher:
             return await self._upstream.read_all(inst, role, creq.path, body, creq.headers)
         resp = await self._upstream.open(inst, role, creq.path, body, creq.headers)
         try:
-            first = await resp.content.readany()
+            first = await self._upstream.watched(inst, role, resp.content.readany())
         except (*BODY_ERRORS, asyncio.TimeoutError) as exc:
             resp.close()
             raise self._upstream.lost(inst, role, exc) from exc
@@ -141,15 +141,16 @@ class Dispatcher:
             chunk = first
             while chunk:
                 await out.write(splicer.filter(chunk) if splicer is not None else chunk)
-                chunk = await resp.content.readany()
+                chunk = await self._upstream.watched(inst, inst.role.value, resp.content.readany())
             if splicer is not None:
                 await out.write(splicer.flush())
             if out.ledger is not None and out.ledger.interrupted:
                 reason = out.ledger.error or "stream ended early"
                 raise StreamInterrupted(out, f"{inst.role.value} instance {inst.instance_id}: {reason}")
-        except (*BODY_ERRORS, asyncio.TimeoutError) as exc:
+        except (*BODY_ERRORS, asyncio.TimeoutError, UpstreamFailure) as exc:
             assert out is not None
-            failure = self._upstream.lost(inst, inst.role.value, exc)
+            failure = exc if isinstance(exc, UpstreamFailure) else self._upstream.lost(inst, inst.role.value,
+                                                                                        exc)
             if out.ledger is not None:
                 raise StreamInterrupted(out, str(failure)) from exc
             await out.error_event(f"failed mid-stream: {failure}", failure.status)
@@ -241,7 +242,7 @@ class Dispatcher:
 
     async def _read_more(self, inst: InstanceView, resp: aiohttp.ClientResponse) -> bytes:
         try:
-            return await resp.content.readany()
+            return await self._upstream.watched(inst, inst.role.value, resp.content.readany())
         except (*BODY_ERRORS, asyncio.TimeoutError) as exc:
             raise self._upstream.lost(inst, inst.role.value, exc) from exc
 

@@ -7,25 +7,33 @@ marked unreachable in the registry until its next heartbeat).
 
 Cancellation: cancelling a coroutine of this module (client disconnect) closes the upstream
 connection, so the instance sees the disconnect and aborts the request.
+
+Silence: a read from an instance that stops heartbeating meanwhile (hung, stopped, partitioned: its
+registry entry expires, or a new epoch replaced it) is abandoned within ``SILENCE_CHECK_S`` of the
+expiry with kind ``silent``, instead of waiting for the whole-request timeout (decision 052).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
+from typing import TypeVar
 
 import aiohttp
 
 from kvwire.errors import UpstreamError
 from kvwire.router.metrics import RouterMetrics
-from kvwire.router.registry import InstanceView, Registry
+from kvwire.router.registry import InstanceState, InstanceView, Registry
 
 log = logging.getLogger(__name__)
 
 MAX_ERROR_BODY_BYTES = 64 * 1024
 BODY_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)
 _DEAD_STATUSES = frozenset({502, 504})  # a gateway in front of the instance says it is gone
+SILENCE_CHECK_S = 1.0  # how often a pending read checks that its instance still heartbeats
+T = TypeVar("T")
 
 
 class UpstreamFailure(UpstreamError):
@@ -83,7 +91,7 @@ class Upstream:
         """POST and read the whole (successful) body."""
         resp = await self.open(inst, role, path, body, headers)
         try:
-            data = await resp.read()
+            data = await self.watched(inst, role, resp.read())
         except (*BODY_ERRORS, asyncio.TimeoutError) as exc:
             resp.close()
             raise self.lost(inst, role, exc) from exc
@@ -91,6 +99,24 @@ class Upstream:
             resp.close()  # cancelled: drop the connection so the instance aborts
             raise
         return resp, data
+
+    async def watched(self, inst: InstanceView, role: str, read: Awaitable[T]) -> T:
+        """Await ``read`` (a read of ``inst``'s answer); raise an UpstreamFailure (kind ``silent``)
+        once ``inst`` stopped heartbeating (expired, or replaced by a new epoch) meanwhile."""
+        task = asyncio.ensure_future(read)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=SILENCE_CHECK_S)
+                if done:
+                    return task.result()
+                view = self._registry.get(inst.instance_id)
+                if view is None or view.state is InstanceState.EXPIRED or view.info.epoch != inst.info.epoch:
+                    raise self._failure(inst, role, "silent", "stopped heartbeating mid-answer", status=504)
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
 
     async def _http_failure(
         self, inst: InstanceView, role: str, resp: aiohttp.ClientResponse
