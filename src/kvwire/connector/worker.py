@@ -120,6 +120,9 @@ class KvwireWorkerConnector(WorkerConnector):
         self.agent = agent
         self._owns_agent = owns_agent
         self._metrics = metrics if metrics is not None else connector_metrics()
+        stats = getattr(agent, "stats", None)
+        if callable(stats):  # a real agent (test fakes have no stats)
+            self._metrics.control_rejected.set_function(lambda: float(stats().messages_rejected))
         self._layout = KVLayout(engine_info.kv_layout)
         self._kv_caches: list[torch.Tensor] = []
         self._sends: dict[str, _Send] = {}  # transfer id -> live send
