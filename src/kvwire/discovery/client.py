@@ -61,8 +61,15 @@ def _secret_bytes(secret: str | bytes | None) -> bytes | None:
     return secret.encode() if isinstance(secret, str) else bytes(secret)
 
 
+def router_addresses(router_address: str) -> list[str]:
+    """The routers of a ``router_address``: one ``tcp://host:port``, or several separated by commas
+    (router high availability: every heartbeat goes to each of them)."""
+    return [part.strip() for part in router_address.split(",") if part.strip()]
+
+
 class HeartbeatClient:
-    """Registers ``info`` with the router at ``router_address`` ("tcp://host:port") and keeps it alive."""
+    """Registers ``info`` with the router(s) at ``router_address`` ("tcp://host:port", or several
+    separated by commas: each gets every message) and keeps it alive."""
 
     def __init__(
         self,
@@ -74,8 +81,10 @@ class HeartbeatClient:
         linger_s: float = 0.5,
         wait_for_http: bool = False,
     ) -> None:
-        if not router_address.startswith(("tcp://", "ipc://", "inproc://")):
+        addresses = router_addresses(router_address)
+        if not addresses or not all(a.startswith(("tcp://", "ipc://", "inproc://")) for a in addresses):
             raise ConfigError(f"router address must look like tcp://host:port, got {router_address!r}")
+        self.routers = addresses
         if interval_s <= 0:
             raise ConfigError(f"heartbeat interval_s must be > 0, got {interval_s}")
         self.router_address = router_address
@@ -126,23 +135,31 @@ class HeartbeatClient:
 
     def _run(self) -> None:
         ctx = zmq.Context()
-        sock = ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.SNDHWM, 4)
-        sock.setsockopt(zmq.LINGER, int(self._linger_s * 1000))
+        socks = []  # one PUSH per router: a PUSH connected to several peers would round-robin
         try:
-            sock.connect(self.router_address)
+            for address in self.routers:
+                sock = ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.SNDHWM, 4)
+                sock.setsockopt(zmq.LINGER, int(self._linger_s * 1000))
+                socks.append(sock)
+                sock.connect(address)
             if self._wait_for_http and not self._await_http():
                 return  # closed before the server answered: never registered, nothing to deregister
             while not self._stop.is_set():
-                self._send(sock, self._heartbeat())
+                self._send_all(socks, self._heartbeat())
                 self._wake.wait(self.interval_s)
                 self._wake.clear()
-            self._send(sock, self._deregister())
+            self._send_all(socks, self._deregister())
         except Exception:  # the thread must never die silently
             log.exception("heartbeat thread of %s failed", self.info.instance_id)
         finally:
-            sock.close()  # waits up to LINGER for the deregistration to leave
+            for sock in socks:
+                sock.close()  # waits up to LINGER for the deregistration to leave
             ctx.term()
+
+    def _send_all(self, socks: list[zmq.Socket], msg: DiscoveryMessage) -> None:
+        for sock in socks:
+            self._send(sock, msg)
 
     def _await_http(self) -> bool:
         """Wait (until close) for the instance's HTTP server to answer. False if closed first."""

@@ -210,6 +210,11 @@ def _mode(extra: Mapping[str, Any]) -> TransferMode:
 
 def _router(extra: Mapping[str, Any]) -> str | None:
     proxy_ip, proxy_port = _get_str(extra, "proxy_ip"), _get_int(extra, "proxy_port")
+    routers = extra.get("router")
+    if isinstance(routers, (list, tuple)):  # several routers (high availability): each gets every heartbeat
+        if not all(isinstance(r, str) and r.startswith(("tcp://", "ipc://")) for r in routers) or not routers:
+            raise ConfigError(f"router must be tcp://host:port or a list of them, got {routers!r}")
+        return ",".join(routers)
     router = _get_str(extra, "router")
     if (proxy_ip is None) != (proxy_port is None):
         raise ConfigError("proxy_ip and proxy_port go together: set both or neither")
@@ -217,7 +222,7 @@ def _router(extra: Mapping[str, Any]) -> str | None:
     if seed is not None and router is not None and seed != router:
         raise ConfigError(f"router {router!r} contradicts proxy_ip/proxy_port ({seed})")
     address = router or seed
-    if address is not None and not address.startswith(("tcp://", "ipc://")):
+    if address is not None and not all(a.startswith(("tcp://", "ipc://")) for a in address.split(",")):
         raise ConfigError(f"router must look like tcp://host:port, got {address!r}")
     return address
 

@@ -30,7 +30,8 @@ class ServerConfig:
     role: ServerRole = ServerRole.BOTH
     # Name clients must send as ``model``; None = the engine's model name.
     served_model_name: str | None = None
-    # ``tcp://HOST:PORT`` of the router's discovery socket; None = run standalone.
+    # ``tcp://HOST:PORT`` of the router's discovery socket (several, comma-separated: every router
+    # gets every heartbeat); None = run standalone.
     router_address: str | None = None
     heartbeat_interval_s: float = 2.0
     # Stable name for the router; None = a random one per process start.
@@ -80,7 +81,9 @@ class ServerConfig:
             raise ConfigError(f"engine_stall_timeout_s must be >= 0 (0: off), got {timeout_s}")
         if self.max_request_bytes <= 0:
             raise ConfigError(f"max_request_bytes must be > 0, got {self.max_request_bytes}")
-        if self.router_address is not None and not self.router_address.startswith("tcp://"):
+        if self.router_address is not None and not all(
+            part.strip().startswith("tcp://") for part in self.router_address.split(",")
+        ):
             raise ConfigError(f"router address must look like tcp://HOST:PORT, got {self.router_address!r}")
         if self.served_model_name is not None and not self.served_model_name:
             raise ConfigError("served_model_name must not be empty")

@@ -58,3 +58,30 @@ def test_closing_before_the_server_answers_sends_nothing() -> None:
     finally:
         sock.close()
         ctx.term()
+
+
+def test_every_router_gets_every_heartbeat() -> None:
+    """Router high availability: one instance registers with two routers (``--router`` repeated)."""
+    ctx = zmq.Context()
+    socks = [ctx.socket(zmq.PULL) for _ in range(2)]
+    ports = []
+    for sock in socks:
+        sock.setsockopt(zmq.LINGER, 0)
+        ports.append(sock.bind_to_random_port("tcp://127.0.0.1"))
+    info = InstanceInfo(instance_id="p9", role=InstanceRole.PREFILL, url="http://127.0.0.1:1", model="m")
+    address = ",".join(f"tcp://127.0.0.1:{p}" for p in ports)
+    client = HeartbeatClient(address, info, interval_s=0.05).start()
+    try:
+        for sock in socks:
+            seqs = []
+            for _ in range(3):
+                assert sock.poll(5000)
+                msg = decode_frames(sock.recv_multipart())
+                assert isinstance(msg, Heartbeat)
+                seqs.append(msg.seq)
+            assert seqs == sorted(seqs) and len(set(seqs)) == 3 and seqs[1] == seqs[0] + 1  # none skipped
+    finally:
+        client.close()
+        for sock in socks:
+            sock.close()
+        ctx.term()
