@@ -335,6 +335,9 @@ class KvwireSchedulerConnector(SchedulerConnector):
     def _prefill_finished(self, state: RequestState, token: int | None) -> tuple[bool, dict[str, Any] | None]:
         if state.phase is not Phase.SENDING:
             self._reqs.pop(state.request_id, None)  # never sent (ended mid-prefill) or already acknowledged
+            if state.phase is Phase.PREFILLING and state.params.mode is TransferMode.PUSH:
+                # tells D at once (its lease was renewed by our promise) and drops the promise
+                self._abort(state, "request ended before its KV was sent", report_free=False)
             return False, None
         state.phase = Phase.AWAITING_SEND
         now = time.monotonic()

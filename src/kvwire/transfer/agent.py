@@ -202,7 +202,7 @@ class TransferAgent:
         """End the transfer as FAILED on both sides and free everything it holds. Idempotent."""
         with self._core.lock:
             label = FailReason.ABORTED.value
-            self._sender.forget(transfer_id)
+            self._sender.forget(transfer_id, reason)
             self._sender.fail(transfer_id, reason, notify=True, label=label)
             self._receiver.fail(transfer_id, reason, notify=True, label=label)
             self._receiver.drop_done(transfer_id)

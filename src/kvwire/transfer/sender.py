@@ -350,8 +350,13 @@ class Sender:
         lease.next_renew = 0.0  # tell the receiver at once
         self.promised[transfer_id] = (endpoint, lease)
 
-    def forget(self, transfer_id: str) -> None:
-        self.promised.pop(transfer_id, None)
+    def forget(self, transfer_id: str, reason: str) -> None:
+        """Drop a promise (the request ended before its send started): the receiver is told at once
+        and later renewals of it are answered with an Abort."""
+        entry = self.promised.pop(transfer_id, None)
+        if entry is not None:
+            self.core.send_abort(entry[0], transfer_id, reason)
+            self.core.tombstones.add(SIDE, transfer_id, reason)
 
     def on_promise_renew(self, msg: Renew) -> bool:
         """True if ``msg`` is about a transfer promised to its sender (promises live until start,

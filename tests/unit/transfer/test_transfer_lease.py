@@ -122,3 +122,13 @@ def test_sender_waits_for_a_slow_but_alive_receiver() -> None:
         b.take_layers("hog")  # budget freed: b grants
         poll_until(b, lambda ev: "late" in ev["recvd"])
         poll_until(a, lambda ev: "late" in ev["sent"])
+
+
+def test_aborting_a_promise_tells_the_receiver_at_once(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    a, b = pair
+    a.promise("gone-early", b.endpoint, deadline_s=5.0, limit_s=30)
+    b.expect("gone-early", num_layers=1, deadline_s=5.0, sender=a.endpoint, limit_s=30)
+    start = time.monotonic()
+    a.abort("gone-early", "request ended before its KV was sent")
+    reason = poll_until(b, lambda ev: "gone-early" in ev["failed"])["failed"]["gone-early"]
+    assert time.monotonic() - start < 2.0 and "request ended" in reason
