@@ -65,12 +65,16 @@ class Tally:
     failed_broken: int = 0
     hung: int = 0
     latencies_s: list[float] = dataclasses.field(default_factory=list)
+    baseline_latencies_s: list[float] = dataclasses.field(default_factory=list)  # before the first kill
     errors: list[str] = dataclasses.field(default_factory=list)
+    faults_started = False
 
     def add(self, outcome: str, result: RequestResult) -> None:
         setattr(self, outcome, getattr(self, outcome) + 1)
         if outcome == "ok":
             self.latencies_s.append(result.e2e_s)
+            if not self.faults_started:
+                self.baseline_latencies_s.append(result.e2e_s)
         elif len(self.errors) < 20:
             self.errors.append(f"{outcome}: {result.status} {(result.error or '')[:200]}")
 
@@ -157,6 +161,7 @@ def run_one(run: Run, args: argparse.Namespace, sink: Any) -> dict[str, Any]:
         for at in run.kills_at_s:
             if not _sleep_until(start + at, load):
                 break
+            tally.faults_started = True
             killed.append(_kill_and_restart(cluster, rng, run.restart, run.kill_role))
             print(f"kvwire bench soak: {run.name}: killed {killed[-1]} at {time.monotonic() - start:.0f} s",
                   file=sys.stderr)
@@ -167,12 +172,16 @@ def run_one(run: Run, args: argparse.Namespace, sink: Any) -> dict[str, Any]:
         wait_until(lambda: _blocks_in_use(cluster) == 0, 10.0, interval_s=0.5)
         leaked = _blocks_in_use(cluster)
         migrated = int(_metric(cluster.router_url, "kvwire_router_migrations_total"))
-    lat = sorted(tally.latencies_s)
-    p = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan"))  # noqa: E731
+    lat, base = sorted(tally.latencies_s), sorted(tally.baseline_latencies_s)
     return {"run": run.name, "sent": tally.sent, "ok": tally.ok, "failed_clear": tally.failed_clear,
             "failed_broken": tally.failed_broken, "hung": tally.hung + hung_threads, "migrated": migrated,
-            "leaked_blocks": leaked, "kills": len(killed), "p50_s": p(0.5), "p99_s": p(0.99),
+            "leaked_blocks": leaked, "kills": len(killed), "p50_s": _q(lat, 0.5), "p99_s": _q(lat, 0.99),
+            "p99_before_kills_s": _q(base, 0.99),
             "ok_pct": 100.0 * tally.ok / max(1, tally.sent), "errors": tally.errors}
+
+
+def _q(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 def _sleep_until(when: float, load: threading.Thread) -> bool:
@@ -204,7 +213,7 @@ def plan(args: argparse.Namespace) -> list[Run]:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     cols = ["run", "sent", "ok", "failed_clear", "failed_broken", "hung", "migrated", "leaked_blocks",
-            "kills", "ok_pct", "p50_s", "p99_s"]
+            "kills", "ok_pct", "p50_s", "p99_s", "p99_before_kills_s"]
     print(" | ".join(cols))
     for row in rows:
         cells = [f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in cols]
