@@ -1,9 +1,11 @@
 """Liveness leases: a transfer's deadline is renewed while its peer is alive, up to a hard limit.
 
 Only a peer that knows the transfer renews it: the send side once the request was accepted
-(:meth:`~kvwire.transfer.agent.TransferAgent.promise`, state QUEUED) or started (SENDING), the
-receive side once it expects the transfer or holds its Offer (RECEIVING). A peer that is alive but
-answers UNKNOWN (it never got the request) renews nothing.
+(:meth:`~kvwire.transfer.agent.TransferAgent.promise`, state QUEUED) or started and making
+progress (SENDING: it handed a layer or the trailer over within the last lease, or has nothing left
+to hand over; else STALLED), the receive side once it expects the transfer or holds its Offer
+(RECEIVING). A peer that is alive but answers UNKNOWN (it never got the request) or STALLED (its
+producer is stuck) renews nothing.
 
 A transfer starts with ``deadline = now + lease_s`` (the caller's ``deadline_s``, e.g.
 ``--kv-deadline-s``) and ``limit = now + limit_s`` (the overall per-request bound). While it is in
@@ -30,6 +32,7 @@ class PeerState(str, enum.Enum):
     UNKNOWN = "unknown"  # alive, but does not know the transfer (renews nothing)
     QUEUED = "queued"  # send side promised it: the request is queued or prefilling
     SENDING = "sending"  # send side started: offering, waiting for credit, sending layers
+    STALLED = "stalled"  # send side started but handed over nothing for a whole lease (renews nothing)
     RECEIVING = "receiving"  # receive side expects it or holds an offer
     DONE = "done"  # this side finished it
 

@@ -34,6 +34,13 @@ class SendState:
     trailer: bytes | None = None
     trailer_sent: bool = False
     trailer_acked: bool = False
+    last_progress: float = 0.0  # when a layer or the trailer was last handed over (or the start)
+
+    def stalled(self, now: float) -> bool:
+        """Something is still to be handed over and nothing was for a whole lease: the producer is
+        stuck (the receiver must not wait for it past its lease)."""
+        missing = len(self.items) < len(self.layers) or (self.with_trailer and self.trailer is None)
+        return missing and now - self.last_progress > self.lease.lease_s
 
     def done(self) -> bool:
         return len(self.acked) == len(self.layers) and (not self.with_trailer or self.trailer_acked)
@@ -70,7 +77,7 @@ class Sender:
         if len(self.sends) >= self.core.config.max_pending_transfers:
             raise TransferError("too many transfers in flight", transfer_id)
         lease = Lease.start(self.core.now(), deadline_s, limit_s)
-        st = SendState(transfer_id, list(layers), lease, trailer, endpoint)
+        st = SendState(transfer_id, list(layers), lease, trailer, endpoint, last_progress=self.core.now())
         self.promised.pop(transfer_id, None)
         self.sends[transfer_id] = st
         self.core.stats.add("sends_started")
@@ -102,6 +109,7 @@ class Sender:
             )
         if self.core.plane.supports_spans:
             st.items[index] = SendItem(transfer_id, index, spans.base, ready_event, spans)
+            st.last_progress = self.core.now()
             self._dispatch(st)
             return
         if ready_event is not None:  # order the gather after the producer's writes (CUDA)
@@ -125,6 +133,7 @@ class Sender:
                 transfer_id,
             )
         st.items[index] = SendItem(transfer_id, index, tensor, ready_event)
+        st.last_progress = self.core.now()
         self._dispatch(st)
 
     def add_trailer(self, transfer_id: str, payload: bytes) -> None:
@@ -134,6 +143,7 @@ class Sender:
         if not st.with_trailer or st.trailer is not None:
             raise TransferError("trailer not announced (with_trailer=False) or already sent", transfer_id)
         st.trailer = bytes(payload)
+        st.last_progress = self.core.now()
         self._send_trailer(st)
 
     def _get_for_api(self, transfer_id: str) -> SendState | None:
@@ -318,9 +328,10 @@ class Sender:
                 self.core.send(endpoint, msg)
 
     def renew_msg(self, endpoint: str, transfer_id: str, reply: bool) -> Renew:
-        return Renew(
-            **self.core.header(endpoint, transfer_id), state=PeerState.SENDING.value, reply=reply
-        )
+        st = self.sends.get(transfer_id)
+        stalled = st is not None and st.stalled(self.core.now())
+        state = PeerState.STALLED if stalled else PeerState.SENDING
+        return Renew(**self.core.header(endpoint, transfer_id), state=state.value, reply=reply)
 
     def on_renew(self, msg: Renew) -> bool:
         """The receiver of ``msg.transfer_id`` is alive: extend the lease. True if the transfer is ours."""
@@ -333,8 +344,9 @@ class Sender:
             # the receiver finished (e.g. without a trailer that came too late): so did we
             self._complete(st)
             return True
-        if msg.state == PeerState.RECEIVING.value:
-            st.lease.renewed(self.core.now())
+        now = self.core.now()
+        if msg.state == PeerState.RECEIVING.value and not st.stalled(now):
+            st.lease.renewed(now)
         return True
 
     def promise(self, transfer_id: str, endpoint: str, deadline_s: float, limit_s: float | None) -> None:

@@ -132,3 +132,17 @@ def test_aborting_a_promise_tells_the_receiver_at_once(pair: tuple[TransferAgent
     a.abort("gone-early", "request ended before its KV was sent")
     reason = poll_until(b, lambda ev: "gone-early" in ev["failed"])["failed"]["gone-early"]
     assert time.monotonic() - start < 2.0 and "request ended" in reason
+
+
+def test_a_stuck_sender_renews_nothing(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    """Alive but its producer never hands layer 1 over: both sides fail within about one lease."""
+    a, b = pair
+    layers = _layers()
+    b.expect("stuck", num_layers=3, deadline_s=LEASE_S, limit_s=30)
+    start = time.monotonic()
+    a.start_send("stuck", b.endpoint, [LayerSpec.of(t) for t in layers], deadline_s=LEASE_S, limit_s=30)
+    a.send_layer("stuck", 0, layers[0])
+    a.send_layer("stuck", 2, layers[2])
+    poll_until(b, lambda ev: "stuck" in ev["failed"])
+    poll_until(a, lambda ev: "stuck" in ev["failed"])
+    assert time.monotonic() - start < 3 * LEASE_S + 0.5
