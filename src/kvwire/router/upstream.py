@@ -33,6 +33,12 @@ MAX_ERROR_BODY_BYTES = 64 * 1024
 BODY_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)
 _DEAD_STATUSES = frozenset({502, 504})  # a gateway in front of the instance says it is gone
 SILENCE_CHECK_S = 1.0  # how often a pending read checks that its instance still heartbeats
+# An instance that refuses connections within YOUNG_S of registering is probably still starting its
+# HTTP server (a host that registers early): when it is the only one of its role, the request waits
+# for it up to YOUNG_HOLD_S instead of taking it out of routing and failing with 503.
+YOUNG_S = 10.0
+YOUNG_HOLD_S = 3.0
+YOUNG_RETRY_S = 0.1
 T = TypeVar("T")
 
 
@@ -74,16 +80,30 @@ class Upstream:
         self, inst: InstanceView, role: str, path: str, body: bytes, headers: Mapping[str, str]
     ) -> aiohttp.ClientResponse:
         """POST and return the response once its headers are in and its status is < 400."""
-        try:
-            resp = await self.session.post(inst.url + path, data=body, headers=headers)
-        except aiohttp.ClientConnectorError as exc:
-            detail = f"cannot connect: {exc}"
-            raise self._failure(inst, role, "connect", detail, dead=True, retryable=True) from exc
-        except (*BODY_ERRORS, asyncio.TimeoutError) as exc:
-            raise self.lost(inst, role, exc) from exc
+        held_until = asyncio.get_running_loop().time() + YOUNG_HOLD_S
+        while True:
+            try:
+                resp = await self.session.post(inst.url + path, data=body, headers=headers)
+                break
+            except aiohttp.ClientConnectorError as exc:
+                if self._young(inst) and asyncio.get_running_loop().time() < held_until:
+                    await asyncio.sleep(YOUNG_RETRY_S)  # hold the request: it is probably still starting
+                    continue
+                detail = f"cannot connect: {exc}"
+                raise self._failure(inst, role, "connect", detail, dead=True, retryable=True) from exc
+            except (*BODY_ERRORS, asyncio.TimeoutError) as exc:
+                raise self.lost(inst, role, exc) from exc
         if resp.status >= 400:
             raise await self._http_failure(inst, role, resp)
         return resp
+
+    def _young(self, inst: InstanceView) -> bool:
+        """Registered moments ago and the only live one of its role: worth waiting for (with others
+        alive the refused request is retried on one of them at once instead)."""
+        view = self._registry.get(inst.instance_id)
+        others = [v for v in self._registry.live(inst.role) if v.instance_id != inst.instance_id]
+        return view is not None and view.info.epoch == inst.info.epoch and not others and \
+            self._registry.registered_for_s(view) < YOUNG_S
 
     async def read_all(
         self, inst: InstanceView, role: str, path: str, body: bytes, headers: Mapping[str, str]
