@@ -16,7 +16,6 @@ expiry with kind ``silent``, instead of waiting for the whole-request timeout (d
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Mapping
 from typing import TypeVar
@@ -122,21 +121,39 @@ class Upstream:
 
     async def watched(self, inst: InstanceView, role: str, read: Awaitable[T]) -> T:
         """Await ``read`` (a read of ``inst``'s answer); raise an UpstreamFailure (kind ``silent``)
-        once ``inst`` stopped heartbeating (expired, or replaced by a new epoch) meanwhile."""
-        task = asyncio.ensure_future(read)
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=SILENCE_CHECK_S)
-                if done:
-                    return task.result()
-                view = self._registry.get(inst.instance_id)
-                if view is None or view.state is InstanceState.EXPIRED or view.info.epoch != inst.info.epoch:
-                    raise self._failure(inst, role, "silent", "stopped heartbeating mid-answer", status=504)
-        finally:
-            if not task.done():
+        once ``inst`` stopped heartbeating (expired, or replaced by a new epoch) meanwhile.
+
+        No task per read: a timer checks the registry every ``SILENCE_CHECK_S`` and cancels the
+        awaiting task when the instance went silent (microseconds per read)."""
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        timer: list[asyncio.TimerHandle] = []  # the pending check
+        silent: list[bool] = []
+
+        def check() -> None:
+            if self._silent(inst):
+                silent.append(True)
                 task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+            else:
+                timer[0] = loop.call_later(SILENCE_CHECK_S, check)
+
+        timer.append(loop.call_later(SILENCE_CHECK_S, check))
+        try:
+            return await read
+        except asyncio.CancelledError:
+            if not silent:
+                raise
+            uncancel = getattr(task, "uncancel", None)  # Python >= 3.11: undo our own cancel()
+            if uncancel is not None:
+                uncancel()
+            raise self._failure(inst, role, "silent", "stopped heartbeating mid-answer", status=504) from None
+        finally:
+            timer[0].cancel()
+
+    def _silent(self, inst: InstanceView) -> bool:
+        view = self._registry.get(inst.instance_id)
+        return view is None or view.state is InstanceState.EXPIRED or view.info.epoch != inst.info.epoch
 
     async def _http_failure(
         self, inst: InstanceView, role: str, resp: aiohttp.ClientResponse
