@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve": ("kvwire.bench.serve", "OpenAI-API load generator: TTFT/ITL/TPOT/E2E percentiles"),
     "engine": ("kvwire.bench.engine", "built-in engine prefill/decode throughput"),
     "discovery": ("kvwire.bench.discovery", "discovery with N simulated instances: router CPU, latencies"),
+    "soak": ("kvwire.bench.soak", "cluster under load while instances are killed: failures, hangs, leaks"),
 }
 
 

@@ -88,6 +88,9 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     peer_instance_id: str | None = None
     # Seconds the transfer (push) or the lease on P's blocks (pull) may take before it fails.
     deadline_s: float = 30.0
+    # Overall bound (seconds) on the transfer while its peer keeps renewing the lease above
+    # (decision 051); None: the instance's default.
+    limit_s: float | None = None
     # Pull mode, P -> router -> D: the token P sampled and the prompt length P computed KV for.
     first_token_id: int | None = None
     num_prompt_tokens: int | None = None
@@ -127,6 +130,8 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidRequestError("kv_transfer_params.deadline_s must be > 0")
         if params.skip_blocks < 0:
             raise InvalidRequestError("kv_transfer_params.skip_blocks must be >= 0")
+        if params.limit_s is not None and params.limit_s <= 0:
+            raise InvalidRequestError("kv_transfer_params.limit_s must be > 0")
         return params
 
     @classmethod

@@ -133,16 +133,18 @@ def verifying(
     check: Callable[[object], KVTransferParams], verifier: ParamsVerifier,
     on_refused: Callable[[KVParamsRefused], None],
 ) -> Callable[[object], KVTransferParams]:
-    """``check`` (the structural admission check: malformed -> InvalidRequestError) followed by the
-    signature check; a refusal is reported to ``on_refused`` (count, log) and re-raised."""
+    """The signature check, then ``check`` (the connector's admission check, which may act on the
+    parameters: P promises D its transfer, which contacts D): nothing of a refused request reaches
+    ``check``. Malformed parameters -> InvalidRequestError; a refusal is reported to
+    ``on_refused`` (count, log) and re-raised."""
 
     def checked(raw: object) -> KVTransferParams:
-        params = check(raw)
+        params = raw if isinstance(raw, KVTransferParams) else KVTransferParams.from_dict(raw)
         try:
             verifier.verify(params)
         except KVParamsRefused as exc:
             on_refused(exc)
             raise
-        return params
+        return check(params)
 
     return checked

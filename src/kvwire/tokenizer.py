@@ -7,6 +7,7 @@ from __future__ import annotations
 import abc
 import functools
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -124,15 +125,29 @@ class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas in O(total) decode work: decodes a
     small window (prefix context + new tokens) and holds back incomplete UTF-8 sequences."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, prior: Sequence[int] = ()) -> None:
+        """``prior``: output tokens produced before this detokenizer (elsewhere): replayed, so the
+        state (held-back bytes included) is what it was after them; their text is not re-emitted."""
         self._tokenizer = tokenizer
         self._prefix_offset = 0
         self._read_offset = 0
         self.text = ""
+        self._prior = list(prior)
+        for end in range(1, len(self._prior) + 1):
+            self._step(self._prior[:end], final=False)
+        self._prior_text_len = len(self.text)
+
+    @property
+    def output_text(self) -> str:
+        """The text of the tokens after ``prior``."""
+        return self.text[self._prior_text_len :]
 
     def step(self, token_ids: list[int], final: bool = False) -> str:
-        """``token_ids`` = all output tokens so far; returns the text they add (may be "").
-        ``final`` flushes what was held back (an incomplete UTF-8 sequence at the end)."""
+        """``token_ids`` = all output tokens so far (after ``prior``); returns the text they add (may
+        be ""). ``final`` flushes what was held back (an incomplete UTF-8 sequence at the end)."""
+        return self._step(self._prior + token_ids if self._prior else token_ids, final)
+
+    def _step(self, token_ids: list[int], final: bool) -> str:
         prefix = self._tokenizer.decode(token_ids[self._prefix_offset : self._read_offset])
         full = self._tokenizer.decode(token_ids[self._prefix_offset :])
         if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):

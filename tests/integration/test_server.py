@@ -357,8 +357,10 @@ def test_prefill_role_registers_serves_pull_and_deregisters(tmp_path: Path) -> N
 
         async def wrong_role() -> tuple[int, Any]:
             async with aiohttp.ClientSession() as session:
+                # signed (the signature is checked first: unsigned parameters are a 403), wrong role
+                bad = ParamsSigner("s3cret").sign(KVTransferParams(transfer_id="t-bad", role=PDRole.DECODE))
                 return await post(session, proc.url + "/v1/completions", greedy(
-                    "hello", 1, kv_transfer_params={"transfer_id": "t-bad", "role": "decode"}))
+                    "hello", 1, kv_transfer_params=bad.to_dict()))
 
         status, error = run(wrong_role())  # a decode-side request sent to a prefill instance
         assert status == 400 and "not served by this prefill instance" in error["error"]["message"]

@@ -84,3 +84,18 @@ def test_bad_configuration_is_refused() -> None:
         ParamsSigner("")
     with pytest.raises(ConfigError):
         ParamsSigner(SECRET, ttl_s=0)
+
+
+def test_a_refused_signature_never_reaches_the_admission_check() -> None:
+    """The connector's check may act (P promises D its transfer, contacting D's endpoint): forged
+    parameters must be refused before it runs."""
+    from kvwire.kv_signing import verifying
+
+    seen: list[object] = []
+    refused: list[object] = []
+    forged = KVTransferParams(transfer_id="t-forged", role=PDRole.PREFILL, peer_endpoints=["tcp://evil:1"])
+    verifier = ParamsVerifier(b"s" * 32)
+    checked = verifying(lambda params: seen.append(params) or params, verifier, refused.append)
+    with pytest.raises(KVParamsRefused):
+        checked(forged.to_dict())
+    assert seen == [] and len(refused) == 1

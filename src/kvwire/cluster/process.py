@@ -3,11 +3,18 @@
 Each child runs in a new session (its own process group), so stopping it reaches every process it
 started (e.g. engine helpers) and a Ctrl-C in the terminal goes to the cluster manager only, which
 then stops children in order. Stop = SIGTERM to the group, wait ``grace_s``, then SIGKILL the group.
+
+A child also dies with its parent, even when the parent is killed with SIGKILL and cannot stop it:
+on Linux it asks the kernel for ``PR_SET_PDEATHSIG`` = SIGKILL before it runs the command. The
+kernel sends that signal when the *thread* that started the child exits, so start children from a
+thread that lives as long as the cluster (the main thread).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import os
 import signal
@@ -21,6 +28,23 @@ from typing import TextIO
 logger = logging.getLogger(__name__)
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent(parent_pid: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGKILL when its parent dies (None off Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+    def preexec() -> None:  # runs in the child between fork and exec: no allocation-heavy work
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
 class ManagedProcess:
     """A subprocess whose output lines are copied to ``sink`` as ``[name] line``."""
 
@@ -32,6 +56,7 @@ class ManagedProcess:
         sink: TextIO,
         sink_lock: threading.Lock,
         env: dict[str, str] | None = None,
+        die_with_parent: bool = True,
     ) -> None:
         self.name = name
         self.argv = list(argv)
@@ -46,6 +71,7 @@ class ManagedProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_die_with_parent(os.getpid()) if die_with_parent else None,
             env=env,
             text=True,
             bufsize=1,

@@ -1,7 +1,7 @@
 """Per-step metadata from the scheduler half to the worker halves (picklable: vLLM ships it to workers).
 
-Every item names the request and its router-minted transfer id. Workers apply, in order: aborts,
-receives, sends, trailers (``KvwireWorkerConnector.bind_connector_metadata``).
+Every item names the request and its router-minted transfer id. Workers apply, in order: promises,
+aborts, receives, sends, trailers (``KvwireWorkerConnector.bind_connector_metadata``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ class SendSpec:
     # Pull mode: D's endpoints, one per rank, the only agents that may pull this transfer (the pair
     # the router named). Empty: the first puller gets the lease.
     pull_by: tuple[str, ...] = ()
+    limit_s: float | None = None  # overall bound on the renewed lease (None: the agent's default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,14 +42,27 @@ class RecvSpec:
     # Leading blocks D already holds (local prefix-cache hit, possibly shared with running
     # requests): their arriving copies are not written.
     skip_blocks: int = 0
-    # P's endpoints, one per rank, that the router named (both modes): the only agents whose offer
-    # of this transfer is accepted. Empty: the first offer wins.
+    # P's endpoints, one per rank, that the router named (push): the only agents whose offer of this
+    # transfer is accepted, and the ones D renews its lease with before P's Offer arrives. Empty: the
+    # first offer wins.
     sender_endpoints: tuple[str, ...] = ()
     # Partial transfer: P's payload starts at this block of ``block_ids`` (P does not send the
     # blocks before it; D holds them). ``first_block <= skip_blocks``.
     first_block: int = 0
     # P's tensor-parallel size (push: how many endpoints P has); 0 = the same as D's.
     peer_tp_size: int = 0
+    limit_s: float | None = None  # overall bound on the renewed lease (None: the agent's default)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromiseSpec:
+    """P: this transfer's request was accepted (its prefill may be queued); the agent renews D's
+    lease on it until the send starts (decision 051)."""
+
+    transfer_id: str
+    peer_endpoints: tuple[str, ...]  # D's endpoints, one per rank
+    deadline_s: float
+    limit_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +91,7 @@ class KvwireConnectorMetadata(ConnectorMetadata):
     recvs: tuple[RecvSpec, ...] = ()
     trailers: tuple[TrailerSpec, ...] = ()
     aborts: tuple[AbortSpec, ...] = ()
+    promises: tuple[PromiseSpec, ...] = ()
 
     def is_empty(self) -> bool:
-        return not (self.sends or self.recvs or self.trailers or self.aborts)
+        return not (self.sends or self.recvs or self.trailers or self.aborts or self.promises)

@@ -70,6 +70,12 @@ class ConnectorMetrics:
             "kvwire_pd_blocks_awaiting_send", "P's blocks of finished requests held until the send completes",
             registry=registry,
         )
+        # Read from the agent at scrape time (a function gauge of a monotonic count).
+        self.control_rejected = Gauge(
+            "kvwire_pd_control_messages_rejected",
+            "transfer control messages refused (malformed, unknown, old version, bad MAC, stale epoch)",
+            registry=registry,
+        )
         self.load_failures = Counter(
             "kvwire_pd_load_failures", "D: remote KV loads that failed, by policy applied (recompute|fail)",
             ["policy"], registry=registry,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +31,14 @@ from kvwire.connector.base import (
 )
 from kvwire.connector.config import ConnectorConfig, ConnectorRole, EngineInfo
 from kvwire.connector.messages import FirstTokenTrailer
-from kvwire.connector.metadata import AbortSpec, KvwireConnectorMetadata, RecvSpec, SendSpec, TrailerSpec
+from kvwire.connector.metadata import (
+    AbortSpec,
+    KvwireConnectorMetadata,
+    PromiseSpec,
+    RecvSpec,
+    SendSpec,
+    TrailerSpec,
+)
 from kvwire.connector.metrics import ConnectorMetrics, connector_metrics
 from kvwire.connector.state import Phase, RequestState
 from kvwire.errors import InvalidRequestError
@@ -77,6 +85,8 @@ class KvwireSchedulerConnector(SchedulerConnector):
         self._recvs: list[RecvSpec] = []
         self._trailers: list[TrailerSpec] = []
         self._aborts: list[AbortSpec] = []
+        self._promises: list[PromiseSpec] = []  # appended by any thread (admission): under the lock
+        self._promises_lock = threading.Lock()
 
     # --- request admission -------------------------------------------------------------------
 
@@ -94,6 +104,7 @@ class KvwireSchedulerConnector(SchedulerConnector):
         self._check_layout(params)
         if params.role is PDRole.DECODE and params.mode is TransferMode.PULL and not params.peer_endpoints:
             raise InvalidRequestError("pull mode: kv_transfer_params.peer_endpoints (P's) must not be empty")
+        self._promise(params)  # P: D may wait for this request's KV from now on
         return params
 
     def _check_layout(self, params: KVTransferParams) -> None:
@@ -107,6 +118,15 @@ class KvwireSchedulerConnector(SchedulerConnector):
             reason = f"{len(params.peer_endpoints)} peer endpoints for tensor-parallel size {peer.tp_size}"
         if reason is not None:
             raise InvalidRequestError(f"incompatible P/D pair: {reason}")
+
+    def _promise(self, params: KVTransferParams) -> None:
+        """P in push mode accepted a request: its agents renew D's lease until the send starts."""
+        if params.role is not PDRole.PREFILL or params.mode is not TransferMode.PUSH:
+            return
+        spec = PromiseSpec(params.transfer_id, tuple(params.peer_endpoints),
+                           min(params.deadline_s, self.config.deadline_s), params.limit_s)
+        with self._promises_lock:
+            self._promises.append(spec)
 
     def _params_for(self, request: ConnectorRequest) -> KVTransferParams | None:
         raw = request.kv_transfer_params
@@ -139,6 +159,8 @@ class KvwireSchedulerConnector(SchedulerConnector):
         if prefill and params.mode is TransferMode.PUSH and not params.peer_endpoints:
             logger.warning("request %s: push without D endpoints; not sending", request.request_id)
             state.phase = Phase.LOCAL
+        elif prefill:
+            self._promise(params)  # hosts that do not validate at admission (vLLM) promise here
         if not prefill and self._pull_mismatch(state):
             self._abort(state, "prompt length mismatch", report_free=False)
             state.phase = Phase.LOCAL
@@ -235,9 +257,10 @@ class KvwireSchedulerConnector(SchedulerConnector):
                 pull_from=tuple(state.params.peer_endpoints) if pull else (),
                 want_trailer=not pull and self.config.use_first_token,
                 skip_blocks=state.num_local_tokens // self.engine_info.block_size,
-                sender_endpoints=tuple(state.params.peer_endpoints),
+                sender_endpoints=() if pull else tuple(state.params.peer_endpoints),
                 first_block=state.params.skip_blocks,
                 peer_tp_size=len(state.params.peer_endpoints),
+                limit_s=state.params.limit_s,
             )
         )
 
@@ -259,6 +282,7 @@ class KvwireSchedulerConnector(SchedulerConnector):
             recvs=tuple(self._recvs),
             trailers=tuple(self._trailers),
             aborts=tuple(self._aborts),
+            promises=self._take_promises(),
         )
         self._sends, self._recvs, self._trailers, self._aborts = [], [], [], []
         return meta
@@ -282,6 +306,7 @@ class KvwireSchedulerConnector(SchedulerConnector):
                 deadline_s=state.deadline_s,
                 with_trailer=push and self.config.use_first_token,
                 pull_by=() if push else tuple(state.params.peer_endpoints),
+                limit_s=state.params.limit_s,
             )
         )
 
@@ -352,6 +377,9 @@ class KvwireSchedulerConnector(SchedulerConnector):
     def _prefill_finished(self, state: RequestState, token: int | None) -> tuple[bool, dict[str, Any] | None]:
         if state.phase is not Phase.SENDING:
             self._reqs.pop(state.request_id, None)  # never sent (ended mid-prefill) or already acknowledged
+            if state.phase is Phase.PREFILLING and state.params.mode is TransferMode.PUSH:
+                # tells D at once (its lease was renewed by our promise) and drops the promise
+                self._abort(state, "request ended before its KV was sent", report_free=False)
             return False, None
         state.phase = Phase.AWAITING_SEND
         now = time.monotonic()
@@ -393,6 +421,11 @@ class KvwireSchedulerConnector(SchedulerConnector):
         return False, None
 
     # --- helpers --------------------------------------------------------------------------------
+
+    def _take_promises(self) -> tuple[PromiseSpec, ...]:
+        with self._promises_lock:
+            promises, self._promises = tuple(self._promises), []
+        return promises
 
     def _abort(self, state: RequestState, reason: str, *, report_free: bool) -> None:
         self._aborts.append(AbortSpec(state.request_id, state.params.transfer_id, reason, report_free))

@@ -25,7 +25,14 @@ import torch
 from kvwire.connector.base import ConnectorMetadata, ConnectorOutput, WorkerConnector
 from kvwire.connector.config import ConnectorConfig, EngineInfo, LoadFailurePolicy
 from kvwire.connector.messages import FirstTokenTrailer, decode_trailer, encode_trailer
-from kvwire.connector.metadata import AbortSpec, KvwireConnectorMetadata, RecvSpec, SendSpec, TrailerSpec
+from kvwire.connector.metadata import (
+    AbortSpec,
+    KvwireConnectorMetadata,
+    PromiseSpec,
+    RecvSpec,
+    SendSpec,
+    TrailerSpec,
+)
 from kvwire.connector.metrics import ConnectorMetrics, connector_metrics
 from kvwire.connector.pieces import (
     PieceBook,
@@ -58,6 +65,7 @@ class AgentLike(Protocol):
     def start_send(
         self, transfer_id: str, peer_endpoint: str | None, layers: Sequence[LayerSpec], *,
         deadline_s: float | None = None, with_trailer: bool = False, pull_by: str | None = None,
+        limit_s: float | None = None,
     ) -> None: ...
 
     def register_kv_caches(self, kv_caches: Sequence[torch.Tensor], layout: KVLayout) -> None: ...
@@ -69,10 +77,16 @@ class AgentLike(Protocol):
 
     def send_trailer(self, transfer_id: str, payload: bytes) -> None: ...
 
+    def promise(
+        self, transfer_id: str, peer_endpoint: str, *, deadline_s: float | None = None,
+        limit_s: float | None = None,
+    ) -> None: ...
+
     def expect(
         self, transfer_id: str, *, num_layers: int, deadline_s: float | None = None,
         pull_from: str | None = None, into_blocks: BlockTarget | None = None,
         accept_from: str | None = None,
+        sender: str | None = None, limit_s: float | None = None,
     ) -> None: ...
 
     def take_trailer(self, transfer_id: str) -> bytes | None: ...
@@ -129,6 +143,9 @@ class KvwireWorkerConnector(WorkerConnector):
         self.agent = agent
         self._owns_agent = owns_agent
         self._metrics = metrics if metrics is not None else connector_metrics()
+        stats = getattr(agent, "stats", None)
+        if callable(stats):  # a real agent (test fakes have no stats)
+            self._metrics.control_rejected.set_function(lambda: float(stats().messages_rejected))
         self._layout = KVLayout(engine_info.kv_layout)
         self._kv_caches: list[torch.Tensor] = []
         self._sends: dict[str, _Send] = {}  # piece transfer id -> live send
@@ -174,6 +191,8 @@ class KvwireWorkerConnector(WorkerConnector):
         super().bind_connector_metadata(metadata)
         if not isinstance(metadata, KvwireConnectorMetadata):
             return
+        for promise in metadata.promises:
+            self._promise(promise)
         for abort in metadata.aborts:
             self._apply_abort(abort)
         for recv in metadata.recvs:
@@ -286,13 +305,25 @@ class KvwireWorkerConnector(WorkerConnector):
         try:
             self.agent.start_send(
                 piece.transfer_id, peer, layers, deadline_s=spec.deadline_s, with_trailer=spec.with_trailer,
-                pull_by=pull_by,
+                pull_by=pull_by, limit_s=spec.limit_s,
             )
         except KvwireError as exc:
             logger.warning("transfer %s: start_send failed: %s", piece.transfer_id, exc)
             self._count_failure("send", str(exc))
             return None
         return _Send(spec, ids, piece.transfer_id, piece.heads, tuple(layer.num_bytes for layer in layers))
+
+    def _promise(self, spec: PromiseSpec) -> None:
+        """P accepted a request: renew D's lease on its transfer until the send starts (decision
+        051; symmetric TP: with different sizes the pieces' own ids are renewed once they start)."""
+        rank = self.engine_info.rank
+        if rank >= len(spec.peer_endpoints):
+            return
+        try:
+            self.agent.promise(spec.transfer_id, spec.peer_endpoints[rank], deadline_s=spec.deadline_s,
+                               limit_s=spec.limit_s)
+        except KvwireError as exc:
+            logger.warning("transfer %s: promise failed: %s", spec.transfer_id, exc)
 
     def _kv_heads(self, p_tp: int, d_tp: int) -> int | None:
         """The model's KV heads over all ranks (None for MLA: no head dimension). A host whose KV is
@@ -369,6 +400,7 @@ class KvwireWorkerConnector(WorkerConnector):
                 self.agent.expect(
                     recv.piece_id, num_layers=len(self._kv_caches), into_blocks=target,
                     deadline_s=spec.deadline_s, pull_from=pull_from, accept_from=accept_from,
+                    sender=accept_from, limit_s=spec.limit_s,
                 )
             except KvwireError as exc:
                 self._recv_piece_failed(recv, str(exc), self._pending)

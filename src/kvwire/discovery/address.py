@@ -62,3 +62,19 @@ def parse_discovery_address(text: str) -> DiscoveryAddress:
     prefix = (prefix + "/") if prefix else DEFAULT_ETCD_PREFIX
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     return DiscoveryAddress(DiscoveryKind.ETCD, f"http://{host}:{port}", prefix)
+
+
+def parse_registration_address(text: str) -> DiscoveryAddress:
+    """Where an instance registers: ``etcd://HOST:PORT[/prefix]``, or one or more router heartbeat
+    sockets separated by commas (``tcp://A:P,tcp://B:P``: router high availability, each gets
+    every heartbeat). Raises :class:`~kvwire.errors.ConfigError` for anything else, including an
+    etcd address in a list (etcd already serves every router)."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts:
+        raise ConfigError(f"discovery address must be {FORMS}, got {text!r}")
+    parsed = [parse_discovery_address(part) for part in parts]
+    if len(parsed) > 1 and any(p.kind is DiscoveryKind.ETCD for p in parsed):
+        raise ConfigError(f"an etcd discovery address stands alone (every router watches it), got {text!r}")
+    if len(parsed) == 1:
+        return parsed[0]
+    return DiscoveryAddress(DiscoveryKind.ZMQ, ",".join(p.address for p in parsed))

@@ -3,9 +3,11 @@
 Any host uses it: the kvwire server, the vLLM plugin, test mocks. It imports no torch.
 
 Contract:
-* :meth:`HeartbeatClient.start` starts one daemon thread that sends a :class:`Heartbeat` at once and
-  then every ``interval_s`` seconds, with the load returned by ``load_fn`` (called on that thread;
-  an exception there is logged and the heartbeat carries ``load=None``).
+* :meth:`HeartbeatClient.start` starts one daemon thread that sends a :class:`Heartbeat` at once (or,
+  with ``wait_for_http``, as soon as the instance's HTTP server answers at ``info.url``: a router must
+  not route to an instance that refuses connections) and then every ``interval_s`` seconds, with
+  the load returned by ``load_fn`` (called on that thread; an exception there is logged and the
+  heartbeat carries ``load=None``).
 * Sends never block: a ZeroMQ PUSH socket with a small high-water mark; if the router is down the
   newest few heartbeats wait in the queue and the rest are dropped (counted in ``dropped``).
 * KV events (optional ``kv_events`` log): every ``kv_events_interval_s`` the thread drains the
@@ -23,6 +25,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from types import TracebackType
 
@@ -45,6 +49,20 @@ log = logging.getLogger(__name__)
 LoadFn = Callable[[], InstanceLoad]
 MAX_EVENT_BATCHES_PER_TICK = 4
 
+HTTP_PROBE_INTERVAL_S = 0.2
+HTTP_PROBE_TIMEOUT_S = 1.0
+
+
+def http_answers(url: str, timeout_s: float = HTTP_PROBE_TIMEOUT_S) -> bool:
+    """True when an HTTP server answers at ``url`` (``GET url/health``; any HTTP status counts)."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout_s):
+            return True
+    except urllib.error.HTTPError:
+        return True  # it answered, with an error status: it is serving HTTP
+    except (OSError, ValueError):
+        return False
+
 
 def _secret_bytes(secret: str | bytes | None) -> bytes | None:
     if secret is None or secret in ("", b""):
@@ -52,8 +70,15 @@ def _secret_bytes(secret: str | bytes | None) -> bytes | None:
     return secret.encode() if isinstance(secret, str) else bytes(secret)
 
 
+def router_addresses(router_address: str) -> list[str]:
+    """The routers of a ``router_address``: one ``tcp://host:port``, or several separated by commas
+    (router high availability: every heartbeat goes to each of them)."""
+    return [part.strip() for part in router_address.split(",") if part.strip()]
+
+
 class HeartbeatClient:
-    """Registers ``info`` with the router at ``router_address`` ("tcp://host:port") and keeps it alive."""
+    """Registers ``info`` with the router(s) at ``router_address`` ("tcp://host:port", or several
+    separated by commas: each gets every message) and keeps it alive."""
 
     def __init__(
         self,
@@ -65,9 +90,12 @@ class HeartbeatClient:
         linger_s: float = 0.5,
         kv_events: KvEventLog | None = None,
         kv_events_interval_s: float = 0.05,
+        wait_for_http: bool = False,
     ) -> None:
-        if not router_address.startswith(("tcp://", "ipc://", "inproc://")):
+        addresses = router_addresses(router_address)
+        if not addresses or not all(a.startswith(("tcp://", "ipc://", "inproc://")) for a in addresses):
             raise ConfigError(f"router address must look like tcp://host:port, got {router_address!r}")
+        self.routers = addresses
         if interval_s <= 0:
             raise ConfigError(f"heartbeat interval_s must be > 0, got {interval_s}")
         self.router_address = router_address
@@ -80,6 +108,7 @@ class HeartbeatClient:
         self._load_fn = load_fn
         self._secret = _secret_bytes(secret)
         self._linger_s = linger_s
+        self._wait_for_http = wait_for_http
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -121,29 +150,52 @@ class HeartbeatClient:
 
     def _run(self) -> None:
         ctx = zmq.Context()
-        sock = ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.SNDHWM, 4 if self._kv_events is None else 16)
-        sock.setsockopt(zmq.LINGER, int(self._linger_s * 1000))
+        socks = []  # one PUSH per router: a PUSH connected to several peers would round-robin
         try:
-            sock.connect(self.router_address)
+            for address in self.routers:
+                sock = ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.SNDHWM, 4 if self._kv_events is None else 16)
+                sock.setsockopt(zmq.LINGER, int(self._linger_s * 1000))
+                socks.append(sock)
+                sock.connect(address)
+            if self._wait_for_http and not self._await_http():
+                return  # closed before the server answered: never registered, nothing to deregister
             next_beat = 0.0
             while not self._stop.is_set():
                 now = time.monotonic()
                 if now >= next_beat or self._wake.is_set():
                     self._wake.clear()
-                    self._send(sock, self._heartbeat())
+                    self._send_all(socks, self._heartbeat())
                     next_beat = now + self.interval_s
-                self._send_kv_events(sock)
+                self._send_kv_events(socks)
                 wait_s = next_beat - time.monotonic()
                 if self._kv_events is not None:
                     wait_s = min(wait_s, self._kv_events_interval_s)
                 self._wake.wait(max(wait_s, 0.0))
-            self._send(sock, self._deregister())
+            self._send_all(socks, self._deregister())
         except Exception:  # the thread must never die silently
             log.exception("heartbeat thread of %s failed", self.info.instance_id)
         finally:
-            sock.close()  # waits up to LINGER for the deregistration to leave
+            for sock in socks:
+                sock.close()  # waits up to LINGER for the deregistration to leave
             ctx.term()
+
+    def _send_all(self, socks: list[zmq.Socket], msg: DiscoveryMessage) -> None:
+        for sock in socks:
+            self._send(sock, msg)
+
+    def _await_http(self) -> bool:
+        """Wait (until close) for the instance's HTTP server to answer. False if closed first."""
+        logged = False
+        while not self._stop.is_set():
+            if http_answers(self.info.url):
+                return True
+            if not logged:
+                log.info("%s: waiting for %s to answer before registering", self.info.instance_id,
+                         self.info.url)
+                logged = True
+            self._stop.wait(HTTP_PROBE_INTERVAL_S)
+        return False
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -166,7 +218,9 @@ class HeartbeatClient:
             sent_at=time.time(),
         )
 
-    def _send_kv_events(self, sock: zmq.Socket) -> None:
+    def _send_kv_events(self, socks: list[zmq.Socket]) -> None:
+        """Drain the KV event log into batches for every router (each keeps its own index); a batch
+        any router could not take makes the log resend everything (resync)."""
         log_ = self._kv_events
         if log_ is None:
             return
@@ -179,7 +233,7 @@ class HeartbeatClient:
                 stored=batch.stored, removed=batch.removed, cleared=batch.cleared,
                 num_cached_blocks=batch.num_cached_blocks, seq=self._next_seq(), sent_at=time.time(),
             )
-            if not self._send(sock, msg):
+            if not all([self._send(sock, msg) for sock in socks]):
                 log_.resync()
                 return
 

@@ -3,7 +3,7 @@
 Shared by every host that announces itself (``kvwire serve`` through
 :mod:`kvwire.server.registration`, the vLLM plugin's scheduler half), so they all announce the same
 way; each keeps only its own ``load_fn``. The address picks the backend
-(:func:`~kvwire.discovery.address.parse_discovery_address`): ``tcp://`` -> ZeroMQ heartbeats to one
+(:func:`~kvwire.discovery.address.parse_registration_address`): ``tcp://`` -> ZeroMQ heartbeats to one
 router (:class:`HeartbeatClient`), ``etcd://`` -> a leased record in etcd (:class:`EtcdRegistration`).
 No torch.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from kvwire.discovery.address import DiscoveryKind, parse_discovery_address
+from kvwire.discovery.address import DiscoveryKind, parse_registration_address
 from kvwire.discovery.client import HeartbeatClient, LoadFn
 from kvwire.discovery.etcd_client import EtcdRegistration
 from kvwire.discovery.messages import InstanceInfo, InstanceRole
@@ -41,16 +41,20 @@ def start_registration(
     kv_events: KvEventLog | None = None,
     tokenizer: str = "",
     kv_layout: KVCacheLayout | None = None,
+    wait_for_http: bool = False,
 ) -> Registration:
-    """Start registering at ``router_address`` (``tcp://HOST:PORT`` or ``etcd://HOST:PORT[/prefix]``)
-    and return the client (``close()`` deregisters). ``secret`` signs ZeroMQ heartbeats (etcd has its
-    own access control; the secret is not used there). KV events travel on the ZeroMQ connection
-    only: an instance registered in etcd is routed on load (decision 046).
+    """Start registering at ``router_address`` (``etcd://HOST:PORT[/prefix]``, or ``tcp://HOST:PORT``
+    of one or more routers, comma-separated: each gets every heartbeat) and return the client
+    (``close()`` deregisters). ``secret`` signs ZeroMQ heartbeats (etcd has its own access control;
+    the secret is not used there). KV events travel on the ZeroMQ connections only: an instance
+    registered in etcd is routed on load (decision 046).
 
     ``role`` is an :class:`InstanceRole` or its value (``prefill``, ``decode`` or ``both``): the
     server's and the connector's role enums share those values. ``load_fn`` runs on the heartbeat
     thread. ``kv_events``: the host's prefix-cache log, published as KV events on the same connection;
     ``tokenizer``: how the router can tokenize like this host (see ``InstanceInfo.tokenizer``).
+    ``wait_for_http``: send the first heartbeat only once an HTTP server answers at ``url`` (hosts
+    that start registration before they listen: vLLM; ZeroMQ only).
     Raises :class:`~kvwire.errors.ConfigError` for a malformed address or interval or an unknown
     role; nothing is started then.
     """
@@ -64,13 +68,14 @@ def start_registration(
         tokenizer=tokenizer,
         kv_layout=kv_layout,
     )
-    target = parse_discovery_address(router_address)
+    target = parse_registration_address(router_address)
     client: Registration
     if target.kind is DiscoveryKind.ETCD:
         client = EtcdRegistration(target, info, load_fn=load_fn, interval_s=interval_s)
     else:
         client = HeartbeatClient(
-            router_address, info, load_fn=load_fn, interval_s=interval_s, secret=secret, kv_events=kv_events
+            target.address, info, load_fn=load_fn, interval_s=interval_s, secret=secret,
+            kv_events=kv_events, wait_for_http=wait_for_http,
         )
     client.start()
     logger.info("registering %s (%s, %s, KV endpoints %s) at %s", instance_id, info.role.value,

@@ -123,7 +123,7 @@ class LLMEngine:
             request_id,
             prompt_token_ids,
             params,
-            IncrementalDetokenizer(self.tokenizer),
+            IncrementalDetokenizer(self.tokenizer, _prior_output(prompt_token_ids, params)),
             kv_transfer_params,
             generator,
         )
@@ -234,7 +234,7 @@ class LLMEngine:
         out.new_token_ids += new_ids
         out.new_text += new_text
         out.token_ids = list(req.output_token_ids)
-        out.text = req.detokenizer.text
+        out.text = req.detokenizer.output_text
         out.num_cached_tokens = req.num_cached_tokens
         return out
 
@@ -271,3 +271,9 @@ class LLMEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _prior_output(prompt: list[int], params: SamplingParams) -> list[int]:
+    """The prompt's trailing tokens that are the answer's own earlier output (migration)."""
+    n = min(params.prior_output_tokens, len(prompt))
+    return prompt[len(prompt) - n :] if n else []

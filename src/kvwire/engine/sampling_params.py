@@ -20,6 +20,10 @@ class SamplingParams:
     stop: Sequence[str] = ()  # stop strings: the text ends before the first match
     stop_token_ids: Sequence[int] = ()  # tokens that end the request (kept in token_ids)
     ignore_eos: bool = False
+    # The last N prompt tokens are this answer's own earlier output (an answer migrated from a dead
+    # instance, decision 052): detokenization and stop strings continue from them, so the text
+    # equals an uninterrupted run's even across a character split by the migration.
+    prior_output_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -38,6 +42,9 @@ class SamplingParams:
         stop_ids = tuple(self.stop_token_ids)
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids):
             raise InvalidRequestError("stop_token_ids must be a list of non-negative integers")
+        prior = self.prior_output_tokens
+        if isinstance(prior, bool) or not isinstance(prior, int) or prior < 0:
+            raise InvalidRequestError(f"prior_output_tokens must be an integer >= 0, got {prior!r}")
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", stop_ids)
 

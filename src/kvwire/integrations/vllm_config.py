@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvwire.connector.config import ConnectorConfig, ConnectorRole, LoadFailurePolicy
-from kvwire.discovery.address import parse_discovery_address
+from kvwire.discovery.address import parse_registration_address
 from kvwire.errors import ConfigError
 from kvwire.kv_params import TransferMode
 from kvwire.transfer.enums import Transport
@@ -218,6 +218,11 @@ def _mode(extra: Mapping[str, Any]) -> TransferMode:
 
 def _router(extra: Mapping[str, Any]) -> str | None:
     proxy_ip, proxy_port = _get_str(extra, "proxy_ip"), _get_int(extra, "proxy_port")
+    routers = extra.get("router")
+    if isinstance(routers, (list, tuple)):  # several routers (high availability): each gets every heartbeat
+        if not all(isinstance(r, str) and r.startswith(("tcp://", "ipc://")) for r in routers) or not routers:
+            raise ConfigError(f"router must be tcp://host:port or a list of them, got {routers!r}")
+        return ",".join(routers)
     router = _get_str(extra, "router")
     if (proxy_ip is None) != (proxy_port is None):
         raise ConfigError("proxy_ip and proxy_port go together: set both or neither")
@@ -229,7 +234,7 @@ def _router(extra: Mapping[str, Any]) -> str | None:
         raise ConfigError(f"discovery {discovery!r} and router/proxy_ip+proxy_port are alternatives: set one")
     address = discovery or router or seed
     if address is not None:
-        parse_discovery_address(address)  # raises ConfigError naming tcp:// and etcd:// forms
+        parse_registration_address(address)  # raises ConfigError naming tcp:// and etcd:// forms
     return address
 
 

@@ -97,6 +97,7 @@ class SchedulerSide:
             url=self.config.http_url, model=self.identity.model_name, kv_endpoints=endpoints,
             version=self.identity.version, load_fn=lambda: self._load,
             interval_s=self.config.heartbeat_interval_s, secret=self.config.secret,
+            wait_for_http=True,  # vLLM's HTTP server starts listening after engine init
         )
 
     @property

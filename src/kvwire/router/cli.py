@@ -60,7 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                         help="largest accepted request body (default %(default)s)")
     parser.add_argument("--kv-deadline-s", type=float, default=d.kv_deadline_s,
-                        help="deadline_s given to P/D transfers (default %(default)s)")
+                        help="lease given to P/D transfers: a silent peer fails a transfer after this "
+                             "long (default %(default)s)")
+    parser.add_argument("--kv-limit-s", type=float, default=d.kv_limit_s,
+                        help="bound on a transfer whose peers stay alive (default %(default)s)")
+    parser.add_argument("--max-migrations", type=int, default=d.max_migrations,
+                        help="moves of one request to another instance after one died (default %(default)s)")
     parser.add_argument("--upstream-timeout-s", type=float, default=d.upstream_timeout_s,
                         help="limit on one upstream request, streaming included (default %(default)s)")
     parser.add_argument("--client-write-timeout-s", type=float, default=d.client_write_timeout_s,
@@ -85,6 +90,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         discovery_host=args.discovery_host, discovery_port=args.discovery_port, discovery=args.discovery,
         instance_ttl_s=args.instance_ttl_s, policy=Policy(args.policy), mode=TransferMode(args.mode),
         secret=args.secret or None, max_body_bytes=args.max_body_bytes, kv_deadline_s=args.kv_deadline_s,
+        kv_limit_s=args.kv_limit_s, max_migrations=args.max_migrations,
         upstream_timeout_s=args.upstream_timeout_s, max_connect_retries=args.max_connect_retries,
         client_write_timeout_s=args.client_write_timeout_s,
         stream_first_token_from_prefill=args.stream_first_token_from_prefill,

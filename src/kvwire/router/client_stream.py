@@ -15,6 +15,7 @@ from aiohttp import web
 
 from kvwire.client_writer import ClientWriter
 from kvwire.router.metrics import RouterMetrics, SSETokenMeter
+from kvwire.router.migration import StreamLedger
 from kvwire.router.request import ClientRequest
 
 CLIENT_TIMEOUT = "client_timeout"  # outcome label of a request whose client stopped reading
@@ -46,7 +47,14 @@ class ClientStream:
         await self._writer.open(self.response)
         return self
 
+    @property
+    def ledger(self) -> StreamLedger | None:
+        return self._creq.ledger
+
     async def write(self, chunk: bytes) -> None:
+        """Write upstream bytes (through the request's ledger, when it has one)."""
+        if self._creq.ledger is not None:
+            chunk = self._creq.ledger.filter(chunk)
         if not chunk:
             return
         await self._writer.write(chunk)
@@ -61,6 +69,10 @@ class ClientStream:
         for _ in range(n - 1):
             self._itl.observe(0.0)
         self._last = now
+
+    async def write_direct(self, data: bytes) -> None:
+        """Write router-made bytes (no ledger, no metering)."""
+        await self._writer.write(data)
 
     async def error_event(self, message: str, status: int) -> None:
         """Report a failure in-band (the status line is gone already), OpenAI style."""

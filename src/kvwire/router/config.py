@@ -42,7 +42,9 @@ class RouterConfig:
     # A client that reads nothing for this long (one write stuck; streaming or a whole answer) is cut
     # off; its upstream requests still in flight are cancelled, like on a disconnect.
     client_write_timeout_s: float = 30.0
-    kv_deadline_s: float = 30.0  # deadline_s put in kv_transfer_params
+    kv_deadline_s: float = 30.0  # deadline_s put in kv_transfer_params: a lease renewed while P/D live
+    kv_limit_s: float = 300.0  # limit_s put in kv_transfer_params: bound on a transfer however renewed
+    max_migrations: int = 3  # times one request may move to another instance after one died
     max_connect_retries: int = 2  # re-dispatches when an upstream refuses the connection
     seed: int | None = None  # for the random policy (tests)
     # Push mode, streaming: send P's first token to the client as soon as P answers, and trim it off
@@ -61,7 +63,7 @@ class RouterConfig:
                 raise ConfigError(f"{name} must be in 0..65535, got {value}")
         positive = (
             "instance_ttl_s", "forget_after_s", "connect_timeout_s", "upstream_timeout_s", "kv_deadline_s",
-            "client_write_timeout_s", "kv_params_ttl_s",
+            "client_write_timeout_s", "kv_params_ttl_s", "kv_limit_s",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -74,6 +76,10 @@ class RouterConfig:
             )
         if self.kv_index_max_blocks <= 0:
             raise ConfigError(f"kv_index_max_blocks must be > 0, got {self.kv_index_max_blocks}")
+        if self.kv_limit_s < self.kv_deadline_s:
+            raise ConfigError(f"kv_limit_s must be >= kv_deadline_s, got {self.kv_limit_s}")
+        if self.max_migrations < 0:
+            raise ConfigError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.max_connect_retries < 0:
             raise ConfigError(f"max_connect_retries must be >= 0, got {self.max_connect_retries}")
         if not isinstance(self.policy, Policy):

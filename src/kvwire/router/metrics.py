@@ -47,6 +47,11 @@ class RouterMetrics:
             "kvwire_router_upstream_errors", "Upstream failures by instance role and kind", ["role", "kind"],
             registry=r,
         )
+        self.migrations = Counter(
+            "kvwire_router_migrations",
+            "Requests moved to another instance after one died: before the first byte "
+            "(kind=redispatch) or mid-stream (kind=stream)", ["kind"], registry=r,
+        )
         self.retries = Counter(
             "kvwire_router_retries", "Dispatches retried after a refused connection", registry=r
         )

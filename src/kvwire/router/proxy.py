@@ -38,6 +38,8 @@ from kvwire.router.client_stream import ClientStream
 from kvwire.router.config import RouterConfig
 from kvwire.router.kv_routing import PushPlan, plan_push, prefix_for
 from kvwire.router.metrics import RouterMetrics, SSETokenMeter
+from kvwire.router.migration import StreamInterrupted
+from kvwire.router.migrator import Migrator
 from kvwire.router.prompt_tokens import PromptTokenizer
 from kvwire.router.registry import InstanceView
 from kvwire.router.request import ClientRequest
@@ -64,7 +66,12 @@ class Dispatcher:
 
     async def dispatch(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
         """Serve ``creq``; raises NoInstanceError / ModelNotFoundError / UpstreamFailure before any
-        byte went to the client (afterwards failures are reported in-band)."""
+        byte went to the client (afterwards failures are reported in-band). An instance that dies
+        is survived: re-dispatch before the first byte, migration after (:mod:`.migration`)."""
+        return await Migrator(self.dispatch_once, self._cfg, self._metrics).serve(request, creq)
+
+    async def dispatch_once(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
+        """One dispatch of ``creq`` (a client request or a continuation), no re-dispatch."""
         plan = self._selector.plan(creq.model)
         prefix = prefix_for(self._selector, self._tokenizer, creq)  # token counts for every policy
         if not self._selector.kv_aware:
@@ -112,7 +119,7 @@ class Dispatcher:
             return await self._upstream.read_all(inst, role, creq.path, body, creq.headers)
         resp = await self._upstream.open(inst, role, creq.path, body, creq.headers)
         try:
-            first = await resp.content.readany()
+            first = await self._upstream.watched(inst, role, resp.content.readany())
         except (*BODY_ERRORS, asyncio.TimeoutError) as exc:
             resp.close()
             raise self._upstream.lost(inst, role, exc) from exc
@@ -139,6 +146,7 @@ class Dispatcher:
     ) -> web.StreamResponse:
         """Forward an SSE stream (byte for byte unless ``splicer`` trims P's token off its start)."""
         try:
+            out = out or creq.resume_stream
             if out is None:
                 ctype = resp.headers.get("Content-Type", "text/event-stream")
                 out = await ClientStream(request, creq, self._metrics, mode, status=resp.status,
@@ -147,12 +155,18 @@ class Dispatcher:
             chunk = first
             while chunk:
                 await out.write(splicer.filter(chunk) if splicer is not None else chunk)
-                chunk = await resp.content.readany()
+                chunk = await self._upstream.watched(inst, inst.role.value, resp.content.readany())
             if splicer is not None:
                 await out.write(splicer.flush())
-        except (*BODY_ERRORS, asyncio.TimeoutError) as exc:
+            if out.ledger is not None and out.ledger.interrupted:
+                reason = out.ledger.error or "stream ended early"
+                raise StreamInterrupted(out, f"{inst.role.value} instance {inst.instance_id}: {reason}")
+        except (*BODY_ERRORS, asyncio.TimeoutError, UpstreamFailure) as exc:
             assert out is not None
-            failure = self._upstream.lost(inst, inst.role.value, exc)
+            failure = exc if isinstance(exc, UpstreamFailure) else self._upstream.lost(inst, inst.role.value,
+                                                                                        exc)
+            if out.ledger is not None:
+                raise StreamInterrupted(out, str(failure)) from exc
             await out.error_event(f"failed mid-stream: {failure}", failure.status)
         finally:
             if resp.content.at_eof():
@@ -182,7 +196,7 @@ class Dispatcher:
             p_task = asyncio.create_task(self._call(p, "prefill", creq, p_body, stream=False))
             d_task = asyncio.create_task(self._call(d, "decode", creq, d_body, stream=creq.stream))
             try:
-                if creq.stream and self._cfg.stream_first_token_from_prefill:
+                if creq.stream and self._cfg.stream_first_token_from_prefill and creq.ledger is None:
                     response = await self._push_early(request, creq, d, p_task, d_task)
                 else:
                     opened = await self._race(p_task, d_task)
@@ -248,7 +262,7 @@ class Dispatcher:
 
     async def _read_more(self, inst: InstanceView, resp: aiohttp.ClientResponse) -> bytes:
         try:
-            return await resp.content.readany()
+            return await self._upstream.watched(inst, inst.role.value, resp.content.readany())
         except (*BODY_ERRORS, asyncio.TimeoutError) as exc:
             raise self._upstream.lost(inst, inst.role.value, exc) from exc
 
@@ -258,7 +272,7 @@ class Dispatcher:
         return self._seal(KVTransferParams(
             transfer_id=tid, mode=TransferMode.PUSH, role=role, peer_endpoints=list(peer.info.kv_endpoints),
             peer_instance_id=peer.instance_id, deadline_s=self._cfg.kv_deadline_s, skip_blocks=skip_blocks,
-            peer_kv_layout=peer.info.kv_layout,
+            peer_kv_layout=peer.info.kv_layout, limit_s=self._cfg.kv_limit_s,
         ))
 
     def _seal(self, params: KVTransferParams) -> KVTransferParams:
@@ -319,7 +333,7 @@ class Dispatcher:
         p_params = self._seal(KVTransferParams(
             transfer_id=tid, mode=TransferMode.PULL, role=PDRole.PREFILL,
             peer_endpoints=list(d.info.kv_endpoints), peer_instance_id=d.instance_id,
-            deadline_s=self._cfg.kv_deadline_s,
+            deadline_s=self._cfg.kv_deadline_s, limit_s=self._cfg.kv_limit_s,
         ))
         p_body = _prefill_body(creq, p_params)
         p, answer = await self._retrying(lambda: self._prefill_only(creq, p_body, model))

@@ -66,6 +66,7 @@ class InstanceView:
     last_seen: float  # registry clock (monotonic) of the last heartbeat
     last_seq: int
     reason: str = ""  # why it is not alive
+    first_seen: float = 0.0  # registry clock of this epoch's first heartbeat
 
     @property
     def instance_id(self) -> str:
@@ -126,7 +127,10 @@ class Registry:
     def _heartbeat(self, info: InstanceInfo, load: InstanceLoad | None, seq: int) -> ApplyResult:
         now = self._clock()
         old = self._entries.get(info.instance_id)
-        fresh = InstanceView(info=info, load=load, state=InstanceState.ALIVE, last_seen=now, last_seq=seq)
+        same_epoch = old is not None and old.info.epoch == info.epoch
+        first_seen = old.first_seen if same_epoch and old is not None else now
+        fresh = InstanceView(info=info, load=load, state=InstanceState.ALIVE, last_seen=now, last_seq=seq,
+                             first_seen=first_seen)
         if old is None:
             result = ApplyResult.REGISTERED
             for other in [e for e in self._entries.values() if e.url == info.url]:
@@ -245,6 +249,10 @@ class Registry:
 
     def get(self, instance_id: str) -> InstanceView | None:
         return self._entries.get(instance_id)
+
+    def registered_for_s(self, view: InstanceView) -> float:
+        """Seconds since this epoch of the instance first registered."""
+        return max(0.0, self._clock() - view.first_seen)
 
     def age_s(self, view: InstanceView) -> float:
         return max(0.0, self._clock() - view.last_seen)

@@ -5,11 +5,15 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from kvwire.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from kvwire.router.client_stream import ClientStream
+    from kvwire.router.migration import StreamLedger
 
 _FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 _DEFAULT_MAX_TOKENS = 16  # what OpenAI /v1/completions assumes when max_tokens is absent
@@ -24,6 +28,8 @@ class ClientRequest:
     t0: float = field(default_factory=time.perf_counter)  # arrival, perf_counter seconds
     outcome: str = "ok"  # set by whoever decides how the request ended (metrics label)
     prompt_token_ids: list[int] | None = None  # set when the router tokenized the prompt (kv_aware)
+    ledger: StreamLedger | None = None  # streaming: what the client was sent (mid-stream migration)
+    resume_stream: ClientStream | None = None  # a continuation: the client stream it writes into
 
     @property
     def stream(self) -> bool:

@@ -7,25 +7,38 @@ marked unreachable in the registry until its next heartbeat).
 
 Cancellation: cancelling a coroutine of this module (client disconnect) closes the upstream
 connection, so the instance sees the disconnect and aborts the request.
+
+Silence: a read from an instance that stops heartbeating meanwhile (hung, stopped, partitioned: its
+registry entry expires, or a new epoch replaced it) is abandoned within ``SILENCE_CHECK_S`` of the
+expiry with kind ``silent``, instead of waiting for the whole-request timeout (decision 052).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
+from typing import TypeVar
 
 import aiohttp
 
 from kvwire.errors import UpstreamError
 from kvwire.router.metrics import RouterMetrics
-from kvwire.router.registry import InstanceView, Registry
+from kvwire.router.registry import InstanceState, InstanceView, Registry
 
 log = logging.getLogger(__name__)
 
 MAX_ERROR_BODY_BYTES = 64 * 1024
 BODY_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)
 _DEAD_STATUSES = frozenset({502, 504})  # a gateway in front of the instance says it is gone
+SILENCE_CHECK_S = 1.0  # how often a pending read checks that its instance still heartbeats
+# An instance that refuses connections within YOUNG_S of registering is probably still starting its
+# HTTP server (a host that registers early): when it is the only one of its role, the request waits
+# for it up to YOUNG_HOLD_S instead of taking it out of routing and failing with 503.
+YOUNG_S = 10.0
+YOUNG_HOLD_S = 3.0
+YOUNG_RETRY_S = 0.1
+T = TypeVar("T")
 
 
 class UpstreamFailure(UpstreamError):
@@ -66,16 +79,30 @@ class Upstream:
         self, inst: InstanceView, role: str, path: str, body: bytes, headers: Mapping[str, str]
     ) -> aiohttp.ClientResponse:
         """POST and return the response once its headers are in and its status is < 400."""
-        try:
-            resp = await self.session.post(inst.url + path, data=body, headers=headers)
-        except aiohttp.ClientConnectorError as exc:
-            detail = f"cannot connect: {exc}"
-            raise self._failure(inst, role, "connect", detail, dead=True, retryable=True) from exc
-        except (*BODY_ERRORS, asyncio.TimeoutError) as exc:
-            raise self.lost(inst, role, exc) from exc
+        held_until = asyncio.get_running_loop().time() + YOUNG_HOLD_S
+        while True:
+            try:
+                resp = await self.session.post(inst.url + path, data=body, headers=headers)
+                break
+            except aiohttp.ClientConnectorError as exc:
+                if self._young(inst) and asyncio.get_running_loop().time() < held_until:
+                    await asyncio.sleep(YOUNG_RETRY_S)  # hold the request: it is probably still starting
+                    continue
+                detail = f"cannot connect: {exc}"
+                raise self._failure(inst, role, "connect", detail, dead=True, retryable=True) from exc
+            except (*BODY_ERRORS, asyncio.TimeoutError) as exc:
+                raise self.lost(inst, role, exc) from exc
         if resp.status >= 400:
             raise await self._http_failure(inst, role, resp)
         return resp
+
+    def _young(self, inst: InstanceView) -> bool:
+        """Registered moments ago and the only live one of its role: worth waiting for (with others
+        alive the refused request is retried on one of them at once instead)."""
+        view = self._registry.get(inst.instance_id)
+        others = [v for v in self._registry.live(inst.role) if v.instance_id != inst.instance_id]
+        return view is not None and view.info.epoch == inst.info.epoch and not others and \
+            self._registry.registered_for_s(view) < YOUNG_S
 
     async def read_all(
         self, inst: InstanceView, role: str, path: str, body: bytes, headers: Mapping[str, str]
@@ -83,7 +110,7 @@ class Upstream:
         """POST and read the whole (successful) body."""
         resp = await self.open(inst, role, path, body, headers)
         try:
-            data = await resp.read()
+            data = await self.watched(inst, role, resp.read())
         except (*BODY_ERRORS, asyncio.TimeoutError) as exc:
             resp.close()
             raise self.lost(inst, role, exc) from exc
@@ -91,6 +118,42 @@ class Upstream:
             resp.close()  # cancelled: drop the connection so the instance aborts
             raise
         return resp, data
+
+    async def watched(self, inst: InstanceView, role: str, read: Awaitable[T]) -> T:
+        """Await ``read`` (a read of ``inst``'s answer); raise an UpstreamFailure (kind ``silent``)
+        once ``inst`` stopped heartbeating (expired, or replaced by a new epoch) meanwhile.
+
+        No task per read: a timer checks the registry every ``SILENCE_CHECK_S`` and cancels the
+        awaiting task when the instance went silent (microseconds per read)."""
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        timer: list[asyncio.TimerHandle] = []  # the pending check
+        silent: list[bool] = []
+
+        def check() -> None:
+            if self._silent(inst):
+                silent.append(True)
+                task.cancel()
+            else:
+                timer[0] = loop.call_later(SILENCE_CHECK_S, check)
+
+        timer.append(loop.call_later(SILENCE_CHECK_S, check))
+        try:
+            return await read
+        except asyncio.CancelledError:
+            if not silent:
+                raise
+            uncancel = getattr(task, "uncancel", None)  # Python >= 3.11: undo our own cancel()
+            if uncancel is not None:
+                uncancel()
+            raise self._failure(inst, role, "silent", "stopped heartbeating mid-answer", status=504) from None
+        finally:
+            timer[0].cancel()
+
+    def _silent(self, inst: InstanceView) -> bool:
+        view = self._registry.get(inst.instance_id)
+        return view is None or view.state is InstanceState.EXPIRED or view.info.epoch != inst.info.epoch
 
     async def _http_failure(
         self, inst: InstanceView, role: str, resp: aiohttp.ClientResponse

@@ -31,9 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     parser.add_argument("--role", choices=[r.value for r in ServerRole], default=ServerRole.BOTH.value)
-    parser.add_argument("--router", "--discovery", dest="router", default=None,
+    parser.add_argument("--router", "--discovery", dest="router", action="append", default=None,
                         metavar="tcp://H:P|etcd://H:P[/prefix]",
-                        help="where to register: a router's heartbeat socket (tcp://) or etcd (etcd://)")
+                        help="where to register: a router's heartbeat socket (tcp://; repeat for several "
+                             "routers in front of the same instances, each gets every heartbeat) or etcd "
+                             "(etcd://, alone: every router watches it)")
     parser.add_argument("--heartbeat-interval-s", type=float, default=2.0)
     parser.add_argument("--instance-id", default=None, help="stable instance name (default: random)")
     parser.add_argument("--advertise-host", default=None, help="host in the URL given to the router")
@@ -75,7 +77,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         role=ServerRole(args.role),
         served_model_name=args.served_model_name,
-        router_address=args.router,
+        router_address=",".join(args.router) if args.router else None,
         heartbeat_interval_s=args.heartbeat_interval_s,
         instance_id=args.instance_id,
         advertise_host=args.advertise_host,

@@ -9,7 +9,7 @@ import dataclasses
 import enum
 
 from kvwire.auth import ApiKeyConfig
-from kvwire.discovery.address import parse_discovery_address
+from kvwire.discovery.address import parse_registration_address
 from kvwire.enum_values import as_enum
 from kvwire.errors import ConfigError
 from kvwire.kv_params import LoadFailurePolicy, TransferMode
@@ -35,8 +35,8 @@ class ServerConfig:
     role: ServerRole = ServerRole.BOTH
     # Name clients must send as ``model``; None = the engine's model name.
     served_model_name: str | None = None
-    # ``tcp://HOST:PORT`` of the router's discovery socket or ``etcd://HOST:PORT[/prefix]``;
-    # None = run standalone.
+    # ``tcp://HOST:PORT`` of the router's discovery socket (several, comma-separated: every router
+    # gets every heartbeat) or ``etcd://HOST:PORT[/prefix]``; None = run standalone.
     router_address: str | None = None
     heartbeat_interval_s: float = 2.0
     # Stable name for the router; None = a random one per process start.
@@ -94,7 +94,7 @@ class ServerConfig:
         if self.max_request_bytes <= 0:
             raise ConfigError(f"max_request_bytes must be > 0, got {self.max_request_bytes}")
         if self.router_address is not None:
-            parse_discovery_address(self.router_address)  # raises ConfigError with the accepted forms
+            parse_registration_address(self.router_address)  # raises ConfigError with the accepted forms
         if self.served_model_name is not None and not self.served_model_name:
             raise ConfigError("served_model_name must not be empty")
 

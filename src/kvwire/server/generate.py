@@ -96,13 +96,16 @@ class GenerationHandler:
         max_model_len: int, accepts_kv_transfer_params: bool,
         check_kv_transfer_params: Callable[[object], object] | None = None,
         client_write_timeout_s: float = 30.0,
+        vocab_size: int | None = None,
     ) -> None:
         self._loop = engine_loop
         self._tokenizer = tokenizer
         self._metrics = metrics
         self._model_name = model_name
         self._max_model_len = max_model_len
-        self._vocab_size: int | None = getattr(tokenizer, "vocab_size", None)
+        # The model's vocabulary (it may be larger than the tokenizer's: ids the model generated are
+        # valid input, e.g. a migrated answer's continuation), else the tokenizer's.
+        self._vocab_size: int | None = vocab_size or getattr(tokenizer, "vocab_size", None)
         self._accepts_kv = accepts_kv_transfer_params
         # The connector's own admission check (role served, endpoints present) -> HTTP 400.
         self._check_kv = check_kv_transfer_params or KVTransferParams.from_dict
@@ -226,6 +229,7 @@ class GenerationHandler:
             stop=stop_strings(req),
             stop_token_ids=req.stop_token_ids or (),
             ignore_eos=req.ignore_eos,
+            prior_output_tokens=req.kvwire_prior_output_tokens,
         )
 
     def _kv_params(self, params: dict[str, Any] | None) -> KVTransferParams | None:
@@ -286,9 +290,12 @@ class GenerationHandler:
         try:
             await writer.open(response)
             first = builder.first_chunk()
+            extras = _first_extras(prepared) if builder.return_token_ids else {}
             if first is not None:
+                first.update(extras)
+                extras = {}
                 await writer.write(sse_event(first))
-            outcome, usage = await self._stream_outputs(writer, stream, builder, prepared)
+            outcome, usage = await self._stream_outputs(writer, stream, builder, prepared, extras)
             self._count(prepared.kind.value, outcome)
             if usage is not None and prepared.include_usage:
                 await writer.write(sse_event(builder.usage_chunk(usage)))
@@ -300,9 +307,10 @@ class GenerationHandler:
 
     async def _stream_outputs(
         self, writer: ClientWriter, stream: RequestStream, builder: ResponseBuilder,
-        prepared: Prepared,
+        prepared: Prepared, extras: dict[str, Any],
     ) -> tuple[str, dict[str, int] | None]:
-        """Write content chunks; returns (outcome, usage or None when it ended in an error)."""
+        """Write content chunks (``extras`` go into the first); returns (outcome, usage or None when
+        it ended in an error)."""
         timer = RequestTimer(self._metrics, stream.arrival_s)
         try:
             async for item in stream:
@@ -315,6 +323,8 @@ class GenerationHandler:
                     reason = (out.finish_reason or "stop") if out.finished else None
                     chunk = builder.chunk(out.new_text, list(out.new_token_ids), reason,
                                           out.kv_transfer_params)
+                    chunk.update(extras)
+                    extras = {}
                     await writer.write(sse_event(chunk))
                 if out.finished:
                     timer.on_finish(time.monotonic())
@@ -334,3 +344,12 @@ class GenerationHandler:
 
     def _count(self, endpoint: str, outcome: str) -> None:
         self._metrics.requests.labels(endpoint, outcome).inc()
+
+
+def _first_extras(prepared: Prepared) -> dict[str, Any]:
+    """Fields of a stream's first event when the request asked ``return_token_ids``: the prompt's
+    token ids and the resolved completion budget, so that a router can continue the answer
+    elsewhere exactly (mid-stream migration, decision 052)."""
+    return {"prompt_token_ids": list(prepared.prompt_token_ids),
+            "kvwire_max_tokens": prepared.params.max_tokens}
+

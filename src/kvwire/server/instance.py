@@ -50,6 +50,11 @@ def _kv_layout(engine: Any, model_name: str) -> Any:
     )
 
 
+def _model_vocab_size(engine: Any) -> int | None:
+    size = getattr(getattr(getattr(engine, "model", None), "config", None), "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
 class ServerInstance:
     """Owns every resource of the instance; ``start`` then ``stop`` (each once), on one event loop."""
 
@@ -87,6 +92,7 @@ class ServerInstance:
             accepts_kv_transfer_params=self._connectors.enabled,
             check_kv_transfer_params=self._kv_params_check(metrics),
             client_write_timeout_s=self.config.client_write_timeout_s,
+            vocab_size=_model_vocab_size(self._engine),
         )
         identity = {"instance_id": self.instance_id, "role": self.config.role.value,
                     "kv_endpoints": list(self._connectors.kv_endpoints)}

@@ -60,6 +60,8 @@ class _CommonFields(msgspec.Struct, kw_only=True):
     # kvwire / vLLM extensions.
     kv_transfer_params: dict[str, Any] | None = None
     return_token_ids: bool = False
+    # The last N prompt tokens are this answer's own earlier output (a router migrating a stream).
+    kvwire_prior_output_tokens: int = 0
 
 
 class CompletionRequest(_CommonFields, kw_only=True):

@@ -26,7 +26,8 @@ from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.control import TICK_S, ControlLoop
 from kvwire.transfer.core import Core
 from kvwire.transfer.enums import FailReason, KVLayout
-from kvwire.transfer.messages import Abort, Ack, AnyMsg, Grant, Offer, Pull, Trailer
+from kvwire.transfer.lease import PeerState
+from kvwire.transfer.messages import Abort, Ack, AnyMsg, Grant, Offer, Pull, Renew, Trailer
 from kvwire.transfer.paged_kv import BlockTarget, PagedKV
 from kvwire.transfer.planes.base import DataPlane
 from kvwire.transfer.planes.factory import make_plane
@@ -130,11 +131,15 @@ class TransferAgent:
         deadline_s: float | None = None,
         with_trailer: bool = False,
         pull_by: str | None = None,
+        limit_s: float | None = None,
     ) -> None:
         """Announce a transfer to ``peer_endpoint`` (one Offer message), or hold it for a pull
         (``peer_endpoint`` None: lease until the deadline). Never blocks on the network.
         ``pull_by``: the one control endpoint allowed to pull it (others are refused and counted in
         ``offers_refused``); None: the first puller.
+
+        ``deadline_s`` is a liveness lease (:mod:`kvwire.transfer.lease`): renewed while the
+        receiver shows life, never past ``limit_s`` (default ``config.default_limit_s``).
 
         ``transfer_id``: caller-given, unique (e.g. a uuid minted by the router); do not reuse an id
         for a new transfer between the same agents (ended ids are remembered to reject late
@@ -142,7 +147,25 @@ class TransferAgent:
         with self._core.lock:
             self._check_open()
             deadline = self.config.default_deadline_s if deadline_s is None else deadline_s
-            self._sender.start(transfer_id, peer_endpoint, layers, deadline, with_trailer, pull_by)
+            limit = self.config.default_limit_s if limit_s is None else limit_s
+            self._sender.start(transfer_id, peer_endpoint, layers, deadline, with_trailer, pull_by, limit)
+
+    def promise(
+        self, transfer_id: str, peer_endpoint: str, *, deadline_s: float | None = None,
+        limit_s: float | None = None,
+    ) -> None:
+        """Tell ``peer_endpoint`` (the receiver) that this side accepted ``transfer_id`` and will
+        send it (its prefill may be queued): the receiver's lease on it is renewed (state QUEUED)
+        until :meth:`start_send` or :meth:`abort`, as long as the receiver answers within
+        ``deadline_s`` and for at most ``limit_s``. Idempotent; never blocks."""
+        with self._core.lock:
+            self._check_open()
+            deadline = self.config.default_deadline_s if deadline_s is None else deadline_s
+            limit = self.config.default_limit_s if limit_s is None else limit_s
+            self._sender.promise(transfer_id, peer_endpoint, deadline, limit)
+        control = self._core.control
+        assert control is not None
+        control.wake()
 
     def send_layer(
         self, transfer_id: str, layer_index: int, tensor: torch.Tensor, ready_event: Any | None = None
@@ -201,6 +224,8 @@ class TransferAgent:
         scatter_into: Callable[[int], ByteSpans] | None = None,
         into_blocks: BlockTarget | None = None,
         accept_from: str | None = None,
+        sender: str | None = None,
+        limit_s: float | None = None,
     ) -> None:
         """Announce an incoming transfer (before or after its data arrives). ``sink(index, tensor)``
         runs on a transfer thread per layer (tensor valid during the call only); without a sink the
@@ -220,7 +245,11 @@ class TransferAgent:
 
         ``accept_from`` (default ``pull_from``): the sender's control endpoint; offers of this id from
         any other agent are refused (counted in ``offers_refused``), so a third agent that knows the
-        id cannot inject data. Raises TransferError if another agent offered it already."""
+        id cannot inject data. Raises TransferError if another agent offered it already.
+
+        ``deadline_s`` is a liveness lease: renewed while the sender (``pull_from``, the Offer's
+        sender, or ``sender``: push mode's sender endpoint when known in advance) shows life, so a
+        slow but alive sender (prefill queued) does not fail it; never past ``limit_s``."""
         if sum(x is not None for x in (sink, scatter_into, into_blocks)) > 1:
             raise ValueError("expect: give at most one of sink, scatter_into, into_blocks")
         target = None if into_blocks is None else (self._registered().heads(into_blocks.heads), into_blocks)
@@ -228,7 +257,8 @@ class TransferAgent:
         with self._core.lock:
             self._check_open()
             deliver = self._receiver.expect(
-                transfer_id, num_layers, sink, deadline, pull_from, scatter_into, target, accept_from
+                transfer_id, num_layers, sink, deadline, pull_from, scatter_into, target, accept_from,
+                sender, limit_s,
             )
         if deliver:
             control = self._core.control
@@ -253,6 +283,7 @@ class TransferAgent:
         with self._core.lock:
             label = FailReason.ABORTED.value
             local = FailReason.ABORTED.says(reason)
+            self._sender.forget(transfer_id, reason)
             self._sender.fail(transfer_id, local, notify=True, label=label, wire_reason=reason)
             self._receiver.fail(transfer_id, local, notify=True, label=label, wire_reason=reason)
             self._receiver.drop_done(transfer_id)
@@ -326,9 +357,38 @@ class TransferAgent:
             self._receiver.on_trailer(msg)
         elif isinstance(msg, Pull):
             self._sender.on_pull(msg)
+        elif isinstance(msg, Renew):
+            self._on_renew(msg)
         elif isinstance(msg, Abort):
             self._sender.on_abort(msg.transfer_id, msg.src_endpoint, msg.reason)
-            self._receiver.on_abort(msg.transfer_id, msg.src_id, msg.reason)
+            self._receiver.on_abort(msg.transfer_id, msg.src_id, msg.reason, msg.src_endpoint)
+
+    def _on_renew(self, msg: Renew) -> None:
+        """The peer is alive: extend our lease on the transfer; answer a non-reply with our state."""
+        core, tid, endpoint = self._core, msg.transfer_id, msg.src_endpoint
+        sending = self._sender.on_renew(msg)
+        promised = self._sender.on_promise_renew(msg)
+        receiving = self._receiver.on_renew(msg)
+        if msg.reply:
+            return
+        if promised and not sending:
+            state = PeerState.QUEUED.value
+            core.send(endpoint, Renew(**core.header(endpoint, tid, msg.src_id), state=state, reply=True))
+            return
+        if sending:
+            core.send(endpoint, self._sender.renew_msg(endpoint, tid, reply=True))
+            return
+        if receiving:
+            core.send(endpoint, self._receiver.renew_msg(endpoint, tid, reply=True))
+            return
+        # the asker receives if it reports so: our side of the transfer is then the send side
+        side = "send" if msg.state == PeerState.RECEIVING.value else "recv"
+        ended = core.tombstones.get(side, tid)
+        if ended is not None and ended != "done":
+            core.send_abort(endpoint, tid, ended, msg.src_id)
+            return
+        state = PeerState.DONE if ended == "done" else PeerState.UNKNOWN
+        core.send(endpoint, Renew(**core.header(endpoint, tid, msg.src_id), state=state.value, reply=True))
 
     def _check_epoch(self, msg: AnyMsg) -> None:
         """A new instance id at a known endpoint: the old process is gone; fail its transfers."""
@@ -363,6 +423,8 @@ class TransferAgent:
                 self._next_expiry = now + TICK_S
                 self._sender.expire(now)
                 self._receiver.expire(now)
+                self._sender.renew(now)
+                self._receiver.renew(now)
             self._receiver.flush_acks()
 
     def _deliver_held(self, transfer_id: str) -> None:

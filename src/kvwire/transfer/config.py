@@ -33,7 +33,8 @@ class TransferConfig:
     device: str = "cpu"  # "cpu" or "cuda[:N]": where received layers land
     recv_budget_bytes: int = 1 * GiB
     spill_budget_bytes: int = 1 * GiB
-    default_deadline_s: float = 30.0
+    default_deadline_s: float = 30.0  # lease: how long a transfer waits for a silent peer
+    default_limit_s: float = 600.0  # overall bound on a transfer whose peer keeps renewing its lease
     secret: bytes | None = None  # shared secret: peers that cannot prove it are refused
     data_port: int = 0  # TCP data plane listening port (0 = any free port)
     socket_buffer_bytes: int = 8 * MiB  # SO_SNDBUF / SO_RCVBUF of data sockets
@@ -68,6 +69,8 @@ class TransferConfig:
             raise ConfigError("TransferConfig: recv_budget_bytes must be > 0 and spill_budget_bytes >= 0")
         if self.default_deadline_s <= 0:
             raise ConfigError("TransferConfig.default_deadline_s must be > 0")
+        if self.default_limit_s < self.default_deadline_s:
+            raise ConfigError("TransferConfig.default_limit_s must be >= default_deadline_s")
         if self.secret is not None and len(self.secret) == 0:
             raise ConfigError("TransferConfig.secret must be non-empty (or None)")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

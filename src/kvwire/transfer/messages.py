@@ -28,6 +28,7 @@ MAX_ID_LEN = 512  # transfer ids and instance ids
 MAX_MESSAGE_BYTES = 4 << 20  # a control message never carries layer data
 MAX_TRAILER_BYTES = 1 << 20
 MAC_BYTES = 32
+MAX_STATE_LEN = 32
 
 
 class Msg(msgspec.Struct, tag_field="t", kw_only=True, frozen=True):
@@ -88,7 +89,17 @@ class Pull(Msg, tag="pull", frozen=True):
     plane_info: bytes = b""
 
 
-AnyMsg = Offer | Grant | Ack | Trailer | Abort | Pull
+class Renew(Msg, tag="renew", frozen=True):
+    """Either side, periodically while a transfer is in flight: I am alive and this is the
+    transfer's state here (a :class:`~kvwire.transfer.lease.PeerState` value). Renews the peer's
+    lease on the transfer; a Renew that is not a ``reply`` is answered with a reply (or an Abort
+    when this side's transfer failed)."""
+
+    state: str
+    reply: bool = False
+
+
+AnyMsg = Offer | Grant | Ack | Trailer | Abort | Pull | Renew
 
 
 class _Head(msgspec.Struct):
@@ -157,5 +168,7 @@ def validate(msg: AnyMsg) -> None:
         raise ProtocolError(f"{type(msg).__name__} {msg.transfer_id}: deadline_s must be > 0")
     if isinstance(msg, (Grant, Ack)) and any(i < 0 for i in msg.layers):
         raise ProtocolError(f"{type(msg).__name__} {msg.transfer_id}: negative layer index")
+    if isinstance(msg, Renew) and len(msg.state) > MAX_STATE_LEN:
+        raise ProtocolError(f"renew {msg.transfer_id}: state is too long")
     if isinstance(msg, Trailer) and len(msg.payload) > MAX_TRAILER_BYTES:
         raise ProtocolError(f"trailer of {msg.transfer_id} exceeds {MAX_TRAILER_BYTES} bytes")

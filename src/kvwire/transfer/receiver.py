@@ -13,7 +13,8 @@ from kvwire.errors import TransferError
 from kvwire.transfer.buffers import BufferKind, RecvBuffer
 from kvwire.transfer.core import Core
 from kvwire.transfer.enums import FailReason
-from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Trailer
+from kvwire.transfer.lease import Lease, PeerState
+from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Renew, Trailer
 from kvwire.transfer.paged_kv import BlockTarget, PagedKV
 from kvwire.transfer.types import (
     DTYPES_BY_NAME,
@@ -27,6 +28,7 @@ from kvwire.transfer.types import (
 )
 
 SIDE = "recv"
+_SENDER_PROGRESS = frozenset({PeerState.QUEUED.value, PeerState.SENDING.value})
 SpansFn = Callable[[int], ByteSpans]  # layer index -> where its bytes go
 _NO_DEST = torch.empty(0, dtype=torch.uint8)
 
@@ -56,7 +58,7 @@ class WriteGuard:
 @dataclasses.dataclass
 class RecvState:
     transfer_id: str
-    deadline: float  # time.monotonic()
+    lease: Lease  # deadline, renewed while the sender shows life, up to its limit
     expected: bool = False  # expect() was called
     num_layers: int | None = None
     sink: LayerSink | None = None
@@ -64,6 +66,8 @@ class RecvState:
     # The one sender endpoint this transfer may come from (the P/D pair the router named); offers
     # from any other agent are refused. None: the first offer wins.
     accept_from: str | None = None
+    sender: str | None = None  # push: the sender's control endpoint, known before its Offer
+    sender_id: str | None = None  # the sender's epoch as seen in its Renews before the Offer
     scatter_into: SpansFn | None = None  # destination spans per layer (zero-copy receive)
     # expect(into_blocks=...): the registered caches' blocks this transfer lands in (see paged_kv)
     paged: PagedKV | None = None
@@ -126,6 +130,8 @@ class Receiver:
         scatter_into: SpansFn | None = None,
         into_blocks: tuple[PagedKV, BlockTarget] | None = None,
         accept_from: str | None = None,
+        sender: str | None = None,
+        limit_s: float | None = None,
     ) -> bool:
         """Returns True when buffered layers must now be delivered to the new sink. Raises
         TransferError when the transfer was already offered by another agent than ``accept_from``
@@ -141,14 +147,17 @@ class Receiver:
             self.fail(transfer_id, f"{FailReason.REFUSED.value}: offered by an unexpected peer", notify=True)
             raise TransferError(f"transfer {transfer_id} was offered by {st.peer.endpoint}, not by "
                                 f"its peer {accept_from}", transfer_id)
-        deadline = self.core.now() + deadline_s
+        now = self.core.now()
+        if limit_s is None:
+            limit_s = self.core.config.default_limit_s
         if st is None:
             if len(self.recvs) >= self.core.config.max_pending_transfers:
                 raise TransferError("too many transfers in flight", transfer_id)
-            st = self.recvs[transfer_id] = RecvState(transfer_id, deadline)
-        st.deadline = min(st.deadline, deadline)
+            st = self.recvs[transfer_id] = RecvState(transfer_id, Lease.start(now, deadline_s, limit_s))
+        st.lease.tighten(now, deadline_s, limit_s)
         st.expected, st.num_layers, st.sink, st.pull_from = True, num_layers, sink, pull_from
         st.accept_from = accept_from
+        st.sender = sender if st.sender is None else st.sender
         if scatter_into is not None:
             st.scatter_into = scatter_into
             st.sink = lambda index, data: scatter_into(index).scatter(data)  # layers buffered already
@@ -220,8 +229,9 @@ class Receiver:
             if len(self.recvs) >= self.core.config.max_pending_transfers:
                 self.core.send_abort(msg.src_endpoint, tid, "receiver has too many transfers", msg.src_id)
                 return
-            st = self.recvs[tid] = RecvState(tid, self.core.now() + msg.deadline_s)
-        st.deadline = min(st.deadline, self.core.now() + msg.deadline_s)
+            lease = Lease.start(self.core.now(), msg.deadline_s, self.core.config.default_limit_s)
+            st = self.recvs[tid] = RecvState(tid, lease)
+        st.lease.tighten(self.core.now(), msg.deadline_s, None)
         st.specs = [LayerSpec(tuple(w.shape), DTYPES_BY_NAME[w.dtype]) for w in msg.layers]
         st.with_trailer = msg.with_trailer
         st.peer = PeerRef(msg.src_endpoint, msg.src_id, msg.data_address, msg.plane_info)
@@ -260,13 +270,14 @@ class Receiver:
         self._ack(st, None, trailer=True)
         self.maybe_complete(st)
 
-    def on_abort(self, transfer_id: str, src_id: str, reason: str) -> None:
+    def on_abort(self, transfer_id: str, src_id: str, reason: str, src_endpoint: str = "") -> None:
         st = self.recvs.get(transfer_id)
         if st is None:
             return
         from_sender = st.peer is not None and st.peer.instance_id == src_id
         from_pulled = st.peer is None and st.pull_from is not None
-        if from_sender or from_pulled:
+        from_announced = st.peer is None and st.sender is not None and st.sender == src_endpoint
+        if from_sender or from_pulled or from_announced:
             self.fail(transfer_id, f"{FailReason.PEER_ABORTED.value}: {reason}", notify=False)
 
     # --- credit ------------------------------------------------------------------------------------------
@@ -502,10 +513,62 @@ class Receiver:
             self.fail(tid, reason, notify=False)
 
     def expire(self, now: float) -> None:
-        for tid in [t for t, st in self.recvs.items() if st.deadline <= now]:
+        for tid in [t for t, st in self.recvs.items() if st.lease.deadline <= now]:
             st = self.recvs[tid]
+            if self._complete_without_trailer(st):
+                continue
             got = f"{len(st.arrived)}/{len(st.specs)} layers" if st.specs is not None else "no offer"
             self.fail(tid, f"{FailReason.DEADLINE.value}: {got} received", notify=True)
+
+    def _complete_without_trailer(self, st: RecvState) -> bool:
+        """Every layer arrived and only the trailer (P's first token) is missing: finish without it
+        (the consumer computes that token itself) rather than fail the whole transfer."""
+        if not st.with_trailer or st.trailer is not None:
+            return False
+        st.with_trailer = False
+        if not st.complete():
+            st.with_trailer = True
+            return False
+        self.core.stats.add("trailers_missing")
+        self.maybe_complete(st)
+        return True
+
+    # --- leases ------------------------------------------------------------------------------------------
+
+    def _peer_endpoint(self, st: RecvState) -> str | None:
+        if st.peer is not None:
+            return st.peer.endpoint
+        return st.pull_from if st.pull_from is not None else st.sender
+
+    def renew(self, now: float) -> None:
+        """Send a Renew to the sender of every transfer whose renewal is due (and known)."""
+        for st in self.recvs.values():
+            endpoint = self._peer_endpoint(st)
+            if endpoint is not None and st.lease.due(now):
+                self.core.send(endpoint, self.renew_msg(endpoint, st.transfer_id, reply=False))
+
+    def renew_msg(self, endpoint: str, transfer_id: str, reply: bool) -> Renew:
+        return Renew(
+            **self.core.header(endpoint, transfer_id), state=PeerState.RECEIVING.value, reply=reply
+        )
+
+    def on_renew(self, msg: Renew) -> bool:
+        """The sender of ``msg.transfer_id`` is alive: extend the lease. True if the transfer is ours."""
+        st = self.recvs.get(msg.transfer_id)
+        if st is None or self._peer_endpoint(st) != msg.src_endpoint:
+            return False
+        if st.peer is not None and st.peer.instance_id != msg.src_id:
+            return False
+        if msg.state not in _SENDER_PROGRESS:
+            return True  # done, or does not know it: nothing more will come, no renewal
+        if st.peer is None:  # before the Offer: the sender's epoch must not change meanwhile
+            if st.sender_id is None:
+                st.sender_id = msg.src_id
+            elif st.sender_id != msg.src_id:
+                self.fail(st.transfer_id, f"{FailReason.PEER_LOST.value}: sender restarted", notify=False)
+                return True
+        st.lease.renewed(self.core.now())
+        return True
 
     def drop_done(self, transfer_id: str) -> None:
         for buf in self.done_layers.pop(transfer_id, {}).values():

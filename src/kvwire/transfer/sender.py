@@ -13,7 +13,8 @@ import torch
 from kvwire.errors import TransferError
 from kvwire.transfer.core import Core
 from kvwire.transfer.enums import FailReason
-from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Trailer, WireLayer
+from kvwire.transfer.lease import Lease, PeerState
+from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Renew, Trailer, WireLayer
 from kvwire.transfer.paged_kv import PagedKV
 from kvwire.transfer.planes.base import DataPlane
 from kvwire.transfer.types import DTYPE_NAMES, ByteSpans, LayerSpec, PeerRef, SendItem, TransferTiming
@@ -35,7 +36,7 @@ class _Blocks:
 class SendState:
     transfer_id: str
     layers: list[LayerSpec]
-    deadline: float  # time.monotonic()
+    lease: Lease  # deadline, renewed while the receiver shows life, up to its limit
     with_trailer: bool
     endpoint: str | None  # receiver's control endpoint; None until pulled
     pull_by: str | None = None  # the only endpoint that may pull (None: the first puller)
@@ -55,6 +56,13 @@ class SendState:
     slab: torch.Tensor | None = None
     producer: Any | None = None
     paged: PagedKV | None = None  # the caches the slab belongs to (it goes back to their pool)
+    last_progress: float = 0.0  # when a layer or the trailer was last handed over (or the start)
+
+    def stalled(self, now: float) -> bool:
+        """Something is still to be handed over and nothing was for a whole lease: the producer is
+        stuck (the receiver must not wait for it past its lease)."""
+        missing = len(self.items) < len(self.layers) or (self.with_trailer and self.trailer is None)
+        return missing and now - self.last_progress > self.lease.lease_s
 
     def done(self) -> bool:
         return len(self.acked) == len(self.layers) and (not self.with_trailer or self.trailer_acked)
@@ -66,6 +74,7 @@ class Sender:
     def __init__(self, core: Core) -> None:
         self.core = core
         self.sends: dict[str, SendState] = {}
+        self.promised: dict[str, tuple[str, Lease]] = {}  # accepted, not started: receiver endpoint
         self.pending_pulls: dict[str, tuple[Pull, float]] = {}  # pulls that came before start_send
         # ordered planes: per receiver epoch, granted (transfer, layer) in grant order
         self.order: dict[str, collections.deque[tuple[str, int]]] = {}
@@ -80,6 +89,7 @@ class Sender:
         deadline_s: float,
         trailer: bool,
         pull_by: str | None = None,
+        limit_s: float | None = None,
     ) -> None:
         if not transfer_id:
             raise TransferError("transfer_id must not be empty")
@@ -89,7 +99,11 @@ class Sender:
             raise TransferError(f"a transfer needs 1..{self.core.config.max_layers_per_transfer} layers")
         if len(self.sends) >= self.core.config.max_pending_transfers:
             raise TransferError("too many transfers in flight", transfer_id)
-        st = SendState(transfer_id, list(layers), self.core.now() + deadline_s, trailer, endpoint, pull_by)
+        lease = Lease.start(self.core.now(), deadline_s, limit_s)
+        st = SendState(
+            transfer_id, list(layers), lease, trailer, endpoint, pull_by, last_progress=self.core.now()
+        )
+        self.promised.pop(transfer_id, None)
         self.sends[transfer_id] = st
         self.core.stats.add("sends_started")
         if endpoint is not None:
@@ -120,6 +134,7 @@ class Sender:
             )
         if self.core.plane.supports_spans:
             st.items[index] = SendItem(transfer_id, index, spans.base, ready_event, spans)
+            st.last_progress = self.core.now()
             self._dispatch(st)
             return
         if ready_event is not None:  # order the gather after the producer's writes (CUDA)
@@ -141,6 +156,7 @@ class Sender:
         if st is None:
             return
         st.items[index] = _Blocks(paged, block_ids, ready_event)
+        st.last_progress = self.core.now()
         self._dispatch(st)
 
     def _item(self, st: SendState, index: int, plane: DataPlane) -> SendItem:
@@ -200,6 +216,7 @@ class Sender:
                 transfer_id,
             )
         st.items[index] = SendItem(transfer_id, index, tensor, ready_event)
+        st.last_progress = self.core.now()
         self._dispatch(st)
 
     def add_trailer(self, transfer_id: str, payload: bytes) -> None:
@@ -209,6 +226,7 @@ class Sender:
         if not st.with_trailer or st.trailer is not None:
             raise TransferError("trailer not announced (with_trailer=False) or already sent", transfer_id)
         st.trailer = bytes(payload)
+        st.last_progress = self.core.now()
         self._send_trailer(st)
 
     def _get_for_api(self, transfer_id: str) -> SendState | None:
@@ -228,7 +246,7 @@ class Sender:
             **core.header(st.endpoint, st.transfer_id),
             layers=[WireLayer(list(spec.shape), DTYPE_NAMES[spec.dtype]) for spec in st.layers],
             with_trailer=st.with_trailer,
-            deadline_s=max(st.deadline - core.now(), 1e-3),
+            deadline_s=st.lease.lease_s,
             data_address=core.plane.address,
             plane_info=info,
         )
@@ -273,12 +291,15 @@ class Sender:
         st.acked.update(i for i in msg.layers if i in st.dispatched)
         st.trailer_acked = st.trailer_acked or (msg.trailer and st.trailer_sent)
         if st.done():
-            del self.sends[st.transfer_id]
-            self.core.events.sent(st.transfer_id, self._timing(st))
-            if st.slab is not None and st.paged is not None:
-                st.paged.give_slab(st.slab)  # the plane is done with it (a failed send's is dropped)
-            self.core.stats.add("sends_completed")
-            self.core.tombstones.add(SIDE, st.transfer_id, "done")
+            self._complete(st)
+
+    def _complete(self, st: SendState) -> None:
+        del self.sends[st.transfer_id]
+        self.core.events.sent(st.transfer_id, self._timing(st))
+        if st.slab is not None and st.paged is not None:
+            st.paged.give_slab(st.slab)  # the plane is done with it (a failed send's is dropped)
+        self.core.stats.add("sends_completed")
+        self.core.tombstones.add(SIDE, st.transfer_id, "done")
 
     def on_pull(self, msg: Pull) -> None:
         st = self.sends.get(msg.transfer_id)
@@ -400,7 +421,7 @@ class Sender:
             self.fail(transfer_id, f"{FailReason.PEER_ABORTED.value}: {reason}", notify=False)
 
     def expire(self, now: float) -> None:
-        for tid in [t for t, st in self.sends.items() if st.deadline <= now]:
+        for tid in [t for t, st in self.sends.items() if st.lease.deadline <= now]:
             st = self.sends[tid]
             what = (
                 "not pulled"
@@ -411,6 +432,70 @@ class Sender:
         for tid in [t for t, (_, until) in self.pending_pulls.items() if until <= now]:
             msg, _ = self.pending_pulls.pop(tid)
             self.core.send_abort(msg.src_endpoint, tid, FailReason.UNKNOWN.value, msg.src_id)
+
+    # --- leases ------------------------------------------------------------------------------------------
+
+    def renew(self, now: float) -> None:
+        """Send a Renew to the receiver of every transfer (or promise) whose renewal is due; drop
+        promises past their limit (a request that never started)."""
+        for st in self.sends.values():
+            if st.endpoint is not None and st.lease.due(now):
+                self.core.send(st.endpoint, self.renew_msg(st.endpoint, st.transfer_id, reply=False))
+        for tid in [t for t, (_, lease) in self.promised.items() if lease.limit <= now]:
+            del self.promised[tid]
+        for tid, (endpoint, lease) in self.promised.items():
+            if lease.due(now):
+                msg = Renew(**self.core.header(endpoint, tid), state=PeerState.QUEUED.value, reply=False)
+                self.core.send(endpoint, msg)
+
+    def renew_msg(self, endpoint: str, transfer_id: str, reply: bool) -> Renew:
+        st = self.sends.get(transfer_id)
+        stalled = st is not None and st.stalled(self.core.now())
+        state = PeerState.STALLED if stalled else PeerState.SENDING
+        return Renew(**self.core.header(endpoint, transfer_id), state=state.value, reply=reply)
+
+    def on_renew(self, msg: Renew) -> bool:
+        """The receiver of ``msg.transfer_id`` is alive: extend the lease. True if the transfer is ours."""
+        st = self.sends.get(msg.transfer_id)
+        if st is None or st.endpoint != msg.src_endpoint:
+            return False
+        if st.peer is not None and st.peer.instance_id != msg.src_id:
+            return False  # an older or newer epoch of the receiver: epoch checks handle it
+        if msg.state == PeerState.DONE.value and st.peer is not None:
+            # the receiver finished (e.g. without a trailer that came too late): so did we
+            self._complete(st)
+            return True
+        now = self.core.now()
+        if msg.state == PeerState.RECEIVING.value and not st.stalled(now):
+            st.lease.renewed(now)
+        return True
+
+    def promise(self, transfer_id: str, endpoint: str, deadline_s: float, limit_s: float | None) -> None:
+        """The request behind ``transfer_id`` was accepted (its prefill may be queued): renew the
+        receiver's lease (state QUEUED) until ``start``, ``forget`` or the limit."""
+        if transfer_id in self.sends or transfer_id in self.promised or self.core.tombstones.get(
+            SIDE, transfer_id
+        ) is not None:
+            return
+        if len(self.promised) >= self.core.config.max_pending_transfers:
+            raise TransferError("too many promised transfers", transfer_id)
+        lease = Lease.start(self.core.now(), deadline_s, limit_s)
+        lease.next_renew = 0.0  # tell the receiver at once
+        self.promised[transfer_id] = (endpoint, lease)
+
+    def forget(self, transfer_id: str, reason: str) -> None:
+        """Drop a promise (the request ended before its send started): the receiver is told at once
+        and later renewals of it are answered with an Abort."""
+        entry = self.promised.pop(transfer_id, None)
+        if entry is not None:
+            self.core.send_abort(entry[0], transfer_id, reason)
+            self.core.tombstones.add(SIDE, transfer_id, reason)
+
+    def on_promise_renew(self, msg: Renew) -> bool:
+        """True if ``msg`` is about a transfer promised to its sender (promises live until start,
+        abort or their limit: this side's own word, whatever the receiver says)."""
+        entry = self.promised.get(msg.transfer_id)
+        return entry is not None and entry[0] == msg.src_endpoint
 
     def close(self, reason: str) -> None:
         for tid in list(self.sends):

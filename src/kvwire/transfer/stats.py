@@ -25,6 +25,7 @@ class TransferStats:
     peers_restarted: int = 0  # new instance id seen at a known endpoint
     spilled_layers: int = 0  # layers that landed in the spill pool (receive budget full)
     credit_waits: int = 0  # times granting stopped because budget and spill pool were full
+    trailers_missing: int = 0  # transfers completed at their deadline without the sender's trailer
     spill_bytes_in_use: int = 0  # gauges at snapshot time
     budget_bytes_in_use: int = 0
     transfers_active: int = 0

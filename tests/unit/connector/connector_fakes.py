@@ -86,6 +86,7 @@ class FakeAgent:
         self.default_deadline_s = default_deadline_s
         self.sends: dict[str, _FakeSend] = {}
         self.recvs: dict[str, _FakeRecv] = {}
+        self.promises: list[str] = []  # transfer ids promised (P accepted the request)
         self._done_recvs: dict[str, _FakeRecv] = {}
         self._lock = threading.Lock()
         self._sent: set[str] = set()
@@ -113,6 +114,7 @@ class FakeAgent:
     def start_send(
         self, transfer_id: str, peer_endpoint: str | None, layers: Sequence[LayerSpec], *,
         deadline_s: float | None = None, with_trailer: bool = False, pull_by: str | None = None,
+        limit_s: float | None = None,
     ) -> None:
         del pull_by  # the fake fabric has no third agents
         deadline = self._deadline(deadline_s)
@@ -171,11 +173,18 @@ class FakeAgent:
         send.peer = receiver
         self._pump(tid)
 
+    def promise(
+        self, transfer_id: str, peer_endpoint: str, *, deadline_s: float | None = None,
+        limit_s: float | None = None,
+    ) -> None:
+        self.promises.append(transfer_id)
+
     # receive side
     def expect(
         self, transfer_id: str, *, num_layers: int, sink: LayerSink | None = None,
         deadline_s: float | None = None, pull_from: str | None = None,
         into_blocks: BlockTarget | None = None, accept_from: str | None = None,
+        sender: str | None = None, limit_s: float | None = None,
     ) -> None:
         del accept_from  # the fake fabric has no third agents
         if into_blocks is not None:

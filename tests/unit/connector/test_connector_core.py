@@ -257,3 +257,16 @@ def test_registering_caches_runs_gather_and_scatter_once_without_changing_them(
     before = [c.clone() for c in caches]
     side.worker.register_kv_caches(caches)
     assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
+
+
+def test_p_promises_the_transfer_at_admission(fabric: FakeFabric, registry) -> None:
+    """P's agent is told at once (HTTP admission) that it will send the transfer, so D's lease is
+    renewed while P's prefill waits in its queue (decision 051)."""
+    p, d = make_pd(fabric, registry)
+    preq, _ = push_requests(p, d, prompt_len=BLOCK, tid="t7")
+    p.sched.check_request_params(preq.kv_transfer_params)
+    assert not p.agent.promises  # handed to the worker with the next step's metadata
+    p.step()
+    assert p.agent.promises == ["t7"]
+    p.step()
+    assert p.agent.promises == ["t7"]  # once

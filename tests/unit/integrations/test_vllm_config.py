@@ -167,3 +167,12 @@ def test_from_vllm_duck_typed() -> None:
     assert cfg.instance_id == "engine-1"
     assert cfg.connector.mode is TransferMode.PULL
     assert cfg.vllm_failure_policy is LoadFailurePolicy.FAIL
+
+
+def test_several_routers() -> None:
+    extra = {"router": ["tcp://10.0.0.1:1", "tcp://10.0.0.2:1"], "http_port": 20001}
+    cfg = plugin_config_from_vllm(VllmTransferView(kv_role="kv_producer", kv_connector_extra_config=extra))
+    assert cfg.router_address == "tcp://10.0.0.1:1,tcp://10.0.0.2:1"
+    with pytest.raises(ConfigError, match="router"):
+        plugin_config_from_vllm(VllmTransferView(
+            kv_role="kv_producer", kv_connector_extra_config={"router": ["http://x"], "http_port": 1}))

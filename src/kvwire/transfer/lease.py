@@ -1,0 +1,75 @@
+"""Liveness leases: a transfer's deadline is renewed while its peer is alive, up to a hard limit.
+
+Only a peer that knows the transfer renews it: the send side once the request was accepted
+(:meth:`~kvwire.transfer.agent.TransferAgent.promise`, state QUEUED) or started and making
+progress (SENDING: it handed a layer or the trailer over within the last lease, or has nothing left
+to hand over; else STALLED), the receive side once it expects the transfer or holds its Offer
+(RECEIVING). A peer that is alive but answers UNKNOWN (it never got the request) or STALLED (its
+producer is stuck) renews nothing.
+
+A transfer starts with ``deadline = now + lease_s`` (the caller's ``deadline_s``, e.g.
+``--kv-deadline-s``) and ``limit = now + limit_s`` (the overall per-request bound). While it is in
+flight each side sends its peer a :class:`~kvwire.transfer.messages.Renew` every
+:func:`renew_interval` and answers the peer's Renews (a reply carries the transfer's state there,
+or an Abort when the peer's side of it failed). Any Renew from the peer moves the deadline to
+``min(limit, now + lease_s)``. So a dead or silent peer (killed, stopped, partitioned) still fails
+the transfer within ``lease_s`` of its last sign of life, while a slow but alive one (a prefill
+queued for a minute) does not, and nothing waits past ``limit``. See docs/decisions/051.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+MIN_RENEW_S = 0.05
+MAX_RENEW_S = 5.0
+
+
+class PeerState(str, enum.Enum):
+    """What a Renew reports about the transfer on its sender's side."""
+
+    UNKNOWN = "unknown"  # alive, but does not know the transfer (renews nothing)
+    QUEUED = "queued"  # send side promised it: the request is queued or prefilling
+    SENDING = "sending"  # send side started: offering, waiting for credit, sending layers
+    STALLED = "stalled"  # send side started but handed over nothing for a whole lease (renews nothing)
+    RECEIVING = "receiving"  # receive side expects it or holds an offer
+    DONE = "done"  # this side finished it
+
+
+def renew_interval(lease_s: float) -> float:
+    """How often a side renews: four times per lease, within [MIN_RENEW_S, MAX_RENEW_S]."""
+    return min(max(lease_s / 4.0, MIN_RENEW_S), MAX_RENEW_S)
+
+
+@dataclasses.dataclass
+class Lease:
+    """The deadline of one transfer on one side (times are ``time.monotonic()``)."""
+
+    deadline: float
+    limit: float
+    lease_s: float
+    next_renew: float
+
+    @classmethod
+    def start(cls, now: float, lease_s: float, limit_s: float | None) -> Lease:
+        limit = now + max(lease_s, limit_s if limit_s is not None else lease_s)
+        return cls(now + lease_s, limit, lease_s, now + renew_interval(lease_s))
+
+    def tighten(self, now: float, lease_s: float, limit_s: float | None) -> None:
+        """A second announcement of the same transfer (offer vs expect): the stricter one wins."""
+        self.lease_s = min(self.lease_s, lease_s)
+        self.deadline = min(self.deadline, now + lease_s)
+        if limit_s is not None:
+            self.limit = min(self.limit, now + max(lease_s, limit_s))
+
+    def renewed(self, now: float) -> None:
+        """The peer showed life: extend the deadline by one lease, never past the limit."""
+        self.deadline = max(self.deadline, min(self.limit, now + self.lease_s))
+
+    def due(self, now: float) -> bool:
+        """True (and schedules the next one) when this side should send its peer a Renew now."""
+        if now < self.next_renew:
+            return False
+        self.next_renew = now + renew_interval(self.lease_s)
+        return True

@@ -1,0 +1,72 @@
+"""Helpers of the fault-injection suite: a local cluster, its instances' metrics, who serves now."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kvwire.cluster.local import ClusterSpec, LocalCluster
+from kvwire.cluster.process import wait_until
+
+PROMPT = [(7 * j) % 250 + 1 for j in range(21)]
+
+
+@contextlib.contextmanager
+def running(spec: ClusterSpec, log_path: Path) -> Iterator[LocalCluster]:
+    with open(log_path, "w") as sink:
+        cluster = LocalCluster(spec, sink=sink)
+        try:
+            cluster.start()
+            yield cluster
+        finally:
+            cluster.stop()
+
+
+def metric(url: str, name: str) -> float:
+    """Sum of the samples of ``name`` on ``url``/metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", re.MULTILINE)
+    return sum(float(v) for v in pattern.findall(text))
+
+
+def live_urls(cluster: LocalCluster, role: str | None = None) -> dict[str, str]:
+    return {i.name: i.url for i in cluster.live_instances()
+            if i.url is not None and (role is None or i.role.value == role)}
+
+
+def serving(cluster: LocalCluster, role: str) -> str | None:
+    """Name of the live instance of ``role`` that is computing a request now (first found)."""
+    for name, url in live_urls(cluster, role).items():
+        with contextlib.suppress(OSError):
+            if metric(url, "kvwire_num_requests_running") > 0:
+                return name
+    return None
+
+
+def completion(max_tokens: int, *, stream: bool, prompt: list[int] | None = None) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": prompt or PROMPT, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": stream, "return_token_ids": True}
+
+
+def blocks_back_to_zero(cluster: LocalCluster, timeout_s: float) -> bool:
+    """Every surviving instance frees its KV blocks (``kvwire_kv_blocks_in_use`` 0)."""
+    def freed() -> bool:
+        return all(metric(url, "kvwire_kv_blocks_in_use") == 0 for url in live_urls(cluster).values())
+    return wait_until(freed, timeout_s, interval_s=0.2)
+
+
+def post_json(url: str, body: dict[str, Any], timeout_s: float = 60.0) -> tuple[int, Any]:
+    """POST a JSON body; (status, decoded answer) also for error statuses."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")

@@ -1,0 +1,146 @@
+"""An instance killed (SIGKILL) while it serves a request: the client never notices (decision 052).
+
+Real processes, tiny model on CPU. Streaming: the router continues the answer on a live instance
+(prompt + tokens already streamed) inside the same SSE stream; greedy output equals an uninterrupted
+run token for token. Non-streaming: re-dispatched invisibly. Nothing left alive: a clear error.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fault_cluster import blocks_back_to_zero, completion, post_json, running, serving
+
+from kvwire.cluster.local import ClusterSpec, LocalCluster
+from kvwire.cluster.process import wait_until
+from support.sse_client import SSEResult, stream
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 200
+KILL_AFTER = 4  # content events the client has seen when the serving instance is killed
+
+
+def _spec(**kw: Any) -> ClusterSpec:
+    return ClusterSpec(heartbeat_interval_s=0.5, instance_ttl_s=2.0, kv_deadline_s=3.0, **kw)
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    spec = _spec(num_prefill=0, num_decode=0, num_both=2)
+    with running(spec, tmp_path_factory.mktemp("mig") / "both.log") as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    with running(_spec(num_prefill=1, num_decode=2), tmp_path_factory.mktemp("mig") / "pd.log") as cluster:
+        yield cluster
+
+
+class Killer:
+    """Kills the instance of ``role`` serving the stream once ``KILL_AFTER`` content events came."""
+
+    def __init__(self, cluster: LocalCluster, role: str) -> None:
+        self.cluster, self.role = cluster, role
+        self.seen = 0
+        self.killed: str | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, event: Any) -> None:
+        if isinstance(event, dict) and any(c.get("token_ids") for c in event.get("choices") or []):
+            self.seen += 1
+        with self._lock:
+            if self.killed is None and self.seen >= KILL_AFTER:
+                name = serving(self.cluster, self.role)
+                if name is not None:
+                    self.cluster.kill(name, signal.SIGKILL)
+                    self.killed = name
+
+
+def _restart(cluster: LocalCluster, name: str) -> None:
+    role = cluster.instances[name].role
+    del cluster.instances[name]
+    cluster.start_instance(name + "r", role)
+    cluster.wait_ready()
+
+
+def _check_same(got: SSEResult, ref: SSEResult) -> None:
+    assert got.status == 200 and got.error is None and not got.errors, (got.error, got.errors)
+    assert got.done
+    assert got.token_ids() == ref.token_ids()
+    assert got.text() == ref.text()
+    assert len(got.ids()) == 1  # one response id throughout
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_survives_its_instance_dying(both: LocalCluster, path: str) -> None:
+    body = completion(MAX_TOKENS, stream=True)
+    if path.endswith("chat/completions"):
+        body = {k: v for k, v in body.items() if k != "prompt"}
+        body["messages"] = [{"role": "user", "content": "tell me a long story"}]
+        body["stream_options"] = {"include_usage": True}
+    ref = stream(both.router_url, path, body)
+    assert len(ref.token_ids()) == MAX_TOKENS
+    killer = Killer(both, "both")
+    got = stream(both.router_url, path, body, on_event=killer)
+    assert killer.killed is not None, "the stream ended before an instance could be killed"
+    _check_same(got, ref)
+    if path.endswith("chat/completions"):
+        usage = [e["usage"] for e in got.events if isinstance(e, dict) and e.get("usage")]
+        ref_usage = [e["usage"] for e in ref.events if isinstance(e, dict) and e.get("usage")]
+        assert usage == ref_usage and usage[0]["completion_tokens"] == MAX_TOKENS
+    assert blocks_back_to_zero(both, 10)
+    _restart(both, killer.killed)
+
+
+def test_pd_stream_survives_its_decode_instance_dying(pd: LocalCluster) -> None:
+    body = completion(MAX_TOKENS, stream=True)
+    ref = stream(pd.router_url, "/v1/completions", body)
+    killer = Killer(pd, "decode")
+    got = stream(pd.router_url, "/v1/completions", body, on_event=killer)
+    assert killer.killed is not None
+    _check_same(got, ref)
+    assert blocks_back_to_zero(pd, 10)
+    _restart(pd, killer.killed)
+
+
+def test_non_streaming_request_is_redispatched(pd: LocalCluster) -> None:
+    body = completion(MAX_TOKENS, stream=False)
+    status, ref = post_json(pd.router_url + "/v1/completions", body)
+    assert status == 200
+    result: list[tuple[int, Any]] = []
+    url = pd.router_url + "/v1/completions"
+    thread = threading.Thread(target=lambda: result.append(post_json(url, body)), daemon=True)
+    thread.start()
+    victim: list[str] = []
+
+    def kill_serving() -> bool:
+        name = serving(pd, "decode")
+        if name is not None:
+            pd.kill(name, signal.SIGKILL)
+            victim.append(name)
+        return bool(victim)
+
+    assert wait_until(kill_serving, 30, interval_s=0.02), "no decode instance was seen serving"
+    thread.join(60)
+    status, got = result[0]
+    assert status == 200, got
+    assert got["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+    assert got["choices"][0]["text"] == ref["choices"][0]["text"]
+    assert blocks_back_to_zero(pd, 10)
+    _restart(pd, victim[0])
+
+
+def test_clear_error_when_no_instance_is_left(tmp_path: Path) -> None:
+    with running(_spec(num_prefill=0, num_decode=0, num_both=1), tmp_path / "one.log") as cluster:
+        killer = Killer(cluster, "both")
+        got = stream(cluster.router_url, "/v1/completions", completion(MAX_TOKENS, stream=True),
+                     on_event=killer)
+        assert killer.killed is not None
+        assert got.status == 200 and got.done, got.events[-3:]
+        assert len(got.errors) == 1 and "failed mid-stream" in got.errors[0]["error"]["message"]

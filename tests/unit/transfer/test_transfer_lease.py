@@ -1,0 +1,148 @@
+"""Transfer deadlines as liveness leases (decision 051): a slow but alive peer keeps a transfer
+alive up to its limit; a dead or silent one still fails it within one lease."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from test_transfer_agent import _layers, _send, poll_until
+
+from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
+
+LEASE_S = 0.3
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[TransferAgent, TransferAgent]]:
+    with TransferAgent(TransferConfig()) as a, TransferAgent(TransferConfig()) as b:
+        yield a, b
+
+
+def _quiet_for(agent: TransferAgent, seconds: float) -> None:
+    """Assert that ``agent`` reports nothing for ``seconds`` (several leases)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        ev = agent.poll()
+        assert not (ev.failed or ev.finished_recving or ev.finished_sending), ev
+        time.sleep(0.01)
+
+
+def test_receiver_waits_for_a_slow_but_alive_sender(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    a, b = pair
+    a.promise("slow", b.endpoint, deadline_s=LEASE_S, limit_s=30)  # P accepted the request
+    b.expect("slow", num_layers=3, deadline_s=LEASE_S, sender=a.endpoint, limit_s=30)
+    _quiet_for(b, 5 * LEASE_S)  # P's prefill is "queued": no offer yet, but P renews the lease
+    layers = _layers()
+    _send(a, "slow", b.endpoint, layers, deadline_s=LEASE_S)
+    poll_until(b, lambda ev: "slow" in ev["recvd"])
+    poll_until(a, lambda ev: "slow" in ev["sent"])
+    got = b.take_layers("slow")
+    assert all(torch.equal(got[i], t) for i, t in enumerate(layers))
+
+
+def test_dead_sender_fails_within_one_lease(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    a, b = pair
+    a.promise("dead", b.endpoint, deadline_s=LEASE_S, limit_s=30)
+    b.expect("dead", num_layers=3, deadline_s=LEASE_S, sender=a.endpoint, limit_s=30)
+    _quiet_for(b, 2 * LEASE_S)
+    a.close()  # the sender's process is gone: no more renewals
+    start = time.monotonic()
+    reason = poll_until(b, lambda ev: "dead" in ev["failed"])["failed"]["dead"]
+    assert time.monotonic() - start < LEASE_S + 0.5
+    assert reason.startswith("deadline")
+
+
+def test_silent_endpoint_fails_at_the_first_deadline(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    _, b = pair
+    start = time.monotonic()
+    b.expect("silent", num_layers=1, deadline_s=LEASE_S, sender="tcp://127.0.0.1:9", limit_s=30)
+    poll_until(b, lambda ev: "silent" in ev["failed"])
+    assert time.monotonic() - start < LEASE_S + 0.5
+
+
+def test_alive_sender_that_never_got_the_request_renews_nothing(
+    pair: tuple[TransferAgent, TransferAgent],
+) -> None:
+    a, b = pair  # a is alive and answers renewals, but "unknown": P never got the request
+    start = time.monotonic()
+    b.expect("lost", num_layers=1, deadline_s=LEASE_S, sender=a.endpoint, limit_s=30)
+    poll_until(b, lambda ev: "lost" in ev["failed"])
+    assert time.monotonic() - start < LEASE_S + 0.5
+
+
+def test_renewals_stop_at_the_limit(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    a, b = pair
+    start = time.monotonic()
+    a.promise("capped", b.endpoint, deadline_s=0.2, limit_s=30)
+    b.expect("capped", num_layers=1, deadline_s=0.2, sender=a.endpoint, limit_s=1.0)
+    poll_until(b, lambda ev: "capped" in ev["failed"])
+    assert 0.9 <= time.monotonic() - start < 1.6
+
+
+def test_failed_sender_answers_renewals_with_an_abort(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    a, b = pair
+    layers = _layers()
+    _send(a, "gone", "tcp://127.0.0.1:9", layers, deadline_s=0.1)  # fails on a: nobody grants
+    poll_until(a, lambda ev: "gone" in ev["failed"])
+    b.expect("gone", num_layers=3, deadline_s=5.0, sender=a.endpoint, limit_s=30)
+    start = time.monotonic()
+    reason = poll_until(b, lambda ev: "gone" in ev["failed"])["failed"]["gone"]
+    assert time.monotonic() - start < 2.0  # the first renewal's answer, not the 5 s lease
+    assert reason.startswith("peer_aborted")
+
+
+def test_missing_trailer_completes_without_it(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    a, b = pair
+    layers = _layers()
+    b.expect("notrailer", num_layers=3, deadline_s=LEASE_S, limit_s=LEASE_S)
+    a.start_send("notrailer", b.endpoint, [LayerSpec.of(t) for t in layers], with_trailer=True)
+    for i, t in enumerate(layers):
+        a.send_layer("notrailer", i, t)  # ... and P never sends its first token
+    events = poll_until(b, lambda ev: "notrailer" in ev["recvd"] or "notrailer" in ev["failed"])
+    assert "notrailer" in events["recvd"], events
+    assert b.take_trailer("notrailer") is None
+    assert b.stats().trailers_missing == 1
+    poll_until(a, lambda ev: "notrailer" in ev["sent"])  # P learns D is done: blocks freed
+
+
+def test_sender_waits_for_a_slow_but_alive_receiver() -> None:
+    layer = torch.ones(1024, dtype=torch.uint8)
+    small = TransferConfig(recv_budget_bytes=layer.numel(), spill_budget_bytes=0)
+    with TransferAgent(TransferConfig()) as a, TransferAgent(small) as b:
+        _send(a, "hog", b.endpoint, [layer])
+        b.expect("hog", num_layers=1)
+        poll_until(b, lambda ev: "hog" in ev["recvd"])  # its buffer holds all of b's budget
+        poll_until(a, lambda ev: "hog" in ev["sent"])
+        _send(a, "late", b.endpoint, [layer], deadline_s=LEASE_S, limit_s=30)
+        b.expect("late", num_layers=1, deadline_s=LEASE_S, limit_s=30)
+        _quiet_for(a, 5 * LEASE_S - 0.2)  # b cannot grant credit yet, but it is alive
+        b.take_layers("hog")  # budget freed: b grants
+        poll_until(b, lambda ev: "late" in ev["recvd"])
+        poll_until(a, lambda ev: "late" in ev["sent"])
+
+
+def test_aborting_a_promise_tells_the_receiver_at_once(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    a, b = pair
+    a.promise("gone-early", b.endpoint, deadline_s=5.0, limit_s=30)
+    b.expect("gone-early", num_layers=1, deadline_s=5.0, sender=a.endpoint, limit_s=30)
+    start = time.monotonic()
+    a.abort("gone-early", "request ended before its KV was sent")
+    reason = poll_until(b, lambda ev: "gone-early" in ev["failed"])["failed"]["gone-early"]
+    assert time.monotonic() - start < 2.0 and "request ended" in reason
+
+
+def test_a_stuck_sender_renews_nothing(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    """Alive but its producer never hands layer 1 over: both sides fail within about one lease."""
+    a, b = pair
+    layers = _layers()
+    b.expect("stuck", num_layers=3, deadline_s=LEASE_S, limit_s=30)
+    start = time.monotonic()
+    a.start_send("stuck", b.endpoint, [LayerSpec.of(t) for t in layers], deadline_s=LEASE_S, limit_s=30)
+    a.send_layer("stuck", 0, layers[0])
+    a.send_layer("stuck", 2, layers[2])
+    poll_until(b, lambda ev: "stuck" in ev["failed"])
+    poll_until(a, lambda ev: "stuck" in ev["failed"])
+    assert time.monotonic() - start < 3 * LEASE_S + 0.5
