@@ -33,7 +33,7 @@ QUESTIONS = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help="model name (smollm2-135m, tiny, ...), a .gguf file or a local HF directory")  # fmt: skip
+                        help="model name (smollm2-135m, tiny, ...), .gguf file or HF directory")  # fmt: skip
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--mode", choices=[m.value for m in TransferMode], default=TransferMode.PUSH.value)
     parser.add_argument("--max-tokens", type=int, default=40, help="most tokens per answer")
