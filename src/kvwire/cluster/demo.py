@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import textwrap
+import time
 import urllib.request
 
 import aiohttp
@@ -139,17 +140,21 @@ def run(args: argparse.Namespace) -> int:
     sink = sys.stdout if args.verbose else io.StringIO()
     print(f"kvwire demo: starting router + 1 prefill + 1 decode ({args.model} on {args.device}, {args.mode})")
     cluster = LocalCluster(spec, sink=sink)
+    start = time.monotonic()
     try:
         cluster.start()
-        print(f"kvwire demo: router at {cluster.router_url}")
+        ready_s = time.monotonic() - start
+        print(f"kvwire demo: router at {cluster.router_url}, cluster ready in {ready_s:.1f} s")
         results = asyncio.run(_ask(cluster.router_url, args.model, args.max_tokens))
         print()
         for instance in cluster.instances.values():
             print(f"{instance.name} metrics: {_handover_summary(instance.url)}")
         ok = all(result.ok for result in results)
+        ref_start = time.monotonic()
         reference = _colocated_token_ids(args.model, args.device, args.max_tokens)
         same = sum(r.token_ids == ref for r, ref in zip(results, reference, strict=True))
-        print(f"P/D output == colocated output (greedy, token for token): {same}/{len(results)} requests")
+        print(f"P/D output == colocated output (greedy, token for token): {same}/{len(results)} requests "
+              f"(colocated reference run in {time.monotonic() - ref_start:.1f} s)")
         ok = ok and same == len(results)
     except ClusterError as exc:
         print(f"kvwire demo: {exc}", file=sys.stderr)
