@@ -86,11 +86,15 @@ async def _ask(router_url: str, model: str, max_tokens: int) -> list[RequestResu
 
 def _colocated_token_ids(model: str, device: str, max_tokens: int) -> list[list[int]]:
     """The same greedy questions on one colocated engine (same weights, no P/D): the reference."""
+    import torch
+
     from kvwire.engine import SamplingParams
     from kvwire.engine.llm import LLM
 
+    if device == "cpu":  # torch may have been imported before run() set OMP_NUM_THREADS
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     logging.getLogger("kvwire.engine").setLevel(logging.WARNING)  # no start-up lines amid the summary
-    llm = LLM(model=model, device=device)
+    llm = LLM(model=model, device=device, num_kv_blocks=128)  # 2048 tokens: ample for three answers
     try:
         prompts = [llm.tokenizer.apply_chat_template(_messages(q)) for q in QUESTIONS]
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
@@ -127,14 +131,15 @@ def _check_model(model: str) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.device == "cpu":
+        # P, D and the colocated reference share the machine's cores: one torch thread each unless
+        # the user says otherwise (the instances inherit this environment). Two OpenMP threads per
+        # process on a busy 2-core box spin against each other (docs/performance.md).
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     problem = _check_model(args.model)
     if problem is not None:
         print(f"kvwire demo: {problem}", file=sys.stderr)
         return 2
-    if args.device == "cpu":
-        # P and D share the machine's cores: one torch thread each unless the user says otherwise
-        # (the instances inherit this environment; measured faster on 2 cores, docs/performance.md).
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
     spec = ClusterSpec(num_prefill=1, num_decode=1, model=args.model, device=args.device,
                        mode=TransferMode(args.mode), port=0)
     sink = sys.stdout if args.verbose else io.StringIO()

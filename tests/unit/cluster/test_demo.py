@@ -33,6 +33,7 @@ def test_missing_model_package_stops_the_demo_with_the_install_command(
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "distribution", absent)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # run() sets it for its instances: undone after the test
     monkeypatch.setattr(demo, "LocalCluster", None)  # would fail loudly if the demo went on
     assert demo.run(_args()) == 2
     err = capsys.readouterr().err
