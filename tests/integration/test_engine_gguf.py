@@ -29,7 +29,16 @@ QUESTIONS = [
     "List the first five prime numbers.",
     "hello   world\n\n  x 2026 — café",  # runs of spaces, newlines, digits, non-ASCII
 ]
-MAX_TOKENS = 20
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """One thread: on the shared 2-core box two OpenMP threads per process only contend."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
