@@ -30,6 +30,7 @@ QUESTIONS = (
     "Give me one tip for writing clear code.",
     "Write a short poem about the sea.",  # streamed
 )
+_PROMPT_TOKENS_BOUND = 256  # each question with its chat template is well under this (any tokenizer)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,8 +94,10 @@ def _colocated_token_ids(model: str, device: str, max_tokens: int) -> list[list[
 
     if device == "cpu":  # torch may have been imported before run() set OMP_NUM_THREADS
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    logging.getLogger("kvwire.engine").setLevel(logging.WARNING)  # no start-up lines amid the summary
-    llm = LLM(model=model, device=device, num_kv_blocks=128)  # 2048 tokens: ample for three answers
+    logging.getLogger("kvwire.engine").setLevel(logging.ERROR)  # no start-up lines amid the summary
+    # A KV cache for these answers only (the default takes up to 1 GiB on the CPU).
+    blocks_per_answer = (_PROMPT_TOKENS_BOUND + max_tokens) // 16 + 1
+    llm = LLM(model=model, device=device, block_size=16, num_kv_blocks=len(QUESTIONS) * blocks_per_answer)
     try:
         prompts = [llm.tokenizer.apply_chat_template(_messages(q)) for q in QUESTIONS]
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
