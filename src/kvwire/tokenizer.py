@@ -58,28 +58,52 @@ class ByteTokenizer(Tokenizer):
 
 
 class HFTokenizer(Tokenizer):
-    """A local HF tokenizer directory: ``tokenizer.json`` (+ ``tokenizer_config.json``,
-    ``generation_config.json`` when present)."""
+    """A Hugging Face ``tokenizers`` tokenizer plus the metadata chat generation needs (BOS/EOS
+    spellings, extra end-of-generation ids, the chat template). Built from a local HF directory
+    (:meth:`from_dir`) or from a GGUF file (``kvwire.engine.gguf_tokenizer``)."""
 
-    def __init__(self, model_dir: Path, model_eos_ids: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        raw: Any,
+        *,
+        bos_token: str | None,
+        eos_token: str | None,
+        extra_eos_ids: set[int] | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        self._tok = raw
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.bos_token, self.eos_token = bos_token, eos_token
+        eos_id = self._id(eos_token)
+        eos_ids = {i for i in [eos_id, *(extra_eos_ids or ())] if i is not None}
+        self.eos_token_id = eos_id if eos_id is not None else (min(eos_ids) if eos_ids else None)
+        self.eos_token_ids = frozenset(eos_ids)
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_dir(cls, model_dir: Path, model_eos_ids: list[int] | None = None) -> HFTokenizer:
+        """``tokenizer.json`` (+ ``tokenizer_config.json``, ``generation_config.json``,
+        ``chat_template.jinja`` when present)."""
         from tokenizers import Tokenizer as RawTokenizer
 
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise ModelLoadError(f"{model_dir}: no tokenizer.json")
-        self._tok = RawTokenizer.from_file(str(path))
-        self._config = _read_json(model_dir / "tokenizer_config.json")
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.bos_token = _token_text(self._config.get("bos_token"))
-        self.eos_token = _token_text(self._config.get("eos_token"))
-        eos_ids = {i for i in [self._id(self.eos_token), *(model_eos_ids or [])] if i is not None}
+        config = _read_json(model_dir / "tokenizer_config.json")
         gen = _read_json(model_dir / "generation_config.json").get("eos_token_id")
-        eos_ids |= set(gen if isinstance(gen, list) else [gen] if isinstance(gen, int) else [])
-        self.eos_token_id = self._id(self.eos_token) or (min(eos_ids) if eos_ids else None)
-        self.eos_token_ids = frozenset(eos_ids)
-        self.chat_template = self._config.get("chat_template")
-        if self.chat_template is None and (model_dir / "chat_template.jinja").is_file():
-            self.chat_template = (model_dir / "chat_template.jinja").read_text()
+        eos_ids = set(model_eos_ids or ()) | set(
+            gen if isinstance(gen, list) else [gen] if isinstance(gen, int) else []
+        )
+        chat_template = config.get("chat_template")
+        if chat_template is None and (model_dir / "chat_template.jinja").is_file():
+            chat_template = (model_dir / "chat_template.jinja").read_text()
+        return cls(
+            RawTokenizer.from_file(str(path)),
+            bos_token=_token_text(config.get("bos_token")),
+            eos_token=_token_text(config.get("eos_token")),
+            extra_eos_ids=eos_ids,
+            chat_template=chat_template,
+        )
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)

@@ -125,10 +125,14 @@ def test_managed_process_kills_its_whole_group() -> None:
 
 
 def test_demo_runs_the_main_job() -> None:
-    argv = kvwire_argv("demo", "--max-tokens", "6")
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=240, check=False)
+    """The README's command on its default model (smollm2-135m): real answers through 1P1D, and P/D
+    equal to a colocated engine token for token on a real model."""
+    argv = kvwire_argv("demo", "--max-tokens", "8")
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "chat (streaming): 6 tokens" in out.stdout
+    assert "(smollm2-135m on cpu, push)" in out.stdout
+    assert "The capital of France is Paris." in out.stdout  # a real model answers
+    assert "Q3 (streaming)" in out.stdout and "mean ITL" in out.stdout
     assert 'kvwire_pd_transfers_completed_total{side="recv"} 3.0' in out.stdout
     assert 'kvwire_kv_peers{transport="shm"} 1.0' in out.stdout  # negotiated: P and D share the host
     assert "P/D output == colocated output (greedy, token for token): 3/3 requests" in out.stdout

@@ -29,7 +29,8 @@ from kvwire.engine.attention import ForwardContext
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="preset (tiny, llama3-8b-random) or local HF dir")
+    parser.add_argument("--model", default="tiny",
+                        help="model name (tiny, smollm2-135m, ...), .gguf file or HF directory")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument(

@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=1, help="prefill instances (default %(default)s)")
     parser.add_argument("--decode", type=int, default=1, help="decode instances (default %(default)s)")
     parser.add_argument("--both", type=int, default=0, help="colocated instances (default %(default)s)")
-    parser.add_argument("--model", default="tiny", help="preset name or local HF directory")
+    parser.add_argument("--model", default="tiny",
+                        help="model name (tiny, smollm2-135m, ...), .gguf file or HF directory")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (every instance)")
     parser.add_argument("--mode", choices=[m.value for m in TransferMode], default=TransferMode.PUSH.value)
     parser.add_argument("--host", default="127.0.0.1", help="address everything binds to")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -43,11 +44,16 @@ def _chunk_text(choice: dict[str, Any]) -> str:
 
 
 async def post_completion(
-    session: aiohttp.ClientSession, url: str, body: dict[str, Any], *, timeout_s: float = 120.0
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    *,
+    timeout_s: float = 120.0,
+    on_text: Callable[[str], None] | None = None,
 ) -> RequestResult:
     """POST ``body`` to ``url`` (``/v1/completions`` or ``/v1/chat/completions``) and time it.
     Never raises for HTTP, connection or malformed-JSON errors: they come back as ``ok=False`` with
-    the message."""
+    the message. ``on_text`` (streaming only) is called with each chunk's text as it arrives."""
     start = time.perf_counter()
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
@@ -56,7 +62,7 @@ async def post_completion(
                 text = await resp.text()
                 return RequestResult(False, resp.status, error=text[:500], e2e_s=time.perf_counter() - start)
             if body.get("stream"):
-                return await _read_stream(resp, start)
+                return await _read_stream(resp, start, on_text)
             payload = await resp.json()
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: a body that is not JSON
         error = f"{type(exc).__name__}: {exc}"
@@ -74,7 +80,9 @@ async def post_completion(
     )
 
 
-async def _read_stream(resp: aiohttp.ClientResponse, start: float) -> RequestResult:
+async def _read_stream(
+    resp: aiohttp.ClientResponse, start: float, on_text: Callable[[str], None] | None
+) -> RequestResult:
     result = RequestResult(True, 200)
     last: float | None = None
     async for raw in resp.content:
@@ -108,6 +116,8 @@ async def _read_stream(resp: aiohttp.ClientResponse, start: float) -> RequestRes
         last = now
         result.token_ids += new_ids
         result.text += text
+        if on_text is not None and text:
+            on_text(text)
     result.e2e_s = time.perf_counter() - start
     if not result.num_output_tokens:
         result.num_output_tokens = len(result.token_ids)

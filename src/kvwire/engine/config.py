@@ -27,7 +27,8 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16")
 class EngineConfig:
     """Everything the engine needs. ``None`` means "derive from the model / device"."""
 
-    model: str = "tiny"  # a preset name (kvwire.engine.models.presets) or a local HF directory
+    # A preset or packaged model name (kvwire.engine.models.presets), a .gguf file or an HF directory.
+    model: str = "tiny"
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     block_size: int = 16  # tokens per KV block

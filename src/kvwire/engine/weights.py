@@ -49,15 +49,15 @@ def load_hf_weights(model: LlamaModel, model_dir: Path) -> None:
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                target = _copy_hf_tensor(model, params, name, f.get_tensor(name))
+                target = copy_hf_tensor(model, params, name, f.get_tensor(name))
                 if target is not None:
                     loaded.add(target)
-    missing = _expected_names(params) - loaded
+    missing = expected_names(params) - loaded
     if missing:
         raise ModelLoadError(f"{model_dir}: weights missing from the checkpoint: {sorted(missing)[:5]}")
 
 
-def _copy_hf_tensor(
+def copy_hf_tensor(
     model: LlamaModel, params: dict[str, torch.nn.Parameter], hf_name: str, tensor: torch.Tensor
 ) -> str | None:
     name = hf_name.removeprefix("model.")
@@ -80,7 +80,7 @@ def _copy_hf_tensor(
     return name
 
 
-def _expected_names(params: dict[str, torch.nn.Parameter]) -> set[str]:
+def expected_names(params: dict[str, torch.nn.Parameter]) -> set[str]:
     """What a complete checkpoint fills: every parameter, every slice of the fused ones."""
     names: set[str] = set()
     for name in params:

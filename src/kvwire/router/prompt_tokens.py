@@ -62,7 +62,7 @@ def _load(spec: str) -> Tokenizer | None:
     if spec == BYTE:
         return ByteTokenizer()
     try:
-        return HFTokenizer(Path(spec))
+        return HFTokenizer.from_dir(Path(spec))
     except (KvwireError, OSError, ImportError, ValueError) as exc:
         log.warning("KV-aware routing: cannot load tokenizer %r (%s); routing such requests on load only",
                     spec, exc)

