@@ -66,7 +66,7 @@ def export_handle(base: int) -> bytes:
     """The IPC handle of the allocation starting at ``base``."""
     handle = _Handle()
     _check(_lib().cuIpcGetMemHandle(ctypes.byref(handle), base), "cuIpcGetMemHandle")
-    return bytes(handle.reserved)
+    return ctypes.string_at(ctypes.addressof(handle), HANDLE_BYTES)  # all 64 bytes: NULs included
 
 
 def open_handle(handle: bytes) -> int:
@@ -74,7 +74,7 @@ def open_handle(handle: bytes) -> int:
     if len(handle) != HANDLE_BYTES:
         raise TransferError(f"CUDA IPC handle of {len(handle)} bytes (want {HANDLE_BYTES})")
     raw = _Handle()
-    raw.reserved = handle
+    ctypes.memmove(ctypes.addressof(raw), handle, HANDLE_BYTES)
     address = ctypes.c_uint64()
     _check(
         _lib().cuIpcOpenMemHandle_v2(ctypes.byref(address), raw, _LAZY_ENABLE_PEER_ACCESS),
