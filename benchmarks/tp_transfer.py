@@ -23,18 +23,18 @@ from typing import Any
 import torch
 from prometheus_client import CollectorRegistry
 
-from kvwire.connector.config import ConnectorConfig, ConnectorRole, EngineInfo
+from kvwire.connector.config import ConnectorConfig, EngineInfo
 from kvwire.connector.factory import RankConnectorFactory, build_connectors
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.engine.sampling_params import SamplingParams
 from kvwire.engine.tp.runner import TPRunner, model_config_of
-from kvwire.kv_params import KVTransferParams, PDRole
+from kvwire.kv_params import KVTransferParams, Role
 
 BLOCK = 16
 
 
-def engine(tp: int, role: ConnectorRole, max_len: int) -> LLMEngine:
+def engine(tp: int, role: Role, max_len: int) -> LLMEngine:
     config = EngineConfig(model="tiny", dtype="float32", block_size=BLOCK, max_model_len=max_len,
                           num_kv_blocks=1024, tensor_parallel_size=tp)  # fmt: skip
     info = EngineInfo(block_size=BLOCK, tp_size=tp, num_kv_heads=model_config_of(config).num_kv_heads)
@@ -52,7 +52,7 @@ def rank_bytes(e: LLMEngine, name: str) -> int:
 
 def measure(p_tp: int, d_tp: int, prompts: list[list[int]]) -> dict[str, Any]:
     max_len = max(len(p) for p in prompts) + 8
-    p, d = engine(p_tp, ConnectorRole.PREFILL, max_len), engine(d_tp, ConnectorRole.DECODE, max_len)
+    p, d = engine(p_tp, Role.PREFILL, max_len), engine(d_tp, Role.DECODE, max_len)
     try:
         first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         p_eps = list(p.scheduler_connector.kv_endpoints)  # type: ignore[attr-defined]
@@ -63,9 +63,9 @@ def measure(p_tp: int, d_tp: int, prompts: list[list[int]]) -> dict[str, Any]:
             tid = uuid.uuid4().hex
             start = time.perf_counter()
             p.add_request(f"p{i}", prompt, first, KVTransferParams(
-                transfer_id=tid, role=PDRole.PREFILL, peer_endpoints=d_eps).to_dict())  # fmt: skip
+                transfer_id=tid, role=Role.PREFILL, peer_endpoints=d_eps).to_dict())  # fmt: skip
             d.add_request(f"d{i}", prompt, first, KVTransferParams(
-                transfer_id=tid, role=PDRole.DECODE, peer_endpoints=p_eps).to_dict())  # fmt: skip
+                transfer_id=tid, role=Role.DECODE, peer_endpoints=p_eps).to_dict())  # fmt: skip
             done = False
             p_done = start
             while not done or p.has_unfinished_requests():

@@ -40,9 +40,15 @@ class TransferMode(str, enum.Enum):
     PULL = "pull"  # P keeps the blocks under a lease; D pulls them (the reference's GET)
 
 
-class PDRole(str, enum.Enum):
+class Role(str, enum.Enum):
+    """What an instance (or one side of a transfer) does in P/D: the one role vocabulary of the
+    package — instances, servers, connectors, discovery and ``kv_transfer_params`` share it. A
+    transfer side is PREFILL or DECODE; an instance may also be BOTH (colocated, no KV transfer; its
+    connector accepts either side per request)."""
+
     PREFILL = "prefill"
     DECODE = "decode"
+    BOTH = "both"
 
 
 class KVCacheLayout(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,7 +85,7 @@ def layout_mismatch(mine: KVCacheLayout, peer: KVCacheLayout) -> str | None:
 class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     transfer_id: str
     mode: TransferMode = TransferMode.PUSH
-    role: PDRole
+    role: Role
     # The other side's transfer-agent endpoints, one per worker rank (their count is the peer's TP
     # size; which rank talks to which: connector/tp_map.py).
     # P in pull mode: the D that may pull (empty: the first puller).
@@ -126,6 +132,8 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
             )
         if not params.transfer_id:
             raise InvalidRequestError("kv_transfer_params.transfer_id must not be empty")
+        if params.role is Role.BOTH:
+            raise InvalidRequestError("kv_transfer_params.role must be 'prefill' or 'decode'")
         if params.deadline_s <= 0:
             raise InvalidRequestError("kv_transfer_params.deadline_s must be > 0")
         if params.skip_blocks < 0:

@@ -20,7 +20,8 @@ import zmq
 from fault_cluster import blocks_back_to_zero, completion, metric, post_json, running
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
-from kvwire.discovery.messages import Heartbeat, InstanceInfo, InstanceRole, encode_frames
+from kvwire.discovery.messages import Heartbeat, InstanceInfo, encode_frames
+from kvwire.kv_params import Role
 from kvwire.transfer.messages import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.slow
@@ -101,7 +102,7 @@ def test_garbage_and_forged_heartbeats_change_nothing(cluster: LocalCluster) -> 
             sock.send_multipart(frames)
         # a stale epoch of a live instance, pointing its traffic elsewhere: refused as a zombie
         victim = next(iter(before_ids))
-        forged = InstanceInfo(instance_id=victim, role=InstanceRole.DECODE, url="http://127.0.0.1:9",
+        forged = InstanceInfo(instance_id=victim, role=Role.DECODE, url="http://127.0.0.1:9",
                               model="tiny", epoch=1)
         sock.send_multipart(encode_frames(Heartbeat(info=forged, seq=10**9)))
         sock.close()

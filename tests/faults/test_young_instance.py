@@ -17,7 +17,8 @@ from fault_cluster import post_json
 
 from kvwire.cluster.local import free_port
 from kvwire.cluster.process import ManagedProcess, kvwire_argv, wait_until
-from kvwire.discovery import HeartbeatClient, InstanceInfo, InstanceRole
+from kvwire.discovery import HeartbeatClient, InstanceInfo
+from kvwire.kv_params import Role
 
 pytestmark = pytest.mark.slow
 ANSWER = {"id": "cmpl-y", "object": "text_completion", "created": 0, "model": "m",
@@ -63,7 +64,7 @@ def _listening(port: int) -> bool:
 def test_request_waits_for_an_instance_that_registered_before_listening(router: tuple[str, str]) -> None:
     url, discovery = router
     port = free_port("127.0.0.1")
-    info = InstanceInfo(instance_id="young", role=InstanceRole.BOTH, url=f"http://127.0.0.1:{port}",
+    info = InstanceInfo(instance_id="young", role=Role.BOTH, url=f"http://127.0.0.1:{port}",
                         model="m")
     client = HeartbeatClient(discovery, info, interval_s=0.2).start()  # registers before listening
     server: http.server.HTTPServer | None = None

@@ -49,9 +49,9 @@ from kvwire.discovery import (
     HeartbeatClient,
     InstanceInfo,
     InstanceLoad,
-    InstanceRole,
     parse_discovery_address,
 )
+from kvwire.kv_params import Role
 from kvwire.router.config import Policy, RouterConfig
 
 HERE = Path(__file__).resolve()
@@ -205,7 +205,7 @@ async def _main(args: argparse.Namespace) -> None:
     await site.start()
     port = runner.addresses[0][1]
     info = InstanceInfo(
-        instance_id=args.id, role=InstanceRole(args.role), url=f"http://127.0.0.1:{port}",
+        instance_id=args.id, role=Role(args.role), url=f"http://127.0.0.1:{port}",
         model=args.model, kv_endpoints=[mock.kv_endpoint], version="mock",
     )
     client: HeartbeatClient | EtcdRegistration
@@ -228,7 +228,7 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--router", required=True)
     p.add_argument("--id", required=True)
-    p.add_argument("--role", default="both", choices=[r.value for r in InstanceRole])
+    p.add_argument("--role", default="both", choices=[r.value for r in Role])
     p.add_argument("--model", default="mock")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--interval-s", type=float, default=0.2)

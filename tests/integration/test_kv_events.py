@@ -6,8 +6,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvwire.discovery import HeartbeatClient, InstanceInfo, InstanceRole
+from kvwire.discovery import HeartbeatClient, InstanceInfo
 from kvwire.kv_events import KvEventLog
+from kvwire.kv_params import Role
 from kvwire.router.kv_index import KvIndex
 from kvwire.router.listener import DiscoveryListener
 from kvwire.router.registry import Registry
@@ -27,7 +28,7 @@ def test_events_reach_the_index_and_leave_with_the_instance() -> None:
     registry = Registry(ttl_s=30.0, on_remove=index.drop)
     listener = DiscoveryListener(registry, "127.0.0.1", 0, secret=b"s", kv_index=index).start()
     log = KvEventLog(16)
-    info = InstanceInfo(instance_id="d0", role=InstanceRole.DECODE, url="http://127.0.0.1:1", model="m")
+    info = InstanceInfo(instance_id="d0", role=Role.DECODE, url="http://127.0.0.1:1", model="m")
     client = HeartbeatClient(listener.address, info, interval_s=10.0, secret="s", kv_events=log,
                              kv_events_interval_s=0.01).start()
     try:

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvwire.connector.config import ConnectorConfig, ConnectorRole, EngineInfo, LoadFailurePolicy
+from kvwire.connector.config import ConnectorConfig, EngineInfo, LoadFailurePolicy
 from kvwire.connector.factory import build_connectors
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.engine.sampling_params import SamplingParams
-from kvwire.kv_params import KVTransferParams, PDRole, TransferMode
+from kvwire.kv_params import KVTransferParams, Role, TransferMode
 
 BLOCK = 16
 MAX_LEN = 256
@@ -51,15 +51,15 @@ class PD:
         deadline_s: float = 30.0,
         policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE,
     ) -> None:
-        def pair(role: ConnectorRole, config: EngineConfig) -> LLMEngine:
+        def pair(role: Role, config: EngineConfig) -> LLMEngine:
             cc = ConnectorConfig(
                 role=role, deadline_s=deadline_s, lease_s=deadline_s, kv_load_failure_policy=policy
             )
             sched, worker = build_connectors(cc, EngineInfo(block_size=BLOCK), registry=CollectorRegistry())
             return LLMEngine(config, sched, worker)
 
-        self.p = pair(ConnectorRole.PREFILL, p_config)
-        self.d = pair(ConnectorRole.DECODE, d_config)
+        self.p = pair(Role.PREFILL, p_config)
+        self.d = pair(Role.DECODE, d_config)
         self.deadline_s = deadline_s
         self.results: dict[str, Any] = {}
 
@@ -71,14 +71,14 @@ class PD:
         if to_p:
             p_params = KVTransferParams(
                 transfer_id=tid,
-                role=PDRole.PREFILL,
+                role=Role.PREFILL,
                 deadline_s=self.deadline_s,
                 peer_endpoints=self.endpoints(self.d),
             )
             self.p.add_request("p-" + rid, prompt, FIRST, p_params.to_dict())
         d_params = KVTransferParams(
             transfer_id=tid,
-            role=PDRole.DECODE,
+            role=Role.DECODE,
             deadline_s=self.deadline_s,
             peer_endpoints=self.endpoints(self.p),
         )
@@ -89,7 +89,7 @@ class PD:
         params = KVTransferParams(
             transfer_id=uuid.uuid4().hex,
             mode=TransferMode.PULL,
-            role=PDRole.PREFILL,
+            role=Role.PREFILL,
             deadline_s=self.deadline_s,
         )
         self.p.add_request("p-" + rid, prompt, FIRST, params.to_dict())
@@ -238,7 +238,7 @@ def test_d_closed_p_frees_within_deadline() -> None:
         d_endpoint = pair.endpoints(pair.d)
         pair.d.close()  # D's agent is gone before P sends
         params = KVTransferParams(
-            transfer_id="t-dead", role=PDRole.PREFILL, deadline_s=1.0, peer_endpoints=d_endpoint
+            transfer_id="t-dead", role=Role.PREFILL, deadline_s=1.0, peer_endpoints=d_endpoint
         )
         pair.p.add_request("p-r0", list(range(1, 40)), FIRST, params.to_dict())
         start = time.monotonic()

@@ -12,9 +12,9 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from kvwire.connector.base import ConnectorOutput, ScheduledChunk, StepInfo
-from kvwire.connector.config import ConnectorConfig, ConnectorRole, EngineInfo
+from kvwire.connector.config import ConnectorConfig, EngineInfo
 from kvwire.connector.factory import build_connectors
-from kvwire.kv_params import KVTransferParams, PDRole
+from kvwire.kv_params import KVTransferParams, Role
 
 BLOCK, LAYERS, NUM_BLOCKS, KV_HEADS, HEAD_DIM = 16, 32, 264, 8, 128
 PROMPT = 2048
@@ -43,9 +43,9 @@ def _step(sched, worker, caches: Sequence[torch.Tensor], chunks=()) -> Connector
 def test_8b_shaped_transfers_bit_exact() -> None:
     info = EngineInfo(block_size=BLOCK)
     shape = (2, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
-    p_sched, p_worker = build_connectors(ConnectorConfig(role=ConnectorRole.PREFILL), info,
+    p_sched, p_worker = build_connectors(ConnectorConfig(role=Role.PREFILL), info,
                                          registry=CollectorRegistry())
-    d_sched, d_worker = build_connectors(ConnectorConfig(role=ConnectorRole.DECODE), info,
+    d_sched, d_worker = build_connectors(ConnectorConfig(role=Role.DECODE), info,
                                          registry=CollectorRegistry())
     gen = torch.Generator().manual_seed(0)
     p_caches = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
@@ -59,9 +59,9 @@ def test_8b_shaped_transfers_bit_exact() -> None:
         p_reqs, d_reqs = {}, {}
         for key in ("a", "b"):
             tid = f"big-{key}"
-            p_reqs[key] = Req("p" + key, KVTransferParams(transfer_id=tid, role=PDRole.PREFILL,
+            p_reqs[key] = Req("p" + key, KVTransferParams(transfer_id=tid, role=Role.PREFILL,
                                                           peer_endpoints=list(d_sched.kv_endpoints)))
-            d_reqs[key] = Req("d" + key, KVTransferParams(transfer_id=tid, role=PDRole.DECODE,
+            d_reqs[key] = Req("d" + key, KVTransferParams(transfer_id=tid, role=Role.DECODE,
                                                           peer_endpoints=list(p_sched.kv_endpoints)))
             assert d_sched.get_num_new_matched_tokens(d_reqs[key], 0) == (PROMPT, True)
             d_sched.update_state_after_alloc(d_reqs[key], d_ids[key], PROMPT)

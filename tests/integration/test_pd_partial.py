@@ -15,7 +15,7 @@ import pytest
 from test_pd_engines import BLOCK, FIRST, GREEDY, PD, engine_config
 
 from kvwire.engine.llm_engine import LLMEngine
-from kvwire.kv_params import KVTransferParams, PDRole
+from kvwire.kv_params import KVTransferParams, Role
 
 TURN1 = [(5 * j) % 250 + 1 for j in range(6 * BLOCK + 4)]  # 100 tokens: 6 full blocks
 TURN2 = TURN1 + [(11 * j) % 250 + 3 for j in range(3 * BLOCK + 7)]  # the next turn extends it
@@ -52,9 +52,9 @@ def warm(pd: PD, engine: LLMEngine, name: str) -> None:
 
 def push(pd: PD, rid: str, prompt: list[int], skip_blocks: int) -> None:
     tid = uuid.uuid4().hex
-    p_params = KVTransferParams(transfer_id=tid, role=PDRole.PREFILL, peer_endpoints=pd.endpoints(pd.d),
+    p_params = KVTransferParams(transfer_id=tid, role=Role.PREFILL, peer_endpoints=pd.endpoints(pd.d),
                                 skip_blocks=skip_blocks)
-    d_params = KVTransferParams(transfer_id=tid, role=PDRole.DECODE, peer_endpoints=pd.endpoints(pd.p),
+    d_params = KVTransferParams(transfer_id=tid, role=Role.DECODE, peer_endpoints=pd.endpoints(pd.p),
                                 skip_blocks=skip_blocks)
     pd.p.add_request("p-" + rid, prompt, FIRST, p_params.to_dict())
     pd.d.add_request(rid, prompt, GREEDY, d_params.to_dict())

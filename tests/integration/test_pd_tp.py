@@ -18,14 +18,14 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from kvwire.connector.config import ConnectorConfig, ConnectorRole, EngineInfo, LoadFailurePolicy
+from kvwire.connector.config import ConnectorConfig, EngineInfo, LoadFailurePolicy
 from kvwire.connector.factory import RankConnectorFactory, build_connectors
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.engine.sampling_params import SamplingParams
 from kvwire.engine.tp.runner import TPRunner, model_config_of
 from kvwire.errors import EngineError
-from kvwire.kv_params import KVTransferParams, PDRole, TransferMode
+from kvwire.kv_params import KVTransferParams, Role, TransferMode
 
 BLOCK = 8
 MAX_TOKENS = 6
@@ -73,7 +73,7 @@ def _byte_tokenizer(path: Path) -> None:
     fast.save_pretrained(path)
 
 
-def engine(model: str, tp: int, role: ConnectorRole | None = None, deadline_s: float = 20.0) -> LLMEngine:
+def engine(model: str, tp: int, role: Role | None = None, deadline_s: float = 20.0) -> LLMEngine:
     config = EngineConfig(model=model, dtype="float32", block_size=BLOCK, max_model_len=128, num_kv_blocks=64,
                           tensor_parallel_size=tp)  # fmt: skip
     if role is None:
@@ -150,12 +150,12 @@ def pd_generate(p: LLMEngine, d: LLMEngine, mode: TransferMode) -> dict[str, Any
         tid = uuid.uuid4().hex
         if mode is TransferMode.PUSH:
             p.add_request(f"p{i}", prompt, FIRST, KVTransferParams(
-                transfer_id=tid, role=PDRole.PREFILL, peer_endpoints=endpoints(d)).to_dict())  # fmt: skip
+                transfer_id=tid, role=Role.PREFILL, peer_endpoints=endpoints(d)).to_dict())  # fmt: skip
             d.add_request(f"r{i}", prompt, GREEDY, KVTransferParams(
-                transfer_id=tid, role=PDRole.DECODE, peer_endpoints=endpoints(p)).to_dict())  # fmt: skip
+                transfer_id=tid, role=Role.DECODE, peer_endpoints=endpoints(p)).to_dict())  # fmt: skip
         else:
             p.add_request(f"p{i}", prompt, FIRST, KVTransferParams(
-                transfer_id=tid, mode=mode, role=PDRole.PREFILL).to_dict())  # fmt: skip
+                transfer_id=tid, mode=mode, role=Role.PREFILL).to_dict())  # fmt: skip
     if mode is TransferMode.PULL:
         run([p, d], results, until=lambda: all(f"p{i}" in results for i in range(len(prompts()))))
         for i, prompt in enumerate(prompts()):
@@ -180,8 +180,8 @@ def test_decode_equals_colocated_tp1(request: pytest.FixtureRequest, model: str,
     if model == "one_kv_head":
         model = request.getfixturevalue("one_kv_head")
     expected = reference(model)
-    p = engine(model, p_tp, ConnectorRole.PREFILL)
-    d = engine(model, d_tp, ConnectorRole.DECODE)
+    p = engine(model, p_tp, Role.PREFILL)
+    d = engine(model, d_tp, Role.DECODE)
     try:
         assert len(endpoints(p)) == p_tp and len(endpoints(d)) == d_tp
         results = pd_generate(p, d, mode)
@@ -199,18 +199,18 @@ def test_decode_equals_colocated_tp1(request: pytest.FixtureRequest, model: str,
 
 
 def test_a_killed_decode_rank_ends_the_request_without_a_hang() -> None:
-    p = engine("tiny", 1, ConnectorRole.PREFILL, deadline_s=4.0)
-    d = engine("tiny", 2, ConnectorRole.DECODE, deadline_s=4.0)
+    p = engine("tiny", 1, Role.PREFILL, deadline_s=4.0)
+    d = engine("tiny", 2, Role.DECODE, deadline_s=4.0)
     try:
         assert isinstance(d.runner, TPRunner)
         prompt = prompts()[3]
         tid = uuid.uuid4().hex
         d.add_request("r0", prompt, GREEDY, KVTransferParams(
-            transfer_id=tid, role=PDRole.DECODE, peer_endpoints=endpoints(p)).to_dict())  # fmt: skip
+            transfer_id=tid, role=Role.DECODE, peer_endpoints=endpoints(p)).to_dict())  # fmt: skip
         d.step()  # D expects the transfer on both ranks
         os.kill(d.runner.leader.workers.pids[0], signal.SIGKILL)
         p.add_request("p0", prompt, FIRST, KVTransferParams(
-            transfer_id=tid, role=PDRole.PREFILL, peer_endpoints=endpoints(d)).to_dict())  # fmt: skip
+            transfer_id=tid, role=Role.PREFILL, peer_endpoints=endpoints(d)).to_dict())  # fmt: skip
         start = time.monotonic()
         with pytest.raises(EngineError, match="rank 1"):  # D's engine fails; nothing waits
             run([p, d], {}, timeout_s=30.0)

@@ -14,7 +14,8 @@ import pytest
 import zmq
 from mock_instance import MockProcess, RouterThread, get_raw, live_ids, post, router_config, wait_for
 
-from kvwire.discovery import Heartbeat, InstanceInfo, InstanceRole, encode_frames
+from kvwire.discovery import Heartbeat, InstanceInfo, encode_frames
+from kvwire.kv_params import Role
 
 INTERVAL_S = 0.2
 
@@ -105,7 +106,7 @@ def _send_raw(address: str, frames_list: list[list[bytes]]) -> None:
 @pytest.mark.parametrize("router_and_mocks", ["s3cret"], indirect=True)
 def test_secret_enforced_and_malformed_dropped(router_and_mocks: Any) -> None:
     router, mocks = router_and_mocks
-    info = InstanceInfo(instance_id="intruder", role=InstanceRole.BOTH, url="http://127.0.0.1:9", model="m")
+    info = InstanceInfo(instance_id="intruder", role=Role.BOTH, url="http://127.0.0.1:9", model="m")
     hb = Heartbeat(info=info, seq=1)
     _send_raw(router.discovery, [
         [b"\x00garbage"],  # unsigned and malformed

@@ -17,8 +17,8 @@ import pytest
 import zmq
 from mock_instance import MockCluster, MockSpec, get, live_ids, post, wait_for
 
-from kvwire.discovery import Heartbeat, InstanceInfo, InstanceRole, encode_frames
-from kvwire.kv_params import TransferMode
+from kvwire.discovery import Heartbeat, InstanceInfo, encode_frames
+from kvwire.kv_params import Role, TransferMode
 from kvwire.router.config import Policy
 
 
@@ -253,7 +253,7 @@ def test_refused_connection_is_retried_and_marked_out(cluster: Any) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead_port = s.getsockname()[1]
-    info = InstanceInfo(instance_id="aaa-zombie", role=InstanceRole.BOTH, url=f"http://127.0.0.1:{dead_port}",
+    info = InstanceInfo(instance_id="aaa-zombie", role=Role.BOTH, url=f"http://127.0.0.1:{dead_port}",
                         model="mock")
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)

@@ -21,7 +21,7 @@ import pytest
 from pd_cluster_helpers import running_cluster
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
-from kvwire.kv_params import KVTransferParams, PDRole, TransferMode
+from kvwire.kv_params import KVTransferParams, Role, TransferMode
 from kvwire.kv_signing import ParamsSigner
 
 pytestmark = pytest.mark.slow
@@ -119,7 +119,7 @@ def test_forged_kv_transfer_params_are_refused_before_any_connection(
     trap.listen()
     trap_endpoint = f"tcp://127.0.0.1:{trap.getsockname()[1]}"
     try:
-        forged = KVTransferParams(transfer_id=uuid.uuid4().hex, role=PDRole.PREFILL,
+        forged = KVTransferParams(transfer_id=uuid.uuid4().hex, role=Role.PREFILL,
                                   peer_endpoints=[trap_endpoint], peer_instance_id="decode-0")
         genuine = ParamsSigner(SECRET).sign(msgspec.structs.replace(forged, peer_endpoints=["tcp://x:1"]))
         tampered = msgspec.structs.replace(genuine, peer_endpoints=[trap_endpoint])
@@ -133,7 +133,7 @@ def test_forged_kv_transfer_params_are_refused_before_any_connection(
             assert answer["error"]["code"] == reason
         # A genuine pull-mode prefill is admitted once; the same parameters again are a replay.
         lease = ParamsSigner(SECRET).sign(KVTransferParams(transfer_id=uuid.uuid4().hex,
-                                                           mode=TransferMode.PULL, role=PDRole.PREFILL))
+                                                           mode=TransferMode.PULL, role=Role.PREFILL))
         assert call(f"{prefill}/v1/completions", completion(kv_transfer_params=lease.to_dict()))[0] == 200
         status, answer = call(f"{prefill}/v1/completions", completion(kv_transfer_params=lease.to_dict()))
         assert (status, answer["error"]["code"]) == (403, "replayed")

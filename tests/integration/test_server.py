@@ -19,8 +19,8 @@ import pytest
 import zmq
 
 from kvwire.cluster.local import free_port
-from kvwire.discovery import Deregister, Heartbeat, InstanceRole, decode_frames
-from kvwire.kv_params import KVTransferParams, PDRole, TransferMode
+from kvwire.discovery import Deregister, Heartbeat, decode_frames
+from kvwire.kv_params import KVTransferParams, Role, TransferMode
 from kvwire.kv_signing import ParamsSigner
 
 START_DEADLINE_S = 90.0
@@ -339,7 +339,7 @@ def test_prefill_role_registers_serves_pull_and_deregisters(tmp_path: Path) -> N
         beat = router.next_message()
         assert isinstance(beat, Heartbeat)
         info = beat.info
-        assert (info.instance_id, info.role, info.url, info.model) == ("p-test", InstanceRole.PREFILL,
+        assert (info.instance_id, info.role, info.url, info.model) == ("p-test", Role.PREFILL,
                                                                         proc.url, "tiny")
         assert len(info.kv_endpoints) == 1 and info.kv_endpoints[0].startswith("tcp://127.0.0.1:")
         assert beat.load is not None and beat.load.total_kv_blocks == 512
@@ -347,7 +347,7 @@ def test_prefill_role_registers_serves_pull_and_deregisters(tmp_path: Path) -> N
         # Pull mode: P prefills, keeps the blocks under a lease and returns params for D. With the
         # secret set, P accepts only params the router signed (docs/security.md).
         kv = ParamsSigner("s3cret").sign(KVTransferParams(
-            transfer_id="t-pull", role=PDRole.PREFILL, mode=TransferMode.PULL)).to_dict()
+            transfer_id="t-pull", role=Role.PREFILL, mode=TransferMode.PULL)).to_dict()
         async def body() -> dict[str, Any]:
             async with aiohttp.ClientSession() as session:
                 status, out = await post(session, proc.url + "/v1/completions",
@@ -358,7 +358,7 @@ def test_prefill_role_registers_serves_pull_and_deregisters(tmp_path: Path) -> N
         async def wrong_role() -> tuple[int, Any]:
             async with aiohttp.ClientSession() as session:
                 # signed (the signature is checked first: unsigned parameters are a 403), wrong role
-                bad = ParamsSigner("s3cret").sign(KVTransferParams(transfer_id="t-bad", role=PDRole.DECODE))
+                bad = ParamsSigner("s3cret").sign(KVTransferParams(transfer_id="t-bad", role=Role.DECODE))
                 return await post(session, proc.url + "/v1/completions", greedy(
                     "hello", 1, kv_transfer_params=bad.to_dict()))
 

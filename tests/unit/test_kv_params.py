@@ -1,14 +1,14 @@
 import pytest
 
 from kvwire.errors import InvalidRequestError
-from kvwire.kv_params import KV_PARAMS_VERSION, KVTransferParams, PDRole, TransferMode
+from kvwire.kv_params import KV_PARAMS_VERSION, KVTransferParams, Role, TransferMode
 
 
 def test_round_trip_through_json_dict() -> None:
     params = KVTransferParams(
         transfer_id="t-1",
         mode=TransferMode.PULL,
-        role=PDRole.DECODE,
+        role=Role.DECODE,
         peer_endpoints=["tcp://127.0.0.1:5000", "tcp://127.0.0.1:5001"],
         first_token_id=42,
         num_prompt_tokens=17,

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from kvwire.errors import ConfigError
-from kvwire.kv_params import KVTransferParams, PDRole, TransferMode
+from kvwire.kv_params import KVTransferParams, Role, TransferMode
 from kvwire.kv_signing import CLOCK_SKEW_S, KVParamsRefused, ParamsRefusal, ParamsSigner, ParamsVerifier
 
 SECRET = "unit-secret"
@@ -17,7 +17,7 @@ NOW = 1_800_000_000.0
 
 
 def params(**overrides: object) -> KVTransferParams:
-    fields: dict[str, object] = dict(transfer_id="t1", role=PDRole.PREFILL, mode=TransferMode.PUSH,
+    fields: dict[str, object] = dict(transfer_id="t1", role=Role.PREFILL, mode=TransferMode.PUSH,
                                      peer_endpoints=["tcp://10.0.0.2:7000"], peer_instance_id="d0")
     fields.update(overrides)
     return KVTransferParams(**fields)  # type: ignore[arg-type]
@@ -38,7 +38,7 @@ def test_signed_params_verify_after_a_json_round_trip() -> None:
 
 
 @pytest.mark.parametrize("change", [
-    {"peer_endpoints": ["tcp://evil:1"]}, {"peer_instance_id": "x"}, {"role": PDRole.DECODE},
+    {"peer_endpoints": ["tcp://evil:1"]}, {"peer_instance_id": "x"}, {"role": Role.DECODE},
     {"transfer_id": "t2"}, {"expires_at": NOW + 3600}, {"deadline_s": 300.0}, {"first_token_id": 5},
 ])
 def test_any_changed_field_breaks_the_signature(change: dict[str, object]) -> None:
@@ -58,7 +58,7 @@ def test_unsigned_wrong_secret_expired_and_replayed_are_refused() -> None:
     verifier.verify(fresh)
     assert refusal(verifier, fresh) is ParamsRefusal.REPLAYED
     # The same transfer for the other role (D's half of the pair) is not a replay.
-    other_half = params(transfer_id="t9", role=PDRole.DECODE)
+    other_half = params(transfer_id="t9", role=Role.DECODE)
     verifier.verify(ParamsSigner(SECRET, clock=lambda: NOW).sign(other_half))
 
 
@@ -93,7 +93,7 @@ def test_a_refused_signature_never_reaches_the_admission_check() -> None:
 
     seen: list[object] = []
     refused: list[object] = []
-    forged = KVTransferParams(transfer_id="t-forged", role=PDRole.PREFILL, peer_endpoints=["tcp://evil:1"])
+    forged = KVTransferParams(transfer_id="t-forged", role=Role.PREFILL, peer_endpoints=["tcp://evil:1"])
     verifier = ParamsVerifier(b"s" * 32)
     checked = verifying(lambda params: seen.append(params) or params, verifier, refused.append)
     with pytest.raises(KVParamsRefused):

@@ -44,7 +44,8 @@ from typing import Any
 
 from kvwire.discovery.address import parse_discovery_address
 from kvwire.discovery.etcd_client import lease_ttl_for
-from kvwire.discovery.messages import Deregister, Heartbeat, InstanceRole
+from kvwire.discovery.messages import Deregister, Heartbeat
+from kvwire.kv_params import Role
 from kvwire.router.config import Policy, RouterConfig
 from kvwire.router.discovery_backend import EtcdDiscovery, ZmqDiscovery
 from kvwire.router.registry import ApplyResult, Registry
@@ -79,7 +80,7 @@ class TimedRegistry(Registry):
         return result
 
     def live_count(self) -> int:
-        return len(self.live(InstanceRole.PREFILL)) + len(self.live(InstanceRole.DECODE))
+        return len(self.live(Role.PREFILL)) + len(self.live(Role.DECODE))
 
 
 @dataclass
@@ -162,8 +163,8 @@ async def _decisions(registry: Registry, count: int) -> tuple[float, float]:
     for k in range(count):
         t0 = time.perf_counter()
         selector.plan(MODEL)
-        selector.pick(InstanceRole.PREFILL, MODEL)
-        selector.pick(InstanceRole.DECODE, MODEL)
+        selector.pick(Role.PREFILL, MODEL)
+        selector.pick(Role.DECODE, MODEL)
         samples.append(time.perf_counter() - t0)
         if k % 10 == 9:
             await asyncio.sleep(0.002)  # let updates in between, as requests would

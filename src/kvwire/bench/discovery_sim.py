@@ -36,7 +36,8 @@ import zmq
 from kvwire.discovery.address import parse_discovery_address
 from kvwire.discovery.etcd_client import lease_ttl_for
 from kvwire.discovery.etcd_gateway import EtcdError, EtcdHttp, encode_record
-from kvwire.discovery.messages import Heartbeat, InstanceInfo, InstanceLoad, InstanceRole, encode_frames
+from kvwire.discovery.messages import Heartbeat, InstanceInfo, InstanceLoad, encode_frames
+from kvwire.kv_params import Role
 
 MODEL = "sim"
 ETCD_WORKERS = 32  # threads sending the groups' calls (blocking HTTP: they wait on etcd)
@@ -44,7 +45,7 @@ ETCD_GROUP = 10  # instances per keep-alive request and per put transaction
 
 
 def sim_info(i: int) -> InstanceInfo:
-    role = InstanceRole.PREFILL if i % 2 == 0 else InstanceRole.DECODE
+    role = Role.PREFILL if i % 2 == 0 else Role.DECODE
     return InstanceInfo(instance_id=f"sim-{i:05d}", role=role, url=f"http://127.0.0.1:{20000 + i}",
                         model=MODEL, kv_endpoints=[f"tcp://127.0.0.1:{40000 + i}"], version="sim")
 

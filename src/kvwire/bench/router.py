@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvwire.cluster.process import ManagedProcess, kvwire_argv, wait_until
+from kvwire.kv_params import Role
 from kvwire.router.cli import run_event_loop
 
 _CANNED = json.dumps({
@@ -78,12 +79,12 @@ class _CannedHTTP(asyncio.Protocol):
 
 
 async def _upstream_main(router_address: str) -> None:
-    from kvwire.discovery import HeartbeatClient, InstanceInfo, InstanceRole
+    from kvwire.discovery import HeartbeatClient, InstanceInfo
 
     loop = asyncio.get_running_loop()
     server = await loop.create_server(_CannedHTTP, "127.0.0.1", 0, backlog=1024)
     port = server.sockets[0].getsockname()[1]
-    info = InstanceInfo(instance_id="bench-upstream", role=InstanceRole.BOTH,
+    info = InstanceInfo(instance_id="bench-upstream", role=Role.BOTH,
                         url=f"http://127.0.0.1:{port}", model="bench")
     client = HeartbeatClient(router_address, info, interval_s=0.5).start()
     print(f"UPSTREAM_READY {port}", flush=True)

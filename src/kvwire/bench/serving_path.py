@@ -22,10 +22,11 @@ from typing import Any
 import torch
 from prometheus_client import CollectorRegistry
 
-from kvwire.connector.config import ConnectorConfig, ConnectorRole, EngineInfo
+from kvwire.connector.config import ConnectorConfig, EngineInfo
 from kvwire.connector.metadata import KvwireConnectorMetadata, RecvSpec, SendSpec
 from kvwire.connector.metrics import connector_metrics
 from kvwire.connector.worker import KvwireWorkerConnector
+from kvwire.kv_params import Role
 from kvwire.transfer import TransferAgent, TransferConfig
 from kvwire.transfer.enums import KVLayout
 
@@ -70,7 +71,7 @@ class ServingSide:
         self.caches = [
             torch.randn(shape, generator=gen).to(dtype=g.dtype, device=self.device) for _ in range(g.layers)
         ]
-        role = ConnectorRole.PREFILL if rank == 0 else ConnectorRole.DECODE
+        role = Role.PREFILL if rank == 0 else Role.DECODE
         info = EngineInfo(block_size=g.block_size, device=str(self.device), kv_layout=KVLayout.KV_FIRST)
         self.connector = KvwireWorkerConnector(
             ConnectorConfig(role=role, use_first_token=False),

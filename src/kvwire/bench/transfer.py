@@ -35,10 +35,11 @@ import uuid
 import torch
 from prometheus_client import CollectorRegistry
 
-from kvwire.connector.config import ConnectorConfig, ConnectorRole, EngineInfo
+from kvwire.connector.config import ConnectorConfig, EngineInfo
 from kvwire.connector.metadata import KvwireConnectorMetadata, RecvSpec, SendSpec
 from kvwire.connector.metrics import connector_metrics
 from kvwire.connector.worker import KvwireWorkerConnector
+from kvwire.kv_params import Role
 from kvwire.transfer import Backend, LayerSpec, TransferAgent, TransferConfig
 from kvwire.transfer.enums import KVLayout, Transport
 from kvwire.transfer.paged import block_ids_tensor, gather_blocks, gathered_shape, scatter_blocks
@@ -168,10 +169,10 @@ class _ConnectorPair:
         info = EngineInfo(block_size=shape.block_size, device="cpu", kv_layout=KVLayout.KV_FIRST)
         metrics = connector_metrics(CollectorRegistry())
         self.p = KvwireWorkerConnector(
-            ConnectorConfig(role=ConnectorRole.PREFILL), info, TransferAgent(cfg), metrics=metrics
+            ConnectorConfig(role=Role.PREFILL), info, TransferAgent(cfg), metrics=metrics
         )
         self.d = KvwireWorkerConnector(
-            ConnectorConfig(role=ConnectorRole.DECODE), info, TransferAgent(cfg), metrics=metrics
+            ConnectorConfig(role=Role.DECODE), info, TransferAgent(cfg), metrics=metrics
         )
         self.p.register_kv_caches(caches.src)
         self.d.register_kv_caches(caches.dst)

@@ -9,7 +9,7 @@ binary must be installed) and stops last; instances register there and the route
 ``discovery="etcd://HOST:PORT[/prefix]"`` uses an etcd that is already running.
 
 Modes, roles and policies are enums (:class:`~kvwire.kv_params.TransferMode`,
-:class:`~kvwire.discovery.messages.InstanceRole`, :class:`~kvwire.kv_params.LoadFailurePolicy`);
+:class:`~kvwire.discovery.messages.Role`, :class:`~kvwire.kv_params.LoadFailurePolicy`);
 where one is given, its string value (what the CLI and tests spell) is accepted too and converted at
 construction; anything else is a :class:`~kvwire.errors.ConfigError` naming the valid values.
 """
@@ -30,10 +30,9 @@ from typing import Any, TextIO
 
 from kvwire.cluster.process import ManagedProcess, kvwire_argv
 from kvwire.discovery.address import parse_discovery_address
-from kvwire.discovery.messages import InstanceRole
 from kvwire.enum_values import as_enum
 from kvwire.errors import ClusterError, ConfigError
-from kvwire.kv_params import LoadFailurePolicy, TransferMode
+from kvwire.kv_params import LoadFailurePolicy, Role, TransferMode
 from kvwire.transfer.enums import Transport
 
 
@@ -103,7 +102,7 @@ class ClusterSpec:
 @dataclasses.dataclass
 class Instance:
     name: str  # also its --instance-id
-    role: InstanceRole
+    role: Role
     process: ManagedProcess
     url: str | None = None  # known once registered
 
@@ -147,8 +146,8 @@ class LocalCluster:
         try:
             self._start_router()
             spec = self.spec
-            roles = [(InstanceRole.PREFILL, spec.num_prefill), (InstanceRole.DECODE, spec.num_decode),
-                     (InstanceRole.BOTH, spec.num_both)]
+            roles = [(Role.PREFILL, spec.num_prefill), (Role.DECODE, spec.num_decode),
+                     (Role.BOTH, spec.num_both)]
             for role, count in roles:
                 for index in range(count):
                     self.start_instance(f"{role.value}-{index}", role)
@@ -196,10 +195,10 @@ class LocalCluster:
         address: str = self.etcd.discovery
         return address
 
-    def start_instance(self, name: str, role: InstanceRole) -> Instance:
+    def start_instance(self, name: str, role: Role) -> Instance:
         """Start one more instance (also used to restart a killed one under a new name). ``role`` may
         be given by value (``"prefill"``); an unknown one raises :class:`ConfigError`, starting nothing."""
-        role = as_enum(InstanceRole, role, "role")
+        role = as_enum(Role, role, "role")
         spec = self.spec
         argv = kvwire_argv(
             "serve", "--model", spec.model, "--device", spec.device, "--host", spec.host, "--port", "0",
@@ -207,7 +206,7 @@ class LocalCluster:
             "--heartbeat-interval-s", str(spec.heartbeat_interval_s), "--kv-mode", spec.mode.value,
             "--kv-deadline-s", str(spec.kv_deadline_s), "--kv-transport", spec.kv_transport.value,
             "--kv-load-failure-policy", spec.kv_load_failure_policy.value,
-            "--tensor-parallel-size", str(spec.decode_tp if role is InstanceRole.DECODE else spec.prefill_tp),
+            "--tensor-parallel-size", str(spec.decode_tp if role is Role.DECODE else spec.prefill_tp),
             *spec.serve_args,
         )
         env = self._env()

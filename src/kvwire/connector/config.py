@@ -3,21 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 
 from kvwire.errors import ConfigError
-from kvwire.kv_params import LoadFailurePolicy, TransferMode
+from kvwire.kv_params import LoadFailurePolicy, Role, TransferMode
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.enums import KVLayout
-
-
-class ConnectorRole(str, enum.Enum):
-    """What an instance does with ``kv_transfer_params``. ``BOTH`` accepts either role per request
-    (and serves requests without params locally, like every role)."""
-
-    PREFILL = "prefill"
-    DECODE = "decode"
-    BOTH = "both"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +44,7 @@ class ConnectorConfig:
     ``transfer`` is a ``kvwire.transfer.TransferConfig`` (``None``: the agent's defaults on loopback).
     """
 
-    role: ConnectorRole = ConnectorRole.BOTH
+    role: Role = Role.BOTH
     mode: TransferMode = TransferMode.PUSH
     deadline_s: float = 30.0
     lease_s: float = 30.0
@@ -63,8 +53,8 @@ class ConnectorConfig:
     transfer: TransferConfig | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.role, ConnectorRole):
-            raise ConfigError(f"role must be a ConnectorRole, got {self.role!r}")
+        if not isinstance(self.role, Role):
+            raise ConfigError(f"role must be a Role, got {self.role!r}")
         if not isinstance(self.mode, TransferMode):
             raise ConfigError(f"mode must be a TransferMode, got {self.mode!r}")
         if not isinstance(self.kv_load_failure_policy, LoadFailurePolicy):

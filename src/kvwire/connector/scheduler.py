@@ -29,7 +29,7 @@ from kvwire.connector.base import (
     SchedulerConnector,
     StepInfo,
 )
-from kvwire.connector.config import ConnectorConfig, ConnectorRole, EngineInfo
+from kvwire.connector.config import ConnectorConfig, EngineInfo
 from kvwire.connector.messages import FirstTokenTrailer
 from kvwire.connector.metadata import (
     AbortSpec,
@@ -42,14 +42,14 @@ from kvwire.connector.metadata import (
 from kvwire.connector.metrics import ConnectorMetrics, connector_metrics
 from kvwire.connector.state import Phase, RequestState
 from kvwire.errors import InvalidRequestError
-from kvwire.kv_params import KVCacheLayout, KVTransferParams, PDRole, TransferMode, layout_mismatch
+from kvwire.kv_params import KVCacheLayout, KVTransferParams, Role, TransferMode, layout_mismatch
 
 logger = logging.getLogger(__name__)
 
-_ACCEPTS: dict[ConnectorRole, frozenset[PDRole]] = {
-    ConnectorRole.PREFILL: frozenset({PDRole.PREFILL}),
-    ConnectorRole.DECODE: frozenset({PDRole.DECODE}),
-    ConnectorRole.BOTH: frozenset({PDRole.PREFILL, PDRole.DECODE}),
+_ACCEPTS: dict[Role, frozenset[Role]] = {
+    Role.PREFILL: frozenset({Role.PREFILL}),
+    Role.DECODE: frozenset({Role.DECODE}),
+    Role.BOTH: frozenset({Role.PREFILL, Role.DECODE}),
 }
 
 
@@ -99,10 +99,10 @@ class KvwireSchedulerConnector(SchedulerConnector):
                 f"kv_transfer_params.role {params.role.value!r} is not served by this "
                 f"{self.config.role.value} instance"
             )
-        if params.role is PDRole.PREFILL and params.mode is TransferMode.PUSH and not params.peer_endpoints:
+        if params.role is Role.PREFILL and params.mode is TransferMode.PUSH and not params.peer_endpoints:
             raise InvalidRequestError("push mode: kv_transfer_params.peer_endpoints (D's) must not be empty")
         self._check_layout(params)
-        if params.role is PDRole.DECODE and params.mode is TransferMode.PULL and not params.peer_endpoints:
+        if params.role is Role.DECODE and params.mode is TransferMode.PULL and not params.peer_endpoints:
             raise InvalidRequestError("pull mode: kv_transfer_params.peer_endpoints (P's) must not be empty")
         self._promise(params)  # P: D may wait for this request's KV from now on
         return params
@@ -121,7 +121,7 @@ class KvwireSchedulerConnector(SchedulerConnector):
 
     def _promise(self, params: KVTransferParams) -> None:
         """P in push mode accepted a request: its agents renew D's lease until the send starts."""
-        if params.role is not PDRole.PREFILL or params.mode is not TransferMode.PUSH:
+        if params.role is not Role.PREFILL or params.mode is not TransferMode.PUSH:
             return
         spec = PromiseSpec(params.transfer_id, tuple(params.peer_endpoints),
                            min(params.deadline_s, self.config.deadline_s), params.limit_s)
@@ -148,7 +148,7 @@ class KvwireSchedulerConnector(SchedulerConnector):
 
     def _new_state(self, request: ConnectorRequest, params: KVTransferParams) -> RequestState:
         limit_s = self.config.lease_s if params.mode is TransferMode.PULL else self.config.deadline_s
-        prefill = params.role is PDRole.PREFILL
+        prefill = params.role is Role.PREFILL
         state = RequestState(
             request_id=request.request_id,
             params=params,
@@ -370,7 +370,7 @@ class KvwireSchedulerConnector(SchedulerConnector):
         state = self._reqs.get(request.request_id)
         if state is None:
             return False, None
-        if state.params.role is PDRole.PREFILL:
+        if state.params.role is Role.PREFILL:
             return self._prefill_finished(state, first_output_token(request))
         return self._decode_finished(state)
 
@@ -397,7 +397,7 @@ class KvwireSchedulerConnector(SchedulerConnector):
         params = KVTransferParams(
             transfer_id=state.params.transfer_id,
             mode=TransferMode.PULL,
-            role=PDRole.DECODE,
+            role=Role.DECODE,
             peer_endpoints=list(self.kv_endpoints),
             peer_instance_id=self.instance_id,
             deadline_s=state.deadline_s,

@@ -25,12 +25,12 @@ if TYPE_CHECKING:
         Heartbeat,
         InstanceInfo,
         InstanceLoad,
-        InstanceRole,
         decode_frames,
         encode_frames,
         new_epoch,
     )
     from kvwire.discovery.registration import Registration, start_registration
+    from kvwire.kv_params import Role
 
 _HOMES = {
     "DiscoveryAddress": "address",
@@ -44,7 +44,7 @@ _HOMES = {
     "Heartbeat": "messages",
     "InstanceInfo": "messages",
     "InstanceLoad": "messages",
-    "InstanceRole": "messages",
+    "Role": "messages",
     "decode_frames": "messages",
     "encode_frames": "messages",
     "new_epoch": "messages",
@@ -63,8 +63,8 @@ __all__ = [
     "HeartbeatClient",
     "InstanceInfo",
     "InstanceLoad",
-    "InstanceRole",
     "Registration",
+    "Role",
     "decode_frames",
     "encode_frames",
     "new_epoch",

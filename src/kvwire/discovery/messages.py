@@ -14,7 +14,6 @@ This module must not import torch (the router and the vLLM plugin both use it).
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import hmac
 import time
@@ -23,16 +22,10 @@ from collections.abc import Sequence
 import msgspec
 
 from kvwire.errors import AuthenticationError, ProtocolError
-from kvwire.kv_params import KVCacheLayout
+from kvwire.kv_params import KVCacheLayout, Role
 
 DISCOVERY_VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024  # a heartbeat is a few hundred bytes; anything bigger is garbage
-
-
-class InstanceRole(str, enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    BOTH = "both"  # colocated: prefill and decode in one engine
 
 
 def new_epoch() -> int:
@@ -44,7 +37,7 @@ class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True):
     """Who an instance is; constant for the life of one process."""
 
     instance_id: str  # stable name of the instance (survives restarts; the epoch changes)
-    role: InstanceRole
+    role: Role
     url: str  # OpenAI API base, "http://host:port"
     model: str  # model name served (what /v1/models reports)
     epoch: int = msgspec.field(default_factory=new_epoch)  # per process start; newer wins

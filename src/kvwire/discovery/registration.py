@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from kvwire.discovery.address import DiscoveryKind, parse_registration_address
 from kvwire.discovery.client import HeartbeatClient, LoadFn
 from kvwire.discovery.etcd_client import EtcdRegistration
-from kvwire.discovery.messages import InstanceInfo, InstanceRole
+from kvwire.discovery.messages import InstanceInfo
 from kvwire.enum_values import as_enum
 from kvwire.kv_events import KvEventLog
-from kvwire.kv_params import KVCacheLayout
+from kvwire.kv_params import KVCacheLayout, Role
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ def start_registration(
     router_address: str,
     *,
     instance_id: str,
-    role: InstanceRole | str,
+    role: Role | str,
     url: str,
     model: str,
     kv_endpoints: Sequence[str],
@@ -49,7 +49,7 @@ def start_registration(
     the secret is not used there). KV events travel on the ZeroMQ connections only: an instance
     registered in etcd is routed on load (decision 046).
 
-    ``role`` is an :class:`InstanceRole` or its value (``prefill``, ``decode`` or ``both``): the
+    ``role`` is an :class:`Role` or its value (``prefill``, ``decode`` or ``both``): the
     server's and the connector's role enums share those values. ``load_fn`` runs on the heartbeat
     thread. ``kv_events``: the host's prefix-cache log, published as KV events on the same connection;
     ``tokenizer``: how the router can tokenize like this host (see ``InstanceInfo.tokenizer``).
@@ -60,7 +60,7 @@ def start_registration(
     """
     info = InstanceInfo(
         instance_id=instance_id,
-        role=as_enum(InstanceRole, role, "role"),
+        role=as_enum(Role, role, "role"),
         url=url,
         model=model,
         kv_endpoints=list(kv_endpoints),

@@ -27,10 +27,10 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from kvwire.connector.config import ConnectorConfig, ConnectorRole, LoadFailurePolicy
+from kvwire.connector.config import ConnectorConfig, LoadFailurePolicy
 from kvwire.discovery.address import parse_registration_address
 from kvwire.errors import ConfigError
-from kvwire.kv_params import TransferMode
+from kvwire.kv_params import Role, TransferMode
 from kvwire.transfer.enums import Transport
 
 VLLM_DEFAULT_KV_PORT = 14579  # KVTransferConfig.kv_port's default in vLLM
@@ -46,9 +46,9 @@ KVWIRE_KEYS = frozenset(
 )
 _SEND_TYPES = {"PUT": TransferMode.PUSH, "PUT_ASYNC": TransferMode.PUSH, "GET": TransferMode.PULL}
 _ROLES = {
-    "kv_producer": ConnectorRole.PREFILL,
-    "kv_consumer": ConnectorRole.DECODE,
-    "kv_both": ConnectorRole.BOTH,
+    "kv_producer": Role.PREFILL,
+    "kv_consumer": Role.DECODE,
+    "kv_both": Role.BOTH,
 }
 
 
@@ -191,7 +191,7 @@ def _check_keys(extra: Mapping[str, Any]) -> None:
         )
 
 
-def _role(view: VllmTransferView) -> ConnectorRole:
+def _role(view: VllmTransferView) -> Role:
     if view.kv_role not in _ROLES:
         raise ConfigError(f"KvwireConnector needs kv_role in {sorted(_ROLES)}, got {view.kv_role!r}")
     return _ROLES[view.kv_role]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from kvwire.discovery.messages import InstanceRole
+from kvwire.kv_params import Role
 from kvwire.router.prompt_tokens import PromptTokenizer
 from kvwire.router.request import ClientRequest
 from kvwire.router.selection import Picked, Prefix, Selector
@@ -39,7 +39,7 @@ class PushPlan:
 def prefix_for(selector: Selector, tokenizer: PromptTokenizer, creq: ClientRequest) -> Prefix | None:
     """The request's prompt tokens, tokenized as the model's instances do (None: unknown)."""
     announced = ""
-    for role in (InstanceRole.DECODE, InstanceRole.PREFILL, InstanceRole.BOTH):
+    for role in (Role.DECODE, Role.PREFILL, Role.BOTH):
         for view in selector.live_views(role, creq.model):
             if view.info.tokenizer:
                 announced = view.info.tokenizer
@@ -57,14 +57,14 @@ def plan_push(
     selector: Selector, model: str | None, prefix: Prefix | None, decode_local_prefill_tokens: int
 ) -> PushPlan:
     """Pick D, then P (or no P); see the module docstring."""
-    d = selector.pick_for(InstanceRole.DECODE, model, prefix)
+    d = selector.pick_for(Role.DECODE, model, prefix)
     model = model or d.view.info.model  # P must serve the model D serves
     if prefix is None:
-        return PushPlan(d, selector.pick_for(InstanceRole.PREFILL, model))
+        return PushPlan(d, selector.pick_for(Role.PREFILL, model))
     n = len(prefix.token_ids)
     if d.cached_tokens > 0 and n - d.cached_tokens < decode_local_prefill_tokens:
         return PushPlan(d, None)
-    p = selector.pick_for(InstanceRole.PREFILL, model, prefix)
+    p = selector.pick_for(Role.PREFILL, model, prefix)
     skip = 0
     if d.cached_tokens > 0 and d.block_size > 0:
         # At least the block holding the last prompt token travels (D needs the whole prompt's KV).

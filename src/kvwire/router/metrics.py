@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvwire.discovery.messages import InstanceRole
+from kvwire.kv_params import Role
 from kvwire.router.registry import InstanceState, Registry
 
 _LATENCY_BUCKETS_S = (
@@ -119,7 +119,7 @@ class _DiscoveryCollector(Collector):
         gauge = GaugeMetricFamily(
             "kvwire_router_instances", "Known instances by role and state", labels=["role", "state"]
         )
-        counts = {(role, state): 0 for role in InstanceRole for state in InstanceState}
+        counts = {(role, state): 0 for role in Role for state in InstanceState}
         for view in self._registry.snapshot():
             counts[(view.role, view.state)] += 1
         for (role, state), n in counts.items():

@@ -17,7 +17,8 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvwire.discovery.messages import InstanceLoad, InstanceRole
+from kvwire.discovery.messages import InstanceLoad
+from kvwire.kv_params import Role
 from kvwire.router.config import Policy
 
 
@@ -35,7 +36,7 @@ class Candidate:
 class PickContext:
     turn: int  # per-role counter, incremented by the caller after each pick
     rng: random.Random
-    role: InstanceRole = InstanceRole.BOTH  # the role being picked
+    role: Role = Role.BOTH  # the role being picked
     prompt_tokens: int = 0  # the request's prompt length (tokenized), 0 when unknown
 
 
@@ -98,8 +99,8 @@ def kv_aware_score(c: Candidate, ctx: PickContext, w: KvAwareWeights = KV_AWARE_
     would herd onto the others (measured: worse TTFT than round robin on random prompts).
     """
     kv_used = 1.0 - c.load.free_kv_fraction if c.load is not None else 0.0
-    per_request = w.decode_request_tokens if ctx.role is InstanceRole.DECODE else w.request_tokens
-    tokens_weight = 0.25 if ctx.role is InstanceRole.DECODE else 1.0  # D: new tokens are cheap per token
+    per_request = w.decode_request_tokens if ctx.role is Role.DECODE else w.request_tokens
+    tokens_weight = 0.25 if ctx.role is Role.DECODE else 1.0  # D: new tokens are cheap per token
     return (c.cached_tokens - tokens_weight * c.inflight_tokens - per_request * c.inflight_requests
             - w.kv_full_tokens * kv_used)
 

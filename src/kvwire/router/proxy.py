@@ -29,9 +29,8 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from kvwire.discovery.messages import InstanceRole
 from kvwire.errors import InvalidRequestError
-from kvwire.kv_params import KVTransferParams, PDRole, TransferMode
+from kvwire.kv_params import KVTransferParams, Role, TransferMode
 from kvwire.kv_signing import ParamsSigner
 from kvwire.router.client_body import send_body
 from kvwire.router.client_stream import ClientStream
@@ -78,7 +77,7 @@ class Dispatcher:
             prefix = None
         if plan is Plan.COLOCATED:
             return await self._retrying(
-                lambda: self._single(request, creq, InstanceRole.BOTH, creq.raw, prefix=prefix))
+                lambda: self._single(request, creq, Role.BOTH, creq.raw, prefix=prefix))
         if self._cfg.mode is TransferMode.PUSH:
             return await self._retrying(lambda: self._push(request, creq, prefix))
         return await self._pull(request, creq)
@@ -102,12 +101,12 @@ class Dispatcher:
     # --- one upstream (colocated, or D in pull mode) ---------------------------------------------
 
     async def _single(
-        self, request: web.Request, creq: ClientRequest, role: InstanceRole, body: bytes,
+        self, request: web.Request, creq: ClientRequest, role: Role, body: bytes,
         model: str | None = None, prefix: Prefix | None = None, inst: InstanceView | None = None,
     ) -> web.StreamResponse:
         if inst is None:
             inst = self._selector.pick_for(role, model or creq.model, prefix).view
-        mode = "colocated" if role is InstanceRole.BOTH else "pd"
+        mode = "colocated" if role is Role.BOTH else "pd"
         with self._selector.track(inst.instance_id, creq.est_prompt_tokens + creq.max_new_tokens):
             opened = await self._call(inst, role.value, creq, body, stream=creq.stream)
             return await self._respond(request, creq, inst, opened, mode)
@@ -184,11 +183,11 @@ class Dispatcher:
         self._count_kv(pick, prefix)
         d = pick.decode.view
         if pick.prefill is None:  # D holds nearly all of the prompt: it prefills the rest itself
-            return await self._single(request, creq, InstanceRole.DECODE, creq.raw, inst=d)
+            return await self._single(request, creq, Role.DECODE, creq.raw, inst=d)
         p = pick.prefill.view
         tid = uuid.uuid4().hex
-        p_params = self._push_params(tid, PDRole.PREFILL, peer=d, skip_blocks=pick.skip_blocks)
-        d_params = self._push_params(tid, PDRole.DECODE, peer=p, skip_blocks=pick.skip_blocks)
+        p_params = self._push_params(tid, Role.PREFILL, peer=d, skip_blocks=pick.skip_blocks)
+        d_params = self._push_params(tid, Role.DECODE, peer=p, skip_blocks=pick.skip_blocks)
         p_body, d_body = _prefill_body(creq, p_params), _decode_body(creq, d_params)
         prompt = creq.est_prompt_tokens
         with self._selector.track(p.instance_id, prompt - pick.prefill.cached_tokens), \
@@ -267,7 +266,7 @@ class Dispatcher:
             raise self._upstream.lost(inst, inst.role.value, exc) from exc
 
     def _push_params(
-        self, tid: str, role: PDRole, peer: InstanceView, skip_blocks: int = 0
+        self, tid: str, role: Role, peer: InstanceView, skip_blocks: int = 0
     ) -> KVTransferParams:
         return self._seal(KVTransferParams(
             transfer_id=tid, mode=TransferMode.PUSH, role=role, peer_endpoints=list(peer.info.kv_endpoints),
@@ -328,10 +327,10 @@ class Dispatcher:
     async def _pull(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
         tid = uuid.uuid4().hex
         # D is picked first and named in P's params: P leases its KV to that D only (decision 044).
-        d = self._selector.pick(InstanceRole.DECODE, creq.model)
+        d = self._selector.pick(Role.DECODE, creq.model)
         model = creq.model or d.info.model  # P must serve the model D decodes
         p_params = self._seal(KVTransferParams(
-            transfer_id=tid, mode=TransferMode.PULL, role=PDRole.PREFILL,
+            transfer_id=tid, mode=TransferMode.PULL, role=Role.PREFILL,
             peer_endpoints=list(d.info.kv_endpoints), peer_instance_id=d.instance_id,
             deadline_s=self._cfg.kv_deadline_s, limit_s=self._cfg.kv_limit_s,
         ))
@@ -340,11 +339,11 @@ class Dispatcher:
         d_body = _decode_body(creq, self._params_from_prefill(p, answer))
         picked = [d]  # a retry re-picks; P refuses that D's pull and it recomputes the prompt
         return await self._retrying(lambda: self._single(
-            request, creq, InstanceRole.DECODE, d_body, model, inst=picked.pop() if picked else None))
+            request, creq, Role.DECODE, d_body, model, inst=picked.pop() if picked else None))
 
     async def _prefill_only(self, creq: ClientRequest, body: bytes, model: str | None
                             ) -> tuple[InstanceView, bytes]:
-        p = self._selector.pick(InstanceRole.PREFILL, model)
+        p = self._selector.pick(Role.PREFILL, model)
         with self._selector.track(p.instance_id, creq.est_prompt_tokens):
             _, data = await self._call(p, "prefill", creq, body, stream=False)
         return p, data
@@ -364,7 +363,7 @@ class Dispatcher:
         if self._signer is not None:  # vouch only for what discovery registered, not for P's answer
             endpoints, peer_id = list(p.info.kv_endpoints), p.instance_id
         return self._seal(msgspec.structs.replace(
-            params, role=PDRole.DECODE, mode=TransferMode.PULL, peer_endpoints=endpoints,
+            params, role=Role.DECODE, mode=TransferMode.PULL, peer_endpoints=endpoints,
             peer_instance_id=peer_id, peer_kv_layout=params.peer_kv_layout or p.info.kv_layout,
             expires_at=None, sig=None,
         ))

@@ -32,7 +32,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from kvwire.discovery.messages import Deregister, Heartbeat, InstanceInfo, InstanceLoad, InstanceRole
+from kvwire.discovery.messages import Deregister, Heartbeat, InstanceInfo, InstanceLoad
+from kvwire.kv_params import Role
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class InstanceView:
         return self.info.instance_id
 
     @property
-    def role(self) -> InstanceRole:
+    def role(self) -> Role:
         return self.info.role
 
     @property
@@ -99,9 +100,9 @@ class Registry:
         self._entries: dict[str, InstanceView] = {}
         self._all: tuple[InstanceView, ...] = ()
         # Live entries by role, and by (role, model); None = any model.
-        self._live: dict[tuple[InstanceRole, str | None], tuple[InstanceView, ...]] = {}
+        self._live: dict[tuple[Role, str | None], tuple[InstanceView, ...]] = {}
         # instance id -> its position in each cached tuple above (key None: ``_all``)
-        self._pos: dict[str, list[tuple[tuple[InstanceRole, str | None] | None, int]]] = {}
+        self._pos: dict[str, list[tuple[tuple[Role, str | None] | None, int]]] = {}
         self.version = 0  # bumps on every change that affects routing
 
     # --- writers --------------------------------------------------------------------------------
@@ -212,10 +213,10 @@ class Registry:
         # caller holds the lock
         self.version += 1
         self._all = tuple(sorted(self._entries.values(), key=lambda e: e.instance_id))
-        live: dict[tuple[InstanceRole, str | None], list[InstanceView]] = {}
-        pos: dict[str, list[tuple[tuple[InstanceRole, str | None] | None, int]]] = {}
+        live: dict[tuple[Role, str | None], list[InstanceView]] = {}
+        pos: dict[str, list[tuple[tuple[Role, str | None] | None, int]]] = {}
         for index, entry in enumerate(self._all):
-            slots: list[tuple[tuple[InstanceRole, str | None] | None, int]] = [(None, index)]
+            slots: list[tuple[tuple[Role, str | None] | None, int]] = [(None, index)]
             if entry.alive:
                 for key in ((entry.role, None), (entry.role, entry.info.model)):
                     bucket = live.setdefault(key, [])
@@ -243,7 +244,7 @@ class Registry:
         """Every known entry (alive or not), sorted by instance id."""
         return self._all
 
-    def live(self, role: InstanceRole, model: str | None = None) -> tuple[InstanceView, ...]:
+    def live(self, role: Role, model: str | None = None) -> tuple[InstanceView, ...]:
         """Instances of ``role`` (serving ``model``, when given) in routing, sorted by instance id."""
         return self._live.get((role, model), ())
 

@@ -11,9 +11,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvwire.discovery.messages import InstanceRole
 from kvwire.errors import NoInstanceError, RouterError
 from kvwire.kv_hash import BlockHash, block_hashes
+from kvwire.kv_params import Role
 from kvwire.router.config import Policy
 from kvwire.router.kv_index import KvIndex
 from kvwire.router.policy import POLICIES, Candidate, PickContext
@@ -65,27 +65,27 @@ class Selector:
         # kv_aware scores every live instance (a cache hit may be on any of them); the load-only
         # policies look at a sample when there are many
         self._sampled = policy in (Policy.LEAST_LOADED, Policy.RANDOM)
-        self._ctx = {role: PickContext(turn=0, rng=random.Random(seed), role=role) for role in InstanceRole}
+        self._ctx = {role: PickContext(turn=0, rng=random.Random(seed), role=role) for role in Role}
         self._inflight: dict[str, list[int]] = {}  # instance id -> [requests, tokens]
         self._hits: dict[str, list[int]] = {}  # instance id -> [cached prompt tokens, prompt tokens] routed
 
-    def _live(self, role: InstanceRole, model: str | None) -> Sequence[InstanceView]:
+    def _live(self, role: Role, model: str | None) -> Sequence[InstanceView]:
         return self._registry.live(role, model)  # the registry's cached tuple: no copy
 
-    def live_views(self, role: InstanceRole, model: str | None) -> Sequence[InstanceView]:
+    def live_views(self, role: Role, model: str | None) -> Sequence[InstanceView]:
         """Live instances of ``role`` serving ``model`` (any model when None)."""
         return self._live(role, model)
 
-    def _has_live(self, role: InstanceRole, model: str | None) -> bool:
+    def _has_live(self, role: Role, model: str | None) -> bool:
         return bool(self._registry.live(role, model))
 
     def plan(self, model: str | None) -> Plan:
         """P/D when a prefill and a decode instance are live, else colocated; raises if neither."""
-        has_p = self._has_live(InstanceRole.PREFILL, model)
-        has_d = self._has_live(InstanceRole.DECODE, model)
+        has_p = self._has_live(Role.PREFILL, model)
+        has_d = self._has_live(Role.DECODE, model)
         if has_p and has_d:
             return Plan.DISAGGREGATED
-        if self._has_live(InstanceRole.BOTH, model):
+        if self._has_live(Role.BOTH, model):
             return Plan.COLOCATED
         self._check_model(model)
         for_model = f" for model {model!r}" if model else ""
@@ -102,11 +102,11 @@ class Selector:
         if known and model not in known:
             raise ModelNotFoundError(f"model {model!r} not found; served: {sorted(known)}")
 
-    def pick(self, role: InstanceRole, model: str | None) -> InstanceView:
+    def pick(self, role: Role, model: str | None) -> InstanceView:
         """Pick a live instance of ``role`` by the policy; P and D keep separate turns."""
         return self.pick_for(role, model).view
 
-    def pick_for(self, role: InstanceRole, model: str | None, prefix: Prefix | None = None) -> Picked:
+    def pick_for(self, role: Role, model: str | None, prefix: Prefix | None = None) -> Picked:
         """Pick as :meth:`pick`; with ``prefix`` (KV-aware routing) the candidates carry the prompt
         tokens each holds (KV index) and the pick records its expected hit for ``/instances``."""
         views = self._live(role, model)

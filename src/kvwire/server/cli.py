@@ -13,8 +13,8 @@ from typing import Any
 
 from kvwire.auth import ApiKeyConfig, keys_from_cli
 from kvwire.errors import ConfigError, KvwireError
-from kvwire.kv_params import TransferMode
-from kvwire.server.config import KVLoadFailure, ServerConfig, ServerRole
+from kvwire.kv_params import Role, TransferMode
+from kvwire.server.config import KVLoadFailure, ServerConfig
 from kvwire.transfer.enums import Transport
 from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 
@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
-    parser.add_argument("--role", choices=[r.value for r in ServerRole], default=ServerRole.BOTH.value)
+    parser.add_argument("--role", choices=[r.value for r in Role], default=Role.BOTH.value)
     parser.add_argument("--router", "--discovery", dest="router", action="append", default=None,
                         metavar="tcp://H:P|etcd://H:P[/prefix]",
                         help="where to register: a router's heartbeat socket (tcp://; repeat for several "
@@ -76,7 +76,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=args.host,
         port=args.port,
-        role=ServerRole(args.role),
+        role=Role(args.role),
         served_model_name=args.served_model_name,
         router_address=",".join(args.router) if args.router else None,
         heartbeat_interval_s=args.heartbeat_interval_s,

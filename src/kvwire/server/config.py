@@ -6,13 +6,12 @@ Built once at the edge (:mod:`kvwire.server.cli`) and passed down; validated in 
 from __future__ import annotations
 
 import dataclasses
-import enum
 
 from kvwire.auth import ApiKeyConfig
 from kvwire.discovery.address import parse_registration_address
 from kvwire.enum_values import as_enum
 from kvwire.errors import ConfigError
-from kvwire.kv_params import LoadFailurePolicy, TransferMode
+from kvwire.kv_params import LoadFailurePolicy, Role, TransferMode
 from kvwire.transfer.enums import Transport
 from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 
@@ -20,19 +19,11 @@ from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 KVLoadFailure = LoadFailurePolicy
 
 
-class ServerRole(str, enum.Enum):
-    """What this instance does in a P/D deployment (``both`` = colocated, no KV transfer)."""
-
-    BOTH = "both"
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000  # 0 = pick a free port (the chosen one is logged and used for registration)
-    role: ServerRole = ServerRole.BOTH
+    role: Role = Role.BOTH
     # Name clients must send as ``model``; None = the engine's model name.
     served_model_name: str | None = None
     # ``tcp://HOST:PORT`` of the router's discovery socket (several, comma-separated: every router
@@ -68,8 +59,8 @@ class ServerConfig:
     api_keys: ApiKeyConfig = dataclasses.field(default_factory=ApiKeyConfig)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.role, ServerRole):
-            raise ConfigError(f"role must be a ServerRole, got {self.role!r}")
+        if not isinstance(self.role, Role):
+            raise ConfigError(f"role must be a Role, got {self.role!r}")
         if not isinstance(self.kv_mode, TransferMode):
             raise ConfigError(f"kv_mode must be a TransferMode, got {self.kv_mode!r}")
         object.__setattr__(self, "kv_transport", as_enum(Transport, self.kv_transport, "kv_transport"))

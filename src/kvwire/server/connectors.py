@@ -15,7 +15,8 @@ from prometheus_client.core import CounterMetricFamily, Metric
 
 from kvwire.engine.config import EngineConfig
 from kvwire.errors import ConfigError
-from kvwire.server.config import ServerConfig, ServerRole
+from kvwire.kv_params import Role
+from kvwire.server.config import ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +69,10 @@ def build_connector_set(
 ) -> ConnectorSet:
     """Build the connectors for ``config.role`` (raises ConfigError when they are not available).
     The transfer agent starts here; ``ConnectorSet.close`` stops it."""
-    if config.role is ServerRole.BOTH:
+    if config.role is Role.BOTH:
         return ConnectorSet()
     try:
-        from kvwire.connector.config import ConnectorConfig, ConnectorRole, EngineInfo, LoadFailurePolicy
+        from kvwire.connector.config import ConnectorConfig, EngineInfo, LoadFailurePolicy
         from kvwire.connector.factory import RankConnectorFactory, build_connectors
         from kvwire.engine.tp.runner import model_config_of
         from kvwire.transfer import Backend, TransferConfig
@@ -86,7 +87,7 @@ def build_connector_set(
         secret=secret.encode() if secret else None, nccl=config.kv_nccl,
     )
     connector_config = ConnectorConfig(
-        role=ConnectorRole(config.role.value), mode=config.kv_mode, deadline_s=config.kv_deadline_s,
+        role=Role(config.role.value), mode=config.kv_mode, deadline_s=config.kv_deadline_s,
         lease_s=config.kv_deadline_s,
         kv_load_failure_policy=LoadFailurePolicy(config.kv_load_failure_policy.value), transfer=transfer,
     )

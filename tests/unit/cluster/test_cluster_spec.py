@@ -12,10 +12,9 @@ from kvwire.cluster import local
 from kvwire.cluster.cli import add_arguments, spec_from_args
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.connector.config import LoadFailurePolicy
-from kvwire.discovery.messages import InstanceRole
 from kvwire.enum_values import as_enum
 from kvwire.errors import ConfigError
-from kvwire.kv_params import TransferMode
+from kvwire.kv_params import Role, TransferMode
 
 
 def test_enum_fields_default_to_members() -> None:
@@ -45,10 +44,10 @@ def test_bad_values_are_a_clear_config_error(field: str, value: Any, message: st
 
 
 def test_as_enum() -> None:
-    assert as_enum(InstanceRole, "decode", "role") is InstanceRole.DECODE
-    assert as_enum(InstanceRole, InstanceRole.BOTH, "role") is InstanceRole.BOTH
+    assert as_enum(Role, "decode", "role") is Role.DECODE
+    assert as_enum(Role, Role.BOTH, "role") is Role.BOTH
     with pytest.raises(ConfigError, match="role must be one of prefill, decode, both; got 'router'"):
-        as_enum(InstanceRole, "router", "role")
+        as_enum(Role, "router", "role")
 
 
 def _up_args(*argv: str) -> argparse.Namespace:
@@ -88,9 +87,9 @@ def test_instances_get_the_values_on_their_command_line(monkeypatch: pytest.Monk
     monkeypatch.setattr(local, "ManagedProcess", _FakeProcess)
     _FakeProcess.started = []
     cluster = LocalCluster(ClusterSpec(mode=TransferMode.PULL, kv_load_failure_policy=LoadFailurePolicy.FAIL))
-    instance = cluster.start_instance("decode-7", InstanceRole.DECODE)
+    instance = cluster.start_instance("decode-7", Role.DECODE)
     again = cluster.start_instance("prefill-7", "prefill")  # type: ignore[arg-type]  # by value
-    assert (instance.role, again.role) == (InstanceRole.DECODE, InstanceRole.PREFILL)
+    assert (instance.role, again.role) == (Role.DECODE, Role.PREFILL)
     d_argv, p_argv = _FakeProcess.started
     assert _flag(d_argv, "--role") == "decode" and _flag(p_argv, "--role") == "prefill"
     assert _flag(d_argv, "--kv-mode") == "pull"
@@ -112,8 +111,8 @@ def test_prefill_and_decode_get_their_tensor_parallel_sizes(monkeypatch: pytest.
     spec = spec_from_args(_up_args("--prefill-tp", "2", "--decode-tp", "4"))
     assert (spec.prefill_tp, spec.decode_tp) == (2, 4)
     cluster = LocalCluster(spec)
-    cluster.start_instance("prefill-0", InstanceRole.PREFILL)
-    cluster.start_instance("decode-0", InstanceRole.DECODE)
+    cluster.start_instance("prefill-0", Role.PREFILL)
+    cluster.start_instance("decode-0", Role.DECODE)
     p_argv, d_argv = _FakeProcess.started
     assert _flag(p_argv, "--tensor-parallel-size") == "2" and _flag(d_argv, "--tensor-parallel-size") == "4"
     with pytest.raises(ConfigError, match="decode_tp"):

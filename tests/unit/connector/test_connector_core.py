@@ -10,11 +10,11 @@ import torch
 from connector_fakes import FakeAgent, FakeFabric, FakeRequest, chunk, poll_until, run_step
 from prometheus_client import CollectorRegistry
 
-from kvwire.connector.config import ConnectorConfig, ConnectorRole, EngineInfo
+from kvwire.connector.config import ConnectorConfig, EngineInfo
 from kvwire.connector.metrics import connector_metrics
 from kvwire.connector.scheduler import KvwireSchedulerConnector
 from kvwire.connector.worker import KvwireWorkerConnector
-from kvwire.kv_params import KVTransferParams, PDRole, TransferMode
+from kvwire.kv_params import KVTransferParams, Role, TransferMode
 
 BLOCK = 8
 NUM_LAYERS = 3
@@ -24,7 +24,7 @@ NUM_BLOCKS = 16
 class Side:
     """One instance: scheduler + worker halves, a paged KV cache, and its fake agent."""
 
-    def __init__(self, fabric: FakeFabric, name: str, role: ConnectorRole, registry: CollectorRegistry,
+    def __init__(self, fabric: FakeFabric, name: str, role: Role, registry: CollectorRegistry,
                  **config: object) -> None:
         self.agent: FakeAgent = fabric.agent(name)
         self.config = ConnectorConfig(role=role, **config)  # type: ignore[arg-type]
@@ -32,7 +32,7 @@ class Side:
         self.metrics = connector_metrics(registry)
         self.sched = KvwireSchedulerConnector(self.config, info, [self.agent.endpoint], metrics=self.metrics)
         self.worker = KvwireWorkerConnector(self.config, info, self.agent, metrics=self.metrics)
-        fill = torch.randn if role is ConnectorRole.PREFILL else torch.zeros
+        fill = torch.randn if role is Role.PREFILL else torch.zeros
         self.caches = [fill(2, NUM_BLOCKS, BLOCK, 2, 4) for _ in range(NUM_LAYERS)]
         self.worker.register_kv_caches(self.caches)
 
@@ -54,16 +54,16 @@ def fabric() -> FakeFabric:
 
 
 def make_pd(fabric: FakeFabric, registry: CollectorRegistry, **config: object) -> tuple[Side, Side]:
-    p = Side(fabric, "p", ConnectorRole.PREFILL, registry, **config)
-    d = Side(fabric, "d", ConnectorRole.DECODE, CollectorRegistry(), **config)
+    p = Side(fabric, "p", Role.PREFILL, registry, **config)
+    d = Side(fabric, "d", Role.DECODE, CollectorRegistry(), **config)
     return p, d
 
 
 def push_requests(p: Side, d: Side, prompt_len: int, tid: str = "t1", deadline_s: float = 5.0):  # type: ignore[no-untyped-def]
     prompt = list(range(1, prompt_len + 1))
-    p_params = KVTransferParams(transfer_id=tid, role=PDRole.PREFILL, peer_endpoints=[d.agent.endpoint],
+    p_params = KVTransferParams(transfer_id=tid, role=Role.PREFILL, peer_endpoints=[d.agent.endpoint],
                                 deadline_s=deadline_s)
-    d_params = KVTransferParams(transfer_id=tid, role=PDRole.DECODE, peer_endpoints=[p.agent.endpoint],
+    d_params = KVTransferParams(transfer_id=tid, role=Role.DECODE, peer_endpoints=[p.agent.endpoint],
                                 deadline_s=deadline_s)
     preq = FakeRequest("p-" + tid, prompt, p_params.to_dict())
     return preq, FakeRequest("d-" + tid, prompt, d_params.to_dict())
@@ -160,7 +160,7 @@ def test_single_token_prompt_without_first_token_needs_no_transfer(fabric: FakeF
 def test_pull_lease_params_then_d_pulls(fabric: FakeFabric, registry) -> None:
     p, d = make_pd(fabric, registry)
     prompt = list(range(2 * BLOCK + 3))
-    p_params = KVTransferParams(transfer_id="t9", mode=TransferMode.PULL, role=PDRole.PREFILL, deadline_s=5)
+    p_params = KVTransferParams(transfer_id="t9", mode=TransferMode.PULL, role=Role.PREFILL, deadline_s=5)
     preq = FakeRequest("p9", prompt, p_params.to_dict())
     p_ids, d_ids = [4, 0, 2], [1, 3, 5]
     p.sched.get_num_new_matched_tokens(preq, 0)
@@ -170,7 +170,7 @@ def test_pull_lease_params_then_d_pulls(fabric: FakeFabric, registry) -> None:
     delay, returned = p.sched.request_finished(preq, p_ids)
     assert delay is True and returned is not None
     d_params = KVTransferParams.from_dict(returned)
-    assert d_params.role is PDRole.DECODE and d_params.mode is TransferMode.PULL
+    assert d_params.role is Role.DECODE and d_params.mode is TransferMode.PULL
     assert d_params.peer_endpoints == [p.agent.endpoint]
     assert d_params.first_token_id == 11 and d_params.num_prompt_tokens == len(prompt)
 
@@ -186,7 +186,7 @@ def test_pull_lease_params_then_d_pulls(fabric: FakeFabric, registry) -> None:
 
 def test_pull_lease_expires_and_frees_p(fabric: FakeFabric, registry) -> None:
     p, _ = make_pd(fabric, registry, lease_s=0.05)
-    params = KVTransferParams(transfer_id="t3", mode=TransferMode.PULL, role=PDRole.PREFILL)
+    params = KVTransferParams(transfer_id="t3", mode=TransferMode.PULL, role=Role.PREFILL)
     preq = FakeRequest("p3", [1, 2, 3], params.to_dict(), output_token_ids=[5])
     p.sched.get_num_new_matched_tokens(preq, 0)
     p.step(chunk(preq, [0], computed=0, scheduled=3))
@@ -198,7 +198,7 @@ def test_pull_lease_expires_and_frees_p(fabric: FakeFabric, registry) -> None:
 
 def test_pull_prompt_length_mismatch_recomputes(fabric: FakeFabric, registry) -> None:
     _, d = make_pd(fabric, registry)
-    params = KVTransferParams(transfer_id="t4", mode=TransferMode.PULL, role=PDRole.DECODE,
+    params = KVTransferParams(transfer_id="t4", mode=TransferMode.PULL, role=Role.DECODE,
                               peer_endpoints=["fake://p"], first_token_id=3, num_prompt_tokens=9)
     dreq = FakeRequest("d4", [1, 2, 3], params.to_dict())
     assert d.sched.get_num_new_matched_tokens(dreq, 0) == (0, False)
@@ -252,7 +252,7 @@ def test_registering_caches_runs_gather_and_scatter_once_without_changing_them(
 ) -> None:
     # the kernels are loaded at registration (see KvwireWorkerConnector._preload_kernels); the caches
     # must come out bit for bit as they went in, every layer and dtype
-    side = Side(fabric, "p", ConnectorRole.PREFILL, registry)
+    side = Side(fabric, "p", Role.PREFILL, registry)
     caches = [torch.randn(2, NUM_BLOCKS, BLOCK, 2, 4), torch.randn(2, NUM_BLOCKS, BLOCK, 2, 4).half()]
     before = [c.clone() for c in caches]
     side.worker.register_kv_caches(caches)

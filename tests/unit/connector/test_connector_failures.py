@@ -8,10 +8,10 @@ from connector_fakes import FakeRequest, chunk
 from prometheus_client import CollectorRegistry
 from test_connector_core import BLOCK, NUM_LAYERS, make_pd, push_requests
 
-from kvwire.connector.config import ConnectorConfig, ConnectorRole, EngineInfo, LoadFailurePolicy
+from kvwire.connector.config import ConnectorConfig, EngineInfo, LoadFailurePolicy
 from kvwire.connector.scheduler import KvwireSchedulerConnector
 from kvwire.errors import ConfigError
-from kvwire.kv_params import KVTransferParams, PDRole
+from kvwire.kv_params import KVTransferParams, Role
 
 
 @pytest.fixture
@@ -159,7 +159,7 @@ def test_missing_layer_saves_fail_the_send_at_once(fabric) -> None:  # type: ign
 
 def test_params_for_the_wrong_role_run_locally(fabric) -> None:  # type: ignore[no-untyped-def]
     p, _ = make_pd(fabric, CollectorRegistry())
-    params = KVTransferParams(transfer_id="x", role=PDRole.DECODE, peer_endpoints=["fake://d"])
+    params = KVTransferParams(transfer_id="x", role=Role.DECODE, peer_endpoints=["fake://d"])
     req = FakeRequest("r", [1, 2], params.to_dict())
     assert p.sched.get_num_new_matched_tokens(req, 0) == (0, False)
     bad = FakeRequest("r2", [1, 2], {"transfer_id": ""})
@@ -174,7 +174,7 @@ def test_config_is_validated() -> None:
         ConnectorConfig(role="prefill")  # type: ignore[arg-type]
     with pytest.raises(ConfigError):
         EngineInfo(block_size=0)
-    sched = KvwireSchedulerConnector(ConnectorConfig(role=ConnectorRole.BOTH), EngineInfo(block_size=4), [])
+    sched = KvwireSchedulerConnector(ConnectorConfig(role=Role.BOTH), EngineInfo(block_size=4), [])
     assert sched.get_num_new_matched_tokens(FakeRequest("a", [1]), 0) == (0, False)
 
 
@@ -182,7 +182,7 @@ def test_check_request_params_gives_clear_errors(fabric) -> None:  # type: ignor
     from kvwire.errors import InvalidRequestError
 
     p, d = make_pd(fabric, CollectorRegistry())
-    good = KVTransferParams(transfer_id="x", role=PDRole.PREFILL, peer_endpoints=["fake://d"])
+    good = KVTransferParams(transfer_id="x", role=Role.PREFILL, peer_endpoints=["fake://d"])
     assert p.sched.check_request_params(good.to_dict()).transfer_id == "x"
     with pytest.raises(InvalidRequestError, match="not served by this decode instance"):
         d.sched.check_request_params(good.to_dict())

@@ -11,10 +11,10 @@ from prometheus_client import CollectorRegistry
 from test_connector_core import BLOCK, NUM_BLOCKS, NUM_LAYERS, Side
 
 from kvwire.connector.base import StepInfo
-from kvwire.connector.config import ConnectorRole, EngineInfo
+from kvwire.connector.config import EngineInfo
 from kvwire.connector.scheduler import KvwireSchedulerConnector
 from kvwire.connector.worker import KvwireWorkerConnector
-from kvwire.kv_params import KVTransferParams, PDRole
+from kvwire.kv_params import KVTransferParams, Role
 from kvwire.transfer.paged import KVLayout
 
 SHAPES = {
@@ -25,12 +25,12 @@ SHAPES = {
 BLOCK_DIM = {KVLayout.KV_FIRST: 1, KVLayout.BLOCK_FIRST: 0, KVLayout.MLA: 0}
 
 
-def side(fabric: FakeFabric, name: str, role: ConnectorRole, layout: KVLayout) -> Side:
+def side(fabric: FakeFabric, name: str, role: Role, layout: KVLayout) -> Side:
     s = Side(fabric, name, role, CollectorRegistry())
     info = EngineInfo(block_size=BLOCK, kv_layout=layout)
     s.sched = KvwireSchedulerConnector(s.config, info, [s.agent.endpoint], metrics=s.metrics)
     s.worker = KvwireWorkerConnector(s.config, info, s.agent, metrics=s.metrics)
-    fill = torch.randn if role is ConnectorRole.PREFILL else torch.zeros
+    fill = torch.randn if role is Role.PREFILL else torch.zeros
     s.caches = [fill(*SHAPES[layout]) for _ in range(NUM_LAYERS)]
     s.worker.register_kv_caches(s.caches)
     return s
@@ -39,8 +39,8 @@ def side(fabric: FakeFabric, name: str, role: ConnectorRole, layout: KVLayout) -
 def requests(p: Side, d: Side, prompt_len: int, skip: int) -> tuple[FakeRequest, FakeRequest]:
     prompt = list(range(1, prompt_len + 1))
     common = dict(transfer_id="t1", deadline_s=5.0, skip_blocks=skip)
-    p_params = KVTransferParams(role=PDRole.PREFILL, peer_endpoints=[d.agent.endpoint], **common)  # type: ignore[arg-type]
-    d_params = KVTransferParams(role=PDRole.DECODE, peer_endpoints=[p.agent.endpoint], **common)  # type: ignore[arg-type]
+    p_params = KVTransferParams(role=Role.PREFILL, peer_endpoints=[d.agent.endpoint], **common)  # type: ignore[arg-type]
+    d_params = KVTransferParams(role=Role.DECODE, peer_endpoints=[p.agent.endpoint], **common)  # type: ignore[arg-type]
     return FakeRequest("p-t1", prompt, p_params.to_dict()), FakeRequest("d-t1", prompt, d_params.to_dict())
 
 
@@ -56,7 +56,7 @@ def partial_value(s: Side, outcome: str, side_label: str) -> float:
 @pytest.mark.parametrize("d_local_blocks", [1, 2])  # D holds exactly the skipped prefix, or more
 def test_p_sends_only_the_blocks_d_lacks(layout: KVLayout, d_local_blocks: int) -> None:
     fabric = FakeFabric()
-    p, d = side(fabric, "p", ConnectorRole.PREFILL, layout), side(fabric, "d", ConnectorRole.DECODE, layout)
+    p, d = side(fabric, "p", Role.PREFILL, layout), side(fabric, "d", Role.DECODE, layout)
     preq, dreq = requests(p, d, prompt_len=3 * BLOCK + 2, skip=1)  # 4 blocks, D holds block 0 (or 0-1)
     p_ids, d_ids = [3, 7, 1, 9], [10, 2, 5, 6]
     held = d_ids[:d_local_blocks]
@@ -84,8 +84,8 @@ def test_p_sends_only_the_blocks_d_lacks(layout: KVLayout, d_local_blocks: int) 
 
 def test_d_that_lost_the_prefix_drops_the_transfer_and_prefills_locally() -> None:
     fabric = FakeFabric()
-    p = side(fabric, "p", ConnectorRole.PREFILL, KVLayout.KV_FIRST)
-    d = side(fabric, "d", ConnectorRole.DECODE, KVLayout.KV_FIRST)
+    p = side(fabric, "p", Role.PREFILL, KVLayout.KV_FIRST)
+    d = side(fabric, "d", Role.DECODE, KVLayout.KV_FIRST)
     _, dreq = requests(p, d, prompt_len=3 * BLOCK + 2, skip=2)
     assert d.sched.get_num_new_matched_tokens(dreq, BLOCK) == (0, False)  # holds 1 of the 2 blocks
     meta = d.sched.build_connector_meta(StepInfo(scheduled=(), finished_request_ids=frozenset()))

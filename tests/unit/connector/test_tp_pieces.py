@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from kvwire.connector.base import ConnectorOutput
-from kvwire.connector.config import ConnectorConfig, ConnectorRole, EngineInfo
+from kvwire.connector.config import ConnectorConfig, EngineInfo
 from kvwire.connector.metadata import KvwireConnectorMetadata, RecvSpec
 from kvwire.connector.pieces import PieceBook, head_slice, held_pieces, pull_pieces, recv_pieces, send_pieces
 from kvwire.connector.scheduler import KvwireSchedulerConnector
 from kvwire.engine.tp.aggregate import OutputAggregator
 from kvwire.errors import ConfigError, InvalidRequestError
-from kvwire.kv_params import KVCacheLayout, KVTransferParams, PDRole, layout_mismatch
+from kvwire.kv_params import KVCacheLayout, KVTransferParams, Role, layout_mismatch
 from kvwire.transfer.enums import KVLayout
 
 
@@ -100,10 +100,10 @@ def test_an_incompatible_pair_is_refused_at_admission() -> None:
     import msgspec
 
     sched = KvwireSchedulerConnector(
-        ConnectorConfig(role=ConnectorRole.DECODE), EngineInfo(block_size=16), ["x"]
+        ConnectorConfig(role=Role.DECODE), EngineInfo(block_size=16), ["x"]
     )
     sched.kv_layout = LAYOUT
-    ok = KVTransferParams(transfer_id="t", role=PDRole.DECODE, peer_endpoints=["a", "b"],
+    ok = KVTransferParams(transfer_id="t", role=Role.DECODE, peer_endpoints=["a", "b"],
                           peer_kv_layout=msgspec.structs.replace(LAYOUT, tp_size=2))  # fmt: skip
     sched.check_request_params(ok.to_dict())
     bad = msgspec.structs.replace(
@@ -128,7 +128,7 @@ def test_an_opaque_layout_refuses_different_tp_sizes_and_keeps_equal_ones() -> N
 
     agent = FakeFabric().agent("p")
     info = EngineInfo(block_size=4, kv_layout=KVLayout.MLA, tp_size=1, num_kv_heads=2)
-    worker = KvwireWorkerConnector(ConnectorConfig(role=ConnectorRole.PREFILL), info, agent,
+    worker = KvwireWorkerConnector(ConnectorConfig(role=Role.PREFILL), info, agent,
                                    metrics=connector_metrics(CollectorRegistry()))  # fmt: skip
     worker.register_kv_caches([torch.zeros(8, 4, 16)])
     two_d_ranks = SendSpec("r", "t", ("tcp://d0:1", "tcp://d1:1"), (1, 2), 5.0, False)

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvwire.connector.config import ConnectorRole, LoadFailurePolicy
+from kvwire.connector.config import LoadFailurePolicy
 from kvwire.errors import ConfigError
 from kvwire.integrations.vllm_config import (
     VLLM_DEFAULT_KV_PORT,
@@ -15,7 +15,7 @@ from kvwire.integrations.vllm_config import (
     VllmTransferView,
     plugin_config_from_vllm,
 )
-from kvwire.kv_params import TransferMode
+from kvwire.kv_params import Role, TransferMode
 from kvwire.transfer.enums import Transport
 
 
@@ -25,7 +25,7 @@ def view(role: str = "kv_producer", **extra: Any) -> VllmTransferView:
 
 def test_defaults() -> None:
     cfg = plugin_config_from_vllm(view())
-    assert cfg.connector.role is ConnectorRole.PREFILL
+    assert cfg.connector.role is Role.PREFILL
     assert cfg.connector.mode is TransferMode.PUSH
     assert cfg.connector.use_first_token is False
     assert cfg.data_plane is DataPlane.TCP and cfg.transport is Transport.AUTO  # shm on one host
@@ -38,12 +38,12 @@ def test_defaults() -> None:
 @pytest.mark.parametrize(
     ("role", "expected"),
     [
-        ("kv_producer", ConnectorRole.PREFILL),
-        ("kv_consumer", ConnectorRole.DECODE),
-        ("kv_both", ConnectorRole.BOTH),
+        ("kv_producer", Role.PREFILL),
+        ("kv_consumer", Role.DECODE),
+        ("kv_both", Role.BOTH),
     ],
 )
-def test_roles(role: str, expected: ConnectorRole) -> None:
+def test_roles(role: str, expected: Role) -> None:
     assert plugin_config_from_vllm(view(role)).connector.role is expected
 
 

@@ -18,7 +18,7 @@ from vllm_fakes import (
     SchedulerOutput,
 )
 
-from kvwire.kv_params import KVTransferParams, PDRole, TransferMode
+from kvwire.kv_params import KVTransferParams, Role, TransferMode
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def pd() -> Iterator[tuple[Instance, Instance]]:
 
 
 def params(
-    tid: str, role: PDRole, peer: Instance, mode: TransferMode = TransferMode.PUSH
+    tid: str, role: Role, peer: Instance, mode: TransferMode = TransferMode.PUSH
 ) -> dict[str, object]:
     # As the router sends them: the peer's endpoints in both modes (pull: P may lease only to that D).
     peers = [peer.worker.endpoint]
@@ -56,12 +56,12 @@ def same_blocks(p: Instance, p_blocks: list[int], d: Instance, d_blocks: list[in
 def test_push_end_to_end(pd: tuple[Instance, Instance]) -> None:
     p, d = pd
     prompt = list(range(10))  # 3 blocks of 4; D loads 9 tokens (recomputes the last) = 3 blocks
-    req_d = Request("d-1", prompt, params("t1", PDRole.DECODE, p))
+    req_d = Request("d-1", prompt, params("t1", Role.DECODE, p))
     assert d.sched.get_num_new_matched_tokens(req_d, 0) == (9, True)
     d.sched.update_state_after_alloc(req_d, [7, 8, 9], 9)
     d.step(SchedulerOutput())  # the receive is announced with this step's metadata
 
-    req_p = Request("p-1", prompt, params("t1", PDRole.PREFILL, d), output_token_ids=[5])
+    req_p = Request("p-1", prompt, params("t1", Role.PREFILL, d), output_token_ids=[5])
     prefill(p, req_p, [1, 2, 3])
     assert p.sched.request_finished(req_p, [1, 2, 3]) == (True, None)  # held until acknowledged
 
@@ -75,7 +75,7 @@ def test_push_end_to_end(pd: tuple[Instance, Instance]) -> None:
 def test_pull_end_to_end(pd: tuple[Instance, Instance]) -> None:
     p, d = pd
     prompt = list(range(7))
-    req_p = Request("p-2", prompt, params("t2", PDRole.PREFILL, d, TransferMode.PULL), output_token_ids=[3])
+    req_p = Request("p-2", prompt, params("t2", Role.PREFILL, d, TransferMode.PULL), output_token_ids=[3])
     prefill(p, req_p, [4, 5])
     delay, returned = p.sched.request_finished(req_p, [4, 5])
     assert delay is True and returned is not None
@@ -95,11 +95,11 @@ def test_send_acked_before_request_finished_is_hidden_from_vllm(pd: tuple[Instan
     """vLLM asserts that finished_sending names only requests it holds for the connector."""
     p, d = pd
     prompt = list(range(BLOCK))
-    req_d = Request("d-3", prompt, params("t3", PDRole.DECODE, p))
+    req_d = Request("d-3", prompt, params("t3", Role.DECODE, p))
     d.sched.get_num_new_matched_tokens(req_d, 0)
     d.sched.update_state_after_alloc(req_d, [2], BLOCK - 1)
     d.step(SchedulerOutput())
-    req_p = Request("p-3", prompt, params("t3", PDRole.PREFILL, d), output_token_ids=[1])
+    req_p = Request("p-3", prompt, params("t3", Role.PREFILL, d), output_token_ids=[1])
     prefill(p, req_p, [6])
     d.idle_until(lambda: "d-3" in d.seen_recving)
     p.idle_until(lambda: p.worker.core.num_live_transfers == 0)
@@ -111,7 +111,7 @@ def test_decode_abort_while_receiving_reports_recving(pd: tuple[Instance, Instan
     """A request aborted in WAITING_FOR_REMOTE_KVS: vLLM frees it on finished_recving, never on
     finished_sending (which would trip its assertion)."""
     p, d = pd
-    req_d = Request("d-4", list(range(9)), params("t4", PDRole.DECODE, p))
+    req_d = Request("d-4", list(range(9)), params("t4", Role.DECODE, p))
     d.sched.get_num_new_matched_tokens(req_d, 0)
     d.sched.update_state_after_alloc(req_d, [3, 4, 5], 8)
     d.step(SchedulerOutput())
@@ -135,7 +135,7 @@ def test_load_failure_reports_invalid_blocks() -> None:
 
 
 def _load_failure(p: Instance, d: Instance) -> None:
-    req_d = Request("d-5", list(range(9)), params("t5", PDRole.DECODE, p))
+    req_d = Request("d-5", list(range(9)), params("t5", Role.DECODE, p))
     d.sched.get_num_new_matched_tokens(req_d, 0)
     d.sched.update_state_after_alloc(req_d, [3, 4, 5], 8)
     d.step(SchedulerOutput())
@@ -153,11 +153,11 @@ def _load_failure(p: Instance, d: Instance) -> None:
 def test_chunked_prefill_sends_with_last_chunk(pd: tuple[Instance, Instance]) -> None:
     p, d = pd
     prompt = list(range(11))
-    req_d = Request("d-6", prompt, params("t6", PDRole.DECODE, p))
+    req_d = Request("d-6", prompt, params("t6", Role.DECODE, p))
     d.sched.get_num_new_matched_tokens(req_d, 0)
     d.sched.update_state_after_alloc(req_d, [9, 10, 11], 10)
     d.step(SchedulerOutput())
-    req_p = Request("p-6", prompt, params("t6", PDRole.PREFILL, d), output_token_ids=[2])
+    req_p = Request("p-6", prompt, params("t6", Role.PREFILL, d), output_token_ids=[2])
     p.sched.get_num_new_matched_tokens(req_p, 0)
     p.sched.update_state_after_alloc(req_p, [0, 1], 0)
     first = SchedulerOutput([NewRequestData("p-6", prompt, ([0, 1],), 0)], num_scheduled_tokens={"p-6": 8})
@@ -180,11 +180,11 @@ def test_kv_both_serves_either_role() -> None:
         # a -> b on t7 while b -> a on t8
         plan = ((a, b, "t7", [0, 1], [2, 3]), (b, a, "t8", [4, 5], [6, 7]))
         for src, dst, tid, src_blocks, dst_blocks in plan:
-            req_d = Request(f"d-{tid}", prompt, params(tid, PDRole.DECODE, src))
+            req_d = Request(f"d-{tid}", prompt, params(tid, Role.DECODE, src))
             assert dst.sched.get_num_new_matched_tokens(req_d, 0) == (5, True)
             dst.sched.update_state_after_alloc(req_d, dst_blocks, 5)
             dst.step(SchedulerOutput())
-            req_p = Request(f"p-{tid}", prompt, params(tid, PDRole.PREFILL, dst), output_token_ids=[1])
+            req_p = Request(f"p-{tid}", prompt, params(tid, Role.PREFILL, dst), output_token_ids=[1])
             prefill(src, req_p, src_blocks)
             assert src.sched.request_finished(req_p, src_blocks)[0] is True
         for inst in (a, b):
@@ -211,7 +211,7 @@ def test_with_a_secret_only_router_signed_params_move_kv() -> None:
             return value or 0.0
 
         before = refused()
-        forged = Request("d-forged", list(range(10)), params("t-forged", PDRole.DECODE, p))
+        forged = Request("d-forged", list(range(10)), params("t-forged", Role.DECODE, p))
         assert d.sched.get_num_new_matched_tokens(forged, 0) == (0, False)
         assert d.sched.get_num_new_matched_tokens(forged, 0) == (0, False)  # e.g. after preemption
         assert refused() == before + 1
@@ -219,15 +219,15 @@ def test_with_a_secret_only_router_signed_params_move_kv() -> None:
 
         signer = ParamsSigner(secret)
 
-        def signed(tid: str, role: PDRole, peer: Instance) -> dict[str, object]:
+        def signed(tid: str, role: Role, peer: Instance) -> dict[str, object]:
             return signer.sign(KVTransferParams.from_dict(params(tid, role, peer))).to_dict()
 
         prompt = list(range(10))
-        req_d = Request("d-1", prompt, signed("t1", PDRole.DECODE, p))
+        req_d = Request("d-1", prompt, signed("t1", Role.DECODE, p))
         assert d.sched.get_num_new_matched_tokens(req_d, 0) == (9, True)
         d.sched.update_state_after_alloc(req_d, [7, 8, 9], 9)
         d.step(SchedulerOutput())
-        req_p = Request("p-1", prompt, signed("t1", PDRole.PREFILL, d), output_token_ids=[5])
+        req_p = Request("p-1", prompt, signed("t1", Role.PREFILL, d), output_token_ids=[5])
         prefill(p, req_p, [1, 2, 3])
         assert p.sched.request_finished(req_p, [1, 2, 3]) == (True, None)
         d.idle_until(lambda: "d-1" in d.seen_recving)

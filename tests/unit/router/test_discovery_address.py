@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvwire.discovery import Heartbeat, InstanceInfo, InstanceLoad, InstanceRole
+from kvwire.discovery import Heartbeat, InstanceInfo, InstanceLoad
 from kvwire.discovery.address import DEFAULT_ETCD_PREFIX, DiscoveryKind, parse_discovery_address
 from kvwire.discovery.etcd_client import lease_ttl_for
 from kvwire.discovery.etcd_gateway import decode_record, encode_record, prefix_range_end
 from kvwire.errors import ConfigError, ProtocolError
+from kvwire.kv_params import Role
 from kvwire.router.config import RouterConfig
 
 
@@ -67,14 +68,14 @@ def test_prefix_range_end_covers_exactly_the_prefix() -> None:
 
 
 def test_record_round_trip_and_validation() -> None:
-    info = InstanceInfo(instance_id="d0", role=InstanceRole.DECODE, url="http://h:1", model="m",
+    info = InstanceInfo(instance_id="d0", role=Role.DECODE, url="http://h:1", model="m",
                         kv_endpoints=["tcp://h:2", "tcp://h:3"])
     hb = Heartbeat(info=info, load=InstanceLoad(num_running=3), seq=7, sent_at=1.0)
     assert decode_record(encode_record(hb)) == hb
     with pytest.raises(ProtocolError, match="malformed"):
         decode_record(b"{not json")
     with pytest.raises(ProtocolError, match="empty model"):
-        decode_record(encode_record(Heartbeat(info=InstanceInfo(instance_id="x", role=InstanceRole.BOTH,
+        decode_record(encode_record(Heartbeat(info=InstanceInfo(instance_id="x", role=Role.BOTH,
                                                                  url="http://h:1", model=""))))
     with pytest.raises(ProtocolError, match="version"):
         decode_record(encode_record(Heartbeat(info=info, v=99)))
@@ -105,11 +106,11 @@ def test_least_loaded_samples_large_pools() -> None:
     reg = Registry(ttl_s=10.0)
     n = 4 * SAMPLE_SIZE
     for i in range(n):
-        info = InstanceInfo(instance_id=f"d{i:03d}", role=InstanceRole.DECODE, url=f"http://h/{i}", model="m")
+        info = InstanceInfo(instance_id=f"d{i:03d}", role=Role.DECODE, url=f"http://h/{i}", model="m")
         busy = 0 if i % 8 == 0 else 5  # one in eight idle
         reg.apply(Heartbeat(info=info, seq=1, load=InstanceLoad(num_running=busy)))
     selector = Selector(reg, Policy.LEAST_LOADED, seed=3)
-    picks = [selector.pick(InstanceRole.DECODE, "m").instance_id for _ in range(200)]
+    picks = [selector.pick(Role.DECODE, "m").instance_id for _ in range(200)]
     idle = sum(int(p[1:]) % 8 == 0 for p in picks)
     assert idle >= 190  # a sample of 32 misses all 16 idle ones with p ~ 0.015
     assert len(set(picks)) > 8

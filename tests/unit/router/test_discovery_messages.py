@@ -15,16 +15,16 @@ from kvwire.discovery import (
     HeartbeatClient,
     InstanceInfo,
     InstanceLoad,
-    InstanceRole,
     decode_frames,
     encode_frames,
 )
 from kvwire.errors import AuthenticationError, ConfigError, ProtocolError
+from kvwire.kv_params import Role
 
 
 def _info(**kw: object) -> InstanceInfo:
     base: dict[str, object] = dict(
-        instance_id="p0", role=InstanceRole.PREFILL, url="http://127.0.0.1:1", model="m"
+        instance_id="p0", role=Role.PREFILL, url="http://127.0.0.1:1", model="m"
     )
     base.update(kw)
     return InstanceInfo(**base)  # type: ignore[arg-type]

@@ -8,7 +8,8 @@ import threading
 
 import zmq
 
-from kvwire.discovery import Heartbeat, HeartbeatClient, InstanceInfo, InstanceRole, decode_frames
+from kvwire.discovery import Heartbeat, HeartbeatClient, InstanceInfo, decode_frames
+from kvwire.kv_params import Role
 
 
 def _free_port() -> int:
@@ -19,7 +20,7 @@ def _free_port() -> int:
 
 def test_first_heartbeat_waits_for_the_http_server() -> None:
     http_port = _free_port()
-    info = InstanceInfo(instance_id="d0", role=InstanceRole.DECODE, url=f"http://127.0.0.1:{http_port}",
+    info = InstanceInfo(instance_id="d0", role=Role.DECODE, url=f"http://127.0.0.1:{http_port}",
                         model="m")
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
@@ -44,7 +45,7 @@ def test_first_heartbeat_waits_for_the_http_server() -> None:
 
 
 def test_closing_before_the_server_answers_sends_nothing() -> None:
-    info = InstanceInfo(instance_id="d1", role=InstanceRole.DECODE, url=f"http://127.0.0.1:{_free_port()}",
+    info = InstanceInfo(instance_id="d1", role=Role.DECODE, url=f"http://127.0.0.1:{_free_port()}",
                         model="m")
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
@@ -68,7 +69,7 @@ def test_every_router_gets_every_heartbeat() -> None:
     for sock in socks:
         sock.setsockopt(zmq.LINGER, 0)
         ports.append(sock.bind_to_random_port("tcp://127.0.0.1"))
-    info = InstanceInfo(instance_id="p9", role=InstanceRole.PREFILL, url="http://127.0.0.1:1", model="m")
+    info = InstanceInfo(instance_id="p9", role=Role.PREFILL, url="http://127.0.0.1:1", model="m")
     address = ",".join(f"tcp://127.0.0.1:{p}" for p in ports)
     client = HeartbeatClient(address, info, interval_s=0.05).start()
     try:

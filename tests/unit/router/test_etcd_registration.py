@@ -7,9 +7,10 @@ from typing import Any
 import pytest
 
 import kvwire.discovery.etcd_client as etcd_client
-from kvwire.discovery import InstanceInfo, InstanceLoad, InstanceRole, parse_discovery_address
+from kvwire.discovery import InstanceInfo, InstanceLoad, parse_discovery_address
 from kvwire.discovery.etcd_client import EtcdRegistration
 from kvwire.discovery.etcd_gateway import EtcdError, decode_record
+from kvwire.kv_params import Role
 
 
 class FakeEtcd:
@@ -61,7 +62,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
 
 
 def make(load: list[int]) -> tuple[EtcdRegistration, FakeEtcd]:
-    info = InstanceInfo(instance_id="p0", role=InstanceRole.PREFILL, url="http://h:1", model="m")
+    info = InstanceInfo(instance_id="p0", role=Role.PREFILL, url="http://h:1", model="m")
     reg = EtcdRegistration(parse_discovery_address("etcd://h:2379"), info,
                            lambda: InstanceLoad(num_running=load[0]), interval_s=1.0)
     fake = FakeEtcd()

@@ -9,11 +9,12 @@ import sys
 
 import pytest
 
-from kvwire.discovery import Heartbeat, InstanceInfo, InstanceLoad, InstanceRole, decode_frames, encode_frames
+from kvwire.discovery import Heartbeat, InstanceInfo, InstanceLoad, decode_frames, encode_frames
 from kvwire.discovery.messages import Deregister, KvEvents
 from kvwire.errors import ProtocolError
 from kvwire.kv_events import KvEventLog
 from kvwire.kv_hash import block_hashes, hash_block
+from kvwire.kv_params import Role
 from kvwire.router.config import Policy
 from kvwire.router.kv_index import KvIndex
 from kvwire.router.kv_routing import plan_push
@@ -163,7 +164,7 @@ def test_index_epochs_clears_drops_and_bound() -> None:
 def test_registry_removal_drops_the_instance_from_the_index() -> None:
     index = KvIndex()
     registry = Registry(ttl_s=5.0, on_remove=index.drop)
-    info = InstanceInfo(instance_id="d0", role=InstanceRole.DECODE, url="http://h:1", model="m", epoch=1)
+    info = InstanceInfo(instance_id="d0", role=Role.DECODE, url="http://h:1", model="m", epoch=1)
     registry.apply(Heartbeat(info=info, seq=1))
     index.apply(KvEvents(instance_id="d0", epoch=1, block_size=BS, stored=[1]))
     registry.apply(Deregister(instance_id="d0", epoch=1, seq=2))
@@ -173,7 +174,7 @@ def test_registry_removal_drops_the_instance_from_the_index() -> None:
 # --- policy ---------------------------------------------------------------------------------------------
 
 
-def ctx(role: InstanceRole = InstanceRole.PREFILL, prompt: int = 1000, seed: int = 0) -> PickContext:
+def ctx(role: Role = Role.PREFILL, prompt: int = 1000, seed: int = 0) -> PickContext:
     return PickContext(turn=0, rng=random.Random(seed), role=role, prompt_tokens=prompt)
 
 
@@ -199,7 +200,7 @@ def test_kv_aware_breaks_ties_at_random() -> None:
 
 
 def test_kv_aware_on_decode_prefers_the_longest_prefix() -> None:
-    d = ctx(InstanceRole.DECODE)
+    d = ctx(Role.DECODE)
     cands = [Candidate("a", "u", cached_tokens=100, inflight_requests=1),
              Candidate("b", "u", cached_tokens=700, inflight_requests=2)]
     assert kv_aware(cands, d).instance_id == "b"
@@ -230,8 +231,8 @@ def test_prompt_tokenizer_matches_the_engine() -> None:
 def planner(cached: dict[str, list[int]]) -> tuple[Selector, Prefix]:
     registry = Registry(ttl_s=60.0)
     index = KvIndex()
-    for i, role in enumerate((InstanceRole.PREFILL, InstanceRole.PREFILL, InstanceRole.DECODE,
-                              InstanceRole.DECODE)):
+    for i, role in enumerate((Role.PREFILL, Role.PREFILL, Role.DECODE,
+                              Role.DECODE)):
         name = f"{role.value[0]}{i % 2}"
         info = InstanceInfo(instance_id=name, role=role, url=f"http://h:{i + 1}", model="m", epoch=1)
         registry.apply(Heartbeat(info=info, seq=1))

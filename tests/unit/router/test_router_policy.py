@@ -7,8 +7,9 @@ import random
 
 import pytest
 
-from kvwire.discovery import Heartbeat, InstanceInfo, InstanceLoad, InstanceRole
+from kvwire.discovery import Heartbeat, InstanceInfo, InstanceLoad
 from kvwire.errors import NoInstanceError
+from kvwire.kv_params import Role
 from kvwire.router.config import Policy
 from kvwire.router.policy import Candidate, PickContext, least_loaded, random_choice, round_robin
 from kvwire.router.registry import Registry
@@ -58,7 +59,7 @@ def test_least_loaded_prefers_fewer_requests_then_tokens_then_kv() -> None:
     assert least_loaded(stale, ctx).instance_id == "a"
 
 
-def _registry(*specs: tuple[str, InstanceRole, str]) -> Registry:
+def _registry(*specs: tuple[str, Role, str]) -> Registry:
     reg = Registry(ttl_s=10)
     for ident, role, model in specs:
         info = InstanceInfo(instance_id=ident, role=role, url=f"http://h/{ident}", model=model)
@@ -67,7 +68,7 @@ def _registry(*specs: tuple[str, InstanceRole, str]) -> Registry:
 
 
 def test_selector_balances_by_inflight_and_keeps_turns_per_role() -> None:
-    P, D = InstanceRole.PREFILL, InstanceRole.DECODE
+    P, D = Role.PREFILL, Role.DECODE
     reg = _registry(("p0", P, "m"), ("p1", P, "m"), ("d0", D, "m"), ("d1", D, "m"), ("d2", D, "m"))
     sel = Selector(reg, Policy.ROUND_ROBIN)
     # Alternate P and D picks: with one global counter P would always land on the same instance.
@@ -85,7 +86,7 @@ def test_selector_balances_by_inflight_and_keeps_turns_per_role() -> None:
 
 
 def test_plan_and_errors() -> None:
-    P, D, B = InstanceRole.PREFILL, InstanceRole.DECODE, InstanceRole.BOTH
+    P, D, B = Role.PREFILL, Role.DECODE, Role.BOTH
     assert Selector(_registry(("p", P, "m"), ("d", D, "m")), Policy.RANDOM).plan("m") is Plan.DISAGGREGATED
     assert Selector(_registry(("b", B, "m"), ("p", P, "m")), Policy.RANDOM).plan(None) is Plan.COLOCATED
     with pytest.raises(NoInstanceError, match="no live decode"):

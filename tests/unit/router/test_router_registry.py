@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from kvwire.discovery import Deregister, Heartbeat, InstanceInfo, InstanceLoad, InstanceRole
+from kvwire.discovery import Deregister, Heartbeat, InstanceInfo, InstanceLoad
+from kvwire.kv_params import Role
 from kvwire.router.registry import ApplyResult, InstanceState, Registry, RegistrySweeper
 
 
@@ -18,7 +19,7 @@ class Clock:
         return self.now
 
 
-def hb(ident: str = "a", epoch: int = 1, seq: int = 1, role: InstanceRole = InstanceRole.BOTH,
+def hb(ident: str = "a", epoch: int = 1, seq: int = 1, role: Role = Role.BOTH,
        url: str | None = None, load: InstanceLoad | None = None) -> Heartbeat:
     info = InstanceInfo(instance_id=ident, epoch=epoch, role=role, url=url or f"http://h/{ident}", model="m")
     return Heartbeat(info=info, seq=seq, load=load)
@@ -28,7 +29,7 @@ def test_register_refresh_and_stale() -> None:
     reg = Registry(ttl_s=1.0)
     assert reg.apply(hb(seq=1)) is ApplyResult.REGISTERED
     assert reg.apply(hb(seq=2, load=InstanceLoad(num_running=3))) is ApplyResult.REFRESHED
-    assert reg.live(InstanceRole.BOTH)[0].load == InstanceLoad(num_running=3)
+    assert reg.live(Role.BOTH)[0].load == InstanceLoad(num_running=3)
     assert reg.apply(hb(seq=2)) is ApplyResult.STALE  # replay
     assert reg.apply(hb(seq=1)) is ApplyResult.STALE  # reordered
     assert reg.apply(hb(epoch=0, seq=9)) is ApplyResult.STALE  # older process
@@ -62,7 +63,7 @@ def test_sweep_expires_then_forgets_and_heartbeat_revives() -> None:
     clock.now += 0.2  # a: 1.1 s silent, b: 0.2 s
     assert reg.sweep() == ["a"]
     assert reg.get("a").state is InstanceState.EXPIRED  # type: ignore[union-attr]
-    assert [v.instance_id for v in reg.live(InstanceRole.BOTH)] == ["b"]
+    assert [v.instance_id for v in reg.live(Role.BOTH)] == ["b"]
     reg.apply(hb(ident="a", seq=2))
     assert reg.get("a").alive  # type: ignore[union-attr]
     clock.now += 2.0
@@ -78,21 +79,21 @@ def test_mark_unreachable_until_next_heartbeat() -> None:
     assert not reg.mark_unreachable("a", 2, "old epoch")  # a failure seen on a previous process
     assert not reg.mark_unreachable("zzz", None, "unknown")
     assert reg.mark_unreachable("a", 3, "connect: refused")
-    assert reg.live(InstanceRole.BOTH) == ()
+    assert reg.live(Role.BOTH) == ()
     view = reg.get("a")
     assert view is not None and view.state is InstanceState.UNREACHABLE and "refused" in view.reason
     reg.apply(hb(epoch=3, seq=2))
-    assert [v.instance_id for v in reg.live(InstanceRole.BOTH)] == ["a"]
+    assert [v.instance_id for v in reg.live(Role.BOTH)] == ["a"]
 
 
 def test_live_split_by_role_and_sorted() -> None:
     reg = Registry(ttl_s=1.0)
-    P, D = InstanceRole.PREFILL, InstanceRole.DECODE
+    P, D = Role.PREFILL, Role.DECODE
     for ident, role in (("p2", P), ("d1", D), ("p1", P)):
         reg.apply(hb(ident=ident, role=role))
-    assert [v.instance_id for v in reg.live(InstanceRole.PREFILL)] == ["p1", "p2"]
-    assert [v.instance_id for v in reg.live(InstanceRole.DECODE)] == ["d1"]
-    assert reg.live(InstanceRole.BOTH) == ()
+    assert [v.instance_id for v in reg.live(Role.PREFILL)] == ["p1", "p2"]
+    assert [v.instance_id for v in reg.live(Role.DECODE)] == ["d1"]
+    assert reg.live(Role.BOTH) == ()
 
 
 def test_sweeper_thread_expires_without_heartbeats() -> None:
@@ -101,16 +102,16 @@ def test_sweeper_thread_expires_without_heartbeats() -> None:
     sweeper = RegistrySweeper(reg, interval_s=0.01).start()
     try:
         deadline = time.monotonic() + 5
-        while reg.live(InstanceRole.BOTH) and time.monotonic() < deadline:
+        while reg.live(Role.BOTH) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert reg.live(InstanceRole.BOTH) == ()
+        assert reg.live(Role.BOTH) == ()
         assert reg.get("a").state is InstanceState.EXPIRED  # type: ignore[union-attr]
     finally:
         sweeper.close()
     assert not sweeper._thread.is_alive()
 
 
-def _model_hb(ident: str, model: str, seq: int, role: InstanceRole, running: int) -> Heartbeat:
+def _model_hb(ident: str, model: str, seq: int, role: Role, running: int) -> Heartbeat:
     info = InstanceInfo(instance_id=ident, epoch=1, role=role, url=f"http://h/{ident}", model=model)
     return Heartbeat(info=info, seq=seq, load=InstanceLoad(num_running=running))
 
@@ -118,26 +119,26 @@ def _model_hb(ident: str, model: str, seq: int, role: InstanceRole, running: int
 def test_refresh_in_place_keeps_every_view_consistent() -> None:
     """A refresh swaps the entry into the cached tuples; they must equal a full rebuild's."""
     reg = Registry(ttl_s=1.0)
-    specs = [("p0", "x", InstanceRole.PREFILL), ("p1", "y", InstanceRole.PREFILL),
-             ("p2", "x", InstanceRole.PREFILL), ("d0", "x", InstanceRole.DECODE)]
+    specs = [("p0", "x", Role.PREFILL), ("p1", "y", Role.PREFILL),
+             ("p2", "x", Role.PREFILL), ("d0", "x", Role.DECODE)]
     for ident, model, role in specs:
         reg.apply(_model_hb(ident, model, 1, role, 0))
-    assert [v.instance_id for v in reg.live(InstanceRole.PREFILL, "x")] == ["p0", "p2"]
-    assert [v.instance_id for v in reg.live(InstanceRole.PREFILL, "y")] == ["p1"]
-    assert reg.live(InstanceRole.DECODE, "y") == ()
+    assert [v.instance_id for v in reg.live(Role.PREFILL, "x")] == ["p0", "p2"]
+    assert [v.instance_id for v in reg.live(Role.PREFILL, "y")] == ["p1"]
+    assert reg.live(Role.DECODE, "y") == ()
     version = reg.version
-    assert reg.apply(_model_hb("p2", "x", 2, InstanceRole.PREFILL, 7)) is ApplyResult.REFRESHED
+    assert reg.apply(_model_hb("p2", "x", 2, Role.PREFILL, 7)) is ApplyResult.REFRESHED
     assert reg.version == version + 1
-    swapped = (reg.snapshot(), reg.live(InstanceRole.PREFILL), reg.live(InstanceRole.PREFILL, "x"))
+    swapped = (reg.snapshot(), reg.live(Role.PREFILL), reg.live(Role.PREFILL, "x"))
     reg._rebuild()  # what a full rebuild gives
-    assert swapped == (reg.snapshot(), reg.live(InstanceRole.PREFILL), reg.live(InstanceRole.PREFILL, "x"))
+    assert swapped == (reg.snapshot(), reg.live(Role.PREFILL), reg.live(Role.PREFILL, "x"))
     assert reg.get("p2").load == InstanceLoad(num_running=7)  # type: ignore[union-attr]
-    assert reg.live(InstanceRole.PREFILL, "x")[1].load == InstanceLoad(num_running=7)
+    assert reg.live(Role.PREFILL, "x")[1].load == InstanceLoad(num_running=7)
     # An entry out of routing comes back through a full rebuild, in order.
     assert reg.mark_unreachable("p0", None, "test")
-    assert [v.instance_id for v in reg.live(InstanceRole.PREFILL, "x")] == ["p2"]
-    reg.apply(_model_hb("p0", "x", 2, InstanceRole.PREFILL, 1))
-    assert [v.instance_id for v in reg.live(InstanceRole.PREFILL, "x")] == ["p0", "p2"]
+    assert [v.instance_id for v in reg.live(Role.PREFILL, "x")] == ["p2"]
+    reg.apply(_model_hb("p0", "x", 2, Role.PREFILL, 1))
+    assert [v.instance_id for v in reg.live(Role.PREFILL, "x")] == ["p0", "p2"]
 
 
 def test_sweeper_wakes_at_the_earliest_expiry() -> None:
@@ -163,10 +164,10 @@ def test_sweeper_thread_expires_on_time_not_on_its_period() -> None:
         reg.apply(hb("a"))
         t0 = time.monotonic()
         deadline = t0 + 5.0
-        while reg.live(InstanceRole.BOTH) and time.monotonic() < deadline:
+        while reg.live(Role.BOTH) and time.monotonic() < deadline:
             time.sleep(0.005)
         took = time.monotonic() - t0
-        assert not reg.live(InstanceRole.BOTH)
+        assert not reg.live(Role.BOTH)
         assert 0.3 <= took < 1.0, took
     finally:
         sweeper.close()

@@ -12,10 +12,11 @@ import zmq
 
 import kvwire
 from kvwire.connector.config import EngineInfo
-from kvwire.discovery import Deregister, Heartbeat, InstanceLoad, InstanceRole, decode_frames
+from kvwire.discovery import Deregister, Heartbeat, InstanceLoad, decode_frames
 from kvwire.integrations.vllm_config import VllmTransferView, plugin_config_from_vllm
 from kvwire.integrations.vllm_scheduler_side import Identity, RankEndpoint, SchedulerSide
-from kvwire.server.config import ServerConfig, ServerRole
+from kvwire.kv_params import Role
+from kvwire.server.config import ServerConfig
 from kvwire.server.engine_loop import StatsSnapshot
 from kvwire.server.registration import start_heartbeats
 
@@ -66,7 +67,7 @@ def router() -> Iterator[Router]:
 
 
 def test_server_registers_with_its_identity_and_load(router: Router) -> None:
-    config = ServerConfig(role=ServerRole.PREFILL, router_address=router.address, heartbeat_interval_s=0.05)
+    config = ServerConfig(role=Role.PREFILL, router_address=router.address, heartbeat_interval_s=0.05)
     stats = StatsSnapshot(num_running=2, num_waiting=1, num_waiting_for_remote_kv=3, kv_blocks_in_use=10,
                           kv_blocks_total=64)
     client = start_heartbeats(config, instance_id="p-1", url="http://127.0.0.1:9000", model="tiny",
@@ -78,7 +79,7 @@ def test_server_registers_with_its_identity_and_load(router: Router) -> None:
         client.close()
     info = beat.info
     assert (info.instance_id, info.role, info.url, info.model) == (
-        "p-1", InstanceRole.PREFILL, "http://127.0.0.1:9000", "tiny")
+        "p-1", Role.PREFILL, "http://127.0.0.1:9000", "tiny")
     assert info.kv_endpoints == ["tcp://127.0.0.1:7000"]
     assert info.version == f"kvwire {kvwire.__version__}"
     assert beat.load == InstanceLoad(num_running=2, num_waiting=4, free_kv_blocks=54, total_kv_blocks=64)
@@ -104,7 +105,7 @@ def test_vllm_scheduler_side_registers_like_the_server(router: Router) -> None:
         side.close()
     info = beat.info
     assert (info.instance_id, info.role, info.url, info.model, info.version) == (
-        "d-7", InstanceRole.DECODE, "http://10.1.1.1:8000", "tiny", "vllm 0.32")
+        "d-7", Role.DECODE, "http://10.1.1.1:8000", "tiny", "vllm 0.32")
     assert info.kv_endpoints == ["tcp://127.0.0.1:7100", "tcp://127.0.0.1:7101"]  # in rank order
     assert beat.load == InstanceLoad()  # no scheduler step yet
     assert router.deregister_after_heartbeats().instance_id == "d-7"

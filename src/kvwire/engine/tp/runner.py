@@ -26,12 +26,21 @@ log = logging.getLogger(__name__)
 
 
 def model_config_of(config: EngineConfig) -> ModelConfig:
-    """The model's shapes without loading its weights (a preset's, or the directory's config.json)."""
-    from kvwire.engine.models.presets import PRESETS
+    """The model's shapes without loading its weights: a preset's, a packaged model's or a GGUF
+    file's metadata, or the directory's config.json (the same names ``loader.load_model`` takes)."""
+    from kvwire.engine.models.presets import PACKAGED_MODELS, PRESETS
     from kvwire.engine.weights import read_model_config
 
     if config.model in PRESETS:
         return PRESETS[config.model].config
+    path = PACKAGED_MODELS[config.model].path(config.model) if config.model in PACKAGED_MODELS else None
+    if path is None and (config.model.endswith(".gguf") or Path(config.model).is_file()):
+        path = Path(config.model)
+    if path is not None:
+        from kvwire.engine.gguf_reader import GGUFFile
+        from kvwire.engine.gguf_weights import gguf_model_config
+
+        return gguf_model_config(GGUFFile(path))
     return read_model_config(Path(config.model))
 
 
