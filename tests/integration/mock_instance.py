@@ -350,12 +350,6 @@ def live_ids(router: RouterThread) -> set[str]:
     return {v.instance_id for v in router.server.registry.snapshot() if v.alive}
 
 
-def wait_for(cond: Any, timeout_s: float, what: str, interval_s: float = 0.02) -> None:
-    """Poll ``cond()`` until true; fail with ``what`` after ``timeout_s``."""
-    if not wait_until(cond, timeout_s, interval_s):
-        raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
 MockSpec = tuple[str, str, list[str]]  # (instance id, role, extra mock_instance.py flags)
 
 # A prefill + decode pair serving model ``mock`` and a colocated instance serving ``solo``, so one
@@ -379,6 +373,8 @@ class MockCluster:
                 self.mocks[ident] = MockProcess(
                     self.router.discovery, ident, "--role", role, "--interval-s", "0.2", *extra
                 )
+            from support.waiting import wait_for  # lazy: this file also runs as a script
+
             wait_for(lambda: live_ids(self.router) >= set(self.mocks), 10, "mocks registered")
         except BaseException:
             self.close()
@@ -401,6 +397,8 @@ class MockCluster:
         return 0.0
 
     def wait_all_live(self) -> None:
+        from support.waiting import wait_for  # lazy: this file also runs as a script
+
         wait_for(lambda: live_ids(self.router) >= set(self.mocks), 10, "every mock live again")
 
 

@@ -8,7 +8,7 @@ import re
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -16,7 +16,7 @@ import aiohttp
 
 from kvwire.cluster.client import RequestResult, post_completion
 from kvwire.cluster.local import ClusterSpec, LocalCluster, free_port, http_json
-from kvwire.cluster.process import ManagedProcess, kvwire_argv, wait_until
+from kvwire.cluster.process import ManagedProcess, kvwire_argv
 
 BLOCK = 16  # the engine's default block size
 MAX_LEN = 1024  # tiny's max_model_len
@@ -51,14 +51,6 @@ def metric(url: str, name: str) -> float:
         text = resp.read().decode()
     pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", re.MULTILINE)
     return sum(float(v) for v in pattern.findall(text))
-
-
-def wait_for(condition: Callable[[], object], timeout_s: float, what: str) -> float:
-    """Poll until ``condition()``; returns the seconds it took; fails the test at the deadline."""
-    start = time.monotonic()
-    if not wait_until(condition, timeout_s):
-        raise AssertionError(f"{what}: not within {timeout_s} s")
-    return time.monotonic() - start
 
 
 @contextlib.contextmanager

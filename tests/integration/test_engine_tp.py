@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from test_engine_hf import hf_greedy, save_tokenizer
 
 import kvwire
 from kvwire.errors import ConfigError
+from support.hf_models import hf_greedy, save_tokenizer
 
 PROMPTS = ["Hello there, how are", "The quick brown fox jumps over the lazy dog and then", "abc"]
 PARAMS = kvwire.SamplingParams(max_tokens=12, ignore_eos=True)

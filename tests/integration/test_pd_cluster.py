@@ -16,11 +16,12 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from pd_cluster_helpers import ColocatedServer, body, metric, prompts, running_cluster, send_all, wait_for
+from pd_cluster_helpers import ColocatedServer, body, metric, prompts, running_cluster, send_all
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.kv_params import TransferMode
 from kvwire.transfer.enums import Transport
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 KV_DEADLINE_S = 10.0  # push transfer deadline and pull lease

@@ -11,13 +11,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pd_cluster_helpers import body, metric, running_cluster, send_all, wait_for
+from pd_cluster_helpers import body, metric, running_cluster, send_all
 
 from kvwire.cluster.client import RequestResult
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.engine.sampling_params import SamplingParams
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 DEADLINE_S = 3.0

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from test_pd_engines import BLOCK, FIRST, GREEDY, PD, engine_config
+from pd_engine_helpers import BLOCK, FIRST, GREEDY, PD, engine_config
 
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.kv_params import KVTransferParams, Role

@@ -10,7 +10,9 @@ import subprocess
 import sys
 import time
 
-from mock_instance import MockProcess, post, wait_for
+from mock_instance import MockProcess, post
+
+from support.waiting import wait_for
 
 
 def test_router_process_routes_and_stops_on_sigterm() -> None:

@@ -25,6 +25,7 @@ from transfer_helpers import (
 
 from kvwire.cluster.local import free_port
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig, TransferStats
+from support.waiting import wait_for
 
 KIB = 1024
 # 3 layers of [2, 4, 8, 64] float32 = 16 KiB each
@@ -106,7 +107,7 @@ def test_sender_killed_mid_transfer_fails_receiver_before_deadline(
     assert events["failed"]["kill-1"].startswith("peer_lost")
     assert time.monotonic() - start < 10.0  # far within the 30 s deadline
     assert arrived == [0] and agent.stats().budget_bytes_in_use == 0
-    poll_until_true(lambda: shm_rings_mapped() == rings_before)  # the survivor unmapped the ring
+    wait_for(lambda: shm_rings_mapped() == rings_before, 10.0, "condition")  # the survivor unmapped the ring
 
 
 def _send_all(
@@ -141,7 +142,7 @@ def test_receiver_restarted_on_same_port(agent: TransferAgent, transport: str) -
         assert events["failed"]["rs-2"].startswith("peer_lost")
         assert time.monotonic() - start < 15.0  # the old transfer's deadline is 30 s
         if transport == "auto":  # the ring to the killed receiver is gone, one to the new one mapped
-            poll_until_true(lambda: shm_rings_mapped() == rings_with_old)
+            wait_for(lambda: shm_rings_mapped() == rings_with_old, 10.0, "condition")
         reply = new.call("wait", tids=["rs-3"])
         assert reply["digests"]["rs-3"] == {str(i): d for i, d in expected_digests(7, SPECS3).items()}
     finally:
@@ -249,13 +250,6 @@ def test_malformed_control_and_data_messages_are_rejected(peer: PeerProcess, age
     poll_until(agent, has_all("recvd", ["after-bad"]), timeout_s=10)
     got = agent.take_layers("after-bad")
     assert all(torch.equal(got[i], make_layer(8, i, *SPECS3[i])) for i in range(3))
-
-
-def poll_until_true(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met"
-        time.sleep(0.005)
 
 
 def poll_until_stat(

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,12 +22,6 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 1024
 ROUTER_TTL_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Proc:

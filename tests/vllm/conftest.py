@@ -21,12 +21,13 @@ from cluster import (
     REPO,
     STARTUP_TIMEOUT_S,
     Cluster,
-    free_port,
     healthy,
     kv_transfer_config,
     start_vllm,
     wait_until,
 )
+
+from support.waiting import free_port
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from cluster import REPO, Proc, free_port, healthy, kv_transfer_config, metric_total, vllm_env, wait_until
+from cluster import REPO, Proc, healthy, kv_transfer_config, metric_total, vllm_env, wait_until
+
+from support.waiting import free_port
 
 LENGTHS = [5, 127, 128, 129, 389, 900]
 

@@ -18,7 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from cluster import KV_DEADLINE_S, MAX_MODEL_LEN, ROUTER_TTL_S, Cluster, free_port, metric_total
+from cluster import KV_DEADLINE_S, MAX_MODEL_LEN, ROUTER_TTL_S, Cluster, metric_total
+
+from support.waiting import free_port
 
 BLOCK = 128
 LENGTHS = [1, 5, 31, BLOCK - 1, BLOCK, BLOCK + 1, 200, 2 * BLOCK, 2 * BLOCK + 1, 3 * BLOCK + 5, 600, 1000]

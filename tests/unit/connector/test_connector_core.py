@@ -7,40 +7,23 @@ import math
 
 import pytest
 import torch
-from connector_fakes import FakeAgent, FakeFabric, FakeRequest, chunk, poll_until, run_step
+from connector_fakes import (
+    BLOCK,
+    NUM_BLOCKS,
+    NUM_LAYERS,
+    FakeFabric,
+    FakeRequest,
+    Side,
+    chunk,
+    make_pd,
+    push_requests,
+)
 from prometheus_client import CollectorRegistry
 
-from kvwire.connector.config import ConnectorConfig, EngineInfo
-from kvwire.connector.metrics import connector_metrics
+from kvwire.connector.config import EngineInfo
 from kvwire.connector.scheduler import KvwireSchedulerConnector
 from kvwire.connector.worker import KvwireWorkerConnector
 from kvwire.kv_params import KVTransferParams, Role, TransferMode
-
-BLOCK = 8
-NUM_LAYERS = 3
-NUM_BLOCKS = 16
-
-
-class Side:
-    """One instance: scheduler + worker halves, a paged KV cache, and its fake agent."""
-
-    def __init__(self, fabric: FakeFabric, name: str, role: Role, registry: CollectorRegistry,
-                 **config: object) -> None:
-        self.agent: FakeAgent = fabric.agent(name)
-        self.config = ConnectorConfig(role=role, **config)  # type: ignore[arg-type]
-        info = EngineInfo(block_size=BLOCK)
-        self.metrics = connector_metrics(registry)
-        self.sched = KvwireSchedulerConnector(self.config, info, [self.agent.endpoint], metrics=self.metrics)
-        self.worker = KvwireWorkerConnector(self.config, info, self.agent, metrics=self.metrics)
-        fill = torch.randn if role is Role.PREFILL else torch.zeros
-        self.caches = [fill(2, NUM_BLOCKS, BLOCK, 2, 4) for _ in range(NUM_LAYERS)]
-        self.worker.register_kv_caches(self.caches)
-
-    def step(self, *chunks):  # type: ignore[no-untyped-def]
-        return run_step(self.sched, self.worker, self.caches, chunks)
-
-    def until(self, done):  # type: ignore[no-untyped-def]
-        return poll_until(self.sched, self.worker, self.caches, done)
 
 
 @pytest.fixture
@@ -53,20 +36,8 @@ def fabric() -> FakeFabric:
     return FakeFabric()
 
 
-def make_pd(fabric: FakeFabric, registry: CollectorRegistry, **config: object) -> tuple[Side, Side]:
-    p = Side(fabric, "p", Role.PREFILL, registry, **config)
-    d = Side(fabric, "d", Role.DECODE, CollectorRegistry(), **config)
-    return p, d
 
 
-def push_requests(p: Side, d: Side, prompt_len: int, tid: str = "t1", deadline_s: float = 5.0):  # type: ignore[no-untyped-def]
-    prompt = list(range(1, prompt_len + 1))
-    p_params = KVTransferParams(transfer_id=tid, role=Role.PREFILL, peer_endpoints=[d.agent.endpoint],
-                                deadline_s=deadline_s)
-    d_params = KVTransferParams(transfer_id=tid, role=Role.DECODE, peer_endpoints=[p.agent.endpoint],
-                                deadline_s=deadline_s)
-    preq = FakeRequest("p-" + tid, prompt, p_params.to_dict())
-    return preq, FakeRequest("d-" + tid, prompt, d_params.to_dict())
 
 
 def assert_blocks_equal(p: Side, p_ids: list[int], d: Side, d_ids: list[int]) -> None:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from connector_fakes import FakeRequest, chunk
+from connector_fakes import BLOCK, NUM_LAYERS, FakeRequest, chunk, make_pd, push_requests
 from prometheus_client import CollectorRegistry
-from test_connector_core import BLOCK, NUM_LAYERS, make_pd, push_requests
 
 from kvwire.connector.config import ConnectorConfig, EngineInfo, LoadFailurePolicy
 from kvwire.connector.scheduler import KvwireSchedulerConnector

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from connector_fakes import FakeFabric, FakeRequest, chunk
+from connector_fakes import BLOCK, NUM_BLOCKS, NUM_LAYERS, FakeFabric, FakeRequest, Side, chunk
 from prometheus_client import CollectorRegistry
-from test_connector_core import BLOCK, NUM_BLOCKS, NUM_LAYERS, Side
 
 from kvwire.connector.base import StepInfo
 from kvwire.connector.config import EngineInfo

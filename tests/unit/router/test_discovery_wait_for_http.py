@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import http.server
-import socket
 import threading
 
 import zmq
 
 from kvwire.discovery import Heartbeat, HeartbeatClient, InstanceInfo, decode_frames
 from kvwire.kv_params import Role
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from support.waiting import free_port as _free_port
 
 
 def test_first_heartbeat_waits_for_the_http_server() -> None:

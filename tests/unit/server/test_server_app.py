@@ -12,7 +12,7 @@ from typing import Any
 
 from aiohttp import ClientSession
 
-from conftest import sse_payloads, wait_until
+from support.fake_engine_server import sse_payloads, wait_until
 
 KV = {"transfer_id": "t-1", "role": "prefill", "mode": "pull"}
 

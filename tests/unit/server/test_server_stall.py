@@ -15,13 +15,20 @@ from typing import Any
 
 import pytest
 
-from conftest import FakeEngine, FakeServer, sse_payloads, start_fake_server, stop_fake_server, wait_until
 from kvwire.errors import ConfigError, EngineStalled
 from kvwire.server.cli import add_arguments, server_config_from_args
 from kvwire.server.config import ServerConfig
 from kvwire.server.engine_loop import EngineLoop
 from kvwire.server.engine_status import EngineHealth
 from kvwire.server.stall_watchdog import StallWatchdog
+from support.fake_engine_server import (
+    FakeEngine,
+    FakeServer,
+    sse_payloads,
+    start_fake_server,
+    stop_fake_server,
+    wait_until,
+)
 
 STALL_S = 0.5
 LONG = 5000  # tokens: a streaming request that runs for as long as the test needs it

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from conftest import FakeEngine, FakeServer, start_fake_server, stop_fake_server
 from kvwire.engine.outputs import RequestOutput
 from kvwire.errors import ConfigError
 from kvwire.server.cli import add_arguments, server_config_from_args
 from kvwire.server.config import ServerConfig
+from support.fake_engine_server import FakeEngine, FakeServer, start_fake_server, stop_fake_server
 from support.http_client import read_slowly
 
 CHUNK_CHARS = 32 * 1024  # text per generated token: the socket buffers fill after a few dozen events

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from test_transfer_agent import _layers, _send, poll_until
+from agent_helpers import _layers, _send, poll_until
 
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
 
