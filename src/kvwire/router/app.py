@@ -23,7 +23,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvwire.auth import Refusal, RefusalLog, api_key_middleware
 from kvwire.errors import InvalidRequestError, NoInstanceError
-from kvwire.router.client_stream import CLIENT_TIMEOUT
 from kvwire.router.config import RouterConfig
 from kvwire.router.discovery_backend import ZmqDiscovery, make_discovery
 from kvwire.router.kv_index import KvIndex
@@ -31,7 +30,7 @@ from kvwire.router.listener import DiscoveryListener
 from kvwire.router.metrics import RouterMetrics
 from kvwire.router.proxy import Dispatcher
 from kvwire.router.registry import InstanceView, Registry
-from kvwire.router.request import ClientRequest, parse_client_request
+from kvwire.router.request import ClientRequest, Outcome, parse_client_request
 from kvwire.router.security import instance_headers
 from kvwire.router.selection import ModelNotFoundError, Selector
 from kvwire.router.upstream import Upstream, UpstreamFailure
@@ -141,7 +140,7 @@ class RouterServer:
     async def _serve(self, request: web.Request, path: str) -> web.StreamResponse:
         assert self._dispatcher is not None, "start() first"
         t0 = time.perf_counter()
-        outcome, stream = "error", False
+        outcome, stream = Outcome.ERROR, False
         creq: ClientRequest | None = None
         self.metrics.inflight.inc()
         task = asyncio.current_task()
@@ -155,20 +154,20 @@ class RouterServer:
             outcome = creq.outcome
             return response
         except UpstreamFailure as exc:
-            outcome = "upstream_error"
+            outcome = Outcome.UPSTREAM_ERROR
             return _upstream_error_response(exc)
         except _CLIENT_ERRORS as exc:
             status, outcome, type_ = _client_error(exc)
             return error_response(status, str(exc), type_)
         except (asyncio.CancelledError, ConnectionResetError):
-            timed_out = creq is not None and creq.outcome == CLIENT_TIMEOUT  # stopped reading
-            outcome = CLIENT_TIMEOUT if timed_out else "client_disconnected"
+            timed_out = creq is not None and creq.outcome is Outcome.CLIENT_TIMEOUT  # stopped reading
+            outcome = Outcome.CLIENT_TIMEOUT if timed_out else Outcome.CLIENT_DISCONNECTED
             raise
         finally:
             self._active.discard(task)
             self.metrics.inflight.dec()
-            self.metrics.requests.labels(endpoint=path, outcome=outcome).inc()
-            if outcome == "ok":
+            self.metrics.requests.labels(endpoint=path, outcome=outcome.value).inc()
+            if outcome is Outcome.OK:
                 label = "true" if stream else "false"
                 self.metrics.e2e.labels(stream=label).observe(time.perf_counter() - t0)
 
@@ -249,16 +248,16 @@ class _BodyTooLarge(InvalidRequestError):
 
 # Errors raised before anything went upstream -> (HTTP status, outcome label, OpenAI error type).
 # First match wins: subclasses before their bases.
-_ERROR_TABLE: tuple[tuple[type[Exception], int, str, str], ...] = (
-    (_BodyTooLarge, 413, "too_large", "invalid_request_error"),
-    (InvalidRequestError, 400, "invalid", "invalid_request_error"),
-    (ModelNotFoundError, 404, "model_not_found", "not_found_error"),
-    (NoInstanceError, 503, "no_instance", "service_unavailable"),
+_ERROR_TABLE: tuple[tuple[type[Exception], int, Outcome, str], ...] = (
+    (_BodyTooLarge, 413, Outcome.TOO_LARGE, "invalid_request_error"),
+    (InvalidRequestError, 400, Outcome.INVALID, "invalid_request_error"),
+    (ModelNotFoundError, 404, Outcome.MODEL_NOT_FOUND, "not_found_error"),
+    (NoInstanceError, 503, Outcome.NO_INSTANCE, "service_unavailable"),
 )
 _CLIENT_ERRORS = tuple(row[0] for row in _ERROR_TABLE)
 
 
-def _client_error(exc: Exception) -> tuple[int, str, str]:
+def _client_error(exc: Exception) -> tuple[int, Outcome, str]:
     for cls, status, outcome, type_ in _ERROR_TABLE:
         if isinstance(exc, cls):
             return status, outcome, type_

@@ -15,8 +15,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from kvwire.client_writer import ClientWriter
-from kvwire.router.client_stream import CLIENT_TIMEOUT
-from kvwire.router.request import ClientRequest
+from kvwire.router.request import ClientRequest, Outcome
 
 
 async def send_body(
@@ -30,7 +29,7 @@ async def send_body(
     """
 
     def timed_out() -> None:
-        creq.outcome = CLIENT_TIMEOUT
+        creq.outcome = Outcome.CLIENT_TIMEOUT
 
     writer = ClientWriter(request, write_timeout_s, f"router request to {creq.path}", on_timeout=timed_out)
     return await writer.send_body(body, status=status, content_type=content_type)

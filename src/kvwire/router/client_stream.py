@@ -16,22 +16,21 @@ from aiohttp import web
 from kvwire.client_writer import ClientWriter
 from kvwire.router.metrics import RouterMetrics, SSETokenMeter
 from kvwire.router.migration import StreamLedger
-from kvwire.router.request import ClientRequest
-
-CLIENT_TIMEOUT = "client_timeout"  # outcome label of a request whose client stopped reading
+from kvwire.router.request import ClientRequest, Outcome
+from kvwire.router.selection import Plan
 
 
 class ClientStream:
     """Wraps a ``web.StreamResponse``; :meth:`write` times each event that carries generated text."""
 
     def __init__(
-        self, request: web.Request, creq: ClientRequest, metrics: RouterMetrics, mode: str,
+        self, request: web.Request, creq: ClientRequest, metrics: RouterMetrics, mode: Plan,
         *, write_timeout_s: float, status: int = 200, content_type: str = "text/event-stream",
     ) -> None:
         self._creq = creq
         # Label children resolved once: write() runs per token event.
-        self._ttft = metrics.ttft.labels(mode=mode)
-        self._itl = metrics.itl.labels(mode=mode)
+        self._ttft = metrics.ttft.labels(mode=mode.value)
+        self._itl = metrics.itl.labels(mode=mode.value)
         self.response = web.StreamResponse(
             status=status, headers={"Content-Type": content_type, "Cache-Control": "no-cache"}
         )
@@ -41,7 +40,7 @@ class ClientStream:
         self._last: float | None = None
 
     def _timed_out(self) -> None:
-        self._creq.outcome = CLIENT_TIMEOUT
+        self._creq.outcome = Outcome.CLIENT_TIMEOUT
 
     async def open(self) -> ClientStream:
         await self._writer.open(self.response)
@@ -76,8 +75,8 @@ class ClientStream:
 
     async def error_event(self, message: str, status: int) -> None:
         """Report a failure in-band (the status line is gone already), OpenAI style."""
-        if self._creq.outcome != CLIENT_TIMEOUT:
-            self._creq.outcome = "upstream_error"
+        if self._creq.outcome is not Outcome.CLIENT_TIMEOUT:
+            self._creq.outcome = Outcome.UPSTREAM_ERROR
         event = {"error": {"message": message, "type": "upstream_error", "code": status}}
         await self._writer.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
 

@@ -106,7 +106,7 @@ class Dispatcher:
     ) -> web.StreamResponse:
         if inst is None:
             inst = self._selector.pick_for(role, model or creq.model, prefix).view
-        mode = "colocated" if role is Role.BOTH else "pd"
+        mode = Plan.COLOCATED if role is Role.BOTH else Plan.DISAGGREGATED
         with self._selector.track(inst.instance_id, creq.est_prompt_tokens + creq.max_new_tokens):
             opened = await self._call(inst, role.value, creq, body, stream=creq.stream)
             return await self._respond(request, creq, inst, opened, mode)
@@ -128,7 +128,7 @@ class Dispatcher:
         return resp, first
 
     async def _respond(
-        self, request: web.Request, creq: ClientRequest, inst: InstanceView, opened: Opened, mode: str
+        self, request: web.Request, creq: ClientRequest, inst: InstanceView, opened: Opened, mode: Plan
     ) -> web.StreamResponse:
         resp, first = opened
         if not creq.stream:
@@ -140,7 +140,7 @@ class Dispatcher:
 
     async def _relay(
         self, request: web.Request, creq: ClientRequest, inst: InstanceView,
-        resp: aiohttp.ClientResponse, first: bytes, mode: str,
+        resp: aiohttp.ClientResponse, first: bytes, mode: Plan,
         out: ClientStream | None = None, splicer: FirstTokenSplicer | None = None,
     ) -> web.StreamResponse:
         """Forward an SSE stream (byte for byte unless ``splicer`` trims P's token off its start)."""
@@ -199,7 +199,7 @@ class Dispatcher:
                     response = await self._push_early(request, creq, d, p_task, d_task)
                 else:
                     opened = await self._race(p_task, d_task)
-                    response = await self._respond(request, creq, d, opened, "pd")
+                    response = await self._respond(request, creq, d, opened, Plan.DISAGGREGATED)
             except BaseException:
                 for task in (p_task, d_task):
                     task.cancel()
@@ -228,12 +228,12 @@ class Dispatcher:
                 resp, chunk = _take(pending.result(), resp)
                 held += chunk
                 if not chunk or probe.feed(chunk):  # D streamed a token (or ended) first: no splicing
-                    return await self._relay(request, creq, d, resp, held, "pd")
+                    return await self._relay(request, creq, d, resp, held, Plan.DISAGGREGATED)
                 pending = asyncio.create_task(self._read_more(d, resp))
             splicer = self._splicer_for(creq, p_task)
             out = None
             if splicer is not None:
-                out = await ClientStream(request, creq, self._metrics, "pd",
+                out = await ClientStream(request, creq, self._metrics, Plan.DISAGGREGATED,
                                          write_timeout_s=self._cfg.client_write_timeout_s).open()
                 await out.write(splicer.early_events())
             try:
@@ -243,7 +243,9 @@ class Dispatcher:
                     raise
                 await out.error_event(str(exc), exc.status)
                 return await out.close()
-            return await self._relay(request, creq, d, resp, held + chunk, "pd", out=out, splicer=splicer)
+            return await self._relay(
+                request, creq, d, resp, held + chunk, Plan.DISAGGREGATED, out=out, splicer=splicer
+            )
         except BaseException:
             pending.cancel()
             if resp is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,6 +20,20 @@ _FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 _DEFAULT_MAX_TOKENS = 16  # what OpenAI /v1/completions assumes when max_tokens is absent
 
 
+class Outcome(str, enum.Enum):
+    """How a client request ended (the ``outcome`` label of ``kvwire_router_requests``)."""
+
+    OK = "ok"
+    ERROR = "error"  # the router failed unexpectedly
+    UPSTREAM_ERROR = "upstream_error"  # an instance failed it (status and body passed through)
+    CLIENT_TIMEOUT = "client_timeout"  # the client stopped reading (write deadline)
+    CLIENT_DISCONNECTED = "client_disconnected"
+    TOO_LARGE = "too_large"  # 413
+    INVALID = "invalid"  # 400
+    MODEL_NOT_FOUND = "model_not_found"  # 404
+    NO_INSTANCE = "no_instance"  # 503
+
+
 @dataclass
 class ClientRequest:
     path: str  # "/v1/completions" or "/v1/chat/completions"
@@ -26,7 +41,7 @@ class ClientRequest:
     body: dict[str, Any]
     headers: dict[str, str]  # forwarded to instances
     t0: float = field(default_factory=time.perf_counter)  # arrival, perf_counter seconds
-    outcome: str = "ok"  # set by whoever decides how the request ended (metrics label)
+    outcome: Outcome = Outcome.OK  # set by whoever decides how the request ended (metrics label)
     prompt_token_ids: list[int] | None = None  # set when the router tokenized the prompt (kv_aware)
     ledger: StreamLedger | None = None  # streaming: what the client was sent (mid-stream migration)
     resume_stream: ClientStream | None = None  # a continuation: the client stream it writes into
