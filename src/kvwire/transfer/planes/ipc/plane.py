@@ -26,107 +26,53 @@ after it); PyTorch's ``expandable_segments`` memory has no IPC handle.
 from __future__ import annotations
 
 import contextlib
-import secrets
 import socket
-import threading
-import time
 from collections.abc import Sequence
 
 import msgspec
 import torch
 
 from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.planes.base import DataPlane, PlaneCallbacks
 from kvwire.transfer.planes.ipc.link import IpcInbound, IpcOutbound
 from kvwire.transfer.planes.ipc.runs import Dest, GrantInfo, ImportTable
 from kvwire.transfer.planes.shm.recv import shutdown
-from kvwire.transfer.planes.shm.wire import abstract_name
-from kvwire.transfer.planes.tcp.wire import CANCEL_MEMORY_S, POLL_S
+from kvwire.transfer.planes.unix_links import UnixLinkPlane
 from kvwire.transfer.types import PeerRef, RecvItem, SendItem
 
 _JOIN_S = 5.0
 
 
-class IpcPlane(DataPlane):
+class IpcPlane(UnixLinkPlane):
     """CUDA IPC data plane for GPU tensors of processes on one host."""
 
     ordered = False
     supports_spans = True
 
+    link_kind = "ipc"
+
     def __init__(self, config: TransferConfig, instance_id: str) -> None:
+        super().__init__()
         self.config = config
         self.instance_id = instance_id
         self.secret = config.secret
         self.device = torch.device(config.device)
-        self.lock = threading.Lock()
-        self.closing = threading.Event()
-        self.outbound: dict[str, IpcOutbound] = {}
-        self.inbound: dict[socket.socket, str] = {}
-        self.readers: set[threading.Thread] = set()
         self.posted: dict[tuple[str, int], str] = {}  # receiver: (transfer, layer) -> peer id
         self.dests: dict[tuple[str, int], tuple[str, Dest]] = {}  # sender: granted destinations
-        self.cancelled: dict[str, float] = {}
         self._pending: dict[str, list[Dest]] = {}  # receiver: Dests for the next Grant, per peer
         self._exported: dict[int, bytes] = {}  # allocation base -> its IPC handle
         self.imports = ImportTable(self._open, self._close)
-        self._listener: socket.socket | None = None
-        self._address = ""
-        self._acceptor: threading.Thread | None = None
-        self._callbacks: PlaneCallbacks | None = None
 
-    @property
-    def callbacks(self) -> PlaneCallbacks:
-        assert self._callbacks is not None, "start() first"
-        return self._callbacks
+    # --- lifecycle (start, close, accepting links: UnixLinkPlane) --------------------------------
 
-    # --- lifecycle ---------------------------------------------------------------------------------
+    def _inbound_link(self, conn: socket.socket) -> IpcInbound:
+        return IpcInbound(self, conn)
 
-    def start(self, callbacks: PlaneCallbacks) -> None:
-        self._callbacks = callbacks
-        address = f"@kvwire-ipc-{self.instance_id}-{secrets.token_hex(4)}"
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            listener.bind(abstract_name(address))
-            listener.listen(128)
-        except OSError:
-            listener.close()
-            raise
-        listener.settimeout(POLL_S)
-        self._listener, self._address = listener, address
-        self._acceptor = threading.Thread(target=self._accept_loop, name="kvwire-ipc-accept", daemon=True)
-        self._acceptor.start()
-
-    @property
-    def address(self) -> str:
-        assert self._address, "start() first"
-        return self._address
+    def _closed(self) -> None:
+        with self.lock:
+            self.imports.close_all()
 
     def allocate(self, num_bytes: int) -> torch.Tensor:
         return torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
-
-    def close(self) -> None:
-        if self.closing.is_set():
-            return
-        self.closing.set()
-        with self.lock:
-            outbound = list(self.outbound.values())
-            inbound = list(self.inbound)
-        for out in outbound:
-            out.stop()
-        for conn in inbound:
-            shutdown(conn)
-        if self._acceptor is not None:
-            self._acceptor.join(timeout=_JOIN_S)
-        for out in outbound:
-            out.thread.join(timeout=_JOIN_S)
-        with self.lock:
-            readers = list(self.readers)
-        for reader in readers:
-            reader.join(timeout=_JOIN_S)
-        with self.lock:
-            self.imports.close_all()
-        if self._listener is not None:
-            self._listener.close()
 
     # --- handles -----------------------------------------------------------------------------------
 
@@ -216,18 +162,9 @@ class IpcPlane(DataPlane):
             del self.dests[(transfer_id, layer)]
         return entry[1]
 
-    def is_cancelled(self, transfer_id: str) -> bool:
-        with self.lock:
-            return transfer_id in self.cancelled
-
-    # --- both --------------------------------------------------------------------------------------
-
     def cancel(self, transfer_id: str) -> None:
-        now = time.monotonic()
         with self.lock:
-            self.cancelled[transfer_id] = now
-            if len(self.cancelled) > 4096:
-                self.cancelled = {t: s for t, s in self.cancelled.items() if now - s < CANCEL_MEMORY_S}
+            self._note_cancelled(transfer_id)
             for table in (self.posted, self.dests):
                 for key in [k for k in table if k[0] == transfer_id]:
                     del table[key]
@@ -248,24 +185,3 @@ class IpcPlane(DataPlane):
                 self.imports.close_peer(peer_instance_id)
         for conn in inbound:
             shutdown(conn)
-
-    def _accept_loop(self) -> None:
-        assert self._listener is not None
-        while not self.closing.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self.closing.is_set():
-                    return
-                continue
-            inbound = IpcInbound(self, conn)
-            reader = threading.Thread(target=inbound.serve, name="kvwire-ipc-recv", daemon=True)
-            with self.lock:
-                if self.closing.is_set():
-                    conn.close()
-                    return
-                self.inbound[conn] = ""
-                self.readers.add(reader)
-            reader.start()

@@ -27,97 +27,44 @@ one writer per peer.
 
 from __future__ import annotations
 
-import secrets
 import socket
 import threading
-import time
 from collections.abc import Sequence
 
 from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.planes.base import DataPlane, PlaneCallbacks
 from kvwire.transfer.planes.shm.recv import Inbound, Landing, shutdown
 from kvwire.transfer.planes.shm.send import Outbound
-from kvwire.transfer.planes.shm.wire import abstract_name
-from kvwire.transfer.planes.tcp.wire import CANCEL_MEMORY_S, CANCEL_WAIT_S, POLL_S
+from kvwire.transfer.planes.tcp.wire import CANCEL_WAIT_S
+from kvwire.transfer.planes.unix_links import UnixLinkPlane
 from kvwire.transfer.types import PeerRef, RecvItem, SendItem
 
 _JOIN_S = 5.0
 
 
-class ShmPlane(DataPlane):
+class ShmPlane(UnixLinkPlane):
     """Shared-memory data plane for CPU tensors of processes on one host."""
 
     ordered = False
     supports_spans = True
+    link_kind = "shm"
 
     def __init__(self, config: TransferConfig, instance_id: str) -> None:
+        super().__init__()
         self.config = config
         self.instance_id = instance_id
         self.secret = config.secret
-        self.lock = threading.Lock()
         self.written = threading.Condition(self.lock)
-        self.closing = threading.Event()
-        self.outbound: dict[str, Outbound] = {}
-        self.inbound: dict[socket.socket, str] = {}  # connection -> peer instance id ("" = handshaking)
-        self.readers: set[threading.Thread] = set()
         self.posted: dict[tuple[str, int], tuple[str, RecvItem]] = {}
         self.landing: dict[tuple[str, int], Landing] = {}  # layers whose first chunk arrived
-        self.cancelled: dict[str, float] = {}
         self.writing: dict[socket.socket, str] = {}  # connection -> transfer being copied into caller memory
-        self._listener: socket.socket | None = None
-        self._address = ""
-        self._acceptor: threading.Thread | None = None
-        self._callbacks: PlaneCallbacks | None = None
 
-    @property
-    def callbacks(self) -> PlaneCallbacks:
-        assert self._callbacks is not None, "start() first"
-        return self._callbacks
+    # --- lifecycle (start, close, accepting links: UnixLinkPlane) --------------------------------
 
-    # --- lifecycle ---------------------------------------------------------------------------------
+    def _inbound_link(self, conn: socket.socket) -> Inbound:
+        return Inbound(self, conn)
 
-    def start(self, callbacks: PlaneCallbacks) -> None:
-        self._callbacks = callbacks
-        address = f"@kvwire-shm-{self.instance_id}-{secrets.token_hex(4)}"
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            listener.bind(abstract_name(address))
-            listener.listen(128)
-        except OSError:
-            listener.close()
-            raise
-        listener.settimeout(POLL_S)
-        self._listener, self._address = listener, address
-        self._acceptor = threading.Thread(target=self._accept_loop, name="kvwire-shm-accept", daemon=True)
-        self._acceptor.start()
-
-    @property
-    def address(self) -> str:
-        assert self._address, "start() first"
-        return self._address
-
-    def close(self) -> None:
-        if self.closing.is_set():
-            return
-        self.closing.set()
-        with self.lock:
-            outbound = list(self.outbound.values())
-            inbound = list(self.inbound)
-            self.posted.clear()
-        for out in outbound:
-            out.stop()
-        for conn in inbound:
-            shutdown(conn)
-        if self._acceptor is not None:
-            self._acceptor.join(timeout=_JOIN_S)
-        for out in outbound:
-            out.thread.join(timeout=_JOIN_S)
-        with self.lock:
-            readers = list(self.readers)
-        for reader in readers:
-            reader.join(timeout=_JOIN_S)
-        if self._listener is not None:
-            self._listener.close()
+    def _closing_locked(self) -> None:
+        self.posted.clear()
 
     # --- sender side -------------------------------------------------------------------------------
 
@@ -133,16 +80,9 @@ class ShmPlane(DataPlane):
         for item in items:
             out.queue.put(item)
 
-    def is_cancelled(self, transfer_id: str) -> bool:
-        with self.lock:
-            return transfer_id in self.cancelled
-
     def cancel(self, transfer_id: str) -> None:
-        now = time.monotonic()
         with self.lock:
-            self.cancelled[transfer_id] = now
-            if len(self.cancelled) > 4096:
-                self.cancelled = {t: s for t, s in self.cancelled.items() if now - s < CANCEL_MEMORY_S}
+            self._note_cancelled(transfer_id)
             for key in [k for k in self.posted if k[0] == transfer_id]:
                 del self.posted[key]
             for key in [k for k in self.landing if k[0] == transfer_id]:
@@ -171,24 +111,3 @@ class ShmPlane(DataPlane):
         with self.lock:
             for item in items:
                 self.posted[(item.transfer_id, item.layer_index)] = (peer.instance_id, item)
-
-    def _accept_loop(self) -> None:
-        assert self._listener is not None
-        while not self.closing.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self.closing.is_set():
-                    return
-                continue
-            inbound = Inbound(self, conn)
-            reader = threading.Thread(target=inbound.serve, name="kvwire-shm-recv", daemon=True)
-            with self.lock:
-                if self.closing.is_set():
-                    conn.close()
-                    return
-                self.inbound[conn] = ""
-                self.readers.add(reader)
-            reader.start()

@@ -1,0 +1,143 @@
+"""What the same-host planes (``shm``, ``ipc``) share: a Linux abstract Unix socket that peers
+connect to, one reader thread per inbound link, one writer per outbound peer, and the bookkeeping
+of cancelled transfers. Each plane supplies its link classes (:meth:`UnixLinkPlane._inbound_link`)
+and what it cleans up on close; the lifecycle below is the same for both.
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import threading
+import time
+from typing import Any, ClassVar, Protocol
+
+from kvwire.transfer.planes.base import DataPlane, PlaneCallbacks
+from kvwire.transfer.planes.shm.recv import shutdown
+from kvwire.transfer.planes.shm.wire import abstract_name
+from kvwire.transfer.planes.tcp.wire import CANCEL_MEMORY_S, POLL_S
+
+JOIN_S = 5.0  # a plane thread not gone by then is left (daemon) and logged by its owner
+_MAX_CANCELLED = 4096  # cancelled ids kept before the old ones (past CANCEL_MEMORY_S) are dropped
+
+
+class _Outbound(Protocol):
+    thread: threading.Thread
+
+    def stop(self) -> None: ...
+
+
+class _Inbound(Protocol):
+    def serve(self) -> None: ...
+
+
+class UnixLinkPlane(DataPlane):
+    """Base of the planes whose links are abstract Unix sockets (one network namespace, one host)."""
+
+    #: the plane's name in its socket address and thread names ("shm", "ipc")
+    link_kind: ClassVar[str]
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.closing = threading.Event()
+        self.outbound: dict[str, Any] = {}  # peer instance id -> the plane's outbound link
+        self.inbound: dict[socket.socket, str] = {}  # connection -> peer instance id ("" = handshaking)
+        self.readers: set[threading.Thread] = set()
+        self.cancelled: dict[str, float] = {}  # transfer id -> when cancelled (time.monotonic())
+        self._listener: socket.socket | None = None
+        self._address = ""
+        self._acceptor: threading.Thread | None = None
+        self._callbacks: PlaneCallbacks | None = None
+
+    def _inbound_link(self, conn: socket.socket) -> _Inbound:
+        """The plane's reader of one accepted connection (its ``serve`` runs on a thread of its own)."""
+        raise NotImplementedError
+
+    def _closing_locked(self) -> None:
+        """Called once, under ``lock``, when close starts (drop what no thread may pick up any more)."""
+
+    def _closed(self) -> None:
+        """Called once after every plane thread was joined, before the listener closes."""
+
+    @property
+    def callbacks(self) -> PlaneCallbacks:
+        assert self._callbacks is not None, "start() first"
+        return self._callbacks
+
+    def start(self, callbacks: PlaneCallbacks) -> None:
+        self._callbacks = callbacks
+        address = f"@kvwire-{self.link_kind}-{getattr(self, 'instance_id', '')}-{secrets.token_hex(4)}"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(abstract_name(address))
+            listener.listen(128)
+        except OSError:
+            listener.close()
+            raise
+        listener.settimeout(POLL_S)
+        self._listener, self._address = listener, address
+        self._acceptor = threading.Thread(
+            target=self._accept_loop, name=f"kvwire-{self.link_kind}-accept", daemon=True
+        )
+        self._acceptor.start()
+
+    @property
+    def address(self) -> str:
+        assert self._address, "start() first"
+        return self._address
+
+    def close(self) -> None:
+        if self.closing.is_set():
+            return
+        self.closing.set()
+        with self.lock:
+            outbound: list[_Outbound] = list(self.outbound.values())
+            inbound = list(self.inbound)
+            self._closing_locked()
+        for out in outbound:
+            out.stop()
+        for conn in inbound:
+            shutdown(conn)
+        if self._acceptor is not None:
+            self._acceptor.join(timeout=JOIN_S)
+        for out in outbound:
+            out.thread.join(timeout=JOIN_S)
+        with self.lock:
+            readers = list(self.readers)
+        for reader in readers:
+            reader.join(timeout=JOIN_S)
+        self._closed()
+        if self._listener is not None:
+            self._listener.close()
+
+    def is_cancelled(self, transfer_id: str) -> bool:
+        with self.lock:
+            return transfer_id in self.cancelled
+
+    def _note_cancelled(self, transfer_id: str) -> None:
+        """Remember a cancelled transfer (bounded). Caller holds ``lock``."""
+        now = time.monotonic()
+        self.cancelled[transfer_id] = now
+        if len(self.cancelled) > _MAX_CANCELLED:
+            self.cancelled = {t: s for t, s in self.cancelled.items() if now - s < CANCEL_MEMORY_S}
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self.closing.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self.closing.is_set():
+                    return
+                continue
+            link = self._inbound_link(conn)
+            reader = threading.Thread(target=link.serve, name=f"kvwire-{self.link_kind}-recv", daemon=True)
+            with self.lock:
+                if self.closing.is_set():
+                    conn.close()
+                    return
+                self.inbound[conn] = ""
+                self.readers.add(reader)
+            reader.start()
