@@ -76,6 +76,8 @@ def vllm_env() -> dict[str, str]:
 
 
 def kv_transfer_config(role: str, extra: dict[str, Any], *, failure_policy: str = "recompute") -> str:
+    # "recompute" for the P/D pair: the tier's killed-prefill case checks that path; vLLM's default
+    # ("fail") runs on the kv_both instance (test_kv_both_fail_policy).
     return json.dumps(
         {
             "kv_connector": "KvwireConnector",
@@ -93,7 +95,7 @@ def start_vllm(name: str, model_dir: Path, port: int, log_dir: Path, kv_config: 
         "--model", str(model_dir), "--served-model-name", "tiny",
         "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
-        "--no-enable-prefix-caching", "--enforce-eager",
+        # vLLM's defaults otherwise: prefix caching on, CUDA-graph/compile settings untouched
         # vLLM's default (0) SIGKILLs the engine core on shutdown: no connector.shutdown(), no
         # deregistration. A grace period lets the plugin close its agents and deregister.
         "--shutdown-timeout", "10",
