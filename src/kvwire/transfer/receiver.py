@@ -507,10 +507,25 @@ class Receiver:
         return True
 
     def fail_peer(self, peer_id: str, reason: str) -> None:
+        """The sender ``peer_id`` is gone: fail its transfers, except those whose every layer already
+        arrived (a push granted before the caller's ``expect``, held in receive buffers: the data
+        is whole, so the ``expect`` that follows completes it; the lease still bounds the wait)."""
         for tid in [
             t for t, st in self.recvs.items() if st.peer is not None and st.peer.instance_id == peer_id
         ]:
-            self.fail(tid, reason, notify=False)
+            if not self._all_arrived(self.recvs[tid]):
+                self.fail(tid, reason, notify=False)
+
+    def _all_arrived(self, st: RecvState) -> bool:
+        """Every layer landed (delivered or held). A trailer still missing will never come from a
+        peer that is gone: the transfer then completes without it (the consumer computes P's token)."""
+        if st.specs is None or len(st.arrived | st.delivering) < len(st.specs):
+            return False
+        if st.with_trailer and st.trailer is None:
+            st.with_trailer = False
+            self.core.stats.add("trailers_missing")
+        self.maybe_complete(st)
+        return True
 
     def expire(self, now: float) -> None:
         for tid in [t for t, st in self.recvs.items() if st.lease.deadline <= now]:

@@ -23,12 +23,6 @@ def pair(request: pytest.FixtureRequest) -> Iterator[tuple[TransferAgent, Transf
         yield a, b
 
 
-
-
-
-
-
-
 CACHE_SHAPES = {
     KVLayout.KV_FIRST: (2, 12, 4, 2, 8),
     KVLayout.BLOCK_FIRST: (12, 2, 4, 2, 8),
@@ -77,6 +71,26 @@ def test_scatter_into_after_data_arrived_copies_buffered_layers(
     b.expect("late", num_layers=1, scatter_into=lambda i: block_spans(dst, ids, KVLayout.KV_FIRST))
     poll_until(b, lambda ev: "late" in ev["recvd"])
     assert torch.equal(gather_blocks(dst, block_ids_tensor(ids, "cpu"), KVLayout.KV_FIRST), payload)
+
+
+def test_whole_push_held_before_expect_survives_the_sender_leaving(
+    pair: tuple[TransferAgent, TransferAgent],
+) -> None:
+    """P pushed every layer (and D acknowledged them into its receive buffers) before D's expect;
+    P then went away: the data is whole, so the expect that follows completes the transfer."""
+    a, b = pair
+    src = torch.randn(2, 8, 4, 2, 8)
+    dst = torch.zeros_like(src)
+    ids = [2, 3, 7]
+    payload = gather_blocks(src, block_ids_tensor(ids, "cpu"), KVLayout.KV_FIRST)
+    _send(a, "whole", b.endpoint, [payload])
+    poll_until(a, lambda ev: "whole" in ev["sent"])
+    b.on_peer_failed(a.instance_id, "peer_lost: the sender closed")  # what its plane reports
+    b.expect("whole", num_layers=1, scatter_into=lambda i: block_spans(dst, ids, KVLayout.KV_FIRST))
+    ev = poll_until(b, lambda ev: "whole" in ev["recvd"])
+    assert "whole" not in ev["failed"]
+    assert torch.equal(gather_blocks(dst, block_ids_tensor(ids, "cpu"), KVLayout.KV_FIRST), payload)
+    assert b.stats().budget_bytes_in_use == 0
 
 
 def test_layer_count_mismatch_fails_both_sides(pair: tuple[TransferAgent, TransferAgent]) -> None:
