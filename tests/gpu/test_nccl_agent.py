@@ -45,7 +45,7 @@ def _agent_sender(conn: Connection, _: Any) -> dict[str, str]:
     from kvwire.transfer import Backend, LayerSpec, TransferAgent, TransferConfig
     from kvwire.transfer.planes.cuda_paged import gather_layers
 
-    with TransferAgent(TransferConfig(backend=Backend.NCCL, device="cuda:0")) as agent:
+    with TransferAgent(TransferConfig(backend=Backend.NCCL, transport="nccl", device="cuda:0")) as agent:
         peer = conn.recv()
         ids = torch.tensor(SRC_IDS, device="cuda:0")
         for seed, tid in enumerate(TRANSFERS):
@@ -69,7 +69,7 @@ def _agent_receiver(conn: Connection, _: Any) -> dict[str, Any]:
     from kvwire.transfer import Backend, TransferAgent, TransferConfig
     from kvwire.transfer.paged import scatter_blocks
 
-    with TransferAgent(TransferConfig(backend=Backend.NCCL, device="cuda:1")) as agent:
+    with TransferAgent(TransferConfig(backend=Backend.NCCL, transport="nccl", device="cuda:1")) as agent:
         conn.send(agent.endpoint)
         ids = torch.tensor(DST_IDS, device="cuda:1")
         dst = {

@@ -214,7 +214,7 @@ def _sender(conn: Connection, mode: str) -> dict[str, Any]:
     transfers = _transfers(mode)
     ids = {tid: torch.tensor(_src_ids(i), device=device) for i, tid in enumerate(transfers)}
     specs = [LayerSpec(gathered_shape(cache[0], BLOCKS, LAYOUT), torch.bfloat16)] * LAYERS
-    agent = TransferAgent(TransferConfig(backend=Backend.NCCL, device="cuda:0"))
+    agent = TransferAgent(TransferConfig(backend=Backend.NCCL, transport="nccl", device="cuda:0"))
     report: dict[str, Any] = {"rounds": []}
     try:
         peer: str = _recv(conn)
@@ -270,7 +270,7 @@ def _receiver(conn: Connection, mode: str) -> dict[str, Any]:
 
         return sink
 
-    agent = TransferAgent(TransferConfig(backend=Backend.NCCL, device="cuda:1"))
+    agent = TransferAgent(TransferConfig(backend=Backend.NCCL, transport="nccl", device="cuda:1"))
     report: dict[str, Any] = {"rounds": [], "trailers": {}, "exact": {}, "stray_layers": []}
     expected: list[str] = []
     try:

@@ -45,7 +45,11 @@ def _instance(role: str, device: str, permuted: bool, fill: bool) -> Any:
     from kvwire.transfer.enums import KVLayout
 
     cfg = plugin_config_from_vllm(
-        VllmTransferView(kv_role=role, kv_buffer_device="cuda", kv_connector_extra_config={"deadline_s": 60})
+        VllmTransferView(
+            kv_role=role,
+            kv_buffer_device="cuda",
+            kv_connector_extra_config={"deadline_s": 60, "transport": "nccl"},  # this file tests NCCL
+        )
     )
     worker = WorkerSide(cfg, EngineInfo(block_size=BLOCK, device=device, kv_layout=KVLayout.MLA))
     caches = _caches(device, permuted, fill)

@@ -13,6 +13,7 @@ from kvwire.bench import nccl_harness as h
 from kvwire.bench import nccl_workers as w
 from kvwire.bench.serving_path import KVGeometry, ServingSide, run_transfers
 from kvwire.transfer import Backend, TransferConfig
+from kvwire.transfer.enums import Transport
 from kvwire.transfer.planes.cuda_paged import PagedLayers
 from kvwire.transfer.planes.nccl.bindings import abort_all, load_nccl
 from kvwire.transfer.planes.nccl.plane import NcclPlaneConfig
@@ -154,7 +155,13 @@ def run_rank(rank: int, conn: Connection, opts: dict[str, Any]) -> dict[str, Any
     serving = ServingSide(
         rank,
         KVGeometry(num_blocks=shape.cache_blocks),
-        TransferConfig(backend=Backend.NCCL, device=f"cuda:{rank}", nccl=plane_cfg, default_deadline_s=120.0),
+        TransferConfig(
+            backend=Backend.NCCL,
+            transport=Transport.NCCL,
+            device=f"cuda:{rank}",
+            nccl=plane_cfg,
+            default_deadline_s=120.0,
+        ),
     )
     report: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(device),

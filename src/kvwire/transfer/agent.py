@@ -151,7 +151,11 @@ class TransferAgent:
             self._sender.start(transfer_id, peer_endpoint, layers, deadline, with_trailer, pull_by, limit)
 
     def promise(
-        self, transfer_id: str, peer_endpoint: str, *, deadline_s: float | None = None,
+        self,
+        transfer_id: str,
+        peer_endpoint: str,
+        *,
+        deadline_s: float | None = None,
         limit_s: float | None = None,
     ) -> None:
         """Tell ``peer_endpoint`` (the receiver) that this side accepted ``transfer_id`` and will
@@ -257,8 +261,16 @@ class TransferAgent:
         with self._core.lock:
             self._check_open()
             deliver = self._receiver.expect(
-                transfer_id, num_layers, sink, deadline, pull_from, scatter_into, target, accept_from,
-                sender, limit_s,
+                transfer_id,
+                num_layers,
+                sink,
+                deadline,
+                pull_from,
+                scatter_into,
+                target,
+                accept_from,
+                sender,
+                limit_s,
             )
         if deliver:
             control = self._core.control
@@ -482,3 +494,7 @@ class TransferAgent:
 
     def on_protocol_error(self, reason: str) -> None:
         self._on_reject(reason)
+
+    def on_device_copy(self, num_bytes: int, seconds: float) -> None:
+        self._core.stats.add("device_copy_bytes", num_bytes)
+        self._core.stats.add("device_copy_ns", round(seconds * 1e9))

@@ -14,6 +14,7 @@ CUDA tensors of any dtype; on CUDA they are asynchronous on the current stream.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -102,14 +103,23 @@ def _runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
 def block_spans(kv_layer: torch.Tensor, block_ids: Sequence[int], layout: KVLayout) -> ByteSpans:
     """The bytes of ``gather_blocks(kv_layer, ids, layout)`` as spans of the (contiguous) cache itself:
     a plane with ``supports_spans`` sends from / receives into the blocks with no gather/scatter copy.
-    Consecutive block ids become one span."""
+    Consecutive block ids become one span. Every layer of one geometry asking for the same ids gets
+    the *same* spans tuple (memoized): a request's layers cost one computation, and planes may key
+    per-transfer tables on the tuple's identity."""
     _check(kv_layer, layout)
     if not kv_layer.is_contiguous():
         raise ValueError("block_spans needs a contiguous KV cache tensor")
     num_blocks = kv_layer.shape[_BLOCK_DIM[layout]]
-    if any(not 0 <= b < num_blocks for b in block_ids):
-        raise IndexError(f"block id out of range 0..{num_blocks - 1}")
     layer_bytes = kv_layer.numel() * kv_layer.element_size()
+    return ByteSpans(kv_layer, _span_table(layer_bytes, num_blocks, layout, tuple(block_ids)))
+
+
+@functools.lru_cache(maxsize=256)
+def _span_table(
+    layer_bytes: int, num_blocks: int, layout: KVLayout, block_ids: tuple[int, ...]
+) -> tuple[tuple[int, int], ...]:
+    if block_ids and not 0 <= min(block_ids) <= max(block_ids) < num_blocks:
+        raise IndexError(f"block id out of range 0..{num_blocks - 1}")
     halves: tuple[int, ...]
     if layout is KVLayout.KV_FIRST:
         half = layer_bytes // 2  # K blocks, then V blocks
@@ -119,8 +129,7 @@ def block_spans(kv_layer: torch.Tensor, block_ids: Sequence[int], layout: KVLayo
         block_bytes = layer_bytes // max(num_blocks, 1)
         halves = (0,)
     runs = _runs(block_ids)
-    spans = tuple((h + first * block_bytes, count * block_bytes) for h in halves for first, count in runs)
-    return ByteSpans(kv_layer, spans)
+    return tuple((h + first * block_bytes, count * block_bytes) for h in halves for first, count in runs)
 
 
 def head_slice(tensor: torch.Tensor, heads: range | None, layout: KVLayout) -> torch.Tensor:

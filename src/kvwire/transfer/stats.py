@@ -26,6 +26,8 @@ class TransferStats:
     spilled_layers: int = 0  # layers that landed in the spill pool (receive budget full)
     credit_waits: int = 0  # times granting stopped because budget and spill pool were full
     trailers_missing: int = 0  # transfers completed at their deadline without the sender's trailer
+    device_copy_bytes: int = 0  # bytes a plane copied on the GPU itself (CUDA IPC) ...
+    device_copy_ns: int = 0  # ... and the device time those copies took
     spill_bytes_in_use: int = 0  # gauges at snapshot time
     budget_bytes_in_use: int = 0
     transfers_active: int = 0

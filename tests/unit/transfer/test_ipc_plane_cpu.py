@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 
@@ -13,7 +14,7 @@ from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.enums import Backend
 from kvwire.transfer.planes.factory import held_backends
 from kvwire.transfer.planes.ipc.plane import IpcPlane
-from kvwire.transfer.planes.ipc.runs import Dest, GrantInfo, ImportTable, pair_runs
+from kvwire.transfer.planes.ipc.runs import Dest, GrantInfo, ImportTable, pair_runs, spans_array, tile_runs
 from kvwire.transfer.types import ByteSpans, PeerRef, RecvItem
 
 
@@ -52,6 +53,41 @@ def test_pair_runs_moves_the_same_bytes_as_gather_then_scatter(seed: int) -> Non
     assert _apply(pair_runs(src_spans, dst_spans), src, 2048) == bytes(want)
 
 
+def _apply_tiles(tiles: np.ndarray, src: bytes, size: int) -> bytes:
+    out = bytearray(size)
+    for s, d, n in tiles.tolist():
+        out[d : d + n] = src[s : s + n]
+    return bytes(out)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("one_to_one", [True, False])
+def test_tile_runs_move_the_same_bytes_as_gather_then_scatter(seed: int, one_to_one: bool) -> None:
+    rng = random.Random(seed)
+    size, block = 4096, 64
+    src_blocks = rng.sample(range(size // block), 20)
+    dst_blocks = rng.sample(range(size // block), 20)
+    if seed % 2:  # consecutive ids on both sides: merged runs, then cut into tiles
+        src_blocks, dst_blocks = list(range(3, 23)), list(range(30, 50))
+    src_spans = [(b * block, block) for b in src_blocks]
+    dst_spans = [(b * block, block) for b in dst_blocks]
+    if not one_to_one:  # destination spans of other sizes: the general pairing
+        dst_spans = [(o, n // 2) for o, n in dst_spans] + [(o + block // 2, block // 2) for o, _ in dst_spans]
+        dst_spans = [span for pair in zip(dst_spans[:20], dst_spans[20:], strict=True) for span in pair]
+    src = rng.randbytes(size)
+    tiles = tile_runs(spans_array(src_spans), spans_array(dst_spans), tile_bytes=256)
+    assert tiles.dtype == np.int64 and tiles[:, 2].max() <= 256 and tiles[:, 2].min() > 0
+    assert _apply_tiles(tiles, src, size) == _apply(pair_runs(src_spans, dst_spans), src, size)
+    if seed % 2:  # 20 consecutive 64-byte blocks = one 1280-byte run = 5 full tiles
+        assert len(tiles) == 5
+
+
+def test_tile_runs_refuse_spans_of_different_totals() -> None:
+    with pytest.raises(ValueError):
+        tile_runs(spans_array([(0, 64)]), spans_array([(0, 32), (64, 16)]), tile_bytes=64)
+    assert len(tile_runs(spans_array([]), spans_array([]), tile_bytes=64)) == 0
+
+
 def test_import_table_maps_once_per_peer_epoch_and_closes_on_loss() -> None:
     opened: list[bytes] = []
     closed: list[int] = []
@@ -65,9 +101,12 @@ def test_import_table_maps_once_per_peer_epoch_and_closes_on_loss() -> None:
     assert sorted(closed) == [1001, 1002, 1003] and table.by_peer == {}
 
 
-def test_grant_info_round_trips() -> None:
-    info = GrantInfo([Dest("t", 3, b"h" * 64, [(0, 16), (64, 32)])])
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(info), type=GrantInfo) == info
+def test_grant_info_round_trips_and_carries_each_span_set_once() -> None:
+    spans = spans_array([(0, 16), (64, 32)])
+    info = GrantInfo([Dest("t", 3, b"h" * 64, 128, 0), Dest("t", 4, b"h" * 64, 4096, 0)], [spans.tobytes()])
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(info), type=GrantInfo)
+    assert back == info
+    assert [a.tolist() for a in back.arrays()] == [[[0, 16], [64, 32]]]
 
 
 def test_receiver_destinations_travel_with_the_next_grant_and_sender_takes_them_once() -> None:
@@ -90,6 +129,23 @@ def test_receiver_destinations_travel_with_the_next_grant_and_sender_takes_them_
     assert not receiver.done("tx", "t", 1)
 
 
-def test_ipc_is_held_only_when_forced_on_cuda() -> None:
+def test_undecodable_plane_info_is_a_protocol_error_not_a_crash() -> None:
+    sender = IpcPlane(TransferConfig(device="cuda:0", transport="ipc"), "tx")
+    errors: list[str] = []
+
+    class Callbacks:
+        def on_protocol_error(self, reason: str) -> None:
+            errors.append(reason)
+
+    sender._callbacks = Callbacks()  # type: ignore[assignment]  # start() would open the link socket
+    peer = PeerRef("tcp://rx", "rx", "@b")
+    bad_set = GrantInfo([Dest("t", 0, b"h" * 64, 0, 5)], [])  # names a span set it does not carry
+    for info in (b"\x93garbage", msgspec.msgpack.encode(bad_set)):
+        sender.on_peer_info(peer, info)
+    assert len(errors) == 2 and sender.take_dest("rx", "t", 0) is None
+
+
+def test_ipc_is_the_same_host_plane_of_cuda_agents() -> None:
     assert held_backends(TransferConfig(device="cuda:0", transport="ipc")) == [Backend.IPC]
-    assert held_backends(TransferConfig(device="cuda:0", backend=Backend.NCCL)) == [Backend.NCCL]
+    assert held_backends(TransferConfig(device="cuda:0", backend=Backend.NCCL)) == [Backend.IPC, Backend.NCCL]
+    assert Backend.IPC not in held_backends(TransferConfig(device="cpu"))

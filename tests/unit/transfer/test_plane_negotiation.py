@@ -32,6 +32,7 @@ def hello(iid: str, device: str = "cpu", planes: tuple[str, ...] = ("shm", "tcp"
 
 
 OTHER_HOST = {"boot_id": "another-boot", "hostname": "other"}
+CUDA = ("ipc", "nccl")  # what a CUDA agent holds under auto
 
 
 @pytest.mark.parametrize(
@@ -40,10 +41,20 @@ OTHER_HOST = {"boot_id": "another-boot", "hostname": "other"}
         (hello("a"), hello("b"), Backend.SHM),  # CPU, one host
         (hello("a"), hello("b", **OTHER_HOST), Backend.TCP),  # CPU, two hosts
         (hello("a"), hello("b", netns=NETNS + 1), Backend.TCP),  # one host, other network namespace
-        (hello("a", "cuda", ("ipc", "nccl")), hello("b", "cuda", ("ipc", "nccl")), Backend.IPC),
+        (hello("a", "cuda", CUDA, gpu_uuid="GPU-0"), hello("b", "cuda", CUDA, gpu_uuid="GPU-0"), Backend.IPC),
+        (  # two GPUs of one host that reach each other (NVLink, or PCIe peer access)
+            hello("a", "cuda", CUDA, gpu_uuid="GPU-0", peer_gpus=["GPU-1"]),
+            hello("b", "cuda", CUDA, gpu_uuid="GPU-1", peer_gpus=["GPU-0"]),
+            Backend.IPC,
+        ),
+        (  # two GPUs without peer access: IPC cannot map the other's memory
+            hello("a", "cuda", CUDA, gpu_uuid="GPU-0"),
+            hello("b", "cuda", CUDA, gpu_uuid="GPU-1"),
+            Backend.NCCL,
+        ),
         (
-            hello("a", "cuda", ("ipc", "nccl")),
-            hello("b", "cuda", ("ipc", "nccl"), **OTHER_HOST),
+            hello("a", "cuda", CUDA, gpu_uuid="GPU-0"),
+            hello("b", "cuda", CUDA, gpu_uuid="GPU-0", **OTHER_HOST),
             Backend.NCCL,
         ),
         (hello("a", "cuda", ("nccl",)), hello("b", "cuda", ("ipc", "nccl")), Backend.NCCL),  # not held by a
@@ -85,6 +96,7 @@ def test_every_pair_of_cpu_configurations_agrees() -> None:
 
 def test_held_planes_follow_transport_and_device() -> None:
     assert held_backends(TransferConfig()) == [Backend.SHM, Backend.TCP]
+    assert held_backends(TransferConfig(device="cuda:0", backend=Backend.NCCL)) == [Backend.IPC, Backend.NCCL]
     assert held_backends(TransferConfig(transport="tcp")) == [Backend.TCP]
     assert held_backends(TransferConfig(transport="shm")) == [Backend.SHM]
     for bad in (
@@ -185,4 +197,3 @@ def test_shm_link_survives_many_tiny_layers() -> None:
                 time.sleep(0.001)
             assert torch.equal(b.take_layers(tid)[63], layers[63])
         assert a.peer_transports() == {b.endpoint: "shm"}
-

@@ -101,6 +101,10 @@ class PlaneCallbacks(Protocol):
     def on_protocol_error(self, reason: str) -> None:
         """Something unexpected arrived (unauthenticated connection, unknown frame): counted, logged."""
 
+    def on_device_copy(self, num_bytes: int, seconds: float) -> None:
+        """A plane that copies on the GPU itself (CUDA IPC) ran ``num_bytes`` of copies in ``seconds``
+        of device time (the copy engine's speed, without the host's share of the transfer)."""
+
 
 class DataPlane(abc.ABC):
     """Moves layer bytes between two agents. See the module docstring for the full contract."""

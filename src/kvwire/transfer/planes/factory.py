@@ -14,14 +14,12 @@ from kvwire.transfer.planes.plane_set import PlaneSet
 
 def held_backends(config: TransferConfig) -> list[Backend]:
     """The planes an agent holds, in preference order: the forced one alone, or (``auto``) the
-    same-host plane of its device next to ``config.backend`` (the plane for other hosts).
-
-    CUDA agents hold no same-host plane under ``auto`` yet: the IPC plane is chosen by forcing
-    ``ipc`` until it has been measured on GPUs (docs/decisions/077-cuda-ipc-plane.md)."""
+    same-host plane of its device (CUDA IPC on GPUs, shared memory on CPU) next to ``config.backend``
+    (the plane for other hosts). Negotiation picks per peer (decision 075)."""
     if config.transport is not Transport.AUTO:
         return [Backend(config.transport.value)]
     if config.device.startswith("cuda"):
-        return [config.backend]
+        return [Backend.IPC, config.backend]
     return [Backend.SHM, config.backend]
 
 

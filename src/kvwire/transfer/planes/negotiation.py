@@ -34,6 +34,7 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True):
     netns: int  # inode of /proc/self/ns/net (0 when unknown: never equal to another's)
     device: str  # "cpu" or "cuda"
     gpu_uuid: str = ""  # the CUDA device's UUID ("" on CPU)
+    peer_gpus: list[str] = []  # UUIDs of this host's other GPUs the device reaches peer to peer
     planes: dict[str, str] = {}  # backend value -> that plane's address, in preference order
     forced: str = ""  # the forced transport ("" = auto)
 
@@ -91,9 +92,18 @@ def usable(backend: Backend, a: Hello, b: Hello) -> str:
         return "the two ends are not on the same host (boot id, hostname or network namespace differ)"
     if backend in (Backend.IPC, Backend.NCCL) and not (a.device == b.device == "cuda"):
         return f"needs CUDA tensors on both ends (devices {a.device} and {b.device})"
+    if backend is Backend.IPC and not _reachable(a, b):
+        return f"GPUs {a.gpu_uuid or '?'} and {b.gpu_uuid or '?'} are neither one device nor peer-accessible"
     if backend is Backend.SHM and not (a.device == b.device == "cpu"):
         return f"moves CPU tensors only (devices {a.device} and {b.device})"
     return ""
+
+
+def _reachable(a: Hello, b: Hello) -> bool:
+    """One GPU, or two that can access each other's memory (CUDA IPC maps the peer's allocation)."""
+    if not a.gpu_uuid or not b.gpu_uuid:
+        return False
+    return a.gpu_uuid == b.gpu_uuid or (b.gpu_uuid in a.peer_gpus and a.gpu_uuid in b.peer_gpus)
 
 
 def choose(local: Hello, remote: Hello) -> Choice:

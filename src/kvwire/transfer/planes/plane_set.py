@@ -108,6 +108,7 @@ class PlaneSet(DataPlane):
             netns=netns,
             device="cuda" if cuda else "cpu",
             gpu_uuid=_gpu_uuid(self.device) if cuda else "",
+            peer_gpus=_peer_gpus(self.device) if cuda else [],
             planes={b.value: p.address for b, p in self.members.items()},
             forced="" if self.forced is Transport.AUTO else self.forced.value,
         )
@@ -257,6 +258,19 @@ class PlaneSet(DataPlane):
         while (failure := self._failures.get()) is not None:
             with contextlib.suppress(Exception):  # a failing callback must not end this thread
                 self._callbacks.on_transfer_failed(*failure)
+
+
+def _peer_gpus(device: str) -> list[str]:
+    """UUIDs of the other CUDA devices of this host that ``device`` can access peer to peer."""
+    try:
+        index = torch.device(device).index or 0
+        return [
+            _gpu_uuid(f"cuda:{other}")
+            for other in range(torch.cuda.device_count())
+            if other != index and torch.cuda.can_device_access_peer(index, other)
+        ]
+    except (RuntimeError, AssertionError, AttributeError):
+        return []
 
 
 def _gpu_uuid(device: str) -> str:

@@ -1,9 +1,12 @@
-"""The IPC plane's threads: a writer per peer (copies into the peer's mapped memory, then DONE) and
-a reader per inbound link (DONE -> on_received). See :mod:`kvwire.transfer.planes.ipc.plane`."""
+"""The IPC plane's threads: a writer and a completer per peer (copies into the peer's mapped memory;
+DONE frames once they landed) and a reader per inbound link (DONE -> on_received). See
+:mod:`kvwire.transfer.planes.ipc.plane`."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import hmac
 import os
 import queue
@@ -13,11 +16,12 @@ import struct
 import threading
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kvwire.errors import AuthenticationError, ProtocolError
-from kvwire.transfer.planes.ipc.copy import copy_runs
-from kvwire.transfer.planes.ipc.runs import pair_runs
+from kvwire.transfer.planes.ipc.copy import LayerGroup, copy_groups
+from kvwire.transfer.planes.ipc.runs import spans_array, tile_runs
 from kvwire.transfer.planes.shm.wire import abstract_name
 from kvwire.transfer.planes.tcp.wire import (
     HANDSHAKE_TIMEOUT_S,
@@ -34,24 +38,48 @@ if TYPE_CHECKING:
     from kvwire.transfer.planes.ipc.plane import IpcPlane
 
 MAGIC = b"KVWI"
-VERSION = 1
-DONE = struct.Struct("!IH")  # layer, transfer-id length (the id follows)
+VERSION = 2
+DONE = struct.Struct("!HH")  # transfer-id length, layer count; the id, then the layers ("!H" each)
 MAX_BATCH = 64  # layers copied before one synchronization
+_TILE_CACHE = 64  # tile tables kept per link (one per span-set pair: about one per transfer)
+_JOIN_S = 5.0
+
+
+def done_frame(transfer_id: str, layers: list[int]) -> bytes:
+    tid = transfer_id.encode()
+    return DONE.pack(len(tid), len(layers)) + tid + struct.pack(f"!{len(layers)}H", *layers)
+
+
+@dataclasses.dataclass
+class _Batch:
+    """Copies enqueued together: what the completer reports once ``end`` has passed."""
+
+    items: list[SendItem]
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+    num_bytes: int
 
 
 class IpcOutbound:
-    """Writer thread for one peer epoch."""
+    """Writer and completer threads for one peer epoch. The writer maps the peer's allocations and
+    enqueues a batch's copies (one kernel per group of layers sharing their spans); the completer
+    waits for each batch on the GPU, then sends its DONE frames, so the next batch is enqueued while
+    the previous one copies."""
 
     def __init__(self, plane: IpcPlane, peer: PeerRef) -> None:
         self.plane = plane
         self.peer = peer
         self.queue: queue.SimpleQueue[SendItem | None] = queue.SimpleQueue()
+        self.completions: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
         self.stopped = threading.Event()
         self.dead = False
         self.sock: socket.socket | None = None
-        self.thread = threading.Thread(
-            target=self._run, name=f"kvwire-ipc-send-{peer.instance_id[:8]}", daemon=True
+        self._tiles: collections.OrderedDict[tuple[int, int], tuple[object, object, np.ndarray]] = (
+            collections.OrderedDict()
         )
+        name = peer.instance_id[:8]
+        self.thread = threading.Thread(target=self._run, name=f"kvwire-ipc-send-{name}", daemon=True)
+        self.completer = threading.Thread(target=self._complete, name=f"kvwire-ipc-done-{name}", daemon=True)
 
     def stop(self) -> None:
         self.stopped.set()
@@ -76,13 +104,15 @@ class IpcOutbound:
         try:
             torch.cuda.set_device(self.plane.device)
             stream = torch.cuda.Stream(self.plane.device)
+            anchor = torch.empty(4, dtype=torch.int32, device=self.plane.device)
             sock = self._connect()
+            self.completer.start()
             while not self.stopped.is_set():
                 batch = self._next_batch(sock)
                 if batch is None:
                     break
                 if batch:
-                    self._copy(sock, stream, batch)
+                    self._copy(stream, anchor, batch)
         except (OSError, ConnectionError) as exc:
             if not self.stopped.is_set():
                 cb.on_peer_failed(
@@ -114,57 +144,106 @@ class IpcOutbound:
             batch.append(item)
         return [i for i in batch if not self.plane.is_cancelled(i.transfer_id)]
 
-    def _copy(self, sock: socket.socket, stream: torch.cuda.Stream, batch: list[SendItem]) -> None:
+    def _copy(self, stream: torch.cuda.Stream, anchor: torch.Tensor, batch: list[SendItem]) -> None:
+        """Enqueue the batch's copies on ``stream`` (one launch per span-set group) and hand the
+        batch to the completer."""
         cb = self.plane.callbacks
+        groups: dict[int, LayerGroup] = {}
         copied: list[SendItem] = []
+        waited: set[int] = set()
+        for item in batch:
+            planned = self._plan(item)
+            if isinstance(planned, str):
+                cb.on_transfer_failed(item.transfer_id, planned)
+                continue
+            tiles, bases = planned
+            group = groups.get(id(tiles))
+            if group is None:
+                group = groups[id(tiles)] = LayerGroup(tiles)
+            group.bases.append(bases)
+            copied.append(item)
+            if item.ready_event is not None and id(item.ready_event) not in waited:
+                waited.add(id(item.ready_event))
+                stream.wait_event(item.ready_event)
+        if not copied:
+            return
         with torch.cuda.stream(stream):
-            for item in batch:
-                error = self._enqueue(stream, item)
-                if error:
-                    cb.on_transfer_failed(item.transfer_id, error)
-                else:
-                    copied.append(item)
-            done = torch.cuda.Event()
-            done.record(stream)
-        done.synchronize()  # every copy of the batch landed in the receiver's memory
-        for item in copied:
-            tid = item.transfer_id.encode()
-            sock.sendall(DONE.pack(item.layer_index, len(tid)) + tid)
-            cb.on_sent(self.peer.instance_id, item.transfer_id, (item.layer_index,))
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            try:
+                copy_groups(list(groups.values()), anchor, self.plane.tuning)
+            except Exception as exc:  # a launch that fails fails its transfers, not the link
+                for item in copied:
+                    cb.on_transfer_failed(item.transfer_id, f"mismatch: IPC copy failed: {exc}")
+                return
+            end.record(stream)
+        self.completions.put(_Batch(copied, start, end, sum(g.num_bytes for g in groups.values())))
 
-    def _enqueue(self, stream: torch.cuda.Stream, item: SendItem) -> str:
-        """Enqueue one layer's copies on ``stream``; an error text when it cannot be copied."""
-        from kvwire.transfer.planes.ipc.cuda_ipc import wrap
-
+    def _plan(self, item: SendItem) -> tuple[np.ndarray, tuple[int, int]] | str:
+        """(tile table, (source base, destination base)) of one layer; an error text when it cannot
+        be copied."""
         dest = self.plane.take_dest(self.peer.instance_id, item.transfer_id, item.layer_index)
         if dest is None:
             return f"mismatch: no IPC destination granted for layer {item.layer_index}"
         if not dest.handle:
-            return (
-                "mismatch: the receiver's buffer for this layer is not device memory (IPC needs GPU memory)"
-            )
+            return "mismatch: the receiver's buffer for this layer is host memory (IPC needs GPU memory)"
         if item.spans is not None:
-            src = item.spans.flat()
-            src_spans = list(item.spans.spans)
+            src, src_spans = item.spans.flat(), item.spans.spans
         else:
             src = item.tensor.reshape(-1).view(torch.uint8)
-            src_spans = [(0, src.numel())]
+            src_spans = ((0, src.numel()),)
         if src.device.type != "cuda":
             return "mismatch: the IPC plane sends device memory only"
         try:
-            runs = pair_runs(src_spans, [tuple(s) for s in dest.spans])  # type: ignore[misc]
+            tiles = self._tile_table(src_spans, dest.spans)
             address = self.plane.imports.address(self.peer.instance_id, dest.handle)
         except Exception as exc:
             return f"mismatch: IPC layer {item.layer_index}: {exc}"
-        extent = max((off + n for off, n in dest.spans), default=0)
-        dst = wrap(address, extent, self.plane.device)
-        if item.ready_event is not None:
-            stream.wait_event(item.ready_event)
-        copy_runs(src, dst, runs)
-        return ""
+        return tiles, (src.data_ptr(), address + dest.shift)
+
+    def _tile_table(self, src_spans: tuple[tuple[int, int], ...], dst_spans: np.ndarray) -> np.ndarray:
+        """Tiles of one (source spans, destination spans) pair, computed once: a request's layers share
+        both objects (``block_spans`` memoizes; a Grant's span sets are decoded once), so the key is
+        their identity (both stay referenced by the cache entry, so the ids cannot be reused)."""
+        key = (id(src_spans), id(dst_spans))
+        entry = self._tiles.get(key)
+        if entry is None:
+            tiles = tile_runs(spans_array(src_spans), dst_spans, self.plane.tuning.tile_bytes)
+            entry = self._tiles[key] = (src_spans, dst_spans, tiles)
+            while len(self._tiles) > _TILE_CACHE:
+                self._tiles.popitem(last=False)
+        return entry[2]
+
+    def _complete(self) -> None:
+        """Completer thread: each batch, once its copies passed on the GPU -> DONE frames, on_sent."""
+        cb = self.plane.callbacks
+        while True:
+            batch = self.completions.get()
+            if batch is None:
+                return
+            batch.end.synchronize()  # every copy of the batch landed in the receiver's memory
+            cb.on_device_copy(batch.num_bytes, batch.start.elapsed_time(batch.end) / 1e3)
+            layers: dict[str, list[int]] = {}
+            for item in batch.items:
+                layers.setdefault(item.transfer_id, []).append(item.layer_index)
+            try:
+                assert self.sock is not None
+                self.sock.sendall(b"".join(done_frame(tid, ls) for tid, ls in layers.items()))
+            except OSError as exc:
+                if not self.stopped.is_set():
+                    cb.on_peer_failed(
+                        self.peer.instance_id, f"peer_lost: IPC link to {self.peer.endpoint}: {exc}"
+                    )
+                self.stop()
+                continue
+            for tid, ls in layers.items():
+                cb.on_sent(self.peer.instance_id, tid, ls)
 
     def _finish(self) -> None:
         plane = self.plane
+        if self.completer.is_alive():
+            self.completions.put(None)  # the completer reports what the GPU already copies, then ends
+            self.completer.join(timeout=_JOIN_S)
         with plane.lock:
             self.dead = True
             if plane.outbound.get(self.peer.instance_id) is self:
@@ -214,10 +293,12 @@ class IpcInbound:
             with plane.lock:
                 plane.inbound[self.conn] = self.peer_id
             while not plane.closing.is_set():
-                layer, tid_len = DONE.unpack(recv_bytes(self.conn, DONE.size))
+                tid_len, count = DONE.unpack(recv_bytes(self.conn, DONE.size))
                 tid = recv_bytes(self.conn, tid_len).decode(errors="replace")
-                if plane.done(self.peer_id, tid, layer):
-                    plane.callbacks.on_received(self.peer_id, tid, (layer,))
+                layers = struct.unpack(f"!{count}H", recv_bytes(self.conn, 2 * count))
+                landed = [layer for layer in layers if plane.done(self.peer_id, tid, layer)]
+                if landed:
+                    plane.callbacks.on_received(self.peer_id, tid, landed)
         except (ProtocolError, OSError, ConnectionError) as exc:
             error = exc
         finally:

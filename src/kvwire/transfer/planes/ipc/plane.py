@@ -30,16 +30,39 @@ import socket
 from collections.abc import Sequence
 
 import msgspec
+import numpy as np
 import torch
 
 from kvwire.transfer.config import TransferConfig
+from kvwire.transfer.planes.ipc.copy import CopyTuning
 from kvwire.transfer.planes.ipc.link import IpcInbound, IpcOutbound
-from kvwire.transfer.planes.ipc.runs import Dest, GrantInfo, ImportTable
+from kvwire.transfer.planes.ipc.runs import Dest, GrantInfo, ImportTable, Target, spans_array
 from kvwire.transfer.planes.shm.recv import shutdown
 from kvwire.transfer.planes.unix_links import UnixLinkPlane
 from kvwire.transfer.types import PeerRef, RecvItem, SendItem
 
 _JOIN_S = 5.0
+_NO_SPANS = np.empty((0, 2), dtype=np.int64)
+
+
+class _PendingGrant:
+    """Destinations posted for one peer since its last Grant; layers with the same spans (the same
+    block ids in caches of one geometry: ``block_spans`` hands out one tuple) share one span set."""
+
+    def __init__(self) -> None:
+        self.dests: list[Dest] = []
+        self._sets: list[tuple[tuple[int, int], ...]] = []
+        self._index: dict[int, int] = {}  # id(spans tuple) -> span set (the tuples stay referenced)
+
+    def span_set(self, spans: tuple[tuple[int, int], ...]) -> int:
+        index = self._index.get(id(spans))
+        if index is None:
+            index = self._index[id(spans)] = len(self._sets)
+            self._sets.append(spans)
+        return index
+
+    def info(self) -> GrantInfo:
+        return GrantInfo(self.dests, [spans_array(s).astype("<i8").tobytes() for s in self._sets])
 
 
 class IpcPlane(UnixLinkPlane):
@@ -57,10 +80,11 @@ class IpcPlane(UnixLinkPlane):
         self.secret = config.secret
         self.device = torch.device(config.device)
         self.posted: dict[tuple[str, int], str] = {}  # receiver: (transfer, layer) -> peer id
-        self.dests: dict[tuple[str, int], tuple[str, Dest]] = {}  # sender: granted destinations
-        self._pending: dict[str, list[Dest]] = {}  # receiver: Dests for the next Grant, per peer
+        self.dests: dict[tuple[str, int], tuple[str, Target]] = {}  # sender: granted destinations
+        self._pending: dict[str, _PendingGrant] = {}  # receiver: what the next Grant to a peer carries
         self._exported: dict[int, bytes] = {}  # allocation base -> its IPC handle
         self.imports = ImportTable(self._open, self._close)
+        self.tuning = CopyTuning()
 
     # --- lifecycle (start, close, accepting links: UnixLinkPlane) --------------------------------
 
@@ -88,42 +112,41 @@ class IpcPlane(UnixLinkPlane):
         torch.cuda.set_device(self.device)
         close_handle(address)
 
-    def _dest(self, item: RecvItem) -> Dest:
+    def _dest(self, item: RecvItem, grant: _PendingGrant) -> Dest:
         """Export the allocation under ``item``'s destination (once) and describe the spans."""
         from kvwire.transfer.planes.ipc.cuda_ipc import allocation_of, export_handle
 
         if item.dest_spans is not None:
-            base, spans = item.dest_spans.base, list(item.dest_spans.spans)
+            base, spans = item.dest_spans.base, item.dest_spans.spans
         else:
-            base, spans = item.dest, [(0, item.num_bytes)]
+            base, spans = item.dest, ((0, item.num_bytes),)
         if base.device.type != "cuda":
-            return Dest(item.transfer_id, item.layer_index, b"", [])  # the sender fails it
+            return Dest(item.transfer_id, item.layer_index, b"", 0, -1)  # the sender fails it
         torch.cuda.set_device(base.device)
         alloc, _ = allocation_of(base)
         handle = self._exported.get(alloc)
         if handle is None:
             handle = self._exported[alloc] = export_handle(alloc)
         shift = base.data_ptr() - alloc
-        return Dest(item.transfer_id, item.layer_index, handle, [(shift + off, n) for off, n in spans])
+        return Dest(item.transfer_id, item.layer_index, handle, shift, grant.span_set(spans))
 
     # --- receiver side -----------------------------------------------------------------------------
 
     def post_recv(self, peer: PeerRef, items: Sequence[RecvItem]) -> None:
-        dests = []
-        for item in items:
-            try:
-                dests.append(self._dest(item))
-            except Exception:  # no handle (e.g. VMM memory): the sender fails the layer
-                dests.append(Dest(item.transfer_id, item.layer_index, b"", []))
         with self.lock:
+            grant = self._pending.setdefault(peer.instance_id, _PendingGrant())
             for item in items:
+                try:
+                    dest = self._dest(item, grant)
+                except Exception:  # no handle (e.g. VMM memory): the sender fails the layer
+                    dest = Dest(item.transfer_id, item.layer_index, b"", 0, -1)
+                grant.dests.append(dest)
                 self.posted[(item.transfer_id, item.layer_index)] = peer.instance_id
-            self._pending.setdefault(peer.instance_id, []).extend(dests)
 
     def local_info(self, peer: PeerRef) -> bytes:
         with self.lock:
-            dests = self._pending.pop(peer.instance_id, None)
-        return msgspec.msgpack.encode(GrantInfo(dests)) if dests else b""
+            grant = self._pending.pop(peer.instance_id, None)
+        return msgspec.msgpack.encode(grant.info()) if grant is not None and grant.dests else b""
 
     def done(self, peer_id: str, transfer_id: str, layer: int) -> bool:
         """A DONE frame arrived: True when it completes a layer posted for that peer."""
@@ -135,12 +158,17 @@ class IpcPlane(UnixLinkPlane):
     def on_peer_info(self, peer: PeerRef, info: bytes) -> None:
         try:
             grant = msgspec.msgpack.decode(info, type=GrantInfo)
-        except msgspec.DecodeError:
+            arrays = grant.arrays()
+            targets = [
+                (d, Target(d.handle, d.shift, arrays[d.span_set] if d.handle else _NO_SPANS))
+                for d in grant.dests
+            ]
+        except (msgspec.DecodeError, ValueError, IndexError):
             self.callbacks.on_protocol_error(f"IPC plane info from {peer.endpoint} does not decode")
             return
         with self.lock:
-            for dest in grant.dests:
-                self.dests[(dest.transfer_id, dest.layer)] = (peer.instance_id, dest)
+            for dest, target in targets:
+                self.dests[(dest.transfer_id, dest.layer)] = (peer.instance_id, target)
 
     def send(self, peer: PeerRef, items: Sequence[SendItem]) -> None:
         with self.lock:
@@ -154,7 +182,7 @@ class IpcPlane(UnixLinkPlane):
         for item in items:
             out.queue.put(item)
 
-    def take_dest(self, peer_id: str, transfer_id: str, layer: int) -> Dest | None:
+    def take_dest(self, peer_id: str, transfer_id: str, layer: int) -> Target | None:
         with self.lock:
             entry = self.dests.get((transfer_id, layer))
             if entry is None or entry[0] != peer_id:

@@ -1,5 +1,6 @@
-"""Pure bookkeeping of the IPC plane (no CUDA): pairing source and destination byte runs, the
-handshake messages, and which allocations were exported to / imported from which peer epoch."""
+"""Pure bookkeeping of the IPC plane (no CUDA): pairing source and destination byte runs and cutting
+them into tiles, the Grant's destination messages, and which allocations were imported from which
+peer epoch."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import msgspec
+import numpy as np
 
 Run = tuple[int, int, int]  # (source byte offset, destination byte offset, bytes)
 
@@ -42,19 +44,71 @@ def pair_runs(src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]]) ->
     return runs
 
 
+def spans_array(spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """``(offset, bytes)`` spans as an ``(N, 2)`` int64 array."""
+    return np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+
+
+def tile_runs(src: np.ndarray, dst: np.ndarray, tile_bytes: int) -> np.ndarray:
+    """The ``(src_offset, dst_offset, bytes)`` tiles (``(T, 3)`` int64, each at most ``tile_bytes``)
+    that move the concatenation of ``src`` spans into the ``dst`` spans (both ``(N, 2)`` arrays of
+    one layer, offsets relative to its base). Stretches contiguous on both sides merge first, so
+    consecutive blocks become full tiles. Vectorized when the spans pair one to one (every block of
+    one size, the usual case); any other pairing goes through :func:`pair_runs`."""
+    if src.shape == dst.shape and np.array_equal(src[:, 1], dst[:, 1]):
+        runs = np.column_stack((src[:, 0], dst[:, 0], src[:, 1]))
+    else:
+        pairs = pair_runs([(int(o), int(n)) for o, n in src], [(int(o), int(n)) for o, n in dst])
+        runs = np.asarray(pairs, dtype=np.int64).reshape(-1, 3)
+    runs = runs[runs[:, 2] > 0]
+    if len(runs) == 0:
+        return runs
+    # merge stretches contiguous on both sides
+    ends = runs[:-1, :2] + runs[:-1, 2:3]
+    starts = np.ones(len(runs), dtype=bool)
+    starts[1:] = ~np.all(ends == runs[1:, :2], axis=1)
+    first = np.flatnonzero(starts)
+    runs = np.column_stack((runs[first, 0], runs[first, 1], np.add.reduceat(runs[:, 2], first)))
+    # cut into tiles
+    counts = -(-runs[:, 2] // tile_bytes)
+    owner = np.repeat(np.arange(len(runs)), counts)
+    index_in_run = np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
+    shift = index_in_run * tile_bytes
+    lengths = np.minimum(runs[owner, 2] - shift, tile_bytes)
+    return np.column_stack((runs[owner, 0] + shift, runs[owner, 1] + shift, lengths))
+
+
 class Dest(msgspec.Struct, array_like=True, frozen=True):
-    """Where one granted layer goes: an exported allocation and byte spans relative to its base."""
+    """Where one granted layer goes: an exported allocation, the layer's base as an offset into it,
+    and which of the Grant's span sets holds its byte spans (relative to that base)."""
 
     transfer_id: str
     layer: int
-    handle: bytes  # CUDA IPC memory handle of the allocation (64 bytes)
-    spans: list[tuple[int, int]]  # (offset from the allocation base, bytes)
+    handle: bytes  # CUDA IPC memory handle of the allocation (64 bytes); b"": not device memory
+    shift: int  # the layer's base - the allocation's base
+    span_set: int  # index into GrantInfo.span_sets
 
 
 class GrantInfo(msgspec.Struct, frozen=True):
-    """The receiver's plane_info on a Grant: destinations of the layers it just posted."""
+    """The receiver's plane_info on a Grant: destinations of the layers it just posted. Layers
+    granted together usually share one span set (the same block ids in caches of one geometry):
+    each set travels once, as the bytes of an ``(N, 2)`` little-endian int64 array."""
 
     dests: list[Dest]
+    span_sets: list[bytes]
+
+    def arrays(self) -> list[np.ndarray]:
+        return [np.frombuffer(b, dtype="<i8").reshape(-1, 2) for b in self.span_sets]
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A granted layer as the sender uses it: the allocation's handle, the layer's base within it,
+    its byte spans relative to that base (``(N, 2)``; shared by the layers of one span set)."""
+
+    handle: bytes
+    shift: int
+    spans: np.ndarray
 
 
 @dataclasses.dataclass

@@ -1,0 +1,98 @@
+"""Launch shapes of the CUDA IPC plane's copy kernel, against a contiguous device copy (one GPU).
+
+The plane's mover (``kvwire.transfer.planes.ipc.copy.copy_groups`` over tile tables from
+``runs.tile_runs``, exactly as the plane builds them) copies a Llama-3-8B-shaped request (32 layers,
+8 KV heads x 128, bf16, 16-token blocks scattered at random in both caches) paged -> paged in one
+process, for each tile size / warps / grid cap; device time by CUDA events, best of ``--repeats``.
+Same run: one contiguous ``copy_`` of the same bytes (the ceiling) and the per-layer
+``index_select`` + ``index_copy_`` a naive mover would use. The first configuration's result is
+checked bit for bit. The defaults of ``CopyTuning`` come from this table.
+
+    python benchmarks/ipc_copy_tuning.py [--tokens 512 2048 8192] [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from kvwire.transfer.paged import KVLayout, block_spans
+from kvwire.transfer.planes.ipc.copy import CopyTuning, LayerGroup, copy_groups
+from kvwire.transfer.planes.ipc.runs import spans_array, tile_runs
+
+LAYERS, BLOCK, HEADS, DIM = 32, 16, 8, 128
+
+
+def _timed(fn: object, repeats: int) -> float:
+    assert callable(fn)
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    anchor = torch.empty(4, dtype=torch.int32, device="cuda")
+    print(f"{'tokens':>6} {'MiB':>6} {'tile KiB':>8} {'warps':>5} {'progs':>5} {'GB/s':>7} {'/ d2d':>6}")
+    for tokens in args.tokens:
+        _one_size(tokens, args.repeats, anchor)
+
+
+def _one_size(tokens: int, repeats: int, anchor: torch.Tensor) -> None:
+    blocks = -(-tokens // BLOCK)
+    total = blocks + max(16, blocks // 4)
+    shape = (2, total, BLOCK, HEADS, DIM)
+    src = [torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
+    dst = [torch.zeros(shape, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+    src_ids = torch.randperm(total)[:blocks].tolist()
+    dst_ids = torch.randperm(total)[:blocks].tolist()
+    src_spans = block_spans(src[0], src_ids, KVLayout.KV_FIRST).spans
+    dst_spans = block_spans(dst[0], dst_ids, KVLayout.KV_FIRST).spans
+    num_bytes = sum(n for _, n in src_spans) * LAYERS
+    flat = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    flat2 = torch.empty_like(flat)
+    d2d = _timed(lambda: flat2.copy_(flat), repeats)
+    sid = torch.tensor(src_ids, device="cuda")
+    did = torch.tensor(dst_ids, device="cuda")
+
+    def naive() -> None:
+        for s, d in zip(src, dst, strict=True):
+            d.index_copy_(1, did, s.index_select(1, sid))
+
+    naive_s = _timed(naive, repeats)
+    print(f"{tokens:>6} {num_bytes / 2**20:>6.0f} {'d2d':>8} {'':>5} {'':>5} {num_bytes / d2d / 1e9:>7.0f}")
+    print(
+        f"{tokens:>6} {'':>6} {'naive':>8} {'':>5} {'':>5} {num_bytes / naive_s / 1e9:>7.0f} "
+        f"{d2d / naive_s:>6.2f}"
+    )
+    checked = False
+    for tile_kib, warps, progs in itertools.product((16, 32, 64), (4, 8, 16), (264, 528, 1056, 2112)):
+        tuning = CopyTuning(tile_bytes=tile_kib * 1024, max_programs=progs, num_warps=warps)
+        tiles = tile_runs(spans_array(src_spans), spans_array(dst_spans), tuning.tile_bytes)
+        group = LayerGroup(tiles, [(s.data_ptr(), d.data_ptr()) for s, d in zip(src, dst, strict=True)])
+        seconds = _timed(lambda g=group, t=tuning: copy_groups([g], anchor, t), repeats)
+        if not checked:
+            for s, d in zip(src, dst, strict=True):
+                assert torch.equal(s[:, src_ids].view(torch.int16), d[:, dst_ids].view(torch.int16))
+            checked = True
+        print(
+            f"{tokens:>6} {'':>6} {tile_kib:>8} {warps:>5} {progs:>5} {num_bytes / seconds / 1e9:>7.0f} "
+            f"{d2d / seconds:>6.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
