@@ -107,7 +107,7 @@ def _receiver(conn: Connection, arg: Any) -> dict[str, Any]:
                 "failed": failed,
                 "exact": all(torch.equal(a, b) for a, b in zip(want, got, strict=True)),
             }
-        out["transports"] = agent.peer_transports()
+            out.setdefault("transports", {}).update(agent.peer_transports())  # while the peer lives
         return out
 
 

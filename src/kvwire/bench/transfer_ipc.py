@@ -83,6 +83,7 @@ def _receiver(conn: Connection, tokens: int, shape: Shape, runs: int) -> None:
                 num_layers=shape.num_layers,
                 scatter_into=lambda i: block_spans(dst[i], dst_ids, KVLayout.KV_FIRST),
             )
+            conn.send("expecting")  # the clock starts once D waits for the transfer, as in serving
             deadline = time.monotonic() + 120
             while True:
                 ev = agent.poll()
@@ -125,6 +126,7 @@ def _sender(conn: Connection, tokens: int, shape: Shape, runs: int) -> list[tupl
         for _ in range(runs):
             tid = uuid.uuid4().hex
             conn.send(tid)
+            assert conn.recv() == "expecting"
             torch.cuda.synchronize()
             before = agent.stats().device_copy_ns
             start = time.perf_counter()

@@ -3,10 +3,10 @@ destination is a peer's allocation mapped by CUDA IPC): **one kernel launch per 
 that share their block geometry, whatever the number of blocks.
 
 A group is a tile table (``(src_offset, dst_offset, bytes)`` relative to a layer's base, each at most
-``tile_bytes``; see :func:`kvwire.transfer.planes.ipc.runs.tile_runs`) and one ``(src_base,
-dst_base)`` address pair per layer. Both go to the GPU as one small int64 table (offsets in 4-byte
+``tile_bytes``; see :func:`kvwire.transfer.planes.ipc.runs.tile_runs`), uploaded once per request,
+and one ``(src_base, dst_base)`` address pair per layer, uploaded per launch. Offsets are 4-byte
 words relative to an *anchor* tensor of this process, so any two device addresses of the process's
-address space, local or mapped, are reachable from one pointer); the Triton kernel's programs
+address space, local or mapped, are reachable from one pointer; the Triton kernel's programs
 stride over (layer, tile) items, a bounded grid. With every offset a multiple of 16 bytes (KV blocks
 always are) the kernel is told so and moves 16-byte vectors.
 
@@ -37,17 +37,46 @@ class CopyTuning:
     num_warps: int = 8
 
 
+@dataclasses.dataclass(frozen=True)
+class TileTable:
+    """One span-set pair's tiles, uploaded once: ``tiles`` (``(T, 3)`` bytes, host) and ``words`` (the
+    same in 4-byte words, int64 on the device). A request's layers share one table."""
+
+    tiles: np.ndarray
+    words: torch.Tensor | None  # None: not 4-byte aligned (the copy_ fallback)
+    aligned16: bool
+    layer_bytes: int
+    tile_words: int  # the kernel's TILE: the smallest power of two >= the longest tile
+
+    @classmethod
+    def build(cls, tiles: np.ndarray, device: torch.device) -> TileTable:
+        """Upload ``tiles`` (on the current stream: it orders before any launch that reads them)."""
+        aligned4 = not np.any(tiles % WORD)
+        words = None
+        if aligned4 and len(tiles):
+            host = torch.from_numpy(np.ascontiguousarray(tiles.reshape(-1) // WORD)).pin_memory()
+            words = host.to(device, non_blocking=True)
+        longest = int(tiles[:, 2].max()) // WORD if len(tiles) else 1
+        return cls(
+            tiles,
+            words,
+            aligned4 and not np.any(tiles % 16),
+            int(tiles[:, 2].sum()) if len(tiles) else 0,
+            1 << max(longest - 1, 1).bit_length(),
+        )
+
+
 @dataclasses.dataclass
 class LayerGroup:
     """Layers that share one tile table: ``bases`` holds one (source, destination) device address
-    pair per layer; ``tiles`` the layer-relative ``(src_offset, dst_offset, bytes)`` copies."""
+    pair per layer."""
 
-    tiles: np.ndarray
+    table: TileTable
     bases: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def num_bytes(self) -> int:
-        return int(self.tiles[:, 2].sum()) * len(self.bases)
+        return self.table.layer_bytes * len(self.bases)
 
 
 @functools.cache
@@ -59,15 +88,14 @@ def _kernel() -> Any | None:
         return None
 
     @triton.jit(do_not_specialize=["num_tiles", "total"])  # type: ignore[untyped-decorator,unused-ignore]
-    def copy_tiles(anchor, table, num_tiles, total, TILE: tl.constexpr, ALIGNED: tl.constexpr):  # type: ignore[no-untyped-def]
+    def copy_tiles(anchor, tiles, bases, num_tiles, total, TILE: tl.constexpr, ALIGNED: tl.constexpr):  # type: ignore[no-untyped-def]
         arange = tl.arange(0, TILE)
-        bases = table + num_tiles * 3
         for item in range(tl.program_id(0), total, tl.num_programs(0)):
             layer = item // num_tiles
             tile = item - layer * num_tiles
-            src = tl.load(bases + layer * 2) + tl.load(table + tile * 3)
-            dst = tl.load(bases + layer * 2 + 1) + tl.load(table + tile * 3 + 1)
-            n = tl.load(table + tile * 3 + 2)
+            src = tl.load(bases + layer * 2) + tl.load(tiles + tile * 3)
+            dst = tl.load(bases + layer * 2 + 1) + tl.load(tiles + tile * 3 + 1)
+            n = tl.load(tiles + tile * 3 + 2)
             if ALIGNED:
                 src = tl.multiple_of(src, 4)
                 dst = tl.multiple_of(dst, 4)
@@ -82,40 +110,85 @@ def kernel_available() -> bool:
     return _kernel() is not None
 
 
+@dataclasses.dataclass
+class Launch:
+    """One group made ready to launch: its bases already on their way to the device."""
+
+    group: LayerGroup
+    bases: torch.Tensor | None  # None: the copy_ fallback
+    aligned16: bool
+
+
+def prepare(groups: Sequence[LayerGroup], anchor: torch.Tensor) -> list[Launch]:
+    """The host's share of :func:`copy_groups`: each group's base addresses uploaded (through pinned
+    memory, on the current stream). ``anchor``: any int32 tensor on the device that runs the copies
+    (16-byte aligned, as the caching allocator's are)."""
+    kernel = _kernel()
+    anchor_at = anchor.data_ptr()
+    out = []
+    for group in groups:
+        table = group.table
+        if not group.bases or table.layer_bytes == 0:
+            continue
+        offsets = [a - anchor_at for pair in group.bases for a in pair]
+        if kernel is None or table.words is None or any(o % WORD for o in offsets):
+            out.append(Launch(group, None, False))
+            continue
+        host = torch.tensor([o // WORD for o in offsets], dtype=torch.int64).pin_memory()
+        out.append(Launch(group, host.to(anchor.device, non_blocking=True), table.aligned16))
+        out[-1].aligned16 = table.aligned16 and not any(o % 16 for o in offsets)
+    return out
+
+
+def launch(launches: Sequence[Launch], anchor: torch.Tensor, tuning: CopyTuning = CopyTuning()) -> None:
+    """Enqueue the prepared groups' copies on the current stream: one kernel launch each."""
+    for item in launches:
+        group, table = item.group, item.group.table
+        if item.bases is None:
+            _copy_each(group, anchor.device)
+            continue
+        num_tiles = len(table.tiles)
+        total = num_tiles * len(group.bases)
+        grid = (min(total, tuning.max_programs),)
+        args = (anchor, table.words, item.bases, num_tiles, total, table.tile_words, item.aligned16)
+        _run(grid, args, tuning.num_warps)
+
+
+_compiled: dict[tuple[int, bool, int], Any] = {}
+_direct = [True]  # False once launching a compiled kernel directly failed: Triton's own path then
+
+
+def _run(grid: tuple[int], args: tuple[Any, ...], num_warps: int) -> None:
+    """Launch through the compiled kernel's runner once it exists (a few microseconds less host time
+    per launch than the JIT entry point, which re-binds and re-keys every call)."""
+    key = (args[5], args[6], num_warps)
+    compiled = _compiled.get(key)
+    if compiled is not None and _direct[0]:
+        try:
+            compiled[grid](*args)
+            return
+        except Exception:  # another Triton's runner signature: use the JIT path from now on
+            _direct[0] = False
+    kernel = _kernel()
+    assert kernel is not None  # prepare() chose the copy_ fallback otherwise
+    _compiled[key] = kernel[grid](*args[:5], TILE=args[5], ALIGNED=args[6], num_warps=num_warps)
+
+
 def copy_groups(
     groups: Sequence[LayerGroup], anchor: torch.Tensor, tuning: CopyTuning = CopyTuning()
 ) -> None:
-    """Enqueue every group's copies on the current stream (``anchor``: any int32 tensor on the device
-    that runs the copies; 16-byte aligned, as the caching allocator's are)."""
-    kernel = _kernel()
-    base = anchor.data_ptr()
-    for group in groups:
-        if not group.bases or len(group.tiles) == 0:
-            continue
-        addresses = np.asarray(group.bases, dtype=np.int64) - base
-        aligned4 = not (np.any(group.tiles % WORD) or np.any(addresses % WORD))
-        if kernel is None or not aligned4:
-            _copy_each(group, anchor.device)
-            continue
-        aligned16 = not (np.any(group.tiles % 16) or np.any(addresses % 16))
-        words = np.concatenate((group.tiles.reshape(-1), addresses.reshape(-1))) // WORD
-        table = torch.from_numpy(words).to(anchor.device, non_blocking=True)  # staged: host reusable
-        num_tiles = len(group.tiles)
-        total = num_tiles * len(group.bases)
-        tile_words = 1 << max(int(group.tiles[:, 2].max()) // WORD - 1, 1).bit_length()
-        grid = (min(total, tuning.max_programs),)
-        kernel[grid](
-            anchor, table, num_tiles, total, TILE=tile_words, ALIGNED=aligned16, num_warps=tuning.num_warps
-        )
+    """:func:`prepare` then :func:`launch`: every group's copies enqueued on the current stream."""
+    launch(prepare(groups, anchor), anchor, tuning)
 
 
 def _copy_each(group: LayerGroup, device: torch.device) -> None:
     """One ``copy_`` per tile (no Triton, or spans not 4-byte aligned)."""
     from kvwire.transfer.planes.ipc.cuda_ipc import wrap
 
-    src_extent = int((group.tiles[:, 0] + group.tiles[:, 2]).max())
-    dst_extent = int((group.tiles[:, 1] + group.tiles[:, 2]).max())
+    tiles = group.table.tiles
+    src_extent = int((tiles[:, 0] + tiles[:, 2]).max())
+    dst_extent = int((tiles[:, 1] + tiles[:, 2]).max())
     for src_base, dst_base in group.bases:
         src, dst = wrap(src_base, src_extent, device), wrap(dst_base, dst_extent, device)
-        for s, d, n in group.tiles.tolist():
+        for s, d, n in tiles.tolist():
             dst[d : d + n].copy_(src[s : s + n], non_blocking=True)

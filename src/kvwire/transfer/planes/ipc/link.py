@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvwire.errors import AuthenticationError, ProtocolError
-from kvwire.transfer.planes.ipc.copy import LayerGroup, copy_groups
+from kvwire.transfer.planes.ipc.copy import LayerGroup, TileTable, launch, prepare
 from kvwire.transfer.planes.ipc.runs import spans_array, tile_runs
 from kvwire.transfer.planes.shm.wire import abstract_name
 from kvwire.transfer.planes.tcp.wire import (
@@ -74,7 +74,7 @@ class IpcOutbound:
         self.stopped = threading.Event()
         self.dead = False
         self.sock: socket.socket | None = None
-        self._tiles: collections.OrderedDict[tuple[int, int], tuple[object, object, np.ndarray]] = (
+        self._tiles: collections.OrderedDict[tuple[int, int], tuple[object, object, TileTable]] = (
             collections.OrderedDict()
         )
         name = peer.instance_id[:8]
@@ -152,7 +152,8 @@ class IpcOutbound:
         copied: list[SendItem] = []
         waited: set[int] = set()
         for item in batch:
-            planned = self._plan(item)
+            with torch.cuda.stream(stream):  # a new tile table uploads on the copy stream
+                planned = self._plan(item)
             if isinstance(planned, str):
                 cb.on_transfer_failed(item.transfer_id, planned)
                 continue
@@ -169,9 +170,10 @@ class IpcOutbound:
             return
         with torch.cuda.stream(stream):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
             try:
-                copy_groups(list(groups.values()), anchor, self.plane.tuning)
+                launches = prepare(list(groups.values()), anchor)
+                start.record(stream)  # device time: from here (the host's preparation is done)
+                launch(launches, anchor, self.plane.tuning)
             except Exception as exc:  # a launch that fails fails its transfers, not the link
                 for item in copied:
                     cb.on_transfer_failed(item.transfer_id, f"mismatch: IPC copy failed: {exc}")
@@ -179,7 +181,7 @@ class IpcOutbound:
             end.record(stream)
         self.completions.put(_Batch(copied, start, end, sum(g.num_bytes for g in groups.values())))
 
-    def _plan(self, item: SendItem) -> tuple[np.ndarray, tuple[int, int]] | str:
+    def _plan(self, item: SendItem) -> tuple[TileTable, tuple[int, int]] | str:
         """(tile table, (source base, destination base)) of one layer; an error text when it cannot
         be copied."""
         dest = self.plane.take_dest(self.peer.instance_id, item.transfer_id, item.layer_index)
@@ -201,7 +203,7 @@ class IpcOutbound:
             return f"mismatch: IPC layer {item.layer_index}: {exc}"
         return tiles, (src.data_ptr(), address + dest.shift)
 
-    def _tile_table(self, src_spans: tuple[tuple[int, int], ...], dst_spans: np.ndarray) -> np.ndarray:
+    def _tile_table(self, src_spans: tuple[tuple[int, int], ...], dst_spans: np.ndarray) -> TileTable:
         """Tiles of one (source spans, destination spans) pair, computed once: a request's layers share
         both objects (``block_spans`` memoizes; a Grant's span sets are decoded once), so the key is
         their identity (both stay referenced by the cache entry, so the ids cannot be reused)."""
@@ -209,7 +211,7 @@ class IpcOutbound:
         entry = self._tiles.get(key)
         if entry is None:
             tiles = tile_runs(spans_array(src_spans), dst_spans, self.plane.tuning.tile_bytes)
-            entry = self._tiles[key] = (src_spans, dst_spans, tiles)
+            entry = self._tiles[key] = (src_spans, dst_spans, TileTable.build(tiles, self.plane.device))
             while len(self._tiles) > _TILE_CACHE:
                 self._tiles.popitem(last=False)
         return entry[2]

@@ -78,7 +78,10 @@ class IpcPlane(UnixLinkPlane):
         self.config = config
         self.instance_id = instance_id
         self.secret = config.secret
-        self.device = torch.device(config.device)
+        device = torch.device(config.device)
+        if device.type == "cuda" and device.index is None:  # "cuda": the process's current device
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.posted: dict[tuple[str, int], str] = {}  # receiver: (transfer, layer) -> peer id
         self.dests: dict[tuple[str, int], tuple[str, Target]] = {}  # sender: granted destinations
         self._pending: dict[str, _PendingGrant] = {}  # receiver: what the next Grant to a peer carries
