@@ -47,7 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     anchor = torch.empty(4, dtype=torch.int32, device="cuda")
-    print(f"{'tokens':>6} {'MiB':>6} {'tile KiB':>8} {'warps':>5} {'progs':>5} {'GB/s':>7} {'/ d2d':>6}")
+    print(f"{'tokens':>6} {'MiB':>6} {'tile KiB':>8} {'warps':>5} {'p/SM':>5} {'GB/s':>7} {'/ d2d':>6}")
     for tokens in args.tokens:
         _one_size(tokens, args.repeats, anchor)
     _host_cost(anchor)
@@ -116,8 +116,8 @@ def _one_size(tokens: int, repeats: int, anchor: torch.Tensor) -> None:
         f"{d2d / naive_s:>6.2f}"
     )
     checked = False
-    for tile_kib, warps, progs in itertools.product((16, 32, 64), (4, 8, 16), (264, 1056, 2112, 4224)):
-        tuning = CopyTuning(tile_bytes=tile_kib * 1024, max_programs=progs, num_warps=warps)
+    for tile_kib, warps, per_sm in itertools.product((16, 32, 64), (4, 8, 16), (2, 8, 16, 32, 64)):
+        tuning = CopyTuning(tile_bytes=tile_kib * 1024, programs_per_sm=per_sm, num_warps=warps)
         tiles = tile_runs(spans_array(src_spans), spans_array(dst_spans), tuning.tile_bytes)
         table = TileTable.build(tiles, torch.device("cuda"))
         group = LayerGroup(table, [(s.data_ptr(), d.data_ptr()) for s, d in zip(src, dst, strict=True)])
@@ -128,7 +128,7 @@ def _one_size(tokens: int, repeats: int, anchor: torch.Tensor) -> None:
                 assert torch.equal(s[:, src_ids].view(torch.int16), d[:, dst_ids].view(torch.int16))
             checked = True
         print(
-            f"{tokens:>6} {'':>6} {tile_kib:>8} {warps:>5} {progs:>5} {num_bytes / seconds / 1e9:>7.0f} "
+            f"{tokens:>6} {'':>6} {tile_kib:>8} {warps:>5} {per_sm:>5} {num_bytes / seconds / 1e9:>7.0f} "
             f"{d2d / seconds:>6.2f}"
         )
 

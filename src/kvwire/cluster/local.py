@@ -148,14 +148,24 @@ class LocalCluster:
             spec = self.spec
             roles = [(Role.PREFILL, spec.num_prefill), (Role.DECODE, spec.num_decode),
                      (Role.BOTH, spec.num_both)]
+            shared = self._shares_a_gpu()
             for role, count in roles:
                 for index in range(count):
                     self.start_instance(f"{role.value}-{index}", role)
+                    if shared:  # each sizes its KV cache from the memory still free: one at a time
+                        self.wait_ready()
             self.wait_ready()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _shares_a_gpu(self) -> bool:
+        """Several instances on one CUDA device (no --spread-gpus, or fewer GPUs than instances)."""
+        spec = self.spec
+        count = spec.num_prefill + spec.num_decode + spec.num_both
+        apart = 0 < spec.spread_gpus >= count
+        return spec.device.startswith("cuda") and count > 1 and not apart
 
     def _start_router(self) -> None:
         spec = self.spec

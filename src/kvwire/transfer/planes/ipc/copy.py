@@ -33,8 +33,16 @@ class CopyTuning:
     docs/performance.md "CUDA IPC plane")."""
 
     tile_bytes: int = 32 * 1024
-    max_programs: int = 1056  # 8 per SM of an H200
+    programs_per_sm: int = 32  # the grid's cap: this many programs per SM of the device
     num_warps: int = 8
+
+    def max_programs(self, device: torch.device) -> int:
+        return self.programs_per_sm * _sm_count(device.index or 0)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +157,7 @@ def launch(launches: Sequence[Launch], anchor: torch.Tensor, tuning: CopyTuning 
             continue
         num_tiles = len(table.tiles)
         total = num_tiles * len(group.bases)
-        grid = (min(total, tuning.max_programs),)
+        grid = (min(total, tuning.max_programs(anchor.device)),)
         args = (anchor, table.words, item.bases, num_tiles, total, table.tile_words, item.aligned16)
         _run(grid, args, tuning.num_warps)
 
@@ -164,8 +172,8 @@ def _run(grid: tuple[int], args: tuple[Any, ...], num_warps: int) -> None:
     key = (args[5], args[6], num_warps)
     compiled = _compiled.get(key)
     if compiled is not None and _direct[0]:
-        try:
-            compiled[grid](*args)
+        try:  # pointers as integers: the launcher takes them as is (no data_ptr() calls)
+            compiled[grid](args[0].data_ptr(), args[1].data_ptr(), args[2].data_ptr(), *args[3:])
             return
         except Exception:  # another Triton's runner signature: use the JIT path from now on
             _direct[0] = False
