@@ -75,12 +75,17 @@ def _sender(conn: Connection, arg: Any) -> dict[str, Any]:
         while (cmd := conn.recv()) != "stop":
             op, peer, tid, seed = cmd
             cache = [t.view(torch.bfloat16).to("cuda:0") for t in _cache(seed)]
+            copied_before = agent.stats().device_copy_bytes
             _send(agent, peer, tid, cache, LAYERS if op == "send" else LAYERS // 2)
             if op == "send":
                 results[tid] = _poll(agent, {tid}, "finished_sending")
                 results["transports"] = agent.peer_transports()
                 conn.send(results[tid])
-            else:  # "send_and_hang": report, then wait to be killed
+            else:  # "send_and_hang": once the first layers were copied into D, report, then wait to be killed
+                deadline = time.monotonic() + 60
+                while agent.stats().device_copy_bytes == copied_before:  # Offer and Grant went through
+                    assert time.monotonic() < deadline, "no layer copied within 60 s"
+                    time.sleep(0.005)
                 conn.send("sending")
                 time.sleep(120)
         return results
@@ -107,7 +112,6 @@ def _receiver(conn: Connection, arg: Any) -> dict[str, Any]:
                 "failed": failed,
                 "exact": all(torch.equal(a, b) for a, b in zip(want, got, strict=True)),
             }
-            out.setdefault("transports", {}).update(agent.peer_transports())  # while the peer lives
         return out
 
 
@@ -127,7 +131,7 @@ def test_two_processes_on_one_gpu_copy_bit_exact(spawn: Any) -> None:
         "failed": {},
         "exact": True,
     }
-    assert set(receiver["transports"].values()) == {"ipc"}
+    assert set(results["_sender"]["transports"].values()) == {"ipc"}
 
 
 def test_sender_killed_mid_transfer_fails_receiver_with_peer_lost(spawn: Any) -> None:
