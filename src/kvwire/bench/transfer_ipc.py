@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import multiprocessing as mp
+import statistics
 import time
 import uuid
 from multiprocessing.connection import Connection
@@ -30,6 +31,7 @@ import torch
 from kvwire.bench.transfer import MiB, Shape
 
 DEFAULT_TOKENS = (512, 2048, 8192)
+OVERLAP_TOKENS = 2048
 DEVICE = "cuda:0"
 
 
@@ -145,6 +147,114 @@ def _sender(conn: Connection, tokens: int, shape: Shape, runs: int) -> list[tupl
     return times
 
 
+@dataclasses.dataclass
+class OverlapResult:
+    """Layer-wise sends during a synthetic forward on the same GPU: how long the KV took to be whole on
+    D after P's forward ended (``exposed``), against one layer's compute (goal: exposed <= it)."""
+
+    tokens: int
+    forward_ms: float  # the forward alone
+    forward_with_transfer_ms: float  # the forward while the plane copies its layers (same GPU)
+    layer_compute_ms: float
+    exposed_ms: float  # D has every layer this long after P's forward ended (median)
+    goal_met: bool
+
+
+def _overlap_receiver(conn: Connection, tokens: int, shape: Shape, iters: int) -> None:
+    from kvwire.transfer import TransferAgent, TransferConfig
+    from kvwire.transfer.enums import Transport
+    from kvwire.transfer.paged import KVLayout, block_spans
+
+    torch.cuda.set_device(0)
+    total, dst_ids = _ids(tokens, shape, 2)
+    dst = [
+        torch.zeros(_layer_shape(total, shape), dtype=shape.dtype, device=DEVICE)
+        for _ in range(shape.num_layers)
+    ]
+    with TransferAgent(
+        TransferConfig(device=DEVICE, transport=Transport.IPC, default_deadline_s=120.0)
+    ) as agent:
+        conn.send(agent.endpoint)
+        for _ in range(iters):
+            tid = conn.recv()
+            agent.expect(
+                tid,
+                num_layers=shape.num_layers,
+                scatter_into=lambda i: block_spans(dst[i], dst_ids, KVLayout.KV_FIRST),
+            )
+            conn.send("expecting")
+            deadline = time.monotonic() + 120
+            while tid not in agent.poll().finished_recving:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("receive did not finish in 120 s")
+                time.sleep(0.0001)
+            conn.send(time.perf_counter())  # one host: both processes read the same clock
+
+
+def overlap(tokens: int, shape: Shape, iters: int = 6) -> OverlapResult:
+    """P runs a Llama-3-8B-sized forward on ``tokens`` and hands each layer to the plane as soon as it
+    is written (``send_layer_spans`` with the layer's event, as the connector does); D, another
+    process on the same GPU, receives into its paged caches."""
+    from kvwire.bench.synthetic_forward import SyntheticForward
+    from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
+    from kvwire.transfer.enums import Transport
+    from kvwire.transfer.paged import KVLayout, block_spans
+
+    ctx = mp.get_context("spawn")
+    left, right = ctx.Pipe()
+    receiver = ctx.Process(target=_overlap_receiver, args=(right, tokens, shape, iters), daemon=True)
+    receiver.start()
+    try:
+        total, src_ids = _ids(tokens, shape, 1)
+        cache = [
+            torch.zeros(_layer_shape(total, shape), dtype=shape.dtype, device=DEVICE)
+            for _ in range(shape.num_layers)
+        ]
+        ids = torch.tensor(src_ids, device=DEVICE)
+        spans = [block_spans(t, src_ids, KVLayout.KV_FIRST) for t in cache]
+        spec = LayerSpec((spans[0].num_bytes,), torch.uint8)
+        fwd = SyntheticForward(-(-tokens // shape.block_size) * shape.block_size, torch.device(DEVICE))
+        alone = []
+        for _ in range(iters):
+            start, end = fwd.run(cache, ids)
+            end.synchronize()
+            alone.append(start.elapsed_time(end))
+        exposed, with_transfer = [], []
+        with TransferAgent(
+            TransferConfig(device=DEVICE, transport=Transport.IPC, default_deadline_s=120.0)
+        ) as agent:
+            peer = left.recv()
+            for _ in range(iters):
+                tid = uuid.uuid4().hex
+                left.send(tid)
+                assert left.recv() == "expecting"
+                agent.start_send(tid, peer, [spec] * shape.num_layers)
+
+                def save(layer: int, written: torch.cuda.Event, tid: str = tid) -> None:
+                    agent.send_layer_spans(tid, layer, spans[layer], ready_event=written)
+
+                start, end = fwd.run(cache, ids, save)
+                end.synchronize()
+                compute_done = time.perf_counter()
+                exposed.append(left.recv() - compute_done)
+                with_transfer.append(start.elapsed_time(end))
+    finally:
+        receiver.join(timeout=30)
+        if receiver.is_alive():
+            receiver.kill()
+    forward_ms = statistics.median(alone[1:])
+    layer_ms = forward_ms / shape.num_layers
+    exposed_ms = statistics.median(exposed[1:]) * 1e3
+    return OverlapResult(
+        tokens,
+        round(forward_ms, 3),
+        round(statistics.median(with_transfer[1:]), 3),
+        round(layer_ms, 4),
+        round(exposed_ms, 4),
+        exposed_ms <= layer_ms,
+    )
+
+
 def _d2d(num_bytes: int, repeats: int) -> float:
     src = torch.empty(num_bytes, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
@@ -200,6 +310,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     shape = Shape(num_layers=args.layers)
     results = [measure(t, shape, max(1, args.repeats)) for t in (args.tokens or DEFAULT_TOKENS)]
+    lw = overlap(OVERLAP_TOKENS, shape)
     if args.json:
         print(
             json.dumps(
@@ -207,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
                     "benchmark": "transfer",
                     "backend": "ipc",
                     "results": [dataclasses.asdict(r) for r in results],
+                    "overlap": dataclasses.asdict(lw),
                 }
             )
         )
@@ -228,5 +340,11 @@ def run(args: argparse.Namespace) -> int:
             "copy: device time of the plane's copies; e2e: start_send -> finished_sending (control plane "
             "included); d2d: one contiguous copy of the same bytes in one process (goal: copy/d2d >= 0.8 "
             "at >= 2048 tokens, >= 0.5 at 512)"
+        )
+        print(
+            f"layer-wise overlap @{lw.tokens} tokens (P's forward and the copies on one GPU): forward "
+            f"{lw.forward_ms} ms alone, {lw.forward_with_transfer_ms} ms while sending; layer compute "
+            f"{lw.layer_compute_ms} ms; KV whole on D {lw.exposed_ms} ms after the forward ended "
+            f"(goal <= one layer: {'met' if lw.goal_met else 'NOT met'})"
         )
     return 0 if all(r.verified for r in results) else 1
