@@ -238,6 +238,11 @@ def overlap(tokens: int, shape: Shape, iters: int = 6) -> OverlapResult:
                 compute_done = time.perf_counter()
                 exposed.append(left.recv() - compute_done)
                 with_transfer.append(start.elapsed_time(end))
+                deadline = time.monotonic() + 60  # P's side ends too (D's acks) before the next one
+                while tid not in agent.poll().finished_sending:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("send not acknowledged in 60 s")
+                    time.sleep(0.0005)
     finally:
         receiver.join(timeout=30)
         if receiver.is_alive():
