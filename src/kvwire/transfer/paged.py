@@ -21,7 +21,7 @@ import torch
 
 from kvwire.errors import ConfigError
 from kvwire.transfer.enums import KVLayout
-from kvwire.transfer.types import ByteSpans
+from kvwire.transfer.types import ByteSpans, CheckedSpans
 
 _BLOCK_DIM = {KVLayout.KV_FIRST: 1, KVLayout.BLOCK_FIRST: 0, KVLayout.MLA: 0}
 _HEAD_DIM = {KVLayout.KV_FIRST: 3, KVLayout.BLOCK_FIRST: 3}  # MLA: no head dimension
@@ -129,7 +129,9 @@ def _span_table(
         block_bytes = layer_bytes // max(num_blocks, 1)
         halves = (0,)
     runs = _runs(block_ids)
-    return tuple((h + first * block_bytes, count * block_bytes) for h in halves for first, count in runs)
+    return CheckedSpans(
+        tuple((h + first * block_bytes, count * block_bytes) for h in halves for first, count in runs)
+    )
 
 
 def head_slice(tensor: torch.Tensor, heads: range | None, layout: KVLayout) -> torch.Tensor:

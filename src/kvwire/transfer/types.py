@@ -149,6 +149,23 @@ class PeerRef:
     plane_info: bytes = b""  # opaque bytes the peer's plane attached to its last control message
 
 
+class CheckedSpans(tuple[tuple[int, int], ...]):
+    """Spans checked when they were built (offsets >= 0), carrying their total and furthest byte, so
+    a ByteSpans over them is checked in O(1): ``paged.block_spans`` hands one of these to every layer
+    of a request, where checking each layer's spans one by one cost a loop over all its blocks."""
+
+    total: int
+    end: int
+
+    def __new__(cls, spans: tuple[tuple[int, int], ...]) -> CheckedSpans:
+        if any(off < 0 or n < 0 for off, n in spans):
+            raise ValueError("ByteSpans: a span has a negative offset or length")
+        obj = super().__new__(cls, spans)
+        obj.total = sum(n for _, n in spans)
+        obj.end = max((off + n for off, n in spans), default=0)
+        return obj
+
+
 @dataclasses.dataclass(frozen=True)
 class ByteSpans:
     """Byte ranges of one contiguous ``base`` tensor whose concatenation is one layer's payload,
@@ -162,11 +179,16 @@ class ByteSpans:
         if not self.base.is_contiguous():
             raise ValueError("ByteSpans.base must be contiguous")
         limit = self.base.numel() * self.base.element_size()
-        if any(off < 0 or n < 0 or off + n > limit for off, n in self.spans):
+        if isinstance(self.spans, CheckedSpans):
+            if self.spans.end > limit:
+                raise ValueError("ByteSpans: a span lies outside the base tensor")
+        elif any(off < 0 or n < 0 or off + n > limit for off, n in self.spans):
             raise ValueError("ByteSpans: a span lies outside the base tensor")
 
     @property
     def num_bytes(self) -> int:
+        if isinstance(self.spans, CheckedSpans):
+            return self.spans.total
         return sum(n for _, n in self.spans)
 
     def flat(self) -> torch.Tensor:
