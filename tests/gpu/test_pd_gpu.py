@@ -8,15 +8,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
-from kvwire.cluster.local import ClusterSpec, LocalCluster
+from kvwire.cluster.local import LocalCluster
 from kvwire.kv_params import TransferMode
 from kvwire.transfer.enums import Transport
-from support.pd_gpu import MAX_TOKENS, body, metric, prompts_of, reference, send
+from support.pd_gpu import MAX_TOKENS, body, metric, pd_cluster, prompts_of, reference, send
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,20 +27,13 @@ pytestmark = [
 def cluster(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
-    spec = ClusterSpec(
-        num_prefill=1,
-        num_decode=1,
-        device="cuda",
-        mode=request.param,
+    yield from pd_cluster(
+        request.param,
+        tmp_path_factory,
+        "pd_gpu",
         kv_transport=Transport.NCCL,  # this file tests the NCCL plane (auto picks IPC on one host)
         spread_gpus=2,
-        serve_args=("--dtype", "float32", "--num-kv-blocks", "4096"),
-        start_timeout_s=300,
     )
-    log = tmp_path_factory.mktemp("pd_gpu") / f"cluster-{request.param.value}.log"
-    with open(log, "w") as sink, LocalCluster(spec, sink=sink) as pd:
-        yield pd
-    print(Path(log).read_text()[-3000:])
 
 
 def test_pd_over_nccl_equals_colocated(cluster: LocalCluster) -> None:

@@ -12,14 +12,13 @@ import asyncio
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
-from kvwire.cluster.local import ClusterSpec, LocalCluster
+from kvwire.cluster.local import LocalCluster
 from kvwire.kv_params import Role, TransferMode
-from support.pd_gpu import MAX_TOKENS, body, metric, prompts_of, reference, send
+from support.pd_gpu import MAX_TOKENS, body, metric, pd_cluster, prompts_of, reference, send
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,18 +30,7 @@ pytestmark = [
 def cluster(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
-    spec = ClusterSpec(
-        num_prefill=1,
-        num_decode=1,
-        device="cuda",
-        mode=request.param,
-        serve_args=("--dtype", "float32", "--num-kv-blocks", "4096"),
-        start_timeout_s=300,
-    )
-    log = tmp_path_factory.mktemp("pd_one_gpu") / f"cluster-{request.param.value}.log"
-    with open(log, "w") as sink, LocalCluster(spec, sink=sink) as pd:
-        yield pd
-    print(Path(log).read_text()[-3000:])
+    yield from pd_cluster(request.param, tmp_path_factory, "pd_one_gpu")
 
 
 def _decode_url(cluster: LocalCluster) -> str:

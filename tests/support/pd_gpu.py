@@ -6,10 +6,16 @@ from __future__ import annotations
 import asyncio
 import re
 import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import aiohttp
+import pytest
 
 from kvwire.cluster.client import RequestResult, post_completion
+from kvwire.cluster.local import ClusterSpec, LocalCluster
+from kvwire.kv_params import TransferMode
 
 LENGTHS = (1, 15, 16, 17, 53, 1015)
 MAX_TOKENS = 8
@@ -56,3 +62,23 @@ def reference(prompts: list[list[int]]) -> list[list[int]]:
                     out.append(o.token_ids)
     engine.close()
     return out
+
+
+def pd_cluster(
+    mode: TransferMode, tmp: pytest.TempPathFactory, name: str, **spec: Any
+) -> Iterator[LocalCluster]:
+    """A 1P1D cluster of the tiny model in fp32 on CUDA (``spec`` adds ClusterSpec fields); its log is
+    printed when it stops."""
+    cluster_spec = ClusterSpec(
+        num_prefill=1,
+        num_decode=1,
+        device="cuda",
+        mode=mode,
+        serve_args=("--dtype", "float32", "--num-kv-blocks", "4096"),
+        start_timeout_s=300,
+        **spec,
+    )
+    log = tmp.mktemp(name) / f"cluster-{mode.value}.log"
+    with open(log, "w") as sink, LocalCluster(cluster_spec, sink=sink) as pd:
+        yield pd
+    print(Path(log).read_text()[-3000:])
