@@ -29,10 +29,36 @@ from multiprocessing.connection import Connection
 import torch
 
 from kvwire.bench.transfer import MiB, Shape
+from kvwire.transfer.config import TransferConfig
 
 DEFAULT_TOKENS = (512, 2048, 8192)
 OVERLAP_TOKENS = 2048
 DEVICE = "cuda:0"
+
+
+@dataclasses.dataclass(frozen=True)
+class Where:
+    """Device and plane of both agents: one GPU over CUDA IPC for the benchmark; the CPU unit test runs
+    the same two-process flow on CPU over TCP."""
+
+    device: str = DEVICE
+    transport: str = "ipc"
+
+    def config(self) -> TransferConfig:
+        from kvwire.transfer import TransferConfig
+
+        return TransferConfig(
+            device=self.device,
+            transport=self.transport,  # type: ignore[arg-type]
+            default_deadline_s=120.0,
+        )
+
+    def synchronize(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize(self.device)
+
+
+GPU = Where()
 
 
 @dataclasses.dataclass
@@ -61,23 +87,21 @@ def _layer_shape(total: int, shape: Shape) -> tuple[int, ...]:
     return (2, total, shape.block_size, shape.num_kv_heads, shape.head_dim)
 
 
-def _receiver(conn: Connection, tokens: int, shape: Shape, runs: int, verify: bool) -> None:
+def _receiver(conn: Connection, tokens: int, shape: Shape, runs: int, verify: bool, where: Where) -> None:
     """D: expects each transfer (then says so), waits for it, answers the time it became whole (one
     host: P reads the same clock); with ``verify``, checks every block of the last run at the end."""
-    from kvwire.transfer import TransferAgent, TransferConfig
-    from kvwire.transfer.enums import Transport
+    from kvwire.transfer import TransferAgent
     from kvwire.transfer.paged import KVLayout, block_spans, gather_blocks
 
-    torch.cuda.set_device(0)
+    if where.device.startswith("cuda"):
+        torch.cuda.set_device(where.device)
     total, dst_ids = _ids(tokens, shape, 2)
     _, src_ids = _ids(tokens, shape, 1)
     dst = [
-        torch.zeros(_layer_shape(total, shape), dtype=shape.dtype, device=DEVICE)
+        torch.zeros(_layer_shape(total, shape), dtype=shape.dtype, device=where.device)
         for _ in range(shape.num_layers)
     ]
-    with TransferAgent(
-        TransferConfig(device=DEVICE, transport=Transport.IPC, default_deadline_s=120.0)
-    ) as agent:
+    with TransferAgent(where.config()) as agent:
         conn.send(agent.endpoint)
         for _ in range(runs):
             tid = conn.recv()
@@ -98,6 +122,7 @@ def _receiver(conn: Connection, tokens: int, shape: Shape, runs: int, verify: bo
                     raise TimeoutError("receive did not finish in 120 s")
                 time.sleep(0.0001)
             conn.send(time.perf_counter())
+        assert conn.recv() == "done"  # P saw every acknowledgement: D's agent may close now
         if verify:
             verified = True
             gen = torch.Generator().manual_seed(tokens)
@@ -109,29 +134,28 @@ def _receiver(conn: Connection, tokens: int, shape: Shape, runs: int, verify: bo
             conn.send(verified)
 
 
-def _sender(conn: Connection, tokens: int, shape: Shape, runs: int) -> list[tuple[float, float]]:
-    from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
-    from kvwire.transfer.enums import Transport
+def _sender(
+    conn: Connection, tokens: int, shape: Shape, runs: int, where: Where
+) -> list[tuple[float, float]]:
+    from kvwire.transfer import LayerSpec, TransferAgent
     from kvwire.transfer.paged import KVLayout, block_spans
 
     total, src_ids = _ids(tokens, shape, 1)
     gen = torch.Generator().manual_seed(tokens)
     src = [
-        torch.randn(_layer_shape(total, shape), generator=gen).to(shape.dtype).to(DEVICE)
+        torch.randn(_layer_shape(total, shape), generator=gen).to(shape.dtype).to(where.device)
         for _ in range(shape.num_layers)
     ]
     spans = [block_spans(t, src_ids, KVLayout.KV_FIRST) for t in src]
     spec = LayerSpec((spans[0].num_bytes,), torch.uint8)
     times = []
-    with TransferAgent(
-        TransferConfig(device=DEVICE, transport=Transport.IPC, default_deadline_s=120.0)
-    ) as agent:
+    with TransferAgent(where.config()) as agent:
         peer = conn.recv()
         for _ in range(runs):
             tid = uuid.uuid4().hex
             conn.send(tid)
             assert conn.recv() == "expecting"
-            torch.cuda.synchronize()
+            where.synchronize()
             before = agent.stats().device_copy_ns
             start = time.perf_counter()
             agent.start_send(tid, peer, [spec] * shape.num_layers)
@@ -146,6 +170,7 @@ def _sender(conn: Connection, tokens: int, shape: Shape, runs: int) -> list[tupl
                 time.sleep(0.0002)
             times.append((time.perf_counter() - start, (agent.stats().device_copy_ns - before) / 1e9))
             conn.recv()  # D's time of completion (not needed here)
+        conn.send("done")
     return times
 
 
@@ -167,13 +192,12 @@ def overlap(tokens: int, shape: Shape, iters: int = 6) -> OverlapResult:
     is written (``send_layer_spans`` with the layer's event, as the connector does); D, another
     process on the same GPU, receives into its paged caches."""
     from kvwire.bench.synthetic_forward import SyntheticForward
-    from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
-    from kvwire.transfer.enums import Transport
+    from kvwire.transfer import LayerSpec, TransferAgent
     from kvwire.transfer.paged import KVLayout, block_spans
 
     ctx = mp.get_context("spawn")
     left, right = ctx.Pipe()
-    receiver = ctx.Process(target=_receiver, args=(right, tokens, shape, iters, False), daemon=True)
+    receiver = ctx.Process(target=_receiver, args=(right, tokens, shape, iters, False, GPU), daemon=True)
     receiver.start()
     try:
         total, src_ids = _ids(tokens, shape, 1)
@@ -191,9 +215,7 @@ def overlap(tokens: int, shape: Shape, iters: int = 6) -> OverlapResult:
             end.synchronize()
             alone.append(start.elapsed_time(end))
         exposed, with_transfer = [], []
-        with TransferAgent(
-            TransferConfig(device=DEVICE, transport=Transport.IPC, default_deadline_s=120.0)
-        ) as agent:
+        with TransferAgent(GPU.config()) as agent:
             peer = left.recv()
             for _ in range(iters):
                 tid = uuid.uuid4().hex
@@ -214,6 +236,7 @@ def overlap(tokens: int, shape: Shape, iters: int = 6) -> OverlapResult:
                     if time.monotonic() > deadline:
                         raise TimeoutError("send not acknowledged in 60 s")
                     time.sleep(0.0005)
+            left.send("done")
     finally:
         receiver.join(timeout=30)
         if receiver.is_alive():
@@ -231,12 +254,17 @@ def overlap(tokens: int, shape: Shape, iters: int = 6) -> OverlapResult:
     )
 
 
-def _d2d(num_bytes: int, repeats: int) -> float:
-    src = torch.empty(num_bytes, dtype=torch.uint8, device=DEVICE)
+def _d2d(num_bytes: int, repeats: int, device: str) -> float:
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
     best = float("inf")
     for _ in range(repeats):
+        if not device.startswith("cuda"):
+            start_s = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - start_s)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         dst.copy_(src)
@@ -246,14 +274,14 @@ def _d2d(num_bytes: int, repeats: int) -> float:
     return best
 
 
-def measure(tokens: int, shape: Shape, repeats: int) -> IpcResult:
+def measure(tokens: int, shape: Shape, repeats: int, where: Where = GPU) -> IpcResult:
     ctx = mp.get_context("spawn")
     left, right = ctx.Pipe()
     runs = repeats + 1  # the first maps the receiver's memory (warm-up)
-    receiver = ctx.Process(target=_receiver, args=(right, tokens, shape, runs, True), daemon=True)
+    receiver = ctx.Process(target=_receiver, args=(right, tokens, shape, runs, True, where), daemon=True)
     receiver.start()
     try:
-        times = _sender(left, tokens, shape, runs)
+        times = _sender(left, tokens, shape, runs, where)
         verified = bool(left.recv())
     finally:
         receiver.join(timeout=30)
@@ -264,7 +292,7 @@ def measure(tokens: int, shape: Shape, repeats: int) -> IpcResult:
     num_bytes *= shape.num_layers
     ipc_s = min(t for t, _ in times[1:])
     copy_s = min(c for _, c in times[1:])
-    d2d_s = _d2d(num_bytes, max(3, repeats))
+    d2d_s = _d2d(num_bytes, max(3, repeats), where.device)
     return IpcResult(
         tokens,
         num_bytes,

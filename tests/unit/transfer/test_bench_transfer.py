@@ -67,3 +67,14 @@ def test_bench_transfer_shm_compares_memcpy_and_tcp_in_one_run(capsys: pytest.Ca
     assert r["verified"] is True and min(r["shm_gbps"], r["memcpy_gbps"], r["tcp_gbps"]) > 0
     assert r["vs_memcpy"] == pytest.approx(r["shm_gbps"] / r["memcpy_gbps"])
     assert r["vs_tcp"] == pytest.approx(r["shm_gbps"] / r["tcp_gbps"])
+
+
+def test_bench_transfer_ipc_flow_runs_on_cpu_over_tcp() -> None:
+    """The IPC benchmark's two-process flow (D expects first, P sends spans, D verifies every block)
+    on CPU over TCP: the protocol is checked here, the GPU figures on the GPU machine."""
+    from kvwire.bench.transfer import Shape
+    from kvwire.bench.transfer_ipc import Where, measure
+
+    result = measure(48, Shape(num_layers=2), 2, Where(device="cpu", transport="tcp"))
+    assert result.verified and result.num_bytes > 0 and result.ipc_seconds > 0
+    assert result.copy_seconds == 0.0  # TCP copies nothing on a GPU: no device time reported
