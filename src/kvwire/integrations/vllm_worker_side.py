@@ -32,7 +32,8 @@ def transfer_config(config: VllmPluginConfig, engine_info: EngineInfo) -> Transf
     """The agent config of rank ``engine_info.rank``."""
     return TransferConfig(
         host=config.host,
-        control_port=config.control_port(engine_info.rank),
+        advertise_host=config.advertise_host,
+        **config.rank_ports(engine_info.rank),
         backend=Backend.NCCL if config.data_plane is DataPlane.NCCL else Backend.TCP,
         transport=config.transport,
         device=engine_info.device,
