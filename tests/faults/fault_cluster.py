@@ -70,3 +70,11 @@ def post_json(url: str, body: dict[str, Any], timeout_s: float = 60.0) -> tuple[
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"{}")
+
+
+def pids(cluster: LocalCluster, *, router: bool = True) -> dict[str, int]:
+    """Name -> pid of the live instances (and the router): what a leak baseline watches."""
+    found = {i.name: i.process.pid for i in cluster.live_instances()}
+    if router and cluster.router is not None:
+        found["router"] = cluster.router.pid
+    return found
