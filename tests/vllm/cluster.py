@@ -75,18 +75,21 @@ def vllm_env() -> dict[str, str]:
     return env
 
 
-def kv_transfer_config(role: str, extra: dict[str, Any], *, failure_policy: str = "recompute") -> str:
+def kv_transfer_config(
+    role: str, extra: dict[str, Any], *, failure_policy: str = "recompute", kv_port: int | None = None
+) -> str:
     # "recompute" for the P/D pair: the tier's killed-prefill case checks that path; vLLM's default
-    # ("fail") runs on the kv_both instance (test_kv_both_fail_policy).
-    return json.dumps(
-        {
-            "kv_connector": "KvwireConnector",
-            "kv_connector_module_path": "kvwire.integrations.vllm",
-            "kv_role": role,
-            "kv_load_failure_policy": failure_policy,
-            "kv_connector_extra_config": extra,
-        }
-    )
+    # ("fail") runs on the kv_both instance (test_kv_both_fail_policy, test_delayed_prefill_*).
+    config: dict[str, Any] = {
+        "kv_connector": "KvwireConnector",
+        "kv_connector_module_path": "kvwire.integrations.vllm",
+        "kv_role": role,
+        "kv_load_failure_policy": failure_policy,
+        "kv_connector_extra_config": extra,
+    }
+    if kv_port is not None:
+        config["kv_port"] = kv_port
+    return json.dumps(config)
 
 
 def start_vllm(name: str, model_dir: Path, port: int, log_dir: Path, kv_config: str | None) -> Proc:
@@ -159,6 +162,11 @@ def metric_total(port: int, name: str, labels: dict[str, str]) -> float:
 
 KV_DEADLINE_S = 15.0
 STARTUP_TIMEOUT_S = 600.0
+# P's prefill steps for transfers named "slow-*" are held this long (the plugin's fault_delay_send),
+# longer than the fixed deadline those transfers are given (SHORT_DEADLINE_S).
+SLOW_PREFIX = "slow-"
+SLOW_DELAY_S = 8.0
+SHORT_DEADLINE_S = 3.0
 
 
 @dataclasses.dataclass
@@ -172,6 +180,7 @@ class Cluster:
     ref_port: int
     both_port: int
     procs: dict[str, Proc]
+    both_kv_port: int = 0  # the kv_both instance's transfer-agent control port (fixed: tests dial it)
 
     def router_url(self) -> str:
         return f"http://127.0.0.1:{self.router_port}"

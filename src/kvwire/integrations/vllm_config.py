@@ -43,7 +43,7 @@ SEED_KEYS = frozenset(
 KVWIRE_KEYS = frozenset(
     {"router", "discovery", "host", "http_host", "mode", "deadline_s", "lease_s", "backend", "transport",
      "recv_budget_bytes", "spill_budget_bytes", "secret", "heartbeat_interval_s", "instance_id", "model_name",
-     "data_port", "advertise_host", "advertise_port", "advertise_data_port"}
+     "data_port", "advertise_host", "advertise_port", "advertise_data_port", "fault_delay_send"}
 )
 _SEND_TYPES = {"PUT": TransferMode.PUSH, "PUT_ASYNC": TransferMode.PUSH, "GET": TransferMode.PULL}
 _ROLES = {
@@ -85,6 +85,25 @@ class VllmTransferView:
 
 
 @dataclasses.dataclass(frozen=True)
+class SendDelayFault:
+    """Fault injection for tests and drills, never for production (``fault_delay_send``): a prefill
+    step that sends a transfer whose id starts with ``transfer_id_prefix`` is held ``seconds`` after
+    its promises are renewed and before its sends start -- a P whose prefill starts late (an
+    oversubscribed host, a long queue) while it stays alive and renews its peers' leases."""
+
+    seconds: float
+    transfer_id_prefix: str = ""  # "" = every transfer
+
+    def __post_init__(self) -> None:
+        if not 0 < self.seconds <= 3600:
+            raise ConfigError(f"kv_connector_extra_config.fault_delay_send.seconds must be in (0, 3600], "
+                              f"got {self.seconds}")
+
+    def applies(self, transfer_ids: list[str]) -> bool:
+        return any(tid.startswith(self.transfer_id_prefix) for tid in transfer_ids)
+
+
+@dataclasses.dataclass(frozen=True)
 class VllmPluginConfig:
     """Everything the vLLM plugin needs, validated. One per vLLM instance (all ranks share it)."""
 
@@ -110,6 +129,7 @@ class VllmPluginConfig:
     model_name: str | None = None  # advertised model; None = vLLM's served model name
     nccl_num_channels: int | None = None
     vllm_failure_policy: LoadFailurePolicy = LoadFailurePolicy.FAIL  # vLLM applies it (informational)
+    fault_delay_send: SendDelayFault | None = None  # tests and drills only
 
     def __post_init__(self) -> None:
         if not 0 <= self.base_control_port <= 65535:
@@ -263,6 +283,19 @@ def _router(extra: Mapping[str, Any]) -> str | None:
     return address
 
 
+def _send_delay_fault(extra: Mapping[str, Any]) -> SendDelayFault | None:
+    value = extra.get("fault_delay_send")
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not set(value) <= {"seconds", "transfer_id_prefix"}:
+        raise ConfigError("kv_connector_extra_config.fault_delay_send must be an object "
+                          f'{{"seconds": S, "transfer_id_prefix": "..."}}, got {value!r}')
+    seconds = _get_float(value, "seconds")
+    if seconds is None:
+        raise ConfigError("kv_connector_extra_config.fault_delay_send.seconds is required")
+    return SendDelayFault(seconds, _get_str(value, "transfer_id_prefix") or "")
+
+
 def _budgets(extra: Mapping[str, Any]) -> tuple[int, int]:
     _one_of(extra, "kv_buffer_size", "recv_budget_bytes")
     _one_of(extra, "mem_pool_size_gb", "spill_budget_bytes")
@@ -352,4 +385,5 @@ def plugin_config_from_vllm(view: VllmTransferView) -> VllmPluginConfig:
         model_name=_get_str(extra, "model_name"),
         nccl_num_channels=_get_int(extra, "nccl_num_channels"),
         vllm_failure_policy=vllm_failure_policy,
+        fault_delay_send=_send_delay_fault(extra),
     )

@@ -193,3 +193,16 @@ def test_advertise_keys_give_each_rank_its_ports() -> None:
     with pytest.raises(ConfigError, match="advertise_port"):
         plugin_config_from_vllm(VllmTransferView(kv_role="kv_producer",
                                                  kv_connector_extra_config={"advertise_port": 70000}))
+
+
+def test_fault_delay_send_is_parsed_and_validated() -> None:
+    extra = {"fault_delay_send": {"seconds": 8, "transfer_id_prefix": "slow-"}}
+    fault = plugin_config_from_vllm(VllmTransferView(kv_role="kv_producer",
+                                                     kv_connector_extra_config=extra)).fault_delay_send
+    assert fault is not None and fault.seconds == 8.0
+    assert fault.applies(["x", "slow-1"]) and not fault.applies(["fast-1"])
+    assert plugin_config_from_vllm(view("kv_producer")).fault_delay_send is None
+    for bad in ({"seconds": 0}, {"seconds": 1, "other": 2}, {"transfer_id_prefix": "x"}, 5):
+        with pytest.raises(ConfigError, match=r"fault_delay_send|seconds"):
+            plugin_config_from_vllm(VllmTransferView(kv_role="kv_producer",
+                                                     kv_connector_extra_config={"fault_delay_send": bad}))
