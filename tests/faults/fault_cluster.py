@@ -78,3 +78,10 @@ def pids(cluster: LocalCluster, *, router: bool = True) -> dict[str, int]:
     if router and cluster.router is not None:
         found["router"] = cluster.router.pid
     return found
+
+
+def http_ports(cluster: LocalCluster) -> frozenset[int]:
+    """The HTTP ports of the router and the live instances: keep-alive pools' ends, which a leak
+    baseline does not count (tests/support/leaks.py)."""
+    urls = [cluster.router_url, *(i.url for i in cluster.live_instances() if i.url is not None)]
+    return frozenset(int(url.rsplit(":", 1)[1]) for url in urls)

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from fault_cluster import blocks_back_to_zero, completion, metric, pids, post_json, running
+from fault_cluster import blocks_back_to_zero, completion, http_ports, metric, pids, post_json, running
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.discovery.messages import Heartbeat, InstanceInfo, encode_frames
@@ -39,7 +39,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 @pytest.fixture(scope="module")
 def baseline(cluster: LocalCluster) -> LeakBaseline:
     _pd_works(cluster)  # warm: the paths every test uses exist before the counts are taken
-    return LeakBaseline.take(pids(cluster))
+    return LeakBaseline.take(pids(cluster), pooled_ports=http_ports(cluster))
 
 
 def _instances(cluster: LocalCluster) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fault_cluster import completion, pids, post_json, running
+from fault_cluster import completion, http_ports, pids, post_json, running
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.cluster.process import wait_until
@@ -40,7 +40,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             _all_routed_ok(cluster)
             for instance in cluster.live_instances():
                 assert instance.url is not None and _serves(instance.url)
-            yield cluster, relay, LeakBaseline.take(pids(cluster))
+            yield cluster, relay, LeakBaseline.take(pids(cluster), pooled_ports=http_ports(cluster))
 
 
 def _alive(cluster: LocalCluster, name: str) -> bool:

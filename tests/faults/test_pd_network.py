@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from fault_cluster import blocks_back_to_zero, completion, metric, post_json
+from fault_cluster import blocks_back_to_zero, completion, http_ports, metric, post_json
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from support.fault_relay import FaultRelay, Mode, RelayGroup
@@ -37,6 +37,7 @@ MAX_TOKENS = 8
 BOUND_S = KV_DEADLINE_S + 20.0  # lease expiry + recompute + a loaded 2-core box
 RECV_DONE = "kvwire_pd_transfers_completed_total"
 LOAD_FAILED = "kvwire_pd_load_failures_total"
+PORT_NAMES: dict[int, str] = {}  # named in leak reports
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Link:
 
 def _relayed_args(relays: dict[str, FaultRelay], name: str) -> tuple[str, ...]:
     control, data = free_port(), free_port()
+    PORT_NAMES.update({control: f"{name} kv", data: f"{name} data"})
     relays[f"{name}-control"] = FaultRelay("127.0.0.1", control)
     relays[f"{name}-data"] = FaultRelay("127.0.0.1", data)
     return ("--kv-port", str(control), "--kv-data-port", str(data),
@@ -86,8 +88,13 @@ def link(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Link]:
         # each instance grown to the faults' concurrency (two requests at once).
         _carries_kv(state)
         _requests_during(state)
-        pids = {name: inst.process.pid for name, inst in cluster.instances.items()}
-        state.baseline = LeakBaseline.take(pids)
+        instances = cluster.instances.items()
+        pids = {name: inst.process.pid for name, inst in instances}
+        http = {int(str(inst.url).rsplit(":", 1)[1]): f"{name} http" for name, inst in instances}
+        PORT_NAMES.update(http)
+        PORT_NAMES.update({r.port: f"relay {k}" for k, r in relays.items()})
+        # the router's keep-alive pool to each instance grows with the load's concurrency: not counted
+        state.baseline = LeakBaseline.take(pids, PORT_NAMES, pooled_ports=http_ports(cluster))
         yield state
 
 

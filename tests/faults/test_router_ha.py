@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fault_cluster import completion, pids, post_json, running
+from fault_cluster import completion, http_ports, pids, post_json, running
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster, free_port
 from kvwire.cluster.process import ManagedProcess, kvwire_argv, wait_until
@@ -74,7 +74,7 @@ def test_both_routers_route_and_one_dying_leaves_the_other(
     url = cluster.instances["both-ha"].url
     # warm up as the test goes on (back-to-back requests, a direct one) before the counts are taken
     assert all(_serves(cluster.router_url) for _ in range(4)) and url is not None and _serves(url)
-    baseline = LeakBaseline.take(pids(cluster))
+    baseline = LeakBaseline.take(pids(cluster), pooled_ports=http_ports(cluster))
     b.process.signal(signal.SIGKILL)
     b.process.wait_exit(10)
     assert all(_serves(cluster.router_url) for _ in range(4))  # router A keeps routing

@@ -16,7 +16,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fault_cluster import blocks_back_to_zero, completion, live_urls, pids, post_json, running, serving
+from fault_cluster import (
+    blocks_back_to_zero,
+    completion,
+    http_ports,
+    live_urls,
+    pids,
+    post_json,
+    running,
+    serving,
+)
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.cluster.process import wait_until
@@ -41,7 +50,7 @@ def test_stopped_instance_mid_stream_is_migrated_then_recovers(pair: LocalCluste
     ref = stream(pair.router_url, "/v1/completions", body)
     for url in live_urls(pair).values():  # warm both the same way before the counts are taken
         assert post_json(url + "/v1/completions", completion(8, stream=False))[0] == 200
-    baseline = LeakBaseline.take(pids(pair))
+    baseline = LeakBaseline.take(pids(pair), pooled_ports=http_ports(pair))
     stopped: list[str] = []
 
     def stop_serving(event: object) -> None:

@@ -5,8 +5,10 @@ of before the fault, and nothing may be left in /dev/shm.
 shared-memory objects each process maps (``/dev/shm/*`` files and memfds, from ``/proc/PID/maps``),
 plus the names in /dev/shm. :meth:`LeakBaseline.wait_back` polls (no sleeps as synchronization)
 until every survivor is back at or below its counts and no new /dev/shm name is left that no live
-process maps; at the deadline it fails the test naming each excess. Counts, not identities: a
-connection closed and reopened is no leak, one more of them is.
+process maps; at the deadline it fails the test naming each excess (new sockets as ``tcp :local ->
+:remote STATE``, counts by named port). Counts, not identities: a connection closed and reopened is
+no leak, one more of them is. Established connections on ``pooled_ports`` (HTTP keep-alive pools,
+sized by the load's concurrency and bounded by their client) are not counted; half-closed ones are.
 
 /dev/shm is host-wide, so a name another user's live process maps is not counted (it is theirs,
 not left behind); kvwire's own shared memory (the shm plane's ring) is a memfd, which has no name
@@ -15,6 +17,7 @@ there and shows up in the fd and mapping counts instead.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -47,8 +50,10 @@ def fd_targets(pid: int) -> dict[str, str]:
     return targets
 
 
-def describe_sockets(pid: int, targets: set[str]) -> list[str]:
-    """``socket:[inode]`` targets as TCP ``local -> remote state`` where /proc knows them."""
+def describe_sockets(pid: int, targets: set[str], names: Mapping[int, str] | None = None) -> list[str]:
+    """``socket:[inode]`` targets as TCP ``local -> remote state`` where /proc knows them (ports named
+    by ``names`` where given, e.g. ``{8000: "http"}``)."""
+    names = names or {}
     inodes = {t[len("socket:["):-1]: t for t in targets if t.startswith("socket:[")}
     states = {"01": "ESTABLISHED", "06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT", "0A": "LISTEN",
               "04": "FIN_WAIT1", "05": "FIN_WAIT2", "09": "LAST_ACK"}
@@ -58,16 +63,48 @@ def describe_sockets(pid: int, targets: set[str]) -> list[str]:
             cols = row.split()
             if cols[9] in inodes:
                 local, remote = (int(c.split(":")[1], 16) for c in cols[1:3])
-                found.append(f"tcp :{local} -> :{remote} {states.get(cols[3], cols[3])}")
+                ends = (f":{p}({names[p]})" if p in names else f":{p}" for p in (local, remote))
+                found.append(f"tcp {' -> '.join(ends)} {states.get(cols[3], cols[3])}")
                 inodes.pop(cols[9])
     return found + sorted(inodes.values())
 
 
-def footprint(pid: int) -> Footprint:
-    """Raises OSError when the process is gone."""
+def socket_kinds(pid: int, names: Mapping[int, str]) -> collections.Counter[str]:
+    """The process's TCP sockets counted by the named port at either end (``other`` when unnamed)."""
+    kinds: collections.Counter[str] = collections.Counter()
+    inodes = {t[len("socket:["):-1] for t in fd_targets(pid).values() if t.startswith("socket:[")}
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/net/tcp", encoding="ascii") as table:
+        for row in list(table)[1:]:
+            cols = row.split()
+            if cols[9] in inodes:
+                ports = [int(c.split(":")[1], 16) for c in cols[1:3]]
+                kinds[next((names[p] for p in ports if p in names), "other")] += 1
+    return kinds
+
+
+def footprint(pid: int, pooled_ports: frozenset[int] = frozenset()) -> Footprint:
+    """Raises OSError when the process is gone. Connections to or from ``pooled_ports`` are not
+    counted (see :class:`LeakBaseline`)."""
     threads = len(os.listdir(f"/proc/{pid}/task"))
-    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    fds = len(os.listdir(f"/proc/{pid}/fd")) - _pooled(pid, pooled_ports)
     return Footprint(threads, fds, len(_shm_mapped(pid)))
+
+
+def _pooled(pid: int, ports: frozenset[int]) -> int:
+    """How many of the process's established TCP connections have one end on one of ``ports``:
+    accepted there (a server's side of a keep-alive pool) or dialled there (the pool itself). One the
+    other end closed (CLOSE_WAIT: a server that never closed its side) still counts."""
+    if not ports:
+        return 0
+    inodes = {t[len("socket:["):-1] for t in fd_targets(pid).values() if t.startswith("socket:[")}
+    count = 0
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/net/tcp", encoding="ascii") as table:
+        for row in list(table)[1:]:
+            cols = row.split()
+            ends = {int(c.split(":")[1], 16) for c in cols[1:3]}
+            if cols[9] in inodes and cols[3] == "01" and ends & ports:  # ESTABLISHED only
+                count += 1
+    return count
 
 
 def _shm_mapped(pid: int) -> set[str]:
@@ -105,19 +142,29 @@ class LeakBaseline:
     counts: Mapping[str, Footprint]
     shm: frozenset[str]
     fds: Mapping[str, frozenset[str]] = dataclasses.field(default_factory=dict)  # name -> fd targets
+    port_names: Mapping[int, str] = dataclasses.field(default_factory=dict)  # for failure messages
+    sockets: Mapping[str, collections.Counter[str]] = dataclasses.field(default_factory=dict)
+    pooled_ports: frozenset[int] = frozenset()
 
     @classmethod
-    def take(cls, pids: Mapping[str, int]) -> LeakBaseline:
-        counts = {name: footprint(pid) for name, pid in pids.items()}
+    def take(cls, pids: Mapping[str, int], port_names: Mapping[int, str] | None = None,
+             pooled_ports: frozenset[int] = frozenset()) -> LeakBaseline:
+        """``port_names``: known ports (e.g. ``{8000: "router http"}``) to name in a failure.
+        ``pooled_ports``: HTTP ports whose connections belong to a client's keep-alive pool (the
+        router's to each instance): such a pool grows with the concurrency the load happened to
+        reach and is bounded by its client; neither end counts those connections."""
+        counts = {name: footprint(pid, pooled_ports) for name, pid in pids.items()}
         fds = {name: frozenset(fd_targets(pid).values()) for name, pid in pids.items()}
-        return cls(dict(pids), counts, frozenset(shm_names()), fds)
+        names = dict(port_names or {})
+        sockets = {name: socket_kinds(pid, names) for name, pid in pids.items()}
+        return cls(dict(pids), counts, frozenset(shm_names()), fds, names, sockets, pooled_ports)
 
     def leaks(self) -> list[str]:
         """What is above the baseline now ([] = nothing); a process that died is reported."""
         found: list[str] = []
         for name, pid in self.pids.items():
             try:
-                excess = footprint(pid).excess_over(self.counts[name])
+                excess = footprint(pid, self.pooled_ports).excess_over(self.counts[name])
             except OSError:
                 found.append(f"{name} (pid {pid}) is gone")
                 continue
@@ -125,7 +172,9 @@ class LeakBaseline:
             if "fds" in excess:
                 with contextlib.suppress(OSError):
                     new_fds = set(fd_targets(pid).values()) - self.fds.get(name, frozenset())
-                    found.append(f"{name} new fds: {describe_sockets(pid, new_fds)}")
+                    found.append(f"{name} new fds: {describe_sockets(pid, new_fds, self.port_names)}")
+                    more = socket_kinds(pid, self.port_names) - self.sockets.get(name, collections.Counter())
+                    found.append(f"{name} more sockets than before by port: {dict(more)}")
         new = shm_names() - self.shm
         if new:
             found += [f"{SHM_DIR}/{name} left behind" for name in sorted(new - _mapped_anywhere(new))]
