@@ -186,3 +186,44 @@ class LeakBaseline:
         while (found := self.leaks()) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not found, f"not back to the baseline within {timeout_s} s: {'; '.join(found)}"
+
+
+# --- process groups (the vLLM tier: an API server and its engine / worker / tracker children) ---------
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid``."""
+    found: list[int] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # state, ppid, pgrp, ...
+            found.append(int(entry))
+    return found
+
+
+def shm_names_mapped_by(pids: list[int]) -> set[str]:
+    """The /dev/shm names (segments, named semaphores) the processes map now."""
+    names: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            names |= {p[len(SHM_DIR) + 1:].removesuffix(" (deleted)") for p in _shm_mapped(pid)
+                      if p.startswith(SHM_DIR + "/")}
+    return names
+
+
+def orphaned(names: set[str]) -> set[str]:
+    """Those of ``names`` still in /dev/shm that no live process maps (left behind)."""
+    present = names & shm_names()
+    return present - _mapped_anywhere(present)
+
+
+def remove(names: set[str]) -> None:
+    for name in names:
+        with contextlib.suppress(OSError):
+            os.unlink(f"{SHM_DIR}/{name}")

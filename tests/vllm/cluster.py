@@ -1,7 +1,12 @@
 """Processes of the vLLM tier: vLLM API servers (with or without the kvwire plugin) and the router.
 
 Every process starts in its own session (process group); :meth:`Proc.stop` ends that group (vLLM's
-engine-core and worker children included): SIGTERM, then SIGKILL after a grace period.
+engine-core and worker children included): SIGTERM to its leader, then SIGKILL to the group after a
+grace period. The group's
+last members (Python's resource tracker unlinks the shared memory and named semaphores of vLLM's
+spawned processes once they are gone) get a bounded moment to finish before that SIGKILL. /dev/shm
+names a group mapped and left behind are recorded in ``shm_left`` and removed: after
+:meth:`Proc.kill_hard` (a machine that died takes its tmpfs with it) and after a stop.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from support import leaks
+
 REPO = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 1024
 ROUTER_TTL_S = 10.0
@@ -29,6 +36,8 @@ class Proc:
         self.name = name
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.shm_seen: set[str] = set()  # /dev/shm names the group was seen mapping
+        self.shm_left: set[str] = set()  # of those, left behind once the group was gone (removed)
         self.popen = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -38,20 +47,43 @@ class Proc:
 
     def kill_hard(self) -> None:
         """SIGKILL the whole process group at once (the 'machine died' case)."""
+        self.note_shm()
         self._signal_group(signal.SIGKILL)
         self.popen.wait(timeout=30)
+        self._drain_group(10.0)
+        self._sweep_shm()
 
     def stop(self, grace_s: float = 20.0) -> None:
         if self.alive():
-            self._signal_group(signal.SIGTERM)
+            self.note_shm()
+            # The API server alone: it shuts its engine down (--shutdown-timeout) and its children
+            # clean up; a SIGTERM to every member at once left a vLLM segment behind (2026-12-02).
+            self.popen.send_signal(signal.SIGTERM)
             try:
                 self.popen.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 self._signal_group(signal.SIGKILL)
                 self.popen.wait(timeout=30)
-        # Children of a stopped leader may linger in the group: end them too.
+        # Children of a stopped leader may linger in the group: a moment to finish, then SIGKILL.
+        self._drain_group(10.0)
         self._signal_group(signal.SIGKILL)
+        self._sweep_shm()
         self._log.close()
+
+    def note_shm(self) -> None:
+        """Remember the /dev/shm names the group maps now (checked once it is gone)."""
+        self.shm_seen |= leaks.shm_names_mapped_by(leaks.group_pids(self.popen.pid))
+
+    def _drain_group(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while leaks.group_pids(self.popen.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def _sweep_shm(self) -> None:
+        left = leaks.orphaned(self.shm_seen)
+        if left:
+            self.shm_left |= left
+            leaks.remove(left)
 
     def _signal_group(self, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError):

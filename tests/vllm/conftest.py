@@ -11,6 +11,7 @@ in parallel. Logs go to ``build/vllm-tier-logs/``.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -76,3 +77,7 @@ def cluster(model_dir: Path) -> Iterator[Cluster]:
     finally:
         for proc in c.procs.values():
             proc.stop()
+        left = {name: sorted(proc.shm_left) for name, proc in c.procs.items() if proc.shm_left}
+        # Left behind by a SIGKILLed group (expected: nothing could clean up) or by a stop (a leak).
+        # Removed either way, so repeated runs do not fill /dev/shm; listed for the record.
+        (log_dir / "shm-left.json").write_text(json.dumps(left, indent=1))

@@ -29,6 +29,7 @@ from cluster import (
     metric_total,
 )
 
+from support import leaks
 from support.waiting import free_port
 
 BLOCK = 128
@@ -268,8 +269,11 @@ def test_prefill_killed_mid_handover(cluster: Cluster, reference: dict[int, Any]
 
 def test_clean_shutdown_deregisters(cluster: Cluster) -> None:
     """SIGTERM to D's API server: vLLM shuts its engine down, the plugin closes its agent and
-    deregisters, and the router drops D at once (sooner than the heartbeat TTL would)."""
+    deregisters, and the router drops D at once (sooner than the heartbeat TTL would). Its processes
+    leave no shared memory or named semaphore behind in /dev/shm."""
     d = cluster.procs["d"]
+    d.note_shm()
+    assert d.shm_seen, "vLLM's D maps shared memory (its message queues): the check below must see it"
     d.popen.send_signal(signal.SIGTERM)
     d.popen.wait(timeout=90)
     log = d.log_path.read_text(errors="replace")
@@ -278,3 +282,8 @@ def test_clean_shutdown_deregisters(cluster: Cluster) -> None:
     while "vllm-d" in cluster.instance_ids():
         assert time.monotonic() < deadline, "D still listed: it did not deregister"
         time.sleep(0.2)
+    deadline = time.monotonic() + 20
+    while leaks.group_pids(d.popen.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)  # vLLM's children and Python's resource tracker finish after the API server
+    assert not leaks.group_pids(d.popen.pid), "D's processes outlived it"
+    assert not leaks.orphaned(d.shm_seen), f"D left {sorted(leaks.orphaned(d.shm_seen))} in /dev/shm"
