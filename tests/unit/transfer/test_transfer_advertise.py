@@ -65,3 +65,18 @@ def test_advertise_host_replaces_the_bound_host() -> None:
 def test_bad_advertise_settings_raise(kw: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         TransferConfig(**kw)  # type: ignore[arg-type]
+
+
+def test_wildcard_bind_with_an_advertised_host() -> None:
+    """Bound on every interface, advertised as one address peers can dial (a wildcard cannot be)."""
+    receiver_cfg = TransferConfig(transport="tcp", host="0.0.0.0", advertise_host="127.0.0.1")  # type: ignore[arg-type]
+    with TransferAgent(TransferConfig(transport="tcp")) as a, TransferAgent(receiver_cfg) as b:  # type: ignore[arg-type]
+        assert b.endpoint.startswith("tcp://127.0.0.1:")
+        assert b.data_address.startswith("tcp=127.0.0.1:")  # the plane set's "backend=address" form
+        assert b._core.control is not None and b._core.control.bound_endpoint.startswith("tcp://0.0.0.0:")
+        layers = _layers(2)
+        b.expect("w1", num_layers=2)
+        _send(a, "w1", b.endpoint, layers)
+        poll_until(b, lambda ev: "w1" in ev["recvd"])
+        got = b.take_layers("w1")
+        assert all(torch.equal(got[i], t) for i, t in enumerate(layers))
