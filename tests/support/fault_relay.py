@@ -4,10 +4,14 @@
 connection to the target. Its ``mode`` can change at any time and applies to traffic from then on:
 
 * ``PASS``: forward both ways (with ``delay_s`` added per chunk and at most ``rate_bps`` bytes/s);
-* ``BLACKHOLE``: keep the connections open, read and drop everything (a partition: no RST, no FIN);
+* ``BLACKHOLE``: a partition: connections stay open (no RST, no FIN) and nothing moves; bytes wait
+  in the kernel's socket buffers (senders block once those are full) and flow again, in order, when
+  the mode returns to ``PASS`` -- what TCP does across a partition shorter than its retransmission
+  timeout. (Dropping bytes instead would corrupt the streams, which TCP never shows an application.)
 * ``RESET``: reset every connection at once (SO_LINGER 0) and refuse nothing (new ones are reset too).
 
 One thread per direction per connection; ``close()`` stops everything within a second.
+:class:`RelayGroup` drives several relays (the ports of one link) as one.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ class FaultRelay:
         self.delay_s = 0.0
         self.rate_bps = 0.0  # 0 = unlimited
         self.connections = 0
+        self.bytes_forwarded = 0
+        self._flowing = threading.Event()  # clear while BLACKHOLE: the pumps hold
+        self._flowing.set()
         self._server = socket.create_server(("127.0.0.1", 0))
         self._server.settimeout(0.2)
         self.port: int = self._server.getsockname()[1]
@@ -49,6 +56,10 @@ class FaultRelay:
 
     def set_mode(self, mode: Mode) -> None:
         self.mode = mode
+        if mode is Mode.BLACKHOLE:
+            self._flowing.clear()
+        else:
+            self._flowing.set()
         if mode is Mode.RESET:
             with self._lock:
                 socks, self._socks = self._socks, []
@@ -57,6 +68,7 @@ class FaultRelay:
 
     def close(self) -> None:
         self._stop.set()
+        self._flowing.set()
         self._accept.join(timeout=2)
         self._server.close()
         with self._lock:
@@ -98,17 +110,15 @@ class FaultRelay:
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         src.settimeout(0.2)
-        while not self._stop.is_set():
+        while self._hold():
             try:
                 data = src.recv(65536)
             except TimeoutError:
                 continue
             except OSError:
                 break
-            if not data:
+            if not data or not self._hold():  # a partition that began during recv holds this chunk too
                 break
-            if self.mode is Mode.BLACKHOLE:
-                continue  # swallowed
             if self.delay_s:
                 time.sleep(self.delay_s)  # the injected latency
             if self.rate_bps:
@@ -117,8 +127,43 @@ class FaultRelay:
                 dst.sendall(data)
             except OSError:
                 break
+            with self._lock:
+                self.bytes_forwarded += len(data)
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_WR)
+
+    def _hold(self) -> bool:
+        """Wait while partitioned; False once the relay closes."""
+        while not self._flowing.wait(0.2):
+            if self._stop.is_set():
+                return False
+        return not self._stop.is_set()
+
+
+class RelayGroup:
+    """Several relays (e.g. the control and data ports of one P<->D link) switched together."""
+
+    def __init__(self, relays: dict[str, FaultRelay]) -> None:
+        self.relays = relays
+
+    def __getitem__(self, name: str) -> FaultRelay:
+        return self.relays[name]
+
+    def set_mode(self, mode: Mode) -> None:
+        for relay in self.relays.values():
+            relay.set_mode(mode)
+
+    def shape(self, *, delay_s: float = 0.0, rate_bps: float = 0.0) -> None:
+        """Latency per chunk and bandwidth cap of every relay (0: none)."""
+        for relay in self.relays.values():
+            relay.delay_s, relay.rate_bps = delay_s, rate_bps
+
+    def bytes_forwarded(self) -> int:
+        return sum(relay.bytes_forwarded for relay in self.relays.values())
+
+    def close(self) -> None:
+        for relay in self.relays.values():
+            relay.close()
 
 
 def _reset(sock: socket.socket) -> None:

@@ -1,7 +1,12 @@
 """Processes of the vLLM tier: vLLM API servers (with or without the kvwire plugin) and the router.
 
 Every process starts in its own session (process group); :meth:`Proc.stop` ends that group (vLLM's
-engine-core and worker children included): SIGTERM, then SIGKILL after a grace period.
+engine-core and worker children included): SIGTERM to its leader, then SIGKILL to the group after a
+grace period. The group's
+last members (Python's resource tracker unlinks the shared memory and named semaphores of vLLM's
+spawned processes once they are gone) get a bounded moment to finish before that SIGKILL. /dev/shm
+names a group mapped and left behind are recorded in ``shm_left`` and removed: after
+:meth:`Proc.kill_hard` (a machine that died takes its tmpfs with it) and after a stop.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from support import leaks
+
 REPO = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 1024
 ROUTER_TTL_S = 10.0
@@ -29,6 +36,8 @@ class Proc:
         self.name = name
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.shm_seen: set[str] = set()  # /dev/shm names the group was seen mapping
+        self.shm_left: set[str] = set()  # of those, left behind once the group was gone (removed)
         self.popen = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -38,20 +47,43 @@ class Proc:
 
     def kill_hard(self) -> None:
         """SIGKILL the whole process group at once (the 'machine died' case)."""
+        self.note_shm()
         self._signal_group(signal.SIGKILL)
         self.popen.wait(timeout=30)
+        self._drain_group(10.0)
+        self._sweep_shm()
 
     def stop(self, grace_s: float = 20.0) -> None:
         if self.alive():
-            self._signal_group(signal.SIGTERM)
+            self.note_shm()
+            # The API server alone: it shuts its engine down (--shutdown-timeout) and its children
+            # clean up; a SIGTERM to every member at once left a vLLM segment behind (2026-12-02).
+            self.popen.send_signal(signal.SIGTERM)
             try:
                 self.popen.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 self._signal_group(signal.SIGKILL)
                 self.popen.wait(timeout=30)
-        # Children of a stopped leader may linger in the group: end them too.
+        # Children of a stopped leader may linger in the group: a moment to finish, then SIGKILL.
+        self._drain_group(10.0)
         self._signal_group(signal.SIGKILL)
+        self._sweep_shm()
         self._log.close()
+
+    def note_shm(self) -> None:
+        """Remember the /dev/shm names the group maps now (checked once it is gone)."""
+        self.shm_seen |= leaks.shm_names_mapped_by(leaks.group_pids(self.popen.pid))
+
+    def _drain_group(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while leaks.group_pids(self.popen.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def _sweep_shm(self) -> None:
+        left = leaks.orphaned(self.shm_seen)
+        if left:
+            self.shm_left |= left
+            leaks.remove(left)
 
     def _signal_group(self, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -75,18 +107,21 @@ def vllm_env() -> dict[str, str]:
     return env
 
 
-def kv_transfer_config(role: str, extra: dict[str, Any], *, failure_policy: str = "recompute") -> str:
+def kv_transfer_config(
+    role: str, extra: dict[str, Any], *, failure_policy: str = "recompute", kv_port: int | None = None
+) -> str:
     # "recompute" for the P/D pair: the tier's killed-prefill case checks that path; vLLM's default
-    # ("fail") runs on the kv_both instance (test_kv_both_fail_policy).
-    return json.dumps(
-        {
-            "kv_connector": "KvwireConnector",
-            "kv_connector_module_path": "kvwire.integrations.vllm",
-            "kv_role": role,
-            "kv_load_failure_policy": failure_policy,
-            "kv_connector_extra_config": extra,
-        }
-    )
+    # ("fail") runs on the kv_both instance (test_kv_both_fail_policy, test_delayed_prefill_*).
+    config: dict[str, Any] = {
+        "kv_connector": "KvwireConnector",
+        "kv_connector_module_path": "kvwire.integrations.vllm",
+        "kv_role": role,
+        "kv_load_failure_policy": failure_policy,
+        "kv_connector_extra_config": extra,
+    }
+    if kv_port is not None:
+        config["kv_port"] = kv_port
+    return json.dumps(config)
 
 
 def start_vllm(name: str, model_dir: Path, port: int, log_dir: Path, kv_config: str | None) -> Proc:
@@ -159,6 +194,11 @@ def metric_total(port: int, name: str, labels: dict[str, str]) -> float:
 
 KV_DEADLINE_S = 15.0
 STARTUP_TIMEOUT_S = 600.0
+# P's prefill steps for transfers named "slow-*" are held this long (the plugin's fault_delay_send),
+# longer than the fixed deadline those transfers are given (SHORT_DEADLINE_S).
+SLOW_PREFIX = "slow-"
+SLOW_DELAY_S = 8.0
+SHORT_DEADLINE_S = 3.0
 
 
 @dataclasses.dataclass
@@ -172,6 +212,7 @@ class Cluster:
     ref_port: int
     both_port: int
     procs: dict[str, Proc]
+    both_kv_port: int = 0  # the kv_both instance's transfer-agent control port (fixed: tests dial it)
 
     def router_url(self) -> str:
         return f"http://127.0.0.1:{self.router_port}"

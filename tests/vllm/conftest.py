@@ -3,13 +3,15 @@ in .venv-vllm; excluded from the main pytest run (``--ignore=tests/vllm`` in pyp
 
 One session-scoped cluster serves every test (engine start-ups cost ~30-90 s each on the 2-core box):
 a kvwire router (push first; restarted in pull mode on the same ports), a prefill instance
-(``kv_producer``), a decode instance (``kv_consumer``, ``kv_load_failure_policy=recompute``), a
+(``kv_producer``; its prefill steps for transfers named ``slow-*`` are held ``SLOW_DELAY_S``, the
+plugin's ``fault_delay_send``), a decode instance (``kv_consumer``, ``kv_load_failure_policy=recompute``), a
 plain vLLM reference and an unregistered ``kv_both`` instance with the ``fail`` policy, all started
 in parallel. Logs go to ``build/vllm-tier-logs/``.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,6 +21,8 @@ import pytest
 from cluster import (
     KV_DEADLINE_S,
     REPO,
+    SLOW_DELAY_S,
+    SLOW_PREFIX,
     STARTUP_TIMEOUT_S,
     Cluster,
     healthy,
@@ -42,14 +46,17 @@ def cluster(model_dir: Path) -> Iterator[Cluster]:
     log_dir = REPO / "build" / "vllm-tier-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     c = Cluster(
-        model_dir, log_dir, free_port(), free_port(), free_port(), free_port(), free_port(), free_port(), {}
+        model_dir, log_dir, free_port(), free_port(), free_port(), free_port(), free_port(), free_port(), {},
+        both_kv_port=free_port(),
     )
     router = f"tcp://127.0.0.1:{c.discovery_port}"
     common = {"router": router, "heartbeat_interval_s": 0.5, "deadline_s": KV_DEADLINE_S}
     try:
         c.procs["p"] = start_vllm(
             "prefill", model_dir, c.p_port, log_dir,
-            kv_transfer_config("kv_producer", {**common, "http_port": c.p_port, "instance_id": "vllm-p"}),
+            kv_transfer_config("kv_producer", {**common, "http_port": c.p_port, "instance_id": "vllm-p",
+                                               "fault_delay_send": {"seconds": SLOW_DELAY_S,
+                                                                    "transfer_id_prefix": SLOW_PREFIX}}),
         )
         c.procs["d"] = start_vllm(
             "decode", model_dir, c.d_port, log_dir,
@@ -59,7 +66,8 @@ def cluster(model_dir: Path) -> Iterator[Cluster]:
         # kv_both with vLLM's "fail" policy, not registered (the router would route P/D traffic to it).
         c.procs["both"] = start_vllm(
             "both", model_dir, c.both_port, log_dir,
-            kv_transfer_config("kv_both", {"deadline_s": KV_DEADLINE_S}, failure_policy="fail"),
+            kv_transfer_config("kv_both", {"deadline_s": KV_DEADLINE_S}, failure_policy="fail",
+                               kv_port=c.both_kv_port),
         )
         engines = list(c.procs.values())
         for port in (c.p_port, c.d_port, c.ref_port, c.both_port):
@@ -69,3 +77,7 @@ def cluster(model_dir: Path) -> Iterator[Cluster]:
     finally:
         for proc in c.procs.values():
             proc.stop()
+        left = {name: sorted(proc.shm_left) for name, proc in c.procs.items() if proc.shm_left}
+        # Left behind by a SIGKILLed group (expected: nothing could clean up) or by a stop (a leak).
+        # Removed either way, so repeated runs do not fill /dev/shm; listed for the record.
+        (log_dir / "shm-left.json").write_text(json.dumps(left, indent=1))

@@ -18,8 +18,18 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from cluster import KV_DEADLINE_S, MAX_MODEL_LEN, ROUTER_TTL_S, Cluster, metric_total
+from cluster import (
+    KV_DEADLINE_S,
+    MAX_MODEL_LEN,
+    ROUTER_TTL_S,
+    SHORT_DEADLINE_S,
+    SLOW_DELAY_S,
+    SLOW_PREFIX,
+    Cluster,
+    metric_total,
+)
 
+from support import leaks
 from support.waiting import free_port
 
 BLOCK = 128
@@ -104,6 +114,11 @@ def local_compute(cluster: Cluster) -> float:
     return metric_total(cluster.d_port, "vllm:prompt_tokens_by_source_total", LOCAL_COMPUTE)
 
 
+def both_local_compute(cluster: Cluster) -> float:
+    """The kv_both instance's count of prompt tokens it computed itself."""
+    return metric_total(cluster.both_port, "vllm:prompt_tokens_by_source_total", LOCAL_COMPUTE)
+
+
 def check_pd(cluster: Cluster, expected: list[tuple[list[int] | None, str]], seed: int) -> None:
     before = local_compute(cluster)
     got = outputs(cluster.router_url(), prompts(seed))
@@ -176,6 +191,42 @@ def test_kv_both_fail_policy(cluster: Cluster, reference: dict[int, Any]) -> Non
     assert (plain.get("token_ids"), plain["text"]) == reference[1][4]
 
 
+def test_delayed_prefill_keeps_the_lease_under_the_fail_policy(
+    cluster: Cluster, reference: dict[int, Any]
+) -> None:
+    """Push to the kv_both instance (vLLM's default policy, fail) with a fixed deadline of
+    SHORT_DEADLINE_S, from a P whose prefill step is held SLOW_DELAY_S (> the deadline; the plugin's
+    fault_delay_send): P stays alive and renews D's lease, so D waits and the request completes with
+    P's KV -- no failure, and D computed only the last prompt token."""
+    both_url, p_url = (f"http://127.0.0.1:{port}" for port in (cluster.both_port, cluster.p_port))
+    prompt = prompts(4)[6]  # a prompt neither P nor D saw: no prefix-cache hit stands in for the KV
+    (expected,) = outputs(f"http://127.0.0.1:{cluster.ref_port}", [prompt])
+    (p_endpoint,) = next(i["kv_endpoints"] for i in cluster.instances() if i["id"] == "vllm-p")
+    common = {"transfer_id": SLOW_PREFIX + "1", "mode": "push", "deadline_s": SHORT_DEADLINE_S}
+    d_params = {**common, "role": "decode", "peer_endpoints": [p_endpoint]}
+    p_params = {**common, "role": "prefill", "peer_endpoints": [f"tcp://127.0.0.1:{cluster.both_kv_port}"]}
+    before = both_local_compute(cluster)
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        d_answer = pool.submit(complete, both_url, prompt, extra={"kv_transfer_params": d_params})
+        p_extra = {"max_tokens": 1, "kv_transfer_params": p_params}
+        p_answer = pool.submit(complete, p_url, prompt, extra=p_extra)
+        choice = d_answer.result()["choices"][0]
+        assert p_answer.result()["choices"][0]["finish_reason"] in ("length", "stop")
+    elapsed_s = time.monotonic() - t0
+    assert (choice.get("token_ids"), choice["text"]) == expected
+    assert elapsed_s > SLOW_DELAY_S > SHORT_DEADLINE_S  # D did wait past its fixed deadline
+    deadline = time.monotonic() + 30
+    computed = 0.0
+    while time.monotonic() < deadline:
+        computed = both_local_compute(cluster) - before
+        if computed >= 1:
+            break
+        time.sleep(0.5)
+    assert computed == 1, f"D computed {computed} prompt tokens; the KV should have come from P"
+    assert kv_blocks_released(cluster.p_port, 15) and kv_blocks_released(cluster.both_port, 15)
+
+
 def test_prefill_killed_mid_handover(cluster: Cluster, reference: dict[int, Any]) -> None:
     """P computed the prompt and holds its KV under a lease (pull), then dies before D pulls: D's load
     fails, vLLM's policy (recompute) applies, the request completes correctly within the deadline,
@@ -218,8 +269,11 @@ def test_prefill_killed_mid_handover(cluster: Cluster, reference: dict[int, Any]
 
 def test_clean_shutdown_deregisters(cluster: Cluster) -> None:
     """SIGTERM to D's API server: vLLM shuts its engine down, the plugin closes its agent and
-    deregisters, and the router drops D at once (sooner than the heartbeat TTL would)."""
+    deregisters, and the router drops D at once (sooner than the heartbeat TTL would). Its processes
+    leave no shared memory or named semaphore behind in /dev/shm."""
     d = cluster.procs["d"]
+    d.note_shm()
+    assert d.shm_seen, "vLLM's D maps shared memory (its message queues): the check below must see it"
     d.popen.send_signal(signal.SIGTERM)
     d.popen.wait(timeout=90)
     log = d.log_path.read_text(errors="replace")
@@ -228,3 +282,8 @@ def test_clean_shutdown_deregisters(cluster: Cluster) -> None:
     while "vllm-d" in cluster.instance_ids():
         assert time.monotonic() < deadline, "D still listed: it did not deregister"
         time.sleep(0.2)
+    deadline = time.monotonic() + 20
+    while leaks.group_pids(d.popen.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)  # vLLM's children and Python's resource tracker finish after the API server
+    assert not leaks.group_pids(d.popen.pid), "D's processes outlived it"
+    assert not leaks.orphaned(d.shm_seen), f"D left {sorted(leaks.orphaned(d.shm_seen))} in /dev/shm"

@@ -144,7 +144,7 @@ class LocalCluster:
         """Start everything and wait until ready; on any failure stop what started and raise
         :class:`ClusterError`."""
         try:
-            self._start_router()
+            self.start_router()
             spec = self.spec
             roles = [(Role.PREFILL, spec.num_prefill), (Role.DECODE, spec.num_decode),
                      (Role.BOTH, spec.num_both)]
@@ -167,7 +167,9 @@ class LocalCluster:
         apart = 0 < spec.spread_gpus >= count
         return spec.device.startswith("cuda") and count > 1 and not apart
 
-    def _start_router(self) -> None:
+    def start_router(self) -> None:
+        """Start the router alone (:meth:`start` does it first; tests that start their own
+        instances with :meth:`start_instance` call it, then :meth:`wait_ready`)."""
         spec = self.spec
         port = spec.port or free_port(spec.host)
         discovery_port = free_port(spec.host)
@@ -205,9 +207,10 @@ class LocalCluster:
         address: str = self.etcd.discovery
         return address
 
-    def start_instance(self, name: str, role: Role) -> Instance:
+    def start_instance(self, name: str, role: Role, extra_args: tuple[str, ...] = ()) -> Instance:
         """Start one more instance (also used to restart a killed one under a new name). ``role`` may
-        be given by value (``"prefill"``); an unknown one raises :class:`ConfigError`, starting nothing."""
+        be given by value (``"prefill"``); an unknown one raises :class:`ConfigError`, starting nothing.
+        ``extra_args``: ``kvwire serve`` flags of this instance alone (after the spec's)."""
         role = as_enum(Role, role, "role")
         spec = self.spec
         argv = kvwire_argv(
@@ -217,7 +220,7 @@ class LocalCluster:
             "--kv-deadline-s", str(spec.kv_deadline_s), "--kv-transport", spec.kv_transport.value,
             "--kv-load-failure-policy", spec.kv_load_failure_policy.value,
             "--tensor-parallel-size", str(spec.decode_tp if role is Role.DECODE else spec.prefill_tp),
-            *spec.serve_args,
+            *spec.serve_args, *extra_args,
         )
         env = self._env()
         if spec.spread_gpus > 0:

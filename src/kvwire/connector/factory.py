@@ -53,8 +53,8 @@ def with_rank(engine_info: EngineInfo, rank: int) -> EngineInfo:
 @dataclasses.dataclass(frozen=True)
 class RankConnectorFactory:
     """Builds tensor-parallel rank ``r``'s worker half, with its own transfer agent, in that rank's
-    process (picklable; the built-in engine's ``worker_connector_factory``). Fixed ports become
-    ``port + r``; ``cuda:N`` becomes ``cuda:N+r``. Its metrics stay in that process."""
+    process (picklable; the built-in engine's ``worker_connector_factory``). Fixed ports (bound and
+    advertised) become ``port + r``; ``cuda:N`` becomes ``cuda:N+r``. Its metrics stay in that process."""
 
     config: ConnectorConfig
     engine_info: EngineInfo
@@ -67,10 +67,17 @@ class RankConnectorFactory:
         transfer = transfer_config_for(self.config, info)
         transfer = dataclasses.replace(
             transfer,
-            control_port=transfer.control_port + rank if transfer.control_port else 0,
-            data_port=transfer.data_port + rank if transfer.data_port else 0,
+            control_port=_shift(transfer.control_port, rank),
+            data_port=_shift(transfer.data_port, rank),
+            advertise_control_port=_shift(transfer.advertise_control_port, rank),
+            advertise_data_port=_shift(transfer.advertise_data_port, rank),
             device=info.device,
         )
         agent = TransferAgent(transfer)
         metrics = connector_metrics(CollectorRegistry())
         return KvwireWorkerConnector(self.config, info, agent, metrics=metrics, owns_agent=True)
+
+
+def _shift(port: int, rank: int) -> int:
+    """Rank ``rank``'s copy of a fixed port (0 = any free port stays 0)."""
+    return port + rank if port else 0

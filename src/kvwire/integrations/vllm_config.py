@@ -42,7 +42,8 @@ SEED_KEYS = frozenset(
 )
 KVWIRE_KEYS = frozenset(
     {"router", "discovery", "host", "http_host", "mode", "deadline_s", "lease_s", "backend", "transport",
-     "recv_budget_bytes", "spill_budget_bytes", "secret", "heartbeat_interval_s", "instance_id", "model_name"}
+     "recv_budget_bytes", "spill_budget_bytes", "secret", "heartbeat_interval_s", "instance_id", "model_name",
+     "data_port", "advertise_host", "advertise_port", "advertise_data_port", "fault_delay_send"}
 )
 _SEND_TYPES = {"PUT": TransferMode.PUSH, "PUT_ASYNC": TransferMode.PUSH, "GET": TransferMode.PULL}
 _ROLES = {
@@ -84,6 +85,25 @@ class VllmTransferView:
 
 
 @dataclasses.dataclass(frozen=True)
+class SendDelayFault:
+    """Fault injection for tests and drills, never for production (``fault_delay_send``): a prefill
+    step that sends a transfer whose id starts with ``transfer_id_prefix`` is held ``seconds`` after
+    its promises are renewed and before its sends start -- a P whose prefill starts late (an
+    oversubscribed host, a long queue) while it stays alive and renews its peers' leases."""
+
+    seconds: float
+    transfer_id_prefix: str = ""  # "" = every transfer
+
+    def __post_init__(self) -> None:
+        if not 0 < self.seconds <= 3600:
+            raise ConfigError(f"kv_connector_extra_config.fault_delay_send.seconds must be in (0, 3600], "
+                              f"got {self.seconds}")
+
+    def applies(self, transfer_ids: list[str]) -> bool:
+        return any(tid.startswith(self.transfer_id_prefix) for tid in transfer_ids)
+
+
+@dataclasses.dataclass(frozen=True)
 class VllmPluginConfig:
     """Everything the vLLM plugin needs, validated. One per vLLM instance (all ranks share it)."""
 
@@ -93,6 +113,12 @@ class VllmPluginConfig:
     device_type: str = "cpu"  # "cpu" or "cuda": where vLLM's KV cache lives
     host: str = "127.0.0.1"  # interface the transfer agents bind to and advertise
     base_control_port: int = 0  # rank r listens on base + r; 0 = any free port
+    # The TCP data plane's port and what peers dial when it is not what is bound (NAT, proxies,
+    # Kubernetes Services; decision 090). Ports: rank r uses base + r; 0 = any free / the bound one.
+    base_data_port: int = 0
+    advertise_host: str | None = None  # the agents then bind ``host`` and advertise this
+    base_advertise_port: int = 0
+    base_advertise_data_port: int = 0
     recv_budget_bytes: int = 1 * GiB
     spill_budget_bytes: int = 1 * GiB
     secret: str | None = None
@@ -103,10 +129,16 @@ class VllmPluginConfig:
     model_name: str | None = None  # advertised model; None = vLLM's served model name
     nccl_num_channels: int | None = None
     vllm_failure_policy: LoadFailurePolicy = LoadFailurePolicy.FAIL  # vLLM applies it (informational)
+    fault_delay_send: SendDelayFault | None = None  # tests and drills only
 
     def __post_init__(self) -> None:
         if not 0 <= self.base_control_port <= 65535:
             raise ConfigError(f"kv_port must be in 0..65535, got {self.base_control_port}")
+        ports = {"data_port": self.base_data_port, "advertise_port": self.base_advertise_port,
+                 "advertise_data_port": self.base_advertise_data_port}
+        for key, port in ports.items():
+            if not 0 <= port <= 65535:
+                raise ConfigError(f"kv_connector_extra_config.{key} must be in 0..65535, got {port}")
         if self.recv_budget_bytes <= 0:
             raise ConfigError(f"kv_buffer_size / recv_budget_bytes must be > 0, got {self.recv_budget_bytes}")
         if self.spill_budget_bytes < 0:
@@ -131,7 +163,20 @@ class VllmPluginConfig:
 
     def control_port(self, rank: int) -> int:
         """Control port of rank ``rank``'s transfer agent (0 = any free port)."""
-        return 0 if self.base_control_port == 0 else self.base_control_port + rank
+        return _rank_port(self.base_control_port, rank)
+
+    def rank_ports(self, rank: int) -> dict[str, int]:
+        """Rank ``rank``'s fixed ports as :class:`~kvwire.transfer.TransferConfig` fields (0 = none)."""
+        return {
+            "control_port": self.control_port(rank),
+            "data_port": _rank_port(self.base_data_port, rank),
+            "advertise_control_port": _rank_port(self.base_advertise_port, rank),
+            "advertise_data_port": _rank_port(self.base_advertise_data_port, rank),
+        }
+
+
+def _rank_port(base: int, rank: int) -> int:
+    return 0 if base == 0 else base + rank
 
 
 # --- typed readers (JSON values arrive untyped) ------------------------------------------------------
@@ -238,6 +283,19 @@ def _router(extra: Mapping[str, Any]) -> str | None:
     return address
 
 
+def _send_delay_fault(extra: Mapping[str, Any]) -> SendDelayFault | None:
+    value = extra.get("fault_delay_send")
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not set(value) <= {"seconds", "transfer_id_prefix"}:
+        raise ConfigError("kv_connector_extra_config.fault_delay_send must be an object "
+                          f'{{"seconds": S, "transfer_id_prefix": "..."}}, got {value!r}')
+    seconds = _get_float(value, "seconds")
+    if seconds is None:
+        raise ConfigError("kv_connector_extra_config.fault_delay_send.seconds is required")
+    return SendDelayFault(seconds, _get_str(value, "transfer_id_prefix") or "")
+
+
 def _budgets(extra: Mapping[str, Any]) -> tuple[int, int]:
     _one_of(extra, "kv_buffer_size", "recv_budget_bytes")
     _one_of(extra, "mem_pool_size_gb", "spill_budget_bytes")
@@ -313,6 +371,10 @@ def plugin_config_from_vllm(view: VllmTransferView) -> VllmPluginConfig:
         device_type=device_type,
         host=host,
         base_control_port=0 if view.kv_port == VLLM_DEFAULT_KV_PORT else view.kv_port,
+        base_data_port=_get_int(extra, "data_port") or 0,
+        advertise_host=_get_str(extra, "advertise_host"),
+        base_advertise_port=_get_int(extra, "advertise_port") or 0,
+        base_advertise_data_port=_get_int(extra, "advertise_data_port") or 0,
         recv_budget_bytes=recv_budget,
         spill_budget_bytes=spill_budget,
         secret=_get_str(extra, "secret"),
@@ -323,4 +385,5 @@ def plugin_config_from_vllm(view: VllmTransferView) -> VllmPluginConfig:
         model_name=_get_str(extra, "model_name"),
         nccl_num_channels=_get_int(extra, "nccl_num_channels"),
         vllm_failure_policy=vllm_failure_policy,
+        fault_delay_send=_send_delay_fault(extra),
     )

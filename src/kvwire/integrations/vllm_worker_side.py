@@ -8,8 +8,10 @@ carry no KV of their own are never counted (the reference counted MoE layers and
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping
 
 import torch
@@ -32,7 +34,8 @@ def transfer_config(config: VllmPluginConfig, engine_info: EngineInfo) -> Transf
     """The agent config of rank ``engine_info.rank``."""
     return TransferConfig(
         host=config.host,
-        control_port=config.control_port(engine_info.rank),
+        advertise_host=config.advertise_host,
+        **config.rank_ports(engine_info.rank),
         backend=Backend.NCCL if config.data_plane is DataPlane.NCCL else Backend.TCP,
         transport=config.transport,
         device=engine_info.device,
@@ -64,6 +67,9 @@ class WorkerSide:
         self.agent = agent_factory(transfer_config(config, engine_info))
         self.core = KvwireWorkerConnector(config.connector, engine_info, self.agent, owns_agent=True)
         self._failure_policy = config.vllm_failure_policy.value
+        self._fault_delay_send = config.fault_delay_send
+        if self._fault_delay_send is not None:
+            logger.warning("kvwire: fault injection configured: %s", self._fault_delay_send)
         self._layers: KVLayers | None = None
         self._invalid_block_ids: set[int] = set()
         logger.info("kvwire: rank %d transfer agent at %s", engine_info.rank, self.agent.endpoint)
@@ -94,7 +100,18 @@ class WorkerSide:
     # --- per step (model-runner thread) ---------------------------------------------------------
 
     def bind(self, metadata: KvwireConnectorMetadata) -> None:
-        self.core.bind_connector_metadata(metadata)
+        fault = self._fault_delay_send
+        if fault is None or not fault.applies([send.transfer_id for send in metadata.sends]):
+            self.core.bind_connector_metadata(metadata)
+            return
+        # Fault injection (tests only): the request was accepted -- its promise renews D's lease from
+        # the agent's control thread -- but its prefill starts late, as behind a long queue on an
+        # oversubscribed P. The step is held between the promises and the sends (the core handles
+        # each kind in this order), so no started send looks stalled.
+        self.core.bind_connector_metadata(dataclasses.replace(metadata, sends=(), trailers=()))
+        logger.warning("kvwire: fault injection: holding this prefill step %.1f s", fault.seconds)
+        time.sleep(fault.seconds)
+        self.core.bind_connector_metadata(dataclasses.replace(metadata, promises=(), aborts=(), recvs=()))
 
     def clear(self) -> None:
         self.core.clear_connector_metadata()

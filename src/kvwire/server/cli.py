@@ -41,6 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--instance-id", default=None, help="stable instance name (default: random)")
     parser.add_argument("--advertise-host", default=None, help="host in the URL given to the router")
     parser.add_argument("--kv-port", type=int, default=0, help="KV transfer agent port (0: any free)")
+    parser.add_argument("--kv-data-port", type=int, default=0, help="KV TCP data plane port (0: any free)")
+    parser.add_argument("--kv-advertise-host", default=None,
+                        help="host P/D peers dial for this instance's KV agent when it differs from what "
+                             "it binds (NAT, proxy, Kubernetes Service); the agent then binds --host")
+    parser.add_argument("--kv-advertise-port", type=int, default=0,
+                        help="KV control port peers dial (0: the bound --kv-port)")
+    parser.add_argument("--kv-advertise-data-port", type=int, default=0,
+                        help="KV TCP data port peers dial (0: the bound --kv-data-port)")
     parser.add_argument("--kv-mode", choices=[m.value for m in TransferMode], default=TransferMode.PUSH.value,
                         help="default P/D transfer mode (the router's kv_transfer_params.mode wins)")
     parser.add_argument("--kv-deadline-s", type=float, default=30.0,
@@ -83,6 +91,10 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         instance_id=args.instance_id,
         advertise_host=args.advertise_host,
         kv_port=args.kv_port,
+        kv_data_port=args.kv_data_port,
+        kv_advertise_host=args.kv_advertise_host,
+        kv_advertise_port=args.kv_advertise_port,
+        kv_advertise_data_port=args.kv_advertise_data_port,
         kv_mode=TransferMode(args.kv_mode),
         kv_deadline_s=args.kv_deadline_s,
         kv_transport=Transport(args.kv_transport),

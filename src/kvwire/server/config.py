@@ -36,6 +36,13 @@ class ServerConfig:
     advertise_host: str | None = None
     # Port of this instance's KV transfer agent (role prefill/decode); 0 = any free port.
     kv_port: int = 0
+    kv_data_port: int = 0  # its TCP data plane's port; 0 = any free port
+    # What P/D peers dial when it is not what the agent binds (NAT, a proxy, a Kubernetes Service;
+    # decision 090): host (the agent then binds ``host``, which may be a wildcard), control and data
+    # ports (0 = the bound ones). None / 0 = advertise what is bound.
+    kv_advertise_host: str | None = None
+    kv_advertise_port: int = 0
+    kv_advertise_data_port: int = 0
     # P/D connector defaults (the router's per-request kv_transfer_params may override mode/deadline).
     kv_mode: TransferMode = TransferMode.PUSH
     kv_deadline_s: float = 30.0  # push transfer deadline and pull lease on P's blocks
@@ -71,8 +78,11 @@ class ServerConfig:
             raise ConfigError(f"kv_deadline_s must be > 0, got {self.kv_deadline_s}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
-        if not 0 <= self.kv_port <= 65535:
-            raise ConfigError(f"kv_port must be in [0, 65535], got {self.kv_port}")
+        for name in ("kv_port", "kv_data_port", "kv_advertise_port", "kv_advertise_data_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ConfigError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        if self.kv_advertise_host is not None and not self.kv_advertise_host.strip():
+            raise ConfigError("kv_advertise_host must not be empty (omit it to advertise the bound host)")
         if self.heartbeat_interval_s <= 0:
             raise ConfigError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
         if self.shutdown_deadline_s <= 0:
@@ -94,3 +104,8 @@ class ServerConfig:
         if self.advertise_host:
             return self.advertise_host
         return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+
+    def kv_bind_host(self) -> str:
+        """Interface the KV transfer agent binds: ``host`` itself (a wildcard included) when peers are
+        told another host (``kv_advertise_host``), else the host it advertises (:meth:`public_host`)."""
+        return self.host if self.kv_advertise_host else self.public_host()

@@ -81,7 +81,9 @@ def build_connector_set(
             f"role {config.role.value}: the P/D connector is not available in this build ({exc})"
         ) from exc
     transfer = TransferConfig(
-        host=config.public_host(), control_port=config.kv_port,
+        host=config.kv_bind_host(), control_port=config.kv_port, data_port=config.kv_data_port,
+        advertise_host=config.kv_advertise_host, advertise_control_port=config.kv_advertise_port,
+        advertise_data_port=config.kv_advertise_data_port,
         backend=Backend.NCCL if engine_config.is_cuda else Backend.TCP, transport=config.kv_transport,
         device=engine_config.device, default_deadline_s=config.kv_deadline_s,
         secret=secret.encode() if secret else None, nccl=config.kv_nccl,

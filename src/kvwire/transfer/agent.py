@@ -70,7 +70,9 @@ class TransferAgent:
             plane.close()
             raise
         core.control.start()
-        log.info("transfer agent %s at %s (data %s)", self._instance_id, core.endpoint, plane.address)
+        bound = core.control.bound_endpoint
+        via = "" if bound == core.endpoint else f", listening at {bound}"
+        log.info("transfer agent %s at %s (data %s%s)", self._instance_id, core.endpoint, plane.address, via)
 
     @property
     def endpoint(self) -> str:

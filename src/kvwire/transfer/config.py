@@ -24,6 +24,12 @@ class TransferConfig:
     ``transport`` picks the plane per peer (docs/decisions/075-plane-negotiation.md): ``auto`` holds
     the same-host plane of ``device`` (``shm`` on CPU) next to ``backend`` (the plane for peers on
     other hosts) and lets each pair of agents negotiate; a forced value holds that plane alone.
+
+    ``advertise_*`` (docs/decisions/090-kv-advertise-address.md): what peers are told to connect to
+    when it differs from what the agent binds (NAT, a TCP proxy, a Kubernetes Service, a fault
+    relay): the control endpoint in every message's ``src_endpoint`` and the TCP data plane's address
+    in every ``plane_info``. Unset (None / 0) = the bound host / port. Same-host planes (shm, ipc)
+    and NCCL are not redirected: they do not dial the advertised TCP address.
     """
 
     host: str = "127.0.0.1"  # interface the control endpoint and the data plane bind to
@@ -41,6 +47,9 @@ class TransferConfig:
     max_layers_per_transfer: int = 4096  # protocol sanity bound on offers
     max_pending_transfers: int = 65536  # bound on transfers tracked per agent
     shm_ring_bytes: int = 64 * MiB  # shared-memory plane: staging ring per inbound peer link
+    advertise_host: str | None = None  # host peers dial (None: ``host``)
+    advertise_control_port: int = 0  # control port peers dial (0: the bound one)
+    advertise_data_port: int = 0  # TCP data port peers dial (0: the bound one)
     # The NCCL plane's tuning (used with backend NCCL). Built at the edge: the CLI / plugin reads
     # KVWIRE_NCCL_* once (NcclPlaneConfig.from_env) and passes it down; nothing below reads the env.
     nccl: NcclPlaneConfig = dataclasses.field(default_factory=NcclPlaneConfig)
@@ -61,7 +70,7 @@ class TransferConfig:
                 msg = f"TransferConfig.transport: {self.transport!r} is not one of {choices}"
                 raise ConfigError(msg) from exc
         self._check_transport()
-        for name in ("control_port", "data_port"):
+        for name in ("control_port", "data_port", "advertise_control_port", "advertise_data_port"):
             port = getattr(self, name)
             if not 0 <= port <= 65535:
                 raise ConfigError(f"TransferConfig.{name} must be in 0..65535, got {port}")
@@ -81,6 +90,8 @@ class TransferConfig:
             raise ConfigError("TransferConfig: socket_buffer_bytes and max_layers_per_transfer must be > 0")
         if not self.host:
             raise ConfigError("TransferConfig.host must not be empty")
+        if self.advertise_host is not None and not self.advertise_host.strip():
+            raise ConfigError("TransferConfig.advertise_host must not be empty (None: the bound host)")
         if self.shm_ring_bytes < 1 * MiB:
             raise ConfigError("TransferConfig.shm_ring_bytes must be at least 1 MiB")
 
@@ -98,3 +109,10 @@ class TransferConfig:
             raise ConfigError(
                 f"transport {self.transport.value!r} needs a CUDA device (device is {self.device!r})"
             )
+
+    def advertised(self, bound: str, port: int) -> str:
+        """``host:port`` peers dial for a socket bound at ``bound`` (``host:port``), given the
+        ``advertise_*`` port of that socket (0: the bound port)."""
+        bound_host, _, bound_port = bound.rpartition(":")
+        host = self.advertise_host or bound_host
+        return f"{host}:{port or bound_port}"

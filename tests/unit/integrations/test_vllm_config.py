@@ -176,3 +176,33 @@ def test_several_routers() -> None:
     with pytest.raises(ConfigError, match="router"):
         plugin_config_from_vllm(VllmTransferView(
             kv_role="kv_producer", kv_connector_extra_config={"router": ["http://x"], "http_port": 1}))
+
+
+def test_advertise_keys_give_each_rank_its_ports() -> None:
+    """``advertise_host`` / ``advertise_port`` / ``data_port`` / ``advertise_data_port`` (decision
+    090): rank r binds and advertises base + r."""
+    extra = {"host": "0.0.0.0", "advertise_host": "kv.example.internal", "data_port": 7100,
+             "advertise_port": "31000", "advertise_data_port": 31100}
+    cfg = plugin_config_from_vllm(VllmTransferView(kv_role="kv_producer", kv_port=7000,
+                                                   kv_connector_extra_config=extra))
+    assert cfg.advertise_host == "kv.example.internal" and cfg.host == "0.0.0.0"
+    assert cfg.rank_ports(1) == {"control_port": 7001, "data_port": 7101, "advertise_control_port": 31001,
+                                 "advertise_data_port": 31101}
+    assert plugin_config_from_vllm(view("kv_producer")).rank_ports(0) == {
+        "control_port": 0, "data_port": 0, "advertise_control_port": 0, "advertise_data_port": 0}
+    with pytest.raises(ConfigError, match="advertise_port"):
+        plugin_config_from_vllm(VllmTransferView(kv_role="kv_producer",
+                                                 kv_connector_extra_config={"advertise_port": 70000}))
+
+
+def test_fault_delay_send_is_parsed_and_validated() -> None:
+    extra = {"fault_delay_send": {"seconds": 8, "transfer_id_prefix": "slow-"}}
+    fault = plugin_config_from_vllm(VllmTransferView(kv_role="kv_producer",
+                                                     kv_connector_extra_config=extra)).fault_delay_send
+    assert fault is not None and fault.seconds == 8.0
+    assert fault.applies(["x", "slow-1"]) and not fault.applies(["fast-1"])
+    assert plugin_config_from_vllm(view("kv_producer")).fault_delay_send is None
+    for bad in ({"seconds": 0}, {"seconds": 1, "other": 2}, {"transfer_id_prefix": "x"}, 5):
+        with pytest.raises(ConfigError, match=r"fault_delay_send|seconds"):
+            plugin_config_from_vllm(VllmTransferView(kv_role="kv_producer",
+                                                     kv_connector_extra_config={"fault_delay_send": bad}))

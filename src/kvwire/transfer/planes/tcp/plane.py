@@ -176,7 +176,8 @@ class TcpPlane(DataPlane):
         self._written = threading.Condition(self._lock)
         self._closing = threading.Event()
         self._listener: socket.socket | None = None
-        self._address = ""
+        self._address = ""  # what peers dial (config.advertise_*); bound_address: where we listen
+        self.bound_address = ""
         self._acceptor: threading.Thread | None = None
         self._callbacks: PlaneCallbacks | None = None
 
@@ -193,7 +194,8 @@ class TcpPlane(DataPlane):
         listener.settimeout(POLL_S)
         self._listener = listener
         host, port = listener.getsockname()[:2]
-        self._address = f"{host}:{port}"
+        self.bound_address = f"{host}:{port}"
+        self._address = self.config.advertised(self.bound_address, self.config.advertise_data_port)
         self._acceptor = threading.Thread(target=self._accept_loop, name="kvwire-tcp-accept", daemon=True)
         self._acceptor.start()
 
