@@ -79,6 +79,7 @@ class RankLost(EngineError):
 INSTANCE_LOST = "instance_lost"  # the engine lost a tensor-parallel rank (RankLost); the process exits
 INSTANCE_STOPPING = "instance_stopping"  # the server is shutting down
 INSTANCE_GONE_CODES = frozenset({INSTANCE_LOST, INSTANCE_STOPPING})
+EXIT_RANK_LOST = 3  # exit code of ``kvwire serve`` after its engine lost a tensor-parallel rank
 
 
 class ServerShuttingDown(KvwireError):

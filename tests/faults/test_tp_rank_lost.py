@@ -4,7 +4,7 @@
 The instance finds the dead rank within a step, fails its in-flight request with 503
 ``instance_lost`` (in-band: the stream had started), deregisters and exits with code 3; the router
 continues the stream on the other D, token for token as an uninterrupted run; the survivors hold no
-blocks afterwards and serve new requests.
+blocks afterwards and serve new requests; the cluster restarts the instance (what `kvwire up` does).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from fault_cluster import blocks_back_to_zero, completion, live_urls, post_json,
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster, http_json
 from kvwire.cluster.process import wait_until
-from kvwire.server.instance import EXIT_RANK_LOST
+from kvwire.errors import EXIT_RANK_LOST
 from support.sse_client import stream
 
 pytestmark = pytest.mark.slow
@@ -99,3 +99,8 @@ def test_a_decode_rank_killed_mid_stream(tmp_path: Path) -> None:
         assert len(live_urls(cluster, "decode")) == 1
         status, answer = post_json(cluster.router_url + "/v1/completions", completion(8, stream=False))
         assert status == 200 and answer["choices"][0]["token_ids"] == ref.token_ids()[:8], answer
+        # What `kvwire up` does next: the instance comes back under its name, with all its ranks.
+        assert cluster.restart_if_rank_lost(killer.killed)
+        assert not cluster.restart_if_rank_lost(killer.killed)  # running again: nothing to restart
+        cluster.wait_ready(120)
+        assert len(live_urls(cluster, "decode")) == 2

@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from kvwire.engine.config import EngineConfig
-from kvwire.errors import RankLost
+from kvwire.errors import EXIT_RANK_LOST, RankLost
 from kvwire.kv_signing import KVParamsRefused, verifier_from_secret, verifying
 from kvwire.refusal_log import RefusalLog
 from kvwire.server.app import ServerApp
@@ -192,9 +192,6 @@ class ServerInstance:
             await loop.run_in_executor(None, owner.close)
         logger.info("kvwire serve stopped%s", "" if clean else " (deadline passed)")
         return clean
-
-
-EXIT_RANK_LOST = 3  # the process exit code after the engine lost a tensor-parallel rank
 
 
 async def serve(config: ServerConfig, engine_config: EngineConfig, secret: str | None = None) -> int:
