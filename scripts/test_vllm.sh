@@ -5,7 +5,7 @@
 # checks P/D output == plain output (push and pull) plus a prefill-killed case, then a prefill
 # instance with TP 2 feeding a TP 1 instance (heterogeneous TP). Logs of every process land in
 # build/vllm-tier-logs/. Budget: <= 15 min on a 2-core machine, install included (measured
-# 2026-12-02 on the shared box at load average 15-30: 11 min without the install, 5.5 of them for
+# 2026-12-02 on the shared box at load average 15-38: 10.6 min without the install, 4 of them for
 # the TP 2 engine's start-up).
 set -euo pipefail
 cd "$(dirname "$0")/.."
