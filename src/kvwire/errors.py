@@ -68,6 +68,20 @@ class EngineStalled(EngineError):
     they are failed (HTTP 503) and the server is unhealthy until the engine makes progress again."""
 
 
+class RankLost(EngineError):
+    """A tensor-parallel rank of the engine exited, failed or stopped answering. The other ranks
+    cannot compute without its heads: every request of the engine ended with this error, its blocks
+    and transfers are released, and the engine refuses all further work (the instance answers 503
+    ``instance_lost`` and exits non-zero so that its supervisor restarts it; decision 085)."""
+
+
+# Error codes of an instance's 503 that says it serves nothing more: a router takes it out of routing.
+INSTANCE_LOST = "instance_lost"  # the engine lost a tensor-parallel rank (RankLost); the process exits
+INSTANCE_STOPPING = "instance_stopping"  # the server is shutting down
+INSTANCE_GONE_CODES = frozenset({INSTANCE_LOST, INSTANCE_STOPPING})
+EXIT_RANK_LOST = 3  # exit code of ``kvwire serve`` after its engine lost a tensor-parallel rank
+
+
 class ServerShuttingDown(KvwireError):
     """The server is stopping; in-flight requests were aborted (becomes HTTP 503)."""
 

@@ -1,7 +1,7 @@
 """P/D between built-in engines of different tensor-parallel sizes (real rank processes, real
 transfer agents on loopback): decode output equals a colocated TP=1 engine token for token, in push
 and pull, with KV heads split, merged and replicated; nothing stays allocated or tracked on any rank;
-a D rank killed mid-transfer ends the request without a hang."""
+a killed D or P rank ends that engine (everything released) and the request per policy, without a hang."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.engine.sampling_params import SamplingParams
 from kvwire.engine.tp.runner import TPRunner, model_config_of
-from kvwire.errors import EngineError
+from kvwire.errors import RankLost
 from kvwire.kv_params import KVTransferParams, Role, TransferMode
 
 BLOCK = 8
@@ -198,7 +198,36 @@ def test_decode_equals_colocated_tp1(request: pytest.FixtureRequest, model: str,
         d.close()
 
 
-def test_a_killed_decode_rank_ends_the_request_without_a_hang() -> None:
+def assert_over(e: LLMEngine) -> None:
+    """An engine that lost a rank: everything released, every later call refused with RankLost."""
+    stats = e.stats()
+    assert stats.kv_blocks_in_use == 0 and stats.num_delayed_free_requests == 0, stats
+    assert e.scheduler_connector.num_tracked_requests == 0  # type: ignore[attr-defined]
+    assert e.worker_connector.num_live_transfers == 0  # type: ignore[attr-defined]
+    assert not e.has_unfinished_requests()
+    with pytest.raises(RankLost):
+        e.step()
+    with pytest.raises(RankLost):
+        e.add_request("late", [1, 2, 3], GREEDY)
+
+
+def step_until_lost(e: LLMEngine, others: list[LLMEngine], timeout_s: float) -> RankLost:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for other in others:
+            other.step()
+        try:
+            e.step()
+        except RankLost as exc:
+            return exc
+        time.sleep(0.001)
+    raise AssertionError(f"the lost rank was not noticed within {timeout_s} s")
+
+
+def test_a_killed_decode_rank_ends_the_engine_and_frees_everywhere() -> None:
+    """D (TP 2) loses rank 1 while P sends it the KV: D's engine ends (RankLost naming the rank),
+    holding nothing; P's piece to the dead rank fails at its lease (nothing renews it), which ends
+    the request's other piece, and P frees its blocks."""
     p = engine("tiny", 1, Role.PREFILL, deadline_s=4.0)
     d = engine("tiny", 2, Role.DECODE, deadline_s=4.0)
     try:
@@ -208,16 +237,54 @@ def test_a_killed_decode_rank_ends_the_request_without_a_hang() -> None:
         d.add_request("r0", prompt, GREEDY, KVTransferParams(
             transfer_id=tid, role=Role.DECODE, peer_endpoints=endpoints(p)).to_dict())  # fmt: skip
         d.step()  # D expects the transfer on both ranks
-        os.kill(d.runner.leader.workers.pids[0], signal.SIGKILL)
+        assert d.stats().kv_blocks_in_use > 0
         p.add_request("p0", prompt, FIRST, KVTransferParams(
             transfer_id=tid, role=Role.PREFILL, peer_endpoints=endpoints(d)).to_dict())  # fmt: skip
+        os.kill(d.runner.leader.workers.pids[0], signal.SIGKILL)
         start = time.monotonic()
-        with pytest.raises(EngineError, match="rank 1"):  # D's engine fails; nothing waits
-            run([p, d], {}, timeout_s=30.0)
-        assert time.monotonic() - start < 30.0
+        run([p], {}, until=lambda: p.stats().num_delayed_free_requests == 1)  # prefilled, sending
+        lost = step_until_lost(d, [p], timeout_s=10.0)
+        assert "rank 1 of 2" in str(lost), lost
+        assert_over(d)
         results: dict[str, Any] = {}
-        run([p], results, timeout_s=30.0)  # P's piece to the dead rank fails; P frees its blocks
+        run([p], results, timeout_s=10.0)
+        assert time.monotonic() - start < 4.0 + 6.0  # the lease, and some slack on a busy box
         assert p.stats().kv_blocks_in_use == 0 and p.stats().num_delayed_free_requests == 0
+        assert p.scheduler_connector.num_tracked_requests == 0  # type: ignore[attr-defined]
+        assert p.worker_connector.num_live_transfers == 0  # type: ignore[attr-defined]
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_killed_prefill_rank_ends_p_and_d_recomputes() -> None:
+    """P (TP 2) loses rank 1 before its prefill: P's engine ends holding nothing; D (TP 1, policy
+    recompute) learns its pieces failed (P's agents closed) and computes the prompt itself: output
+    equal to the colocated reference, blocks 0."""
+    expected = reference("tiny")
+    p = engine("tiny", 2, Role.PREFILL, deadline_s=30.0)
+    d = engine("tiny", 1, Role.DECODE, deadline_s=30.0)
+    try:
+        assert isinstance(p.runner, TPRunner)
+        prompt = prompts()[3]
+        tid = uuid.uuid4().hex
+        d.add_request("r3", prompt, GREEDY, KVTransferParams(
+            transfer_id=tid, role=Role.DECODE, peer_endpoints=endpoints(p)).to_dict())  # fmt: skip
+        d.step()
+        os.kill(p.runner.leader.workers.pids[0], signal.SIGKILL)
+        p.add_request("p3", prompt, FIRST, KVTransferParams(
+            transfer_id=tid, role=Role.PREFILL, peer_endpoints=endpoints(d)).to_dict())  # fmt: skip
+        start = time.monotonic()
+        lost = step_until_lost(p, [d], timeout_s=10.0)
+        assert "rank 1 of 2" in str(lost), lost
+        assert_over(p)
+        results: dict[str, Any] = {}
+        run([d], results, timeout_s=20.0)
+        assert time.monotonic() - start < 20.0  # before the 30 s deadline: the abort came at once
+        out = results["r3"]
+        assert out.error is None and out.token_ids == expected[3], out
+        assert d.stats().num_kv_load_recomputes == 1
+        assert_all_freed([d], results)
     finally:
         p.close()
         d.close()

@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from kvwire.engine.outputs import EngineStats, RequestOutput
 from kvwire.engine.sampling_params import SamplingParams
 from kvwire.engine.tokenizer import ByteTokenizer
-from kvwire.errors import InvalidRequestError
+from kvwire.errors import InvalidRequestError, RankLost
 from kvwire.kv_params import KVTransferParams
 from kvwire.server.app import ServerApp
 from kvwire.server.engine_loop import EngineLoop
@@ -146,9 +146,9 @@ class FakeServer:
 
 async def start_fake_server(
     engine: FakeEngine, accepts_kv: bool = True, client_write_timeout_s: float = 30.0,
-    engine_stall_timeout_s: float | None = None,
+    engine_stall_timeout_s: float | None = None, on_lost: Callable[[RankLost], None] | None = None,
 ) -> FakeServer:
-    engine_loop = EngineLoop(engine, stall_timeout_s=engine_stall_timeout_s)
+    engine_loop = EngineLoop(engine, stall_timeout_s=engine_stall_timeout_s, on_lost=on_lost)
     metrics = ServerMetrics(lambda: engine_loop.stats, engine_loop.status)
     generation = GenerationHandler(engine_loop, engine.tokenizer, metrics, engine.model_name,
                                    engine.max_model_len, accepts_kv_transfer_params=accepts_kv,

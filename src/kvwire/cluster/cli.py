@@ -94,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
         while True:
             time.sleep(0.5)
             dead = cluster.check()
+            if dead is not None and cluster.restart_if_rank_lost(dead):
+                print(f"kvwire up: {dead} lost a tensor-parallel rank; restarted", file=sys.stderr)
+                continue
             if dead is not None:
                 print(f"kvwire up: {dead} exited unexpectedly; stopping the cluster", file=sys.stderr)
                 return 1

@@ -6,7 +6,9 @@ the OS); ready = every instance registered alive with the router and answering `
 ``start_timeout_s``. Stop order: instances (they deregister), then the router; each is SIGTERMed and
 SIGKILLed after ``stop_grace_s``. With ``discovery="etcd"`` a local etcd starts first (the ``etcd``
 binary must be installed) and stops last; instances register there and the router watches it;
-``discovery="etcd://HOST:PORT[/prefix]"`` uses an etcd that is already running.
+``discovery="etcd://HOST:PORT[/prefix]"`` uses an etcd that is already running. An instance that
+exits because its engine lost a tensor-parallel rank is restarted under its name by
+:meth:`LocalCluster.restart_if_rank_lost` (``kvwire up`` calls it; decision 085).
 
 Modes, roles and policies are enums (:class:`~kvwire.kv_params.TransferMode`,
 :class:`~kvwire.discovery.messages.Role`, :class:`~kvwire.kv_params.LoadFailurePolicy`);
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import socket
 import sys
@@ -31,9 +34,12 @@ from typing import Any, TextIO
 from kvwire.cluster.process import ManagedProcess, kvwire_argv
 from kvwire.discovery.address import parse_discovery_address
 from kvwire.enum_values import as_enum
-from kvwire.errors import ClusterError, ConfigError
+from kvwire.errors import EXIT_RANK_LOST, ClusterError, ConfigError
 from kvwire.kv_params import LoadFailurePolicy, Role, TransferMode
 from kvwire.transfer.enums import Transport
+
+log = logging.getLogger(__name__)
+MAX_RANK_LOST_RESTARTS = 3  # per instance name: a rank that keeps dying is a fault to look at
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +142,7 @@ class LocalCluster:
         self.discovery_address = ""
         self.etcd: Any = None  # kvwire.cluster.etcd.LocalEtcd when spec.discovery == "etcd"
         self._stopped = False
+        self._restarts: dict[str, int] = {}  # instance name -> restarts after a lost rank
         self.api_key = spec.api_key or os.environ.get("KVWIRE_API_KEY") or None
 
     # --- start ----------------------------------------------------------------------------------
@@ -288,6 +295,20 @@ class LocalCluster:
             if proc is not None and proc.poll() is not None and not proc.expected_exit:
                 return name, proc
         return None
+
+    def restart_if_rank_lost(self, name: str) -> bool:
+        """Restart instance ``name`` under the same name if it exited because its engine lost a
+        tensor-parallel rank (exit code EXIT_RANK_LOST, decision 085), at most
+        ``MAX_RANK_LOST_RESTARTS`` times per name; True if restarted. It registers when ready."""
+        instance = self.instances.get(name)
+        if instance is None or instance.process.poll() != EXIT_RANK_LOST:
+            return False
+        if self._restarts.get(name, 0) >= MAX_RANK_LOST_RESTARTS:
+            return False
+        self._restarts[name] = self._restarts.get(name, 0) + 1
+        log.warning("%s lost a tensor-parallel rank (exit %d): restarting it", name, EXIT_RANK_LOST)
+        self.start_instance(name, instance.role)
+        return True
 
     def kill(self, name: str, sig: int) -> None:
         """Send ``sig`` to an instance's process group (fault injection); its exit is expected."""

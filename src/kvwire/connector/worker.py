@@ -46,7 +46,7 @@ from kvwire.connector.pieces import (
 from kvwire.connector.state import reason_label
 from kvwire.errors import ConfigError, KvwireError
 from kvwire.transfer.enums import KVLayout
-from kvwire.transfer.paged import block_ids_tensor, gather_blocks, gathered_shape, scatter_blocks
+from kvwire.transfer.paged import HEAD_DIM, block_ids_tensor, gather_blocks, gathered_shape, scatter_blocks
 from kvwire.transfer.paged_kv import BlockTarget
 from kvwire.transfer.types import LayerSpec, TransferEvents, TransferTiming
 
@@ -163,7 +163,11 @@ class KvwireWorkerConnector(WorkerConnector):
     def kv_endpoint(self) -> str:
         return self.agent.endpoint
 
-    def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: Sequence[torch.Tensor], layout: KVLayout | None = None) -> None:
+        """``layout``: the tensors' layout when the host knows it only now (the vLLM plugin: whether
+        the attention backend's cache has a head axis it can cut); else ``engine_info.kv_layout``."""
+        if layout is not None:
+            self._layout = layout
         self._kv_caches = list(kv_caches)
         self._preload_kernels()
         if self._kv_caches:
@@ -327,8 +331,9 @@ class KvwireWorkerConnector(WorkerConnector):
 
     def _kv_heads(self, p_tp: int, d_tp: int) -> int | None:
         """The model's KV heads over all ranks (None for MLA: no head dimension). A host whose KV is
-        opaque to kvwire (MLA layout with ``num_kv_heads`` set: heads inside each block, e.g. vLLM)
-        cannot cut heads: P and D of different TP sizes are refused (ConfigError), never garbled."""
+        opaque to kvwire (MLA layout with ``num_kv_heads`` set: heads somewhere inside each block, e.g.
+        a vLLM backend without a head axis right inside the block) cannot cut heads: P and D of
+        different TP sizes are refused (ConfigError), never garbled."""
         if self._layout is KVLayout.MLA:
             if self.engine_info.num_kv_heads is not None and p_tp != d_tp:
                 raise ConfigError(
@@ -337,7 +342,7 @@ class KvwireWorkerConnector(WorkerConnector):
             return None
         if self.engine_info.num_kv_heads is not None:
             return self.engine_info.num_kv_heads
-        local = int(self._kv_caches[0].shape[3]) if self._kv_caches else 1
+        local = int(self._kv_caches[0].shape[HEAD_DIM[self._layout]]) if self._kv_caches else 1
         return local * self.engine_info.tp_size
 
     def _finish_saves(self) -> None:

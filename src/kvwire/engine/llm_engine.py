@@ -3,6 +3,10 @@
 Threading: ``step``, ``stats`` and ``close`` belong to one engine thread. ``add_request`` and
 ``abort_request`` may be called from any thread: they validate at once (raising InvalidRequestError)
 and queue the change, which the next ``step`` applies first.
+
+A lost tensor-parallel rank (:class:`~kvwire.errors.RankLost` from ``step`` or ``check_ranks``) ends
+the engine: every request is ended with the error, every block freed, every connector and the other
+ranks closed (peers see their transfers aborted at once); every later call raises the same error.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from kvwire.engine.stop import check_stop
 from kvwire.engine.tokenizer import IncrementalDetokenizer
 from kvwire.engine.tp.messages import WorkerConnectorFactory
 from kvwire.engine.tp.runner import TPLeader, TPRunner
-from kvwire.errors import InvalidRequestError
+from kvwire.errors import InvalidRequestError, RankLost
 from kvwire.kv_events import KvEventLog
 from kvwire.kv_params import KVParams, KVTransferParams
 
@@ -101,6 +105,7 @@ class LLMEngine:
         self._lock = threading.Lock()
         self._pending_ids: set[str] = set()  # ids added and not yet finished (any thread)
         self._num_prompt_tokens = self._num_generation_tokens = self._num_steps = 0
+        self.lost: RankLost | None = None  # set once a tensor-parallel rank is lost (the engine is over)
         log.info(
             "engine ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d, tp=%d",
             *(config.model, config.device, self.dtype, num_blocks, config.block_size, self.max_model_len),
@@ -116,7 +121,10 @@ class LLMEngine:
         params: SamplingParams,
         kv_transfer_params: KVParams | None = None,
     ) -> None:
-        """Queue a request. Raises InvalidRequestError for a bad id, prompt or params."""
+        """Queue a request. Raises InvalidRequestError for a bad id, prompt or params, RankLost once
+        a rank is lost."""
+        if self.lost is not None:
+            raise self.lost
         self._validate(request_id, prompt_token_ids, params, kv_transfer_params)
         generator = None if params.seed is None else self.runner.sampler.new_generator(params.seed)
         req = Request(
@@ -168,12 +176,19 @@ class LLMEngine:
     # --- the loop (engine thread) -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling step and one forward pass. Never blocks on the network."""
+        """One scheduling step and one forward pass. Never blocks on the network. Raises RankLost
+        (every request ended, see the module docstring) when a tensor-parallel rank is gone."""
+        if self.lost is not None:
+            raise self.lost
         outputs: dict[str, RequestOutput] = {}
         self._apply_inbox(outputs)
         plan = self.scheduler.schedule()
         metadata = self.scheduler_connector.build_connector_meta(plan.step_info)
-        result = self.runner.execute(plan.scheduled, metadata, plan.step_info.finished_request_ids)
+        try:
+            result = self.runner.execute(plan.scheduled, metadata, plan.step_info.finished_request_ids)
+        except RankLost as exc:
+            self._end_after_rank_lost(exc)
+            raise
         self._num_prompt_tokens += sum(s.num_new_prompt_tokens for s in plan.scheduled)
         self.scheduler.advance(plan.scheduled)
         for item in plan.scheduled:
@@ -237,6 +252,37 @@ class LLMEngine:
         out.text = req.detokenizer.output_text
         out.num_cached_tokens = req.num_cached_tokens
         return out
+
+    def check_ranks(self) -> None:
+        """Engine thread, between steps (the server calls it while idle): raise RankLost, ending the
+        engine, when a tensor-parallel rank's process is gone. No-op with one rank."""
+        if self.lost is not None:
+            raise self.lost
+        if self._tp is not None:
+            try:
+                self._tp.workers.check()
+            except RankLost as exc:
+                self._end_after_rank_lost(exc)
+                raise
+
+    def _end_after_rank_lost(self, exc: RankLost) -> None:
+        """No partial service without a rank (decision 085): stop the other ranks and close rank 0's
+        connector first (their agents abort every transfer, so peers free at once instead of at a
+        deadline), then end every request with the error and free every block."""
+        self.lost = exc
+        log.error("engine lost a tensor-parallel rank: %s; ending %d request(s)", exc, len(self._requests))
+        if self._tp is not None:
+            self._tp.close()
+            self._tp = None
+        self.worker_connector.close()
+        outputs: dict[str, RequestOutput] = {}
+        for req in list(self._requests.values()):
+            self._finish(req, RequestStatus.FINISHED_ERROR, outputs, error=str(exc))
+        self.scheduler.release_all_delayed()
+        self.scheduler_connector.close()
+        with self._lock:
+            self._inbox.clear()
+            self._pending_ids.clear()
 
     # --- introspection / lifetime -----------------------------------------------------------------------
 

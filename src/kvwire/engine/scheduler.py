@@ -221,6 +221,14 @@ class Scheduler:
                 self._resume(waiting, update)
         return update
 
+    def release_all_delayed(self) -> None:
+        """Free every block held for a send (the engine ended: its connectors are closed, no send
+        reads them any more)."""
+        for blocks in self.delayed_free.values():
+            self.blocks.free(blocks)
+        self.delayed_free.clear()
+        self._sent_early.clear()
+
     def _release(self, request_id: str, live: dict[str, Request]) -> None:
         blocks = self.delayed_free.pop(request_id, None)
         if blocks is not None:

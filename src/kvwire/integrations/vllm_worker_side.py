@@ -18,6 +18,7 @@ import torch
 
 from kvwire.connector.config import EngineInfo
 from kvwire.connector.metadata import KvwireConnectorMetadata
+from kvwire.connector.tp_map import owned_heads
 from kvwire.connector.worker import AgentLike, KvwireWorkerConnector
 from kvwire.errors import EngineError
 from kvwire.integrations.vllm_config import DataPlane, VllmPluginConfig
@@ -83,12 +84,17 @@ class WorkerSide:
         return self.agent.instance_id
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        self._layers = kv_layers(kv_caches)
-        self.core.register_kv_caches(self._layers.views)
+        """Register vLLM's caches with the core: as head views (``BLOCK_HEAD``: P and D may differ in
+        TP size) when the backend keeps this rank's heads right inside each block, else opaque."""
+        info = self.engine_info
+        heads = info.num_kv_heads
+        local = None if heads is None else len(owned_heads(info.rank, info.tp_size, heads))
+        self._layers = kv_layers(kv_caches, local)
+        self.core.register_kv_caches(self._layers.views, self._layers.layout)
         first = self._layers.views[0]
         logger.info(
-            "kvwire: rank %d: %d KV layers, %s %s per layer", self.engine_info.rank,
-            len(self._layers.names), tuple(first.shape), first.dtype,
+            "kvwire: rank %d of %d: %d KV layers, %s %s per layer (%s)", info.rank, info.tp_size,
+            len(self._layers.names), tuple(first.shape), first.dtype, self._layers.layout.value,
         )
 
     @property

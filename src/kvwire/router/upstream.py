@@ -21,8 +21,9 @@ from collections.abc import Awaitable, Mapping
 from typing import TypeVar
 
 import aiohttp
+import msgspec
 
-from kvwire.errors import UpstreamError
+from kvwire.errors import INSTANCE_GONE_CODES, UpstreamError
 from kvwire.router.metrics import RouterMetrics
 from kvwire.router.registry import InstanceState, InstanceView, Registry
 
@@ -168,7 +169,7 @@ class Upstream:
         text = body.decode("utf-8", "replace").strip() or "(empty body)"
         return self._failure(
             inst, role, kind, f"status {resp.status}: {text[:500]}", status=resp.status,
-            dead=resp.status in _DEAD_STATUSES, body=body or None,
+            dead=resp.status in _DEAD_STATUSES or _says_gone(resp.status, body), body=body or None,
             content_type=resp.headers.get("Content-Type", "application/json"),
         )
 
@@ -200,3 +201,15 @@ class Upstream:
             message, status=status, kind=kind, instance_id=inst.instance_id,
             retryable=retryable, body=body, content_type=content_type,
         )
+
+
+def _says_gone(status: int, body: bytes) -> bool:
+    """A 503 whose error code says the instance serves nothing more (lost a tensor-parallel rank,
+    shutting down): out of routing now, so a re-dispatch picks another one."""
+    if status != 503:
+        return False
+    try:
+        error = msgspec.json.decode(body).get("error")
+    except (msgspec.DecodeError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") in INSTANCE_GONE_CODES

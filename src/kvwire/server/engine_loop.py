@@ -7,7 +7,10 @@ per request. Failure: an exception from ``add_request`` is raised to the awaitin
 exception from ``step`` fails every in-flight request with :class:`EngineError` (their streams
 raise it) and the loop keeps serving new requests; after ``MAX_CONSECUTIVE_STEP_ERRORS`` failed steps in
 a row, or any other exception, the thread stops, ``alive`` turns false (``/health`` reports 503) and new
-requests get :class:`EngineError` (500). A thread that stops making progress (a step stuck in a GPU op)
+requests get :class:`EngineError` (500). A lost tensor-parallel rank (:class:`RankLost`, from a step
+or from the idle check every ``RANK_CHECK_S``) stops the thread at once: ``on_lost`` is posted first
+(the server stops taking requests), then every in-flight request fails with it (503
+``instance_lost``). A thread that stops making progress (a step stuck in a GPU op)
 while requests wait is caught by the :class:`~kvwire.server.stall_watchdog.StallWatchdog` when
 ``stall_timeout_s`` is set: the waiting requests fail with :class:`EngineStalled` (503), new ones are
 refused with it, and serving resumes by itself once the stuck call returns.
@@ -23,10 +26,15 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from kvwire.errors import EngineError, EngineStalled, ServerShuttingDown  # the last still importable here
+from kvwire.errors import (  # the last still importable here
+    EngineError,
+    EngineStalled,
+    RankLost,
+    ServerShuttingDown,
+)
 from kvwire.kv_params import KVParams
 from kvwire.server.engine_status import EngineHealth, EngineStatus, StatsSnapshot
 from kvwire.server.stall_watchdog import StallWatchdog
@@ -36,6 +44,7 @@ logger = logging.getLogger(__name__)
 MAX_CONSECUTIVE_STEP_ERRORS = 5  # then the engine is considered broken and the thread stops
 _LIVENESS_CHECK_S = 1.0  # how often a caller waiting for the engine thread checks that it still runs
 _ERROR_BACKOFF_S = 0.05  # wait before the next step after a failed one, times the failures in a row
+RANK_CHECK_S = 1.0  # while idle, how often the engine's tensor-parallel ranks are checked (check_ranks)
 
 
 class EngineLike(Protocol):
@@ -119,9 +128,14 @@ class EngineLoop:
 
     def __init__(
         self, engine: EngineLike, *, idle_wait_s: float = 0.05, remote_wait_s: float = 0.002,
-        stall_timeout_s: float | None = None,
+        stall_timeout_s: float | None = None, on_lost: Callable[[RankLost], None] | None = None,
     ) -> None:
+        """``on_lost(error)``: called on the event loop when the engine lost a tensor-parallel rank
+        (before the in-flight requests are failed with it); the instance cannot serve any more."""
         self._engine = engine
+        self._on_lost = on_lost
+        self.fatal: BaseException | None = None  # why the engine thread stopped, if it failed
+        self._rank_check_s = 0.0  # monotonic time of the last idle rank check
         self._idle_wait_s = idle_wait_s  # block this long on the queue when nothing is in flight
         self._remote_wait_s = remote_wait_s  # ... and this long when all wait for KV transfers
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -163,7 +177,8 @@ class EngineLoop:
     def status(self) -> EngineStatus:
         num_stalls = self._watchdog.num_stalls if self._watchdog is not None else 0
         if not self.alive:
-            return EngineStatus(EngineHealth.STOPPED, "the engine thread is not running", num_stalls)
+            reason = str(self.fatal) if self.fatal is not None else "the engine thread is not running"
+            return EngineStatus(EngineHealth.STOPPED, reason, num_stalls)
         if self._watchdog is not None and self._watchdog.stalled:
             return EngineStatus(EngineHealth.STALLED, self._watchdog.reason(time.monotonic()), num_stalls)
         return EngineStatus(num_stalls=num_stalls)
@@ -184,6 +199,8 @@ class EngineLoop:
         if self._closing:
             raise ServerShuttingDown("the server is shutting down")
         if not self.alive:
+            if isinstance(self.fatal, RankLost):
+                raise self.fatal
             raise EngineError("the engine thread is not running")
         if self._watchdog is not None and self._watchdog.check(time.monotonic()):
             raise EngineStalled(self._watchdog.reason(time.monotonic()))
@@ -276,14 +293,31 @@ class EngineLoop:
             while self._drain_commands():
                 if self._engine.has_unfinished_requests():
                     self._step()
+                else:
+                    self._check_ranks()
                 self._progress_s = time.monotonic()  # read by the stall watchdog
         except Exception as exc:
-            logger.exception("engine thread crashed")
-            error = EngineError(f"the engine failed: {exc}")
+            if isinstance(exc, RankLost):
+                logger.error("engine stopped: %s", exc)
+                error = exc
+            else:
+                logger.exception("engine thread crashed")
+                error = EngineError(f"the engine failed: {exc}")
+            self.fatal = error
+            if isinstance(error, RankLost) and self._on_lost is not None:
+                self._post(self._on_lost, error)
         finally:
             self._abort_live(error)
             self._refuse_pending(error)
             logger.info("engine thread stopped")
+
+    def _check_ranks(self) -> None:
+        """While idle, at most every RANK_CHECK_S: a lost rank is found before the next request."""
+        now = time.monotonic()
+        check = getattr(self._engine, "check_ranks", None)
+        if check is not None and now - self._rank_check_s >= RANK_CHECK_S:
+            self._rank_check_s = now
+            check()
 
     def _refuse_pending(self, error: BaseException) -> None:
         while True:
@@ -342,6 +376,9 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             outputs = self._engine.step()
+        except RankLost:
+            self.num_step_errors += 1
+            raise  # the engine is over: _run stops the thread and fails every request with it
         except Exception as exc:
             self.num_step_errors += 1
             self._consecutive_step_errors += 1

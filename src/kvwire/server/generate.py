@@ -23,7 +23,16 @@ from aiohttp import web
 
 from kvwire.client_writer import ClientWriter
 from kvwire.engine.sampling_params import SamplingParams
-from kvwire.errors import EngineError, EngineStalled, ForbiddenError, InvalidRequestError, ServerShuttingDown
+from kvwire.errors import (
+    INSTANCE_LOST,
+    INSTANCE_STOPPING,
+    EngineError,
+    EngineStalled,
+    ForbiddenError,
+    InvalidRequestError,
+    RankLost,
+    ServerShuttingDown,
+)
 from kvwire.kv_params import KVTransferParams
 from kvwire.server.engine_loop import EngineLoop, RequestStream
 from kvwire.server.metrics import RequestTimer, ServerMetrics
@@ -65,7 +74,10 @@ class Reply:
 
     @classmethod
     def failure(cls, exc: ServerShuttingDown | EngineError) -> Reply:
-        """An engine-side failure: shutdown and an engine stall are 503 (retry elsewhere), else 500."""
+        """An engine-side failure: shutdown, an engine stall and a lost rank are 503 (retry elsewhere;
+        ``instance_lost`` also tells a router to take this instance out of routing), else 500."""
+        if isinstance(exc, RankLost):
+            return cls(503, "lost", error_body(str(exc), "server_error", code=INSTANCE_LOST))
         if isinstance(exc, ServerShuttingDown):
             return cls(503, "shutdown", error_body(str(exc), "server_error"))
         if isinstance(exc, EngineStalled):
@@ -145,7 +157,7 @@ class GenerationHandler:
         endpoint = kind.value
         if self.draining:
             self._count(endpoint, "shutdown")
-            return error_response(503, "the server is shutting down", "server_error")
+            return error_response(503, "the server is shutting down", "server_error", code=INSTANCE_STOPPING)
         try:
             prepared = self._prepare(await request.read(), kind)
         except ModelNotFound as exc:

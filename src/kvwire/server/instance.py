@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from kvwire.engine.config import EngineConfig
+from kvwire.errors import EXIT_RANK_LOST, RankLost
 from kvwire.kv_signing import KVParamsRefused, verifier_from_secret, verifying
 from kvwire.refusal_log import RefusalLog
 from kvwire.server.app import ServerApp
@@ -70,6 +71,8 @@ class ServerInstance:
         self._engine_loop: EngineLoop | None = None
         self._generation: GenerationHandler | None = None
         self.url = ""
+        self.lost: RankLost | None = None  # the engine lost a tensor-parallel rank: stop, exit non-zero
+        self.on_lost: Callable[[RankLost], None] | None = None  # serve() stops the process on it
 
     async def start(self) -> str:
         """Load the engine, start its thread, listen, register. Returns the base URL."""
@@ -78,7 +81,8 @@ class ServerInstance:
         self._connectors = build_connector_set(self.config, self.engine_config, self._secret,
                                                metrics.registry)
         self._engine = await loop.run_in_executor(None, _build_engine, self.engine_config, self._connectors)
-        engine_loop = EngineLoop(self._engine, stall_timeout_s=self.config.engine_stall_timeout_s)
+        engine_loop = EngineLoop(self._engine, stall_timeout_s=self.config.engine_stall_timeout_s,
+                                 on_lost=self._engine_lost)
         self._engine_loop = engine_loop
         model_name = self.config.served_model_name or str(self._engine.model_name)
         kv_layout = None
@@ -118,6 +122,16 @@ class ServerInstance:
         logger.info("kvwire serve ready: %s (model %s, role %s, max_model_len %d, instance %s)",
                     self.url, model_name, self.config.role.value, max_model_len, self.instance_id)
         return self.url
+
+    def _engine_lost(self, error: RankLost) -> None:
+        """Event loop, before the in-flight requests fail: refuse new ones (503 instance_stopping),
+        and let the owner stop the instance (deregister, close; decision 085)."""
+        logger.error("the engine lost a tensor-parallel rank; this instance stops: %s", error)
+        self.lost = error
+        if self._generation is not None:
+            self._generation.draining = True
+        if self.on_lost is not None:
+            self.on_lost(error)
 
     def _kv_params_check(self, metrics: ServerMetrics) -> Callable[[object], object] | None:
         """The connector's admission check of kv_transfer_params, preceded (with a shared secret) by
@@ -181,20 +195,25 @@ class ServerInstance:
 
 
 async def serve(config: ServerConfig, engine_config: EngineConfig, secret: str | None = None) -> int:
-    """Run an instance until SIGTERM/SIGINT; returns the process exit code."""
+    """Run an instance until SIGTERM/SIGINT, or until its engine loses a tensor-parallel rank (then
+    it shuts down the same way and returns EXIT_RANK_LOST: a supervisor restarts it). Returns the
+    process exit code."""
     instance = ServerInstance(config, engine_config, secret)
     stop = asyncio.Event()
+    instance.on_lost = lambda _error: stop.set()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
         await instance.start()
         await stop.wait()
-        logger.info("signal received: shutting down")
+        logger.info("%s: shutting down", "rank lost" if instance.lost is not None else "signal received")
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         clean = await instance.stop()
+    if instance.lost is not None:
+        return EXIT_RANK_LOST
     return 0 if clean else 1
 
 

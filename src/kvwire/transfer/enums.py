@@ -65,3 +65,4 @@ class KVLayout(str, enum.Enum):
     KV_FIRST = "kv_first"  # [2, num_blocks, block_size, H, D]
     BLOCK_FIRST = "block_first"  # [num_blocks, 2, block_size, H, D]
     MLA = "mla"  # [num_blocks, block_size, dim]
+    BLOCK_HEAD = "block_head"  # [num_blocks, H, rest, C]: each (block, head) one run (vLLM's CPU cache)

@@ -5,6 +5,8 @@ Layouts of one layer's paged KV cache tensor:
 * ``KV_FIRST``    ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (kvwire engine, vLLM default)
 * ``BLOCK_FIRST`` ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (FlashInfer-style)
 * ``MLA``         ``[num_blocks, block_size, latent_dim]`` (DeepSeek MLA: one latent per token)
+* ``BLOCK_HEAD``  ``[num_blocks, num_kv_heads, rest, C]`` (vLLM's CPU cache ``[B, H, block_size,
+  2 * head_size]``: heads right inside each block, the rest of a head's bytes opaque)
 
 ``gather_blocks`` returns the selected blocks as one contiguous tensor (the layer payload a transfer
 sends); ``scatter_blocks`` writes such a payload into the selected blocks of a destination cache
@@ -23,9 +25,9 @@ from kvwire.errors import ConfigError
 from kvwire.transfer.enums import KVLayout
 from kvwire.transfer.types import ByteSpans, CheckedSpans
 
-_BLOCK_DIM = {KVLayout.KV_FIRST: 1, KVLayout.BLOCK_FIRST: 0, KVLayout.MLA: 0}
-_HEAD_DIM = {KVLayout.KV_FIRST: 3, KVLayout.BLOCK_FIRST: 3}  # MLA: no head dimension
-_NDIM = {KVLayout.KV_FIRST: 5, KVLayout.BLOCK_FIRST: 5, KVLayout.MLA: 3}
+BLOCK_DIM = {KVLayout.KV_FIRST: 1, KVLayout.BLOCK_FIRST: 0, KVLayout.MLA: 0, KVLayout.BLOCK_HEAD: 0}
+HEAD_DIM = {KVLayout.KV_FIRST: 3, KVLayout.BLOCK_FIRST: 3, KVLayout.BLOCK_HEAD: 1}  # MLA: no head dimension
+_NDIM = {KVLayout.KV_FIRST: 5, KVLayout.BLOCK_FIRST: 5, KVLayout.MLA: 3, KVLayout.BLOCK_HEAD: 4}
 
 
 def block_ids_tensor(ids: Sequence[int], device: torch.device | str) -> torch.Tensor:
@@ -44,7 +46,7 @@ def _check(kv_layer: torch.Tensor, layout: KVLayout) -> int:
         raise ValueError(f"kv_first layout needs dim 0 == 2, got {tuple(kv_layer.shape)}")
     if layout is KVLayout.BLOCK_FIRST and kv_layer.shape[1] != 2:
         raise ValueError(f"block_first layout needs dim 1 == 2, got {tuple(kv_layer.shape)}")
-    return _BLOCK_DIM[layout]
+    return BLOCK_DIM[layout]
 
 
 def gathered_shape(kv_layer: torch.Tensor, num_blocks: int, layout: KVLayout) -> tuple[int, ...]:
@@ -109,7 +111,7 @@ def block_spans(kv_layer: torch.Tensor, block_ids: Sequence[int], layout: KVLayo
     _check(kv_layer, layout)
     if not kv_layer.is_contiguous():
         raise ValueError("block_spans needs a contiguous KV cache tensor")
-    num_blocks = kv_layer.shape[_BLOCK_DIM[layout]]
+    num_blocks = kv_layer.shape[BLOCK_DIM[layout]]
     layer_bytes = kv_layer.numel() * kv_layer.element_size()
     return ByteSpans(kv_layer, _span_table(layer_bytes, num_blocks, layout, tuple(block_ids)))
 
@@ -139,7 +141,7 @@ def head_slice(tensor: torch.Tensor, heads: range | None, layout: KVLayout) -> t
     None): what one rank of a tensor-parallel peer owns. Not contiguous for a strict sub-range."""
     if heads is None:
         return tensor
-    dim = _HEAD_DIM.get(layout)
+    dim = HEAD_DIM.get(layout)
     if dim is None:
         raise ConfigError(f"{layout.value} layout has no head dimension to slice")
     return tensor.narrow(dim, heads.start, len(heads))

@@ -33,10 +33,16 @@ import torch
 
 from kvwire.errors import ConfigError
 from kvwire.transfer.enums import KVLayout
-from kvwire.transfer.paged import block_spans, gather_blocks, gathered_shape, head_slice, scatter_blocks
+from kvwire.transfer.paged import (
+    BLOCK_DIM,
+    block_spans,
+    gather_blocks,
+    gathered_shape,
+    head_slice,
+    scatter_blocks,
+)
 from kvwire.transfer.types import GATE_MAGIC, ByteSpans, DeviceConsumer, LayerSpec, RecvItem
 
-_BLOCK_DIM = {KVLayout.KV_FIRST: 1, KVLayout.BLOCK_FIRST: 0, KVLayout.MLA: 0}
 _SLABS_PER_SHAPE = 4  # idle send slabs kept per shape (a serving instance reuses a few buckets)
 
 
@@ -92,7 +98,7 @@ class PagedKV:
         return len(self.layers)
 
     def num_blocks(self, layer_index: int) -> int:
-        return int(self.layers[layer_index].shape[_BLOCK_DIM[self.layout]])
+        return int(self.layers[layer_index].shape[BLOCK_DIM[self.layout]])
 
     def spec(self, layer_index: int, num_blocks: int) -> LayerSpec:
         """The payload of ``num_blocks`` blocks of one layer (what the sender announces)."""
@@ -124,7 +130,7 @@ class PagedKV:
         """Scatter an arrived payload (any device) into ``target``, skipping the blocks D already holds
         and dropping blocks past its own (the copy path; raises ValueError on a shape mismatch)."""
         layer = self.layers[layer_index]
-        dim = _BLOCK_DIM[self.layout]
+        dim = BLOCK_DIM[self.layout]
         block_shape = list(gathered_shape(layer, 1, self.layout))
         if data.dtype != layer.dtype or data.numel() % max(math.prod(block_shape), 1):
             raise ValueError(f"payload {tuple(data.shape)} {data.dtype} does not fit {layer.dtype} blocks")

@@ -20,8 +20,9 @@ SHAPES = {
     KVLayout.KV_FIRST: (2, NUM_BLOCKS, BLOCK, 2, 4),
     KVLayout.BLOCK_FIRST: (NUM_BLOCKS, 2, BLOCK, 2, 4),
     KVLayout.MLA: (NUM_BLOCKS, BLOCK, 12),
+    KVLayout.BLOCK_HEAD: (NUM_BLOCKS, 2, BLOCK, 8),
 }
-BLOCK_DIM = {KVLayout.KV_FIRST: 1, KVLayout.BLOCK_FIRST: 0, KVLayout.MLA: 0}
+BLOCK_DIM = {KVLayout.KV_FIRST: 1, KVLayout.BLOCK_FIRST: 0, KVLayout.MLA: 0, KVLayout.BLOCK_HEAD: 0}
 
 
 def side(fabric: FakeFabric, name: str, role: Role, layout: KVLayout) -> Side:

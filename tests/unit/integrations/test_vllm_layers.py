@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvwire.errors import ConfigError
-from kvwire.integrations.vllm_layers import block_view, kv_layers
-from kvwire.transfer.paged import KVLayout, gather_blocks, scatter_blocks
+from kvwire.integrations.vllm_layers import block_view, head_view, kv_layers
+from kvwire.transfer.paged import KVLayout, gather_blocks, head_slice, scatter_blocks
 
 
 def test_contiguous_cpu_layout_shares_storage() -> None:
@@ -49,3 +49,28 @@ def test_no_layers_or_bad_names_fail() -> None:
         kv_layers({})
     with pytest.raises(ConfigError, match="layer number"):
         kv_layers({"attn": torch.zeros(2, 2, 2)})
+
+
+def test_head_views_of_the_cpu_layout_cut_heads() -> None:
+    """CPU backend [B, H, N, C]: heads right inside each block -> BLOCK_HEAD views sharing storage;
+    a head range of the view is exactly those heads of the cache."""
+    caches = {f"model.layers.{i}.self_attn.attn": torch.randn(6, 2, 4, 16) for i in range(2)}
+    layers = kv_layers(caches, local_heads=2)
+    assert layers.layout is KVLayout.BLOCK_HEAD
+    view, cache = layers.views[0], caches["model.layers.0.self_attn.attn"]
+    assert view.shape == (6, 2, 4, 16) and view.data_ptr() == cache.data_ptr()
+    second = head_slice(view, range(1, 2), KVLayout.BLOCK_HEAD)
+    assert torch.equal(gather_blocks(second, torch.tensor([5, 0]), KVLayout.BLOCK_HEAD), cache[[5, 0], 1:2])
+
+
+def test_heads_elsewhere_fall_back_to_opaque_layers() -> None:
+    """Logical [B, H, N, C] over physical [B, N, H, C]: heads are not right inside the block, so the
+    layers stay opaque (MLA: same TP sizes only); with one head per rank any layout can be cut."""
+    physical = torch.randn(5, 4, 2, 8)  # [B, N, H, C]
+    logical = physical.permute(0, 2, 1, 3)
+    assert head_view("l0", logical, 2) is None
+    assert kv_layers({"model.layers.0.a": logical}, local_heads=2).layout is KVLayout.MLA
+    one = torch.randn(5, 4, 1, 8).permute(0, 2, 1, 3)  # one head
+    view = head_view("l0", one, 1)
+    assert view is not None and view.shape == (5, 1, 4, 8)
+    assert kv_layers({"model.layers.0.a": logical}).layout is KVLayout.MLA  # heads not told: opaque

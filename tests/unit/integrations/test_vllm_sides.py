@@ -235,3 +235,64 @@ def test_with_a_secret_only_router_signed_params_move_kv() -> None:
     finally:
         p.close()
         d.close()
+
+
+# --- P and D of different tensor-parallel sizes (decision 086) ---------------------------------------
+
+
+def tp_params(
+    tid: str, role: Role, peer: Instance, mode: TransferMode = TransferMode.PUSH
+) -> dict[str, object]:
+    return KVTransferParams(transfer_id=tid, role=role, mode=mode, peer_endpoints=peer.endpoints).to_dict()
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "mode"),
+    [(2, 1, TransferMode.PUSH), (2, 1, TransferMode.PULL), (1, 2, TransferMode.PUSH),
+     (2, 4, TransferMode.PUSH)],
+    ids=["2to1-push", "2to1-pull", "1to2-push", "2to4-push-replicated"],
+)
+def test_different_tp_sizes(p_tp: int, d_tp: int, mode: TransferMode) -> None:
+    """vLLM's CPU cache cut by head (BLOCK_HEAD): each D rank gets exactly its heads from the P rank(s)
+    holding them (2 KV heads: split, merged, replicated on D), in push and pull."""
+    p = Instance("kv_producer", torch.randn, tp=p_tp, num_kv_heads=2, deadline_s=10)
+    d = Instance("kv_consumer", torch.zeros, tp=d_tp, num_kv_heads=2, deadline_s=10)
+    try:
+        assert p.worker.layers.layout.value == "block_head"
+        prompt = list(range(10))
+        if mode is TransferMode.PUSH:
+            req_d = Request("d-1", prompt, tp_params("t1", Role.DECODE, p))
+            assert d.sched.get_num_new_matched_tokens(req_d, 0) == (9, True)
+            d.sched.update_state_after_alloc(req_d, [7, 8, 9], 9)
+            d.step(SchedulerOutput())
+            req_p = Request("p-1", prompt, tp_params("t1", Role.PREFILL, d), output_token_ids=[5])
+            prefill(p, req_p, [1, 2, 3])
+            assert p.sched.request_finished(req_p, [1, 2, 3]) == (True, None)
+        else:
+            req_p = Request("p-1", prompt, tp_params("t1", Role.PREFILL, d, mode), output_token_ids=[5])
+            prefill(p, req_p, [1, 2, 3])
+            delay, returned = p.sched.request_finished(req_p, [1, 2, 3])
+            assert delay is True and returned is not None
+            back = KVTransferParams.from_dict(returned)
+            assert back.peer_endpoints == p.endpoints
+            req_d = Request("d-1", prompt, back.to_dict())
+            assert d.sched.get_num_new_matched_tokens(req_d, 0) == (9, True)
+            d.sched.update_state_after_alloc(req_d, [7, 8, 9], 9)
+            d.step(SchedulerOutput())
+        d.idle_until(lambda: "d-1" in d.seen_recving)
+        p.idle_until(lambda: "p-1" in p.seen_sending)
+        for name in LAYER_NAMES:
+            want = torch.cat([c[name][[1, 2, 3]] for c in p.rank_caches], dim=1)  # P's 2 heads, in order
+            if p_tp == 1:
+                want = p.rank_caches[0][name][[1, 2, 3]]
+            for r, caches in enumerate(d.rank_caches):
+                head = slice(r * 2 // d_tp, r * 2 // d_tp + 1) if d_tp > 1 else slice(0, 2)
+                assert torch.equal(caches[name][[7, 8, 9]], want[:, head]), (name, r)
+        received = sum(int(w.core.bytes_received) for w in d.workers)
+        sent = sum(int(w.core.bytes_sent) for w in p.workers)
+        d_kv = len(LAYER_NAMES) * 3 * d_tp * max(1, 2 // d_tp) * BLOCK * 8 * 4
+        assert sent == received == d_kv  # exactly D's KV: no rank got bytes it threw away
+        assert p.sched.num_outstanding == 0 and d.sched.num_outstanding == 0
+    finally:
+        p.close()
+        d.close()

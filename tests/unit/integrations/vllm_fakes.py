@@ -72,32 +72,69 @@ def plugin_config(role: str, **extra: Any) -> VllmPluginConfig:
 
 
 class Instance:
-    """One vLLM instance with TP=1: scheduler half, worker half (real transfer agent), KV caches
-    ``[num_blocks, heads, block, 2 * head]`` per layer (the CPU backend's per-layer view)."""
+    """One vLLM instance: scheduler half, ``tp`` worker halves (TP ranks, real transfer agents), KV
+    caches ``[num_blocks, heads, block, 2 * head]`` per layer and rank (the CPU backend's view).
+    ``num_kv_heads`` None: the model's heads are not told (the layers are then opaque, MLA). Each
+    rank's finished ids are merged as vLLM's KVOutputAggregator does (reported once every rank did)."""
 
-    def __init__(self, role: str, fill: Callable[..., torch.Tensor], **extra: Any) -> None:
+    def __init__(self, role: str, fill: Callable[..., torch.Tensor], *, tp: int = 1,
+                 num_kv_heads: int | None = None, **extra: Any) -> None:  # fmt: skip
         self.config = plugin_config(role, **extra)
-        self.worker = WorkerSide(self.config, EngineInfo(block_size=BLOCK, kv_layout=KVLayout.MLA))
-        self.caches = {name: fill(NUM_BLOCKS, 2, BLOCK, 8) for name in LAYER_NAMES}
-        self.worker.register_kv_caches(self.caches)
+        heads = num_kv_heads or 2
+        self.workers = [
+            WorkerSide(self.config, EngineInfo(block_size=BLOCK, kv_layout=KVLayout.MLA, rank=r, tp_size=tp,
+                                               num_kv_heads=num_kv_heads))
+            for r in range(tp)
+        ]  # fmt: skip
+        self.worker = self.workers[0]
+        local = max(1, heads // tp)
+        self.rank_caches = [
+            {name: fill(NUM_BLOCKS, local, BLOCK, 8) for name in LAYER_NAMES} for _ in range(tp)
+        ]
+        self.caches = self.rank_caches[0]
+        for worker, caches in zip(self.workers, self.rank_caches, strict=True):
+            worker.register_kv_caches(caches)
         self.sched = SchedulerSide(self.config, EngineInfo(block_size=BLOCK), Identity(role, "tiny", "test"))
         self.sched.bind_block_pool(BlockPool())
-        self.sched.set_endpoints([RankEndpoint(0, self.worker.endpoint, self.worker.instance_id)])
+        self.sched.set_endpoints(
+            [RankEndpoint(r, w.endpoint, w.instance_id) for r, w in enumerate(self.workers)]
+        )
         self.seen_sending: set[str] = set()
         self.seen_recving: set[str] = set()
+        self._counts: dict[tuple[str, str], int] = {}
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [w.endpoint for w in self.workers]
+
+    def _all_ranks(self, kind: str, ids: set[str]) -> set[str]:
+        done = set()
+        for rid in ids:
+            n = self._counts[(kind, rid)] = self._counts.get((kind, rid), 0) + 1
+            if n == len(self.workers):
+                del self._counts[(kind, rid)]
+                done.add(rid)
+        return done
 
     def step(self, output: SchedulerOutput, *, forward: bool = True) -> KVConnectorOutput:
         """schedule -> bind -> (forward: save every layer) -> wait_for_save -> get_finished ->
-        update_connector_output, as vLLM does; returns what vLLM's scheduler sees."""
+        update_connector_output on every rank, as vLLM does; returns what vLLM's scheduler sees."""
         meta = self.sched.build_connector_meta(output)
-        self.worker.bind(meta)
-        if forward:
-            for name in LAYER_NAMES:
-                self.worker.save_kv_layer(name)
-        self.worker.wait_for_save()
-        sending, recving = self.worker.get_finished(set(output.finished_req_ids))
-        out = KVConnectorOutput(sending, recving, self.worker.take_invalid_block_ids())
-        self.worker.clear()
+        sending: set[str] = set()
+        recving: set[str] = set()
+        invalid: set[int] = set()
+        for worker in self.workers:
+            worker.bind(meta)
+            if forward:
+                for name in LAYER_NAMES:
+                    worker.save_kv_layer(name)
+            worker.wait_for_save()
+            s, r = worker.get_finished(set(output.finished_req_ids))
+            sending |= self._all_ranks("send", s)
+            recving |= self._all_ranks("recv", r)
+            invalid |= worker.take_invalid_block_ids()
+            worker.clear()
+        out = KVConnectorOutput(sending, recving, invalid)
         self.sched.update_connector_output(out)
         self.seen_sending |= out.finished_sending or set()
         self.seen_recving |= out.finished_recving or set()
@@ -113,4 +150,5 @@ class Instance:
 
     def close(self) -> None:
         self.sched.close()
-        self.worker.close()
+        for worker in self.workers:
+            worker.close()

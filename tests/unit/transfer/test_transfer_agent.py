@@ -27,6 +27,7 @@ CACHE_SHAPES = {
     KVLayout.KV_FIRST: (2, 12, 4, 2, 8),
     KVLayout.BLOCK_FIRST: (12, 2, 4, 2, 8),
     KVLayout.MLA: (12, 4, 16),
+    KVLayout.BLOCK_HEAD: (12, 2, 4, 16),
 }
 
 

@@ -11,6 +11,7 @@ SHAPES = {
     KVLayout.KV_FIRST: (2, 10, 4, 3, 8),
     KVLayout.BLOCK_FIRST: (10, 2, 4, 3, 8),
     KVLayout.MLA: (10, 4, 24),
+    KVLayout.BLOCK_HEAD: (10, 3, 4, 16),
 }
 
 

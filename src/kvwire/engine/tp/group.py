@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kvwire.errors import EngineError
+from kvwire.errors import EngineError, RankLost
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -51,5 +51,10 @@ class TPGroup:
             raise EngineError(f"tensor-parallel rank {rank}/{size}: the group did not form: {exc}") from exc
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._pg.allreduce([tensor]).wait()
+        """RankLost when a peer is gone (its socket closed, or no answer within the timeout)."""
+        try:
+            self._pg.allreduce([tensor]).wait()
+        except RuntimeError as exc:
+            where = f"rank {self.rank} of {self.size}"
+            raise RankLost(f"tensor-parallel all-reduce on {where} failed: {exc}") from exc
         return tensor

@@ -21,6 +21,7 @@ from kvwire.engine.tp.group import TPGroup
 from kvwire.engine.tp.messages import Sizes, WorkerConnectorFactory, to_message
 from kvwire.engine.tp.shard import check_shardable, shard_model
 from kvwire.engine.tp.workers import Workers
+from kvwire.errors import RankLost
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,10 @@ class TPRunner:
         self.aggregator.note_metadata(metadata)
         finished = frozenset(finished_ids)
         self.leader.workers.send(to_message(scheduled, metadata, finished))
-        result = self.local.execute(scheduled, metadata, finished)
+        try:
+            result = self.local.execute(scheduled, metadata, finished)
+        except RankLost as exc:  # the all-reduce broke: name the rank that is gone
+            raise self.leader.workers.name_lost(exc) from exc
         outputs = [result.connector_output, *self.leader.workers.expect("step")]
         return StepResult(result.sampled, self.aggregator.merge(outputs))
 

@@ -6,7 +6,9 @@ rank 0 sends the KV sizing; each worker builds its KV cache and worker connector
 agent) and answers with the agent's endpoint. Then, each step, rank 0 sends the scheduled batch and
 the connector metadata; every rank runs the same forward (the all-reduces pair them up) and the
 workers answer with their connector reports. ``None`` stops a worker. A worker whose parent dies
-stops by itself; a rank lost mid-step makes the others' all-reduce fail after the group timeout.
+stops by itself. Once serving, a worker that exits, reports an error or does not answer within the
+timeout raises :class:`~kvwire.errors.RankLost` on rank 0 (the engine then ends; decision 085); a rank
+lost mid-step makes the others' all-reduce fail (gloo: at once, the peer's socket closed).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from kvwire.engine.config import EngineConfig
 from kvwire.engine.tp.group import TPGroup, create_store, rank_device
 from kvwire.engine.tp.messages import Sizes, StepMessage, WorkerConnectorFactory, from_message
 from kvwire.engine.tp.shard import set_all_reduce
-from kvwire.errors import EngineError
+from kvwire.errors import RankLost
 
 log = logging.getLogger(__name__)
 
@@ -128,22 +130,26 @@ class Workers:
             self._conns.append(ours)
             self._procs.append(proc)
 
+    def _lost(self, rank: int, what: str) -> RankLost:
+        return RankLost(f"tensor-parallel rank {rank} of {len(self._procs) + 1} {what}")
+
     def expect(self, kind: str, timeout_s: float | None = None) -> list[Any]:
-        """Each worker's next message, which must be ``kind``; EngineError otherwise or on timeout."""
+        """Each worker's next message, which must be ``kind``; RankLost (an EngineError) when a
+        worker exits, errs, answers something else or nothing before the timeout."""
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         out = []
         for rank, (conn, proc) in enumerate(zip(self._conns, self._procs, strict=True), start=1):
             while not conn.poll(_POLL_S):
                 if not proc.is_alive():
-                    raise EngineError(f"tensor-parallel rank {rank} exited (code {proc.exitcode})")
+                    raise self._lost(rank, f"exited (code {proc.exitcode})")
                 if time.monotonic() > deadline:
-                    raise EngineError(f"tensor-parallel rank {rank} did not answer within {self.timeout_s} s")
+                    raise self._lost(rank, f"did not answer within {timeout_s or self.timeout_s} s")
             try:
                 got, payload = conn.recv()
             except (EOFError, OSError) as exc:
-                raise EngineError(f"tensor-parallel rank {rank} is gone: {exc}") from exc
+                raise self._lost(rank, f"is gone: {exc!r}") from exc
             if got != kind:
-                raise EngineError(f"tensor-parallel rank {rank}: {payload if got == 'error' else got}")
+                raise self._lost(rank, f"failed: {payload}" if got == "error" else f"answered {got!r}")
             out.append(payload)
         return out
 
@@ -152,7 +158,26 @@ class Workers:
             try:
                 conn.send(msg)
             except OSError as exc:
-                raise EngineError(f"tensor-parallel rank {rank} is gone: {exc}") from exc
+                raise self._lost(rank, f"is gone: {exc!r}") from exc
+
+    def name_lost(self, error: RankLost, wait_s: float = 1.0) -> RankLost:
+        """A failed all-reduce does not say which peer is gone: the rank whose process exited
+        within ``wait_s`` (its death is what broke the socket), else ``error`` itself."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self.check()
+            except RankLost as named:
+                return named
+            if time.monotonic() > deadline:
+                return error
+            time.sleep(0.05)
+
+    def check(self) -> None:
+        """Raise RankLost if a worker process is no longer alive (cheap: no message)."""
+        for rank, proc in enumerate(self._procs, start=1):
+            if not proc.is_alive():
+                raise self._lost(rank, f"exited (code {proc.exitcode})")
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop every worker (a stop message, then terminate, then kill), bounded by ``timeout_s``."""
