@@ -164,6 +164,10 @@ class EtcdSim(Sim):
         self.groups = [list(range(g, min(n, g + ETCD_GROUP))) for g in range(0, n, ETCD_GROUP)]
         self.clients: list[EtcdHttp] = []
         self.regrants = 0
+        # per instance: wall time the last keep-alive that renewed its lease was sent / answered
+        # (etcd refreshed the lease between the two)
+        self.renew_sent = [0.0] * n
+        self.renew_acked = [0.0] * n
         self._local = threading.local()
 
     def start(self) -> list[threading.Event]:
@@ -194,14 +198,20 @@ class EtcdSim(Sim):
         try:
             held = [i for i in ids if self.leases[i]]
             if held:
+                sent = time.time()
                 ttls = http.keepalive_many([self.leases[i] for i in held])
+                acked = time.time()
                 for i, ttl in zip(held, ttls, strict=True):
                     if ttl <= 0:  # lost (expired while this process was late): register again
                         self.leases[i] = 0
                         self.regrants += 1
+                    else:
+                        self.renew_sent[i], self.renew_acked[i] = sent, acked
             for i in ids:
                 if not self.leases[i]:
+                    sent = time.time()
                     self.leases[i] = http.grant(self.ttl)
+                    self.renew_sent[i], self.renew_acked[i] = sent, time.time()
             items = []
             for i in ids:
                 self.seq[i] += 1
@@ -251,6 +261,12 @@ def main(argv: list[str]) -> int:
                 now = time.time()
                 sim.kill(ids, crash=words[1] == "crash")
                 print(f"KILLED {now:.6f} {','.join(sim_info(i).instance_id for i in ids)}", flush=True)
+            elif words[:1] == ["renewals"]:
+                ids = [int(x.rsplit("-", 1)[1]) for x in words[1].split(",")]
+                sent = getattr(sim, "renew_sent", None)
+                acked = getattr(sim, "renew_acked", None)
+                out = {sim_info(i).instance_id: [sent[i], acked[i]] if sent and acked else None for i in ids}
+                print(f"RENEWALS {json.dumps(out)}", flush=True)
             elif words[:1] == ["stats"]:
                 stats = {"sent": sim.sent, "failed": sim.failed, "rounds": sim.rounds,
                          "regrants": getattr(sim, "regrants", 0)}
