@@ -140,3 +140,53 @@ def test_kvwire_up_with_etcd_serves_pd(tmp_path: Path) -> None:
         assert metric(decode_url, "kvwire_pd_transfers_completed_total") == 1  # really P/D
         etcd = cluster.etcd
     assert etcd is not None and etcd.process is None  # stopped with the cluster
+
+
+def test_router_expires_an_overdue_record_before_etcd_drops_its_lease(etcd: LocalEtcd) -> None:
+    """The router takes an instance out of routing when the record it promised is overdue, without
+    waiting for etcd to expire its lease (here 10 s, so etcd cannot be the one); its next record
+    brings it back. A live instance keeps the watch speaking meanwhile."""
+    import asyncio
+
+    from kvwire.discovery import InstanceInfo, parse_discovery_address
+    from kvwire.discovery.etcd_client import EtcdRegistration
+    from kvwire.discovery.etcd_gateway import EtcdHttp, encode_record
+    from kvwire.discovery.messages import Heartbeat
+    from kvwire.kv_params import Role
+    from kvwire.router.discovery_backend import EtcdDiscovery
+    from kvwire.router.registry import InstanceState, Registry
+
+    target = parse_discovery_address(etcd.discovery)
+    quiet = InstanceInfo(instance_id="quiet", role=Role.DECODE, url="http://127.0.0.1:9", model="m")
+    live = InstanceInfo(instance_id="live", role=Role.DECODE, url="http://127.0.0.1:8", model="m")
+    http = EtcdHttp(target.address, timeout_s=3.0)
+    lease = http.grant(10)
+
+    def put(seq: int) -> float:
+        http.put(target.key("quiet"), encode_record(Heartbeat(info=quiet, seq=seq, ttl_s=1.0)), lease)
+        return time.monotonic()
+
+    async def scenario() -> None:
+        registry = Registry(ttl_s=100.0)
+        watcher = EtcdDiscovery(registry, target)
+        await watcher.start()
+        speaker = EtcdRegistration(target, live, interval_s=0.2).start()
+        try:
+            t_put = await asyncio.to_thread(put, 1)
+            while (view := registry.get("quiet")) is None or view.alive:
+                assert time.monotonic() - t_put < 3.0, "the overdue record is still routed"
+                await asyncio.sleep(0.01)
+            took = time.monotonic() - t_put
+            assert view.state is InstanceState.EXPIRED and 0.9 <= took <= 2.0, took  # the lease: 10 s
+            await asyncio.to_thread(put, 2)
+            while not ((view := registry.get("quiet")) is not None and view.alive):
+                await asyncio.sleep(0.01)
+        finally:
+            await asyncio.to_thread(speaker.close)
+            await watcher.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        http.revoke(lease)
+        http.close()

@@ -8,7 +8,8 @@ evenly over the interval:
 * ``zmq``: one ZeroMQ PUSH socket (its own TCP connection) per instance, the messages built and
   signed by the same :func:`~kvwire.discovery.messages.encode_frames` the real client uses.
 * ``etcd``: one lease and one key per instance, as :class:`~kvwire.discovery.etcd_client.EtcdRegistration`
-  keeps them: each round renews the lease and puts the record with a new load. The calls are
+  keeps them: each round renews the lease and puts the record with a new load (the record promising
+  the next within the lease TTL). The calls are
   batched by groups of 10 instances (one keep-alive request, one put transaction per group);
   see :class:`EtcdSim`.
 
@@ -156,6 +157,7 @@ class EtcdSim(Sim):
     def __init__(self, address: str, n: int, interval_s: float) -> None:
         super().__init__(n, interval_s)
         self.target = parse_discovery_address(address)
+        self.ssl = self.target.ssl_context()
         self.infos = [sim_info(i) for i in range(n)]
         self.leases = [0] * n
         self.seq = [0] * n
@@ -183,7 +185,7 @@ class EtcdSim(Sim):
     def _http(self) -> EtcdHttp:
         client: EtcdHttp | None = getattr(self._local, "client", None)
         if client is None:
-            client = EtcdHttp(self.target.address, timeout_s=5.0)
+            client = EtcdHttp(self.target.address, timeout_s=5.0, ssl_context=self.ssl)
             self._local.client = client
             with self.lock:
                 self.clients.append(client)
@@ -216,7 +218,7 @@ class EtcdSim(Sim):
             for i in ids:
                 self.seq[i] += 1
                 hb = Heartbeat(info=self.infos[i], load=random_load(self.rng), seq=self.seq[i],
-                               sent_at=time.time())
+                               sent_at=time.time(), ttl_s=float(self.ttl))
                 items.append((self.target.key(self.infos[i].instance_id), encode_record(hb), self.leases[i]))
             http.put_many(items)
         except EtcdError:
@@ -233,7 +235,7 @@ class EtcdSim(Sim):
     def close(self) -> None:
         self.stop.set()
         time.sleep(0.05)
-        http = EtcdHttp(self.target.address, timeout_s=5.0)
+        http = EtcdHttp(self.target.address, timeout_s=5.0, ssl_context=self.ssl)
         for i, lease in enumerate(self.leases):  # revoke what is left (an external etcd stays clean)
             if lease and i not in self.stopped:
                 with contextlib.suppress(EtcdError):
