@@ -43,7 +43,8 @@ def test_etcd_address(text: str, url: str, prefix: str) -> None:
         ("etcd://h", "etcd://HOST:PORT"),
         ("etcd://:2379", "etcd://HOST:PORT"),
         ("etcd://h:notaport", "bad port"),
-        ("etcd://h:1/p?x=1", "no query"),
+        ("etcd://h:1/p?x=1", r"need an etcd\+https"),
+        ("etcd://h:1/p#x", "no fragment"),
     ],
 )
 def test_bad_address_fails_clearly(text: str, message: str) -> None:
