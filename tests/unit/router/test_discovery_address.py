@@ -92,6 +92,7 @@ def test_cluster_discovery_choice() -> None:
 
     assert ClusterSpec(discovery="etcd").discovery == "etcd"
     assert ClusterSpec(discovery="etcd://h:2379").discovery == "etcd://h:2379"
+    assert ClusterSpec(discovery="etcd+https://h:2379").discovery == "etcd+https://h:2379"
     for bad in ("tcp://h:1", "consul"):
         with pytest.raises(ConfigError, match="etcd"):
             ClusterSpec(discovery=bad)
