@@ -322,21 +322,20 @@ async def _main(args: argparse.Namespace) -> int:
         else:
             etcd_address, etcd_pid = etcd.discovery, etcd.process.pid
     results = []
+    print(f"kvwire bench discovery: heartbeat/load update every {args.interval_s} s, CPU window "
+          f"{args.window_s} s, {args.decisions} decisions, {args.kill_fraction:.0%} killed; "
+          f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f} at the start")
+    print(HEADER, flush=True)
     try:
         for backend in backends:
             for n in ns:
                 print(f"... {backend} N={n}", file=sys.stderr, flush=True)
                 results.append(await _run_one(backend, n, args, etcd_address, etcd_pid))
+                print(_row(results[-1], args.interval_s), flush=True)  # each row as it is measured
     finally:
         if etcd is not None:
             etcd.stop()
-    print(f"kvwire bench discovery: heartbeat/load update every {args.interval_s} s, CPU window "
-          f"{args.window_s} s, {args.decisions} decisions, {args.kill_fraction:.0%} killed; "
-          f"{os.cpu_count()} CPUs")
-    print(HEADER)
-    for r in results:
-        print(_row(r, args.interval_s))
-    print(FOOTER)
+    print(f"{FOOTER}\nload average {os.getloadavg()[0]:.1f} at the end")
     for r in results:
         if r.n == max(ns):
             print("goal " + _goals(r, args.interval_s))

@@ -251,8 +251,9 @@ def main(argv: list[str]) -> int:
     sim: ZmqSim | EtcdSim
     sim = ZmqSim(address, n, interval_s) if backend == "zmq" else EtcdSim(address, n, interval_s)
     try:
+        deadline = time.monotonic() + 60 + 10 * interval_s
         for event in sim.start():
-            if not event.wait(60 + 10 * interval_s):
+            if not event.wait(max(0.0, deadline - time.monotonic())):
                 print("SIM_FAILED first round did not finish", flush=True)
                 return 1
         print(f"SIM_READY {n}", flush=True)

@@ -162,6 +162,9 @@ class EtcdWatcher:
                     self._on_event(event)
                 if "header" in result:
                     self.revision = int(result["header"].get("revision", self.revision))
+                # aiohttp hands over buffered data without suspending: behind a backlog this loop
+                # would never let the rest of the router (requests, expiry) run
+                await asyncio.sleep(0)
 
     def _on_event(self, event: dict[str, Any]) -> None:
         kv = event.get("kv", {})
