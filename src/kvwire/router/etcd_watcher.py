@@ -18,9 +18,11 @@ Contract:
   lease TTL) when the next one is due at the latest. An entry silent past that is expired here at
   once (out of routing; back with its next record), without waiting for etcd to notice the lease
   ran out (etcd checks every 500 ms, then commits the deletion through Raft: under load, seconds;
-  decision 095). Silence is measured up to the last message the watch delivered, so a stalled
-  watch or etcd expires nobody, and not at all while :attr:`EtcdWatcher.stale` (every entry counts
-  as heard from at the re-sync). Records without ``ttl_s`` (older instances) rely on the lease alone.
+  decision 095). Only once etcd confirms the watch is current (nothing under the prefix newer than
+  what it delivered: one small range request, made while someone is overdue), so a watch that fell
+  behind or stalled expires nobody; and not at all while :attr:`EtcdWatcher.stale` (every entry
+  counts as heard from at the re-sync). Records without ``ttl_s`` (older instances) rely on the
+  lease alone.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ BACKOFF_MIN_S = 0.2
 BACKOFF_MAX_S = 2.0
 CONNECT_TIMEOUT_S = 2.0
 EXPIRY_PERIOD_S = 0.1  # how often silent records are looked for (O(N) each: ~0.3 ms at N = 1,000)
+PROBE_TIMEOUT_S = 1.0  # asking etcd whether a quiet watch is current
 
 
 class EtcdWatcher:
@@ -59,7 +62,6 @@ class EtcdWatcher:
         self._epochs: dict[str, int] = {}  # instance id -> epoch of the record seen last
         self._task: asyncio.Task[None] | None = None
         self._expiry: asyncio.Task[None] | None = None
-        self.last_message_at = registry.now()  # when the watch last delivered anything (registry clock)
         self._session: aiohttp.ClientSession | None = None
         self.received: collections.Counter[str] = collections.Counter()  # by ApplyResult value
         self.dropped: collections.Counter[str] = collections.Counter()  # by reason
@@ -67,6 +69,7 @@ class EtcdWatcher:
         self.stale = True  # the view is not (yet / any longer) backed by a live watch
         self.stale_since = time.monotonic()
         self.resyncs = 0
+        self.probes = 0  # quiet-watch checks answered by etcd
         self.revision = 0
 
     @property
@@ -107,19 +110,39 @@ class EtcdWatcher:
     async def _expire_silent(self) -> None:
         while True:
             await asyncio.sleep(EXPIRY_PERIOD_S)
-            if not self.stale:
-                try:
-                    self._registry.sweep(promised_only=True, as_of=self.last_message_at)
-                except Exception:  # never let expiry die: liveness depends on it
-                    log.exception("expiring silent etcd records failed")
+            if self.stale:
+                continue
+            try:
+                now = self._registry.now()
+                # someone's record is overdue: really silent, or a watch that fell behind or stalled?
+                if self._registry.overdue(now, promised_only=True) and await self._watch_is_current():
+                    self._registry.sweep(promised_only=True, as_of=now)
+            except Exception:  # never let expiry die: liveness depends on it
+                log.exception("expiring silent etcd records failed")
+
+    async def _watch_is_current(self) -> bool:
+        """True when etcd answers and nothing under the prefix changed after the last revision the
+        watch delivered: the silence the registry sees is the instances', not a watch that is behind
+        (a router short of CPU) or stalled (etcd hung with the connection open). One range request,
+        the most recently modified key under the prefix, keys only; made only while some record is
+        overdue (at most every EXPIRY_PERIOD_S)."""
+        body = {**prefix_request(self.target.prefix), "limit": 1, "sort_order": "DESCEND",
+                "sort_target": "MOD", "keys_only": True}
+        try:
+            data = await self._post("/v3/kv/range", body, timeout_s=PROBE_TIMEOUT_S)
+        except (aiohttp.ClientError, asyncio.TimeoutError, EtcdError, ValueError):
+            return False
+        newest = max((int(kv.get("mod_revision", 0)) for kv in data.get("kvs", [])), default=0)
+        self.probes += 1
+        return newest <= self.revision
 
     def _mark_stale(self) -> None:
         if not self.stale:
             self.stale, self.stale_since = True, time.monotonic()
 
-    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, path: str, body: dict[str, Any], timeout_s: float = 5.0) -> dict[str, Any]:
         assert self._session is not None
-        request_timeout = aiohttp.ClientTimeout(total=5.0)
+        request_timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with self._session.post(self._url + path, json=body, timeout=request_timeout) as resp:
             return check_answer(path, resp.status, await resp.read())
 
@@ -135,7 +158,6 @@ class EtcdWatcher:
         for ident in set(self._epochs) - present:
             self._on_delete(ident)
         self.revision = revision
-        self.last_message_at = self._registry.now()
         if self.stale:
             log.info("etcd at %s synced: %d instances at revision %d", self.address, len(present), revision)
             self._registry.touch_all()  # silence while etcd was unreachable was not the instances'
@@ -152,7 +174,6 @@ class EtcdWatcher:
             if resp.status != 200:
                 check_answer("/v3/watch", resp.status, await resp.read())
             async for message in _json_lines(resp.content):
-                self.last_message_at = self._registry.now()
                 result = message.get("result")
                 if result is None:
                     raise EtcdError(f"etcd watch error: {message.get('error') or message}")
@@ -160,8 +181,9 @@ class EtcdWatcher:
                     raise EtcdError(f"etcd watch cancelled: {result.get('cancel_reason') or result}")
                 for event in result.get("events", []):
                     self._on_event(event)
-                if "header" in result:
-                    self.revision = int(result["header"].get("revision", self.revision))
+                    # the newest change delivered (not the header's: a catching-up watch's first
+                    # answer carries the store's revision before the events that lead to it)
+                    self.revision = max(self.revision, int(event.get("kv", {}).get("mod_revision", 0)))
                 # aiohttp hands over buffered data without suspending: behind a backlog this loop
                 # would never let the rest of the router (requests, expiry) run
                 await asyncio.sleep(0)

@@ -205,6 +205,15 @@ class Registry:
         self._report_removed()
         return changed
 
+    def overdue(self, as_of: float, *, promised_only: bool = False) -> bool:
+        """Whether :meth:`sweep` with ``as_of`` would expire some entry (O(N), no change)."""
+        with self._lock:
+            return any(
+                as_of - e.last_seen > (e.ttl_s or self.ttl_s)
+                for e in self._entries.values()
+                if e.alive and (e.ttl_s > 0 or not promised_only)
+            )
+
     def touch_all(self) -> None:
         """Count every live entry as heard from now (a discovery source that was unreachable is back
         and has just re-read every record: silence during the outage was not the instances')."""
