@@ -330,7 +330,11 @@ async def _main(args: argparse.Namespace) -> int:
         for backend in backends:
             for n in ns:
                 print(f"... {backend} N={n}", file=sys.stderr, flush=True)
-                results.append(await _run_one(backend, n, args, etcd_address, etcd_pid))
+                try:
+                    results.append(await _run_one(backend, n, args, etcd_address, etcd_pid))
+                except RuntimeError as exc:  # a missed deadline: say so in the table, go on
+                    print(f"{backend:<5} {n:>5} FAILED: {exc}", flush=True)
+                    continue
                 print(_row(results[-1], args.interval_s), flush=True)  # each row as it is measured
     finally:
         if etcd is not None:
