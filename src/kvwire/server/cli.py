@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     parser.add_argument("--role", choices=[r.value for r in Role], default=Role.BOTH.value)
     parser.add_argument("--router", "--discovery", dest="router", action="append", default=None,
-                        metavar="tcp://H:P|etcd://H:P[/prefix]",
+                        metavar="tcp://H:P|etcd[+https]://H:P[/prefix]",
                         help="where to register: a router's heartbeat socket (tcp://; repeat for several "
                              "routers in front of the same instances, each gets every heartbeat) or etcd "
                              "(etcd:// or etcd+https://, alone: every router watches it)")
