@@ -50,6 +50,7 @@ BACKOFF_MAX_S = 2.0
 CONNECT_TIMEOUT_S = 2.0
 EXPIRY_PERIOD_S = 0.1  # how often silent records are looked for (O(N) each: ~0.3 ms at N = 1,000)
 PROBE_TIMEOUT_S = 1.0  # asking etcd whether a quiet watch is current
+PROBE_BACKOFF_S = 1.0  # after an answer "the watch is behind", before asking again
 
 
 class EtcdWatcher:
@@ -70,6 +71,7 @@ class EtcdWatcher:
         self.stale_since = time.monotonic()
         self.resyncs = 0
         self.probes = 0  # quiet-watch checks answered by etcd
+        self._next_probe = 0.0  # registry clock
         self.revision = 0
 
     @property
@@ -115,8 +117,12 @@ class EtcdWatcher:
             try:
                 now = self._registry.now()
                 # someone's record is overdue: really silent, or a watch that fell behind or stalled?
-                if self._registry.overdue(now, promised_only=True) and await self._watch_is_current():
+                if now < self._next_probe or not self._registry.overdue(now, promised_only=True):
+                    continue
+                if await self._watch_is_current():
                     self._registry.sweep(promised_only=True, as_of=now)
+                else:  # behind or stalled: asking again at once would only add to etcd's load
+                    self._next_probe = now + PROBE_BACKOFF_S
             except Exception:  # never let expiry die: liveness depends on it
                 log.exception("expiring silent etcd records failed")
 
@@ -125,7 +131,7 @@ class EtcdWatcher:
         watch delivered: the silence the registry sees is the instances', not a watch that is behind
         (a router short of CPU) or stalled (etcd hung with the connection open). One range request,
         the most recently modified key under the prefix, keys only; made only while some record is
-        overdue (at most every EXPIRY_PERIOD_S)."""
+        overdue (at most every EXPIRY_PERIOD_S, every PROBE_BACKOFF_S after a "behind")."""
         body = {**prefix_request(self.target.prefix), "limit": 1, "sort_order": "DESCEND",
                 "sort_target": "MOD", "keys_only": True}
         try:
