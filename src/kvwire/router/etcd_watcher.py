@@ -18,11 +18,11 @@ Contract:
   lease TTL) when the next one is due at the latest. An entry silent past that is expired here at
   once (out of routing; back with its next record), without waiting for etcd to notice the lease
   ran out (etcd checks every 500 ms, then commits the deletion through Raft: under load, seconds;
-  decision 095). Only once etcd confirms the watch is current (nothing under the prefix newer than
-  what it delivered: one small range request, made while someone is overdue), so a watch that fell
-  behind or stalled expires nobody; and not at all while :attr:`EtcdWatcher.stale` (every entry
-  counts as heard from at the re-sync). Records without ``ttl_s`` (older instances) rely on the
-  lease alone.
+  decision 095). Only once the watch is shown current (it delivers, within 0.5 s, the newest change
+  etcd reports under the prefix: one small range request, made while someone is overdue), so a
+  watch that fell behind or stalled expires nobody; and not at all while :attr:`EtcdWatcher.stale`
+  (every entry counts as heard from at the re-sync). Records without ``ttl_s`` (older instances)
+  rely on the lease alone.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ CONNECT_TIMEOUT_S = 2.0
 EXPIRY_PERIOD_S = 0.1  # how often silent records are looked for (O(N) each: ~0.3 ms at N = 1,000)
 PROBE_TIMEOUT_S = 1.0  # asking etcd whether a quiet watch is current
 PROBE_BACKOFF_S = 1.0  # after an answer "the watch is behind", before asking again
+PROBE_CATCHUP_S = 0.5  # how long the watch may take to deliver what etcd said was newest
 
 
 class EtcdWatcher:
@@ -119,19 +120,22 @@ class EtcdWatcher:
                 # someone's record is overdue: really silent, or a watch that fell behind or stalled?
                 if now < self._next_probe or not self._registry.overdue(now, promised_only=True):
                     continue
-                if await self._watch_is_current():
+                if await self._watch_was_current():
                     self._registry.sweep(promised_only=True, as_of=now)
                 else:  # behind or stalled: asking again at once would only add to etcd's load
                     self._next_probe = now + PROBE_BACKOFF_S
             except Exception:  # never let expiry die: liveness depends on it
                 log.exception("expiring silent etcd records failed")
 
-    async def _watch_is_current(self) -> bool:
-        """True when etcd answers and nothing under the prefix changed after the last revision the
-        watch delivered: the silence the registry sees is the instances', not a watch that is behind
-        (a router short of CPU) or stalled (etcd hung with the connection open). One range request,
-        the most recently modified key under the prefix, keys only; made only while some record is
-        overdue (at most every EXPIRY_PERIOD_S, every PROBE_BACKOFF_S after a "behind")."""
+    async def _watch_was_current(self) -> bool:
+        """True when the watch has delivered every change under the prefix made before this call:
+        the silence the registry sees is then the instances', not a watch that is behind (a router
+        short of CPU) or stalled (etcd hung with the connection open). One range request (the most
+        recently modified key under the prefix, keys only), then up to PROBE_CATCHUP_S for the
+        watch to deliver that revision: with instances writing all the time there is always a
+        newer change in flight, so "nothing newer than the watch has" would almost never hold.
+        Made only while some record is overdue, at most every EXPIRY_PERIOD_S (PROBE_BACKOFF_S
+        after a False)."""
         body = {**prefix_request(self.target.prefix), "limit": 1, "sort_order": "DESCEND",
                 "sort_target": "MOD", "keys_only": True}
         try:
@@ -140,7 +144,12 @@ class EtcdWatcher:
             return False
         newest = max((int(kv.get("mod_revision", 0)) for kv in data.get("kvs", [])), default=0)
         self.probes += 1
-        return newest <= self.revision
+        deadline = time.monotonic() + PROBE_CATCHUP_S
+        while self.revision < newest:
+            if time.monotonic() > deadline or self.stale:
+                return False
+            await asyncio.sleep(0.01)
+        return True
 
     def _mark_stale(self) -> None:
         if not self.stale:
