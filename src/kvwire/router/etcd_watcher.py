@@ -18,7 +18,7 @@ Contract:
   lease TTL) when the next one is due at the latest. An entry silent past that is expired here at
   once (out of routing; back with its next record), without waiting for etcd to notice the lease
   ran out (etcd checks every 500 ms, then commits the deletion through Raft: under load, seconds;
-  decision 095). Only once the watch is shown current (it delivers, within 0.5 s, the newest change
+  decision 095). Only once the watch is shown current (it delivers, within 1 s, the newest change
   etcd reports under the prefix: one small range request, made while someone is overdue), so a
   watch that fell behind or stalled expires nobody; and not at all while :attr:`EtcdWatcher.stale`
   (every entry counts as heard from at the re-sync). Records without ``ttl_s`` (older instances)
@@ -50,8 +50,8 @@ BACKOFF_MAX_S = 2.0
 CONNECT_TIMEOUT_S = 2.0
 EXPIRY_PERIOD_S = 0.1  # how often silent records are looked for (O(N) each: ~0.3 ms at N = 1,000)
 PROBE_TIMEOUT_S = 1.0  # asking etcd whether a quiet watch is current
-PROBE_BACKOFF_S = 1.0  # after an answer "the watch is behind", before asking again
-PROBE_CATCHUP_S = 0.5  # how long the watch may take to deliver what etcd said was newest
+PROBE_BACKOFF_S = 0.2  # after "the watch is behind", before asking again
+PROBE_CATCHUP_S = 1.0  # how long the watch may take to deliver what etcd said was newest
 
 
 class EtcdWatcher:
