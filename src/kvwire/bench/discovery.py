@@ -257,6 +257,8 @@ async def _run_one(backend: str, n: int, args: argparse.Namespace, etcd_address:
         res.silent = await _deaths(sim, registry, k, "silent", death_limit + 10)
         if backend == "zmq":
             res.crash = await _deaths(sim, registry, k, "crash", death_limit + 10)
+        if isinstance(discovery, EtcdDiscovery):
+            print(f"    etcd watch checks: {dict(discovery.probes)}", file=sys.stderr, flush=True)
         sim.send("stats")
         res.sim = json.loads((await sim.expect("STATS", 10)).split(" ", 1)[1])
     finally:

@@ -71,7 +71,7 @@ class EtcdWatcher:
         self.stale = True  # the view is not (yet / any longer) backed by a live watch
         self.stale_since = time.monotonic()
         self.resyncs = 0
-        self.probes = 0  # quiet-watch checks answered by etcd
+        self.probes: collections.Counter[str] = collections.Counter()  # watch checks: current/behind/failed
         self._next_probe = 0.0  # registry clock
         self.revision = 0
 
@@ -136,19 +136,23 @@ class EtcdWatcher:
         newer change in flight, so "nothing newer than the watch has" would almost never hold.
         Made only while some record is overdue, at most every EXPIRY_PERIOD_S (PROBE_BACKOFF_S
         after a False)."""
+        # serializable: answered from the member's own state, like the watch (a linearizable read
+        # waits for a Raft round and for the member's apply to catch up: seconds when etcd is busy)
         body = {**prefix_request(self.target.prefix), "limit": 1, "sort_order": "DESCEND",
-                "sort_target": "MOD", "keys_only": True}
+                "sort_target": "MOD", "keys_only": True, "serializable": True}
         try:
             data = await self._post("/v3/kv/range", body, timeout_s=PROBE_TIMEOUT_S)
         except (aiohttp.ClientError, asyncio.TimeoutError, EtcdError, ValueError):
+            self.probes["failed"] += 1
             return False
         newest = max((int(kv.get("mod_revision", 0)) for kv in data.get("kvs", [])), default=0)
-        self.probes += 1
         deadline = time.monotonic() + PROBE_CATCHUP_S
         while self.revision < newest:
             if time.monotonic() > deadline or self.stale:
+                self.probes["behind"] += 1
                 return False
             await asyncio.sleep(0.01)
+        self.probes["current"] += 1
         return True
 
     def _mark_stale(self) -> None:
