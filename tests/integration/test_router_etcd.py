@@ -140,3 +140,69 @@ def test_kvwire_up_with_etcd_serves_pd(tmp_path: Path) -> None:
         assert metric(decode_url, "kvwire_pd_transfers_completed_total") == 1  # really P/D
         etcd = cluster.etcd
     assert etcd is not None and etcd.process is None  # stopped with the cluster
+
+
+def test_router_expires_an_overdue_record_before_etcd_drops_its_lease(etcd: LocalEtcd) -> None:
+    """The router takes an instance out of routing when the record it promised is overdue, without
+    waiting for etcd to expire its lease (here 10 s, so etcd cannot be the one); a stalled etcd
+    expires nobody; the next record brings the instance back."""
+    import asyncio
+
+    from kvwire.discovery import InstanceInfo, parse_discovery_address
+    from kvwire.discovery.etcd_gateway import EtcdHttp, encode_record
+    from kvwire.discovery.messages import Heartbeat
+    from kvwire.kv_params import Role
+    from kvwire.router.discovery_backend import EtcdDiscovery
+    from kvwire.router.registry import InstanceState, Registry
+
+    target = parse_discovery_address(etcd.discovery)
+    quiet = InstanceInfo(instance_id="quiet", role=Role.DECODE, url="http://127.0.0.1:9", model="m")
+    http = EtcdHttp(target.address, timeout_s=3.0)
+    lease = http.grant(10)
+    assert etcd.process is not None
+
+    def put(seq: int) -> float:
+        http.put(target.key("quiet"), encode_record(Heartbeat(info=quiet, seq=seq, ttl_s=1.0)), lease)
+        return time.monotonic()
+
+    async def until(predicate, limit_s: float, what: str) -> float:  # type: ignore[no-untyped-def]
+        t0 = time.monotonic()
+        while not predicate():
+            assert time.monotonic() - t0 < limit_s, what
+            await asyncio.sleep(0.01)
+        return time.monotonic() - t0
+
+    async def scenario() -> None:
+        registry = Registry(ttl_s=100.0)
+        watcher = EtcdDiscovery(registry, target)
+        await watcher.start()
+        try:
+            await until(lambda: not watcher.stale, 10, "watching")
+            t_put = await asyncio.to_thread(put, 1)
+            await until(lambda: registry.get("quiet") is not None, 5, "registered")
+            etcd.process.signal(signal.SIGSTOP)  # type: ignore[union-attr]  # a stalled etcd...
+            try:
+                t_end = time.monotonic() + 2.5
+                while time.monotonic() < t_end:  # ...is no reason to expire anyone
+                    view = registry.get("quiet")
+                    assert view is not None and view.alive, "expired while etcd was stalled"
+                    await asyncio.sleep(0.05)
+            finally:
+                etcd.process.signal(signal.SIGCONT)  # type: ignore[union-attr]
+            # etcd answers again and confirms the quiet watch is current: out, long before the lease
+            await until(lambda: not registry.get("quiet").alive, 3.0, "overdue record expired")  # type: ignore[union-attr]
+            view = registry.get("quiet")
+            assert view is not None and view.state is InstanceState.EXPIRED
+            assert time.monotonic() - t_put < 8.0 and watcher.probes["current"] >= 1
+            t_put = await asyncio.to_thread(put, 2)
+            await until(lambda: registry.get("quiet").alive, 5, "back with its next record")  # type: ignore[union-attr]
+            took = await until(lambda: not registry.get("quiet").alive, 3.0, "expired again")  # type: ignore[union-attr]
+            assert 0.8 <= time.monotonic() - t_put <= 1.6, took  # its TTL (1 s), not the lease's 10 s
+        finally:
+            await watcher.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        http.revoke(lease)
+        http.close()

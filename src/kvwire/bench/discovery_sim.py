@@ -8,7 +8,8 @@ evenly over the interval:
 * ``zmq``: one ZeroMQ PUSH socket (its own TCP connection) per instance, the messages built and
   signed by the same :func:`~kvwire.discovery.messages.encode_frames` the real client uses.
 * ``etcd``: one lease and one key per instance, as :class:`~kvwire.discovery.etcd_client.EtcdRegistration`
-  keeps them: each round renews the lease and puts the record with a new load. The calls are
+  keeps them: each round renews the lease and puts the record with a new load (the record promising
+  the next within the lease TTL). The calls are
   batched by groups of 10 instances (one keep-alive request, one put transaction per group);
   see :class:`EtcdSim`.
 
@@ -156,6 +157,7 @@ class EtcdSim(Sim):
     def __init__(self, address: str, n: int, interval_s: float) -> None:
         super().__init__(n, interval_s)
         self.target = parse_discovery_address(address)
+        self.ssl = self.target.ssl_context()
         self.infos = [sim_info(i) for i in range(n)]
         self.leases = [0] * n
         self.seq = [0] * n
@@ -164,6 +166,10 @@ class EtcdSim(Sim):
         self.groups = [list(range(g, min(n, g + ETCD_GROUP))) for g in range(0, n, ETCD_GROUP)]
         self.clients: list[EtcdHttp] = []
         self.regrants = 0
+        # per instance: wall time the last keep-alive that renewed its lease was sent / answered
+        # (etcd refreshed the lease between the two)
+        self.renew_sent = [0.0] * n
+        self.renew_acked = [0.0] * n
         self._local = threading.local()
 
     def start(self) -> list[threading.Event]:
@@ -179,7 +185,7 @@ class EtcdSim(Sim):
     def _http(self) -> EtcdHttp:
         client: EtcdHttp | None = getattr(self._local, "client", None)
         if client is None:
-            client = EtcdHttp(self.target.address, timeout_s=5.0)
+            client = EtcdHttp(self.target.address, timeout_s=5.0, ssl_context=self.ssl)
             self._local.client = client
             with self.lock:
                 self.clients.append(client)
@@ -194,19 +200,25 @@ class EtcdSim(Sim):
         try:
             held = [i for i in ids if self.leases[i]]
             if held:
+                sent = time.time()
                 ttls = http.keepalive_many([self.leases[i] for i in held])
+                acked = time.time()
                 for i, ttl in zip(held, ttls, strict=True):
                     if ttl <= 0:  # lost (expired while this process was late): register again
                         self.leases[i] = 0
                         self.regrants += 1
+                    else:
+                        self.renew_sent[i], self.renew_acked[i] = sent, acked
             for i in ids:
                 if not self.leases[i]:
+                    sent = time.time()
                     self.leases[i] = http.grant(self.ttl)
+                    self.renew_sent[i], self.renew_acked[i] = sent, time.time()
             items = []
             for i in ids:
                 self.seq[i] += 1
                 hb = Heartbeat(info=self.infos[i], load=random_load(self.rng), seq=self.seq[i],
-                               sent_at=time.time())
+                               sent_at=time.time(), ttl_s=float(self.ttl))
                 items.append((self.target.key(self.infos[i].instance_id), encode_record(hb), self.leases[i]))
             http.put_many(items)
         except EtcdError:
@@ -223,7 +235,7 @@ class EtcdSim(Sim):
     def close(self) -> None:
         self.stop.set()
         time.sleep(0.05)
-        http = EtcdHttp(self.target.address, timeout_s=5.0)
+        http = EtcdHttp(self.target.address, timeout_s=5.0, ssl_context=self.ssl)
         for i, lease in enumerate(self.leases):  # revoke what is left (an external etcd stays clean)
             if lease and i not in self.stopped:
                 with contextlib.suppress(EtcdError):
@@ -239,8 +251,9 @@ def main(argv: list[str]) -> int:
     sim: ZmqSim | EtcdSim
     sim = ZmqSim(address, n, interval_s) if backend == "zmq" else EtcdSim(address, n, interval_s)
     try:
+        deadline = time.monotonic() + 60 + 10 * interval_s
         for event in sim.start():
-            if not event.wait(60 + 10 * interval_s):
+            if not event.wait(max(0.0, deadline - time.monotonic())):
                 print("SIM_FAILED first round did not finish", flush=True)
                 return 1
         print(f"SIM_READY {n}", flush=True)
@@ -251,6 +264,12 @@ def main(argv: list[str]) -> int:
                 now = time.time()
                 sim.kill(ids, crash=words[1] == "crash")
                 print(f"KILLED {now:.6f} {','.join(sim_info(i).instance_id for i in ids)}", flush=True)
+            elif words[:1] == ["renewals"]:
+                ids = [int(x.rsplit("-", 1)[1]) for x in words[1].split(",")]
+                sent = getattr(sim, "renew_sent", None)
+                acked = getattr(sim, "renew_acked", None)
+                out = {sim_info(i).instance_id: [sent[i], acked[i]] if sent and acked else None for i in ids}
+                print(f"RENEWALS {json.dumps(out)}", flush=True)
             elif words[:1] == ["stats"]:
                 stats = {"sent": sim.sent, "failed": sim.failed, "rounds": sim.rounds,
                          "regrants": getattr(sim, "regrants", 0)}

@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-load-failure-policy", choices=[p.value for p in LoadFailurePolicy],
                         default=LoadFailurePolicy.RECOMPUTE.value,
                         help="what decode instances do when remote KV cannot be loaded (default %(default)s)")
-    parser.add_argument("--discovery", default="zmq", metavar="zmq|etcd|etcd://HOST:PORT[/prefix]",
+    parser.add_argument("--discovery", default="zmq", metavar="zmq|etcd|etcd[+https]://HOST:PORT[/prefix]",
                         help="zmq: the router's heartbeats (default); etcd: start a local etcd (binary "
                              "needed) for instances and router; etcd://...: use a running etcd")
     parser.add_argument("--start-timeout-s", type=float, default=180.0, help="deadline for all to be healthy")

@@ -32,7 +32,7 @@ from types import TracebackType
 from typing import Any, TextIO
 
 from kvwire.cluster.process import ManagedProcess, kvwire_argv
-from kvwire.discovery.address import parse_discovery_address
+from kvwire.discovery.address import DiscoveryKind, parse_discovery_address
 from kvwire.enum_values import as_enum
 from kvwire.errors import EXIT_RANK_LOST, ClusterError, ConfigError
 from kvwire.kv_params import LoadFailurePolicy, Role, TransferMode
@@ -78,11 +78,12 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         if min(self.num_prefill, self.num_decode, self.num_both) < 0:
             raise ConfigError("instance counts must be >= 0")
-        if self.discovery not in ("zmq", "etcd"):
-            parse_discovery_address(self.discovery)  # raises ConfigError naming the accepted forms
-            if not self.discovery.startswith("etcd://"):
-                raise ConfigError(f"discovery must be zmq, etcd or etcd://HOST:PORT[/prefix], "
-                                  f"got {self.discovery!r}")
+        # parse_discovery_address raises ConfigError naming the accepted forms
+        if self.discovery not in ("zmq", "etcd") and (
+            parse_discovery_address(self.discovery).kind is not DiscoveryKind.ETCD
+        ):
+            raise ConfigError(f"discovery must be zmq, etcd or etcd[+https]://HOST:PORT[/prefix], "
+                              f"got {self.discovery!r}")
         if self.num_prefill + self.num_decode + self.num_both == 0:
             raise ConfigError("a cluster needs at least one instance")
         if (self.num_prefill == 0) != (self.num_decode == 0):

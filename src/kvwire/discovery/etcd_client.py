@@ -7,12 +7,14 @@ Contract:
 * One daemon thread. It grants a lease of ``lease_ttl_s`` (the heartbeat TTL: 3 heartbeat
   intervals, at least 2 s) and puts the record (a JSON :class:`Heartbeat`: role, model, URL, KV
   endpoints (one per TP rank), load) at ``prefix + instance_id`` bound to that lease.
-* Every ``interval_s`` it renews the lease (a keep-alive). If the process dies or stops (kill -9,
-  SIGSTOP, host gone), the keep-alives stop and etcd deletes the key when the lease runs out:
-  every router watching sees the deletion.
-* Load updates are puts, rate-limited: at most one per ``min_put_interval_s``, made only when the
-  load changed, and at least one per ``refresh_s`` (which brings back an instance a router took out
-  of routing after a request-path failure).
+* Every ``interval_s`` it renews the lease (a keep-alive) and puts the record with the current
+  load (``refresh_s``, default the interval). If the process dies or stops (kill -9, SIGSTOP, host
+  gone), both stop: routers take it out of routing when the TTL passes without a record (the
+  record says so: ``ttl_s``), and etcd deletes the key when the lease runs out: every router
+  watching sees the deletion (decision 095).
+* Between rounds (:meth:`send_now`), a changed load is put at most once per ``min_put_interval_s``.
+  With ``refresh_s`` above the interval (fewer etcd writes), records carry no ``ttl_s`` and only
+  the lease tells a dead instance.
 * etcd unreachable: the thread keeps trying every interval (failures counted in ``dropped``,
   logged once per outage). A keep-alive answered "unknown lease" (etcd lost it: restarted without
   its data, or the lease expired meanwhile) makes it grant a new lease and put the record again.
@@ -64,11 +66,14 @@ class EtcdRegistration:
         self.interval_s = interval_s
         self.lease_ttl_s = lease_ttl_s or lease_ttl_for(interval_s)
         self.min_put_interval_s = interval_s if min_put_interval_s is None else min_put_interval_s
-        self.refresh_s = float(self.lease_ttl_s) if refresh_s is None else refresh_s
+        self.refresh_s = interval_s if refresh_s is None else refresh_s
+        # the promise a record makes: another one within the lease TTL (kept only at one per interval)
+        self.record_ttl_s = float(self.lease_ttl_s) if self.refresh_s <= interval_s else 0.0
         self._key = target.key(info.instance_id)
         self._load_fn = load_fn
         self._linger_s = linger_s
-        self._http = EtcdHttp(target.address, timeout_s=min(2.0, max(0.5, interval_s)))
+        self._http = EtcdHttp(target.address, timeout_s=min(2.0, max(0.5, interval_s)),
+                              ssl_context=target.ssl_context())
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -175,7 +180,8 @@ class EtcdRegistration:
         if not force and not (changed and since >= self.min_put_interval_s) and since < self.refresh_s:
             return
         self._seq += 1
-        record = Heartbeat(info=self.info, load=load, seq=self._seq, sent_at=time.time())
+        record = Heartbeat(info=self.info, load=load, seq=self._seq, sent_at=time.time(),
+                           ttl_s=self.record_ttl_s)
         self._http.put(self._key, encode_record(record), self._lease)
         self._last_put, self._last_load = now, load
         self.puts += 1

@@ -15,6 +15,7 @@ import base64
 import http.client
 import json
 import logging
+import ssl
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -83,19 +84,22 @@ def check_answer(path: str, status: int, body: bytes) -> dict[str, Any]:
 
 
 class EtcdHttp:
-    """Blocking gateway client on one keep-alive HTTP connection (one thread uses it).
+    """Blocking gateway client on one keep-alive HTTP(S) connection (one thread uses it).
 
     Every call has a deadline (``timeout_s``) and raises :class:`EtcdError` on any failure; the
     connection is reopened on the next call.
     """
 
-    def __init__(self, url: str, timeout_s: float) -> None:
+    def __init__(self, url: str, timeout_s: float, ssl_context: ssl.SSLContext | None = None) -> None:
         parts = urlsplit(url)
-        if parts.hostname is None or parts.port is None:
-            raise EtcdError(f"etcd URL must be http://HOST:PORT, got {url!r}")
+        if parts.scheme not in ("http", "https") or parts.hostname is None or parts.port is None:
+            raise EtcdError(f"etcd URL must be http(s)://HOST:PORT, got {url!r}")
+        if parts.scheme == "https" and ssl_context is None:
+            ssl_context = ssl.create_default_context()
         self.url = url
         self._host, self._port = parts.hostname, parts.port
         self._timeout_s = timeout_s
+        self._ssl = ssl_context if parts.scheme == "https" else None
         self._conn: http.client.HTTPConnection | None = None
 
     def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -121,7 +125,11 @@ class EtcdHttp:
 
     def _request(self, path: str, payload: bytes) -> tuple[int, bytes]:
         if self._conn is None:
-            self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout_s)
+            if self._ssl is not None:
+                self._conn = http.client.HTTPSConnection(self._host, self._port, timeout=self._timeout_s,
+                                                         context=self._ssl)
+            else:
+                self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout_s)
         self._conn.request("POST", path, payload, {"Content-Type": "application/json"})
         resp = self._conn.getresponse()
         return resp.status, resp.read()

@@ -80,6 +80,9 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="heartbeat"):
     load: InstanceLoad | None = None  # None when the instance could not measure its load
     seq: int = 0  # increases by one per message of one epoch (drops replays / reordering)
     sent_at: float = 0.0  # sender's wall clock, seconds (informational)
+    # etcd records: the instance promises its next record within this many seconds (its lease TTL),
+    # so a router may take it out of routing when that passes without one; 0 = no promise
+    ttl_s: float = 0.0
     v: int = DISCOVERY_VERSION
 
 

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import zmq
 
 from kvwire.auth import ApiKeyConfig, keys_from_cli
+from kvwire.discovery.address import add_tls_arguments, tls_files_of, with_tls_files
 from kvwire.errors import ConfigError
 from kvwire.kv_params import TransferMode
 from kvwire.router.app import RouterServer
@@ -34,9 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="heartbeat (ZeroMQ) bind address (default %(default)s)")
     parser.add_argument("--discovery-port", type=int, default=d.discovery_port,
                         help="heartbeat port; instances use --router tcp://HOST:PORT (default %(default)s)")
-    parser.add_argument("--discovery", default="zmq", metavar="zmq|etcd://HOST:PORT[/prefix]",
+    parser.add_argument("--discovery", default="zmq", metavar="zmq|etcd[+https]://HOST:PORT[/prefix]",
                         help="zmq: the embedded heartbeat socket (default); etcd://...: watch instances in "
-                             "etcd (any number of routers can)")
+                             "etcd (any number of routers can); etcd+https://...: etcd over TLS")
+    add_tls_arguments(parser)
     parser.add_argument("--instance-ttl-s", type=float, default=d.instance_ttl_s,
                         help="expire an instance after this long without a heartbeat (default %(default)s)")
     parser.add_argument("--policy", choices=[p.value for p in Policy], default=d.policy.value,
@@ -87,7 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         host=args.host, port=args.port,
-        discovery_host=args.discovery_host, discovery_port=args.discovery_port, discovery=args.discovery,
+        discovery_host=args.discovery_host, discovery_port=args.discovery_port,
+        discovery=with_tls_files(args.discovery, *tls_files_of(args)),
         instance_ttl_s=args.instance_ttl_s, policy=Policy(args.policy), mode=TransferMode(args.mode),
         secret=args.secret or None, max_body_bytes=args.max_body_bytes, kv_deadline_s=args.kv_deadline_s,
         kv_limit_s=args.kv_limit_s, max_migrations=args.max_migrations,

@@ -96,7 +96,7 @@ class RouterConfig:
         target = parse_discovery_address(self.discovery)
         if target.kind is not DiscoveryKind.ETCD:
             raise ConfigError(
-                f"router --discovery takes zmq or etcd://HOST:PORT[/prefix], got {self.discovery!r} "
+                f"router --discovery takes zmq or etcd[+https]://HOST:PORT[/prefix], got {self.discovery!r} "
                 "(the embedded heartbeat socket is set with --discovery-host/--discovery-port)"
             )
         return target

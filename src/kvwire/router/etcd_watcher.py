@@ -13,7 +13,16 @@ Contract:
   in ``/instances`` and as ``kvwire_router_discovery_stale``) until a sync succeeds again. Retries
   back off from 0.2 s to 2 s. A watch cancelled by compaction re-syncs the same way.
 * Records that fail to decode are dropped and counted in ``dropped["malformed"]``.
-* No TTL sweeping here: etcd's leases are the liveness (a key lives exactly as long as its lease).
+* Liveness: etcd's leases (a key lives as long as its lease), and, where faster, the records
+  themselves: an instance puts its record every heartbeat interval and says in it (``ttl_s``, its
+  lease TTL) when the next one is due at the latest. An entry silent past that is expired here at
+  once (out of routing; back with its next record), without waiting for etcd to notice the lease
+  ran out (etcd checks every 500 ms, then commits the deletion through Raft: under load, seconds;
+  decision 095). Only once the watch is shown current (it delivers, within 1 s, the newest change
+  etcd reports under the prefix: one small range request, made while someone is overdue), so a
+  watch that fell behind or stalled expires nobody; and not at all while :attr:`EtcdWatcher.stale`
+  (every entry counts as heard from at the re-sync). Records without ``ttl_s`` (older instances)
+  rely on the lease alone.
 """
 
 from __future__ import annotations
@@ -39,6 +48,10 @@ log = logging.getLogger(__name__)
 BACKOFF_MIN_S = 0.2
 BACKOFF_MAX_S = 2.0
 CONNECT_TIMEOUT_S = 2.0
+EXPIRY_PERIOD_S = 0.1  # how often silent records are looked for (O(N) each: ~0.3 ms at N = 1,000)
+PROBE_TIMEOUT_S = 1.0  # asking etcd whether a quiet watch is current
+PROBE_BACKOFF_S = 0.2  # after "the watch is behind", before asking again
+PROBE_CATCHUP_S = 1.0  # how long the watch may take to deliver what etcd said was newest
 
 
 class EtcdWatcher:
@@ -50,6 +63,7 @@ class EtcdWatcher:
         self._url = target.address
         self._epochs: dict[str, int] = {}  # instance id -> epoch of the record seen last
         self._task: asyncio.Task[None] | None = None
+        self._expiry: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self.received: collections.Counter[str] = collections.Counter()  # by ApplyResult value
         self.dropped: collections.Counter[str] = collections.Counter()  # by reason
@@ -57,6 +71,8 @@ class EtcdWatcher:
         self.stale = True  # the view is not (yet / any longer) backed by a live watch
         self.stale_since = time.monotonic()
         self.resyncs = 0
+        self.probes: collections.Counter[str] = collections.Counter()  # watch checks: current/behind/failed
+        self._next_probe = 0.0  # registry clock
         self.revision = 0
 
     @property
@@ -65,13 +81,17 @@ class EtcdWatcher:
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S, sock_connect=CONNECT_TIMEOUT_S)
-        self._session = aiohttp.ClientSession(timeout=timeout)
+        ssl_context = self.target.ssl_context()  # https: verified against the address's CA
+        connector = aiohttp.TCPConnector(ssl=ssl_context if ssl_context is not None else True)
+        self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
         self._task = asyncio.create_task(self._run(), name="kvwire-etcd-watch")
+        self._expiry = asyncio.create_task(self._expire_silent(), name="kvwire-etcd-expiry")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._expiry):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
 
@@ -90,13 +110,58 @@ class EtcdWatcher:
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, BACKOFF_MAX_S)
 
+    async def _expire_silent(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRY_PERIOD_S)
+            if self.stale:
+                continue
+            try:
+                now = self._registry.now()
+                # someone's record is overdue: really silent, or a watch that fell behind or stalled?
+                if now < self._next_probe or not self._registry.overdue(now, promised_only=True):
+                    continue
+                if await self._watch_was_current():
+                    self._registry.sweep(promised_only=True, as_of=now)
+                else:  # behind or stalled: asking again at once would only add to etcd's load
+                    self._next_probe = now + PROBE_BACKOFF_S
+            except Exception:  # never let expiry die: liveness depends on it
+                log.exception("expiring silent etcd records failed")
+
+    async def _watch_was_current(self) -> bool:
+        """True when the watch has delivered every change under the prefix made before this call:
+        the silence the registry sees is then the instances', not a watch that is behind (a router
+        short of CPU) or stalled (etcd hung with the connection open). One range request (the most
+        recently modified key under the prefix, keys only), then up to PROBE_CATCHUP_S for the
+        watch to deliver that revision: with instances writing all the time there is always a
+        newer change in flight, so "nothing newer than the watch has" would almost never hold.
+        Made only while some record is overdue, at most every EXPIRY_PERIOD_S (PROBE_BACKOFF_S
+        after a False)."""
+        # serializable: answered from the member's own state, like the watch (a linearizable read
+        # waits for a Raft round and for the member's apply to catch up: seconds when etcd is busy)
+        body = {**prefix_request(self.target.prefix), "limit": 1, "sort_order": "DESCEND",
+                "sort_target": "MOD", "keys_only": True, "serializable": True}
+        try:
+            data = await self._post("/v3/kv/range", body, timeout_s=PROBE_TIMEOUT_S)
+        except (aiohttp.ClientError, asyncio.TimeoutError, EtcdError, ValueError):
+            self.probes["failed"] += 1
+            return False
+        newest = max((int(kv.get("mod_revision", 0)) for kv in data.get("kvs", [])), default=0)
+        deadline = time.monotonic() + PROBE_CATCHUP_S
+        while self.revision < newest:
+            if time.monotonic() > deadline or self.stale:
+                self.probes["behind"] += 1
+                return False
+            await asyncio.sleep(0.01)
+        self.probes["current"] += 1
+        return True
+
     def _mark_stale(self) -> None:
         if not self.stale:
             self.stale, self.stale_since = True, time.monotonic()
 
-    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, path: str, body: dict[str, Any], timeout_s: float = 5.0) -> dict[str, Any]:
         assert self._session is not None
-        request_timeout = aiohttp.ClientTimeout(total=5.0)
+        request_timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with self._session.post(self._url + path, json=body, timeout=request_timeout) as resp:
             return check_answer(path, resp.status, await resp.read())
 
@@ -114,6 +179,7 @@ class EtcdWatcher:
         self.revision = revision
         if self.stale:
             log.info("etcd at %s synced: %d instances at revision %d", self.address, len(present), revision)
+            self._registry.touch_all()  # silence while etcd was unreachable was not the instances'
         self.stale = False
         self.resyncs += 1
         self.synced.set()
@@ -134,8 +200,12 @@ class EtcdWatcher:
                     raise EtcdError(f"etcd watch cancelled: {result.get('cancel_reason') or result}")
                 for event in result.get("events", []):
                     self._on_event(event)
-                if "header" in result:
-                    self.revision = int(result["header"].get("revision", self.revision))
+                    # the newest change delivered (not the header's: a catching-up watch's first
+                    # answer carries the store's revision before the events that lead to it)
+                    self.revision = max(self.revision, int(event.get("kv", {}).get("mod_revision", 0)))
+                # aiohttp hands over buffered data without suspending: behind a backlog this loop
+                # would never let the rest of the router (requests, expiry) run
+                await asyncio.sleep(0)
 
     def _on_event(self, event: dict[str, Any]) -> None:
         kv = event.get("kv", {})

@@ -13,7 +13,7 @@ older epoch are ignored. Hashes are :mod:`kvwire.kv_hash` chains; no torch.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -39,6 +39,7 @@ class KvIndex:
         self._lock = threading.Lock()
         self._where: OrderedDict[BlockHash, set[str]] = OrderedDict()  # least recently stored first
         self._holders: dict[str, _Holder] = {}
+        self._block_sizes: Counter[int] = Counter()  # block size -> instances using it
         self.num_dropped_blocks = 0  # hashes forgotten to stay within max_blocks
 
     # --- writers (discovery listener thread) ------------------------------------------------------
@@ -52,6 +53,7 @@ class KvIndex:
             if holder is None or msg.epoch > holder.epoch or msg.block_size != holder.block_size:
                 self._drop_locked(msg.instance_id)
                 holder = self._holders[msg.instance_id] = _Holder(msg.epoch, msg.block_size, set())
+                self._block_sizes[msg.block_size] += 1
             elif msg.cleared:
                 self._forget_all(msg.instance_id, holder)
             for h in msg.removed:
@@ -77,6 +79,9 @@ class KvIndex:
         holder = self._holders.pop(instance_id, None)
         if holder is not None:
             self._forget_all(instance_id, holder)
+            self._block_sizes[holder.block_size] -= 1
+            if self._block_sizes[holder.block_size] <= 0:
+                del self._block_sizes[holder.block_size]
 
     def _forget_all(self, instance_id: str, holder: _Holder) -> None:
         for h in list(holder.hashes):
@@ -135,6 +140,21 @@ class KvIndex:
                         break
                     n += 1
                 out[instance_id] = n
+        return out
+
+    def holders(self, hashes_for: Callable[[int], list[BlockHash]]) -> set[str]:
+        """The instances holding the request's first block (for their block size): every instance
+        :meth:`match` would give at least one block. O(block sizes in use + those instances)."""
+        out: set[str] = set()
+        with self._lock:
+            for block_size in self._block_sizes:
+                hashes = hashes_for(block_size)
+                if not hashes:
+                    continue
+                for instance_id in self._where.get(hashes[0], ()):
+                    holder = self._holders.get(instance_id)
+                    if holder is not None and holder.block_size == block_size:
+                        out.add(instance_id)
         return out
 
     def __len__(self) -> int:

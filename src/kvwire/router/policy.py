@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvwire.discovery.messages import InstanceLoad
 from kvwire.kv_params import Role
 from kvwire.router.config import Policy
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Candidate:
     instance_id: str
     url: str
@@ -30,6 +30,12 @@ class Candidate:
     inflight_requests: int = 0  # tracked by this router: sent, not finished
     inflight_tokens: int = 0  # tracked by this router: prompt tokens to compute + new tokens in flight
     cached_tokens: int = 0  # leading prompt tokens of this request the instance holds (KV index)
+    # :func:`load_key` of this candidate, computed once here: the selector reuses a candidate
+    # across picks while its instance's report and in-flight counts stay the same
+    key: tuple[int, int, float] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", load_key(self))
 
 
 @dataclass
@@ -64,16 +70,18 @@ def load_key(c: Candidate) -> tuple[int, int, float]:
 
 
 def least_loaded(candidates: Sequence[Candidate], ctx: PickContext) -> Candidate:
-    # Start the scan at the turn so that ties rotate instead of always landing on the first one.
+    """The candidate with the smallest :func:`load_key`. The scan starts at the turn, so that ties
+    rotate instead of always landing on the first one."""
     n = len(candidates)
     start = ctx.turn % n
     best = candidates[start]
-    best_key = load_key(best)
-    for i in range(1, n):
-        cand = candidates[(start + i) % n]
-        key = load_key(cand)
-        if key < best_key:
-            best, best_key = cand, key
+    best_key = best.key
+    for cand in candidates[start + 1:]:
+        if cand.key < best_key:
+            best, best_key = cand, cand.key
+    for cand in candidates[:start]:
+        if cand.key < best_key:
+            best, best_key = cand, cand.key
     return best
 
 
@@ -98,7 +106,7 @@ def kv_aware_score(c: Candidate, ctx: PickContext, w: KvAwareWeights = KV_AWARE_
     heartbeat, and after a burst a drained instance would look busy for that long and every request
     would herd onto the others (measured: worse TTFT than round robin on random prompts).
     """
-    kv_used = 1.0 - c.load.free_kv_fraction if c.load is not None else 0.0
+    kv_used = c.key[2]  # the fraction of KV blocks in use, as load_key has it
     per_request = w.decode_request_tokens if ctx.role is Role.DECODE else w.request_tokens
     tokens_weight = 0.25 if ctx.role is Role.DECODE else 1.0  # D: new tokens are cheap per token
     return (c.cached_tokens - tokens_weight * c.inflight_tokens - per_request * c.inflight_requests

@@ -15,7 +15,8 @@ Liveness rules:
 * :meth:`Registry.mark_unreachable` (request-path failure, discovery connection closed) takes an
   instance out of routing until its next heartbeat;
 * :meth:`Registry.sweep` (run by :class:`RegistrySweeper` every ``interval_s``) expires entries
-  silent for ``ttl_s`` and forgets expired ones after ``forget_after_s``;
+  silent for ``ttl_s`` (or for the TTL their last heartbeat promised: etcd records) and forgets
+  expired ones after ``forget_after_s``;
 * a :class:`Deregister` for the current epoch removes the entry at once.
 
 ``on_remove(instance_id)`` (optional) is called, outside the lock, for every entry removed
@@ -68,6 +69,7 @@ class InstanceView:
     last_seq: int
     reason: str = ""  # why it is not alive
     first_seen: float = 0.0  # registry clock of this epoch's first heartbeat
+    ttl_s: float = 0.0  # the next heartbeat promised within this long (etcd records); 0 = none
 
     @property
     def instance_id(self) -> str:
@@ -113,7 +115,7 @@ class Registry:
                 result = self._deregister(msg)
             else:
                 old = self._entries.get(msg.info.instance_id)
-                result = self._heartbeat(msg.info, msg.load, msg.seq)
+                result = self._heartbeat(msg.info, msg.load, msg.seq, msg.ttl_s)
                 if result is ApplyResult.REFRESHED and old is not None and old.alive and old.info == msg.info:
                     self._swap(self._entries[msg.info.instance_id])
                     return result
@@ -125,13 +127,15 @@ class Registry:
             log.info("instance %s %s", ident, result.value)
         return result
 
-    def _heartbeat(self, info: InstanceInfo, load: InstanceLoad | None, seq: int) -> ApplyResult:
+    def _heartbeat(
+        self, info: InstanceInfo, load: InstanceLoad | None, seq: int, ttl_s: float
+    ) -> ApplyResult:
         now = self._clock()
         old = self._entries.get(info.instance_id)
         same_epoch = old is not None and old.info.epoch == info.epoch
         first_seen = old.first_seen if same_epoch and old is not None else now
         fresh = InstanceView(info=info, load=load, state=InstanceState.ALIVE, last_seen=now, last_seq=seq,
-                             first_seen=first_seen)
+                             first_seen=first_seen, ttl_s=ttl_s)
         if old is None:
             result = ApplyResult.REGISTERED
             for other in [e for e in self._entries.values() if e.url == info.url]:
@@ -170,19 +174,28 @@ class Registry:
         log.warning("instance %s out of routing: %s", instance_id, reason)
         return True
 
-    def sweep(self) -> list[str]:
-        """Expire silent entries and forget old expired ones; returns the ids that changed."""
+    def sweep(self, *, promised_only: bool = False, as_of: float | None = None) -> list[str]:
+        """Expire silent entries and forget old expired ones; returns the ids that changed.
+
+        An entry is silent past its own ``ttl_s`` when it promised one, else past the registry's.
+        ``promised_only``: leave entries that promised nothing alone (etcd: their lease is their
+        liveness). ``as_of`` (registry clock, default now): measure silence up to this time only
+        (etcd: the last time the watch delivered anything, so a stalled source expires nobody).
+        """
         now = self._clock()
+        upto = now if as_of is None else min(now, as_of)
         changed: list[str] = []
         with self._lock:
             for ident, entry in list(self._entries.items()):
-                silent_s = now - entry.last_seen
+                silent_s = upto - entry.last_seen
                 if entry.state is InstanceState.EXPIRED:
-                    if silent_s > self.forget_after_s:
+                    if now - entry.last_seen > self.forget_after_s:
                         del self._entries[ident]
                         self._removed.append(ident)
                         changed.append(ident)
-                elif silent_s > self.ttl_s:
+                elif promised_only and entry.ttl_s <= 0:
+                    continue
+                elif silent_s > (entry.ttl_s or self.ttl_s):
                     reason = f"no heartbeat for {silent_s:.1f} s"
                     self._entries[ident] = replace(entry, state=InstanceState.EXPIRED, reason=reason)
                     changed.append(ident)
@@ -191,6 +204,25 @@ class Registry:
                 self._rebuild()
         self._report_removed()
         return changed
+
+    def overdue(self, as_of: float, *, promised_only: bool = False) -> bool:
+        """Whether :meth:`sweep` with ``as_of`` would expire some entry (O(N), no change)."""
+        with self._lock:
+            return any(
+                as_of - e.last_seen > (e.ttl_s or self.ttl_s)
+                for e in self._entries.values()
+                if e.alive and (e.ttl_s > 0 or not promised_only)
+            )
+
+    def touch_all(self) -> None:
+        """Count every live entry as heard from now (a discovery source that was unreachable is back
+        and has just re-read every record: silence during the outage was not the instances')."""
+        now = self._clock()
+        with self._lock:
+            for ident, entry in list(self._entries.items()):
+                if entry.alive:
+                    self._entries[ident] = replace(entry, last_seen=now)
+            self._rebuild()
 
     def _report_removed(self) -> None:
         with self._lock:
@@ -250,6 +282,10 @@ class Registry:
 
     def get(self, instance_id: str) -> InstanceView | None:
         return self._entries.get(instance_id)
+
+    def now(self) -> float:
+        """The registry's clock (monotonic seconds): the time base of ``last_seen`` and ``as_of``."""
+        return self._clock()
 
     def registered_for_s(self, view: InstanceView) -> float:
         """Seconds since this epoch of the instance first registered."""

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import enum
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import overload
 
 from kvwire.errors import NoInstanceError, RouterError
 from kvwire.kv_hash import BlockHash, block_hashes
@@ -25,10 +26,12 @@ class Plan(str, enum.Enum):
     DISAGGREGATED = "pd"  # prefill on a `prefill` instance, decode on a `decode` instance
 
 
-# least_loaded and random look at a random sample of this many live instances when there are more
-# (the "power of d choices": near the true least loaded, at a cost that does not grow with N).
+# Above this many live instances of a role, least_loaded and random look at a random sample of this
+# many (the "power of d choices": near the true least loaded, at a cost that does not grow with N),
+# and kv_aware scores the instances holding the request's first block plus such a sample.
 # round_robin always walks them all.
 SAMPLE_SIZE = 32
+_PERMUTATIONS_KEPT = 8  # sampling orders cached, by pool size
 
 
 @dataclass(frozen=True)
@@ -36,9 +39,14 @@ class Prefix:
     """A request's prompt as KV-aware routing sees it: token ids and their block hashes per block size."""
 
     token_ids: tuple[int, ...]
+    _hashes: dict[int, list[BlockHash]] = field(default_factory=dict, compare=False, repr=False)
 
     def hashes(self, block_size: int) -> list[BlockHash]:
-        return block_hashes(self.token_ids, block_size)
+        """The prompt's chained block hashes for ``block_size`` (computed once per size)."""
+        hashes = self._hashes.get(block_size)
+        if hashes is None:
+            hashes = self._hashes[block_size] = block_hashes(self.token_ids, block_size)
+        return hashes
 
 
 @dataclass(frozen=True)
@@ -54,7 +62,44 @@ class ModelNotFoundError(RouterError):
     """No instance, alive or not, serves the requested model (becomes HTTP 404)."""
 
 
+class _Lazy(Sequence[Candidate]):
+    """The candidates of ``views``, each built when a policy first reads it."""
+
+    def __init__(self, views: Sequence[InstanceView], build: Callable[[InstanceView], Candidate]) -> None:
+        self._views = views
+        self._build = build
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    @overload
+    def __getitem__(self, index: int) -> Candidate: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Candidate]: ...
+
+    def __getitem__(self, index: int | slice) -> Candidate | Sequence[Candidate]:
+        if isinstance(index, slice):
+            return [self._build(v) for v in self._views[index]]
+        return self._build(self._views[index])
+
+
+def _view_of(
+    chosen: Candidate, views: Sequence[InstanceView], candidates: Sequence[Candidate]
+) -> InstanceView:
+    """The view ``chosen`` was built from (a policy returns one of its candidates)."""
+    if isinstance(candidates, _Lazy):
+        return next(v for v in views if v.instance_id == chosen.instance_id)
+    return views[next(i for i, c in enumerate(candidates) if c is chosen)]
+
+
 class Selector:
+    """Picks for one router. Cost of a pick at N live instances of a role: O(1) for round_robin,
+    O(SAMPLE_SIZE) for least_loaded and random, O(SAMPLE_SIZE + instances holding the prompt's
+    first block) for kv_aware; no copy or sort of all N. Candidates are built once per instance
+    report and reused while the instance's report and this router's in-flight counts for it stay
+    the same (the steady state: reports arrive once per interval, picks far more often)."""
+
     def __init__(
         self, registry: Registry, policy: Policy, seed: int | None = None, kv_index: KvIndex | None = None
     ) -> None:
@@ -62,12 +107,14 @@ class Selector:
         self._policy = POLICIES[policy]
         self.kv_aware = policy is Policy.KV_AWARE
         self.kv_index = kv_index if kv_index is not None else KvIndex()
-        # kv_aware scores every live instance (a cache hit may be on any of them); the load-only
-        # policies look at a sample when there are many
-        self._sampled = policy in (Policy.LEAST_LOADED, Policy.RANDOM)
+        # round_robin needs every live instance (its turn walks them); the others can sample
+        self._sampled = policy is not Policy.ROUND_ROBIN
+        self._rng = random.Random(seed)
         self._ctx = {role: PickContext(turn=0, rng=random.Random(seed), role=role) for role in Role}
         self._inflight: dict[str, list[int]] = {}  # instance id -> [requests, tokens]
         self._hits: dict[str, list[int]] = {}  # instance id -> [cached prompt tokens, prompt tokens] routed
+        self._candidates: dict[str, tuple[InstanceView, Candidate]] = {}  # reusable, per instance
+        self._orders: dict[int, list[int]] = {}  # pool size -> a random order of its positions
 
     def _live(self, role: Role, model: str | None) -> Sequence[InstanceView]:
         return self._registry.live(role, model)  # the registry's cached tuple: no copy
@@ -114,13 +161,17 @@ class Selector:
             raise NoInstanceError(f"no live {role.value} instance")
         ctx = self._ctx[role]
         if self._sampled and len(views) > SAMPLE_SIZE:
-            views = [views[i] for i in sorted(ctx.rng.sample(range(len(views)), SAMPLE_SIZE))]
+            views = self._sample(views, role, model, prefix)
         cached = {} if prefix is None else self.kv_index.match([v.instance_id for v in views], prefix.hashes)
-        candidates = [self._candidate(v, cached, prefix) for v in views]
+        candidates: Sequence[Candidate]
+        if self._sampled or prefix is not None:
+            candidates = [self._candidate(v, cached, prefix) for v in views]
+        else:  # round_robin reads one candidate: build only that one
+            candidates = _Lazy(views, lambda v: self._candidate(v, cached, prefix))
         ctx.prompt_tokens = 0 if prefix is None else len(prefix.token_ids)
         chosen = self._policy(candidates, ctx)
         ctx.turn += 1
-        view = views[next(i for i, c in enumerate(candidates) if c is chosen)]
+        view = _view_of(chosen, views, candidates)
         if prefix is None:
             return Picked(view)
         hits = self._hits.setdefault(view.instance_id, [0, 0])
@@ -128,14 +179,50 @@ class Selector:
         hits[1] += len(prefix.token_ids)
         return Picked(view, chosen.cached_tokens, self.kv_index.block_size(view.instance_id) or 0)
 
+    def _sample(
+        self, views: Sequence[InstanceView], role: Role, model: str | None, prefix: Prefix | None
+    ) -> list[InstanceView]:
+        """SAMPLE_SIZE of ``views`` at random: a window at a random offset into a random order of
+        the pool's positions (each instance is in a window with the same chance, SAMPLE_SIZE / N).
+        With a prompt (kv_aware), every live instance holding its first block is added: a cache
+        hit is never sampled away, and the sample stands in for the best of the rest by load."""
+        n = len(views)
+        order = self._orders.get(n)
+        if order is None:
+            if len(self._orders) >= _PERMUTATIONS_KEPT:
+                self._orders.clear()
+            order = self._orders[n] = self._rng.sample(range(n), n)
+        start = self._rng.randrange(n)
+        positions = order[start:start + SAMPLE_SIZE]
+        if len(positions) < SAMPLE_SIZE:
+            positions += order[:SAMPLE_SIZE - len(positions)]
+        sample = [views[i] for i in positions]
+        if prefix is not None and self.kv_aware:
+            seen = {v.instance_id for v in sample}
+            for ident in sorted(self.kv_index.holders(prefix.hashes) - seen):
+                view = self._registry.get(ident)
+                if view is not None and view.alive and view.role is role and model in (None, view.info.model):
+                    sample.append(view)
+        return sample
+
     def _candidate(self, view: InstanceView, cached: dict[str, int], prefix: Prefix | None) -> Candidate:
-        requests, tokens = self._inflight.get(view.instance_id, (0, 0))
-        num_blocks = cached.get(view.instance_id, 0)
+        ident = view.instance_id
+        inflight = self._inflight.get(ident)
+        num_blocks = cached.get(ident, 0)
+        if inflight is None and not num_blocks:
+            # nothing of this router's on it and no cache hit: the candidate is the report alone
+            known = self._candidates.get(ident)
+            if known is not None and known[0] is view:
+                return known[1]
+            cand = Candidate(ident, view.url, view.load)
+            self._candidates[ident] = (view, cand)
+            return cand
+        requests, tokens = inflight if inflight is not None else (0, 0)
         cached_tokens = 0
         if num_blocks and prefix is not None:
-            block_size = self.kv_index.block_size(view.instance_id) or 0
+            block_size = self.kv_index.block_size(ident) or 0
             cached_tokens = min(num_blocks * block_size, len(prefix.token_ids))
-        return Candidate(view.instance_id, view.url, view.load, requests, tokens, cached_tokens)
+        return Candidate(ident, view.url, view.load, requests, tokens, cached_tokens)
 
     def hit_rate(self, instance_id: str) -> float | None:
         """Share of the prompt tokens routed to ``instance_id`` (KV-aware picks) that it held cached."""
@@ -143,9 +230,10 @@ class Selector:
         return hit / total if total else None
 
     def forget(self, instance_id: str) -> None:
-        """``instance_id`` left: drop its KV index entries and hit counts."""
+        """``instance_id`` left: drop its KV index entries, hit counts and cached candidate."""
         self.kv_index.drop(instance_id)
         self._hits.pop(instance_id, None)
+        self._candidates.pop(instance_id, None)
 
     @contextmanager
     def track(self, instance_id: str, num_tokens: int) -> Iterator[None]:

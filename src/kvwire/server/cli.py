@@ -12,6 +12,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from kvwire.auth import ApiKeyConfig, keys_from_cli
+from kvwire.discovery.address import add_tls_arguments, tls_files_of, with_tls_files
 from kvwire.errors import ConfigError, KvwireError
 from kvwire.kv_params import Role, TransferMode
 from kvwire.server.config import KVLoadFailure, ServerConfig
@@ -33,10 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     parser.add_argument("--role", choices=[r.value for r in Role], default=Role.BOTH.value)
     parser.add_argument("--router", "--discovery", dest="router", action="append", default=None,
-                        metavar="tcp://H:P|etcd://H:P[/prefix]",
+                        metavar="tcp://H:P|etcd[+https]://H:P[/prefix]",
                         help="where to register: a router's heartbeat socket (tcp://; repeat for several "
                              "routers in front of the same instances, each gets every heartbeat) or etcd "
-                             "(etcd://, alone: every router watches it)")
+                             "(etcd:// or etcd+https://, alone: every router watches it)")
+    add_tls_arguments(parser)
     parser.add_argument("--heartbeat-interval-s", type=float, default=2.0)
     parser.add_argument("--instance-id", default=None, help="stable instance name (default: random)")
     parser.add_argument("--advertise-host", default=None, help="host in the URL given to the router")
@@ -80,13 +82,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ranks (processes; GPUs on CUDA) the model is split over (default 1)")
 
 
+def _registration_address(args: argparse.Namespace) -> str | None:
+    """``--router`` (joined), with ``--discovery-ca/-cert/-key`` added to an etcd address."""
+    if not args.router:
+        if any(tls_files_of(args)):
+            raise ConfigError("--discovery-ca/--discovery-cert/--discovery-key need --router etcd+https://...")
+        return None
+    return with_tls_files(",".join(args.router), *tls_files_of(args))
+
+
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=args.host,
         port=args.port,
         role=Role(args.role),
         served_model_name=args.served_model_name,
-        router_address=",".join(args.router) if args.router else None,
+        router_address=_registration_address(args),
         heartbeat_interval_s=args.heartbeat_interval_s,
         instance_id=args.instance_id,
         advertise_host=args.advertise_host,

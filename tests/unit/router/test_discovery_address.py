@@ -43,7 +43,8 @@ def test_etcd_address(text: str, url: str, prefix: str) -> None:
         ("etcd://h", "etcd://HOST:PORT"),
         ("etcd://:2379", "etcd://HOST:PORT"),
         ("etcd://h:notaport", "bad port"),
-        ("etcd://h:1/p?x=1", "no query"),
+        ("etcd://h:1/p?x=1", r"need an etcd\+https"),
+        ("etcd://h:1/p#x", "no fragment"),
     ],
 )
 def test_bad_address_fails_clearly(text: str, message: str) -> None:
@@ -91,6 +92,7 @@ def test_cluster_discovery_choice() -> None:
 
     assert ClusterSpec(discovery="etcd").discovery == "etcd"
     assert ClusterSpec(discovery="etcd://h:2379").discovery == "etcd://h:2379"
+    assert ClusterSpec(discovery="etcd+https://h:2379").discovery == "etcd+https://h:2379"
     for bad in ("tcp://h:1", "consul"):
         with pytest.raises(ConfigError, match="etcd"):
             ClusterSpec(discovery=bad)
@@ -143,3 +145,62 @@ def msgspec_json(obj: object) -> bytes:
     import msgspec
 
     return msgspec.json.encode(obj)
+
+
+def test_watch_backlog_does_not_starve_the_event_loop() -> None:
+    """A watch stream with a backlog (aiohttp returns buffered data without suspending) must still
+    let the router's other tasks run between messages."""
+    import asyncio
+    import base64
+    import json
+
+    from kvwire.router.etcd_watcher import EtcdWatcher
+    from kvwire.router.registry import Registry
+
+    def put(i: int) -> bytes:
+        info = InstanceInfo(instance_id=f"i{i}", role=Role.DECODE, url=f"http://h/{i}", model="m")
+        value = base64.b64encode(encode_record(Heartbeat(info=info, seq=1))).decode()
+        return json.dumps({"result": {"events": [{"type": "PUT", "kv": {"value": value}}]}}).encode()
+
+    backlog = b"\n".join(put(i) for i in range(500)) + b"\n"
+
+    class Response:
+        status = 200
+
+        class content:  # aiohttp's attribute name
+            @staticmethod
+            async def iter_any():  # type: ignore[no-untyped-def]
+                for k in range(0, len(backlog), 4096):
+                    yield backlog[k:k + 4096]  # all buffered: never suspends
+
+        async def __aenter__(self) -> Response:
+            return self
+
+        async def __aexit__(self, *exc: object) -> None:
+            return None
+
+    class Session:
+        def post(self, url: str, json: object) -> Response:
+            return Response()
+
+    async def scenario() -> tuple[int, int]:
+        registry = Registry(ttl_s=10.0)
+        watcher = EtcdWatcher(registry, parse_discovery_address("etcd://h:1"))
+        watcher._session = Session()  # type: ignore[assignment]
+        ticks = 0
+
+        async def other_work() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(other_work())
+        await asyncio.sleep(0)
+        await watcher._watch(1)
+        task.cancel()
+        return ticks, len(registry.snapshot())
+
+    ticks, registered = asyncio.run(scenario())
+    assert registered == 500
+    assert ticks >= 400  # the other task ran between (nearly) every message

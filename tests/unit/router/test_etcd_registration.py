@@ -1,4 +1,4 @@
-"""EtcdRegistration's rounds against a fake gateway: lease renewal, re-creation, rate-limited puts."""
+"""EtcdRegistration's rounds against a fake gateway: lease renewal, re-creation, puts per round."""
 
 from __future__ import annotations
 
@@ -61,41 +61,63 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     return now
 
 
-def make(load: list[int]) -> tuple[EtcdRegistration, FakeEtcd]:
+def make(load: list[int], **kwargs: Any) -> tuple[EtcdRegistration, FakeEtcd]:
     info = InstanceInfo(instance_id="p0", role=Role.PREFILL, url="http://h:1", model="m")
     reg = EtcdRegistration(parse_discovery_address("etcd://h:2379"), info,
-                           lambda: InstanceLoad(num_running=load[0]), interval_s=1.0)
+                           lambda: InstanceLoad(num_running=load[0]), interval_s=1.0, **kwargs)
     fake = FakeEtcd()
     reg._http = fake  # type: ignore[assignment]
     return reg, fake
 
 
-def test_registers_then_renews_and_rate_limits_load_puts(clock: list[float]) -> None:
+def record(fake: FakeEtcd) -> Any:
+    return decode_record(fake.records["/kvwire/instances/p0"])
+
+
+def test_registers_then_renews_and_puts_every_interval(clock: list[float]) -> None:
+    """Default: each round renews the lease and puts the record, which promises the next one within
+    the lease TTL (routers expire on that); a changed load between rounds is rate-limited."""
     load = [0]
     reg, fake = make(load)
-    assert (reg.lease_ttl_s, reg.min_put_interval_s, reg.refresh_s) == (3, 1.0, 3.0)
+    assert (reg.lease_ttl_s, reg.min_put_interval_s, reg.refresh_s) == (3, 1.0, 1.0)
     reg.tick()
     assert fake.kinds() == ["grant", "put"]
-    assert decode_record(fake.records["/kvwire/instances/p0"]).info.instance_id == "p0"
+    assert record(fake).info.instance_id == "p0" and record(fake).ttl_s == 3.0
+    clock[0] += 1.0
+    reg.tick()  # load unchanged: still renewed and put (the record is the router's heartbeat)
+    assert fake.kinds() == ["keepalive", "put"]
+    load[0] = 5
+    clock[0] += 0.4
+    reg.tick()  # a send_now 0.4 s later with a new load: rate-limited
+    assert fake.kinds() == ["keepalive"]
+    clock[0] += 0.6
+    reg.tick()
+    assert fake.kinds() == ["keepalive", "put"] and record(fake).load == InstanceLoad(num_running=5)
+    assert record(fake).seq == 3
+
+
+def test_fewer_puts_on_request_then_no_promise(clock: list[float]) -> None:
+    """refresh_s above the interval: puts only on a load change (at most one per interval) and at
+    least one per refresh_s; the records promise nothing (routers rely on the lease)."""
+    load = [0]
+    reg, fake = make(load, refresh_s=3.0)
+    reg.tick()
+    assert fake.kinds() == ["grant", "put"] and record(fake).ttl_s == 0.0
     clock[0] += 1.0
     reg.tick()  # load unchanged, refresh not due: only the keep-alive
     assert fake.kinds() == ["keepalive"]
     load[0] = 5
     clock[0] += 0.5
-    reg.tick()  # changed, but the last put was 1.5 s ago >= 1 s: put
+    reg.tick()  # changed, the last put 1.5 s ago >= 1 s: put
     assert fake.kinds() == ["keepalive", "put"]
     load[0] = 6
     clock[0] += 0.3
     reg.tick()  # changed again 0.3 s later: rate-limited
     assert fake.kinds() == ["keepalive"]
-    clock[0] += 0.8
-    reg.tick()  # now due
-    assert fake.kinds() == ["keepalive", "put"]
     clock[0] += 3.0
-    reg.tick()  # unchanged but refresh_s passed: put (brings back a router's "unreachable" entry)
+    reg.tick()
     assert fake.kinds() == ["keepalive", "put"]
-    seqs = [decode_record(fake.records["/kvwire/instances/p0"]).seq]
-    assert seqs == [4]
+    assert record(fake).seq == 3
 
 
 def test_lost_lease_is_recreated_and_outage_is_survived(clock: list[float]) -> None:

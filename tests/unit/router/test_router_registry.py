@@ -73,6 +73,30 @@ def test_sweep_expires_then_forgets_and_heartbeat_revives() -> None:
     assert reg.snapshot() == ()
 
 
+def test_promised_ttls_expire_only_while_the_source_speaks() -> None:
+    """etcd mode: records promising a TTL expire past it; those promising none are left to their
+    lease; silence counts only up to the source's last message; a re-sync counts as hearing all."""
+    clock = Clock()
+    reg = Registry(ttl_s=100.0, clock=clock)
+    for ident in ("a", "b"):
+        reg.apply(Heartbeat(info=hb(ident=ident).info, seq=1, ttl_s=2.0))
+    reg.apply(hb(ident="old"))  # an instance that promises nothing
+    clock.now += 1.5
+    reg.apply(Heartbeat(info=hb(ident="b").info, seq=2, ttl_s=2.0))
+    clock.now += 0.6  # a: 2.1 s silent; b: 0.6 s
+    assert reg.sweep(promised_only=True, as_of=clock.now - 0.2) == []  # the source's last word: 1.9 s
+    assert reg.sweep(promised_only=True, as_of=clock.now) == ["a"]
+    assert reg.get("a").state is InstanceState.EXPIRED  # type: ignore[union-attr]
+    clock.now += 50.0  # a stalled source: b and old stay in routing
+    assert reg.sweep(promised_only=True, as_of=clock.now - 50.0) == []
+    reg.touch_all()  # the source came back and re-read everything
+    clock.now += 1.0
+    assert reg.sweep(promised_only=True, as_of=clock.now) == []
+    assert {v.instance_id for v in reg.live(Role.BOTH)} == {"b", "old"}
+    reg.apply(Heartbeat(info=hb(ident="a").info, seq=2, ttl_s=2.0))  # its next record: back
+    assert reg.get("a").alive  # type: ignore[union-attr]
+
+
 def test_mark_unreachable_until_next_heartbeat() -> None:
     reg = Registry(ttl_s=1.0)
     reg.apply(hb(epoch=3))
