@@ -41,6 +41,9 @@ class TransferConfig:
     max_layers_per_transfer: int = 4096  # protocol sanity bound on offers
     max_pending_transfers: int = 65536  # bound on transfers tracked per agent
     shm_ring_bytes: int = 64 * MiB  # shared-memory plane: staging ring per inbound peer link
+    # shared-memory plane: threads (the writer's own included) that copy one layer's block runs
+    # straight into a peer's shared KV cache (the one-copy path, decision 080)
+    shm_copy_threads: int = 2
     # The NCCL plane's tuning (used with backend NCCL). Built at the edge: the CLI / plugin reads
     # KVWIRE_NCCL_* once (NcclPlaneConfig.from_env) and passes it down; nothing below reads the env.
     nccl: NcclPlaneConfig = dataclasses.field(default_factory=NcclPlaneConfig)
@@ -83,6 +86,8 @@ class TransferConfig:
             raise ConfigError("TransferConfig.host must not be empty")
         if self.shm_ring_bytes < 1 * MiB:
             raise ConfigError("TransferConfig.shm_ring_bytes must be at least 1 MiB")
+        if not 1 <= self.shm_copy_threads <= 64:
+            raise ConfigError("TransferConfig.shm_copy_threads must be between 1 and 64")
 
     def _check_transport(self) -> None:
         if self.backend not in (Backend.TCP, Backend.NCCL):

@@ -1,0 +1,118 @@
+"""CPU tensors in shared memory (memfd), so that a peer process on the same host can map them.
+
+Why: the shared-memory data plane writes a sender's KV blocks straight into the receiver's blocks
+when those blocks live in memory the sender can map (one copy per byte instead of two through the
+staging ring; docs/decisions/080-shm-one-copy.md). The built-in engine allocates its CPU KV cache
+here; anything else (vLLM's caches, receive and spill buffers) stays ordinary memory and moves
+through the ring.
+
+A :class:`SharedRegion` is one ``memfd`` (an anonymous file: no name in ``/dev/shm``, nothing to
+leak on ``kill -9``) mapped into this process. Its descriptor stays open for the mapping's life so
+the plane can pass it to peers (``SCM_RIGHTS``); both are released when the last tensor viewing the
+region is gone. Tensors made here behave as any CPU tensor (pages are zero until first written, as
+with ``torch.zeros``, but touched lazily).
+
+Thread-safe: the registry is guarded by a lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import mmap
+import os
+import threading
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+MEMFD_NAME = "kvwire-kv"  # shows in /proc/<pid>/maps as "/memfd:kvwire-kv (deleted)"
+_ALIGN = 4096  # each tensor of an arena starts on its own page
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedRegion:
+    """One memfd mapped into this process: ``address`` is the mapping's base, ``fd`` its descriptor
+    (owned by the registry: do not close; duplicate it to keep it past the region's life)."""
+
+    region_id: int
+    fd: int
+    size: int
+    address: int
+
+
+_lock = threading.Lock()
+_regions: dict[int, SharedRegion] = {}
+_ids = itertools.count(1)
+
+
+def _release(region_id: int, fd: int) -> None:
+    with _lock:
+        _regions.pop(region_id, None)
+    os.close(fd)
+
+
+def _new_region(num_bytes: int) -> tuple[SharedRegion, mmap.mmap]:
+    fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, num_bytes)
+        mapping = mmap.mmap(fd, num_bytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    probe = torch.frombuffer(mapping, dtype=torch.uint8, count=1)
+    address = probe.data_ptr()
+    del probe
+    region = SharedRegion(next(_ids), fd, num_bytes, address)
+    with _lock:
+        _regions[region.region_id] = region
+    # the mapping lives as long as any tensor made from it (torch.frombuffer holds it); then the
+    # descriptor closes and the kernel frees the memory once no peer maps it either
+    weakref.finalize(mapping, _release, region.region_id, fd)
+    return region, mapping
+
+
+def shared_tensors(shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Zero-filled contiguous CPU tensors of ``shapes``, all carved out of one new memfd (one
+    region, so a peer maps one descriptor for a whole KV cache)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    sizes = [math.prod(shape) * item for shape in shapes]
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // _ALIGN) * _ALIGN
+    if total == 0:
+        return [torch.zeros(tuple(shape), dtype=dtype) for shape in shapes]
+    _, mapping = _new_region(total)
+    flat = torch.frombuffer(mapping, dtype=torch.uint8)
+    return [
+        flat[off : off + size].view(dtype).view(tuple(shape))
+        for off, size, shape in zip(offsets, sizes, shapes, strict=True)
+    ]
+
+
+def shared_zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """One zero-filled CPU tensor in a new shared region."""
+    return shared_tensors([shape], dtype)[0]
+
+
+def region_of(tensor: torch.Tensor) -> tuple[SharedRegion, int] | None:
+    """The shared region holding all of ``tensor``'s bytes and the offset of its first byte in it;
+    None for a tensor that is not (entirely) in one (e.g. ordinary CPU memory, GPU memory)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return None
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    with _lock:
+        for region in _regions.values():
+            if region.address <= start and end <= region.address + region.size:
+                return region, start - region.address
+    return None
+
+
+def live_regions() -> list[SharedRegion]:
+    """Every region alive in this process (tests and diagnostics)."""
+    with _lock:
+        return list(_regions.values())
