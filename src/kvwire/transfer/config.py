@@ -43,7 +43,7 @@ class TransferConfig:
     shm_ring_bytes: int = 64 * MiB  # shared-memory plane: staging ring per inbound peer link
     # shared-memory plane: threads (the writer's own included) that copy one layer's block runs
     # straight into a peer's shared KV cache (the one-copy path, decision 080)
-    shm_copy_threads: int = 2
+    shm_copy_threads: int = 1
     # The NCCL plane's tuning (used with backend NCCL). Built at the edge: the CLI / plugin reads
     # KVWIRE_NCCL_* once (NcclPlaneConfig.from_env) and passes it down; nothing below reads the env.
     nccl: NcclPlaneConfig = dataclasses.field(default_factory=NcclPlaneConfig)

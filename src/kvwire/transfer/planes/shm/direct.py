@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvwire.transfer.planes.ipc.runs import Run
+from kvwire.transfer.planes.ipc.runs import Run, pair_runs
 
 Bytes = npt.NDArray[np.uint8]
 
@@ -69,6 +69,16 @@ class MappedRegions:
         self._maps.clear()
 
 
+def layer_runs(src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]]) -> list[Run]:
+    """The copies moving the ``src`` spans' bytes into the ``dst`` spans (``pair_runs``), with a
+    fast path for the common case of paged -> paged (span i of each side has the same length: block
+    runs that are contiguous on both sides are single spans already). Raises ValueError when the
+    totals differ."""
+    if len(src) == len(dst) and all(a[1] == b[1] for a, b in zip(src, dst, strict=True)):
+        return [(a[0], b[0], a[1]) for a, b in zip(src, dst, strict=True) if a[1] > 0]
+    return pair_runs(src, dst)
+
+
 def check_runs(runs: Sequence[Run], src_size: int, dst_size: int) -> None:
     """Raises ValueError when a run leaves its source or destination."""
     for s, d, n in runs:
@@ -77,8 +87,16 @@ def check_runs(runs: Sequence[Run], src_size: int, dst_size: int) -> None:
 
 
 class RunCopier:
-    """Copies byte runs ``dst[d:d+n] = src[s:s+n]`` on the caller's thread plus ``threads - 1``
-    helpers (numpy releases the GIL for each copy). Stop with :meth:`close`."""
+    """Copies byte runs ``dst[d:d+n] = src[s:s+n]`` (flat ``uint8`` arrays). Stop with :meth:`close`.
+
+    One thread (the default): ``memoryview`` slice assignment on the caller's thread, the cheapest
+    per-run dispatch from Python (about 0.2 us against 1 us for a numpy slice; a KV block half is
+    one run of 32 KiB); it holds the GIL during each memcpy. More threads: the runs are cut into
+    ``threads`` pieces of about equal bytes, copied by numpy on the caller's thread and
+    ``threads - 1`` helpers (numpy releases the GIL for each copy, so copies overlap each other's
+    Python). Which is faster depends on the cores free: ``kvwire bench transfer --backend shm
+    --shm-copy-threads N`` measures it (docs/performance.md).
+    """
 
     _MIN_SPLIT = 8  # runs: fewer go on the caller's thread only
 
@@ -92,7 +110,7 @@ class RunCopier:
 
     def copy(self, src: Bytes, dst: Bytes, runs: Sequence[Run]) -> None:
         if self._pool is None or len(runs) < self._MIN_SPLIT:
-            _copy(src, dst, runs)
+            _copy_views(src, dst, runs)
             return
         parts = _split(runs, self.threads)
         futures: list[Future[None]] = [self._pool.submit(_copy, src, dst, part) for part in parts[1:]]
@@ -105,6 +123,12 @@ class RunCopier:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+def _copy_views(src: Bytes, dst: Bytes, runs: Sequence[Run]) -> None:
+    with memoryview(src) as s_view, memoryview(dst) as d_view:  # released here: mmaps can close
+        for s, d, n in runs:
+            d_view[d : d + n] = s_view[s : s + n]
 
 
 def _copy(src: Bytes, dst: Bytes, runs: Sequence[Run]) -> None:

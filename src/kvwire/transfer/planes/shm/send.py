@@ -24,8 +24,7 @@ import socket
 import threading
 from typing import TYPE_CHECKING
 
-from kvwire.transfer.planes.ipc.runs import pair_runs
-from kvwire.transfer.planes.shm.direct import MappedRegions, ShmDest, check_runs
+from kvwire.transfer.planes.shm.direct import MappedRegions, ShmDest, check_runs, layer_runs
 from kvwire.transfer.planes.shm.grants import GrantView
 from kvwire.transfer.planes.shm.ring import Bytes, SpanCursor, map_ring, next_slot, ring_array, tensor_array
 from kvwire.transfer.planes.shm.wire import (
@@ -160,7 +159,7 @@ class Outbound:
             src_spans = [(0, src.size)]
         region = self._regions.arrays[dest.region]
         try:
-            runs = pair_runs(src_spans, [(int(off), int(n)) for off, n in dest.spans])
+            runs = layer_runs(src_spans, dest.spans)
             check_runs(runs, src.size, region.size)
         except ValueError as exc:
             self.plane.callbacks.on_transfer_failed(
