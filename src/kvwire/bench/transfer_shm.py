@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -40,6 +41,7 @@ from kvwire.transfer.enums import Backend, Transport
 from kvwire.transfer.paged import KVLayout, block_spans
 from kvwire.transfer.planes.plane_set import PlaneSet
 from kvwire.transfer.planes.shm.plane import ShmPlane
+from kvwire.transfer.types import ByteSpans
 
 DEFAULT_TOKENS = (512, 2048, 8192)
 
@@ -120,6 +122,10 @@ def _wait(agent: TransferAgent, tid: str, field: str) -> None:
         time.sleep(0.0002)
 
 
+def _spans(dst: list[torch.Tensor], block_ids: list[int], index: int) -> ByteSpans:
+    return block_spans(dst[index], block_ids, KVLayout.KV_FIRST)
+
+
 def _receiver_process(conn: Connection, tokens: int, shape: Shape, options: ShmOptions) -> None:
     """D in its own process: one receiving agent per plane, the destination caches, verification."""
     caches = _Caches(tokens, shape, shared_dst=True)  # as the engine allocates its CPU KV cache
@@ -142,7 +148,7 @@ def _receiver_process(conn: Connection, tokens: int, shape: Shape, options: ShmO
                 agent.expect(
                     arg,
                     num_layers=len(dst),
-                    scatter_into=lambda i, dst=dst: block_spans(dst[i], caches.dst_ids, KVLayout.KV_FIRST),
+                    scatter_into=functools.partial(_spans, dst, caches.dst_ids),
                     deadline_s=120.0,
                 )
                 conn.send("expecting")

@@ -18,6 +18,7 @@ Thread-safe: the registry is guarded by a lock.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import itertools
 import math
 import mmap
@@ -43,6 +44,33 @@ class SharedRegion:
     address: int
 
 
+def sealed_memfd(name: str, num_bytes: int) -> int:
+    """A new memfd of ``num_bytes`` whose size can never change (sealed: a process that maps it
+    cannot be made to fault on pages cut away under it, SIGBUS). Caller owns the descriptor."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, num_bytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_peer_memfd(fd: int, num_bytes: int) -> None:
+    """Raises ValueError unless ``fd`` (received from a peer) holds ``num_bytes`` and is sealed
+    against shrinking, so mapping and writing all of it is safe."""
+    size = os.fstat(fd).st_size
+    if size != num_bytes:
+        raise ValueError(f"peer memory descriptor holds {size} bytes, announced {num_bytes}")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:
+        raise ValueError(f"peer memory descriptor is not a sealable memfd: {exc}") from exc
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise ValueError("peer memory descriptor is not sealed against shrinking")
+
+
 _lock = threading.Lock()
 _regions: dict[int, SharedRegion] = {}
 _ids = itertools.count(1)
@@ -55,9 +83,8 @@ def _release(region_id: int, fd: int) -> None:
 
 
 def _new_region(num_bytes: int) -> tuple[SharedRegion, mmap.mmap]:
-    fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
+    fd = sealed_memfd(MEMFD_NAME, num_bytes)
     try:
-        os.ftruncate(fd, num_bytes)
         mapping = mmap.mmap(fd, num_bytes)
     except BaseException:
         os.close(fd)

@@ -19,10 +19,17 @@ from kvwire.transfer.enums import Backend, KVLayout
 from kvwire.transfer.paged_kv import BlockTarget
 from kvwire.transfer.planes.ipc.runs import pair_runs
 from kvwire.transfer.planes.plane_set import PlaneSet
-from kvwire.transfer.planes.shm.direct import RunCopier, check_runs, layer_runs
+from kvwire.transfer.planes.shm.direct import MappedRegions, RunCopier, check_runs, layer_runs
 from kvwire.transfer.planes.shm.grants import GrantTable, GrantView
 from kvwire.transfer.planes.shm.plane import ShmPlane
-from kvwire.transfer.shared_memory import live_regions, region_of, shared_tensors, shared_zeros
+from kvwire.transfer.shared_memory import (
+    check_peer_memfd,
+    live_regions,
+    region_of,
+    sealed_memfd,
+    shared_tensors,
+    shared_zeros,
+)
 from support.waiting import wait_for
 
 SHAPE = (2, 24, 16, 4, 32)  # KV_FIRST: 24 blocks of 4 KiB halves (bfloat16)
@@ -240,3 +247,27 @@ def test_abort_on_the_receiver_stops_later_writes_into_its_blocks(
     assert torch.equal(_blocks(dst, [5, 6])[0], _blocks(src, [1, 2])[0])
     assert all(not t.any() for t in _blocks(dst[1:], [5, 6]))
     assert _shm_plane(p).layers_sent["one_copy"] == LAYERS + 1
+
+
+def test_memory_from_a_peer_must_be_sealed_against_shrinking() -> None:
+    """A peer that could shrink a memfd after it was mapped would crash the mapper (SIGBUS)."""
+    loose = os.memfd_create("kvwire-test", os.MFD_CLOEXEC)
+    sealed = sealed_memfd("kvwire-test", 8192)
+    try:
+        os.ftruncate(loose, 8192)
+        with pytest.raises(ValueError, match="sealed"):
+            check_peer_memfd(loose, 8192)
+        with pytest.raises(ValueError, match="announced"):
+            check_peer_memfd(sealed, 4096)
+        check_peer_memfd(sealed, 8192)
+        with pytest.raises(PermissionError):
+            os.ftruncate(sealed, 4096)
+        regions = MappedRegions()
+        with pytest.raises(ValueError, match="sealed"):
+            regions.add(1, os.dup(loose), 8192)
+        regions.add(2, os.dup(sealed), 8192)
+        assert regions.arrays[2].size == 8192
+        regions.close()
+    finally:
+        os.close(loose)
+        os.close(sealed)

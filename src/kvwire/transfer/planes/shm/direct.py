@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvwire.transfer.planes.ipc.runs import Run, pair_runs
+from kvwire.transfer.shared_memory import check_peer_memfd
 
 Bytes = npt.NDArray[np.uint8]
 
@@ -52,8 +53,7 @@ class MappedRegions:
     def add(self, region_id: int, fd: int, size: int) -> None:
         """Map a region received from the peer; closes ``fd`` (the mapping keeps the memory)."""
         try:
-            if os.fstat(fd).st_size != size:
-                raise ValueError(f"region descriptor holds {os.fstat(fd).st_size} bytes, announced {size}")
+            check_peer_memfd(fd, size)
             mapping = mmap.mmap(fd, size)
         finally:
             os.close(fd)
@@ -126,7 +126,7 @@ class RunCopier:
 
 
 def _copy_views(src: Bytes, dst: Bytes, runs: Sequence[Run]) -> None:
-    with memoryview(src) as s_view, memoryview(dst) as d_view:  # released here: mmaps can close
+    with src.data as s_view, dst.data as d_view:  # released here: the mmaps can close
         for s, d, n in runs:
             d_view[d : d + n] = s_view[s : s + n]
 

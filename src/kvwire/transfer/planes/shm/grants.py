@@ -28,6 +28,8 @@ from collections.abc import Iterator
 import numpy as np
 import numpy.typing as npt
 
+from kvwire.transfer.shared_memory import check_peer_memfd, sealed_memfd
+
 SLOT_BYTES = 8
 DEFAULT_SLOTS = 4096  # transfers with one-copy grants outstanding at once (more: they use the ring)
 _FLOCK = "hhqqi4x"  # struct flock (Linux): type, whence, start, len, pid (0 for OFD locks)
@@ -64,9 +66,8 @@ class GrantTable:
     """The receiver's table (one per plane): claims slots for transfers and revokes them."""
 
     def __init__(self, slots: int = DEFAULT_SLOTS) -> None:
-        self.fd = os.memfd_create("kvwire-shm-grants", os.MFD_CLOEXEC)
+        self.fd = sealed_memfd("kvwire-shm-grants", slots * SLOT_BYTES)
         try:
-            os.ftruncate(self.fd, slots * SLOT_BYTES)
             self._map = mmap.mmap(self.fd, slots * SLOT_BYTES)
         except BaseException:
             os.close(self.fd)
@@ -109,8 +110,9 @@ class GrantView:
     def __init__(self, fd: int, size: int) -> None:
         """Takes ownership of ``fd`` (closed here)."""
         try:
-            if os.fstat(fd).st_size != size or size % SLOT_BYTES:
-                raise ValueError(f"grant table of {os.fstat(fd).st_size} bytes, announced {size}")
+            check_peer_memfd(fd, size)
+            if size % SLOT_BYTES:
+                raise ValueError(f"grant table of {size} bytes is not whole slots")
             # a new open file description: OFD locks of the receiver's description would not exclude
             self.fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
         finally:

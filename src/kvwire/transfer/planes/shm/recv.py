@@ -17,6 +17,7 @@ import hmac
 import os
 import queue
 import socket
+import struct
 import threading
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,7 @@ from kvwire.transfer.types import RecvItem
 if TYPE_CHECKING:
     from kvwire.transfer.planes.shm.plane import ShmPlane
 
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 Arrival = tuple[str, str, int] | None  # (peer id, transfer id, layer) or the end marker
 
 
@@ -81,7 +83,10 @@ class Inbound:
         fd, ring = create_ring(size)
         try:
             table = self.plane.grants
-            send_setup(conn, (fd, size), (table.fd, table.size), self.plane.exported_regions())
+            # shared regions (our KV cache, readable and writable by whoever maps it) only to a
+            # process of our own user, who could read our memory anyway; others get the ring
+            regions = self.plane.exported_regions() if peer_uid(conn) == os.getuid() else []
+            send_setup(conn, (fd, size), (table.fd, table.size), regions)
         finally:
             os.close(fd)  # the mapping (here) and the sender's keep the memory; no name exists
         conn.settimeout(None)
@@ -225,6 +230,12 @@ class Inbound:
                 self.plane.callbacks.on_transfer_failed(transfer_id, reason)
             else:
                 self.plane.callbacks.on_protocol_error(reason)
+
+
+def peer_uid(conn: socket.socket) -> int:
+    """The user id of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    return int(_UCRED.unpack(creds)[1])
 
 
 def shutdown(conn: socket.socket) -> None:
