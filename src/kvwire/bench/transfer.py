@@ -138,15 +138,17 @@ def run(args: argparse.Namespace) -> int:
 class _Caches:
     """Source and destination paged caches with the request's blocks scattered among others."""
 
-    def __init__(self, tokens: int, shape: Shape, *, shared_dst: bool = False) -> None:
-        """``shared_dst``: D's caches in shared memory, allocated as the built-in engine allocates
-        its CPU KV cache (``kvwire.transfer.shared_memory``)."""
+    def __init__(self, tokens: int, shape: Shape, *, shared: bool = False) -> None:
+        """``shared``: both caches in shared memory, allocated as the built-in engine allocates its
+        CPU KV cache (``kvwire.transfer.shared_memory``)."""
         gen = torch.Generator().manual_seed(tokens)
         self.num_blocks = -(-tokens // shape.block_size)
         total = self.num_blocks + max(16, self.num_blocks // 4)
         layer_shape = (2, total, shape.block_size, shape.num_kv_heads, shape.head_dim)
         self.src = [torch.randn(layer_shape, generator=gen).to(shape.dtype) for _ in range(shape.num_layers)]
-        if shared_dst:
+        if shared:
+            shared_src = shared_tensors([layer_shape] * shape.num_layers, shape.dtype)
+            self.src = [t.copy_(s) for t, s in zip(shared_src, self.src, strict=True)]
             self.dst = shared_tensors([layer_shape] * shape.num_layers, shape.dtype)
         else:
             self.dst = [torch.zeros(layer_shape, dtype=shape.dtype) for _ in range(shape.num_layers)]

@@ -128,7 +128,7 @@ def _spans(dst: list[torch.Tensor], block_ids: list[int], index: int) -> ByteSpa
 
 def _receiver_process(conn: Connection, tokens: int, shape: Shape, options: ShmOptions) -> None:
     """D in its own process: one receiving agent per plane, the destination caches, verification."""
-    caches = _Caches(tokens, shape, shared_dst=True)  # as the engine allocates its CPU KV cache
+    caches = _Caches(tokens, shape, shared=True)  # as the engine allocates its CPU KV cache
     dsts = {"shm": caches.dst, "ring": [torch.zeros_like(d) for d in caches.dst], "tcp": caches.dst}
     configs = _configs(caches, options)
     with TransferAgent(configs["shm"]) as shm_rx, TransferAgent(configs["tcp"]) as tcp_rx:
@@ -174,7 +174,7 @@ def _send_remote(agent: TransferAgent, conn: Connection, name: str, endpoint: st
 def measure(tokens: int, shape: Shape, repeats: int, options: ShmOptions | None = None) -> ShmResult:
     """P (this process) sends to D (a child process), over each path, interleaved with memcpy."""
     options = options or ShmOptions()
-    caches = _Caches(tokens, shape)
+    caches = _Caches(tokens, shape, shared=True)  # P's cache too: what the engine allocates
     configs = _configs(caches, options)
     src = np.frombuffer(torch.randint(0, 255, (caches.num_bytes,), dtype=torch.uint8).numpy(), np.uint8)
     dst = np.empty_like(src)
