@@ -16,6 +16,7 @@ from pd_engine_helpers import BLOCK, FIRST, GREEDY, MAX_LEN, MAX_TOKENS, PD, eng
 from kvwire.connector.config import LoadFailurePolicy
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.kv_params import KVTransferParams, Role
+from kvwire.transfer.enums import Backend
 
 LENGTHS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5, MAX_LEN - MAX_TOKENS - 1]
 
@@ -76,6 +77,10 @@ def test_push_equals_colocated(pd: PD, reference: dict[int, list[int]]) -> None:
     assert pd.d.stats().num_prompt_tokens < sum(len(p) for p in prompts())  # D did not prefill all
     assert pd.d.stats().num_kv_load_failures == 0
     assert pd.d.stats().num_preemptions > 0  # D's small cache forced recompute-preemptions
+    # on one host, transfers D expected before P's offer went in one copy into D's shared cache;
+    # offers that came first landed in receive buffers (ordinary memory) through the ring
+    shm = pd.p.worker_connector.agent._planes.members[Backend.SHM]  # type: ignore[attr-defined]
+    assert shm.layers_sent["one_copy"] > 0
     assert_all_freed(pd)
 
 
