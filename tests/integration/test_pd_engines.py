@@ -77,6 +77,10 @@ def test_push_equals_colocated(pd: PD, reference: dict[int, list[int]]) -> None:
     assert pd.d.stats().num_prompt_tokens < sum(len(p) for p in prompts())  # D did not prefill all
     assert pd.d.stats().num_kv_load_failures == 0
     assert pd.d.stats().num_preemptions > 0  # D's small cache forced recompute-preemptions
+    # on one host every layer went in one copy: into D's shared cache, or, for offers that came
+    # before D's request was scheduled, into D's receive buffers (shared too)
+    shm = pd.p.worker_connector.agent._planes.members[Backend.SHM]  # type: ignore[attr-defined]
+    assert shm.layers_sent["one_copy"] > 0 and shm.layers_sent["ring"] == 0, shm.layers_sent
     assert_all_freed(pd)
 
 

@@ -120,7 +120,8 @@ def test_receiver_restarted_new_epoch_maps_the_new_memfd(agent: TransferAgent) -
         poll_until(agent, has_all("sent", ["rs-1"]), timeout_s=20)
         assert old.call("block_digests", block_ids=[2, 3])["digests"] == _digests(src, [6, 1])
         wait_for(lambda: _shm_plane(agent).layers_sent == {"one_copy": LAYERS}, 10.0, "one copy, every layer")
-        assert _mapped_regions() == mapped_before + 1  # the old receiver's cache, mapped once
+        # the old receiver's cache and its receive-buffer arena, each mapped once
+        assert _mapped_regions() == mapped_before + 2
         old.call("expect_blocks", tid="rs-2", **blocks)  # in flight when the receiver dies
         _send(agent, "rs-2", endpoint, [6, 1], [0])
         wait_for(lambda: _shm_plane(agent).layers_sent["one_copy"] == LAYERS + 1, 20.0, "rs-2 layer 0")
@@ -133,8 +134,8 @@ def test_receiver_restarted_new_epoch_maps_the_new_memfd(agent: TransferAgent) -
         assert events["failed"]["rs-2"].startswith("peer_lost")
         assert new.call("block_digests", block_ids=[2, 3])["digests"] == _digests(src, [0, 11])
         wait_for(lambda: _shm_plane(agent).layers_sent == {"one_copy": 2 * LAYERS + 1}, 10.0, "one copy")
-        # the killed receiver's memfd is unmapped here, the new one's mapped: exactly one
-        wait_for(lambda: _mapped_regions() == mapped_before + 1, 10.0, "the old epoch's cache unmapped")
+        # the killed receiver's memfds are unmapped here, the new one's mapped
+        wait_for(lambda: _mapped_regions() == mapped_before + 2, 10.0, "the old epoch's regions unmapped")
     finally:
         old.kill()
         if new is not None:

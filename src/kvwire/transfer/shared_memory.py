@@ -17,6 +17,7 @@ Thread-safe: the registry is guarded by a lock.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import fcntl
 import itertools
@@ -27,6 +28,7 @@ import threading
 import weakref
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 MEMFD_NAME = "kvwire-kv"  # shows in /proc/<pid>/maps as "/memfd:kvwire-kv (deleted)"
@@ -143,3 +145,48 @@ def live_regions() -> list[SharedRegion]:
     """Every region alive in this process (tests and diagnostics)."""
     with _lock:
         return list(_regions.values())
+
+
+class SharedArena:
+    """One shared region that hands out flat ``uint8`` buffers (first fit over a free list that
+    merges neighbours; page-aligned). A buffer's range returns to the arena when the last tensor
+    viewing it is gone. Pages are touched lazily: an arena costs memory only where it was used.
+    Thread-safe."""
+
+    def __init__(self, num_bytes: int) -> None:
+        self.size = -(-num_bytes // _ALIGN) * _ALIGN
+        self.region, mapping = _new_region(self.size)
+        self._array = np.frombuffer(mapping, dtype=np.uint8)
+        self._lock = threading.Lock()
+        self._free: list[tuple[int, int]] = [(0, self.size)]  # (offset, bytes), sorted by offset
+
+    def allocate(self, num_bytes: int) -> torch.Tensor | None:
+        """A buffer of ``num_bytes`` in the arena, or None when no free range is large enough."""
+        size = max(_ALIGN, -(-num_bytes // _ALIGN) * _ALIGN)
+        with self._lock:
+            for i, (off, n) in enumerate(self._free):
+                if n >= size:
+                    if n == size:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (off + size, n - size)
+                    break
+            else:
+                return None
+        view = self._array[off : off + num_bytes]
+        weakref.finalize(view, self._release, off, size)  # torch.from_numpy holds ``view``
+        return torch.from_numpy(view)
+
+    def _release(self, offset: int, size: int) -> None:
+        with self._lock:
+            i = bisect.bisect_left(self._free, (offset, 0))
+            self._free.insert(i, (offset, size))
+            if i + 1 < len(self._free) and offset + size == self._free[i + 1][0]:  # merge right
+                self._free[i] = (offset, size + self._free.pop(i + 1)[1])
+            if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:  # merge left
+                prev = self._free[i - 1]
+                self._free[i - 1] = (prev[0], prev[1] + self._free.pop(i)[1])
+
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(n for _, n in self._free)

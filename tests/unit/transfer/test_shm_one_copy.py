@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvwire.transfer import TransferAgent, TransferConfig
+from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
 from kvwire.transfer.enums import Backend, KVLayout
 from kvwire.transfer.paged_kv import BlockTarget
 from kvwire.transfer.planes.ipc.runs import pair_runs
@@ -23,6 +23,7 @@ from kvwire.transfer.planes.shm.direct import MappedRegions, RunCopier, check_ru
 from kvwire.transfer.planes.shm.grants import GrantTable, GrantView
 from kvwire.transfer.planes.shm.plane import ShmPlane
 from kvwire.transfer.shared_memory import (
+    SharedArena,
     check_peer_memfd,
     live_regions,
     region_of,
@@ -271,3 +272,42 @@ def test_memory_from_a_peer_must_be_sealed_against_shrinking() -> None:
     finally:
         os.close(loose)
         os.close(sealed)
+
+
+def test_arena_hands_out_page_aligned_buffers_and_merges_freed_ranges() -> None:
+    arena = SharedArena(64 * 4096)
+    a, b, c = arena.allocate(5000), arena.allocate(3 * 4096), arena.allocate(1)
+    assert a is not None and b is not None and c is not None
+    offsets = [found[1] for found in map(region_of, (a, b, c)) if found is not None]
+    assert offsets == [0, 2 * 4096, 5 * 4096] and a.numel() == 5000
+    assert arena.allocate(60 * 4096) is None  # 58 pages left
+    view = b.view(torch.int32)[:10]
+    del b
+    gc.collect()
+    assert arena.free_bytes() == 58 * 4096  # a view still holds b's range
+    del view, a
+    gc.collect()
+    assert arena.free_bytes() == 63 * 4096
+    big = arena.allocate(5 * 4096)  # the merged range at the front
+    assert big is not None and region_of(big) == (arena.region, 0)
+    del big, c
+    gc.collect()
+    assert arena.free_bytes() == 64 * 4096
+
+
+def test_offer_before_expect_lands_in_a_shared_receive_buffer_in_one_copy(
+    pair: tuple[TransferAgent, TransferAgent],
+) -> None:
+    """A transfer offered before the receiver knows its blocks is received into budget buffers;
+    those are shared too, so the sender writes them in one copy."""
+    p, d = pair
+    layers = [torch.randn(2, 8, 64) for _ in range(3)]
+    p.start_send("early", d.endpoint, [LayerSpec.of(t) for t in layers], deadline_s=20.0)
+    for i, t in enumerate(layers):
+        p.send_layer("early", i, t)
+    wait_for(lambda: _shm_plane(p).layers_sent["one_copy"] == 3, 20.0, "the layers written in one copy")
+    d.expect("early", num_layers=3, deadline_s=20.0)
+    wait_for(lambda: "early" in d.poll().finished_recving, 20.0, "the transfer received")
+    got = d.take_layers("early")
+    assert all(torch.equal(got[i], layers[i]) for i in range(3))
+    assert _shm_plane(p).layers_sent == {"one_copy": 3}

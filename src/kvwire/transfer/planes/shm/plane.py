@@ -56,7 +56,7 @@ from kvwire.transfer.planes.shm.recv import Inbound, Landing, shutdown
 from kvwire.transfer.planes.shm.send import Outbound
 from kvwire.transfer.planes.tcp.wire import CANCEL_WAIT_S
 from kvwire.transfer.planes.unix_links import UnixLinkPlane
-from kvwire.transfer.shared_memory import SharedRegion, region_of
+from kvwire.transfer.shared_memory import SharedArena, SharedRegion, region_of
 from kvwire.transfer.types import PeerRef, RecvItem, SendItem
 
 _JOIN_S = 5.0
@@ -97,6 +97,11 @@ class ShmPlane(UnixLinkPlane):
         # sender side: destinations granted by peers, (transfer, layer) -> (peer id, dest)
         self.dests: dict[tuple[str, int], tuple[str, ShmDest]] = {}
         self.copier = RunCopier(config.shm_copy_threads)
+        # receive-budget buffers in shared memory too (a transfer offered before its blocks were
+        # known lands there in one copy); one region, exported to every link like the KV cache
+        self.arena = SharedArena(config.recv_budget_bytes) if config.recv_budget_bytes > 0 else None
+        if self.arena is not None:
+            self._export_locked(self.arena.region)
         #: layers this plane sent, by path ("one_copy", "ring"): tests and diagnostics
         self.layers_sent: collections.Counter[str] = collections.Counter()
 
@@ -109,6 +114,10 @@ class ShmPlane(UnixLinkPlane):
         self.posted.clear()
         self.dests.clear()
         self._pending.clear()
+
+    def allocate(self, num_bytes: int) -> torch.Tensor:
+        buffer = self.arena.allocate(num_bytes) if self.arena is not None else None
+        return buffer if buffer is not None else torch.empty(num_bytes, dtype=torch.uint8)
 
     def _closed(self) -> None:
         self.copier.close()
