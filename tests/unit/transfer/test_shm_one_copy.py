@@ -42,6 +42,7 @@ def _fds() -> set[str]:
 
 
 def test_shared_tensors_are_zeroed_views_of_one_region_released_with_the_last_tensor() -> None:
+    gc.collect()  # regions of earlier tests' tensors go now, not in the middle of this one
     before = {r.region_id for r in live_regions()}
     fds = _fds()
     caches = shared_tensors([SHAPE] * 3, torch.bfloat16)
@@ -58,7 +59,8 @@ def test_shared_tensors_are_zeroed_views_of_one_region_released_with_the_last_te
     caches[2][1, 5] = 3.0  # writable
     del caches, found
     gc.collect()
-    assert {r.region_id for r in live_regions()} == before and _fds() == fds  # descriptor closed
+    assert new[0].region_id not in {r.region_id for r in live_regions()}
+    assert _fds() <= fds  # its descriptor closed
 
 
 def test_grant_revoke_waits_for_a_writer_holding_the_slot() -> None:

@@ -138,14 +138,10 @@ class Outbound:
                 if dest is not None and dest.region in self._regions.arrays:
                     if not self._write_direct(sock, item, dest):
                         continue
-                    path = "one_copy"
                 else:
                     self._write(sock, ring, item)
-                    path = "ring"
             except _Cancelled:
                 continue
-            with self.plane.lock:
-                self.plane.layers_sent[path] += 1
             cb.on_sent(self.peer.instance_id, item.transfer_id, (item.layer_index,))
 
     def _write_direct(self, sock: socket.socket, item: SendItem, dest: ShmDest) -> bool:
@@ -176,6 +172,7 @@ class Outbound:
             raise ConnectionError(f"receiver kept its grant table locked: {exc}") from exc
         tid = item.transfer_id.encode()
         total = sum(n for _, _, n in runs)
+        self._count("one_copy")  # before the frame: once the receiver has it, the layer may complete
         sock.sendall(FRAME.pack(Frame.DONE, item.layer_index, total, 0, 0, total, len(tid)) + tid)
         return True
 
@@ -197,10 +194,16 @@ class Outbound:
                 raise _Cancelled
             layer_off = cursor.pos
             cursor.gather(ring, pos % size, n)
+            if cursor.remaining() == 0:
+                self._count("ring")
             sock.sendall(FRAME.pack(Frame.CHUNK, item.layer_index, total, layer_off, pos, n, len(tid)) + tid)
             self._head = pos + n
             if cursor.remaining() == 0:
                 return
+
+    def _count(self, path: str) -> None:
+        with self.plane.lock:
+            self.plane.layers_sent[path] += 1
 
     def _reserve(self, sock: socket.socket, num_bytes: int, size: int) -> int:
         """Ring position for the next chunk, once the receiver has freed enough (waits for credit).
