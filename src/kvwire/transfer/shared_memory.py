@@ -7,10 +7,10 @@ here; anything else (vLLM's caches, receive and spill buffers) stays ordinary me
 through the ring.
 
 A :class:`SharedRegion` is one ``memfd`` (an anonymous file: no name in ``/dev/shm``, nothing to
-leak on ``kill -9``) mapped into this process. Its descriptor stays open for the mapping's life so
-the plane can pass it to peers (``SCM_RIGHTS``); both are released when the last tensor viewing the
-region is gone. Tensors made here behave as any CPU tensor (pages are zero until first written, as
-with ``torch.zeros``, but touched lazily).
+leak on ``kill -9``) mapped into this process. Its descriptor stays open while any tensor views the
+region so the plane can pass it to peers (``SCM_RIGHTS``); it closes with the last such tensor.
+Tensors made here behave as any CPU tensor (pages are zero until first written, as with
+``torch.zeros``, but touched lazily).
 
 Thread-safe: the registry is guarded by a lock.
 """
@@ -22,13 +22,13 @@ import dataclasses
 import fcntl
 import itertools
 import math
-import mmap
 import os
 import threading
 import weakref
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 MEMFD_NAME = "kvwire-kv"  # shows in /proc/<pid>/maps as "/memfd:kvwire-kv (deleted)"
@@ -78,29 +78,30 @@ _regions: dict[int, SharedRegion] = {}
 _ids = itertools.count(1)
 
 
-def _release(region_id: int, fd: int) -> None:
+def _release(region_id: int) -> None:
+    """Forget a region and close its descriptor (once: a region closed early is no longer listed)."""
     with _lock:
-        _regions.pop(region_id, None)
-    os.close(fd)
+        region = _regions.pop(region_id, None)
+    if region is not None:
+        os.close(region.fd)
 
 
-def _new_region(num_bytes: int) -> tuple[SharedRegion, mmap.mmap]:
+def _new_region(num_bytes: int) -> tuple[SharedRegion, npt.NDArray[np.uint8]]:
+    """A new region and a ``uint8`` array over all of it. Tensors and arrays made from that array
+    keep it alive; the region's descriptor closes when it goes. The mapping itself holds no
+    descriptor (``torch.from_file`` closes its own), so a region costs one open file."""
     fd = sealed_memfd(MEMFD_NAME, num_bytes)
     try:
-        mapping = mmap.mmap(fd, num_bytes)
+        base = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=num_bytes, dtype=torch.uint8)
     except BaseException:
         os.close(fd)
         raise
-    probe = torch.frombuffer(mapping, dtype=torch.uint8, count=1)
-    address = probe.data_ptr()
-    del probe
-    region = SharedRegion(next(_ids), fd, num_bytes, address)
+    array: npt.NDArray[np.uint8] = base.numpy()
+    region = SharedRegion(next(_ids), fd, num_bytes, base.data_ptr())
     with _lock:
         _regions[region.region_id] = region
-    # the mapping lives as long as any tensor made from it (torch.frombuffer holds it); then the
-    # descriptor closes and the kernel frees the memory once no peer maps it either
-    weakref.finalize(mapping, _release, region.region_id, fd)
-    return region, mapping
+    weakref.finalize(array, _release, region.region_id)
+    return region, array
 
 
 def shared_tensors(shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -114,8 +115,8 @@ def shared_tensors(shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> list[
         total += -(-size // _ALIGN) * _ALIGN
     if total == 0:
         return [torch.zeros(tuple(shape), dtype=dtype) for shape in shapes]
-    _, mapping = _new_region(total)
-    flat = torch.frombuffer(mapping, dtype=torch.uint8)
+    _, array = _new_region(total)
+    flat = torch.from_numpy(array)  # the tensors below keep ``array`` (and the region) alive
     return [
         flat[off : off + size].view(dtype).view(tuple(shape))
         for off, size, shape in zip(offsets, sizes, shapes, strict=True)
@@ -155,8 +156,7 @@ class SharedArena:
 
     def __init__(self, num_bytes: int) -> None:
         self.size = -(-num_bytes // _ALIGN) * _ALIGN
-        self.region, mapping = _new_region(self.size)
-        self._array = np.frombuffer(mapping, dtype=np.uint8)
+        self.region, self._array = _new_region(self.size)
         self._lock = threading.Lock()
         self._free: list[tuple[int, int]] = [(0, self.size)]  # (offset, bytes), sorted by offset
 
@@ -186,6 +186,11 @@ class SharedArena:
             if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:  # merge left
                 prev = self._free[i - 1]
                 self._free[i - 1] = (prev[0], prev[1] + self._free.pop(i)[1])
+
+    def close(self) -> None:
+        """No more exports (the owner closes): the region's descriptor closes now; buffers still
+        held keep their memory until they go."""
+        _release(self.region.region_id)
 
     def free_bytes(self) -> int:
         with self._lock:

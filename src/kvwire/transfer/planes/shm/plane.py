@@ -121,6 +121,8 @@ class ShmPlane(UnixLinkPlane):
 
     def _closed(self) -> None:
         self.copier.close()
+        if self.arena is not None:
+            self.arena.close()
         with self.lock:
             for fd, _ in self.exported.values():
                 os.close(fd)

@@ -24,6 +24,7 @@ import socket
 import threading
 from typing import TYPE_CHECKING
 
+from kvwire.transfer.planes.ipc.runs import Run
 from kvwire.transfer.planes.shm.direct import MappedRegions, ShmDest, check_runs, layer_runs
 from kvwire.transfer.planes.shm.grants import GrantView
 from kvwire.transfer.planes.shm.ring import Bytes, SpanCursor, map_ring, next_slot, ring_array, tensor_array
@@ -69,6 +70,7 @@ class Outbound:
         self._ring: mmap.mmap | None = None
         self._grants: GrantView | None = None
         self._regions = MappedRegions()
+        self._last_runs: tuple[tuple[object, ...], list[Run]] | None = None
         self._head = 0  # ring position of the next chunk (monotonic)
         self._consumed = 0  # ring position the receiver has copied out up to
         self._credit_buf = b""
@@ -155,8 +157,7 @@ class Outbound:
             src_spans = [(0, src.size)]
         region = self._regions.arrays[dest.region]
         try:
-            runs = layer_runs(src_spans, dest.spans)
-            check_runs(runs, src.size, region.size)
+            runs = self._runs(src_spans, dest.spans, src.size, region.size)
         except ValueError as exc:
             self.plane.callbacks.on_transfer_failed(
                 item.transfer_id, f"mismatch: shared-memory layer {item.layer_index}: {exc}"
@@ -200,6 +201,19 @@ class Outbound:
             self._head = pos + n
             if cursor.remaining() == 0:
                 return
+
+    def _runs(
+        self, src: list[tuple[int, int]], dst: list[tuple[int, int]], src_size: int, dst_size: int
+    ) -> list[Run]:
+        """The checked runs of a layer; the layers of one transfer share their spans (same blocks,
+        same layer geometry), so the last result is reused when the spans and sizes repeat."""
+        key = (src, dst, src_size, dst_size)
+        if self._last_runs is not None and self._last_runs[0] == key:
+            return self._last_runs[1]
+        runs = layer_runs(src, dst)
+        check_runs(runs, src_size, dst_size)
+        self._last_runs = (key, runs)
+        return runs
 
     def _count(self, path: str) -> None:
         with self.plane.lock:
