@@ -4,6 +4,7 @@ nothing left in /dev/shm."""
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections.abc import Iterator
@@ -38,7 +39,9 @@ def _digests(caches: list[torch.Tensor], block_ids: list[int]) -> list[str]:
 
 
 def _mapped_regions() -> int:
-    """Shared KV regions mapped into this process (ours and peers')."""
+    """Shared KV regions mapped into this process (ours and peers'; earlier tests' garbage first
+    collected, so that its regions do not vanish in the middle of a count)."""
+    gc.collect()
     with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
         return sum(f"memfd:{MEMFD_NAME}" in line for line in f)
 
