@@ -16,6 +16,7 @@ from pd_engine_helpers import BLOCK, FIRST, GREEDY, MAX_LEN, MAX_TOKENS, PD, eng
 from kvwire.connector.config import LoadFailurePolicy
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.kv_params import KVTransferParams, Role
+from kvwire.transfer.enums import Backend
 
 LENGTHS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5, MAX_LEN - MAX_TOKENS - 1]
 
@@ -76,6 +77,10 @@ def test_push_equals_colocated(pd: PD, reference: dict[int, list[int]]) -> None:
     assert pd.d.stats().num_prompt_tokens < sum(len(p) for p in prompts())  # D did not prefill all
     assert pd.d.stats().num_kv_load_failures == 0
     assert pd.d.stats().num_preemptions > 0  # D's small cache forced recompute-preemptions
+    # on one host every layer went in one copy: into D's shared cache, or, for offers that came
+    # before D's request was scheduled, into D's receive buffers (shared too)
+    shm = pd.p.worker_connector.agent._planes.members[Backend.SHM]  # type: ignore[attr-defined]
+    assert shm.layers_sent["one_copy"] > 0 and shm.layers_sent["ring"] == 0, shm.layers_sent
     assert_all_freed(pd)
 
 
@@ -92,6 +97,9 @@ def test_pull_equals_colocated(pd: PD, reference: dict[int, list[int]]) -> None:
     for i in range(len(all_prompts)):
         assert pd.results[f"r{i}"].token_ids == reference[i], f"prompt {i}"
     assert pd.d.stats().num_kv_load_failures == 0
+    # on one host, D pulls into its own blocks: P wrote them in one copy into D's shared cache
+    shm = pd.p.worker_connector.agent._planes.members[Backend.SHM]  # type: ignore[attr-defined]
+    assert shm.layers_sent["one_copy"] > 0, shm.layers_sent
     assert_all_freed(pd)
 
 

@@ -19,7 +19,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from transfer_helpers import DTYPES, digest, make_layer
 
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
-from kvwire.transfer.enums import KVLayout
+from kvwire.transfer.enums import Backend, KVLayout
+from kvwire.transfer.paged_kv import BlockTarget
+from kvwire.transfer.planes.plane_set import PlaneSet
+from kvwire.transfer.planes.shm.plane import ShmPlane
+from kvwire.transfer.shared_memory import shared_tensors
 
 
 class Peer:
@@ -28,6 +32,7 @@ class Peer:
         self.events: dict[str, dict[str, str]] = {"sent": {}, "recvd": {}, "failed": {}}
         self.sink_digests: dict[str, dict[int, str]] = {}
         self.lock = threading.Lock()
+        self.caches: list[torch.Tensor] = []  # registered by op_expect_blocks
 
     def _poll(self) -> None:
         ev = self.agent.poll()
@@ -92,6 +97,32 @@ class Peer:
             pull_from=kw.get("pull_from"),
         )
         return {}
+
+    def op_expect_blocks(
+        self, tid: str, shape: list[int], num_layers: int, block_ids: list[int], shared: bool = True,
+        deadline_s: float | None = None,
+    ) -> Any:
+        """Receive into ``block_ids`` of registered KV caches (KV_FIRST, float32, zeroed; made on
+        first use), in shared memory as the built-in engine allocates them, or ordinary memory."""
+        if not self.caches:
+            if shared:
+                self.caches = shared_tensors([shape] * num_layers, torch.float32)
+            else:
+                self.caches = [torch.zeros(shape) for _ in range(num_layers)]
+            self.agent.register_kv_caches(self.caches, KVLayout.KV_FIRST)
+        self.agent.expect(tid, num_layers=num_layers, into_blocks=BlockTarget(tuple(block_ids)),
+                          deadline_s=deadline_s)
+        return {}
+
+    def op_block_digests(self, block_ids: list[int]) -> Any:
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        return {"digests": [digest(c.index_select(1, ids)) for c in self.caches]}
+
+    def op_paths(self) -> Any:
+        """Layers the shared-memory plane sent, by path (one_copy / ring)."""
+        planes = self.agent._planes
+        plane = planes.members[Backend.SHM] if isinstance(planes, PlaneSet) else None
+        return {"paths": dict(plane.layers_sent) if isinstance(plane, ShmPlane) else {}}
 
     def op_arrived(self, tid: str) -> Any:
         with self.lock:

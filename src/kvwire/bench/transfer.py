@@ -44,6 +44,7 @@ from kvwire.transfer import Backend, LayerSpec, TransferAgent, TransferConfig
 from kvwire.transfer.enums import KVLayout, Transport
 from kvwire.transfer.paged import block_ids_tensor, gather_blocks, gathered_shape, scatter_blocks
 from kvwire.transfer.planes.tcp.wire import recv_exact, tensor_bytes, tune
+from kvwire.transfer.shared_memory import shared_tensors
 
 DEFAULT_TOKENS = (512, 2048, 8192)
 _CEILING_JOIN_S = 10.0  # the writer is done once the reader has every byte; this only guards a bug
@@ -86,6 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument(
         "--shm-ring-mib", type=int, default=None, help="--backend shm: ring per link (default: the config's)"
+    )
+    parser.add_argument(
+        "--shm-copy-threads",
+        type=int,
+        default=None,
+        help="--backend shm: threads copying a layer on the one-copy path (default: the config's)",
     )
     _add_nccl_arguments(parser)
 
@@ -131,13 +138,20 @@ def run(args: argparse.Namespace) -> int:
 class _Caches:
     """Source and destination paged caches with the request's blocks scattered among others."""
 
-    def __init__(self, tokens: int, shape: Shape) -> None:
+    def __init__(self, tokens: int, shape: Shape, *, shared: bool = False) -> None:
+        """``shared``: both caches in shared memory, allocated as the built-in engine allocates its
+        CPU KV cache (``kvwire.transfer.shared_memory``)."""
         gen = torch.Generator().manual_seed(tokens)
         self.num_blocks = -(-tokens // shape.block_size)
         total = self.num_blocks + max(16, self.num_blocks // 4)
         layer_shape = (2, total, shape.block_size, shape.num_kv_heads, shape.head_dim)
         self.src = [torch.randn(layer_shape, generator=gen).to(shape.dtype) for _ in range(shape.num_layers)]
-        self.dst = [torch.zeros(layer_shape, dtype=shape.dtype) for _ in range(shape.num_layers)]
+        if shared:
+            shared_src = shared_tensors([layer_shape] * shape.num_layers, shape.dtype)
+            self.src = [t.copy_(s) for t, s in zip(shared_src, self.src, strict=True)]
+            self.dst = shared_tensors([layer_shape] * shape.num_layers, shape.dtype)
+        else:
+            self.dst = [torch.zeros(layer_shape, dtype=shape.dtype) for _ in range(shape.num_layers)]
         # the request's blocks: scattered among others, in no particular order, different on each side
         self.src_ids: list[int] = torch.randperm(total, generator=gen)[: self.num_blocks].tolist()
         self.dst_ids: list[int] = torch.randperm(total, generator=gen)[: self.num_blocks].tolist()

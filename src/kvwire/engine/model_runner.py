@@ -21,6 +21,7 @@ from kvwire.engine.models.llama import LlamaModel
 from kvwire.engine.request import Request
 from kvwire.engine.sampler import Sampler
 from kvwire.engine.scheduler import ScheduledRequest
+from kvwire.transfer.shared_memory import shared_tensors
 
 
 @dataclasses.dataclass
@@ -76,7 +77,10 @@ class ModelRunner:
         )
         # With graphs, one more block than the block manager knows: the padding rows' scratch block.
         shape = (2, num_blocks + int(use_graphs), config.block_size, model.num_local_kv_heads, cfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        if device.type == "cpu":  # in shared memory: a peer on this host writes KV into it directly
+            self.kv_caches = shared_tensors([shape] * cfg.num_layers, dtype)
+        else:
+            self.kv_caches = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         connector.register_kv_caches(self.kv_caches)
         self.sampler = Sampler(device, config.seed)
         self.graphs = (

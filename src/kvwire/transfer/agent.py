@@ -110,6 +110,7 @@ class TransferAgent:
         with self._core.lock:
             self._check_open()
             self._paged = paged
+        self._planes.register_memory(paged.layers)  # e.g. shared-memory caches: exported to peers
 
     def block_layers(self, num_blocks: int, heads: range | None = None) -> list[LayerSpec]:
         """The layer specs of a transfer of ``num_blocks`` blocks of every registered layer (only KV

@@ -50,6 +50,9 @@ class TransferConfig:
     advertise_host: str | None = None  # host peers dial (None: ``host``)
     advertise_control_port: int = 0  # control port peers dial (0: the bound one)
     advertise_data_port: int = 0  # TCP data port peers dial (0: the bound one)
+    # shared-memory plane: threads (the writer's own included) that copy one layer's block runs
+    # straight into a peer's shared KV cache (the one-copy path, decision 080)
+    shm_copy_threads: int = 1
     # The NCCL plane's tuning (used with backend NCCL). Built at the edge: the CLI / plugin reads
     # KVWIRE_NCCL_* once (NcclPlaneConfig.from_env) and passes it down; nothing below reads the env.
     nccl: NcclPlaneConfig = dataclasses.field(default_factory=NcclPlaneConfig)
@@ -94,6 +97,8 @@ class TransferConfig:
             raise ConfigError("TransferConfig.advertise_host must not be empty (None: the bound host)")
         if self.shm_ring_bytes < 1 * MiB:
             raise ConfigError("TransferConfig.shm_ring_bytes must be at least 1 MiB")
+        if not 1 <= self.shm_copy_threads <= 64:
+            raise ConfigError("TransferConfig.shm_copy_threads must be between 1 and 64")
 
     def _check_transport(self) -> None:
         if self.backend not in (Backend.TCP, Backend.NCCL):

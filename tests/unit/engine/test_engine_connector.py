@@ -179,3 +179,14 @@ def test_every_step_respects_the_token_budget_and_puts_decodes_first() -> None:
         new = [s.num_computed_tokens == 0 for s in step.scheduled]
         assert new == sorted(new)
     assert [final[f"r{i}"].token_ids for i in range(3)] == generate(make_engine(), PROMPTS, greedy(6))
+
+
+def test_cpu_kv_cache_is_registered_in_shared_memory() -> None:
+    """On CPU the engine's paged KV cache lives in one shared region (a peer on this host writes
+    transferred KV straight into it: the shared-memory plane's one-copy path)."""
+    from kvwire.transfer.shared_memory import region_of
+
+    _, _, worker, _ = recording_engine()
+    regions = [region_of(cache) for cache in worker.kv_caches]
+    assert len(regions) == NUM_LAYERS and all(r is not None for r in regions)
+    assert len({r[0].region_id for r in regions if r is not None}) == 1

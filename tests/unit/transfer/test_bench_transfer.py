@@ -65,6 +65,7 @@ def test_bench_transfer_shm_compares_memcpy_and_tcp_in_one_run(capsys: pytest.Ca
     assert rc == 0 and out["backend"] == "shm"
     (r,) = out["results"]
     assert r["verified"] is True and min(r["shm_gbps"], r["memcpy_gbps"], r["tcp_gbps"]) > 0
+    assert r["one_copy"] is True and r["ring_gbps"] > 0  # shared cache: one copy; ordinary: the ring
     assert r["vs_memcpy"] == pytest.approx(r["shm_gbps"] / r["memcpy_gbps"])
     assert r["vs_tcp"] == pytest.approx(r["shm_gbps"] / r["tcp_gbps"])
 

@@ -148,6 +148,12 @@ class DataPlane(abc.ABC):
         del peer
         return self
 
+    def register_memory(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Memory this agent receives into again and again (the registered KV caches): a plane may
+        prepare to share it with peers (the shared-memory plane exports shared regions). Default:
+        nothing. Called on the caller's thread, before transfers into it."""
+        del tensors
+
     def allocate(self, num_bytes: int) -> torch.Tensor:
         """A flat ``uint8`` receive buffer in the receive budget (on the plane's device)."""
         return torch.empty(num_bytes, dtype=torch.uint8)

@@ -129,6 +129,10 @@ class PlaneSet(DataPlane):
     def allocate(self, num_bytes: int) -> torch.Tensor:
         return next(iter(self.members.values())).allocate(num_bytes)
 
+    def register_memory(self, tensors: Sequence[torch.Tensor]) -> None:
+        for plane in self.members.values():
+            plane.register_memory(tensors)
+
     # --- negotiation -------------------------------------------------------------------------------
 
     def peer_transports(self) -> dict[str, str]:

@@ -1,44 +1,75 @@
-"""Shared-memory data plane: CPU tensors between two processes of one host, through a memfd ring.
+"""Shared-memory data plane: CPU tensors between two processes of one host, in one copy or two.
 
-Why a ring and not sockets: on one host the loopback socket is the bottleneck (the kernel copies
-every byte twice and the TCP stack costs more than the copies). Here the sender copies each byte
-run of a layer straight from its tensor (or paged blocks) into a ring of shared memory and the
-receiver copies it straight into the destination (the caller's paged blocks, or a receive buffer):
-one memcpy per byte run on each side, overlapped chunk by chunk, no kernel copy of the payload
-(docs/decisions/076-shm-plane.md).
+Why not sockets: on one host the loopback socket is the bottleneck (the kernel copies every byte
+twice and the TCP stack costs more than the copies). Two paths, chosen per destination:
+
+* **one copy** (docs/decisions/080-shm-one-copy.md): the destination lies in a shared region
+  (:mod:`kvwire.transfer.shared_memory`: the built-in engine's CPU KV cache). The receiver exports
+  each region once per link (its memfd, at link setup) and grants (region, byte spans, grant slot);
+  the sender copies its blocks straight into those spans and sends DONE. A cancel on the receiver
+  revokes the grant under the slot's lock (``grants``), so no write lands after it returns.
+* **ring** (docs/decisions/076-shm-plane.md): any other destination (vLLM's caches, receive and
+  spill buffers). The sender copies each byte run into a ring of shared memory and the receiver
+  copies it out into the destination: one memcpy per byte run on each side, overlapped chunk by
+  chunk.
 
 Link (sender connects to the receiver's ``address``, ``@name``: a Linux abstract Unix socket, which
 lives in the network namespace, so negotiation offers this plane only inside one namespace)::
 
     receiver -> sender   nonce (16 random bytes)
     sender -> receiver   "KVWS" version:u8 id_len:u16 instance_id hmac_sha256(secret, nonce+id)
-    receiver -> sender   ring_bytes:u64 + the ring's memfd (SCM_RIGHTS)
-    sender -> receiver   per chunk: layer:u32 layer_bytes:u64 layer_offset:u64 ring_pos:u64
-                         num_bytes:u32 tid_len:u16 transfer_id      (bytes are in the ring)
+    receiver -> sender   ring_bytes:u64 table_bytes:u64 regions:u16, per region id:u64 bytes:u64
+                         + memfds [ring, grant table, regions...] (SCM_RIGHTS)
+    sender -> receiver   per frame: kind:u8 layer:u32 layer_bytes:u64 layer_offset:u64 ring_pos:u64
+                         num_bytes:u32 tid_len:u16 transfer_id
+                         (CHUNK: bytes are in the ring; DONE: the layer is in its destination)
     receiver -> sender   per chunk: consumed_ring_pos:u64           (credit)
+    control plane        the Grant's plane_info: DirectInfo (one-copy destinations, if any)
 
-Nothing has a name in /dev/shm: the ring is a memfd whose descriptor both ends close right after
-mapping it, so the kernel frees it with the last mapping; a ``kill -9`` of either end leaks nothing
-and leaves nothing to clean up on the next start. A dead peer shows as EOF on the socket
-(``peer_lost``). Semantics otherwise as the TCP plane (unordered, spans, cancel waits for a chunk
-being copied into caller memory). Threads: one acceptor; per inbound link a reader and a reporter;
-one writer per peer.
+Nothing has a name in /dev/shm: ring, grant table and regions are memfds, so the kernel frees each
+with its last mapping/descriptor; a ``kill -9`` of either end leaks nothing and leaves nothing to
+clean up on the next start. The sender unmaps a peer's regions when the peer epoch ends (EOF on the
+socket, drop, close). A dead peer shows as EOF on the socket (``peer_lost``); a sender killed
+mid-layer leaves that layer unreported (its transfer fails, the blocks are the caller's again).
+Semantics otherwise as the TCP plane (unordered, spans, cancel waits for a chunk being copied
+into caller memory, or for the grant's lock). Regions made after a link's setup reach that peer
+through the ring until its next epoch. Threads: one acceptor; per inbound link a reader and a
+reporter; one writer per peer; ``shm_copy_threads - 1`` copy helpers.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import os
 import socket
 import threading
 from collections.abc import Sequence
 
+import msgspec
+import torch
+
 from kvwire.transfer.config import TransferConfig
+from kvwire.transfer.planes.shm.direct import DirectInfo, RunCopier, ShmDest
+from kvwire.transfer.planes.shm.grants import GrantTable
 from kvwire.transfer.planes.shm.recv import Inbound, Landing, shutdown
 from kvwire.transfer.planes.shm.send import Outbound
 from kvwire.transfer.planes.tcp.wire import CANCEL_WAIT_S
 from kvwire.transfer.planes.unix_links import UnixLinkPlane
+from kvwire.transfer.shared_memory import SharedArena, SharedRegion, region_of
 from kvwire.transfer.types import PeerRef, RecvItem, SendItem
 
 _JOIN_S = 5.0
+
+
+@dataclasses.dataclass
+class _Grant:
+    """A transfer's one-copy grant on the receiver: its table slot and the layers still to land."""
+
+    peer_id: str
+    slot: int
+    token: int
+    pending: set[int]
 
 
 class ShmPlane(UnixLinkPlane):
@@ -57,6 +88,22 @@ class ShmPlane(UnixLinkPlane):
         self.posted: dict[tuple[str, int], tuple[str, RecvItem]] = {}
         self.landing: dict[tuple[str, int], Landing] = {}  # layers whose first chunk arrived
         self.writing: dict[socket.socket, str] = {}  # connection -> transfer being copied into caller memory
+        # one-copy path, receiver side: regions exported to peers (region id -> (own fd dup, bytes)),
+        # grants per transfer, destinations waiting for the next plane_info to each peer
+        self.grants = GrantTable()
+        self.exported: dict[int, tuple[int, int]] = {}
+        self._granted: dict[str, _Grant] = {}
+        self._pending: dict[str, list[ShmDest]] = {}
+        # sender side: destinations granted by peers, (transfer, layer) -> (peer id, dest)
+        self.dests: dict[tuple[str, int], tuple[str, ShmDest]] = {}
+        self.copier = RunCopier(config.shm_copy_threads)
+        # receive-budget buffers in shared memory too (a transfer offered before its blocks were
+        # known lands there in one copy); one region, exported to every link like the KV cache
+        self.arena = SharedArena(config.recv_budget_bytes) if config.recv_budget_bytes > 0 else None
+        if self.arena is not None:
+            self._export_locked(self.arena.region)
+        #: layers this plane sent, by path ("one_copy", "ring"): tests and diagnostics
+        self.layers_sent: collections.Counter[str] = collections.Counter()
 
     # --- lifecycle (start, close, accepting links: UnixLinkPlane) --------------------------------
 
@@ -65,6 +112,23 @@ class ShmPlane(UnixLinkPlane):
 
     def _closing_locked(self) -> None:
         self.posted.clear()
+        self.dests.clear()
+        self._pending.clear()
+
+    def allocate(self, num_bytes: int) -> torch.Tensor:
+        buffer = self.arena.allocate(num_bytes) if self.arena is not None else None
+        return buffer if buffer is not None else torch.empty(num_bytes, dtype=torch.uint8)
+
+    def _closed(self) -> None:
+        self.copier.close()
+        if self.arena is not None:
+            self.arena.close()
+        with self.lock:
+            for fd, _ in self.exported.values():
+                os.close(fd)
+            self.exported.clear()
+            self._granted.clear()
+        self.grants.close()
 
     # --- sender side -------------------------------------------------------------------------------
 
@@ -87,6 +151,13 @@ class ShmPlane(UnixLinkPlane):
                 del self.posted[key]
             for key in [k for k in self.landing if k[0] == transfer_id]:
                 del self.landing[key]
+            for key in [k for k in self.dests if k[0] == transfer_id]:
+                del self.dests[key]
+            for dests in self._pending.values():
+                dests[:] = [d for d in dests if d.transfer_id != transfer_id]
+            grant = self._granted.pop(transfer_id, None)
+            if grant is not None:  # after this no write of the transfer runs or starts (grants)
+                self.grants.revoke(grant.slot, CANCEL_WAIT_S)
             # a chunk being copied into the caller's memory ends before cancel returns (one chunk:
             # a memcpy of at most CHUNK_BYTES); the caller may reuse those blocks once it failed
             finished = self.written.wait_for(lambda: transfer_id not in self.writing.values(), CANCEL_WAIT_S)
@@ -100,6 +171,11 @@ class ShmPlane(UnixLinkPlane):
             inbound = [c for c, pid in self.inbound.items() if pid == peer_instance_id]
             for key in [k for k, (pid, _) in self.posted.items() if pid == peer_instance_id]:
                 del self.posted[key]
+            for key in [k for k, (pid, _) in self.dests.items() if pid == peer_instance_id]:
+                del self.dests[key]
+            self._pending.pop(peer_instance_id, None)
+            for tid in [t for t, g in self._granted.items() if g.peer_id == peer_instance_id]:
+                self.grants.revoke(self._granted.pop(tid).slot, CANCEL_WAIT_S)
         if out is not None:
             out.stop()
         for conn in inbound:
@@ -111,3 +187,92 @@ class ShmPlane(UnixLinkPlane):
         with self.lock:
             for item in items:
                 self.posted[(item.transfer_id, item.layer_index)] = (peer.instance_id, item)
+                dest = self._direct_dest(peer.instance_id, item)
+                if dest is not None:
+                    self._pending.setdefault(peer.instance_id, []).append(dest)
+
+    def register_memory(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Export the shared regions holding ``tensors`` (the engine's KV cache) to every link set
+        up from now on, so even a peer's first transfer into them takes the one-copy path."""
+        with self.lock:
+            for tensor in tensors:
+                found = region_of(tensor)
+                if found is not None:
+                    self._export_locked(found[0])
+
+    def _export_locked(self, region: SharedRegion) -> None:
+        if region.region_id not in self.exported:
+            # a descriptor of our own: the region's may close with its last tensor, ours keeps the
+            # memory valid for peers that mapped it (and its number from being reused)
+            self.exported[region.region_id] = (os.dup(region.fd), region.size)
+
+    def _direct_dest(self, peer_id: str, item: RecvItem) -> ShmDest | None:
+        """The one-copy destination of ``item`` when it lies in a shared region (caller holds the
+        lock); None: it is received through the ring."""
+        if item.dest_spans is not None:
+            base, spans = item.dest_spans.base, item.dest_spans.spans
+        else:
+            base, spans = item.dest, ((0, item.num_bytes),)
+        found = region_of(base)
+        if found is None:
+            return None
+        region, shift = found
+        self._export_locked(region)
+        grant = self._granted.get(item.transfer_id)
+        if grant is None:
+            claimed = self.grants.claim()
+            if claimed is None:
+                return None  # every slot in use: this transfer takes the ring
+            grant = self._granted[item.transfer_id] = _Grant(peer_id, *claimed, set())
+        grant.pending.add(item.layer_index)
+        return ShmDest(
+            item.transfer_id,
+            item.layer_index,
+            region.region_id,
+            grant.slot,
+            grant.token,
+            [(shift + off, n) for off, n in spans],
+        )
+
+    def exported_regions(self) -> list[tuple[int, int, int]]:
+        """(region id, fd, bytes) of every region exported so far (sent at each link's setup)."""
+        with self.lock:
+            return [(rid, fd, size) for rid, (fd, size) in self.exported.items()]
+
+    def landed_locked(self, transfer_id: str, layer: int) -> None:
+        """A layer's bytes are all in place (caller holds the lock): retire the transfer's grant once
+        none of its layers is outstanding."""
+        grant = self._granted.get(transfer_id)
+        if grant is None:
+            return
+        grant.pending.discard(layer)
+        if not grant.pending:
+            del self._granted[transfer_id]
+            self.grants.revoke(grant.slot, CANCEL_WAIT_S)
+
+    def local_info(self, peer: PeerRef) -> bytes:
+        with self.lock:
+            dests = self._pending.pop(peer.instance_id, None)
+        return msgspec.msgpack.encode(DirectInfo(dests)) if dests else b""
+
+    # --- sender side: one-copy destinations --------------------------------------------------------
+
+    def on_peer_info(self, peer: PeerRef, info: bytes) -> None:
+        try:
+            grant = msgspec.msgpack.decode(info, type=DirectInfo)
+        except msgspec.DecodeError:
+            self.callbacks.on_protocol_error(f"shared-memory plane info from {peer.endpoint} does not decode")
+            return
+        with self.lock:
+            for dest in grant.dests:
+                if dest.transfer_id not in self.cancelled:
+                    self.dests[(dest.transfer_id, dest.layer)] = (peer.instance_id, dest)
+
+    def take_dest(self, peer_id: str, transfer_id: str, layer: int) -> ShmDest | None:
+        """The one-copy destination granted for a layer (removed), or None (use the ring)."""
+        with self.lock:
+            entry = self.dests.get((transfer_id, layer))
+            if entry is None or entry[0] != peer_id:
+                return None
+            del self.dests[(transfer_id, layer)]
+        return entry[1]

@@ -1,10 +1,12 @@
 """Receiver half of the shared-memory plane: one reader thread per inbound peer connection.
 
 The reader authenticates the sender, creates this connection's ring (a memfd of
-``config.shm_ring_bytes``), passes it over (SCM_RIGHTS), then handles chunk frames in order: copy
-the chunk out of the ring into the posted destination (the caller's byte spans, or the receive
-buffer), return credit, and once a layer's last chunk landed report it (from a second thread, so the
-caller's sink for layer i overlaps the copy of layer i+1, as on the TCP plane).
+``config.shm_ring_bytes``) and passes it over with the plane's grant table and the shared regions
+it exports (SCM_RIGHTS), then handles frames in order: a CHUNK is copied out of the ring into the
+posted destination (the caller's byte spans, or the receive buffer) and credited; a DONE says the
+sender wrote the whole layer straight into the destination (the one-copy path). Once a layer's
+bytes are all in place it is reported (from a second thread, so the caller's sink for layer i
+overlaps the copy of layer i+1, as on the TCP plane).
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import hmac
 import os
 import queue
 import socket
+import struct
 import threading
 from typing import TYPE_CHECKING
 
 from kvwire.errors import AuthenticationError, ProtocolError
 from kvwire.transfer.planes.shm.ring import Bytes, SpanCursor, create_ring, ring_array, tensor_array
-from kvwire.transfer.planes.shm.wire import CHUNK, CREDIT, MAGIC, RING, VERSION
+from kvwire.transfer.planes.shm.wire import CREDIT, FRAME, MAGIC, VERSION, Frame, send_setup
 from kvwire.transfer.planes.tcp.wire import (
     HANDSHAKE_TIMEOUT_S,
     HELLO,
@@ -34,6 +37,7 @@ from kvwire.transfer.types import RecvItem
 if TYPE_CHECKING:
     from kvwire.transfer.planes.shm.plane import ShmPlane
 
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 Arrival = tuple[str, str, int] | None  # (peer id, transfer id, layer) or the end marker
 
 
@@ -78,7 +82,11 @@ class Inbound:
         size = self.plane.config.shm_ring_bytes
         fd, ring = create_ring(size)
         try:
-            socket.send_fds(conn, [RING.pack(size)], [fd])
+            table = self.plane.grants
+            # shared regions (our KV cache, readable and writable by whoever maps it) only to a
+            # process of our own user, who could read our memory anyway; others get the ring
+            regions = self.plane.exported_regions() if peer_uid(conn) == os.getuid() else []
+            send_setup(conn, (fd, size), (table.fd, table.size), regions)
         finally:
             os.close(fd)  # the mapping (here) and the sender's keep the memory; no name exists
         conn.settimeout(None)
@@ -142,8 +150,12 @@ class Inbound:
     def _read_chunk(self, ring: Bytes) -> tuple[str, int] | None:
         """Handle one chunk frame; (transfer id, layer) when it completed a layer."""
         conn, plane = self.conn, self.plane
-        layer, total, layer_off, pos, num_bytes, tid_len = CHUNK.unpack(recv_bytes(conn, CHUNK.size))
+        kind, layer, total, layer_off, pos, num_bytes, tid_len = FRAME.unpack(recv_bytes(conn, FRAME.size))
         tid = recv_bytes(conn, tid_len).decode(errors="replace")
+        if kind == Frame.DONE:
+            return self._written(tid, layer, total)
+        if kind != Frame.CHUNK:
+            raise ProtocolError(f"unknown shared-memory frame kind {kind}")
         at = pos % ring.size
         if at + num_bytes > ring.size:
             raise ProtocolError(f"chunk at ring position {pos} of {num_bytes} bytes runs past the ring")
@@ -169,7 +181,25 @@ class Inbound:
             return None
         with plane.lock:
             done = plane.landing.pop(key, None) is landing
+            if done:
+                plane.landed_locked(tid, layer)
         return (tid, layer) if done else None
+
+    def _written(self, tid: str, layer: int, total: int) -> tuple[str, int] | None:
+        """A DONE frame: the sender wrote the layer into its granted shared destination."""
+        plane, key = self.plane, (tid, layer)
+        with plane.lock:
+            posted = plane.posted.pop(key, None)
+            done = posted is not None and posted[0] == self.peer_id and posted[1].num_bytes == total
+            if done:
+                plane.landed_locked(tid, layer)
+            elif posted is not None:
+                reason = f"mismatch: layer {layer} of {total} bytes from an unexpected sender/size"
+                self._later.append((tid, reason))
+            elif tid not in plane.cancelled:
+                self._later.append(("", f"unsolicited shared-memory layer {tid!r} {layer} ({total} B)"))
+        self._flush_later()
+        return key if done else None
 
     def _start_layer(self, key: tuple[str, int], total: int) -> Landing | None:
         """First chunk of a layer (caller holds the lock): match it to its posted receive."""
@@ -200,6 +230,12 @@ class Inbound:
                 self.plane.callbacks.on_transfer_failed(transfer_id, reason)
             else:
                 self.plane.callbacks.on_protocol_error(reason)
+
+
+def peer_uid(conn: socket.socket) -> int:
+    """The user id of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    return int(_UCRED.unpack(creds)[1])
 
 
 def shutdown(conn: socket.socket) -> None:

@@ -19,14 +19,16 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvwire.transfer.shared_memory import check_peer_memfd, sealed_memfd
+
 Bytes = npt.NDArray[np.uint8]
 
 
 def create_ring(num_bytes: int) -> tuple[int, mmap.mmap]:
-    """A new memfd of ``num_bytes`` and this process's mapping of it (close the fd once sent)."""
-    fd = os.memfd_create("kvwire-shm-ring", os.MFD_CLOEXEC)
+    """A new memfd of ``num_bytes`` (sealed: its size never changes) and this process's mapping of
+    it (close the fd once sent)."""
+    fd = sealed_memfd("kvwire-shm-ring", num_bytes)
     try:
-        os.ftruncate(fd, num_bytes)
         return fd, mmap.mmap(fd, num_bytes)
     except BaseException:
         os.close(fd)
@@ -36,8 +38,7 @@ def create_ring(num_bytes: int) -> tuple[int, mmap.mmap]:
 def map_ring(fd: int, num_bytes: int) -> mmap.mmap:
     """Map a ring received from the peer; closes ``fd`` (the mapping keeps the memory)."""
     try:
-        if os.fstat(fd).st_size != num_bytes:
-            raise ValueError(f"ring descriptor holds {os.fstat(fd).st_size} bytes, announced {num_bytes}")
+        check_peer_memfd(fd, num_bytes)
         return mmap.mmap(fd, num_bytes)
     finally:
         os.close(fd)

@@ -1,33 +1,45 @@
 """Sender half of the shared-memory plane: one writer thread per peer epoch.
 
 The writer connects to the receiver's abstract Unix socket, authenticates (the TCP plane's hello),
-receives and maps the receiver's ring, then for every queued layer copies its byte runs into the
-ring chunk by chunk and announces each chunk with a small frame. The receiver returns credit (the
-ring position it has consumed) after copying each chunk out, so the ring bounds the bytes in flight
-and the two copies (this gather, the receiver's scatter) overlap chunk by chunk.
+receives and maps the receiver's ring, grant table and exported shared regions, then per queued
+layer:
+
+* one-copy path: the receiver granted a destination in one of those regions, so the writer copies
+  the layer's block runs straight into it (holding the grant's slot lock, which the receiver's
+  cancel takes to revoke: ``grants``) and sends one DONE frame;
+* ring path (any other destination): copies the byte runs into the ring chunk by chunk and
+  announces each chunk with a small frame. The receiver returns credit (the ring position it has
+  consumed) after copying each chunk out, so the ring bounds the bytes in flight and the two copies
+  (this gather, the receiver's scatter) overlap chunk by chunk.
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 import queue
 import select
 import socket
 import threading
 from typing import TYPE_CHECKING
 
+from kvwire.transfer.planes.ipc.runs import Run
+from kvwire.transfer.planes.shm.direct import MappedRegions, ShmDest, check_runs, layer_runs
+from kvwire.transfer.planes.shm.grants import GrantView
 from kvwire.transfer.planes.shm.ring import Bytes, SpanCursor, map_ring, next_slot, ring_array, tensor_array
 from kvwire.transfer.planes.shm.wire import (
-    CHUNK,
     CHUNK_BYTES,
     CREDIT,
+    FRAME,
     MAGIC,
     VERSION,
+    Frame,
     abstract_name,
-    recv_ring_fd,
+    recv_setup,
 )
 from kvwire.transfer.planes.tcp.wire import (
+    CANCEL_WAIT_S,
     HANDSHAKE_TIMEOUT_S,
     HELLO,
     NONCE_BYTES,
@@ -56,6 +68,9 @@ class Outbound:
         self.dead = False  # set under plane.lock when the thread gives up
         self.sock: socket.socket | None = None
         self._ring: mmap.mmap | None = None
+        self._grants: GrantView | None = None
+        self._regions = MappedRegions()
+        self._last_runs: tuple[tuple[object, ...], list[Run]] | None = None
         self._head = 0  # ring position of the next chunk (monotonic)
         self._consumed = 0  # ring position the receiver has copied out up to
         self._credit_buf = b""
@@ -79,8 +94,16 @@ class Outbound:
         nonce = recv_bytes(sock, NONCE_BYTES)
         me = self.plane.instance_id.encode()
         sock.sendall(HELLO.pack(MAGIC, VERSION, len(me)) + me + hello_mac(self.plane.secret, nonce, me))
-        size, fd = recv_ring_fd(sock)
-        self._ring = map_ring(fd, size)
+        (ring_fd, ring_bytes), (table_fd, table_bytes), regions = recv_setup(sock)
+        try:
+            self._ring = map_ring(ring_fd, ring_bytes)
+            self._grants = GrantView(table_fd, table_bytes)
+            for region_id in list(regions):
+                fd, size = regions.pop(region_id)
+                self._regions.add(region_id, fd, size)
+        finally:  # descriptors not consumed above (an error part way)
+            for fd, _ in regions.values():
+                os.close(fd)
         sock.settimeout(None)
         return sock
 
@@ -112,11 +135,47 @@ class Outbound:
                 break
             if self.plane.is_cancelled(item.transfer_id):
                 continue
+            dest = self.plane.take_dest(self.peer.instance_id, item.transfer_id, item.layer_index)
             try:
-                self._write(sock, ring, item)
+                if dest is not None and dest.region in self._regions.arrays:
+                    if not self._write_direct(sock, item, dest):
+                        continue
+                else:
+                    self._write(sock, ring, item)
             except _Cancelled:
                 continue
             cb.on_sent(self.peer.instance_id, item.transfer_id, (item.layer_index,))
+
+    def _write_direct(self, sock: socket.socket, item: SendItem, dest: ShmDest) -> bool:
+        """Copy the layer straight into the receiver's granted blocks, then DONE. False when the
+        layer failed (reported) and must not count as sent."""
+        if item.spans is not None:
+            src, src_spans = tensor_array(item.spans.base), list(item.spans.spans)
+        else:
+            tensor = item.tensor if item.tensor.device.type == "cpu" else item.tensor.cpu()
+            src = tensor_array(tensor)
+            src_spans = [(0, src.size)]
+        region = self._regions.arrays[dest.region]
+        try:
+            runs = self._runs(src_spans, dest.spans, src.size, region.size)
+        except ValueError as exc:
+            self.plane.callbacks.on_transfer_failed(
+                item.transfer_id, f"mismatch: shared-memory layer {item.layer_index}: {exc}"
+            )
+            return False
+        assert self._grants is not None
+        try:
+            with self._grants.holding(dest.slot, dest.token, CANCEL_WAIT_S * 5) as granted:
+                if not granted or self.plane.is_cancelled(item.transfer_id):
+                    raise _Cancelled  # the receiver revoked the grant: its blocks may be in use again
+                self.plane.copier.copy(src, region, runs)
+        except TimeoutError as exc:
+            raise ConnectionError(f"receiver kept its grant table locked: {exc}") from exc
+        tid = item.transfer_id.encode()
+        total = sum(n for _, _, n in runs)
+        self._count("one_copy")  # before the frame: once the receiver has it, the layer may complete
+        sock.sendall(FRAME.pack(Frame.DONE, item.layer_index, total, 0, 0, total, len(tid)) + tid)
+        return True
 
     def _write(self, sock: socket.socket, ring: Bytes, item: SendItem) -> None:
         if item.spans is not None:
@@ -136,10 +195,29 @@ class Outbound:
                 raise _Cancelled
             layer_off = cursor.pos
             cursor.gather(ring, pos % size, n)
-            sock.sendall(CHUNK.pack(item.layer_index, total, layer_off, pos, n, len(tid)) + tid)
+            if cursor.remaining() == 0:
+                self._count("ring")
+            sock.sendall(FRAME.pack(Frame.CHUNK, item.layer_index, total, layer_off, pos, n, len(tid)) + tid)
             self._head = pos + n
             if cursor.remaining() == 0:
                 return
+
+    def _runs(
+        self, src: list[tuple[int, int]], dst: list[tuple[int, int]], src_size: int, dst_size: int
+    ) -> list[Run]:
+        """The checked runs of a layer; the layers of one transfer share their spans (same blocks,
+        same layer geometry), so the last result is reused when the spans and sizes repeat."""
+        key = (src, dst, src_size, dst_size)
+        if self._last_runs is not None and self._last_runs[0] == key:
+            return self._last_runs[1]
+        runs = layer_runs(src, dst)
+        check_runs(runs, src_size, dst_size)
+        self._last_runs = (key, runs)
+        return runs
+
+    def _count(self, path: str) -> None:
+        with self.plane.lock:
+            self.plane.layers_sent[path] += 1
 
     def _reserve(self, sock: socket.socket, num_bytes: int, size: int) -> int:
         """Ring position for the next chunk, once the receiver has freed enough (waits for credit).
@@ -177,6 +255,9 @@ class Outbound:
         if self._ring is not None:
             with contextlib.suppress(BufferError):  # a numpy view may still be alive: GC unmaps then
                 self._ring.close()
+        self._regions.close()  # the receiver's KV cache: unmapped with the peer epoch
+        if self._grants is not None:
+            self._grants.close()
         failed: set[str] = set()
         while True:
             try:

@@ -1,0 +1,150 @@
+"""The one-copy path's pieces without sockets: grant messages, a peer's mapped regions, the copier.
+
+When a receiver's destination lies in a :mod:`shared region <kvwire.transfer.shared_memory>`, its
+grant describes it as (region id, byte spans from the region's base, grant slot and token) and the
+sender, which mapped the region at link setup, copies its blocks straight into it: the block runs
+are paired (``planes.ipc.runs.pair_runs``: runs contiguous on both sides merge) and copied by
+:class:`RunCopier` with the GIL released, split over ``threads`` so that the per-run Python cost of
+one thread overlaps the other's ``memcpy``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from kvwire.transfer.planes.ipc.runs import Run, pair_runs
+from kvwire.transfer.shared_memory import check_peer_memfd
+
+Bytes = npt.NDArray[np.uint8]
+
+
+class ShmDest(msgspec.Struct, array_like=True, frozen=True):
+    """Where one granted layer goes on the one-copy path."""
+
+    transfer_id: str
+    layer: int
+    region: int  # the receiver's shared region id (mapped by the sender at link setup)
+    slot: int  # grant-table slot guarding the transfer's writes
+    token: int
+    spans: list[tuple[int, int]]  # (offset from the region's base, bytes), in payload order
+
+
+class DirectInfo(msgspec.Struct, frozen=True):
+    """The receiver's plane_info on a Grant: one-copy destinations of layers it just posted."""
+
+    dests: list[ShmDest]
+
+
+class MappedRegions:
+    """A sender's mappings of one peer epoch's shared regions (region id -> writable bytes)."""
+
+    def __init__(self) -> None:
+        self._maps: dict[int, mmap.mmap] = {}
+        self.arrays: dict[int, Bytes] = {}
+
+    def add(self, region_id: int, fd: int, size: int) -> None:
+        """Map a region received from the peer; closes ``fd`` (the mapping keeps the memory)."""
+        try:
+            check_peer_memfd(fd, size)
+            mapping = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._maps[region_id] = mapping
+        self.arrays[region_id] = np.frombuffer(mapping, dtype=np.uint8)
+
+    def close(self) -> None:
+        """Unmap everything (a view still alive elsewhere defers that region's unmap to the GC)."""
+        self.arrays.clear()
+        for mapping in self._maps.values():
+            with contextlib.suppress(BufferError):
+                mapping.close()
+        self._maps.clear()
+
+
+def layer_runs(src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]]) -> list[Run]:
+    """The copies moving the ``src`` spans' bytes into the ``dst`` spans (``pair_runs``), with a
+    fast path for the common case of paged -> paged (span i of each side has the same length: block
+    runs that are contiguous on both sides are single spans already). Raises ValueError when the
+    totals differ."""
+    if len(src) == len(dst) and all(a[1] == b[1] for a, b in zip(src, dst, strict=True)):
+        return [(a[0], b[0], a[1]) for a, b in zip(src, dst, strict=True) if a[1] > 0]
+    return pair_runs(src, dst)
+
+
+def check_runs(runs: Sequence[Run], src_size: int, dst_size: int) -> None:
+    """Raises ValueError when a run leaves its source or destination."""
+    for s, d, n in runs:
+        if s < 0 or d < 0 or s + n > src_size or d + n > dst_size:
+            raise ValueError(f"run ({s}, {d}, {n}) outside the source ({src_size}) or region ({dst_size})")
+
+
+class RunCopier:
+    """Copies byte runs ``dst[d:d+n] = src[s:s+n]`` (flat ``uint8`` arrays). Stop with :meth:`close`.
+
+    One thread (the default): ``memoryview`` slice assignment on the caller's thread, the cheapest
+    per-run dispatch from Python (about 0.2 us against 1 us for a numpy slice; a KV block half is
+    one run of 32 KiB); it holds the GIL during each memcpy. More threads: the runs are cut into
+    ``threads`` pieces of about equal bytes, copied by numpy on the caller's thread and
+    ``threads - 1`` helpers (numpy releases the GIL for each copy, so copies overlap each other's
+    Python). Which is faster depends on the cores free: ``kvwire bench transfer --backend shm
+    --shm-copy-threads N`` measures it (docs/performance.md).
+    """
+
+    _MIN_SPLIT = 8  # runs: fewer go on the caller's thread only
+
+    def __init__(self, threads: int) -> None:
+        self.threads = max(1, threads)
+        self._pool = (
+            ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvwire-shm-copy")
+            if self.threads > 1
+            else None
+        )
+
+    def copy(self, src: Bytes, dst: Bytes, runs: Sequence[Run]) -> None:
+        if self._pool is None or len(runs) < self._MIN_SPLIT:
+            _copy_views(src, dst, runs)
+            return
+        parts = _split(runs, self.threads)
+        futures: list[Future[None]] = [self._pool.submit(_copy, src, dst, part) for part in parts[1:]]
+        try:
+            _copy(src, dst, parts[0])
+        finally:
+            for future in futures:
+                future.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+def _copy_views(src: Bytes, dst: Bytes, runs: Sequence[Run]) -> None:
+    with src.data as s_view, dst.data as d_view:  # released here: the mmaps can close
+        for s, d, n in runs:
+            d_view[d : d + n] = s_view[s : s + n]
+
+
+def _copy(src: Bytes, dst: Bytes, runs: Sequence[Run]) -> None:
+    for s, d, n in runs:
+        dst[d : d + n] = src[s : s + n]
+
+
+def _split(runs: Sequence[Run], parts: int) -> list[Sequence[Run]]:
+    """``runs`` cut into ``parts`` consecutive pieces of about equal bytes."""
+    total = sum(n for _, _, n in runs)
+    out: list[Sequence[Run]] = []
+    start, acc, share = 0, 0, total / parts
+    for i, (_, _, n) in enumerate(runs):
+        acc += n
+        if acc >= share * (len(out) + 1) and len(out) < parts - 1:
+            out.append(runs[start : i + 1])
+            start = i + 1
+    out.append(runs[start:])
+    return out

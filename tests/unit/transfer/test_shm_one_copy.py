@@ -1,0 +1,315 @@
+"""The shared-memory plane's one-copy path: shared regions, the grant table, run pairing and copies,
+and in-process agents moving paged KV straight into a shared cache (ring for any other memory)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
+from kvwire.transfer.enums import Backend, KVLayout
+from kvwire.transfer.paged_kv import BlockTarget
+from kvwire.transfer.planes.ipc.runs import pair_runs
+from kvwire.transfer.planes.plane_set import PlaneSet
+from kvwire.transfer.planes.shm.direct import MappedRegions, RunCopier, check_runs, layer_runs
+from kvwire.transfer.planes.shm.grants import GrantTable, GrantView
+from kvwire.transfer.planes.shm.plane import ShmPlane
+from kvwire.transfer.shared_memory import (
+    SharedArena,
+    check_peer_memfd,
+    live_regions,
+    region_of,
+    sealed_memfd,
+    shared_tensors,
+    shared_zeros,
+)
+from support.waiting import wait_for
+
+SHAPE = (2, 24, 16, 4, 32)  # KV_FIRST: 24 blocks of 4 KiB halves (bfloat16)
+LAYERS = 4
+
+
+def _fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_shared_tensors_are_zeroed_views_of_one_region_released_with_the_last_tensor() -> None:
+    gc.collect()  # regions of earlier tests' tensors go now, not in the middle of this one
+    before = {r.region_id for r in live_regions()}
+    fds = _fds()
+    caches = shared_tensors([SHAPE] * 3, torch.bfloat16)
+    new = [r for r in live_regions() if r.region_id not in before]
+    assert len(new) == 1 and all(c.shape == SHAPE and c.dtype == torch.bfloat16 for c in caches)
+    assert all(not c.any() for c in caches)
+    found = [region_of(c) for c in caches]
+    assert all(f is not None and f[0] == new[0] for f in found)
+    offsets = [f[1] for f in found if f is not None]
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[1] >= caches[0].nbytes
+    assert region_of(caches[1][:, 3:5].contiguous()) is None  # a copy: ordinary memory
+    assert region_of(torch.zeros(8)) is None
+    assert region_of(shared_zeros((0,), torch.float32)) is None  # nothing to share
+    caches[2][1, 5] = 3.0  # writable
+    del caches, found
+    gc.collect()
+    assert new[0].region_id not in {r.region_id for r in live_regions()}
+    assert _fds() <= fds  # its descriptor closed
+
+
+def test_grant_revoke_waits_for_a_writer_holding_the_slot() -> None:
+    table = GrantTable(slots=4)
+    view = GrantView(os.dup(table.fd), table.size)  # as a sender maps it (own open file description)
+    try:
+        claimed = table.claim()
+        assert claimed is not None
+        slot, token = claimed
+        holding, release, revoked = threading.Event(), threading.Event(), threading.Event()
+
+        def writer() -> None:
+            with view.holding(slot, token, 5.0) as granted:
+                assert granted
+                holding.set()
+                release.wait(10.0)
+
+        thread = threading.Thread(target=writer)
+        thread.start()
+        assert holding.wait(10.0)
+        assert not table.revoke(slot, 0.05)  # the writer holds the slot: revoke cannot finish
+        assert table.tokens[slot] == 0  # but no new write may start under the grant
+        canceller = threading.Thread(target=lambda: revoked.set() if table.revoke(slot, 10.0) else None)
+        canceller.start()
+        assert not revoked.is_set()
+        release.set()
+        thread.join(10.0)
+        canceller.join(10.0)
+        assert revoked.is_set()
+        with view.holding(slot, token, 1.0) as granted:
+            assert not granted  # revoked: the sender writes nothing
+        assert [table.claim() for _ in range(4)].count(None) == 0  # the slot was freed again
+        assert table.claim() is None  # four slots, all in use
+        with pytest.raises(ValueError, match="outside the table"), view.holding(99, 1, 1.0):
+            pass
+    finally:
+        view.close()
+        table.close()
+
+
+def test_layer_runs_match_pair_runs_and_copies_are_bit_exact() -> None:
+    rng = random.Random(7)
+    block = 4096
+    ids = list(range(40))
+    src_ids, dst_ids = rng.sample(ids, 24), rng.sample(ids, 24)
+    src_spans = [(h + b * block, block) for h in (0, 40 * block) for b in src_ids]
+    dst_spans = [(h + b * block, block) for h in (0, 40 * block) for b in dst_ids]
+    assert layer_runs(src_spans, dst_spans) == pair_runs(src_spans, dst_spans)
+    uneven = [(0, 3 * block), (10 * block, block)]  # lengths differ per span: the general walk
+    assert layer_runs(uneven, dst_spans[:4]) == pair_runs(uneven, dst_spans[:4])
+    with pytest.raises(ValueError, match="bytes"):
+        layer_runs(src_spans, dst_spans[:-1])
+    runs = layer_runs(src_spans, dst_spans)
+    check_runs(runs, 80 * block, 80 * block)
+    with pytest.raises(ValueError, match="outside"):
+        check_runs(runs, 80 * block, max(d + n for _, d, n in runs) - 1)
+    src = np.frombuffer(rng.randbytes(80 * block), dtype=np.uint8)
+    want = np.zeros(80 * block, dtype=np.uint8)
+    for s, d, n in runs:
+        want[d : d + n] = src[s : s + n]
+    for threads in (1, 2, 3):
+        copier = RunCopier(threads)
+        try:
+            got = np.zeros_like(want)
+            copier.copy(src, got, runs)
+            assert np.array_equal(got, want), threads
+        finally:
+            copier.close()
+
+
+def _shm_plane(agent: TransferAgent) -> ShmPlane:
+    planes = agent._planes
+    assert isinstance(planes, PlaneSet)
+    plane = planes.members[Backend.SHM]
+    assert isinstance(plane, ShmPlane)
+    return plane
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[TransferAgent, TransferAgent]]:
+    with TransferAgent(TransferConfig()) as p, TransferAgent(TransferConfig()) as d:
+        yield p, d
+
+
+def _transfer(
+    p: TransferAgent, d: TransferAgent, tid: str, src_ids: list[int], dst_ids: list[int], layers: int = LAYERS
+) -> None:
+    d.expect(tid, num_layers=layers, into_blocks=BlockTarget(tuple(dst_ids)), deadline_s=20.0)
+    p.start_send(tid, d.endpoint, p.block_layers(len(src_ids)), deadline_s=20.0)
+    ids = torch.tensor(src_ids, dtype=torch.int64)
+    for i in range(layers):
+        p.send_blocks(tid, i, ids)
+    sent = recvd = False
+    deadline = time.monotonic() + 20.0
+    while not (sent and recvd):
+        ev_p, ev_d = p.poll(), d.poll()
+        assert tid not in ev_p.failed and tid not in ev_d.failed, (ev_p.failed, ev_d.failed)
+        sent, recvd = sent or tid in ev_p.finished_sending, recvd or tid in ev_d.finished_recving
+        assert time.monotonic() < deadline, f"{tid} did not finish"
+        time.sleep(0.002)
+
+
+def _caches(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(SHAPE, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
+
+
+def _blocks(caches: list[torch.Tensor], ids: list[int]) -> list[torch.Tensor]:
+    index = torch.tensor(ids, dtype=torch.int64)
+    return [c.index_select(1, index).view(torch.int16) for c in caches]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_paged_transfer_into_a_shared_cache_takes_one_copy_bit_exact(threads: int) -> None:
+    cfg = TransferConfig(shm_copy_threads=threads)
+    with TransferAgent(cfg) as p, TransferAgent(cfg) as d:
+        src = _caches(1)
+        dst = shared_tensors([SHAPE] * LAYERS, torch.bfloat16)  # as the engine allocates on CPU
+        p.register_kv_caches(src, KVLayout.KV_FIRST)
+        d.register_kv_caches(dst, KVLayout.KV_FIRST)
+        src_ids = [3, 4, 5, 17, 0, 9, 22, 8]  # runs contiguous on one side only, scattered on both
+        dst_ids = [10, 11, 2, 3, 4, 23, 7, 1]
+        _transfer(p, d, "one-copy", src_ids, dst_ids)
+        assert p.peer_transports() == {d.endpoint: "shm"}
+        assert _shm_plane(p).layers_sent == {"one_copy": LAYERS}
+        for got, want in zip(_blocks(dst, dst_ids), _blocks(src, src_ids), strict=True):
+            assert torch.equal(got, want)
+        untouched = [b for b in range(SHAPE[1]) if b not in dst_ids]
+        assert all(not t.any() for t in _blocks(dst, untouched))  # nothing written outside the grant
+        # the grant was retired with the transfer: its slot is free again, no dest left behind
+        plane_d, plane_p = _shm_plane(d), _shm_plane(p)
+        wait_for(lambda: not plane_d._granted, 5.0, "the grant retired")
+        assert not plane_p.dests and not plane_d._pending
+
+
+def test_ordinary_destinations_fall_back_to_the_ring(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    p, d = pair
+    src = _caches(2)
+    dst = [torch.zeros(SHAPE, dtype=torch.bfloat16) for _ in range(LAYERS)]  # like vLLM's caches
+    p.register_kv_caches(src, KVLayout.KV_FIRST)
+    d.register_kv_caches(dst, KVLayout.KV_FIRST)
+    _transfer(p, d, "ring", [1, 2, 3], [5, 0, 6])
+    assert _shm_plane(p).layers_sent == {"ring": LAYERS}
+    for got, want in zip(_blocks(dst, [5, 0, 6]), _blocks(src, [1, 2, 3]), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_one_transfer_mixes_paths_per_destination(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    """Layers whose blocks are shared go in one copy, the others through the ring."""
+    p, d = pair
+    src = _caches(3)
+    shared = shared_tensors([SHAPE] * 2, torch.bfloat16)
+    dst = [
+        shared[0],
+        torch.zeros(SHAPE, dtype=torch.bfloat16),
+        shared[1],
+        torch.zeros(SHAPE, dtype=torch.bfloat16),
+    ]
+    p.register_kv_caches(src, KVLayout.KV_FIRST)
+    d.register_kv_caches(dst, KVLayout.KV_FIRST)
+    _transfer(p, d, "mixed", [7, 8], [20, 21])
+    assert _shm_plane(p).layers_sent == {"one_copy": 2, "ring": 2}
+    for got, want in zip(_blocks(dst, [20, 21]), _blocks(src, [7, 8]), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_abort_on_the_receiver_stops_later_writes_into_its_blocks(
+    pair: tuple[TransferAgent, TransferAgent],
+) -> None:
+    """Once the receiver's abort returned, no layer of that transfer lands in its shared blocks,
+    even when the sender hands them over afterwards (the grant was revoked)."""
+    p, d = pair
+    src = _caches(4)
+    dst = shared_tensors([SHAPE] * LAYERS, torch.bfloat16)
+    p.register_kv_caches(src, KVLayout.KV_FIRST)
+    d.register_kv_caches(dst, KVLayout.KV_FIRST)
+    _transfer(p, d, "warm", [0], [0])  # the link is set up and the region mapped
+    d.expect("cut", num_layers=LAYERS, into_blocks=BlockTarget((5, 6)), deadline_s=20.0)
+    p.start_send("cut", d.endpoint, p.block_layers(2), deadline_s=20.0)
+    ids = torch.tensor([1, 2], dtype=torch.int64)
+    p.send_blocks("cut", 0, ids)
+    wait_for(lambda: _shm_plane(p).layers_sent["one_copy"] == LAYERS + 1, 10.0, "layer 0 written")
+    d.abort("cut", "test")
+    for i in range(1, LAYERS):
+        p.send_blocks("cut", i, ids)
+    wait_for(lambda: "cut" in p.poll().failed, 10.0, "the sender learns of the abort")
+    assert torch.equal(_blocks(dst, [5, 6])[0], _blocks(src, [1, 2])[0])
+    assert all(not t.any() for t in _blocks(dst[1:], [5, 6]))
+    assert _shm_plane(p).layers_sent["one_copy"] == LAYERS + 1
+
+
+def test_memory_from_a_peer_must_be_sealed_against_shrinking() -> None:
+    """A peer that could shrink a memfd after it was mapped would crash the mapper (SIGBUS)."""
+    loose = os.memfd_create("kvwire-test", os.MFD_CLOEXEC)
+    sealed = sealed_memfd("kvwire-test", 8192)
+    try:
+        os.ftruncate(loose, 8192)
+        with pytest.raises(ValueError, match="sealed"):
+            check_peer_memfd(loose, 8192)
+        with pytest.raises(ValueError, match="announced"):
+            check_peer_memfd(sealed, 4096)
+        check_peer_memfd(sealed, 8192)
+        with pytest.raises(PermissionError):
+            os.ftruncate(sealed, 4096)
+        regions = MappedRegions()
+        with pytest.raises(ValueError, match="sealed"):
+            regions.add(1, os.dup(loose), 8192)
+        regions.add(2, os.dup(sealed), 8192)
+        assert regions.arrays[2].size == 8192
+        regions.close()
+    finally:
+        os.close(loose)
+        os.close(sealed)
+
+
+def test_arena_hands_out_page_aligned_buffers_and_merges_freed_ranges() -> None:
+    arena = SharedArena(64 * 4096)
+    a, b, c = arena.allocate(5000), arena.allocate(3 * 4096), arena.allocate(1)
+    assert a is not None and b is not None and c is not None
+    offsets = [found[1] for found in map(region_of, (a, b, c)) if found is not None]
+    assert offsets == [0, 2 * 4096, 5 * 4096] and a.numel() == 5000
+    assert arena.allocate(60 * 4096) is None  # 58 pages left
+    view = b.view(torch.int32)[:10]
+    del b
+    gc.collect()
+    assert arena.free_bytes() == 58 * 4096  # a view still holds b's range
+    del view, a
+    gc.collect()
+    assert arena.free_bytes() == 63 * 4096
+    big = arena.allocate(5 * 4096)  # the merged range at the front
+    assert big is not None and region_of(big) == (arena.region, 0)
+    del big, c
+    gc.collect()
+    assert arena.free_bytes() == 64 * 4096
+
+
+def test_offer_before_expect_lands_in_a_shared_receive_buffer_in_one_copy(
+    pair: tuple[TransferAgent, TransferAgent],
+) -> None:
+    """A transfer offered before the receiver knows its blocks is received into budget buffers;
+    those are shared too, so the sender writes them in one copy."""
+    p, d = pair
+    layers = [torch.randn(2, 8, 64) for _ in range(3)]
+    p.start_send("early", d.endpoint, [LayerSpec.of(t) for t in layers], deadline_s=20.0)
+    for i, t in enumerate(layers):
+        p.send_layer("early", i, t)
+    wait_for(lambda: _shm_plane(p).layers_sent["one_copy"] == 3, 20.0, "the layers written in one copy")
+    d.expect("early", num_layers=3, deadline_s=20.0)
+    wait_for(lambda: "early" in d.poll().finished_recving, 20.0, "the transfer received")
+    got = d.take_layers("early")
+    assert all(torch.equal(got[i], layers[i]) for i in range(3))
+    assert _shm_plane(p).layers_sent == {"one_copy": 3}
