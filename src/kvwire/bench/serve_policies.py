@@ -87,6 +87,8 @@ def kv_counters(cluster: LocalCluster) -> dict[str, float]:
         out["prompt_tokens"] += scrape(inst.url, "kvwire_prompt_tokens_total")
         if inst.role == "prefill":
             out["kv_bytes"] += scrape(inst.url, "kvwire_pd_transfer_bytes_total", side="send")
+        if inst.role == "decode":  # requests each decode instance finished (how evenly D is shared)
+            out[f"d_requests:{inst.name}"] = scrape(inst.url, "kvwire_requests_total")
     out["skipped"] = scrape(cluster.router_url, "kvwire_router_skipped_prefills_total")
     out["partial"] = scrape(cluster.router_url, "kvwire_router_partial_transfers_total")
     return out
@@ -144,11 +146,14 @@ def run_compare(args: argparse.Namespace, setups: dict[str, tuple[int, int, int]
 
 def kv_summary(counters: dict[str, float], num_requests: int) -> dict[str, float]:
     prompt = counters["prompt_tokens"]
+    per_d = [v for k, v in counters.items() if k.startswith("d_requests:")]
     return {
         "prefix_hit_rate": counters["hit_tokens"] / prompt if prompt else 0.0,
         "kv_bytes_per_request": counters["kv_bytes"] / num_requests if num_requests else 0.0,
         "skipped_prefills": counters["skipped"],
         "partial_transfers": counters["partial"],
+        # the busiest decode instance's share of the requests (1/num_decode = even)
+        "busiest_decode_share": max(per_d) / sum(per_d) if sum(per_d) else 0.0,
     }
 
 
@@ -172,11 +177,11 @@ def print_policy_table(summaries: Sequence[dict[str, Any]]) -> None:
     rounds = max((int(s.get("round", 1)) for s in summaries), default=1)
     head = (f"{'setup/policy':<22}{'round':>6}{'ok/all':>9}{'req/s':>8}{'tok/s':>9}{'TTFT p50 ms':>13}"
             f"{'p99 ms':>9}{'vs rr':>7}{'hit %':>7}{'KV KiB/req':>12}{'vs rr':>7}{'skipped':>9}"
-            f"{'partial':>9}")
+            f"{'partial':>9}{'D max %':>9}")
     print(head)
     print("-" * len(head))
     base = _round_robin_of(summaries)
-    for s in sorted(summaries, key=lambda s: (_key(s), s["setup"])):
+    for s in sorted(summaries, key=_key):  # stable: each round in its run order
         rr = base.get(_key(s))
         kv, ttft = s["kv"], s["ttft_s"]
         ok = f"{s['requests'] - s['failed']}/{s['requests']}"
@@ -188,7 +193,8 @@ def print_policy_table(summaries: Sequence[dict[str, Any]]) -> None:
               f"{s['output_throughput']:>9.1f}{ttft['p50'] * 1000:>13.1f}{ttft['p99'] * 1000:>9.1f}"
               f"{ttft_vs:>7}"
               f"{kv['prefix_hit_rate'] * 100:>7.1f}{kv['kv_bytes_per_request'] / 1024:>12.1f}{bytes_ratio:>7}"
-              f"{kv['skipped_prefills']:>9.0f}{kv['partial_transfers']:>9.0f}")
+              f"{kv['skipped_prefills']:>9.0f}{kv['partial_transfers']:>9.0f}"
+              f"{kv.get('busiest_decode_share', 0.0) * 100:>9.0f}")
         for error in s["errors"]:
             print(f"    error: {error}")
     if rounds > 1:
