@@ -125,7 +125,7 @@ def _tokenizer_dir(vllm_config: VllmConfig) -> str:
     """The tokenizer's local directory, announced so that the router tokenizes prompts like vLLM
     (KV-aware routing); "" for a Hugging Face hub name the router could not load."""
     name = str(getattr(vllm_config.model_config, "tokenizer", "") or "")
-    return name if name and Path(name).is_dir() else ""
+    return str(Path(name).resolve()) if name and Path(name).is_dir() else ""
 
 
 def _model_name(vllm_config: VllmConfig, plugin: VllmPluginConfig) -> str:
