@@ -2,9 +2,10 @@
 (``--kv-events-config``), the plugin forwards them re-hashed as kvwire hashes, the router indexes them.
 
 After a request through the router, ``/instances`` shows the blocks vLLM cached on P and on D; the
-same prompt again goes, by ``kv_aware``, to the D that holds it, which prefills only the few tokens
-past its cached blocks (P skipped), with output equal to plain vLLM. A text prompt checks that the
-router tokenizes like vLLM (the plugin announces the model's tokenizer directory).
+same prompt again goes, by ``kv_aware`` (the router's default), to the D that holds it, which
+prefills only the few tokens past its cached blocks (P skipped), with output equal to plain vLLM. A
+text prompt checks that the router tokenizes like vLLM (the plugin announces the model's tokenizer
+directory).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ TEXT = " ".join(["the quick brown fox jumps over the lazy dog and the kv cache"]
 
 @pytest.fixture(scope="module")
 def kv_router(cluster: Cluster) -> Iterator[Cluster]:
-    cluster.start_router("push", policy="kv_aware")  # a fresh router: an empty KV index
+    cluster.start_router("push", policy=None)  # the default (kv_aware); a fresh router: an empty index
     yield cluster
     cluster.start_router("push")
 
