@@ -124,7 +124,15 @@ def kv_transfer_config(
     return json.dumps(config)
 
 
-def start_vllm(name: str, model_dir: Path, port: int, log_dir: Path, kv_config: str | None) -> Proc:
+def kv_events_config(port: int) -> str:
+    """vLLM's own KV event publisher (off by default in vLLM), bound on loopback at ``port``."""
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"})
+
+
+def start_vllm(
+    name: str, model_dir: Path, port: int, log_dir: Path, kv_config: str | None,
+    events_config: str | None = None,
+) -> Proc:
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", "tiny",
@@ -137,15 +145,21 @@ def start_vllm(name: str, model_dir: Path, port: int, log_dir: Path, kv_config: 
     ]
     if kv_config is not None:
         cmd += ["--kv-transfer-config", kv_config]
+    if events_config is not None:
+        cmd += ["--kv-events-config", events_config]
     return Proc(name, cmd, log_dir / f"{name}.log", vllm_env())
 
 
-def start_router(http_port: int, discovery_port: int, mode: str, log_dir: Path, kv_deadline_s: float) -> Proc:
+def start_router(
+    http_port: int, discovery_port: int, mode: str, log_dir: Path, kv_deadline_s: float, policy: str | None
+) -> Proc:
     cmd = [
         sys.executable, "-m", "kvwire.cli", "router", "--host", "127.0.0.1", "--port", str(http_port),
         "--discovery-host", "127.0.0.1", "--discovery-port", str(discovery_port), "--mode", mode,
         "--kv-deadline-s", str(kv_deadline_s), "--instance-ttl-s", str(ROUTER_TTL_S),
     ]
+    if policy is not None:
+        cmd += ["--policy", policy]
     return Proc(f"router-{mode}", cmd, log_dir / f"router-{mode}.log", dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
@@ -192,7 +206,29 @@ def metric_total(port: int, name: str, labels: dict[str, str]) -> float:
     return total
 
 
+def complete(
+    base_url: str, prompt: list[int] | str, *, extra: dict[str, Any] | None = None, timeout_s: float = 120
+) -> dict[str, Any]:
+    """A greedy completion of ``MAX_TOKENS`` tokens (token ids returned)."""
+    body = {
+        "model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+        "ignore_eos": True, "return_token_ids": True, **(extra or {}),
+    }
+    req = urllib.request.Request(
+        f"{base_url}/v1/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        answer: dict[str, Any] = json.loads(resp.read())
+    return answer
+
+
+MAX_TOKENS = 12
+LOCAL_COMPUTE = {"source": "local_compute"}  # vllm:prompt_tokens_by_source: computed, not loaded
 KV_DEADLINE_S = 15.0
+# The P/D equality tests check the transfer path, so every request must go through P: a KV-aware
+# router would serve a prompt D already holds without P (tests/vllm/test_vllm_kv_routing.py).
+TRANSFER_POLICY = "round_robin"
 STARTUP_TIMEOUT_S = 600.0
 # P's prefill steps for transfers named "slow-*" are held this long (the plugin's fault_delay_send),
 # longer than the fixed deadline those transfers are given (SHORT_DEADLINE_S).
@@ -213,16 +249,19 @@ class Cluster:
     both_port: int
     procs: dict[str, Proc]
     both_kv_port: int = 0  # the kv_both instance's transfer-agent control port (fixed: tests dial it)
+    p_events_port: int = 0  # vLLM's KV event publishers (--kv-events-config)
+    d_events_port: int = 0
 
     def router_url(self) -> str:
         return f"http://127.0.0.1:{self.router_port}"
 
-    def start_router(self, mode: str) -> None:
+    def start_router(self, mode: str, policy: str | None = TRANSFER_POLICY) -> None:
+        """(Re)start the router; ``policy`` None: the router's default."""
         old = self.procs.pop("router", None)
         if old is not None:
             old.stop()
         self.procs["router"] = start_router(
-            self.router_port, self.discovery_port, mode, self.log_dir, KV_DEADLINE_S
+            self.router_port, self.discovery_port, mode, self.log_dir, KV_DEADLINE_S, policy
         )
         wait_until(
             lambda: self.registered() == {"prefill", "decode"}, 60, [self.procs["router"]], "registration"

@@ -4,9 +4,10 @@ in .venv-vllm; excluded from the main pytest run (``--ignore=tests/vllm`` in pyp
 One session-scoped cluster serves every test (engine start-ups cost ~30-90 s each on the 2-core box):
 a kvwire router (push first; restarted in pull mode on the same ports), a prefill instance
 (``kv_producer``; its prefill steps for transfers named ``slow-*`` are held ``SLOW_DELAY_S``, the
-plugin's ``fault_delay_send``), a decode instance (``kv_consumer``, ``kv_load_failure_policy=recompute``), a
-plain vLLM reference and an unregistered ``kv_both`` instance with the ``fail`` policy, all started
-in parallel. Logs go to ``build/vllm-tier-logs/``.
+plugin's ``fault_delay_send``), a decode instance (``kv_consumer``, ``kv_load_failure_policy=recompute``),
+both publishing vLLM's own KV events (``--kv-events-config``, which the plugin forwards), a plain vLLM
+reference and an unregistered ``kv_both`` instance with the ``fail`` policy, all started in parallel.
+Logs go to ``build/vllm-tier-logs/``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from cluster import (
     STARTUP_TIMEOUT_S,
     Cluster,
     healthy,
+    kv_events_config,
     kv_transfer_config,
     start_vllm,
     wait_until,
@@ -47,7 +49,7 @@ def cluster(model_dir: Path) -> Iterator[Cluster]:
     log_dir.mkdir(parents=True, exist_ok=True)
     c = Cluster(
         model_dir, log_dir, free_port(), free_port(), free_port(), free_port(), free_port(), free_port(), {},
-        both_kv_port=free_port(),
+        both_kv_port=free_port(), p_events_port=free_port(), d_events_port=free_port(),
     )
     router = f"tcp://127.0.0.1:{c.discovery_port}"
     common = {"router": router, "heartbeat_interval_s": 0.5, "deadline_s": KV_DEADLINE_S}
@@ -57,10 +59,12 @@ def cluster(model_dir: Path) -> Iterator[Cluster]:
             kv_transfer_config("kv_producer", {**common, "http_port": c.p_port, "instance_id": "vllm-p",
                                                "fault_delay_send": {"seconds": SLOW_DELAY_S,
                                                                     "transfer_id_prefix": SLOW_PREFIX}}),
+            kv_events_config(c.p_events_port),
         )
         c.procs["d"] = start_vllm(
             "decode", model_dir, c.d_port, log_dir,
             kv_transfer_config("kv_consumer", {**common, "http_port": c.d_port, "instance_id": "vllm-d"}),
+            kv_events_config(c.d_events_port),
         )
         c.procs["ref"] = start_vllm("reference", model_dir, c.ref_port, log_dir, None)
         # kv_both with vLLM's "fail" policy, not registered (the router would route P/D traffic to it).

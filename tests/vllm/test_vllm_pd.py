@@ -20,12 +20,15 @@ from typing import Any
 import pytest
 from cluster import (
     KV_DEADLINE_S,
+    LOCAL_COMPUTE,
     MAX_MODEL_LEN,
+    MAX_TOKENS,
     ROUTER_TTL_S,
     SHORT_DEADLINE_S,
     SLOW_DELAY_S,
     SLOW_PREFIX,
     Cluster,
+    complete,
     metric_total,
 )
 
@@ -34,8 +37,6 @@ from support.waiting import free_port
 
 BLOCK = 128
 LENGTHS = [1, 5, 31, BLOCK - 1, BLOCK, BLOCK + 1, 200, 2 * BLOCK, 2 * BLOCK + 1, 3 * BLOCK + 5, 600, 1000]
-MAX_TOKENS = 12
-LOCAL_COMPUTE = {"source": "local_compute"}
 
 
 def prompts(seed: int) -> list[list[int]]:
@@ -43,22 +44,6 @@ def prompts(seed: int) -> list[list[int]]:
     out = [[rng.randrange(3, 512) for _ in range(n)] for n in LENGTHS]
     assert max(LENGTHS) + MAX_TOKENS <= MAX_MODEL_LEN
     return out
-
-
-def complete(
-    base_url: str, prompt: list[int], *, extra: dict[str, Any] | None = None, timeout_s: float = 120
-) -> dict[str, Any]:
-    body = {
-        "model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-        "ignore_eos": True, "return_token_ids": True, **(extra or {}),
-    }
-    req = urllib.request.Request(
-        f"{base_url}/v1/completions", data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        answer: dict[str, Any] = json.loads(resp.read())
-    return answer
 
 
 def complete_stream(base_url: str, prompt: list[int]) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -86,6 +87,8 @@ def kv_counters(cluster: LocalCluster) -> dict[str, float]:
         out["prompt_tokens"] += scrape(inst.url, "kvwire_prompt_tokens_total")
         if inst.role == "prefill":
             out["kv_bytes"] += scrape(inst.url, "kvwire_pd_transfer_bytes_total", side="send")
+        if inst.role == "decode":  # requests each decode instance finished (how evenly D is shared)
+            out[f"d_requests:{inst.name}"] = scrape(inst.url, "kvwire_requests_total")
     out["skipped"] = scrape(cluster.router_url, "kvwire_router_skipped_prefills_total")
     out["partial"] = scrape(cluster.router_url, "kvwire_router_partial_transfers_total")
     return out
@@ -115,52 +118,97 @@ def bench_policy(
 
 
 def run_compare(args: argparse.Namespace, setups: dict[str, tuple[int, int, int]]) -> list[dict[str, Any]]:
-    """Every setup of ``args.setups`` x every policy of ``args.policies`` on ``args.workload``."""
+    """Every setup of ``args.setups`` x every policy of ``args.policies`` on ``args.workload``, for
+    ``args.rounds`` rounds. Each round runs every policy once, in an order rotated by one per round,
+    so that a policy is not always the one measured first (or last) while the box's load drifts;
+    each summary carries its ``round`` (1-based)."""
     from kvwire.bench.serve import summarize
     from kvwire.bench.workloads import make_sessions
 
     sessions = make_sessions(args)
     policies: list[str | None] = [p.strip() for p in (args.policies or "").split(",") if p.strip()]
+    policies = policies or [None]
+    rounds = getattr(args, "rounds", 1)
+    if rounds <= 0:
+        raise ValueError("--rounds must be > 0")
     summaries = []
-    for name in [n.strip() for n in args.setups.split(",") if n.strip()]:
-        for policy in policies or [None]:
-            results, duration, counters = bench_policy(setups[name], name, policy, args, sessions)
-            summary = summarize(f"{name}/{policy or 'default'}", results, duration)
-            summary["kv"] = kv_summary(counters, len(results))
-            summaries.append(summary)
+    for round_ in range(rounds):
+        order = policies[round_ % len(policies):] + policies[: round_ % len(policies)]
+        for name in [n.strip() for n in args.setups.split(",") if n.strip()]:
+            for policy in order:
+                results, duration, counters = bench_policy(setups[name], name, policy, args, sessions)
+                summary = summarize(f"{name}/{policy or 'default'}", results, duration)
+                summary["kv"] = kv_summary(counters, len(results))
+                summary["round"] = round_ + 1
+                summaries.append(summary)
     return summaries
 
 
 def kv_summary(counters: dict[str, float], num_requests: int) -> dict[str, float]:
     prompt = counters["prompt_tokens"]
+    per_d = [v for k, v in counters.items() if k.startswith("d_requests:")]
     return {
         "prefix_hit_rate": counters["hit_tokens"] / prompt if prompt else 0.0,
         "kv_bytes_per_request": counters["kv_bytes"] / num_requests if num_requests else 0.0,
         "skipped_prefills": counters["skipped"],
         "partial_transfers": counters["partial"],
+        # the busiest decode instance's share of the requests (1/num_decode = even)
+        "busiest_decode_share": max(per_d) / sum(per_d) if sum(per_d) else 0.0,
     }
 
 
+def _key(summary: dict[str, Any]) -> tuple[str, int]:
+    return summary["setup"].split("/")[0], int(summary.get("round", 1))
+
+
+def _round_robin_of(summaries: Sequence[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
+    return {_key(s): s for s in summaries if s["setup"].endswith("/round_robin")}
+
+
+def ttft_ratio(summary: dict[str, Any], base: dict[tuple[str, int], dict[str, Any]]) -> float | None:
+    """TTFT p50 over round robin's in the same setup and round (None without a round robin run)."""
+    rr = base.get(_key(summary))
+    if rr is None or not rr["ttft_s"]["p50"]:
+        return None
+    return float(summary["ttft_s"]["p50"] / rr["ttft_s"]["p50"])
+
+
 def print_policy_table(summaries: Sequence[dict[str, Any]]) -> None:
-    head = (f"{'setup/policy':<22}{'ok/all':>9}{'req/s':>8}{'tok/s':>9}{'TTFT p50 ms':>13}{'p99 ms':>9}"
-            f"{'vs rr':>7}{'hit %':>7}{'KV KiB/req':>12}{'vs rr':>7}{'skipped':>9}{'partial':>9}")
+    rounds = max((int(s.get("round", 1)) for s in summaries), default=1)
+    head = (f"{'setup/policy':<22}{'round':>6}{'ok/all':>9}{'req/s':>8}{'tok/s':>9}{'TTFT p50 ms':>13}"
+            f"{'p99 ms':>9}{'vs rr':>7}{'hit %':>7}{'KV KiB/req':>12}{'vs rr':>7}{'skipped':>9}"
+            f"{'partial':>9}{'D max %':>9}")
     print(head)
     print("-" * len(head))
-    base: dict[str, dict[str, Any]] = {}
-    for s in summaries:
-        setup = s["setup"].split("/")[0]
-        if s["setup"].endswith("/round_robin"):
-            base[setup] = s
-    for s in summaries:
-        rr = base.get(s["setup"].split("/")[0])
+    base = _round_robin_of(summaries)
+    for s in sorted(summaries, key=_key):  # stable: each round in its run order
+        rr = base.get(_key(s))
         kv, ttft = s["kv"], s["ttft_s"]
         ok = f"{s['requests'] - s['failed']}/{s['requests']}"
-        ttft_ratio = f"{ttft['p50'] / rr['ttft_s']['p50']:.2f}" if rr and rr["ttft_s"]["p50"] else "-"
+        ratio = ttft_ratio(s, base)
+        ttft_vs = "-" if ratio is None else f"{ratio:.2f}"
         rr_bytes = rr["kv"]["kv_bytes_per_request"] if rr else 0.0
         bytes_ratio = f"{kv['kv_bytes_per_request'] / rr_bytes:.2f}" if rr_bytes else "-"
-        print(f"{s['setup']:<22}{ok:>9}{s['request_throughput']:>8.2f}{s['output_throughput']:>9.1f}"
-              f"{ttft['p50'] * 1000:>13.1f}{ttft['p99'] * 1000:>9.1f}{ttft_ratio:>7}"
+        print(f"{s['setup']:<22}{s.get('round', 1):>6}{ok:>9}{s['request_throughput']:>8.2f}"
+              f"{s['output_throughput']:>9.1f}{ttft['p50'] * 1000:>13.1f}{ttft['p99'] * 1000:>9.1f}"
+              f"{ttft_vs:>7}"
               f"{kv['prefix_hit_rate'] * 100:>7.1f}{kv['kv_bytes_per_request'] / 1024:>12.1f}{bytes_ratio:>7}"
-              f"{kv['skipped_prefills']:>9.0f}{kv['partial_transfers']:>9.0f}")
+              f"{kv['skipped_prefills']:>9.0f}{kv['partial_transfers']:>9.0f}"
+              f"{kv.get('busiest_decode_share', 0.0) * 100:>9.0f}")
         for error in s["errors"]:
             print(f"    error: {error}")
+    if rounds > 1:
+        print_round_summary(summaries)
+
+
+def print_round_summary(summaries: Sequence[dict[str, Any]]) -> None:
+    """Per setup/policy: TTFT p50 vs round robin in each round, and their median."""
+    base = _round_robin_of(summaries)
+    ratios: dict[str, list[float]] = {}
+    for s in summaries:
+        ratio = ttft_ratio(s, base)
+        if ratio is not None:
+            ratios.setdefault(s["setup"], []).append(ratio)
+    print(f"\n{'setup/policy':<22}{'TTFT p50 vs rr, median':>24}   per round")
+    for setup, values in ratios.items():
+        print(f"{setup:<22}{statistics.median(values):>24.2f}   {' '.join(f'{v:.2f}' for v in values)}")

@@ -91,3 +91,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suffix-len", type=int, default=32,
                         help="shared-prefix: question tokens; multi-turn: new tokens per later turn")
     parser.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="--policies: run every policy this many times, interleaved (the order rotates "
+                             "each round); the table adds each policy's median TTFT ratio over the rounds")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +44,7 @@ from kvwire.connector.config import EngineInfo
 from kvwire.connector.metadata import KvwireConnectorMetadata
 from kvwire.errors import ConfigError
 from kvwire.integrations.vllm_config import VllmPluginConfig, VllmTransferView, plugin_config_from_vllm
+from kvwire.integrations.vllm_kv_events import kv_events_source
 from kvwire.integrations.vllm_scheduler_side import Identity, SchedulerSide, rank_endpoints
 from kvwire.integrations.vllm_worker_side import WorkerSide
 from kvwire.transfer.enums import KVLayout
@@ -119,6 +121,13 @@ def _device(plugin: VllmPluginConfig) -> str:
     return "cpu"
 
 
+def _tokenizer_dir(vllm_config: VllmConfig) -> str:
+    """The tokenizer's local directory, announced so that the router tokenizes prompts like vLLM
+    (KV-aware routing); "" for a Hugging Face hub name the router could not load."""
+    name = str(getattr(vllm_config.model_config, "tokenizer", "") or "")
+    return str(Path(name).resolve()) if name and Path(name).is_dir() else ""
+
+
 def _model_name(vllm_config: VllmConfig, plugin: VllmPluginConfig) -> str:
     if plugin.model_name:
         return plugin.model_name
@@ -150,8 +159,12 @@ class KvwireConnector(KVConnectorBase_V1):
                 instance_id=self._plugin.instance_id or str(vllm_config.kv_transfer_config.engine_id),
                 model_name=_model_name(vllm_config, self._plugin),
                 version=f"vllm {vllm.__version__}",
+                tokenizer=_tokenizer_dir(vllm_config),
             )
-            self._scheduler = SchedulerSide(self._plugin, info, identity)
+            events = kv_events_source(
+                vllm_config.kv_events_config, int(vllm_config.parallel_config.data_parallel_index)
+            )
+            self._scheduler = SchedulerSide(self._plugin, info, identity, events)
         else:
             info = EngineInfo(
                 block_size=block_size, device=_device(self._plugin), rank=_tp_rank(),

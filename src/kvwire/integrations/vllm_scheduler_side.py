@@ -5,7 +5,9 @@ needs every rank's transfer-agent endpoint, which exists only once the workers s
 vLLM delivers them after the scheduler is built, through its handshake-metadata hook
 (:meth:`SchedulerSide.set_endpoints`), before the first request is scheduled. The same moment starts
 the router registration (:class:`kvwire.discovery.HeartbeatClient`), with the endpoints per rank and a
-load snapshot refreshed every scheduler step.
+load snapshot refreshed every scheduler step. When vLLM publishes its own KV events
+(``--kv-events-config``) and the router is reached over ZeroMQ, a bridge thread forwards them with the
+heartbeats, re-hashed as kvwire hashes (:mod:`kvwire.integrations.vllm_kv_events`, decision 100).
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ from kvwire.connector.metadata import KvwireConnectorMetadata
 from kvwire.connector.metrics import connector_metrics
 from kvwire.connector.scheduler import KvwireSchedulerConnector
 from kvwire.discovery import InstanceLoad, Registration, start_registration
+from kvwire.discovery.address import DiscoveryKind, parse_registration_address
 from kvwire.errors import EngineError, InvalidRequestError
 from kvwire.integrations.vllm_config import VllmPluginConfig
+from kvwire.integrations.vllm_kv_events import VllmKvEventBridge, VllmKvEventsSource, VllmKvTranslator
 from kvwire.integrations.vllm_steps import DeliveryLedger, StepTracker
+from kvwire.kv_events import KvEventLog
 from kvwire.kv_params import KVTransferParams
 from kvwire.kv_signing import KVParamsRefused, verifier_from_secret
 from kvwire.refusal_log import RefusalLog
@@ -46,12 +51,16 @@ class Identity:
     instance_id: str
     model_name: str
     version: str
+    tokenizer: str = ""  # a local model directory the router can tokenize with (InstanceInfo.tokenizer)
 
 
 class SchedulerSide:
     """See the module docstring."""
 
-    def __init__(self, config: VllmPluginConfig, engine_info: EngineInfo, identity: Identity) -> None:
+    def __init__(
+        self, config: VllmPluginConfig, engine_info: EngineInfo, identity: Identity,
+        kv_events: VllmKvEventsSource | None = None,
+    ) -> None:
         self.config = config
         self.engine_info = engine_info
         self.identity = identity
@@ -68,6 +77,26 @@ class SchedulerSide:
         self._verifier = verifier_from_secret(config.secret)
         self._judged: dict[str, bool] = {}  # request id -> params accepted (until request_finished)
         self._refusals = RefusalLog(logger, "kv_transfer_params")
+        self.kv_event_log: KvEventLog | None = None
+        self.kv_bridge: VllmKvEventBridge | None = None
+        self._start_kv_events(kv_events)
+
+    def _start_kv_events(self, source: VllmKvEventsSource | None) -> None:
+        """Subscribe to vLLM's KV event publisher now (before any request), if the router can get them."""
+        address = self.config.router_address
+        if address is None:
+            return
+        if source is None:
+            logger.info("kvwire: vLLM publishes no KV events (--kv-events-config); the router routes "
+                        "this instance on load only")
+            return
+        if parse_registration_address(address).kind is not DiscoveryKind.ZMQ:
+            logger.info("kvwire: KV events travel on ZeroMQ discovery only; %s is routed on load", address)
+            return
+        self.kv_event_log = KvEventLog(self.engine_info.block_size)
+        self.kv_bridge = VllmKvEventBridge(
+            source.endpoint, VllmKvTranslator(self.kv_event_log), source.topic
+        ).start()
 
     # --- start-up -------------------------------------------------------------------------------
 
@@ -97,6 +126,7 @@ class SchedulerSide:
             url=self.config.http_url, model=self.identity.model_name, kv_endpoints=endpoints,
             version=self.identity.version, load_fn=lambda: self._load,
             interval_s=self.config.heartbeat_interval_s, secret=self.config.secret,
+            kv_events=self.kv_event_log, tokenizer=self.identity.tokenizer,
             wait_for_http=True,  # vLLM's HTTP server starts listening after engine init
         )
 
@@ -203,6 +233,8 @@ class SchedulerSide:
         if self._closed:
             return
         self._closed = True
+        if self.kv_bridge is not None:
+            self.kv_bridge.close()
         if self._heartbeat is not None:
             self._heartbeat.close()  # sends the deregistration
         if self._core is not None:

@@ -28,7 +28,7 @@ class RouterConfig:
     discovery: str | None = None
     instance_ttl_s: float = 6.0  # no heartbeat for this long -> expired (3 missed at the default 2 s)
     forget_after_s: float = 60.0  # expired entries stay visible in /instances this long
-    policy: Policy = Policy.LEAST_LOADED
+    policy: Policy = Policy.KV_AWARE  # decision 048
     mode: TransferMode = TransferMode.PUSH
     secret: str | None = None  # HMAC key for heartbeats (unsigned ones are dropped) and kv_transfer_params
     kv_params_ttl_s: float = 60.0  # signed kv_transfer_params are refused by instances after this long

@@ -192,11 +192,17 @@ def test_kv_aware_balances_cache_against_load() -> None:
     assert kv_aware([slightly_busy, idle], ctx()).instance_id == "a"
 
 
-def test_kv_aware_breaks_ties_at_random() -> None:
+def test_kv_aware_ties_take_turns() -> None:
     cands = [Candidate(f"i{k}", "u", cached_tokens=64) for k in range(4)]
     c = ctx()
-    picks = {kv_aware(cands, c).instance_id for _ in range(200)}
-    assert picks == {"i0", "i1", "i2", "i3"}
+    picks = []
+    for _ in range(8):
+        picks.append(kv_aware(cands, c).instance_id)
+        c.turn += 1  # as the selector does after each pick
+    assert picks == ["i0", "i1", "i2", "i3"] * 2
+    cands[2] = Candidate("i2", "u", cached_tokens=65)  # no tie: the best wins on every turn
+    turns = [PickContext(turn=t, rng=random.Random(0)) for t in range(4)]
+    assert {kv_aware(cands, t).instance_id for t in turns} == {"i2"}
 
 
 def test_kv_aware_on_decode_prefers_the_longest_prefix() -> None:
