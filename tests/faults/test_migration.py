@@ -3,6 +3,9 @@
 Real processes, tiny model on CPU. Streaming: the router continues the answer on a live instance
 (prompt + tokens already streamed) inside the same SSE stream; greedy output equals an uninterrupted
 run token for token. Non-streaming: re-dispatched invisibly. Nothing left alive: a clear error.
+The survivors (router and instances) return to their thread / fd / shared-memory counts of before
+the kill (tests/support/leaks.py), once every instance had served, so first-use threads and P's
+links to each decode instance are in the baseline.
 """
 
 from __future__ import annotations
@@ -14,10 +17,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fault_cluster import blocks_back_to_zero, completion, post_json, running, serving
+from fault_cluster import (
+    blocks_back_to_zero,
+    completion,
+    http_ports,
+    live_urls,
+    metric,
+    pids,
+    post_json,
+    running,
+    serving,
+)
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.cluster.process import wait_until
+from support.leaks import LeakBaseline
 from support.sse_client import SSEResult, stream
 
 pytestmark = pytest.mark.slow
@@ -62,6 +76,24 @@ class Killer:
                     self.killed = name
 
 
+def _warm_baseline(cluster: LocalCluster, role: str) -> LeakBaseline:
+    """Requests through the router until every live instance of ``role`` has served one (bounded),
+    then the survivors' leak baseline."""
+    served = "kvwire_requests_total"
+    attempt = iter(range(1, 1000))
+
+    def everyone_served() -> bool:  # prompts with no common block: the policy balances, no affinity
+        prompt = [next(attempt) % 250 + 1] * 20
+        body = completion(4, stream=False, prompt=prompt)
+        status, _ = post_json(cluster.router_url + "/v1/completions", body)
+        assert status == 200
+        return all(metric(url, served) > 0 for url in live_urls(cluster, role).values())
+
+    assert wait_until(everyone_served, 60, interval_s=0.0), f"not every {role} instance served"
+    assert blocks_back_to_zero(cluster, 10)
+    return LeakBaseline.take(pids(cluster), pooled_ports=http_ports(cluster))
+
+
 def _restart(cluster: LocalCluster, name: str) -> None:
     role = cluster.instances[name].role
     del cluster.instances[name]
@@ -86,6 +118,7 @@ def test_stream_survives_its_instance_dying(both: LocalCluster, path: str) -> No
         body["stream_options"] = {"include_usage": True}
     ref = stream(both.router_url, path, body)
     assert len(ref.token_ids()) == MAX_TOKENS
+    baseline = _warm_baseline(both, "both")
     killer = Killer(both, "both")
     got = stream(both.router_url, path, body, on_event=killer)
     assert killer.killed is not None, "the stream ended before an instance could be killed"
@@ -95,17 +128,20 @@ def test_stream_survives_its_instance_dying(both: LocalCluster, path: str) -> No
         ref_usage = [e["usage"] for e in ref.events if isinstance(e, dict) and e.get("usage")]
         assert usage == ref_usage and usage[0]["completion_tokens"] == MAX_TOKENS
     assert blocks_back_to_zero(both, 10)
+    baseline.without(killer.killed).wait_back(15)
     _restart(both, killer.killed)
 
 
 def test_pd_stream_survives_its_decode_instance_dying(pd: LocalCluster) -> None:
     body = completion(MAX_TOKENS, stream=True)
     ref = stream(pd.router_url, "/v1/completions", body)
+    baseline = _warm_baseline(pd, "decode")
     killer = Killer(pd, "decode")
     got = stream(pd.router_url, "/v1/completions", body, on_event=killer)
     assert killer.killed is not None
     _check_same(got, ref)
     assert blocks_back_to_zero(pd, 10)
+    baseline.without(killer.killed).wait_back(15)
     _restart(pd, killer.killed)
 
 
@@ -113,6 +149,7 @@ def test_non_streaming_request_is_redispatched(pd: LocalCluster) -> None:
     body = completion(MAX_TOKENS, stream=False)
     status, ref = post_json(pd.router_url + "/v1/completions", body)
     assert status == 200
+    baseline = _warm_baseline(pd, "decode")
     result: list[tuple[int, Any]] = []
     url = pd.router_url + "/v1/completions"
     thread = threading.Thread(target=lambda: result.append(post_json(url, body)), daemon=True)
@@ -133,6 +170,7 @@ def test_non_streaming_request_is_redispatched(pd: LocalCluster) -> None:
     assert got["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
     assert got["choices"][0]["text"] == ref["choices"][0]["text"]
     assert blocks_back_to_zero(pd, 10)
+    baseline.without(victim[0]).wait_back(15)
     _restart(pd, victim[0])
 
 

@@ -159,6 +159,17 @@ class LeakBaseline:
         sockets = {name: socket_kinds(pid, names) for name, pid in pids.items()}
         return cls(dict(pids), counts, frozenset(shm_names()), fds, names, sockets, pooled_ports)
 
+    def without(self, *names: str) -> LeakBaseline:
+        """The baseline of the other processes (``names`` were killed on purpose: not survivors)."""
+        keep = [n for n in self.pids if n not in names]
+        return dataclasses.replace(
+            self,
+            pids={n: self.pids[n] for n in keep},
+            counts={n: self.counts[n] for n in keep},
+            fds={n: v for n, v in self.fds.items() if n in keep},
+            sockets={n: v for n, v in self.sockets.items() if n in keep},
+        )
+
     def leaks(self) -> list[str]:
         """What is above the baseline now ([] = nothing); a process that died is reported."""
         found: list[str] = []
