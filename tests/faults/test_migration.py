@@ -176,9 +176,11 @@ def test_non_streaming_request_is_redispatched(pd: LocalCluster) -> None:
 
 def test_clear_error_when_no_instance_is_left(tmp_path: Path) -> None:
     with running(_spec(num_prefill=0, num_decode=0, num_both=1), tmp_path / "one.log") as cluster:
+        baseline = _warm_baseline(cluster, "both")
         killer = Killer(cluster, "both")
         got = stream(cluster.router_url, "/v1/completions", completion(MAX_TOKENS, stream=True),
                      on_event=killer)
         assert killer.killed is not None
         assert got.status == 200 and got.done, got.events[-3:]
         assert len(got.errors) == 1 and "failed mid-stream" in got.errors[0]["error"]["message"]
+        baseline.without(killer.killed).wait_back(15)  # the router alone survives: back to its counts

@@ -1,6 +1,8 @@
 """P/D fault injection with real processes: a peer is frozen (SIGSTOP) so the handover is surely in
 flight, then killed (SIGKILL). Nothing hangs; blocks are released within the KV deadline; D applies
-its load-failure policy (recompute: exact output; fail: a clear error)."""
+its load-failure policy (recompute: exact output; fail: a clear error); the survivors (the other
+instance and the router) return to their thread / fd / shared-memory counts of before the fault,
+taken after one P/D request, so the P<->D link is in the baseline (tests/support/leaks.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.engine.sampling_params import SamplingParams
+from support.leaks import LeakBaseline
 from support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -84,6 +87,16 @@ def url_of(cluster: LocalCluster, name: str) -> str:
     return url
 
 
+def warm_baseline(cluster: LocalCluster, survivor: str) -> LeakBaseline:
+    """One P/D request through the router, then the leak baseline of ``survivor`` and the router."""
+    warm = Background(cluster.router_url).join(60)
+    assert warm.ok, warm.error
+    assert cluster.router is not None
+    pids = {survivor: cluster.instances[survivor].process.pid, "router": cluster.router.pid}
+    ports = [url_of(cluster, survivor), cluster.router_url]
+    return LeakBaseline.take(pids, pooled_ports=frozenset(int(u.rsplit(":", 1)[1]) for u in ports))
+
+
 def kill_p_mid_handover(cluster: LocalCluster) -> Background:
     """Freeze P, send a request, wait until D expects the KV, then kill P."""
     d_url = url_of(cluster, "decode-0")
@@ -97,6 +110,7 @@ def kill_p_mid_handover(cluster: LocalCluster) -> Background:
 
 def test_p_killed_d_recomputes_exact_output(recompute_cluster: LocalCluster, expected: list[int]) -> None:
     d_url = url_of(recompute_cluster, "decode-0")
+    baseline = warm_baseline(recompute_cluster, "decode-0")
     request = kill_p_mid_handover(recompute_cluster)
     result = request.join(DEADLINE_S + SLACK_S)
     assert result.ok, result.error
@@ -104,6 +118,7 @@ def test_p_killed_d_recomputes_exact_output(recompute_cluster: LocalCluster, exp
     assert request.elapsed_s < DEADLINE_S + SLACK_S
     assert metric(d_url, "kvwire_pd_load_failures_total") >= 1
     wait_for(lambda: metric(d_url, "kvwire_kv_blocks_in_use") == 0, 10, "D frees its blocks")
+    baseline.wait_back(15)
 
 
 def test_d_killed_p_frees_blocks_within_deadline(recompute_cluster: LocalCluster) -> None:
@@ -111,6 +126,7 @@ def test_d_killed_p_frees_blocks_within_deadline(recompute_cluster: LocalCluster
     cluster.start_instance("prefill-1", "prefill")  # the previous P was killed above
     cluster.wait_ready(60)
     p_url = url_of(cluster, "prefill-1")
+    baseline = warm_baseline(cluster, "prefill-1")
     cluster.instances["decode-0"].process.signal(signal.SIGSTOP)
     request = Background(cluster.router_url)
     # P computed the prompt and holds its blocks for the (frozen) D.
@@ -124,13 +140,16 @@ def test_d_killed_p_frees_blocks_within_deadline(recompute_cluster: LocalCluster
     assert metric(p_url, "kvwire_pd_transfers_failed_total") >= 1
     result = request.join(DEADLINE_S + SLACK_S)  # the client is answered (an error), never left hanging
     assert not result.ok and result.error
+    baseline.wait_back(15)
 
 
 def test_p_killed_policy_fail_gives_clear_error(fail_cluster: LocalCluster) -> None:
+    baseline = warm_baseline(fail_cluster, "decode-0")
     request = kill_p_mid_handover(fail_cluster)
     result = request.join(DEADLINE_S + SLACK_S)
     assert not result.ok
     assert "remote KV load failed" in (result.error or ""), result.error
     d_url = url_of(fail_cluster, "decode-0")
     wait_for(lambda: metric(d_url, "kvwire_kv_blocks_in_use") == 0, 10, "D frees its blocks")
+    baseline.wait_back(15)
     # D keeps serving: with P gone the router has no P/D pair, so nothing else to check here.
