@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import threading
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,3 +87,25 @@ def http_ports(cluster: LocalCluster) -> frozenset[int]:
     baseline does not count (tests/support/leaks.py)."""
     urls = [cluster.router_url, *(i.url for i in cluster.live_instances() if i.url is not None)]
     return frozenset(int(url.rsplit(":", 1)[1]) for url in urls)
+
+
+class StreamKiller:
+    """An SSE event callback: once ``after`` content events came, ``kill(name)`` the instance of
+    ``role`` serving the stream (once); ``killed`` / ``killed_at`` say which and when."""
+
+    def __init__(self, cluster: LocalCluster, role: str, kill: Callable[[str], None], after: int = 4) -> None:
+        self.cluster, self.role, self.kill, self.after = cluster, role, kill, after
+        self.seen = 0
+        self.killed: str | None = None
+        self.killed_at = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self, event: Any) -> None:
+        if isinstance(event, dict) and any(c.get("token_ids") for c in event.get("choices") or []):
+            self.seen += 1
+        with self._lock:
+            if self.killed is None and self.seen >= self.after:
+                name = serving(self.cluster, self.role)
+                if name is not None:
+                    self.kill(name)
+                    self.killed, self.killed_at = name, time.monotonic()

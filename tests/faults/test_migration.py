@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from fault_cluster import (
+    StreamKiller,
     blocks_back_to_zero,
     completion,
     http_ports,
@@ -56,24 +57,9 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield cluster
 
 
-class Killer:
-    """Kills the instance of ``role`` serving the stream once ``KILL_AFTER`` content events came."""
-
-    def __init__(self, cluster: LocalCluster, role: str) -> None:
-        self.cluster, self.role = cluster, role
-        self.seen = 0
-        self.killed: str | None = None
-        self._lock = threading.Lock()
-
-    def __call__(self, event: Any) -> None:
-        if isinstance(event, dict) and any(c.get("token_ids") for c in event.get("choices") or []):
-            self.seen += 1
-        with self._lock:
-            if self.killed is None and self.seen >= KILL_AFTER:
-                name = serving(self.cluster, self.role)
-                if name is not None:
-                    self.cluster.kill(name, signal.SIGKILL)
-                    self.killed = name
+def sigkill_serving(cluster: LocalCluster, role: str) -> StreamKiller:
+    """SIGKILLs the instance of ``role`` serving the stream once ``KILL_AFTER`` content events came."""
+    return StreamKiller(cluster, role, lambda name: cluster.kill(name, signal.SIGKILL), KILL_AFTER)
 
 
 def _warm_baseline(cluster: LocalCluster, role: str) -> LeakBaseline:
@@ -119,7 +105,7 @@ def test_stream_survives_its_instance_dying(both: LocalCluster, path: str) -> No
     ref = stream(both.router_url, path, body)
     assert len(ref.token_ids()) == MAX_TOKENS
     baseline = _warm_baseline(both, "both")
-    killer = Killer(both, "both")
+    killer = sigkill_serving(both, "both")
     got = stream(both.router_url, path, body, on_event=killer)
     assert killer.killed is not None, "the stream ended before an instance could be killed"
     _check_same(got, ref)
@@ -136,7 +122,7 @@ def test_pd_stream_survives_its_decode_instance_dying(pd: LocalCluster) -> None:
     body = completion(MAX_TOKENS, stream=True)
     ref = stream(pd.router_url, "/v1/completions", body)
     baseline = _warm_baseline(pd, "decode")
-    killer = Killer(pd, "decode")
+    killer = sigkill_serving(pd, "decode")
     got = stream(pd.router_url, "/v1/completions", body, on_event=killer)
     assert killer.killed is not None
     _check_same(got, ref)
@@ -177,7 +163,7 @@ def test_non_streaming_request_is_redispatched(pd: LocalCluster) -> None:
 def test_clear_error_when_no_instance_is_left(tmp_path: Path) -> None:
     with running(_spec(num_prefill=0, num_decode=0, num_both=1), tmp_path / "one.log") as cluster:
         baseline = _warm_baseline(cluster, "both")
-        killer = Killer(cluster, "both")
+        killer = sigkill_serving(cluster, "both")
         got = stream(cluster.router_url, "/v1/completions", completion(MAX_TOKENS, stream=True),
                      on_event=killer)
         assert killer.killed is not None

@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
-from fault_cluster import blocks_back_to_zero, completion, live_urls, post_json, running, serving
+from fault_cluster import (
+    StreamKiller,
+    blocks_back_to_zero,
+    completion,
+    live_urls,
+    post_json,
+    running,
+)
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster, http_json
 from kvwire.cluster.process import wait_until
@@ -49,29 +54,16 @@ def tp_workers(pid: int) -> list[int]:
     return workers
 
 
-class RankKiller:
+def kill_serving_rank(cluster: LocalCluster) -> StreamKiller:
     """Once ``KILL_AFTER`` content events came: SIGKILL rank 1 of the decode instance serving."""
 
-    def __init__(self, cluster: LocalCluster) -> None:
-        self.cluster = cluster
-        self.seen = 0
-        self.killed: str | None = None
-        self.killed_at = 0.0
-        self._lock = threading.Lock()
+    def kill_rank(name: str) -> None:
+        process = cluster.instances[name].process
+        (worker,) = tp_workers(process.pid)
+        process.expected_exit = True  # it exits by itself (code 3): not a cluster failure
+        os.kill(worker, signal.SIGKILL)
 
-    def __call__(self, event: Any) -> None:
-        if isinstance(event, dict) and any(c.get("token_ids") for c in event.get("choices") or []):
-            self.seen += 1
-        with self._lock:
-            if self.killed is None and self.seen >= KILL_AFTER:
-                name = serving(self.cluster, "decode")
-                if name is None:
-                    return
-                process = self.cluster.instances[name].process
-                (worker,) = tp_workers(process.pid)
-                process.expected_exit = True  # it exits by itself (code 3): not a cluster failure
-                os.kill(worker, signal.SIGKILL)
-                self.killed, self.killed_at = name, time.monotonic()
+    return StreamKiller(cluster, "decode", kill_rank, KILL_AFTER)
 
 
 def test_a_decode_rank_killed_mid_stream(tmp_path: Path) -> None:
@@ -81,7 +73,7 @@ def test_a_decode_rank_killed_mid_stream(tmp_path: Path) -> None:
         body = completion(MAX_TOKENS, stream=True)
         ref = stream(cluster.router_url, "/v1/completions", body)
         assert len(ref.token_ids()) == MAX_TOKENS
-        killer = RankKiller(cluster)
+        killer = kill_serving_rank(cluster)
         got = stream(cluster.router_url, "/v1/completions", body, on_event=killer)
         assert killer.killed is not None, "the stream ended before a rank could be killed"
         assert got.status == 200 and got.error is None and not got.errors, (got.error, got.errors)

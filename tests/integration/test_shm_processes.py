@@ -15,11 +15,10 @@ from transfer_helpers import PeerProcess, digest, has_all, poll_until
 
 from kvwire.cluster.local import free_port
 from kvwire.transfer import TransferAgent, TransferConfig
-from kvwire.transfer.enums import Backend, KVLayout
+from kvwire.transfer.enums import KVLayout
 from kvwire.transfer.paged_kv import BlockTarget
-from kvwire.transfer.planes.plane_set import PlaneSet
-from kvwire.transfer.planes.shm.plane import ShmPlane
 from kvwire.transfer.shared_memory import MEMFD_NAME, shared_tensors
+from support.shm_planes import shm_plane
 from support.waiting import wait_for
 
 SHAPE = [2, 12, 16, 4, 32]  # KV_FIRST float32: 12 blocks of 8 KiB halves
@@ -48,14 +47,6 @@ def _mapped_regions() -> int:
 
 def _nothing_in_dev_shm() -> bool:
     return not any("kvwire" in name for name in os.listdir("/dev/shm"))
-
-
-def _shm_plane(agent: TransferAgent) -> ShmPlane:
-    planes = agent._planes
-    assert isinstance(planes, PlaneSet)
-    plane = planes.members[Backend.SHM]
-    assert isinstance(plane, ShmPlane)
-    return plane
 
 
 @pytest.fixture
@@ -122,12 +113,12 @@ def test_receiver_restarted_new_epoch_maps_the_new_memfd(agent: TransferAgent) -
         _send(agent, "rs-1", endpoint, [6, 1], list(range(LAYERS)))
         poll_until(agent, has_all("sent", ["rs-1"]), timeout_s=20)
         assert old.call("block_digests", block_ids=[2, 3])["digests"] == _digests(src, [6, 1])
-        wait_for(lambda: _shm_plane(agent).layers_sent == {"one_copy": LAYERS}, 10.0, "one copy, every layer")
+        wait_for(lambda: shm_plane(agent).layers_sent == {"one_copy": LAYERS}, 10.0, "one copy, every layer")
         # the old receiver's cache and its receive-buffer arena, each mapped once
         assert _mapped_regions() == mapped_before + 2
         old.call("expect_blocks", tid="rs-2", **blocks)  # in flight when the receiver dies
         _send(agent, "rs-2", endpoint, [6, 1], [0])
-        wait_for(lambda: _shm_plane(agent).layers_sent["one_copy"] == LAYERS + 1, 20.0, "rs-2 layer 0")
+        wait_for(lambda: shm_plane(agent).layers_sent["one_copy"] == LAYERS + 1, 20.0, "rs-2 layer 0")
         old.kill()
         new = PeerProcess("--port", str(port))
         assert new.endpoint == endpoint and new.instance_id != old.instance_id
@@ -136,7 +127,7 @@ def test_receiver_restarted_new_epoch_maps_the_new_memfd(agent: TransferAgent) -
         events = poll_until(agent, lambda ev: "rs-3" in ev["sent"] and "rs-2" in ev["failed"], timeout_s=20)
         assert events["failed"]["rs-2"].startswith("peer_lost")
         assert new.call("block_digests", block_ids=[2, 3])["digests"] == _digests(src, [0, 11])
-        wait_for(lambda: _shm_plane(agent).layers_sent == {"one_copy": 2 * LAYERS + 1}, 10.0, "one copy")
+        wait_for(lambda: shm_plane(agent).layers_sent == {"one_copy": 2 * LAYERS + 1}, 10.0, "one copy")
         # the killed receiver's memfds are unmapped here, the new one's mapped
         wait_for(lambda: _mapped_regions() == mapped_before + 2, 10.0, "the old epoch's regions unmapped")
     finally:

@@ -15,13 +15,11 @@ import pytest
 import torch
 
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
-from kvwire.transfer.enums import Backend, KVLayout
+from kvwire.transfer.enums import KVLayout
 from kvwire.transfer.paged_kv import BlockTarget
 from kvwire.transfer.planes.ipc.runs import pair_runs
-from kvwire.transfer.planes.plane_set import PlaneSet
 from kvwire.transfer.planes.shm.direct import MappedRegions, RunCopier, check_runs, layer_runs
 from kvwire.transfer.planes.shm.grants import GrantTable, GrantView
-from kvwire.transfer.planes.shm.plane import ShmPlane
 from kvwire.transfer.shared_memory import (
     SharedArena,
     check_peer_memfd,
@@ -31,6 +29,7 @@ from kvwire.transfer.shared_memory import (
     shared_tensors,
     shared_zeros,
 )
+from support.shm_planes import shm_plane
 from support.waiting import wait_for
 
 SHAPE = (2, 24, 16, 4, 32)  # KV_FIRST: 24 blocks of 4 KiB halves (bfloat16)
@@ -131,14 +130,6 @@ def test_layer_runs_match_pair_runs_and_copies_are_bit_exact() -> None:
             copier.close()
 
 
-def _shm_plane(agent: TransferAgent) -> ShmPlane:
-    planes = agent._planes
-    assert isinstance(planes, PlaneSet)
-    plane = planes.members[Backend.SHM]
-    assert isinstance(plane, ShmPlane)
-    return plane
-
-
 @pytest.fixture
 def pair() -> Iterator[tuple[TransferAgent, TransferAgent]]:
     with TransferAgent(TransferConfig()) as p, TransferAgent(TransferConfig()) as d:
@@ -185,13 +176,13 @@ def test_paged_transfer_into_a_shared_cache_takes_one_copy_bit_exact(threads: in
         dst_ids = [10, 11, 2, 3, 4, 23, 7, 1]
         _transfer(p, d, "one-copy", src_ids, dst_ids)
         assert p.peer_transports() == {d.endpoint: "shm"}
-        assert _shm_plane(p).layers_sent == {"one_copy": LAYERS}
+        assert shm_plane(p).layers_sent == {"one_copy": LAYERS}
         for got, want in zip(_blocks(dst, dst_ids), _blocks(src, src_ids), strict=True):
             assert torch.equal(got, want)
         untouched = [b for b in range(SHAPE[1]) if b not in dst_ids]
         assert all(not t.any() for t in _blocks(dst, untouched))  # nothing written outside the grant
         # the grant was retired with the transfer: its slot is free again, no dest left behind
-        plane_d, plane_p = _shm_plane(d), _shm_plane(p)
+        plane_d, plane_p = shm_plane(d), shm_plane(p)
         wait_for(lambda: not plane_d._granted, 5.0, "the grant retired")
         assert not plane_p.dests and not plane_d._pending
 
@@ -203,7 +194,7 @@ def test_ordinary_destinations_fall_back_to_the_ring(pair: tuple[TransferAgent, 
     p.register_kv_caches(src, KVLayout.KV_FIRST)
     d.register_kv_caches(dst, KVLayout.KV_FIRST)
     _transfer(p, d, "ring", [1, 2, 3], [5, 0, 6])
-    assert _shm_plane(p).layers_sent == {"ring": LAYERS}
+    assert shm_plane(p).layers_sent == {"ring": LAYERS}
     for got, want in zip(_blocks(dst, [5, 0, 6]), _blocks(src, [1, 2, 3]), strict=True):
         assert torch.equal(got, want)
 
@@ -222,7 +213,7 @@ def test_one_transfer_mixes_paths_per_destination(pair: tuple[TransferAgent, Tra
     p.register_kv_caches(src, KVLayout.KV_FIRST)
     d.register_kv_caches(dst, KVLayout.KV_FIRST)
     _transfer(p, d, "mixed", [7, 8], [20, 21])
-    assert _shm_plane(p).layers_sent == {"one_copy": 2, "ring": 2}
+    assert shm_plane(p).layers_sent == {"one_copy": 2, "ring": 2}
     for got, want in zip(_blocks(dst, [20, 21]), _blocks(src, [7, 8]), strict=True):
         assert torch.equal(got, want)
 
@@ -242,14 +233,14 @@ def test_abort_on_the_receiver_stops_later_writes_into_its_blocks(
     p.start_send("cut", d.endpoint, p.block_layers(2), deadline_s=20.0)
     ids = torch.tensor([1, 2], dtype=torch.int64)
     p.send_blocks("cut", 0, ids)
-    wait_for(lambda: _shm_plane(p).layers_sent["one_copy"] == LAYERS + 1, 10.0, "layer 0 written")
+    wait_for(lambda: shm_plane(p).layers_sent["one_copy"] == LAYERS + 1, 10.0, "layer 0 written")
     d.abort("cut", "test")
     for i in range(1, LAYERS):
         p.send_blocks("cut", i, ids)
     wait_for(lambda: "cut" in p.poll().failed, 10.0, "the sender learns of the abort")
     assert torch.equal(_blocks(dst, [5, 6])[0], _blocks(src, [1, 2])[0])
     assert all(not t.any() for t in _blocks(dst[1:], [5, 6]))
-    assert _shm_plane(p).layers_sent["one_copy"] == LAYERS + 1
+    assert shm_plane(p).layers_sent["one_copy"] == LAYERS + 1
 
 
 def test_memory_from_a_peer_must_be_sealed_against_shrinking() -> None:
@@ -307,9 +298,9 @@ def test_offer_before_expect_lands_in_a_shared_receive_buffer_in_one_copy(
     p.start_send("early", d.endpoint, [LayerSpec.of(t) for t in layers], deadline_s=20.0)
     for i, t in enumerate(layers):
         p.send_layer("early", i, t)
-    wait_for(lambda: _shm_plane(p).layers_sent["one_copy"] == 3, 20.0, "the layers written in one copy")
+    wait_for(lambda: shm_plane(p).layers_sent["one_copy"] == 3, 20.0, "the layers written in one copy")
     d.expect("early", num_layers=3, deadline_s=20.0)
     wait_for(lambda: "early" in d.poll().finished_recving, 20.0, "the transfer received")
     got = d.take_layers("early")
     assert all(torch.equal(got[i], layers[i]) for i in range(3))
-    assert _shm_plane(p).layers_sent == {"one_copy": 3}
+    assert shm_plane(p).layers_sent == {"one_copy": 3}

@@ -10,7 +10,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from kvwire.transfer.planes.base import DataPlane, PlaneCallbacks
 from kvwire.transfer.planes.shm.recv import shutdown
@@ -29,6 +29,22 @@ class _Outbound(Protocol):
 
 class _Inbound(Protocol):
     def serve(self) -> None: ...
+
+
+_Dest = TypeVar("_Dest")
+
+
+def take_granted(
+    lock: threading.Lock, table: dict[tuple[str, int], tuple[str, _Dest]], peer_id: str, key: tuple[str, int]
+) -> _Dest | None:
+    """Remove and return the destination a peer granted for ``key`` (transfer id, layer): None when
+    there is none or another peer granted it (the sender then uses its fallback or fails the layer)."""
+    with lock:
+        entry = table.get(key)
+        if entry is None or entry[0] != peer_id:
+            return None
+        del table[key]
+    return entry[1]
 
 
 class UnixLinkPlane(DataPlane):

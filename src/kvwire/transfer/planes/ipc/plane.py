@@ -38,7 +38,7 @@ from kvwire.transfer.planes.ipc.copy import CopyTuning
 from kvwire.transfer.planes.ipc.link import IpcInbound, IpcOutbound
 from kvwire.transfer.planes.ipc.runs import Dest, GrantInfo, ImportTable, Target, spans_array
 from kvwire.transfer.planes.shm.recv import shutdown
-from kvwire.transfer.planes.unix_links import UnixLinkPlane
+from kvwire.transfer.planes.unix_links import UnixLinkPlane, take_granted
 from kvwire.transfer.types import PeerRef, RecvItem, SendItem
 
 _JOIN_S = 5.0
@@ -186,12 +186,7 @@ class IpcPlane(UnixLinkPlane):
             out.queue.put(item)
 
     def take_dest(self, peer_id: str, transfer_id: str, layer: int) -> Target | None:
-        with self.lock:
-            entry = self.dests.get((transfer_id, layer))
-            if entry is None or entry[0] != peer_id:
-                return None
-            del self.dests[(transfer_id, layer)]
-        return entry[1]
+        return take_granted(self.lock, self.dests, peer_id, (transfer_id, layer))
 
     def cancel(self, transfer_id: str) -> None:
         with self.lock:

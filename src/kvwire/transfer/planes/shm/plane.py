@@ -55,7 +55,7 @@ from kvwire.transfer.planes.shm.grants import GrantTable
 from kvwire.transfer.planes.shm.recv import Inbound, Landing, shutdown
 from kvwire.transfer.planes.shm.send import Outbound
 from kvwire.transfer.planes.tcp.wire import CANCEL_WAIT_S
-from kvwire.transfer.planes.unix_links import UnixLinkPlane
+from kvwire.transfer.planes.unix_links import UnixLinkPlane, take_granted
 from kvwire.transfer.shared_memory import SharedArena, SharedRegion, region_of
 from kvwire.transfer.types import PeerRef, RecvItem, SendItem
 
@@ -270,9 +270,4 @@ class ShmPlane(UnixLinkPlane):
 
     def take_dest(self, peer_id: str, transfer_id: str, layer: int) -> ShmDest | None:
         """The one-copy destination granted for a layer (removed), or None (use the ring)."""
-        with self.lock:
-            entry = self.dests.get((transfer_id, layer))
-            if entry is None or entry[0] != peer_id:
-                return None
-            del self.dests[(transfer_id, layer)]
-        return entry[1]
+        return take_granted(self.lock, self.dests, peer_id, (transfer_id, layer))
