@@ -72,6 +72,7 @@ imports none of them: no import circle).
 from __future__ import annotations
 
 import abc
+import queue
 from collections.abc import Sequence
 from typing import ClassVar, Protocol
 
@@ -178,3 +179,16 @@ class DataPlane(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Stop every plane thread and close every socket/communicator. Idempotent, bounded time."""
+
+
+def fail_queued(items: queue.SimpleQueue[SendItem | None], callbacks: PlaneCallbacks, reason: str) -> None:
+    """An outbound link ended: fail (once each) the transfers whose layers are still queued on it."""
+    failed: set[str] = set()
+    while True:
+        try:
+            item = items.get_nowait()
+        except queue.Empty:
+            return
+        if item is not None and item.transfer_id not in failed:
+            failed.add(item.transfer_id)
+            callbacks.on_transfer_failed(item.transfer_id, reason)

@@ -7,8 +7,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import hmac
-import os
 import queue
 import select
 import socket
@@ -19,17 +17,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvwire.errors import AuthenticationError, ProtocolError
+from kvwire.errors import ProtocolError
+from kvwire.transfer.planes.base import fail_queued
 from kvwire.transfer.planes.ipc.copy import LayerGroup, TileTable, launch, prepare
 from kvwire.transfer.planes.ipc.runs import spans_array, tile_runs
 from kvwire.transfer.planes.shm.wire import abstract_name
 from kvwire.transfer.planes.tcp.wire import (
     HANDSHAKE_TIMEOUT_S,
-    HELLO,
-    MAC_BYTES,
-    NONCE_BYTES,
     POLL_S,
-    hello_mac,
+    check_hello,
+    prove_hello,
     recv_bytes,
 )
 from kvwire.transfer.types import PeerRef, SendItem
@@ -93,9 +90,7 @@ class IpcOutbound:
         self.sock = sock
         sock.settimeout(HANDSHAKE_TIMEOUT_S)
         sock.connect(abstract_name(self.peer.data_address))
-        nonce = recv_bytes(sock, NONCE_BYTES)
-        me = self.plane.instance_id.encode()
-        sock.sendall(HELLO.pack(MAGIC, VERSION, len(me)) + me + hello_mac(self.plane.secret, nonce, me))
+        prove_hello(sock, self.plane.secret, self.plane.instance_id, MAGIC, VERSION)
         sock.settimeout(None)
         return sock
 
@@ -254,15 +249,8 @@ class IpcOutbound:
                 plane.imports.close_peer(self.peer.instance_id)
         if self.sock is not None:
             self.sock.close()
-        failed: set[str] = set()
-        while True:
-            try:
-                item = self.queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None and item.transfer_id not in failed and not self.stopped.is_set():
-                failed.add(item.transfer_id)
-                plane.callbacks.on_transfer_failed(item.transfer_id, "peer_lost: IPC link closed")
+        if not self.stopped.is_set():
+            fail_queued(self.queue, plane.callbacks, "peer_lost: IPC link closed")
 
 
 class IpcInbound:
@@ -276,16 +264,8 @@ class IpcInbound:
     def _handshake(self) -> None:
         conn = self.conn
         conn.settimeout(HANDSHAKE_TIMEOUT_S)
-        nonce = os.urandom(NONCE_BYTES)
-        conn.sendall(nonce)
-        magic, version, id_len = HELLO.unpack(recv_bytes(conn, HELLO.size))
-        if magic != MAGIC or version != VERSION or not 0 < id_len <= 512:
-            raise ProtocolError(f"bad IPC hello (magic {magic!r}, version {version})")
-        peer_id = recv_bytes(conn, id_len)
-        if not hmac.compare_digest(recv_bytes(conn, MAC_BYTES), hello_mac(self.plane.secret, nonce, peer_id)):
-            raise AuthenticationError("IPC link could not prove the shared secret")
+        self.peer_id = check_hello(conn, self.plane.secret, MAGIC, VERSION, "IPC link")
         conn.settimeout(None)
-        self.peer_id = peer_id.decode(errors="replace")
 
     def serve(self) -> None:
         plane = self.plane

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hmac
 import os
 import queue
 import socket
@@ -21,15 +20,12 @@ import struct
 import threading
 from typing import TYPE_CHECKING
 
-from kvwire.errors import AuthenticationError, ProtocolError
+from kvwire.errors import ProtocolError
 from kvwire.transfer.planes.shm.ring import Bytes, SpanCursor, create_ring, ring_array, tensor_array
 from kvwire.transfer.planes.shm.wire import CREDIT, FRAME, MAGIC, VERSION, Frame, send_setup
 from kvwire.transfer.planes.tcp.wire import (
     HANDSHAKE_TIMEOUT_S,
-    HELLO,
-    MAC_BYTES,
-    NONCE_BYTES,
-    hello_mac,
+    check_hello,
     recv_bytes,
 )
 from kvwire.transfer.types import RecvItem
@@ -70,15 +66,7 @@ class Inbound:
     def _handshake(self) -> Bytes:
         conn = self.conn
         conn.settimeout(HANDSHAKE_TIMEOUT_S)
-        nonce = os.urandom(NONCE_BYTES)
-        conn.sendall(nonce)
-        magic, version, id_len = HELLO.unpack(recv_bytes(conn, HELLO.size))
-        if magic != MAGIC or version != VERSION or not 0 < id_len <= 512:
-            raise ProtocolError(f"bad shared-memory hello (magic {magic!r}, version {version})")
-        peer_id = recv_bytes(conn, id_len)
-        mac = recv_bytes(conn, MAC_BYTES)
-        if not hmac.compare_digest(mac, hello_mac(self.plane.secret, nonce, peer_id)):
-            raise AuthenticationError("shared-memory connection could not prove the shared secret")
+        peer_id = check_hello(conn, self.plane.secret, MAGIC, VERSION, "shared-memory connection")
         size = self.plane.config.shm_ring_bytes
         fd, ring = create_ring(size)
         try:
@@ -90,7 +78,7 @@ class Inbound:
         finally:
             os.close(fd)  # the mapping (here) and the sender's keep the memory; no name exists
         conn.settimeout(None)
-        self.peer_id = peer_id.decode(errors="replace")
+        self.peer_id = peer_id
         return ring_array(ring)
 
     def serve(self) -> None:

@@ -24,6 +24,7 @@ import socket
 import threading
 from typing import TYPE_CHECKING
 
+from kvwire.transfer.planes.base import fail_queued
 from kvwire.transfer.planes.ipc.runs import Run
 from kvwire.transfer.planes.shm.direct import MappedRegions, ShmDest, check_runs, layer_runs
 from kvwire.transfer.planes.shm.grants import GrantView
@@ -41,11 +42,8 @@ from kvwire.transfer.planes.shm.wire import (
 from kvwire.transfer.planes.tcp.wire import (
     CANCEL_WAIT_S,
     HANDSHAKE_TIMEOUT_S,
-    HELLO,
-    NONCE_BYTES,
     POLL_S,
-    hello_mac,
-    recv_bytes,
+    prove_hello,
 )
 from kvwire.transfer.types import PeerRef, SendItem
 
@@ -91,9 +89,7 @@ class Outbound:
         self.sock = sock
         sock.settimeout(HANDSHAKE_TIMEOUT_S)
         sock.connect(abstract_name(self.peer.data_address))
-        nonce = recv_bytes(sock, NONCE_BYTES)
-        me = self.plane.instance_id.encode()
-        sock.sendall(HELLO.pack(MAGIC, VERSION, len(me)) + me + hello_mac(self.plane.secret, nonce, me))
+        prove_hello(sock, self.plane.secret, self.plane.instance_id, MAGIC, VERSION)
         (ring_fd, ring_bytes), (table_fd, table_bytes), regions = recv_setup(sock)
         try:
             self._ring = map_ring(ring_fd, ring_bytes)
@@ -258,14 +254,5 @@ class Outbound:
         self._regions.close()  # the receiver's KV cache: unmapped with the peer epoch
         if self._grants is not None:
             self._grants.close()
-        failed: set[str] = set()
-        while True:
-            try:
-                item = self.queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None and item.transfer_id not in failed and not self.stopped.is_set():
-                failed.add(item.transfer_id)
-                self.plane.callbacks.on_transfer_failed(
-                    item.transfer_id, "peer_lost: shared-memory link closed"
-                )
+        if not self.stopped.is_set():
+            fail_queued(self.queue, self.plane.callbacks, "peer_lost: shared-memory link closed")

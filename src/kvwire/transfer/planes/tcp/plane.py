@@ -20,9 +20,7 @@ sinks); one writer per peer.
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
-import os
 import queue
 import select
 import socket
@@ -32,23 +30,21 @@ from collections.abc import Sequence
 
 import torch
 
-from kvwire.errors import AuthenticationError, ProtocolError
+from kvwire.errors import ProtocolError
 from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.planes.base import DataPlane, PlaneCallbacks
+from kvwire.transfer.planes.base import DataPlane, PlaneCallbacks, fail_queued
 from kvwire.transfer.planes.tcp.wire import (
     CANCEL_MEMORY_S,
     CANCEL_WAIT_S,
     DISCARD_CHUNK,
     FRAME,
     HANDSHAKE_TIMEOUT_S,
-    HELLO,
-    MAC_BYTES,
     MAGIC,
-    NONCE_BYTES,
     POLL_S,
     VERSION,
-    hello_mac,
+    check_hello,
     host_port,
+    prove_hello,
     recv_bytes,
     recv_exact,
     recv_parts,
@@ -89,9 +85,7 @@ class _Outbound:
         sock = socket.create_connection(host_port(self.peer.data_address), timeout=HANDSHAKE_TIMEOUT_S)
         self.sock = sock
         tune(sock, self.plane.config.socket_buffer_bytes)
-        nonce = recv_bytes(sock, NONCE_BYTES)
-        me = self.plane.instance_id.encode()
-        sock.sendall(HELLO.pack(MAGIC, VERSION, len(me)) + me + hello_mac(self.plane.secret, nonce, me))
+        prove_hello(sock, self.plane.secret, self.plane.instance_id, MAGIC, VERSION)
         sock.settimeout(None)
         return sock
 
@@ -145,15 +139,8 @@ class _Outbound:
                 del self.plane._outbound[self.peer.instance_id]
         if self.sock is not None:
             self.sock.close()
-        failed: set[str] = set()
-        while True:
-            try:
-                item = self.queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None and item.transfer_id not in failed and not self.stopped.is_set():
-                failed.add(item.transfer_id)
-                self.plane.callbacks.on_transfer_failed(item.transfer_id, "peer_lost: data connection closed")
+        if not self.stopped.is_set():
+            fail_queued(self.queue, self.plane.callbacks, "peer_lost: data connection closed")
 
 
 class TcpPlane(DataPlane):
@@ -306,17 +293,9 @@ class TcpPlane(DataPlane):
     def _handshake(self, conn: socket.socket) -> str:
         conn.settimeout(HANDSHAKE_TIMEOUT_S)
         tune(conn, self.config.socket_buffer_bytes)
-        nonce = os.urandom(NONCE_BYTES)
-        conn.sendall(nonce)
-        magic, version, id_len = HELLO.unpack(recv_bytes(conn, HELLO.size))
-        if magic != MAGIC or version != VERSION or not 0 < id_len <= 512:
-            raise ProtocolError(f"bad data-connection hello (magic {magic!r}, version {version})")
-        peer_id = recv_bytes(conn, id_len)
-        mac = recv_bytes(conn, MAC_BYTES)
-        if not hmac.compare_digest(mac, hello_mac(self.secret, nonce, peer_id)):
-            raise AuthenticationError("data connection could not prove the shared secret")
+        peer_id = check_hello(conn, self.secret, MAGIC, VERSION, "data connection")
         conn.settimeout(None)
-        return peer_id.decode(errors="replace")
+        return peer_id
 
     def _serve(self, conn: socket.socket) -> None:
         peer_id = ""

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import socket
 import struct
 
 import torch
+
+from kvwire.errors import AuthenticationError, ProtocolError
 
 MAGIC = b"KVWD"
 VERSION = 1
@@ -27,6 +30,31 @@ def hello_mac(secret: bytes | None, nonce: bytes, instance_id: bytes) -> bytes:
     if secret is None:
         return bytes(MAC_BYTES)
     return hmac.new(secret, nonce + instance_id, hashlib.sha256).digest()
+
+
+def prove_hello(
+    sock: socket.socket, secret: bytes | None, instance_id: str, magic: bytes, version: int
+) -> None:
+    """Dialling side of a data link's handshake: answer the acceptor's nonce with our hello (magic,
+    version, instance id) and its MAC under the shared secret."""
+    nonce = recv_bytes(sock, NONCE_BYTES)
+    me = instance_id.encode()
+    sock.sendall(HELLO.pack(magic, version, len(me)) + me + hello_mac(secret, nonce, me))
+
+
+def check_hello(conn: socket.socket, secret: bytes | None, magic: bytes, version: int, what: str) -> str:
+    """Accepting side: send a nonce, read the peer's hello, check it and its MAC; the peer's instance
+    id. ``what`` names the link in errors (ProtocolError: not our protocol or version;
+    AuthenticationError: the shared secret was not proven)."""
+    nonce = os.urandom(NONCE_BYTES)
+    conn.sendall(nonce)
+    got_magic, got_version, id_len = HELLO.unpack(recv_bytes(conn, HELLO.size))
+    if got_magic != magic or got_version != version or not 0 < id_len <= 512:
+        raise ProtocolError(f"bad {what} hello (magic {got_magic!r}, version {got_version})")
+    peer_id = recv_bytes(conn, id_len)
+    if not hmac.compare_digest(recv_bytes(conn, MAC_BYTES), hello_mac(secret, nonce, peer_id)):
+        raise AuthenticationError(f"{what} could not prove the shared secret")
+    return peer_id.decode(errors="replace")
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
