@@ -21,7 +21,7 @@ from kvwire.errors import ProtocolError
 from kvwire.transfer.planes.base import fail_queued
 from kvwire.transfer.planes.ipc.copy import LayerGroup, TileTable, launch, prepare
 from kvwire.transfer.planes.ipc.runs import spans_array, tile_runs
-from kvwire.transfer.planes.shm.wire import abstract_name
+from kvwire.transfer.planes.outbound import OutboundLink
 from kvwire.transfer.planes.tcp.wire import (
     HANDSHAKE_TIMEOUT_S,
     POLL_S,
@@ -57,39 +57,27 @@ class _Batch:
     num_bytes: int
 
 
-class IpcOutbound:
+class IpcOutbound(OutboundLink):
     """Writer and completer threads for one peer epoch. The writer maps the peer's allocations and
     enqueues a batch's copies (one kernel per group of layers sharing their spans); the completer
     waits for each batch on the GPU, then sends its DONE frames, so the next batch is enqueued while
     the previous one copies."""
 
+    kind = "ipc"
+
     def __init__(self, plane: IpcPlane, peer: PeerRef) -> None:
         self.plane = plane
-        self.peer = peer
-        self.queue: queue.SimpleQueue[SendItem | None] = queue.SimpleQueue()
+        super().__init__(peer)
         self.completions: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
-        self.stopped = threading.Event()
-        self.dead = False
-        self.sock: socket.socket | None = None
         self._tiles: collections.OrderedDict[tuple[int, int], tuple[object, object, TileTable]] = (
             collections.OrderedDict()
         )
-        name = peer.instance_id[:8]
-        self.thread = threading.Thread(target=self._run, name=f"kvwire-ipc-send-{name}", daemon=True)
-        self.completer = threading.Thread(target=self._complete, name=f"kvwire-ipc-done-{name}", daemon=True)
-
-    def stop(self) -> None:
-        self.stopped.set()
-        self.queue.put(None)
-        if self.sock is not None:
-            with contextlib.suppress(OSError):
-                self.sock.shutdown(socket.SHUT_RDWR)
+        self.completer = threading.Thread(
+            target=self._complete, name=f"kvwire-ipc-done-{peer.instance_id[:8]}", daemon=True
+        )
 
     def _connect(self) -> socket.socket:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock = sock
-        sock.settimeout(HANDSHAKE_TIMEOUT_S)
-        sock.connect(abstract_name(self.peer.data_address))
+        sock = self._dial_unix()
         prove_hello(sock, self.plane.secret, self.plane.instance_id, MAGIC, VERSION)
         sock.settimeout(None)
         return sock

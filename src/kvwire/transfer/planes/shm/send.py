@@ -21,11 +21,11 @@ import os
 import queue
 import select
 import socket
-import threading
 from typing import TYPE_CHECKING
 
 from kvwire.transfer.planes.base import fail_queued
 from kvwire.transfer.planes.ipc.runs import Run
+from kvwire.transfer.planes.outbound import OutboundLink
 from kvwire.transfer.planes.shm.direct import MappedRegions, ShmDest, check_runs, layer_runs
 from kvwire.transfer.planes.shm.grants import GrantView
 from kvwire.transfer.planes.shm.ring import Bytes, SpanCursor, map_ring, next_slot, ring_array, tensor_array
@@ -36,12 +36,10 @@ from kvwire.transfer.planes.shm.wire import (
     MAGIC,
     VERSION,
     Frame,
-    abstract_name,
     recv_setup,
 )
 from kvwire.transfer.planes.tcp.wire import (
     CANCEL_WAIT_S,
-    HANDSHAKE_TIMEOUT_S,
     POLL_S,
     prove_hello,
 )
@@ -55,16 +53,14 @@ class _Cancelled(Exception):
     """The item's transfer was cancelled between two chunks."""
 
 
-class Outbound:
+class Outbound(OutboundLink):
     """Writer thread for one peer epoch."""
+
+    kind = "shm"
 
     def __init__(self, plane: ShmPlane, peer: PeerRef) -> None:
         self.plane = plane
-        self.peer = peer
-        self.queue: queue.SimpleQueue[SendItem | None] = queue.SimpleQueue()
-        self.stopped = threading.Event()
-        self.dead = False  # set under plane.lock when the thread gives up
-        self.sock: socket.socket | None = None
+        super().__init__(peer)
         self._ring: mmap.mmap | None = None
         self._grants: GrantView | None = None
         self._regions = MappedRegions()
@@ -72,23 +68,9 @@ class Outbound:
         self._head = 0  # ring position of the next chunk (monotonic)
         self._consumed = 0  # ring position the receiver has copied out up to
         self._credit_buf = b""
-        self.thread = threading.Thread(
-            target=self._run, name=f"kvwire-shm-send-{peer.instance_id[:8]}", daemon=True
-        )
-
-    def stop(self) -> None:
-        self.stopped.set()
-        self.queue.put(None)
-        sock = self.sock
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
 
     def _connect(self) -> socket.socket:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock = sock
-        sock.settimeout(HANDSHAKE_TIMEOUT_S)
-        sock.connect(abstract_name(self.peer.data_address))
+        sock = self._dial_unix()
         prove_hello(sock, self.plane.secret, self.plane.instance_id, MAGIC, VERSION)
         (ring_fd, ring_bytes), (table_fd, table_bytes), regions = recv_setup(sock)
         try:

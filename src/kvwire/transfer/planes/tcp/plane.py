@@ -33,6 +33,7 @@ import torch
 from kvwire.errors import ProtocolError
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.planes.base import DataPlane, PlaneCallbacks, fail_queued
+from kvwire.transfer.planes.outbound import OutboundLink
 from kvwire.transfer.planes.tcp.wire import (
     CANCEL_MEMORY_S,
     CANCEL_WAIT_S,
@@ -59,27 +60,14 @@ __all__ = ["TcpPlane", "tensor_bytes"]
 log = logging.getLogger(__name__)
 
 
-class _Outbound:
+class _Outbound(OutboundLink):
     """Writer thread for one peer epoch: connects, authenticates, writes queued layers in order."""
+
+    kind = "tcp"
 
     def __init__(self, plane: TcpPlane, peer: PeerRef) -> None:
         self.plane = plane
-        self.peer = peer
-        self.queue: queue.SimpleQueue[SendItem | None] = queue.SimpleQueue()
-        self.stopped = threading.Event()
-        self.dead = False  # set under plane._lock when the thread gives up
-        self.sock: socket.socket | None = None
-        self.thread = threading.Thread(
-            target=self._run, name=f"kvwire-tcp-send-{peer.instance_id[:8]}", daemon=True
-        )
-
-    def stop(self) -> None:
-        self.stopped.set()
-        self.queue.put(None)
-        sock = self.sock
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+        super().__init__(peer)
 
     def _connect(self) -> socket.socket:
         sock = socket.create_connection(host_port(self.peer.data_address), timeout=HANDSHAKE_TIMEOUT_S)

@@ -1,0 +1,53 @@
+"""What every plane's outbound link has in common (TCP, shared memory, CUDA IPC): one writer thread per
+peer epoch, its queue of layers (None: stop), a stop flag, the socket it dialled, and the end of a
+link that dies (queued transfers fail ``peer_lost``; see :func:`kvwire.transfer.planes.base.fail_queued`)."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import socket
+import threading
+from typing import ClassVar
+
+from kvwire.transfer.planes.shm.wire import abstract_name
+from kvwire.transfer.planes.tcp.wire import HANDSHAKE_TIMEOUT_S
+from kvwire.transfer.types import PeerRef, SendItem
+
+
+class OutboundLink:
+    """Base of a plane's writer for one peer epoch; the subclass writes (``_run``) and names its
+    plane (``kind``: "tcp", "shm", "ipc": thread names)."""
+
+    kind: ClassVar[str]
+
+    def __init__(self, peer: PeerRef) -> None:
+        self.peer = peer
+        self.queue: queue.SimpleQueue[SendItem | None] = queue.SimpleQueue()
+        self.stopped = threading.Event()
+        self.dead = False  # set under the plane's lock when the thread gives up
+        self.sock: socket.socket | None = None
+        self.thread = threading.Thread(
+            target=self._run, name=f"kvwire-{self.kind}-send-{peer.instance_id[:8]}", daemon=True
+        )
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Ask the thread to end: it sees None in its queue, or its socket shut down mid-write."""
+        self.stopped.set()
+        self.queue.put(None)
+        sock = self.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _dial_unix(self) -> socket.socket:
+        """Connect to the peer's abstract Unix socket (shared-memory and IPC links), handshake timeout
+        set (the caller authenticates, then clears it)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock = sock
+        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        sock.connect(abstract_name(self.peer.data_address))
+        return sock
