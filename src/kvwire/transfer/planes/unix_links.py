@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any, ClassVar, Protocol, TypeVar
 
+from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.planes.base import DataPlane, PlaneCallbacks
 from kvwire.transfer.planes.shm.recv import shutdown
 from kvwire.transfer.planes.shm.wire import abstract_name
@@ -53,7 +54,10 @@ class UnixLinkPlane(DataPlane):
     #: the plane's name in its socket address and thread names ("shm", "ipc")
     link_kind: ClassVar[str]
 
-    def __init__(self) -> None:
+    def __init__(self, config: TransferConfig, instance_id: str) -> None:
+        self.config = config
+        self.instance_id = instance_id
+        self.secret = config.secret
         self.lock = threading.Lock()
         self.closing = threading.Event()
         self.outbound: dict[str, Any] = {}  # peer instance id -> the plane's outbound link
@@ -82,7 +86,7 @@ class UnixLinkPlane(DataPlane):
 
     def start(self, callbacks: PlaneCallbacks) -> None:
         self._callbacks = callbacks
-        address = f"@kvwire-{self.link_kind}-{getattr(self, 'instance_id', '')}-{secrets.token_hex(4)}"
+        address = f"@kvwire-{self.link_kind}-{self.instance_id}-{secrets.token_hex(4)}"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(abstract_name(address))

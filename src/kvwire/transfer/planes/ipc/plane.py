@@ -74,10 +74,7 @@ class IpcPlane(UnixLinkPlane):
     link_kind = "ipc"
 
     def __init__(self, config: TransferConfig, instance_id: str) -> None:
-        super().__init__()
-        self.config = config
-        self.instance_id = instance_id
-        self.secret = config.secret
+        super().__init__(config, instance_id)
         device = torch.device(config.device)
         if device.type == "cuda" and device.index is None:  # "cuda": the process's current device
             device = torch.device("cuda", torch.cuda.current_device())

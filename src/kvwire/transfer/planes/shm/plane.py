@@ -80,10 +80,7 @@ class ShmPlane(UnixLinkPlane):
     link_kind = "shm"
 
     def __init__(self, config: TransferConfig, instance_id: str) -> None:
-        super().__init__()
-        self.config = config
-        self.instance_id = instance_id
-        self.secret = config.secret
+        super().__init__(config, instance_id)
         self.written = threading.Condition(self.lock)
         self.posted: dict[tuple[str, int], tuple[str, RecvItem]] = {}
         self.landing: dict[tuple[str, int], Landing] = {}  # layers whose first chunk arrived
