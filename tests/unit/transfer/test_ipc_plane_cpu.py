@@ -149,3 +149,20 @@ def test_ipc_is_the_same_host_plane_of_cuda_agents() -> None:
     assert held_backends(TransferConfig(device="cuda:0", transport="ipc")) == [Backend.IPC]
     assert held_backends(TransferConfig(device="cuda:0", backend=Backend.NCCL)) == [Backend.IPC, Backend.NCCL]
     assert Backend.IPC not in held_backends(TransferConfig(device="cpu"))
+
+
+def test_the_completer_waits_for_the_gpu_with_a_deadline() -> None:
+    from kvwire.transfer.planes.ipc.link import _passed
+
+    class Event:  # a CUDA event's query(): done after ``after`` polls
+        def __init__(self, after: int) -> None:
+            self.polls, self.after = 0, after
+
+        def query(self) -> bool:
+            self.polls += 1
+            return self.polls > self.after
+
+    assert _passed(Event(3), timeout_s=5.0)  # type: ignore[arg-type]
+    never = Event(10**9)
+    assert not _passed(never, timeout_s=0.05)  # type: ignore[arg-type]
+    assert never.polls > 1

@@ -12,6 +12,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,6 +41,9 @@ DONE = struct.Struct("!HH")  # transfer-id length, layer count; the id, then the
 MAX_BATCH = 64  # layers copied before one synchronization
 _TILE_CACHE = 64  # tile tables kept per link (one per span-set pair: about one per transfer)
 _JOIN_S = 5.0
+GPU_WAIT_S = 60.0  # a batch's copies not done on the GPU by then: its transfers fail, the link ends
+_GPU_POLL_S = 50e-6
+GPU_STUCK = f"deadline: IPC copies not done on the GPU within {GPU_WAIT_S:.0f} s"
 
 
 def done_frame(transfer_id: str, layers: list[int]) -> bytes:
@@ -55,6 +59,16 @@ class _Batch:
     start: torch.cuda.Event
     end: torch.cuda.Event
     num_bytes: int
+
+
+def _passed(event: torch.cuda.Event, timeout_s: float) -> bool:
+    """Wait for ``event`` on the GPU, at most ``timeout_s`` (polled: a CUDA event wait has no deadline)."""
+    deadline = time.monotonic() + timeout_s
+    while not event.query():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(_GPU_POLL_S)
+    return True
 
 
 class IpcOutbound(OutboundLink):
@@ -202,11 +216,17 @@ class IpcOutbound(OutboundLink):
     def _complete(self) -> None:
         """Completer thread: each batch, once its copies passed on the GPU -> DONE frames, on_sent."""
         cb = self.plane.callbacks
+        stuck = False
         while True:
             batch = self.completions.get()
             if batch is None:
                 return
-            batch.end.synchronize()  # every copy of the batch landed in the receiver's memory
+            stuck = stuck or not _passed(batch.end, GPU_WAIT_S)  # every copy landed in D's memory
+            if stuck:  # this batch and every later one fail at once; the link ends
+                for tid in {item.transfer_id for item in batch.items}:
+                    cb.on_transfer_failed(tid, GPU_STUCK)
+                self.stop()
+                continue
             cb.on_device_copy(batch.num_bytes, batch.start.elapsed_time(batch.end) / 1e3)
             layers: dict[str, list[int]] = {}
             for item in batch.items:
