@@ -60,6 +60,8 @@ def _equal_to_colocated(cluster: LocalCluster, n: int) -> None:
     assert metric(d_url, "kvwire_pd_transfers_completed_total") - before >= len(prompts)
     assert metric(d_url, "kvwire_pd_load_failures_total") == 0  # nothing recomputed on D
     assert metric(d_url, 'kvwire_kv_peers{transport="ipc"}') >= 1
+    p_url = next(i.url for i in cluster.live_instances() if i.role is Role.PREFILL)
+    assert p_url is not None and metric(p_url, "kvwire_kv_device_copy_bytes_total") > 0  # P's copies
 
 
 def test_pd_on_one_gpu_negotiates_ipc_and_equals_colocated(cluster: LocalCluster) -> None:

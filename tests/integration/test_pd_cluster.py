@@ -94,6 +94,9 @@ def assert_kv_transport(cluster: LocalCluster, want: str) -> None:
         assert instance.url is not None
         assert metric(instance.url, f'kvwire_kv_peers{{transport="{want}"}}') >= 1, instance.name
         assert metric(instance.url, 'kvwire_kv_peers{transport="none"}') == 0
+        with urllib.request.urlopen(f"{instance.url}/metrics", timeout=5) as resp:
+            exposed = resp.read().decode()
+        assert "kvwire_kv_device_copy_bytes_total 0.0" in exposed  # CPU planes copy nothing on a GPU
 
     def reported() -> bool:
         with urllib.request.urlopen(f"{cluster.router_url}/instances", timeout=5) as resp:

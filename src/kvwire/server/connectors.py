@@ -64,6 +64,24 @@ class _TransferRefusals:
         yield family
 
 
+class _DeviceCopies:
+    """``kvwire_kv_device_copy_{bytes,seconds}_total``: what a plane that copies on the GPU itself (CUDA
+    IPC) moved and the device time it took (their rate is the mover's GB/s), read at scrape time."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._agent.stats()
+        yield CounterMetricFamily(
+            "kvwire_kv_device_copy_bytes", "KV bytes copied on the GPU by the data plane (CUDA IPC)",
+            value=stats.device_copy_bytes,
+        )
+        yield CounterMetricFamily(
+            "kvwire_kv_device_copy_seconds", "device time of those copies", value=stats.device_copy_ns / 1e9
+        )
+
+
 def build_connector_set(
     config: ServerConfig, engine_config: EngineConfig, secret: str | None, registry: Any
 ) -> ConnectorSet:
@@ -101,6 +119,7 @@ def build_connector_set(
     agent = getattr(worker, "agent", None)
     if agent is not None and registry is not None:
         registry.register(_TransferRefusals(agent))
+        registry.register(_DeviceCopies(agent))
     if registry is not None and agent is not None and hasattr(agent, "peer_transports"):
         from kvwire.connector.transport_metrics import TransportCollector
 
