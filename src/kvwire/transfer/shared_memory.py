@@ -18,6 +18,7 @@ Thread-safe: the registry is guarded by a lock.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import fcntl
 import itertools
@@ -25,7 +26,7 @@ import math
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -73,17 +74,52 @@ def check_peer_memfd(fd: int, num_bytes: int) -> None:
         raise ValueError("peer memory descriptor is not sealed against shrinking")
 
 
-_lock = threading.Lock()
+class GcSafeLock:
+    """A lock that garbage-collector finalizers also need. A finalizer runs when the collector frees
+    an object, which any allocation may trigger, also while this very thread holds the lock: taking
+    it again there would deadlock. :meth:`finalizer` runs its work under the lock at once, or, when
+    its thread is inside :meth:`held` already, when that section ends."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._deferred: list[tuple[Callable[..., None], tuple[object, ...]]] = []
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with self._lock:
+            self._local.busy = True
+            try:
+                yield
+            finally:
+                self._local.busy = False
+        while self._deferred:
+            fn, args = self._deferred.pop()
+            self.finalizer(fn, *args)
+
+    def finalizer(self, fn: Callable[..., None], *args: object) -> None:
+        """``fn(*args)`` with the lock held (now, or once this thread's section ends)."""
+        if getattr(self._local, "busy", False):
+            self._deferred.append((fn, args))
+            return
+        with self.held():
+            fn(*args)
+
+
+_lock = GcSafeLock()
 _regions: dict[int, SharedRegion] = {}
 _ids = itertools.count(1)
 
 
-def _release(region_id: int) -> None:
-    """Forget a region and close its descriptor (once: a region closed early is no longer listed)."""
-    with _lock:
-        region = _regions.pop(region_id, None)
+def _forget(region_id: int) -> None:
+    region = _regions.pop(region_id, None)
     if region is not None:
         os.close(region.fd)
+
+
+def _release(region_id: int) -> None:
+    """Forget a region and close its descriptor (once: a region closed early is no longer listed)."""
+    _lock.finalizer(_forget, region_id)
 
 
 def _new_region(num_bytes: int) -> tuple[SharedRegion, npt.NDArray[np.uint8]]:
@@ -98,7 +134,7 @@ def _new_region(num_bytes: int) -> tuple[SharedRegion, npt.NDArray[np.uint8]]:
         raise
     array: npt.NDArray[np.uint8] = base.numpy()
     region = SharedRegion(next(_ids), fd, num_bytes, base.data_ptr())
-    with _lock:
+    with _lock.held():
         _regions[region.region_id] = region
     weakref.finalize(array, _release, region.region_id)
     return region, array
@@ -135,7 +171,7 @@ def region_of(tensor: torch.Tensor) -> tuple[SharedRegion, int] | None:
         return None
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
-    with _lock:
+    with _lock.held():
         for region in _regions.values():
             if region.address <= start and end <= region.address + region.size:
                 return region, start - region.address
@@ -144,7 +180,7 @@ def region_of(tensor: torch.Tensor) -> tuple[SharedRegion, int] | None:
 
 def live_regions() -> list[SharedRegion]:
     """Every region alive in this process (tests and diagnostics)."""
-    with _lock:
+    with _lock.held():
         return list(_regions.values())
 
 
@@ -157,13 +193,13 @@ class SharedArena:
     def __init__(self, num_bytes: int) -> None:
         self.size = -(-num_bytes // _ALIGN) * _ALIGN
         self.region, self._array = _new_region(self.size)
-        self._lock = threading.Lock()
+        self._lock = GcSafeLock()
         self._free: list[tuple[int, int]] = [(0, self.size)]  # (offset, bytes), sorted by offset
 
     def allocate(self, num_bytes: int) -> torch.Tensor | None:
         """A buffer of ``num_bytes`` in the arena, or None when no free range is large enough."""
         size = max(_ALIGN, -(-num_bytes // _ALIGN) * _ALIGN)
-        with self._lock:
+        with self._lock.held():
             for i, (off, n) in enumerate(self._free):
                 if n >= size:
                     if n == size:
@@ -174,18 +210,18 @@ class SharedArena:
             else:
                 return None
         view = self._array[off : off + num_bytes]
-        weakref.finalize(view, self._release, off, size)  # torch.from_numpy holds ``view``
+        weakref.finalize(view, self._lock.finalizer, self._free_range, off, size)  # from_numpy holds it
         return torch.from_numpy(view)
 
-    def _release(self, offset: int, size: int) -> None:
-        with self._lock:
-            i = bisect.bisect_left(self._free, (offset, 0))
-            self._free.insert(i, (offset, size))
-            if i + 1 < len(self._free) and offset + size == self._free[i + 1][0]:  # merge right
-                self._free[i] = (offset, size + self._free.pop(i + 1)[1])
-            if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:  # merge left
-                prev = self._free[i - 1]
-                self._free[i - 1] = (prev[0], prev[1] + self._free.pop(i)[1])
+    def _free_range(self, offset: int, size: int) -> None:
+        """Return a buffer's range to the free list (the lock held)."""
+        i = bisect.bisect_left(self._free, (offset, 0))
+        self._free.insert(i, (offset, size))
+        if i + 1 < len(self._free) and offset + size == self._free[i + 1][0]:  # merge right
+            self._free[i] = (offset, size + self._free.pop(i + 1)[1])
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:  # merge left
+            prev = self._free[i - 1]
+            self._free[i - 1] = (prev[0], prev[1] + self._free.pop(i)[1])
 
     def close(self) -> None:
         """No more exports (the owner closes): the region's descriptor closes now; buffers still
@@ -193,5 +229,5 @@ class SharedArena:
         _release(self.region.region_id)
 
     def free_bytes(self) -> int:
-        with self._lock:
+        with self._lock.held():
             return sum(n for _, n in self._free)

@@ -304,3 +304,27 @@ def test_offer_before_expect_lands_in_a_shared_receive_buffer_in_one_copy(
     got = d.take_layers("early")
     assert all(torch.equal(got[i], layers[i]) for i in range(3))
     assert shm_plane(p).layers_sent == {"one_copy": 3}
+
+
+def test_a_finalizer_inside_the_locked_section_does_not_deadlock() -> None:
+    """The garbage collector may free a region's last array while this thread holds the regions'
+    lock (it hung a CI run in region_of): the release is deferred to the end of the section."""
+    import threading
+
+    from kvwire.transfer import shared_memory
+
+    tensor = shared_memory.shared_zeros((4096,), torch.uint8)
+    region, _ = shared_memory.region_of(tensor)  # type: ignore[misc]
+    done = threading.Event()
+
+    def inside() -> None:
+        with shared_memory._lock.held():
+            shared_memory._release(region.region_id)  # what the finalizer does mid-section
+            assert region.region_id in shared_memory._regions  # deferred: released on the way out
+        done.set()
+
+    worker = threading.Thread(target=inside, daemon=True)
+    worker.start()
+    worker.join(5)
+    assert done.is_set(), "deadlocked"
+    assert region.region_id not in {r.region_id for r in shared_memory.live_regions()}
