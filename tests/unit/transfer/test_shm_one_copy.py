@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -18,7 +19,19 @@ from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
 from kvwire.transfer.enums import KVLayout
 from kvwire.transfer.paged_kv import BlockTarget
 from kvwire.transfer.planes.ipc.runs import pair_runs
-from kvwire.transfer.planes.shm.direct import MappedRegions, RunCopier, check_runs, layer_runs
+from kvwire.transfer.planes.shm import send as shm_send
+from kvwire.transfer.planes.shm.direct import (
+    DirectInfo,
+    MappedRegions,
+    RunCopier,
+    RunPlans,
+    ShmDest,
+    WireDest,
+    check_runs,
+    decode_direct,
+    encode_direct,
+    layer_runs,
+)
 from kvwire.transfer.planes.shm.grants import GrantTable, GrantView
 from kvwire.transfer.shared_memory import (
     SharedArena,
@@ -130,6 +143,46 @@ def test_layer_runs_match_pair_runs_and_copies_are_bit_exact() -> None:
             copier.close()
 
 
+def test_run_plans_are_source_ordered_reused_per_transfer_and_bounded_per_layer() -> None:
+    block = 4096
+    src_spans = tuple((b * block, block) for b in (9, 2, 7, 3))  # 3 follows 2 here, not in payload
+    dst_spans = [(b * block, block) for b in (0, 5, 1, 6)]
+    plans = RunPlans()
+    runs = plans.runs(src_spans, dst_spans, 10 * block, 7 * block)
+    assert runs == sorted(layer_runs(src_spans, dst_spans)) and [r[0] for r in runs] == [
+        2 * block,
+        3 * block,
+        7 * block,
+        9 * block,
+    ]
+    # the next layer of the transfer: equal spans (new objects) -> the same plan, no new pairing
+    assert plans.runs(tuple(src_spans), list(dst_spans), 10 * block, 7 * block) is runs
+    with pytest.raises(ValueError, match="destination"):  # this layer's tensor is too small
+        plans.runs(src_spans, dst_spans, 10 * block, 7 * block - 1)
+    with pytest.raises(ValueError, match="bytes"):  # totals differ
+        plans.runs(src_spans, dst_spans[:3], 10 * block, 7 * block)
+    with pytest.raises(ValueError, match="negative"):
+        plans.runs(((-block, block),), [(0, block)], block, block)
+
+
+def test_grant_info_sends_a_transfers_spans_once() -> None:
+    spans = tuple((i * 8192, 4096) for i in range(64))
+    dests = [ShmDest("t", layer, 3, layer * 10**6, 5, 77, spans) for layer in range(32)]
+    dests.append(ShmDest("u", 0, 3, 0, 6, 78, ((0, 4096),)))
+    info = encode_direct(dests)
+    assert len(info) < 4 * len(encode_direct(dests[:1]))  # 33 layers, two span sets
+    got = decode_direct(info)
+    assert [(d.transfer_id, d.layer, d.base, d.slot, d.token) for d in got] == [
+        (d.transfer_id, d.layer, d.base, d.slot, d.token) for d in dests
+    ]
+    assert all(list(map(tuple, d.spans)) == list(w.spans) for d, w in zip(got, dests, strict=True))
+    assert got[0].spans is got[31].spans  # the sender's plan is reused by identity
+    with pytest.raises(ValueError):
+        decode_direct(b"\x81\xa1x\x01")
+    with pytest.raises(ValueError, match="span set"):
+        decode_direct(msgspec.msgpack.encode(DirectInfo([WireDest("t", 0, 3, 0, 5, 77, 1)], [[(0, 1)]])))
+
+
 @pytest.fixture
 def pair() -> Iterator[tuple[TransferAgent, TransferAgent]]:
     with TransferAgent(TransferConfig()) as p, TransferAgent(TransferConfig()) as d:
@@ -185,6 +238,24 @@ def test_paged_transfer_into_a_shared_cache_takes_one_copy_bit_exact(threads: in
         plane_d, plane_p = shm_plane(d), shm_plane(p)
         wait_for(lambda: not plane_d._granted, 5.0, "the grant retired")
         assert not plane_p.dests and not plane_d._pending
+
+
+def test_layers_queued_together_are_written_in_batches_and_reported_per_layer(
+    pair: tuple[TransferAgent, TransferAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Layers handed over at once go in batches (one grant hold, one write of DONE frames): with
+    a batch bound below one layer's bytes every layer still lands bit-exact and counts once."""
+    p, d = pair
+    monkeypatch.setattr(shm_send, "BATCH_BYTES", 3 * 8192)  # 2 blocks per layer: two layers a batch
+    layers = 8
+    src = [c for _ in range(2) for c in _caches(6)]
+    dst = shared_tensors([SHAPE] * layers, torch.bfloat16)
+    p.register_kv_caches(src, KVLayout.KV_FIRST)
+    d.register_kv_caches(dst, KVLayout.KV_FIRST)
+    _transfer(p, d, "batched", [4, 12], [13, 2], layers=layers)
+    assert shm_plane(p).layers_sent == {"one_copy": layers}
+    for got, want in zip(_blocks(dst, [13, 2]), _blocks(src, [4, 12]), strict=True):
+        assert torch.equal(got, want)
 
 
 def test_ordinary_destinations_fall_back_to_the_ring(pair: tuple[TransferAgent, TransferAgent]) -> None:

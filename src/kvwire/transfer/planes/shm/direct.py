@@ -26,21 +26,66 @@ from kvwire.transfer.shared_memory import check_peer_memfd
 Bytes = npt.NDArray[np.uint8]
 
 
-class ShmDest(msgspec.Struct, array_like=True, frozen=True):
+class ShmDest(msgspec.Struct, frozen=True):
     """Where one granted layer goes on the one-copy path."""
 
     transfer_id: str
     layer: int
     region: int  # the receiver's shared region id (mapped by the sender at link setup)
+    base: int  # the destination tensor's first byte, from the region's base
     slot: int  # grant-table slot guarding the transfer's writes
     token: int
-    spans: list[tuple[int, int]]  # (offset from the region's base, bytes), in payload order
+    # (offset from ``base``, bytes), in payload order: the same for every layer of a transfer
+    # (same blocks, same layer geometry), so the sender plans the copies once per transfer
+    spans: Sequence[tuple[int, int]]
+
+
+class WireDest(msgspec.Struct, array_like=True, frozen=True):
+    """A ShmDest on the wire: its spans by reference."""
+
+    transfer_id: str
+    layer: int
+    region: int
+    base: int
+    slot: int
+    token: int
+    span_set: int  # index into DirectInfo.span_sets
 
 
 class DirectInfo(msgspec.Struct, frozen=True):
-    """The receiver's plane_info on a Grant: one-copy destinations of layers it just posted."""
+    """The receiver's plane_info on a Grant: one-copy destinations of layers it just posted. Layers
+    with equal spans (a transfer's layers) share one entry of ``span_sets``, so a grant of L layers
+    of B blocks carries about B spans, not L x B."""
 
-    dests: list[ShmDest]
+    dests: list[WireDest]
+    span_sets: list[list[tuple[int, int]]]
+
+
+def encode_direct(dests: Sequence[ShmDest]) -> bytes:
+    """The plane_info bytes granting ``dests``."""
+    sets: list[Sequence[tuple[int, int]]] = []
+    wire = []
+    for d in dests:
+        if not sets or (sets[-1] is not d.spans and sets[-1] != d.spans):
+            sets.append(d.spans)
+        wire.append(WireDest(d.transfer_id, d.layer, d.region, d.base, d.slot, d.token, len(sets) - 1))
+    return msgspec.msgpack.encode(DirectInfo(wire, [list(spans) for spans in sets]))
+
+
+def decode_direct(info: bytes) -> list[ShmDest]:
+    """The destinations in a peer's plane_info (layers sharing a span set share its list). Raises
+    ValueError when it does not decode or refers to a missing span set."""
+    try:
+        grant = msgspec.msgpack.decode(info, type=DirectInfo)
+    except msgspec.DecodeError as exc:
+        raise ValueError(str(exc)) from exc
+    sets = grant.span_sets
+    if any(not 0 <= d.span_set < len(sets) for d in grant.dests):
+        raise ValueError("destination refers to a missing span set")
+    return [
+        ShmDest(d.transfer_id, d.layer, d.region, d.base, d.slot, d.token, sets[d.span_set])
+        for d in grant.dests
+    ]
 
 
 class MappedRegions:
@@ -77,6 +122,44 @@ def layer_runs(src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]]) -
     if len(src) == len(dst) and all(a[1] == b[1] for a, b in zip(src, dst, strict=True)):
         return [(a[0], b[0], a[1]) for a, b in zip(src, dst, strict=True) if a[1] > 0]
     return pair_runs(src, dst)
+
+
+def copy_order(runs: list[Run]) -> list[Run]:
+    """``runs`` ordered by source offset. A request's blocks lie in any order in a cache; reading
+    them in address order lets the hardware prefetcher run ahead across blocks (measured faster
+    than payload order for scattered 32 KiB runs: docs/decisions/080-shm-one-copy.md)."""
+    return sorted(runs)
+
+
+class RunPlans:
+    """The source-ordered runs of the layer being written. Consecutive layers of one transfer have
+    equal spans (offsets relative to each layer's tensor), so the last plan is kept and reused while
+    the spans repeat; only its bounds are checked against each layer's sizes."""
+
+    def __init__(self) -> None:
+        self._key: tuple[object, ...] | None = None
+        self._runs: list[Run] = []
+        self._src_end = self._dst_end = 0  # the furthest byte a run reads / writes
+
+    def runs(
+        self, src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]], src_size: int, dst_size: int
+    ) -> list[Run]:
+        """Raises ValueError when the spans' totals differ or a run leaves its source or destination."""
+        key = (src, dst)
+        if self._key is None or self._key != key:
+            runs = copy_order(layer_runs(src, dst))
+            if any(s < 0 or d < 0 for s, d, _ in runs):
+                raise ValueError("negative span offset")
+            self._key, self._runs = None, runs
+            self._src_end = max((s + n for s, _, n in runs), default=0)
+            self._dst_end = max((d + n for _, d, n in runs), default=0)
+            self._key = key
+        if self._src_end > src_size or self._dst_end > dst_size:
+            raise ValueError(
+                f"runs reach byte {self._src_end} of the source ({src_size}) and {self._dst_end} of "
+                f"the destination ({dst_size})"
+            )
+        return self._runs
 
 
 def check_runs(runs: Sequence[Run], src_size: int, dst_size: int) -> None:

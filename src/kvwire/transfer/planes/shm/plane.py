@@ -24,7 +24,8 @@ lives in the network namespace, so negotiation offers this plane only inside one
                          num_bytes:u32 tid_len:u16 transfer_id
                          (CHUNK: bytes are in the ring; DONE: the layer is in its destination)
     receiver -> sender   per chunk: consumed_ring_pos:u64           (credit)
-    control plane        the Grant's plane_info: DirectInfo (one-copy destinations, if any)
+    control plane        the Grant's plane_info: DirectInfo (one-copy destinations, if any; layers
+                         with equal spans share one span set)
 
 Nothing has a name in /dev/shm: ring, grant table and regions are memfds, so the kernel frees each
 with its last mapping/descriptor; a ``kill -9`` of either end leaks nothing and leaves nothing to
@@ -46,11 +47,10 @@ import socket
 import threading
 from collections.abc import Sequence
 
-import msgspec
 import torch
 
 from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.planes.shm.direct import DirectInfo, RunCopier, ShmDest
+from kvwire.transfer.planes.shm.direct import RunCopier, ShmDest, decode_direct, encode_direct
 from kvwire.transfer.planes.shm.grants import GrantTable
 from kvwire.transfer.planes.shm.recv import Inbound, Landing, shutdown
 from kvwire.transfer.planes.shm.send import Outbound
@@ -226,9 +226,10 @@ class ShmPlane(UnixLinkPlane):
             item.transfer_id,
             item.layer_index,
             region.region_id,
+            shift,
             grant.slot,
             grant.token,
-            [(shift + off, n) for off, n in spans],
+            spans,
         )
 
     def exported_regions(self) -> list[tuple[int, int, int]]:
@@ -250,18 +251,18 @@ class ShmPlane(UnixLinkPlane):
     def local_info(self, peer: PeerRef) -> bytes:
         with self.lock:
             dests = self._pending.pop(peer.instance_id, None)
-        return msgspec.msgpack.encode(DirectInfo(dests)) if dests else b""
+        return encode_direct(dests) if dests else b""
 
     # --- sender side: one-copy destinations --------------------------------------------------------
 
     def on_peer_info(self, peer: PeerRef, info: bytes) -> None:
         try:
-            grant = msgspec.msgpack.decode(info, type=DirectInfo)
-        except msgspec.DecodeError:
-            self.callbacks.on_protocol_error(f"shared-memory plane info from {peer.endpoint} does not decode")
+            dests = decode_direct(info)
+        except ValueError as exc:
+            self.callbacks.on_protocol_error(f"shared-memory plane info from {peer.endpoint}: {exc}")
             return
         with self.lock:
-            for dest in grant.dests:
+            for dest in dests:
                 if dest.transfer_id not in self.cancelled:
                     self.dests[(dest.transfer_id, dest.layer)] = (peer.instance_id, dest)
 
