@@ -26,7 +26,6 @@ from kvwire.transfer.planes.shm.wire import CREDIT, FRAME, MAGIC, VERSION, Frame
 from kvwire.transfer.planes.tcp.wire import (
     HANDSHAKE_TIMEOUT_S,
     check_hello,
-    recv_bytes,
 )
 from kvwire.transfer.types import RecvItem
 
@@ -34,6 +33,7 @@ if TYPE_CHECKING:
     from kvwire.transfer.planes.shm.plane import ShmPlane
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_READ_BYTES = 64 << 10
 Arrival = tuple[str, str, int] | None  # (peer id, transfer id, layer) or the end marker
 
 
@@ -62,6 +62,7 @@ class Inbound:
         self.conn = conn
         self.peer_id = ""
         self._later: list[tuple[str, str]] = []  # (transfer id | "", reason): reported outside the lock
+        self._inbox = bytearray()  # frame bytes read but not yet handled
 
     def _handshake(self) -> Bytes:
         conn = self.conn
@@ -131,15 +132,42 @@ class Inbound:
                 plane.readers.discard(threading.current_thread())  # last: close() joins until here
 
     def _report(self, arrivals: queue.SimpleQueue[Arrival]) -> None:
-        while (arrival := arrivals.get()) is not None:
-            peer_id, transfer_id, layer_index = arrival
-            self.plane.callbacks.on_received(peer_id, transfer_id, (layer_index,))
+        """Report arrived layers; layers of one transfer that arrived together (a sender's batch of
+        DONE frames) go in one call, so the agent wakes its control thread and acks once for them."""
+        end = False
+        while not end and (arrival := arrivals.get()) is not None:
+            batch = [arrival]
+            while True:
+                try:
+                    more = arrivals.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    end = True
+                    break
+                batch.append(more)
+            for (peer_id, transfer_id), layers in _grouped(batch):
+                self.plane.callbacks.on_received(peer_id, transfer_id, layers)
+
+    def _take(self, num_bytes: int) -> bytes:
+        """The next ``num_bytes`` of the frame stream; ConnectionError on EOF. Reads whatever the
+        socket holds (a sender's batch of DONE frames arrives in one read), so frames that came
+        together are handled without a system call each."""
+        inbox = self._inbox
+        while len(inbox) < num_bytes:
+            more = self.conn.recv(max(_READ_BYTES, num_bytes - len(inbox)))
+            if not more:
+                raise ConnectionError("connection closed by peer")
+            inbox += more
+        out = bytes(inbox[:num_bytes])
+        del inbox[:num_bytes]
+        return out
 
     def _read_chunk(self, ring: Bytes) -> tuple[str, int] | None:
         """Handle one chunk frame; (transfer id, layer) when it completed a layer."""
         conn, plane = self.conn, self.plane
-        kind, layer, total, layer_off, pos, num_bytes, tid_len = FRAME.unpack(recv_bytes(conn, FRAME.size))
-        tid = recv_bytes(conn, tid_len).decode(errors="replace")
+        kind, layer, total, layer_off, pos, num_bytes, tid_len = FRAME.unpack(self._take(FRAME.size))
+        tid = self._take(tid_len).decode(errors="replace")
         if kind == Frame.DONE:
             return self._written(tid, layer, total)
         if kind != Frame.CHUNK:
@@ -218,6 +246,17 @@ class Inbound:
                 self.plane.callbacks.on_transfer_failed(transfer_id, reason)
             else:
                 self.plane.callbacks.on_protocol_error(reason)
+
+
+def _grouped(arrivals: list[tuple[str, str, int]]) -> list[tuple[tuple[str, str], tuple[int, ...]]]:
+    """Consecutive arrivals of one (peer, transfer) merged: [((peer, transfer), layers)], in order."""
+    out: list[tuple[tuple[str, str], list[int]]] = []
+    for peer_id, transfer_id, layer in arrivals:
+        if out and out[-1][0] == (peer_id, transfer_id):
+            out[-1][1].append(layer)
+        else:
+            out.append(((peer_id, transfer_id), [layer]))
+    return [(key, tuple(layers)) for key, layers in out]
 
 
 def peer_uid(conn: socket.socket) -> int:
