@@ -6,7 +6,8 @@ layer:
 
 * one-copy path: the receiver granted a destination in one of those regions, so the writer copies
   the layer's block runs straight into it (holding the grant's slot lock, which the receiver's
-  cancel takes to revoke: ``grants``) and sends one DONE frame;
+  cancel takes to revoke: ``grants``) and sends one DONE frame. Layers queued together go as a
+  batch (up to ``BATCH_BYTES``): one lock hold and one write of DONE frames for them;
 * ring path (any other destination): copies the byte runs into the ring chunk by chunk and
   announces each chunk with a small frame. The receiver returns credit (the ring position it has
   consumed) after copying each chunk out, so the ring bounds the bytes in flight and the two copies
