@@ -26,6 +26,7 @@ from kvwire.transfer.planes.shm.direct import (
     RunCopier,
     RunPlans,
     ShmDest,
+    SourceViews,
     WireDest,
     check_runs,
     decode_direct,
@@ -163,6 +164,22 @@ def test_run_plans_are_source_ordered_reused_per_transfer_and_bounded_per_layer(
         plans.runs(src_spans, dst_spans[:3], 10 * block, 7 * block)
     with pytest.raises(ValueError, match="negative"):
         plans.runs(((-block, block),), [(0, block)], block, block)
+
+
+def test_source_views_are_kept_per_tensor_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    views = SourceViews()
+    cache = [torch.randn(SHAPE).to(torch.bfloat16) for _ in range(3)]
+    first = views.of(cache[0])
+    assert views.of(cache[0]) is first  # a cache layer comes back for every transfer: viewed once
+    assert np.array_equal(first, cache[0].view(-1).view(torch.uint8).numpy())
+    cache[0][1, 2] = 7.0
+    assert np.array_equal(first, cache[0].view(-1).view(torch.uint8).numpy())  # the memory itself
+    assert views.of(cache[1]) is not first and views.of(cache[1]).size == first.size
+    odd = cache[2][:, 3:5]  # not contiguous: a copy through torch, not kept
+    assert np.array_equal(views.of(odd), odd.contiguous().view(-1).view(torch.uint8).numpy())
+    monkeypatch.setattr(SourceViews, "MAX_VIEWS", 2)
+    views.of(cache[2])  # a third tensor: the views made so far are dropped
+    assert views.of(cache[0]) is not first
 
 
 def test_grant_info_sends_a_transfers_spans_once() -> None:

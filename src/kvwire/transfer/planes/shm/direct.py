@@ -11,6 +11,7 @@ one thread overlaps the other's ``memcpy``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import msgspec
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from kvwire.transfer.planes.ipc.runs import Run, pair_runs
 from kvwire.transfer.shared_memory import check_peer_memfd
@@ -167,6 +169,33 @@ def check_runs(runs: Sequence[Run], src_size: int, dst_size: int) -> None:
     for s, d, n in runs:
         if s < 0 or d < 0 or s + n > src_size or d + n > dst_size:
             raise ValueError(f"run ({s}, {d}, {n}) outside the source ({src_size}) or region ({dst_size})")
+
+
+class SourceViews:
+    """Flat ``uint8`` arrays over source tensors' bytes, kept by (address, bytes): the layer tensors
+    of a KV cache come back for every transfer, and making a view through torch costs about 30 us
+    a layer. A view does not hold its tensor: use it only while a tensor at that address and of that
+    size is alive (the send item holds it), which makes the view valid whatever tensor it was made
+    for. Bounded (cleared when full)."""
+
+    MAX_VIEWS = 1024
+
+    def __init__(self) -> None:
+        self._views: dict[tuple[int, int], Bytes] = {}
+
+    def of(self, tensor: torch.Tensor) -> Bytes:
+        """The bytes of a contiguous CPU tensor (any other tensor: a view made by torch)."""
+        num_bytes = tensor.numel() * tensor.element_size()
+        if num_bytes == 0 or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+        key = (tensor.data_ptr(), num_bytes)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= self.MAX_VIEWS:
+                self._views.clear()
+            view = np.ctypeslib.as_array((ctypes.c_uint8 * num_bytes).from_address(key[0]))
+            self._views[key] = view
+        return view
 
 
 class RunCopier:

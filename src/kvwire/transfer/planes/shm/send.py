@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from kvwire.transfer.planes.base import fail_queued
 from kvwire.transfer.planes.ipc.runs import Run
 from kvwire.transfer.planes.outbound import OutboundLink
-from kvwire.transfer.planes.shm.direct import MappedRegions, RunPlans, ShmDest
+from kvwire.transfer.planes.shm.direct import MappedRegions, RunPlans, ShmDest, SourceViews
 from kvwire.transfer.planes.shm.grants import GrantView
 from kvwire.transfer.planes.shm.ring import Bytes, SpanCursor, map_ring, next_slot, ring_array, tensor_array
 from kvwire.transfer.planes.shm.wire import (
@@ -76,6 +76,7 @@ class Outbound(OutboundLink):
         self._grants: GrantView | None = None
         self._regions = MappedRegions()
         self._plans = RunPlans()  # the layers of one transfer share their copy plan
+        self._sources = SourceViews()  # the sender's KV cache tensors, viewed once
         self._head = 0  # ring position of the next chunk (monotonic)
         self._consumed = 0  # ring position the receiver has copied out up to
         self._credit_buf = b""
@@ -202,10 +203,10 @@ class Outbound(OutboundLink):
         """(source bytes, destination bytes, runs) of a one-copy layer; ValueError when they do not fit."""
         src_spans: Sequence[tuple[int, int]]
         if item.spans is not None:
-            src, src_spans = tensor_array(item.spans.base), item.spans.spans
+            src, src_spans = self._sources.of(item.spans.base), item.spans.spans
         else:
             tensor = item.tensor if item.tensor.device.type == "cpu" else item.tensor.cpu()
-            src = tensor_array(tensor)
+            src = tensor_array(tensor)  # maybe a temporary copy: not kept
             src_spans = ((0, src.size),)
         region = self._regions.arrays[dest.region]
         if not 0 <= dest.base <= region.size:
