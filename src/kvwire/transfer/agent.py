@@ -501,3 +501,4 @@ class TransferAgent:
     def on_device_copy(self, num_bytes: int, seconds: float) -> None:
         self._core.stats.add("device_copy_bytes", num_bytes)
         self._core.stats.add("device_copy_ns", round(seconds * 1e9))
+        self._core.stats.add("device_copy_batches", 1)
