@@ -144,7 +144,8 @@ def d_kv_bytes(d: LLMEngine) -> int:
     return cfg.num_layers * 2 * blocks * BLOCK * heads * cfg.head_dim * 4
 
 
-def pd_generate(p: LLMEngine, d: LLMEngine, mode: TransferMode) -> dict[str, Any]:
+def pd_generate(p: LLMEngine, d: LLMEngine, mode: TransferMode, named: bool = False) -> dict[str, Any]:
+    """``named`` (pull): P is told D's endpoints, as the router does (only D's ranks may pull)."""
     results: dict[str, Any] = {}
     for i, prompt in enumerate(prompts()):
         tid = uuid.uuid4().hex
@@ -155,7 +156,8 @@ def pd_generate(p: LLMEngine, d: LLMEngine, mode: TransferMode) -> dict[str, Any
                 transfer_id=tid, role=Role.DECODE, peer_endpoints=endpoints(p)).to_dict())  # fmt: skip
         else:
             p.add_request(f"p{i}", prompt, FIRST, KVTransferParams(
-                transfer_id=tid, mode=mode, role=Role.PREFILL).to_dict())  # fmt: skip
+                transfer_id=tid, mode=mode, role=Role.PREFILL, peer_endpoints=endpoints(d) if named else [],
+            ).to_dict())  # fmt: skip
     if mode is TransferMode.PULL:
         run([p, d], results, until=lambda: all(f"p{i}" in results for i in range(len(prompts()))))
         for i, prompt in enumerate(prompts()):
@@ -164,11 +166,15 @@ def pd_generate(p: LLMEngine, d: LLMEngine, mode: TransferMode) -> dict[str, Any
     return results
 
 
+PULL_NAMED = "pull, D named"
 CASES = [  # (model, P TP, D TP, mode)
     pytest.param("tiny", 1, 2, TransferMode.PUSH, id="tiny-1to2-push"),
     pytest.param("tiny", 2, 1, TransferMode.PUSH, id="tiny-2to1-push"),
     pytest.param("tiny", 2, 2, TransferMode.PUSH, id="tiny-2to2-push"),
     pytest.param("tiny", 2, 1, TransferMode.PULL, id="tiny-2to1-pull"),
+    pytest.param("tiny", 1, 2, TransferMode.PULL, id="tiny-1to2-pull"),  # P's layer pulled in pieces
+    pytest.param("one_kv_head", 1, 2, PULL_NAMED, id="replicated-1to2-pull"),  # whole, twice
+    pytest.param("one_kv_head", 2, 1, TransferMode.PULL, id="replicated-2to1-pull"),  # rank 1 released
     pytest.param("one_kv_head", 1, 2, TransferMode.PUSH, id="replicated-1to2-push"),
     pytest.param("one_kv_head", 2, 1, TransferMode.PUSH, id="replicated-2to1-push"),
 ]
@@ -176,7 +182,7 @@ CASES = [  # (model, P TP, D TP, mode)
 
 @pytest.mark.parametrize(("model", "p_tp", "d_tp", "mode"), CASES)
 def test_decode_equals_colocated_tp1(request: pytest.FixtureRequest, model: str, p_tp: int, d_tp: int,
-                                     mode: TransferMode) -> None:  # fmt: skip
+                                     mode: TransferMode | str) -> None:  # fmt: skip
     if model == "one_kv_head":
         model = request.getfixturevalue("one_kv_head")
     expected = reference(model)
@@ -184,7 +190,9 @@ def test_decode_equals_colocated_tp1(request: pytest.FixtureRequest, model: str,
     d = engine(model, d_tp, Role.DECODE)
     try:
         assert len(endpoints(p)) == p_tp and len(endpoints(d)) == d_tp
-        results = pd_generate(p, d, mode)
+        named = mode == PULL_NAMED
+        start = time.monotonic()
+        results = pd_generate(p, d, TransferMode.PULL if named else TransferMode(mode), named)
         for i in range(len(prompts())):
             out = results[f"r{i}"]
             assert out.error is None and out.token_ids == expected[i], (i, out)
@@ -193,6 +201,7 @@ def test_decode_equals_colocated_tp1(request: pytest.FixtureRequest, model: str,
         # Every D rank got exactly its heads: the bytes moved are D's KV size, not a multiple of it.
         assert rank_bytes(p, "bytes_sent") == rank_bytes(d, "bytes_received") == d_kv_bytes(d)
         assert_all_freed([p, d], results)
+        assert time.monotonic() - start < 15.0  # freed on the acknowledgements, not the 20 s deadline
     finally:
         p.close()
         d.close()

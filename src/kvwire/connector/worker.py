@@ -40,6 +40,8 @@ from kvwire.connector.pieces import (
     head_slice,
     held_pieces,
     pull_pieces,
+    pull_releases,
+    pullers,
     recv_pieces,
     send_pieces,
 )
@@ -48,7 +50,7 @@ from kvwire.errors import ConfigError, KvwireError
 from kvwire.transfer.enums import KVLayout
 from kvwire.transfer.paged import HEAD_DIM, block_ids_tensor, gather_blocks, gathered_shape, scatter_blocks
 from kvwire.transfer.paged_kv import BlockTarget
-from kvwire.transfer.types import LayerSpec, TransferEvents, TransferTiming
+from kvwire.transfer.types import LayerSpec, PullSlice, TransferEvents, TransferTiming
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +66,8 @@ class AgentLike(Protocol):
 
     def start_send(
         self, transfer_id: str, peer_endpoint: str | None, layers: Sequence[LayerSpec], *,
-        deadline_s: float | None = None, with_trailer: bool = False, pull_by: str | None = None,
-        limit_s: float | None = None,
+        deadline_s: float | None = None, with_trailer: bool = False,
+        pull_by: str | Sequence[str] | None = None, limit_s: float | None = None,
     ) -> None: ...
 
     def register_kv_caches(self, kv_caches: Sequence[torch.Tensor], layout: KVLayout) -> None: ...
@@ -86,8 +88,10 @@ class AgentLike(Protocol):
         self, transfer_id: str, *, num_layers: int, deadline_s: float | None = None,
         pull_from: str | None = None, into_blocks: BlockTarget | None = None,
         accept_from: str | None = None,
-        sender: str | None = None, limit_s: float | None = None,
+        sender: str | None = None, limit_s: float | None = None, pull_slice: PullSlice | None = None,
     ) -> None: ...
+
+    def release_pull(self, held_id: str, peer_endpoint: str, deadline_s: float | None = None) -> None: ...
 
     def take_trailer(self, transfer_id: str) -> bytes | None: ...
 
@@ -238,8 +242,8 @@ class KvwireWorkerConnector(WorkerConnector):
             send.num_layers_sent += 1
             if send.num_layers_sent == len(self._kv_caches):
                 send.kv_ready_unix_s = time.time()
-            self.bytes_sent += send.layer_bytes[layer_index]
-            self._metrics.send_bytes.inc(send.layer_bytes[layer_index])
+            if send.spec.peer_endpoints:  # pull: counted once pulled (pieces may take part of it)
+                self._count_sent(send.layer_bytes[layer_index])
 
     def wait_for_save(self) -> None:
         self._finish_saves()
@@ -266,13 +270,16 @@ class KvwireWorkerConnector(WorkerConnector):
 
     def _announce(self, spec: SendSpec) -> None:
         info = self.engine_info
-        tid, rank, d_tp = spec.transfer_id, info.rank, len(spec.peer_endpoints)
+        tid, rank, d_tp = spec.transfer_id, info.rank, len(spec.peer_endpoints or spec.pull_by)
+        pull_by: tuple[str, ...] | None = None  # pull: the D ranks this rank's held layer is served to
         try:
-            pieces = (
-                send_pieces(tid, rank, info.tp_size, d_tp, self._kv_heads(info.tp_size, d_tp))
-                if spec.peer_endpoints
-                else held_pieces(tid, rank, info.tp_size)  # pull: D's size is unknown
-            )
+            if spec.peer_endpoints:
+                pieces = send_pieces(tid, rank, info.tp_size, d_tp, self._kv_heads(info.tp_size, d_tp))
+            else:  # pull: hold the whole layer (D's size may be unknown; each D rank pulls its piece)
+                pieces = held_pieces(tid, rank, info.tp_size)
+                if spec.pull_by:
+                    pull_by = pullers(rank, info.tp_size, spec.pull_by, self._kv_heads(info.tp_size, d_tp))
+                    pieces = pieces if pull_by else ()
         except ConfigError as exc:
             self._pending.finished_sending.add(spec.request_id)
             self._count_failure("send", f"mismatch: {exc}")
@@ -283,7 +290,7 @@ class KvwireWorkerConnector(WorkerConnector):
         ids = self._ids(spec.block_ids)
         sends: list[_Send] = []
         for piece in pieces:
-            send = self._start_piece(spec, ids, piece)
+            send = self._start_piece(spec, ids, piece, pull_by)
             if send is None:
                 for started in sends:
                     self._abort_agent(started.piece_id, "a sibling piece failed to start")
@@ -296,16 +303,15 @@ class KvwireWorkerConnector(WorkerConnector):
             self._sends[send.piece_id] = send
             self._saving.append(send)
 
-    def _start_piece(self, spec: SendSpec, ids: torch.Tensor, piece: RankPiece) -> _Send | None:
+    def _start_piece(
+        self, spec: SendSpec, ids: torch.Tensor, piece: RankPiece, pull_by: tuple[str, ...] | None
+    ) -> _Send | None:
         peer = spec.peer_endpoints[piece.peer_rank] if spec.peer_endpoints else None
         n, layout = len(spec.block_ids), self._layout
         layers = [
             LayerSpec(gathered_shape(head_slice(c, piece.heads, layout), n, layout), c.dtype)
             for c in self._kv_caches
         ]
-        pull_by = None
-        if spec.pull_by:  # pull: the D rank the router named for this P rank's held piece
-            pull_by = spec.pull_by[self.engine_info.rank * len(spec.pull_by) // self.engine_info.tp_size]
         try:
             self.agent.start_send(
                 piece.transfer_id, peer, layers, deadline_s=spec.deadline_s, with_trailer=spec.with_trailer,
@@ -365,9 +371,15 @@ class KvwireWorkerConnector(WorkerConnector):
             except KvwireError as exc:
                 logger.warning("transfer %s: send_trailer failed: %s", piece_id, exc)
 
+    def _count_sent(self, num_bytes: int) -> None:
+        self.bytes_sent += num_bytes
+        self._metrics.send_bytes.inc(num_bytes)
+
     def _on_sent(self, tid: str, out: _StepOutput, timing: TransferTiming | None) -> None:
         send = self._sends.pop(tid, None)
         if send is not None:
+            if not send.spec.peer_endpoints:  # pull: the bytes every puller took of the held layer
+                self._count_sent(timing.num_bytes if timing is not None else 0)
             self._metrics.transfers_completed.labels(side="send").inc()
             self._send_piece_done(tid, out)
         if timing is not None:
@@ -405,12 +417,24 @@ class KvwireWorkerConnector(WorkerConnector):
                 self.agent.expect(
                     recv.piece_id, num_layers=len(self._kv_caches), into_blocks=target,
                     deadline_s=spec.deadline_s, pull_from=pull_from, accept_from=accept_from,
-                    sender=accept_from, limit_s=spec.limit_s,
+                    sender=accept_from, limit_s=spec.limit_s, pull_slice=piece.source,
                 )
             except KvwireError as exc:
                 self._recv_piece_failed(recv, str(exc), self._pending)
                 return
             self._metrics.transfers_started.labels(side="recv").inc()
+        if spec.pull_from:
+            self._release_replicas(spec, p_tp)
+
+    def _release_replicas(self, spec: RecvSpec, p_tp: int) -> None:
+        """Pull, KV heads replicated on P: tell the P ranks nobody pulls from to free their blocks."""
+        info = self.engine_info
+        heads = self._kv_heads(p_tp, info.tp_size)
+        for p_rank, held_id in pull_releases(spec.transfer_id, info.rank, p_tp, info.tp_size, heads):
+            try:
+                self.agent.release_pull(held_id, spec.pull_from[p_rank], deadline_s=spec.deadline_s)
+            except KvwireError as exc:
+                logger.warning("transfer %s: release failed: %s", held_id, exc)
 
     def _on_received(self, tid: str, out: _StepOutput, timing: TransferTiming | None) -> None:
         recv = self._recvs.pop(tid, None)
