@@ -266,6 +266,39 @@ def test_a_killed_decode_rank_ends_the_engine_and_frees_everywhere() -> None:
         d.close()
 
 
+def test_p_frees_at_once_when_a_decode_rank_dies_after_its_sibling_piece_completed() -> None:
+    """P (TP 1) sends pieces to D's two ranks; rank 1 is stopped, so only rank 0's piece completes;
+    then rank 1 is killed. P notices by itself (D is not even stepped: nobody tells it) that the
+    rank's control endpoint refuses connections, fails that piece and frees the request's blocks
+    well before the 20 s KV deadline."""
+    p = engine("tiny", 1, Role.PREFILL, deadline_s=20.0)
+    d = engine("tiny", 2, Role.DECODE, deadline_s=20.0)
+    try:
+        assert isinstance(d.runner, TPRunner)
+        prompt = prompts()[3]
+        tid = uuid.uuid4().hex
+        d.add_request("r0", prompt, GREEDY, KVTransferParams(
+            transfer_id=tid, role=Role.DECODE, peer_endpoints=endpoints(p)).to_dict())  # fmt: skip
+        d.step()  # both D ranks expect their piece
+        rank1 = d.runner.leader.workers.pids[0]
+        os.kill(rank1, signal.SIGSTOP)
+        p.add_request("p0", prompt, FIRST, KVTransferParams(
+            transfer_id=tid, role=Role.PREFILL, peer_endpoints=endpoints(d)).to_dict())  # fmt: skip
+        pieces = p.worker_connector._send_pieces  # type: ignore[attr-defined]
+        run([p], {}, until=lambda: pieces.pieces(tid) == {f"{tid}~p0d1"})  # rank 0's piece is done
+        assert p.stats().kv_blocks_in_use > 0
+        os.kill(rank1, signal.SIGKILL)
+        start = time.monotonic()
+        run([p], {}, until=lambda: p.stats().kv_blocks_in_use == 0, timeout_s=8.0)  # < the deadline
+        assert time.monotonic() - start < 8.0
+        assert p.stats().num_delayed_free_requests == 0
+        assert p.scheduler_connector.num_tracked_requests == 0  # type: ignore[attr-defined]
+        assert p.worker_connector.num_live_transfers == 0  # type: ignore[attr-defined]
+    finally:
+        p.close()
+        d.close()
+
+
 def test_a_killed_prefill_rank_ends_p_and_d_recomputes() -> None:
     """P (TP 2) loses rank 1 before its prefill: P's engine ends holding nothing; D (TP 1, policy
     recompute) learns its pieces failed (P's agents closed) and computes the prompt itself: output

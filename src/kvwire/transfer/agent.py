@@ -65,7 +65,9 @@ class TransferAgent:
         self._next_expiry = 0.0  # control thread only: when _on_tick next checks deadlines
         plane.start(self)
         try:
-            core.control = ControlLoop(config, self._on_message, self._on_reject, self._on_tick)
+            core.control = ControlLoop(
+                config, self._on_message, self._on_reject, self._on_tick, self._on_unreachable
+            )
         except BaseException:
             plane.close()
             raise
@@ -439,6 +441,16 @@ class TransferAgent:
         self._sender.fail_peer(peer_id, reason)
         self._receiver.fail_peer(peer_id, reason)
         self._core.plane.drop_peer(peer_id)
+
+    def _on_unreachable(self, endpoint: str) -> None:
+        """The peer at ``endpoint`` refuses connections (its process is gone): fail its transfers
+        now rather than at their leases (peer_watch, decision 088)."""
+        with self._core.lock:
+            if self._core.closed:
+                return
+            reason = f"{FailReason.PEER_LOST.value}: {endpoint} refuses connections"
+            self._sender.fail_endpoint(endpoint, reason)
+            self._receiver.fail_endpoint(endpoint, reason)
 
     def _on_reject(self, reason: str) -> None:
         self._core.stats.add("messages_rejected")

@@ -435,6 +435,13 @@ class Sender:
             self.fail(tid, reason, notify=False)
         self.order.pop(peer_id, None)
 
+    def fail_endpoint(self, endpoint: str, reason: str) -> None:
+        """The receiver at ``endpoint`` is gone: fail what is sent to it, drop what is promised."""
+        for tid in [t for t, st in self.sends.items() if st.endpoint == endpoint]:
+            self.fail(tid, reason, notify=False)
+        for tid in [t for t, (e, _) in self.promised.items() if e == endpoint]:
+            del self.promised[tid]
+
     def on_abort(self, transfer_id: str, src_endpoint: str, reason: str) -> None:
         st = self.sends.get(transfer_id)
         if st is not None and st.endpoint == src_endpoint:
