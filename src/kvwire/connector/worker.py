@@ -157,6 +157,7 @@ class KvwireWorkerConnector(WorkerConnector):
         # Request transfer id -> this rank's pieces (P and D of different TP sizes: pieces.py).
         self._send_pieces = PieceBook()
         self._recv_pieces = PieceBook()
+        self._promised: dict[str, list[str]] = {}  # request transfer id -> piece ids promised, not started
         self._saving: list[_Send] = []  # sends whose layers this step's forward hands over
         self._pending = _StepOutput()  # local outcomes reported by the next get_finished
         self._closed = False
@@ -269,6 +270,7 @@ class KvwireWorkerConnector(WorkerConnector):
     # --- send side --------------------------------------------------------------------------
 
     def _announce(self, spec: SendSpec) -> None:
+        self._promised.pop(spec.transfer_id, None)  # the sends replace the promises
         info = self.engine_info
         tid, rank, d_tp = spec.transfer_id, info.rank, len(spec.peer_endpoints or spec.pull_by)
         pull_by: tuple[str, ...] | None = None  # pull: the D ranks this rank's held layer is served to
@@ -324,16 +326,20 @@ class KvwireWorkerConnector(WorkerConnector):
         return _Send(spec, ids, piece.transfer_id, piece.heads, tuple(layer.num_bytes for layer in layers))
 
     def _promise(self, spec: PromiseSpec) -> None:
-        """P accepted a request: renew D's lease on its transfer until the send starts (decision
-        051; symmetric TP: with different sizes the pieces' own ids are renewed once they start)."""
-        rank = self.engine_info.rank
-        if rank >= len(spec.peer_endpoints):
-            return
+        """P accepted a request: renew D's lease on each piece this rank will send until the send
+        starts (decision 051; with equal TP sizes the one piece is the request's own transfer)."""
+        info, d_tp, tid = self.engine_info, len(spec.peer_endpoints), spec.transfer_id
         try:
-            self.agent.promise(spec.transfer_id, spec.peer_endpoints[rank], deadline_s=spec.deadline_s,
-                               limit_s=spec.limit_s)
-        except KvwireError as exc:
-            logger.warning("transfer %s: promise failed: %s", spec.transfer_id, exc)
+            pieces = send_pieces(tid, info.rank, info.tp_size, d_tp, self._kv_heads(info.tp_size, d_tp))
+        except ConfigError:
+            return  # the send is refused when it starts (and D's pieces with it)
+        self._promised[spec.transfer_id] = [piece.transfer_id for piece in pieces]
+        for piece in pieces:
+            try:
+                self.agent.promise(piece.transfer_id, spec.peer_endpoints[piece.peer_rank],
+                                   deadline_s=spec.deadline_s, limit_s=spec.limit_s)  # fmt: skip
+            except KvwireError as exc:
+                logger.warning("transfer %s: promise failed: %s", piece.transfer_id, exc)
 
     def _kv_heads(self, p_tp: int, d_tp: int) -> int | None:
         """The model's KV heads over all ranks (None for MLA: no head dimension). A host whose KV is
@@ -496,7 +502,12 @@ class KvwireWorkerConnector(WorkerConnector):
         send = self._sends.pop(tid, None)
         if send is not None:
             self._count_failure("send", reason)
-            self._send_piece_done(tid, out)  # P's blocks may be freed (once no piece is in flight)
+            # D resumes only with every piece: end this rank's other pieces of the request now
+            for sibling in sorted(self._send_pieces.pieces(send.spec.transfer_id) - {tid}):
+                if sibling in self._sends:
+                    self._abort_piece(sibling, f"a sibling piece failed: {reason}")
+                    self._send_pieces.finish(sibling, failed=True)
+            self._send_piece_done(tid, out)  # P's blocks are freed once no piece is in flight
         recv = self._recvs.get(tid)
         if recv is not None:
             self._recv_piece_failed(recv, reason, out)
@@ -505,7 +516,7 @@ class KvwireWorkerConnector(WorkerConnector):
         """Cancel every piece of the request's transfer on this rank."""
         recv_group = self._recv_pieces.drop(spec.transfer_id)
         send_group = self._send_pieces.drop(spec.transfer_id)
-        piece_ids = {spec.transfer_id}
+        piece_ids = {spec.transfer_id, *self._promised.pop(spec.transfer_id, ())}
         piece_ids |= recv_group.pending if recv_group is not None else set()
         piece_ids |= send_group.pending if send_group is not None else set()
         for piece_id in sorted(piece_ids):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from kvwire.connector.base import ConnectorOutput
 from kvwire.connector.config import ConnectorConfig, EngineInfo
-from kvwire.connector.metadata import KvwireConnectorMetadata, RecvSpec
+from kvwire.connector.metadata import AbortSpec, KvwireConnectorMetadata, PromiseSpec, RecvSpec
+from kvwire.connector.metrics import connector_metrics
 from kvwire.connector.pieces import (
     PieceBook,
     head_slice,
@@ -19,6 +21,7 @@ from kvwire.connector.pieces import (
     send_pieces,
 )
 from kvwire.connector.scheduler import KvwireSchedulerConnector
+from kvwire.connector.worker import KvwireWorkerConnector
 from kvwire.engine.tp.aggregate import OutputAggregator
 from kvwire.errors import ConfigError, InvalidRequestError
 from kvwire.kv_params import KVCacheLayout, KVTransferParams, Role, layout_mismatch
@@ -175,3 +178,40 @@ def test_aggregator_fail_policy_fails_once_and_aborts_the_other_ranks() -> None:
     late = agg.merge([ConnectorOutput(), ConnectorOutput(failed={"c": "aborted"}),
                       ConnectorOutput(finished_recving=frozenset({"c"}))])  # fmt: skip
     assert not late.failed and not late.finished_recving and not agg.take_aborts()
+
+
+class _PromiseRecorder:
+    """The agent calls a P worker connector makes for a promise and an abort."""
+
+    endpoint = "tcp://127.0.0.1:1"
+    instance_id = "p"
+
+    def __init__(self) -> None:
+        self.promised: dict[str, str] = {}
+        self.aborted: list[str] = []
+
+    def register_kv_caches(self, kv_caches: object, layout: KVLayout) -> None:
+        del kv_caches, layout
+
+    def promise(self, transfer_id: str, peer_endpoint: str, *, deadline_s: float | None = None,
+                limit_s: float | None = None) -> None:  # fmt: skip
+        self.promised[transfer_id] = peer_endpoint
+
+    def abort(self, transfer_id: str, reason: str = "aborted") -> None:
+        self.aborted.append(transfer_id)
+
+
+def test_p_promises_each_piece_to_its_d_rank_and_abort_forgets_them() -> None:
+    """P TP 1 -> D TP 2: D's two ranks expect the pieces under their own ids; P's promise must renew
+    those (not the request's id, which no D rank expects), and an abort before the send must end
+    them."""
+    agent = _PromiseRecorder()
+    info = EngineInfo(block_size=4, num_kv_heads=4)
+    metrics = connector_metrics(CollectorRegistry())
+    worker = KvwireWorkerConnector(ConnectorConfig(role=Role.PREFILL), info, agent, metrics=metrics)  # type: ignore[arg-type]
+    worker.register_kv_caches([torch.zeros(2, 4, 4, 4, 8)])
+    worker.bind_connector_metadata(KvwireConnectorMetadata(promises=(PromiseSpec("t", ("d0", "d1"), 5.0),)))
+    assert agent.promised == {"t~p0d0": "d0", "t~p0d1": "d1"}
+    abort = AbortSpec("r", "t", "client gone", report_free=False)
+    worker.bind_connector_metadata(KvwireConnectorMetadata(aborts=(abort,)))
+    assert {"t~p0d0", "t~p0d1"} <= set(agent.aborted)
