@@ -449,8 +449,10 @@ class TransferAgent:
             if self._core.closed:
                 return
             reason = f"{FailReason.PEER_LOST.value}: {endpoint} refuses connections"
-            self._sender.fail_endpoint(endpoint, reason)
-            self._receiver.fail_endpoint(endpoint, reason)
+            failed = self._sender.fail_endpoint(endpoint, reason)
+            failed += self._receiver.fail_endpoint(endpoint, reason)
+        if failed:
+            log.warning("transfer peer %s refuses connections: failed its %d transfer(s)", endpoint, failed)
 
     def _on_reject(self, reason: str) -> None:
         self._core.stats.add("messages_rejected")

@@ -77,7 +77,7 @@ class PeerWatch:
                 watch.up = False
             elif event == zmq.EVENT_CLOSED and not watch.up and not watch.reported:
                 watch.reported = True  # a connect attempt failed: nothing listens there now
-                log.warning("transfer peer %s refuses connections: failing its transfers", watch.endpoint)
+                log.debug("transfer peer %s refuses connections", watch.endpoint)
                 self._on_unreachable(watch.endpoint)
 
     def close(self) -> None:

@@ -525,12 +525,14 @@ class Receiver:
             if not self._all_arrived(self.recvs[tid]):
                 self.fail(tid, reason, notify=False)
 
-    def fail_endpoint(self, endpoint: str, reason: str) -> None:
+    def fail_endpoint(self, endpoint: str, reason: str) -> int:
         """The sender at ``endpoint`` is gone: as :meth:`fail_peer`, by endpoint (also before its
-        Offer: a pull, or a push whose sender was named)."""
+        Offer: a pull, or a push whose sender was named). Returns how many receives failed."""
+        failed = 0
         for tid in [t for t, st in self.recvs.items() if self._peer_endpoint(st) == endpoint]:
             if not self._all_arrived(self.recvs[tid]):
-                self.fail(tid, reason, notify=False)
+                failed += self.fail(tid, reason, notify=False)
+        return failed
 
     def _all_arrived(self, st: RecvState) -> bool:
         """Every layer landed (delivered or held). A trailer still missing will never come from a

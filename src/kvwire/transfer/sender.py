@@ -435,12 +435,15 @@ class Sender:
             self.fail(tid, reason, notify=False)
         self.order.pop(peer_id, None)
 
-    def fail_endpoint(self, endpoint: str, reason: str) -> None:
-        """The receiver at ``endpoint`` is gone: fail what is sent to it, drop what is promised."""
-        for tid in [t for t, st in self.sends.items() if st.endpoint == endpoint]:
+    def fail_endpoint(self, endpoint: str, reason: str) -> int:
+        """The receiver at ``endpoint`` is gone: fail what is sent to it, drop what is promised.
+        Returns how many sends failed."""
+        gone = [t for t, st in self.sends.items() if st.endpoint == endpoint]
+        for tid in gone:
             self.fail(tid, reason, notify=False)
         for tid in [t for t, (e, _) in self.promised.items() if e == endpoint]:
             del self.promised[tid]
+        return len(gone)
 
     def on_abort(self, transfer_id: str, src_endpoint: str, reason: str) -> None:
         st = self.sends.get(transfer_id)
