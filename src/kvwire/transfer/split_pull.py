@@ -171,7 +171,8 @@ class SplitPulls:
             child = self.sender.sends.get(child_id)
             if child is not None:
                 self._copy_layers(parent, child)
-                self.sender.dispatch(child)
+            if child_id in self.sender.sends:  # (copying fails the held transfer if it cannot be split)
+                self.sender.dispatch(self.sender.sends[child_id])
         waiting, split.waiting = split.waiting, []
         for msg in waiting:
             if parent.transfer_id in self.sender.sends:
