@@ -65,7 +65,8 @@ def pull_piece_id(transfer_id: str, p_rank: int, p_tp: int) -> str:
 
 
 def held_pieces(transfer_id: str, rank: int, p_tp: int) -> tuple[RankPiece, ...]:
-    """P in pull mode does not know D's size: each rank holds its whole layer for D to pull."""
+    """P in pull mode holds each rank's whole layer for D to pull (whole, or in pieces: D's size
+    may be unknown to P; see :func:`pull_pieces`)."""
     return (RankPiece(pull_piece_id(transfer_id, rank, p_tp), -1, None),)
 
 

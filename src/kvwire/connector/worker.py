@@ -408,6 +408,8 @@ class KvwireWorkerConnector(WorkerConnector):
         except ConfigError as exc:
             self._recv_failed(_Recv(spec), f"mismatch: {exc}", self._pending)
             return
+        if spec.pull_from:  # first: whatever becomes of this request, nobody pulls those replicas
+            self._release_replicas(spec, p_tp)
         recvs = [_Recv(spec, piece.transfer_id, piece.heads) for piece in pieces]
         self._recv_pieces.add(spec.transfer_id, spec.request_id, [r.piece_id for r in recvs])
         # P's payload starts at D's block ``first_block`` (a partial transfer: P skips the prefix the
@@ -429,8 +431,6 @@ class KvwireWorkerConnector(WorkerConnector):
                 self._recv_piece_failed(recv, str(exc), self._pending)
                 return
             self._metrics.transfers_started.labels(side="recv").inc()
-        if spec.pull_from:
-            self._release_replicas(spec, p_tp)
 
     def _release_replicas(self, spec: RecvSpec, p_tp: int) -> None:
         """Pull, KV heads replicated on P: tell the P ranks nobody pulls from to free their blocks."""
