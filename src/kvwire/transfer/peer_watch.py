@@ -61,9 +61,9 @@ class PeerWatch:
         monitor.close(linger=0)
 
     def handle(self, ready: dict[object, int]) -> None:
-        for monitor, watch in list(self._watches.items()):
-            if monitor in ready:
-                self._drain(monitor, watch)
+        for sock in ready:  # the few sockets with events, not every watched one
+            if isinstance(sock, zmq.Socket) and (watch := self._watches.get(sock)) is not None:
+                self._drain(sock, watch)
 
     def _drain(self, monitor: zmq.Socket, watch: _Watch) -> None:
         for _ in range(MAX_EVENTS):
