@@ -201,7 +201,8 @@ def test_decode_equals_colocated_tp1(request: pytest.FixtureRequest, model: str,
         # Every D rank got exactly its heads: the bytes moved are D's KV size, not a multiple of it.
         assert rank_bytes(p, "bytes_sent") == rank_bytes(d, "bytes_received") == d_kv_bytes(d)
         assert_all_freed([p, d], results)
-        assert time.monotonic() - start < 15.0  # freed on the acknowledgements, not the 20 s deadline
+        # P's leases (20 s) start after ``start``: freed sooner means acknowledged (or released)
+        assert time.monotonic() - start < 19.0
     finally:
         p.close()
         d.close()
