@@ -173,6 +173,7 @@ CASES = [  # (model, P TP, D TP, mode)
     pytest.param("tiny", 2, 2, TransferMode.PUSH, id="tiny-2to2-push"),
     pytest.param("tiny", 2, 1, TransferMode.PULL, id="tiny-2to1-pull"),
     pytest.param("tiny", 1, 2, TransferMode.PULL, id="tiny-1to2-pull"),  # P's layer pulled in pieces
+    pytest.param("tiny", 2, 2, TransferMode.PULL, id="tiny-2to2-pull"),  # rank r pulls rank r's layer
     pytest.param("one_kv_head", 1, 2, PULL_NAMED, id="replicated-1to2-pull"),  # whole, twice
     pytest.param("one_kv_head", 2, 1, TransferMode.PULL, id="replicated-2to1-pull"),  # rank 1 released
     pytest.param("one_kv_head", 1, 2, TransferMode.PUSH, id="replicated-1to2-push"),
