@@ -193,7 +193,7 @@ def test_router_expires_an_overdue_record_before_etcd_drops_its_lease(etcd: Loca
             await until(lambda: not registry.get("quiet").alive, 3.0, "overdue record expired")  # type: ignore[union-attr]
             view = registry.get("quiet")
             assert view is not None and view.state is InstanceState.EXPIRED
-            assert time.monotonic() - t_put < 8.0 and watcher.probes["current"] >= 1
+            assert time.monotonic() - t_put < 8.0 and watcher.probes["expired"] >= 1
             t_put = await asyncio.to_thread(put, 2)
             await until(lambda: registry.get("quiet").alive, 5, "back with its next record")  # type: ignore[union-attr]
             took = await until(lambda: not registry.get("quiet").alive, 3.0, "expired again")  # type: ignore[union-attr]

@@ -120,10 +120,12 @@ def test_least_loaded_samples_large_pools() -> None:
 
 def test_watch_stream_lines_survive_any_chunking() -> None:
     import asyncio
+    import base64
 
-    from kvwire.router.etcd_watcher import _json_lines
+    from kvwire.router.etcd_stream import watch_messages
 
-    messages = [{"result": {"events": [{"kv": {"key": "a" * n}}]}} for n in (1, 70_000, 5)]
+    sizes = (1, 70_000, 5)
+    messages = [{"result": {"events": [{"kv": {"key": base64.b64encode(b"a" * n).decode()}}]}} for n in sizes]
     raw = b"\n".join(msgspec_json(m) for m in messages) + b"\n"
 
     class Stream:
@@ -134,11 +136,12 @@ def test_watch_stream_lines_survive_any_chunking() -> None:
             for i in range(0, len(raw), self.size):
                 yield raw[i:i + self.size]
 
-    async def collect(size: int) -> list[dict[str, object]]:
-        return [m async for m in _json_lines(Stream(size))]  # type: ignore[arg-type]
+    async def collect(size: int) -> list[bytes]:
+        return [m.result.events[0].kv.key  # type: ignore[union-attr]
+                async for m in watch_messages(Stream(size))]  # type: ignore[arg-type]
 
     for size in (1, 7, 4096, len(raw)):
-        assert asyncio.run(collect(size)) == messages
+        assert asyncio.run(collect(size)) == [b"a" * n for n in sizes]
 
 
 def msgspec_json(obj: object) -> bytes:
