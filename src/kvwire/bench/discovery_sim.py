@@ -186,7 +186,7 @@ class EtcdSim(Sim):
     def _http(self) -> EtcdHttp:
         client: EtcdHttp | None = getattr(self._local, "client", None)
         if client is None:
-            client = EtcdHttp(self.target.address, timeout_s=5.0, ssl_context=self.ssl)
+            client = EtcdHttp(self.target.address, timeout_s=5.0, ssl_context=self.ssl, auth=self.target.auth)
             self._local.client = client
             with self.lock:
                 self.clients.append(client)
@@ -234,7 +234,7 @@ class EtcdSim(Sim):
     def close(self) -> None:
         self.stop.set()
         time.sleep(0.05)
-        http = EtcdHttp(self.target.address, timeout_s=5.0, ssl_context=self.ssl)
+        http = EtcdHttp(self.target.address, timeout_s=5.0, ssl_context=self.ssl, auth=self.target.auth)
         for i, lease in enumerate(self.leases):  # revoke what is left (an external etcd stays clean)
             if lease and i not in self.stopped:
                 with contextlib.suppress(EtcdError):

@@ -13,6 +13,11 @@ Contract:
   in ``/instances`` and as ``kvwire_router_discovery_stale``) until a sync succeeds again. Retries
   back off from 0.2 s to 2 s. A watch cancelled by compaction re-syncs the same way.
 * Records that fail to decode are dropped and counted in ``dropped["malformed"]``.
+* Credentials in the address (``etcd://USER@HOST:PORT``, decision 099): the first call
+  authenticates (``/v3/auth/authenticate``) and every call and the watch carry the token; a call
+  answered "invalid token" authenticates again and is retried once; a watch cancelled "permission
+  denied" re-syncs with a fresh token. Credentials etcd refuses are logged as an error and kept in
+  :attr:`EtcdWatcher.last_error` (and ``/health``), and retried like an unreachable etcd.
 * Liveness: etcd's leases (a key lives as long as its lease), and, where faster, the records
   themselves: an instance puts its record every heartbeat interval and says in it (``ttl_s``, its
   lease TTL) when the next one is due at the latest. Each record's deadline goes into a heap
@@ -44,11 +49,17 @@ import aiohttp
 
 from kvwire.discovery.address import DiscoveryAddress
 from kvwire.discovery.etcd_gateway import (
+    AUTHENTICATE_PATH,
+    EtcdAuthError,
     EtcdError,
+    EtcdTokenError,
+    auth_error,
+    authenticate_body,
     b64,
     check_answer,
     decode_record,
     prefix_request,
+    token_of,
     unb64,
 )
 from kvwire.discovery.messages import Deregister, Heartbeat
@@ -89,6 +100,8 @@ class EtcdWatcher:
         self.stale_since = time.monotonic()
         self.resyncs = 0
         self.revision = 0  # the newest change the watch has delivered
+        self.last_error = ""  # why the view is stale ("" while the watch runs)
+        self._token: str | None = None  # etcd auth token (None: none yet; "": etcd's auth is off)
         self._deadlines = DeadlineHeap()  # instance id -> when its promised next record is overdue
         self._revisions: dict[str, int] = {}  # instance id -> mod revision of its record applied last
         self._probes: set[asyncio.Task[None]] = set()
@@ -125,8 +138,14 @@ class EtcdWatcher:
                 await self._watch(start_revision)
                 log.warning("etcd watch on %s ended; re-syncing", self.address)
             except (aiohttp.ClientError, asyncio.TimeoutError, EtcdError, ValueError) as exc:
-                if not self.stale:
+                if isinstance(exc, (EtcdAuthError, EtcdTokenError)):
+                    self._token = None  # the next attempt authenticates afresh
+                if isinstance(exc, EtcdAuthError) and str(exc) != self.last_error:
+                    log.error("etcd at %s refused this router (retrying; routing on the last view): %s",
+                              self.address, exc)
+                elif not self.stale:
                     log.warning("etcd at %s lost (%s); routing on the last view", self.address, exc)
+                self.last_error = str(exc) or type(exc).__name__
             self._mark_stale()
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, BACKOFF_MAX_S)
@@ -202,10 +221,36 @@ class EtcdWatcher:
             self.stale, self.stale_since = True, time.monotonic()
 
     async def _post(self, path: str, body: dict[str, Any], timeout_s: float = 5.0) -> dict[str, Any]:
+        """One gateway call; with credentials, authenticated (again, once, if etcd dropped the token)."""
+        auth = self.target.auth
+        if auth is not None and self._token is None:
+            await self._authenticate(timeout_s)
+        try:
+            return await self._post_once(path, body, timeout_s)
+        except EtcdTokenError:
+            if auth is None:
+                raise
+            await self._authenticate(timeout_s)
+            return await self._post_once(path, body, timeout_s)
+
+    async def _post_once(self, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         assert self._session is not None
         request_timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with self._session.post(self._url + path, json=body, timeout=request_timeout) as resp:
+        async with self._session.post(self._url + path, json=body, timeout=request_timeout,
+                                      headers=self._headers()) as resp:
             return check_answer(path, resp.status, await resp.read())
+
+    async def _authenticate(self, timeout_s: float) -> None:
+        """A token for the address's user (:class:`EtcdAuthError` when etcd refuses it)."""
+        assert self._session is not None and self.target.auth is not None
+        self._token = None
+        request_timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with self._session.post(self._url + AUTHENTICATE_PATH, json=authenticate_body(self.target.auth),
+                                      timeout=request_timeout) as resp:
+            self._token = token_of(self.target.auth, self._url, resp.status, await resp.read())
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": self._token} if self._token else {}
 
     async def _sync(self) -> int:
         """Read every record; make the registry match; return the revision to watch from."""
@@ -226,6 +271,7 @@ class EtcdWatcher:
                 if view.alive and view.ttl_s > 0 and view.instance_id in self._epochs:
                     self._deadlines.set(view.instance_id, view.last_seen + view.ttl_s)
         self.stale = False
+        self.last_error = ""
         self.resyncs += 1
         self.synced.set()
         return revision + 1
@@ -234,15 +280,16 @@ class EtcdWatcher:
         assert self._session is not None
         request = {**prefix_request(self.target.prefix), "start_revision": str(start_revision)}
         create = {"create_request": request}
-        async with self._session.post(self._url + "/v3/watch", json=create) as resp:
+        async with self._session.post(self._url + "/v3/watch", json=create, headers=self._headers()) as resp:
             if resp.status != 200:
                 check_answer("/v3/watch", resp.status, await resp.read())
             async for message in watch_messages(resp.content):
                 result = message.result
                 if result is None:
                     raise EtcdError(f"etcd watch error: {message.error}")
-                if result.canceled:
-                    raise EtcdError(f"etcd watch cancelled: {result.cancel_reason or 'no reason given'}")
+                if result.canceled:  # "permission denied": the user may not read the prefix, or
+                    # its token expired before the watch was made (both: authenticate again)
+                    raise auth_error("/v3/watch", f"cancelled: {result.cancel_reason or 'no reason given'}")
                 events = result.events
                 for start in range(0, len(events), APPLY_SLICE):
                     self._apply_events(events[start:start + APPLY_SLICE])
