@@ -45,10 +45,14 @@ class DeadlineHeap:
             heapq.heappop(heap)
         return heap[0][0] if heap else None
 
-    def pop_before(self, as_of: float) -> list[str]:
-        """Remove and return the instances whose deadline is before ``as_of``."""
+    def pop_before(self, as_of: float, limit: int | None = None) -> list[str]:
+        """Remove and return the instances whose deadline is before ``as_of`` (at most ``limit``,
+        earliest first)."""
         out: list[str] = []
-        while (first := self.earliest()) is not None and first < as_of:
+        while limit is None or len(out) < limit:
+            first = self.earliest()
+            if first is None or first >= as_of:
+                break
             _, ident = heapq.heappop(self._heap)
             del self._due[ident]
             out.append(ident)

@@ -170,7 +170,7 @@ class EtcdWatcher:
         if earliest is None or earliest > now:
             return IDLE_CHECK_S if earliest is None else min(IDLE_CHECK_S, earliest - now + 0.001)
         if len(self._probes) < PROBE_MAX_IN_FLIGHT:
-            due = self._deadlines.pop_before(now)[:PROBE_MAX_KEYS]
+            due = self._deadlines.pop_before(now, PROBE_MAX_KEYS)
             asked = {ident: self._revisions.get(ident, 0) for ident in due}
             task = asyncio.create_task(self._probe(now, asked), name="kvwire-etcd-probe")
             self._probes.add(task)

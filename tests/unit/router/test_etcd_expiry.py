@@ -28,7 +28,7 @@ def test_deadline_heap_keeps_only_each_instances_latest_deadline() -> None:
     heap.set("c", 1.0)
     heap.discard("c")  # deleted
     assert heap.earliest() == 2.0 and len(heap) == 2 and "a" in heap and "c" not in heap
-    assert heap.pop_before(4.0) == ["b"]
+    assert heap.pop_before(9.0, limit=1) == ["b"] and heap.earliest() == 5.0  # the rest stay
     assert heap.pop_before(4.0) == [] and heap.earliest() == 5.0
     assert heap.pop_before(5.5) == ["a"] and heap.earliest() is None
 
