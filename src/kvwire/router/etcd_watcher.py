@@ -79,7 +79,7 @@ PROBE_MAX_KEYS = 128  # keys per probe (etcd's default --max-txn-ops)
 PROBE_TIMEOUT_S = 1.0  # one probe's transaction
 PROBE_RETRY_S = 0.2  # an instance etcd holds a newer record of (watch behind), or a failed probe
 IDLE_CHECK_S = 0.5  # the expiry task's longest sleep (nothing due)
-APPLY_SLICE = 64  # watch events applied between two yields of the event loop
+APPLY_SLICE = 16  # watch events applied between two yields of the loop (~15 µs of CPU each at N = 1,000)
 
 
 class EtcdWatcher:
