@@ -303,6 +303,7 @@ class EtcdWatcher:
         """Apply watch events in order, as few registry batches as order allows (a batch never
         holds two events of one instance)."""
         batch: list[Heartbeat | Deregister] = []
+        in_batch: set[str] = set()
         for event in events:
             kv = event.kv
             if kv is None:
@@ -311,13 +312,13 @@ class EtcdWatcher:
             msg = self._event_message(event.type, kv.key, kv.value)
             if msg is not None:
                 ident = msg.instance_id if isinstance(msg, Deregister) else msg.info.instance_id
-                if any((m.instance_id if isinstance(m, Deregister) else m.info.instance_id) == ident
-                       for m in batch):
+                if ident in in_batch:
                     self._apply_batch(batch)
-                    batch = []
+                    batch, in_batch = [], set()
                     msg = self._event_message(event.type, kv.key, kv.value)  # epochs may have moved
                 if msg is not None:
                     batch.append(msg)
+                    in_batch.add(ident)
             # the newest change delivered (not the header's: a catching-up watch's first answer
             # carries the store's revision before the events that lead to it)
             self.revision = max(self.revision, kv.mod_revision)
