@@ -1,14 +1,16 @@
 """Per-request KV transfer bytes and time between built-in engines of different tensor-parallel
-sizes (P TP -> D TP), push mode, loopback TCP, in one run with the symmetric 1 -> 1 baseline.
+sizes (P TP -> D TP), push or pull mode, loopback, in one run with the symmetric 1 -> 1 baseline.
 
 For each topology: the same prompts go through P (prefill, 1 token) and D (loads the KV, decodes 1
 token). Bytes are counted by every rank's worker connector (rank 0 in-process, the others through
 the engine's rank stats) and compared with the KV size D holds for those prompts (all ranks);
 time is D's time to first token (request added on both sides at once -> D's first token), which
 includes P's prefill, and the handover (P's first token -> D's first token: what is left of the
-transfer after P's forward, plus D's step that resumes the request). Usage::
+transfer after P's forward, plus D's step that resumes the request). In pull mode D's request is
+added when P's returns its params (as the router does; P is told D's endpoints): the handover is
+then the whole pull. Usage::
 
-    PYTHONPATH=src python benchmarks/tp_transfer.py [--prompts 8] [--prompt-len 256]
+    PYTHONPATH=src python benchmarks/tp_transfer.py [--prompts 8] [--prompt-len 256] [--mode pull]
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.engine.sampling_params import SamplingParams
 from kvwire.engine.tp.runner import TPRunner, model_config_of
-from kvwire.kv_params import KVTransferParams, Role
+from kvwire.kv_params import KVTransferParams, Role, TransferMode
 
 BLOCK = 16
 
@@ -50,7 +52,7 @@ def rank_bytes(e: LLMEngine, name: str) -> int:
     return total
 
 
-def measure(p_tp: int, d_tp: int, prompts: list[list[int]]) -> dict[str, Any]:
+def measure(p_tp: int, d_tp: int, prompts: list[list[int]], mode: TransferMode) -> dict[str, Any]:
     max_len = max(len(p) for p in prompts) + 8
     p, d = engine(p_tp, Role.PREFILL, max_len), engine(d_tp, Role.DECODE, max_len)
     try:
@@ -63,15 +65,18 @@ def measure(p_tp: int, d_tp: int, prompts: list[list[int]]) -> dict[str, Any]:
             tid = uuid.uuid4().hex
             start = time.perf_counter()
             p.add_request(f"p{i}", prompt, first, KVTransferParams(
-                transfer_id=tid, role=Role.PREFILL, peer_endpoints=d_eps).to_dict())  # fmt: skip
-            d.add_request(f"d{i}", prompt, first, KVTransferParams(
-                transfer_id=tid, role=Role.DECODE, peer_endpoints=p_eps).to_dict())  # fmt: skip
+                transfer_id=tid, role=Role.PREFILL, mode=mode, peer_endpoints=d_eps).to_dict())  # fmt: skip
+            if mode is TransferMode.PUSH:
+                d.add_request(f"d{i}", prompt, first, KVTransferParams(
+                    transfer_id=tid, role=Role.DECODE, peer_endpoints=p_eps).to_dict())  # fmt: skip
             done = False
             p_done = start
             while not done or p.has_unfinished_requests():
                 for out in p.step():
                     if out.request_id == f"p{i}" and out.new_token_ids:
                         p_done = time.perf_counter()
+                    if out.request_id == f"p{i}" and out.finished and mode is TransferMode.PULL:
+                        d.add_request(f"d{i}", prompt, first, out.kv_transfer_params)
                 for out in d.step():
                     if out.finished:
                         assert out.error is None, out.error
@@ -96,15 +101,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--mode", choices=[m.value for m in TransferMode], default="push")
     args = parser.parse_args()
+    mode = TransferMode(args.mode)
     torch.set_num_threads(1)
     prompts = [[(7 * j + 13 * i) % 250 + 1 for j in range(args.prompt_len)] for i in range(args.prompts)]
     print(f"tiny preset (4 layers, 2 KV heads x 32, fp32), {args.prompts} prompts x {args.prompt_len} "
-          "tokens, push over loopback TCP, one request at a time")  # fmt: skip
+          f"tokens, {mode.value} over loopback, one request at a time")  # fmt: skip
     print(f"{'P TP -> D TP':>13} {'KV/req KiB':>11} {'sent/req KiB':>13} {'recv/req KiB':>13} {'sent/KV':>8} "
           f"{'D TTFT p50 ms':>14} {'min ms':>7} {'handover p50 ms':>16} {'min ms':>7}")  # fmt: skip
     for p_tp, d_tp in ((1, 1), (1, 2), (2, 1), (2, 2)):
-        r = measure(p_tp, d_tp, prompts)
+        r = measure(p_tp, d_tp, prompts, mode)
         n = len(prompts)
         print(f"{f'{p_tp} -> {d_tp}':>13} {r['kv'] / n / 1024:>11.1f} {r['sent'] / n / 1024:>13.1f} "
               f"{r['received'] / n / 1024:>13.1f} {r['sent'] / r['kv']:>8.3f} "

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvwire.bench.nccl_harness import child_results
 from kvwire.transfer.paged import KVLayout, block_spans, gather_blocks
+from support.nccl_planes import child_results
 
 pytestmark = [
     pytest.mark.gpu,
@@ -171,3 +171,53 @@ def test_receiver_restarted_next_transfer_maps_the_new_epoch(spawn: Any) -> None
     right.send("stop")
     results = child_results(spawn.queue, 2)
     assert results["_receiver"]["epoch-2"] == {"failed": {}, "exact": True}
+
+
+def test_launch_gate_holds_the_stream_until_released() -> None:
+    """The writer's gate: nothing behind it runs while it is held (so a batch's device window holds
+    only GPU work), everything runs once released, and the cyclic count survives its wrap."""
+    from kvwire.transfer.planes.ipc.gate import LaunchGate
+
+    torch.cuda.set_device(0)
+    stream = torch.cuda.Stream()
+    gate = LaunchGate()
+    for count in (0, 2**32 - 1):  # the second pass wraps the word to 0
+        gate.count = count
+        gate._cell.value = count
+        with gate.held(stream) as held:
+            assert held
+            behind = torch.cuda.Event()
+            behind.record(stream)
+            for _ in range(200):
+                assert not behind.query(), "work behind a held gate ran"
+        assert gate.count == (count + 1) % 2**32
+        deadline = time.monotonic() + 10
+        while not behind.query():
+            assert time.monotonic() < deadline, "the released gate did not let the stream go"
+            time.sleep(0.001)
+
+
+def test_copy_kernel_launches_through_the_compiled_runner() -> None:
+    """After its first (compiling) launch the mover launches through Triton's compiled-kernel runner
+    (the JIT entry point costs more host time per batch), bit-exact; a runner that refused the call
+    would have switched the module to the JIT path for good."""
+    from kvwire.transfer.planes.ipc import copy
+    from kvwire.transfer.planes.ipc.runs import spans_array, tile_runs
+
+    torch.cuda.set_device(0)
+    src = [t.cuda() for t in _cache(3)]
+    dst = [torch.zeros_like(t) for t in src]
+    src_spans = block_spans(src[0], SRC_IDS, LAYOUT).spans
+    dst_spans = block_spans(dst[0], DST_IDS, LAYOUT).spans
+    tiles = tile_runs(spans_array(src_spans), spans_array(dst_spans), 32 * 1024)
+    table = copy.TileTable.build(tiles, src[0].device)
+    group = copy.LayerGroup(table, [(s.data_ptr(), d.data_ptr()) for s, d in zip(src, dst, strict=True)])
+    anchor = torch.empty(4, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        launches = copy.prepare([group], anchor)
+        copy.launch(launches, anchor)
+    torch.cuda.synchronize()
+    assert copy.compiled(launches) and copy._direct[0]
+    for s, d in zip(src, dst, strict=True):
+        want = gather_blocks(s, torch.tensor(SRC_IDS, device="cuda"), LAYOUT)
+        assert torch.equal(want, gather_blocks(d, torch.tensor(DST_IDS, device="cuda"), LAYOUT))

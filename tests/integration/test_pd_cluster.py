@@ -97,6 +97,7 @@ def assert_kv_transport(cluster: LocalCluster, want: str) -> None:
         with urllib.request.urlopen(f"{instance.url}/metrics", timeout=5) as resp:
             exposed = resp.read().decode()
         assert "kvwire_kv_device_copy_bytes_total 0.0" in exposed  # CPU planes copy nothing on a GPU
+        assert "kvwire_kv_device_copy_batches_total 0.0" in exposed
 
     def reported() -> bool:
         with urllib.request.urlopen(f"{cluster.router_url}/instances", timeout=5) as resp:

@@ -144,7 +144,8 @@ def d_kv_bytes(d: LLMEngine) -> int:
     return cfg.num_layers * 2 * blocks * BLOCK * heads * cfg.head_dim * 4
 
 
-def pd_generate(p: LLMEngine, d: LLMEngine, mode: TransferMode) -> dict[str, Any]:
+def pd_generate(p: LLMEngine, d: LLMEngine, mode: TransferMode, named: bool = False) -> dict[str, Any]:
+    """``named`` (pull): P is told D's endpoints, as the router does (only D's ranks may pull)."""
     results: dict[str, Any] = {}
     for i, prompt in enumerate(prompts()):
         tid = uuid.uuid4().hex
@@ -155,7 +156,8 @@ def pd_generate(p: LLMEngine, d: LLMEngine, mode: TransferMode) -> dict[str, Any
                 transfer_id=tid, role=Role.DECODE, peer_endpoints=endpoints(p)).to_dict())  # fmt: skip
         else:
             p.add_request(f"p{i}", prompt, FIRST, KVTransferParams(
-                transfer_id=tid, mode=mode, role=Role.PREFILL).to_dict())  # fmt: skip
+                transfer_id=tid, mode=mode, role=Role.PREFILL, peer_endpoints=endpoints(d) if named else [],
+            ).to_dict())  # fmt: skip
     if mode is TransferMode.PULL:
         run([p, d], results, until=lambda: all(f"p{i}" in results for i in range(len(prompts()))))
         for i, prompt in enumerate(prompts()):
@@ -164,11 +166,16 @@ def pd_generate(p: LLMEngine, d: LLMEngine, mode: TransferMode) -> dict[str, Any
     return results
 
 
+PULL_NAMED = "pull, D named"
 CASES = [  # (model, P TP, D TP, mode)
     pytest.param("tiny", 1, 2, TransferMode.PUSH, id="tiny-1to2-push"),
     pytest.param("tiny", 2, 1, TransferMode.PUSH, id="tiny-2to1-push"),
     pytest.param("tiny", 2, 2, TransferMode.PUSH, id="tiny-2to2-push"),
     pytest.param("tiny", 2, 1, TransferMode.PULL, id="tiny-2to1-pull"),
+    pytest.param("tiny", 1, 2, TransferMode.PULL, id="tiny-1to2-pull"),  # P's layer pulled in pieces
+    pytest.param("tiny", 2, 2, TransferMode.PULL, id="tiny-2to2-pull"),  # rank r pulls rank r's layer
+    pytest.param("one_kv_head", 1, 2, PULL_NAMED, id="replicated-1to2-pull"),  # whole, twice
+    pytest.param("one_kv_head", 2, 1, TransferMode.PULL, id="replicated-2to1-pull"),  # rank 1 released
     pytest.param("one_kv_head", 1, 2, TransferMode.PUSH, id="replicated-1to2-push"),
     pytest.param("one_kv_head", 2, 1, TransferMode.PUSH, id="replicated-2to1-push"),
 ]
@@ -176,7 +183,7 @@ CASES = [  # (model, P TP, D TP, mode)
 
 @pytest.mark.parametrize(("model", "p_tp", "d_tp", "mode"), CASES)
 def test_decode_equals_colocated_tp1(request: pytest.FixtureRequest, model: str, p_tp: int, d_tp: int,
-                                     mode: TransferMode) -> None:  # fmt: skip
+                                     mode: TransferMode | str) -> None:  # fmt: skip
     if model == "one_kv_head":
         model = request.getfixturevalue("one_kv_head")
     expected = reference(model)
@@ -184,7 +191,9 @@ def test_decode_equals_colocated_tp1(request: pytest.FixtureRequest, model: str,
     d = engine(model, d_tp, Role.DECODE)
     try:
         assert len(endpoints(p)) == p_tp and len(endpoints(d)) == d_tp
-        results = pd_generate(p, d, mode)
+        named = mode == PULL_NAMED
+        start = time.monotonic()
+        results = pd_generate(p, d, TransferMode.PULL if named else TransferMode(mode), named)
         for i in range(len(prompts())):
             out = results[f"r{i}"]
             assert out.error is None and out.token_ids == expected[i], (i, out)
@@ -193,6 +202,8 @@ def test_decode_equals_colocated_tp1(request: pytest.FixtureRequest, model: str,
         # Every D rank got exactly its heads: the bytes moved are D's KV size, not a multiple of it.
         assert rank_bytes(p, "bytes_sent") == rank_bytes(d, "bytes_received") == d_kv_bytes(d)
         assert_all_freed([p, d], results)
+        # P's leases (20 s) start after ``start``: freed sooner means acknowledged (or released)
+        assert time.monotonic() - start < 19.0
     finally:
         p.close()
         d.close()
@@ -250,6 +261,39 @@ def test_a_killed_decode_rank_ends_the_engine_and_frees_everywhere() -> None:
         run([p], results, timeout_s=10.0)
         assert time.monotonic() - start < 4.0 + 6.0  # the lease, and some slack on a busy box
         assert p.stats().kv_blocks_in_use == 0 and p.stats().num_delayed_free_requests == 0
+        assert p.scheduler_connector.num_tracked_requests == 0  # type: ignore[attr-defined]
+        assert p.worker_connector.num_live_transfers == 0  # type: ignore[attr-defined]
+    finally:
+        p.close()
+        d.close()
+
+
+def test_p_frees_at_once_when_a_decode_rank_dies_after_its_sibling_piece_completed() -> None:
+    """P (TP 1) sends pieces to D's two ranks; rank 1 is stopped, so only rank 0's piece completes;
+    then rank 1 is killed. P notices by itself (D is not even stepped: nobody tells it) that the
+    rank's control endpoint refuses connections, fails that piece and frees the request's blocks
+    well before the 20 s KV deadline."""
+    p = engine("tiny", 1, Role.PREFILL, deadline_s=20.0)
+    d = engine("tiny", 2, Role.DECODE, deadline_s=20.0)
+    try:
+        assert isinstance(d.runner, TPRunner)
+        prompt = prompts()[3]
+        tid = uuid.uuid4().hex
+        d.add_request("r0", prompt, GREEDY, KVTransferParams(
+            transfer_id=tid, role=Role.DECODE, peer_endpoints=endpoints(p)).to_dict())  # fmt: skip
+        d.step()  # both D ranks expect their piece
+        rank1 = d.runner.leader.workers.pids[0]
+        os.kill(rank1, signal.SIGSTOP)
+        p.add_request("p0", prompt, FIRST, KVTransferParams(
+            transfer_id=tid, role=Role.PREFILL, peer_endpoints=endpoints(d)).to_dict())  # fmt: skip
+        pieces = p.worker_connector._send_pieces  # type: ignore[attr-defined]
+        run([p], {}, until=lambda: pieces.pieces(tid) == {f"{tid}~p0d1"})  # rank 0's piece is done
+        assert p.stats().kv_blocks_in_use > 0
+        os.kill(rank1, signal.SIGKILL)
+        start = time.monotonic()
+        run([p], {}, until=lambda: p.stats().kv_blocks_in_use == 0, timeout_s=8.0)  # < the deadline
+        assert time.monotonic() - start < 8.0
+        assert p.stats().num_delayed_free_requests == 0
         assert p.scheduler_connector.num_tracked_requests == 0  # type: ignore[attr-defined]
         assert p.worker_connector.num_live_transfers == 0  # type: ignore[attr-defined]
     finally:

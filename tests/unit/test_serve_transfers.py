@@ -34,3 +34,41 @@ def test_summary_uses_busy_time_for_the_wire_and_the_median_bytes_for_the_ceilin
 def test_no_transfers_says_so() -> None:
     out = serve_transfers.summarize({"send": [], "recv": []}, with_ceiling=True)
     assert serve_transfers.describe(out) == "in-serving KV transfer: none recorded"
+
+
+def test_device_copies_are_summed_from_the_instances_metrics_and_reported_as_one_rate() -> None:
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    bodies = [
+        b"kvwire_kv_device_copy_bytes_total 3e+09\nkvwire_kv_device_copy_seconds_total 0.002\n",
+        b"kvwire_kv_device_copy_bytes_total 1e+09\nkvwire_kv_device_copy_seconds_total 0.002\n",
+    ]
+
+    def server(body: bytes) -> HTTPServer:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        srv = HTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        return srv
+
+    servers = [server(b) for b in bodies]
+    try:
+        urls = [f"http://127.0.0.1:{s.server_address[1]}" for s in servers] + ["http://127.0.0.1:9"]
+        copied = serve_transfers.device_copies(urls)  # the last one answers nothing: skipped
+    finally:
+        for s in servers:
+            s.shutdown()
+            s.server_close()
+    assert copied == (4e9, 0.004)
+    out = serve_transfers.summarize({"send": [(10**9, 1.0, 0.5)], "recv": []}, False, copied)
+    assert out["device_copy_gbps"] == 1000.0
+    assert "device copies 1000 GB/s (bytes / copy windows on the GPU)" in serve_transfers.describe(out)
+    assert "device_copy_gbps" not in serve_transfers.summarize({"send": [], "recv": []}, False)

@@ -13,9 +13,13 @@ Measured per backend and N (default 10, 100, 1000), in one run:
   in which it does nothing but discovery, in % of one core; etcd's own CPU is shown beside it;
 * update latency: an instance's send (its ``sent_at``) to the registry applying it, p50/p99;
 * routing decision: ``plan`` + pick P + pick D on the live registry while updates keep coming,
-  p50/p99;
+  p50/p99 of its wall time, and p99 of "due -> decided": one decision is due every millisecond (a
+  timer on the router's event loop, as a request's arrival would be) and timed from when it was
+  due, so the wait for a loop busy with discovery work (watch messages, sweeps) is included;
 * death -> removal: 10 % of the instances stop announcing at once but keep their connections
-  (a SIGSTOP, a network cut); time until each is out of routing, p50/max. ZeroMQ also shows a
+  (a SIGSTOP, a network cut); time until each is out of routing, p50/max, from the kill and from
+  the later of the kill and the instance's last announcement (``last``: a call under way at the
+  kill still arrives; the instance was alive when it left). ZeroMQ also shows a
   crash (connections closed, as kill -9 does), which the router sees without waiting for a TTL.
 
 Goals at N = 1,000: CPU <= 10 % of a core, death detected <= 3 heartbeat intervals (ZeroMQ) or the
@@ -75,9 +79,19 @@ class TimedRegistry(Registry):
 
     def apply(self, msg: Heartbeat | Deregister) -> ApplyResult:
         result = super().apply(msg)
-        if self.recording and isinstance(msg, Heartbeat) and result is not ApplyResult.STALE:
-            self.latencies.append(time.time() - msg.sent_at)
+        self._record([msg], [result])
         return result
+
+    def apply_many(self, msgs: list[Heartbeat | Deregister]) -> list[ApplyResult]:
+        results = super().apply_many(msgs)
+        self._record(msgs, results)
+        return results
+
+    def _record(self, msgs: list[Heartbeat | Deregister], results: list[ApplyResult]) -> None:
+        if self.recording:
+            now = time.time()
+            self.latencies.extend(now - m.sent_at for m, r in zip(msgs, results, strict=True)
+                                  if isinstance(m, Heartbeat) and r is not ApplyResult.STALE)
 
     def live_count(self) -> int:
         return len(self.live(Role.PREFILL)) + len(self.live(Role.DECODE))
@@ -93,6 +107,7 @@ class Result:
     etcd_cpu_pct: float | None = None
     update_ms: tuple[float, float] = (0.0, 0.0)
     decision_us: tuple[float, float, float] = (0.0, 0.0, 0.0)  # p50, p99; p99 of CPU time
+    due_us: tuple[float, float] = (0.0, 0.0)  # p99 of due -> decided: wall; the loop thread's CPU
     silent: Deaths | None = None
     crash: Deaths | None = None
     sim: dict[str, Any] = field(default_factory=dict)
@@ -157,31 +172,42 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _decisions(registry: Registry, count: int) -> tuple[float, float, float]:
-    """p50 and p99 of a decision's wall time, and p99 of its own CPU time (this thread's: without
-    the time the process waited for a core or for the GIL), in µs."""
+async def _decisions(
+    registry: Registry, count: int
+) -> tuple[tuple[float, float, float], tuple[float, float]]:
+    """p50 and p99 of a decision's wall time and p99 of its own CPU time (this thread's: without
+    the time the process waited for a core or for the GIL), in µs; and p99 of due -> decided (µs):
+    each decision falls due 1 ms after the previous one ended, on the event loop's timer, and is
+    timed from then, so the time the loop was busy elsewhere (discovery) when it fell due counts;
+    beside it the p99 of the CPU time the loop's thread spent from scheduling the decision to
+    making it (the decision and whatever discovery work ran on the loop meanwhile: what the
+    design costs a request, without the waits for a core on a shared box)."""
     selector = Selector(registry, Policy.LEAST_LOADED, seed=1)
-    wall, cpu = [], []
-    for k in range(count):
+    wall, cpu, due, due_cpu = [], [], [], []
+    for _ in range(count):
+        t_due, c_sched = time.perf_counter() + 0.001, time.thread_time()
+        await asyncio.sleep(0.001)
         c0, t0 = time.thread_time(), time.perf_counter()
         selector.plan(MODEL)
         selector.pick(Role.PREFILL, MODEL)
         selector.pick(Role.DECODE, MODEL)
-        wall.append(time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        wall.append(t1 - t0)
         cpu.append(time.thread_time() - c0)
-        if k % 10 == 9:
-            await asyncio.sleep(0.002)  # let updates in between, as requests would
-    return _pct(wall, 0.5) * 1e6, _pct(wall, 0.99) * 1e6, _pct(cpu, 0.99) * 1e6
+        due.append(t1 - t_due)
+        due_cpu.append(time.thread_time() - c_sched)
+    decision = (_pct(wall, 0.5) * 1e6, _pct(wall, 0.99) * 1e6, _pct(cpu, 0.99) * 1e6)
+    return decision, (_pct(due, 0.99) * 1e6, _pct(due_cpu, 0.99) * 1e6)
 
 
 @dataclass(frozen=True)
 class Deaths:
-    """Times until the killed instances were out of routing (s): from the kill (p50, max) and, where
-    the simulator reports lease renewals (etcd), from each one's last renewal (p50, max): a
-    renewal already on its way when the instance stopped still reaches etcd and restarts the TTL."""
+    """Times until the killed instances were out of routing (s): from the kill (p50, max) and from
+    the later of the kill and each one's last announcement (p50, max): a call already under way
+    when the instance stopped still arrives, so the instance really fell silent when it left."""
 
     from_kill: tuple[float, float]
-    from_renewal: tuple[float, float] | None = None
+    from_last: tuple[float, float]
 
 
 async def _deaths(sim: SimProcess, registry: Registry, k: int, how: str, limit_s: float) -> Deaths:
@@ -201,13 +227,10 @@ async def _deaths(sim: SimProcess, registry: Registry, k: int, how: str, limit_s
         left = len(ids) - len(removed)
         raise RuntimeError(f"{left} of {len(ids)} dead instances still routed after {limit_s} s")
     from_kill = [removed[i] - t_kill for i in ids]
-    sim.send(f"renewals {','.join(ids)}")
-    renewals = json.loads((await sim.expect("RENEWALS", 10)).split(" ", 1)[1])
-    from_renewal = None
-    if all(renewals.get(i) for i in ids):
-        # the last renewal left (at the latest) when it was sent, or at the kill if sent before it
-        from_renewal = _p50_max([removed[i] - max(t_kill, renewals[i][0]) for i in ids])
-    return Deaths(_p50_max(from_kill), from_renewal)
+    sim.send(f"last_sent {','.join(ids)}")
+    last_sent = json.loads((await sim.expect("LAST_SENT", 10)).split(" ", 1)[1])
+    from_last = [removed[i] - max(t_kill, last_sent[i]) for i in ids]
+    return Deaths(_p50_max(from_kill), _p50_max(from_last))
 
 
 def _p50_max(times: Sequence[float]) -> tuple[float, float]:
@@ -252,7 +275,7 @@ async def _run_one(backend: str, n: int, args: argparse.Namespace, etcd_address:
         res.updates_per_s = (sum(discovery.received.values()) - applied0) / (t1 - t0)
         lat = registry.latencies
         res.update_ms = (_pct(lat, 0.5) * 1e3, _pct(lat, 0.99) * 1e3)
-        res.decision_us = await _decisions(registry, args.decisions)
+        res.decision_us, res.due_us = await _decisions(registry, args.decisions)
         k = max(1, int(n * args.kill_fraction))
         res.silent = await _deaths(sim, registry, k, "silent", death_limit + 10)
         if backend == "zmq":
@@ -271,21 +294,23 @@ def _row(r: Result, interval: float) -> str:
     etcd = f"{r.etcd_cpu_pct:5.1f}" if r.etcd_cpu_pct is not None else "    -"
     crash = f"{r.crash.from_kill[1]:6.3f}" if r.crash is not None else "     -"
     dead = r.silent.from_kill if r.silent is not None else (float("nan"),) * 2
-    renew = r.silent.from_renewal if r.silent is not None else None
-    renew_max = f"{renew[1]:6.2f}" if renew is not None else "     -"
+    last_max = f"{r.silent.from_last[1]:6.2f}" if r.silent is not None else "     -"
     return (f"{r.backend:<5} {r.n:>5} {r.register_s:6.1f} {r.updates_per_s:8.0f} {r.cpu_pct:6.1f} {etcd} "
             f"{r.update_ms[0]:7.2f} {r.update_ms[1]:7.2f} {r.decision_us[0]:7.0f} {r.decision_us[1]:7.0f} "
-            f"{r.decision_us[2]:7.0f} {dead[0]:6.2f} {dead[1]:6.2f} {renew_max}  {crash}")
+            f"{r.decision_us[2]:7.0f} {r.due_us[0]:7.0f} {r.due_us[1]:7.0f} {dead[0]:6.2f} {dead[1]:6.2f} "
+            f"{last_max}  {crash}")
 
 
-HEADER = ("backend     N  reg_s  upd/s  cpu%  etcd%  upd_p50 upd_p99  dec_p50 dec_p99 dec_cpu99 "
-          "dead_p50 dead_max renew_max crash_max\n"
-          "                          (router)        (ms)    (ms)     (us)    (us)    (us)     (s)    (s)"
-          "      (s)     (s)")
+HEADER = ("backend     N  reg_s  upd/s  cpu%  etcd%  upd_p50 upd_p99  dec_p50 dec_p99 dec_cpu99 due_p99 "
+          "due_cpu99 dead_p50 dead_max last_max crash_max\n"
+          "                          (router)        (ms)    (ms)     (us)    (us)    (us)    (us)    (us)"
+          "     (s)    (s)      (s)     (s)")
 FOOTER = ("dec: wall time of plan + pick P + pick D; dec_cpu99: p99 of the same decisions' own CPU time "
-          "(without waits for a core or the GIL)\n"
-          "dead: from the kill; renew_max: from the later of the kill and the instance's last lease "
-          "renewal (etcd)")
+          "(without waits for a core or the GIL); due_p99: p99 from when a decision fell due on the "
+          "event loop to when it was made (includes the loop being busy with discovery), due_cpu99 the "
+          "same in the loop thread's CPU time (without waits for a core)\n"
+          "dead: from the kill; last_max: from the later of the kill and the instance's last "
+          "announcement (one under way at the kill still arrives)")
 
 
 def death_limit_s(backend: str, interval: float) -> float:

@@ -17,7 +17,8 @@ Commands on stdin, answers on stdout: ``kill silent K`` (K running instances, sp
 stop sending but keep their connections: a SIGSTOPped or cut-off instance) and ``kill crash K``
 (likewise, but their connections are
 closed as a kill -9 would) answer ``KILLED <wall time> <ids,...>``; ``stats`` answers
-``STATS <json>``; ``quit`` (or stdin closed) stops everything. ``SIM_READY`` is printed after the
+``STATS <json>``; ``last_sent ID,...`` answers ``LAST_SENT <json>`` (wall time each one's last
+announcement left); ``quit`` (or stdin closed) stops everything. ``SIM_READY`` is printed after the
 first round.
 """
 
@@ -70,6 +71,9 @@ class Sim:
         self.sent = 0
         self.failed = 0
         self.rounds = 0
+        # per instance: wall time its last announcement left (the kill can land while one of its
+        # calls is under way: that record still arrives, and the instance was alive when it left)
+        self.last_sent = [0.0] * n
         self.stop = threading.Event()
         self.lock = threading.Lock()
 
@@ -124,6 +128,7 @@ class ZmqSim(Sim):
             return
         self.seq[i] += 1
         hb = Heartbeat(info=self.infos[i], load=random_load(self.rng), seq=self.seq[i], sent_at=time.time())
+        self.last_sent[i] = hb.sent_at
         try:
             sock.send_multipart(encode_frames(hb), flags=zmq.NOBLOCK)
             self.sent += 1
@@ -166,10 +171,6 @@ class EtcdSim(Sim):
         self.groups = [list(range(g, min(n, g + ETCD_GROUP))) for g in range(0, n, ETCD_GROUP)]
         self.clients: list[EtcdHttp] = []
         self.regrants = 0
-        # per instance: wall time the last keep-alive that renewed its lease was sent / answered
-        # (etcd refreshed the lease between the two)
-        self.renew_sent = [0.0] * n
-        self.renew_acked = [0.0] * n
         self._local = threading.local()
 
     def start(self) -> list[threading.Event]:
@@ -185,7 +186,7 @@ class EtcdSim(Sim):
     def _http(self) -> EtcdHttp:
         client: EtcdHttp | None = getattr(self._local, "client", None)
         if client is None:
-            client = EtcdHttp(self.target.address, timeout_s=5.0, ssl_context=self.ssl)
+            client = EtcdHttp(self.target.address, timeout_s=5.0, ssl_context=self.ssl, auth=self.target.auth)
             self._local.client = client
             with self.lock:
                 self.clients.append(client)
@@ -200,27 +201,25 @@ class EtcdSim(Sim):
         try:
             held = [i for i in ids if self.leases[i]]
             if held:
-                sent = time.time()
                 ttls = http.keepalive_many([self.leases[i] for i in held])
-                acked = time.time()
                 for i, ttl in zip(held, ttls, strict=True):
                     if ttl <= 0:  # lost (expired while this process was late): register again
                         self.leases[i] = 0
                         self.regrants += 1
-                    else:
-                        self.renew_sent[i], self.renew_acked[i] = sent, acked
             for i in ids:
                 if not self.leases[i]:
-                    sent = time.time()
                     self.leases[i] = http.grant(self.ttl)
-                    self.renew_sent[i], self.renew_acked[i] = sent, time.time()
+            ids = [i for i in ids if i not in self.stopped]  # killed during the keep-alive: no record
             items = []
+            sent = time.time()
             for i in ids:
                 self.seq[i] += 1
                 hb = Heartbeat(info=self.infos[i], load=random_load(self.rng), seq=self.seq[i],
-                               sent_at=time.time(), ttl_s=float(self.ttl))
+                               sent_at=sent, ttl_s=float(self.ttl))
                 items.append((self.target.key(self.infos[i].instance_id), encode_record(hb), self.leases[i]))
-            http.put_many(items)
+                self.last_sent[i] = sent
+            if items:
+                http.put_many(items)
         except EtcdError:
             with self.lock:
                 self.failed += len(ids)
@@ -235,7 +234,7 @@ class EtcdSim(Sim):
     def close(self) -> None:
         self.stop.set()
         time.sleep(0.05)
-        http = EtcdHttp(self.target.address, timeout_s=5.0, ssl_context=self.ssl)
+        http = EtcdHttp(self.target.address, timeout_s=5.0, ssl_context=self.ssl, auth=self.target.auth)
         for i, lease in enumerate(self.leases):  # revoke what is left (an external etcd stays clean)
             if lease and i not in self.stopped:
                 with contextlib.suppress(EtcdError):
@@ -264,12 +263,10 @@ def main(argv: list[str]) -> int:
                 now = time.time()
                 sim.kill(ids, crash=words[1] == "crash")
                 print(f"KILLED {now:.6f} {','.join(sim_info(i).instance_id for i in ids)}", flush=True)
-            elif words[:1] == ["renewals"]:
+            elif words[:1] == ["last_sent"]:
                 ids = [int(x.rsplit("-", 1)[1]) for x in words[1].split(",")]
-                sent = getattr(sim, "renew_sent", None)
-                acked = getattr(sim, "renew_acked", None)
-                out = {sim_info(i).instance_id: [sent[i], acked[i]] if sent and acked else None for i in ids}
-                print(f"RENEWALS {json.dumps(out)}", flush=True)
+                out = {sim_info(i).instance_id: sim.last_sent[i] for i in ids}
+                print(f"LAST_SENT {json.dumps(out)}", flush=True)
             elif words[:1] == ["stats"]:
                 stats = {"sent": sim.sent, "failed": sim.failed, "rounds": sim.rounds,
                          "regrants": getattr(sim, "regrants", 0)}

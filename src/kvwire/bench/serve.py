@@ -239,7 +239,9 @@ def _bench_setup(name: str, args: argparse.Namespace, load: LoadSpec) -> dict[st
         if num_p or num_d:  # in-serving transfer GB/s, and the ceiling on the same bytes (same run)
             urls = [inst.url for inst in cluster.instances.values() if inst.url]
             rows = serve_transfers.collect(urls)
-            summary["kv_transfers"] = serve_transfers.summarize(rows, with_ceiling=args.device == "cpu")
+            summary["kv_transfers"] = serve_transfers.summarize(
+                rows, with_ceiling=args.device == "cpu", device_copy=serve_transfers.device_copies(urls)
+            )
     return summary
 
 

@@ -7,12 +7,18 @@ layer landed -> last) and the sender's busy seconds (the time the plane held at 
 transfer's layers). With layer-wise sends the first two span part of P's forward; the busy time is
 the wire's share, so ``wire`` GB/s (bytes / busy seconds) is what is compared with the ceiling: a
 raw loopback socket moving the median transfer's bytes (CPU instances talk TCP on one host). GPU
-setups report no ceiling here: ``kvwire bench transfer --backend nccl`` measures that one.
+setups report no ceiling here: ``kvwire bench transfer --backend nccl`` measures that one. Where a
+plane copies on the GPU itself (CUDA IPC), the instances' ``kvwire_kv_device_copy_{bytes,seconds}``
+counters give bytes over the copies' device windows, printed as ``device copies``: the mover's rate
+when the GPU is otherwise idle; in serving on a shared GPU the windows also hold the time the copy
+kernels wait for SMs that P's forward (and, without MPS, D's time slices) occupy.
 """
 
 from __future__ import annotations
 
+import re
 import statistics
+import urllib.request
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -37,6 +43,21 @@ def collect(urls: Iterable[str]) -> dict[str, list[Row]]:
     return rows
 
 
+def device_copies(urls: Iterable[str]) -> tuple[float, float]:
+    """(bytes, seconds) the instances' planes copied on the GPU, summed from their ``/metrics``."""
+    totals = [0.0, 0.0]
+    for url in urls:
+        try:
+            with urllib.request.urlopen(f"{url.rstrip('/')}/metrics", timeout=5.0) as resp:
+                text = resp.read().decode()
+        except (OSError, ValueError):
+            continue
+        for i, name in enumerate(("bytes", "seconds")):
+            found = re.search(rf"^kvwire_kv_device_copy_{name}_total (\S+)$", text, re.MULTILINE)
+            totals[i] += float(found.group(1)) if found else 0.0
+    return totals[0], totals[1]
+
+
 def _pct(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -46,10 +67,15 @@ def _stats(values: Sequence[float]) -> dict[str, float]:
     return {"p50": _pct(values, 0.5), "p90": _pct(values, 0.9)}
 
 
-def summarize(rows: dict[str, list[Row]], with_ceiling: bool) -> dict[str, Any]:
+def summarize(
+    rows: dict[str, list[Row]], with_ceiling: bool, device_copy: tuple[float, float] = (0.0, 0.0)
+) -> dict[str, Any]:
     """GB/s p50/p90 (end to end per side, and the sender's wire GB/s), the median transfer's bytes and
-    (CPU) the raw-socket ceiling for them, with the wire p50's ratio to it."""
+    (CPU) the raw-socket ceiling for them, with the wire p50's ratio to it; ``device_copy``: (bytes,
+    seconds) from :func:`device_copies`, reported as one rate when any."""
     out: dict[str, Any] = {"count": len(rows["send"]) or len(rows["recv"])}
+    if device_copy[0] > 0 and device_copy[1] > 0:
+        out["device_copy_gbps"] = device_copy[0] / device_copy[1] / 1e9
     for side in ("send", "recv"):
         if rows[side]:
             out[f"{side}_gbps"] = _stats([b / s / 1e9 for b, s, _ in rows[side]])
@@ -99,4 +125,6 @@ def describe(summary: dict[str, Any]) -> str:
         text += f"; ceiling {summary['ceiling_gbps']:.2f}"
         if "wire_ratio_p50" in summary:
             text += f", wire p50 / ceiling {summary['wire_ratio_p50']:.2f}"
+    if "device_copy_gbps" in summary:
+        text += f"; device copies {summary['device_copy_gbps']:.0f} GB/s (bytes / copy windows on the GPU)"
     return text

@@ -63,7 +63,8 @@ class LocalEtcdTls:
 
 class LocalEtcd:
     def __init__(self, host: str = "127.0.0.1", *, data_dir: Path | None = None,
-                 sink: TextIO | None = None, tls: LocalEtcdTls | None = None) -> None:
+                 sink: TextIO | None = None, tls: LocalEtcdTls | None = None,
+                 extra_args: tuple[str, ...] = ()) -> None:
         binary = etcd_binary()
         if binary is None:
             raise EtcdUnavailable(f"the etcd binary is not on PATH: {INSTALL_HINT}")
@@ -77,6 +78,7 @@ class LocalEtcd:
         self._lock = threading.Lock()
         self.process: ManagedProcess | None = None
         self.tls = tls
+        self.extra_args = extra_args  # more etcd flags (tests: --auth-token-ttl)
 
     @property
     def url(self) -> str:
@@ -105,6 +107,7 @@ class LocalEtcd:
                      "--trusted-ca-file", self.tls.ca_file]
             if self.tls.client_cert is not None:
                 argv += ["--client-cert-auth"]
+        argv += list(self.extra_args)
         self.process = ManagedProcess("etcd", argv, sink=self._sink, sink_lock=self._lock)
         if not wait_until(self._answers, timeout_s, 0.05):
             tail = self.process.output()[-2000:]

@@ -15,13 +15,14 @@ import dataclasses
 from kvwire.connector.tp_map import (
     PIECE_SEPARATOR,
     is_identity,
+    owned_heads,
     piece_transfer_id,
     plan_pieces,
     received_by,
     sent_by,
 )
-from kvwire.errors import ConfigError
 from kvwire.transfer.paged import head_slice
+from kvwire.transfer.types import PullSlice
 
 __all__ = ["head_slice"]  # re-exported: the view lives with the other paged-KV helpers
 
@@ -30,6 +31,8 @@ class RankPiece:
     transfer_id: str  # the piece's agent-level transfer id
     peer_rank: int  # the other side's rank
     heads: range | None  # this rank's local heads the piece carries (None: the whole layer)
+    # D, pull: a piece of a P rank's held layer (what to ask that rank for); None: its whole layer
+    source: PullSlice | None = None
 
 
 def send_pieces(
@@ -62,28 +65,56 @@ def pull_piece_id(transfer_id: str, p_rank: int, p_tp: int) -> str:
 
 
 def held_pieces(transfer_id: str, rank: int, p_tp: int) -> tuple[RankPiece, ...]:
-    """P in pull mode does not know D's size: each rank holds its whole layer for D to pull."""
+    """P in pull mode holds each rank's whole layer for D to pull (whole, or in pieces: D's size
+    may be unknown to P; see :func:`pull_pieces`)."""
     return (RankPiece(pull_piece_id(transfer_id, rank, p_tp), -1, None),)
 
 
 def pull_pieces(
     transfer_id: str, rank: int, p_tp: int, d_tp: int, num_kv_heads: int | None
 ) -> tuple[RankPiece, ...]:
-    """D's pieces in pull mode. P held its whole layer under the request's transfer id (it did not
-    know D's size), so each piece must be a whole P rank's layer, pulled by one D rank only:
-    P's size a multiple of D's, with no KV head replicated on P. Raises ConfigError otherwise."""
+    """D rank ``rank``'s pieces in pull mode. Each P rank holds its whole layer under its pull id
+    (P need not know D's size). A P rank whose layer goes whole to this D rank alone is pulled whole,
+    as with equal sizes (the wire of before). Otherwise (a split: several D ranks take heads of one
+    P rank's layer, or the same replicated heads) this rank pulls a *piece* under its own id: a
+    :class:`PullSlice` naming the P rank's held id, the P heads it owns and how many pieces that P
+    rank serves in all, so P frees once every piece it served was acknowledged (decision 087)."""
     pieces = plan_pieces(p_tp, d_tp, num_kv_heads)
-    whole = is_identity(pieces) or (num_kv_heads is not None and p_tp % d_tp == 0 and p_tp <= num_kv_heads)
-    if not whole:
-        raise ConfigError(
-            f"pull mode from TP {p_tp} to TP {d_tp} needs P's size to be a multiple of D's without "
-            "replicated KV heads on P (use push mode)"
+    out = []
+    for piece in received_by(pieces, rank):
+        held = pull_piece_id(transfer_id, piece.p_rank, p_tp)
+        served = sent_by(pieces, piece.p_rank)
+        whole = piece.src is None or (
+            num_kv_heads is not None and len(piece.src) == len(owned_heads(piece.p_rank, p_tp, num_kv_heads))
         )
-    # Each piece is then one P rank's whole layer, held under its pull id.
+        if len(served) == 1 and whole:
+            out.append(RankPiece(held, piece.p_rank, piece.dst))
+        else:
+            source = PullSlice(held, piece.src, len(served))
+            out.append(RankPiece(f"{held}{PIECE_SEPARATOR}d{rank}", piece.p_rank, piece.dst, source))
+    return tuple(out)
+
+
+def pull_releases(
+    transfer_id: str, rank: int, p_tp: int, d_tp: int, num_kv_heads: int | None
+) -> tuple[tuple[int, str], ...]:
+    """Pull mode, KV heads replicated on P: the P ranks whose held layer no D rank needs (another
+    replica serves those heads), as (P rank, held id), that D rank ``rank`` releases (rank
+    ``p % d_tp`` releases P rank ``p``), so they free their blocks at once."""
+    pieces = plan_pieces(p_tp, d_tp, num_kv_heads)
     return tuple(
-        RankPiece(pull_piece_id(transfer_id, p.p_rank, p_tp), p.p_rank, p.dst)
-        for p in received_by(pieces, rank)
+        (p, pull_piece_id(transfer_id, p, p_tp))
+        for p in range(p_tp)
+        if p % d_tp == rank and not sent_by(pieces, p)
     )
+
+
+def pullers(rank: int, p_tp: int, d_endpoints: tuple[str, ...], num_kv_heads: int | None) -> tuple[str, ...]:
+    """Pull mode, P knows D (the router named it): the endpoints of the D ranks that pull from P rank
+    ``rank``, the only agents its held layer is served to; empty when that rank serves nothing (a
+    replica of heads another rank serves: it frees at once)."""
+    pieces = plan_pieces(p_tp, len(d_endpoints), num_kv_heads)
+    return tuple(sorted({d_endpoints[p.d_rank] for p in sent_by(pieces, rank)}))
 
 
 @dataclasses.dataclass

@@ -40,6 +40,8 @@ from kvwire.connector.pieces import (
     head_slice,
     held_pieces,
     pull_pieces,
+    pull_releases,
+    pullers,
     recv_pieces,
     send_pieces,
 )
@@ -48,7 +50,7 @@ from kvwire.errors import ConfigError, KvwireError
 from kvwire.transfer.enums import KVLayout
 from kvwire.transfer.paged import HEAD_DIM, block_ids_tensor, gather_blocks, gathered_shape, scatter_blocks
 from kvwire.transfer.paged_kv import BlockTarget
-from kvwire.transfer.types import LayerSpec, TransferEvents, TransferTiming
+from kvwire.transfer.types import LayerSpec, PullSlice, TransferEvents, TransferTiming
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +66,8 @@ class AgentLike(Protocol):
 
     def start_send(
         self, transfer_id: str, peer_endpoint: str | None, layers: Sequence[LayerSpec], *,
-        deadline_s: float | None = None, with_trailer: bool = False, pull_by: str | None = None,
-        limit_s: float | None = None,
+        deadline_s: float | None = None, with_trailer: bool = False,
+        pull_by: str | Sequence[str] | None = None, limit_s: float | None = None,
     ) -> None: ...
 
     def register_kv_caches(self, kv_caches: Sequence[torch.Tensor], layout: KVLayout) -> None: ...
@@ -86,8 +88,10 @@ class AgentLike(Protocol):
         self, transfer_id: str, *, num_layers: int, deadline_s: float | None = None,
         pull_from: str | None = None, into_blocks: BlockTarget | None = None,
         accept_from: str | None = None,
-        sender: str | None = None, limit_s: float | None = None,
+        sender: str | None = None, limit_s: float | None = None, pull_slice: PullSlice | None = None,
     ) -> None: ...
+
+    def release_pull(self, held_id: str, peer_endpoint: str, deadline_s: float | None = None) -> None: ...
 
     def take_trailer(self, transfer_id: str) -> bytes | None: ...
 
@@ -153,6 +157,7 @@ class KvwireWorkerConnector(WorkerConnector):
         # Request transfer id -> this rank's pieces (P and D of different TP sizes: pieces.py).
         self._send_pieces = PieceBook()
         self._recv_pieces = PieceBook()
+        self._promised: dict[str, list[str]] = {}  # request transfer id -> piece ids promised, not started
         self._saving: list[_Send] = []  # sends whose layers this step's forward hands over
         self._pending = _StepOutput()  # local outcomes reported by the next get_finished
         self._closed = False
@@ -238,8 +243,8 @@ class KvwireWorkerConnector(WorkerConnector):
             send.num_layers_sent += 1
             if send.num_layers_sent == len(self._kv_caches):
                 send.kv_ready_unix_s = time.time()
-            self.bytes_sent += send.layer_bytes[layer_index]
-            self._metrics.send_bytes.inc(send.layer_bytes[layer_index])
+            if send.spec.peer_endpoints:  # pull: counted once pulled (pieces may take part of it)
+                self._count_sent(send.layer_bytes[layer_index])
 
     def wait_for_save(self) -> None:
         self._finish_saves()
@@ -265,14 +270,18 @@ class KvwireWorkerConnector(WorkerConnector):
     # --- send side --------------------------------------------------------------------------
 
     def _announce(self, spec: SendSpec) -> None:
+        self._promised.pop(spec.transfer_id, None)  # the sends replace the promises
         info = self.engine_info
-        tid, rank, d_tp = spec.transfer_id, info.rank, len(spec.peer_endpoints)
+        tid, rank, d_tp = spec.transfer_id, info.rank, len(spec.peer_endpoints or spec.pull_by)
+        pull_by: tuple[str, ...] | None = None  # pull: the D ranks this rank's held layer is served to
         try:
-            pieces = (
-                send_pieces(tid, rank, info.tp_size, d_tp, self._kv_heads(info.tp_size, d_tp))
-                if spec.peer_endpoints
-                else held_pieces(tid, rank, info.tp_size)  # pull: D's size is unknown
-            )
+            if spec.peer_endpoints:
+                pieces = send_pieces(tid, rank, info.tp_size, d_tp, self._kv_heads(info.tp_size, d_tp))
+            else:  # pull: hold the whole layer (D's size may be unknown; each D rank pulls its piece)
+                pieces = held_pieces(tid, rank, info.tp_size)
+                if spec.pull_by:
+                    pull_by = pullers(rank, info.tp_size, spec.pull_by, self._kv_heads(info.tp_size, d_tp))
+                    pieces = pieces if pull_by else ()
         except ConfigError as exc:
             self._pending.finished_sending.add(spec.request_id)
             self._count_failure("send", f"mismatch: {exc}")
@@ -283,7 +292,7 @@ class KvwireWorkerConnector(WorkerConnector):
         ids = self._ids(spec.block_ids)
         sends: list[_Send] = []
         for piece in pieces:
-            send = self._start_piece(spec, ids, piece)
+            send = self._start_piece(spec, ids, piece, pull_by)
             if send is None:
                 for started in sends:
                     self._abort_agent(started.piece_id, "a sibling piece failed to start")
@@ -296,16 +305,15 @@ class KvwireWorkerConnector(WorkerConnector):
             self._sends[send.piece_id] = send
             self._saving.append(send)
 
-    def _start_piece(self, spec: SendSpec, ids: torch.Tensor, piece: RankPiece) -> _Send | None:
+    def _start_piece(
+        self, spec: SendSpec, ids: torch.Tensor, piece: RankPiece, pull_by: tuple[str, ...] | None
+    ) -> _Send | None:
         peer = spec.peer_endpoints[piece.peer_rank] if spec.peer_endpoints else None
         n, layout = len(spec.block_ids), self._layout
         layers = [
             LayerSpec(gathered_shape(head_slice(c, piece.heads, layout), n, layout), c.dtype)
             for c in self._kv_caches
         ]
-        pull_by = None
-        if spec.pull_by:  # pull: the D rank the router named for this P rank's held piece
-            pull_by = spec.pull_by[self.engine_info.rank * len(spec.pull_by) // self.engine_info.tp_size]
         try:
             self.agent.start_send(
                 piece.transfer_id, peer, layers, deadline_s=spec.deadline_s, with_trailer=spec.with_trailer,
@@ -318,16 +326,20 @@ class KvwireWorkerConnector(WorkerConnector):
         return _Send(spec, ids, piece.transfer_id, piece.heads, tuple(layer.num_bytes for layer in layers))
 
     def _promise(self, spec: PromiseSpec) -> None:
-        """P accepted a request: renew D's lease on its transfer until the send starts (decision
-        051; symmetric TP: with different sizes the pieces' own ids are renewed once they start)."""
-        rank = self.engine_info.rank
-        if rank >= len(spec.peer_endpoints):
-            return
+        """P accepted a request: renew D's lease on each piece this rank will send until the send
+        starts (decision 051; with equal TP sizes the one piece is the request's own transfer)."""
+        info, d_tp, tid = self.engine_info, len(spec.peer_endpoints), spec.transfer_id
         try:
-            self.agent.promise(spec.transfer_id, spec.peer_endpoints[rank], deadline_s=spec.deadline_s,
-                               limit_s=spec.limit_s)
-        except KvwireError as exc:
-            logger.warning("transfer %s: promise failed: %s", spec.transfer_id, exc)
+            pieces = send_pieces(tid, info.rank, info.tp_size, d_tp, self._kv_heads(info.tp_size, d_tp))
+        except ConfigError:
+            return  # the send is refused when it starts (and D's pieces with it)
+        self._promised[spec.transfer_id] = [piece.transfer_id for piece in pieces]
+        for piece in pieces:
+            try:
+                self.agent.promise(piece.transfer_id, spec.peer_endpoints[piece.peer_rank],
+                                   deadline_s=spec.deadline_s, limit_s=spec.limit_s)  # fmt: skip
+            except KvwireError as exc:
+                logger.warning("transfer %s: promise failed: %s", piece.transfer_id, exc)
 
     def _kv_heads(self, p_tp: int, d_tp: int) -> int | None:
         """The model's KV heads over all ranks (None for MLA: no head dimension). A host whose KV is
@@ -365,9 +377,15 @@ class KvwireWorkerConnector(WorkerConnector):
             except KvwireError as exc:
                 logger.warning("transfer %s: send_trailer failed: %s", piece_id, exc)
 
+    def _count_sent(self, num_bytes: int) -> None:
+        self.bytes_sent += num_bytes
+        self._metrics.send_bytes.inc(num_bytes)
+
     def _on_sent(self, tid: str, out: _StepOutput, timing: TransferTiming | None) -> None:
         send = self._sends.pop(tid, None)
         if send is not None:
+            if not send.spec.peer_endpoints:  # pull: the bytes every puller took of the held layer
+                self._count_sent(timing.num_bytes if timing is not None else 0)
             self._metrics.transfers_completed.labels(side="send").inc()
             self._send_piece_done(tid, out)
         if timing is not None:
@@ -390,6 +408,8 @@ class KvwireWorkerConnector(WorkerConnector):
         except ConfigError as exc:
             self._recv_failed(_Recv(spec), f"mismatch: {exc}", self._pending)
             return
+        if spec.pull_from:  # first: whatever becomes of this request, nobody pulls those replicas
+            self._release_replicas(spec, p_tp)
         recvs = [_Recv(spec, piece.transfer_id, piece.heads) for piece in pieces]
         self._recv_pieces.add(spec.transfer_id, spec.request_id, [r.piece_id for r in recvs])
         # P's payload starts at D's block ``first_block`` (a partial transfer: P skips the prefix the
@@ -405,12 +425,22 @@ class KvwireWorkerConnector(WorkerConnector):
                 self.agent.expect(
                     recv.piece_id, num_layers=len(self._kv_caches), into_blocks=target,
                     deadline_s=spec.deadline_s, pull_from=pull_from, accept_from=accept_from,
-                    sender=accept_from, limit_s=spec.limit_s,
+                    sender=accept_from, limit_s=spec.limit_s, pull_slice=piece.source,
                 )
             except KvwireError as exc:
                 self._recv_piece_failed(recv, str(exc), self._pending)
                 return
             self._metrics.transfers_started.labels(side="recv").inc()
+
+    def _release_replicas(self, spec: RecvSpec, p_tp: int) -> None:
+        """Pull, KV heads replicated on P: tell the P ranks nobody pulls from to free their blocks."""
+        info = self.engine_info
+        heads = self._kv_heads(p_tp, info.tp_size)
+        for p_rank, held_id in pull_releases(spec.transfer_id, info.rank, p_tp, info.tp_size, heads):
+            try:
+                self.agent.release_pull(held_id, spec.pull_from[p_rank], deadline_s=spec.deadline_s)
+            except KvwireError as exc:
+                logger.warning("transfer %s: release failed: %s", held_id, exc)
 
     def _on_received(self, tid: str, out: _StepOutput, timing: TransferTiming | None) -> None:
         recv = self._recvs.pop(tid, None)
@@ -472,7 +502,12 @@ class KvwireWorkerConnector(WorkerConnector):
         send = self._sends.pop(tid, None)
         if send is not None:
             self._count_failure("send", reason)
-            self._send_piece_done(tid, out)  # P's blocks may be freed (once no piece is in flight)
+            # D resumes only with every piece: end this rank's other pieces of the request now
+            for sibling in sorted(self._send_pieces.pieces(send.spec.transfer_id) - {tid}):
+                if sibling in self._sends:
+                    self._abort_piece(sibling, f"a sibling piece failed: {reason}")
+                    self._send_pieces.finish(sibling, failed=True)
+            self._send_piece_done(tid, out)  # P's blocks are freed once no piece is in flight
         recv = self._recvs.get(tid)
         if recv is not None:
             self._recv_piece_failed(recv, reason, out)
@@ -481,7 +516,7 @@ class KvwireWorkerConnector(WorkerConnector):
         """Cancel every piece of the request's transfer on this rank."""
         recv_group = self._recv_pieces.drop(spec.transfer_id)
         send_group = self._send_pieces.drop(spec.transfer_id)
-        piece_ids = {spec.transfer_id}
+        piece_ids = {spec.transfer_id, *self._promised.pop(spec.transfer_id, ())}
         piece_ids |= recv_group.pending if recv_group is not None else set()
         piece_ids |= send_group.pending if send_group is not None else set()
         for piece_id in sorted(piece_ids):

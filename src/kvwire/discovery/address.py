@@ -10,6 +10,12 @@
   travel inside the address, so every place that takes one (``kvwire router --discovery``,
   ``kvwire serve --router``, the vLLM plugin's ``discovery``) takes TLS too;
   :func:`with_tls_files` adds them from separate options (``--discovery-ca/-cert/-key``).
+* ``etcd://USER[:PASSWORD]@HOST:PORT[/prefix][?password_file=FILE]`` (either scheme): etcd's
+  user/password authentication (decision 099). The password comes from, in order: the address
+  (visible in ``ps`` and shell history: prefer the others), ``password_file`` (its first line), the
+  environment variable :data:`PASSWORD_ENV` (``KVWIRE_ETCD_PASSWORD``). :func:`with_auth` adds
+  ``--discovery-user`` / ``--discovery-password-file``. ``str()`` of a parsed address never shows
+  the password.
 
 :func:`parse_discovery_address` is the only parser; it raises :class:`~kvwire.errors.ConfigError`
 with the accepted forms for anything else. No torch, no third-party imports.
@@ -21,8 +27,8 @@ import argparse
 import enum
 import os
 import ssl
-from dataclasses import dataclass
-from urllib.parse import parse_qsl, quote, urlencode, urlsplit
+from dataclasses import dataclass, field
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
 from kvwire.errors import ConfigError
 
@@ -31,6 +37,8 @@ _ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 FORMS = "tcp://HOST:PORT (router heartbeats), etcd://HOST:PORT[/prefix] or etcd+https://HOST:PORT[/prefix]"
 _ETCD_SCHEMES = {"etcd": "http", "etcd+http": "http", "etcd+https": "https"}
 _TLS_KEYS = ("ca", "cert", "key")
+_AUTH_KEYS = ("password_file",)
+PASSWORD_ENV = "KVWIRE_ETCD_PASSWORD"
 
 
 class DiscoveryKind(str, enum.Enum):
@@ -60,11 +68,21 @@ class EtcdTls:
 
 
 @dataclass(frozen=True)
+class EtcdAuth:
+    """etcd user/password authentication; ``repr`` and ``str`` of an address never show the password."""
+
+    user: str
+    password: str = field(repr=False)
+    password_file: str | None = None  # where the password was read from (kept for ``str``)
+
+
+@dataclass(frozen=True)
 class DiscoveryAddress:
     kind: DiscoveryKind
     address: str  # ZeroMQ endpoint, or the etcd client URL ``http(s)://HOST:PORT``
     prefix: str = ""  # etcd key prefix, always ending in "/" (empty for ZeroMQ)
     tls: EtcdTls | None = None  # etcd over https (None: plain http)
+    auth: EtcdAuth | None = None  # etcd user/password (None: none)
 
     def key(self, instance_id: str) -> str:
         """The etcd key of one instance's record."""
@@ -75,14 +93,21 @@ class DiscoveryAddress:
         return None if self.tls is None else self.tls.context()
 
     def __str__(self) -> str:
-        """The address as parsed back by :func:`parse_discovery_address` (TLS files included)."""
+        """The address as parsed back by :func:`parse_discovery_address` (TLS files and the
+        password file included), without a password given in the address itself."""
         if self.kind is DiscoveryKind.ZMQ:
             return self.address
-        if self.tls is None:
-            return f"etcd://{self.address.removeprefix('http://')}{self.prefix}"
-        files = {"ca": self.tls.ca_file, "cert": self.tls.cert_file, "key": self.tls.key_file}
-        query = urlencode({k: v for k, v in files.items() if v is not None}, safe="/", quote_via=quote)
-        base = f"etcd+https://{self.address.removeprefix('https://')}{self.prefix}"
+        options: dict[str, str | None] = {}
+        if self.tls is not None:
+            options = {"ca": self.tls.ca_file, "cert": self.tls.cert_file, "key": self.tls.key_file}
+        user = ""
+        if self.auth is not None:
+            user = quote(self.auth.user, safe="") + "@"
+            options["password_file"] = self.auth.password_file
+        query = urlencode({k: v for k, v in options.items() if v is not None}, safe="/", quote_via=quote)
+        scheme, host = ("etcd", self.address.removeprefix("http://")) if self.tls is None else (
+            "etcd+https", self.address.removeprefix("https://"))
+        base = f"{scheme}://{user}{host}{self.prefix}"
         return f"{base}?{query}" if query else base
 
 
@@ -103,32 +128,93 @@ def parse_discovery_address(text: str) -> DiscoveryAddress:
     if parts.fragment:
         raise ConfigError(f"etcd discovery address takes no fragment, got {text!r}")
     http = _ETCD_SCHEMES[scheme]
-    tls = _parse_tls(text, parts.query) if http == "https" else None
-    if http == "http" and parts.query:
-        raise ConfigError(f"TLS options (?ca=&cert=&key=) need an etcd+https:// address, got {text!r}")
+    shown = _without_password(text, parts.password)
+    files = _parse_options(shown, parts.query)
+    if http == "http" and set(files) & set(_TLS_KEYS):
+        raise ConfigError(f"TLS options (?ca=&cert=&key=) need an etcd+https:// address, got {shown!r}")
+    tls = _tls_of(shown, files) if http == "https" else None
+    auth = _auth_of(shown, parts.username, parts.password, files.get("password_file"))
     prefix = parts.path.rstrip("/")
     prefix = (prefix + "/") if prefix else DEFAULT_ETCD_PREFIX
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    return DiscoveryAddress(DiscoveryKind.ETCD, f"{http}://{host}:{port}", prefix, tls)
+    return DiscoveryAddress(DiscoveryKind.ETCD, f"{http}://{host}:{port}", prefix, tls, auth)
 
 
-def _parse_tls(text: str, query: str) -> EtcdTls:
+def _without_password(text: str, password: str | None) -> str:
+    """``text`` fit for an error message: a password in it replaced by ``***``."""
+    return text if not password else text.replace(f":{password}@", ":***@", 1)
+
+
+def _parse_options(text: str, query: str) -> dict[str, str]:
+    """The ``?name=file`` options of an etcd address: each a known name, once, an existing file."""
     try:
         pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
     except ValueError as exc:
-        raise ConfigError(f"bad TLS options in {text!r}: {exc}") from exc
+        raise ConfigError(f"bad options in {text!r}: {exc}") from exc
     files: dict[str, str] = {}
     for name, value in pairs:
-        if name not in _TLS_KEYS:
-            raise ConfigError(f"unknown etcd option {name!r} in {text!r} (known: ca, cert, key)")
+        if name not in _TLS_KEYS + _AUTH_KEYS:
+            known = ", ".join(_TLS_KEYS + _AUTH_KEYS)
+            raise ConfigError(f"unknown etcd option {name!r} in {text!r} (known: {known})")
         if name in files:
             raise ConfigError(f"etcd option {name!r} given twice in {text!r}")
         if not value or not os.path.isfile(value):
-            raise ConfigError(f"etcd TLS {name} file {value!r} does not exist (in {text!r})")
+            raise ConfigError(f"etcd {name} file {value!r} does not exist (in {text!r})")
         files[name] = value
+    return files
+
+
+def _tls_of(text: str, files: dict[str, str]) -> EtcdTls:
     if ("cert" in files) != ("key" in files):
-        raise ConfigError(f"etcd TLS needs cert and key together, got {sorted(files)} in {text!r}")
+        tls_names = sorted(set(files) & set(_TLS_KEYS))
+        raise ConfigError(f"etcd TLS needs cert and key together, got {tls_names} in {text!r}")
     return EtcdTls(files.get("ca"), files.get("cert"), files.get("key"))
+
+
+def _auth_of(text: str, user: str | None, password: str | None, password_file: str | None) -> EtcdAuth | None:
+    """The credentials of an etcd address: the password from the address, else ``password_file``
+    (first line), else $KVWIRE_ETCD_PASSWORD."""
+    if not user:
+        if password is not None or password_file is not None:
+            raise ConfigError(f"an etcd password needs a user (etcd://USER@HOST:PORT), got {text!r}")
+        return None
+    user = unquote(user)
+    if password is not None:
+        return EtcdAuth(user, unquote(password))
+    if password_file is not None:
+        try:
+            with open(password_file, encoding="utf-8") as f:
+                first = f.readline().rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"etcd password file {password_file!r} unreadable: {exc}") from exc
+        if not first:
+            raise ConfigError(f"etcd password file {password_file!r} is empty")
+        return EtcdAuth(user, first, password_file)
+    env = os.environ.get(PASSWORD_ENV)
+    if env:
+        return EtcdAuth(user, env)
+    raise ConfigError(f"etcd user {user!r} given without a password: put it in a file (?password_file= or "
+                      f"--discovery-password-file) or in ${PASSWORD_ENV} (in {text!r})")
+
+
+def with_auth(text: str, user: str | None = None, password_file: str | None = None) -> str:
+    """``text`` with ``--discovery-user`` / ``--discovery-password-file`` added (the user into the
+    address, the file to its query). Unchanged when neither is given; raises
+    :class:`~kvwire.errors.ConfigError` for a ZeroMQ address or a user the address already names."""
+    if not user and not password_file:
+        return text
+    if not text.startswith(tuple(f"{s}://" for s in _ETCD_SCHEMES)):
+        raise ConfigError(f"--discovery-user/--discovery-password-file apply to etcd addresses only, "
+                          f"got {text!r}")
+    scheme, rest = text.split("://", 1)
+    if user:
+        if "@" in rest.split("/", 1)[0].split("?", 1)[0]:
+            raise ConfigError(f"--discovery-user given and the address names a user too: {text!r}")
+        rest = f"{quote(user, safe='')}@{rest}"
+    if password_file:
+        sep = "&" if "?" in rest else "?"
+        rest = f"{rest}{sep}{urlencode({'password_file': password_file}, safe='/', quote_via=quote)}"
+    return f"{scheme}://{rest}"
 
 
 def with_tls_files(text: str, ca: str | None = None, cert: str | None = None, key: str | None = None) -> str:
@@ -162,7 +248,14 @@ def parse_registration_address(text: str) -> DiscoveryAddress:
 
 
 def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--discovery-ca/--discovery-cert/--discovery-key`` (read back with :func:`tls_files_of`)."""
+    """``--discovery-ca/--discovery-cert/--discovery-key`` (read back with :func:`tls_files_of`) and
+    ``--discovery-user/--discovery-password-file`` (:func:`auth_of_args`)."""
+    parser.add_argument("--discovery-user", default=None, metavar="USER",
+                        help="etcd user (etcd's user/password authentication; same as "
+                             f"etcd://USER@HOST:PORT); the password from --discovery-password-file "
+                             f"or ${PASSWORD_ENV}")
+    parser.add_argument("--discovery-password-file", default=None, metavar="FILE",
+                        help="file holding the etcd user's password (first line; same as ?password_file=)")
     parser.add_argument("--discovery-ca", default=None, metavar="FILE",
                         help="etcd over TLS: the CA bundle (PEM) that signed etcd's certificate "
                              "(default: the system's; same as ?ca= in an etcd+https:// address)")
@@ -174,3 +267,12 @@ def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
 
 def tls_files_of(args: argparse.Namespace) -> tuple[str | None, str | None, str | None]:
     return args.discovery_ca, args.discovery_cert, args.discovery_key
+
+
+def auth_of_args(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    return args.discovery_user, args.discovery_password_file
+
+
+def with_discovery_options(text: str, args: argparse.Namespace) -> str:
+    """``text`` with the TLS and authentication options of :func:`add_tls_arguments` added."""
+    return with_auth(with_tls_files(text, *tls_files_of(args)), *auth_of_args(args))

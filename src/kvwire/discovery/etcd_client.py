@@ -16,8 +16,12 @@ Contract:
   With ``refresh_s`` above the interval (fewer etcd writes), records carry no ``ttl_s`` and only
   the lease tells a dead instance.
 * etcd unreachable: the thread keeps trying every interval (failures counted in ``dropped``,
-  logged once per outage). A keep-alive answered "unknown lease" (etcd lost it: restarted without
-  its data, or the lease expired meanwhile) makes it grant a new lease and put the record again.
+  logged once per outage; :attr:`last_error` says why). With credentials in the address
+  (``etcd://USER@...``) it authenticates first and again when etcd drops the token; credentials
+  etcd refuses are logged as an error (:class:`~kvwire.discovery.etcd_gateway.EtcdAuthError`) and
+  retried every interval, so fixing them in etcd is enough. A keep-alive answered "unknown
+  lease" (etcd lost it: restarted without its data, or the lease expired meanwhile) makes it
+  grant a new lease and put the record again.
 * :meth:`close` revokes the lease (the key goes at once: a graceful deregistration), waiting at most
   ``linger_s`` + the call deadline.
 """
@@ -32,7 +36,7 @@ from types import TracebackType
 
 from kvwire.discovery.address import DiscoveryAddress
 from kvwire.discovery.client import LoadFn
-from kvwire.discovery.etcd_gateway import EtcdError, EtcdHttp, encode_record
+from kvwire.discovery.etcd_gateway import EtcdAuthError, EtcdError, EtcdHttp, encode_record
 from kvwire.discovery.messages import Heartbeat, InstanceInfo, InstanceLoad
 from kvwire.errors import ConfigError
 
@@ -73,7 +77,7 @@ class EtcdRegistration:
         self._load_fn = load_fn
         self._linger_s = linger_s
         self._http = EtcdHttp(target.address, timeout_s=min(2.0, max(0.5, interval_s)),
-                              ssl_context=target.ssl_context())
+                              ssl_context=target.ssl_context(), auth=target.auth)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -86,6 +90,7 @@ class EtcdRegistration:
         self.puts = 0  # record puts (registrations and load updates)
         self.dropped = 0  # failed etcd calls
         self.leases_granted = 0
+        self.last_error = ""  # the latest failure ("" once etcd answers again)
 
     @property
     def lease(self) -> int | None:
@@ -155,11 +160,17 @@ class EtcdRegistration:
             if self._failing:
                 log.info("etcd at %s reachable again (%s)", self.target.address, self.info.instance_id)
                 self._failing = False
+                self.last_error = ""
         except EtcdError as exc:
             self.dropped += 1
-            if not self._failing:
-                log.warning("etcd registration of %s: %s", self.info.instance_id, exc)
-                self._failing = True
+            if str(exc) != self.last_error:  # once per outage, or when the reason changes
+                if isinstance(exc, EtcdAuthError):
+                    log.error("etcd registration of %s refused, not registered until the credentials "
+                              "are fixed (retrying every %.1f s): %s", self.info.instance_id,
+                              self.interval_s, exc)
+                else:
+                    log.warning("etcd registration of %s: %s", self.info.instance_id, exc)
+            self._failing, self.last_error = True, str(exc)
 
     def revoke(self) -> None:
         """Revoke the lease now (the record goes at once); for callers that drive :meth:`tick` themselves.

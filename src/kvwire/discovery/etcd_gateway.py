@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from kvwire.discovery.address import EtcdAuth
 from kvwire.discovery.messages import DISCOVERY_VERSION, MAX_FRAME_BYTES, Heartbeat, check_info
 from kvwire.errors import KvwireError, ProtocolError
 
@@ -29,6 +30,36 @@ log = logging.getLogger(__name__)
 
 class EtcdError(KvwireError):
     """etcd could not be reached, or answered an error."""
+
+
+class EtcdAuthError(EtcdError):
+    """etcd refused these credentials (wrong user or password), asked for credentials none were
+    given for, or denied this user the prefix: a configuration error, not an outage."""
+
+
+class EtcdTokenError(EtcdError):
+    """etcd no longer accepts the authentication token (expired, or the auth store changed):
+    authenticate again."""
+
+
+# etcd's error messages (etcdserver/api/v3rpc/rpctypes) that tell an auth problem
+_AUTH_FAILED = ("authentication failed", "permission denied", "user name is empty", "user name not found")
+_TOKEN_INVALID = ("invalid auth token", "revision of auth store is old", "auth token")
+AUTH_NOT_ENABLED = "authentication is not enabled"
+AUTHENTICATE_PATH = "/v3/auth/authenticate"
+
+
+def auth_error(path: str, message: str) -> EtcdError:
+    """The :class:`EtcdError` subclass for an etcd error message."""
+    text = f"etcd {path}: {message}"
+    lowered = message.lower()
+    if any(m in lowered for m in _AUTH_FAILED):
+        if "user name is empty" in lowered:
+            text += " (etcd's authentication is on: give etcd://USER@HOST:PORT and a password)"
+        return EtcdAuthError(text)
+    if any(m in lowered for m in _TOKEN_INVALID):
+        return EtcdTokenError(text)
+    return EtcdError(text)
 
 
 def b64(text: str) -> str:
@@ -79,18 +110,45 @@ def check_answer(path: str, status: int, body: bytes) -> dict[str, Any]:
         raise EtcdError(f"etcd {path}: HTTP {status}, not JSON: {body[:200]!r}") from exc
     if status != 200 or (isinstance(data, dict) and "error" in data and "result" not in data):
         message = data.get("message") or data.get("error") if isinstance(data, dict) else body[:200].decode()
-        raise EtcdError(f"etcd {path}: HTTP {status}: {message}")
+        raise auth_error(path, f"HTTP {status}: {message}")
     return data if isinstance(data, dict) else {}
+
+
+def authenticate_body(auth: EtcdAuth) -> dict[str, str]:
+    return {"name": auth.user, "password": auth.password}
+
+
+def token_of(auth: EtcdAuth, url: str, status: int, body: bytes) -> str:
+    """The token in an answer to ``/v3/auth/authenticate``; "" when etcd's authentication is off
+    (the calls then go without one). Raises :class:`EtcdAuthError` naming the user when etcd
+    refuses the credentials."""
+    try:
+        data = check_answer(AUTHENTICATE_PATH, status, body)
+    except EtcdAuthError as exc:
+        raise EtcdAuthError(f"etcd at {url} refused user {auth.user!r}: {exc}") from exc
+    except EtcdError as exc:
+        if AUTH_NOT_ENABLED in str(exc):
+            log.warning("etcd at %s has authentication off; user %r is not needed", url, auth.user)
+            return ""
+        raise
+    token = data.get("token")
+    if not isinstance(token, str) or not token:
+        raise EtcdError(f"etcd at {url}: {AUTHENTICATE_PATH} answered no token: {body[:200]!r}")
+    return token
 
 
 class EtcdHttp:
     """Blocking gateway client on one keep-alive HTTP(S) connection (one thread uses it).
 
     Every call has a deadline (``timeout_s``) and raises :class:`EtcdError` on any failure; the
-    connection is reopened on the next call.
+    connection is reopened on the next call. With ``auth``, the first call authenticates
+    (``/v3/auth/authenticate``) and every call carries the token; a call etcd answers "invalid
+    token" (expired: etcd's ``--auth-token-ttl`` of disuse, or the auth store changed) authenticates
+    again and is retried once. Wrong credentials: :class:`EtcdAuthError`.
     """
 
-    def __init__(self, url: str, timeout_s: float, ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(self, url: str, timeout_s: float, ssl_context: ssl.SSLContext | None = None,
+                 auth: EtcdAuth | None = None) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or parts.hostname is None or parts.port is None:
             raise EtcdError(f"etcd URL must be http(s)://HOST:PORT, got {url!r}")
@@ -101,12 +159,41 @@ class EtcdHttp:
         self._timeout_s = timeout_s
         self._ssl = ssl_context if parts.scheme == "https" else None
         self._conn: http.client.HTTPConnection | None = None
+        self._auth = auth
+        self._token: str | None = None  # None: not authenticated yet; "": etcd's auth is off
+        self.authentications = 0
 
     def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return check_answer(path, 200, self._raw(path, json.dumps(body).encode()))
 
     def _raw(self, path: str, payload: bytes) -> bytes:
+        """POST ``payload`` (authenticated when credentials are set); the answer's body."""
+        if self._auth is None:
+            return self._post(path, payload)
+        if self._token is None:
+            self._authenticate(self._auth)
+        try:
+            return self._post(path, payload)
+        except EtcdTokenError:
+            self._token = None
+            self._authenticate(self._auth)
+            return self._post(path, payload)
+
+    def _authenticate(self, auth: EtcdAuth) -> None:
+        self._token = None
+        status, data = self._send(AUTHENTICATE_PATH, json.dumps(authenticate_body(auth)).encode())
+        self._token = token_of(auth, self.url, status, data)
+        self.authentications += 1
+
+    def _post(self, path: str, payload: bytes) -> bytes:
         """POST ``payload``; the answer's body (HTTP errors raised as :class:`EtcdError`)."""
+        status, data = self._send(path, payload)
+        if status != 200:
+            check_answer(path, status, data)  # raises with etcd's message
+        return data
+
+    def _send(self, path: str, payload: bytes) -> tuple[int, bytes]:
+        """POST once (once more on a fresh connection if a kept-alive one fails); status and body."""
         reused = self._conn is not None
         try:
             status, data = self._request(path, payload)
@@ -119,9 +206,7 @@ class EtcdHttp:
             except (OSError, http.client.HTTPException) as exc2:
                 self.close()
                 raise EtcdError(f"etcd at {self.url} unreachable ({path}): {exc2}") from exc2
-        if status != 200:
-            check_answer(path, status, data)  # raises with etcd's message
-        return data
+        return status, data
 
     def _request(self, path: str, payload: bytes) -> tuple[int, bytes]:
         if self._conn is None:
@@ -130,7 +215,10 @@ class EtcdHttp:
                                                          context=self._ssl)
             else:
                 self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout_s)
-        self._conn.request("POST", path, payload, {"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if self._token:
+            headers["Authorization"] = self._token
+        self._conn.request("POST", path, payload, headers)
         resp = self._conn.getresponse()
         return resp.status, resp.read()
 

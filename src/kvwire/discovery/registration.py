@@ -79,5 +79,5 @@ def start_registration(
         )
     client.start()
     logger.info("registering %s (%s, %s, KV endpoints %s) at %s", instance_id, info.role.value,
-                url, info.kv_endpoints, router_address)
+                url, info.kv_endpoints, target)  # str(target): never a password
     return client

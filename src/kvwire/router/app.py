@@ -193,7 +193,8 @@ class RouterServer:
 
     async def _health(self, request: web.Request) -> web.Response:
         live = sum(1 for v in self.registry.snapshot() if v.alive)
-        discovery = {"backend": self.discovery.kind.value, "stale": self.discovery.stale}
+        discovery = {"backend": self.discovery.kind.value, "stale": self.discovery.stale,
+                     "error": self.discovery.last_error}
         return web.json_response({"status": "ok", "live_instances": live, "discovery": discovery})
 
     async def _metrics_handler(self, request: web.Request) -> web.Response:

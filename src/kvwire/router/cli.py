@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import zmq
 
 from kvwire.auth import ApiKeyConfig, keys_from_cli
-from kvwire.discovery.address import add_tls_arguments, tls_files_of, with_tls_files
+from kvwire.discovery.address import add_tls_arguments, with_discovery_options
 from kvwire.errors import ConfigError
 from kvwire.kv_params import TransferMode
 from kvwire.router.app import RouterServer
@@ -90,7 +90,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         host=args.host, port=args.port,
         discovery_host=args.discovery_host, discovery_port=args.discovery_port,
-        discovery=with_tls_files(args.discovery, *tls_files_of(args)),
+        discovery=with_discovery_options(args.discovery, args),
         instance_ttl_s=args.instance_ttl_s, policy=Policy(args.policy), mode=TransferMode(args.mode),
         secret=args.secret or None, max_body_bytes=args.max_body_bytes, kv_deadline_s=args.kv_deadline_s,
         kv_limit_s=args.kv_limit_s, max_migrations=args.max_migrations,

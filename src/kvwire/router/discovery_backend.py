@@ -35,6 +35,11 @@ class RouterDiscovery(Protocol):
         """True while the registry is not backed by a live discovery source (etcd unreachable)."""
         ...
 
+    @property
+    def last_error(self) -> str:
+        """Why the view is stale ("" when it is not): etcd unreachable, credentials refused."""
+        ...
+
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
@@ -45,6 +50,7 @@ class ZmqDiscovery:
 
     kind = DiscoveryKind.ZMQ
     stale = False  # the router itself is the source of truth
+    last_error = ""
 
     def __init__(self, registry: Registry, cfg: RouterConfig, kv_index: KvIndex | None = None) -> None:
         self.listener = DiscoveryListener(

@@ -15,8 +15,9 @@ Liveness rules:
 * :meth:`Registry.mark_unreachable` (request-path failure, discovery connection closed) takes an
   instance out of routing until its next heartbeat;
 * :meth:`Registry.sweep` (run by :class:`RegistrySweeper` every ``interval_s``) expires entries
-  silent for ``ttl_s`` (or for the TTL their last heartbeat promised: etcd records) and forgets
-  expired ones after ``forget_after_s``;
+  silent for ``ttl_s`` (or for the TTL their last heartbeat promised) and forgets expired ones
+  after ``forget_after_s``; an etcd router, which tracks deadlines itself and has etcd confirm a
+  silence first, calls :meth:`Registry.expire` for the instances it confirmed instead;
 * a :class:`Deregister` for the current epoch removes the entry at once.
 
 ``on_remove(instance_id)`` (optional) is called, outside the lock, for every entry removed
@@ -127,6 +128,60 @@ class Registry:
             log.info("instance %s %s", ident, result.value)
         return result
 
+    def apply_many(self, msgs: list[Heartbeat | Deregister]) -> list[ApplyResult]:
+        """:meth:`apply` for a batch (one watch message of an etcd router) under one lock, with at
+        most one rebuild of the cached views: a burst of deletions costs one O(N log N), not one each."""
+        results: list[ApplyResult] = []
+        with self._lock:
+            dirty = False
+            swaps: list[InstanceView] = []  # plain refreshes, swapped in together at the end
+            for msg in msgs:
+                if isinstance(msg, Deregister):
+                    result = self._deregister(msg)
+                else:
+                    old = self._entries.get(msg.info.instance_id)
+                    result = self._heartbeat(msg.info, msg.load, msg.seq, msg.ttl_s)
+                    same = old is not None and old.alive and old.info == msg.info
+                    if result is ApplyResult.REFRESHED and same:
+                        swaps.append(self._entries[msg.info.instance_id])
+                        results.append(result)
+                        continue
+                dirty = dirty or result is not ApplyResult.STALE
+                results.append(result)
+            if dirty:
+                self._rebuild()  # from the entries, the refreshed ones included
+            elif swaps:
+                self._swap_many(swaps)
+        self._report_removed()
+        for msg, result in zip(msgs, results, strict=True):
+            if result in (ApplyResult.REGISTERED, ApplyResult.REPLACED, ApplyResult.DEREGISTERED):
+                ident = msg.instance_id if isinstance(msg, Deregister) else msg.info.instance_id
+                log.info("instance %s %s", ident, result.value)
+        return results
+
+    def expire(self, idents: list[str], as_of: float) -> list[str]:
+        """Expire those of ``idents`` that are alive, promised a next heartbeat (``ttl_s`` > 0) and
+        were silent past it as of ``as_of`` (registry clock); returns them. One rebuild at most.
+        For a discovery source that tracks deadlines itself (etcd: a deadline heap)."""
+        expired: list[str] = []
+        reasons: list[str] = []
+        with self._lock:
+            for ident in idents:
+                entry = self._entries.get(ident)
+                if entry is None or not entry.alive or entry.ttl_s <= 0:
+                    continue
+                silent_s = as_of - entry.last_seen
+                if silent_s > entry.ttl_s:
+                    reason = f"no heartbeat for {silent_s:.1f} s"
+                    self._entries[ident] = replace(entry, state=InstanceState.EXPIRED, reason=reason)
+                    expired.append(ident)
+                    reasons.append(reason)
+            if expired:
+                self._rebuild()
+        for ident, reason in zip(expired, reasons, strict=True):
+            log.warning("instance %s expired: %s", ident, reason)
+        return expired
+
     def _heartbeat(
         self, info: InstanceInfo, load: InstanceLoad | None, seq: int, ttl_s: float
     ) -> ApplyResult:
@@ -174,27 +229,19 @@ class Registry:
         log.warning("instance %s out of routing: %s", instance_id, reason)
         return True
 
-    def sweep(self, *, promised_only: bool = False, as_of: float | None = None) -> list[str]:
-        """Expire silent entries and forget old expired ones; returns the ids that changed.
-
-        An entry is silent past its own ``ttl_s`` when it promised one, else past the registry's.
-        ``promised_only``: leave entries that promised nothing alone (etcd: their lease is their
-        liveness). ``as_of`` (registry clock, default now): measure silence up to this time only
-        (etcd: the last time the watch delivered anything, so a stalled source expires nobody).
-        """
+    def sweep(self) -> list[str]:
+        """Expire entries silent past their TTL (the one their last heartbeat promised, else the
+        registry's) and forget old expired ones; returns the ids that changed."""
         now = self._clock()
-        upto = now if as_of is None else min(now, as_of)
         changed: list[str] = []
         with self._lock:
             for ident, entry in list(self._entries.items()):
-                silent_s = upto - entry.last_seen
+                silent_s = now - entry.last_seen
                 if entry.state is InstanceState.EXPIRED:
                     if now - entry.last_seen > self.forget_after_s:
                         del self._entries[ident]
                         self._removed.append(ident)
                         changed.append(ident)
-                elif promised_only and entry.ttl_s <= 0:
-                    continue
                 elif silent_s > (entry.ttl_s or self.ttl_s):
                     reason = f"no heartbeat for {silent_s:.1f} s"
                     self._entries[ident] = replace(entry, state=InstanceState.EXPIRED, reason=reason)
@@ -204,15 +251,6 @@ class Registry:
                 self._rebuild()
         self._report_removed()
         return changed
-
-    def overdue(self, as_of: float, *, promised_only: bool = False) -> bool:
-        """Whether :meth:`sweep` with ``as_of`` would expire some entry (O(N), no change)."""
-        with self._lock:
-            return any(
-                as_of - e.last_seen > (e.ttl_s or self.ttl_s)
-                for e in self._entries.values()
-                if e.alive and (e.ttl_s > 0 or not promised_only)
-            )
 
     def touch_all(self) -> None:
         """Count every live entry as heard from now (a discovery source that was unreachable is back
@@ -257,6 +295,24 @@ class Registry:
             pos[entry.instance_id] = slots
         self._live = {key: tuple(entries) for key, entries in live.items()}
         self._pos = pos
+
+    def _swap_many(self, fresh: list[InstanceView]) -> None:
+        """:meth:`_swap` for several entries with one copy of each cached tuple (a batch of 16
+        refreshes makes 3 new tuples, not 48: at N = 1,000 those copies were most of a refresh's
+        cost and of what the garbage collector had to look at)."""
+        self.version += 1
+        updates: dict[tuple[Role, str | None] | None, list[tuple[int, InstanceView]]] = {}
+        for view in fresh:
+            for key, index in self._pos[view.instance_id]:
+                updates.setdefault(key, []).append((index, view))
+        for key, items in updates.items():
+            new = list(self._all if key is None else self._live[key])
+            for index, view in items:
+                new[index] = view
+            if key is None:
+                self._all = tuple(new)
+            else:
+                self._live[key] = tuple(new)
 
     def _swap(self, fresh: InstanceView) -> None:
         """Put ``fresh`` where its previous (live) version sits in every cached tuple (caller holds

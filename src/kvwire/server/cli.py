@@ -12,7 +12,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from kvwire.auth import ApiKeyConfig, keys_from_cli
-from kvwire.discovery.address import add_tls_arguments, tls_files_of, with_tls_files
+from kvwire.discovery.address import add_tls_arguments, auth_of_args, tls_files_of, with_discovery_options
 from kvwire.errors import ConfigError, KvwireError
 from kvwire.kv_params import Role, TransferMode
 from kvwire.server.config import KVLoadFailure, ServerConfig
@@ -83,12 +83,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _registration_address(args: argparse.Namespace) -> str | None:
-    """``--router`` (joined), with ``--discovery-ca/-cert/-key`` added to an etcd address."""
+    """``--router`` (joined), with ``--discovery-ca/-cert/-key`` and ``--discovery-user`` /
+    ``--discovery-password-file`` added to an etcd address."""
     if not args.router:
         if any(tls_files_of(args)):
             raise ConfigError("--discovery-ca/--discovery-cert/--discovery-key need --router etcd+https://...")
+        if any(auth_of_args(args)):
+            raise ConfigError("--discovery-user/--discovery-password-file need --router etcd://...")
         return None
-    return with_tls_files(",".join(args.router), *tls_files_of(args))
+    return with_discovery_options(",".join(args.router), args)
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:

@@ -65,8 +65,9 @@ class _TransferRefusals:
 
 
 class _DeviceCopies:
-    """``kvwire_kv_device_copy_{bytes,seconds}_total``: what a plane that copies on the GPU itself (CUDA
-    IPC) moved and the device time it took (their rate is the mover's GB/s), read at scrape time."""
+    """``kvwire_kv_device_copy_{bytes,seconds,batches}_total``: what a plane that copies on the GPU
+    itself (CUDA IPC) moved, the device time it took (their rate is the mover's GB/s) and in how many
+    timed batches, read at scrape time."""
 
     def __init__(self, agent: Any) -> None:
         self._agent = agent
@@ -79,6 +80,10 @@ class _DeviceCopies:
         )
         yield CounterMetricFamily(
             "kvwire_kv_device_copy_seconds", "device time of those copies", value=stats.device_copy_ns / 1e9
+        )
+        yield CounterMetricFamily(
+            "kvwire_kv_device_copy_batches", "batches those copies went in (one timed window each)",
+            value=stats.device_copy_batches,
         )
 
 

@@ -35,7 +35,7 @@ from kvwire.transfer.planes.plane_set import PlaneSet
 from kvwire.transfer.receiver import Receiver
 from kvwire.transfer.sender import Sender
 from kvwire.transfer.stats import TransferStats
-from kvwire.transfer.types import ByteSpans, LayerSink, LayerSpec, TransferEvents
+from kvwire.transfer.types import ByteSpans, LayerSink, LayerSpec, PullSlice, TransferEvents
 
 log = logging.getLogger("kvwire.transfer")
 
@@ -65,7 +65,9 @@ class TransferAgent:
         self._next_expiry = 0.0  # control thread only: when _on_tick next checks deadlines
         plane.start(self)
         try:
-            core.control = ControlLoop(config, self._on_message, self._on_reject, self._on_tick)
+            core.control = ControlLoop(
+                config, self._on_message, self._on_reject, self._on_tick, self._on_unreachable
+            )
         except BaseException:
             plane.close()
             raise
@@ -133,13 +135,14 @@ class TransferAgent:
         *,
         deadline_s: float | None = None,
         with_trailer: bool = False,
-        pull_by: str | None = None,
+        pull_by: str | Sequence[str] | None = None,
         limit_s: float | None = None,
     ) -> None:
         """Announce a transfer to ``peer_endpoint`` (one Offer message), or hold it for a pull
         (``peer_endpoint`` None: lease until the deadline). Never blocks on the network.
-        ``pull_by``: the one control endpoint allowed to pull it (others are refused and counted in
-        ``offers_refused``); None: the first puller.
+        ``pull_by``: the control endpoint(s) allowed to pull it (others are refused and counted in
+        ``offers_refused``); None: the first puller. A held transfer of blocks (:meth:`send_blocks`)
+        may also be pulled in pieces, a head range each (``expect(pull_slice=...)``).
 
         ``deadline_s`` is a liveness lease (:mod:`kvwire.transfer.lease`): renewed while the
         receiver shows life, never past ``limit_s`` (default ``config.default_limit_s``).
@@ -151,7 +154,10 @@ class TransferAgent:
             self._check_open()
             deadline = self.config.default_deadline_s if deadline_s is None else deadline_s
             limit = self.config.default_limit_s if limit_s is None else limit_s
-            self._sender.start(transfer_id, peer_endpoint, layers, deadline, with_trailer, pull_by, limit)
+            pullers = None
+            if pull_by is not None:
+                pullers = frozenset((pull_by,)) if isinstance(pull_by, str) else frozenset(pull_by)
+            self._sender.start(transfer_id, peer_endpoint, layers, deadline, with_trailer, pullers, limit)
 
     def promise(
         self,
@@ -233,6 +239,7 @@ class TransferAgent:
         accept_from: str | None = None,
         sender: str | None = None,
         limit_s: float | None = None,
+        pull_slice: PullSlice | None = None,
     ) -> None:
         """Announce an incoming transfer (before or after its data arrives). ``sink(index, tensor)``
         runs on a transfer thread per layer (tensor valid during the call only); without a sink the
@@ -256,7 +263,10 @@ class TransferAgent:
 
         ``deadline_s`` is a liveness lease: renewed while the sender (``pull_from``, the Offer's
         sender, or ``sender``: push mode's sender endpoint when known in advance) shows life, so a
-        slow but alive sender (prefill queued) does not fail it; never past ``limit_s``."""
+        slow but alive sender (prefill queued) does not fail it; never past ``limit_s``.
+
+        ``pull_slice`` (with ``pull_from``): pull one piece of a transfer the sender holds for several
+        receivers (its ``held_id``; ``transfer_id`` is this piece's own id), only the KV heads it names."""
         if sum(x is not None for x in (sink, scatter_into, into_blocks)) > 1:
             raise ValueError("expect: give at most one of sink, scatter_into, into_blocks")
         target = None if into_blocks is None else (self._registered().heads(into_blocks.heads), into_blocks)
@@ -274,11 +284,20 @@ class TransferAgent:
                 accept_from,
                 sender,
                 limit_s,
+                pull_slice,
             )
         if deliver:
             control = self._core.control
             assert control is not None
             control.call_soon(lambda: self._deliver_held(transfer_id))
+
+    def release_pull(self, held_id: str, peer_endpoint: str, deadline_s: float | None = None) -> None:
+        """Pull mode: tell ``peer_endpoint`` that nothing of the transfer it holds as ``held_id`` is
+        wanted (a replica of KV heads another of its ranks serves): it ends that transfer as finished
+        and frees what it held. Fire and forget; never blocks."""
+        with self._core.lock:
+            self._check_open()
+            self._receiver.release(held_id, peer_endpoint, deadline_s or self.config.default_deadline_s)
 
     def take_layers(self, transfer_id: str) -> dict[int, torch.Tensor]:
         """The buffered layers of a transfer in ``finished_recving`` (no-sink case), once."""
@@ -423,6 +442,18 @@ class TransferAgent:
         self._receiver.fail_peer(peer_id, reason)
         self._core.plane.drop_peer(peer_id)
 
+    def _on_unreachable(self, endpoint: str) -> None:
+        """The peer at ``endpoint`` refuses connections (its process is gone): fail its transfers
+        now rather than at their leases (peer_watch, decision 088)."""
+        with self._core.lock:
+            if self._core.closed:
+                return
+            reason = f"{FailReason.PEER_LOST.value}: {endpoint} refuses connections"
+            failed = self._sender.fail_endpoint(endpoint, reason)
+            failed += self._receiver.fail_endpoint(endpoint, reason)
+        if failed:
+            log.warning("transfer peer %s refuses connections: failed its %d transfer(s)", endpoint, failed)
+
     def _on_reject(self, reason: str) -> None:
         self._core.stats.add("messages_rejected")
         log.warning("rejected control message: %s", reason)
@@ -501,3 +532,4 @@ class TransferAgent:
     def on_device_copy(self, num_bytes: int, seconds: float) -> None:
         self._core.stats.add("device_copy_bytes", num_bytes)
         self._core.stats.add("device_copy_ns", round(seconds * 1e9))
+        self._core.stats.add("device_copy_batches", 1)

@@ -21,6 +21,7 @@ import zmq
 from kvwire.errors import ProtocolError
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.messages import AnyMsg, Codec
+from kvwire.transfer.peer_watch import PeerWatch
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,9 @@ class ControlLoop:
         handler: Callable[[AnyMsg], None],
         on_reject: Callable[[str], None],
         on_tick: Callable[[], None],
+        on_unreachable: Callable[[str], None] | None = None,
     ) -> None:
+        """``on_unreachable(endpoint)``: a peer we send to refuses connections now (peer_watch)."""
         self._codec = Codec(config.secret)
         self._handler = handler
         self._on_reject = on_reject
@@ -63,6 +66,10 @@ class ControlLoop:
         self._outbox: collections.deque[tuple[str, AnyMsg] | Callable[[], None]] = collections.deque()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvwire-transfer-control", daemon=True)
+        self._poller = zmq.Poller()
+        self._poller.register(self._router, zmq.POLLIN)
+        self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        self._watch = PeerWatch(self._poller, on_unreachable) if on_unreachable is not None else None
 
     def start(self) -> None:
         self._thread.start()
@@ -89,6 +96,8 @@ class ControlLoop:
         self.wake()
         if self._thread.is_alive():
             self._thread.join(timeout=timeout_s)
+        if self._watch is not None:
+            self._watch.close()
         for dealer in self._dealers.values():
             dealer.close(linger=LINGER_MS)
         self._dealers.clear()
@@ -100,18 +109,17 @@ class ControlLoop:
     # --- the thread ------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_r.fileno(), zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                ready = dict(poller.poll(int(TICK_S * 1000)))
+                ready = dict(self._poller.poll(int(TICK_S * 1000)))
                 if self._router in ready:
                     self._drain_inbound()
                 if self._wake_r.fileno() in ready:
                     with contextlib.suppress(BlockingIOError):
                         self._wake_r.recv(65536)
                 self._drain_outbox()
+                if self._watch is not None:
+                    self._watch.handle(ready)
                 self._on_tick()
             except Exception:  # the loop must survive a bug in one handler
                 log.exception("transfer control loop: unexpected error (continuing)")
@@ -147,11 +155,15 @@ class ControlLoop:
             self._dealers.move_to_end(endpoint)
         else:
             if len(self._dealers) >= MAX_DEALERS:
-                _, oldest = self._dealers.popitem(last=False)
+                gone, oldest = self._dealers.popitem(last=False)
+                if self._watch is not None:
+                    self._watch.unwatch(gone, oldest)
                 oldest.close(linger=0)
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, LINGER_MS)
             dealer.setsockopt(zmq.SNDHWM, SNDHWM)
+            if self._watch is not None:
+                self._watch.watch(endpoint, dealer)  # before connect: its first attempt counts too
             dealer.connect(endpoint)
             self._dealers[endpoint] = dealer
         try:

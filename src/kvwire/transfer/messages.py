@@ -29,6 +29,7 @@ MAX_MESSAGE_BYTES = 4 << 20  # a control message never carries layer data
 MAX_TRAILER_BYTES = 1 << 20
 MAC_BYTES = 32
 MAX_STATE_LEN = 32
+MAX_PIECES = 4096  # pulls one held transfer may serve (a piece per receiving rank)
 
 
 class Msg(msgspec.Struct, tag_field="t", kw_only=True, frozen=True):
@@ -82,11 +83,19 @@ class Abort(Msg, tag="abort", frozen=True):
 
 
 class Pull(Msg, tag="pull", frozen=True):
-    """Receiver -> sender (pull mode): send me the transfer you hold."""
+    """Receiver -> sender (pull mode): send me the transfer you hold.
+
+    A *piece* pull (``held`` set; tensor-parallel split, docs/decisions/087): send me, as transfer
+    ``transfer_id``, the KV heads ``heads`` (``[start, stop)`` of your local heads; empty: whole
+    layers) of every layer of the transfer you hold as ``held``; you serve ``pieces`` such pulls in
+    all. ``pieces == 0`` is a release: nothing of ``held`` is wanted (no reply)."""
 
     deadline_s: float
     data_address: str
     plane_info: bytes = b""
+    held: str = ""
+    heads: list[int] = msgspec.field(default_factory=list)
+    pieces: int = 0
 
 
 class Renew(Msg, tag="renew", frozen=True):
@@ -166,6 +175,11 @@ def validate(msg: AnyMsg) -> None:
                 raise ProtocolError(f"offer {msg.transfer_id}: bad layer {layer}")
     if isinstance(msg, (Offer, Pull)) and not msg.deadline_s > 0:
         raise ProtocolError(f"{type(msg).__name__} {msg.transfer_id}: deadline_s must be > 0")
+    if isinstance(msg, Pull) and msg.held:
+        _check_id("held", msg.held)
+        bad_heads = msg.heads and (len(msg.heads) != 2 or not 0 <= msg.heads[0] < msg.heads[1])
+        if bad_heads or not 0 <= msg.pieces <= MAX_PIECES:
+            raise ProtocolError(f"pull {msg.transfer_id}: bad piece (heads {msg.heads}, pieces {msg.pieces})")
     if isinstance(msg, (Grant, Ack)) and any(i < 0 for i in msg.layers):
         raise ProtocolError(f"{type(msg).__name__} {msg.transfer_id}: negative layer index")
     if isinstance(msg, Renew) and len(msg.state) > MAX_STATE_LEN:

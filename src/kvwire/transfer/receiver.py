@@ -7,6 +7,7 @@ import dataclasses
 import threading
 from collections.abc import Callable
 
+import msgspec
 import torch
 
 from kvwire.errors import TransferError
@@ -23,6 +24,7 @@ from kvwire.transfer.types import (
     LayerSink,
     LayerSpec,
     PeerRef,
+    PullSlice,
     RecvItem,
     TransferTiming,
 )
@@ -132,6 +134,7 @@ class Receiver:
         accept_from: str | None = None,
         sender: str | None = None,
         limit_s: float | None = None,
+        pull_slice: PullSlice | None = None,
     ) -> bool:
         """Returns True when buffered layers must now be delivered to the new sink. Raises
         TransferError when the transfer was already offered by another agent than ``accept_from``
@@ -167,18 +170,24 @@ class Receiver:
             st.sink = st.guard.wrap(lambda index, data: paged.write(index, target, data))  # copy path
         self.core.stats.add("recvs_started")
         if pull_from is not None and st.peer is None:
-            info = self.core.plane.local_info(PeerRef(pull_from, self.core.peer_ids.get(pull_from, ""), ""))
-            msg = Pull(
-                **self.core.header(pull_from, transfer_id),
-                deadline_s=deadline_s,
-                data_address=self.core.plane.address,
-                plane_info=info,
-            )
-            self.core.send(pull_from, msg)
+            self.core.send(pull_from, self._pull_msg(pull_from, transfer_id, deadline_s, pull_slice))
         if st.specs is not None and not self._check_offer(st):
             return False
         self.maybe_complete(st)
         return bool(st.held) and st.sink is not None and transfer_id in self.recvs
+
+    def _pull_msg(self, endpoint: str, transfer_id: str, deadline_s: float, piece: PullSlice | None) -> Pull:
+        info = self.core.plane.local_info(PeerRef(endpoint, self.core.peer_ids.get(endpoint, ""), ""))
+        msg = Pull(**self.core.header(endpoint, transfer_id), deadline_s=deadline_s,
+                   data_address=self.core.plane.address, plane_info=info)  # fmt: skip
+        if piece is None:
+            return msg
+        heads = [] if piece.heads is None else [piece.heads.start, piece.heads.stop]
+        return msgspec.structs.replace(msg, held=piece.held_id, heads=heads, pieces=piece.pieces)
+
+    def release(self, held_id: str, endpoint: str, deadline_s: float) -> None:
+        """A piece pull of nothing: the sender ends the held transfer (split_pull)."""
+        self.core.send(endpoint, self._pull_msg(endpoint, held_id, deadline_s, PullSlice(held_id, None, 0)))
 
     def take_layers(self, transfer_id: str) -> dict[int, torch.Tensor]:
         bufs = self.done_layers.pop(transfer_id, None)
@@ -515,6 +524,15 @@ class Receiver:
         ]:
             if not self._all_arrived(self.recvs[tid]):
                 self.fail(tid, reason, notify=False)
+
+    def fail_endpoint(self, endpoint: str, reason: str) -> int:
+        """The sender at ``endpoint`` is gone: as :meth:`fail_peer`, by endpoint (also before its
+        Offer: a pull, or a push whose sender was named). Returns how many receives failed."""
+        failed = 0
+        for tid in [t for t, st in self.recvs.items() if self._peer_endpoint(st) == endpoint]:
+            if not self._all_arrived(self.recvs[tid]):
+                failed += self.fail(tid, reason, notify=False)
+        return failed
 
     def _all_arrived(self, st: RecvState) -> bool:
         """Every layer landed (delivered or held). A trailer still missing will never come from a

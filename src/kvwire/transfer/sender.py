@@ -17,6 +17,7 @@ from kvwire.transfer.lease import Lease, PeerState
 from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Renew, Trailer, WireLayer
 from kvwire.transfer.paged_kv import PagedKV
 from kvwire.transfer.planes.base import DataPlane
+from kvwire.transfer.split_pull import Split, SplitPulls
 from kvwire.transfer.types import DTYPE_NAMES, ByteSpans, LayerSpec, PeerRef, SendItem, TransferTiming
 
 SIDE = "send"
@@ -39,7 +40,7 @@ class SendState:
     lease: Lease  # deadline, renewed while the receiver shows life, up to its limit
     with_trailer: bool
     endpoint: str | None  # receiver's control endpoint; None until pulled
-    pull_by: str | None = None  # the only endpoint that may pull (None: the first puller)
+    pull_by: frozenset[str] | None = None  # the only endpoints that may pull (None: the first puller)
     peer: PeerRef | None = None  # bound by the first Grant (receiver's epoch + data address)
     items: dict[int, SendItem | _Blocks] = dataclasses.field(default_factory=dict)  # layers handed over
     granted: set[int] = dataclasses.field(default_factory=set)
@@ -57,6 +58,10 @@ class SendState:
     producer: Any | None = None
     paged: PagedKV | None = None  # the caches the slab belongs to (it goes back to their pool)
     last_progress: float = 0.0  # when a layer or the trailer was last handed over (or the start)
+    # Piece pulls (split_pull): a held transfer served in pieces, or one piece of such a transfer
+    split: Split | None = None
+    parent: str | None = None  # a piece: the held transfer's id
+    heads: range | None = None  # a piece: the KV heads of the held layers it carries
 
     def stalled(self, now: float) -> bool:
         """Something is still to be handed over and nothing was for a whole lease: the producer is
@@ -78,6 +83,7 @@ class Sender:
         self.pending_pulls: dict[str, tuple[Pull, float]] = {}  # pulls that came before start_send
         # ordered planes: per receiver epoch, granted (transfer, layer) in grant order
         self.order: dict[str, collections.deque[tuple[str, int]]] = {}
+        self.splits = SplitPulls(self)
 
     # --- API ---------------------------------------------------------------------------------------------
 
@@ -88,7 +94,7 @@ class Sender:
         layers: Sequence[LayerSpec],
         deadline_s: float,
         trailer: bool,
-        pull_by: str | None = None,
+        pull_by: frozenset[str] | None = None,
         limit_s: float | None = None,
     ) -> None:
         if not transfer_id:
@@ -107,11 +113,12 @@ class Sender:
         self.sends[transfer_id] = st
         self.core.stats.add("sends_started")
         if endpoint is not None:
-            self._offer(st)
+            self.offer(st)
             return
         pending = self.pending_pulls.pop(transfer_id, None)
         if pending is not None:
             self.on_pull(pending[0])
+        self.splits.started(st)
 
     def _check_layer(self, transfer_id: str, index: int) -> SendState | None:
         st = self._get_for_api(transfer_id)
@@ -135,7 +142,7 @@ class Sender:
         if self.core.plane.supports_spans:
             st.items[index] = SendItem(transfer_id, index, spans.base, ready_event, spans)
             st.last_progress = self.core.now()
-            self._dispatch(st)
+            self.dispatch(st)
             return
         if ready_event is not None:  # order the gather after the producer's writes (CUDA)
             ready_event.wait()
@@ -157,7 +164,7 @@ class Sender:
             return
         st.items[index] = _Blocks(paged, block_ids, ready_event)
         st.last_progress = self.core.now()
-        self._dispatch(st)
+        self.dispatch(st)
 
     def _item(self, st: SendState, index: int, plane: DataPlane) -> SendItem:
         """Layer ``index`` as ``plane`` (the one negotiated with the receiver) takes it best."""
@@ -217,7 +224,7 @@ class Sender:
             )
         st.items[index] = SendItem(transfer_id, index, tensor, ready_event)
         st.last_progress = self.core.now()
-        self._dispatch(st)
+        self.dispatch(st)
 
     def add_trailer(self, transfer_id: str, payload: bytes) -> None:
         st = self._get_for_api(transfer_id)
@@ -237,7 +244,7 @@ class Sender:
 
     # --- messages ----------------------------------------------------------------------------------------
 
-    def _offer(self, st: SendState) -> None:
+    def offer(self, st: SendState) -> None:
         assert st.endpoint is not None
         core = self.core
         peer_id = core.peer_ids.get(st.endpoint, "")
@@ -282,7 +289,7 @@ class Sender:
         if self.core.plane.ordered:
             queue = self.order.setdefault(st.peer.instance_id, collections.deque())
             queue.extend((st.transfer_id, i) for i in new)
-        self._dispatch(st)
+        self.dispatch(st)
 
     def on_ack(self, msg: Ack) -> None:
         st = self.sends.get(msg.transfer_id)
@@ -295,13 +302,19 @@ class Sender:
 
     def _complete(self, st: SendState) -> None:
         del self.sends[st.transfer_id]
-        self.core.events.sent(st.transfer_id, self._timing(st))
         if st.slab is not None and st.paged is not None:
             st.paged.give_slab(st.slab)  # the plane is done with it (a failed send's is dropped)
         self.core.stats.add("sends_completed")
         self.core.tombstones.add(SIDE, st.transfer_id, "done")
+        if st.parent is not None:  # a piece: its held transfer reports once all pieces are done
+            self.splits.child_done(st, self._timing(st))
+            return
+        self.core.events.sent(st.transfer_id, self._timing(st))
 
     def on_pull(self, msg: Pull) -> None:
+        if msg.held:
+            self.splits.on_pull(msg)
+            return
         st = self.sends.get(msg.transfer_id)
         if st is None:
             ended = self.core.tombstones.get(SIDE, msg.transfer_id)
@@ -311,14 +324,16 @@ class Sender:
             else:  # the pull overtook start_send: hold it until the puller's deadline
                 self.pending_pulls[msg.transfer_id] = (msg, self.core.now() + msg.deadline_s)
             return
-        if st.endpoint is None and st.pull_by is not None and msg.src_endpoint != st.pull_by:
+        if st.endpoint is None and st.pull_by is not None and msg.src_endpoint not in st.pull_by:
             self.core.stats.add("offers_refused")  # not the pair's receiver: the lease stays
             detail = f"pull of transfer {msg.transfer_id} from {msg.src_endpoint}"
             self.core.refusals.refused("wrong_peer", detail)
             self.core.send_abort(msg.src_endpoint, msg.transfer_id, "not this transfer's peer", msg.src_id)
+        elif st.endpoint is None and st.split is not None:
+            self.core.send_abort(msg.src_endpoint, msg.transfer_id, "pulled in pieces", msg.src_id)
         elif st.endpoint is None:
             st.endpoint = msg.src_endpoint
-            self._offer(st)
+            self.offer(st)
         elif st.endpoint != msg.src_endpoint:
             self.core.send_abort(
                 msg.src_endpoint, msg.transfer_id, "already pulled by another peer", msg.src_id
@@ -345,7 +360,9 @@ class Sender:
             st.busy_since = now
         st.in_plane += count
 
-    def _dispatch(self, st: SendState) -> None:
+    def dispatch(self, st: SendState) -> None:
+        if st.split is not None:  # a held transfer served in pieces: they get the layer
+            self.splits.layer_added(st)
         if st.peer is None:
             return
         if self.core.plane.ordered:
@@ -406,6 +423,9 @@ class Sender:
             self.core.send_abort(st.endpoint, transfer_id, wire_reason or reason, dst)
         if st.peer is not None and self.core.plane.ordered:
             self._dispatch_ordered(st.peer)
+        if st.parent is not None:
+            self.splits.child_failed(st, reason)
+        self.splits.parent_failed(st, reason)
         return True
 
     def fail_peer(self, peer_id: str, reason: str) -> None:
@@ -415,6 +435,16 @@ class Sender:
             self.fail(tid, reason, notify=False)
         self.order.pop(peer_id, None)
 
+    def fail_endpoint(self, endpoint: str, reason: str) -> int:
+        """The receiver at ``endpoint`` is gone: fail what is sent to it, drop what is promised.
+        Returns how many sends failed."""
+        gone = [t for t, st in self.sends.items() if st.endpoint == endpoint]
+        for tid in gone:
+            self.fail(tid, reason, notify=False)
+        for tid in [t for t, (e, _) in self.promised.items() if e == endpoint]:
+            del self.promised[tid]
+        return len(gone)
+
     def on_abort(self, transfer_id: str, src_endpoint: str, reason: str) -> None:
         st = self.sends.get(transfer_id)
         if st is not None and st.endpoint == src_endpoint:
@@ -422,16 +452,19 @@ class Sender:
 
     def expire(self, now: float) -> None:
         for tid in [t for t, st in self.sends.items() if st.lease.deadline <= now]:
-            st = self.sends[tid]
-            what = (
-                "not pulled"
-                if st.endpoint is None
-                else f"{len(st.acked)}/{len(st.layers)} layers acknowledged"
-            )
+            st = self.sends.get(tid)
+            if st is None or self.splits.keeps_lease(st):
+                continue  # ended with an expired piece, or every piece pulled: the pieces' leases bound it
+            what = f"{len(st.acked)}/{len(st.layers)} layers acknowledged"
+            if st.split is not None:
+                what = f"{len(st.split.children)} of {st.split.pieces} pieces pulled"
+            elif st.endpoint is None:
+                what = "not pulled"
             self.fail(tid, f"{FailReason.DEADLINE.value}: {what}", notify=True)
         for tid in [t for t, (_, until) in self.pending_pulls.items() if until <= now]:
             msg, _ = self.pending_pulls.pop(tid)
             self.core.send_abort(msg.src_endpoint, tid, FailReason.UNKNOWN.value, msg.src_id)
+        self.splits.expire(now)
 
     # --- leases ------------------------------------------------------------------------------------------
 

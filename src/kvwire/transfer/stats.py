@@ -28,6 +28,7 @@ class TransferStats:
     trailers_missing: int = 0  # transfers completed at their deadline without the sender's trailer
     device_copy_bytes: int = 0  # bytes a plane copied on the GPU itself (CUDA IPC) ...
     device_copy_ns: int = 0  # ... and the device time those copies took
+    device_copy_batches: int = 0  # ... in this many batches (one timed window each)
     spill_bytes_in_use: int = 0  # gauges at snapshot time
     budget_bytes_in_use: int = 0
     transfers_active: int = 0

@@ -52,6 +52,18 @@ class LayerSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class PullSlice:
+    """Pull mode, one piece of a transfer the sender holds for several receivers (P and D of
+    different tensor-parallel sizes): the KV ``heads`` of each layer (the sender's local head
+    indices; None: whole layers) of the transfer held as ``held_id``. The sender serves ``pieces``
+    such pulls in all and reports the held transfer finished once every one was acknowledged."""
+
+    held_id: str
+    heads: range | None
+    pieces: int
+
+
+@dataclasses.dataclass(frozen=True)
 class TransferTiming:
     """How long a completed transfer's data took on this side. Sender: from its first layer handed
     to the data plane (granted and ready) to the last acknowledgement. Receiver: from its first layer

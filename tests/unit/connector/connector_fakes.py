@@ -117,8 +117,8 @@ class FakeAgent:
     # send side
     def start_send(
         self, transfer_id: str, peer_endpoint: str | None, layers: Sequence[LayerSpec], *,
-        deadline_s: float | None = None, with_trailer: bool = False, pull_by: str | None = None,
-        limit_s: float | None = None,
+        deadline_s: float | None = None, with_trailer: bool = False,
+        pull_by: str | Sequence[str] | None = None, limit_s: float | None = None,
     ) -> None:
         del pull_by  # the fake fabric has no third agents
         deadline = self._deadline(deadline_s)
@@ -188,8 +188,9 @@ class FakeAgent:
         self, transfer_id: str, *, num_layers: int, sink: LayerSink | None = None,
         deadline_s: float | None = None, pull_from: str | None = None,
         into_blocks: BlockTarget | None = None, accept_from: str | None = None,
-        sender: str | None = None, limit_s: float | None = None,
+        sender: str | None = None, limit_s: float | None = None, pull_slice: Any = None,
     ) -> None:
+        assert pull_slice is None, "the fake fabric has no piece pulls (tests/integration/test_pd_tp.py)"
         del accept_from  # the fake fabric has no third agents
         if into_blocks is not None:
             assert self.paged is not None and sink is None, "register_kv_caches first; one destination"

@@ -4,16 +4,29 @@ from __future__ import annotations
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from kvwire.connector.base import ConnectorOutput
 from kvwire.connector.config import ConnectorConfig, EngineInfo
-from kvwire.connector.metadata import KvwireConnectorMetadata, RecvSpec
-from kvwire.connector.pieces import PieceBook, head_slice, held_pieces, pull_pieces, recv_pieces, send_pieces
+from kvwire.connector.metadata import AbortSpec, KvwireConnectorMetadata, PromiseSpec, RecvSpec
+from kvwire.connector.metrics import connector_metrics
+from kvwire.connector.pieces import (
+    PieceBook,
+    head_slice,
+    held_pieces,
+    pull_pieces,
+    pull_releases,
+    pullers,
+    recv_pieces,
+    send_pieces,
+)
 from kvwire.connector.scheduler import KvwireSchedulerConnector
+from kvwire.connector.worker import KvwireWorkerConnector
 from kvwire.engine.tp.aggregate import OutputAggregator
 from kvwire.errors import ConfigError, InvalidRequestError
 from kvwire.kv_params import KVCacheLayout, KVTransferParams, Role, layout_mismatch
 from kvwire.transfer.enums import KVLayout
+from kvwire.transfer.types import PullSlice
 
 
 def test_symmetric_plan_keeps_the_request_transfer_id() -> None:
@@ -25,15 +38,28 @@ def test_symmetric_plan_keeps_the_request_transfer_id() -> None:
     assert send_pieces("t", 1, 2, 1, 1) == ()  # a replica: rank 0 sends the one head
 
 
-def test_pull_pieces_merge_whole_p_layers_and_refuse_splits() -> None:
+def test_pull_pieces_merge_whole_p_layers_and_pull_splits_in_pieces() -> None:
     assert held_pieces("t", 1, 2)[0].transfer_id == "t~p1"
-    merged = pull_pieces("t", 0, 2, 1, 4)
-    assert [(p.transfer_id, p.peer_rank, p.heads) for p in merged] == [
-        ("t~p0", 0, range(0, 2)),
-        ("t~p1", 1, range(2, 4)),
+    merged = pull_pieces("t", 0, 2, 1, 4)  # each P rank's whole layer to D rank 0: the wire of before
+    assert [(p.transfer_id, p.peer_rank, p.heads, p.source) for p in merged] == [
+        ("t~p0", 0, range(0, 2), None),
+        ("t~p1", 1, range(2, 4), None),
     ]
-    with pytest.raises(ConfigError, match="push mode"):
-        pull_pieces("t", 0, 1, 2, 4)
+    # 1 -> 2: each D rank pulls its half of P's held layer under its own id; P serves 2 pieces
+    split = [pull_pieces("t", d, 1, 2, 4)[0] for d in range(2)]
+    assert [(p.transfer_id, p.heads, p.source) for p in split] == [
+        ("t~d0", range(0, 2), PullSlice("t", range(0, 2), 2)),
+        ("t~d1", range(0, 2), PullSlice("t", range(2, 4), 2)),
+    ]
+    # one KV head replicated on D: both D ranks pull P's whole layer, as two pieces
+    assert [pull_pieces("t", d, 1, 2, 1)[0].source for d in range(2)] == [PullSlice("t", None, 2)] * 2
+    # one KV head replicated on P (2 -> 1): D pulls P rank 0's layer whole and releases rank 1
+    assert [(p.transfer_id, p.source) for p in pull_pieces("t", 0, 2, 1, 1)] == [("t~p0", None)]
+    assert pull_releases("t", 0, 2, 1, 1) == ((1, "t~p1"),)
+    assert pull_releases("t", 0, 1, 2, 4) == () and pull_releases("t", 1, 4, 2, 2) == ((1, "t~p1"),)
+    # P knows D (the router named it): the D ranks it serves; none for a replica
+    assert pullers(0, 1, ("d0", "d1"), 4) == ("d0", "d1")
+    assert pullers(1, 2, ("d0",), 1) == () and pullers(0, 2, ("d0",), 1) == ("d0",)
 
 
 def test_head_slice_is_a_view_of_the_heads() -> None:
@@ -152,3 +178,40 @@ def test_aggregator_fail_policy_fails_once_and_aborts_the_other_ranks() -> None:
     late = agg.merge([ConnectorOutput(), ConnectorOutput(failed={"c": "aborted"}),
                       ConnectorOutput(finished_recving=frozenset({"c"}))])  # fmt: skip
     assert not late.failed and not late.finished_recving and not agg.take_aborts()
+
+
+class _PromiseRecorder:
+    """The agent calls a P worker connector makes for a promise and an abort."""
+
+    endpoint = "tcp://127.0.0.1:1"
+    instance_id = "p"
+
+    def __init__(self) -> None:
+        self.promised: dict[str, str] = {}
+        self.aborted: list[str] = []
+
+    def register_kv_caches(self, kv_caches: object, layout: KVLayout) -> None:
+        del kv_caches, layout
+
+    def promise(self, transfer_id: str, peer_endpoint: str, *, deadline_s: float | None = None,
+                limit_s: float | None = None) -> None:  # fmt: skip
+        self.promised[transfer_id] = peer_endpoint
+
+    def abort(self, transfer_id: str, reason: str = "aborted") -> None:
+        self.aborted.append(transfer_id)
+
+
+def test_p_promises_each_piece_to_its_d_rank_and_abort_forgets_them() -> None:
+    """P TP 1 -> D TP 2: D's two ranks expect the pieces under their own ids; P's promise must renew
+    those (not the request's id, which no D rank expects), and an abort before the send must end
+    them."""
+    agent = _PromiseRecorder()
+    info = EngineInfo(block_size=4, num_kv_heads=4)
+    metrics = connector_metrics(CollectorRegistry())
+    worker = KvwireWorkerConnector(ConnectorConfig(role=Role.PREFILL), info, agent, metrics=metrics)  # type: ignore[arg-type]
+    worker.register_kv_caches([torch.zeros(2, 4, 4, 4, 8)])
+    worker.bind_connector_metadata(KvwireConnectorMetadata(promises=(PromiseSpec("t", ("d0", "d1"), 5.0),)))
+    assert agent.promised == {"t~p0d0": "d0", "t~p0d1": "d1"}
+    abort = AbortSpec("r", "t", "client gone", report_free=False)
+    worker.bind_connector_metadata(KvwireConnectorMetadata(aborts=(abort,)))
+    assert {"t~p0d0", "t~p0d1"} <= set(agent.aborted)

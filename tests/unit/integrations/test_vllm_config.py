@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -81,6 +82,13 @@ def test_seed_keys_map() -> None:
 def test_discovery_etcd() -> None:
     cfg = plugin_config_from_vllm(view(discovery="etcd://10.0.0.9:2379/team-a", http_port=8100))
     assert cfg.router_address == "etcd://10.0.0.9:2379/team-a"
+
+
+def test_discovery_etcd_with_credentials(tmp_path: Path) -> None:
+    secret = tmp_path / "pw"
+    secret.write_text("pw\n")
+    address = f"etcd://kv@10.0.0.9:2379/team-a?password_file={secret}"
+    assert plugin_config_from_vllm(view(discovery=address, http_port=8100)).router_address == address
 
 
 @pytest.mark.parametrize(("send_type", "mode"), [("PUT", TransferMode.PUSH), ("get", TransferMode.PULL)])

@@ -249,8 +249,8 @@ def tp_params(
 @pytest.mark.parametrize(
     ("p_tp", "d_tp", "mode"),
     [(2, 1, TransferMode.PUSH), (2, 1, TransferMode.PULL), (1, 2, TransferMode.PUSH),
-     (2, 4, TransferMode.PUSH)],
-    ids=["2to1-push", "2to1-pull", "1to2-push", "2to4-push-replicated"],
+     (1, 2, TransferMode.PULL), (2, 4, TransferMode.PUSH), (2, 4, TransferMode.PULL)],
+    ids=["2to1-push", "2to1-pull", "1to2-push", "1to2-pull", "2to4-push-replicated", "2to4-pull-replicated"],
 )
 def test_different_tp_sizes(p_tp: int, d_tp: int, mode: TransferMode) -> None:
     """vLLM's CPU cache cut by head (BLOCK_HEAD): each D rank gets exactly its heads from the P rank(s)

@@ -43,7 +43,7 @@ def test_etcd_address(text: str, url: str, prefix: str) -> None:
         ("etcd://h", "etcd://HOST:PORT"),
         ("etcd://:2379", "etcd://HOST:PORT"),
         ("etcd://h:notaport", "bad port"),
-        ("etcd://h:1/p?x=1", r"need an etcd\+https"),
+        ("etcd://h:1/p?x=1", "unknown etcd option"),
         ("etcd://h:1/p#x", "no fragment"),
     ],
 )
@@ -120,10 +120,12 @@ def test_least_loaded_samples_large_pools() -> None:
 
 def test_watch_stream_lines_survive_any_chunking() -> None:
     import asyncio
+    import base64
 
-    from kvwire.router.etcd_watcher import _json_lines
+    from kvwire.router.etcd_stream import watch_messages
 
-    messages = [{"result": {"events": [{"kv": {"key": "a" * n}}]}} for n in (1, 70_000, 5)]
+    sizes = (1, 70_000, 5)
+    messages = [{"result": {"events": [{"kv": {"key": base64.b64encode(b"a" * n).decode()}}]}} for n in sizes]
     raw = b"\n".join(msgspec_json(m) for m in messages) + b"\n"
 
     class Stream:
@@ -134,11 +136,12 @@ def test_watch_stream_lines_survive_any_chunking() -> None:
             for i in range(0, len(raw), self.size):
                 yield raw[i:i + self.size]
 
-    async def collect(size: int) -> list[dict[str, object]]:
-        return [m async for m in _json_lines(Stream(size))]  # type: ignore[arg-type]
+    async def collect(size: int) -> list[bytes]:
+        return [m.result.events[0].kv.key  # type: ignore[union-attr]
+                async for m in watch_messages(Stream(size))]  # type: ignore[arg-type]
 
     for size in (1, 7, 4096, len(raw)):
-        assert asyncio.run(collect(size)) == messages
+        assert asyncio.run(collect(size)) == [b"a" * n for n in sizes]
 
 
 def msgspec_json(obj: object) -> bytes:
@@ -180,7 +183,7 @@ def test_watch_backlog_does_not_starve_the_event_loop() -> None:
             return None
 
     class Session:
-        def post(self, url: str, json: object) -> Response:
+        def post(self, url: str, json: object, headers: object = None) -> Response:
             return Response()
 
     async def scenario() -> tuple[int, int]:

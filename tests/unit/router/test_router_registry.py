@@ -73,28 +73,35 @@ def test_sweep_expires_then_forgets_and_heartbeat_revives() -> None:
     assert reg.snapshot() == ()
 
 
-def test_promised_ttls_expire_only_while_the_source_speaks() -> None:
-    """etcd mode: records promising a TTL expire past it; those promising none are left to their
-    lease; silence counts only up to the source's last message; a re-sync counts as hearing all."""
+def test_expire_confirmed_silence_and_batches() -> None:
+    """etcd mode: expire() takes out only entries silent past their promised TTL as of the time
+    given (and never one that promised nothing); apply_many() applies a batch in order with one
+    rebuild; a re-sync (touch_all) counts as hearing everyone."""
     clock = Clock()
     reg = Registry(ttl_s=100.0, clock=clock)
-    for ident in ("a", "b"):
-        reg.apply(Heartbeat(info=hb(ident=ident).info, seq=1, ttl_s=2.0))
-    reg.apply(hb(ident="old"))  # an instance that promises nothing
+    results = reg.apply_many([Heartbeat(info=hb(ident=i).info, seq=1, ttl_s=2.0) for i in ("a", "b")]
+                             + [hb(ident="old")])
+    assert results == [ApplyResult.REGISTERED] * 3
+    version = reg.version
     clock.now += 1.5
-    reg.apply(Heartbeat(info=hb(ident="b").info, seq=2, ttl_s=2.0))
+    assert reg.apply_many([Heartbeat(info=hb(ident="b").info, seq=2, ttl_s=2.0),
+                           Heartbeat(info=hb(ident="b").info, seq=2, ttl_s=2.0)]) == [
+        ApplyResult.REFRESHED, ApplyResult.STALE]
+    assert reg.version == version + 1  # a refresh swaps one entry in place
     clock.now += 0.6  # a: 2.1 s silent; b: 0.6 s
-    assert reg.sweep(promised_only=True, as_of=clock.now - 0.2) == []  # the source's last word: 1.9 s
-    assert reg.sweep(promised_only=True, as_of=clock.now) == ["a"]
+    assert reg.expire(["a", "b", "old", "nobody"], as_of=clock.now - 0.2) == []  # a: 1.9 s then
+    assert reg.expire(["a", "b", "old"], as_of=clock.now) == ["a"]
     assert reg.get("a").state is InstanceState.EXPIRED  # type: ignore[union-attr]
-    clock.now += 50.0  # a stalled source: b and old stay in routing
-    assert reg.sweep(promised_only=True, as_of=clock.now - 50.0) == []
-    reg.touch_all()  # the source came back and re-read everything
+    reg.touch_all()
     clock.now += 1.0
-    assert reg.sweep(promised_only=True, as_of=clock.now) == []
+    assert reg.expire(["b"], as_of=clock.now) == []
     assert {v.instance_id for v in reg.live(Role.BOTH)} == {"b", "old"}
     reg.apply(Heartbeat(info=hb(ident="a").info, seq=2, ttl_s=2.0))  # its next record: back
     assert reg.get("a").alive  # type: ignore[union-attr]
+    dereg = Deregister(instance_id="b", epoch=reg.get("b").info.epoch)  # type: ignore[union-attr]
+    assert reg.apply_many([dereg, hb(ident="old", seq=2)]) == [ApplyResult.DEREGISTERED,
+                                                                 ApplyResult.REFRESHED]
+    assert {v.instance_id for v in reg.live(Role.BOTH)} == {"a", "old"}
 
 
 def test_mark_unreachable_until_next_heartbeat() -> None:

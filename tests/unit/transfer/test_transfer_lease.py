@@ -52,7 +52,8 @@ def test_dead_sender_fails_within_one_lease(pair: tuple[TransferAgent, TransferA
     start = time.monotonic()
     reason = poll_until(b, lambda ev: "dead" in ev["failed"])["failed"]["dead"]
     assert time.monotonic() - start < LEASE_S + 0.5
-    assert reason.startswith("deadline")
+    # the lease, or sooner the closed endpoint refusing the reconnect (transfer/peer_watch.py)
+    assert reason.startswith(("deadline", "peer_lost: tcp://")), reason
 
 
 def test_silent_endpoint_fails_at_the_first_deadline(pair: tuple[TransferAgent, TransferAgent]) -> None:

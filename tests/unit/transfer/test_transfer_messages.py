@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from kvwire.errors import AuthenticationError, ProtocolError
-from kvwire.transfer.messages import PROTOCOL_VERSION, Ack, Codec, Grant, Offer, WireLayer
+from kvwire.transfer.messages import MAX_PIECES, PROTOCOL_VERSION, Ack, Codec, Grant, Offer, Pull, WireLayer
 
 HEAD = {"src_id": "abc", "src_endpoint": "tcp://127.0.0.1:5000", "transfer_id": "t-1"}
 
@@ -69,6 +69,20 @@ def test_offer_validation() -> None:
     ):
         with pytest.raises(ProtocolError):
             codec.decode(codec.encode(bad))
+
+
+def test_piece_pull_round_trip_and_validation() -> None:
+    """A pull of one piece of a held transfer (decision 087): held id, head range, piece count."""
+    codec = Codec(None)
+    piece = Pull(**HEAD, deadline_s=5.0, data_address="h:1", held="t", heads=[2, 4], pieces=2)
+    assert codec.decode(codec.encode(piece)) == piece
+    whole = Pull(**HEAD, deadline_s=5.0, data_address="h:1")  # the pull of before: no piece fields
+    assert codec.decode(codec.encode(whole)) == whole and not whole.held
+    for bad in ({"heads": [3, 3]}, {"heads": [1]}, {"heads": [-1, 2]}, {"pieces": MAX_PIECES + 1},
+                {"pieces": -1}, {"held": "x" * 600}):  # fmt: skip
+        msg = msgspec.structs.replace(piece, **bad)
+        with pytest.raises(ProtocolError):
+            codec.decode(codec.encode(msg))
 
 
 def test_hmac_required_and_checked() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 WORD = 4
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,21 +164,35 @@ def launch(launches: Sequence[Launch], anchor: torch.Tensor, tuning: CopyTuning 
         _run(grid, args, tuning.num_warps)
 
 
+def compiled(launches: Sequence[Launch], tuning: CopyTuning = CopyTuning()) -> bool:
+    """Whether every launch goes through an already-compiled kernel (so launching loads nothing and
+    never waits for the device: what may go behind :class:`~kvwire.transfer.planes.ipc.gate.LaunchGate`)."""
+    return all(
+        item.bases is not None
+        and (item.group.table.tile_words, item.aligned16, tuning.num_warps) in _compiled
+        for item in launches
+    )
+
+
 _compiled: dict[tuple[int, bool, int], Any] = {}
 _direct = [True]  # False once launching a compiled kernel directly failed: Triton's own path then
 
 
 def _run(grid: tuple[int], args: tuple[Any, ...], num_warps: int) -> None:
-    """Launch through the compiled kernel's runner once it exists (a few microseconds less host time
-    per launch than the JIT entry point, which re-binds and re-keys every call)."""
+    """Launch through the compiled kernel's runner once it exists (less host time per launch than
+    the JIT entry point, which re-binds and re-keys every call). The runner takes a 3-D grid and every
+    argument of the kernel, constexprs included (Triton >= 3.3); pointers as integers, which the
+    launcher takes as they are. A Triton whose runner differs falls back to the JIT path for good
+    (the kernel stays compiled there, so launches still load nothing)."""
     key = (args[5], args[6], num_warps)
     compiled = _compiled.get(key)
     if compiled is not None and _direct[0]:
-        try:  # pointers as integers: the launcher takes them as is (no data_ptr() calls)
-            compiled[grid](args[0].data_ptr(), args[1].data_ptr(), args[2].data_ptr(), *args[3:])
+        try:
+            compiled[(grid[0], 1, 1)](args[0].data_ptr(), args[1].data_ptr(), args[2].data_ptr(), *args[3:])
             return
-        except Exception:  # another Triton's runner signature: use the JIT path from now on
+        except Exception as exc:  # another Triton's runner signature: use the JIT path from now on
             _direct[0] = False
+            logger.warning("IPC copy: Triton's compiled-kernel runner refused a launch (%s); JIT path", exc)
     kernel = _kernel()
     assert kernel is not None  # prepare() chose the copy_ fallback otherwise
     _compiled[key] = kernel[grid](*args[:5], TILE=args[5], ALIGNED=args[6], num_warps=num_warps)

@@ -20,7 +20,8 @@ import torch
 
 from kvwire.errors import ProtocolError
 from kvwire.transfer.planes.base import fail_queued
-from kvwire.transfer.planes.ipc.copy import LayerGroup, TileTable, launch, prepare
+from kvwire.transfer.planes.ipc.copy import LayerGroup, TileTable, compiled, launch, prepare
+from kvwire.transfer.planes.ipc.gate import LaunchGate
 from kvwire.transfer.planes.ipc.runs import spans_array, tile_runs
 from kvwire.transfer.planes.outbound import OutboundLink
 from kvwire.transfer.planes.tcp.wire import (
@@ -83,6 +84,7 @@ class IpcOutbound(OutboundLink):
         self.plane = plane
         super().__init__(peer)
         self.completions: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
+        self.gate: LaunchGate  # made by the writer thread, with its device current
         self._tiles: collections.OrderedDict[tuple[int, int], tuple[object, object, TileTable]] = (
             collections.OrderedDict()
         )
@@ -102,6 +104,7 @@ class IpcOutbound(OutboundLink):
             torch.cuda.set_device(self.plane.device)
             stream = torch.cuda.Stream(self.plane.device)
             anchor = torch.empty(4, dtype=torch.int32, device=self.plane.device)
+            self.gate = LaunchGate()
             sock = self._connect()
             self.completer.start()
             while not self.stopped.is_set():
@@ -169,13 +172,15 @@ class IpcOutbound(OutboundLink):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             try:
                 launches = prepare(list(groups.values()), anchor)
-                start.record(stream)  # device time: from here (the host's preparation is done)
-                launch(launches, anchor, self.plane.tuning)
+                gated = compiled(launches, self.plane.tuning)
+                with self.gate.held(stream) if gated else contextlib.nullcontext(False):
+                    start.record(stream)  # device time: from here (the host's preparation is done)
+                    launch(launches, anchor, self.plane.tuning)
+                    end.record(stream)
             except Exception as exc:  # a launch that fails fails its transfers, not the link
                 for item in copied:
                     cb.on_transfer_failed(item.transfer_id, f"mismatch: IPC copy failed: {exc}")
                 return
-            end.record(stream)
         self.completions.put(_Batch(copied, start, end, sum(g.num_bytes for g in groups.values())))
 
     def _plan(self, item: SendItem) -> tuple[TileTable, tuple[int, int]] | str:

@@ -7,8 +7,9 @@ Flow (push and pull alike, after the agents negotiated ``ipc``, decision 077)::
               local_info -> the Grant's plane_info carries those Dests
     sender    on_peer_info: remember the Dests; send(): map the handle once per peer epoch
               (cuIpcOpenMemHandle), copy the source byte runs straight into the mapped blocks
-              (paged -> paged, no staging: coalesced runs, one Triton launch per layer), batch the
-              queued layers, synchronize once per batch, then DONE(transfer, layer) on the link
+              (paged -> paged, no staging: coalesced runs, one Triton launch per group of layers,
+              behind a launch gate), batch the queued layers; a completer thread waits for each
+              batch on the GPU, then DONE(transfer, layers) on the link
     receiver  link reader: DONE -> on_received
 
 The link is an abstract Unix socket (as the shared-memory plane's: same hello and secret); it
@@ -16,7 +17,7 @@ carries only DONE frames and shows a dead peer as EOF (``peer_lost``). The sende
 mapping of a peer when the peer is dropped (loss, restart, close). An exporter that dies never
 crashes the importer: the driver keeps a mapped allocation alive until the importer unmaps it.
 
-Limits (first version, not yet run on a GPU): completion costs a host synchronization per batch
+Limits (decision 077): completion costs a host wait per batch
 (no interprocess CUDA events yet); destinations must be device memory (a host spill buffer fails the
 transfer: size ``recv_budget_bytes`` to hold what is in flight, or receive into paged spans); a
 receiver-side cancel cannot stop a copy the sender has already enqueued (at most one batch lands

@@ -27,18 +27,23 @@ flight can never turn an abandoned transfer's chunks back into "real").
 
 from __future__ import annotations
 
-import ctypes
 import enum
-import functools
 import threading
-from typing import Any
 
 import torch
 
 from kvwire.errors import TransferError
+from kvwire.transfer.planes.stream_memops import (
+    WAIT_VALUE_GEQ,
+    WRITE_VALUE_DEFAULT,
+    wait_value32,
+    write_value32,
+)
 
-_CU_STREAM_WAIT_VALUE_GEQ = 0x0
-_CU_STREAM_WRITE_VALUE_DEFAULT = 0x0  # with a memory fence before the write
+_CU_STREAM_WAIT_VALUE_GEQ = WAIT_VALUE_GEQ
+_CU_STREAM_WRITE_VALUE_DEFAULT = WRITE_VALUE_DEFAULT
+_wait_value32 = wait_value32
+_write_value32 = write_value32
 
 
 class SignalState(enum.IntEnum):
@@ -101,26 +106,6 @@ def prepare(device: torch.device) -> None:
     del device
     _wait_value32()
     _write_value32()
-
-
-def _driver_entry(name: str) -> Any:
-    try:
-        fn = getattr(ctypes.CDLL("libcuda.so.1"), name)
-    except (OSError, AttributeError) as exc:
-        raise TransferError(f"{name} unavailable: {exc}") from exc
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-@functools.lru_cache(maxsize=1)
-def _wait_value32() -> Any:
-    return _driver_entry("cuStreamWaitValue32_v2")
-
-
-@functools.lru_cache(maxsize=1)
-def _write_value32() -> Any:
-    return _driver_entry("cuStreamWriteValue32_v2")
 
 
 def wait_ready(stream: torch.cuda.Stream, signal: DeviceSignal) -> None:

@@ -1,0 +1,260 @@
+"""Pull mode, one held transfer served in pieces to several receivers (docs/decisions/087).
+
+P and D of different tensor-parallel sizes: in pull mode P holds each rank's whole layer (its
+registered paged cache, blocks pinned) without knowing D's size; every D rank that needs heads of it
+pulls its own *piece*: a :class:`~kvwire.transfer.messages.Pull` naming the held transfer, its own
+transfer id for the piece, the head range it owns and how many pieces the held transfer serves in
+all. Each piece becomes a *child* send (a normal :class:`~kvwire.transfer.sender.SendState` bound to
+that receiver: offer, credit, leases, acks as any send) whose layers are the held blocks narrowed to
+the piece's heads, so no receiver gets bytes it throws away.
+
+The held transfer (the *parent*) is reported to the caller once: finished when every one of its
+``pieces`` children was acknowledged; failed as soon as one child fails (the other children are
+then failed too, their receivers told), or when not every piece was pulled by the parent's lease.
+Once all pieces are pulled, the children's leases (renewed by their receivers) bound the wait.
+
+A release (``pieces == 0``) ends a held transfer nobody needs (a replica of KV heads another P rank
+serves) as finished at once. Every method runs with ``core.lock`` held (the sender's caller).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from kvwire.transfer.enums import FailReason, KVLayout
+from kvwire.transfer.lease import Lease
+from kvwire.transfer.messages import Pull
+from kvwire.transfer.paged import HEAD_DIM
+from kvwire.transfer.types import LayerSpec, TransferTiming
+
+if TYPE_CHECKING:
+    from kvwire.transfer.sender import Sender, SendState
+
+SIDE = "send"
+MISMATCH = FailReason.MISMATCH.value
+NOT_BLOCKS = f"{MISMATCH}: only a transfer of blocks can be pulled in pieces"
+MAX_WAITING_PULLS = 10_000
+
+
+@dataclasses.dataclass
+class Split:
+    """A held transfer's pieces (on the parent ``SendState``)."""
+
+    pieces: int  # how many pulls it serves in all (from its first pull)
+    children: set[str] = dataclasses.field(default_factory=set)  # started pieces' transfer ids
+    done: set[str] = dataclasses.field(default_factory=set)
+    num_bytes: int = 0
+    busy_s: float = 0.0
+    first_dispatch: float | None = None
+    waiting: list[Pull] = dataclasses.field(default_factory=list)  # came before any layer
+
+    @property
+    def all_pulled(self) -> bool:
+        return len(self.children) >= self.pieces
+
+
+class SplitPulls:
+    """The sender's piece pulls (see the module docstring)."""
+
+    def __init__(self, sender: Sender) -> None:
+        self.sender = sender
+        self.core = sender.core
+        self.early: dict[str, list[tuple[Pull, float]]] = {}  # held id -> pulls before start_send
+
+    # --- pulls -------------------------------------------------------------------------------------------
+
+    def on_pull(self, msg: Pull) -> None:
+        parent = self.sender.sends.get(msg.held)
+        if parent is None:
+            self._unheld(msg)
+            return
+        refusal = self._refusal(parent, msg)
+        if refusal is not None:
+            self._refuse(msg, refusal)
+            return
+        if msg.pieces == 0:
+            self._release(parent)
+            return
+        split = parent.split = parent.split or Split(msg.pieces)
+        if msg.pieces != split.pieces:
+            reason = f"{MISMATCH}: pulls disagree on the piece count ({split.pieces}, {msg.pieces})"
+            self._refuse(msg, reason)
+            self.sender.fail(parent.transfer_id, reason, notify=True)
+            return
+        if not parent.items:
+            split.waiting.append(msg)  # the layout is known from the first layer handed over
+            return
+        self._start_child(parent, split, msg)
+
+    def _refusal(self, parent: SendState, msg: Pull) -> str | None:
+        if parent.endpoint is not None or parent.parent is not None:
+            return "already pulled by another peer"
+        if parent.pull_by is not None and msg.src_endpoint not in parent.pull_by:
+            self.core.stats.add("offers_refused")
+            self.core.refusals.refused("wrong_peer", f"pull of {msg.held} from {msg.src_endpoint}")
+            return "not this transfer's peer"
+        if parent.with_trailer:
+            return f"{MISMATCH}: a transfer with a trailer cannot be pulled in pieces"
+        split = parent.split
+        if split is not None and msg.pieces and split.all_pulled:
+            return "every piece was pulled already"
+        if split is not None and split.children and msg.pieces == 0:
+            return f"{MISMATCH}: released after pieces were pulled"
+        taken = msg.transfer_id in self.sender.sends or self.core.tombstones.get(SIDE, msg.transfer_id)
+        if msg.pieces and (taken or msg.transfer_id == msg.held):
+            return "piece transfer id already in use"
+        return None
+
+    def _refuse(self, msg: Pull, reason: str) -> None:
+        if msg.pieces:  # a release has no transfer on the puller's side
+            self.core.send_abort(msg.src_endpoint, msg.transfer_id, reason, msg.src_id)
+
+    def _unheld(self, msg: Pull) -> None:
+        ended = self.core.tombstones.get(SIDE, msg.held)
+        if ended is not None:
+            self._refuse(msg, ended if ended != "done" else "already pulled by another peer")
+            return
+        if sum(len(v) for v in self.early.values()) >= MAX_WAITING_PULLS:
+            self._refuse(msg, "too many pending pulls")
+            return
+        # the pull overtook start_send: hold it until the puller's deadline
+        self.early.setdefault(msg.held, []).append((msg, self.core.now() + msg.deadline_s))
+
+    def started(self, parent: SendState) -> None:
+        """``start_send`` of a held transfer: serve the piece pulls that came before it."""
+        for msg, _ in self.early.pop(parent.transfer_id, []):
+            self.on_pull(msg)
+
+    def _release(self, parent: SendState) -> None:
+        """Nobody needs this held transfer: it ends as finished (its blocks can be freed)."""
+        del self.sender.sends[parent.transfer_id]
+        self.core.events.sent(parent.transfer_id, None)
+        self.core.stats.add("sends_completed")
+        self.core.tombstones.add(SIDE, parent.transfer_id, "done")
+
+    # --- children ----------------------------------------------------------------------------------------
+
+    def _start_child(self, parent: SendState, split: Split, msg: Pull) -> None:
+        from kvwire.transfer.sender import SendState, _Blocks
+
+        first = next(iter(parent.items.values()))
+        if not isinstance(first, _Blocks) or not all(isinstance(i, _Blocks) for i in parent.items.values()):
+            self._refuse(msg, NOT_BLOCKS)
+            return
+        layout = first.paged.layout
+        heads = range(msg.heads[0], msg.heads[1]) if msg.heads else None
+        layers = _narrowed(parent.layers, layout, heads)
+        if layers is None:
+            self._refuse(msg, f"{MISMATCH}: heads {msg.heads} not held ({layout.value})")
+            return
+        now = self.core.now()
+        lease_s = min(msg.deadline_s, parent.lease.lease_s)
+        lease = Lease.start(now, lease_s, max(parent.lease.limit - now, 0.0))
+        child = SendState(
+            msg.transfer_id, layers, lease, False, msg.src_endpoint, parent=parent.transfer_id,
+            heads=heads, last_progress=now,
+        )  # fmt: skip
+        split.children.add(child.transfer_id)
+        self.sender.sends[child.transfer_id] = child
+        self.core.stats.add("sends_started")
+        self._copy_layers(parent, child)
+        self.sender.offer(child)
+
+    def layer_added(self, parent: SendState) -> None:
+        """A layer of a held transfer was handed over: its pieces get it too; pulls that waited for
+        the first layer start now."""
+        split = parent.split
+        if split is None:
+            return
+        for child_id in list(split.children):
+            child = self.sender.sends.get(child_id)
+            if child is not None:
+                self._copy_layers(parent, child)
+            if child_id in self.sender.sends:  # (copying fails the held transfer if it cannot be split)
+                self.sender.dispatch(self.sender.sends[child_id])
+        waiting, split.waiting = split.waiting, []
+        for msg in waiting:
+            if parent.transfer_id in self.sender.sends:
+                self._start_child(parent, split, msg)
+
+    def _copy_layers(self, parent: SendState, child: SendState) -> None:
+        from kvwire.transfer.sender import _Blocks
+
+        for index, item in parent.items.items():
+            if index in child.items:
+                continue
+            if not isinstance(item, _Blocks):
+                reason = NOT_BLOCKS
+                self.sender.fail(parent.transfer_id, reason, notify=True)
+                return
+            child.items[index] = _Blocks(item.paged.heads(child.heads), item.block_ids, item.ready_event)
+            child.last_progress = self.core.now()
+
+    def child_done(self, child: SendState, timing: TransferTiming | None) -> None:
+        parent = self.sender.sends.get(child.parent or "")
+        split = parent.split if parent is not None else None
+        if parent is None or split is None:
+            return
+        split.done.add(child.transfer_id)
+        if timing is not None:
+            split.num_bytes += timing.num_bytes
+            split.busy_s += timing.busy_seconds or 0.0
+        if child.first_dispatch is not None:
+            split.first_dispatch = min(split.first_dispatch or child.first_dispatch, child.first_dispatch)
+        if len(split.done) < split.pieces:
+            return
+        del self.sender.sends[parent.transfer_id]
+        total = None
+        if split.first_dispatch is not None:
+            total = TransferTiming(split.num_bytes, self.core.now() - split.first_dispatch, split.busy_s)
+        self.core.events.sent(parent.transfer_id, total)
+        self.core.stats.add("sends_completed")
+        self.core.tombstones.add(SIDE, parent.transfer_id, "done")
+
+    def child_failed(self, child: SendState, reason: str) -> None:
+        """One piece failed: the held transfer fails (its other pieces with it)."""
+        self.sender.fail(child.parent or "", f"{reason} (piece {child.transfer_id})", notify=False)
+
+    def parent_failed(self, parent: SendState, reason: str) -> None:
+        """The held transfer ended failed: every piece still in flight ends, its receiver told."""
+        if parent.split is None:
+            return
+        for child_id in sorted(parent.split.children - parent.split.done):
+            self.sender.fail(child_id, reason, notify=True)
+
+    # --- time --------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def keeps_lease(parent: SendState) -> bool:
+        """A held transfer whose every piece was pulled no longer expires itself: its pieces'
+        leases (renewed by their receivers) bound it."""
+        return parent.split is not None and parent.split.all_pulled
+
+    def expire(self, now: float) -> None:
+        for held in list(self.early):
+            kept = [(msg, until) for msg, until in self.early[held] if until > now]
+            for msg, until in self.early[held]:
+                if until <= now:
+                    self._refuse(msg, FailReason.UNKNOWN.value)
+            if kept:
+                self.early[held] = kept
+            else:
+                del self.early[held]
+
+
+def _narrowed(layers: list[LayerSpec], layout: KVLayout, heads: range | None) -> list[LayerSpec] | None:
+    """The held layers' payload restricted to ``heads`` (None when it has no such heads)."""
+    if heads is None:
+        return list(layers)
+    dim = HEAD_DIM.get(layout)
+    if dim is None:
+        return None
+    out = []
+    for spec in layers:
+        if len(spec.shape) <= dim or heads.stop > spec.shape[dim]:
+            return None
+        shape = list(spec.shape)
+        shape[dim] = len(heads)
+        out.append(LayerSpec(tuple(shape), spec.dtype))
+    return out
