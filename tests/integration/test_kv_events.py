@@ -44,3 +44,37 @@ def test_events_reach_the_index_and_leave_with_the_instance() -> None:
         assert poll(lambda: registry.get("d0") is None)
         assert index.num_blocks("d0") == 0
         listener.close()
+
+
+def test_a_burst_of_heartbeats_lands_in_batches_in_arrival_order() -> None:
+    """The listener applies what queued up in batches (one registry update each): every instance of a
+    burst registers, counted once, and a later (stale-seq) heartbeat of one instance never undoes an
+    earlier one in the same burst."""
+    import zmq
+
+    from kvwire.discovery.messages import Heartbeat, InstanceLoad, encode_frames
+
+    registry = Registry(ttl_s=30.0)
+    listener = DiscoveryListener(registry, "127.0.0.1", 0)
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(listener.address)
+    infos = [
+        InstanceInfo(instance_id=f"p{i}", role=Role.PREFILL, url=f"http://127.0.0.1:{i + 1}", model="m")
+        for i in range(150)
+    ]
+    try:
+        for seq in (2, 1):  # seq 2 first, then a stale seq 1 of each: the registry keeps seq 2's load
+            for info in infos:
+                hb = Heartbeat(info=info, load=InstanceLoad(num_running=seq), seq=seq, sent_at=time.time())
+                push.send_multipart(encode_frames(hb))
+        listener.start()  # everything is queued before the thread's first drain
+        assert poll(lambda: sum(listener.received.values()) == 300)
+        assert listener.received["registered"] == 150 and listener.received["stale"] == 150
+        assert len(registry.live(Role.PREFILL)) == 150
+        assert all(v.load.num_running == 2 for v in registry.live(Role.PREFILL))
+    finally:
+        push.close()
+        ctx.term()
+        listener.close()
