@@ -235,6 +235,22 @@ def step_until_lost(e: LLMEngine, others: list[LLMEngine], timeout_s: float) -> 
     raise AssertionError(f"the lost rank was not noticed within {timeout_s} s")
 
 
+def _decode_expects(p: LLMEngine, d: LLMEngine) -> str:
+    """D takes a request for prompt 3 whose KV comes from P, and steps once so that every D rank
+    expects it; the transfer id."""
+    tid = uuid.uuid4().hex
+    d.add_request("r0", prompts()[3], GREEDY, KVTransferParams(
+        transfer_id=tid, role=Role.DECODE, peer_endpoints=endpoints(p)).to_dict())  # fmt: skip
+    d.step()
+    return tid
+
+
+def _prefill_sends(p: LLMEngine, d: LLMEngine, tid: str) -> None:
+    """P takes the same prompt, to send its KV to D as ``tid``."""
+    p.add_request("p0", prompts()[3], FIRST, KVTransferParams(
+        transfer_id=tid, role=Role.PREFILL, peer_endpoints=endpoints(d)).to_dict())  # fmt: skip
+
+
 def test_a_killed_decode_rank_ends_the_engine_and_frees_everywhere() -> None:
     """D (TP 2) loses rank 1 while P sends it the KV: D's engine ends (RankLost naming the rank),
     holding nothing; P's piece to the dead rank fails at its lease (nothing renews it), which ends
@@ -243,14 +259,9 @@ def test_a_killed_decode_rank_ends_the_engine_and_frees_everywhere() -> None:
     d = engine("tiny", 2, Role.DECODE, deadline_s=4.0)
     try:
         assert isinstance(d.runner, TPRunner)
-        prompt = prompts()[3]
-        tid = uuid.uuid4().hex
-        d.add_request("r0", prompt, GREEDY, KVTransferParams(
-            transfer_id=tid, role=Role.DECODE, peer_endpoints=endpoints(p)).to_dict())  # fmt: skip
-        d.step()  # D expects the transfer on both ranks
+        tid = _decode_expects(p, d)  # on both ranks
         assert d.stats().kv_blocks_in_use > 0
-        p.add_request("p0", prompt, FIRST, KVTransferParams(
-            transfer_id=tid, role=Role.PREFILL, peer_endpoints=endpoints(d)).to_dict())  # fmt: skip
+        _prefill_sends(p, d, tid)
         os.kill(d.runner.leader.workers.pids[0], signal.SIGKILL)
         start = time.monotonic()
         run([p], {}, until=lambda: p.stats().num_delayed_free_requests == 1)  # prefilled, sending
@@ -277,15 +288,10 @@ def test_p_frees_at_once_when_a_decode_rank_dies_after_its_sibling_piece_complet
     d = engine("tiny", 2, Role.DECODE, deadline_s=20.0)
     try:
         assert isinstance(d.runner, TPRunner)
-        prompt = prompts()[3]
-        tid = uuid.uuid4().hex
-        d.add_request("r0", prompt, GREEDY, KVTransferParams(
-            transfer_id=tid, role=Role.DECODE, peer_endpoints=endpoints(p)).to_dict())  # fmt: skip
-        d.step()  # both D ranks expect their piece
+        tid = _decode_expects(p, d)  # both D ranks expect their piece
         rank1 = d.runner.leader.workers.pids[0]
         os.kill(rank1, signal.SIGSTOP)
-        p.add_request("p0", prompt, FIRST, KVTransferParams(
-            transfer_id=tid, role=Role.PREFILL, peer_endpoints=endpoints(d)).to_dict())  # fmt: skip
+        _prefill_sends(p, d, tid)
         pieces = p.worker_connector._send_pieces  # type: ignore[attr-defined]
         run([p], {}, until=lambda: pieces.pieces(tid) == {f"{tid}~p0d1"})  # rank 0's piece is done
         assert p.stats().kv_blocks_in_use > 0
