@@ -215,6 +215,21 @@ def test_kv_aware_on_decode_prefers_the_longest_prefix() -> None:
     assert kv_aware(overloaded, d).instance_id == "a"
 
 
+def test_kv_aware_floor_values_a_prefix_the_others_can_get_from_prefill() -> None:
+    d = ctx(Role.DECODE, prompt=544)
+    holder_busy = Candidate("a", "u", cached_tokens=512, inflight_requests=1, inflight_tokens=560)
+    idle = Candidate("b", "u")
+    assert kv_aware([holder_busy, idle], d).instance_id == "a"  # no floor: the cache wins
+    d.floor_tokens = 512 - 256  # P holds the prefix: b gets it through P, less the hand-over
+    assert kv_aware([holder_busy, idle], d).instance_id == "a"  # one request in flight: stay
+    holder_busier = Candidate("a", "u", cached_tokens=512, inflight_requests=2, inflight_tokens=1120)
+    assert kv_aware([holder_busier, idle], d).instance_id == "b"
+    d.floor_tokens = 0
+    assert kv_aware([holder_busier, idle], d).instance_id == "a"  # without the floor it would stay
+    holder_idle = Candidate("a", "u", cached_tokens=512)
+    assert kv_aware([holder_idle, idle], d).instance_id == "a"  # idle: skipping P beats P's path
+
+
 # --- router tokenizer ---------------------------------------------------------------------------------
 
 
@@ -262,6 +277,18 @@ def test_plan_partial_transfer_when_decode_holds_a_prefix() -> None:
     assert plan.decode.view.instance_id == "d0" and plan.prefill is not None
     assert plan.prefill.view.instance_id == "p1" and plan.prefill.cached_tokens == 240
     assert plan.skip_blocks == 25 and plan.partial
+
+
+def test_plan_spreads_a_shared_prefix_to_an_idle_decode_through_prefill() -> None:
+    """Both P hold a system prompt, one D too: that D skips P while idle; while it is busy the other
+    D is picked (through P, which holds the prefix), so that D learns it as well (decision 101)."""
+    selector, prefix = planner({"p0": [0, 100], "p1": [0, 100], "d1": [0, 100]})
+    plan = plan_push(selector, "m", prefix, decode_local_prefill_tokens=256)
+    assert plan.decode.view.instance_id == "d1" and plan.prefill is None
+    with selector.track("d1", 416), selector.track("d1", 416):
+        plan = plan_push(selector, "m", prefix, decode_local_prefill_tokens=256)
+    assert plan.decode.view.instance_id == "d0" and plan.prefill is not None
+    assert plan.prefill.cached_tokens == 400 and plan.skip_blocks == 0
 
 
 def test_plan_without_prefix_or_cache_is_a_plain_pair() -> None:
