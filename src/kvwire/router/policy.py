@@ -47,6 +47,9 @@ class PickContext:
     # kv_aware: prompt tokens every candidate gets without holding them itself (for D: what the best
     # prefill instance holds, less the hand-over; decision 101); a candidate's cache term is at least this
     floor_tokens: int = 0
+    # kv_aware: ties broken so far (the next tie goes to the next tied candidate); advanced by the
+    # policy, like ``rng``, because only picks that tie may advance it (decision 101)
+    ties: int = 0
 
 
 PolicyFn = Callable[[Sequence[Candidate], PickContext], Candidate]
@@ -127,13 +130,19 @@ def kv_aware_score(c: Candidate, ctx: PickContext, w: KvAwareWeights = KV_AWARE_
 
 
 def kv_aware(candidates: Sequence[Candidate], ctx: PickContext) -> Candidate:
-    """The candidate with the best :func:`kv_aware_score`; ties take turns (``ctx.turn``), like
-    :func:`least_loaded`'s: a random tie-break sent two requests in a row to one of two idle
-    instances half the time, which cost TTFT against round robin on random prompts (decision 048)."""
+    """The candidate with the best :func:`kv_aware_score`; ties take turns (``ctx.ties``, which only
+    ties advance). A random tie-break sent two requests in a row to one of two idle instances half
+    the time, which cost TTFT against round robin on random prompts (decision 048). The per-pick
+    turn did not do either: a 4-turn conversation is four picks, three of them won by its D, so every
+    conversation's first turn met the same parity and landed on the same D (decision 101)."""
     scores = [kv_aware_score(c, ctx) for c in candidates]
     best = max(scores)
     tied = [c for c, s in zip(candidates, scores, strict=True) if s == best]
-    return tied[ctx.turn % len(tied)]
+    if len(tied) == 1:
+        return tied[0]
+    chosen = tied[ctx.ties % len(tied)]
+    ctx.ties += 1
+    return chosen
 
 
 POLICIES: dict[Policy, PolicyFn] = {

@@ -200,6 +200,19 @@ def test_kv_aware_ties_take_turns() -> None:
         picks.append(kv_aware(cands, c).instance_id)
         c.turn += 1  # as the selector does after each pick
     assert picks == ["i0", "i1", "i2", "i3"] * 2
+    # picks without a tie (a conversation's later turns, won by its D) do not move the tie turn:
+    # two idle instances still alternate between conversations of any length
+    two = [Candidate("a", "u"), Candidate("b", "u")]
+    holder_wins = [Candidate("a", "u"), Candidate("b", "u", cached_tokens=400)]
+    c = ctx(Role.DECODE)
+    firsts = []
+    for _conversation in range(4):
+        firsts.append(kv_aware(two, c).instance_id)
+        c.turn += 1
+        for _later_turn in range(3):
+            assert kv_aware(holder_wins, c).instance_id == "b"
+            c.turn += 1
+    assert firsts == ["a", "b", "a", "b"]
     cands[2] = Candidate("i2", "u", cached_tokens=65)  # no tie: the best wins on every turn
     turns = [PickContext(turn=t, rng=random.Random(0)) for t in range(4)]
     assert {kv_aware(cands, t).instance_id for t in turns} == {"i2"}
