@@ -77,4 +77,34 @@ def test_a_burst_of_heartbeats_lands_in_batches_in_arrival_order() -> None:
     finally:
         push.close()
         ctx.term()
+
+
+def test_a_restarted_router_gets_a_full_snapshot() -> None:
+    """The router's index lives in memory: a router started after the instance (or restarted at the
+    same address) learns every cached block from the snapshot the new connection triggers."""
+    index = KvIndex()
+    registry = Registry(ttl_s=30.0, on_remove=index.drop)
+    listener = DiscoveryListener(registry, "127.0.0.1", 0, kv_index=index).start()
+    port = listener.port
+    log = KvEventLog(16)
+    info = InstanceInfo(instance_id="d0", role=Role.DECODE, url="http://127.0.0.1:1", model="m")
+    client = HeartbeatClient(listener.address, info, interval_s=10.0, kv_events=log,
+                             kv_events_interval_s=0.01).start()
+    restarted = None
+    try:
+        log.stored(range(1, 5001))
+        assert poll(lambda: index.num_blocks("d0") == 5000)
+        listener.close()  # the router goes away with its index
+        log.removed(range(1, 11))  # changes while no router listens
+        index2 = KvIndex()
+        registry2 = Registry(ttl_s=30.0, on_remove=index2.drop)
+        restarted = DiscoveryListener(registry2, "127.0.0.1", port, kv_index=index2).start()
+        # registered at once (not after the 10 s heartbeat interval), the whole cache re-sent
+        assert poll(lambda: registry2.get("d0") is not None and index2.num_blocks("d0") == 4990)
+        assert index2.match(["d0"], lambda _bs: list(range(11, 21))) == {"d0": 10}
+        assert client.connections >= 2
+    finally:
+        client.close()
+        if restarted is not None:
+            restarted.close()
         listener.close()

@@ -65,3 +65,23 @@ def test_conversation_skips_prefill_then_sends_a_partial_transfer(tmp_path: Path
                 assert ref.ok and ref.token_ids == expected
         finally:
             server.stop()
+
+
+def test_a_restarted_router_rebuilds_its_index_from_the_instances(tmp_path: Path) -> None:
+    """The router restarts (empty index); the instances' snapshots rebuild it, and a repeat prompt
+    is routed by it again: D alone (P skipped), with D's cached blocks back in ``/instances``."""
+    spec = ClusterSpec(num_prefill=1, num_decode=1, heartbeat_interval_s=0.5, kv_deadline_s=10.0,
+                       router_args=("--policy", "kv_aware"))
+    with running_cluster(spec, tmp_path / "cluster.log") as cluster:
+        url = cluster.router_url
+        prompt = tokens(200, 3)
+        (first,) = send_all(url, [body(prompt, stream=False, max_tokens=MAX_TOKENS)])
+        assert first.ok, first.error
+        held = (len(prompt) + MAX_TOKENS) // BLOCK - 1  # D caches the prompt and most of its answer
+        wait_for(lambda: d_cached_blocks(url) >= held, 10.0, "D's KV events at the router")
+        cluster.restart_router()
+        wait_for(lambda: d_cached_blocks(url) >= held, 10.0, "D's KV snapshot at the new router")
+        assert metric(url, "kvwire_router_skipped_prefills_total") == 0
+        (again,) = send_all(url, [body(prompt, stream=False, max_tokens=MAX_TOKENS)])
+        assert again.ok and again.token_ids == first.token_ids
+        assert metric(url, "kvwire_router_skipped_prefills_total") == 1  # routed by the rebuilt index

@@ -144,6 +144,7 @@ class LocalCluster:
         self.etcd: Any = None  # kvwire.cluster.etcd.LocalEtcd when spec.discovery == "etcd"
         self._stopped = False
         self._restarts: dict[str, int] = {}  # instance name -> restarts after a lost rank
+        self._router_argv: list[str] = []
         self.api_key = spec.api_key or os.environ.get("KVWIRE_API_KEY") or None
 
     # --- start ----------------------------------------------------------------------------------
@@ -194,7 +195,19 @@ class LocalCluster:
             *spec.router_args,
         )
         env = self._env(KVWIRE_INSTANCE_API_KEY=self.api_key)
+        self._router_argv = argv
         self.router = ManagedProcess("router", argv, sink=self._sink, sink_lock=self._sink_lock, env=env)
+
+    def restart_router(self) -> None:
+        """Stop the router and start a new one on the same HTTP and discovery ports (its state, the
+        KV index included, starts empty); returns once every running instance is registered again."""
+        if self.router is None:
+            raise ClusterError("the router was never started")
+        self.router.stop(self.spec.stop_grace_s)
+        env = self._env(KVWIRE_INSTANCE_API_KEY=self.api_key)
+        self.router = ManagedProcess("router", self._router_argv, sink=self._sink, sink_lock=self._sink_lock,
+                                     env=env)
+        self.wait_ready()
 
     def _env(self, **extra: str | None) -> dict[str, str] | None:
         """The children's environment: ours plus the spec's credentials (None: ours unchanged)."""

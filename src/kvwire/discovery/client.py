@@ -15,6 +15,11 @@ Contract:
   ``MAX_EVENT_BATCHES_PER_TICK`` per tick: a bounded rate). A batch that cannot be queued makes the
   log resync (the next batches say ``cleared`` and carry the whole cache), so a lost batch leaves
   the router's index stale for one tick, not forever.
+* A new discovery connection (a router started after this instance, or restarted: ZeroMQ
+  reconnects by itself) makes the thread send a heartbeat at once and resync the log, so the
+  router's index is rebuilt from a full snapshot of this instance's cache (sent in the same bounded
+  batches, the first one ``cleared``: it replaces whatever the router held for this instance).
+  Counted in ``connections``.
 * :meth:`close` (idempotent; also the context-manager exit) stops the thread, sends a
   :class:`Deregister` so the router drops this instance at once, and waits at most ``linger_s`` for
   it to leave.
@@ -31,6 +36,7 @@ from collections.abc import Callable
 from types import TracebackType
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvwire.discovery.messages import (
     Deregister,
@@ -115,6 +121,7 @@ class HeartbeatClient:
         self._seq = 0
         self.sent = 0  # messages handed to ZeroMQ
         self.dropped = 0  # messages dropped because the queue to the router was full
+        self.connections = 0  # discovery connections established (each triggers a KV snapshot)
 
     def start(self) -> HeartbeatClient:
         if self._thread is not None:
@@ -151,17 +158,21 @@ class HeartbeatClient:
     def _run(self) -> None:
         ctx = zmq.Context()
         socks = []  # one PUSH per router: a PUSH connected to several peers would round-robin
+        monitors: list[zmq.Socket] = []  # each socket's connections (a router (re)started)
         try:
             for address in self.routers:
                 sock = ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.SNDHWM, 4 if self._kv_events is None else 16)
                 sock.setsockopt(zmq.LINGER, int(self._linger_s * 1000))
                 socks.append(sock)
+                monitors.append(sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))
                 sock.connect(address)
             if self._wait_for_http and not self._await_http():
                 return  # closed before the server answered: never registered, nothing to deregister
             next_beat = 0.0
             while not self._stop.is_set():
+                if self._new_connections(monitors):
+                    next_beat = 0.0  # a (re)started router: register at once, then the snapshot
                 now = time.monotonic()
                 if now >= next_beat or self._wake.is_set():
                     self._wake.clear()
@@ -176,9 +187,30 @@ class HeartbeatClient:
         except Exception:  # the thread must never die silently
             log.exception("heartbeat thread of %s failed", self.info.instance_id)
         finally:
+            for sock, monitor in zip(socks, monitors, strict=False):
+                sock.disable_monitor()
+                monitor.close(linger=0)
             for sock in socks:
                 sock.close()  # waits up to LINGER for the deregistration to leave
             ctx.term()
+
+    def _new_connections(self, monitors: list[zmq.Socket]) -> bool:
+        """True when a discovery connection was (re)established since the last call; then the KV
+        log resyncs: its next batches carry a full snapshot, the first one ``cleared``."""
+        connected = 0
+        for monitor in monitors:
+            while True:
+                try:
+                    recv_monitor_message(monitor, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                connected += 1
+        if not connected:
+            return False
+        self.connections += connected
+        if self._kv_events is not None:
+            self._kv_events.resync()
+        return True
 
     def _send_all(self, socks: list[zmq.Socket], msg: DiscoveryMessage) -> None:
         for sock in socks:

@@ -57,10 +57,13 @@ def plan_push(
     selector: Selector, model: str | None, prefix: Prefix | None, decode_local_prefill_tokens: int
 ) -> PushPlan:
     """Pick D, then P (or no P); see the module docstring."""
-    d = selector.pick_for(Role.DECODE, model, prefix)
-    model = model or d.view.info.model  # P must serve the model D serves
     if prefix is None:
-        return PushPlan(d, selector.pick_for(Role.PREFILL, model))
+        d = selector.pick_for(Role.DECODE, model)
+        return PushPlan(d, selector.pick_for(Role.PREFILL, model or d.view.info.model))
+    # A D without the prefix still gets what the best P holds, less the hand-over (decision 101).
+    via_p = selector.best_cached(Role.PREFILL, model, prefix) - selector.weights.handover_tokens
+    d = selector.pick_for(Role.DECODE, model, prefix, floor_tokens=max(0, int(via_p)))
+    model = model or d.view.info.model  # P must serve the model D serves
     n = len(prefix.token_ids)
     if d.cached_tokens > 0 and n - d.cached_tokens < decode_local_prefill_tokens:
         return PushPlan(d, None)

@@ -44,6 +44,12 @@ class PickContext:
     rng: random.Random
     role: Role = Role.BOTH  # the role being picked
     prompt_tokens: int = 0  # the request's prompt length (tokenized), 0 when unknown
+    # kv_aware: prompt tokens every candidate gets without holding them itself (for D: what the best
+    # prefill instance holds, less the hand-over; decision 101); a candidate's cache term is at least this
+    floor_tokens: int = 0
+    # kv_aware: ties broken so far (the next tie goes to the next tied candidate); advanced by the
+    # policy, like ``rng``, because only picks that tie may advance it (decision 101)
+    ties: int = 0
 
 
 PolicyFn = Callable[[Sequence[Candidate], PickContext], Candidate]
@@ -92,6 +98,11 @@ class KvAwareWeights:
     request_tokens: float = 32.0  # per request running or waiting (P: a prefill's fixed cost)
     decode_request_tokens: float = 64.0  # per request on D (one more sequence in every decode step)
     kv_full_tokens: float = 256.0  # an instance whose KV cache is full, scaled by the fraction used
+    # D: what going through P (P call, transfer, hand-over) costs over D prefilling from its own
+    # cache; a D lacking a prefix that a P holds scores that prefix less this (decision 101). 256:
+    # a D holding a shared prompt keeps it while it runs at most one other request (its load term
+    # is then ~200 tokens), and a conversation keeps its D unless that D is far busier.
+    handover_tokens: float = 256.0
 
 
 KV_AWARE_WEIGHTS = KvAwareWeights()
@@ -99,6 +110,10 @@ KV_AWARE_WEIGHTS = KvAwareWeights()
 
 def kv_aware_score(c: Candidate, ctx: PickContext, w: KvAwareWeights = KV_AWARE_WEIGHTS) -> float:
     """Cached prefix tokens minus load. Larger is better.
+
+    The cache term is at least ``ctx.floor_tokens``: on D, a prefix that some P holds is worth to a
+    D lacking it what P's path saves (P's cached tokens less the hand-over), so a D holding a shared
+    prefix wins only while it is not busier than that difference (decision 101).
 
     Load: the tokens this router has in flight there (P: prompt tokens still to compute; D: prompt
     plus new tokens), the requests it has in flight there, and how full the instance reported its KV
@@ -109,18 +124,25 @@ def kv_aware_score(c: Candidate, ctx: PickContext, w: KvAwareWeights = KV_AWARE_
     kv_used = c.key[2]  # the fraction of KV blocks in use, as load_key has it
     per_request = w.decode_request_tokens if ctx.role is Role.DECODE else w.request_tokens
     tokens_weight = 0.25 if ctx.role is Role.DECODE else 1.0  # D: new tokens are cheap per token
-    return (c.cached_tokens - tokens_weight * c.inflight_tokens - per_request * c.inflight_requests
+    cached = max(c.cached_tokens, ctx.floor_tokens)
+    return (cached - tokens_weight * c.inflight_tokens - per_request * c.inflight_requests
             - w.kv_full_tokens * kv_used)
 
 
 def kv_aware(candidates: Sequence[Candidate], ctx: PickContext) -> Candidate:
-    """The candidate with the best :func:`kv_aware_score`; ties take turns (``ctx.turn``), like
-    :func:`least_loaded`'s: a random tie-break sent two requests in a row to one of two idle
-    instances half the time, which cost TTFT against round robin on random prompts (decision 048)."""
+    """The candidate with the best :func:`kv_aware_score`; ties take turns (``ctx.ties``, which only
+    ties advance). A random tie-break sent two requests in a row to one of two idle instances half
+    the time, which cost TTFT against round robin on random prompts (decision 048). The per-pick
+    turn did not do either: a 4-turn conversation is four picks, three of them won by its D, so every
+    conversation's first turn met the same parity and landed on the same D (decision 101)."""
     scores = [kv_aware_score(c, ctx) for c in candidates]
     best = max(scores)
     tied = [c for c, s in zip(candidates, scores, strict=True) if s == best]
-    return tied[ctx.turn % len(tied)]
+    if len(tied) == 1:
+        return tied[0]
+    chosen = tied[ctx.ties % len(tied)]
+    ctx.ties += 1
+    return chosen
 
 
 POLICIES: dict[Policy, PolicyFn] = {

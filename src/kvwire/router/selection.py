@@ -17,7 +17,7 @@ from kvwire.kv_hash import BlockHash, block_hashes
 from kvwire.kv_params import Role
 from kvwire.router.config import Policy
 from kvwire.router.kv_index import KvIndex
-from kvwire.router.policy import POLICIES, Candidate, PickContext
+from kvwire.router.policy import KV_AWARE_WEIGHTS, POLICIES, Candidate, KvAwareWeights, PickContext
 from kvwire.router.registry import InstanceView, Registry
 
 
@@ -105,6 +105,7 @@ class Selector:
     ) -> None:
         self._registry = registry
         self._policy = POLICIES[policy]
+        self.weights: KvAwareWeights = KV_AWARE_WEIGHTS
         self.kv_aware = policy is Policy.KV_AWARE
         self.kv_index = kv_index if kv_index is not None else KvIndex()
         # round_robin needs every live instance (its turn walks them); the others can sample
@@ -153,9 +154,12 @@ class Selector:
         """Pick a live instance of ``role`` by the policy; P and D keep separate turns."""
         return self.pick_for(role, model).view
 
-    def pick_for(self, role: Role, model: str | None, prefix: Prefix | None = None) -> Picked:
+    def pick_for(
+        self, role: Role, model: str | None, prefix: Prefix | None = None, floor_tokens: int = 0
+    ) -> Picked:
         """Pick as :meth:`pick`; with ``prefix`` (KV-aware routing) the candidates carry the prompt
-        tokens each holds (KV index) and the pick records its expected hit for ``/instances``."""
+        tokens each holds (KV index) and the pick records its expected hit for ``/instances``.
+        ``floor_tokens``: see :attr:`PickContext.floor_tokens` (kv_aware)."""
         views = self._live(role, model)
         if not views:
             raise NoInstanceError(f"no live {role.value} instance")
@@ -169,6 +173,7 @@ class Selector:
         else:  # round_robin reads one candidate: build only that one
             candidates = _Lazy(views, lambda v: self._candidate(v, cached, prefix))
         ctx.prompt_tokens = 0 if prefix is None else len(prefix.token_ids)
+        ctx.floor_tokens = floor_tokens
         chosen = self._policy(candidates, ctx)
         ctx.turn += 1
         view = _view_of(chosen, views, candidates)
@@ -178,6 +183,20 @@ class Selector:
         hits[0] += chosen.cached_tokens
         hits[1] += len(prefix.token_ids)
         return Picked(view, chosen.cached_tokens, self.kv_index.block_size(view.instance_id) or 0)
+
+    def best_cached(self, role: Role, model: str | None, prefix: Prefix) -> int:
+        """The most leading prompt tokens any live ``role`` instance holds (KV index); 0 if none.
+        O(instances holding the prompt's first block)."""
+        best = 0
+        holders = self.kv_index.holders(prefix.hashes)
+        if not holders:
+            return 0
+        live = [i for i in holders if (v := self._registry.get(i)) is not None and v.alive
+                and v.role is role and model in (None, v.info.model)]
+        for ident, num_blocks in self.kv_index.match(live, prefix.hashes).items():
+            block_size = self.kv_index.block_size(ident) or 0
+            best = max(best, min(num_blocks * block_size, len(prefix.token_ids)))
+        return best
 
     def _sample(
         self, views: Sequence[InstanceView], role: Role, model: str | None, prefix: Prefix | None

@@ -200,6 +200,19 @@ def test_kv_aware_ties_take_turns() -> None:
         picks.append(kv_aware(cands, c).instance_id)
         c.turn += 1  # as the selector does after each pick
     assert picks == ["i0", "i1", "i2", "i3"] * 2
+    # picks without a tie (a conversation's later turns, won by its D) do not move the tie turn:
+    # two idle instances still alternate between conversations of any length
+    two = [Candidate("a", "u"), Candidate("b", "u")]
+    holder_wins = [Candidate("a", "u"), Candidate("b", "u", cached_tokens=400)]
+    c = ctx(Role.DECODE)
+    firsts = []
+    for _conversation in range(4):
+        firsts.append(kv_aware(two, c).instance_id)
+        c.turn += 1
+        for _later_turn in range(3):
+            assert kv_aware(holder_wins, c).instance_id == "b"
+            c.turn += 1
+    assert firsts == ["a", "b", "a", "b"]
     cands[2] = Candidate("i2", "u", cached_tokens=65)  # no tie: the best wins on every turn
     turns = [PickContext(turn=t, rng=random.Random(0)) for t in range(4)]
     assert {kv_aware(cands, t).instance_id for t in turns} == {"i2"}
@@ -213,6 +226,21 @@ def test_kv_aware_on_decode_prefers_the_longest_prefix() -> None:
     overloaded = [Candidate("a", "u", cached_tokens=100), Candidate("b", "u", cached_tokens=700,
                                                                      inflight_requests=40)]
     assert kv_aware(overloaded, d).instance_id == "a"
+
+
+def test_kv_aware_floor_values_a_prefix_the_others_can_get_from_prefill() -> None:
+    d = ctx(Role.DECODE, prompt=544)
+    holder_busy = Candidate("a", "u", cached_tokens=512, inflight_requests=1, inflight_tokens=560)
+    idle = Candidate("b", "u")
+    assert kv_aware([holder_busy, idle], d).instance_id == "a"  # no floor: the cache wins
+    d.floor_tokens = 512 - 256  # P holds the prefix: b gets it through P, less the hand-over
+    assert kv_aware([holder_busy, idle], d).instance_id == "a"  # one request in flight: stay
+    holder_busier = Candidate("a", "u", cached_tokens=512, inflight_requests=2, inflight_tokens=1120)
+    assert kv_aware([holder_busier, idle], d).instance_id == "b"
+    d.floor_tokens = 0
+    assert kv_aware([holder_busier, idle], d).instance_id == "a"  # without the floor it would stay
+    holder_idle = Candidate("a", "u", cached_tokens=512)
+    assert kv_aware([holder_idle, idle], d).instance_id == "a"  # idle: skipping P beats P's path
 
 
 # --- router tokenizer ---------------------------------------------------------------------------------
@@ -262,6 +290,18 @@ def test_plan_partial_transfer_when_decode_holds_a_prefix() -> None:
     assert plan.decode.view.instance_id == "d0" and plan.prefill is not None
     assert plan.prefill.view.instance_id == "p1" and plan.prefill.cached_tokens == 240
     assert plan.skip_blocks == 25 and plan.partial
+
+
+def test_plan_spreads_a_shared_prefix_to_an_idle_decode_through_prefill() -> None:
+    """Both P hold a system prompt, one D too: that D skips P while idle; while it is busy the other
+    D is picked (through P, which holds the prefix), so that D learns it as well (decision 101)."""
+    selector, prefix = planner({"p0": [0, 100], "p1": [0, 100], "d1": [0, 100]})
+    plan = plan_push(selector, "m", prefix, decode_local_prefill_tokens=256)
+    assert plan.decode.view.instance_id == "d1" and plan.prefill is None
+    with selector.track("d1", 416), selector.track("d1", 416):
+        plan = plan_push(selector, "m", prefix, decode_local_prefill_tokens=256)
+    assert plan.decode.view.instance_id == "d0" and plan.prefill is not None
+    assert plan.prefill.cached_tokens == 400 and plan.skip_blocks == 0
 
 
 def test_plan_without_prefix_or_cache_is_a_plain_pair() -> None:
