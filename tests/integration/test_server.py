@@ -20,6 +20,7 @@ import zmq
 
 from kvwire.cluster.local import free_port
 from kvwire.discovery import Deregister, Heartbeat, decode_frames
+from kvwire.discovery.messages import KvEvents
 from kvwire.kv_params import KVTransferParams, Role, TransferMode
 from kvwire.kv_signing import ParamsSigner
 
@@ -321,8 +322,15 @@ class FakeRouter:
         self._secret = secret
 
     def next_message(self, timeout_s: float = 10.0) -> Any:
-        assert self._sock.poll(int(timeout_s * 1000)), "no discovery message in time"
-        return decode_frames(self._sock.recv_multipart(), self._secret)
+        """The next heartbeat or deregistration (KV events, e.g. the cache snapshot an instance sends
+        on a new router connection, are skipped: these tests are about liveness)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            assert self._sock.poll(left_ms), "no discovery message in time"
+            message = decode_frames(self._sock.recv_multipart(), self._secret)
+            if not isinstance(message, KvEvents):
+                return message
 
     def close(self) -> None:
         self._sock.close(linger=0)
