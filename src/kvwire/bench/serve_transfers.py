@@ -16,13 +16,13 @@ kernels wait for SMs that P's forward (and, without MPS, D's time slices) occupy
 
 from __future__ import annotations
 
-import re
 import statistics
-import urllib.request
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvwire.cluster.local import http_json
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvwire.cluster.local import http_json, http_text
 
 Row = tuple[int, float, "float | None"]  # bytes, seconds, busy seconds
 
@@ -43,18 +43,22 @@ def collect(urls: Iterable[str]) -> dict[str, list[Row]]:
     return rows
 
 
+_DEVICE_COPY = {"kvwire_kv_device_copy_bytes": 0, "kvwire_kv_device_copy_seconds": 1}
+
+
 def device_copies(urls: Iterable[str]) -> tuple[float, float]:
-    """(bytes, seconds) the instances' planes copied on the GPU, summed from their ``/metrics``."""
+    """(bytes, seconds) the instances' planes copied on the GPU, summed from their ``/metrics``
+    (instances that cannot answer are skipped)."""
     totals = [0.0, 0.0]
     for url in urls:
         try:
-            with urllib.request.urlopen(f"{url.rstrip('/')}/metrics", timeout=5.0) as resp:
-                text = resp.read().decode()
+            families = list(text_string_to_metric_families(http_text(f"{url.rstrip('/')}/metrics", 5.0)))
         except (OSError, ValueError):
             continue
-        for i, name in enumerate(("bytes", "seconds")):
-            found = re.search(rf"^kvwire_kv_device_copy_{name}_total (\S+)$", text, re.MULTILINE)
-            totals[i] += float(found.group(1)) if found else 0.0
+        for family in families:  # a counter's family (typed) or its _total series (untyped)
+            slot = _DEVICE_COPY.get(family.name.removesuffix("_total"))
+            if slot is not None:
+                totals[slot] += sum(s.value for s in family.samples if s.name.endswith("_total"))
     return totals[0], totals[1]
 
 

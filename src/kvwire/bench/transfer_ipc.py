@@ -26,6 +26,7 @@ import statistics
 import time
 import uuid
 from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 
@@ -136,6 +137,20 @@ def _receiver(conn: Connection, tokens: int, shape: Shape, runs: int, verify: bo
             conn.send(verified)
 
 
+def _wait_sent(agent: Any, tid: str, timeout_s: float = 60.0) -> None:
+    """Poll P's agent until ``tid`` is acknowledged; raise if it fails or takes ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ev = agent.poll()
+        if tid in ev.failed:
+            raise RuntimeError(f"send failed: {ev.failed[tid]}")
+        if tid in ev.finished_sending:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"send not acknowledged in {timeout_s:.0f} s")
+        time.sleep(0.0002)
+
+
 def _sender(
     conn: Connection, tokens: int, shape: Shape, runs: int, where: Where
 ) -> list[tuple[float, float, int]]:
@@ -163,13 +178,7 @@ def _sender(
             agent.start_send(tid, peer, [spec] * shape.num_layers)
             for layer, s in enumerate(spans):
                 agent.send_layer_spans(tid, layer, s)
-            while True:
-                ev = agent.poll()
-                if tid in ev.failed:
-                    raise RuntimeError(f"send failed: {ev.failed[tid]}")
-                if tid in ev.finished_sending:
-                    break
-                time.sleep(0.0002)
+            _wait_sent(agent, tid)
             elapsed, after = time.perf_counter() - start, agent.stats()
             copy_s = (after.device_copy_ns - before.device_copy_ns) / 1e9
             times.append((elapsed, copy_s, after.device_copy_batches - before.device_copy_batches))
@@ -235,11 +244,7 @@ def overlap(tokens: int, shape: Shape, iters: int = 6) -> OverlapResult:
                 compute_done = time.perf_counter()
                 exposed.append(left.recv() - compute_done)
                 with_transfer.append(start.elapsed_time(end))
-                deadline = time.monotonic() + 60  # P's side ends too (D's acks) before the next one
-                while tid not in agent.poll().finished_sending:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("send not acknowledged in 60 s")
-                    time.sleep(0.0005)
+                _wait_sent(agent, tid)  # P's side ends too (D's acks) before the next one
             left.send("done")
     finally:
         receiver.join(timeout=30)

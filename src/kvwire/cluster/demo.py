@@ -15,12 +15,11 @@ import os
 import sys
 import textwrap
 import time
-import urllib.request
 
 import aiohttp
 
 from kvwire.cluster.client import RequestResult, post_completion
-from kvwire.cluster.local import ClusterSpec, LocalCluster
+from kvwire.cluster.local import ClusterSpec, LocalCluster, http_text
 from kvwire.errors import ClusterError, ModelLoadError
 from kvwire.kv_params import TransferMode
 
@@ -112,11 +111,8 @@ def _colocated_token_ids(model: str, device: str, max_tokens: int) -> list[list[
 def _handover_summary(url: str | None, api_key: str | None = None) -> str:
     if url is None:
         return "n/a"
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    request = urllib.request.Request(f"{url}/metrics", headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=5) as resp:
-            text = resp.read().decode()
+        text = http_text(f"{url}/metrics", timeout_s=5, api_key=api_key)
     except OSError as exc:  # URLError, timeouts, refused: say so, keep the demo's summary going
         return f"metrics unavailable ({exc})"
     wanted = ("kvwire_pd_transfers_completed_total", "kvwire_pd_transfer_bytes_total",

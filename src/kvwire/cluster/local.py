@@ -122,12 +122,17 @@ def free_port(host: str) -> int:
         return port
 
 
-def http_json(url: str, timeout_s: float = 2.0, api_key: str | None = None) -> Any:
-    """GET ``url`` (with ``Authorization: Bearer api_key`` when given) and decode JSON; raises
-    OSError/ValueError on failure."""
+def http_text(url: str, timeout_s: float = 2.0, api_key: str | None = None) -> str:
+    """GET ``url`` (with ``Authorization: Bearer api_key`` when given) as text; raises OSError on
+    failure."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as resp:
-        return json.loads(resp.read().decode())
+        return str(resp.read().decode())
+
+
+def http_json(url: str, timeout_s: float = 2.0, api_key: str | None = None) -> Any:
+    """:func:`http_text`, decoded as JSON; raises OSError/ValueError on failure."""
+    return json.loads(http_text(url, timeout_s, api_key))
 
 
 class LocalCluster:
