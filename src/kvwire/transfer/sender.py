@@ -295,7 +295,11 @@ class Sender:
         st = self.sends.get(msg.transfer_id)
         if st is None or st.peer is None or st.peer.instance_id != msg.src_id:
             return  # late ack of an ended transfer
-        st.acked.update(i for i in msg.layers if i in st.dispatched)
+        new = {i for i in msg.layers if i in st.dispatched} - st.acked
+        st.acked.update(new)
+        # counted on the receiver's word, not the plane's on_sent: an ack may overtake the writer
+        # thread's on_sent, and the transfer then completes before on_sent could count it
+        self.core.stats.add("bytes_sent", sum(st.layers[i].num_bytes for i in new))
         st.trailer_acked = st.trailer_acked or (msg.trailer and st.trailer_sent)
         if st.done():
             self._complete(st)
@@ -394,12 +398,10 @@ class Sender:
 
     def on_sent(self, transfer_id: str, index: int) -> None:
         st = self.sends.get(transfer_id)
-        if st is not None:
-            self.core.stats.add("bytes_sent", st.layers[index].num_bytes)
-            if st.in_plane > 0:
-                st.in_plane -= 1
-                if st.in_plane == 0:
-                    st.busy_s += self.core.now() - st.busy_since
+        if st is not None and st.in_plane > 0:
+            st.in_plane -= 1
+            if st.in_plane == 0:
+                st.busy_s += self.core.now() - st.busy_since
 
     # --- failure -----------------------------------------------------------------------------------------
 
