@@ -64,6 +64,12 @@ def sent_bytes(engine: LLMEngine) -> int:
     return engine.worker_connector.agent.stats().bytes_sent  # type: ignore[attr-defined]
 
 
+def run_until_sent(pd: PD) -> None:
+    """Both engines idle and P's sends acknowledged (D can finish before P hears its last ack)."""
+    pd.run(until=lambda: not (pd.p.has_unfinished_requests() or pd.d.has_unfinished_requests())
+           and pd.p.stats().num_delayed_free_requests == 0)
+
+
 CASES = {  # name -> (warm P, warm D, skip_blocks the router asks for, evict D's tail before admission)
     "cold": (False, False, 0, False),
     "warm-p": (True, False, 0, False),
@@ -109,11 +115,11 @@ def test_partial_transfer_equals_colocated(pd: PD, reference: list[int], case: s
 def test_partial_transfer_moves_fewer_bytes(pd: PD) -> None:
     """Warm D: P's payload is the prompt's blocks minus the prefix D holds, to the byte."""
     push(pd, "cold", TURN2, 0)
-    pd.run()
+    run_until_sent(pd)
     cold = sent_bytes(pd.p)
     warm(pd, pd.d, "warm")
     push(pd, "partial", TURN2, SKIP)
-    pd.run()
+    run_until_sent(pd)
     partial = sent_bytes(pd.p) - cold
     blocks_total = -(-len(TURN2) // BLOCK)
     assert partial * blocks_total == cold * (blocks_total - SKIP)
