@@ -54,8 +54,12 @@ from kvwire.router.config import Policy, RouterConfig
 from kvwire.router.discovery_backend import EtcdDiscovery, ZmqDiscovery
 from kvwire.router.registry import ApplyResult, Registry
 from kvwire.router.selection import Selector
+from kvwire.server.config import ServerConfig
 
 MODEL = "sim"
+# The ZeroMQ heartbeat TTL in heartbeat intervals: the router's and ``kvwire up``'s default ratio
+# (decision 109).
+ZMQ_TTL_INTERVALS = RouterConfig().instance_ttl_s / ServerConfig().heartbeat_interval_s
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -241,10 +245,11 @@ async def _run_one(backend: str, n: int, args: argparse.Namespace, etcd_address:
                    etcd_pid: int | None) -> Result:
     interval = args.interval_s
     res = Result(backend, n)
-    registry = TimedRegistry(ttl_s=3 * interval)
+    registry = TimedRegistry(ttl_s=ZMQ_TTL_INTERVALS * interval)
     discovery: ZmqDiscovery | EtcdDiscovery
     if backend == "zmq":
-        discovery = ZmqDiscovery(registry, RouterConfig(discovery_port=0, instance_ttl_s=3 * interval))
+        cfg = RouterConfig(discovery_port=0, instance_ttl_s=ZMQ_TTL_INTERVALS * interval)
+        discovery = ZmqDiscovery(registry, cfg)
     else:
         assert etcd_address is not None
         discovery = EtcdDiscovery(registry, parse_discovery_address(etcd_address))

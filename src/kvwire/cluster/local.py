@@ -56,7 +56,7 @@ class ClusterSpec:
     kv_transport: Transport = Transport.AUTO  # KV data plane of every instance (auto: negotiated)
     kv_load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE  # of decode instances
     heartbeat_interval_s: float = 1.0
-    instance_ttl_s: float = 3.0
+    instance_ttl_s: float = 2.5  # 2.5 heartbeat intervals, as the router's default (decision 109)
     start_timeout_s: float = 180.0
     stop_grace_s: float = 10.0
     serve_args: tuple[str, ...] = ()  # extra ``kvwire serve`` flags for every instance

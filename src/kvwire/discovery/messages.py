@@ -33,7 +33,7 @@ def new_epoch() -> int:
     return time.time_ns()
 
 
-class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True):
+class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Who an instance is; constant for the life of one process."""
 
     instance_id: str  # stable name of the instance (survives restarts; the epoch changes)
@@ -51,7 +51,7 @@ class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True):
     kv_layout: KVCacheLayout | None = None
 
 
-class InstanceLoad(msgspec.Struct, frozen=True, kw_only=True):
+class InstanceLoad(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Load an instance reports with each heartbeat."""
 
     num_running: int = 0
@@ -73,7 +73,7 @@ class InstanceLoad(msgspec.Struct, frozen=True, kw_only=True):
         return max(0.0, min(1.0, self.free_kv_blocks / self.total_kv_blocks))
 
 
-class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="heartbeat"):
+class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="heartbeat", gc=False):
     """Periodic liveness + load report; the first one registers the instance."""
 
     info: InstanceInfo
@@ -86,7 +86,7 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="heartbeat"):
     v: int = DISCOVERY_VERSION
 
 
-class Deregister(msgspec.Struct, frozen=True, kw_only=True, tag="deregister"):
+class Deregister(msgspec.Struct, frozen=True, kw_only=True, tag="deregister", gc=False):
     """Graceful shutdown: remove this (instance id, epoch) from routing at once."""
 
     instance_id: str

@@ -26,7 +26,10 @@ class RouterConfig:
     discovery_port: int = 8001  # ZeroMQ heartbeats; 0 = pick a free port
     # None: the embedded ZeroMQ heartbeat socket above; "etcd://HOST:PORT[/prefix]": watch etcd.
     discovery: str | None = None
-    instance_ttl_s: float = 6.0  # no heartbeat for this long -> expired (3 missed at the default 2 s)
+    # No heartbeat for this long -> expired. 2.5 intervals at the instances' default 2 s: two missed
+    # heartbeats and half an interval of grace, so a dead instance is out within 3 intervals of its
+    # last heartbeat with the network's, the listener's and the sweeper's delays included (decision 109).
+    instance_ttl_s: float = 5.0
     forget_after_s: float = 60.0  # expired entries stay visible in /instances this long
     policy: Policy = Policy.KV_AWARE  # decision 048
     mode: TransferMode = TransferMode.PUSH

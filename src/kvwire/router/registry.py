@@ -32,7 +32,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+
+import msgspec
+from msgspec.structs import replace
 
 from kvwire.discovery.messages import Deregister, Heartbeat, InstanceInfo, InstanceLoad
 from kvwire.kv_params import Role
@@ -59,9 +61,14 @@ class ApplyResult(str, enum.Enum):
     STALE = "stale"  # older epoch, replayed/reordered seq, or deregistration of an unknown epoch
 
 
-@dataclass(frozen=True)
-class InstanceView:
-    """Immutable snapshot of one registry entry."""
+class InstanceView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """Immutable snapshot of one registry entry.
+
+    A msgspec struct, not a dataclass: one is made per applied heartbeat (1,000 a second at
+    N = 1,000), and a struct is built in a fraction of a frozen dataclass's time. ``gc=False``: it
+    holds only immutable records (no cycles), so the garbage collector never walks the registry's
+    views (decision 109).
+    """
 
     info: InstanceInfo
     load: InstanceLoad | None

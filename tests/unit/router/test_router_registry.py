@@ -202,3 +202,35 @@ def test_sweeper_thread_expires_on_time_not_on_its_period() -> None:
         assert 0.3 <= took < 1.0, took
     finally:
         sweeper.close()
+
+
+def test_default_ttl_detects_a_death_within_three_heartbeat_intervals() -> None:
+    """Decision 109: the default TTL is 2.5 heartbeat intervals (router and `kvwire up` alike), so
+    an instance that dies right after a heartbeat is out of routing before 3 intervals have passed,
+    with half an interval left for the network, the listener and the sweeper; a live instance whose
+    next heartbeat comes 1.4 intervals late stays in."""
+    from kvwire.cluster.local import ClusterSpec
+    from kvwire.router.config import RouterConfig
+    from kvwire.server.config import ServerConfig
+
+    spec = ClusterSpec()
+    interval = ServerConfig().heartbeat_interval_s
+    assert RouterConfig().instance_ttl_s / interval == pytest.approx(2.5)
+    assert spec.instance_ttl_s / spec.heartbeat_interval_s == pytest.approx(2.5)
+
+    clock = Clock()
+    start = clock.now
+    reg = Registry(ttl_s=RouterConfig().instance_ttl_s, clock=clock)
+    reg.apply(hb(ident="dead"))  # its last heartbeat
+    reg.apply(hb(ident="late"))
+    clock.now = start + interval
+    reg.apply(hb(ident="late", seq=2))
+    clock.now = start + 2.5 * interval - 0.01
+    assert reg.sweep() == []
+    clock.now = start + 2.5 * interval + 0.01
+    assert reg.sweep() == ["dead"]
+    assert clock.now - start < 3 * interval
+    clock.now = start + 3.4 * interval  # "late": 2.4 intervals since its last, then it arrives
+    assert reg.sweep() == []
+    reg.apply(hb(ident="late", seq=3))
+    assert reg.get("late").alive  # type: ignore[union-attr]
