@@ -110,6 +110,9 @@ def _verify(caches: _Caches, dst: list[torch.Tensor]) -> bool:
 
 
 def _wait(agent: TransferAgent, tid: str, field: str) -> None:
+    """Until ``tid`` shows in ``field`` of the agent's events; asleep in between (``agent.wait``):
+    a loop of short sleeps would cost this process a core in wake-ups, which on a 2-core box is the
+    core the plane's threads need."""
     deadline = time.monotonic() + 120.0
     while True:
         ev = agent.poll()
@@ -117,9 +120,10 @@ def _wait(agent: TransferAgent, tid: str, field: str) -> None:
             raise RuntimeError(f"transfer failed: {ev.failed[tid]}")
         if tid in getattr(ev, field):
             return
-        if time.monotonic() > deadline:
+        left = deadline - time.monotonic()
+        if left <= 0:
             raise TimeoutError("benchmark transfer did not complete within 120 s")
-        time.sleep(0.0002)
+        agent.wait(min(left, 1.0))
 
 
 def _spans(dst: list[torch.Tensor], block_ids: list[int], index: int) -> ByteSpans:

@@ -326,6 +326,12 @@ class TransferAgent:
         """Events since the last poll, swapped out atomically; each transfer id is reported once."""
         return self._core.events.swap()
 
+    def wait(self, timeout_s: float) -> bool:
+        """Block until :meth:`poll` has an event to report, at most ``timeout_s`` seconds; True if
+        it has. For a caller with nothing else to do (a benchmark, an idle engine loop): it sleeps
+        instead of polling in a loop, which costs a core's time in wake-ups."""
+        return self._core.events.wait(timeout_s)
+
     def stats(self) -> TransferStats:
         core = self._core
         with core.lock:

@@ -30,6 +30,7 @@ class EventBox:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)  # notified when an event is added
         self._sent: set[str] = set()
         self._recvd: set[str] = set()
         self._failed: dict[str, str] = {}
@@ -40,16 +41,24 @@ class EventBox:
             self._sent.add(transfer_id)
             if timing is not None:
                 self._timings[transfer_id] = timing
+            self._ready.notify_all()
 
     def recvd(self, transfer_id: str, timing: TransferTiming | None = None) -> None:
         with self._lock:
             self._recvd.add(transfer_id)
             if timing is not None:
                 self._timings[transfer_id] = timing
+            self._ready.notify_all()
 
     def failed(self, transfer_id: str, reason: str) -> None:
         with self._lock:
             self._failed.setdefault(transfer_id, reason)
+            self._ready.notify_all()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block until an event is waiting to be swapped out, at most ``timeout_s``; True if one is."""
+        with self._lock:
+            return self._ready.wait_for(lambda: bool(self._sent or self._recvd or self._failed), timeout_s)
 
     def swap(self) -> TransferEvents:
         with self._lock:

@@ -182,3 +182,27 @@ def test_stats_count_transfers_and_bytes(pair: tuple[TransferAgent, TransferAgen
     assert sb.budget_bytes_in_use == total  # held until take_layers
     b.take_layers("st")
     assert b.stats().budget_bytes_in_use == 0
+
+
+def test_wait_sleeps_until_an_event_is_ready(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    """``wait`` returns False after its timeout when nothing happened, and True (without running out
+    its timeout) once a transfer's end is waiting for ``poll``; that event is then polled as usual."""
+    a, b = pair
+    assert a.wait(0.05) is False
+    assert b.poll().finished_recving == frozenset()
+    layers = _layers()
+    b.expect("w1", num_layers=len(layers))
+    _send(a, "w1", b.endpoint, layers)
+    seen: set[str] = set()
+    deadline = time.monotonic() + 20.0
+    while "w1" not in seen:
+        left = deadline - time.monotonic()
+        assert left > 0, "the transfer did not end in 20 s"
+        start = time.monotonic()
+        if b.wait(left):
+            assert time.monotonic() - start < left  # woken by the event, not by the timeout
+            ev = b.poll()
+            assert not ev.failed
+            seen |= ev.finished_recving
+    assert torch.equal(b.take_layers("w1")[0], layers[0])
+    poll_until(a, lambda e: "w1" in e["sent"])
