@@ -139,7 +139,7 @@ def _receiver_process(conn: Connection, tokens: int, shape: Shape, options: ShmO
         agents = {"shm": shm_rx, "ring": shm_rx, "tcp": tcp_rx}
         conn.send({name: a.endpoint for name, a in agents.items()})
         while (cmd := conn.recv()) != "stop":
-            name, arg = cmd
+            name, arg, *sender = cmd
             dst = dsts[name]
             if arg == "zero":
                 for d in dst:
@@ -149,11 +149,12 @@ def _receiver_process(conn: Connection, tokens: int, shape: Shape, options: ShmO
                 conn.send(_verify(caches, dst))
             else:
                 agent = agents[name]
-                agent.expect(
+                agent.expect(  # as serving does (push): D knows P's endpoint from the request
                     arg,
                     num_layers=len(dst),
                     scatter_into=functools.partial(_spans, dst, caches.dst_ids),
                     deadline_s=120.0,
+                    sender=sender[0],
                 )
                 conn.send("expecting")
                 _wait(agent, arg, "finished_recving")
@@ -163,7 +164,7 @@ def _receiver_process(conn: Connection, tokens: int, shape: Shape, options: ShmO
 def _send_remote(agent: TransferAgent, conn: Connection, name: str, endpoint: str, caches: _Caches) -> float:
     """One request's KV to D's process; the clock stops when every layer is acknowledged."""
     tid = uuid.uuid4().hex
-    conn.send((name, tid))
+    conn.send((name, tid, agent.endpoint))
     assert conn.recv() == "expecting"
     start = time.perf_counter()
     agent.start_send(tid, endpoint, [caches.spec] * len(caches.src), deadline_s=120.0)

@@ -87,6 +87,20 @@ class _DeviceCopies:
         )
 
 
+class _EarlyGrants:
+    """``kvwire_kv_early_grants_total``: receives granted before the sender's Offer (decision 110),
+    so the sender wrote without waiting for a control round trip; compare with the receives started."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "kvwire_kv_early_grants", "KV receives granted before the sender's offer",
+            value=self._agent.stats().early_grants,
+        )
+
+
 def build_connector_set(
     config: ServerConfig, engine_config: EngineConfig, secret: str | None, registry: Any
 ) -> ConnectorSet:
@@ -125,6 +139,7 @@ def build_connector_set(
     if agent is not None and registry is not None:
         registry.register(_TransferRefusals(agent))
         registry.register(_DeviceCopies(agent))
+        registry.register(_EarlyGrants(agent))
     if registry is not None and agent is not None and hasattr(agent, "peer_transports"):
         from kvwire.connector.transport_metrics import TransportCollector
 

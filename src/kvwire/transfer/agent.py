@@ -408,6 +408,7 @@ class TransferAgent:
         core, tid, endpoint = self._core, msg.transfer_id, msg.src_endpoint
         sending = self._sender.on_renew(msg)
         promised = self._sender.on_promise_renew(msg)
+        self._sender.heard_early(msg)
         receiving = self._receiver.on_renew(msg)
         if msg.reply:
             return

@@ -61,6 +61,9 @@ class Grant(Msg, tag="grant", frozen=True):
     layers: list[int]
     data_address: str  # receiver's data plane address
     plane_info: bytes = b""
+    # Sent at the receiver's expect, before the sender's Offer (decision 110): the sender keeps it
+    # until it starts the transfer (while the receiver renews it), instead of answering "unknown".
+    early: bool = False
 
 
 class Ack(Msg, tag="ack", frozen=True):

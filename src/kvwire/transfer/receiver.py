@@ -88,6 +88,10 @@ class RecvState:
     delivering: set[int] = dataclasses.field(default_factory=set)  # in a sink call now
     arrived: set[int] = dataclasses.field(default_factory=set)  # delivered to the sink or held
     trailer: bytes | None = None
+    # Layers granted before the sender's Offer (decision 110): index -> bytes granted; and that
+    # grant, sent again (as an ordinary one) when the Offer comes, in case the sender did not keep it
+    early: dict[int, int] = dataclasses.field(default_factory=dict)
+    early_grant: Grant | None = None
 
     def complete(self) -> bool:
         return (
@@ -173,8 +177,44 @@ class Receiver:
             self.core.send(pull_from, self._pull_msg(pull_from, transfer_id, deadline_s, pull_slice))
         if st.specs is not None and not self._check_offer(st):
             return False
+        self._grant_early(st)
         self.maybe_complete(st)
         return bool(st.held) and st.sink is not None and transfer_id in self.recvs
+
+    def _grant_early(self, st: RecvState) -> None:
+        """Grant every layer now, before the sender's Offer (decision 110), when that is safe: push
+        mode with the sender's endpoint given (``expect(sender=...)``) and its epoch known (an
+        earlier contact), layers that land in spans (``scatter_into``, or ``into_blocks`` whose
+        blocks are whole and contiguous), and a plane negotiated with that sender that takes early
+        grants. The sender then starts writing as soon as it has a layer, without the Offer -> Grant
+        round trip. The Offer is checked against what was granted when it comes."""
+        if not st.expected or st.specs is not None or st.peer is not None or st.sender is None:
+            return
+        if st.pull_from is not None or st.num_layers is None:
+            return
+        if st.scatter_into is None and (
+            st.paged is None or st.target is None or not st.paged.contiguous or st.target.skip_blocks
+        ):
+            return
+        sender_id = st.sender_id or self.core.peer_ids.get(st.sender)
+        if not sender_id:
+            return
+        peer = PeerRef(st.sender, sender_id, "")
+        plane = self.core.plane.for_peer(peer)
+        if not (plane.early_grants and plane.supports_spans):
+            return
+        items: list[RecvItem] = []
+        for index in range(st.num_layers):
+            spans = self._spans(st, index)
+            if spans is None:
+                return  # failed (the target could not say where the layer goes)
+            items.append(RecvItem(st.transfer_id, index, spans.num_bytes, _NO_DEST, dest_spans=spans))
+        st.peer = peer
+        for item in items:
+            st.granted[item.layer_index] = None
+            st.early[item.layer_index] = item.num_bytes
+        st.early_grant = self._grant(st, items, early=True)
+        self.core.stats.add("early_grants")
 
     def _pull_msg(self, endpoint: str, transfer_id: str, deadline_s: float, piece: PullSlice | None) -> Pull:
         info = self.core.plane.local_info(PeerRef(endpoint, self.core.peer_ids.get(endpoint, ""), ""))
@@ -240,6 +280,11 @@ class Receiver:
                 return
             lease = Lease.start(self.core.now(), msg.deadline_s, self.core.config.default_limit_s)
             st = self.recvs[tid] = RecvState(tid, lease)
+        if st.early and st.peer is not None and st.peer.instance_id != msg.src_id:
+            reason = f"{FailReason.PEER_LOST.value}: sender restarted after the early grant"
+            self.fail(tid, reason, notify=False)
+            self.core.send_abort(msg.src_endpoint, tid, reason, msg.src_id)
+            return
         st.lease.tighten(self.core.now(), msg.deadline_s, None)
         st.specs = [LayerSpec(tuple(w.shape), DTYPES_BY_NAME[w.dtype]) for w in msg.layers]
         st.with_trailer = msg.with_trailer
@@ -248,9 +293,31 @@ class Receiver:
             self.core.plane.on_peer_info(st.peer, msg.plane_info)
         if st.expected and not self._check_offer(st):
             return
-        st.to_grant.extend(range(len(st.specs)))
+        if st.early and not self._check_early(st):
+            return
+        st.to_grant.extend(i for i in range(len(st.specs)) if i not in st.early)
         self.grant_queue.append(tid)
         self.grant_pass()
+        if st.early and tid in self.recvs:
+            self.maybe_complete(st)  # early-granted layers may all have landed before the Offer
+
+    def _check_early(self, st: RecvState) -> bool:
+        """The Offer of an early-granted transfer: every layer must be the size granted (else the
+        transfer fails on both sides); the grant is sent again as an ordinary one (a sender that
+        did not keep it, e.g. one that had not talked to this agent yet, gets it now; one that did
+        ignores the repeat)."""
+        assert st.specs is not None and st.peer is not None
+        for index, num_bytes in st.early.items():
+            offered = st.specs[index].num_bytes if index < len(st.specs) else None
+            if offered != num_bytes:
+                reason = (f"{FailReason.MISMATCH.value}: layer {index} offered with {offered} bytes, "
+                          f"{num_bytes} granted before the offer")
+                self.fail(st.transfer_id, reason, notify=True)
+                return False
+        if st.early_grant is not None:
+            grant, st.early_grant = st.early_grant, None
+            self.core.send(st.peer.endpoint, msgspec.structs.replace(grant, early=False))
+        return True
 
     def _refused(self, endpoint: str, transfer_id: str) -> None:
         self.core.stats.add("offers_refused")
@@ -362,15 +429,20 @@ class Receiver:
             st.consumer = st.paged.consumer(st.target)
         return st.consumer
 
-    def _span_item(self, st: RecvState, index: int, num_bytes: int) -> RecvItem | None:
+    def _spans(self, st: RecvState, index: int) -> ByteSpans | None:
+        """Where layer ``index`` lands (``scatter_into`` or the target blocks); None: the transfer failed."""
         try:
             if st.scatter_into is not None:
-                spans = st.scatter_into(index)
-            else:
-                assert st.paged is not None and st.target is not None
-                spans = st.paged.spans(index, st.target.block_ids)
+                return st.scatter_into(index)
+            assert st.paged is not None and st.target is not None
+            return st.paged.spans(index, st.target.block_ids)
         except Exception as exc:
             self.fail(st.transfer_id, f"{FailReason.MISMATCH.value}: scatter_into({index}): {exc!r}", True)
+            return None
+
+    def _span_item(self, st: RecvState, index: int, num_bytes: int) -> RecvItem | None:
+        spans = self._spans(st, index)
+        if spans is None:
             return None
         if spans.num_bytes != num_bytes:
             reason = (
@@ -380,7 +452,7 @@ class Receiver:
             return None
         return RecvItem(st.transfer_id, index, num_bytes, _NO_DEST, dest_spans=spans)
 
-    def _grant(self, st: RecvState, items: list[RecvItem]) -> None:
+    def _grant(self, st: RecvState, items: list[RecvItem], early: bool = False) -> Grant:
         assert st.peer is not None
         plane = self.core.plane
         plane.post_recv(st.peer, items)  # before the Grant leaves: a fast sender finds its buffers
@@ -389,8 +461,10 @@ class Receiver:
             layers=[item.layer_index for item in items],
             data_address=plane.address,
             plane_info=plane.local_info(st.peer),
+            early=early,
         )
         self.core.send(st.peer.endpoint, msg)
+        return msg
 
     # --- arrivals ----------------------------------------------------------------------------------------
 
@@ -401,9 +475,10 @@ class Receiver:
         st = self.recvs.get(transfer_id)
         if st is None or st.peer is None or st.peer.instance_id != peer_id or index not in st.granted:
             return None
-        assert st.specs is not None
         buf = st.granted.pop(index)
-        self.core.stats.add("bytes_received", st.specs[index].num_bytes)
+        # an early-granted layer may land before its Offer is read (decision 110)
+        num_bytes = st.specs[index].num_bytes if st.specs is not None else st.early[index]
+        self.core.stats.add("bytes_received", num_bytes)
         if st.first_arrival is None:
             st.first_arrival = self.core.now()
         self._ack(st, index)
@@ -414,6 +489,7 @@ class Receiver:
             self.maybe_complete(st)
             self.grant_pass()
             return None
+        assert st.specs is not None  # a buffered layer was granted from its Offer
         if st.sink is not None and st.expected:
             st.delivering.add(index)
             st.held[index] = buf

@@ -81,6 +81,8 @@ class Sender:
         self.sends: dict[str, SendState] = {}
         self.promised: dict[str, tuple[str, Lease]] = {}  # accepted, not started: receiver endpoint
         self.pending_pulls: dict[str, tuple[Pull, float]] = {}  # pulls that came before start_send
+        # grants that came before start_send (decision 110): transfer id -> (grant, last heard of)
+        self.early_grants: dict[str, tuple[Grant, float]] = {}
         # ordered planes: per receiver epoch, granted (transfer, layer) in grant order
         self.order: dict[str, collections.deque[tuple[str, int]]] = {}
         self.splits = SplitPulls(self)
@@ -114,6 +116,12 @@ class Sender:
         self.core.stats.add("sends_started")
         if endpoint is not None:
             self.offer(st)
+            early = self.early_grants.pop(transfer_id, None)
+            if early is not None and early[0].src_endpoint == endpoint:
+                self.on_grant(early[0])  # the receiver granted before this Offer: send at once
+            elif early is not None:
+                self.core.send_abort(early[0].src_endpoint, transfer_id, "not this transfer's receiver",
+                                     early[0].src_id)
             return
         pending = self.pending_pulls.pop(transfer_id, None)
         if pending is not None:
@@ -270,6 +278,8 @@ class Sender:
 
     def on_grant(self, msg: Grant) -> None:
         st = self.sends.get(msg.transfer_id)
+        if st is None and msg.early and self._keep_early(msg):
+            return
         if st is None or st.endpoint != msg.src_endpoint:
             if st is None and msg.plane_info:  # an ordered plane must still consume what was granted
                 self.core.plane.cancel(msg.transfer_id)
@@ -282,9 +292,11 @@ class Sender:
         elif st.peer.instance_id != msg.src_id:
             self.fail(st.transfer_id, f"{FailReason.PEER_LOST.value}: receiver restarted mid-transfer", True)
             return
-        if msg.plane_info:  # every grant: the NCCL plane's chunk plans for these layers travel here
-            self.core.plane.on_peer_info(st.peer, msg.plane_info)
         new = [i for i in msg.layers if 0 <= i < len(st.layers) and i not in st.granted]
+        # every grant: the NCCL plane's chunk plans for these layers travel here (a repeated early
+        # grant, decision 110, grants nothing new and its destinations were taken already)
+        if msg.plane_info and new:
+            self.core.plane.on_peer_info(st.peer, msg.plane_info)
         st.granted.update(new)
         if self.core.plane.ordered:
             queue = self.order.setdefault(st.peer.instance_id, collections.deque())
@@ -342,6 +354,24 @@ class Sender:
             self.core.send_abort(
                 msg.src_endpoint, msg.transfer_id, "already pulled by another peer", msg.src_id
             )
+
+    def _keep_early(self, msg: Grant) -> bool:
+        """Keep an early grant of a transfer not started yet (True), unless it already ended here
+        or too many are kept (False: answered as an unknown transfer)."""
+        if self.core.tombstones.get(SIDE, msg.transfer_id) is not None:
+            return False
+        if len(self.early_grants) >= self.core.config.max_pending_transfers:
+            return False
+        self.early_grants[msg.transfer_id] = (msg, self.core.now())
+        return True
+
+    def heard_early(self, msg: Renew) -> bool:
+        """The receiver of an early grant kept here renews its transfer: it still waits for it."""
+        early = self.early_grants.get(msg.transfer_id)
+        if early is None or early[0].src_endpoint != msg.src_endpoint:
+            return False
+        self.early_grants[msg.transfer_id] = (early[0], self.core.now())
+        return True
 
     def _unknown(self, endpoint: str, transfer_id: str, dst_id: str) -> None:
         reason = self.core.tombstones.get(SIDE, transfer_id) or FailReason.UNKNOWN.value
@@ -448,6 +478,9 @@ class Sender:
         return len(gone)
 
     def on_abort(self, transfer_id: str, src_endpoint: str, reason: str) -> None:
+        early = self.early_grants.get(transfer_id)
+        if early is not None and early[0].src_endpoint == src_endpoint:
+            del self.early_grants[transfer_id]
         st = self.sends.get(transfer_id)
         if st is not None and st.endpoint == src_endpoint:
             self.fail(transfer_id, f"{FailReason.PEER_ABORTED.value}: {reason}", notify=False)
@@ -466,6 +499,10 @@ class Sender:
         for tid in [t for t, (_, until) in self.pending_pulls.items() if until <= now]:
             msg, _ = self.pending_pulls.pop(tid)
             self.core.send_abort(msg.src_endpoint, tid, FailReason.UNKNOWN.value, msg.src_id)
+        # an early grant lives while its receiver renews it (it renews well within its deadline)
+        quiet = self.core.config.default_deadline_s
+        for tid in [t for t, (_, heard) in self.early_grants.items() if now - heard > quiet]:
+            del self.early_grants[tid]
         self.splits.expire(now)
 
     # --- leases ------------------------------------------------------------------------------------------
@@ -533,5 +570,6 @@ class Sender:
         return entry is not None and entry[0] == msg.src_endpoint
 
     def close(self, reason: str) -> None:
+        self.early_grants.clear()
         for tid in list(self.sends):
             self.fail(tid, reason, notify=True)

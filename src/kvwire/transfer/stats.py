@@ -25,6 +25,7 @@ class TransferStats:
     peers_restarted: int = 0  # new instance id seen at a known endpoint
     spilled_layers: int = 0  # layers that landed in the spill pool (receive budget full)
     credit_waits: int = 0  # times granting stopped because budget and spill pool were full
+    early_grants: int = 0  # transfers granted at expect time, before the sender's Offer (decision 110)
     trailers_missing: int = 0  # transfers completed at their deadline without the sender's trailer
     device_copy_bytes: int = 0  # bytes a plane copied on the GPU itself (CUDA IPC) ...
     device_copy_ns: int = 0  # ... and the device time those copies took

@@ -115,6 +115,9 @@ class DataPlane(abc.ABC):
     #: True when the plane moves ``SendItem.spans`` / ``RecvItem.dest_spans`` itself (zero-copy
     #: gather/scatter). Otherwise the agent gathers/scatters with copies and never passes spans.
     supports_spans: ClassVar[bool] = False
+    #: True when a receiver may post and grant a transfer's spans before the sender's Offer (an
+    #: early grant, decision 110): the plane checks that what is written fits what was granted.
+    early_grants: ClassVar[bool] = False
     #: True when the plane runs ``RecvItem.on_device`` consumers on the GPU right behind the receive
     #: (:data:`kvwire.transfer.types.DeviceConsumer`): no host wake-up between data and consumer.
     supports_device_consumers: ClassVar[bool] = False

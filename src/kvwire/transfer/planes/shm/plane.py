@@ -77,6 +77,7 @@ class ShmPlane(UnixLinkPlane):
 
     ordered = False
     supports_spans = True
+    early_grants = True  # a one-copy layer's runs must fit its granted spans (RunPlans)
     link_kind = "shm"
 
     def __init__(self, config: TransferConfig, instance_id: str) -> None:

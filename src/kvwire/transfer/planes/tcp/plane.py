@@ -136,6 +136,7 @@ class TcpPlane(DataPlane):
 
     ordered = False
     supports_spans = True
+    early_grants = True  # a data frame must match its posted item's size
 
     def __init__(self, config: TransferConfig, instance_id: str) -> None:
         self.config = config

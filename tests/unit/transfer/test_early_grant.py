@@ -1,0 +1,172 @@
+"""Early grants (decision 110): a receiver that knows its sender grants at expect time, before the
+Offer, so the sender writes without the Offer -> Grant round trip; the Offer is then checked
+against what was granted."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from agent_helpers import poll_until
+
+from kvwire.transfer import TransferAgent, TransferConfig
+from kvwire.transfer.enums import KVLayout
+from kvwire.transfer.paged import block_ids_tensor, block_spans, gather_blocks
+from kvwire.transfer.paged_kv import BlockTarget
+from kvwire.transfer.shared_memory import shared_tensors
+from kvwire.transfer.types import LayerSpec
+from support.shm_planes import shm_plane
+from support.waiting import wait_for
+
+SHAPE = (2, 16, 8, 2, 16)  # KV_FIRST: 16 blocks of 512-byte halves (bfloat16)
+LAYERS = 3
+
+
+@pytest.fixture(params=["auto", "tcp"])
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[TransferAgent, TransferAgent]]:
+    """P and D on the plane they negotiate by default (shared memory) or on forced TCP."""
+    cfg = TransferConfig(transport=request.param)
+    with TransferAgent(cfg) as p, TransferAgent(cfg) as d:
+        yield p, d
+
+
+def _caches(seed: int, shared: bool) -> list[torch.Tensor]:
+    if shared:
+        caches = shared_tensors([SHAPE] * LAYERS, torch.bfloat16)  # as the engine allocates on CPU
+        gen = torch.Generator().manual_seed(seed)
+        for c in caches:
+            c.copy_(torch.randn(SHAPE, generator=gen).to(torch.bfloat16))
+        return caches
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(SHAPE, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
+
+
+def _push(p: TransferAgent, d: TransferAgent, tid: str, src: list[torch.Tensor], dst: list[torch.Tensor],
+          src_ids: list[int], dst_ids: list[int], sender: str | None) -> None:
+    """D expects (naming its sender or not), then P starts and hands over every layer as spans."""
+    d.expect(tid, num_layers=LAYERS, deadline_s=20.0, sender=sender,
+             scatter_into=lambda i: block_spans(dst[i], dst_ids, KVLayout.KV_FIRST))
+    payload = gather_blocks(src[0], block_ids_tensor(src_ids, "cpu"), KVLayout.KV_FIRST)
+    p.start_send(tid, d.endpoint, [LayerSpec.of(payload)] * LAYERS, deadline_s=20.0)
+    for i in range(LAYERS):
+        p.send_layer_spans(tid, i, block_spans(src[i], src_ids, KVLayout.KV_FIRST))
+
+
+def _landed(src: list[torch.Tensor], dst: list[torch.Tensor], src_ids: list[int], dst_ids: list[int]) -> bool:
+    return all(
+        torch.equal(gather_blocks(d, block_ids_tensor(dst_ids, "cpu"), KVLayout.KV_FIRST).view(torch.int16),
+                    gather_blocks(s, block_ids_tensor(src_ids, "cpu"), KVLayout.KV_FIRST).view(torch.int16))
+        for s, d in zip(src, dst, strict=True)
+    )
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-cache", "ordinary-cache"])
+def test_a_known_sender_is_granted_at_expect_and_writes_bit_exact(
+    pair: tuple[TransferAgent, TransferAgent], shared: bool
+) -> None:
+    p, d = pair
+    src, dst = _caches(1, False), _caches(2, shared)
+    for c in dst:
+        c.zero_()
+    src_ids, dst_ids = [4, 5, 9, 1], [0, 7, 8, 3]
+    # first contact: D does not know P's epoch yet, so it grants on P's Offer as always
+    _push(p, d, "first", src, dst, src_ids, dst_ids, sender=p.endpoint)
+    poll_until(d, lambda e: "first" in e["recvd"])
+    poll_until(p, lambda e: "first" in e["sent"])
+    assert d.stats().early_grants == 0
+    for c in dst:
+        c.zero_()
+    # now D knows P: its expect grants every layer before P's Offer
+    d.expect("early", num_layers=LAYERS, deadline_s=20.0, sender=p.endpoint,
+             scatter_into=lambda i: block_spans(dst[i], dst_ids, KVLayout.KV_FIRST))
+    assert d.stats().early_grants == 1
+    wait_for(lambda: "early" in p._sender.early_grants, 10.0, "P kept the early grant")
+    payload = gather_blocks(src[0], block_ids_tensor(src_ids, "cpu"), KVLayout.KV_FIRST)
+    p.start_send("early", d.endpoint, [LayerSpec.of(payload)] * LAYERS, deadline_s=20.0)
+    assert "early" not in p._sender.early_grants  # applied with the start
+    assert p._sender.sends["early"].granted == set(range(LAYERS))  # no round trip needed
+    for i in range(LAYERS):
+        p.send_layer_spans("early", i, block_spans(src[i], src_ids, KVLayout.KV_FIRST))
+    ev_d = poll_until(d, lambda e: "early" in e["recvd"] or "early" in e["failed"])
+    ev_p = poll_until(p, lambda e: "early" in e["sent"] or "early" in e["failed"])
+    assert not ev_d["failed"] and not ev_p["failed"], (ev_d, ev_p)
+    assert _landed(src, dst, src_ids, dst_ids)
+    if p.peer_transports() == {d.endpoint: "shm"}:
+        # the grant D repeats on the Offer adds nothing: no destination is left behind on P
+        wait_for(lambda: not shm_plane(d)._granted, 5.0, "D's grant retired")
+        assert not shm_plane(p).dests
+        if shared:
+            assert shm_plane(p).layers_sent["one_copy"] == 2 * LAYERS
+
+
+def test_an_offer_of_other_sizes_than_granted_fails_both_sides(
+    pair: tuple[TransferAgent, TransferAgent],
+) -> None:
+    p, d = pair
+    src, dst = _caches(1, False), _caches(2, False)
+    _push(p, d, "contact", src, dst, [1, 2], [3, 4], sender=p.endpoint)
+    poll_until(d, lambda e: "contact" in e["recvd"])
+    poll_until(p, lambda e: "contact" in e["sent"])
+    d.expect("mm", num_layers=LAYERS, deadline_s=20.0, sender=p.endpoint,
+             scatter_into=lambda i: block_spans(dst[i], [5, 6], KVLayout.KV_FIRST))  # 2 blocks
+    assert d.stats().early_grants == 1
+    wait_for(lambda: "mm" in p._sender.early_grants, 10.0, "P kept the early grant")
+    three = gather_blocks(src[0], block_ids_tensor([1, 2, 3], "cpu"), KVLayout.KV_FIRST)
+    p.start_send("mm", d.endpoint, [LayerSpec.of(three)] * LAYERS, deadline_s=20.0)  # 3 blocks
+    for i in range(LAYERS):
+        p.send_layer_spans("mm", i, block_spans(src[i], [1, 2, 3], KVLayout.KV_FIRST))
+    ev_d = poll_until(d, lambda e: "mm" in e["failed"])
+    ev_p = poll_until(p, lambda e: "mm" in e["failed"])
+    assert "mismatch" in ev_d["failed"]["mm"]
+    assert "mm" not in ev_p["sent"]
+    # the agents go on: the next transfer between them works
+    _push(p, d, "after", src, dst, [1, 2], [3, 4], sender=p.endpoint)
+    poll_until(d, lambda e: "after" in e["recvd"])
+    poll_until(p, lambda e: "after" in e["sent"])
+
+
+def test_an_early_grant_the_receiver_gives_up_is_dropped_by_the_sender(
+    pair: tuple[TransferAgent, TransferAgent],
+) -> None:
+    """D aborts before P ever started (the request ended on D's side): P forgets the grant, and a
+    later start of that id is refused by D rather than written into blocks D took back."""
+    p, d = pair
+    src, dst = _caches(1, False), [torch.zeros(SHAPE, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    _push(p, d, "contact", src, dst, [1], [2], sender=p.endpoint)
+    poll_until(d, lambda e: "contact" in e["recvd"])
+    poll_until(p, lambda e: "contact" in e["sent"])
+    d.expect("gone", num_layers=LAYERS, deadline_s=20.0, sender=p.endpoint,
+             scatter_into=lambda i: block_spans(dst[i], [3], KVLayout.KV_FIRST))
+    wait_for(lambda: "gone" in p._sender.early_grants, 10.0, "P kept the early grant")
+    d.abort("gone", "request cancelled")
+    wait_for(lambda: "gone" not in p._sender.early_grants, 10.0, "P dropped the early grant")
+    one = gather_blocks(src[0], block_ids_tensor([1], "cpu"), KVLayout.KV_FIRST)
+    p.start_send("gone", d.endpoint, [LayerSpec.of(one)] * LAYERS, deadline_s=20.0)
+    for i in range(LAYERS):
+        p.send_layer_spans("gone", i, block_spans(src[i], [1], KVLayout.KV_FIRST))
+    ev_p = poll_until(p, lambda e: "gone" in e["failed"] or "gone" in e["sent"])
+    assert "gone" in ev_p["failed"]
+    assert all(not gather_blocks(c, block_ids_tensor([3], "cpu"), KVLayout.KV_FIRST).any() for c in dst)
+
+
+def test_into_blocks_with_a_known_sender_is_granted_early(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    """The serving path (registered caches, ``into_blocks``) takes early grants too."""
+    p, d = pair
+    src, dst = _caches(3, False), _caches(4, True)
+    for c in dst:
+        c.zero_()
+    p.register_kv_caches(src, KVLayout.KV_FIRST)
+    d.register_kv_caches(dst, KVLayout.KV_FIRST)
+    for n, (tid, src_ids, dst_ids) in enumerate([("b1", [2, 3], [9, 10]), ("b2", [6, 1, 7], [0, 14, 5])]):
+        d.expect(tid, num_layers=LAYERS, into_blocks=BlockTarget(tuple(dst_ids)), deadline_s=20.0,
+                 sender=p.endpoint)
+        assert d.stats().early_grants == n  # the first transfer is the first contact
+        p.start_send(tid, d.endpoint, p.block_layers(len(src_ids)), deadline_s=20.0)
+        ids = torch.tensor(src_ids, dtype=torch.int64)
+        for i in range(LAYERS):
+            p.send_blocks(tid, i, ids)
+        ev_p = poll_until(p, lambda e, t=tid: t in e["sent"] or t in e["failed"])  # type: ignore[misc]
+        ev_d = poll_until(d, lambda e, t=tid: t in e["recvd"] or t in e["failed"])  # type: ignore[misc]
+        assert not ev_p["failed"] and not ev_d["failed"], (ev_p, ev_d)
+        assert _landed(src, dst, src_ids, dst_ids)
