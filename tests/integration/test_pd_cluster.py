@@ -87,6 +87,24 @@ def test_outputs_equal_colocated(cluster: LocalCluster, reference: list[list[int
     assert_kv_transport(cluster, "shm" if cluster.spec.kv_transport is Transport.AUTO else "tcp")
 
 
+def test_push_grants_at_expect_once_the_pair_has_met(cluster: LocalCluster) -> None:
+    """Decision 110, on the serving path: once a D has talked to a P (the requests before), D grants
+    a new request's blocks when it expects the transfer, before P's Offer — push mode only (a pull
+    carries D's grant in the Pull anyway), and only for blocks D does not hold yet (prompts no
+    instance has seen here)."""
+    decode = [i for i in cluster.live_instances() if i.role == "decode"]
+    before = sum(metric(i.url, "kvwire_kv_early_grants_total") for i in decode if i.url)
+    fresh = [[(11 * j + 29 * k + 5) % 250 + 1 for j in range(40 + 8 * k)] for k in range(4)]
+    for prompt in fresh:  # one at a time: each pair has met before its next request
+        [result] = send_all(cluster.router_url, [body(prompt, stream=False)])
+        assert result.ok, result.error
+    early = sum(metric(i.url, "kvwire_kv_early_grants_total") for i in decode if i.url) - before
+    if cluster.spec.mode is TransferMode.PUSH:
+        assert early >= 1
+    else:
+        assert early == 0
+
+
 def assert_kv_transport(cluster: LocalCluster, want: str) -> None:
     """Every P/D pair that moved KV shows the plane in the instances' metrics and the router's
     /instances (heartbeat load): shm when negotiated on one host, tcp when forced."""

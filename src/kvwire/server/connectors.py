@@ -95,9 +95,14 @@ class _EarlyGrants:
         self._agent = agent
 
     def collect(self) -> Iterator[Metric]:
+        stats = self._agent.stats()
         yield CounterMetricFamily(
             "kvwire_kv_early_grants", "KV receives granted before the sender's offer",
-            value=self._agent.stats().early_grants,
+            value=stats.early_grants,
+        )
+        yield CounterMetricFamily(
+            "kvwire_kv_early_grants_unused", "early grants the offer did not fit (granted again on it)",
+            value=stats.early_grants_unused,
         )
 
 

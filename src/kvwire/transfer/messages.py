@@ -62,8 +62,10 @@ class Grant(Msg, tag="grant", frozen=True):
     data_address: str  # receiver's data plane address
     plane_info: bytes = b""
     # Sent at the receiver's expect, before the sender's Offer (decision 110): the sender keeps it
-    # until it starts the transfer (while the receiver renews it), instead of answering "unknown".
+    # until it starts the transfer (while the receiver renews it), instead of answering "unknown",
+    # and uses it only if its layers have these sizes (bytes, one per granted layer).
     early: bool = False
+    sizes: list[int] = msgspec.field(default_factory=list)
 
 
 class Ack(Msg, tag="ack", frozen=True):

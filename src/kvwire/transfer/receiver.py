@@ -293,31 +293,34 @@ class Receiver:
             self.core.plane.on_peer_info(st.peer, msg.plane_info)
         if st.expected and not self._check_offer(st):
             return
-        if st.early and not self._check_early(st):
-            return
+        if st.early:
+            self._check_early(st)
         st.to_grant.extend(i for i in range(len(st.specs)) if i not in st.early)
         self.grant_queue.append(tid)
         self.grant_pass()
         if st.early and tid in self.recvs:
             self.maybe_complete(st)  # early-granted layers may all have landed before the Offer
 
-    def _check_early(self, st: RecvState) -> bool:
-        """The Offer of an early-granted transfer: every layer must be the size granted (else the
-        transfer fails on both sides); the grant is sent again as an ordinary one (a sender that
-        did not keep it, e.g. one that had not talked to this agent yet, gets it now; one that did
-        ignores the repeat)."""
+    def _check_early(self, st: RecvState) -> None:
+        """The Offer of an early-granted transfer. Layers the sizes granted: the grant is sent again
+        as an ordinary one (a sender that did not keep it gets it now; one that used it finds
+        nothing new in it). Other sizes (P sends more blocks than D takes, say): the sender did not
+        use the grant (it checks the sizes), so nothing was written under it; the layers are
+        granted afresh, the ordinary way, and the new posts replace the early ones."""
         assert st.specs is not None and st.peer is not None
-        for index, num_bytes in st.early.items():
-            offered = st.specs[index].num_bytes if index < len(st.specs) else None
-            if offered != num_bytes:
-                reason = (f"{FailReason.MISMATCH.value}: layer {index} offered with {offered} bytes, "
-                          f"{num_bytes} granted before the offer")
-                self.fail(st.transfer_id, reason, notify=True)
-                return False
-        if st.early_grant is not None:
-            grant, st.early_grant = st.early_grant, None
-            self.core.send(st.peer.endpoint, msgspec.structs.replace(grant, early=False))
-        return True
+        fits = all(
+            index < len(st.specs) and st.specs[index].num_bytes == num_bytes
+            for index, num_bytes in st.early.items()
+        )
+        grant, st.early_grant = st.early_grant, None
+        if fits:
+            if grant is not None:
+                self.core.send(st.peer.endpoint, msgspec.structs.replace(grant, early=False, sizes=[]))
+            return
+        for index in st.early:
+            st.granted.pop(index, None)
+        st.early.clear()
+        self.core.stats.add("early_grants_unused")
 
     def _refused(self, endpoint: str, transfer_id: str) -> None:
         self.core.stats.add("offers_refused")
@@ -462,6 +465,7 @@ class Receiver:
             data_address=plane.address,
             plane_info=plane.local_info(st.peer),
             early=early,
+            sizes=[item.num_bytes for item in items] if early else [],
         )
         self.core.send(st.peer.endpoint, msg)
         return msg

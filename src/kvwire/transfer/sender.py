@@ -118,7 +118,10 @@ class Sender:
             self.offer(st)
             early = self.early_grants.pop(transfer_id, None)
             if early is not None and early[0].src_endpoint == endpoint:
-                self.on_grant(early[0])  # the receiver granted before this Offer: send at once
+                sizes = [st.layers[i].num_bytes if 0 <= i < len(st.layers) else -1 for i in early[0].layers]
+                if sizes == early[0].sizes:
+                    self.on_grant(early[0])  # the receiver granted before this Offer: send at once
+                # else: the layers do not fit what was granted; the receiver grants on the Offer
             elif early is not None:
                 self.core.send_abort(early[0].src_endpoint, transfer_id, "not this transfer's receiver",
                                      early[0].src_id)

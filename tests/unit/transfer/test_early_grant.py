@@ -100,26 +100,49 @@ def test_a_known_sender_is_granted_at_expect_and_writes_bit_exact(
             assert shm_plane(p).layers_sent["one_copy"] == 2 * LAYERS
 
 
-def test_an_offer_of_other_sizes_than_granted_fails_both_sides(
+def test_an_offer_of_other_sizes_is_granted_again_the_ordinary_way(
     pair: tuple[TransferAgent, TransferAgent],
 ) -> None:
+    """P's layers are not the sizes D granted early (P sends 3 blocks, D takes 2): P does not use
+    the early grant and D grants on the Offer as it always did — into blocks, the copy path drops
+    what D does not take; into spans of another size, the transfer fails as a mismatch, as without
+    early grants. Nothing is written under the unused grant."""
     p, d = pair
-    src, dst = _caches(1, False), _caches(2, False)
+    src = _caches(1, False)
+    dst = [torch.zeros(SHAPE, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    p.register_kv_caches(src, KVLayout.KV_FIRST)
+    d.register_kv_caches(dst, KVLayout.KV_FIRST)
     _push(p, d, "contact", src, dst, [1, 2], [3, 4], sender=p.endpoint)
     poll_until(d, lambda e: "contact" in e["recvd"])
     poll_until(p, lambda e: "contact" in e["sent"])
-    d.expect("mm", num_layers=LAYERS, deadline_s=20.0, sender=p.endpoint,
-             scatter_into=lambda i: block_spans(dst[i], [5, 6], KVLayout.KV_FIRST))  # 2 blocks
+    for c in dst:
+        c.zero_()
+    d.expect("more", num_layers=LAYERS, into_blocks=BlockTarget((5, 6)), deadline_s=20.0, sender=p.endpoint)
     assert d.stats().early_grants == 1
-    wait_for(lambda: "mm" in p._sender.early_grants, 10.0, "P kept the early grant")
+    wait_for(lambda: "more" in p._sender.early_grants, 10.0, "P kept the early grant")
+    p.start_send("more", d.endpoint, p.block_layers(3), deadline_s=20.0)
+    assert p._sender.sends["more"].granted == set()  # not used: 3 blocks offered, 2 granted
+    ids = torch.tensor([7, 8, 9], dtype=torch.int64)
+    for i in range(LAYERS):
+        p.send_blocks("more", i, ids)
+    ev_d = poll_until(d, lambda e: "more" in e["recvd"] or "more" in e["failed"])
+    ev_p = poll_until(p, lambda e: "more" in e["sent"] or "more" in e["failed"])
+    assert not ev_d["failed"] and not ev_p["failed"], (ev_d, ev_p)
+    assert d.stats().early_grants_unused == 1
+    assert _landed(src, dst, [7, 8], [5, 6])  # the third block dropped
+
+    d.expect("mm", num_layers=LAYERS, deadline_s=20.0, sender=p.endpoint,
+             scatter_into=lambda i: block_spans(dst[i], [10, 11], KVLayout.KV_FIRST))  # 2 blocks
+    assert d.stats().early_grants == 2
     three = gather_blocks(src[0], block_ids_tensor([1, 2, 3], "cpu"), KVLayout.KV_FIRST)
+    wait_for(lambda: "mm" in p._sender.early_grants, 10.0, "P kept the early grant")
     p.start_send("mm", d.endpoint, [LayerSpec.of(three)] * LAYERS, deadline_s=20.0)  # 3 blocks
     for i in range(LAYERS):
         p.send_layer_spans("mm", i, block_spans(src[i], [1, 2, 3], KVLayout.KV_FIRST))
     ev_d = poll_until(d, lambda e: "mm" in e["failed"])
     ev_p = poll_until(p, lambda e: "mm" in e["failed"])
     assert "mismatch" in ev_d["failed"]["mm"]
-    assert "mm" not in ev_p["sent"]
+    assert all(not gather_blocks(c, block_ids_tensor([10, 11], "cpu"), KVLayout.KV_FIRST).any() for c in dst)
     # the agents go on: the next transfer between them works
     _push(p, d, "after", src, dst, [1, 2], [3, 4], sender=p.endpoint)
     poll_until(d, lambda e: "after" in e["recvd"])
