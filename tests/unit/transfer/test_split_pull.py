@@ -123,7 +123,8 @@ def test_release_wrong_puller_and_piece_count_mismatch(
     assert "w" in p._sender.sends and p.stats().offers_refused == 1
     # pulls that disagree on how many pieces there are fail the held transfer (a config mismatch)
     pull(d0, p, "w~d0", "w", None, 2)
-    wait_for(lambda: "w~d0" in p._sender.sends)  # the named rank's piece is served
+    # the named rank's piece is served (seen on D: on P it may come and go between two looks)
+    poll_until(d0, lambda ev: "w~d0" in ev["recvd"])
     hold(p, p_cache, "m")
     pull(d0, p, "m~d0", "m", None, 2, deadline_s=30.0)
     pull(d1, p, "m~d1", "m", None, 3, deadline_s=30.0)
