@@ -24,6 +24,12 @@ SIDE = "send"
 MAX_PENDING_PULLS = 10_000
 
 
+def _fits(st: SendState, grant: Grant) -> bool:
+    """An early grant (decision 110) is used only if every layer it grants is the size granted."""
+    sizes = [st.layers[i].num_bytes if 0 <= i < len(st.layers) else -1 for i in grant.layers]
+    return sizes == grant.sizes
+
+
 @dataclasses.dataclass(frozen=True)
 class _Blocks:
     """A layer handed over as blocks of the registered caches, not yet made a plane item."""
@@ -118,10 +124,7 @@ class Sender:
             self.offer(st)
             early = self.early_grants.pop(transfer_id, None)
             if early is not None and early[0].src_endpoint == endpoint:
-                sizes = [st.layers[i].num_bytes if 0 <= i < len(st.layers) else -1 for i in early[0].layers]
-                if sizes == early[0].sizes:
-                    self.on_grant(early[0])  # the receiver granted before this Offer: send at once
-                # else: the layers do not fit what was granted; the receiver grants on the Offer
+                self.on_grant(early[0])  # the receiver granted before this Offer: send at once
             elif early is not None:
                 self.core.send_abort(early[0].src_endpoint, transfer_id, "not this transfer's receiver",
                                      early[0].src_id)
@@ -283,6 +286,8 @@ class Sender:
         st = self.sends.get(msg.transfer_id)
         if st is None and msg.early and self._keep_early(msg):
             return
+        if st is not None and msg.early and not _fits(st, msg):
+            return  # the layers are not the sizes granted early: the receiver grants on the Offer
         if st is None or st.endpoint != msg.src_endpoint:
             if st is None and msg.plane_info:  # an ordered plane must still consume what was granted
                 self.core.plane.cancel(msg.transfer_id)

@@ -12,6 +12,7 @@ from agent_helpers import poll_until
 
 from kvwire.transfer import TransferAgent, TransferConfig
 from kvwire.transfer.enums import KVLayout
+from kvwire.transfer.messages import Grant
 from kvwire.transfer.paged import block_ids_tensor, block_spans, gather_blocks
 from kvwire.transfer.paged_kv import BlockTarget
 from kvwire.transfer.shared_memory import shared_tensors
@@ -193,3 +194,25 @@ def test_into_blocks_with_a_known_sender_is_granted_early(pair: tuple[TransferAg
         ev_d = poll_until(d, lambda e, t=tid: t in e["recvd"] or t in e["failed"])  # type: ignore[misc]
         assert not ev_p["failed"] and not ev_d["failed"], (ev_p, ev_d)
         assert _landed(src, dst, src_ids, dst_ids)
+
+
+def test_an_early_grant_arriving_after_the_start_is_used_only_if_the_sizes_fit(
+    pair: tuple[TransferAgent, TransferAgent],
+) -> None:
+    """D's early grant can reach P after P's start_send (both sides move at once): P checks its
+    sizes there too, and leaves one that does not fit for D's grant on the Offer."""
+    p, d = pair
+    src = _caches(1, False)
+    payload = gather_blocks(src[0], block_ids_tensor([1, 2], "cpu"), KVLayout.KV_FIRST)
+    p.start_send("late", d.endpoint, [LayerSpec.of(payload)] * LAYERS, deadline_s=20.0)
+    header = {"src_id": d.instance_id, "src_endpoint": d.endpoint, "dst_id": p.instance_id,
+              "transfer_id": "late"}
+    size = LayerSpec.of(payload).num_bytes
+    wrong = Grant(**header, layers=[0, 1, 2], data_address="", early=True, sizes=[size // 2] * LAYERS)
+    right = Grant(**header, layers=[0, 1, 2], data_address="", early=True, sizes=[size] * LAYERS)
+    with p._core.lock:
+        p._sender.on_grant(wrong)
+        assert p._sender.sends["late"].granted == set()
+        p._sender.on_grant(right)
+        assert p._sender.sends["late"].granted == {0, 1, 2}
+    p.abort("late", "test over")
