@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
@@ -17,6 +17,9 @@ from kvwire.engine.config import EngineConfig
 from kvwire.errors import ConfigError
 from kvwire.kv_params import Role
 from kvwire.server.config import ServerConfig
+
+if TYPE_CHECKING:
+    from kvwire.transfer.stats import TransferStats
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +50,26 @@ class ConnectorSet:
                     logger.exception("closing connector %r failed", half)
 
 
-class _TransferRefusals:
-    """``kvwire_transfer_refused{reason}`` from the transfer agent's counters, read at scrape time:
-    control messages that failed the shared secret (or were malformed), and offers from an agent
-    that is not the transfer's bound peer."""
+# The agent's plain counters exported as ``<name>_total``: (name, help, value from TransferStats).
+_AGENT_COUNTERS: tuple[tuple[str, str, Callable[[TransferStats], float]], ...] = (
+    # what a plane that copies on the GPU itself (CUDA IPC) moved, the device time it took (their
+    # rate is the mover's GB/s) and in how many timed batches
+    ("kvwire_kv_device_copy_bytes", "KV bytes copied on the GPU by the data plane (CUDA IPC)",
+     lambda s: s.device_copy_bytes),
+    ("kvwire_kv_device_copy_seconds", "device time of those copies", lambda s: s.device_copy_ns / 1e9),
+    ("kvwire_kv_device_copy_batches", "batches those copies went in (one timed window each)",
+     lambda s: s.device_copy_batches),
+    # receives granted before the sender's Offer (decision 110): compare with the receives started
+    ("kvwire_kv_early_grants", "KV receives granted before the sender's offer", lambda s: s.early_grants),
+    ("kvwire_kv_early_grants_unused", "early grants the offer did not fit (granted again on it)",
+     lambda s: s.early_grants_unused),
+)
+
+
+class _AgentStats:
+    """The transfer agent's counters, from one snapshot per scrape: ``kvwire_transfer_refused{reason}``
+    (control messages that failed the shared secret or were malformed; offers from an agent that is
+    not the transfer's bound peer) and the plain counters of ``_AGENT_COUNTERS``."""
 
     def __init__(self, agent: Any) -> None:
         self._agent = agent
@@ -62,48 +81,8 @@ class _TransferRefusals:
         family.add_metric(["unauthenticated_or_malformed"], stats.messages_rejected)
         family.add_metric(["wrong_peer"], stats.offers_refused)
         yield family
-
-
-class _DeviceCopies:
-    """``kvwire_kv_device_copy_{bytes,seconds,batches}_total``: what a plane that copies on the GPU
-    itself (CUDA IPC) moved, the device time it took (their rate is the mover's GB/s) and in how many
-    timed batches, read at scrape time."""
-
-    def __init__(self, agent: Any) -> None:
-        self._agent = agent
-
-    def collect(self) -> Iterator[Metric]:
-        stats = self._agent.stats()
-        yield CounterMetricFamily(
-            "kvwire_kv_device_copy_bytes", "KV bytes copied on the GPU by the data plane (CUDA IPC)",
-            value=stats.device_copy_bytes,
-        )
-        yield CounterMetricFamily(
-            "kvwire_kv_device_copy_seconds", "device time of those copies", value=stats.device_copy_ns / 1e9
-        )
-        yield CounterMetricFamily(
-            "kvwire_kv_device_copy_batches", "batches those copies went in (one timed window each)",
-            value=stats.device_copy_batches,
-        )
-
-
-class _EarlyGrants:
-    """``kvwire_kv_early_grants_total``: receives granted before the sender's Offer (decision 110),
-    so the sender wrote without waiting for a control round trip; compare with the receives started."""
-
-    def __init__(self, agent: Any) -> None:
-        self._agent = agent
-
-    def collect(self) -> Iterator[Metric]:
-        stats = self._agent.stats()
-        yield CounterMetricFamily(
-            "kvwire_kv_early_grants", "KV receives granted before the sender's offer",
-            value=stats.early_grants,
-        )
-        yield CounterMetricFamily(
-            "kvwire_kv_early_grants_unused", "early grants the offer did not fit (granted again on it)",
-            value=stats.early_grants_unused,
-        )
+        for name, doc, value in _AGENT_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=value(stats))
 
 
 def build_connector_set(
@@ -142,9 +121,7 @@ def build_connector_set(
     scheduler, worker = build_connectors(connector_config, engine_info, registry=registry)
     agent = getattr(worker, "agent", None)
     if agent is not None and registry is not None:
-        registry.register(_TransferRefusals(agent))
-        registry.register(_DeviceCopies(agent))
-        registry.register(_EarlyGrants(agent))
+        registry.register(_AgentStats(agent))
     if registry is not None and agent is not None and hasattr(agent, "peer_transports"):
         from kvwire.connector.transport_metrics import TransportCollector
 
