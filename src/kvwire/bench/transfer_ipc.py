@@ -26,11 +26,11 @@ import statistics
 import time
 import uuid
 from multiprocessing.connection import Connection
-from typing import Any
 
 import torch
 
 from kvwire.bench.transfer import MiB, Shape
+from kvwire.bench.waiting import RECEIVED, SENT, wait_transfer
 from kvwire.transfer.config import TransferConfig
 
 DEFAULT_TOKENS = (512, 2048, 8192)
@@ -114,16 +114,7 @@ def _receiver(conn: Connection, tokens: int, shape: Shape, runs: int, verify: bo
                 scatter_into=lambda i: block_spans(dst[i], dst_ids, KVLayout.KV_FIRST),
             )
             conn.send("expecting")  # the clock starts once D waits for the transfer, as in serving
-            deadline = time.monotonic() + 120
-            while True:
-                ev = agent.poll()
-                if tid in ev.failed:
-                    raise RuntimeError(f"receive failed: {ev.failed[tid]}")
-                if tid in ev.finished_recving:
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError("receive did not finish in 120 s")
-                time.sleep(0.0001)
+            wait_transfer(agent, tid, RECEIVED)
             conn.send(time.perf_counter())
         assert conn.recv() == "done"  # P saw every acknowledgement: D's agent may close now
         if verify:
@@ -135,20 +126,6 @@ def _receiver(conn: Connection, tokens: int, shape: Shape, runs: int, verify: bo
                 got = gather_blocks(dst[layer].cpu(), torch.tensor(dst_ids), KVLayout.KV_FIRST)
                 verified = verified and torch.equal(want.view(torch.int16), got.view(torch.int16))
             conn.send(verified)
-
-
-def _wait_sent(agent: Any, tid: str, timeout_s: float = 60.0) -> None:
-    """Poll P's agent until ``tid`` is acknowledged; raise if it fails or takes ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        ev = agent.poll()
-        if tid in ev.failed:
-            raise RuntimeError(f"send failed: {ev.failed[tid]}")
-        if tid in ev.finished_sending:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"send not acknowledged in {timeout_s:.0f} s")
-        time.sleep(0.0002)
 
 
 def _sender(
@@ -178,7 +155,7 @@ def _sender(
             agent.start_send(tid, peer, [spec] * shape.num_layers)
             for layer, s in enumerate(spans):
                 agent.send_layer_spans(tid, layer, s)
-            _wait_sent(agent, tid)
+            wait_transfer(agent, tid, SENT, timeout_s=60.0)
             elapsed, after = time.perf_counter() - start, agent.stats()
             copy_s = (after.device_copy_ns - before.device_copy_ns) / 1e9
             times.append((elapsed, copy_s, after.device_copy_batches - before.device_copy_batches))
@@ -244,7 +221,8 @@ def overlap(tokens: int, shape: Shape, iters: int = 6) -> OverlapResult:
                 compute_done = time.perf_counter()
                 exposed.append(left.recv() - compute_done)
                 with_transfer.append(start.elapsed_time(end))
-                _wait_sent(agent, tid)  # P's side ends too (D's acks) before the next one
+                # P's side ends too (D's acks) before the next one
+                wait_transfer(agent, tid, SENT, timeout_s=60.0)
             left.send("done")
     finally:
         receiver.join(timeout=30)

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from kvwire.bench.transfer import MiB, Shape, _Caches
+from kvwire.bench.waiting import RECEIVED, SENT, wait_transfer
 from kvwire.transfer import TransferAgent, TransferConfig
 from kvwire.transfer.enums import Backend, Transport
 from kvwire.transfer.paged import KVLayout, block_spans
@@ -109,23 +110,6 @@ def _verify(caches: _Caches, dst: list[torch.Tensor]) -> bool:
     return True
 
 
-def _wait(agent: TransferAgent, tid: str, field: str) -> None:
-    """Until ``tid`` shows in ``field`` of the agent's events; asleep in between (``agent.wait``):
-    a loop of short sleeps would cost this process a core in wake-ups, which on a 2-core box is the
-    core the plane's threads need."""
-    deadline = time.monotonic() + 120.0
-    while True:
-        ev = agent.poll()
-        if tid in ev.failed:
-            raise RuntimeError(f"transfer failed: {ev.failed[tid]}")
-        if tid in getattr(ev, field):
-            return
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("benchmark transfer did not complete within 120 s")
-        agent.wait(min(left, 1.0))
-
-
 def _spans(dst: list[torch.Tensor], block_ids: list[int], index: int) -> ByteSpans:
     return block_spans(dst[index], block_ids, KVLayout.KV_FIRST)
 
@@ -157,7 +141,7 @@ def _receiver_process(conn: Connection, tokens: int, shape: Shape, options: ShmO
                     sender=sender[0],
                 )
                 conn.send("expecting")
-                _wait(agent, arg, "finished_recving")
+                wait_transfer(agent, arg, RECEIVED)
                 conn.send("received")
 
 
@@ -170,7 +154,7 @@ def _send_remote(agent: TransferAgent, conn: Connection, name: str, endpoint: st
     agent.start_send(tid, endpoint, [caches.spec] * len(caches.src), deadline_s=120.0)
     for i, src in enumerate(caches.src):
         agent.send_layer_spans(tid, i, block_spans(src, caches.src_ids, KVLayout.KV_FIRST))
-    _wait(agent, tid, "finished_sending")
+    wait_transfer(agent, tid, SENT)
     elapsed = time.perf_counter() - start
     assert conn.recv() == "received"
     return elapsed
