@@ -33,6 +33,16 @@ def caches(heads: int, seed: int) -> list[torch.Tensor]:
     return [torch.randn(2, 8, 4, heads, 8, generator=gen) for _ in range(NUM_LAYERS)]
 
 
+def register(
+    agents: tuple[TransferAgent, TransferAgent, TransferAgent], p_heads: int
+) -> list[list[torch.Tensor]]:
+    """Caches for P (``p_heads`` KV heads) and the two D ranks (one head each), registered."""
+    made = [caches(p_heads, 1), caches(1, 2), caches(1, 3)]
+    for agent, cache in zip(agents, made, strict=True):
+        agent.register_kv_caches(cache, LAYOUT)
+    return made
+
+
 def hold(p: TransferAgent, p_cache: list[torch.Tensor], tid: str, **kw: object) -> None:
     """P holds its whole layer of ``P_BLOCKS`` for a pull (as the connector does in pull mode)."""
     layers = [LayerSpec(gathered_shape(c, len(P_BLOCKS), LAYOUT), c.dtype) for c in p_cache]
@@ -58,10 +68,7 @@ def test_each_rank_gets_its_heads_and_p_finishes_on_the_last_ack(
     agents: tuple[TransferAgent, TransferAgent, TransferAgent],
 ) -> None:
     p, d0, d1 = agents
-    p_cache, d0_cache, d1_cache = caches(2, 1), caches(1, 2), caches(1, 3)
-    p.register_kv_caches(p_cache, LAYOUT)
-    d0.register_kv_caches(d0_cache, LAYOUT)
-    d1.register_kv_caches(d1_cache, LAYOUT)
+    p_cache, d0_cache, d1_cache = register(agents, p_heads=2)
     hold(p, p_cache, "t", pull_by=[d0.endpoint, d1.endpoint])
     pull(d0, p, "t~d0", "t", range(0, 1), 2)
     poll_until(d0, lambda ev: "t~d0" in ev["recvd"])
@@ -88,10 +95,7 @@ def test_a_failed_piece_fails_the_held_transfer_and_its_other_pieces(
     agents: tuple[TransferAgent, TransferAgent, TransferAgent],
 ) -> None:
     p, d0, d1 = agents
-    p_cache = caches(2, 1)
-    p.register_kv_caches(p_cache, LAYOUT)
-    d0.register_kv_caches(caches(1, 2), LAYOUT)
-    d1.register_kv_caches(caches(1, 3), LAYOUT)
+    p_cache = register(agents, p_heads=2)[0]
     hold(p, p_cache, "t")
     # D1's piece is pulled, then D1 gives up on it: P fails the held transfer at once
     pull(d1, p, "t~d1", "t", range(1, 2), 2)
@@ -108,10 +112,7 @@ def test_release_wrong_puller_and_piece_count_mismatch(
     agents: tuple[TransferAgent, TransferAgent, TransferAgent],
 ) -> None:
     p, d0, d1 = agents
-    p_cache = caches(1, 1)
-    p.register_kv_caches(p_cache, LAYOUT)
-    d0.register_kv_caches(caches(1, 2), LAYOUT)
-    d1.register_kv_caches(caches(1, 3), LAYOUT)
+    p_cache = register(agents, p_heads=1)[0]
     # a release (a replica nobody pulls) ends the held transfer as finished at once
     hold(p, p_cache, "r")
     d0.release_pull("r", p.endpoint)
