@@ -19,6 +19,7 @@ from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
 from kvwire.transfer.enums import KVLayout
 from kvwire.transfer.paged_kv import BlockTarget
 from kvwire.transfer.planes.ipc.runs import pair_runs
+from kvwire.transfer.planes.shm import plane as shm_plane_module
 from kvwire.transfer.planes.shm import send as shm_send
 from kvwire.transfer.planes.shm.direct import (
     DirectInfo,
@@ -77,6 +78,8 @@ def test_shared_tensors_are_zeroed_views_of_one_region_released_with_the_last_te
 
 
 def test_grant_revoke_waits_for_a_writer_holding_the_slot() -> None:
+    """A sender holds the slot across layers and checks the grant before each one: a revoke stops
+    it after the layer under way, and returns only once it let go."""
     table = GrantTable(slots=4)
     view = GrantView(os.dup(table.fd), table.size)  # as a sender maps it (own open file description)
     try:
@@ -84,12 +87,14 @@ def test_grant_revoke_waits_for_a_writer_holding_the_slot() -> None:
         assert claimed is not None
         slot, token = claimed
         holding, release, revoked = threading.Event(), threading.Event(), threading.Event()
+        checks: list[bool] = []
 
         def writer() -> None:
             with view.holding(slot, token, 5.0) as granted:
-                assert granted
+                checks.append(granted())  # before "layer 1"
                 holding.set()
-                release.wait(10.0)
+                release.wait(10.0)  # "layer 1" being copied
+                checks.append(granted())  # before "layer 2": the revoke zeroed the token
 
         thread = threading.Thread(target=writer)
         thread.start()
@@ -103,8 +108,9 @@ def test_grant_revoke_waits_for_a_writer_holding_the_slot() -> None:
         thread.join(10.0)
         canceller.join(10.0)
         assert revoked.is_set()
+        assert checks == [True, False]  # the writer stopped after the layer under way
         with view.holding(slot, token, 1.0) as granted:
-            assert not granted  # revoked: the sender writes nothing
+            assert not granted()  # revoked: the sender writes nothing
         assert [table.claim() for _ in range(4)].count(None) == 0  # the slot was freed again
         assert table.claim() is None  # four slots, all in use
         with pytest.raises(ValueError, match="outside the table"), view.holding(99, 1, 1.0):
@@ -260,10 +266,10 @@ def test_paged_transfer_into_a_shared_cache_takes_one_copy_bit_exact(threads: in
 def test_layers_queued_together_are_written_in_batches_and_reported_per_layer(
     pair: tuple[TransferAgent, TransferAgent], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Layers handed over at once go in batches (one grant hold, one write of DONE frames): with
-    a batch bound below one layer's bytes every layer still lands bit-exact and counts once."""
+    """Layers handed over at once go in one batch (one grant hold), announced as they are written
+    every ``ANNOUNCE_S``: announcing after every layer, each still lands bit-exact and counts once."""
     p, d = pair
-    monkeypatch.setattr(shm_send, "BATCH_BYTES", 3 * 8192)  # 2 blocks per layer: two layers a batch
+    monkeypatch.setattr(shm_send, "ANNOUNCE_S", 0.0)  # a DONE frame written after every layer
     layers = 8
     src = [c for _ in range(2) for c in _caches(6)]
     dst = shared_tensors([SHAPE] * layers, torch.bfloat16)
@@ -329,6 +335,70 @@ def test_abort_on_the_receiver_stops_later_writes_into_its_blocks(
     assert torch.equal(_blocks(dst, [5, 6])[0], _blocks(src, [1, 2])[0])
     assert all(not t.any() for t in _blocks(dst[1:], [5, 6]))
     assert shm_plane(p).layers_sent["one_copy"] == LAYERS + 1
+
+
+class _GatedCopier:
+    """Wraps a plane's copier: copy number ``n`` signals ``entered[n]`` and waits for ``proceed[n]``."""
+
+    def __init__(self, inner: RunCopier, calls: int) -> None:
+        self.inner, self.calls = inner, 0
+        self.entered = [threading.Event() for _ in range(calls)]
+        self.proceed = [threading.Event() for _ in range(calls)]
+
+    def copy(self, src: np.ndarray, dst: np.ndarray, runs: list[tuple[int, int, int]]) -> None:
+        n, self.calls = self.calls, self.calls + 1
+        if n < len(self.entered):
+            self.entered[n].set()
+            assert self.proceed[n].wait(20.0), f"copy {n} was never let through"
+        self.inner.copy(src, dst, runs)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_abort_mid_batch_stops_the_writer_after_the_layer_under_way(
+    pair: tuple[TransferAgent, TransferAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer holds a grant across the layers queued together: an abort on the receiver waits
+    for the layer being copied, the writer stops before the next, and nothing lands afterwards."""
+    monkeypatch.setattr(shm_plane_module, "CANCEL_WAIT_S", 20.0)  # the test holds the writer a while
+    p, d = pair
+    src = _caches(5)
+    dst = shared_tensors([SHAPE] * LAYERS, torch.bfloat16)
+    p.register_kv_caches(src, KVLayout.KV_FIRST)
+    d.register_kv_caches(dst, KVLayout.KV_FIRST)
+    _transfer(p, d, "warm", [0], [0])  # the link is set up and the region mapped
+    plane_p, plane_d = shm_plane(p), shm_plane(d)
+    gate = _GatedCopier(plane_p.copier, 3)
+    monkeypatch.setattr(plane_p, "copier", gate)
+    gate.proceed[1].set()  # copy 1 ("cut" layer 0) runs freely
+    # copy 0: a first transfer's layer keeps the writer busy while "cut"'s layers queue up behind it
+    d.expect("busy", num_layers=LAYERS, into_blocks=BlockTarget((20,)), deadline_s=20.0)
+    p.start_send("busy", d.endpoint, p.block_layers(1), deadline_s=20.0)
+    p.send_blocks("busy", 0, torch.tensor([9], dtype=torch.int64))
+    assert gate.entered[0].wait(10.0)
+    d.expect("cut", num_layers=LAYERS, into_blocks=BlockTarget((5, 6)), deadline_s=20.0)
+    p.start_send("cut", d.endpoint, p.block_layers(2), deadline_s=20.0)
+    for i in range(LAYERS):
+        p.send_blocks("cut", i, torch.tensor([1, 2], dtype=torch.int64))
+    writer = plane_p.outbound[d.instance_id]
+    wait_for(lambda: writer.queue.qsize() == LAYERS, 10.0, "cut's layers queued behind the busy one")
+    gate.proceed[0].set()
+    assert gate.entered[2].wait(10.0)  # "cut" layer 1 is being copied under the grant's lock
+    slot = plane_d._granted["cut"].slot
+    aborter = threading.Thread(target=d.abort, args=("cut", "test"))
+    aborter.start()
+    wait_for(lambda: int(plane_d.grants.tokens[slot]) == 0, 10.0, "the revoke zeroed the token")
+    assert aborter.is_alive()  # it waits for the layer under way
+    gate.proceed[2].set()
+    aborter.join(20.0)
+    assert not aborter.is_alive()
+    wait_for(lambda: "cut" in p.poll().failed, 10.0, "the sender learns of the abort")
+    assert gate.calls == 3  # layers 2 and 3 were never copied
+    written = _blocks(dst, [5, 6])
+    assert all(torch.equal(written[i], _blocks(src, [1, 2])[i]) for i in (0, 1))
+    assert all(not written[i].any() for i in (2, 3))
+    assert plane_p.layers_sent["one_copy"] == LAYERS + 3  # warm-up, busy's layer, cut's two
 
 
 def test_memory_from_a_peer_must_be_sealed_against_shrinking() -> None:

@@ -7,10 +7,13 @@ cancelled transfer is under way or can start later, before the caller reuses tho
 The table is a small memfd of 64-bit tokens, one slot per granted transfer, shared with every
 sender (passed at link setup). A grant names (slot, token). The sender holds a byte-range lock on
 the slot (an open-file-description lock, ``F_OFD_SETLK``: per descriptor, so two threads of one
-process exclude each other too, and the kernel drops it when a holder dies) while it checks the
-token and copies one layer. The receiver revokes by taking the same lock and zeroing the token:
-once that returns, nothing of the transfer is being written and nothing will be. Lock and unlock
-are system calls, which order the token's store and load between the processes.
+process exclude each other too, and the kernel drops it when a holder dies) while it copies the
+layers queued for the transfer, and re-reads the token before each layer. The receiver revokes by
+zeroing the token and then taking the same lock: once that returns, nothing of the transfer is being
+written and nothing will be. A sender that read the token before it was zeroed finishes the layer
+under way, sees the zero before the next one and lets go, so a revoke waits for at most one layer's
+copy however many layers the sender holds the slot for. The lock is what guarantees exclusion (a
+stale read of the token only delays the sender's stop; the revoke still waits for the lock).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import os
 import secrets
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import numpy.typing as npt
@@ -87,11 +90,12 @@ class GrantTable:
         return slot, token
 
     def revoke(self, slot: int, timeout_s: float) -> bool:
-        """Zero the slot's token under its lock and free the slot: True once no sender writes under
-        it any more; False when a sender held the lock past ``timeout_s`` (token zeroed anyway: no
-        new write starts, but one may still be running; the slot stays out of use)."""
-        held = lock_slot(self.fd, slot, timeout_s)
+        """Zero the slot's token, then take its lock and free the slot: True once no sender writes
+        under it any more; False when a sender held the lock past ``timeout_s`` (no new write
+        starts, but one may still be running; the slot stays out of use). Zeroing first tells a
+        sender holding the lock across layers to stop after the layer it is copying."""
         self.tokens[slot] = 0
+        held = lock_slot(self.fd, slot, timeout_s)
         if held:
             unlock_slot(self.fd, slot)
             self._free.append(slot)
@@ -125,15 +129,17 @@ class GrantView:
         self.tokens: npt.NDArray[np.uint64] = np.frombuffer(self._map, dtype=np.uint64)
 
     @contextlib.contextmanager
-    def holding(self, slot: int, token: int, timeout_s: float) -> Iterator[bool]:
-        """Hold ``slot``'s lock; yields whether the grant is still valid (False: revoked, write
-        nothing). Raises TimeoutError when the receiver holds the lock past ``timeout_s``."""
+    def holding(self, slot: int, token: int, timeout_s: float) -> Iterator[Callable[[], bool]]:
+        """Hold ``slot``'s lock; yields a check to call before each write: whether the grant is
+        still valid (False: revoked, write nothing more). Raises TimeoutError when the receiver
+        holds the lock past ``timeout_s``."""
         if not 0 <= slot < self.tokens.size:
             raise ValueError(f"grant slot {slot} outside the table ({self.tokens.size} slots)")
         if not lock_slot(self.fd, slot, timeout_s):
             raise TimeoutError(f"grant slot {slot} stayed locked for {timeout_s} s")
+        tokens = self.tokens
         try:
-            yield int(self.tokens[slot]) == token
+            yield lambda: int(tokens[slot]) == token
         finally:
             unlock_slot(self.fd, slot)
 

@@ -6,8 +6,9 @@ layer:
 
 * one-copy path: the receiver granted a destination in one of those regions, so the writer copies
   the layer's block runs straight into it (holding the grant's slot lock, which the receiver's
-  cancel takes to revoke: ``grants``) and sends one DONE frame. Layers queued together go as a
-  batch (up to ``BATCH_BYTES``): one lock hold and one write of DONE frames for them;
+  cancel takes to revoke: ``grants``) and sends one DONE frame. Layers of one transfer queued
+  together go as a batch: one lock hold for them (the grant re-checked before each layer), their
+  DONE frames written together, at least every ``ANNOUNCE_S`` while the batch lasts;
 * ring path (any other destination): copies the byte runs into the ring chunk by chunk and
   announces each chunk with a small frame. The receiver returns credit (the ring position it has
   consumed) after copying each chunk out, so the ring bounds the bytes in flight and the two copies
@@ -22,6 +23,7 @@ import os
 import queue
 import select
 import socket
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -51,7 +53,9 @@ if TYPE_CHECKING:
     from kvwire.transfer.planes.shm.plane import ShmPlane
 
 
-BATCH_BYTES = 64 << 20  # the most layer bytes one batch takes (bounds how long a grant is held)
+# while a batch lasts, its written layers are announced (DONE frames) at least this often: a batch
+# holds everything queued, so the receiver learns of its first layers before the last is copied
+ANNOUNCE_S = 0.01
 
 
 def _payload_bytes(item: SendItem) -> int:
@@ -148,24 +152,28 @@ class Outbound(OutboundLink):
             self._write_direct(sock, direct)
 
     def _batch(self, first: SendItem) -> tuple[list[SendItem], bool]:
-        """``first`` and the layers queued behind it, up to ``BATCH_BYTES``; True when the stop
-        marker came up (after the batch)."""
-        batch, size = [first], _payload_bytes(first)
-        while size < BATCH_BYTES:
+        """``first`` and the layers queued behind it; True when the stop marker came up (after the
+        batch). Unbounded: the caller queued them, the receiver is told of written layers every
+        ``ANNOUNCE_S``, and a revoke waits for one layer at most (``grants``)."""
+        batch = [first]
+        while True:
             try:
                 item = self.queue.get_nowait()
             except queue.Empty:
-                break
+                return batch, False
             if item is None:
                 return batch, True
             batch.append(item)
-            size += _payload_bytes(item)
-        return batch, False
 
     def _write_direct(self, sock: socket.socket, layers: list[tuple[SendItem, ShmDest]]) -> None:
-        """Copy layers of one transfer (one grant) straight into the receiver's granted blocks, then
-        send their DONE frames; report them sent. A layer whose runs do not fit fails its transfer;
-        a revoked grant drops the layers."""
+        """Copy layers of one transfer (one grant) straight into the receiver's granted blocks under
+        one hold of the grant's lock, announcing them (DONE frames, reported sent) every
+        ``ANNOUNCE_S`` and at the end. A layer whose runs do not fit fails its transfer; a revoked
+        grant drops the layers not yet copied.
+
+        One hold for the batch, not one per layer: each lock and unlock is a system call, where
+        the writer lets go of the GIL and waits to get it back from the process's other threads
+        (docs/decisions/111-shm-one-hold.md)."""
         planned = []
         for item, dest in layers:
             try:
@@ -179,10 +187,12 @@ class Outbound(OutboundLink):
         assert self._grants is not None
         grant = layers[0][1]
         frames: list[bytes] = []
+        done: list[int] = []
+        announce_at = time.monotonic() + ANNOUNCE_S
         try:
             with self._grants.holding(grant.slot, grant.token, CANCEL_WAIT_S * 5) as granted:
                 for item, src, dst, runs in planned:
-                    if not granted or self.plane.is_cancelled(item.transfer_id):
+                    if not granted() or self.plane.is_cancelled(item.transfer_id):
                         return  # revoked: the receiver's blocks may be in use again
                     self.plane.copier.copy(src, dst, runs)
                     tid = item.transfer_id.encode()
@@ -190,14 +200,28 @@ class Outbound(OutboundLink):
                     frames.append(
                         FRAME.pack(Frame.DONE, item.layer_index, total, 0, 0, total, len(tid)) + tid
                     )
+                    done.append(item.layer_index)
+                    if time.monotonic() >= announce_at:
+                        self._announce(sock, grant.transfer_id, frames, done)
+                        announce_at = time.monotonic() + ANNOUNCE_S
         except TimeoutError as exc:
             raise ConnectionError(f"receiver kept its grant table locked: {exc}") from exc
         finally:  # what was written is announced, also when a later layer was revoked
-            if frames:
-                self._count("one_copy", len(frames))  # before the frames: the layers may complete
-                sock.sendall(b"".join(frames))
-                sent = tuple(item.layer_index for item, *_ in planned[: len(frames)])
-                self.plane.callbacks.on_sent(self.peer.instance_id, grant.transfer_id, sent)
+            self._announce(sock, grant.transfer_id, frames, done)
+
+    def _announce(
+        self, sock: socket.socket, transfer_id: str, frames: list[bytes], layers: list[int]
+    ) -> None:
+        """Send the DONE frames of written ``layers`` and report them sent; empties both lists
+        (first: a link that breaks meanwhile does not see them announced twice)."""
+        if not frames:
+            return
+        data, sent = b"".join(frames), tuple(layers)
+        frames.clear()
+        layers.clear()
+        self._count("one_copy", len(sent))  # before the frames: the layers may complete
+        sock.sendall(data)
+        self.plane.callbacks.on_sent(self.peer.instance_id, transfer_id, sent)
 
     def _plan(self, item: SendItem, dest: ShmDest) -> tuple[Bytes, Bytes, list[Run]]:
         """(source bytes, destination bytes, runs) of a one-copy layer; ValueError when they do not fit."""
