@@ -380,7 +380,10 @@ class TransferAgent:
                 self._on_reject(
                     f"stale {type(msg).__name__} for epoch {msg.dst_id} (now {self._instance_id})"
                 )
-                if not isinstance(msg, Abort):
+                # an early Grant (decision 110) went to this endpoint's previous process on what
+                # the receiver knew of it: that process never had the transfer, nothing was lost;
+                # the receiver grants afresh when this process offers it
+                if not isinstance(msg, Abort) and not (isinstance(msg, Grant) and msg.early):
                     reason = f"{FailReason.PEER_LOST.value}: peer restarted"
                     core.send_abort(msg.src_endpoint, msg.transfer_id, reason, msg.src_id)
                 return

@@ -598,12 +598,35 @@ class Receiver:
     def fail_peer(self, peer_id: str, reason: str) -> None:
         """The sender ``peer_id`` is gone: fail its transfers, except those whose every layer already
         arrived (a push granted before the caller's ``expect``, held in receive buffers: the data
-        is whole, so the ``expect`` that follows completes it; the lease still bounds the wait)."""
+        is whole, so the ``expect`` that follows completes it; the lease still bounds the wait) and
+        those only granted early to it, which wait for the Offer of the endpoint's next process."""
         for tid in [
             t for t, st in self.recvs.items() if st.peer is not None and st.peer.instance_id == peer_id
         ]:
-            if not self._all_arrived(self.recvs[tid]):
+            st = self.recvs[tid]
+            if self._early_only(st, peer_id):
+                self._ungrant_early(st)
+            elif not self._all_arrived(st):
                 self.fail(tid, reason, notify=False)
+
+    def _early_only(self, st: RecvState, peer_id: str) -> bool:
+        """Granted early to ``peer_id`` (decision 110) from what this side knew of the sender, with
+        no sign that that epoch ever had the transfer: no Offer, no layer, no Renew reporting it."""
+        return bool(st.early) and st.specs is None and not (st.arrived or st.delivering or st.held) and (
+            st.sender_id != peer_id
+        )
+
+    def _ungrant_early(self, st: RecvState) -> None:
+        """Forget an early grant to a sender epoch that ended (a P restarted between this side's last
+        contact with it and the request): the transfer waits for its sender's Offer as if it had
+        never been granted, and is granted the ordinary way when the new epoch offers it. The
+        plane's posts and grants for the old epoch go with ``drop_peer``, which follows."""
+        for index in st.early:
+            st.granted.pop(index, None)
+        st.early.clear()
+        st.early_grant = None
+        st.peer = None
+        self.core.stats.add("early_grants_unused")
 
     def fail_endpoint(self, endpoint: str, reason: str) -> int:
         """The sender at ``endpoint`` is gone: as :meth:`fail_peer`, by endpoint (also before its
@@ -674,7 +697,7 @@ class Receiver:
             return False
         if msg.state not in _SENDER_PROGRESS:
             return True  # done, or does not know it: nothing more will come, no renewal
-        if st.peer is None:  # before the Offer: the sender's epoch must not change meanwhile
+        if st.specs is None:  # before the Offer: the sender's epoch must not change meanwhile
             if st.sender_id is None:
                 st.sender_id = msg.src_id
             elif st.sender_id != msg.src_id:

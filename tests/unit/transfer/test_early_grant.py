@@ -12,13 +12,14 @@ from agent_helpers import poll_until
 
 from kvwire.transfer import TransferAgent, TransferConfig
 from kvwire.transfer.enums import KVLayout
-from kvwire.transfer.messages import Grant
+from kvwire.transfer.lease import PeerState
+from kvwire.transfer.messages import Grant, Renew
 from kvwire.transfer.paged import block_ids_tensor, block_spans, gather_blocks
 from kvwire.transfer.paged_kv import BlockTarget
 from kvwire.transfer.shared_memory import shared_tensors
 from kvwire.transfer.types import LayerSpec
 from support.shm_planes import shm_plane
-from support.waiting import wait_for
+from support.waiting import free_port, wait_for
 
 SHAPE = (2, 16, 8, 2, 16)  # KV_FIRST: 16 blocks of 512-byte halves (bfloat16)
 LAYERS = 3
@@ -216,3 +217,81 @@ def test_an_early_grant_arriving_after_the_start_is_used_only_if_the_sizes_fit(
         p._sender.on_grant(right)
         assert p._sender.sends["late"].granted == {0, 1, 2}
     p.abort("late", "test over")
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_a_sender_restarted_before_the_request_gets_the_transfer_granted_afresh(
+    transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """D met P, P restarted on the same port unnoticed by D's data links (another host gone without
+    a FIN, say), then the request came: D's early grant went to the old process, which never had
+    the transfer. The new process's Offer is granted the ordinary way and the transfer completes
+    (it failed as peer_lost before)."""
+    port = free_port()
+    cfg_p = TransferConfig(transport=transport, control_port=port)
+    src, dst = _caches(1, False), _caches(2, True)
+    for c in dst:
+        c.zero_()
+    src_ids, dst_ids = [4, 5, 9, 1], [0, 7, 8, 3]
+    with TransferAgent(TransferConfig(transport=transport)) as d:
+        # D's data links do not report the old process's end: D keeps the pair's plane and epoch
+        monkeypatch.setattr(d, "on_peer_failed", lambda peer_id, reason: None)
+        with TransferAgent(cfg_p) as old:
+            _push(old, d, "meet", src, dst, src_ids, dst_ids, sender=old.endpoint)
+            poll_until(d, lambda e: "meet" in e["recvd"])
+            poll_until(old, lambda e: "meet" in e["sent"])
+            endpoint, old_id = old.endpoint, old.instance_id
+        for c in dst:
+            c.zero_()
+        with TransferAgent(cfg_p) as new:
+            assert new.endpoint == endpoint and new.instance_id != old_id
+            # D still knows the old epoch: it grants early, to the process that is gone
+            d.expect(
+                "after",
+                num_layers=LAYERS,
+                deadline_s=20.0,
+                sender=endpoint,
+                scatter_into=lambda i: block_spans(dst[i], dst_ids, KVLayout.KV_FIRST),
+            )
+            assert d.stats().early_grants == 1
+            payload = gather_blocks(src[0], block_ids_tensor(src_ids, "cpu"), KVLayout.KV_FIRST)
+            new.start_send("after", d.endpoint, [LayerSpec.of(payload)] * LAYERS, deadline_s=20.0)
+            for i in range(LAYERS):
+                new.send_layer_spans("after", i, block_spans(src[i], src_ids, KVLayout.KV_FIRST))
+            ev_d = poll_until(d, lambda e: "after" in e["recvd"] or "after" in e["failed"])
+            ev_p = poll_until(new, lambda e: "after" in e["sent"] or "after" in e["failed"])
+            assert not ev_d["failed"] and not ev_p["failed"], (ev_d, ev_p)
+            assert _landed(src, dst, src_ids, dst_ids)
+            stats = d.stats()
+            assert stats.peers_restarted == 1 and stats.early_grants_unused == 1
+
+
+def test_a_sender_that_had_the_transfer_and_restarted_still_fails_it(
+    pair: tuple[TransferAgent, TransferAgent],
+) -> None:
+    """The other side of that rule: when the old epoch reported the transfer as its own (a Renew
+    in progress) before it went, its restart fails the transfer at once, as before."""
+    p, d = pair
+    src, dst = _caches(1, False), _caches(2, True)
+    src_ids, dst_ids = [4, 5], [0, 7]
+    _push(p, d, "meet", src, dst, src_ids, dst_ids, sender=p.endpoint)
+    poll_until(d, lambda e: "meet" in e["recvd"])
+    d.expect(
+        "had",
+        num_layers=LAYERS,
+        deadline_s=20.0,
+        sender=p.endpoint,
+        scatter_into=lambda i: block_spans(dst[i], dst_ids, KVLayout.KV_FIRST),
+    )
+    assert d.stats().early_grants == 1
+    st = d._receiver.recvs["had"]
+    with d._core.lock:  # P's Renew reply "queued" (it had the request) as the control thread sees it
+        d._receiver.on_renew(
+            Renew(
+                **p._core.header(d.endpoint, "had", d.instance_id), state=PeerState.QUEUED.value, reply=True
+            )
+        )
+    assert st.sender_id == p.instance_id
+    with d._core.lock:
+        d._fail_peer(p.instance_id, "peer_lost: test restart")
+    assert "had" in poll_until(d, lambda e: "had" in e["failed"])["failed"]
