@@ -164,6 +164,9 @@ def test_run_plans_are_source_ordered_reused_per_transfer_and_bounded_per_layer(
     ]
     # the next layer of the transfer: equal spans (new objects) -> the same plan, no new pairing
     assert plans.runs(tuple(src_spans), list(dst_spans), 10 * block, 7 * block) is runs
+    # the copy loop's slice pairs, made once per plan: run (2 * block -> 5 * block) comes first
+    assert runs.slices[0] == (slice(2 * block, 3 * block), slice(5 * block, 6 * block))
+    assert runs.slices is runs.slices and len(runs.slices) == len(runs)
     with pytest.raises(ValueError, match="destination"):  # this layer's tensor is too small
         plans.runs(src_spans, dst_spans, 10 * block, 7 * block - 1)
     with pytest.raises(ValueError, match="bytes"):  # totals differ
