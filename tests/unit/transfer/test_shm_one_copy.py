@@ -404,6 +404,41 @@ def test_abort_mid_batch_stops_the_writer_after_the_layer_under_way(
     assert plane_p.layers_sent["one_copy"] == LAYERS + 3  # warm-up, busy's layer, cut's two
 
 
+def test_a_granted_destination_outside_the_region_fails_that_transfer_only(
+    pair: tuple[TransferAgent, TransferAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A grant whose spans leave the receiver's region (a corrupt or hostile peer) fails its
+    transfer as a mismatch at that layer, writes nothing out of bounds, and the link goes on."""
+    p, d = pair
+    src = _caches(6)
+    dst = shared_tensors([SHAPE] * LAYERS, torch.bfloat16)
+    p.register_kv_caches(src, KVLayout.KV_FIRST)
+    d.register_kv_caches(dst, KVLayout.KV_FIRST)
+    _transfer(p, d, "warm", [0], [0])
+    plane_p = shm_plane(p)
+    take = plane_p.take_dest
+
+    def corrupt(peer_id: str, transfer_id: str, layer: int) -> ShmDest | None:
+        dest = take(peer_id, transfer_id, layer)
+        if dest is not None and transfer_id == "bad" and layer == 1:
+            return msgspec.structs.replace(dest, base=dest.base + (1 << 40))
+        return dest
+
+    monkeypatch.setattr(plane_p, "take_dest", corrupt)
+    d.expect("bad", num_layers=LAYERS, into_blocks=BlockTarget((5, 6)), deadline_s=20.0)
+    p.start_send("bad", d.endpoint, p.block_layers(2), deadline_s=20.0)
+    for i in range(LAYERS):
+        p.send_blocks("bad", i, torch.tensor([1, 2], dtype=torch.int64))
+    failed_p: dict[str, str] = {}
+    wait_for(lambda: failed_p.update(p.poll().failed) or "bad" in failed_p, 10.0, "the sender fails it")
+    assert failed_p["bad"].startswith("mismatch: shared-memory layer 1"), failed_p
+    wait_for(lambda: "bad" in d.poll().failed, 10.0, "the receiver learns of it")
+    written = _blocks(dst, [5, 6])
+    assert all(not written[i].any() for i in range(1, LAYERS))  # nothing after the bad layer
+    _transfer(p, d, "after", [3, 4], [8, 9])  # the link and the plane go on
+    assert all(torch.equal(g, w) for g, w in zip(_blocks(dst, [8, 9]), _blocks(src, [3, 4]), strict=True))
+
+
 def test_memory_from_a_peer_must_be_sealed_against_shrinking() -> None:
     """A peer that could shrink a memfd after it was mapped would crash the mapper (SIGBUS)."""
     loose = os.memfd_create("kvwire-test", os.MFD_CLOEXEC)

@@ -174,15 +174,7 @@ class Outbound(OutboundLink):
         One hold for the batch, not one per layer: each lock and unlock is a system call, where
         the writer lets go of the GIL and waits to get it back from the process's other threads
         (docs/decisions/111-shm-one-hold.md)."""
-        planned = []
-        for item, dest in layers:
-            try:
-                planned.append((item, *self._plan(item, dest)))
-            except ValueError as exc:
-                self.plane.callbacks.on_transfer_failed(
-                    item.transfer_id, f"mismatch: shared-memory layer {item.layer_index}: {exc}"
-                )
-        if not planned:
+        if not layers:
             return
         assert self._grants is not None
         grant = layers[0][1]
@@ -191,9 +183,16 @@ class Outbound(OutboundLink):
         announce_at = time.monotonic() + ANNOUNCE_S
         try:
             with self._grants.holding(grant.slot, grant.token, CANCEL_WAIT_S * 5) as granted:
-                for item, src, dst, runs in planned:
+                for item, dest in layers:
                     if not granted() or self.plane.is_cancelled(item.transfer_id):
                         return  # revoked: the receiver's blocks may be in use again
+                    try:  # planned here, not for the batch up front: the first copy starts sooner
+                        src, dst, runs = self._plan(item, dest)
+                    except ValueError as exc:
+                        self.plane.callbacks.on_transfer_failed(
+                            item.transfer_id, f"mismatch: shared-memory layer {item.layer_index}: {exc}"
+                        )
+                        continue
                     self.plane.copier.copy(src, dst, runs)
                     tid = item.transfer_id.encode()
                     total = _payload_bytes(item)  # the runs' total (pairing checked it)
