@@ -63,6 +63,21 @@ def _landed(src: list[torch.Tensor], dst: list[torch.Tensor], src_ids: list[int]
     )
 
 
+def _send_started(p: TransferAgent, d: TransferAgent, tid: str, src: list[torch.Tensor], src_ids: list[int],
+                  dst: list[torch.Tensor], dst_ids: list[int], started: bool = False) -> None:
+    """P starts ``tid`` (unless ``started``) and hands over every layer as spans; both ends finish
+    it without a failure and the blocks landed."""
+    if not started:
+        payload = gather_blocks(src[0], block_ids_tensor(src_ids, "cpu"), KVLayout.KV_FIRST)
+        p.start_send(tid, d.endpoint, [LayerSpec.of(payload)] * LAYERS, deadline_s=20.0)
+    for i in range(LAYERS):
+        p.send_layer_spans(tid, i, block_spans(src[i], src_ids, KVLayout.KV_FIRST))
+    ev_d = poll_until(d, lambda e: tid in e["recvd"] or tid in e["failed"])
+    ev_p = poll_until(p, lambda e: tid in e["sent"] or tid in e["failed"])
+    assert not ev_d["failed"] and not ev_p["failed"], (ev_d, ev_p)
+    assert _landed(src, dst, src_ids, dst_ids)
+
+
 @pytest.mark.parametrize("shared", [True, False], ids=["shared-cache", "ordinary-cache"])
 def test_a_known_sender_is_granted_at_expect_and_writes_bit_exact(
     pair: tuple[TransferAgent, TransferAgent], shared: bool
@@ -88,12 +103,7 @@ def test_a_known_sender_is_granted_at_expect_and_writes_bit_exact(
     p.start_send("early", d.endpoint, [LayerSpec.of(payload)] * LAYERS, deadline_s=20.0)
     assert "early" not in p._sender.early_grants  # applied with the start
     assert p._sender.sends["early"].granted == set(range(LAYERS))  # no round trip needed
-    for i in range(LAYERS):
-        p.send_layer_spans("early", i, block_spans(src[i], src_ids, KVLayout.KV_FIRST))
-    ev_d = poll_until(d, lambda e: "early" in e["recvd"] or "early" in e["failed"])
-    ev_p = poll_until(p, lambda e: "early" in e["sent"] or "early" in e["failed"])
-    assert not ev_d["failed"] and not ev_p["failed"], (ev_d, ev_p)
-    assert _landed(src, dst, src_ids, dst_ids)
+    _send_started(p, d, "early", src, src_ids, dst, dst_ids, started=True)
     if p.peer_transports() == {d.endpoint: "shm"}:
         # the grant D repeats on the Offer adds nothing: no destination is left behind on P
         wait_for(lambda: not shm_plane(d)._granted, 5.0, "D's grant retired")
@@ -254,14 +264,7 @@ def test_a_sender_restarted_before_the_request_gets_the_transfer_granted_afresh(
                 scatter_into=lambda i: block_spans(dst[i], dst_ids, KVLayout.KV_FIRST),
             )
             assert d.stats().early_grants == 1
-            payload = gather_blocks(src[0], block_ids_tensor(src_ids, "cpu"), KVLayout.KV_FIRST)
-            new.start_send("after", d.endpoint, [LayerSpec.of(payload)] * LAYERS, deadline_s=20.0)
-            for i in range(LAYERS):
-                new.send_layer_spans("after", i, block_spans(src[i], src_ids, KVLayout.KV_FIRST))
-            ev_d = poll_until(d, lambda e: "after" in e["recvd"] or "after" in e["failed"])
-            ev_p = poll_until(new, lambda e: "after" in e["sent"] or "after" in e["failed"])
-            assert not ev_d["failed"] and not ev_p["failed"], (ev_d, ev_p)
-            assert _landed(src, dst, src_ids, dst_ids)
+            _send_started(new, d, "after", src, src_ids, dst, dst_ids)
             stats = d.stats()
             assert stats.peers_restarted == 1 and stats.early_grants_unused == 1
 

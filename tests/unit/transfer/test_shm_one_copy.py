@@ -233,6 +233,17 @@ def _transfer(
         time.sleep(0.002)
 
 
+def _linked(p: TransferAgent, d: TransferAgent, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """P's caches and D's shared caches, registered, after one transfer: the link is set up and
+    D's region mapped by P. Returns (src, dst)."""
+    src = _caches(seed)
+    dst = shared_tensors([SHAPE] * LAYERS, torch.bfloat16)
+    p.register_kv_caches(src, KVLayout.KV_FIRST)
+    d.register_kv_caches(dst, KVLayout.KV_FIRST)
+    _transfer(p, d, "warm", [0], [0])
+    return src, dst
+
+
 def _caches(seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(SHAPE, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
@@ -321,11 +332,7 @@ def test_abort_on_the_receiver_stops_later_writes_into_its_blocks(
     """Once the receiver's abort returned, no layer of that transfer lands in its shared blocks,
     even when the sender hands them over afterwards (the grant was revoked)."""
     p, d = pair
-    src = _caches(4)
-    dst = shared_tensors([SHAPE] * LAYERS, torch.bfloat16)
-    p.register_kv_caches(src, KVLayout.KV_FIRST)
-    d.register_kv_caches(dst, KVLayout.KV_FIRST)
-    _transfer(p, d, "warm", [0], [0])  # the link is set up and the region mapped
+    src, dst = _linked(p, d, 4)
     d.expect("cut", num_layers=LAYERS, into_blocks=BlockTarget((5, 6)), deadline_s=20.0)
     p.start_send("cut", d.endpoint, p.block_layers(2), deadline_s=20.0)
     ids = torch.tensor([1, 2], dtype=torch.int64)
@@ -366,11 +373,7 @@ def test_abort_mid_batch_stops_the_writer_after_the_layer_under_way(
     for the layer being copied, the writer stops before the next, and nothing lands afterwards."""
     monkeypatch.setattr(shm_plane_module, "CANCEL_WAIT_S", 20.0)  # the test holds the writer a while
     p, d = pair
-    src = _caches(5)
-    dst = shared_tensors([SHAPE] * LAYERS, torch.bfloat16)
-    p.register_kv_caches(src, KVLayout.KV_FIRST)
-    d.register_kv_caches(dst, KVLayout.KV_FIRST)
-    _transfer(p, d, "warm", [0], [0])  # the link is set up and the region mapped
+    src, dst = _linked(p, d, 5)
     plane_p, plane_d = shm_plane(p), shm_plane(d)
     gate = _GatedCopier(plane_p.copier, 3)
     monkeypatch.setattr(plane_p, "copier", gate)
@@ -410,11 +413,7 @@ def test_a_granted_destination_outside_the_region_fails_that_transfer_only(
     """A grant whose spans leave the receiver's region (a corrupt or hostile peer) fails its
     transfer as a mismatch at that layer, writes nothing out of bounds, and the link goes on."""
     p, d = pair
-    src = _caches(6)
-    dst = shared_tensors([SHAPE] * LAYERS, torch.bfloat16)
-    p.register_kv_caches(src, KVLayout.KV_FIRST)
-    d.register_kv_caches(dst, KVLayout.KV_FIRST)
-    _transfer(p, d, "warm", [0], [0])
+    src, dst = _linked(p, d, 6)
     plane_p = shm_plane(p)
     take = plane_p.take_dest
 
