@@ -35,6 +35,7 @@ import uuid
 import torch
 from prometheus_client import CollectorRegistry
 
+from kvwire.bench.waiting import RECEIVED, SENT, wait_transfer
 from kvwire.connector.config import ConnectorConfig, EngineInfo
 from kvwire.connector.metadata import KvwireConnectorMetadata, RecvSpec, SendSpec
 from kvwire.connector.metrics import connector_metrics
@@ -239,18 +240,8 @@ def _copy_once(sender: TransferAgent, receiver: TransferAgent, caches: _Caches) 
     for i in range(n):
         gather_blocks(caches.src[i], caches.src_ids_t, layout, out=caches.stage[i])
         sender.send_layer(tid, i, caches.stage[i])
-    sent = recvd = False
-    deadline = time.monotonic() + 120.0
-    while not (sent and recvd):
-        for agent, is_sender in ((sender, True), (receiver, False)):
-            ev = agent.poll()
-            if tid in ev.failed:
-                raise RuntimeError(f"transfer failed: {ev.failed[tid]}")
-            sent = sent or (is_sender and tid in ev.finished_sending)
-            recvd = recvd or (not is_sender and tid in ev.finished_recving)
-        if time.monotonic() > deadline:
-            raise TimeoutError("benchmark transfer did not complete within 120 s")
-        time.sleep(0.0002)
+    wait_transfer(sender, tid, SENT)  # asleep between events: polling would take the planes' core
+    wait_transfer(receiver, tid, RECEIVED)
     return time.perf_counter() - start
 
 
