@@ -445,11 +445,13 @@ class TransferAgent:
             return
         log.warning("peer %s restarted (instance %s -> %s)", msg.src_endpoint, known, msg.src_id)
         core.stats.add("peers_restarted")
-        self._fail_peer(known, f"{FailReason.PEER_LOST.value}: peer {msg.src_endpoint} restarted")
+        reason = f"{FailReason.PEER_LOST.value}: peer {msg.src_endpoint} restarted"
+        self._fail_peer(known, reason, restarted=True)
 
-    def _fail_peer(self, peer_id: str, reason: str) -> None:
+    def _fail_peer(self, peer_id: str, reason: str, restarted: bool = False) -> None:
+        """``restarted``: a new process took the peer's endpoint (not a link of a live peer that broke)."""
         self._sender.fail_peer(peer_id, reason)
-        self._receiver.fail_peer(peer_id, reason)
+        self._receiver.fail_peer(peer_id, reason, restarted)
         self._core.plane.drop_peer(peer_id)
 
     def _on_unreachable(self, endpoint: str) -> None:

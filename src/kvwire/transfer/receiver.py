@@ -595,16 +595,18 @@ class Receiver:
         self.grant_pass()
         return True
 
-    def fail_peer(self, peer_id: str, reason: str) -> None:
+    def fail_peer(self, peer_id: str, reason: str, restarted: bool = False) -> None:
         """The sender ``peer_id`` is gone: fail its transfers, except those whose every layer already
         arrived (a push granted before the caller's ``expect``, held in receive buffers: the data
-        is whole, so the ``expect`` that follows completes it; the lease still bounds the wait) and
-        those only granted early to it, which wait for the Offer of the endpoint's next process."""
+        is whole, so the ``expect`` that follows completes it; the lease still bounds the wait) and,
+        when a new process ``restarted`` at its endpoint, those only granted early to the old one,
+        which wait for the new one's Offer. (A broken link of a live sender fails those too: that
+        sender may have kept the early grant, whose slot is revoked with the link.)"""
         for tid in [
             t for t, st in self.recvs.items() if st.peer is not None and st.peer.instance_id == peer_id
         ]:
             st = self.recvs[tid]
-            if self._early_only(st, peer_id):
+            if restarted and self._early_only(st, peer_id):
                 self._ungrant_early(st)
             elif not self._all_arrived(st):
                 self.fail(tid, reason, notify=False)

@@ -4,7 +4,7 @@ against what was granted."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -269,32 +269,53 @@ def test_a_sender_restarted_before_the_request_gets_the_transfer_granted_afresh(
             assert stats.peers_restarted == 1 and stats.early_grants_unused == 1
 
 
-def test_a_sender_that_had_the_transfer_and_restarted_still_fails_it(
-    pair: tuple[TransferAgent, TransferAgent],
-) -> None:
-    """The other side of that rule: when the old epoch reported the transfer as its own (a Renew
-    in progress) before it went, its restart fails the transfer at once, as before."""
-    p, d = pair
+def _known_pair(p: TransferAgent, d: TransferAgent) -> Callable[[str], None]:
+    """P and D after one transfer (D knows P's epoch); returns an ``expect(tid)`` that D grants
+    early."""
     src, dst = _caches(1, False), _caches(2, True)
     src_ids, dst_ids = [4, 5], [0, 7]
     _push(p, d, "meet", src, dst, src_ids, dst_ids, sender=p.endpoint)
     poll_until(d, lambda e: "meet" in e["recvd"])
-    d.expect(
-        "had",
-        num_layers=LAYERS,
-        deadline_s=20.0,
-        sender=p.endpoint,
-        scatter_into=lambda i: block_spans(dst[i], dst_ids, KVLayout.KV_FIRST),
-    )
-    assert d.stats().early_grants == 1
-    st = d._receiver.recvs["had"]
+
+    def expect(tid: str) -> None:
+        d.expect(tid, num_layers=LAYERS, deadline_s=20.0, sender=p.endpoint,
+                 scatter_into=lambda i: block_spans(dst[i], dst_ids, KVLayout.KV_FIRST))
+
+    return expect
+
+
+def test_a_restart_forgets_only_early_grants_the_old_epoch_never_had(
+    pair: tuple[TransferAgent, TransferAgent],
+) -> None:
+    """The edge of that rule, as D's control thread sees it: a restart (a new process at P's
+    endpoint) forgets an early grant the old epoch never showed it had, and fails one it reported
+    as its own (a Renew in progress) at once, as before."""
+    p, d = pair
+    expect = _known_pair(p, d)
+    for tid in ("had", "never"):
+        expect(tid)
+    assert d.stats().early_grants == 2
+    had, never = d._receiver.recvs["had"], d._receiver.recvs["never"]
     with d._core.lock:  # P's Renew reply "queued" (it had the request) as the control thread sees it
-        d._receiver.on_renew(
-            Renew(
-                **p._core.header(d.endpoint, "had", d.instance_id), state=PeerState.QUEUED.value, reply=True
-            )
-        )
-    assert st.sender_id == p.instance_id
+        d._receiver.on_renew(Renew(**p._core.header(d.endpoint, "had", d.instance_id),
+                                   state=PeerState.QUEUED.value, reply=True))
+    assert had.sender_id == p.instance_id and never.sender_id is None
     with d._core.lock:
-        d._fail_peer(p.instance_id, "peer_lost: test restart")
+        d._fail_peer(p.instance_id, "peer_lost: test restart", restarted=True)
     assert "had" in poll_until(d, lambda e: "had" in e["failed"])["failed"]
+    assert d._receiver.recvs["never"] is never  # still waiting, for the new process's Offer
+    assert never.peer is None and not never.early and d.stats().early_grants_unused == 1
+
+
+def test_a_broken_link_of_a_live_sender_fails_its_early_grants(
+    pair: tuple[TransferAgent, TransferAgent],
+) -> None:
+    """Not a restart: the live P may have kept the early grant, whose slot goes with the link, so
+    D fails the transfer (P learns of it on its Offer) rather than wait for its deadline."""
+    p, d = pair
+    expect = _known_pair(p, d)
+    expect("linked")
+    assert d.stats().early_grants == 1
+    with d._core.lock:
+        d._fail_peer(p.instance_id, "peer_lost: link broke")
+    assert "linked" in poll_until(d, lambda e: "linked" in e["failed"])["failed"]
