@@ -61,7 +61,7 @@ _AGENT_COUNTERS: tuple[tuple[str, str, Callable[[TransferStats], float]], ...] =
      lambda s: s.device_copy_batches),
     # receives granted before the sender's Offer (decision 110): compare with the receives started
     ("kvwire_kv_early_grants", "KV receives granted before the sender's offer", lambda s: s.early_grants),
-    ("kvwire_kv_early_grants_unused", "early grants the offer did not fit (granted again on it)",
+    ("kvwire_kv_early_grants_unused", "early grants dropped (the offer did not fit, or the sender restarted)",
      lambda s: s.early_grants_unused),
 )
 

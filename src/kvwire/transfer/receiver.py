@@ -281,7 +281,11 @@ class Receiver:
             lease = Lease.start(self.core.now(), msg.deadline_s, self.core.config.default_limit_s)
             st = self.recvs[tid] = RecvState(tid, lease)
         if st.early and st.peer is not None and st.peer.instance_id != msg.src_id:
-            reason = f"{FailReason.PEER_LOST.value}: sender restarted after the early grant"
+            # another sender than the one granted early (a restart was handled by fail_peer already)
+            reason = (
+                f"{FailReason.PEER_LOST.value}: offer from {msg.src_endpoint} (instance {msg.src_id[:8]}) "
+                f"after an early grant to {st.peer.endpoint} (instance {st.peer.instance_id[:8]})"
+            )
             self.fail(tid, reason, notify=False)
             self.core.send_abort(msg.src_endpoint, tid, reason, msg.src_id)
             return
@@ -312,14 +316,20 @@ class Receiver:
             index < len(st.specs) and st.specs[index].num_bytes == num_bytes
             for index, num_bytes in st.early.items()
         )
-        grant, st.early_grant = st.early_grant, None
-        if fits:
-            if grant is not None:
-                self.core.send(st.peer.endpoint, msgspec.structs.replace(grant, early=False, sizes=[]))
+        if not fits:
+            self._forget_early(st)
             return
+        grant, st.early_grant = st.early_grant, None
+        if grant is not None:
+            self.core.send(st.peer.endpoint, msgspec.structs.replace(grant, early=False, sizes=[]))
+
+    def _forget_early(self, st: RecvState) -> None:
+        """Drop a transfer's early grant (its layers are granted again the ordinary way, on the
+        Offer); counted in ``early_grants_unused``."""
         for index in st.early:
             st.granted.pop(index, None)
         st.early.clear()
+        st.early_grant = None
         self.core.stats.add("early_grants_unused")
 
     def _refused(self, endpoint: str, transfer_id: str) -> None:
@@ -607,7 +617,10 @@ class Receiver:
         ]:
             st = self.recvs[tid]
             if restarted and self._early_only(st, peer_id):
-                self._ungrant_early(st)
+                # the transfer waits for the new process's Offer as if never granted; the plane's
+                # posts and grants for the old epoch go with ``drop_peer``, which follows
+                self._forget_early(st)
+                st.peer = None
             elif not self._all_arrived(st):
                 self.fail(tid, reason, notify=False)
 
@@ -617,18 +630,6 @@ class Receiver:
         return bool(st.early) and st.specs is None and not (st.arrived or st.delivering or st.held) and (
             st.sender_id != peer_id
         )
-
-    def _ungrant_early(self, st: RecvState) -> None:
-        """Forget an early grant to a sender epoch that ended (a P restarted between this side's last
-        contact with it and the request): the transfer waits for its sender's Offer as if it had
-        never been granted, and is granted the ordinary way when the new epoch offers it. The
-        plane's posts and grants for the old epoch go with ``drop_peer``, which follows."""
-        for index in st.early:
-            st.granted.pop(index, None)
-        st.early.clear()
-        st.early_grant = None
-        st.peer = None
-        self.core.stats.add("early_grants_unused")
 
     def fail_endpoint(self, endpoint: str, reason: str) -> int:
         """The sender at ``endpoint`` is gone: as :meth:`fail_peer`, by endpoint (also before its

@@ -26,7 +26,7 @@ class TransferStats:
     spilled_layers: int = 0  # layers that landed in the spill pool (receive budget full)
     credit_waits: int = 0  # times granting stopped because budget and spill pool were full
     early_grants: int = 0  # transfers granted at expect time, before the sender's Offer (decision 110)
-    early_grants_unused: int = 0  # ... of which the Offer's layers had other sizes (granted again)
+    early_grants_unused: int = 0  # ... dropped: other sizes offered, or the sender restarted
     trailers_missing: int = 0  # transfers completed at their deadline without the sender's trailer
     device_copy_bytes: int = 0  # bytes a plane copied on the GPU itself (CUDA IPC) ...
     device_copy_ns: int = 0  # ... and the device time those copies took
