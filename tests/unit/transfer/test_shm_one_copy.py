@@ -146,6 +146,10 @@ def test_layer_runs_match_pair_runs_and_copies_are_bit_exact() -> None:
             got = np.zeros_like(want)
             copier.copy(src, got, runs)
             assert np.array_equal(got, want), threads
+            short = np.zeros(max(d + n for _, d, n in runs) - 1, dtype=np.uint8)
+            with pytest.raises(ValueError, match="outside"):  # nothing copied, on any thread
+                copier.copy(src, short, runs)
+            assert not short.any()
         finally:
             copier.close()
 
@@ -164,9 +168,9 @@ def test_run_plans_are_source_ordered_reused_per_transfer_and_bounded_per_layer(
     ]
     # the next layer of the transfer: equal spans (new objects) -> the same plan, no new pairing
     assert plans.runs(tuple(src_spans), list(dst_spans), 10 * block, 7 * block) is runs
-    # the copy loop's slice pairs, made once per plan: run (2 * block -> 5 * block) comes first
-    assert runs.slices[0] == (slice(2 * block, 3 * block), slice(5 * block, 6 * block))
-    assert runs.slices is runs.slices and len(runs.slices) == len(runs)
+    # the copier's run table, made once per plan: run (2 * block -> 5 * block) comes first
+    assert runs.table[0].tolist() == [2 * block, 5 * block, block]
+    assert runs.table is runs.table and runs.table.shape == (len(runs), 3)
     with pytest.raises(ValueError, match="destination"):  # this layer's tensor is too small
         plans.runs(src_spans, dst_spans, 10 * block, 7 * block - 1)
     with pytest.raises(ValueError, match="bytes"):  # totals differ

@@ -4,8 +4,8 @@ When a receiver's destination lies in a :mod:`shared region <kvwire.transfer.sha
 grant describes it as (region id, byte spans from the region's base, grant slot and token) and the
 sender, which mapped the region at link setup, copies its blocks straight into it: the block runs
 are paired (``planes.ipc.runs.pair_runs``: runs contiguous on both sides merge) and copied by
-:class:`RunCopier` with the GIL released, split over ``threads`` so that the per-run Python cost of
-one thread overlaps the other's ``memcpy``.
+:class:`RunCopier` (:mod:`run_copy <kvwire.transfer.planes.shm.run_copy>`: one native call per layer,
+without the GIL), optionally split over several threads.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import numpy.typing as npt
 import torch
 
 from kvwire.transfer.planes.ipc.runs import Run, pair_runs
+from kvwire.transfer.planes.shm.run_copy import STREAM_MIN_BYTES, copy_runs, run_table
 from kvwire.transfer.shared_memory import check_peer_memfd
 
 Bytes = npt.NDArray[np.uint8]
@@ -128,13 +129,17 @@ def layer_runs(src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]]) -
 
 
 class PlannedRuns(list[Run]):
-    """A layer plan's runs, with the slice pairs of the copy loop made once for every layer that
-    reuses the plan (about 30 ns a run less than slicing by offsets in the loop)."""
+    """A layer plan's runs, with the native copier's table of them made once for every layer that
+    reuses the plan."""
 
     @functools.cached_property
-    def slices(self) -> list[tuple[slice, slice]]:
-        """(source slice, destination slice) per run."""
-        return [(slice(s, s + n), slice(d, d + n)) for s, d, n in self]
+    def table(self) -> npt.NDArray[np.int64]:
+        """The runs as an (N, 3) int64 array (:func:`run_table`)."""
+        return run_table(self)
+
+    @functools.cached_property
+    def num_bytes(self) -> int:
+        return sum(n for _, _, n in self)
 
 
 def copy_order(runs: list[Run]) -> list[Run]:
@@ -178,7 +183,7 @@ class RunPlans:
 def check_runs(runs: Sequence[Run], src_size: int, dst_size: int) -> None:
     """Raises ValueError when a run leaves its source or destination."""
     for s, d, n in runs:
-        if s < 0 or d < 0 or s + n > src_size or d + n > dst_size:
+        if s < 0 or d < 0 or n < 0 or s + n > src_size or d + n > dst_size:
             raise ValueError(f"run ({s}, {d}, {n}) outside the source ({src_size}) or region ({dst_size})")
 
 
@@ -212,13 +217,12 @@ class SourceViews:
 class RunCopier:
     """Copies byte runs ``dst[d:d+n] = src[s:s+n]`` (flat ``uint8`` arrays). Stop with :meth:`close`.
 
-    One thread (the default): ``memoryview`` slice assignment on the caller's thread, the cheapest
-    per-run dispatch from Python (about 0.2 us against 1 us for a numpy slice; a KV block half is
-    one run of 32 KiB); it holds the GIL during each memcpy. More threads: the runs are cut into
-    ``threads`` pieces of about equal bytes, copied by numpy on the caller's thread and
-    ``threads - 1`` helpers (numpy releases the GIL for each copy, so copies overlap each other's
-    Python). Which is faster depends on the cores free: ``kvwire bench transfer --backend shm
-    --shm-copy-threads N`` measures it (docs/performance.md).
+    One thread (the default): one :func:`copy_runs` call on the caller's thread per layer (native:
+    the GIL is released for the copies; a layer of ``STREAM_MIN_BYTES`` or more is written with
+    non-temporal stores). More threads: the runs are cut into ``threads`` pieces of about equal
+    bytes, copied on the caller's thread and ``threads - 1`` helpers at once (in parallel only with
+    the native copier; the Python loop holds the GIL). Which is faster depends on the cores free:
+    ``kvwire bench transfer --backend shm --shm-copy-threads N`` measures it (docs/performance.md).
     """
 
     _MIN_SPLIT = 8  # runs: fewer go on the caller's thread only
@@ -232,13 +236,19 @@ class RunCopier:
         )
 
     def copy(self, src: Bytes, dst: Bytes, runs: Sequence[Run]) -> None:
-        if self._pool is None or len(runs) < self._MIN_SPLIT:
-            _copy_views(src, dst, runs)
+        """Raises ValueError, copying nothing, when a run leaves ``src`` or ``dst``."""
+        planned = runs if isinstance(runs, PlannedRuns) else PlannedRuns(runs)
+        stream = planned.num_bytes >= STREAM_MIN_BYTES
+        if self._pool is None or len(planned) < self._MIN_SPLIT:
+            copy_runs(src, dst, planned.table, stream=stream)
             return
-        parts = _split(runs, self.threads)
-        futures: list[Future[None]] = [self._pool.submit(_copy, src, dst, part) for part in parts[1:]]
+        check_runs(planned, src.size, dst.size)  # before any piece copies
+        parts = _split(planned.table, self.threads)
+        futures: list[Future[None]] = [
+            self._pool.submit(copy_runs, src, dst, part, checked=True, stream=stream) for part in parts[1:]
+        ]
         try:
-            _copy(src, dst, parts[0])
+            copy_runs(src, dst, parts[0], checked=True, stream=stream)
         finally:
             for future in futures:
                 future.result()
@@ -248,27 +258,9 @@ class RunCopier:
             self._pool.shutdown(wait=True)
 
 
-def _copy_views(src: Bytes, dst: Bytes, runs: Sequence[Run]) -> None:
-    pairs = runs.slices if isinstance(runs, PlannedRuns) else PlannedRuns(runs).slices
-    with src.data as s_view, dst.data as d_view:  # released here: the mmaps can close
-        for s_slice, d_slice in pairs:
-            d_view[d_slice] = s_view[s_slice]
-
-
-def _copy(src: Bytes, dst: Bytes, runs: Sequence[Run]) -> None:
-    for s, d, n in runs:
-        dst[d : d + n] = src[s : s + n]
-
-
-def _split(runs: Sequence[Run], parts: int) -> list[Sequence[Run]]:
-    """``runs`` cut into ``parts`` consecutive pieces of about equal bytes."""
-    total = sum(n for _, _, n in runs)
-    out: list[Sequence[Run]] = []
-    start, acc, share = 0, 0, total / parts
-    for i, (_, _, n) in enumerate(runs):
-        acc += n
-        if acc >= share * (len(out) + 1) and len(out) < parts - 1:
-            out.append(runs[start : i + 1])
-            start = i + 1
-    out.append(runs[start:])
-    return out
+def _split(table: npt.NDArray[np.int64], parts: int) -> list[npt.NDArray[np.int64]]:
+    """``table``'s runs cut into ``parts`` consecutive pieces of about equal bytes."""
+    ends = np.cumsum(table[:, 2])
+    total = int(ends[-1]) if len(ends) else 0
+    cuts = np.searchsorted(ends, [total * k / parts for k in range(1, parts)], side="left") + 1
+    return np.split(table, np.minimum(cuts, len(table)))

@@ -50,6 +50,7 @@ from collections.abc import Sequence
 import torch
 
 from kvwire.transfer.config import TransferConfig
+from kvwire.transfer.planes.shm import run_copy
 from kvwire.transfer.planes.shm.direct import RunCopier, ShmDest, decode_direct, encode_direct
 from kvwire.transfer.planes.shm.grants import GrantTable
 from kvwire.transfer.planes.shm.recv import Inbound, Landing, shutdown
@@ -82,6 +83,7 @@ class ShmPlane(UnixLinkPlane):
 
     def __init__(self, config: TransferConfig, instance_id: str) -> None:
         super().__init__(config, instance_id)
+        run_copy.warn_if_python()  # at start, not at the first transfer
         self.written = threading.Condition(self.lock)
         self.posted: dict[tuple[str, int], tuple[str, RecvItem]] = {}
         self.landing: dict[tuple[str, int], Landing] = {}  # layers whose first chunk arrived

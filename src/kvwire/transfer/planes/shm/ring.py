@@ -4,9 +4,9 @@ The ring is a ``memfd`` (an anonymous file: it has no name anywhere, so nothing 
 process is killed; the kernel frees it when the last process that maps it exits or unmaps it). The
 receiver creates it and passes the descriptor to the sender over their Unix socket (SCM_RIGHTS).
 
-Copies go through numpy slice assignment: one ``memcpy`` per byte run, and numpy releases the GIL
-for the copy itself, so the sender's gather and the receiver's scatter (other processes, or other
-threads of one process) overlap.
+Copies go through :func:`~kvwire.transfer.planes.shm.run_copy.copy_runs`: one ``memcpy`` per byte
+run, a chunk's runs in one call without the GIL (native copier), so the sender's gather and the
+receiver's scatter (other processes, or other threads of one process) overlap.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvwire.transfer.planes.shm.run_copy import copy_runs, run_table
 from kvwire.transfer.shared_memory import check_peer_memfd, sealed_memfd
 
 Bytes = npt.NDArray[np.uint8]
@@ -71,13 +72,13 @@ class SpanCursor:
 
     def gather(self, ring: Bytes, at: int, num_bytes: int) -> None:
         """Copy the next ``num_bytes`` layer bytes into ``ring[at:at + num_bytes]``."""
-        for off, n, dst in self._walk(num_bytes):
-            ring[at + dst : at + dst + n] = self.base[off : off + n]
+        runs = self._walk(num_bytes)
+        copy_runs(self.base, ring, run_table([(off, at + within, n) for off, n, within in runs]))
 
     def scatter(self, ring: Bytes, at: int, num_bytes: int) -> None:
         """Copy ``ring[at:at + num_bytes]`` into the next ``num_bytes`` layer bytes."""
-        for off, n, src in self._walk(num_bytes):
-            self.base[off : off + n] = ring[at + src : at + src + n]
+        runs = self._walk(num_bytes)
+        copy_runs(ring, self.base, run_table([(at + within, off, n) for off, n, within in runs]))
 
     def _walk(self, num_bytes: int) -> list[tuple[int, int, int]]:
         """(base offset, length, offset within the chunk) of the next ``num_bytes``; advances."""
