@@ -2,12 +2,13 @@
 
 The shared-memory plane's one-copy path copies a request's blocks run by run (a KV block half is
 one run of 32 KiB at the Llama-3-8B shape) from P's cache into D's, both scattered in caches much
-larger than the request. This probe times that loop (``memoryview`` slice assignment, the plane's
-copy: ``RunCopier`` with one thread) against one contiguous copy of the same bytes (``numpy.copyto``,
-the baseline of ``kvwire bench transfer --backend shm``), in two kinds of memory: memfd-backed
-mappings (what ``kvwire.transfer.shared_memory`` allocates: shmem, whose huge pages depend on
-``/sys/kernel/mm/transparent_hugepage/shmem_enabled``) and anonymous numpy arrays (huge pages per
-``transparent_hugepage/enabled``). The ratio is the ceiling the plane's copy can reach here.
+larger than the request. This probe times the plane's copier (``run_copy.copy_runs``: the C
+extension, with ordinary and with non-temporal stores; decision 112) and the Python loop it
+replaced (``memoryview`` slice assignment) against one contiguous copy of the same bytes
+(``numpy.copyto``, the baseline of ``kvwire bench transfer --backend shm``), in two kinds of memory:
+memfd-backed mappings (what ``kvwire.transfer.shared_memory`` allocates: shmem, whose huge pages
+depend on ``/sys/kernel/mm/transparent_hugepage/shmem_enabled``) and anonymous numpy arrays (huge
+pages per ``transparent_hugepage/enabled``). The ratios are the ceilings the plane's copy can reach.
 
 Usage: ``python benchmarks/shm_copy_probe.py [--mib 256] [--run-kib 32] [--pool 1.25] [--repeats 5]``
 """
@@ -23,6 +24,8 @@ from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
+
+from kvwire.transfer.planes.shm.run_copy import copy_runs, describe, run_table
 
 Array = npt.NDArray[np.uint8]
 
@@ -64,6 +67,13 @@ def time_runs(src: Array, dst: Array, runs: list[tuple[int, int, int]]) -> float
         return time.perf_counter() - start
 
 
+def time_copier(src: Array, dst: Array, runs: list[tuple[int, int, int]], stream: bool) -> float:
+    table = run_table(runs)
+    start = time.perf_counter()
+    copy_runs(src, dst, table, stream=stream)
+    return time.perf_counter() - start
+
+
 def time_copyto(src: Array, dst: Array) -> float:
     start = time.perf_counter()
     np.copyto(dst, src)
@@ -81,19 +91,21 @@ def main() -> None:
     num_bytes = args.mib << 20
     runs = scattered_runs(num_bytes, args.run_kib << 10, args.pool)
     print(f"{len(runs)} runs of {args.run_kib} KiB scattered in caches of {args.pool * args.mib:.0f} MiB; "
-          f"best of {args.repeats}; load average {os.getloadavg()[0]:.1f}")
-    print(f"{'memory':<10} {'scattered GB/s':>15} {'contiguous GB/s':>16} {'ratio':>6}")
+          f"best of {args.repeats}; load average {os.getloadavg()[0]:.1f}; copier: {describe()}")
+    print("GB/s, and in parentheses the share of one contiguous copy of the same bytes")
+    print(f"{'memory':<10} {'contiguous':>11} {'python loop':>15} {'copier':>15} {'streamed':>15}")
     kinds: list[tuple[str, Callable[[int], Array]]] = [("memfd", memfd_array), ("anonymous", anonymous_array)]
     for name, make in kinds:
         cache_bytes = int(args.pool * num_bytes) // (args.run_kib << 10) * (args.run_kib << 10)
         src, dst = make(cache_bytes), make(cache_bytes)
         flat_src, flat_dst = make(num_bytes), make(num_bytes)
-        scattered = min(time_runs(src, dst, runs) for _ in range(args.repeats))
         contiguous = min(time_copyto(flat_src, flat_dst) for _ in range(args.repeats))
-        print(f"{name:<10} {num_bytes / scattered / 1e9:15.1f} {num_bytes / contiguous / 1e9:16.1f} "
-              f"{contiguous / scattered:6.2f}")
+        loop = min(time_runs(src, dst, runs) for _ in range(args.repeats))
+        plain = min(time_copier(src, dst, runs, False) for _ in range(args.repeats))
+        streamed = min(time_copier(src, dst, runs, True) for _ in range(args.repeats))
+        cells = [f"{num_bytes / t / 1e9:6.1f} ({contiguous / t:4.2f})" for t in (loop, plain, streamed)]
+        print(f"{name:<10} {num_bytes / contiguous / 1e9:11.1f} " + " ".join(f"{c:>15}" for c in cells))
         del src, dst, flat_src, flat_dst
-
 
 if __name__ == "__main__":
     main()
