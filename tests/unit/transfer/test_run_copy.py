@@ -50,6 +50,8 @@ def test_runs_are_copied_bit_exact(copier: str) -> None:
     assert np.array_equal(got, want)
     copy_runs(src, got, run_table([]))  # no runs: nothing to do
     assert np.array_equal(got, want)
+    with pytest.raises(ValueError, match="read-only"):  # checked, then copied: a table cannot change
+        run_table(runs)[0, 2] = 1 << 40
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["stores", "non-temporal"])

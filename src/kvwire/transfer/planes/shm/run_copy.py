@@ -43,8 +43,11 @@ _warned = False
 
 
 def run_table(runs: Sequence[Run]) -> npt.NDArray[np.int64]:
-    """``runs`` as the native copier takes them: an (N, 3) int64 array."""
-    return np.array(runs, dtype=np.int64).reshape(-1, 3)
+    """``runs`` as the native copier takes them: an (N, 3) int64 array, read-only (the copier checks
+    the runs, then copies them without the GIL: nothing may change them in between)."""
+    table = np.array(runs, dtype=np.int64).reshape(-1, 3)
+    table.flags.writeable = False
+    return table
 
 
 def copy_runs(
