@@ -29,12 +29,12 @@ from kvwire.transfer.planes.shm.direct import (
     ShmDest,
     SourceViews,
     WireDest,
-    check_runs,
     decode_direct,
     encode_direct,
     layer_runs,
 )
 from kvwire.transfer.planes.shm.grants import GrantTable, GrantView
+from kvwire.transfer.planes.shm.run_copy import check_table, run_table
 from kvwire.transfer.shared_memory import (
     SharedArena,
     check_peer_memfd,
@@ -133,9 +133,9 @@ def test_layer_runs_match_pair_runs_and_copies_are_bit_exact() -> None:
     with pytest.raises(ValueError, match="bytes"):
         layer_runs(src_spans, dst_spans[:-1])
     runs = layer_runs(src_spans, dst_spans)
-    check_runs(runs, 80 * block, 80 * block)
+    check_table(run_table(runs), 80 * block, 80 * block)
     with pytest.raises(ValueError, match="outside"):
-        check_runs(runs, 80 * block, max(d + n for _, d, n in runs) - 1)
+        check_table(run_table(runs), 80 * block, max(d + n for _, d, n in runs) - 1)
     src = np.frombuffer(rng.randbytes(80 * block), dtype=np.uint8)
     want = np.zeros(80 * block, dtype=np.uint8)
     for s, d, n in runs:

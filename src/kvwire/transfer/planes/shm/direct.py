@@ -24,7 +24,7 @@ import numpy.typing as npt
 import torch
 
 from kvwire.transfer.planes.ipc.runs import Run, pair_runs
-from kvwire.transfer.planes.shm.run_copy import STREAM_MIN_BYTES, copy_runs, run_table
+from kvwire.transfer.planes.shm.run_copy import STREAM_MIN_BYTES, check_table, copy_runs, run_table
 from kvwire.transfer.shared_memory import check_peer_memfd
 
 Bytes = npt.NDArray[np.uint8]
@@ -180,13 +180,6 @@ class RunPlans:
         return self._runs
 
 
-def check_runs(runs: Sequence[Run], src_size: int, dst_size: int) -> None:
-    """Raises ValueError when a run leaves its source or destination."""
-    for s, d, n in runs:
-        if s < 0 or d < 0 or n < 0 or s + n > src_size or d + n > dst_size:
-            raise ValueError(f"run ({s}, {d}, {n}) outside the source ({src_size}) or region ({dst_size})")
-
-
 class SourceViews:
     """Flat ``uint8`` arrays over source tensors' bytes, kept by (address, bytes): the layer tensors
     of a KV cache come back for every transfer, and making a view through torch costs about 30 us
@@ -242,7 +235,7 @@ class RunCopier:
         if self._pool is None or len(planned) < self._MIN_SPLIT:
             copy_runs(src, dst, planned.table, stream=stream)
             return
-        check_runs(planned, src.size, dst.size)  # before any piece copies
+        check_table(planned.table, src.size, dst.size)  # before any piece copies
         parts = _split(planned.table, self.threads)
         futures: list[Future[None]] = [
             self._pool.submit(copy_runs, src, dst, part, checked=True, stream=stream) for part in parts[1:]

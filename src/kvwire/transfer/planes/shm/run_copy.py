@@ -62,17 +62,24 @@ def copy_runs(
         _native.copy_runs(src, dst, table, stream)
         return
     _warn_once()
-    runs: list[list[int]] = table.tolist()
     if not checked:
-        src_size, dst_size = src.size, dst.size
-        for s, d, n in runs:
-            if s < 0 or d < 0 or n < 0 or s + n > src_size or d + n > dst_size:
-                raise ValueError(
-                    f"run ({s}, {d}, {n}) outside the source ({src_size} B) or destination ({dst_size} B)"
-                )
+        check_table(table, src.size, dst.size)
     with src.data as s_view, dst.data as d_view:  # released here: mmaps over them can close
-        for s, d, n in runs:
+        for s, d, n in table.tolist():
             d_view[d : d + n] = s_view[s : s + n]
+
+
+def check_table(table: npt.NDArray[np.int64], src_size: int, dst_size: int) -> None:
+    """Raises ValueError when a run of ``table`` leaves a source of ``src_size`` bytes or a
+    destination of ``dst_size`` bytes (what the native copier checks before copying)."""
+    s, d, n = table[:, 0], table[:, 1], table[:, 2]
+    bad = (s < 0) | (d < 0) | (n < 0) | (s > src_size - n) | (d > dst_size - n)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(
+            f"run {i} {tuple(table[i].tolist())} outside the source ({src_size} B) or destination "
+            f"({dst_size} B)"
+        )
 
 
 def describe() -> str:
