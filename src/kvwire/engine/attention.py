@@ -47,6 +47,14 @@ class AttentionMetadata:
         return (slots[None, :] < self.seq_lens_t[:nd, None])[:, None, None, :]
 
     @functools.cached_property
+    def decode_slots(self) -> torch.Tensor:
+        """[num_decodes * max_blocks * block_size] int64: the flat KV slots the decodes read, row by
+        row (built once per step, shared by every layer)."""
+        table = self.block_tables[: self.num_decodes]
+        offsets = torch.arange(self.block_size, device=table.device)
+        return (table[:, :, None] * self.block_size + offsets).flatten()
+
+    @functools.cached_property
     def chunk_masks(self) -> list[torch.Tensor | None]:
         """Per sequence after the decodes: [Q, max_blocks * block_size] bool, which gathered slots
         each of its queries sees (causal); None for a whole prompt in one chunk, which attends over
@@ -147,12 +155,14 @@ def _decode_sdpa(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadat
     """One query per sequence, [B, Hq, D]. The query heads that share a KV head are laid out as that
     KV head's query "positions" ([B, Hkv, group, D]), so SDPA needs no GQA expansion of K/V."""
     batch, num_heads, dim = q.shape
-    k, v = gather_kv(kv_cache, meta.block_tables[:batch])  # [B, L, Hkv, D]
-    num_kv_heads = k.shape[2]
+    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    # K and V of every decode in one gather of whole token rows: [2, B, L, Hkv, D]
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads * dim)
+    kv = flat.index_select(1, meta.decode_slots).view(2, batch, -1, num_kv_heads, dim)
     out = F.scaled_dot_product_attention(
         q.view(batch, num_kv_heads, num_heads // num_kv_heads, dim),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
+        kv[0].transpose(1, 2),
+        kv[1].transpose(1, 2),
         attn_mask=meta.decode_mask,
     )  # [B, Hkv, group, D]
     return out.reshape(batch, num_heads, dim)

@@ -20,6 +20,16 @@ class AttentionBackend(str, enum.Enum):
     SDPA = "sdpa"  # torch scaled_dot_product_attention over gathered blocks
 
 
+class Quantization(str, enum.Enum):
+    """How linear weights are held (decision 118). The quantized modes are CPU, one-rank only."""
+
+    AUTO = "auto"  # GGUF on the CPU (one rank): as the file holds them; otherwise NONE
+    NONE = "none"  # dequantized to ``dtype``: the mode that matches transformers exactly
+    GGUF = "gguf"  # a GGUF's Q4_0/Q4_1 tensors as int4, its Q8_0 (and other quantized) as int8
+    INT8 = "int8"  # every linear weight int8 per output row (any checkpoint)
+    INT4 = "int4"  # every linear weight int4 per group of 32 (GGUF Q4 codes kept as they are)
+
+
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -31,6 +41,7 @@ class EngineConfig:
     model: str = "tiny"
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    quantization: Quantization = Quantization.AUTO  # see Quantization
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # None: sized from memory (see model_runner.num_kv_blocks_for)
     max_model_len: int | None = None  # None: the model's limit (capped at 8192)
@@ -75,8 +86,21 @@ class EngineConfig:
                 self, "kv_load_failure_policy", KVLoadFailurePolicy(self.kv_load_failure_policy)
             )
             object.__setattr__(self, "attention_backend", AttentionBackend(self.attention_backend))
+            object.__setattr__(self, "quantization", Quantization(self.quantization))
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
+        self.check_quantization()
+
+    @property
+    def quantized_explicitly(self) -> bool:
+        return self.quantization not in (Quantization.AUTO, Quantization.NONE)
+
+    def check_quantization(self) -> None:  # called by __post_init__
+        if self.quantized_explicitly and (self.is_cuda or self.tensor_parallel_size > 1):
+            raise ConfigError(
+                f"quantization {self.quantization.value!r} runs on the CPU with tensor_parallel_size 1 "
+                "(use quantization 'none')"
+            )
 
     @property
     def is_cuda(self) -> bool:

@@ -8,14 +8,16 @@ this engine rotate the halves (i, i + D/2)); :func:`unpermute_qk` undoes it.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
 import torch
 
-from kvwire.engine.gguf_reader import GGUFFile, GGUFMetadata
+from kvwire.engine.gguf_reader import GGUFFile, GGUFMetadata, GGUFTensor
 from kvwire.engine.models.config import ModelConfig, RopeScaling
 from kvwire.engine.models.llama import LlamaModel
+from kvwire.engine.quant import Int4Groups, gguf_q4_groups
 from kvwire.engine.weights import copy_hf_tensor, expected_names
 from kvwire.errors import ModelLoadError
 
@@ -70,9 +72,10 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
     )
 
 
-def load_gguf_weights(model: LlamaModel, gguf: GGUFFile) -> None:
+def load_gguf_weights(model: LlamaModel, gguf: GGUFFile, sources: GGUFSources | None = None) -> None:
     """Dequantize every tensor of ``gguf`` into ``model`` (its dtype and device); a missing or
-    unexpected weight is a ModelLoadError."""
+    unexpected weight is a ModelLoadError. ``sources`` (when given) collects each tensor's GGUF type
+    and the int4 codes of its Q4_0/Q4_1 tensors, for the quantized modes (engine/quantize.py)."""
     params = dict(model.named_parameters())
     cfg = model.config
     loaded: set[str] = set()
@@ -81,16 +84,41 @@ def load_gguf_weights(model: LlamaModel, gguf: GGUFFile) -> None:
         if hf_name is None:
             raise ModelLoadError(f"{gguf.path}: unexpected tensor {tensor.name!r}")
         values = tensor.dequantize()
-        if hf_name.endswith("self_attn.q_proj.weight"):
-            values = unpermute_qk(values, cfg.num_heads)
-        elif hf_name.endswith("self_attn.k_proj.weight"):
-            values = unpermute_qk(values, cfg.num_kv_heads)
+        heads = _qk_heads(hf_name, cfg.num_heads, cfg.num_kv_heads)
+        if heads:
+            values = unpermute_qk(values, heads)
+        if sources is not None:
+            sources.add(hf_name, tensor, heads)
         target = copy_hf_tensor(model, params, hf_name, torch.from_numpy(values))
         if target is not None:
             loaded.add(target)
     missing = expected_names(params) - loaded
     if missing:
         raise ModelLoadError(f"{gguf.path}: weights missing from the file: {sorted(missing)[:5]}")
+
+
+@dataclasses.dataclass
+class GGUFSources:
+    """Per HF weight name: its GGUF type, and for Q4_0/Q4_1 its codes (rows in HF order)."""
+
+    types: dict[str, str] = dataclasses.field(default_factory=dict)
+    int4: dict[str, Int4Groups] = dataclasses.field(default_factory=dict)
+
+    def add(self, hf_name: str, tensor: GGUFTensor, qk_heads: int) -> None:
+        self.types[hf_name] = tensor.type_name
+        if tensor.type_name in ("Q4_0", "Q4_1") and len(tensor.shape) == 2:
+            groups = gguf_q4_groups(tensor.raw, tensor.type_name, (tensor.shape[0], tensor.shape[1]))
+            if qk_heads:
+                order = unpermute_qk(np.arange(tensor.shape[0])[:, None], qk_heads)[:, 0]
+                groups = groups.rows(order)
+            self.int4[hf_name] = groups
+
+
+def _qk_heads(hf_name: str, num_heads: int, num_kv_heads: int) -> int:
+    """Heads whose rows llama.cpp permuted (0: not a q/k weight)."""
+    if hf_name.endswith("self_attn.q_proj.weight"):
+        return num_heads
+    return num_kv_heads if hf_name.endswith("self_attn.k_proj.weight") else 0
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:

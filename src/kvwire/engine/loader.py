@@ -8,12 +8,13 @@ from pathlib import Path
 
 import torch
 
-from kvwire.engine.config import EngineConfig
+from kvwire.engine.config import EngineConfig, Quantization
 from kvwire.engine.gguf_reader import GGUFFile
 from kvwire.engine.gguf_tokenizer import gguf_tokenizer
-from kvwire.engine.gguf_weights import gguf_model_config, load_gguf_weights
+from kvwire.engine.gguf_weights import GGUFSources, gguf_model_config, load_gguf_weights
 from kvwire.engine.models.llama import LlamaModel
 from kvwire.engine.models.presets import PACKAGED_MODELS, PRESETS, Preset
+from kvwire.engine.quantize import quantize_model, resolve_quantization
 from kvwire.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from kvwire.engine.weights import init_random_weights, load_hf_weights, read_model_config
 from kvwire.errors import ConfigError, ModelLoadError
@@ -28,6 +29,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     dtype: torch.dtype
     max_model_len: int
+    quantization: Quantization = Quantization.NONE  # the mode in effect (AUTO resolved)
 
 
 _Built = tuple[LlamaModel, Tokenizer, int]  # model, tokenizer, default max_model_len
@@ -42,15 +44,20 @@ def resolve_dtype(config: EngineConfig) -> torch.dtype:
 def load_model(config: EngineConfig) -> LoadedModel:
     """Raises ModelLoadError when the preset, file or directory cannot be used."""
     device, dtype = torch.device(config.device), resolve_dtype(config)
+    gguf_path = _gguf_path(config.model)
+    mode = resolve_quantization(
+        config.quantization, gguf_path is not None, device.type == "cpu", config.tensor_parallel_size
+    )
+    if mode is Quantization.GGUF and gguf_path is None:
+        raise ConfigError(f"quantization 'gguf' needs a GGUF model, not {config.model!r} (use int8 or int4)")
     if config.model in PRESETS:
         model, tokenizer, default_len = _load_preset(PRESETS[config.model], device, dtype)
-    elif config.model in PACKAGED_MODELS:
-        path = PACKAGED_MODELS[config.model].path(config.model)
-        model, tokenizer, default_len = _load_gguf(path, device, dtype)
-    elif config.model.endswith(".gguf") or Path(config.model).is_file():
-        model, tokenizer, default_len = _load_gguf(Path(config.model), device, dtype)
+        quantize_model(model, mode, None)
+    elif gguf_path is not None:
+        model, tokenizer, default_len = _load_gguf(gguf_path, device, dtype, mode)
     elif Path(config.model).is_dir():
         model, tokenizer, default_len = _load_hf_dir(Path(config.model), device, dtype)
+        quantize_model(model, mode, None)
     else:
         names = ", ".join([*PRESETS, *PACKAGED_MODELS])
         raise ModelLoadError(
@@ -60,7 +67,17 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if config.max_model_len is not None and config.max_model_len > limit:
         raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions")
     max_model_len = min(config.max_model_len or default_len, limit)
-    return LoadedModel(model.eval(), tokenizer, dtype, max_model_len)
+    return LoadedModel(model.eval(), tokenizer, dtype, max_model_len, mode)
+
+
+def _gguf_path(model: str) -> Path | None:
+    if model in PRESETS:
+        return None
+    if model in PACKAGED_MODELS:
+        return PACKAGED_MODELS[model].path(model)
+    if model.endswith(".gguf") or Path(model).is_file():
+        return Path(model)
+    return None
 
 
 def _load_preset(preset: Preset, device: torch.device, dtype: torch.dtype) -> _Built:
@@ -82,7 +99,7 @@ def _load_hf_dir(model_dir: Path, device: torch.device, dtype: torch.dtype) -> _
     return model, tokenizer, min(model_config.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
 
 
-def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype) -> _Built:
+def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, mode: Quantization) -> _Built:
     gguf = GGUFFile(path)
     model_config = gguf_model_config(gguf)
     tokenizer = gguf_tokenizer(gguf.metadata, model_config.eos_token_ids)
@@ -91,5 +108,7 @@ def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype) -> _Built:
             f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the model {model_config.vocab_size}"
         )
     model = LlamaModel(model_config, device=device, dtype=dtype)
-    load_gguf_weights(model, gguf)
+    sources = None if mode is Quantization.NONE else GGUFSources()
+    load_gguf_weights(model, gguf, sources)
+    quantize_model(model, mode, sources)
     return model, tokenizer, min(model_config.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)

@@ -44,7 +44,9 @@ def _params(loaded_model: torch.nn.Module) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0])
 def test_each_supported_type_loads_the_values_the_file_holds(tmp_path: Path, qtype: Q) -> None:
     written = write_tiny_llama(tmp_path / "m.gguf", qtype, tied=False)
-    loaded = load_model(EngineConfig(model=str(written.path), num_kv_blocks=8))
+    # quantization "none": the dense parameters are the dequantized values (the quantized modes
+    # replace the projections; tests/unit/engine/test_quant.py checks those against these values)
+    loaded = load_model(EngineConfig(model=str(written.path), num_kv_blocks=8, quantization="none"))
     ours = _params(loaded.model)
     assert set(ours) == set(written.weights)
     for name, expected in written.weights.items():

@@ -160,6 +160,7 @@ class LlamaModel(nn.Module):
             if cfg.tie_word_embeddings
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device, dtype=dtype)
         )
+        self.head: nn.Module | None = None  # a quantized LM head (engine/quantize.py) replaces both
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden] (after the final norm)."""
@@ -177,5 +178,7 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]."""
+        if self.head is not None:
+            return self.head(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()

@@ -1,0 +1,134 @@
+"""Weight-only quantized linear layers for the CPU: int4 in groups of 32 and int8 per output row.
+
+The weights stay packed in memory and are multiplied by torch's own CPU kernels
+(``aten._weight_int4pack_mm_for_cpu``, ``aten._weight_int8pack_mm``), which read them as they are and
+take bfloat16 activations (their float32 entry points run a slow generic path). A layer casts its
+input to bfloat16 and its output back, so the rest of the model keeps its dtype.
+
+* :class:`Int4Linear` — ``w = (q - 8) * scale + zero`` per group of 32 inputs, ``q`` in 0..15. GGUF's
+  Q4_0 (``d * (q - 8)``) and Q4_1 (``d * q + m``) blocks map onto it without re-quantizing: the
+  codes are the file's codes, only the scales are rounded to bfloat16 (:func:`gguf_q4_groups`).
+* :class:`Int8Linear` — ``w = q * scale`` per output row, ``q`` in -127..127. GGUF's Q8_0 blocks
+  (a scale per 32 inputs) are re-quantized to one scale per row from their dequantized values.
+
+Decision 118 says why these kernels and this layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvwire.errors import ModelLoadError
+
+GROUP = 32  # inputs per int4 group: GGUF's block size
+_ROWS_MULTIPLE = 16  # the int4 packer wants the output rows in multiples of 16
+_ACT = torch.bfloat16
+
+
+@dataclasses.dataclass
+class Int4Groups:
+    """A weight as int4 codes with a scale and an offset per group: ``w = scale * q + offset``
+    (float32 numpy arrays; codes uint8 [N, K], scale/offset [N, K / GROUP])."""
+
+    codes: np.ndarray
+    scale: np.ndarray
+    offset: np.ndarray
+
+    def dequantize(self) -> np.ndarray:
+        rep = np.repeat
+        return rep(self.scale, GROUP, 1) * self.codes.astype(np.float32) + rep(self.offset, GROUP, 1)
+
+    def rows(self, index: np.ndarray) -> Int4Groups:
+        return Int4Groups(self.codes[index], self.scale[index], self.offset[index])
+
+    @staticmethod
+    def concat(parts: list[Int4Groups]) -> Int4Groups:
+        fields = ("codes", "scale", "offset")
+        return Int4Groups(*(np.concatenate([getattr(p, f) for p in parts]) for f in fields))
+
+
+def gguf_q4_groups(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int4Groups:
+    """The codes and scales of a Q4_0 or Q4_1 tensor as stored (``raw``: the file's bytes, one row
+    per output row). Q4_0 block: fp16 d, 16 bytes of nibbles; Q4_1: fp16 d, fp16 m, 16 bytes. Element
+    j of a block is the low nibble of byte j, element j + 16 the high nibble."""
+    header = {"Q4_0": 2, "Q4_1": 4}[type_name]
+    rows, cols = shape
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, cols // GROUP, header + GROUP // 2)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    nibbles = blocks[..., header:]
+    codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows, cols)
+    if type_name == "Q4_0":
+        return Int4Groups(codes, d, -8.0 * d)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    return Int4Groups(codes, d, m)
+
+
+def quantize_int4(weight: np.ndarray) -> Int4Groups:
+    """Round-to-nearest asymmetric int4 per group of 32 (the Q4_1 recipe) for float weights."""
+    rows, cols = weight.shape
+    groups = weight.astype(np.float32).reshape(rows, cols // GROUP, GROUP)
+    low, high = groups.min(-1), groups.max(-1)
+    scale = (high - low) / 15.0
+    inv = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
+    codes = np.clip(np.rint((groups - low[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
+    return Int4Groups(codes.reshape(rows, cols), scale, low)
+
+
+class Int4Linear(nn.Module):
+    """``y = x W^T`` with W held as packed int4 groups (see the module docstring)."""
+
+    def __init__(
+        self, groups: Int4Groups, in_features: int, out_features: int, bias: torch.Tensor | None = None
+    ) -> None:
+        super().__init__()
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        rows, cols = groups.codes.shape
+        if cols % GROUP or (rows, cols) != (out_features, in_features):
+            raise ModelLoadError(
+                f"int4 weight {rows}x{cols}: needs {out_features}x{in_features}, K % {GROUP} == 0"
+            )
+        pad = -rows % _ROWS_MULTIPLE
+        codes = torch.from_numpy(np.pad(groups.codes, ((0, pad), (0, 0))).astype(np.int32))
+        scale = torch.from_numpy(np.pad(groups.scale, ((0, pad), (0, 0))))
+        zero = scale * 8.0 + torch.from_numpy(np.pad(groups.offset, ((0, pad), (0, 0))))  # (q-8)*s+zero
+        self.in_features, self.out_features = in_features, out_features
+        self.packed: torch.Tensor
+        self.scale_zeros: torch.Tensor
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+        self.register_buffer("scale_zeros", torch.stack([scale.t(), zero.t()], -1).to(_ACT).contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(_ACT)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scale_zeros)
+        return _finish(out[:, : self.out_features], x, self.bias)
+
+
+class Int8Linear(nn.Module):
+    """``y = x W^T`` with W held as int8 rows and one scale per row, symmetric."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+        self.out_features, self.in_features = w.shape
+        self.qweight: torch.Tensor
+        self.scale: torch.Tensor
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(_ACT))
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.scale.float()[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(_ACT)
+        return _finish(torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale), x, self.bias)
+
+
+def _finish(out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+    return out if bias is None else out + bias
