@@ -43,9 +43,13 @@ from kvwire.cluster.client import RequestResult, post_completion
 
 HERE = Path(__file__).resolve().parent
 EOS_ID = 2  # SmolLM2's <|im_end|>/<|endoftext|> end token (bias it away: every request runs to length)
-WORDS = ("time person year way day thing man world life hand part child eye woman place work week "
-         "case point government company number group problem fact river stone music garden window "
-         "paper light water morning story question answer table market summer winter north south").split()
+WORDS = (
+    "time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part",
+    "child", "eye", "woman", "place", "work", "week", "case", "point", "government", "company",
+    "number", "group", "problem", "fact", "river", "stone", "music", "garden", "window", "paper",
+    "light", "water", "morning", "story", "question", "answer", "table", "market", "summer",
+    "winter", "north", "south",
+)
 
 
 @dataclasses.dataclass
@@ -80,7 +84,8 @@ def _kvwire_argv(model: str, args: argparse.Namespace, port: int, quantization: 
 
 def build_servers(args: argparse.Namespace, gguf: Path, hf_dir: Path) -> list[Server]:
     threads = str(args.threads)
-    base_env = {**os.environ, "OMP_NUM_THREADS": threads, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    base_env = {**os.environ, "OMP_NUM_THREADS": threads, "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
     no_eos = {"ignore_eos": True}
     servers = []
     for name in args.engines.split(","):
@@ -94,13 +99,16 @@ def build_servers(args: argparse.Namespace, gguf: Path, hf_dir: Path) -> list[Se
         elif name == "vllm":
             env = {**base_env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
             argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
-                    "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048"]
+                    "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+                    "--max-model-len", "2048"]  # fmt: skip
             servers.append(Server(name, argv, env, port, str(hf_dir), no_eos))
         elif name == "llamacpp":
-            argv = [args.llamacpp_python, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+            argv = [args.llamacpp_python, "-m", "llama_cpp.server", "--model", str(gguf),
+                    "--host", "127.0.0.1",
                     "--port", str(port), "--n_threads", threads, "--n_threads_batch", threads,
                     "--n_ctx", "2048"]  # fmt: skip
-            servers.append(Server(name, argv, base_env, port, str(gguf), {"logit_bias": {str(EOS_ID): -100.0}}))
+            no_eos_bias = {"logit_bias": {str(EOS_ID): -100.0}}
+            servers.append(Server(name, argv, base_env, port, str(gguf), no_eos_bias))
         else:
             raise SystemExit(f"unknown engine {name!r} (kvwire, kvwire-hf, vllm, llamacpp)")
     return servers
@@ -113,7 +121,8 @@ def start(server: Server, log_dir: Path, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
-            raise SystemExit(f"{server.name} exited ({server.proc.returncode}); see {log_dir}/{server.name}.log")
+            code = server.proc.returncode
+            raise SystemExit(f"{server.name} exited ({code}); see {log_dir}/{server.name}.log")
         try:
             with urllib.request.urlopen(f"{server.url}/v1/models", timeout=5) as resp:
                 if resp.status == 200:
@@ -139,7 +148,9 @@ def make_prompts(n: int, words: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(n)]
 
 
-async def run_load(server: Server, prompts: list[str], output_len: int, concurrency: int) -> dict[str, Any]:
+async def run_load(
+    server: Server, prompts: list[str], output_len: int, concurrency: int
+) -> dict[str, Any]:
     limit = asyncio.Semaphore(concurrency)
     body = {"model": server.model_name, "max_tokens": output_len, "temperature": 0.0, "stream": True,
             **server.body_extra}  # fmt: skip
@@ -164,7 +175,8 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict[str, Any]
     tpot = [(r.e2e_s - r.ttft_s) / (n - 1) for r, n in zip(ok, tokens, strict=True) if r.ttft_s and n > 1]
     med = statistics.median
     return {
-        "ok": len(ok), "all": len(results), "errors": sorted({(r.error or "")[:200] for r in results if not r.ok}),
+        "ok": len(ok), "all": len(results),
+        "errors": sorted({(r.error or "")[:200] for r in results if not r.ok}),
         "tok_s": sum(tokens) / duration_s, "mean_tokens": sum(tokens) / max(1, len(ok)),
         "ttft_ms": med([r.ttft_s for r in ok if r.ttft_s is not None]) * 1e3 if ok else float("nan"),
         "tpot_ms": med(tpot) * 1e3 if tpot else float("nan"),
@@ -176,17 +188,20 @@ def _median_of_rounds(rows: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
-def report(results: dict[tuple[str, int], list[dict[str, Any]]], engines: list[str], concs: list[int]) -> str:
+def report(
+    results: dict[tuple[str, int], list[dict[str, Any]]], engines: list[str], concs: list[int]
+) -> str:
     lines = [f"{'engine':<11}{'conc':>5}{'tok/s':>9}{'TPOT p50 ms':>13}{'TTFT p50 ms':>13}{'ITL mean ms':>13}"
              f"{'ok/all':>9}   per-round tok/s"]  # fmt: skip
     for conc in concs:
         for name in engines:
             rows = results[(name, conc)]
             per_round = " ".join(f"{r['tok_s']:.1f}" for r in rows)
-            lines.append(f"{name:<11}{conc:>5}{_median_of_rounds(rows, 'tok_s'):>9.1f}"
-                         f"{_median_of_rounds(rows, 'tpot_ms'):>13.1f}{_median_of_rounds(rows, 'ttft_ms'):>13.1f}"
-                         f"{_median_of_rounds(rows, 'itl_mean_ms'):>13.1f}"
-                         f"{sum(r['ok'] for r in rows):>5}/{sum(r['all'] for r in rows):<3}   {per_round}")  # fmt: skip
+            keys = ("tok_s", "tpot_ms", "ttft_ms", "itl_mean_ms")
+            tok, tpot, ttft, itl = (_median_of_rounds(rows, k) for k in keys)
+            ok = f"{sum(r['ok'] for r in rows)}/{sum(r['all'] for r in rows)}"
+            figures = f"{tok:>9.1f}{tpot:>13.1f}{ttft:>13.1f}{itl:>13.1f}"
+            lines.append(f"{name:<11}{conc:>5}{figures}{ok:>9}   {per_round}")
     lines.append("")
     lines.append("ratios (medians over rounds; tok/s: higher is better for kvwire, TTFT: lower)")
     for ours in [e for e in engines if e.startswith("kvwire")]:
@@ -223,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     from gguf_to_hf import convert, resolve_gguf
 
     gguf = resolve_gguf("smollm2-135m")
-    hf_dir = Path(args.hf_dir) if args.hf_dir else convert(gguf, Path(tempfile.gettempdir()) / "kvwire-smollm2-hf")
+    default_dir = Path(tempfile.gettempdir()) / "kvwire-smollm2-hf"
+    hf_dir = Path(args.hf_dir) if args.hf_dir else convert(gguf, default_dir)
     concs = [int(c) for c in args.concurrency.split(",")]
     counts = [int(n) for n in args.num_prompts.split(",")]
     servers = build_servers(args, gguf, hf_dir)

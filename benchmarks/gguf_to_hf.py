@@ -24,7 +24,8 @@ def convert(gguf_path: Path, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     kw = {"gguf_file": gguf_path.name}
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), **kw)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kw)
+    auto = transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kw)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)

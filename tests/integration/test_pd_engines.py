@@ -14,6 +14,7 @@ import pytest
 from pd_engine_helpers import BLOCK, FIRST, GREEDY, MAX_LEN, MAX_TOKENS, PD, engine_config
 
 from kvwire.connector.config import LoadFailurePolicy
+from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.kv_params import KVTransferParams, Role
 from kvwire.transfer.enums import Backend
@@ -29,10 +30,9 @@ def prompts(n: int = 24) -> list[list[int]]:
 
 
 
-@pytest.fixture(scope="module")
-def reference() -> dict[int, list[int]]:
-    engine = LLMEngine(engine_config())
-    for i, prompt in enumerate(prompts()):
+def colocated(config: EngineConfig, all_prompts: list[list[int]]) -> dict[int, list[int]]:
+    engine = LLMEngine(config)
+    for i, prompt in enumerate(all_prompts):
         engine.add_request(f"r{i}", prompt, GREEDY)
     out: dict[int, list[int]] = {}
     deadline = time.monotonic() + 120
@@ -42,6 +42,11 @@ def reference() -> dict[int, list[int]]:
                 out[int(o.request_id[1:])] = o.token_ids
     engine.close()
     return out
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[int, list[int]]:
+    return colocated(engine_config(), prompts())
 
 
 @pytest.fixture
@@ -101,6 +106,32 @@ def test_pull_equals_colocated(pd: PD, reference: dict[int, list[int]]) -> None:
     shm = pd.p.worker_connector.agent._planes.members[Backend.SHM]  # type: ignore[attr-defined]
     assert shm.layers_sent["one_copy"] > 0, shm.layers_sent
     assert_all_freed(pd)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_push_equals_colocated_with_quantized_weights(quantization: str) -> None:
+    """The quantized CPU modes on both sides: D's output is the colocated engine's, token for token.
+
+    Both prefill every prompt whole and D has room for every request: these layers take bfloat16
+    activations, so a difference in the last bits of an fp32 input (chunks cut at other places, a
+    preempted request recomputed) can round to a different bfloat16 and change a later greedy
+    token. The kernels themselves give each row the same result whatever the batch (test_quant.py)."""
+    all_prompts = prompts(12)
+    config = engine_config(quantization=quantization)
+    expected = colocated(config, all_prompts)
+    pair = PD(p_config=config, d_config=engine_config(quantization=quantization))
+    try:
+        assert type(pair.d.model.head).__name__ == f"Int{quantization[-1]}Linear"
+        for i, prompt in enumerate(all_prompts):
+            pair.add_push(f"r{i}", prompt)
+        pair.run()
+        for i in range(len(all_prompts)):
+            assert pair.results[f"r{i}"].token_ids == expected[i], f"prompt {i}"
+        assert pair.d.stats().num_prompt_tokens < sum(len(p) for p in all_prompts)  # the KV came from P
+        assert pair.d.stats().num_kv_load_failures == 0
+        assert_all_freed(pair)
+    finally:
+        pair.close()
 
 
 def test_aborts_at_any_moment_release_blocks(pd: PD) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 
 from kvwire.errors import ConfigError
 from kvwire.kv_params import LoadFailurePolicy
@@ -55,6 +56,9 @@ class EngineConfig:
     decode_graphs: bool = False
     kv_cache_memory_fraction: float = 0.8  # CUDA: share of free memory (after weights) for KV
     cpu_kv_cache_bytes: int = 1 << 30  # CPU: most bytes the auto-sized KV cache may take
+    # CPU: torch threads of this process. None: OMP_NUM_THREADS when set, else half the cores this
+    # process may run on (at least 1) -- a P and a D instance share a host (decision 119).
+    cpu_threads: int | None = None
     seed: int = 0  # seeds the sampler of requests without their own seed
     # Ranks (processes) the model is split over: attention heads and MLP columns (engine/tp).
     tensor_parallel_size: int = 1
@@ -74,6 +78,8 @@ class EngineConfig:
             _positive("num_kv_blocks", self.num_kv_blocks)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
+        if self.cpu_threads is not None:
+            _positive("cpu_threads", self.cpu_threads)
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ConfigError("kv_cache_memory_fraction must be in (0, 1]")
         _positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
@@ -101,6 +107,14 @@ class EngineConfig:
                 f"quantization {self.quantization.value!r} runs on the CPU with tensor_parallel_size 1 "
                 "(use quantization 'none')"
             )
+
+    def resolved_cpu_threads(self) -> int:
+        if self.cpu_threads is not None:
+            return self.cpu_threads
+        env = os.environ.get("OMP_NUM_THREADS", "")
+        if env.isdigit() and int(env) > 0:
+            return int(env)
+        return max(1, len(os.sched_getaffinity(0)) // 2)
 
     @property
     def is_cuda(self) -> bool:

@@ -67,6 +67,8 @@ class LLMEngine:
         scheduler_connector: SchedulerConnector | None,
         worker_connector: WorkerConnector | None,
     ) -> None:
+        if not config.is_cuda:
+            torch.set_num_threads(config.resolved_cpu_threads())
         loaded = load_model(config)
         if self._tp is not None:
             self._tp.shard(loaded.model, config.device)

@@ -30,6 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="name clients send (default: the model's)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    parser.add_argument("--quantization", default="auto", choices=("auto", "none", "gguf", "int8", "int4"),
+                        help="linear weights: auto (a GGUF on the CPU as the file holds them), none "
+                             "(dense --dtype, exact), gguf, int8 or int4 (CPU, one rank)")
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="CPU: torch threads (default: OMP_NUM_THREADS, else half the cores)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     parser.add_argument("--role", choices=[r.value for r in Role], default=Role.BOTH.value)
@@ -133,6 +138,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         if getattr(args, name) is not None
     }
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                        quantization=args.quantization, cpu_threads=args.cpu_threads,
                         kv_load_failure_policy=args.kv_load_failure_policy, **sizing)
 
 
