@@ -53,7 +53,11 @@ def hf() -> Iterator[tuple[Any, Any]]:
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[kvwire.LLM]:
-    llm = kvwire.LLM(model="smollm2-135m", device="cpu", dtype="float32", num_kv_blocks=64)
+    # quantization "none": the dequantized fp32 weights, the mode that equals transformers token for
+    # token (the default on the CPU keeps the file's Q4_1 codes as int4 with bf16 activations, which
+    # follows it within rounding: decision 118, tests/unit/engine/test_quant.py)
+    llm = kvwire.LLM(model="smollm2-135m", device="cpu", dtype="float32", num_kv_blocks=64,
+                     quantization="none")  # fmt: skip
     yield llm
     llm.close()
 
@@ -106,3 +110,18 @@ def test_plain_text_encode_decode_equals_transformers(hf: tuple[Any, Any], llm: 
         ids = llm.tokenizer.encode(text)
         assert ids == tok(text)["input_ids"]
         assert llm.tokenizer.decode(ids) == text
+
+
+def test_default_mode_keeps_the_file_quantized_and_answers_alike() -> None:
+    """The default on the CPU (quantization auto = the GGUF's own form: Q4_1 as int4, the Q8_0 head
+    as int8) answers the first question as the exact mode does."""
+    llm = kvwire.LLM(model="smollm2-135m", device="cpu", num_kv_blocks=64)
+    try:
+        layer = llm.engine.model.layers[0]
+        assert type(layer.mlp.gate_up_proj).__name__ == "Int4Linear"
+        assert type(llm.engine.model.head).__name__ == "Int8Linear"
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}])
+        out = llm.generate([prompt], kvwire.SamplingParams(max_tokens=12))[0]
+        assert out.text.startswith("The capital of France is Paris.")
+    finally:
+        llm.close()

@@ -95,16 +95,16 @@ class Int4Linear(nn.Module):
         codes = torch.from_numpy(np.pad(groups.codes, ((0, pad), (0, 0))).astype(np.int32))
         scale = torch.from_numpy(np.pad(groups.scale, ((0, pad), (0, 0))))
         zero = scale * 8.0 + torch.from_numpy(np.pad(groups.offset, ((0, pad), (0, 0))))  # (q-8)*s+zero
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.padded_rows = in_features, out_features, pad
         self.packed: torch.Tensor
         self.scale_zeros: torch.Tensor
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
         self.register_buffer("scale_zeros", torch.stack([scale.t(), zero.t()], -1).to(_ACT).contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(_ACT)
+        flat = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).to(_ACT)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scale_zeros)
-        return _finish(out[:, : self.out_features], x, self.bias)
+        return _finish(out if self.padded_rows == 0 else out[:, : self.out_features], x, self.bias)
 
 
 class Int8Linear(nn.Module):
@@ -125,10 +125,13 @@ class Int8Linear(nn.Module):
         return self.qweight.float() * self.scale.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(_ACT)
+        flat = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).to(_ACT)
         return _finish(torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale), x, self.bias)
 
 
 def _finish(out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out = out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+    """Back to the caller's dtype and leading dimensions, plus the bias."""
+    out = out.to(x.dtype)
+    if x.dim() != 2:
+        out = out.view(*x.shape[:-1], out.shape[-1])
     return out if bias is None else out + bias
