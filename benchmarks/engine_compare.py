@@ -42,6 +42,7 @@ import aiohttp
 from kvwire.cluster.client import RequestResult, post_completion
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 EOS_ID = 2  # SmolLM2's <|im_end|>/<|endoftext|> end token (bias it away: every request runs to length)
 WORDS = (
     "time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part",
@@ -57,9 +58,9 @@ class Server:
     name: str
     argv: list[str]
     env: dict[str, str]
-    port: int
     model_name: str
     body_extra: dict[str, Any]
+    port: int = 0  # chosen when the server starts (another server may take a port picked earlier)
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -75,9 +76,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _kvwire_argv(model: str, args: argparse.Namespace, port: int, quantization: str) -> list[str]:
+PORT = "{port}"  # in a server's argv: replaced by its port when it starts
+
+
+def _kvwire_argv(model: str, args: argparse.Namespace, quantization: str) -> list[str]:
     entry = "import sys; from kvwire.cli import main; sys.exit(main())"
-    return [sys.executable, "-c", entry, "serve", "--model", model, "--port", str(port),
+    return [sys.executable, "-c", entry, "serve", "--model", model, "--port", PORT,
             "--quantization", quantization, "--cpu-threads", str(args.threads),
             "--num-kv-blocks", "512", "--max-model-len", "2048"]  # fmt: skip
 
@@ -89,26 +93,25 @@ def build_servers(args: argparse.Namespace, gguf: Path, hf_dir: Path) -> list[Se
     no_eos = {"ignore_eos": True}
     servers = []
     for name in args.engines.split(","):
-        port = _free_port()
         if name == "kvwire":
-            argv = _kvwire_argv("smollm2-135m", args, port, "auto")
-            servers.append(Server(name, argv, base_env, port, "smollm2-135m", no_eos))
+            argv = _kvwire_argv("smollm2-135m", args, "auto")
+            servers.append(Server(name, argv, base_env, "smollm2-135m", no_eos))
         elif name == "kvwire-hf":
-            argv = _kvwire_argv(str(hf_dir), args, port, args.hf_quantization)
-            servers.append(Server(name, argv, base_env, port, str(hf_dir), no_eos))
+            argv = _kvwire_argv(str(hf_dir), args, args.hf_quantization)
+            servers.append(Server(name, argv, base_env, str(hf_dir), no_eos))
         elif name == "vllm":
             env = {**base_env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
             argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
-                    "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+                    "--host", "127.0.0.1", "--port", PORT, "--dtype", "float32",
                     "--max-model-len", "2048"]  # fmt: skip
-            servers.append(Server(name, argv, env, port, str(hf_dir), no_eos))
+            servers.append(Server(name, argv, env, str(hf_dir), no_eos))
         elif name == "llamacpp":
             argv = [args.llamacpp_python, "-m", "llama_cpp.server", "--model", str(gguf),
                     "--host", "127.0.0.1",
-                    "--port", str(port), "--n_threads", threads, "--n_threads_batch", threads,
+                    "--port", PORT, "--n_threads", threads, "--n_threads_batch", threads,
                     "--n_ctx", "2048"]  # fmt: skip
             no_eos_bias = {"logit_bias": {str(EOS_ID): -100.0}}
-            servers.append(Server(name, argv, base_env, port, str(gguf), no_eos_bias))
+            servers.append(Server(name, argv, base_env, str(gguf), no_eos_bias))
         else:
             raise SystemExit(f"unknown engine {name!r} (kvwire, kvwire-hf, vllm, llamacpp)")
     return servers
@@ -116,7 +119,9 @@ def build_servers(args: argparse.Namespace, gguf: Path, hf_dir: Path) -> list[Se
 
 def start(server: Server, log_dir: Path, timeout_s: float) -> None:
     log = open(log_dir / f"{server.name}.log", "wb")  # noqa: SIM115 (kept open while the server runs)
-    server.proc = subprocess.Popen(server.argv, env=server.env, stdout=log, stderr=subprocess.STDOUT,
+    server.port = _free_port()
+    argv = [str(server.port) if a == PORT else a for a in server.argv]
+    server.proc = subprocess.Popen(argv, env=server.env, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -225,9 +230,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--hf-quantization", default="int8", help="kvwire-hf's --quantization")
     p.add_argument("--hf-dir", default=None, help="fp32 HF directory (default: made from the GGUF)")
-    p.add_argument("--vllm-python", default="/work/main/.venv-vllm/bin/python")
-    p.add_argument("--llamacpp-python", default="/work/venv-llamacpp/bin/python")
-    p.add_argument("--start-timeout-s", type=float, default=300.0)
+    p.add_argument("--vllm-python", default=str(REPO / ".venv-vllm/bin/python"))
+    p.add_argument("--llamacpp-python", default=str(REPO / ".venv-llamacpp/bin/python"))
+    p.add_argument("--start-timeout-s", type=float, default=900.0, help="vllm compiles at start")
     p.add_argument("--json", default=None, help="also write the raw results here")
     return p.parse_args(argv)
 

@@ -52,12 +52,13 @@ def load_model(config: EngineConfig) -> LoadedModel:
         raise ConfigError(f"quantization 'gguf' needs a GGUF model, not {config.model!r} (use int8 or int4)")
     if config.model in PRESETS:
         model, tokenizer, default_len = _load_preset(PRESETS[config.model], device, dtype)
-        quantize_model(model, mode, None)
+        quantize_model(model, mode, None, dense_prompts=config.dense_prompt_weights)
     elif gguf_path is not None:
-        model, tokenizer, default_len = _load_gguf(gguf_path, device, dtype, mode)
+        dense_prompts = config.dense_prompt_weights
+        model, tokenizer, default_len = _load_gguf(gguf_path, device, dtype, mode, dense_prompts)
     elif Path(config.model).is_dir():
         model, tokenizer, default_len = _load_hf_dir(Path(config.model), device, dtype)
-        quantize_model(model, mode, None)
+        quantize_model(model, mode, None, dense_prompts=config.dense_prompt_weights)
     else:
         names = ", ".join([*PRESETS, *PACKAGED_MODELS])
         raise ModelLoadError(
@@ -99,7 +100,9 @@ def _load_hf_dir(model_dir: Path, device: torch.device, dtype: torch.dtype) -> _
     return model, tokenizer, min(model_config.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
 
 
-def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, mode: Quantization) -> _Built:
+def _load_gguf(
+    path: Path, device: torch.device, dtype: torch.dtype, mode: Quantization, dense_prompts: bool
+) -> _Built:
     gguf = GGUFFile(path)
     model_config = gguf_model_config(gguf)
     tokenizer = gguf_tokenizer(gguf.metadata, model_config.eos_token_ids)
@@ -110,5 +113,5 @@ def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, mode: Quant
     model = LlamaModel(model_config, device=device, dtype=dtype)
     sources = None if mode is Quantization.NONE else GGUFSources()
     load_gguf_weights(model, gguf, sources)
-    quantize_model(model, mode, sources)
+    quantize_model(model, mode, sources, dense_prompts=dense_prompts)
     return model, tokenizer, min(model_config.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)

@@ -135,7 +135,14 @@ class ModelRunner:
             return hidden, list(range(len(batch) + 1))
         input_ids, positions_t, meta = self._prepare(batch)
         ctx = ForwardContext(meta, self.kv_caches, self.connector, self.backend)
-        return self.model(input_ids, positions_t, ctx), meta.query_start_loc
+        split = self.model.row_split
+        if split is None:
+            return self.model(input_ids, positions_t, ctx), meta.query_start_loc
+        split.packed_rows = meta.num_decodes  # decodes come first: packed kernels; prompt rows dense
+        try:
+            return self.model(input_ids, positions_t, ctx), meta.query_start_loc
+        finally:
+            split.packed_rows = None
 
     def _slot(self, req: Request, position: int) -> int:
         return req.block_ids[position // self.block_size] * self.block_size + position % self.block_size

@@ -20,6 +20,7 @@ import dataclasses
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvwire.errors import ModelLoadError
@@ -78,14 +79,59 @@ def quantize_int4(weight: np.ndarray) -> Int4Groups:
     return Int4Groups(codes.reshape(rows, cols), scale, low)
 
 
-class Int4Linear(nn.Module):
+@dataclasses.dataclass
+class RowSplit:
+    """Shared by a model's quantized layers, set by the model runner for each forward: the first
+    ``packed_rows`` rows (the decodes) go through the packed kernel, the rest (prompt rows) through
+    the layer's bfloat16 copy when it has one. None: every row packed."""
+
+    packed_rows: int | None = None
+
+
+class _QuantLinear(nn.Module):
+    """What the int4 and int8 layers share: the row split, the optional dense copy, the bias."""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None,
+                 split: RowSplit | None) -> None:  # fmt: skip
+        super().__init__()
+        self.in_features, self.out_features, self.split = in_features, out_features, split
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        # bf16 [out, in] for prompt rows (``dense=True``: faster than the packed kernels on many rows;
+        # costs 2 bytes per weight)
+        self.dense_weight: torch.Tensor | None
+        self.register_buffer("dense_weight", None)
+
+    def _keep_dense(self, weight: torch.Tensor) -> None:
+        self.dense_weight = weight.to(_ACT).contiguous()
+
+    def _packed(self, flat: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).to(_ACT)
+        rows, dense = flat.shape[0], self.dense_weight
+        split = self.split.packed_rows if self.split is not None else None
+        packed = rows if split is None or dense is None else min(split, rows)
+        if packed == rows or dense is None:
+            out = self._packed(flat)
+        elif packed == 0:
+            out = F.linear(flat, dense)
+        else:
+            out = torch.cat((self._packed(flat[:packed]), F.linear(flat[packed:], dense)))
+        out = out.to(x.dtype)
+        if x.dim() != 2:
+            out = out.view(*x.shape[:-1], out.shape[-1])
+        return out if self.bias is None else out + self.bias
+
+
+class Int4Linear(_QuantLinear):
     """``y = x W^T`` with W held as packed int4 groups (see the module docstring)."""
 
     def __init__(
-        self, groups: Int4Groups, in_features: int, out_features: int, bias: torch.Tensor | None = None
-    ) -> None:
-        super().__init__()
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self, groups: Int4Groups, in_features: int, out_features: int, bias: torch.Tensor | None = None,
+        split: RowSplit | None = None, dense: bool = False,
+    ) -> None:  # fmt: skip
+        super().__init__(in_features, out_features, bias, split)
         rows, cols = groups.codes.shape
         if cols % GROUP or (rows, cols) != (out_features, in_features):
             raise ModelLoadError(
@@ -95,43 +141,39 @@ class Int4Linear(nn.Module):
         codes = torch.from_numpy(np.pad(groups.codes, ((0, pad), (0, 0))).astype(np.int32))
         scale = torch.from_numpy(np.pad(groups.scale, ((0, pad), (0, 0))))
         zero = scale * 8.0 + torch.from_numpy(np.pad(groups.offset, ((0, pad), (0, 0))))  # (q-8)*s+zero
-        self.in_features, self.out_features, self.padded_rows = in_features, out_features, pad
+        self.padded_rows = pad
         self.packed: torch.Tensor
         self.scale_zeros: torch.Tensor
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
         self.register_buffer("scale_zeros", torch.stack([scale.t(), zero.t()], -1).to(_ACT).contiguous())
+        if dense:  # the weight the kernel multiplies by: bf16 scale and zero
+            s, z = (t[:rows].to(_ACT).float().repeat_interleave(GROUP, 1) for t in (scale, zero))
+            self._keep_dense((codes[:rows].float() - 8.0) * s + z)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).to(_ACT)
+    def _packed(self, flat: torch.Tensor) -> torch.Tensor:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scale_zeros)
-        return _finish(out if self.padded_rows == 0 else out[:, : self.out_features], x, self.bias)
+        return out if self.padded_rows == 0 else out[:, : self.out_features]
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(_QuantLinear):
     """``y = x W^T`` with W held as int8 rows and one scale per row, symmetric."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, split: RowSplit | None = None,
+        dense: bool = False,
+    ) -> None:  # fmt: skip
         w = weight.detach().float()
+        super().__init__(int(w.shape[1]), int(w.shape[0]), bias, split)
         scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-        self.out_features, self.in_features = w.shape
         self.qweight: torch.Tensor
         self.scale: torch.Tensor
         self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scale", scale.to(_ACT))
+        if dense:
+            self._keep_dense(self.dequantize())
 
     def dequantize(self) -> torch.Tensor:
         return self.qweight.float() * self.scale.float()[:, None]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).to(_ACT)
-        return _finish(torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale), x, self.bias)
-
-
-def _finish(out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Back to the caller's dtype and leading dimensions, plus the bias."""
-    out = out.to(x.dtype)
-    if x.dim() != 2:
-        out = out.view(*x.shape[:-1], out.shape[-1])
-    return out if bias is None else out + bias
+    def _packed(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale)

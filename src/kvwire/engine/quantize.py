@@ -16,7 +16,7 @@ from torch import nn
 from kvwire.engine.config import Quantization
 from kvwire.engine.gguf_weights import GGUFSources
 from kvwire.engine.models.llama import LlamaModel
-from kvwire.engine.quant import GROUP, Int4Groups, Int4Linear, Int8Linear, quantize_int4
+from kvwire.engine.quant import GROUP, Int4Groups, Int4Linear, Int8Linear, RowSplit, quantize_int4
 
 _DENSE_TYPES = ("F32", "F16", "BF16")
 _SLICES = {
@@ -34,30 +34,37 @@ def resolve_quantization(mode: Quantization, is_gguf: bool, on_cpu: bool, tp_siz
     return Quantization.GGUF if is_gguf and on_cpu and tp_size == 1 else Quantization.NONE
 
 
-def quantize_model(model: LlamaModel, mode: Quantization, sources: GGUFSources | None) -> None:
-    """In place. ``sources``: what the GGUF file held (None for other checkpoints)."""
+def quantize_model(
+    model: LlamaModel, mode: Quantization, sources: GGUFSources | None, *, dense_prompts: bool = False
+) -> None:
+    """In place. ``sources``: what the GGUF file held (None for other checkpoints).
+    ``dense_prompts``: the projections keep a bfloat16 copy for prompt rows (quant.RowSplit)."""
     if mode is Quantization.NONE:
         return
+    split = RowSplit() if dense_prompts else None
     with torch.no_grad():
         for index, layer in enumerate(model.layers):
             for fused, parts in _SLICES.items():
                 owner_name, attr = fused.rsplit(".", 1)
                 owner = layer.get_submodule(owner_name)
                 names = [f"layers.{index}.{p}.weight" for p in parts]
-                new = _quantized(getattr(owner, attr), mode, names, sources)
+                new = _quantized(getattr(owner, attr), mode, names, sources, split)
                 if new is not None:
                     setattr(owner, attr, new)
         head_source = "embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
         weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-        model.head = _quantized(_as_linear(weight), mode, [head_source], sources)
+        model.head = _quantized(_as_linear(weight), mode, [head_source], sources, None)
+        model.row_split = split
         if model.head is not None and model.lm_head is not None:
             model.lm_head = None  # the dense copy is no longer read
 
 
 def _quantized(
-    linear: nn.Linear, mode: Quantization, names: list[str], sources: GGUFSources | None
-) -> nn.Module | None:
-    """The replacement of ``linear`` (None: it stays dense)."""
+    linear: nn.Linear, mode: Quantization, names: list[str], sources: GGUFSources | None,
+    split: RowSplit | None,
+) -> nn.Module | None:  # fmt: skip
+    """The replacement of ``linear`` (None: it stays dense). With ``split``, it keeps a bf16 copy."""
+    dense = split is not None
     types = [sources.types.get(n, "F32") for n in names] if sources else ["F32"] * len(names)
     if mode is Quantization.GGUF and all(t in _DENSE_TYPES for t in types):
         return None
@@ -68,11 +75,11 @@ def _quantized(
     if from_codes and mode in (Quantization.GGUF, Quantization.INT4):
         assert sources is not None
         groups = Int4Groups.concat([sources.int4[n] for n in names])
-        return Int4Linear(groups, linear.in_features, linear.out_features, linear.bias)
-    if mode is Quantization.INT4:
+    elif mode is Quantization.INT4:
         groups = quantize_int4(linear.weight.detach().float().numpy())
-        return Int4Linear(groups, linear.in_features, linear.out_features, linear.bias)
-    return Int8Linear(linear.weight, linear.bias)
+    else:
+        return Int8Linear(linear.weight, linear.bias, split, dense)
+    return Int4Linear(groups, linear.in_features, linear.out_features, linear.bias, split, dense)
 
 
 def _as_linear(weight: torch.Tensor) -> nn.Linear:

@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(dense --dtype, exact), gguf, int8 or int4 (CPU, one rank)")
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="CPU: torch threads (default: OMP_NUM_THREADS, else half the cores)")
+    parser.add_argument("--packed-prompts", action="store_true",
+                        help="quantized modes: prompts through the packed kernels too (no bf16 copy)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     parser.add_argument("--role", choices=[r.value for r in Role], default=Role.BOTH.value)
@@ -139,6 +141,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
     }
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                         quantization=args.quantization, cpu_threads=args.cpu_threads,
+                        dense_prompt_weights=not args.packed_prompts,
                         kv_load_failure_policy=args.kv_load_failure_policy, **sizing)
 
 

@@ -17,7 +17,15 @@ from kvwire.engine.config import EngineConfig
 from kvwire.engine.gguf_reader import GGUFFile
 from kvwire.engine.gguf_weights import GGUFSources, hf_tensor_name
 from kvwire.engine.loader import load_model
-from kvwire.engine.quant import GROUP, Int4Groups, Int4Linear, Int8Linear, gguf_q4_groups, quantize_int4
+from kvwire.engine.quant import (
+    GROUP,
+    Int4Groups,
+    Int4Linear,
+    Int8Linear,
+    RowSplit,
+    gguf_q4_groups,
+    quantize_int4,
+)
 from kvwire.errors import ConfigError
 from support.gguf_files import write_tiny_llama
 
@@ -142,3 +150,25 @@ def test_quantized_modes_are_refused_where_the_kernels_do_not_run(tmp_path: Path
     two_ranks = EngineConfig(model=str(written.path), num_kv_blocks=8, tensor_parallel_size=2)
     assert load_model(two_ranks).model.head is None
     assert load_model(EngineConfig(model="tiny", num_kv_blocks=8)).model.head is None
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_prompt_rows_use_the_dense_copy_and_decode_rows_the_packed_kernel(kind: str) -> None:
+    """With a row split, the first rows (decodes) go through the packed kernel, the others through
+    the bfloat16 copy of the same weight: each row gives what it gives alone on its path."""
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(5))
+    split = RowSplit()
+    if kind == "int4":
+        layer: Int4Linear | Int8Linear = Int4Linear(quantize_int4(w.numpy()), 96, 64, split=split, dense=True)
+    else:
+        layer = Int8Linear(w, split=split, dense=True)
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(6))
+    packed = layer(x)  # packed_rows None: every row packed
+    split.packed_rows = 0
+    dense = layer(x)
+    _close(dense, packed, 0.02)  # the same weight (bf16-rounded), another kernel
+    split.packed_rows = 3
+    mixed = layer(x)
+    assert torch.equal(mixed[:3], packed[:3]) and torch.equal(mixed[3:], dense[3:])
+    split.packed_rows = 1
+    assert torch.equal(layer(x[4:6]), torch.cat((packed[4:5], dense[5:6])))

@@ -17,6 +17,7 @@ from torch import nn
 
 from kvwire.engine.attention import ForwardContext, attention
 from kvwire.engine.models.config import ModelConfig, RopeScaling
+from kvwire.engine.quant import RowSplit
 
 
 class RMSNorm(nn.Module):
@@ -161,6 +162,7 @@ class LlamaModel(nn.Module):
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device, dtype=dtype)
         )
         self.head: nn.Module | None = None  # a quantized LM head (engine/quantize.py) replaces both
+        self.row_split: RowSplit | None = None  # quantized layers' decode/prompt rows (engine/quant.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden] (after the final norm)."""
