@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model name (tiny, smollm2-135m, ...), .gguf file or HF directory")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4"])
     parser.add_argument(
         "--prompt-len", type=int, default=None, help="prefill prompt (default 2048 cuda, 512 cpu)"
     )
@@ -85,6 +86,8 @@ def _build_engine(args: argparse.Namespace, prompt_len: int, max_batch: int, ste
         enable_prefix_caching=False,  # repeated prompts must be computed every time
         attention_backend=args.attention_backend,
         decode_graphs=args.decode_graphs,
+        quantization=args.quantization,
+        cpu_threads=args.threads,
     )
     engine = LLMEngine(config)
     if engine.runner.graphs is not None:
@@ -226,6 +229,7 @@ def _environment(args: argparse.Namespace, engine: LLMEngine) -> dict[str, Any]:
         "model": args.model,
         "device": name,
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "quantization": engine.quantization.value,
         "torch": torch.__version__,
         "block_size": args.block_size,
         "attention_backend": engine.runner.backend.value,

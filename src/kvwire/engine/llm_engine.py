@@ -78,6 +78,7 @@ class LLMEngine:
         self.num_kv_layers = loaded.model.config.num_layers
         self.device = torch.device(config.device)
         self.dtype = loaded.dtype
+        self.quantization = loaded.quantization  # the mode in effect (auto resolved)
         num_blocks = config.num_kv_blocks or num_kv_blocks_for(
             config, self.model, self.dtype, loaded.max_model_len
         )
