@@ -206,10 +206,24 @@ def _decode_tokens(steps: int, repeats: int) -> int:
     return steps * (repeats + 1) + 4
 
 
+def _decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads: every parameter, and a quantized layer's packed weight and scales
+    (not its bf16 copy for prompt rows; engine/quant.py). The embedding table counts whole where it
+    is also the LM head (tied, dense); a quantized head has its own packed copy."""
+    params = dict(model.named_parameters())
+    if getattr(model, "head", None) is not None:
+        params.pop("embed_tokens.weight", None)  # read one row per token
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    for name, buf in model.named_buffers():
+        if not name.endswith(("dense_weight", "cos_table", "sin_table")):
+            total += buf.numel() * buf.element_size()
+    return total
+
+
 def _weight_read_seconds(engine: LLMEngine) -> float:
     """Seconds to read every weight once at this device's copy bandwidth (measured now on up to
     1 GiB): the floor of a decode step that is memory bound."""
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    weight_bytes = _decode_weight_bytes(engine.model)
     probe = torch.empty(min(weight_bytes, 1 << 30) // 4, dtype=torch.float32, device=engine.device)
     dst = torch.empty_like(probe)
     dst.copy_(probe)
@@ -240,7 +254,7 @@ def _environment(args: argparse.Namespace, engine: LLMEngine) -> dict[str, Any]:
 def _table(r: dict[str, Any]) -> str:
     env, p, t = r["environment"], r["prefill"], r["throughput"]
     lines = [
-        f"built-in engine: {env['model']} {env['dtype']} on {env['device']} (torch {env['torch']}, "
+        f"built-in engine: {env['model']} {env['dtype']} (weights: {env['quantization']}) on {env['device']} (torch {env['torch']}, "
         f"attention {env['attention_backend']}, decode graphs {'on' if env['decode_graphs'] else 'off'})",
         "",
         "| measurement | kvwire engine | baseline | ratio |",
