@@ -254,7 +254,8 @@ def _environment(args: argparse.Namespace, engine: LLMEngine) -> dict[str, Any]:
 def _table(r: dict[str, Any]) -> str:
     env, p, t = r["environment"], r["prefill"], r["throughput"]
     lines = [
-        f"built-in engine: {env['model']} {env['dtype']} (weights: {env['quantization']}) on {env['device']} (torch {env['torch']}, "
+        f"built-in engine: {env['model']} {env['dtype']} (weights: {env['quantization']}) on {env['device']} "
+        f"(torch {env['torch']}, "
         f"attention {env['attention_backend']}, decode graphs {'on' if env['decode_graphs'] else 'off'})",
         "",
         "| measurement | kvwire engine | baseline | ratio |",
