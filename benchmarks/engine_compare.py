@@ -201,6 +201,9 @@ def report(
     for conc in concs:
         for name in engines:
             rows = results[(name, conc)]
+            if not rows:
+                lines.append(f"{name:<11}{conc:>5}   (not measured: --first-concurrency-only)")
+                continue
             per_round = " ".join(f"{r['tok_s']:.1f}" for r in rows)
             keys = ("tok_s", "tpot_ms", "ttft_ms", "itl_mean_ms")
             tok, tpot, ttft, itl = (_median_of_rounds(rows, k) for k in keys)
@@ -213,6 +216,8 @@ def report(
         for other in [e for e in engines if not e.startswith("kvwire")]:
             for conc in concs:
                 a, b = results[(ours, conc)], results[(other, conc)]
+                if not a or not b:
+                    continue
                 tok = _median_of_rounds(a, "tok_s") / _median_of_rounds(b, "tok_s")
                 ttft = _median_of_rounds(a, "ttft_ms") / _median_of_rounds(b, "ttft_ms")
                 lines.append(f"  {ours} / {other} at conc {conc}: tok/s x{tok:.2f}, TTFT x{ttft:.2f}")
@@ -228,6 +233,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-prompts", default="4,16", help="per concurrency level (same order)")
     p.add_argument("--input-len", type=int, default=256, help="prompt words (about as many tokens)")
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--first-concurrency-only", default="", metavar="ENGINES",
+                   help="engines measured at the first concurrency only (llama-cpp-python's server "
+                        "runs one request at a time: its conc-8 round takes minutes)")
     p.add_argument("--hf-quantization", default="int8", help="kvwire-hf's --quantization")
     p.add_argument("--hf-dir", default=None, help="fp32 HF directory (default: made from the GGUF)")
     p.add_argument("--vllm-python", default=str(REPO / ".venv-vllm/bin/python"))
@@ -259,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
             for conc, count in zip(concs, counts, strict=True):
                 prompts = make_prompts(count, args.input_len, seed=round_index * 100 + conc)
                 for server in servers:
+                    if conc != concs[0] and server.name in args.first_concurrency_only.split(","):
+                        continue
                     row = asyncio.run(run_load(server, prompts, args.output_len, conc))
                     results[(server.name, conc)].append(row)
                     print(f"  round {round_index} conc {conc} {server.name}: {row['tok_s']:.1f} tok/s "
