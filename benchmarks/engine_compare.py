@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         for round_index in range(args.rounds):
             for conc, count in zip(concs, counts, strict=True):
                 prompts = make_prompts(count, args.input_len, seed=round_index * 100 + conc)
-                for server in servers:
+                # every other round in reverse order: a load spike on the shared box falls on each
+                for server in servers if round_index % 2 == 0 else servers[::-1]:
                     if conc != concs[0] and server.name in args.first_concurrency_only.split(","):
                         continue
                     row = asyncio.run(run_load(server, prompts, args.output_len, conc))
