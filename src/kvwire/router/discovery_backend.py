@@ -20,6 +20,7 @@ from kvwire.router.etcd_watcher import EtcdWatcher
 from kvwire.router.kv_index import KvIndex
 from kvwire.router.listener import DiscoveryListener
 from kvwire.router.registry import Registry, RegistrySweeper
+from kvwire.supervision import HealthBoard
 
 
 class RouterDiscovery(Protocol):
@@ -52,11 +53,15 @@ class ZmqDiscovery:
     stale = False  # the router itself is the source of truth
     last_error = ""
 
-    def __init__(self, registry: Registry, cfg: RouterConfig, kv_index: KvIndex | None = None) -> None:
+    def __init__(
+        self, registry: Registry, cfg: RouterConfig, kv_index: KvIndex | None = None, *,
+        board: HealthBoard | None = None,
+    ) -> None:
         self.listener = DiscoveryListener(
-            registry, cfg.discovery_host, cfg.discovery_port, cfg.secret_bytes, kv_index=kv_index
+            registry, cfg.discovery_host, cfg.discovery_port, cfg.secret_bytes, kv_index=kv_index,
+            board=board,
         )
-        self.sweeper = RegistrySweeper(registry, cfg.sweep_interval_s)
+        self.sweeper = RegistrySweeper(registry, cfg.sweep_interval_s, board=board)
         self.received = self.listener.received
         self.dropped = self.listener.dropped
 
@@ -81,10 +86,12 @@ class EtcdDiscovery(EtcdWatcher):
 
 
 def make_discovery(
-    cfg: RouterConfig, registry: Registry, kv_index: KvIndex | None = None
+    cfg: RouterConfig, registry: Registry, kv_index: KvIndex | None = None, *,
+    board: HealthBoard | None = None,
 ) -> ZmqDiscovery | EtcdDiscovery:
-    """The backend ``cfg`` names. KV events (``kv_index``) arrive on the ZeroMQ connection only."""
+    """The backend ``cfg`` names. KV events (``kv_index``) arrive on the ZeroMQ connection only.
+    Its threads and tasks are supervised on ``board`` (the router's /health)."""
     target = cfg.discovery_target
     if target is None:
-        return ZmqDiscovery(registry, cfg, kv_index)
-    return EtcdDiscovery(registry, target)
+        return ZmqDiscovery(registry, cfg, kv_index, board=board)
+    return EtcdDiscovery(registry, target, board=board)

@@ -59,6 +59,10 @@ class RouterMetrics:
             "kvwire_router_auth_refused", "Client requests refused for a missing or wrong API key (401)",
             ["reason"], registry=r,
         )
+        self.upstream_connection_waits = Counter(
+            "kvwire_router_upstream_connection_waits", "Upstream requests that waited for a connection "
+            "(--upstream-max-connections or --upstream-max-connections-per-instance reached)", registry=r,
+        )
         self.inflight = Gauge("kvwire_router_inflight_requests", "Client requests in progress", registry=r)
         # KV-aware routing (policy kv_aware): prompt tokens routed, and those the chosen instance held
         self.kv_prompt_tokens = Counter(
@@ -103,12 +107,18 @@ class _DiscoveryCollector(Collector):
         yield recv
         drop = CounterMetricFamily(
             "kvwire_router_discovery_dropped",
-            "Discovery messages dropped (malformed, unauthenticated)",
+            "Discovery messages dropped (malformed, unauthenticated; connection_closed: a connection "
+            "closed before one valid message, e.g. dropped by ZeroMQ for a frame over 64 KiB)",
             labels=["reason"],
         )
         for reason, n in sorted(self._dropped().items()):
             drop.add_metric([reason], n)
         yield drop
+        yield CounterMetricFamily(
+            "kvwire_router_discovery_ttl_clamped",
+            "Heartbeats whose promised ttl_s was negative, NaN or over --max-record-ttl-s (clamped)",
+            value=self._registry.ttl_clamped,
+        )
         yield GaugeMetricFamily(
             "kvwire_router_discovery_stale",
             "1 while the instance view is not backed by live discovery (etcd unreachable)",
@@ -148,7 +158,7 @@ _event_decoder = msgspec.json.Decoder(_Event)
 def _has_token(data: bytes) -> bool:
     try:
         event = _event_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except Exception:  # DecodeError, ValidationError, RecursionError: an event we cannot read
         return False
     for choice in event.choices:
         if choice.text:

@@ -71,6 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "$KVWIRE_API_KEY, else no authentication); /health stays open")
     parser.add_argument("--open-endpoint", action="append", choices=["metrics"], default=[],
                         help="serve /metrics without an API key")
+    bounds = parser.add_argument_group("bounds on what clients send")
+    bounds.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
+                        help="largest accepted request body; larger: 413 (default %(default)s)")
+    bounds.add_argument("--max-waiting-requests", type=int, default=ServerConfig.max_waiting_requests,
+                        help="requests admitted and not yet computing at most; more: 429 with "
+                             "Retry-After (0: no bound; default %(default)s)")
     sizing = parser.add_argument_group("engine sizing (default: derived from the model and device)")
     sizing.add_argument("--block-size", type=int, default=None)
     sizing.add_argument("--num-kv-blocks", type=int, default=None)
@@ -119,6 +125,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         kv_nccl=NcclPlaneConfig.from_env(),  # the one place the environment is read
         api_keys=ApiKeyConfig(keys_from_cli(args.api_key, os.environ),
                               frozenset(f"/{name}" for name in args.open_endpoint)),
+        max_request_bytes=args.max_request_bytes, max_waiting_requests=args.max_waiting_requests,
     )
 
 

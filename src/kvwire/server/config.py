@@ -64,6 +64,9 @@ class ServerConfig:
     engine_stall_timeout_s: float | None = 120.0
     # Keys clients (the router) must send as 'Authorization: Bearer'; none = open (kvwire.auth).
     api_keys: ApiKeyConfig = dataclasses.field(default_factory=ApiKeyConfig)
+    # Requests admitted but not yet computing (waiting for a batch slot or for remote KV) at most;
+    # one more is answered 429 with Retry-After (decision 117). 0 = no bound.
+    max_waiting_requests: int = 1024
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):
@@ -92,6 +95,9 @@ class ServerConfig:
         if self.engine_stall_timeout_s is not None and self.engine_stall_timeout_s < 0:
             timeout_s = self.engine_stall_timeout_s
             raise ConfigError(f"engine_stall_timeout_s must be >= 0 (0: off), got {timeout_s}")
+        if self.max_waiting_requests < 0:
+            waiting = self.max_waiting_requests
+            raise ConfigError(f"max_waiting_requests must be >= 0 (0: no bound), got {waiting}")
         if self.max_request_bytes <= 0:
             raise ConfigError(f"max_request_bytes must be > 0, got {self.max_request_bytes}")
         if self.router_address is not None:
