@@ -19,7 +19,8 @@ from kvwire.router.config import RouterConfig
 from kvwire.router.etcd_watcher import EtcdWatcher
 from kvwire.router.kv_index import KvIndex
 from kvwire.router.listener import DiscoveryListener
-from kvwire.router.registry import Registry, RegistrySweeper
+from kvwire.router.registry import Registry
+from kvwire.router.sweeper import RegistrySweeper
 from kvwire.supervision import HealthBoard
 
 

@@ -14,7 +14,7 @@ Liveness rules:
 * a new instance at the URL of another entry replaces that entry (one process per address);
 * :meth:`Registry.mark_unreachable` (request-path failure, discovery connection closed) takes an
   instance out of routing until its next heartbeat;
-* :meth:`Registry.sweep` (run by :class:`RegistrySweeper` every ``interval_s``) expires entries
+* :meth:`Registry.sweep` (run by :class:`~kvwire.router.sweeper.RegistrySweeper`) expires entries
   silent for ``ttl_s`` (or for the TTL their last heartbeat promised) and forgets expired ones
   after ``forget_after_s``; an etcd router, which tracks deadlines itself and has etcd confirm a
   silence first, calls :meth:`Registry.expire` for the instances it confirmed instead;
@@ -40,14 +40,11 @@ from msgspec.structs import replace
 from kvwire.discovery.messages import Deregister, Heartbeat, InstanceInfo, InstanceLoad
 from kvwire.kv_params import Role
 from kvwire.refusal_log import RefusalLog
-from kvwire.supervision import HealthBoard, SupervisedThread
 
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 
-_MIN_SWEEP_WAIT_S = 0.005  # the sweeper never spins faster than this
-_SWEEP_MARGIN_S = 0.002  # wake just past a deadline, so the entry is past its TTL
 
 
 class InstanceState(str, enum.Enum):
@@ -392,34 +389,3 @@ class Registry:
 
     def age_s(self, view: InstanceView) -> float:
         return max(0.0, self._clock() - view.last_seen)
-
-
-class RegistrySweeper:
-    """Daemon thread calling ``registry.sweep()`` until :meth:`close`: at the earliest entry's expiry
-    (so a silent instance is out within a few ms of its TTL), and at least every ``interval_s``.
-    In the steady state (every instance heartbeating) that is about once per TTL minus one
-    heartbeat interval, whatever the number of instances. Supervised (``kvwire-registry-sweeper`` on
-    ``board``): a sweep that raises is logged and retried after a backoff; liveness depends on it."""
-
-    def __init__(self, registry: Registry, interval_s: float, *, board: HealthBoard | None = None) -> None:
-        self._registry = registry
-        self._interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = SupervisedThread("kvwire-registry-sweeper", self._run, self._stop, board=board)
-
-    def start(self) -> RegistrySweeper:
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._next_wait()):
-            self._registry.sweep()
-
-    def _next_wait(self) -> float:
-        due = self._registry.seconds_to_next_change()
-        if due is None:  # an entry registered from now on expires a TTL from now at the earliest
-            return min(self._interval_s, self._registry.ttl_s)
-        return min(self._interval_s, max(_MIN_SWEEP_WAIT_S, due + _SWEEP_MARGIN_S))
-
-    def close(self) -> None:
-        self._thread.stop()

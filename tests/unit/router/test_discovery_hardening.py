@@ -16,7 +16,8 @@ from kvwire.discovery.messages import MAX_FRAME_BYTES, decode_frames
 from kvwire.errors import ProtocolError
 from kvwire.kv_params import Role
 from kvwire.router.listener import DiscoveryListener
-from kvwire.router.registry import ApplyResult, Registry, RegistrySweeper, clamp_ttl_s
+from kvwire.router.registry import ApplyResult, Registry, clamp_ttl_s
+from kvwire.router.sweeper import RegistrySweeper
 from kvwire.supervision import HealthBoard
 from support.waiting import wait_for
 

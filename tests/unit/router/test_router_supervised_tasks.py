@@ -119,3 +119,14 @@ def test_router_bound_flags_reach_the_config() -> None:
     for bad in (["--max-instances", "0"], ["--max-record-ttl-s", "inf"], ["--max-record-ttl-s", "nan"]):
         with pytest.raises(ConfigError, match="must be"):
             config_from_args(parser.parse_args(bad))
+
+
+def test_a_nested_etcd_record_is_a_protocol_error_and_a_nested_answer_an_etcd_error() -> None:
+    from kvwire.discovery.etcd_gateway import check_answer, decode_record
+    from kvwire.errors import ProtocolError
+
+    nested = b'{"type": "heartbeat", "junk": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"
+    with pytest.raises(ProtocolError, match="RecursionError"):
+        decode_record(nested)  # anyone who may write the prefix could put it there
+    with pytest.raises(EtcdError, match="not JSON"):
+        check_answer("/v3/kv/range", 200, b"[" * 100_000 + b"]" * 100_000)
