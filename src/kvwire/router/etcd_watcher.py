@@ -188,7 +188,7 @@ class EtcdWatcher:
             asked = {ident: self._revisions.get(ident, 0) for ident in due}
             task = asyncio.create_task(self._probe(now, asked), name="kvwire-etcd-probe")
             self._probes.add(task)
-            task.add_done_callback(self._probes.discard)
+            task.add_done_callback(self._probe_done)
         return PROBE_PERIOD_S
 
     async def _probe(self, sent_at: float, asked: dict[str, int]) -> None:
@@ -221,6 +221,17 @@ class EtcdWatcher:
         self._recheck(behind, sent_at + PROBE_RETRY_S)
         # an instance whose newer record arrived meanwhile has a later deadline: expire() leaves it
         self.probes["expired"] += len(self._registry.expire(silent, sent_at))
+
+    def _probe_done(self, task: asyncio.Task[None]) -> None:
+        """A one-shot probe ended; one that raised (an etcd answer of an unexpected shape) is logged
+        and counted (``probes["failed"]``, ``kvwire_thread_errors_total``), never silent."""
+        self._probes.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        self.probes["failed"] += 1
+        log.error("etcd expiry probe failed", exc_info=task.exception())
+        if self._board is not None:
+            self._board.worker_error("kvwire-etcd-probe")
 
     def _recheck(self, idents: list[str], at: float) -> None:
         """Ask about ``idents`` again at ``at``, unless a newer record set their deadline meanwhile."""

@@ -130,3 +130,22 @@ def test_a_nested_etcd_record_is_a_protocol_error_and_a_nested_answer_an_etcd_er
         decode_record(nested)  # anyone who may write the prefix could put it there
     with pytest.raises(EtcdError, match="not JSON"):
         check_answer("/v3/kv/range", 200, b"[" * 100_000 + b"]" * 100_000)
+
+
+def test_a_probe_that_raises_is_counted_not_silent() -> None:
+    board = HealthBoard()
+    watcher = EtcdWatcher(Registry(ttl_s=5.0), parse_discovery_address("etcd://127.0.0.1:9"), board=board)
+
+    async def probe() -> None:
+        raise AttributeError("'list' object has no attribute 'get'")  # an answer of another shape
+
+    async def main() -> None:
+        task = asyncio.create_task(probe())
+        watcher._probes.add(task)
+        task.add_done_callback(watcher._probe_done)
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0)  # the done callback runs on the next loop iteration
+
+    asyncio.run(main())
+    assert watcher.probes["failed"] == 1 and not watcher._probes
+    assert board.worker_errors() == {"kvwire-etcd-probe": 1}
