@@ -4,6 +4,7 @@ each cap on what peers choose holds (decision 117)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import threading
@@ -143,3 +144,19 @@ def test_nested_json_and_oversized_headers_are_400_and_the_router_keeps_serving(
     assert code == 200
     invalid = 'kvwire_router_requests_total{endpoint="/v1/completions",outcome="invalid"} 1.0'
     assert invalid in _metrics(router)
+
+
+def test_an_instances_429_reaches_the_client_with_its_retry_after(cluster: Any) -> None:
+    router, mocks = cluster
+    _spawn(router, mocks, "m0")
+    wait_for(lambda: live_ids(router) == {"m0"}, 20, "m0 live")
+    conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=20)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "status=429"}),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 429 and resp.getheader("Retry-After") == "1"
+        assert b"mock m0 says 429" in resp.read()
+    finally:
+        conn.close()
+    assert live_ids(router) == {"m0"}  # a full queue is not a dead instance

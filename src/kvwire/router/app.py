@@ -279,6 +279,9 @@ def _client_error(exc: Exception) -> tuple[int, Outcome, str]:
 
 def _upstream_error_response(exc: UpstreamFailure) -> web.Response:
     if exc.body:
-        # The instance's own error, status and body unchanged.
-        return web.Response(body=exc.body, status=exc.status, headers={"Content-Type": exc.content_type})
+        # The instance's own error, status and body unchanged (and its Retry-After: a full queue's 429).
+        headers = {"Content-Type": exc.content_type}
+        if exc.retry_after:
+            headers["Retry-After"] = exc.retry_after
+        return web.Response(body=exc.body, status=exc.status, headers=headers)
     return error_response(exc.status, str(exc), "upstream_error")

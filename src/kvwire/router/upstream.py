@@ -44,7 +44,8 @@ T = TypeVar("T")
 
 
 class UpstreamFailure(UpstreamError):
-    """An upstream call failed. ``body``/``content_type``: the upstream's own error body, passed on."""
+    """An upstream call failed. ``body``/``content_type``/``retry_after``: the upstream's own error
+    body and its Retry-After header, passed on."""
 
     def __init__(
         self,
@@ -56,12 +57,14 @@ class UpstreamFailure(UpstreamError):
         retryable: bool = False,
         body: bytes | None = None,
         content_type: str = "application/json",
+        retry_after: str | None = None,
     ) -> None:
         super().__init__(message, status=status, kind=kind)
         self.instance_id = instance_id
         self.retryable = retryable
         self.body = body
         self.content_type = content_type
+        self.retry_after = retry_after  # the instance's Retry-After (a full waiting queue's 429), passed on
 
 
 @dataclass(frozen=True)
@@ -196,11 +199,13 @@ class Upstream:
             resp.close()
         kind = "http_4xx" if resp.status < 500 else "http_5xx"
         text = body.decode("utf-8", "replace").strip() or "(empty body)"
-        return self._failure(
+        failure = self._failure(
             inst, role, kind, f"status {resp.status}: {text[:500]}", status=resp.status,
             dead=resp.status in _DEAD_STATUSES or _says_gone(resp.status, body), body=body or None,
             content_type=resp.headers.get("Content-Type", "application/json"),
         )
+        failure.retry_after = resp.headers.get("Retry-After")
+        return failure
 
     def lost(self, inst: InstanceView, role: str, exc: BaseException) -> UpstreamFailure:
         """Classify (and count) a failure past connecting: timeout, or the instance went away."""
