@@ -175,8 +175,29 @@ class GenerationHandler:
         if self._max_waiting and self._loop.num_waiting >= self._max_waiting:
             self._count(endpoint, "queue_full")
             return queue_full_response(self._max_waiting)
+        prepared = await self._read_and_prepare(request, kind)
+        if isinstance(prepared, web.Response):
+            return prepared
+        prefix = "chatcmpl" if kind is RequestKind.CHAT else "cmpl"
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
-            prepared = self._prepare(await request.read(), kind)
+            stream = await self._loop.add_request(
+                request_id, prepared.prompt_token_ids, prepared.params, prepared.kv_transfer_params
+            )
+        except InvalidRequestError as exc:
+            self._count(endpoint, "invalid")
+            return error_response(400, str(exc))
+        except (ServerShuttingDown, EngineError) as exc:
+            return self._failure_response(endpoint, exc)
+        self._metrics.prompt_tokens.inc(len(prepared.prompt_token_ids))
+        return request_id, stream, prepared
+
+    async def _read_and_prepare(self, request: web.Request, kind: RequestKind) -> Prepared | web.Response:
+        """The request's body read (within ``--max-request-bytes``) and validated, or the error
+        response (413, 400, 404, 403), counted."""
+        endpoint = kind.value
+        try:
+            return self._prepare(await request.read(), kind)
         except web.HTTPRequestEntityTooLarge as exc:
             self._count(endpoint, "too_large")
             return error_response(413, exc.text or "request body too large")
@@ -195,19 +216,6 @@ class GenerationHandler:
         except ForbiddenError as exc:  # e.g. unsigned kv_transfer_params (counted where refused)
             self._count(endpoint, "forbidden")
             return error_response(403, str(exc), "permission_error", "kv_transfer_params", exc.reason)
-        prefix = "chatcmpl" if kind is RequestKind.CHAT else "cmpl"
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
-        try:
-            stream = await self._loop.add_request(
-                request_id, prepared.prompt_token_ids, prepared.params, prepared.kv_transfer_params
-            )
-        except InvalidRequestError as exc:
-            self._count(endpoint, "invalid")
-            return error_response(400, str(exc))
-        except (ServerShuttingDown, EngineError) as exc:
-            return self._failure_response(endpoint, exc)
-        self._metrics.prompt_tokens.inc(len(prepared.prompt_token_ids))
-        return request_id, stream, prepared
 
     def _prepare(self, body: bytes, kind: RequestKind) -> Prepared:
         if kind is RequestKind.COMPLETION:
