@@ -64,7 +64,7 @@ class RouterServer:
         self.selector = Selector(self.registry, cfg.policy, cfg.seed, kv_index=self.kv_index)
         self.metrics.add_discovery(
             self.registry, lambda: dict(self.discovery.received), lambda: dict(self.discovery.dropped),
-            lambda: self.discovery.stale,
+            lambda: self.discovery.stale, lambda: self.discovery.connections_dropped,
         )
         refusals = RefusalLog(log, "client request")
         middlewares = [api_key_middleware(cfg.api_keys, self._auth_refused, refusals)]

@@ -30,6 +30,11 @@ class RouterDiscovery(Protocol):
     dropped: collections.Counter[str]  # discarded updates, by reason
 
     @property
+    def connections_dropped(self) -> int:
+        """Discovery connections closed before one valid message (ZeroMQ; 0 for etcd)."""
+        ...
+
+    @property
     def address(self) -> str: ...
 
     @property
@@ -70,6 +75,10 @@ class ZmqDiscovery:
     def address(self) -> str:
         return self.listener.address
 
+    @property
+    def connections_dropped(self) -> int:
+        return self.listener.connections_dropped
+
     async def start(self) -> None:
         self.listener.start()
         self.sweeper.start()
@@ -84,6 +93,7 @@ class ZmqDiscovery:
 
 class EtcdDiscovery(EtcdWatcher):
     kind = DiscoveryKind.ETCD
+    connections_dropped = 0  # the watch is the router's own connection
 
 
 def make_discovery(

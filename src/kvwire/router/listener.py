@@ -48,7 +48,7 @@ class DiscoveryListener:
     so a bug or a hostile message that gets past the decoder costs one restart, not discovery. ZeroMQ
     drops the connection of a peer sending a frame over ``MAX_FRAME_BYTES`` (``MAXMSGSIZE``) before
     buffering it; connections that close without having delivered one valid message are counted in
-    ``dropped["connection_closed"]``.
+    :attr:`connections_dropped`.
     """
 
     def __init__(
@@ -73,6 +73,8 @@ class DiscoveryListener:
         self._fd_owner: dict[int, tuple[str, int]] = {}  # connection fd -> (instance id, epoch)
         self.received: collections.Counter[str] = collections.Counter()  # by ApplyResult value
         self.dropped: collections.Counter[str] = collections.Counter()  # by reason
+        # connections closed before one valid heartbeat (a frame over MAXMSGSIZE, a scan, a refused peer)
+        self.connections_dropped = 0
         self._stop = threading.Event()
         self._refusals = RefusalLog(log, "discovery message")  # a flood logs once a minute per reason
         self._thread = SupervisedThread("kvwire-discovery", self._run, self._stop, board=board)
@@ -170,7 +172,7 @@ class DiscoveryListener:
                 continue
             owner = self._fd_owner.pop(int(event["value"]), None)
             if owner is None:  # never delivered a valid heartbeat: a frame over MAXMSGSIZE, a scan
-                self.dropped["connection_closed"] += 1
+                self.connections_dropped += 1
             else:
                 instance_id, epoch = owner
                 self._registry.mark_unreachable(instance_id, epoch, "discovery connection closed")

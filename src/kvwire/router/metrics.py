@@ -83,19 +83,22 @@ class RouterMetrics:
         )
 
     def add_discovery(self, registry: Registry, received: Callable[[], dict[str, int]],
-                      dropped: Callable[[], dict[str, int]], stale: Callable[[], bool] = bool) -> None:
-        self.registry.register(_DiscoveryCollector(registry, received, dropped, stale))
+                      dropped: Callable[[], dict[str, int]], stale: Callable[[], bool] = bool,
+                      connections_dropped: Callable[[], int] = int) -> None:
+        self.registry.register(_DiscoveryCollector(registry, received, dropped, stale, connections_dropped))
 
 
 class _DiscoveryCollector(Collector):
     """Instances by role and state, discovery messages by result, read at scrape time."""
 
     def __init__(self, registry: Registry, received: Callable[[], dict[str, int]],
-                 dropped: Callable[[], dict[str, int]], stale: Callable[[], bool]) -> None:
+                 dropped: Callable[[], dict[str, int]], stale: Callable[[], bool],
+                 connections_dropped: Callable[[], int]) -> None:
         self._registry = registry
         self._received = received
         self._dropped = dropped
         self._stale = stale
+        self._connections_dropped = connections_dropped
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         yield self._instances()
@@ -107,13 +110,18 @@ class _DiscoveryCollector(Collector):
         yield recv
         drop = CounterMetricFamily(
             "kvwire_router_discovery_dropped",
-            "Discovery messages dropped (malformed, unauthenticated; connection_closed: a connection "
-            "closed before one valid message, e.g. dropped by ZeroMQ for a frame over 64 KiB)",
+            "Discovery messages dropped (malformed, unauthenticated)",
             labels=["reason"],
         )
         for reason, n in sorted(self._dropped().items()):
             drop.add_metric([reason], n)
         yield drop
+        yield CounterMetricFamily(
+            "kvwire_router_discovery_connections_dropped",
+            "Discovery connections closed before one valid message (ZeroMQ drops the connection of a "
+            "frame over 64 KiB; also port scans and peers whose messages were all refused)",
+            value=self._connections_dropped(),
+        )
         yield CounterMetricFamily(
             "kvwire_router_discovery_ttl_clamped",
             "Heartbeats whose promised ttl_s was negative, NaN or over --max-record-ttl-s (clamped)",

@@ -88,7 +88,7 @@ def test_oversized_frame_drops_its_connection_only(
     bad.connect(lis.address)
     try:
         bad.send_multipart([b"\x00" * (MAX_FRAME_BYTES + 1), b""])  # ZeroMQ's MAXMSGSIZE: dropped unread
-        wait_for(lambda: lis.dropped["connection_closed"] >= 1, 10, "the oversized sender dropped")
+        wait_for(lambda: lis.connections_dropped >= 1, 10, "the oversized sender dropped")
         good.send_multipart(encode_frames(_hb(seq=1)))
         wait_for(lambda: registry.get("i0") is not None, 10, "a well-behaved instance registers")
         assert lis.dropped["malformed"] == 0  # never buffered nor decoded
