@@ -18,6 +18,10 @@ Seed keys and what they become (docs/vllm.md has the full migration table):
 * ``send_type`` ``PUT`` / ``PUT_ASYNC`` -> push mode, ``GET`` -> pull mode.
 * ``nccl_num_channels`` -> ``NCCL_MIN_NCHANNELS``/``NCCL_MAX_NCHANNELS`` for the NCCL data plane.
 * ``mem_pool_size_gb`` -> the agent's host spill pool.
+
+kvwire's control-plane bounds (decision 116; ``kvwire serve --kv-max-*``) take the names of
+:class:`~kvwire.transfer.config.ControlLimits`' fields (``max_message_bytes``, ``max_peer_deadline_s``,
+``max_early_grants_per_peer`` ...) plus ``max_pending_transfers``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from kvwire.connector.config import ConnectorConfig, LoadFailurePolicy
 from kvwire.discovery.address import parse_registration_address
 from kvwire.errors import ConfigError
 from kvwire.kv_params import Role, TransferMode
+from kvwire.transfer.config import ControlLimits
 from kvwire.transfer.enums import Transport
 
 VLLM_DEFAULT_KV_PORT = 14579  # KVTransferConfig.kv_port's default in vLLM
@@ -45,6 +50,9 @@ KVWIRE_KEYS = frozenset(
      "recv_budget_bytes", "spill_budget_bytes", "secret", "heartbeat_interval_s", "instance_id", "model_name",
      "data_port", "advertise_host", "advertise_port", "advertise_data_port", "fault_delay_send"}
 )
+# the agent's control-plane bounds (decision 116): ControlLimits' own field names, and the transfer cap
+LIMIT_KEYS = frozenset(f.name for f in dataclasses.fields(ControlLimits))
+PENDING_KEY = "max_pending_transfers"
 _SEND_TYPES = {"PUT": TransferMode.PUSH, "PUT_ASYNC": TransferMode.PUSH, "GET": TransferMode.PULL}
 _ROLES = {
     "kv_producer": Role.PREFILL,
@@ -130,6 +138,8 @@ class VllmPluginConfig:
     nccl_num_channels: int | None = None
     vllm_failure_policy: LoadFailurePolicy = LoadFailurePolicy.FAIL  # vLLM applies it (informational)
     fault_delay_send: SendDelayFault | None = None  # tests and drills only
+    limits: ControlLimits = dataclasses.field(default_factory=ControlLimits)  # the agents' control plane
+    max_pending_transfers: int = 65536  # per agent and side (TransferConfig.max_pending_transfers)
 
     def __post_init__(self) -> None:
         if not 0 <= self.base_control_port <= 65535:
@@ -160,6 +170,8 @@ class VllmPluginConfig:
             raise ConfigError(f"transport {self.transport.value!r} needs kv_buffer_device 'cuda'")
         if self.nccl_num_channels is not None and self.nccl_num_channels <= 0:
             raise ConfigError(f"nccl_num_channels must be > 0, got {self.nccl_num_channels}")
+        if self.max_pending_transfers < 1:
+            raise ConfigError(f"max_pending_transfers must be >= 1, got {self.max_pending_transfers}")
 
     def control_port(self, rank: int) -> int:
         """Control port of rank ``rank``'s transfer agent (0 = any free port)."""
@@ -227,12 +239,12 @@ def _one_of(extra: Mapping[str, Any], seed_key: str, own_key: str) -> None:
 
 
 def _check_keys(extra: Mapping[str, Any]) -> None:
-    unknown = sorted(set(extra) - SEED_KEYS - KVWIRE_KEYS)
+    unknown = sorted(set(extra) - SEED_KEYS - KVWIRE_KEYS - LIMIT_KEYS - {PENDING_KEY})
     if unknown:
         raise ConfigError(
             f"KvwireConnector: unknown kv_connector_extra_config key(s) {unknown}. "
             f"Accepted seed (P2pNcclConnector) keys: {sorted(SEED_KEYS)}; "
-            f"kvwire keys: {sorted(KVWIRE_KEYS)} (see docs/vllm.md)"
+            f"kvwire keys: {sorted(KVWIRE_KEYS | LIMIT_KEYS | {PENDING_KEY})} (see docs/vllm.md)"
         )
 
 
@@ -329,6 +341,25 @@ def _transport(extra: Mapping[str, Any]) -> Transport:
         raise ConfigError(msg) from exc
 
 
+def _limits(extra: Mapping[str, Any]) -> ControlLimits:
+    """The control-plane bounds given (ControlLimits' field names); the others keep their defaults."""
+    given: dict[str, Any] = {}
+    for field in dataclasses.fields(ControlLimits):
+        reader = _get_int if field.type in ("int", int) else _get_float
+        value = reader(extra, field.name)
+        if value is not None:
+            given[field.name] = value
+    try:
+        return ControlLimits(**given)
+    except ConfigError as exc:
+        raise ConfigError(f"kv_connector_extra_config: {exc}") from exc
+
+
+def _pending_transfers(extra: Mapping[str, Any]) -> int:
+    value = _get_int(extra, PENDING_KEY)
+    return 65536 if value is None else value
+
+
 def _vllm_failure_policy(view: VllmTransferView) -> LoadFailurePolicy:
     try:
         return LoadFailurePolicy(view.kv_load_failure_policy)
@@ -386,4 +417,6 @@ def plugin_config_from_vllm(view: VllmTransferView) -> VllmPluginConfig:
         nccl_num_channels=_get_int(extra, "nccl_num_channels"),
         vllm_failure_policy=vllm_failure_policy,
         fault_delay_send=_send_delay_fault(extra),
+        limits=_limits(extra),
+        max_pending_transfers=_pending_transfers(extra),
     )

@@ -12,6 +12,7 @@ from kvwire.discovery.address import parse_registration_address
 from kvwire.enum_values import as_enum
 from kvwire.errors import ConfigError
 from kvwire.kv_params import LoadFailurePolicy, Role, TransferMode
+from kvwire.transfer.config import ControlLimits
 from kvwire.transfer.enums import Transport
 from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 
@@ -52,6 +53,9 @@ class ServerConfig:
     kv_load_failure_policy: KVLoadFailure = KVLoadFailure.RECOMPUTE
     # NCCL data plane tuning (--device cuda P/D); the CLI reads KVWIRE_NCCL_* once into it.
     kv_nccl: NcclPlaneConfig = dataclasses.field(default_factory=NcclPlaneConfig)
+    # What P/D peers can make the KV agent's control plane hold or trust (--kv-max-*; decision 116).
+    kv_limits: ControlLimits = dataclasses.field(default_factory=ControlLimits)
+    kv_max_pending_transfers: int = 65536  # transfers the KV agent tracks per side
     # SIGTERM/SIGINT: everything (abort in-flight, deregister, stop the engine thread) within this.
     shutdown_deadline_s: float = 10.0
     max_request_bytes: int = 16 * 1024 * 1024
@@ -79,6 +83,8 @@ class ServerConfig:
             raise ConfigError(f"kv_load_failure_policy must be a KVLoadFailure, got {policy!r}")
         if self.kv_deadline_s <= 0:
             raise ConfigError(f"kv_deadline_s must be > 0, got {self.kv_deadline_s}")
+        if self.kv_max_pending_transfers < 1:
+            raise ConfigError(f"kv_max_pending_transfers must be >= 1, got {self.kv_max_pending_transfers}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         for name in ("kv_port", "kv_data_port", "kv_advertise_port", "kv_advertise_data_port"):

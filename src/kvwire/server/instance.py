@@ -3,6 +3,10 @@
 ``serve`` is the whole process: start everything, wait for SIGTERM/SIGINT, then within
 ``shutdown_deadline_s``: refuse new requests (503), deregister from the router, abort in-flight
 requests, stop the HTTP listener, stop the engine thread, close connectors. Returns the exit code.
+
+The instance owns the process's :class:`~kvwire.supervision.HealthBoard` (``ServerInstance.board``):
+every supervised component it builds (the KV transfer agent's threads through the connector
+factory, ...) registers there; ``/metrics`` exports it (``kvwire_component_*``) and ``/health`` reads it.
 """
 
 from __future__ import annotations
@@ -68,6 +72,8 @@ class ServerInstance:
         # the KV connector's transfer threads when it is given the board) report there.
         self.board = HealthBoard()
         self._secret = secret
+        #: the process's supervised components (handed to everything this instance builds)
+        self.board = HealthBoard()
         self._runner: web.AppRunner | None = None
         self._heartbeats: Any = None
         self._connectors: ConnectorSet | None = None
@@ -84,7 +90,7 @@ class ServerInstance:
         metrics = ServerMetrics(self._stats, self._engine_status)
         metrics.registry.register(SupervisionCollector(self.board))
         self._connectors = build_connector_set(self.config, self.engine_config, self._secret,
-                                               metrics.registry)
+                                               metrics.registry, board=self.board)
         self._engine = await loop.run_in_executor(None, _build_engine, self.engine_config, self._connectors)
         engine_loop = EngineLoop(self._engine, stall_timeout_s=self.config.engine_stall_timeout_s,
                                  on_lost=self._engine_lost)
