@@ -494,7 +494,7 @@ class TransferAgent:
     def _on_reject(self, reason: str) -> None:
         self._core.stats.add("messages_rejected")
         # once, then a summary a minute: a peer sending garbage in a loop must not flood the log
-        self._core.refusals.refused("rejected", reason)
+        self._core.rejects.refused("rejected", reason)
 
     def _on_tick(self) -> None:
         """After every control-loop wake-up: flush acks; scan deadlines at most every ``TICK_S``

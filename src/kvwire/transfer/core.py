@@ -130,6 +130,8 @@ class Core:
     peer_ids: PeerIds = dataclasses.field(init=False)  # endpoint -> instance id (bounded)
     # Offers from an agent a transfer is not bound to: logged once per minute, not per message.
     refusals: RefusalLog = dataclasses.field(default_factory=lambda: RefusalLog(log, "transfer message"))
+    # Control messages that do not decode, authenticate or validate: the same, per kind of refusal.
+    rejects: RefusalLog = dataclasses.field(default_factory=lambda: RefusalLog(log, "control message"))
     control: ControlLoop | None = None
     closed: bool = False
     dead: str | None = None  # the control loop gave up (supervision): why; nothing moves any more
