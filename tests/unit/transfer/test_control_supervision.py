@@ -16,7 +16,7 @@ from kvwire.errors import TransferError
 from kvwire.supervision import ComponentState, HealthBoard
 from kvwire.transfer import TransferAgent, TransferConfig
 from kvwire.transfer.control import NAME
-from kvwire.transfer.messages import Codec, Offer, WireLayer
+from kvwire.transfer.messages import Offer
 
 
 def wait_for(cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
@@ -36,8 +36,7 @@ def test_agent_threads_are_on_the_given_board() -> None:
 
 
 def test_a_message_whose_handling_raises_is_contained(monkeypatch: pytest.MonkeyPatch) -> None:
-    board = HealthBoard()
-    with TransferAgent(TransferConfig(), board=board) as a, TransferAgent(TransferConfig()) as b:
+    with TransferAgent(TransferConfig()) as a, TransferAgent(TransferConfig()) as b:
         real = b._receiver.on_offer
         calls = []
 
@@ -58,27 +57,28 @@ def test_a_message_whose_handling_raises_is_contained(monkeypatch: pytest.Monkey
         assert b.board.worker_errors() == {NAME: 1} and not b.board.dead()
 
 
-def test_a_reply_to_a_bad_endpoint_is_contained() -> None:
-    with TransferAgent(TransferConfig()) as agent:
-        ctx = zmq.Context()
-        out = ctx.socket(zmq.DEALER)
-        out.setsockopt(zmq.LINGER, 0)
-        out.connect(agent.endpoint)
-        try:
-            bad = Offer(src_id="x", src_endpoint="tcp://no such host:port", transfer_id="t",
-                        layers=[WireLayer([4], "float16")], deadline_s=5.0, data_address="h:1")  # fmt: skip
-            out.send_multipart(Codec(None).encode(bad))  # answered (an Abort or a Grant): connect fails
-            wait_for(lambda: agent.board.worker_errors().get(NAME, 0) >= 1, "the failed send contained")
-        finally:
-            out.close(0)
-            ctx.term()
-        other = TransferAgent(TransferConfig())
-        with other:  # the loop still serves transfers
-            layers = _layers(1)
-            agent.expect("after", num_layers=1)
-            _send(other, "after", agent.endpoint, layers)
-            poll_until(agent, lambda ev: "after" in ev["recvd"])
-        assert not agent.board.dead()
+def test_a_send_that_raises_is_contained(monkeypatch: pytest.MonkeyPatch) -> None:
+    """E.g. an endpoint a peer named that ZeroMQ refuses at connect: that one message is dropped."""
+    with TransferAgent(TransferConfig()) as agent, TransferAgent(TransferConfig()) as other:
+        control = agent._core.control
+        assert control is not None
+        real = control._send_now
+        failures: list[str] = []
+
+        def first_fails(endpoint: str, msg: object) -> None:
+            if not failures:
+                failures.append(endpoint)
+                raise zmq.ZMQError(zmq.EINVAL, "Invalid argument")
+            real(endpoint, msg)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(control, "_send_now", first_fails)
+        layers = _layers(1)
+        agent.expect("lost", num_layers=1, pull_from=other.endpoint, deadline_s=1.0)  # its Pull is dropped
+        wait_for(lambda: agent.board.worker_errors().get(NAME, 0) == 1, "the failed send contained")
+        agent.expect("after", num_layers=1)
+        _send(other, "after", agent.endpoint, layers)
+        poll_until(agent, lambda ev: "after" in ev["recvd"])
+        assert failures == [other.endpoint] and not agent.board.dead()
 
 
 def test_a_loop_that_keeps_failing_is_dead_and_fails_its_transfers(monkeypatch: pytest.MonkeyPatch) -> None:
