@@ -13,7 +13,8 @@ or decoding and turns whatever hostile bytes raise into a ProtocolError. The thr
 :class:`~kvwire.supervision.SupervisedThread`: an exception in the handling of one message or one
 outbound send is logged (rate-limited), counted on the board and the loop goes on; anything else that
 escapes an iteration restarts the loop after a backoff, and too many such failures mark the component
-dead (``on_dead``: the agent fails every transfer and refuses new ones).
+dead (``on_dead``: the agent fails every transfer and refuses new ones). More than
+``MAX_CONTAINED_ERRORS`` contained errors within ``CONTAINED_WINDOW_S`` count as one such failure.
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ MAX_DEALERS = 512  # cached outbound sockets (one per peer endpoint)
 DEALER_MAX_INBOUND_BYTES = 1024
 NAME = "kvwire-transfer-control"
 ERROR_LOG_INTERVAL_S = 10.0  # per-message / per-send errors: one traceback per interval, then counts
+# Contained errors tolerated within the window; one more and the loop fails (the supervisor restarts
+# it with backoff, and gives it up when that keeps happening): a handler that fails on message after
+# message is broken, not unlucky, and the process must say so.
+MAX_CONTAINED_ERRORS = 100
+CONTAINED_WINDOW_S = 60.0
 
 
 class ControlLoop:
@@ -93,6 +99,7 @@ class ControlLoop:
         self._outbox: collections.deque[tuple[str, AnyMsg] | Callable[[], None]] = collections.deque()
         self._stop = threading.Event()
         self._errors = _ErrorLog()
+        self._contained_at: collections.deque[float] = collections.deque()  # when, within the window
         self.board = board if board is not None else HealthBoard()
         self._thread = SupervisedThread(NAME, self._loop, self._stop, board=self.board, on_dead=on_dead)
         self._poller = zmq.Poller()
@@ -210,9 +217,19 @@ class ControlLoop:
                 self._contained("sending a control message" if not callable(item) else "a queued call")
 
     def _contained(self, what: str) -> None:
-        """Log (rate-limited, with the traceback) and count an error contained to one item."""
+        """Log (rate-limited, with the traceback) and count an error contained to one item; past
+        ``MAX_CONTAINED_ERRORS`` within the window, fail the loop instead (the caller's exception
+        context goes with it)."""
         self.board.worker_error(NAME)
         self._errors.log(f"transfer control loop: {what} failed (continuing)")
+        now = time.monotonic()
+        self._contained_at.append(now)
+        while self._contained_at and self._contained_at[0] < now - CONTAINED_WINDOW_S:
+            self._contained_at.popleft()
+        if len(self._contained_at) > MAX_CONTAINED_ERRORS:
+            self._contained_at.clear()
+            raise RuntimeError(f"{what} failed more than {MAX_CONTAINED_ERRORS} times within "
+                               f"{CONTAINED_WINDOW_S:.0f} s")
 
     def _dealer(self, endpoint: str) -> zmq.Socket:
         dealer = self._dealers.get(endpoint)

@@ -15,8 +15,9 @@ from agent_helpers import _layers, _send, poll_until
 from kvwire.errors import TransferError
 from kvwire.supervision import ComponentState, HealthBoard
 from kvwire.transfer import TransferAgent, TransferConfig
+from kvwire.transfer import control as control_module
 from kvwire.transfer.control import NAME
-from kvwire.transfer.messages import Offer
+from kvwire.transfer.messages import Codec, Offer, Renew
 
 
 def wait_for(cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
@@ -105,3 +106,30 @@ def test_a_loop_that_keeps_failing_is_dead_and_fails_its_transfers(monkeypatch: 
         assert body is not None and NAME in str(body["reason"])
     finally:
         agent.close()  # still closes cleanly (the thread is gone)
+
+
+def test_a_handler_that_keeps_failing_restarts_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(control_module, "MAX_CONTAINED_ERRORS", 3)
+    with TransferAgent(TransferConfig()) as agent, TransferAgent(TransferConfig()) as other:
+        def broken(msg: object) -> None:
+            raise RuntimeError("renew handling broken")
+
+        monkeypatch.setattr(agent, "_on_renew", broken)
+        ctx = zmq.Context()
+        out = ctx.socket(zmq.DEALER)
+        out.setsockopt(zmq.LINGER, 0)
+        out.connect(agent.endpoint)
+        try:
+            for i in range(4):  # one more than tolerated
+                renew = Renew(src_id="x", src_endpoint=other.endpoint, transfer_id=f"r{i}", state="unknown")
+                out.send_multipart(Codec(None).encode(renew))
+            wait_for(lambda: agent.board.restarts().get(NAME) == 1, "the loop restarted")
+        finally:
+            out.close(0)
+            ctx.term()
+        assert agent.board.worker_errors()[NAME] == 4 and not agent.board.dead()
+        monkeypatch.undo()
+        layers = _layers(1)  # the restarted loop serves transfers
+        agent.expect("after", num_layers=1)
+        _send(other, "after", agent.endpoint, layers)
+        poll_until(agent, lambda ev: "after" in ev["recvd"])
