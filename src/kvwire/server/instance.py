@@ -68,12 +68,10 @@ class ServerInstance:
         self.config = config
         self.engine_config = engine_config
         self.instance_id = default_instance_id(config)
-        # The instance's one health board (/health, /metrics): its supervised threads (registration;
-        # the KV connector's transfer threads when it is given the board) report there.
+        # The instance's one health board (/health, /metrics): its supervised threads (registration,
+        # the KV transfer agent's through the connector factory) report there.
         self.board = HealthBoard()
         self._secret = secret
-        #: the process's supervised components (handed to everything this instance builds)
-        self.board = HealthBoard()
         self._runner: web.AppRunner | None = None
         self._heartbeats: Any = None
         self._connectors: ConnectorSet | None = None
