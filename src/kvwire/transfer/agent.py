@@ -322,6 +322,13 @@ class TransferAgent:
             self._receiver.fail(transfer_id, local, notify=True, label=label, wire_reason=reason)
             self._receiver.drop_done(transfer_id)
 
+    def unsettled(self) -> dict[str, int]:
+        """Failed or aborted receives whose sender may still write into their destinations (a
+        stalled shared-memory sender kept its grant past the revoke wait: decision 114), with the
+        bytes each covers. Reuse a receive's blocks only once it is absent here; a transfer leaves
+        this map when its sender let go of the grant or its process ended. Any thread."""
+        return self._core.plane.unsettled()
+
     def poll(self) -> TransferEvents:
         """Events since the last poll, swapped out atomically; each transfer id is reported once."""
         return self._core.events.swap()
@@ -336,10 +343,13 @@ class TransferAgent:
         core = self._core
         with core.lock:
             active = len(self._sender.sends) + len(self._receiver.recvs)
+        unsettled = core.plane.unsettled()
         return core.stats.snapshot(
             spill_bytes_in_use=core.memory.spill.in_use_bytes,
             budget_bytes_in_use=core.memory.budget_in_use,
             transfers_active=active,
+            quarantined_transfers=len(unsettled),
+            quarantined_bytes=sum(unsettled.values()),
         )
 
     def close(self) -> None:
