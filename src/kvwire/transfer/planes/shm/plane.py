@@ -84,7 +84,7 @@ class _Grant:
     token: int
     pending: set[int]
     num_bytes: int = 0  # destination bytes granted so far (quarantined with the grant, if it comes to that)
-    dests: list[torch.Tensor] = dataclasses.field(default_factory=list)  # their tensors
+    dests: list[torch.Tensor] = dataclasses.field(default_factory=list, repr=False)  # their tensors
 
 
 class ShmPlane(UnixLinkPlane):

@@ -42,7 +42,7 @@ class Quarantined:
     since: float = dataclasses.field(default_factory=time.monotonic)
     # the destination tensors: kept alive, so a receive buffer of the shared arena (which returns
     # to the arena with its last tensor) is not handed out again while the sender may write into it
-    keep: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    keep: list[torch.Tensor] = dataclasses.field(default_factory=list, repr=False)
 
 
 class Quarantine:

@@ -24,6 +24,7 @@ import queue
 import select
 import signal
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -218,7 +219,9 @@ class Outbound(OutboundLink):
             return
         first, rest = halves(runs)
         self.plane.copier.copy(src, dst, first)
-        os.kill(os.getpid(), signal.SIGSTOP)
+        # thread-directed: this thread stops on its way out of the system call (a SIGSTOP sent to
+        # the process may be taken by another thread while this one copies on until a tick)
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
         self.plane.copier.copy(src, dst, rest)
         self._count("stopped_mid_layer")
 
