@@ -29,7 +29,8 @@ def prefill() -> Iterator[Prefill]:
         p.close()
 
 
-@pytest.mark.timeout(max(300, 6 * ITERATIONS))
+@pytest.mark.slow
+@pytest.mark.timeout(max(300, 8 * ITERATIONS))
 def test_a_sender_stalled_mid_layer_never_writes_into_reused_blocks(
     prefill: Prefill, monkeypatch: pytest.MonkeyPatch
 ) -> None:

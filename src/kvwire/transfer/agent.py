@@ -254,8 +254,8 @@ class TransferAgent:
         ``into_blocks`` (the serving path; :meth:`register_kv_caches` first): every layer lands in
         those blocks of its registered cache, the plane's fastest way — in place where the payload
         fits the blocks exactly, else through a copy that skips/drops blocks (see ``paged_kv``). The
-        blocks must not be reused until the transfer ended; once a cancel/abort of it returned,
-        nothing of it writes into them any more.
+        blocks must not be reused until the transfer ended; once it failed (or an abort of it
+        returned) and it is not in :meth:`unsettled`, nothing of it writes into them any more.
 
         ``accept_from`` (default ``pull_from``): the sender's control endpoint; offers of this id from
         any other agent are refused (counted in ``offers_refused``), so a third agent that knows the
