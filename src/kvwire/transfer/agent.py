@@ -267,8 +267,8 @@ class TransferAgent:
         ``into_blocks`` (the serving path; :meth:`register_kv_caches` first): every layer lands in
         those blocks of its registered cache, the plane's fastest way — in place where the payload
         fits the blocks exactly, else through a copy that skips/drops blocks (see ``paged_kv``). The
-        blocks must not be reused until the transfer ended; once a cancel/abort of it returned,
-        nothing of it writes into them any more.
+        blocks must not be reused until the transfer ended; once it failed (or an abort of it
+        returned) and it is not in :meth:`unsettled`, nothing of it writes into them any more.
 
         ``accept_from`` (default ``pull_from``): the sender's control endpoint; offers of this id from
         any other agent are refused (counted in ``offers_refused``), so a third agent that knows the
@@ -335,6 +335,13 @@ class TransferAgent:
             self._receiver.fail(transfer_id, local, notify=True, label=label, wire_reason=reason)
             self._receiver.drop_done(transfer_id)
 
+    def unsettled(self) -> dict[str, int]:
+        """Failed or aborted receives whose sender may still write into their destinations (a
+        stalled shared-memory sender kept its grant past the revoke wait: decision 114), with the
+        bytes each covers. Reuse a receive's blocks only once it is absent here; a transfer leaves
+        this map when its sender let go of the grant or its process ended. Any thread."""
+        return self._core.plane.unsettled()
+
     def poll(self) -> TransferEvents:
         """Events since the last poll, swapped out atomically; each transfer id is reported once."""
         return self._core.events.swap()
@@ -349,10 +356,13 @@ class TransferAgent:
         core = self._core
         with core.lock:
             active = len(self._sender.sends) + len(self._receiver.recvs)
+        unsettled = core.plane.unsettled()
         return core.stats.snapshot(
             spill_bytes_in_use=core.memory.spill.in_use_bytes,
             budget_bytes_in_use=core.memory.budget_in_use,
             transfers_active=active,
+            quarantined_transfers=len(unsettled),
+            quarantined_bytes=sum(unsettled.values()),
         )
 
     def close(self) -> None:

@@ -37,6 +37,8 @@ class TransferStats:
     spill_bytes_in_use: int = 0  # gauges at snapshot time
     budget_bytes_in_use: int = 0
     transfers_active: int = 0
+    quarantined_transfers: int = 0  # receives a stalled sender may still write into (decision 114)
+    quarantined_bytes: int = 0  # ... and the destination bytes they keep out of use
 
 
 class ControlLimit(str, enum.Enum):
