@@ -72,8 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="limit on one upstream request, streaming included (default %(default)s)")
     parser.add_argument("--client-write-timeout-s", type=float, default=d.client_write_timeout_s,
                         help="cut off a client reading nothing this long (default %(default)s)")
-    parser.add_argument("--stream-first-token-from-prefill", action="store_true",
-                        help="push mode, streaming: send P's first token at once, trim it off D's stream")
+    parser.add_argument("--stream-first-token-from-prefill", action=argparse.BooleanOptionalAction,
+                        default=d.stream_first_token_from_prefill,
+                        help="push mode, streaming: send P's first token to the client as soon as P has "
+                             "it, and D's stream from the second token on (default: on)")
     parser.add_argument("--max-connect-retries", type=int, default=d.max_connect_retries,
                         help="re-dispatches after a refused connection (default %(default)s)")
     parser.add_argument("--decode-local-prefill-tokens", type=int, default=d.decode_local_prefill_tokens,

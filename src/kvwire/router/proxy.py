@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
@@ -154,6 +155,8 @@ class Dispatcher:
             chunk = first
             while chunk:
                 await out.write(splicer.filter(chunk) if splicer is not None else chunk)
+                if splicer is not None and splicer.diverged:
+                    return await self._diverged(out, inst)
                 chunk = await self._upstream.watched(inst, inst.role.value, resp.content.readany())
             if splicer is not None:
                 await out.write(splicer.flush())
@@ -174,6 +177,17 @@ class Dispatcher:
                 resp.close()  # drop the connection so that the instance aborts the request
         return await out.close()
 
+    async def _diverged(self, out: ClientStream, inst: InstanceView) -> web.StreamResponse:
+        """D's answer does not continue the first token P streamed (it recomputed the prompt, or
+        sampled differently): the answer continues from P's token elsewhere (migration), or, when
+        the request cannot migrate, ends with an error event. D's connection is closed (aborted)."""
+        reason = f"decode instance {inst.instance_id} did not continue the prefill's first token"
+        self._metrics.upstream_errors.labels(role="decode", kind="diverged").inc()
+        if out.ledger is not None:
+            raise StreamInterrupted(out, reason)
+        await out.error_event(reason, 502)
+        return await out.close()
+
     # --- P/D ------------------------------------------------------------------------------------
 
     async def _push(
@@ -188,14 +202,16 @@ class Dispatcher:
         tid = uuid.uuid4().hex
         p_params = self._push_params(tid, Role.PREFILL, peer=d, skip_blocks=pick.skip_blocks)
         d_params = self._push_params(tid, Role.DECODE, peer=p, skip_blocks=pick.skip_blocks)
-        p_body, d_body = _prefill_body(creq, p_params), _decode_body(creq, d_params)
+        early = creq.stream and self._cfg.stream_first_token_from_prefill and _spliceable(creq)
+        shared = _shared_fields(creq) if early else {}
+        p_body, d_body = _prefill_body(creq, p_params, **shared), _decode_body(creq, d_params, **shared)
         prompt = creq.est_prompt_tokens
         with self._selector.track(p.instance_id, prompt - pick.prefill.cached_tokens), \
                 self._selector.track(d.instance_id, prompt + creq.max_new_tokens):
             p_task = asyncio.create_task(self._call(p, "prefill", creq, p_body, stream=False))
             d_task = asyncio.create_task(self._call(d, "decode", creq, d_body, stream=creq.stream))
             try:
-                if creq.stream and self._cfg.stream_first_token_from_prefill and creq.ledger is None:
+                if early:
                     response = await self._push_early(request, creq, d, p_task, d_task)
                 else:
                     opened = await self._race(p_task, d_task)
@@ -236,6 +252,7 @@ class Dispatcher:
                 out = await ClientStream(request, creq, self._metrics, Plan.DISAGGREGATED,
                                          write_timeout_s=self._cfg.client_write_timeout_s).open()
                 await out.write(splicer.early_events())
+                self._metrics.first_tokens_from_prefill.inc()
             try:
                 resp, chunk = _take(await pending, resp)
             except UpstreamFailure as exc:
@@ -371,16 +388,43 @@ class Dispatcher:
         ))
 
 
-def _prefill_body(creq: ClientRequest, params: KVTransferParams) -> bytes:
+def _prefill_body(creq: ClientRequest, params: KVTransferParams, **shared: Any) -> bytes:
     """P's copy of the request: one token, non-streaming, with its kv_transfer_params."""
     return creq.derived_body(
         max_tokens=1, max_completion_tokens=1, stream=False, stream_options=None, min_tokens=None,
-        kv_transfer_params=params.to_dict(),
+        kv_transfer_params=params.to_dict(), **shared,
     )
 
 
-def _decode_body(creq: ClientRequest, params: KVTransferParams) -> bytes:
-    return creq.derived_body(kv_transfer_params=params.to_dict())
+def _decode_body(creq: ClientRequest, params: KVTransferParams, **shared: Any) -> bytes:
+    return creq.derived_body(kv_transfer_params=params.to_dict(), **shared)
+
+
+# Request fields that make P's one-token answer something other than a stream's first event.
+_NOT_SPLICEABLE = ("logprobs", "top_logprobs", "echo", "prompt_logprobs")
+
+
+def _spliceable(creq: ClientRequest) -> bool:
+    """Whether P's first token can open the client's stream: a new request (not a continuation),
+    one choice, no log-probabilities or echo (P's answer would carry them differently)."""
+    body = creq.body
+    if creq.resume_stream is not None or body.get("n") not in (None, 1):
+        return False
+    if body.get("best_of") not in (None, 1):
+        return False
+    return not any(body.get(key) not in (None, False, 0) for key in _NOT_SPLICEABLE)
+
+
+def _shared_fields(creq: ClientRequest) -> dict[str, Any]:
+    """Fields P and D both get when P's first token opens the stream: one ``request_id`` (vLLM's
+    field: both answer under the same id) and, for a sampled request without a seed, one random
+    ``seed`` (both draw the same first token from the same logits, so D continues P's)."""
+    body = creq.body
+    rid = body.get("request_id")
+    shared: dict[str, Any] = {"request_id": rid if isinstance(rid, str) and rid else uuid.uuid4().hex}
+    if body.get("seed") is None and body.get("temperature") not in (0, 0.0):
+        shared["seed"] = secrets.randbits(31)
+    return shared
 
 
 def _take(result: Opened | bytes, resp: aiohttp.ClientResponse | None) -> Opened:

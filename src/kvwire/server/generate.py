@@ -100,6 +100,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    response_id: str | None = None  # from the request's ``request_id`` (vLLM's field), else the engine's id
 
 
 class GenerationHandler:
@@ -137,8 +138,8 @@ class GenerationHandler:
         if isinstance(admitted, web.Response):
             return admitted
         request_id, stream, prepared = admitted
-        builder = ResponseBuilder(kind, request_id, self._model_name, int(time.time()),
-                                  prepared.return_token_ids)
+        builder = ResponseBuilder(kind, prepared.response_id or request_id, self._model_name,
+                                  int(time.time()), prepared.return_token_ids)
         writer = ClientWriter(request, self._write_timeout_s, request_id)
         try:
             if prepared.stream:
@@ -172,8 +173,7 @@ class GenerationHandler:
         except ForbiddenError as exc:  # e.g. unsigned kv_transfer_params (counted where refused)
             self._count(endpoint, "forbidden")
             return error_response(403, str(exc), "permission_error", "kv_transfer_params", exc.reason)
-        prefix = "chatcmpl" if kind is RequestKind.CHAT else "cmpl"
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        request_id = f"{_id_prefix(kind)}-{uuid.uuid4().hex}"  # the engine's: unique whatever the client sent
         try:
             stream = await self._loop.add_request(
                 request_id, prepared.prompt_token_ids, prepared.params, prepared.kv_transfer_params
@@ -216,6 +216,7 @@ class GenerationHandler:
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             return_token_ids=req.return_token_ids,
+            response_id=None if req.request_id is None else f"{_id_prefix(kind)}-{req.request_id}",
         )
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
@@ -356,6 +357,10 @@ class GenerationHandler:
 
     def _count(self, endpoint: str, outcome: str) -> None:
         self._metrics.requests.labels(endpoint, outcome).inc()
+
+
+def _id_prefix(kind: RequestKind) -> str:
+    return "chatcmpl" if kind is RequestKind.CHAT else "cmpl"
 
 
 def _first_extras(prepared: Prepared) -> dict[str, Any]:

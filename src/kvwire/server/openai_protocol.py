@@ -62,6 +62,9 @@ class _CommonFields(msgspec.Struct, kw_only=True):
     return_token_ids: bool = False
     # The last N prompt tokens are this answer's own earlier output (a router migrating a stream).
     kvwire_prior_output_tokens: int = 0
+    # vLLM's: the answer's id is ``cmpl-<request_id>`` / ``chatcmpl-<request_id>`` (a router gives P and
+    # D the same one, so that a stream that starts with P's first token keeps one id throughout).
+    request_id: str | None = None
 
 
 class CompletionRequest(_CommonFields, kw_only=True):
@@ -86,6 +89,7 @@ class ChatRequest(_CommonFields, kw_only=True):
     tools: list[Any] | None = None
 
 
+_REQUEST_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _PATH_FIELD = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
 
 
@@ -152,6 +156,8 @@ def _check_common(req: _CommonFields) -> None:
         raise BadRequest(f"top_k must be -1, 0 (disabled) or positive, got {req.top_k}", param="top_k")
     if req.stop_token_ids is not None and any(t < 0 for t in req.stop_token_ids):
         raise BadRequest("stop_token_ids must be non-negative", param="stop_token_ids")
+    if req.request_id is not None and not _REQUEST_ID.fullmatch(req.request_id):
+        raise BadRequest("request_id must be 1-128 characters of [A-Za-z0-9_.:-]", param="request_id")
     if req.stream_options is not None and not req.stream:
         raise BadRequest("stream_options is only allowed with stream=true", param="stream_options")
 
