@@ -154,3 +154,38 @@ def test_sampled_streams_are_consistent(cluster: LocalCluster, chat: bool) -> No
             assert len(ids) == MAX_TOKENS
 
     asyncio.run(scenario())
+
+
+def test_vllm_service_api_through_the_router(cluster: LocalCluster) -> None:
+    """/tokenize, /detokenize, /version and /v1/models on the router answer what the instances do."""
+    instance = next(i for i in cluster.live_instances() if i.role == "prefill")
+
+    async def call(session: aiohttp.ClientSession, url: str, path: str, body: Any = None) -> tuple[int, Any]:
+        method = session.get if body is None else session.post
+        async with method(url + path, json=body) as resp:
+            return resp.status, await resp.json()
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as session:
+            for body in ({"model": "tiny", "prompt": "héllo world", "add_special_tokens": False},
+                         {"prompt": "héllo"},
+                         {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}):
+                via_router = await call(session, cluster.router_url, "/tokenize", body)
+                assert via_router == await call(session, str(instance.url), "/tokenize", body)
+                status, answer = via_router
+                assert status == 200 and answer["count"] == len(answer["tokens"]) > 0
+            status, answer = await call(session, cluster.router_url, "/tokenize",
+                                        {"prompt": "héllo world", "add_special_tokens": False})
+            tokens = {"tokens": answer["tokens"]}
+            status, text = await call(session, cluster.router_url, "/detokenize", tokens)
+            assert (status, text) == (200, {"prompt": "héllo world"})
+            status, err = await call(session, cluster.router_url, "/detokenize", {"tokens": [-1]})
+            assert status == 400 and err["error"]["param"] == "tokens"
+            _, models = await call(session, cluster.router_url, "/v1/models")
+            _, own = await call(session, str(instance.url), "/v1/models")
+            length = models["data"][0]["max_model_len"]
+            assert length == own["data"][0]["max_model_len"] == answer["max_model_len"]
+            _, version = await call(session, cluster.router_url, "/version")
+            assert version == (await call(session, str(instance.url), "/version"))[1]
+
+    asyncio.run(scenario())

@@ -199,6 +199,8 @@ def print_table(summaries: Sequence[dict[str, Any]]) -> None:
             print(f"    error: {error}")
         if "kv_transfers" in s:
             print(f"    {serve_transfers.describe(s['kv_transfers'])}")
+        if "handover" in s:
+            print(f"    {serve_transfers.describe_handover(s['handover'])}")
 
 
 def plot(summaries: Sequence[dict[str, Any]], path: str) -> bool:
@@ -245,6 +247,7 @@ def _bench_setup(name: str, args: argparse.Namespace, load: LoadSpec) -> dict[st
             summary["kv_transfers"] = serve_transfers.summarize(
                 rows, with_ceiling=args.device == "cpu", device_copy=serve_transfers.device_copies(urls)
             )
+            summary["handover"] = serve_transfers.exposed_handover(urls, summary["samples"]["ttft_s"])
     return summary
 
 

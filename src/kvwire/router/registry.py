@@ -100,9 +100,11 @@ class Registry:
     def __init__(
         self, ttl_s: float, forget_after_s: float = 60.0, clock: Clock = time.monotonic,
         on_remove: Callable[[str], None] | None = None,
+        on_register: Callable[[InstanceInfo], None] | None = None,
     ) -> None:
         self.ttl_s = ttl_s
         self._on_remove = on_remove
+        self._on_register = on_register  # outside the lock, once per new entry or epoch
         self._removed: list[str] = []  # ids removed under the lock, reported after it
         self.forget_after_s = forget_after_s
         self._clock = clock
@@ -133,7 +135,12 @@ class Registry:
         if result in (ApplyResult.REGISTERED, ApplyResult.REPLACED, ApplyResult.DEREGISTERED):
             ident = msg.instance_id if isinstance(msg, Deregister) else msg.info.instance_id
             log.info("instance %s %s", ident, result.value)
+            self._registered(msg, result)
         return result
+
+    def _registered(self, msg: Heartbeat | Deregister, result: ApplyResult) -> None:
+        if self._on_register is not None and isinstance(msg, Heartbeat):
+            self._on_register(msg.info)  # REGISTERED or REPLACED: a new instance or process
 
     def apply_many(self, msgs: list[Heartbeat | Deregister]) -> list[ApplyResult]:
         """:meth:`apply` for a batch (one watch message of an etcd router) under one lock, with at
@@ -164,6 +171,7 @@ class Registry:
             if result in (ApplyResult.REGISTERED, ApplyResult.REPLACED, ApplyResult.DEREGISTERED):
                 ident = msg.instance_id if isinstance(msg, Deregister) else msg.info.instance_id
                 log.info("instance %s %s", ident, result.value)
+                self._registered(msg, result)
         return results
 
     def expire(self, idents: list[str], as_of: float) -> list[str]:

@@ -125,6 +125,14 @@ class GenerationHandler:
         self._write_timeout_s = client_write_timeout_s  # deadline of each write to a streaming client
         self.draining = False  # set on shutdown: new requests get 503
 
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self._vocab_size
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, RequestKind.COMPLETION)
 

@@ -117,7 +117,7 @@ class ServerInstance:
             kv_endpoints=self._connectors.kv_endpoints, stats_fn=self._stats,
             secret=self._secret, kv_events=getattr(self._engine, "kv_events", None),
             tokenizer=tokenizer_spec(self._engine.tokenizer, self.engine_config.model), kv_layout=kv_layout,
-            transports_fn=self._connectors.kv_transports,
+            transports_fn=self._connectors.kv_transports, max_model_len=max_model_len,
         )
         logger.info("kvwire serve ready: %s (model %s, role %s, max_model_len %d, instance %s)",
                     self.url, model_name, self.config.role.value, max_model_len, self.instance_id)

@@ -215,3 +215,40 @@ def stop_strings(req: _CommonFields) -> list[str]:
     if any(not s for s in stops):
         raise BadRequest("stop strings must not be empty", param="stop")
     return stops
+
+
+# --- vLLM's tokenizer endpoints ---------------------------------------------------------------
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """``POST /tokenize``: vLLM's body, either a ``prompt`` or chat ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """``POST /detokenize``: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int] = msgspec.field(default_factory=list)
+
+
+def parse_tokenize(body: bytes) -> TokenizeRequest:
+    req: TokenizeRequest = _decode(body, TokenizeRequest)
+    if (req.prompt is None) == (req.messages is None):
+        raise BadRequest("give either prompt or messages", param="prompt")
+    if req.messages is not None and not req.add_generation_prompt:
+        raise BadRequest("add_generation_prompt=false is not supported", param="add_generation_prompt")
+    return req
+
+
+def parse_detokenize(body: bytes, vocab_size: int | None) -> DetokenizeRequest:
+    req: DetokenizeRequest = _decode(body, DetokenizeRequest)
+    if any(t < 0 or (vocab_size is not None and t >= vocab_size) for t in req.tokens):
+        raise BadRequest(f"token ids must be in [0, {vocab_size})", param="tokens")
+    return req
