@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -64,6 +65,8 @@ ZMQ_TTL_INTERVALS = RouterConfig().instance_ttl_s / ServerConfig().heartbeat_int
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", default="10,100,1000", help="instance counts (default %(default)s)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the results as JSON (the table goes to stderr)")
     parser.add_argument("--backends", default="zmq,etcd", help="zmq, etcd or both (default %(default)s)")
     parser.add_argument("--interval-s", type=float, default=1.0, help="heartbeat interval (default 1 s)")
     parser.add_argument("--window-s", type=float, default=10.0, help="CPU window (default %(default)s)")
@@ -335,6 +338,8 @@ def _goals(r: Result, interval: float) -> str:
 
 
 async def _main(args: argparse.Namespace) -> int:
+    if args.json:
+        sys.stdout = sys.stderr  # the table as it is measured; the JSON at the end on stdout
     ns = [int(x) for x in args.n.split(",") if x]
     backends = [b for b in args.backends.split(",") if b]
     for b in backends:
@@ -375,6 +380,9 @@ async def _main(args: argparse.Namespace) -> int:
     for r in results:
         if r.n == max(ns):
             print("goal " + _goals(r, args.interval_s))
+    if args.json:
+        sys.stdout = sys.__stdout__
+        print(json.dumps([dataclasses.asdict(r) for r in results], indent=2))
     return 0
 
 
