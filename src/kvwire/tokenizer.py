@@ -81,6 +81,7 @@ class HFTokenizer(Tokenizer):
         self.eos_token_id = eos_id if eos_id is not None else (min(eos_ids) if eos_ids else None)
         self.eos_token_ids = frozenset(eos_ids)
         self.chat_template = chat_template
+        self.source_dir: Path | None = None  # the local directory it was read from, if any
 
     @classmethod
     def from_dir(cls, model_dir: Path, model_eos_ids: list[int] | None = None) -> HFTokenizer:
@@ -99,13 +100,15 @@ class HFTokenizer(Tokenizer):
         chat_template = config.get("chat_template")
         if chat_template is None and (model_dir / "chat_template.jinja").is_file():
             chat_template = (model_dir / "chat_template.jinja").read_text()
-        return cls(
+        tokenizer = cls(
             RawTokenizer.from_file(str(path)),
             bos_token=_token_text(config.get("bos_token")),
             eos_token=_token_text(config.get("eos_token")),
             extra_eos_ids=eos_ids,
             chat_template=chat_template,
         )
+        tokenizer.source_dir = model_dir  # announced to routers (a model id's cache snapshot)
+        return tokenizer
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)

@@ -220,4 +220,7 @@ async def serve(config: ServerConfig, engine_config: EngineConfig, secret: str |
 def tokenizer_spec(tokenizer: Any, model: str) -> str:
     """What the router needs to tokenize like this engine (``InstanceInfo.tokenizer``): "byte" for the
     presets' byte tokenizer, else the model directory the tokenizer was loaded from."""
-    return "byte" if type(tokenizer).__name__ == "ByteTokenizer" else model
+    if type(tokenizer).__name__ == "ByteTokenizer":
+        return "byte"
+    source = getattr(tokenizer, "source_dir", None)  # a model id's snapshot, or a --tokenizer directory
+    return str(source) if source is not None else model
