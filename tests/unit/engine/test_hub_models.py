@@ -22,32 +22,16 @@ import kvwire
 from kvwire import hub
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.loader import load_model
+from kvwire.engine.models.presets import PACKAGED_MODELS
 from kvwire.errors import ModelLoadError
 from support.gguf_files import write_tiny_llama
+from support.hf_cache import offline_cache, snapshot
 from support.hf_models import hf_greedy, save_tokenizer
-
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def _snapshot(cache: Path, repo: str, commit: str = COMMIT, ref: str = "main") -> Path:
-    """An empty snapshot folder of ``repo`` laid out as huggingface_hub's cache keeps it."""
-    root = cache / f"models--{repo.replace('/', '--')}"
-    (root / "refs").mkdir(parents=True, exist_ok=True)
-    (root / "refs" / ref).write_text(commit)
-    snap = root / "snapshots" / commit
-    snap.mkdir(parents=True, exist_ok=True)
-    return snap
 
 
 @pytest.fixture()
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    import huggingface_hub.constants as constants
-
-    root = tmp_path / "hub"
-    root.mkdir()
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    return root
+    return offline_cache(monkeypatch, tmp_path)
 
 
 def _tied_llama(out: Path, keep: str) -> Any:
@@ -70,7 +54,7 @@ def _tied_llama(out: Path, keep: str) -> Any:
 
 @pytest.mark.parametrize("keep", ["lm_head", "embed_tokens"])
 def test_tied_checkpoint_from_the_cache_matches_transformers(cache: Path, keep: str) -> None:
-    snap = _snapshot(cache, "test-org/tiny-tied")
+    snap = snapshot(cache, "test-org/tiny-tied")
     reference = _tied_llama(snap, keep)
     from safetensors import safe_open
 
@@ -85,7 +69,7 @@ def test_tied_checkpoint_from_the_cache_matches_transformers(cache: Path, keep: 
 
 
 def test_gguf_repo_by_quant_suffix_file_and_revision(cache: Path) -> None:
-    snap = _snapshot(cache, "test-org/tiny-GGUF")
+    snap = snapshot(cache, "test-org/tiny-GGUF")
     for quant in ("F32", "Q8_0"):
         qtype = getattr(gguf.GGMLQuantizationType, quant)
         write_tiny_llama(snap / f"tiny-{quant}.gguf", qtype)
@@ -95,7 +79,7 @@ def test_gguf_repo_by_quant_suffix_file_and_revision(cache: Path) -> None:
         hub.resolve("test-org/tiny-GGUF")  # ambiguous: say how to choose
     with pytest.raises(ModelLoadError, match=r"0 \.gguf files match"):
         hub.resolve("test-org/tiny-GGUF:Q4_K_M")
-    other = _snapshot(cache, "test-org/tiny-GGUF", commit="f" * 40, ref="v2")
+    other = snapshot(cache, "test-org/tiny-GGUF", commit="f" * 40, ref="v2")
     write_tiny_llama(other / "tiny-Q8_0.gguf", gguf.GGMLQuantizationType.Q8_0, seed=9)
     assert hub.resolve("test-org/tiny-GGUF:Q8_0", revision="v2") == other / "tiny-Q8_0.gguf"
     loaded = load_model(EngineConfig(model="test-org/tiny-GGUF:Q8_0"))
@@ -111,7 +95,7 @@ def test_offline_and_not_cached_is_a_clear_error(cache: Path) -> None:
 
 
 def test_tokenizer_from_a_model_id(cache: Path, tmp_path: Path) -> None:
-    snap = _snapshot(cache, "test-org/tokenizer-only")
+    snap = snapshot(cache, "test-org/tokenizer-only")
     save_tokenizer(snap)
     assert hub.resolve_tokenizer("test-org/tokenizer-only") == snap
     assert hub.resolve_tokenizer(str(tmp_path)) == tmp_path  # a local directory is itself
@@ -120,7 +104,7 @@ def test_tokenizer_from_a_model_id(cache: Path, tmp_path: Path) -> None:
 def test_hf_hub_offline_from_the_environment(tmp_path: Path) -> None:
     """A fresh process with HF_HOME and HF_HUB_OFFLINE=1 resolves the cached id (what `kvwire serve
     --model ORG/NAME` does) without any network."""
-    snap = _snapshot(tmp_path / "hf" / "hub", "test-org/tiny-GGUF")
+    snap = snapshot(tmp_path / "hf" / "hub", "test-org/tiny-GGUF")
     write_tiny_llama(snap / "tiny-Q8_0.gguf", gguf.GGMLQuantizationType.Q8_0)
     env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
     env.pop("HF_HUB_CACHE", None)
@@ -129,3 +113,21 @@ def test_hf_hub_offline_from_the_environment(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert Path(out.stdout.strip()) == snap / "tiny-Q8_0.gguf"
     shutil.rmtree(tmp_path / "hf")
+
+
+def test_packaged_model_falls_back_to_the_same_file_on_the_hub(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """smollm2-135m without its package: the file it bundles, from the Hugging Face cache (online:
+    downloaded there first), pinned to the commit the package names."""
+    import importlib.metadata
+
+    def absent(name: str) -> None:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", absent)
+    entry = PACKAGED_MODELS["smollm2-135m"]
+    assert entry.hub_revision is not None
+    snap = snapshot(cache, entry.hub_repo, commit=entry.hub_revision, ref=entry.hub_revision)
+    write_tiny_llama(snap / entry.hub_file)
+    assert entry.path("smollm2-135m") == snap / entry.hub_file
