@@ -5,7 +5,7 @@ Same bodies as vLLM's (``vllm/entrypoints/serve/tokenize``): ``/tokenize`` takes
 "token_strs"}``; ``/detokenize`` takes ``tokens`` and answers ``{"prompt"}``; ``/version`` answers
 ``{"version"}``. Clients such as vLLM's benchmark use them to align prompts with the server's
 tokenizer. Tokenizing runs on the event loop thread (prompts are bounded by the request size limit).
-Errors: 400 (bad body, ids outside the vocabulary), 404 (another model), OpenAI error bodies.
+Errors: 400 (bad body, ids outside the vocabulary), 404 (another model), in vLLM's error body.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from aiohttp import web
 
 from kvwire import __version__
 from kvwire.errors import InvalidRequestError
-from kvwire.server.generate import error_response, json_response
+from kvwire.server.generate import json_response
 from kvwire.server.openai_protocol import (
     BadRequest,
     ChatMessage,
@@ -51,9 +51,9 @@ class TokenizeHandlers:
                 assert req.prompt is not None
                 ids = self._tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         except _NotFound as exc:
-            return error_response(404, str(exc), "NotFoundError", "model", "model_not_found")
+            return _error(404, str(exc), "NotFoundError", "model")
         except InvalidRequestError as exc:
-            return error_response(400, str(exc), param=getattr(exc, "param", None))
+            return _error(400, str(exc), "BadRequestError", getattr(exc, "param", None))
         strs = [self._tokenizer.decode([t]) for t in ids] if req.return_token_strs else None
         return json_response(200, {"count": len(ids), "max_model_len": self._max_model_len,
                                    "tokens": ids, "token_strs": strs})
@@ -63,9 +63,9 @@ class TokenizeHandlers:
             req = parse_detokenize(await request.read(), self._vocab_size)
             self._check_model(req.model)
         except _NotFound as exc:
-            return error_response(404, str(exc), "NotFoundError", "model", "model_not_found")
+            return _error(404, str(exc), "NotFoundError", "model")
         except InvalidRequestError as exc:
-            return error_response(400, str(exc), param=getattr(exc, "param", None))
+            return _error(400, str(exc), "BadRequestError", getattr(exc, "param", None))
         return json_response(200, {"prompt": self._tokenizer.decode(req.tokens)})
 
     def _check_model(self, model: str | None) -> None:
@@ -80,6 +80,12 @@ async def version(request: web.Request) -> web.Response:
 
 class _NotFound(BadRequest):
     pass
+
+
+def _error(status: int, message: str, type_: str, param: str | None) -> web.Response:
+    """vLLM's error body: ``code`` is the HTTP status."""
+    error = {"message": message, "type": type_, "param": param, "code": status}
+    return json_response(status, {"error": error})
 
 
 def _flat(messages: list[ChatMessage]) -> list[dict[str, str]]:
