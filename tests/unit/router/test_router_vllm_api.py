@@ -82,3 +82,16 @@ def test_router_endpoints() -> None:
             assert resp.status == 502 and err["code"] == 502, err
 
     asyncio.run(_with_router(check))
+
+
+def test_vllm_plugin_announces_only_a_configured_mode() -> None:
+    from kvwire.integrations.vllm_config import VllmTransferView, plugin_config_from_vllm
+
+    def mode(**extra: Any) -> TransferMode | None:
+        view = VllmTransferView(kv_role="kv_producer", kv_connector_extra_config=extra)
+        return plugin_config_from_vllm(view).configured_mode
+
+    assert mode(send_type="GET") is TransferMode.PULL  # the seed's pull, overridden by a push router
+    assert mode(send_type="PUT_ASYNC") is TransferMode.PUSH
+    assert mode(mode="pull") is TransferMode.PULL
+    assert mode() is None  # not configured: follows the router, never warned about
