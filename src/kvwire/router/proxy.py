@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
@@ -40,6 +39,7 @@ from kvwire.router.kv_routing import PushPlan, plan_push, prefix_for
 from kvwire.router.metrics import RouterMetrics, SSETokenMeter
 from kvwire.router.migration import StreamInterrupted
 from kvwire.router.migrator import Migrator
+from kvwire.router.pd_bodies import decode_body, prefill_body, shared_fields, spliceable
 from kvwire.router.prompt_tokens import PromptTokenizer
 from kvwire.router.registry import InstanceView
 from kvwire.router.request import ClientRequest
@@ -202,9 +202,9 @@ class Dispatcher:
         tid = uuid.uuid4().hex
         p_params = self._push_params(tid, Role.PREFILL, peer=d, skip_blocks=pick.skip_blocks)
         d_params = self._push_params(tid, Role.DECODE, peer=p, skip_blocks=pick.skip_blocks)
-        early = creq.stream and self._cfg.stream_first_token_from_prefill and _spliceable(creq)
-        shared = _shared_fields(creq) if early else {}
-        p_body, d_body = _prefill_body(creq, p_params, **shared), _decode_body(creq, d_params, **shared)
+        early = creq.stream and self._cfg.stream_first_token_from_prefill and spliceable(creq)
+        shared = shared_fields(creq) if early else {}
+        p_body, d_body = prefill_body(creq, p_params, **shared), decode_body(creq, d_params, **shared)
         prompt = creq.est_prompt_tokens
         with self._selector.track(p.instance_id, prompt - pick.prefill.cached_tokens), \
                 self._selector.track(d.instance_id, prompt + creq.max_new_tokens):
@@ -353,9 +353,9 @@ class Dispatcher:
             peer_endpoints=list(d.info.kv_endpoints), peer_instance_id=d.instance_id,
             deadline_s=self._cfg.kv_deadline_s, limit_s=self._cfg.kv_limit_s,
         ))
-        p_body = _prefill_body(creq, p_params)
+        p_body = prefill_body(creq, p_params)
         p, answer = await self._retrying(lambda: self._prefill_only(creq, p_body, model))
-        d_body = _decode_body(creq, self._params_from_prefill(p, answer))
+        d_body = decode_body(creq, self._params_from_prefill(p, answer))
         picked = [d]  # a retry re-picks; P refuses that D's pull and it recomputes the prompt
         return await self._retrying(lambda: self._single(
             request, creq, Role.DECODE, d_body, model, inst=picked.pop() if picked else None))
@@ -386,45 +386,6 @@ class Dispatcher:
             peer_instance_id=peer_id, peer_kv_layout=params.peer_kv_layout or p.info.kv_layout,
             expires_at=None, sig=None,
         ))
-
-
-def _prefill_body(creq: ClientRequest, params: KVTransferParams, **shared: Any) -> bytes:
-    """P's copy of the request: one token, non-streaming, with its kv_transfer_params."""
-    return creq.derived_body(
-        max_tokens=1, max_completion_tokens=1, stream=False, stream_options=None, min_tokens=None,
-        kv_transfer_params=params.to_dict(), **shared,
-    )
-
-
-def _decode_body(creq: ClientRequest, params: KVTransferParams, **shared: Any) -> bytes:
-    return creq.derived_body(kv_transfer_params=params.to_dict(), **shared)
-
-
-# Request fields that make P's one-token answer something other than a stream's first event.
-_NOT_SPLICEABLE = ("logprobs", "top_logprobs", "echo", "prompt_logprobs")
-
-
-def _spliceable(creq: ClientRequest) -> bool:
-    """Whether P's first token can open the client's stream: a new request (not a continuation),
-    one choice, no log-probabilities or echo (P's answer would carry them differently)."""
-    body = creq.body
-    if creq.resume_stream is not None or body.get("n") not in (None, 1):
-        return False
-    if body.get("best_of") not in (None, 1):
-        return False
-    return not any(body.get(key) not in (None, False, 0) for key in _NOT_SPLICEABLE)
-
-
-def _shared_fields(creq: ClientRequest) -> dict[str, Any]:
-    """Fields P and D both get when P's first token opens the stream: one ``request_id`` (vLLM's
-    field: both answer under the same id) and, for a sampled request without a seed, one random
-    ``seed`` (both draw the same first token from the same logits, so D continues P's)."""
-    body = creq.body
-    rid = body.get("request_id")
-    shared: dict[str, Any] = {"request_id": rid if isinstance(rid, str) and rid else uuid.uuid4().hex}
-    if body.get("seed") is None and body.get("temperature") not in (0, 0.0):
-        shared["seed"] = secrets.randbits(31)
-    return shared
 
 
 def _take(result: Opened | bytes, resp: aiohttp.ClientResponse | None) -> Opened:
