@@ -89,7 +89,7 @@ class ChatRequest(_CommonFields, kw_only=True):
     tools: list[Any] | None = None
 
 
-_REQUEST_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII, no spaces: it becomes the answer's id
 _PATH_FIELD = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
 
 
@@ -157,7 +157,8 @@ def _check_common(req: _CommonFields) -> None:
     if req.stop_token_ids is not None and any(t < 0 for t in req.stop_token_ids):
         raise BadRequest("stop_token_ids must be non-negative", param="stop_token_ids")
     if req.request_id is not None and not _REQUEST_ID.fullmatch(req.request_id):
-        raise BadRequest("request_id must be 1-128 characters of [A-Za-z0-9_.:-]", param="request_id")
+        raise BadRequest("request_id must be 1-256 printable ASCII characters without spaces",
+                         param="request_id")
     if req.stream_options is not None and not req.stream:
         raise BadRequest("stream_options is only allowed with stream=true", param="stream_options")
 

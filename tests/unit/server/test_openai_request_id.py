@@ -16,7 +16,7 @@ from kvwire.server.openai_protocol import (
 def test_request_id_accepted_and_checked() -> None:
     assert parse_completion(b'{"prompt": "x", "request_id": "ab-12.c:d_e"}').request_id == "ab-12.c:d_e"
     assert parse_chat(b'{"messages": [{"role": "user", "content": "x"}]}').request_id is None
-    for bad in ('""', '"a b"', '"' + "x" * 129 + '"', '"id\\n"'):
+    for bad in ('""', '"a b"', '"' + "x" * 257 + '"', '"id\\n"', '"\u00e9"'):
         with pytest.raises(BadRequest) as err:
             parse_completion(b'{"prompt": "x", "request_id": ' + bad.encode() + b"}")
         assert err.value.param == "request_id"
