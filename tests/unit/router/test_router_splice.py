@@ -138,3 +138,44 @@ def test_same_id_other_text_diverges() -> None:
     sp = FirstTokenSplicer.from_prefill(p_answer_ids("a", [10], [1, 2, 3]), chat=False)
     assert sp is not None
     assert run(sp, d_stream_ids([("z", [10]), ("b", [11])]), 10_000) == b"" and sp.diverged
+
+
+def _ledger(return_ids: bool) -> Any:
+    import msgspec
+
+    from kvwire.router.migration import StreamLedger
+    from kvwire.router.request import parse_client_request
+
+    body = {"model": "m", "prompt": "x", "stream": True, "max_tokens": 3, "return_token_ids": return_ids}
+    ledger = StreamLedger.for_request(parse_client_request("/v1/completions", msgspec.json.encode(body), {}))
+    assert ledger is not None
+    return ledger
+
+
+def test_spliced_stream_through_the_ledger_is_what_the_client_sees() -> None:
+    """P's early event and D's trimmed stream, through the migration ledger: the client sees each token
+    once, no router field, no empty event; the ledger knows every id and D's budget."""
+    for return_ids in (False, True):
+        ledger = _ledger(return_ids)
+        sp = FirstTokenSplicer.from_prefill(p_answer_ids("a", [10], [1, 2, 3]), chat=False)
+        assert sp is not None
+        client = ledger.filter(sp.early_events())
+        client += ledger.filter(run(sp, d_stream_ids([("a", [10]), ("bc", [11, 12])]), 7))
+        events = [json.loads(e[6:]) for e in client.split(b"\n\n") if e.startswith(b"data: {")]
+        assert [e["choices"][0]["text"] for e in events] == ["a", "bc"]
+        assert all("kvwire_max_tokens" not in e for e in events)
+        assert ("prompt_token_ids" in events[0]) == return_ids
+        assert [e["choices"][0].get("token_ids") for e in events] == ([[10], [11, 12]] if return_ids
+                                                                       else [None, None])
+        assert ledger.token_ids == [10, 11, 12] and ledger.max_tokens == 3 and ledger.prompt_ids == [1, 2, 3]
+        assert client.endswith(b"data: [DONE]\n\n") and ledger.finished
+
+
+def test_divergence_leaves_the_ledger_at_p_s_token_for_a_continuation() -> None:
+    ledger = _ledger(False)
+    sp = FirstTokenSplicer.from_prefill(p_answer_ids("a", [10], [1, 2, 3]), chat=False)
+    assert sp is not None
+    ledger.filter(sp.early_events())
+    assert ledger.filter(run(sp, d_stream_ids([("z", [99]), ("b", [11])]), 4)) == b""
+    assert sp.diverged and ledger.can_continue()
+    assert ledger.continuation().body["prompt"] == [1, 2, 3, 10]  # continues after P's token
