@@ -82,8 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kv_aware: skip P when D holds all but fewer than this many prompt tokens "
                              "(0 = never; default %(default)s)")
     parser.add_argument("--tokenizer", default=None,
-                        help="prompt tokenizer for KV-aware routing: 'byte' or a local HF model directory "
-                             "(default: what the instances announce)")
+                        help="prompt tokenizer for KV-aware routing: 'byte', a local HF model directory or a "
+                             "Hugging Face model id (default: what the instances announce)")
     parser.add_argument("--kv-index-max-blocks", type=int, default=d.kv_index_max_blocks,
                         help="block hashes the router's KV index keeps (default %(default)s)")
 

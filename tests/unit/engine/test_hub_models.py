@@ -131,3 +131,12 @@ def test_packaged_model_falls_back_to_the_same_file_on_the_hub(
     snap = snapshot(cache, entry.hub_repo, commit=entry.hub_revision, ref=entry.hub_revision)
     write_tiny_llama(snap / entry.hub_file)
     assert entry.path("smollm2-135m") == snap / entry.hub_file
+
+
+def test_router_tokenizer_from_a_model_id(cache: Path) -> None:
+    """The router's --tokenizer ORG/NAME (KV-aware routing) comes from the same cache."""
+    from kvwire.router.prompt_tokens import PromptTokenizer
+
+    save_tokenizer(snapshot(cache, "test-org/tok"))
+    tok = PromptTokenizer("test-org/tok").tokenizer("")
+    assert tok is not None and tok.encode("The quick brown")[0] == 0  # the BOS of save_tokenizer
