@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -338,8 +339,6 @@ def _goals(r: Result, interval: float) -> str:
 
 
 async def _main(args: argparse.Namespace) -> int:
-    if args.json:
-        sys.stdout = sys.stderr  # the table as it is measured; the JSON at the end on stdout
     ns = [int(x) for x in args.n.split(",") if x]
     backends = [b for b in args.backends.split(",") if b]
     for b in backends:
@@ -381,8 +380,7 @@ async def _main(args: argparse.Namespace) -> int:
         if r.n == max(ns):
             print("goal " + _goals(r, args.interval_s))
     if args.json:
-        sys.stdout = sys.__stdout__
-        print(json.dumps([dataclasses.asdict(r) for r in results], indent=2))
+        print(json.dumps([dataclasses.asdict(r) for r in results], indent=2), file=args.json_out)
     return 0
 
 
@@ -396,7 +394,11 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("kvwire.discovery").setLevel(logging.ERROR)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        return asyncio.run(_main(args))
+        if not args.json:
+            return asyncio.run(_main(args))
+        args.json_out = sys.stdout  # the JSON; the table, as it is measured, goes to stderr
+        with contextlib.redirect_stdout(sys.stderr):
+            return asyncio.run(_main(args))
     except KeyboardInterrupt:
         print("kvwire bench discovery: interrupted", file=sys.stderr)
         return 130
