@@ -5,8 +5,9 @@
   request, **concurrently**, each with ``kv_transfer_params`` naming the other's KV endpoints; D's
   answer is streamed back. A streaming answer opens with P's token as soon as P has it, and D's
   stream follows from its second token (:mod:`kvwire.router.splice`, decision 121). If P rejects
-  the request (4xx) before D has produced anything, D is cancelled and P's error returned; if P refused the connection the pair is re-picked; if P died or
-  failed (5xx), D owns the outcome (it recomputes or fails per its failure policy).
+  the request (4xx) before D has produced anything, D is cancelled and P's error returned; if P
+  refused the connection the pair is re-picked; if P died or failed (5xx), D owns the outcome (it
+  recomputes or fails per its failure policy).
 * P/D pull: D is picked first and named in P's params (P leases its KV to that D only); P is called
   first; its returned ``kv_transfer_params`` go to D with the role switched to decode.
 * policy ``kv_aware`` (push): D first by its cached prefix; P skipped when D holds nearly the whole
