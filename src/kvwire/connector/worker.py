@@ -468,6 +468,7 @@ class KvwireWorkerConnector(WorkerConnector):
                 if trailer.kv_ready_unix_s is not None:  # P's last layer computed -> D can decode
                     exposed = max(time.time() - trailer.kv_ready_unix_s, 0.0)
                     self._metrics.handover_seconds.labels(phase="exposed").observe(exposed)
+                    self._metrics.recent.add_exposed(exposed)
         group = self._recv_pieces.finish(tid)
         if group is None:
             return  # other pieces of this rank still arriving

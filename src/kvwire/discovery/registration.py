@@ -44,6 +44,8 @@ def start_registration(
     kv_layout: KVCacheLayout | None = None,
     wait_for_http: bool = False,
     board: HealthBoard | None = None,
+    kv_mode: str = "",
+    max_model_len: int = 0,
 ) -> Registration:
     """Start registering at ``router_address`` (``etcd://HOST:PORT[/prefix]``, or ``tcp://HOST:PORT``
     of one or more routers, comma-separated: each gets every heartbeat) and return the client
@@ -70,6 +72,8 @@ def start_registration(
         version=version,
         tokenizer=tokenizer,
         kv_layout=kv_layout,
+        kv_mode=kv_mode,
+        max_model_len=max_model_len,
     )
     target = parse_registration_address(router_address)
     client: Registration

@@ -131,6 +131,8 @@ class VllmPluginConfig:
     spill_budget_bytes: int = 1 * GiB
     secret: str | None = None
     router_address: str | None = None  # "tcp://host:port" or "etcd://host:port[/prefix]"; None = none
+    # The mode set by send_type / mode (None: not set); a router in the other mode overrides it.
+    configured_mode: TransferMode | None = None
     http_url: str | None = None  # advertised OpenAI API base, needed when router_address is set
     heartbeat_interval_s: float = 2.0
     instance_id: str | None = None  # stable name; None = vLLM's engine_id
@@ -410,6 +412,7 @@ def plugin_config_from_vllm(view: VllmTransferView) -> VllmPluginConfig:
         spill_budget_bytes=spill_budget,
         secret=_get_str(extra, "secret"),
         router_address=_router(extra),
+        configured_mode=_mode(extra) if {"send_type", "mode"} & set(extra) else None,
         http_url=f"http://{http_host}:{http_port}" if http_port is not None else None,
         heartbeat_interval_s=2.0 if interval_s is None else interval_s,
         instance_id=_get_str(extra, "instance_id") or view.engine_id,

@@ -34,6 +34,7 @@ from kvwire.router.request import ClientRequest, Outcome, parse_client_request
 from kvwire.router.security import instance_headers
 from kvwire.router.selection import ModelNotFoundError, Selector
 from kvwire.router.upstream import Upstream, UpstreamFailure, UpstreamLimits
+from kvwire.router.vllm_api import VllmApi, mode_overridden, model_cards, warn_if_overridden
 from kvwire.supervision import HealthBoard, SupervisionCollector
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,9 @@ CHAT = "/v1/chat/completions"
 
 
 def error_response(status: int, message: str, type_: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": type_, "code": status}}, status=status)
+    """OpenAI's error body as vLLM writes it: ``param`` present, ``code`` the HTTP status."""
+    return web.json_response({"error": {"message": message, "type": type_, "param": None, "code": status}},
+                             status=status)
 
 
 class RouterServer:
@@ -58,6 +61,7 @@ class RouterServer:
         self.metrics.registry.register(SupervisionCollector(self.board))
         self.kv_index = KvIndex(cfg.kv_index_max_blocks)
         self.registry = Registry(cfg.instance_ttl_s, cfg.forget_after_s, on_remove=self._forget_instance,
+                                 on_register=lambda info: warn_if_overridden(info, cfg.mode),
                                  max_instances=cfg.max_instances, max_record_ttl_s=cfg.max_record_ttl_s)
         # ZeroMQ heartbeats (default, with KV events into the index) or an etcd watch
         self.discovery = make_discovery(cfg, self.registry, self.kv_index, board=self.board)
@@ -75,6 +79,8 @@ class RouterServer:
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/metrics", self._metrics_handler)
         self.app.router.add_get("/instances", self._instances)
+        # vLLM's /tokenize, /detokenize (forwarded to an instance) and /version (kvwire.router.vllm_api)
+        VllmApi(self.registry, lambda: self._upstream, self._instance_headers).add_routes(self.app)
         self._runner: web.AppRunner | None = None
         self._upstream: Upstream | None = None
         self._dispatcher: Dispatcher | None = None
@@ -194,9 +200,12 @@ class RouterServer:
     # --- service endpoints ----------------------------------------------------------------------
 
     async def _models(self, request: web.Request) -> web.Response:
-        models = sorted({v.info.model for v in self.registry.snapshot() if v.alive})
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvwire"} for m in models]
-        return web.json_response({"object": "list", "data": data})
+        return web.json_response(model_cards(self.registry.snapshot()))
+
+    def _instance_headers(self, request: web.Request) -> dict[str, str]:
+        auth = request.headers.get("Authorization")
+        forwarded = {"Content-Type": "application/json", **({"Authorization": auth} if auth else {})}
+        return instance_headers(forwarded, self.cfg)
 
     async def _health(self, request: web.Request) -> web.Response:
         """200 ``ok``; 503 naming the dead component when a supervised thread or task gave up."""
@@ -229,6 +238,10 @@ class RouterServer:
             "kv_endpoints": list(v.info.kv_endpoints),
             "kv_layout": None if v.info.kv_layout is None else msgspec.to_builtins(v.info.kv_layout),
             "version": v.info.version,
+            "max_model_len": v.info.max_model_len or None,
+            # the mode the instance was configured with ("" = none); overridden: the router's differs
+            "kv_mode": v.info.kv_mode or None,
+            "kv_mode_overridden": mode_overridden(v.info, self.cfg.mode),
             "alive": v.alive,
             "state": v.state.value,
             "reason": v.reason,

@@ -51,8 +51,9 @@ class RouterConfig:
     max_connect_retries: int = 2  # re-dispatches when an upstream refuses the connection
     seed: int | None = None  # for the random policy (tests)
     # Push mode, streaming: send P's first token to the client as soon as P answers, and trim it off
-    # the start of D's stream (D's text must start with it; greedy decoding guarantees that).
-    stream_first_token_from_prefill: bool = False
+    # the start of D's stream (P and D share a request id and a seed; a D that does not continue P's
+    # token has its answer continued elsewhere, decision 121).
+    stream_first_token_from_prefill: bool = True
     # kv_aware: when D holds all but fewer than this many prompt tokens, skip P and let D prefill the
     # rest itself (0 = never skip).
     decode_local_prefill_tokens: int = 256

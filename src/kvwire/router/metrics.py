@@ -81,6 +81,11 @@ class RouterMetrics:
             "kvwire_router_skipped_prefills", "P/D requests sent to D alone (it held nearly all the prompt)",
             registry=r,
         )
+        # Streaming push: the client's stream opened with P's first token (decision 121)
+        self.first_tokens_from_prefill = Counter(
+            "kvwire_router_first_tokens_from_prefill", "P/D streams whose first token came from P's answer",
+            registry=r,
+        )
 
     def add_discovery(self, registry: Registry, received: Callable[[], dict[str, int]],
                       dropped: Callable[[], dict[str, int]], stale: Callable[[], bool] = bool,

@@ -51,6 +51,14 @@ def _event_end(buf: bytes) -> int:
     return min(ends, default=-1)
 
 
+def _empty(choice: dict[str, Any], text: str, ids: Any) -> bool:
+    """A content event that says nothing to the client: no text, no ids, no end, no role."""
+    delta = choice.get("delta")
+    role = isinstance(delta, dict) and delta.get("role") is not None
+    return not text and not ids and choice.get("finish_reason") is None and not role \
+        and choice.get("logprobs") is None
+
+
 def _sse(data: dict[str, Any]) -> bytes:
     return b"data: " + msgspec.json.encode(data) + b"\n\n"
 
@@ -159,6 +167,8 @@ class StreamLedger:
             self.finished = True
         if self._continuing:
             return self._rewrite(choice, text, bool(ids))
+        if changed and _empty(choice, text, ids):
+            return b""  # it carried only what the router reads (e.g. D's budget after P's first token)
         return _sse(data) if changed else event
 
     def _text(self, choice: dict[str, Any]) -> str:

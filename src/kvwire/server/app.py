@@ -20,6 +20,7 @@ from kvwire.server.engine_loop import EngineLoop
 from kvwire.server.engine_status import EngineHealth
 from kvwire.server.generate import GenerationHandler, error_response
 from kvwire.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvwire.server.tokenize import TokenizeHandlers
 from kvwire.supervision import HealthBoard
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,9 @@ class ServerApp:
         app.router.add_get("/kvwire/transfers", self.transfers)
         app.router.add_post("/v1/completions", self._generation.completions)
         app.router.add_post("/v1/chat/completions", self._generation.chat)
+        # vLLM's /tokenize, /detokenize, /version (kvwire.server.tokenize)
+        TokenizeHandlers(self._generation.tokenizer, self._model_name, self._max_model_len,
+                         self._generation.vocab_size).add_routes(app)
         return app
 
     def _auth_refused(self, refusal: Refusal) -> None:
@@ -104,6 +108,7 @@ class ServerApp:
             "root": self._model_name,
             "parent": None,
             "max_model_len": self._max_model_len,
+            "permission": [],
         }
         return web.json_response({"object": "list", "data": [card]})
 
@@ -112,11 +117,13 @@ class ServerApp:
 
     async def transfers(self, request: web.Request) -> web.Response:
         """The last completed KV transfers of this instance's connector, per side, as
-        ``{"send": [[bytes, seconds], ...], "recv": [...]}`` (exact percentiles for ``kvwire bench
-        serve``; empty lists on a colocated instance)."""
+        ``{"send": [[bytes, seconds, busy seconds], ...], "recv": [...], "exposed": [seconds, ...]}``
+        (``exposed``, on D: P's last layer handed over -> D holds every layer; exact percentiles for
+        ``kvwire bench serve``; empty lists on a colocated instance)."""
         del request
         from kvwire.connector.metrics import registered_connector_metrics
 
         metrics = registered_connector_metrics(self._metrics.registry)
-        snapshot = metrics.recent.snapshot() if metrics is not None else {"send": [], "recv": []}
+        empty: dict[str, list[Any]] = {"send": [], "recv": [], "exposed": []}
+        snapshot = metrics.recent.snapshot() if metrics is not None else empty
         return web.json_response(snapshot)

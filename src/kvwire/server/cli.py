@@ -27,7 +27,13 @@ SECRET_ENV = "KVWIRE_SECRET"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny",
-                        help="model name (tiny, smollm2-135m, ...), .gguf file or HF directory")
+                        help="model name (tiny, smollm2-135m, ...), .gguf file, HF directory or Hugging "
+                             "Face model id (ORG/NAME, ORG/NAME-GGUF:QUANT; its cache, HF_TOKEN and "
+                             "HF_HUB_OFFLINE apply)")
+    parser.add_argument("--revision", default=None, help="branch, tag or commit of a Hugging Face model id")
+    parser.add_argument("--gguf-file", default=None, help="the .gguf file of a Hugging Face GGUF repo")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer directory or Hugging Face model id (default: the model's own)")
     parser.add_argument("--served-model-name", default=None, help="name clients send (default: the model's)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
@@ -180,7 +186,8 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         if getattr(args, name) is not None
     }
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                        kv_load_failure_policy=args.kv_load_failure_policy, **sizing)
+                        kv_load_failure_policy=args.kv_load_failure_policy, revision=args.revision,
+                        gguf_file=args.gguf_file, tokenizer=args.tokenizer, **sizing)
 
 
 def _run_loop(main: Coroutine[Any, Any, int]) -> int:

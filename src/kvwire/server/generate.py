@@ -112,6 +112,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    response_id: str | None = None  # from the request's ``request_id`` (vLLM's field), else the engine's id
 
 
 class GenerationHandler:
@@ -138,6 +139,14 @@ class GenerationHandler:
         self._max_waiting = max_waiting_requests  # 0: no bound on the waiting queue
         self.draining = False  # set on shutdown: new requests get 503
 
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self._vocab_size
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, RequestKind.COMPLETION)
 
@@ -151,8 +160,8 @@ class GenerationHandler:
         if isinstance(admitted, web.Response):
             return admitted
         request_id, stream, prepared = admitted
-        builder = ResponseBuilder(kind, request_id, self._model_name, int(time.time()),
-                                  prepared.return_token_ids)
+        builder = ResponseBuilder(kind, prepared.response_id or request_id, self._model_name,
+                                  int(time.time()), prepared.return_token_ids)
         writer = ClientWriter(request, self._write_timeout_s, request_id)
         try:
             if prepared.stream:
@@ -178,8 +187,7 @@ class GenerationHandler:
         prepared = await self._read_and_prepare(request, kind)
         if isinstance(prepared, web.Response):
             return prepared
-        prefix = "chatcmpl" if kind is RequestKind.CHAT else "cmpl"
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        request_id = f"{_id_prefix(kind)}-{uuid.uuid4().hex}"  # the engine's: unique whatever the client sent
         try:
             stream = await self._loop.add_request(
                 request_id, prepared.prompt_token_ids, prepared.params, prepared.kv_transfer_params
@@ -247,6 +255,7 @@ class GenerationHandler:
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             return_token_ids=req.return_token_ids,
+            response_id=None if req.request_id is None else f"{_id_prefix(kind)}-{req.request_id}",
         )
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
@@ -387,6 +396,10 @@ class GenerationHandler:
 
     def _count(self, endpoint: str, outcome: str) -> None:
         self._metrics.requests.labels(endpoint, outcome).inc()
+
+
+def _id_prefix(kind: RequestKind) -> str:
+    return "chatcmpl" if kind is RequestKind.CHAT else "cmpl"
 
 
 def _first_extras(prepared: Prepared) -> dict[str, Any]:

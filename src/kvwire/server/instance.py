@@ -128,7 +128,7 @@ class ServerInstance:
             kv_endpoints=self._connectors.kv_endpoints, stats_fn=self._stats,
             secret=self._secret, kv_events=getattr(self._engine, "kv_events", None),
             tokenizer=tokenizer_spec(self._engine.tokenizer, self.engine_config.model), kv_layout=kv_layout,
-            transports_fn=self._connectors.kv_transports, board=self.board,
+            transports_fn=self._connectors.kv_transports, board=self.board, max_model_len=max_model_len,
         )
         logger.info("kvwire serve ready: %s (model %s, role %s, max_model_len %d, instance %s)",
                     self.url, model_name, self.config.role.value, max_model_len, self.instance_id)
@@ -231,4 +231,7 @@ async def serve(config: ServerConfig, engine_config: EngineConfig, secret: str |
 def tokenizer_spec(tokenizer: Any, model: str) -> str:
     """What the router needs to tokenize like this engine (``InstanceInfo.tokenizer``): "byte" for the
     presets' byte tokenizer, else the model directory the tokenizer was loaded from."""
-    return "byte" if type(tokenizer).__name__ == "ByteTokenizer" else model
+    if type(tokenizer).__name__ == "ByteTokenizer":
+        return "byte"
+    source = getattr(tokenizer, "source_dir", None)  # a model id's snapshot, or a --tokenizer directory
+    return str(source) if source is not None else model
