@@ -65,7 +65,7 @@ class ZmqDiscovery:
     ) -> None:
         self.listener = DiscoveryListener(
             registry, cfg.discovery_host, cfg.discovery_port, cfg.secret_bytes, kv_index=kv_index,
-            board=board,
+            board=board, freshness_window_s=cfg.discovery_freshness_s,
         )
         self.sweeper = RegistrySweeper(registry, cfg.sweep_interval_s, board=board)
         self.received = self.listener.received
@@ -105,4 +105,5 @@ def make_discovery(
     target = cfg.discovery_target
     if target is None:
         return ZmqDiscovery(registry, cfg, kv_index, board=board)
-    return EtcdDiscovery(registry, target, board=board)
+    return EtcdDiscovery(registry, target, board=board, secret=cfg.secret_bytes,
+                         freshness_window_s=cfg.discovery_freshness_s)
