@@ -411,6 +411,8 @@ class EtcdWatcher:
                 if result is ApplyResult.DEREGISTERED:
                     self._epochs.pop(msg.instance_id, None)
                     self._deadlines.discard(msg.instance_id)
+                if self.freshness is not None:  # the deleted record put back is a replay
+                    self.freshness.seal(msg.instance_id, msg.epoch)
             elif result not in (ApplyResult.STALE, ApplyResult.REFUSED):
                 self._note_record(msg)
 
@@ -440,5 +442,7 @@ class EtcdWatcher:
         self._revisions.pop(ident, None)
         if epoch is None:
             return
+        if self.freshness is not None:
+            self.freshness.seal(ident, epoch)
         result = self._registry.apply(Deregister(instance_id=ident, epoch=epoch, sent_at=time.time()))
         self.received[result.value] += 1

@@ -13,9 +13,10 @@ the capture after a router restart (the router knows no ``seq`` then), which rep
 recent message of that instance.
 
 etcd records are state, re-read at every re-sync: the same record again is not a replay there
-(``allow_repeat``), and a record is legitimately as old as its promise (``ttl_s``) plus the window;
-a record that promises nothing (``ttl_s`` 0: an instance writing less often than its lease) has no
-time bound, only the ``seq`` check and etcd's own access control (decision 125).
+(``allow_repeat``) until the record is deleted (:meth:`FreshnessGuard.seal`: the same record put
+back after its lease ended is one). A record is legitimately as old as its promise (``ttl_s``) plus
+the window; a record that promises nothing (``ttl_s`` 0: an instance writing less often than its
+lease) has no time bound, only the ``seq`` check and etcd's own access control (decision 125).
 
 Used only with a shared secret (without one anybody can forge a message, so replaying one proves
 nothing). One thread at a time (the listener's thread, or the etcd watcher's event loop); at most
@@ -49,8 +50,10 @@ class FreshnessGuard:
         self.max_entries = max_entries
         self._allow_repeat = allow_repeat
         self._clock = clock
-        # (instance id, epoch) -> (highest seq accepted, forget after this wall-clock time)
-        self._seen: collections.OrderedDict[tuple[str, int], tuple[int, float]] = collections.OrderedDict()
+        # (instance id, epoch) -> (highest seq accepted, forget after this wall-clock time, that seq
+        # may come again: allow_repeat and not sealed since)
+        self._seen: collections.OrderedDict[tuple[str, int], tuple[int, float, bool]] = (
+            collections.OrderedDict())
         self.evicted = 0  # pairs forgotten early because max_entries were remembered
 
     def __len__(self) -> int:
@@ -66,8 +69,8 @@ class FreshnessGuard:
         key = (instance_id, epoch)
         known = self._seen.get(key)
         if known is not None:
-            last_seq = known[0]
-            if seq < last_seq or (seq == last_seq and not self._allow_repeat):
+            last_seq, _, repeat_ok = known
+            if seq < last_seq or (seq == last_seq and not repeat_ok):
                 return f"seq {seq} of {instance_id[:100]!r} epoch {epoch} is not after {last_seq}"
         elif max_age_s is not None and not abs(now - sent_at) <= max_age_s:  # NaN fails too
             return (f"first message of {instance_id[:100]!r} epoch {epoch} sent {now - sent_at:.1f} s "
@@ -75,16 +78,22 @@ class FreshnessGuard:
         forget = math.inf if max_age_s is None else max(sent_at, now) + max_age_s
         if known is not None:
             forget = max(forget, known[1])
-        self._seen[key] = (max(seq, known[0]) if known is not None else seq, forget)
+        self._seen[key] = (max(seq, known[0]) if known is not None else seq, forget, self._allow_repeat)
         self._seen.move_to_end(key)
         while len(self._seen) > self.max_entries:
             self._seen.popitem(last=False)
             self.evicted += 1
         return None
 
+    def seal(self, instance_id: str, epoch: int) -> None:
+        """The pair's record is gone (etcd deleted it): from now on only a higher ``seq`` is fresh."""
+        known = self._seen.get((instance_id, epoch))
+        if known is not None:
+            self._seen[(instance_id, epoch)] = (known[0], known[1], False)
+
     def _forget_expired(self, now: float) -> None:
         while self._seen:
-            _, (_, forget_at) = next(iter(self._seen.items()))
+            _, (_, forget_at, _) = next(iter(self._seen.items()))
             if forget_at >= now:
                 return
             self._seen.popitem(last=False)

@@ -69,6 +69,11 @@ def test_repeats_allowed_for_etcd_records_and_entries_bounded() -> None:
     assert guard.check("a", 1, 3, NOW, 30.0) is None
     assert guard.check("a", 1, 3, NOW, 30.0) is None  # a re-sync reads the same record again
     assert guard.check("a", 1, 2, NOW, 30.0) is not None  # an older record is still refused
+    guard.seal("a", 1)  # its record was deleted: the same one put back is a replay
+    assert guard.check("a", 1, 3, NOW, 30.0) is not None
+    assert guard.check("a", 1, 4, NOW, 30.0) is None  # the instance itself puts a newer one
+    assert guard.check("a", 1, 4, NOW, 30.0) is None
+    guard.seal("unknown", 1)  # nothing to seal
     assert guard.check("b", 1, 1, NOW, 30.0) is None
     assert guard.check("c", 1, 1, NOW, 30.0) is None
     assert (len(guard), guard.evicted) == (2, 1)  # "a", the least recently heard from, went first
