@@ -6,6 +6,8 @@
   signed record put back after its instance left is refused as a replay.
 * Without a secret (the development default, loopback only) anyone who reaches discovery registers:
   asserted, so that the threat model's "nothing" row stays true to the code.
+* ``/instances`` opened to everyone (``--open-endpoint instances``) with API keys: no addresses
+  for callers without a key.
 * Client-chosen ``kv_transfer_params`` through the router, and a non-loopback bind without a
   secret: the router's and the CLI's side (branch ``secure``).
 
@@ -29,12 +31,13 @@ from mock_instance import MockProcess, RouterThread, router_config
 from pd_cluster_helpers import running_cluster
 from test_security import API_KEY, SECRET, _dropped, _instances, _push, _trap, assert_serving, call
 
+from kvwire.auth import ApiKeyConfig
 from kvwire.cluster.etcd import INSTALL_HINT, etcd_binary
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.cluster.process import kvwire_argv
 from kvwire.discovery import parse_discovery_address
 from kvwire.discovery.etcd_gateway import EtcdHttp, b64, decode_record, encode_record, record_key, unb64
-from kvwire.discovery.messages import Heartbeat, InstanceInfo, encode_frames
+from kvwire.discovery.messages import Heartbeat, InstanceInfo, InstanceLoad, encode_frames
 from kvwire.kv_params import KVTransferParams, Role, TransferMode
 from support.waiting import wait_for
 
@@ -140,6 +143,29 @@ def test_without_a_secret_anyone_registers(etcd_cluster: tuple[LocalCluster, Pat
         etcd_router.close()
         zmq_router.close()
         http.close()
+
+
+def test_open_instances_endpoint_hides_addresses_without_a_key() -> None:
+    """``--open-endpoint instances`` with API keys: callers without a valid key see who is there, but
+    no URL, KV endpoint or data-plane peer to aim at; key holders see everything."""
+    keys = ApiKeyConfig((API_KEY,), frozenset({"/instances"}))
+    router = RouterThread(router_config(instance_ttl_s=30.0, api_keys=keys))
+    try:
+        info = InstanceInfo(instance_id="d0", role=Role.DECODE, url="http://127.0.0.1:9", model="m",
+                            kv_endpoints=["tcp://127.0.0.1:10"])
+        load = InstanceLoad(kv_transports={"tcp://127.0.0.1:11": "tcp"})
+        _push(router.discovery, [encode_frames(Heartbeat(info=info, load=load, seq=1, sent_at=time.time()))])
+        wait_for(lambda: "d0" in _instances(router.url), 30.0, "registered", interval_s=0.1)
+        for key in (None, "sk-wrong-key-0000"):
+            status, entries = call(f"{router.url}/instances", key=key)
+            assert status == 200 and entries[0]["id"] == "d0" and entries[0]["alive"]
+            assert (entries[0]["url"], entries[0]["kv_endpoints"]) == (None, [])
+            assert entries[0]["load"]["kv_transports"] == {}
+        full = _instances(router.url)["d0"]
+        assert full["url"] == info.url and full["kv_endpoints"] == info.kv_endpoints
+        assert full["load"]["kv_transports"] == load.kv_transports
+    finally:
+        router.close()
 
 
 # --- the router's front door (branch secure implements these; the tests state what must hold) ---

@@ -141,3 +141,24 @@ def test_listener_without_a_secret_checks_no_freshness() -> None:
         wait_for(lambda: registry.get("old") is not None, 10.0, "registered")
     finally:
         listener.close()
+
+
+def test_window_flag_reaches_the_listener() -> None:
+    import argparse
+
+    from kvwire.router.cli import add_arguments, config_from_args
+    from kvwire.router.config import RouterConfig
+    from kvwire.router.discovery_backend import ZmqDiscovery
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert config_from_args(parser.parse_args([])).discovery_freshness_s == 30.0
+    cfg = config_from_args(parser.parse_args(["--discovery-freshness-s", "5", "--secret", "s",
+                                              "--discovery-port", "0"]))
+    discovery = ZmqDiscovery(Registry(ttl_s=5.0), cfg)
+    try:
+        assert discovery.listener.freshness is not None and discovery.listener.freshness.window_s == 5.0
+    finally:
+        discovery.listener.close()
+    with pytest.raises(ConfigError):
+        RouterConfig(discovery_freshness_s=0.0)
