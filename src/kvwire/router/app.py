@@ -65,6 +65,7 @@ class RouterServer:
         self.metrics.add_discovery(
             self.registry, lambda: dict(self.discovery.received), lambda: dict(self.discovery.dropped),
             lambda: self.discovery.stale, lambda: self.discovery.connections_dropped,
+            lambda: self.discovery.freshness_evicted,
         )
         refusals = RefusalLog(log, "client request")
         middlewares = [api_key_middleware(cfg.api_keys, self._auth_refused, refusals)]

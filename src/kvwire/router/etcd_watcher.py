@@ -73,7 +73,7 @@ from kvwire.errors import AuthenticationError, ProtocolError
 from kvwire.refusal_log import RefusalLog
 from kvwire.router.etcd_expiry import DeadlineHeap
 from kvwire.router.etcd_stream import WatchEvent, watch_messages
-from kvwire.router.freshness import DEFAULT_WINDOW_S, FreshnessGuard
+from kvwire.router.freshness import DEFAULT_MAX_ENTRIES, DEFAULT_WINDOW_S, FreshnessGuard
 from kvwire.router.registry import ApplyResult, Registry, clamp_ttl_s
 from kvwire.supervision import HealthBoard, supervise_async
 
@@ -98,11 +98,13 @@ class EtcdWatcher:
     def __init__(
         self, registry: Registry, target: DiscoveryAddress, *, board: HealthBoard | None = None,
         secret: bytes | None = None, freshness_window_s: float = DEFAULT_WINDOW_S,
+        freshness_max_entries: int = DEFAULT_MAX_ENTRIES,
     ) -> None:
         self._registry = registry
         self._record_key = record_key(secret) if secret else None  # records must be signed with it
         # a re-sync reads the same records again: the same seq is not a replay here
-        self.freshness = FreshnessGuard(freshness_window_s, allow_repeat=True) if secret else None
+        self.freshness = FreshnessGuard(freshness_window_s, max_entries=freshness_max_entries,
+                                        allow_repeat=True) if secret else None
         self._refusals = RefusalLog(log, "etcd record")
         self._board = board  # the watch and the expiry tasks are supervised there (router /health)
         self.target = target

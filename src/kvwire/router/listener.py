@@ -26,7 +26,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvwire.discovery.messages import MAX_FRAME_BYTES, Deregister, Heartbeat, KvEvents, decode_frames
 from kvwire.errors import AuthenticationError, ProtocolError
 from kvwire.refusal_log import RefusalLog
-from kvwire.router.freshness import DEFAULT_WINDOW_S, FreshnessGuard
+from kvwire.router.freshness import DEFAULT_MAX_ENTRIES, DEFAULT_WINDOW_S, FreshnessGuard
 from kvwire.router.kv_index import KvIndex
 from kvwire.router.registry import ApplyResult, Registry
 from kvwire.supervision import HealthBoard, SupervisedThread
@@ -58,13 +58,14 @@ class DiscoveryListener:
     def __init__(
         self, registry: Registry, host: str, port: int, secret: bytes | None = None,
         kv_index: KvIndex | None = None, *, board: HealthBoard | None = None,
-        freshness_window_s: float = DEFAULT_WINDOW_S,
+        freshness_window_s: float = DEFAULT_WINDOW_S, freshness_max_entries: int = DEFAULT_MAX_ENTRIES,
     ) -> None:
         self._registry = registry
         self._kv_index = kv_index  # KV events go there (dropped, counted, when None)
         self._secret = secret
         # replays are refused only where forging is (without a secret anyone can write a heartbeat)
-        self.freshness = FreshnessGuard(freshness_window_s) if secret else None
+        self.freshness = (FreshnessGuard(freshness_window_s, max_entries=freshness_max_entries)
+                          if secret else None)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)

@@ -3,19 +3,25 @@ the ZeroMQ listener refusing a replayed heartbeat over real loopback sockets."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import time
 from collections.abc import Iterator
 
 import pytest
 import zmq
+from prometheus_client import generate_latest
 
 from kvwire.discovery import Heartbeat, InstanceInfo, encode_frames
 from kvwire.discovery.messages import Deregister
 from kvwire.errors import ConfigError
 from kvwire.kv_params import Role
+from kvwire.router.cli import add_arguments, config_from_args
+from kvwire.router.config import RouterConfig
+from kvwire.router.discovery_backend import ZmqDiscovery
 from kvwire.router.freshness import FreshnessGuard
 from kvwire.router.listener import DiscoveryListener
+from kvwire.router.metrics import RouterMetrics
 from kvwire.router.registry import Registry
 from support.waiting import wait_for
 
@@ -143,21 +149,23 @@ def test_listener_without_a_secret_checks_no_freshness() -> None:
         listener.close()
 
 
-def test_window_flag_reaches_the_listener() -> None:
-    import argparse
-
-    from kvwire.router.cli import add_arguments, config_from_args
-    from kvwire.router.config import RouterConfig
-    from kvwire.router.discovery_backend import ZmqDiscovery
-
+def test_flags_reach_the_listener_and_evictions_are_exported() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert config_from_args(parser.parse_args([])).discovery_freshness_s == 30.0
     cfg = config_from_args(parser.parse_args(["--discovery-freshness-s", "5", "--secret", "s",
-                                              "--discovery-port", "0"]))
+                                              "--discovery-port", "0", "--max-instances", "3"]))
     discovery = ZmqDiscovery(Registry(ttl_s=5.0), cfg)
     try:
-        assert discovery.listener.freshness is not None and discovery.listener.freshness.window_s == 5.0
+        guard = discovery.listener.freshness
+        assert guard is not None and (guard.window_s, guard.max_entries) == (5.0, 30)
+        for ident in range(31):  # one pair more than it may remember
+            assert guard.check(str(ident), 1, 1, time.time(), 5.0) is None
+        metrics = RouterMetrics()
+        metrics.add_discovery(Registry(ttl_s=5.0), dict, dict,
+                              freshness_evicted=lambda: discovery.freshness_evicted)
+        scraped = generate_latest(metrics.registry).decode()
+        assert "kvwire_router_discovery_freshness_evicted_total 1.0" in scraped
     finally:
         discovery.listener.close()
     with pytest.raises(ConfigError):
