@@ -355,7 +355,8 @@ class EtcdWatcher:
                 if ident in in_batch:
                     self._apply_batch(batch)
                     batch, in_batch = [], set()
-                    msg = self._event_message(event.type, kv.key, kv.value)  # epochs may have moved
+                    if isinstance(msg, Deregister):  # its epoch may have moved; a record is decoded
+                        msg = self._event_message(event.type, kv.key, kv.value)  # once (freshness)
                 if msg is not None:
                     batch.append(msg)
                     in_batch.add(ident)
@@ -376,7 +377,11 @@ class EtcdWatcher:
         if kind == "DELETE":
             ident = key.decode(errors="replace").removeprefix(self.target.prefix)
             epoch = self._epochs.get(ident)
-            return None if epoch is None else Deregister(instance_id=ident, epoch=epoch, sent_at=time.time())
+            if epoch is None:
+                return None
+            if self.freshness is not None:  # in etcd's order: the deleted record put back is a replay
+                self.freshness.seal(ident, epoch)
+            return Deregister(instance_id=ident, epoch=epoch, sent_at=time.time())
         return self._record(value, key)
 
     def _record(self, value: bytes, key: object) -> Heartbeat | None:
@@ -413,8 +418,6 @@ class EtcdWatcher:
                 if result is ApplyResult.DEREGISTERED:
                     self._epochs.pop(msg.instance_id, None)
                     self._deadlines.discard(msg.instance_id)
-                if self.freshness is not None:  # the deleted record put back is a replay
-                    self.freshness.seal(msg.instance_id, msg.epoch)
             elif result not in (ApplyResult.STALE, ApplyResult.REFUSED):
                 self._note_record(msg)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import time
 
 import msgspec
 import pytest
@@ -15,6 +16,9 @@ from kvwire.discovery.etcd_gateway import SignedRecord, decode_record, encode_re
 from kvwire.discovery.messages import Heartbeat, encode_frames
 from kvwire.errors import AuthenticationError, ConfigError, ProtocolError
 from kvwire.kv_params import Role
+from kvwire.router.etcd_stream import WatchEvent, WatchKv
+from kvwire.router.etcd_watcher import EtcdWatcher
+from kvwire.router.registry import Registry
 
 SECRET = "etcd-record-test-secret"
 
@@ -87,3 +91,46 @@ def test_registration_signs_its_records_with_the_secret() -> None:
     assert decode_record(signed, record_key(SECRET)).info == info
     with pytest.raises(AuthenticationError):
         decode_record(plain, record_key(SECRET))
+
+
+# --- the watcher: signatures and freshness in etcd's order ---------------------------------------
+
+
+def _event(kind: str, value: bytes = b"", key: bytes = b"/kvwire/instances/p0") -> WatchEvent:
+    return WatchEvent(type=kind, kv=WatchKv(key=key, value=value, mod_revision=1))
+
+
+def _signed(seq: int, sent_at: float | None = None) -> bytes:
+    hb = msgspec.structs.replace(_hb(seq), sent_at=time.time() if sent_at is None else sent_at)
+    return encode_record(hb, record_key(SECRET))
+
+
+def _watcher() -> tuple[EtcdWatcher, Registry]:
+    registry = Registry(ttl_s=30.0)
+    return EtcdWatcher(registry, parse_discovery_address("etcd://h:1"), secret=SECRET.encode()), registry
+
+
+def test_watcher_refuses_unsigned_and_replayed_records() -> None:
+    watcher, registry = _watcher()
+    watcher._apply_events([_event("PUT", encode_record(_hb()))])
+    watcher._apply_events([_event("PUT", _signed(1, sent_at=time.time() - 3600))])  # too old
+    assert registry.get("p0") is None and watcher.dropped == {"unauthenticated": 1, "replayed": 1}
+    first = _signed(1)
+    watcher._apply_events([_event("PUT", first)])
+    watcher._apply_events([_event("PUT", first)])  # a re-sync reads the same record again: fine
+    assert registry.get("p0") is not None and watcher.dropped["replayed"] == 1
+    watcher._apply_events([_event("DELETE")])  # the lease ended
+    assert registry.get("p0") is None
+    watcher._apply_events([_event("PUT", first)])  # put back by someone else: a replay
+    assert registry.get("p0") is None and watcher.dropped["replayed"] == 2
+
+
+def test_watcher_takes_an_instance_back_with_its_next_record() -> None:
+    """Lease lost and re-granted at once: the deletion and the instance's next record in one watch
+    message; the record is fresh, and stays fresh when a re-sync reads it again."""
+    watcher, registry = _watcher()
+    watcher._apply_events([_event("PUT", _signed(1))])
+    again = _signed(2)
+    watcher._apply_events([_event("DELETE"), _event("PUT", again)])
+    watcher._apply_events([_event("PUT", again)])
+    assert registry.get("p0") is not None and watcher.dropped == {}
