@@ -3,12 +3,15 @@ router with it accepts. The attack against a real etcd is in tests/integration/t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import time
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvwire.discovery import InstanceInfo, parse_discovery_address
 from kvwire.discovery.etcd_client import EtcdRegistration
@@ -134,3 +137,15 @@ def test_watcher_takes_an_instance_back_with_its_next_record() -> None:
     watcher._apply_events([_event("DELETE"), _event("PUT", again)])
     watcher._apply_events([_event("PUT", again)])
     assert registry.get("p0") is not None and watcher.dropped == {}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.binary(max_size=512), st.builds(
+    lambda record, sig: msgspec.json.encode({"type": "signed_record", "record": record, "sig": sig}),
+    st.text(max_size=256), st.text(max_size=80))))
+def test_any_record_value_decodes_or_raises_protocol_error(value: bytes) -> None:
+    """The decoder's contract for hostile values: a Heartbeat, or ProtocolError (AuthenticationError
+    is one); nothing else escapes."""
+    for key in (None, record_key(SECRET)):
+        with contextlib.suppress(ProtocolError):
+            assert isinstance(decode_record(value, key), Heartbeat)
