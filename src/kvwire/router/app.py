@@ -69,6 +69,7 @@ class RouterServer:
         self.metrics.add_discovery(
             self.registry, lambda: dict(self.discovery.received), lambda: dict(self.discovery.dropped),
             lambda: self.discovery.stale, lambda: self.discovery.connections_dropped,
+            lambda: self.discovery.freshness_evicted,
         )
         refusals = RefusalLog(log, "client request")
         middlewares = [api_key_middleware(cfg.api_keys, self._auth_refused, refusals)]
@@ -223,8 +224,19 @@ class RouterServer:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _instances(self, request: web.Request) -> web.Response:
+        """Every registry entry. With API keys configured and ``/instances`` opened to everyone
+        (``--open-endpoint instances``), a caller without a valid key gets no addresses (URL, KV
+        endpoints, data-plane peers): nothing to aim an attack at (decision 125)."""
         stale = self.discovery.stale
-        return web.json_response([self._instance_json(v, stale) for v in self.registry.snapshot()])
+        keys = self.cfg.api_keys
+        hide = keys.enabled and keys.check(request.headers.get("Authorization")) is not None
+        entries = [self._instance_json(v, stale) for v in self.registry.snapshot()]
+        if hide:
+            for entry in entries:
+                entry["url"], entry["kv_endpoints"] = None, []
+                if entry["load"] is not None:
+                    entry["load"]["kv_transports"] = {}
+        return web.json_response(entries)
 
     def _instance_json(self, v: InstanceView, stale: bool) -> dict[str, Any]:
         load = v.load

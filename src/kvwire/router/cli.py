@@ -92,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default %(default)s)")
     bounds.add_argument("--max-record-ttl-s", type=float, default=d.max_record_ttl_s,
                         help="cap on the ttl_s an instance's heartbeat promises (default %(default)s)")
+    bounds.add_argument("--discovery-freshness-s", type=float, default=d.discovery_freshness_s,
+                        help="with a secret: refuse a first heartbeat of an instance epoch sent further "
+                             "than this from the router's clock (replays; default %(default)s)")
     bounds.add_argument("--upstream-max-connections", type=int, default=d.upstream_max_connections,
                         help="connections to instances in all; more requests wait (default %(default)s)")
     bounds.add_argument("--upstream-max-connections-per-instance", type=int,
@@ -117,6 +120,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         decode_local_prefill_tokens=args.decode_local_prefill_tokens, tokenizer=args.tokenizer,
         kv_index_max_blocks=args.kv_index_max_blocks,
         max_instances=args.max_instances, max_record_ttl_s=args.max_record_ttl_s,
+        discovery_freshness_s=args.discovery_freshness_s,
         upstream_max_connections=args.upstream_max_connections,
         upstream_max_connections_per_instance=args.upstream_max_connections_per_instance,
     )

@@ -64,6 +64,9 @@ class RouterConfig:
     max_instances: int = 10_000
     # A heartbeat's promised ttl_s (etcd records) is clamped to this; negative/NaN counts as none.
     max_record_ttl_s: float = 60.0
+    # With a secret: the first signed message of an instance's epoch must be sent within this many
+    # seconds of the router's clock (replays refused: decision 125); etcd records get their ttl_s more.
+    discovery_freshness_s: float = 30.0
     # Connections to instances: in all, and to one instance; a request beyond waits for one (counted).
     upstream_max_connections: int = 4096
     upstream_max_connections_per_instance: int = 1024
@@ -89,6 +92,9 @@ class RouterConfig:
         for name in ("max_instances", "upstream_max_connections", "upstream_max_connections_per_instance"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.discovery_freshness_s < float("inf"):
+            raise ConfigError(
+                f"discovery_freshness_s must be > 0 and finite, got {self.discovery_freshness_s}")
         if not 0 < self.max_record_ttl_s < float("inf"):
             raise ConfigError(f"max_record_ttl_s must be > 0 and finite, got {self.max_record_ttl_s}")
         if self.kv_index_max_blocks <= 0:

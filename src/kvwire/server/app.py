@@ -68,9 +68,11 @@ class ServerApp:
         # Shown by /health: instance id, role, KV endpoints (what registration advertises).
         self._identity = dict(identity or {})
         self._board = board  # the instance's supervised threads: a dead one makes /health 503
+        self._api_keys = ApiKeyConfig()  # set by build(): /health shows the identity to key holders only
 
     def build(self, max_request_bytes: int, api_keys: ApiKeyConfig | None = None) -> web.Application:
-        auth = api_key_middleware(api_keys or ApiKeyConfig(), self._auth_refused,
+        self._api_keys = api_keys or ApiKeyConfig()
+        auth = api_key_middleware(self._api_keys, self._auth_refused,
                                   RefusalLog(logger, "HTTP request"))
         app = web.Application(client_max_size=max_request_bytes, middlewares=[auth, _errors_as_json])
         app.router.add_get("/health", self.health)
@@ -88,16 +90,25 @@ class ServerApp:
         self._metrics.refused.labels(reason=refusal.value).inc()
 
     async def health(self, request: web.Request) -> web.Response:
+        """200 ``ok`` or 503 with why. Open to probes; the instance's identity (id, role, KV
+        endpoints) and the reason are added only for a caller with a valid API key, or when no
+        keys are configured: an unauthenticated caller learns no endpoint to attack (decision 125)."""
+        keys = self._api_keys
+        shown = not keys.enabled or keys.check(request.headers.get("Authorization")) is None
         if self._generation.draining:
-            return web.json_response({"status": "shutting down", **self._identity}, status=503)
+            return self._health_response({"status": "shutting down"}, 503, shown)
         status = self._engine_loop.status()
         if status.health is not EngineHealth.OK:
-            body = {"status": status.health.value, "reason": status.reason, **self._identity}
-            return web.json_response(body, status=503)
+            return self._health_response({"status": status.health.value, "reason": status.reason}, 503, shown)
         dead = self._board.health_body() if self._board is not None else None
         if dead is not None:  # e.g. the heartbeat thread gave up: serving, but not registered
-            return web.json_response({**dead, **self._identity}, status=503)
-        return web.json_response({"status": "ok", **self._identity})
+            return self._health_response(dead, 503, shown)
+        return self._health_response({"status": "ok"}, 200, shown)
+
+    def _health_response(self, body: dict[str, Any], status: int, shown: bool) -> web.Response:
+        if not shown:
+            return web.json_response({"status": body.get("status", "unhealthy")}, status=status)
+        return web.json_response({**body, **self._identity}, status=status)
 
     async def models(self, request: web.Request) -> web.Response:
         card = {
