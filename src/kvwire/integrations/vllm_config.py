@@ -18,6 +18,10 @@ Seed keys and what they become (docs/vllm.md has the full migration table):
 * ``send_type`` ``PUT`` / ``PUT_ASYNC`` -> push mode, ``GET`` -> pull mode.
 * ``nccl_num_channels`` -> ``NCCL_MIN_NCHANNELS``/``NCCL_MAX_NCHANNELS`` for the NCCL data plane.
 * ``mem_pool_size_gb`` -> the agent's host spill pool.
+
+kvwire's data-link bounds (decision 115) map to :class:`~kvwire.transfer.planes.link_config.DataLinkConfig`:
+``data_max_connections``, ``data_max_connections_per_peer``, ``data_handshake_timeout_s``,
+``data_keepalive_s``, ``data_link_timeout_s``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from kvwire.discovery.address import parse_registration_address
 from kvwire.errors import ConfigError
 from kvwire.kv_params import Role, TransferMode
 from kvwire.transfer.enums import Transport
+from kvwire.transfer.planes.link_config import DataLinkConfig
 
 VLLM_DEFAULT_KV_PORT = 14579  # KVTransferConfig.kv_port's default in vLLM
 GiB = 1 << 30
@@ -43,7 +48,10 @@ SEED_KEYS = frozenset(
 KVWIRE_KEYS = frozenset(
     {"router", "discovery", "host", "http_host", "mode", "deadline_s", "lease_s", "backend", "transport",
      "recv_budget_bytes", "spill_budget_bytes", "secret", "heartbeat_interval_s", "instance_id", "model_name",
-     "data_port", "advertise_host", "advertise_port", "advertise_data_port", "fault_delay_send"}
+     "data_port", "advertise_host", "advertise_port", "advertise_data_port", "fault_delay_send",
+     # data-plane link bounds (DataLinkConfig, decision 115)
+     "data_max_connections", "data_max_connections_per_peer", "data_handshake_timeout_s", "data_keepalive_s",
+     "data_link_timeout_s"}
 )
 _SEND_TYPES = {"PUT": TransferMode.PUSH, "PUT_ASYNC": TransferMode.PUSH, "GET": TransferMode.PULL}
 _ROLES = {
@@ -130,6 +138,7 @@ class VllmPluginConfig:
     nccl_num_channels: int | None = None
     vllm_failure_policy: LoadFailurePolicy = LoadFailurePolicy.FAIL  # vLLM applies it (informational)
     fault_delay_send: SendDelayFault | None = None  # tests and drills only
+    data_links: DataLinkConfig = dataclasses.field(default_factory=DataLinkConfig)  # data-plane bounds
 
     def __post_init__(self) -> None:
         if not 0 <= self.base_control_port <= 65535:
@@ -329,6 +338,20 @@ def _transport(extra: Mapping[str, Any]) -> Transport:
         raise ConfigError(msg) from exc
 
 
+def _data_links(extra: Mapping[str, Any]) -> DataLinkConfig:
+    """The ``data_*`` link bounds given (the rest keep DataLinkConfig's defaults)."""
+    given: dict[str, Any] = {}
+    for field in ("max_connections", "max_connections_per_peer"):
+        value = _get_int(extra, f"data_{field}")
+        if value is not None:
+            given[field] = value
+    for field in ("handshake_timeout_s", "keepalive_s", "link_timeout_s"):
+        number = _get_float(extra, f"data_{field}")
+        if number is not None:
+            given[field] = number
+    return DataLinkConfig(**given)
+
+
 def _vllm_failure_policy(view: VllmTransferView) -> LoadFailurePolicy:
     try:
         return LoadFailurePolicy(view.kv_load_failure_policy)
@@ -386,4 +409,5 @@ def plugin_config_from_vllm(view: VllmTransferView) -> VllmPluginConfig:
         nccl_num_channels=_get_int(extra, "nccl_num_channels"),
         vllm_failure_policy=vllm_failure_policy,
         fault_delay_send=_send_delay_fault(extra),
+        data_links=_data_links(extra),
     )
