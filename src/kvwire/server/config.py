@@ -13,6 +13,7 @@ from kvwire.enum_values import as_enum
 from kvwire.errors import ConfigError
 from kvwire.kv_params import LoadFailurePolicy, Role, TransferMode
 from kvwire.transfer.enums import Transport
+from kvwire.transfer.planes.link_config import DataLinkConfig
 from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 
 # The one policy enum (kvwire.kv_params); this name is the server's spelling of it.
@@ -52,6 +53,8 @@ class ServerConfig:
     kv_load_failure_policy: KVLoadFailure = KVLoadFailure.RECOMPUTE
     # NCCL data plane tuning (--device cuda P/D); the CLI reads KVWIRE_NCCL_* once into it.
     kv_nccl: NcclPlaneConfig = dataclasses.field(default_factory=NcclPlaneConfig)
+    # Data-plane listener caps and link deadlines (--kv-data-max-connections ... ; decision 115).
+    kv_data_links: DataLinkConfig = dataclasses.field(default_factory=DataLinkConfig)
     # SIGTERM/SIGINT: everything (abort in-flight, deregister, stop the engine thread) within this.
     shutdown_deadline_s: float = 10.0
     max_request_bytes: int = 16 * 1024 * 1024

@@ -108,6 +108,7 @@ def build_connector_set(
         backend=Backend.NCCL if engine_config.is_cuda else Backend.TCP, transport=config.kv_transport,
         device=engine_config.device, default_deadline_s=config.kv_deadline_s,
         secret=secret.encode() if secret else None, nccl=config.kv_nccl,
+        links=config.kv_data_links,
     )
     connector_config = ConnectorConfig(
         role=Role(config.role.value), mode=config.kv_mode, deadline_s=config.kv_deadline_s,

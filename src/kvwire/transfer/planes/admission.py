@@ -35,6 +35,9 @@ log = logging.getLogger("kvwire.transfer")
 
 POLL_S = 0.2  # the accept loop's wake-up: closing, and connections past their handshake deadline
 ACCEPT_BACKOFF_MAX_S = 1.0
+# A read of the hello may wait this long past the handshake deadline: the accept loop's sweep (at
+# most POLL_S late) is what cuts and counts a late hello, whether it trickles or sends nothing.
+HANDSHAKE_GRACE_S = 1.0
 LOG_EVERY_S = 10.0
 _FD_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 # a connection that went away between the kernel's accept and ours: nothing wrong with the listener
@@ -133,6 +136,10 @@ class Admission:
                              "finish the hello within %.1f s", self.what, len(late),
                              self.limits.handshake_timeout_s)
         return [c for c, _ in late]
+
+    def hello_timeout_s(self) -> float:
+        """The socket timeout of a reader during the hello (see ``HANDSHAKE_GRACE_S``)."""
+        return self.limits.handshake_timeout_s + HANDSHAKE_GRACE_S
 
     def held(self) -> int:
         with self._lock:

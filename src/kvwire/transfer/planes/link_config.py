@@ -24,7 +24,8 @@ class DataLinkConfig:
     # Connections one listener holds at once (handshaking or authenticated); beyond it a new one is
     # closed at once (``kvwire_limit_hits_total{limit="data_listener_full"}``). Each costs a thread.
     max_connections: int = 256
-    # ... of them from one peer address (TCP: the remote IP; same-host planes: the peer process).
+    # ... of them from one peer address (TCP: the remote IP; same-host planes: the peer process); above
+    # max_connections it is that cap that holds.
     max_connections_per_peer: int = 32
     # A connection that has not completed its hello (nonce, MAC; the shared-memory setup) this long
     # after it was accepted is closed, however slowly it trickles bytes.
@@ -41,11 +42,6 @@ class DataLinkConfig:
     def __post_init__(self) -> None:
         if self.max_connections < 1 or self.max_connections_per_peer < 1:
             raise ConfigError("DataLinkConfig: max_connections and max_connections_per_peer must be >= 1")
-        if self.max_connections_per_peer > self.max_connections:
-            raise ConfigError(
-                f"DataLinkConfig.max_connections_per_peer ({self.max_connections_per_peer}) must not "
-                f"exceed max_connections ({self.max_connections})"
-            )
         for name in ("handshake_timeout_s", "keepalive_s", "link_timeout_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):

@@ -286,7 +286,7 @@ class IpcInbound:
 
     def _handshake(self) -> None:
         conn = self.conn
-        conn.settimeout(self.plane.config.links.handshake_timeout_s)
+        conn.settimeout(self.plane.admission.hello_timeout_s())
         self.peer_id = check_hello(conn, self.plane.secret, MAGIC, VERSION, "IPC link")
         self.plane.admission.authenticated(conn)
         conn.settimeout(None)  # this end only reads; a dead peer shows as EOF

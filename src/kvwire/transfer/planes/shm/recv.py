@@ -66,7 +66,7 @@ class Inbound:
 
     def _handshake(self) -> Bytes:
         conn, links = self.conn, self.plane.config.links
-        conn.settimeout(links.handshake_timeout_s)
+        conn.settimeout(self.plane.admission.hello_timeout_s())
         peer_id = check_hello(conn, self.plane.secret, MAGIC, VERSION, "shared-memory connection")
         size = self.plane.config.shm_ring_bytes
         fd, ring = create_ring(size)

@@ -55,7 +55,7 @@ class TcpInbound:
 
     def _handshake(self) -> None:
         conn, config = self.conn, self.plane.config
-        conn.settimeout(config.links.handshake_timeout_s)
+        conn.settimeout(self.plane.admission.hello_timeout_s())
         tune(conn, config.socket_buffer_bytes)
         tcp_keepalive(conn, config.links)
         self.peer_id = check_hello(conn, self.plane.secret, MAGIC, VERSION, "data connection")

@@ -1,0 +1,310 @@
+"""Data-plane listeners and links under pressure (decision 115): connection caps per listener and per
+peer, the handshake deadline, EMFILE back-off, heartbeats of a TCP link, supervised acceptors and
+reporters, and the flags and config keys that set the caps."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+
+from kvwire.errors import ConfigError
+from kvwire.integrations.vllm_config import VllmTransferView, plugin_config_from_vllm
+from kvwire.server.cli import add_arguments, server_config_from_args
+from kvwire.supervision import HealthBoard
+from kvwire.transfer.config import TransferConfig
+from kvwire.transfer.enums import Transport
+from kvwire.transfer.planes import admission
+from kvwire.transfer.planes.admission import Admission, accept_loop
+from kvwire.transfer.planes.link_config import DataLinkConfig
+from kvwire.transfer.planes.shm.plane import ShmPlane
+from kvwire.transfer.planes.shm.wire import abstract_name
+from kvwire.transfer.planes.tcp.plane import TcpPlane
+from kvwire.transfer.planes.tcp.wire import (
+    HELLO,
+    MAGIC,
+    NONCE_BYTES,
+    PING_FRAME,
+    VERSION,
+    host_port,
+    prove_hello,
+)
+from kvwire.transfer.types import PeerRef, RecvItem, SendItem
+from support.waiting import wait_for
+
+LINKS = DataLinkConfig(max_connections=4, max_connections_per_peer=2, handshake_timeout_s=0.5,
+                       keepalive_s=0.2, link_timeout_s=1.0)
+
+
+class Callbacks:
+    """A plane's agent, recording what it is told; ``on_received`` raises ``fail_first`` times."""
+
+    def __init__(self, fail_first: int = 0) -> None:
+        self.lock = threading.Lock()
+        self.received: list[tuple[str, int]] = []
+        self.sent: list[tuple[str, int]] = []
+        self.peer_failed: list[tuple[str, str]] = []
+        self.protocol_errors: list[str] = []
+        self.fail_first = fail_first
+
+    def on_sent(self, peer: str, transfer_id: str, layers: Sequence[int]) -> None:
+        with self.lock:
+            self.sent += [(transfer_id, i) for i in layers]
+
+    def on_received(self, peer: str, transfer_id: str, layers: Sequence[int]) -> None:
+        with self.lock:
+            if self.fail_first > 0:
+                self.fail_first -= 1
+                raise RuntimeError("a sink that raises")
+            self.received += [(transfer_id, i) for i in layers]
+
+    def on_transfer_failed(self, transfer_id: str, reason: str) -> None:
+        pass
+
+    def on_peer_failed(self, peer: str, reason: str) -> None:
+        with self.lock:
+            self.peer_failed.append((peer, reason))
+
+    def on_protocol_error(self, reason: str) -> None:
+        with self.lock:
+            self.protocol_errors.append(reason)
+
+    def on_device_copy(self, num_bytes: int, seconds: float) -> None:
+        pass
+
+
+@pytest.fixture
+def board() -> HealthBoard:
+    return HealthBoard()
+
+
+@pytest.fixture
+def tcp(board: HealthBoard) -> Iterator[tuple[TcpPlane, Callbacks]]:
+    plane = TcpPlane(TransferConfig(transport=Transport.TCP, links=LINKS), "receiver", board)
+    callbacks = Callbacks()
+    plane.start(callbacks)
+    try:
+        yield plane, callbacks
+    finally:
+        plane.close()
+
+
+def _readable(sock: socket.socket) -> bool:
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+def dial(address: str, source: str = "127.0.0.1") -> socket.socket:
+    sock = socket.create_connection(host_port(address), timeout=10, source_address=(source, 0))
+    return sock
+
+
+def refused(sock: socket.socket) -> bool:
+    """True when the listener closed ``sock`` without a nonce (a refusal), False when it sent one."""
+    try:
+        return sock.recv(NONCE_BYTES) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_defaults_and_validation() -> None:
+    links = TransferConfig().links
+    assert (links.max_connections, links.max_connections_per_peer) == (256, 32)
+    assert links.keepalive_probes * links.keepalive_s >= links.link_timeout_s
+    for bad in ({"max_connections": 0}, {"max_connections_per_peer": 0},
+                {"handshake_timeout_s": float("inf")}, {"keepalive_s": -1.0},
+                {"keepalive_s": 2.0, "link_timeout_s": 3.0}):
+        with pytest.raises(ConfigError):
+            DataLinkConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_serve_flags_and_plugin_keys_set_the_caps() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--kv-data-max-connections", "64", "--kv-data-max-connections-per-peer", "8",
+                              "--kv-data-handshake-timeout-s", "2", "--kv-data-keepalive-s", "1",
+                              "--kv-data-link-timeout-s", "9"])
+    assert server_config_from_args(args).kv_data_links == DataLinkConfig(64, 8, 2.0, 1.0, 9.0)
+    assert server_config_from_args(parser.parse_args([])).kv_data_links == DataLinkConfig()
+    view = VllmTransferView(kv_role="kv_producer", kv_connector_extra_config={
+        "data_max_connections": 16, "data_link_timeout_s": "20"})
+    assert plugin_config_from_vllm(view).data_links == DataLinkConfig(max_connections=16, link_timeout_s=20.0)
+    with pytest.raises(ConfigError):
+        plugin_config_from_vllm(VllmTransferView(kv_role="kv_producer", kv_connector_extra_config={
+            "data_max_connections_per_peer": 0}))
+
+
+def test_tcp_listener_caps_per_peer_and_in_total(tcp: tuple[TcpPlane, Callbacks], board: HealthBoard) -> None:
+    plane, _ = tcp
+    held = [dial(plane.address), dial(plane.address)]
+    third = dial(plane.address)  # a third from 127.0.0.1: over the per-peer cap of 2
+    assert refused(third)
+    assert not any(refused(s) for s in held)  # the first two got their nonce
+    assert board.limit_hits() == {admission.PEER_FULL: 1}
+    held += [dial(plane.address, "127.0.0.2"), dial(plane.address, "127.0.0.3")]  # 4: the listener is full
+    assert not any(refused(s) for s in held[2:])
+    assert refused(dial(plane.address, "127.0.0.4"))
+    assert board.limit_hits()[admission.LISTENER_FULL] == 1
+    for sock in held:
+        sock.close()
+    wait_for(lambda: plane.admission.held() == 0, 10, "the closed connections released")
+    wait_for(lambda: not plane.readers, 10, "their reader threads gone")
+    assert not refused(dial(plane.address))  # room again
+
+
+def test_handshake_deadline_cuts_a_slow_hello(tcp: tuple[TcpPlane, Callbacks], board: HealthBoard) -> None:
+    plane, callbacks = tcp
+    sock = dial(plane.address)
+    assert len(sock.recv(NONCE_BYTES)) == NONCE_BYTES
+    start = time.monotonic()
+    # a valid hello header announcing a 100-byte id, then the id a byte every 0.1 s: every read
+    # succeeds well within a per-read timeout; only the deadline on the whole hello ends it
+    for byte in HELLO.pack(MAGIC, VERSION, 100) + b"x" * 100:
+        if _readable(sock):  # EOF (or a reset): the listener cut it
+            break
+        try:
+            sock.sendall(bytes([byte]))
+        except OSError:
+            break
+        time.sleep(0.1)  # the trickle's pace, not a wait for something
+    else:
+        pytest.fail("the listener kept a connection that trickled its hello for 10 s")
+    assert time.monotonic() - start < 30  # a bound, not a speed goal: it did not wait for ever
+    wait_for(lambda: board.limit_hits().get(admission.HANDSHAKE_TIMEOUT) == 1, 10, "the cut counted")
+    wait_for(lambda: plane.admission.held() == 0 and not plane.readers, 10, "reader and slot freed")
+    assert any("handshake" in e for e in callbacks.protocol_errors)
+
+
+def test_accept_backs_off_when_descriptors_run_out(board: HealthBoard) -> None:
+    """EMFILE on every accept: the loop waits, doubling, instead of spinning."""
+
+    class Exhausted:
+        calls: list[float] = []
+
+        def accept(self) -> tuple[socket.socket, object]:
+            self.calls.append(time.monotonic())
+            if len(self.calls) >= 5:
+                closing.set()
+            raise OSError(errno.EMFILE, "Too many open files")
+
+    closing = threading.Event()
+    listener = Exhausted()
+    gate = Admission("tcp", LINKS, board)
+    thread = threading.Thread(target=accept_loop, args=(listener, gate, closing, admission.tcp_peer, print))
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive()
+    gaps = [b - a for a, b in zip(listener.calls, listener.calls[1:], strict=False)]
+    assert len(gaps) == 4
+    assert all(gap >= want * 0.9 for gap, want in zip(gaps, (0.05, 0.1, 0.2, 0.4), strict=True)), gaps
+    assert board.limit_hits()[admission.FD_EXHAUSTED] == 4  # the fifth failed while closing: not counted
+
+
+def test_an_acceptor_that_keeps_failing_is_dead_on_the_board(
+    tcp: tuple[TcpPlane, Callbacks], board: HealthBoard
+) -> None:
+    plane, _ = tcp
+    assert plane._listener is not None
+    plane._listener.close()  # accept now fails with EBADF: not transient, not descriptors running out
+    wait_for(lambda: [s.name for s in board.dead()] == ["kvwire-tcp-accept"], 30, "the acceptor dead")
+    assert board.restarts()["kvwire-tcp-accept"] >= 1
+    body = board.health_body()
+    assert body is not None and "kvwire-tcp-accept" in str(body["reason"])
+
+
+def _pair(board: HealthBoard, receiver_cb: Callbacks) -> tuple[TcpPlane, TcpPlane, Callbacks]:
+    sender_cb = Callbacks()
+    receiver = TcpPlane(TransferConfig(transport=Transport.TCP, links=LINKS), "receiver", board)
+    sender = TcpPlane(TransferConfig(transport=Transport.TCP, links=LINKS), "sender", board)
+    receiver.start(receiver_cb)
+    sender.start(sender_cb)
+    return sender, receiver, sender_cb
+
+
+def _send_layer(sender: TcpPlane, receiver: TcpPlane, tid: str, value: int) -> torch.Tensor:
+    dest = torch.zeros(1024, dtype=torch.uint8)
+    receiver.post_recv(PeerRef("tcp://s", "sender", ""), [RecvItem(tid, 0, 1024, dest)])
+    src = torch.full((1024,), value, dtype=torch.uint8)
+    sender.send(PeerRef("tcp://r", "receiver", receiver.address), [SendItem(tid, 0, src)])
+    return dest
+
+
+def test_reporter_restarts_after_a_sink_raises(board: HealthBoard) -> None:
+    receiver_cb = Callbacks(fail_first=1)
+    sender, receiver, _ = _pair(board, receiver_cb)
+    try:
+        _send_layer(sender, receiver, "t-1", 1)  # its report raises: the reporter restarts
+        wait_for(lambda: board.restarts().get("kvwire-tcp-deliver") == 1, 10, "the reporter restarted")
+        dest = _send_layer(sender, receiver, "t-2", 2)
+        wait_for(lambda: ("t-2", 0) in receiver_cb.received, 10, "the next layer reported")
+        assert bool((dest == 2).all())
+        assert not board.dead()
+    finally:
+        sender.close()
+        receiver.close()
+    assert not board.snapshot()  # closed on purpose: nothing left on the board
+
+
+def test_an_idle_link_stays_up_on_heartbeats(board: HealthBoard) -> None:
+    """Idle for several link timeouts, a link is kept alive by heartbeats both ways."""
+    receiver_cb = Callbacks()
+    sender, receiver, sender_cb = _pair(board, receiver_cb)
+    try:
+        _send_layer(sender, receiver, "t-1", 1)
+        wait_for(lambda: ("t-1", 0) in receiver_cb.received, 10, "the first layer")
+        (link,) = sender.outbound.values()
+        deadline = time.monotonic() + 3 * LINKS.link_timeout_s
+        wait_for(lambda: time.monotonic() > deadline, 10, "three link timeouts of idleness")
+        assert sender.outbound.get("receiver") is link and not link.dead
+        assert not sender_cb.peer_failed and not receiver_cb.peer_failed
+        _send_layer(sender, receiver, "t-2", 2)
+        wait_for(lambda: ("t-2", 0) in receiver_cb.received, 10, "a layer on the same link")
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_silent_sender_is_cut_by_the_receiver(tcp: tuple[TcpPlane, Callbacks], board: HealthBoard) -> None:
+    """An authenticated sender that goes quiet (no frame, no heartbeat): the reader cuts the link
+    after ``link_timeout_s``, fails the peer and frees its thread and socket."""
+    plane, callbacks = tcp
+    sock = dial(plane.address)
+    sock.settimeout(10)
+    prove_hello(sock, None, "quiet", MAGIC, VERSION)
+    sock.sendall(PING_FRAME)  # one heartbeat, then silence
+    wait_for(lambda: callbacks.peer_failed, 20, "the silent link cut")
+    (peer, reason), = callbacks.peer_failed
+    assert peer == "quiet" and "nothing heard" in reason
+    wait_for(lambda: plane.admission.held() == 0 and not plane.readers, 10, "reader and slot freed")
+    assert board.limit_hits()["data_link_timeout"] == 1
+    data = b""
+    while chunk := sock.recv(64):  # the receiver's heartbeats, then EOF
+        data += chunk
+    assert data and set(data) == {0}
+    sock.close()
+
+
+def test_unix_listener_caps_per_peer_process(board: HealthBoard) -> None:
+    plane = ShmPlane(TransferConfig(transport=Transport.SHM, links=LINKS), "receiver", board)
+    plane.start(Callbacks())
+    held: list[socket.socket] = []
+    try:
+        for _ in range(3):  # all from this process: the third is over the per-peer cap
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(10)
+            sock.connect(abstract_name(plane.address))
+            held.append(sock)
+        assert [refused(s) for s in held] == [False, False, True]
+        assert board.limit_hits() == {admission.PEER_FULL: 1}
+        wait_for(lambda: board.limit_hits().get(admission.HANDSHAKE_TIMEOUT) == 2, 10, "hellos cut")
+        wait_for(lambda: plane.admission.held() == 0 and not plane.readers, 10, "readers freed")
+    finally:
+        for sock in held:
+            sock.close()
+        plane.close()
