@@ -170,6 +170,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=1 << 30)
     parser.add_argument("--spill", type=int, default=1 << 30)
     parser.add_argument("--transport", default="auto")
+    parser.add_argument("--ring-bytes", type=int, default=TransferConfig.shm_ring_bytes)
     parser.add_argument("--data-port", type=int, default=0)
     parser.add_argument("--advertise-data-port", type=int, default=0)
     parser.add_argument("--keepalive-s", type=float, default=DataLinkConfig.keepalive_s)
@@ -182,6 +183,7 @@ def main() -> None:
         recv_budget_bytes=args.budget,
         spill_budget_bytes=args.spill,
         transport=args.transport,
+        shm_ring_bytes=args.ring_bytes,
         data_port=args.data_port,
         advertise_data_port=args.advertise_data_port,
         links=DataLinkConfig(keepalive_s=args.keepalive_s, link_timeout_s=args.link_timeout_s),
