@@ -28,6 +28,7 @@ from kvwire.transfer.planes.shm.plane import ShmPlane
 from kvwire.transfer.planes.shm.wire import abstract_name
 from kvwire.transfer.planes.tcp.plane import TcpPlane
 from kvwire.transfer.planes.tcp.wire import (
+    FRAME,
     HELLO,
     MAGIC,
     NONCE_BYTES,
@@ -287,6 +288,32 @@ def test_a_silent_sender_is_cut_by_the_receiver(tcp: tuple[TcpPlane, Callbacks],
     while chunk := sock.recv(64):  # the receiver's heartbeats, then EOF
         data += chunk
     assert data and set(data) == {0}
+    sock.close()
+
+
+def test_a_frame_slower_than_the_link_timeout_is_not_cut(tcp: tuple[TcpPlane, Callbacks]) -> None:
+    """A frame that streams in for twice ``link_timeout_s`` (a slow link that keeps moving): the
+    receiver keeps the link, sends its heartbeats during the frame (not only between frames: a
+    writer that has handed its last bytes to the kernel is idle and checks for them), and lands it."""
+    plane, callbacks = tcp
+    dest = torch.zeros(64, dtype=torch.uint8)
+    plane.post_recv(PeerRef("tcp://s", "slow", ""), [RecvItem("t-slow", 0, 64, dest)])
+    sock = dial(plane.address)
+    sock.settimeout(10)
+    prove_hello(sock, None, "slow", MAGIC, VERSION)
+    sock.sendall(FRAME.pack(0, 64, len(b"t-slow")) + b"t-slow")
+    heard_during: list[float] = []
+    start = time.monotonic()
+    for _ in range(32):  # 64 bytes, 2 every 0.08 s: 2.5 s for a link timeout of 1 s
+        sock.sendall(b"\x07\x07")
+        while _readable(sock):
+            chunk = sock.recv(64)
+            assert chunk, "the receiver cut a link that was moving"
+            heard_during.append(time.monotonic() - start)
+        time.sleep(0.08)  # the slow link's pace, not a wait for something
+    wait_for(lambda: ("t-slow", 0) in callbacks.received, 10, "the slow layer landed")
+    assert bool((dest == 7).all()) and not callbacks.peer_failed
+    assert len(heard_during) >= 2, heard_during  # keepalive 0.2 s over 2.5 s of one frame
     sock.close()
 
 

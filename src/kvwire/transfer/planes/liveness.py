@@ -53,9 +53,10 @@ class Heartbeat:
     """One end's view of a TCP link's liveness. Used by the one thread that reads (and pings on) the
     socket: not thread-safe.
 
-    ``heard()`` after every byte received; ``idle()`` when a read timed out or the writer had nothing
-    to write: raises :class:`TimeoutError` when nothing was heard for ``link_timeout_s``, else sends
-    ``ping`` when nothing was sent for ``keepalive_s``."""
+    ``heard()`` after every read that returned bytes, ``idle()`` when a read timed out or the writer
+    had nothing to write: ``idle`` raises :class:`TimeoutError` when nothing was heard for
+    ``link_timeout_s``; both send ``ping`` when nothing was sent for ``keepalive_s``. The end that
+    writes frames calls ``sent()`` after each (its data is its heartbeat)."""
 
     def __init__(self, sock: socket.socket, links: DataLinkConfig, ping: bytes, what: str) -> None:
         self.sock = sock
@@ -68,7 +69,12 @@ class Heartbeat:
         self.last_sent = now
 
     def heard(self) -> None:
-        self.last_heard = time.monotonic()
+        """Bytes arrived; sends the heartbeat if one is due (also while a long frame streams in:
+        the other end may be idle already, its last bytes still in the buffers on the way)."""
+        now = self.last_heard = time.monotonic()
+        if now - self.last_sent >= self.keepalive_s:
+            self.sock.sendall(self._ping)
+            self.last_sent = now
 
     def sent(self) -> None:
         self.last_sent = time.monotonic()

@@ -6,8 +6,8 @@ frames straight into their posted buffers. Arrivals are reported from a second, 
 so that the caller's sink (a scatter) for layer i overlaps the socket read of layer i+1. After the
 hello the socket's timeout is ``keepalive_s``: a read that times out is an idle moment, where the
 reader sends its heartbeat and cuts a link that heard nothing (no frame, no heartbeat) for
-``link_timeout_s``; it also sends a heartbeat every ``keepalive_s`` while frames flow, so the writer,
-which drains them only while idle, always finds a recent one.
+``link_timeout_s``; it also sends its heartbeat every ``keepalive_s`` while bytes flow (even in the
+middle of one long frame), so the writer, which drains them only while idle, always finds a recent one.
 """
 
 from __future__ import annotations
@@ -78,7 +78,6 @@ class TcpInbound:
             beat = Heartbeat(conn, plane.config.links, RECEIVER_PING, "tcp data link")
             while not plane.closing.is_set():
                 arrived = self._read_frame(beat)
-                beat.ping_if_due()
                 if arrived is not None:
                     arrivals.put((self.peer_id, *arrived))
         except (ProtocolError, OSError, ConnectionError) as exc:
