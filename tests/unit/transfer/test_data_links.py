@@ -252,6 +252,26 @@ def test_reporter_restarts_after_a_sink_raises(board: HealthBoard) -> None:
     assert not board.snapshot()  # closed on purpose: nothing left on the board
 
 
+def test_a_reporter_that_keeps_failing_ends_its_link(board: HealthBoard) -> None:
+    """A sink that always raises: the reporter restarts, then gives up (dead); its link is cut (the
+    peer's transfers fail instead of waiting for reports that never come) and, with the link gone,
+    the reporter leaves the board."""
+    receiver_cb = Callbacks(fail_first=1000)
+    sender, receiver, _ = _pair(board, receiver_cb)
+    try:
+        receiver.post_recv(PeerRef("tcp://s", "sender", ""),
+                           [RecvItem("t-x", i, 16, torch.zeros(16, dtype=torch.uint8)) for i in range(8)])
+        sender.send(PeerRef("tcp://r", "receiver", receiver.address),
+                    [SendItem("t-x", i, torch.ones(16, dtype=torch.uint8)) for i in range(8)])
+        wait_for(lambda: receiver_cb.peer_failed, 30, "the link of the dead reporter cut")
+        assert receiver_cb.peer_failed[0][0] == "sender"
+        assert board.restarts()["kvwire-tcp-deliver"] == 5  # RestartPolicy's max_restarts, then dead
+        wait_for(lambda: "kvwire-tcp-deliver" not in [c.name for c in board.snapshot()], 10, "off the board")
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_an_idle_link_stays_up_on_heartbeats(board: HealthBoard) -> None:
     """Idle for several link timeouts, a link is kept alive by heartbeats both ways."""
     receiver_cb = Callbacks()

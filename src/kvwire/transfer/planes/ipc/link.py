@@ -91,7 +91,11 @@ class IpcOutbound(OutboundLink):
         )
         self._completed = threading.Event()  # the completer's stop: set with its end marker
         self.completer = SupervisedThread(
-            "kvwire-ipc-done", self._complete, self._completed, board=plane.board
+            "kvwire-ipc-done",
+            self._complete,
+            self._completed,
+            board=plane.board,
+            on_dead=lambda _: self.stop(),  # nothing completes this link's copies: end it
         )
 
     def _connect(self) -> socket.socket:
@@ -260,7 +264,7 @@ class IpcOutbound(OutboundLink):
 
     def _finish(self) -> None:
         plane = self.plane
-        if self.completer.is_alive():
+        if self.completer.ident is not None:  # started (alive, or dead: still on the board)
             self._completed.set()
             self.completions.put(None)  # the completer reports what the GPU already copies, then ends
             self.completer.stop(_JOIN_S)

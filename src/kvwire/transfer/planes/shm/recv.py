@@ -88,7 +88,11 @@ class Inbound:
         arrivals: queue.SimpleQueue[Arrival] = queue.SimpleQueue()
         done = threading.Event()
         reporter = SupervisedThread(
-            "kvwire-shm-deliver", functools.partial(self._report, arrivals, done), done, board=plane.board
+            "kvwire-shm-deliver",
+            functools.partial(self._report, arrivals, done),
+            done,
+            board=plane.board,
+            on_dead=lambda _: shutdown(self.conn),  # nothing reports this link's layers: end it
         )
         error: BaseException | None = None
         try:
@@ -103,10 +107,10 @@ class Inbound:
         except (ProtocolError, OSError, ConnectionError, ValueError) as exc:
             error = exc
         finally:
-            if reporter.is_alive():  # report what fully arrived before any failure
+            if reporter.ident is not None:  # started: report what fully arrived before any failure
                 done.set()
                 arrivals.put(None)
-                reporter.stop(10.0)
+                reporter.stop(10.0)  # also takes it off the board (dead or not)
             with plane.lock:
                 plane.inbound.pop(self.conn, None)
                 for key in [k for k, v in plane.landing.items() if v.peer_id == self.peer_id]:

@@ -22,6 +22,7 @@ import torch
 
 from kvwire.errors import ProtocolError
 from kvwire.supervision import SupervisedThread
+from kvwire.transfer.planes.admission import shutdown
 from kvwire.transfer.planes.liveness import Heartbeat, count_cut, tcp_keepalive
 from kvwire.transfer.planes.tcp.wire import (
     DISCARD_CHUNK,
@@ -67,7 +68,11 @@ class TcpInbound:
         arrivals: queue.SimpleQueue[Arrival] = queue.SimpleQueue()
         done = threading.Event()
         reporter = SupervisedThread(
-            "kvwire-tcp-deliver", functools.partial(self._report, arrivals, done), done, board=plane.board
+            "kvwire-tcp-deliver",
+            functools.partial(self._report, arrivals, done),
+            done,
+            board=plane.board,
+            on_dead=lambda _: shutdown(conn),  # nothing reports this link's layers: end it (peer_lost)
         )
         error: BaseException | None = None
         try:
@@ -83,10 +88,10 @@ class TcpInbound:
         except (ProtocolError, OSError, ConnectionError) as exc:
             error = exc
         finally:
-            if reporter.is_alive():  # report what fully arrived before any failure
+            if reporter.ident is not None:  # started: report what fully arrived before any failure
                 done.set()
                 arrivals.put(None)
-                reporter.stop(_REPORT_JOIN_S)
+                reporter.stop(_REPORT_JOIN_S)  # also takes it off the board (dead or not)
             with plane.lock:
                 plane.inbound.pop(conn, None)
             conn.close()
