@@ -14,16 +14,18 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kvwire.errors import ConfigError
 from kvwire.integrations.vllm_config import VllmTransferView, plugin_config_from_vllm
 from kvwire.server.cli import add_arguments, server_config_from_args
-from kvwire.supervision import HealthBoard
+from kvwire.supervision import HealthBoard, SupervisionCollector
 from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.enums import Transport
+from kvwire.transfer.enums import Backend, Transport
 from kvwire.transfer.planes import admission
 from kvwire.transfer.planes.admission import Admission, accept_loop
 from kvwire.transfer.planes.link_config import DataLinkConfig
+from kvwire.transfer.planes.plane_set import PlaneSet
 from kvwire.transfer.planes.shm.plane import ShmPlane
 from kvwire.transfer.planes.shm.wire import abstract_name
 from kvwire.transfer.planes.tcp.plane import TcpPlane
@@ -157,6 +159,11 @@ def test_tcp_listener_caps_per_peer_and_in_total(tcp: tuple[TcpPlane, Callbacks]
     wait_for(lambda: plane.admission.held() == 0, 10, "the closed connections released")
     wait_for(lambda: not plane.readers, 10, "their reader threads gone")
     assert not refused(dial(plane.address))  # room again
+    registry = CollectorRegistry()
+    registry.register(SupervisionCollector(board))
+    text = generate_latest(registry).decode()
+    assert 'kvwire_limit_hits_total{limit="data_peer_full"} 1.0' in text
+    assert 'kvwire_limit_hits_total{limit="data_listener_full"} 1.0' in text
 
 
 def test_handshake_deadline_cuts_a_slow_hello(tcp: tuple[TcpPlane, Callbacks], board: HealthBoard) -> None:
@@ -335,6 +342,37 @@ def test_a_frame_slower_than_the_link_timeout_is_not_cut(tcp: tuple[TcpPlane, Ca
     assert bool((dest == 7).all()) and not callbacks.peer_failed
     assert len(heard_during) >= 2, heard_during  # keepalive 0.2 s over 2.5 s of one frame
     sock.close()
+
+
+def test_plane_set_fail_loop_survives_a_callback_that_raises(board: HealthBoard) -> None:
+    """Transfers to a peer with no plane handshake fail from the set's own (supervised) thread; a
+    callback that raises is logged and counted, and the next failure is still delivered."""
+
+    class Failing(Callbacks):
+        def __init__(self) -> None:
+            super().__init__()
+            self.failed: list[str] = []
+
+        def on_transfer_failed(self, transfer_id: str, reason: str) -> None:
+            self.failed.append(transfer_id)
+            if len(self.failed) == 1:
+                raise RuntimeError("a callback that raises")
+
+    member = TcpPlane(TransferConfig(transport=Transport.TCP, links=LINKS), "me", board)
+    planes = PlaneSet([(Backend.TCP, member)], "me", "cpu", Transport.TCP, board)
+    callbacks = Failing()
+    planes.start(callbacks)
+    try:
+        unknown = PeerRef("tcp://nowhere", "stranger", "")
+        src = torch.zeros(4, dtype=torch.uint8)
+        planes.send(unknown, [SendItem("t-1", 0, src)])
+        planes.send(unknown, [SendItem("t-2", 0, src)])
+        wait_for(lambda: callbacks.failed == ["t-1", "t-2"], 10, "both failures delivered")
+        assert board.worker_errors() == {"kvwire-planes-fail": 1}
+        assert "kvwire-planes-fail" in [c.name for c in board.snapshot()] and not board.dead()
+    finally:
+        planes.close()
+    assert not board.snapshot()  # every supervised thread of the set stopped and left the board
 
 
 def test_unix_listener_caps_per_peer_process(board: HealthBoard) -> None:
