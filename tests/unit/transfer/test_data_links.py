@@ -42,8 +42,9 @@ from kvwire.transfer.planes.tcp.wire import (
 from kvwire.transfer.types import PeerRef, RecvItem, SendItem
 from support.waiting import wait_for
 
+# short deadlines, with room for a loaded box: a link is cut after 8 missed heartbeats
 LINKS = DataLinkConfig(max_connections=4, max_connections_per_peer=2, handshake_timeout_s=0.5,
-                       keepalive_s=0.2, link_timeout_s=1.0)
+                       keepalive_s=0.25, link_timeout_s=2.0)
 
 
 class Callbacks:
@@ -189,6 +190,27 @@ def test_handshake_deadline_cuts_a_slow_hello(tcp: tuple[TcpPlane, Callbacks], b
     assert any("handshake" in e for e in callbacks.protocol_errors)
 
 
+def test_a_connection_without_a_reader_thread_is_closed_and_released(
+    tcp: tuple[TcpPlane, Callbacks], board: HealthBoard, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process cannot start another thread: the accepted connection is closed and released (no
+    slot, no socket kept), counted, and the acceptor goes on."""
+    plane, _ = tcp
+
+    class NoReader(threading.Thread):
+        def start(self) -> None:
+            if self.name == "kvwire-tcp-recv":
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    monkeypatch.setattr(threading, "Thread", NoReader)
+    assert refused(dial(plane.address))
+    wait_for(lambda: board.limit_hits() == {admission.NO_THREAD: 1}, 10, "the refusal counted")
+    assert plane.admission.held() == 0 and not plane.inbound and not plane.readers
+    monkeypatch.undo()
+    assert not refused(dial(plane.address))  # the acceptor is fine
+
+
 def test_accept_backs_off_when_descriptors_run_out(board: HealthBoard) -> None:
     """EMFILE on every accept: the loop waits, doubling, instead of spinning."""
 
@@ -323,15 +345,15 @@ def test_a_frame_slower_than_the_link_timeout_is_not_cut(tcp: tuple[TcpPlane, Ca
     receiver keeps the link, sends its heartbeats during the frame (not only between frames: a
     writer that has handed its last bytes to the kernel is idle and checks for them), and lands it."""
     plane, callbacks = tcp
-    dest = torch.zeros(64, dtype=torch.uint8)
-    plane.post_recv(PeerRef("tcp://s", "slow", ""), [RecvItem("t-slow", 0, 64, dest)])
+    dest = torch.zeros(128, dtype=torch.uint8)
+    plane.post_recv(PeerRef("tcp://s", "slow", ""), [RecvItem("t-slow", 0, 128, dest)])
     sock = dial(plane.address)
     sock.settimeout(10)
     prove_hello(sock, None, "slow", MAGIC, VERSION)
-    sock.sendall(FRAME.pack(0, 64, len(b"t-slow")) + b"t-slow")
+    sock.sendall(FRAME.pack(0, 128, len(b"t-slow")) + b"t-slow")
     heard_during: list[float] = []
     start = time.monotonic()
-    for _ in range(32):  # 64 bytes, 2 every 0.08 s: 2.5 s for a link timeout of 1 s
+    for _ in range(64):  # 128 bytes, 2 every 0.08 s: 5 s or more for a link timeout of 2 s
         sock.sendall(b"\x07\x07")
         while _readable(sock):
             chunk = sock.recv(64)
@@ -340,7 +362,7 @@ def test_a_frame_slower_than_the_link_timeout_is_not_cut(tcp: tuple[TcpPlane, Ca
         time.sleep(0.08)  # the slow link's pace, not a wait for something
     wait_for(lambda: ("t-slow", 0) in callbacks.received, 10, "the slow layer landed")
     assert bool((dest == 7).all()) and not callbacks.peer_failed
-    assert len(heard_during) >= 2, heard_during  # keepalive 0.2 s over 2.5 s of one frame
+    assert len(heard_during) >= 2, heard_during  # keepalive 0.25 s over 5 s of one frame
     sock.close()
 
 

@@ -49,6 +49,7 @@ LISTENER_FULL = "data_listener_full"
 PEER_FULL = "data_peer_full"
 HANDSHAKE_TIMEOUT = "data_handshake_timeout"
 FD_EXHAUSTED = "data_accept_fd_exhausted"
+NO_THREAD = "data_accept_no_thread"
 
 
 class RateLimitedLog:
@@ -122,6 +123,13 @@ class Admission:
                 self._per_peer[slot.peer] -= 1
                 if self._per_peer[slot.peer] <= 0:
                     del self._per_peer[slot.peer]
+
+    def no_thread(self, conn: socket.socket, error: BaseException) -> None:
+        """``conn`` was taken on but its reader thread could not start: released, counted, logged."""
+        self.release(conn)
+        self.board.limit_hit(NO_THREAD)
+        self.log.warning(NO_THREAD, "%s data listener closed a connection: no reader thread (%s)",
+                         self.what, error)
 
     def overdue(self) -> list[socket.socket]:
         """Connections past their handshake deadline (each returned once; counted)."""

@@ -167,4 +167,11 @@ class UnixLinkPlane(DataPlane):
                 return
             self.inbound[conn] = ""
             self.readers.add(reader)
-        reader.start()
+        try:
+            reader.start()
+        except RuntimeError as exc:  # no thread to be had (the process's limit): refuse this one
+            with self.lock:
+                self.inbound.pop(conn, None)
+                self.readers.discard(reader)
+            conn.close()
+            self.admission.no_thread(conn, exc)
