@@ -11,6 +11,8 @@ Two kinds of thread:
   failures within ``window_s`` and the component is **dead**: its :class:`HealthBoard` lists it, the
   process's ``/health`` answers 503 naming it, and ``on_dead`` (if given) runs once. A body must be
   restartable: sockets and state it needs across runs belong to the component, not to the body.
+- **Long-lived asyncio tasks** (the router's etcd watch) run under :func:`supervise_async`, the same
+  rules on the event loop: cancelling the task is the stop.
 - **One-shot workers** (one reader per accepted connection, a closer): :func:`guarded` wraps the
   target so that an exception is logged with the worker's name and counted on the board
   (``errors``); the worker is not restarted (its connection is gone) and the process stays healthy.
@@ -25,13 +27,14 @@ exports the board to Prometheus: ``kvwire_component_restarts_total{component}``,
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import enum
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -275,6 +278,41 @@ class SupervisedThread:
             if self._stop.wait(backoff_s):
                 return
             self.board.running(self._key)
+
+
+async def supervise_async(
+    name: str, body: Callable[[], Awaitable[None]], *, board: HealthBoard | None = None,
+    policy: RestartPolicy | None = None,
+) -> None:
+    """:class:`SupervisedThread` for an asyncio task: run ``body()`` until the task is cancelled (the
+    component's stop), restarting it with backoff when it raises or returns; dead (on ``board``)
+    after too many failures, and then this coroutine returns. Cancellation takes the component off
+    the board (stopped on purpose)."""
+    board = board if board is not None else HealthBoard()
+    policy = policy or RestartPolicy()
+    key = board.register(name)
+    attempt = 0
+    try:
+        while True:
+            try:
+                await body()
+                error: BaseException = RuntimeError(f"{name} returned while not stopping")
+            except Exception as exc:  # every exception a hostile peer or a bug can raise
+                error = exc
+            text = f"{type(error).__name__}: {error}"
+            if board.failed(key, text, policy) is ComponentState.DEAD:
+                log.error("component %s is dead (failed %d times within %.0f s; last: %s): the process "
+                          "reports unhealthy", name, policy.max_restarts + 1, policy.window_s, text,
+                          exc_info=error)
+                return
+            attempt += 1
+            backoff_s = policy.backoff_s(attempt)
+            log.error("component %s failed (%s); restarting in %.2f s", name, text, backoff_s, exc_info=error)
+            await asyncio.sleep(backoff_s)
+            board.running(key)
+    except asyncio.CancelledError:
+        board.unregister(key)
+        raise
 
 
 def guarded(name: str, target: Callable[..., None], board: HealthBoard | None = None) -> Callable[..., None]:

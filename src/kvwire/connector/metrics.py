@@ -70,6 +70,12 @@ class ConnectorMetrics:
             "kvwire_pd_blocks_awaiting_send", "P's blocks of finished requests held until the send completes",
             registry=registry,
         )
+        self.quarantined_blocks = Gauge(
+            "kvwire_pd_quarantined_blocks",
+            "D's blocks of failed or aborted receives held back from the engine because a stalled "
+            "sender may still write into them (decision 114)",
+            registry=registry,
+        )
         # Read from the agent at scrape time (a function gauge of a monotonic count).
         self.control_rejected = Gauge(
             "kvwire_pd_control_messages_rejected",

@@ -4,9 +4,10 @@ Same surface as :class:`~kvwire.discovery.client.HeartbeatClient` (``start``, ``
 ``close``, ``sent``/``dropped``), so every host registers the same way whatever the backend.
 
 Contract:
-* One daemon thread. It grants a lease of ``lease_ttl_s`` (the heartbeat TTL: 3 heartbeat
-  intervals, at least 2 s) and puts the record (a JSON :class:`Heartbeat`: role, model, URL, KV
-  endpoints (one per TP rank), load) at ``prefix + instance_id`` bound to that lease.
+* One daemon thread, supervised (``kvwire-etcd-registration`` on the host's ``board``). It grants
+  a lease of ``lease_ttl_s`` (the heartbeat TTL: 3 heartbeat intervals, at least 2 s) and puts
+  the record (a JSON :class:`Heartbeat`: role, model, URL, KV endpoints (one per TP rank), load)
+  at ``prefix + instance_id`` bound to that lease.
 * Every ``interval_s`` it renews the lease (a keep-alive) and puts the record with the current
   load (``refresh_s``, default the interval). If the process dies or stops (kill -9, SIGSTOP, host
   gone), both stop: routers take it out of routing when the TTL passes without a record (the
@@ -39,6 +40,7 @@ from kvwire.discovery.client import LoadFn
 from kvwire.discovery.etcd_gateway import EtcdAuthError, EtcdError, EtcdHttp, encode_record
 from kvwire.discovery.messages import Heartbeat, InstanceInfo, InstanceLoad
 from kvwire.errors import ConfigError
+from kvwire.supervision import HealthBoard, SupervisedThread
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,7 @@ class EtcdRegistration:
         min_put_interval_s: float | None = None,
         refresh_s: float | None = None,
         linger_s: float = 0.5,
+        board: HealthBoard | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ConfigError(f"heartbeat interval_s must be > 0, got {interval_s}")
@@ -80,7 +83,8 @@ class EtcdRegistration:
                               ssl_context=target.ssl_context(), auth=target.auth)
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._board = board
+        self._thread: SupervisedThread | None = None
         self._seq = 0
         self._lease: int | None = None
         self._last_put = -math.inf
@@ -98,9 +102,8 @@ class EtcdRegistration:
 
     def start(self) -> EtcdRegistration:
         if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name=f"kvwire-etcd-{self.info.instance_id}", daemon=True
-            )
+            self._thread = SupervisedThread("kvwire-etcd-registration", self._run, self._stop,
+                                            board=self._board)
             self._thread.start()
         return self
 
@@ -113,9 +116,7 @@ class EtcdRegistration:
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=self._linger_s + 4.0)
-            if self._thread.is_alive():
-                log.warning("etcd registration thread of %s did not stop in time", self.info.instance_id)
+            self._thread.stop(timeout_s=self._linger_s + 4.0)  # logs when it did not stop in time
 
     def __enter__(self) -> EtcdRegistration:
         return self.start()
@@ -128,6 +129,9 @@ class EtcdRegistration:
     # --- thread ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        """The supervised thread's body: rounds until close(), then the revoke. Anything but an
+        etcd failure (counted in :meth:`tick`) raises to the supervisor: restarted with backoff, or
+        dead (the host's ``/health`` answers 503 naming ``kvwire-etcd-registration``)."""
         try:
             while not self._stop.is_set():
                 self.tick()
@@ -137,8 +141,6 @@ class EtcdRegistration:
                 self._http.revoke(self._lease)
         except EtcdError as exc:
             log.warning("could not revoke the etcd lease of %s: %s", self.info.instance_id, exc)
-        except Exception:  # the thread must never die silently
-            log.exception("etcd registration thread of %s failed", self.info.instance_id)
         finally:
             self._http.close()
 

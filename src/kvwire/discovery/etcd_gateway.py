@@ -94,8 +94,8 @@ def decode_record(value: bytes) -> Heartbeat:
         raise ProtocolError(f"instance record of {len(value)} bytes exceeds {MAX_FRAME_BYTES}")
     try:
         hb = _record_decoder.decode(value)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"malformed instance record: {exc}") from exc
+    except Exception as exc:  # DecodeError, ValidationError, RecursionError (nesting), ...
+        raise ProtocolError(f"malformed instance record: {type(exc).__name__}: {exc}") from exc
     if hb.v != DISCOVERY_VERSION:
         raise ProtocolError(f"instance record version {hb.v} unsupported (expected {DISCOVERY_VERSION})")
     check_info(hb.info)
@@ -106,7 +106,7 @@ def check_answer(path: str, status: int, body: bytes) -> dict[str, Any]:
     """Parse a gateway answer; raises :class:`EtcdError` for HTTP errors and gateway error bodies."""
     try:
         data = json.loads(body) if body else {}
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise EtcdError(f"etcd {path}: HTTP {status}, not JSON: {body[:200]!r}") from exc
     if status != 200 or (isinstance(data, dict) and "error" in data and "result" not in data):
         message = data.get("message") or data.get("error") if isinstance(data, dict) else body[:200].decode()

@@ -151,8 +151,8 @@ def decode_frames(frames: Sequence[bytes], secret: bytes | None = None) -> Disco
             raise AuthenticationError("bad discovery message signature")
     try:
         msg = _decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"malformed discovery message: {exc}") from exc
+    except Exception as exc:  # DecodeError, ValidationError, RecursionError (nesting), MemoryError...
+        raise ProtocolError(f"malformed discovery message: {type(exc).__name__}: {exc}") from exc
     if msg.v != DISCOVERY_VERSION:
         raise ProtocolError(f"discovery message version {msg.v} unsupported (expected {DISCOVERY_VERSION})")
     if isinstance(msg, Heartbeat):

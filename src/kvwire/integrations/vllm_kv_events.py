@@ -39,6 +39,7 @@ import zmq
 
 from kvwire.kv_events import KvEventLog
 from kvwire.kv_hash import ROOT_HASH, BlockHash, hash_block
+from kvwire.supervision import HealthBoard, SupervisedThread
 
 log = logging.getLogger(__name__)
 
@@ -242,12 +243,16 @@ class VllmKvEventBridge:
     hint — never a wrong answer (decision 046).
     """
 
-    def __init__(self, endpoint: str, translator: VllmKvTranslator, topic: str = "") -> None:
+    def __init__(
+        self, endpoint: str, translator: VllmKvTranslator, topic: str = "", *,
+        board: HealthBoard | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self.translator = translator
         self._topic = topic.encode()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._board = board
+        self._thread: SupervisedThread | None = None
         self._next_seq: int | None = None
         self.batches = 0
         self.gaps = 0
@@ -255,7 +260,7 @@ class VllmKvEventBridge:
 
     def start(self) -> VllmKvEventBridge:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="kvwire-vllm-kv-events", daemon=True)
+            self._thread = SupervisedThread("kvwire-vllm-kv-events", self._run, self._stop, board=self._board)
             self._thread.start()
         return self
 
@@ -264,14 +269,15 @@ class VllmKvEventBridge:
             return
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=POLL_MS / 1000 + 2.0)
-            if self._thread.is_alive():
-                log.warning("kvwire: the vLLM KV event bridge did not stop in time")
+            self._thread.stop(timeout_s=POLL_MS / 1000 + 2.0)  # logs when it did not stop in time
         t = self.translator
         log.info("kvwire: vLLM KV event bridge closed: %d batches, %d blocks held, %d gaps, %d malformed, "
                  "skipped %s", self.batches, t.num_blocks, self.gaps, self.malformed, dict(t.skipped))
 
     def _run(self) -> None:
+        """The supervised thread's body (``kvwire-vllm-kv-events``): its own SUB socket, closed on
+        the way out; an exception restarts it with backoff on a fresh socket (a sequence gap then
+        says batches were missed), and one that keeps failing is dead on the host's board."""
         # vLLM's publisher uses the process-wide context: an inproc:// endpoint needs the same one.
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         sock = ctx.socket(zmq.SUB)
@@ -284,8 +290,6 @@ class VllmKvEventBridge:
             while not self._stop.is_set():
                 if sock.poll(POLL_MS):
                     self._drain(sock)
-        except Exception:  # the thread must never die silently
-            log.exception("kvwire: the vLLM KV event bridge failed; KV events are no longer forwarded")
         finally:
             sock.close(linger=0)
 
@@ -311,7 +315,7 @@ class VllmKvEventBridge:
         self._next_seq = seq + 1
         try:
             events, unknown = decode_events(frames[2])
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except Exception as exc:  # DecodeError, ValidationError, RecursionError (nesting), ...
             self.malformed += 1
             log.warning("kvwire: malformed vLLM KV event batch %d: %s", seq, exc)
             return

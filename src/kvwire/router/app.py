@@ -33,7 +33,8 @@ from kvwire.router.registry import InstanceView, Registry
 from kvwire.router.request import ClientRequest, Outcome, parse_client_request
 from kvwire.router.security import instance_headers
 from kvwire.router.selection import ModelNotFoundError, Selector
-from kvwire.router.upstream import Upstream, UpstreamFailure
+from kvwire.router.upstream import Upstream, UpstreamFailure, UpstreamLimits
+from kvwire.supervision import HealthBoard, SupervisionCollector
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +53,18 @@ class RouterServer:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
         self.metrics = RouterMetrics()
+        # The router's one health board: its supervised threads and tasks (/health, /metrics)
+        self.board = HealthBoard()
+        self.metrics.registry.register(SupervisionCollector(self.board))
         self.kv_index = KvIndex(cfg.kv_index_max_blocks)
-        self.registry = Registry(cfg.instance_ttl_s, cfg.forget_after_s, on_remove=self._forget_instance)
+        self.registry = Registry(cfg.instance_ttl_s, cfg.forget_after_s, on_remove=self._forget_instance,
+                                 max_instances=cfg.max_instances, max_record_ttl_s=cfg.max_record_ttl_s)
         # ZeroMQ heartbeats (default, with KV events into the index) or an etcd watch
-        self.discovery = make_discovery(cfg, self.registry, self.kv_index)
+        self.discovery = make_discovery(cfg, self.registry, self.kv_index, board=self.board)
         self.selector = Selector(self.registry, cfg.policy, cfg.seed, kv_index=self.kv_index)
         self.metrics.add_discovery(
             self.registry, lambda: dict(self.discovery.received), lambda: dict(self.discovery.dropped),
-            lambda: self.discovery.stale,
+            lambda: self.discovery.stale, lambda: self.discovery.connections_dropped,
         )
         refusals = RefusalLog(log, "client request")
         middlewares = [api_key_middleware(cfg.api_keys, self._auth_refused, refusals)]
@@ -94,7 +99,9 @@ class RouterServer:
     async def start(self) -> None:
         await self.discovery.start()
         self._upstream = Upstream(
-            self.registry, self.metrics, self.cfg.connect_timeout_s, self.cfg.upstream_timeout_s
+            self.registry, self.metrics, self.cfg.connect_timeout_s, self.cfg.upstream_timeout_s,
+            limits=UpstreamLimits(self.cfg.upstream_max_connections,
+                                  self.cfg.upstream_max_connections_per_instance),
         )
         self._dispatcher = Dispatcher(self.cfg, self.selector, self._upstream, self.metrics)
         self._runner = web.AppRunner(
@@ -192,10 +199,15 @@ class RouterServer:
         return web.json_response({"object": "list", "data": data})
 
     async def _health(self, request: web.Request) -> web.Response:
+        """200 ``ok``; 503 naming the dead component when a supervised thread or task gave up."""
         live = sum(1 for v in self.registry.snapshot() if v.alive)
         discovery = {"backend": self.discovery.kind.value, "stale": self.discovery.stale,
                      "error": self.discovery.last_error}
-        return web.json_response({"status": "ok", "live_instances": live, "discovery": discovery})
+        body: dict[str, Any] = {"status": "ok", "live_instances": live, "discovery": discovery}
+        dead = self.board.health_body()
+        if dead is not None:
+            return web.json_response({**body, **dead}, status=503)
+        return web.json_response(body)
 
     async def _metrics_handler(self, request: web.Request) -> web.Response:
         body = generate_latest(self.metrics.registry)
@@ -267,6 +279,9 @@ def _client_error(exc: Exception) -> tuple[int, Outcome, str]:
 
 def _upstream_error_response(exc: UpstreamFailure) -> web.Response:
     if exc.body:
-        # The instance's own error, status and body unchanged.
-        return web.Response(body=exc.body, status=exc.status, headers={"Content-Type": exc.content_type})
+        # The instance's own error, status and body unchanged (and its Retry-After: a full queue's 429).
+        headers = {"Content-Type": exc.content_type}
+        if exc.retry_after:
+            headers["Retry-After"] = exc.retry_after
+        return web.Response(body=exc.body, status=exc.status, headers=headers)
     return error_response(exc.status, str(exc), "upstream_error")

@@ -84,6 +84,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: what the instances announce)")
     parser.add_argument("--kv-index-max-blocks", type=int, default=d.kv_index_max_blocks,
                         help="block hashes the router's KV index keeps (default %(default)s)")
+    bounds = parser.add_argument_group("bounds on what peers choose")
+    bounds.add_argument("--max-instances", type=int, default=d.max_instances,
+                        help="instances the registry holds; heartbeats of new ones beyond are refused "
+                             "(default %(default)s)")
+    bounds.add_argument("--max-record-ttl-s", type=float, default=d.max_record_ttl_s,
+                        help="cap on the ttl_s an instance's heartbeat promises (default %(default)s)")
+    bounds.add_argument("--upstream-max-connections", type=int, default=d.upstream_max_connections,
+                        help="connections to instances in all; more requests wait (default %(default)s)")
+    bounds.add_argument("--upstream-max-connections-per-instance", type=int,
+                        default=d.upstream_max_connections_per_instance,
+                        help="connections to one instance; more requests wait (default %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -103,6 +114,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         instance_api_key=args.instance_api_key or os.environ.get(INSTANCE_API_KEY_ENV) or None,
         decode_local_prefill_tokens=args.decode_local_prefill_tokens, tokenizer=args.tokenizer,
         kv_index_max_blocks=args.kv_index_max_blocks,
+        max_instances=args.max_instances, max_record_ttl_s=args.max_record_ttl_s,
+        upstream_max_connections=args.upstream_max_connections,
+        upstream_max_connections_per_instance=args.upstream_max_connections_per_instance,
     )
 
 

@@ -19,13 +19,20 @@ from kvwire.router.config import RouterConfig
 from kvwire.router.etcd_watcher import EtcdWatcher
 from kvwire.router.kv_index import KvIndex
 from kvwire.router.listener import DiscoveryListener
-from kvwire.router.registry import Registry, RegistrySweeper
+from kvwire.router.registry import Registry
+from kvwire.router.sweeper import RegistrySweeper
+from kvwire.supervision import HealthBoard
 
 
 class RouterDiscovery(Protocol):
     kind: DiscoveryKind
     received: collections.Counter[str]  # discovery updates applied, by ApplyResult value
     dropped: collections.Counter[str]  # discarded updates, by reason
+
+    @property
+    def connections_dropped(self) -> int:
+        """Discovery connections closed before one valid message (ZeroMQ; 0 for etcd)."""
+        ...
 
     @property
     def address(self) -> str: ...
@@ -52,17 +59,25 @@ class ZmqDiscovery:
     stale = False  # the router itself is the source of truth
     last_error = ""
 
-    def __init__(self, registry: Registry, cfg: RouterConfig, kv_index: KvIndex | None = None) -> None:
+    def __init__(
+        self, registry: Registry, cfg: RouterConfig, kv_index: KvIndex | None = None, *,
+        board: HealthBoard | None = None,
+    ) -> None:
         self.listener = DiscoveryListener(
-            registry, cfg.discovery_host, cfg.discovery_port, cfg.secret_bytes, kv_index=kv_index
+            registry, cfg.discovery_host, cfg.discovery_port, cfg.secret_bytes, kv_index=kv_index,
+            board=board,
         )
-        self.sweeper = RegistrySweeper(registry, cfg.sweep_interval_s)
+        self.sweeper = RegistrySweeper(registry, cfg.sweep_interval_s, board=board)
         self.received = self.listener.received
         self.dropped = self.listener.dropped
 
     @property
     def address(self) -> str:
         return self.listener.address
+
+    @property
+    def connections_dropped(self) -> int:
+        return self.listener.connections_dropped
 
     async def start(self) -> None:
         self.listener.start()
@@ -78,13 +93,16 @@ class ZmqDiscovery:
 
 class EtcdDiscovery(EtcdWatcher):
     kind = DiscoveryKind.ETCD
+    connections_dropped = 0  # the watch is the router's own connection
 
 
 def make_discovery(
-    cfg: RouterConfig, registry: Registry, kv_index: KvIndex | None = None
+    cfg: RouterConfig, registry: Registry, kv_index: KvIndex | None = None, *,
+    board: HealthBoard | None = None,
 ) -> ZmqDiscovery | EtcdDiscovery:
-    """The backend ``cfg`` names. KV events (``kv_index``) arrive on the ZeroMQ connection only."""
+    """The backend ``cfg`` names. KV events (``kv_index``) arrive on the ZeroMQ connection only.
+    Its threads and tasks are supervised on ``board`` (the router's /health)."""
     target = cfg.discovery_target
     if target is None:
-        return ZmqDiscovery(registry, cfg, kv_index)
-    return EtcdDiscovery(registry, target)
+        return ZmqDiscovery(registry, cfg, kv_index, board=board)
+    return EtcdDiscovery(registry, target, board=board)

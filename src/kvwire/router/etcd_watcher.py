@@ -67,6 +67,7 @@ from kvwire.errors import ProtocolError
 from kvwire.router.etcd_expiry import DeadlineHeap
 from kvwire.router.etcd_stream import WatchEvent, watch_messages
 from kvwire.router.registry import ApplyResult, Registry
+from kvwire.supervision import HealthBoard, supervise_async
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +87,11 @@ SYNC_SLICE = 256  # records of a (re-)sync applied between two yields
 class EtcdWatcher:
     """Start with :meth:`start` on the router's loop; :meth:`stop` cancels the task and closes HTTP."""
 
-    def __init__(self, registry: Registry, target: DiscoveryAddress) -> None:
+    def __init__(
+        self, registry: Registry, target: DiscoveryAddress, *, board: HealthBoard | None = None
+    ) -> None:
         self._registry = registry
+        self._board = board  # the watch and the expiry tasks are supervised there (router /health)
         self.target = target
         self._url = target.address
         self._epochs: dict[str, int] = {}  # instance id -> epoch of the record seen last
@@ -119,8 +123,11 @@ class EtcdWatcher:
         ssl_context = self.target.ssl_context()  # https: verified against the address's CA
         connector = aiohttp.TCPConnector(ssl=ssl_context if ssl_context is not None else True)
         self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
-        self._task = asyncio.create_task(self._run(), name="kvwire-etcd-watch")
-        self._expiry = asyncio.create_task(self._expire_silent(), name="kvwire-etcd-expiry")
+        self._task = asyncio.create_task(
+            supervise_async("kvwire-etcd-watch", self._run, board=self._board), name="kvwire-etcd-watch")
+        self._expiry = asyncio.create_task(
+            supervise_async("kvwire-etcd-expiry", self._expire_silent, board=self._board),
+            name="kvwire-etcd-expiry")
 
     async def stop(self) -> None:
         for task in (self._task, self._expiry, *self._probes):
@@ -131,6 +138,8 @@ class EtcdWatcher:
             await self._session.close()
 
     async def _run(self) -> None:
+        """Sync and watch until cancelled; an etcd outage is retried here (the view goes stale), any
+        other exception marks the view stale and goes to the supervisor (restart with backoff)."""
         backoff = BACKOFF_MIN_S
         while True:
             try:
@@ -147,6 +156,10 @@ class EtcdWatcher:
                 elif not self.stale:
                     log.warning("etcd at %s lost (%s); routing on the last view", self.address, exc)
                 self.last_error = str(exc) or type(exc).__name__
+            except Exception as exc:
+                self._mark_stale()
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                raise
             self._mark_stale()
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, BACKOFF_MAX_S)
@@ -175,7 +188,7 @@ class EtcdWatcher:
             asked = {ident: self._revisions.get(ident, 0) for ident in due}
             task = asyncio.create_task(self._probe(now, asked), name="kvwire-etcd-probe")
             self._probes.add(task)
-            task.add_done_callback(self._probes.discard)
+            task.add_done_callback(self._probe_done)
         return PROBE_PERIOD_S
 
     async def _probe(self, sent_at: float, asked: dict[str, int]) -> None:
@@ -208,6 +221,17 @@ class EtcdWatcher:
         self._recheck(behind, sent_at + PROBE_RETRY_S)
         # an instance whose newer record arrived meanwhile has a later deadline: expire() leaves it
         self.probes["expired"] += len(self._registry.expire(silent, sent_at))
+
+    def _probe_done(self, task: asyncio.Task[None]) -> None:
+        """A one-shot probe ended; one that raised (an etcd answer of an unexpected shape) is logged
+        and counted (``probes["failed"]``, ``kvwire_thread_errors_total``), never silent."""
+        self._probes.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        self.probes["failed"] += 1
+        log.error("etcd expiry probe failed", exc_info=task.exception())
+        if self._board is not None:
+            self._board.worker_error("kvwire-etcd-probe")
 
     def _recheck(self, idents: list[str], at: float) -> None:
         """Ask about ``idents`` again at ``at``, unless a newer record set their deadline meanwhile."""
@@ -355,7 +379,7 @@ class EtcdWatcher:
                 if result is ApplyResult.DEREGISTERED:
                     self._epochs.pop(msg.instance_id, None)
                     self._deadlines.discard(msg.instance_id)
-            elif result is not ApplyResult.STALE:
+            elif result not in (ApplyResult.STALE, ApplyResult.REFUSED):
                 self._note_record(msg)
 
     def _note_record(self, record: Heartbeat) -> None:

@@ -20,10 +20,12 @@ import threading
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvwire.discovery.messages import Deregister, Heartbeat, KvEvents, decode_frames
+from kvwire.discovery.messages import MAX_FRAME_BYTES, Deregister, Heartbeat, KvEvents, decode_frames
 from kvwire.errors import AuthenticationError, ProtocolError
+from kvwire.refusal_log import RefusalLog
 from kvwire.router.kv_index import KvIndex
-from kvwire.router.registry import ApplyResult, Registry, stop_thread
+from kvwire.router.registry import ApplyResult, Registry
+from kvwire.supervision import HealthBoard, SupervisedThread
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +41,19 @@ _COALESCE_S = 0.025
 
 
 class DiscoveryListener:
-    """Binds ``tcp://host:port`` (port 0 = a free port) at construction; :meth:`start` runs the thread."""
+    """Binds ``tcp://host:port`` (port 0 = a free port) at construction; :meth:`start` runs the thread.
+
+    The thread is a :class:`~kvwire.supervision.SupervisedThread` (``kvwire-discovery`` on ``board``):
+    its loop is restartable (the sockets belong to the listener and are closed only by :meth:`close`),
+    so a bug or a hostile message that gets past the decoder costs one restart, not discovery. ZeroMQ
+    drops the connection of a peer sending a frame over ``MAX_FRAME_BYTES`` (``MAXMSGSIZE``) before
+    buffering it; connections that close without having delivered one valid message are counted in
+    :attr:`connections_dropped`.
+    """
 
     def __init__(
         self, registry: Registry, host: str, port: int, secret: bytes | None = None,
-        kv_index: KvIndex | None = None,
+        kv_index: KvIndex | None = None, *, board: HealthBoard | None = None,
     ) -> None:
         self._registry = registry
         self._kv_index = kv_index  # KV events go there (dropped, counted, when None)
@@ -52,6 +62,7 @@ class DiscoveryListener:
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 10_000)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # per frame; bigger: connection dropped
         if port == 0:
             self.port = self._sock.bind_to_random_port(f"tcp://{host}")
         else:
@@ -62,16 +73,19 @@ class DiscoveryListener:
         self._fd_owner: dict[int, tuple[str, int]] = {}  # connection fd -> (instance id, epoch)
         self.received: collections.Counter[str] = collections.Counter()  # by ApplyResult value
         self.dropped: collections.Counter[str] = collections.Counter()  # by reason
+        # connections closed before one valid heartbeat (a frame over MAXMSGSIZE, a scan, a refused peer)
+        self.connections_dropped = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvwire-discovery", daemon=True)
+        self._refusals = RefusalLog(log, "discovery message")  # a flood logs once a minute per reason
+        self._thread = SupervisedThread("kvwire-discovery", self._run, self._stop, board=board)
 
     def start(self) -> DiscoveryListener:
         self._thread.start()
         return self
 
     def close(self) -> None:
-        # The thread closes the sockets on its way out; close them here if it never started.
-        if stop_thread(self._thread, self._stop) and not self._ctx.closed:
+        """Stop the thread, then close the sockets (idempotent; also when it never started)."""
+        if self._thread.stop() and not self._ctx.closed:
             self._close_sockets()
 
     def _close_sockets(self) -> None:
@@ -81,25 +95,21 @@ class DiscoveryListener:
         self._ctx.term()
 
     def _run(self) -> None:
+        """The thread's loop until close(); raises on a failure (the supervisor restarts it)."""
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
-        try:
-            while not self._stop.is_set():
-                events = dict(poller.poll(_POLL_MS))
-                # Messages first: a heartbeat an instance sent just before dying is queued before
-                # its connection's close event; applied after it, it would bring the dead
-                # instance back until the TTL. ZeroMQ queues a connection's messages before it
-                # emits the event, so a full drain, then the events, keeps that order.
-                drained = self._drain()
-                if drained and self._monitor in events:
-                    self._on_monitor_events()
-                if events and drained:
-                    self._stop.wait(_COALESCE_S)
-        except Exception:
-            log.exception("discovery listener failed")
-        finally:
-            self._close_sockets()
+        while not self._stop.is_set():
+            events = dict(poller.poll(_POLL_MS))
+            # Messages first: a heartbeat an instance sent just before dying is queued before
+            # its connection's close event; applied after it, it would bring the dead
+            # instance back until the TTL. ZeroMQ queues a connection's messages before it
+            # emits the event, so a full drain, then the events, keeps that order.
+            drained = self._drain()
+            if drained and self._monitor in events:
+                self._on_monitor_events()
+            if events and drained:
+                self._stop.wait(_COALESCE_S)
 
     def _drain(self) -> bool:
         """Handle everything queued now, in arrival order: heartbeats and deregistrations in
@@ -131,10 +141,13 @@ class DiscoveryListener:
             return decode_frames([f.bytes for f in frames], self._secret)
         except AuthenticationError as exc:
             self.dropped["unauthenticated"] += 1
-            log.warning("dropped discovery message: %s", exc)
+            self._refusals.refused("unauthenticated", str(exc))
         except ProtocolError as exc:
             self.dropped["malformed"] += 1
-            log.warning("dropped discovery message: %s", exc)
+            self._refusals.refused("malformed", str(exc))
+        except Exception as exc:  # the decoder's contract is ProtocolError; a slip must not stop us
+            self.dropped["malformed"] += 1
+            self._refusals.refused("malformed", f"the decoder raised {type(exc).__name__}: {exc}")
         return None
 
     def _apply(self, batch: list[tuple[Heartbeat | Deregister, int]]) -> None:
@@ -144,7 +157,8 @@ class DiscoveryListener:
         results = self._registry.apply_many([msg for msg, _ in batch])
         for (msg, fd), result in zip(batch, results, strict=True):
             self.received[result.value] += 1
-            if isinstance(msg, Heartbeat) and result is not ApplyResult.STALE and fd >= 0:
+            kept = result not in (ApplyResult.STALE, ApplyResult.REFUSED)
+            if isinstance(msg, Heartbeat) and kept and fd >= 0:
                 self._fd_owner[fd] = (msg.info.instance_id, msg.info.epoch)
         batch.clear()
 
@@ -157,6 +171,8 @@ class DiscoveryListener:
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue
             owner = self._fd_owner.pop(int(event["value"]), None)
-            if owner is not None:
+            if owner is None:  # never delivered a valid heartbeat: a frame over MAXMSGSIZE, a scan
+                self.connections_dropped += 1
+            else:
                 instance_id, epoch = owner
                 self._registry.mark_unreachable(instance_id, epoch, "discovery connection closed")

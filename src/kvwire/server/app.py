@@ -20,6 +20,7 @@ from kvwire.server.engine_loop import EngineLoop
 from kvwire.server.engine_status import EngineHealth
 from kvwire.server.generate import GenerationHandler, error_response
 from kvwire.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvwire.supervision import HealthBoard
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class ServerApp:
         model_name: str,
         max_model_len: int,
         identity: dict[str, Any] | None = None,
+        *,
+        board: HealthBoard | None = None,
     ) -> None:
         self._engine_loop = engine_loop
         self._generation = generation
@@ -63,6 +66,7 @@ class ServerApp:
         self._created = int(time.time())
         # Shown by /health: instance id, role, KV endpoints (what registration advertises).
         self._identity = dict(identity or {})
+        self._board = board  # the instance's supervised threads: a dead one makes /health 503
 
     def build(self, max_request_bytes: int, api_keys: ApiKeyConfig | None = None) -> web.Application:
         auth = api_key_middleware(api_keys or ApiKeyConfig(), self._auth_refused,
@@ -86,6 +90,9 @@ class ServerApp:
         if status.health is not EngineHealth.OK:
             body = {"status": status.health.value, "reason": status.reason, **self._identity}
             return web.json_response(body, status=503)
+        dead = self._board.health_body() if self._board is not None else None
+        if dead is not None:  # e.g. the heartbeat thread gave up: serving, but not registered
+            return web.json_response({**dead, **self._identity}, status=503)
         return web.json_response({"status": "ok", **self._identity})
 
     async def models(self, request: web.Request) -> web.Response:

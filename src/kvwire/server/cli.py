@@ -16,6 +16,7 @@ from kvwire.discovery.address import add_tls_arguments, auth_of_args, tls_files_
 from kvwire.errors import ConfigError, KvwireError
 from kvwire.kv_params import Role, TransferMode
 from kvwire.server.config import KVLoadFailure, ServerConfig
+from kvwire.transfer.config import ControlLimits
 from kvwire.transfer.enums import Transport
 from kvwire.transfer.planes.link_config import DataLinkConfig
 from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
@@ -61,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-load-failure-policy", choices=[p.value for p in KVLoadFailure],
                         default=KVLoadFailure.RECOMPUTE.value,
                         help="decode side: recompute the prompt or fail the request when KV does not arrive")
+    _add_kv_limit_arguments(parser)
     _add_data_link_arguments(parser)
     parser.add_argument("--shutdown-deadline-s", type=float, default=10.0)
     parser.add_argument("--client-write-timeout-s", type=float, default=30.0,
@@ -73,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "$KVWIRE_API_KEY, else no authentication); /health stays open")
     parser.add_argument("--open-endpoint", action="append", choices=["metrics"], default=[],
                         help="serve /metrics without an API key")
+    bounds = parser.add_argument_group("bounds on what clients send")
+    bounds.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
+                        help="largest accepted request body; larger: 413 (default %(default)s)")
+    bounds.add_argument("--max-waiting-requests", type=int, default=ServerConfig.max_waiting_requests,
+                        help="requests admitted and not yet computing at most; more: 429 with "
+                             "Retry-After (0: no bound; default %(default)s)")
     sizing = parser.add_argument_group("engine sizing (default: derived from the model and device)")
     sizing.add_argument("--block-size", type=int, default=None)
     sizing.add_argument("--num-kv-blocks", type=int, default=None)
@@ -82,6 +90,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sizing.add_argument("--seed", type=int, default=None, help="engine sampler seed")
     sizing.add_argument("--tensor-parallel-size", "--tp", type=int, default=None, dest="tensor_parallel_size",
                         help="ranks (processes; GPUs on CUDA) the model is split over (default 1)")
+
+
+def _add_kv_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """What P/D peers can make the KV agent's control plane hold or trust (decision 116; the
+    defaults are ControlLimits')."""
+    d = ControlLimits()
+    group = parser.add_argument_group("KV transfer control-plane bounds (counted when hit: "
+                                      "kvwire_transfer_limit_hits_total)")
+    group.add_argument("--kv-max-control-message-bytes", type=int, default=d.max_message_bytes,
+                       help="largest control frame a peer may send (larger: dropped, peer disconnected)")
+    group.add_argument("--kv-min-peer-deadline-s", type=float, default=d.min_peer_deadline_s,
+                       help="a peer's Offer/Pull lease is raised to at least this")
+    group.add_argument("--kv-max-peer-deadline-s", type=float, default=d.max_peer_deadline_s,
+                       help="... and lowered to at most this (not finite: the message is refused)")
+    group.add_argument("--kv-max-early-grants", type=int, default=d.max_early_grants,
+                       help="P: receivers' grants kept before the send starts, in all")
+    group.add_argument("--kv-max-early-grants-per-peer", type=int, default=d.max_early_grants_per_peer,
+                       help="P: ... per receiver")
+    group.add_argument("--kv-max-pending-per-peer", type=int, default=d.max_pending_per_peer,
+                       help="per peer: its offers not expected yet, its pulls of transfers not started yet")
+    group.add_argument("--kv-max-pending-pulls", type=int, default=d.max_pending_pulls,
+                       help="P: pulls of transfers not started yet, in all")
+    group.add_argument("--kv-max-pending-transfers", type=int, default=65536,
+                       help="transfers the KV agent tracks, per side")
+    group.add_argument("--kv-max-peers", type=int, default=d.max_peers,
+                       help="peer endpoints whose epoch is remembered (least recently heard forgotten)")
+
+
+def kv_limits_from_args(args: argparse.Namespace) -> ControlLimits:
+    return ControlLimits(
+        max_message_bytes=args.kv_max_control_message_bytes, min_peer_deadline_s=args.kv_min_peer_deadline_s,
+        max_peer_deadline_s=args.kv_max_peer_deadline_s, max_early_grants=args.kv_max_early_grants,
+        max_early_grants_per_peer=args.kv_max_early_grants_per_peer,
+        max_pending_per_peer=args.kv_max_pending_per_peer, max_pending_pulls=args.kv_max_pending_pulls,
+        max_peers=args.kv_max_peers,
+    )
 
 
 def _add_data_link_arguments(parser: argparse.ArgumentParser) -> None:
@@ -142,6 +186,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         kv_deadline_s=args.kv_deadline_s,
         kv_transport=Transport(args.kv_transport),
         kv_load_failure_policy=KVLoadFailure(args.kv_load_failure_policy),
+        kv_limits=kv_limits_from_args(args),
+        kv_max_pending_transfers=args.kv_max_pending_transfers,
         shutdown_deadline_s=args.shutdown_deadline_s,
         client_write_timeout_s=args.client_write_timeout_s,
         engine_stall_timeout_s=args.engine_stall_timeout_s,
@@ -149,6 +195,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         kv_data_links=_data_links_of(args),
         api_keys=ApiKeyConfig(keys_from_cli(args.api_key, os.environ),
                               frozenset(f"/{name}" for name in args.open_endpoint)),
+        max_request_bytes=args.max_request_bytes, max_waiting_requests=args.max_waiting_requests,
     )
 
 

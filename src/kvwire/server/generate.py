@@ -64,6 +64,18 @@ def error_response(
     return json_response(status, error_body(message, err_type, param, code))
 
 
+RETRY_AFTER_S = 1  # what a client refused for a full waiting queue is told to wait
+
+
+def queue_full_response(max_waiting: int) -> web.Response:
+    """429: the waiting queue holds ``max_waiting`` requests (``--max-waiting-requests``)."""
+    response = error_response(
+        429, f"the server's waiting queue is full ({max_waiting} requests); retry later",
+        "rate_limit_error", code="queue_full")
+    response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
+
+
 @dataclasses.dataclass(frozen=True)
 class Reply:
     """A non-streaming answer: HTTP status, metrics outcome, JSON body (OpenAI's, or its error body)."""
@@ -109,6 +121,7 @@ class GenerationHandler:
         check_kv_transfer_params: Callable[[object], object] | None = None,
         client_write_timeout_s: float = 30.0,
         vocab_size: int | None = None,
+        max_waiting_requests: int = 0,
     ) -> None:
         self._loop = engine_loop
         self._tokenizer = tokenizer
@@ -122,6 +135,7 @@ class GenerationHandler:
         # The connector's own admission check (role served, endpoints present) -> HTTP 400.
         self._check_kv = check_kv_transfer_params or KVTransferParams.from_dict
         self._write_timeout_s = client_write_timeout_s  # deadline of each write to a streaming client
+        self._max_waiting = max_waiting_requests  # 0: no bound on the waiting queue
         self.draining = False  # set on shutdown: new requests get 503
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -158,20 +172,12 @@ class GenerationHandler:
         if self.draining:
             self._count(endpoint, "shutdown")
             return error_response(503, "the server is shutting down", "server_error", code=INSTANCE_STOPPING)
-        try:
-            prepared = self._prepare(await request.read(), kind)
-        except ModelNotFound as exc:
-            self._count(endpoint, "invalid")
-            return error_response(404, str(exc), "invalid_request_error", "model", "model_not_found")
-        except BadRequest as exc:
-            self._count(endpoint, "invalid")
-            return error_response(400, str(exc), param=exc.param, code=exc.code)
-        except InvalidRequestError as exc:
-            self._count(endpoint, "invalid")
-            return error_response(400, str(exc))
-        except ForbiddenError as exc:  # e.g. unsigned kv_transfer_params (counted where refused)
-            self._count(endpoint, "forbidden")
-            return error_response(403, str(exc), "permission_error", "kv_transfer_params", exc.reason)
+        if self._max_waiting and self._loop.num_waiting >= self._max_waiting:
+            self._count(endpoint, "queue_full")
+            return queue_full_response(self._max_waiting)
+        prepared = await self._read_and_prepare(request, kind)
+        if isinstance(prepared, web.Response):
+            return prepared
         prefix = "chatcmpl" if kind is RequestKind.CHAT else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
@@ -185,6 +191,31 @@ class GenerationHandler:
             return self._failure_response(endpoint, exc)
         self._metrics.prompt_tokens.inc(len(prepared.prompt_token_ids))
         return request_id, stream, prepared
+
+    async def _read_and_prepare(self, request: web.Request, kind: RequestKind) -> Prepared | web.Response:
+        """The request's body read (within ``--max-request-bytes``) and validated, or the error
+        response (413, 400, 404, 403), counted."""
+        endpoint = kind.value
+        try:
+            return self._prepare(await request.read(), kind)
+        except web.HTTPRequestEntityTooLarge as exc:
+            self._count(endpoint, "too_large")
+            return error_response(413, exc.text or "request body too large")
+        except RecursionError:  # msgspec's nesting guard (about 1,000 levels of arrays/objects)
+            self._count(endpoint, "invalid")
+            return error_response(400, "request body nests JSON arrays/objects too deeply")
+        except ModelNotFound as exc:
+            self._count(endpoint, "invalid")
+            return error_response(404, str(exc), "invalid_request_error", "model", "model_not_found")
+        except BadRequest as exc:
+            self._count(endpoint, "invalid")
+            return error_response(400, str(exc), param=exc.param, code=exc.code)
+        except InvalidRequestError as exc:
+            self._count(endpoint, "invalid")
+            return error_response(400, str(exc))
+        except ForbiddenError as exc:  # e.g. unsigned kv_transfer_params (counted where refused)
+            self._count(endpoint, "forbidden")
+            return error_response(403, str(exc), "permission_error", "kv_transfer_params", exc.reason)
 
     def _prepare(self, body: bytes, kind: RequestKind) -> Prepared:
         if kind is RequestKind.COMPLETION:

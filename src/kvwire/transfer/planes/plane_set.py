@@ -260,6 +260,12 @@ class PlaneSet(DataPlane):
         for plane in self.members.values():
             plane.cancel(transfer_id)
 
+    def unsettled(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for plane in self.members.values():
+            out.update(plane.unsettled())
+        return out
+
     def drop_peer(self, peer_instance_id: str) -> None:
         with self._lock:
             self._peers.pop(peer_instance_id, None)

@@ -207,6 +207,23 @@ class SourceViews:
         return view
 
 
+def halves(runs: Sequence[Run]) -> tuple[list[Run], list[Run]]:
+    """``runs`` cut at half their bytes (a run across the cut is split): the test hook's stop in the
+    middle of a layer (``plane.STOP_MID_LAYER_ENV``)."""
+    cut = sum(n for _, _, n in runs) // 2
+    first: list[Run] = []
+    rest: list[Run] = []
+    done = 0
+    for s, d, n in runs:
+        take = min(n, max(cut - done, 0))
+        if take:
+            first.append((s, d, take))
+        if n > take:
+            rest.append((s + take, d + take, n - take))
+        done += n
+    return first, rest
+
+
 class RunCopier:
     """Copies byte runs ``dst[d:d+n] = src[s:s+n]`` (flat ``uint8`` arrays). Stop with :meth:`close`.
 

@@ -281,6 +281,15 @@ def peer_uid(conn: socket.socket) -> int:
     return int(_UCRED.unpack(creds)[1])
 
 
+def peer_pid(conn: socket.socket) -> int | None:
+    """The process id at the other end of a Unix socket (SO_PEERCRED); None once it is closed."""
+    try:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    except OSError:
+        return None
+    return int(_UCRED.unpack(creds)[0])
+
+
 def shutdown(conn: socket.socket) -> None:
     with contextlib.suppress(OSError):
         conn.shutdown(socket.SHUT_RDWR)

@@ -22,7 +22,9 @@ import mmap
 import os
 import queue
 import select
+import signal
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -31,7 +33,7 @@ from kvwire.transfer.planes.base import fail_queued
 from kvwire.transfer.planes.ipc.runs import Run
 from kvwire.transfer.planes.liveness import count_cut
 from kvwire.transfer.planes.outbound import OutboundLink
-from kvwire.transfer.planes.shm.direct import MappedRegions, RunPlans, ShmDest, SourceViews
+from kvwire.transfer.planes.shm.direct import MappedRegions, RunPlans, ShmDest, SourceViews, halves
 from kvwire.transfer.planes.shm.grants import GrantView
 from kvwire.transfer.planes.shm.ring import Bytes, SpanCursor, map_ring, next_slot, ring_array, tensor_array
 from kvwire.transfer.planes.shm.wire import (
@@ -199,7 +201,7 @@ class Outbound(OutboundLink):
                             item.transfer_id, f"mismatch: shared-memory layer {item.layer_index}: {exc}"
                         )
                         continue
-                    self.plane.copier.copy(src, dst, runs)
+                    self._copy(item.layer_index, src, dst, runs)
                     tid = item.transfer_id.encode()
                     total = _payload_bytes(item)  # the runs' total (pairing checked it)
                     frames.append(
@@ -213,6 +215,21 @@ class Outbound(OutboundLink):
             raise ConnectionError(f"receiver kept its grant table locked: {exc}") from exc
         finally:  # what was written is announced, also when a later layer was revoked
             self._announce(sock, grant.transfer_id, frames, done)
+
+    def _copy(self, layer: int, src: Bytes, dst: Bytes, runs: list[Run]) -> None:
+        """One layer's runs into the granted destination; with the test hook set for ``layer``
+        (``plane.STOP_MID_LAYER_ENV``) this process stops itself half way (SIGSTOP) and writes the
+        rest once resumed: a sender stalled in the middle of a layer."""
+        if layer != self.plane.stop_mid_layer:
+            self.plane.copier.copy(src, dst, runs)
+            return
+        first, rest = halves(runs)
+        self.plane.copier.copy(src, dst, first)
+        # thread-directed: this thread stops on its way out of the system call (a SIGSTOP sent to
+        # the process may be taken by another thread while this one copies on until a tick)
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+        self.plane.copier.copy(src, dst, rest)
+        self._count("stopped_mid_layer")
 
     def _announce(
         self, sock: socket.socket, transfer_id: str, frames: list[bytes], layers: list[int]
