@@ -20,6 +20,7 @@ from kvwire.errors import ConfigError
 from kvwire.integrations.vllm_config import VllmTransferView, plugin_config_from_vllm
 from kvwire.server.cli import add_arguments, server_config_from_args
 from kvwire.supervision import HealthBoard, SupervisionCollector
+from kvwire.transfer.agent import TransferAgent
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.enums import Backend, Transport
 from kvwire.transfer.planes import admission
@@ -395,6 +396,22 @@ def test_plane_set_fail_loop_survives_a_callback_that_raises(board: HealthBoard)
     finally:
         planes.close()
     assert not board.snapshot()  # every supervised thread of the set stopped and left the board
+
+
+def test_the_agents_board_reaches_every_plane(board: HealthBoard) -> None:
+    """The process's board, given to the agent, lists the planes' supervised threads (and their limit
+    hits land on it); closing the agent takes them off."""
+    planes = {"kvwire-shm-accept", "kvwire-tcp-accept", "kvwire-planes-fail"}
+    with TransferAgent(TransferConfig(links=LINKS), board=board) as agent:
+        names = {c.name for c in board.snapshot()}
+        assert planes <= names, names
+        tcp_address = dict(p.split("=", 1) for p in agent.data_address.split(","))["tcp"]
+        held = [dial(tcp_address) for _ in range(3)]
+        assert refused(held[-1])
+        assert board.limit_hits().get(admission.PEER_FULL) == 1
+        for sock in held:
+            sock.close()
+    assert not {c.name for c in board.snapshot()} & planes
 
 
 def test_unix_listener_caps_per_peer_process(board: HealthBoard) -> None:
