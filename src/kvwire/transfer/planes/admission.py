@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 from kvwire.supervision import HealthBoard
 from kvwire.transfer.planes.link_config import DataLinkConfig
+from kvwire.transfer.planes.liveness import LINK_TIMEOUT
 
 log = logging.getLogger("kvwire.transfer")
 
@@ -50,6 +51,7 @@ PEER_FULL = "data_peer_full"
 HANDSHAKE_TIMEOUT = "data_handshake_timeout"
 FD_EXHAUSTED = "data_accept_fd_exhausted"
 NO_THREAD = "data_accept_no_thread"
+LIMITS = (LISTENER_FULL, PEER_FULL, HANDSHAKE_TIMEOUT, FD_EXHAUSTED, NO_THREAD)
 
 
 class RateLimitedLog:
@@ -90,6 +92,8 @@ class Admission:
         self._slots: dict[socket.socket, _Slot] = {}
         self._per_peer: collections.Counter[str] = collections.Counter()
         self.log = RateLimitedLog()
+        for limit in (*LIMITS, LINK_TIMEOUT):  # exported at 0 before the first hit: alerts can name them
+            board.limit_hit(limit, 0)
 
     def admit(self, conn: socket.socket, peer: str) -> bool:
         """Take ``conn`` on (True) or refuse it (False: the caller closes it; counted, logged)."""
