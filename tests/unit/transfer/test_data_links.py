@@ -420,6 +420,28 @@ def test_the_agents_board_reaches_every_plane(board: HealthBoard) -> None:
     assert not {c.name for c in board.snapshot()} & planes
 
 
+def test_serve_hands_the_links_and_board_to_the_planes() -> None:
+    """``kvwire serve``'s config reaches the planes: the agent's TransferConfig carries the links,
+    and the instance's board (exported on its /metrics) names every data-plane limit and acceptor."""
+    from kvwire.engine.config import EngineConfig
+    from kvwire.kv_params import Role
+    from kvwire.server.config import ServerConfig
+    from kvwire.server.connectors import build_connector_set
+
+    config = ServerConfig(role=Role.PREFILL, kv_data_links=LINKS)
+    board, registry = HealthBoard(), CollectorRegistry()
+    registry.register(SupervisionCollector(board))
+    connectors = build_connector_set(config, EngineConfig(model="tiny"), None, registry, board=board)
+    try:
+        assert connectors.worker.agent.config.links == LINKS
+        assert registry.get_sample_value("kvwire_component_up", {"component": "kvwire-tcp-accept"}) == 1
+        for limit in (*admission.LIMITS, "data_link_timeout"):
+            assert registry.get_sample_value("kvwire_limit_hits_total", {"limit": limit}) == 0, limit
+    finally:
+        connectors.close()
+    assert board.snapshot() == []
+
+
 def test_unix_listener_caps_per_peer_process(board: HealthBoard) -> None:
     plane = ShmPlane(TransferConfig(transport=Transport.SHM, links=LINKS), "receiver", board)
     plane.start(Callbacks())
