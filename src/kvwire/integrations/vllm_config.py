@@ -22,6 +22,9 @@ Seed keys and what they become (docs/vllm.md has the full migration table):
 kvwire's control-plane bounds (decision 116; ``kvwire serve --kv-max-*``) take the names of
 :class:`~kvwire.transfer.config.ControlLimits`' fields (``max_message_bytes``, ``max_peer_deadline_s``,
 ``max_early_grants_per_peer`` ...) plus ``max_pending_transfers``.
+kvwire's data-link bounds (decision 115) map to :class:`~kvwire.transfer.planes.link_config.DataLinkConfig`:
+``data_max_connections``, ``data_max_connections_per_peer``, ``data_handshake_timeout_s``,
+``data_keepalive_s``, ``data_link_timeout_s``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from kvwire.errors import ConfigError
 from kvwire.kv_params import Role, TransferMode
 from kvwire.transfer.config import ControlLimits
 from kvwire.transfer.enums import Transport
+from kvwire.transfer.planes.link_config import DataLinkConfig
 
 VLLM_DEFAULT_KV_PORT = 14579  # KVTransferConfig.kv_port's default in vLLM
 GiB = 1 << 30
@@ -48,7 +52,10 @@ SEED_KEYS = frozenset(
 KVWIRE_KEYS = frozenset(
     {"router", "discovery", "host", "http_host", "mode", "deadline_s", "lease_s", "backend", "transport",
      "recv_budget_bytes", "spill_budget_bytes", "secret", "heartbeat_interval_s", "instance_id", "model_name",
-     "data_port", "advertise_host", "advertise_port", "advertise_data_port", "fault_delay_send"}
+     "data_port", "advertise_host", "advertise_port", "advertise_data_port", "fault_delay_send",
+     # data-plane link bounds (DataLinkConfig, decision 115)
+     "data_max_connections", "data_max_connections_per_peer", "data_handshake_timeout_s", "data_keepalive_s",
+     "data_link_timeout_s"}
 )
 # the agent's control-plane bounds (decision 116): ControlLimits' own field names, and the transfer cap
 LIMIT_KEYS = frozenset(f.name for f in dataclasses.fields(ControlLimits))
@@ -142,6 +149,7 @@ class VllmPluginConfig:
     fault_delay_send: SendDelayFault | None = None  # tests and drills only
     limits: ControlLimits = dataclasses.field(default_factory=ControlLimits)  # the agents' control plane
     max_pending_transfers: int = 65536  # per agent and side (TransferConfig.max_pending_transfers)
+    data_links: DataLinkConfig = dataclasses.field(default_factory=DataLinkConfig)  # data-plane bounds
 
     def __post_init__(self) -> None:
         if not 0 <= self.base_control_port <= 65535:
@@ -362,6 +370,23 @@ def _pending_transfers(extra: Mapping[str, Any]) -> int:
     return 65536 if value is None else value
 
 
+def _data_links(extra: Mapping[str, Any]) -> DataLinkConfig:
+    """The ``data_*`` link bounds given (the rest keep DataLinkConfig's defaults)."""
+    given: dict[str, Any] = {}
+    for field in ("max_connections", "max_connections_per_peer"):
+        value = _get_int(extra, f"data_{field}")
+        if value is not None:
+            given[field] = value
+    for field in ("handshake_timeout_s", "keepalive_s", "link_timeout_s"):
+        number = _get_float(extra, f"data_{field}")
+        if number is not None:
+            given[field] = number
+    try:
+        return DataLinkConfig(**given)
+    except ConfigError as exc:
+        raise ConfigError(f"kv_connector_extra_config: {exc}") from exc
+
+
 def _vllm_failure_policy(view: VllmTransferView) -> LoadFailurePolicy:
     try:
         return LoadFailurePolicy(view.kv_load_failure_policy)
@@ -422,4 +447,5 @@ def plugin_config_from_vllm(view: VllmTransferView) -> VllmPluginConfig:
         fault_delay_send=_send_delay_fault(extra),
         limits=_limits(extra),
         max_pending_transfers=_pending_transfers(extra),
+        data_links=_data_links(extra),
     )

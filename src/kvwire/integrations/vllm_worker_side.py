@@ -41,10 +41,14 @@ AgentFactory = Callable[[TransferConfig], AgentLike]
 
 def transfer_config(config: VllmPluginConfig, engine_info: EngineInfo) -> TransferConfig:
     """The agent config of rank ``engine_info.rank``."""
+    ports = config.rank_ports(engine_info.rank)
     return TransferConfig(
         host=config.host,
         advertise_host=config.advertise_host,
-        **config.rank_ports(engine_info.rank),
+        control_port=ports["control_port"],
+        data_port=ports["data_port"],
+        advertise_control_port=ports["advertise_control_port"],
+        advertise_data_port=ports["advertise_data_port"],
         backend=Backend.NCCL if config.data_plane is DataPlane.NCCL else Backend.TCP,
         transport=config.transport,
         device=engine_info.device,
@@ -56,6 +60,7 @@ def transfer_config(config: VllmPluginConfig, engine_info: EngineInfo) -> Transf
         max_pending_transfers=config.max_pending_transfers,
         # the plugin's edge: KVWIRE_NCCL_* read once per worker, when its agent is configured
         nccl=NcclPlaneConfig.from_env(),
+        links=config.data_links,
     )
 
 

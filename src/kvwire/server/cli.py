@@ -18,6 +18,7 @@ from kvwire.kv_params import Role, TransferMode
 from kvwire.server.config import KVLoadFailure, ServerConfig
 from kvwire.transfer.config import ControlLimits
 from kvwire.transfer.enums import Transport
+from kvwire.transfer.planes.link_config import DataLinkConfig
 from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=KVLoadFailure.RECOMPUTE.value,
                         help="decode side: recompute the prompt or fail the request when KV does not arrive")
     _add_kv_limit_arguments(parser)
+    _add_data_link_arguments(parser)
     parser.add_argument("--shutdown-deadline-s", type=float, default=10.0)
     parser.add_argument("--client-write-timeout-s", type=float, default=30.0,
                         help="cut off a client that reads nothing of its response for this long")
@@ -132,6 +134,33 @@ def kv_limits_from_args(args: argparse.Namespace) -> ControlLimits:
     )
 
 
+def _add_data_link_arguments(parser: argparse.ArgumentParser) -> None:
+    """Bounds of the KV data-plane listeners and links (DataLinkConfig, decision 115)."""
+    links = DataLinkConfig()
+    group = parser.add_argument_group("KV data-plane links (tcp, shm, ipc)")
+    group.add_argument("--kv-data-max-connections", type=int, default=links.max_connections,
+                       help="connections one data-plane listener holds at once; more are closed at once")
+    group.add_argument("--kv-data-max-connections-per-peer", type=int, default=links.max_connections_per_peer,
+                       help="... of them from one peer address (TCP: IP; same host: process)")
+    group.add_argument("--kv-data-handshake-timeout-s", type=float, default=links.handshake_timeout_s,
+                       help="close a data connection that has not finished its hello within this")
+    group.add_argument("--kv-data-keepalive-s", type=float, default=links.keepalive_s,
+                       help="heartbeat / TCP keepalive interval of an idle data link")
+    group.add_argument("--kv-data-link-timeout-s", type=float, default=links.link_timeout_s,
+                       help="cut a data link that moves nothing for this long (a write without progress, "
+                            "no heartbeat heard): its transfers fail peer_lost")
+
+
+def _data_links_of(args: argparse.Namespace) -> DataLinkConfig:
+    return DataLinkConfig(
+        max_connections=args.kv_data_max_connections,
+        max_connections_per_peer=args.kv_data_max_connections_per_peer,
+        handshake_timeout_s=args.kv_data_handshake_timeout_s,
+        keepalive_s=args.kv_data_keepalive_s,
+        link_timeout_s=args.kv_data_link_timeout_s,
+    )
+
+
 def _registration_address(args: argparse.Namespace) -> str | None:
     """``--router`` (joined), with ``--discovery-ca/-cert/-key`` and ``--discovery-user`` /
     ``--discovery-password-file`` added to an etcd address."""
@@ -169,6 +198,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         client_write_timeout_s=args.client_write_timeout_s,
         engine_stall_timeout_s=args.engine_stall_timeout_s,
         kv_nccl=NcclPlaneConfig.from_env(),  # the one place the environment is read
+        kv_data_links=_data_links_of(args),
         api_keys=ApiKeyConfig(keys_from_cli(args.api_key, os.environ),
                               frozenset(f"/{name}" for name in args.open_endpoint)),
         max_request_bytes=args.max_request_bytes, max_waiting_requests=args.max_waiting_requests,

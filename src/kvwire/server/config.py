@@ -14,6 +14,7 @@ from kvwire.errors import ConfigError
 from kvwire.kv_params import LoadFailurePolicy, Role, TransferMode
 from kvwire.transfer.config import ControlLimits
 from kvwire.transfer.enums import Transport
+from kvwire.transfer.planes.link_config import DataLinkConfig
 from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 
 # The one policy enum (kvwire.kv_params); this name is the server's spelling of it.
@@ -56,6 +57,8 @@ class ServerConfig:
     # What P/D peers can make the KV agent's control plane hold or trust (--kv-max-*; decision 116).
     kv_limits: ControlLimits = dataclasses.field(default_factory=ControlLimits)
     kv_max_pending_transfers: int = 65536  # transfers the KV agent tracks per side
+    # Data-plane listener caps and link deadlines (--kv-data-max-connections ... ; decision 115).
+    kv_data_links: DataLinkConfig = dataclasses.field(default_factory=DataLinkConfig)
     # SIGTERM/SIGINT: everything (abort in-flight, deregister, stop the engine thread) within this.
     shutdown_deadline_s: float = 10.0
     max_request_bytes: int = 16 * 1024 * 1024

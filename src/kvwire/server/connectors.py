@@ -118,6 +118,7 @@ def build_connector_set(
         device=engine_config.device, default_deadline_s=config.kv_deadline_s,
         secret=secret.encode() if secret else None, nccl=config.kv_nccl,
         limits=config.kv_limits, max_pending_transfers=config.kv_max_pending_transfers,
+        links=config.kv_data_links,
     )
     connector_config = ConnectorConfig(
         role=Role(config.role.value), mode=config.kv_mode, deadline_s=config.kv_deadline_s,

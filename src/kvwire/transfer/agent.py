@@ -52,11 +52,11 @@ class TransferAgent:
     def __init__(
         self,
         config: TransferConfig,
-        plane_factory: Callable[[TransferConfig, str], DataPlane] = make_plane,
+        plane_factory: Callable[[TransferConfig, str, HealthBoard], DataPlane] = make_plane,
         *,
         board: HealthBoard | None = None,
     ) -> None:
-        """``plane_factory(config, instance_id)`` builds the data plane (default: the one
+        """``plane_factory(config, instance_id, board)`` builds the data plane (default: the one
         ``config.backend`` names; tests pass fakes). ``board``: the process's health board, which
         lists the agent's supervised threads (None: a private one)."""
         self.config = config
@@ -64,7 +64,7 @@ class TransferAgent:
         self._instance_id = secrets.token_hex(8)
         self._paged: PagedKV | None = None
         # every held plane behind one DataPlane, routed per peer (negotiated; decision 075)
-        self._planes = plane = plane_factory(config, self._instance_id)
+        self._planes = plane = plane_factory(config, self._instance_id, self.board)
         memory = RecvMemory(
             config.recv_budget_bytes,
             config.spill_budget_bytes,

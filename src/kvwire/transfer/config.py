@@ -7,6 +7,7 @@ import math
 
 from kvwire.errors import ConfigError
 from kvwire.transfer.enums import Backend, Transport
+from kvwire.transfer.planes.link_config import DataLinkConfig
 from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 
 GiB = 1 << 30
@@ -101,6 +102,9 @@ class TransferConfig:
     # The NCCL plane's tuning (used with backend NCCL). Built at the edge: the CLI / plugin reads
     # KVWIRE_NCCL_* once (NcclPlaneConfig.from_env) and passes it down; nothing below reads the env.
     nccl: NcclPlaneConfig = dataclasses.field(default_factory=NcclPlaneConfig)
+    # Data-plane links (tcp, shm, ipc): connection caps per listener and per peer, the handshake
+    # deadline, heartbeats and the deadline of a link that moves nothing (decision 115).
+    links: DataLinkConfig = dataclasses.field(default_factory=DataLinkConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.secret, str):  # accept str for convenience; store bytes
@@ -149,6 +153,8 @@ class TransferConfig:
             raise ConfigError("TransferConfig.shm_ring_bytes must be at least 1 MiB")
         if not 1 <= self.shm_copy_threads <= 64:
             raise ConfigError("TransferConfig.shm_copy_threads must be between 1 and 64")
+        if not isinstance(self.links, DataLinkConfig):
+            raise ConfigError(f"TransferConfig.links must be a DataLinkConfig, got {self.links!r}")
 
     def _check_transport(self) -> None:
         if self.backend not in (Backend.TCP, Backend.NCCL):

@@ -54,7 +54,7 @@ def test_worker_agent_runs_on_the_worker_board_and_a_dead_loop_is_logged(
     worker = WorkerSide(plugin_config_from_vllm(view()), EngineInfo(block_size=4))
     try:
         assert worker.agent.board is worker.board  # type: ignore[attr-defined]
-        assert [s.name for s in worker.board.snapshot()] == [NAME]
+        assert [s.name for s in worker.board.snapshot()].count(NAME) == 1  # beside the planes' threads
 
         def broken(now: float) -> None:
             raise RuntimeError("broken tick")

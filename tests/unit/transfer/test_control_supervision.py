@@ -31,8 +31,8 @@ def test_agent_threads_are_on_the_given_board() -> None:
     board = HealthBoard()
     with TransferAgent(TransferConfig(), board=board) as agent:
         assert agent.board is board
-        assert [s.name for s in board.snapshot()] == [NAME]
-        assert board.snapshot()[0].state is ComponentState.RUNNING
+        control = [s for s in board.snapshot() if s.name == NAME]  # beside the planes' (decision 115)
+        assert len(control) == 1 and control[0].state is ComponentState.RUNNING
     assert board.snapshot() == []  # stopped on purpose: no longer counts for health
 
 

@@ -34,6 +34,7 @@ import msgspec
 import numpy as np
 import torch
 
+from kvwire.supervision import HealthBoard
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.planes.ipc.copy import CopyTuning
 from kvwire.transfer.planes.ipc.link import IpcInbound, IpcOutbound
@@ -74,8 +75,8 @@ class IpcPlane(UnixLinkPlane):
 
     link_kind = "ipc"
 
-    def __init__(self, config: TransferConfig, instance_id: str) -> None:
-        super().__init__(config, instance_id)
+    def __init__(self, config: TransferConfig, instance_id: str, board: HealthBoard | None = None) -> None:
+        super().__init__(config, instance_id, board)
         device = torch.device(config.device)
         if device.type == "cuda" and device.index is None:  # "cuda": the process's current device
             device = torch.device("cuda", torch.cuda.current_device())

@@ -51,6 +51,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvwire.supervision import HealthBoard
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.planes.shm import run_copy
 from kvwire.transfer.planes.shm.direct import RunCopier, ShmDest, decode_direct, encode_direct
@@ -95,8 +96,8 @@ class ShmPlane(UnixLinkPlane):
     early_grants = True  # a one-copy layer's runs must fit its granted spans (RunPlans)
     link_kind = "shm"
 
-    def __init__(self, config: TransferConfig, instance_id: str) -> None:
-        super().__init__(config, instance_id)
+    def __init__(self, config: TransferConfig, instance_id: str, board: HealthBoard | None = None) -> None:
+        super().__init__(config, instance_id, board)
         run_copy.warn_if_python()  # at start, not at the first transfer
         self.written = threading.Condition(self.lock)
         self.posted: dict[tuple[str, int], tuple[str, RecvItem]] = {}

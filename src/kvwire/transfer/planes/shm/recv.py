@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import queue
 import socket
@@ -21,12 +22,11 @@ import threading
 from typing import TYPE_CHECKING
 
 from kvwire.errors import ProtocolError
+from kvwire.supervision import SupervisedThread
+from kvwire.transfer.planes.liveness import count_cut
 from kvwire.transfer.planes.shm.ring import Bytes, SpanCursor, create_ring, ring_array, tensor_array
 from kvwire.transfer.planes.shm.wire import CREDIT, FRAME, MAGIC, VERSION, Frame, send_setup
-from kvwire.transfer.planes.tcp.wire import (
-    HANDSHAKE_TIMEOUT_S,
-    check_hello,
-)
+from kvwire.transfer.planes.tcp.wire import check_hello
 from kvwire.transfer.types import RecvItem
 
 if TYPE_CHECKING:
@@ -65,8 +65,8 @@ class Inbound:
         self._inbox = bytearray()  # frame bytes read but not yet handled
 
     def _handshake(self) -> Bytes:
-        conn = self.conn
-        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        conn, links = self.conn, self.plane.config.links
+        conn.settimeout(self.plane.admission.hello_timeout_s())
         peer_id = check_hello(conn, self.plane.secret, MAGIC, VERSION, "shared-memory connection")
         size = self.plane.config.shm_ring_bytes
         fd, ring = create_ring(size)
@@ -78,15 +78,21 @@ class Inbound:
             send_setup(conn, (fd, size), (table.fd, table.size), regions)
         finally:
             os.close(fd)  # the mapping (here) and the sender's keep the memory; no name exists
-        conn.settimeout(None)
+        self.plane.admission.authenticated(conn)
+        conn.settimeout(links.link_timeout_s)  # credit writes' deadline; a read timeout is only idleness
         self.peer_id = peer_id
         return ring_array(ring)
 
     def serve(self) -> None:
         plane = self.plane
         arrivals: queue.SimpleQueue[Arrival] = queue.SimpleQueue()
-        reporter = threading.Thread(
-            target=self._report, args=(arrivals,), name="kvwire-shm-deliver", daemon=True
+        done = threading.Event()
+        reporter = SupervisedThread(
+            "kvwire-shm-deliver",
+            functools.partial(self._report, arrivals, done),
+            done,
+            board=plane.board,
+            on_dead=lambda _: shutdown(self.conn),  # nothing reports this link's layers: end it
         )
         error: BaseException | None = None
         try:
@@ -101,14 +107,16 @@ class Inbound:
         except (ProtocolError, OSError, ConnectionError, ValueError) as exc:
             error = exc
         finally:
-            if reporter.is_alive():  # report what fully arrived before any failure
+            if reporter.ident is not None:  # started: report what fully arrived before any failure
+                done.set()
                 arrivals.put(None)
-                reporter.join(timeout=10.0)
+                reporter.stop(10.0)  # also takes it off the board (dead or not)
             with plane.lock:
                 plane.inbound.pop(self.conn, None)
                 for key in [k for k, v in plane.landing.items() if v.peer_id == self.peer_id]:
                     del plane.landing[key]
             self.conn.close()
+            plane.admission.release(self.conn)
         try:
             self._report_end(error)
         finally:
@@ -124,6 +132,7 @@ class Inbound:
                     f"shared-memory connection failed during handshake: {error}"
                 )
             elif error is not None and not plane.closing.is_set():
+                count_cut(plane.board, error)
                 plane.callbacks.on_peer_failed(
                     self.peer_id, f"peer_lost: shared-memory link from peer broke: {error}"
                 )
@@ -131,9 +140,10 @@ class Inbound:
             with plane.lock:
                 plane.readers.discard(threading.current_thread())  # last: close() joins until here
 
-    def _report(self, arrivals: queue.SimpleQueue[Arrival]) -> None:
-        """Report arrived layers; layers of one transfer that arrived together (a sender's batch of
-        DONE frames) go in one call, so the agent wakes its control thread and acks once for them."""
+    def _report(self, arrivals: queue.SimpleQueue[Arrival], done: threading.Event) -> None:
+        """Reporter body (supervised: restarted if the callback raises). Report arrived layers; layers
+        of one transfer that arrived together (a sender's batch of DONE frames) go in one call, so the
+        agent wakes its control thread and acks once for them. Returns at the end marker."""
         end = False
         while not end and (arrival := arrivals.get()) is not None:
             batch = [arrival]
@@ -148,6 +158,7 @@ class Inbound:
                 batch.append(more)
             for (peer_id, transfer_id), layers in _grouped(batch):
                 self.plane.callbacks.on_received(peer_id, transfer_id, layers)
+        done.set()  # the end marker came: the link ended (not a failure of this body)
 
     def _take(self, num_bytes: int) -> bytes:
         """The next ``num_bytes`` of the frame stream; ConnectionError on EOF. Reads whatever the
@@ -155,7 +166,12 @@ class Inbound:
         together are handled without a system call each."""
         inbox = self._inbox
         while len(inbox) < num_bytes:
-            more = self.conn.recv(max(_READ_BYTES, num_bytes - len(inbox)))
+            try:
+                more = self.conn.recv(max(_READ_BYTES, num_bytes - len(inbox)))
+            except TimeoutError:  # an idle link (a dead peer shows as EOF)
+                if self.plane.closing.is_set():
+                    raise
+                continue
             if not more:
                 raise ConnectionError("connection closed by peer")
             inbox += more

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from kvwire.transfer.planes.base import fail_queued
 from kvwire.transfer.planes.ipc.runs import Run
+from kvwire.transfer.planes.liveness import count_cut
 from kvwire.transfer.planes.outbound import OutboundLink
 from kvwire.transfer.planes.shm.direct import MappedRegions, RunPlans, ShmDest, SourceViews, halves
 from kvwire.transfer.planes.shm.grants import GrantView
@@ -77,7 +78,7 @@ class Outbound(OutboundLink):
 
     def __init__(self, plane: ShmPlane, peer: PeerRef) -> None:
         self.plane = plane
-        super().__init__(peer)
+        super().__init__(peer, plane.board)
         self._ring: mmap.mmap | None = None
         self._grants: GrantView | None = None
         self._regions = MappedRegions()
@@ -88,7 +89,8 @@ class Outbound(OutboundLink):
         self._credit_buf = b""
 
     def _connect(self) -> socket.socket:
-        sock = self._dial_unix()
+        links = self.plane.config.links
+        sock = self._dial_unix(links.handshake_timeout_s)
         prove_hello(sock, self.plane.secret, self.plane.instance_id, MAGIC, VERSION)
         (ring_fd, ring_bytes), (table_fd, table_bytes), regions = recv_setup(sock)
         try:
@@ -100,19 +102,23 @@ class Outbound(OutboundLink):
         finally:  # descriptors not consumed above (an error part way)
             for fd, _ in regions.values():
                 os.close(fd)
-        sock.settimeout(None)
+        sock.settimeout(links.link_timeout_s)  # every write's deadline from here on
         return sock
 
     def _run(self) -> None:
         cb = self.plane.callbacks
+        error: BaseException | None = None
         try:
             self._pump(self._connect())
         except (OSError, ConnectionError, ValueError) as exc:
             if not self.stopped.is_set():
+                error = exc
                 cb.on_peer_failed(
                     self.peer.instance_id, f"peer_lost: shared-memory link to {self.peer.endpoint}: {exc}"
                 )
         finally:
+            count_cut(self.board, error)
+            del error
             self._finish()
 
     def _pump(self, sock: socket.socket) -> None:
@@ -290,10 +296,17 @@ class Outbound(OutboundLink):
         while this side blocks writing a frame."""
         self._read_credit(sock, wait=False)
         pos = next_slot(self._head, num_bytes, size)
+        timeout_s = self.plane.config.links.link_timeout_s
+        deadline = time.monotonic() + timeout_s
         while pos + num_bytes - self._consumed > size:
             if self.stopped.is_set():
                 raise ConnectionError("plane closing")
+            consumed = self._consumed
             self._read_credit(sock, wait=True)
+            if self._consumed != consumed:
+                deadline = time.monotonic() + timeout_s  # progress: the receiver is copying out
+            elif time.monotonic() > deadline:
+                raise TimeoutError(f"the receiver returned no ring credit for {timeout_s:g} s")
         return pos
 
     def _read_credit(self, sock: socket.socket, wait: bool) -> None:
