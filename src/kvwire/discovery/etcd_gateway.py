@@ -94,7 +94,7 @@ def decode_record(value: bytes) -> Heartbeat:
         raise ProtocolError(f"instance record of {len(value)} bytes exceeds {MAX_FRAME_BYTES}")
     try:
         hb = _record_decoder.decode(value)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # nesting past msgspec's limit: RecursionError
         raise ProtocolError(f"malformed instance record: {exc}") from exc
     if hb.v != DISCOVERY_VERSION:
         raise ProtocolError(f"instance record version {hb.v} unsupported (expected {DISCOVERY_VERSION})")

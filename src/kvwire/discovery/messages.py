@@ -151,7 +151,7 @@ def decode_frames(frames: Sequence[bytes], secret: bytes | None = None) -> Disco
             raise AuthenticationError("bad discovery message signature")
     try:
         msg = _decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # nesting past msgspec's limit: RecursionError
         raise ProtocolError(f"malformed discovery message: {exc}") from exc
     if msg.v != DISCOVERY_VERSION:
         raise ProtocolError(f"discovery message version {msg.v} unsupported (expected {DISCOVERY_VERSION})")

@@ -48,7 +48,7 @@ def decode_watch_message(line: bytes) -> WatchMessage:
     """One line of the stream; raises :class:`EtcdError` for anything that is not a watch message."""
     try:
         return _decoder.decode(line)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # nesting past msgspec's limit: RecursionError
         raise EtcdError(f"etcd watch stream: not a watch message ({exc}): {line[:200]!r}") from exc
 
 

@@ -148,7 +148,7 @@ _event_decoder = msgspec.json.Decoder(_Event)
 def _has_token(data: bytes) -> bool:
     try:
         event = _event_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, RecursionError):
         return False
     for choice in event.choices:
         if choice.text:

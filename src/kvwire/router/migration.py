@@ -115,7 +115,7 @@ class StreamLedger:
             return event
         try:
             data = msgspec.json.decode(payload)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             return event
         if not isinstance(data, dict):
             return event

@@ -96,7 +96,7 @@ def parse_client_request(path: str, raw: bytes, headers: Mapping[str, str]) -> C
         raise InvalidRequestError("request body is empty; expected a JSON object")
     try:
         body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # nesting past msgspec's limit: RecursionError
         raise InvalidRequestError(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object")

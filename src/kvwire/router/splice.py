@@ -39,7 +39,7 @@ class FirstTokenSplicer:
         """A splicer for P's non-streaming answer, or None when it has no single non-empty text."""
         try:
             answer = msgspec.json.decode(answer_bytes)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             return None
         if not isinstance(answer, dict):
             return None
@@ -88,7 +88,7 @@ class FirstTokenSplicer:
         try:
             data = msgspec.json.decode(line[5:].strip())
             choice = data["choices"][0]
-        except (msgspec.DecodeError, KeyError, IndexError, TypeError):
+        except (msgspec.DecodeError, KeyError, IndexError, TypeError, RecursionError):
             return event  # usage-only or foreign events pass unchanged
         delta = choice.get("delta") if self._chat else None
         if self._chat and isinstance(delta, dict) and delta.get("role") and not delta.get("content"):

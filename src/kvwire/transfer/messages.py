@@ -141,22 +141,22 @@ class Codec:
         if not frames or len(frames) > 2:
             raise ProtocolError(f"expected 1 or 2 frames, got {len(frames)}")
         payload = frames[0]
+        if len(payload) > MAX_MESSAGE_BYTES:  # before the MAC: a huge frame costs no hashing
+            raise ProtocolError(f"control message of {len(payload)} bytes is too large")
         if self._secret is not None:
             mac = frames[1] if len(frames) == 2 else b""
             good = hmac.new(self._secret, payload, hashlib.sha256).digest()
             if not hmac.compare_digest(mac, good):
                 raise AuthenticationError("control message without a valid HMAC")
-        if len(payload) > MAX_MESSAGE_BYTES:
-            raise ProtocolError(f"control message of {len(payload)} bytes is too large")
         try:
             head = self._head.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:  # nesting past msgspec's limit: RecursionError
             raise ProtocolError(f"malformed control message: {exc}") from exc
         if head.v != PROTOCOL_VERSION:
             raise ProtocolError(f"unsupported protocol version {head.v} (type {head.t!r})")
         try:
             msg: AnyMsg = self._decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:
             raise ProtocolError(f"invalid {head.t!r} message: {exc}") from exc
         validate(msg)
         return msg
