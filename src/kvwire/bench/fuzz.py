@@ -31,7 +31,8 @@ _EXECUTED = re.compile(rb"stat::number_of_executed_units:\s*(\d+)")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--targets", default="all",
-                        help=f"comma-separated targets or 'all' ({', '.join(TARGETS)})")
+                        help=f"comma-separated targets or 'all' ({', '.join(TARGETS)}); "
+                        "module:function builds a target of your own")
     parser.add_argument("--inputs", type=int, default=0, help="inputs per target (default 100000 "
                         "unless --seconds is given)")
     parser.add_argument("--seconds", type=float, default=0.0, help="time per target instead of --inputs")
@@ -82,7 +83,7 @@ def fuzz_target(name: str, out: pathlib.Path, inputs: int, seconds: float, seed:
 
 def _targets(spec: str) -> list[str]:
     names = list(TARGETS) if spec == "all" else [n.strip() for n in spec.split(",") if n.strip()]
-    unknown = [n for n in names if n not in TARGETS]
+    unknown = [n for n in names if n not in TARGETS and ":" not in n]
     if unknown or not names:
         raise SystemExit(f"kvwire bench fuzz: unknown target(s) {unknown}; known: {', '.join(TARGETS)}")
     return names

@@ -37,14 +37,14 @@ class _Callbacks:
     on_sent = on_received = on_transfer_failed = on_peer_failed = on_protocol_error = on_device_copy = _count
 
 
-def _stream(data: bytes, read: Callable[[socket.socket], object]) -> None:
+def _stream(data: bytes, read: Callable[[socket.socket], object]) -> object:
     """Write ``data`` into a fresh socket pair, close that end for writing, ``read`` the other end."""
     ours, theirs = socket.socketpair()
     try:
         theirs.settimeout(5.0)  # what the planes' handshakes do; a complete input never waits
         ours.sendall(data)
         ours.shutdown(socket.SHUT_WR)
-        read(theirs)
+        return read(theirs)
     finally:
         ours.close()
         theirs.close()
@@ -72,15 +72,21 @@ def tcp_hello() -> FuzzTarget:
     from kvwire.transfer.planes.tcp.wire import MAGIC, VERSION, check_hello
 
     def check(data: bytes) -> object:
-        _stream(data, lambda conn: check_hello(conn, None, MAGIC, VERSION, "data connection"))
-        return None
+        return _stream(data, lambda conn: check_hello(conn, None, MAGIC, VERSION, "data connection"))
 
     return FuzzTarget("plane.tcp_hello", check, (ProtocolError, OSError), fuzz_corpus.tcp_hellos)
 
 
-def _until_end(read_one: Callable[[], object]) -> None:
+def _until_end(read_one: Callable[[], object]) -> int:
+    """Read frames until the stream ends (the peer closed: the reader's ConnectionError, the normal
+    end of an input here); how many completed a layer. Other errors propagate."""
+    landed = 0
     for _ in range(_READ_LIMIT):
-        read_one()
+        try:
+            landed += read_one() is not None
+        except ConnectionError:
+            break
+    return landed
 
 
 def tcp_frames() -> FuzzTarget:
@@ -99,8 +105,7 @@ def tcp_frames() -> FuzzTarget:
         with plane._lock:
             plane._posted = {("req-1", 0): (_PEER, RecvItem("req-1", 0, _LAYER_BYTES, dest))}
             plane._cancelled.clear()
-        _stream(data, lambda conn: _until_end(lambda: plane._read_frame(conn, _PEER)))
-        return None
+        return _stream(data, lambda conn: _until_end(lambda: plane._read_frame(conn, _PEER)))
 
     return FuzzTarget("plane.tcp_frames", check, (ProtocolError, OSError), fuzz_corpus.tcp_frames)
 
@@ -124,10 +129,10 @@ def shm_frames() -> FuzzTarget:
     ring = ring_array(mapping)  # keeps the mapping alive as long as the target
     dests = [torch.zeros(_LAYER_BYTES, dtype=torch.uint8) for _ in range(2)]
 
-    def read(data: bytes) -> None:
+    def read(data: bytes) -> int:
         link = Inbound(plane, _Link(data))  # type: ignore[arg-type]
         link.peer_id = _PEER
-        _until_end(lambda: link._read_chunk(ring))
+        return _until_end(lambda: link._read_chunk(ring))
 
     def check(data: bytes) -> object:
         with plane.lock:
@@ -136,7 +141,6 @@ def shm_frames() -> FuzzTarget:
             }
             plane.landing.clear()
             plane.cancelled.clear()
-        read(data)
-        return None
+        return read(data)
 
     return FuzzTarget("plane.shm_frames", check, (ProtocolError, OSError, ValueError), fuzz_corpus.shm_frames)

@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     def one_input(data: bytes) -> None:
         nonlocal kept, done, started
-        if done % PROGRESS_EVERY == 0:
+        if done % PROGRESS_EVERY == 0 or done & (done - 1) == 0:  # also at powers of two: short runs
             now = time.perf_counter()
             started = started or now
             progress.write(f"{done} {now - started:.6f}\n")

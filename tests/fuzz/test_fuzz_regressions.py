@@ -1,0 +1,147 @@
+"""One regression test per crash the fuzzing tier found (decision 113), each at its decoder.
+
+The first is the crash of issue 33: a 60 KB frame of nested msgpack arrays made
+``discovery.messages.decode_frames`` raise ``RecursionError``, which stopped the router's discovery
+listener. msgspec raises ``RecursionError`` for any input nested past its limit (about a thousand
+levels), JSON or msgpack, typed or not (skipped unknown fields included); every decoder now turns it
+into its typed error.
+"""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from kvwire.connector.messages import decode_trailer
+from kvwire.discovery.etcd_gateway import EtcdError, decode_record
+from kvwire.discovery.messages import MAX_FRAME_BYTES, decode_frames, sign
+from kvwire.errors import AuthenticationError, InvalidRequestError, ProtocolError
+from kvwire.kv_params import KVTransferParams, Role
+from kvwire.kv_signing import KVParamsRefused, ParamsRefusal, ParamsSigner, ParamsVerifier
+from kvwire.router.etcd_stream import decode_watch_message
+from kvwire.router.request import parse_client_request
+from kvwire.server.openai_protocol import BadRequest, parse_chat, parse_completion
+from kvwire.transfer.messages import MAX_MESSAGE_BYTES, Codec
+
+MSGPACK_NEST = b"\x91" * 60_000 + b"\x90"  # the 60 KB frame of issue 33
+JSON_NEST = b"[" * 5000 + b"]" * 5000
+
+
+def _heartbeat_with_nested_extra() -> bytes:
+    """A valid heartbeat whose map has one more (unknown) key holding a deep nest: msgspec skips
+    unknown fields recursively."""
+    from kvwire.bench.fuzz_corpus import discovery_frames
+
+    payload = discovery_frames()[0][1:]
+    assert payload[0] & 0xF0 == 0x80  # a fixmap: add one entry
+    return bytes([payload[0] + 1]) + payload[1:] + b"\xa5extra" + b"\x91" * 3000 + b"\x90"
+
+
+def test_discovery_frame_of_nested_arrays_is_a_protocol_error() -> None:
+    assert len(MSGPACK_NEST) <= MAX_FRAME_BYTES
+    with pytest.raises(ProtocolError, match="malformed discovery message"):
+        decode_frames([MSGPACK_NEST, b""])
+    with pytest.raises(ProtocolError, match="malformed discovery message"):
+        decode_frames([_heartbeat_with_nested_extra()])
+
+
+def test_signed_discovery_frame_of_nested_arrays_is_a_protocol_error() -> None:
+    """With a secret, a correctly signed nest (a peer that knows the secret) is refused too."""
+    payload = _heartbeat_with_nested_extra()
+    with pytest.raises(ProtocolError) as info:
+        decode_frames([payload, sign(payload, b"k")], b"k")
+    assert not isinstance(info.value, AuthenticationError)
+
+
+def test_etcd_record_and_watch_line_nests_are_typed_errors() -> None:
+    with pytest.raises(ProtocolError):
+        decode_record(b'{"info": ' + JSON_NEST + b"}")
+    with pytest.raises(EtcdError):
+        decode_watch_message(b'{"result": {"events": [], "x": ' + JSON_NEST + b"}}")
+    with pytest.raises(EtcdError):
+        decode_watch_message(b'{"error": ' + JSON_NEST + b"}")
+
+
+def test_control_message_nests_are_protocol_errors() -> None:
+    codec = Codec(None)
+    with pytest.raises(ProtocolError, match="malformed control message"):
+        codec.decode([MSGPACK_NEST])
+    offer_head = b"\x82\xa1t\xa5offer\xa1x"  # tag, then an unknown key holding the nest
+    with pytest.raises(ProtocolError):
+        codec.decode([offer_head + b"\x91" * 3000 + b"\x90"])
+
+
+def test_oversized_control_message_is_refused_before_its_mac() -> None:
+    """The size is checked first: a huge frame with a bad MAC is a size error (no hashing of it)."""
+    with pytest.raises(ProtocolError, match="too large") as info:
+        Codec(b"secret").decode([bytes(MAX_MESSAGE_BYTES + 1), bytes(32)])
+    assert not isinstance(info.value, AuthenticationError)
+
+
+def test_first_token_trailer_nest_is_a_protocol_error() -> None:
+    with pytest.raises(ProtocolError, match="malformed first-token trailer"):
+        decode_trailer(b"\x81\xa1k" * 2000 + b"\xc0")
+
+
+@pytest.mark.parametrize("parse", [parse_completion, parse_chat])
+def test_instance_request_body_nest_is_a_400(parse: object) -> None:
+    with pytest.raises(BadRequest, match="not valid JSON"):
+        parse(b'{"prompt": ' + JSON_NEST + b"}")  # type: ignore[operator]
+    with pytest.raises(BadRequest):
+        parse(b'{"kv_transfer_params": {"a": ' + JSON_NEST + b"}}")  # type: ignore[operator]
+
+
+def test_router_request_body_nest_is_a_400() -> None:
+    with pytest.raises(InvalidRequestError, match="not valid JSON"):
+        parse_client_request("/v1/completions", b'{"prompt": "x", "user": ' + JSON_NEST + b"}", {})
+
+
+def test_kv_params_signature_with_non_ascii_characters_is_refused() -> None:
+    """``hmac.compare_digest`` raises TypeError for str with non-ASCII characters: the signature is
+    compared as bytes, and a forged one is a refusal (403), whatever it contains."""
+    signed = ParamsSigner(b"secret").sign(KVTransferParams(transfer_id="t", role=Role.DECODE))
+    for forged in ("\u00e9" * 64, "\ud800", "\x00", ""):
+        raw = dict(signed.to_dict(), sig=forged)
+        with pytest.raises(KVParamsRefused) as info:
+            ParamsVerifier(b"secret").verify(KVTransferParams.from_dict(raw))
+        assert info.value.refusal is ParamsRefusal.BAD_SIGNATURE
+    ParamsVerifier(b"secret").verify(signed)  # the genuine one still passes
+
+
+def test_plane_info_forcing_an_unknown_transport_is_a_protocol_error() -> None:
+    from kvwire.bench.fuzz_corpus import local_hello
+    from kvwire.transfer.planes.negotiation import Envelope, decode_envelope
+
+    hostile = msgspec.structs.replace(local_hello(), forced="carrier-pigeon")
+    with pytest.raises(ProtocolError, match="unknown transport"):
+        decode_envelope(msgspec.msgpack.encode(Envelope(hostile, {})))
+    with pytest.raises(ProtocolError, match="does not decode"):
+        decode_envelope(MSGPACK_NEST)
+    ok = msgspec.msgpack.encode(Envelope(msgspec.structs.replace(local_hello(), forced="shm"), {}))
+    assert decode_envelope(ok).hello.forced == "shm"
+
+
+def test_shm_one_copy_grant_nest_is_a_value_error() -> None:
+    from kvwire.transfer.planes.shm.direct import decode_direct
+
+    grant = b"\x83\xa5dests\x90\xa9span_sets\x90\xa1x"  # a map: dests, span_sets and an unknown key
+    assert decode_direct(grant + b"\x90") == []
+    with pytest.raises(ValueError):
+        decode_direct(grant + b"\x91" * 3000 + b"\x90")
+
+
+def test_router_reads_of_nested_upstream_answers_are_not_crashes() -> None:
+    """What an instance answers the router (P's answer, D's stream, an error body) nested too deep:
+    treated like any other answer it cannot use."""
+    from kvwire.router.splice import FirstTokenSplicer
+    from kvwire.router.upstream import _says_gone
+
+    assert FirstTokenSplicer.from_prefill(JSON_NEST, chat=False) is None
+    answer = json.dumps({"choices": [{"text": "Hi", "index": 0}], "id": "x"}).encode()
+    splicer = FirstTokenSplicer.from_prefill(answer, chat=False)
+    assert splicer is not None
+    event = b"data: " + JSON_NEST + b"\n\n"
+    assert splicer.filter(event) == event  # passed on unchanged, like any foreign event
+    assert _says_gone(503, b'{"error": ' + JSON_NEST + b"}") is False
