@@ -145,3 +145,41 @@ def test_router_reads_of_nested_upstream_answers_are_not_crashes() -> None:
     event = b"data: " + JSON_NEST + b"\n\n"
     assert splicer.filter(event) == event  # passed on unchanged, like any foreign event
     assert _says_gone(503, b'{"error": ' + JSON_NEST + b"}") is False
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:abc", "tcp://a b:1", "tcp://*:5", "tcp://", "ipc://",
+                                      "tcp://127.0.0.1:0", "tcp://h:99999", "tcp://h:1\x00", "http://evil"])
+def test_control_message_with_a_malformed_endpoint_is_refused(endpoint: str) -> None:
+    """Replies go to ``src_endpoint``: ZeroMQ refuses a malformed one only when the control thread
+    connects to it (a socket was made by then, and nothing closed it: 3 descriptors per message).
+    The decoder refuses it instead."""
+    from kvwire.transfer.messages import Abort
+
+    msg = Abort(src_id="a", src_endpoint=endpoint, transfer_id="t", reason="r")
+    with pytest.raises(ProtocolError, match="src_endpoint"):
+        Codec(None).decode(Codec(None).encode(msg))
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:5600", "tcp://[::1]:5", "tcp://host_a.lan:80",
+                                      "ipc:///tmp/kvwire.sock", "inproc://agent-1"])
+def test_control_message_endpoints_of_every_form_pass(endpoint: str) -> None:
+    from kvwire.transfer.messages import Abort
+
+    msg = Abort(src_id="a", src_endpoint=endpoint, transfer_id="t", reason="r")
+    assert Codec(None).decode(Codec(None).encode(msg)) == msg
+
+
+def test_shm_chunk_at_the_end_of_the_ring_positions_is_a_protocol_error() -> None:
+    """Found by ``kvwire bench fuzz`` (plane.shm_frames): a chunk whose ring position plus size
+    passes 2**64 made the reader's credit (u64) fail to pack: ``struct.error``, which the link's
+    reader does not catch (its thread died). Now refused as a protocol error, like any bad frame."""
+    from kvwire.bench.fuzz_targets import build
+    from kvwire.transfer.planes.shm.wire import FRAME, Frame
+
+    target = build("plane.shm_frames")
+    for pos in (2**64 - 1, 2**64 - 32):
+        frame = FRAME.pack(Frame.CHUNK, 0, 64, 0, pos, 32, 5) + b"req-1"
+        with pytest.raises(ProtocolError, match="out of range"):
+            target.check(frame)
+    last = FRAME.pack(Frame.CHUNK, 0, 64, 0, 2**64 - 33, 32, 5) + b"req-1"  # the last that fits
+    assert target.crash_of(last) is None
