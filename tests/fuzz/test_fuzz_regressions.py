@@ -183,3 +183,45 @@ def test_shm_chunk_at_the_end_of_the_ring_positions_is_a_protocol_error() -> Non
             target.check(frame)
     last = FRAME.pack(Frame.CHUNK, 0, 64, 0, 2**64 - 33, 32, 5) + b"req-1"  # the last that fits
     assert target.crash_of(last) is None
+
+
+def _streamed(chat: bool) -> object:
+    from kvwire.bench.fuzz_corpus import streamed_requests
+
+    path, body = streamed_requests()[chat]
+    return parse_client_request(path, body, {})
+
+
+@pytest.mark.parametrize("ids", ['["7"]', "[null]", "[[1]]", "[2.5]", "[-1]", '"12"', "[true]"])
+def test_malformed_token_ids_from_an_instance_are_treated_as_absent(ids: str) -> None:
+    """Found by ``kvwire bench fuzz`` (router.upstream_answer): the migration ledger ran ``int()``
+    over the token ids and prompt ids an instance streamed (ValueError, TypeError in the router's
+    relay). Ids that are not a list of non-negative ints are now ignored: the
+    answer is then not token-exact, so a migration resumes from the text (ids_complete False)."""
+    from kvwire.router.migration import StreamLedger
+
+    ledger = StreamLedger(_streamed(False), chat=False)  # type: ignore[arg-type]
+    event = ('{"id": "c", "object": "text_completion", "created": 1, "model": "tiny", '
+             '"prompt_token_ids": %s, "choices": [{"index": 0, "text": "a", "token_ids": %s, '
+             '"finish_reason": null}]}')
+    out = ledger.filter(b"data: " + (event % (ids, ids)).encode() + b"\n\n")
+    assert out.startswith(b"data: ")
+    assert ledger.prompt_ids is None and ledger.token_ids == [] and not ledger.ids_complete
+    ledger.filter(b"data: " + (event % ("[1, 2]", "[5]")).encode() + b"\n\n")
+    assert ledger.prompt_ids == [1, 2] and ledger.token_ids == [5]
+
+
+@pytest.mark.parametrize("message", ['"length"', "[1]", "null"])
+def test_chat_answers_without_a_message_object_are_not_spliced(message: str) -> None:
+    """Found by ``kvwire bench fuzz``: P's chat answer whose ``message`` is not an object
+    (AttributeError), and D's chat events without a ``delta`` object (TypeError on the trim)."""
+    from kvwire.router.splice import FirstTokenSplicer
+
+    answer = b'{"choices": [{"index": 0, "message": ' + message.encode() + b"}]}"
+    assert FirstTokenSplicer.from_prefill(answer, chat=True) is None
+    good = b'{"choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"}}]}'
+    splicer = FirstTokenSplicer.from_prefill(good, chat=True)
+    assert splicer is not None
+    for choice in (b'{"index": 0, "delta": null, "finish_reason": "stop"}', b'{"delta": "Hi"}', b"7"):
+        event = b'data: {"choices": [' + choice + b"]}\n\n"
+        assert splicer.filter(event) == event  # not one to trim: passed on unchanged

@@ -152,6 +152,42 @@ def router_bodies() -> list[bytes]:
             b"\x00\n\n" + json.dumps({"prompt": [1, 2], "max_tokens": 2}).encode()]
 
 
+ANSWER_END = b"\n\x00\n"  # router.upstream_answer: P's answer, then D's stream
+
+
+def streamed_requests() -> list[tuple[str, bytes]]:
+    """A streamed completion and chat request as the router parses them (with token ids, usage)."""
+    return [("/v1/completions", json.dumps(dict(_COMPLETION, return_token_ids=True)).encode()),
+            ("/v1/chat/completions", json.dumps(dict(_CHAT, stream=True)).encode())]
+
+
+def upstream_answers() -> list[bytes]:
+    """P's non-streaming answer and D's SSE stream, in the shapes ``kvwire serve`` writes them."""
+    base = {"id": "cmpl-1", "created": 1, "model": "tiny"}
+    text = {"index": 0, "text": " Paris", "token_ids": [42], "finish_reason": "length"}
+    message = {"index": 0, "message": {"role": "assistant", "content": "Hi"}, "finish_reason": "length"}
+    answers: list[dict[str, Any]] = [dict(base, object="text_completion", choices=[text]),
+                                     dict(base, object="chat.completion", choices=[message])]
+    events: list[list[dict[str, Any]]] = [
+        [dict(base, object="text_completion", prompt_token_ids=[1, 2, 3], kvwire_max_tokens=16,
+              choices=[{"index": 0, "text": " Paris", "token_ids": [42], "finish_reason": None}]),
+         dict(base, object="text_completion", choices=[{"index": 0, "text": ".", "token_ids": [7],
+                                                         "finish_reason": "length"}]),
+         dict(base, object="text_completion", choices=[], usage={"prompt_tokens": 3, "completion_tokens": 2,
+                                                                 "total_tokens": 5})],
+        [dict(base, object="chat.completion.chunk", choices=[{"index": 0, "delta": {"role": "assistant",
+                                                                                     "content": ""}}]),
+         dict(base, object="chat.completion.chunk", choices=[{"index": 0, "delta": {"content": "Hi"},
+                                                              "token_ids": [9], "finish_reason": None}]),
+         {"error": {"message": "instance draining", "code": "shutting_down"}}],
+    ]
+    out = []
+    for i, (answer, stream) in enumerate(zip(answers, events, strict=True)):
+        sse = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in stream) + b"data: [DONE]\n\n"
+        out.append(bytes([i]) + json.dumps(answer).encode() + ANSWER_END + sse)
+    return out
+
+
 def local_hello() -> Hello:
     from kvwire.transfer.planes.negotiation import Hello
 

@@ -16,6 +16,7 @@ Usage: ``python -m kvwire.bench.fuzz_worker TARGET --out DIR [--runs N | --secon
 from __future__ import annotations
 
 import argparse
+import logging
 import pathlib
 import random
 import sys
@@ -54,6 +55,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from kvwire.bench.fuzz_targets import build
 
     args = _args(sys.argv[1:] if argv is None else argv)
+    logging.disable(logging.CRITICAL)  # what decoders log about bad input, a million times over
     with atheris.instrument_imports(include=["kvwire"]):
         target = build(args.target)
     seeds = target.seeds()

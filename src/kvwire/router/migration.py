@@ -51,6 +51,14 @@ def _event_end(buf: bytes) -> int:
     return min(ends, default=-1)
 
 
+def token_ids(value: object) -> list[int] | None:
+    """``value`` as token ids when it is a list of non-negative ints (an instance's ``token_ids`` or
+    ``prompt_token_ids``), else None: the router treats malformed ids as absent, never trusts them."""
+    if not isinstance(value, list) or not all(type(t) is int and t >= 0 for t in value):
+        return None
+    return value
+
+
 def _sse(data: dict[str, Any]) -> bytes:
     return b"data: " + msgspec.json.encode(data) + b"\n\n"
 
@@ -131,8 +139,8 @@ class StreamLedger:
         prompt = data.pop("prompt_token_ids", None)
         budget = data.pop("kvwire_max_tokens", None)
         if not self._continuing:
-            if isinstance(prompt, list) and self.prompt_ids is None:
-                self.prompt_ids = [int(t) for t in prompt]
+            if self.prompt_ids is None:
+                self.prompt_ids = token_ids(prompt)
             if isinstance(budget, int) and self.max_tokens is None:
                 self.max_tokens = budget
             if self.base is None:
@@ -147,8 +155,9 @@ class StreamLedger:
             return event
         ids = choice.pop("token_ids", None)
         text = self._text(choice)
-        if isinstance(ids, list):
-            self.token_ids.extend(int(t) for t in ids)
+        valid_ids = token_ids(ids)
+        if valid_ids is not None:
+            self.token_ids.extend(valid_ids)
         elif text:
             self.ids_complete = False
         if self._client_ids and isinstance(ids, list):

@@ -21,7 +21,8 @@ def _first_text(answer: dict[str, Any], chat: bool) -> str | None:
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
         return None
     choice = choices[0]
-    text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
+    message = choice.get("message")
+    text = (message.get("content") if isinstance(message, dict) else None) if chat else choice.get("text")
     return text if isinstance(text, str) and text else None
 
 
@@ -90,10 +91,17 @@ class FirstTokenSplicer:
             choice = data["choices"][0]
         except (msgspec.DecodeError, KeyError, IndexError, TypeError, RecursionError):
             return event  # usage-only or foreign events pass unchanged
+        if not isinstance(choice, dict):
+            return event
         delta = choice.get("delta") if self._chat else None
-        if self._chat and isinstance(delta, dict) and delta.get("role") and not delta.get("content"):
-            return b""  # the role chunk was already sent with the early events
-        text = (delta or {}).get("content") if self._chat else choice.get("text")
+        if self._chat:
+            if not isinstance(delta, dict):
+                return event  # a chat event without a delta object: not one to trim
+            if delta.get("role") and not delta.get("content"):
+                return b""  # the role chunk was already sent with the early events
+            text = delta.get("content")
+        else:
+            text = choice.get("text")
         text = text if isinstance(text, str) else ""
         return self._trim(data, choice, delta, text, event)
 
