@@ -225,3 +225,11 @@ def test_chat_answers_without_a_message_object_are_not_spliced(message: str) -> 
     for choice in (b'{"index": 0, "delta": null, "finish_reason": "stop"}', b'{"delta": "Hi"}', b"7"):
         event = b'data: {"choices": [' + choice + b"]}\n\n"
         assert splicer.filter(event) == event  # not one to trim: passed on unchanged
+
+
+def test_nccl_plane_info_nest_is_a_protocol_error() -> None:
+    from kvwire.transfer.planes.nccl.messages import NcclInfo, decode_info, encode_info
+
+    assert decode_info(encode_info(NcclInfo())) == NcclInfo()
+    with pytest.raises(ProtocolError, match="malformed NCCL plane info"):
+        decode_info(b"\x81\xa1x" + b"\x91" * 3000 + b"\x90")  # an unknown key holding the nest
