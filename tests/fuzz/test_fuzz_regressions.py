@@ -233,3 +233,22 @@ def test_nccl_plane_info_nest_is_a_protocol_error() -> None:
     assert decode_info(encode_info(NcclInfo())) == NcclInfo()
     with pytest.raises(ProtocolError, match="malformed NCCL plane info"):
         decode_info(b"\x81\xa1x" + b"\x91" * 3000 + b"\x90")  # an unknown key holding the nest
+
+
+def test_vllm_kv_event_batch_nest_is_a_malformed_batch() -> None:
+    """vLLM's publisher is in the same pod, but its batches are decoded by the plugin's bridge
+    thread: a nest (in the batch or in one event, which the batch skips as raw bytes) is a malformed
+    batch, counted by the bridge, never raised past it."""
+    import msgspec as ms
+
+    from kvwire.integrations.vllm_kv_events import VllmKvEventBridge, VllmKvTranslator, decode_events
+    from kvwire.kv_events import KvEventLog
+
+    nested_events = b"\x93\xcb" + bytes(8) + b"\x91" * 3000 + b"\x90" + b"\x00"
+    nested_one = ms.msgpack.encode([1.5, [ms.Raw(b"\x81\xa4type" + b"\x91" * 3000 + b"\x90")], 0])
+    bridge = VllmKvEventBridge("tcp://127.0.0.1:1", VllmKvTranslator(KvEventLog(16)))  # never started
+    for seq, payload in enumerate((nested_events, nested_one)):
+        with pytest.raises(ms.DecodeError, match="nested too deep"):
+            decode_events(payload)
+        bridge.on_frames([b"", seq.to_bytes(8, "big"), payload])
+    assert bridge.malformed == 2 and bridge.batches == 0

@@ -188,6 +188,25 @@ def upstream_answers() -> list[bytes]:
     return out
 
 
+def vllm_kv_events() -> list[bytes]:
+    """KV event batches as vLLM 0.32's publisher sends them (msgpack ``[ts, events, dp_rank]``):
+    blocks stored (a chain of two, then a child), removed, all cleared."""
+    import hashlib
+
+    import msgspec
+
+    def vh(i: int) -> bytes:
+        return hashlib.sha256(f"vllm-{i}".encode()).digest()
+
+    tokens = [(7 * j) % 250 + 1 for j in range(64)]
+    stored = {"type": "BlockStored", "block_hashes": [vh(0), vh(1)], "parent_block_hash": None,
+              "token_ids": tokens[:32], "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None}
+    child = dict(stored, block_hashes=[vh(2)], parent_block_hash=vh(1), token_ids=tokens[32:48])
+    removed = {"type": "BlockRemoved", "block_hashes": [vh(2)], "medium": "GPU"}
+    return [msgspec.msgpack.encode([1.5, [stored, child], 0]), msgspec.msgpack.encode([2.5, [removed], None]),
+            msgspec.msgpack.encode([3.5, [{"type": "AllBlocksCleared"}, stored], 0])]
+
+
 def local_hello() -> Hello:
     from kvwire.transfer.planes.negotiation import Hello
 

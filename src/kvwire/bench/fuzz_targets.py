@@ -197,6 +197,27 @@ def upstream_answer() -> FuzzTarget:
     return FuzzTarget("router.upstream_answer", check, (), fuzz_corpus.upstream_answers, 8192)
 
 
+def vllm_kv_events() -> FuzzTarget:
+    """A KV event batch from vLLM's publisher as the plugin's bridge handles it (``on_frames``:
+    decoded, then re-hashed into kvwire's chain). It counts a malformed batch and goes on: nothing
+    may escape it."""
+    from kvwire.bench import fuzz_corpus
+    from kvwire.integrations.vllm_kv_events import VllmKvEventBridge, VllmKvTranslator
+    from kvwire.kv_events import KvEventLog
+
+    bridge = VllmKvEventBridge("tcp://127.0.0.1:1", VllmKvTranslator(KvEventLog(16)))  # never started
+
+    def check(data: bytes) -> object:
+        bridge.translator = VllmKvTranslator(KvEventLog(16))  # each input from a fresh index
+        applied = bridge.batches
+        seq = bridge.batches + bridge.malformed  # in order: no gap warnings
+        bridge._next_seq = seq
+        bridge.on_frames([b"", seq.to_bytes(8, "big", signed=True), data])
+        return bridge.batches > applied  # True: decoded and applied
+
+    return FuzzTarget("vllm.kv_events", check, (), fuzz_corpus.vllm_kv_events)
+
+
 # name -> module:function building it (imported only when asked for)
 TARGETS: dict[str, str] = {
     "discovery.frames": "kvwire.bench.fuzz_targets:discovery_frames",
@@ -209,6 +230,7 @@ TARGETS: dict[str, str] = {
     "http.instance_body": "kvwire.bench.fuzz_targets:instance_body",
     "http.router_body": "kvwire.bench.fuzz_targets:router_body",
     "router.upstream_answer": "kvwire.bench.fuzz_targets:upstream_answer",
+    "vllm.kv_events": "kvwire.bench.fuzz_targets:vllm_kv_events",
     "plane.tcp_hello": "kvwire.bench.fuzz_planes:tcp_hello",
     "plane.tcp_frames": "kvwire.bench.fuzz_planes:tcp_frames",
     "plane.shm_frames": "kvwire.bench.fuzz_planes:shm_frames",

@@ -86,15 +86,19 @@ _event_decoder = msgspec.msgpack.Decoder(VllmEvent)
 def decode_events(payload: bytes) -> tuple[list[VllmEvent], int]:
     """vLLM's msgpack ``KVEventBatch`` -> (the events we understand, how many we did not).
 
-    Raises ``msgspec.DecodeError`` / ``msgspec.ValidationError`` when the batch itself is malformed.
+    Raises ``msgspec.DecodeError`` / ``msgspec.ValidationError`` when the batch itself is malformed
+    (nested past msgspec's limit included).
     """
-    batch = _batch_decoder.decode(payload)
+    try:
+        batch = _batch_decoder.decode(payload)
+    except RecursionError as exc:
+        raise msgspec.DecodeError(f"KV event batch nested too deep: {exc}") from exc
     events: list[VllmEvent] = []
     unknown = 0
     for raw in batch.events:
         try:
             events.append(_event_decoder.decode(raw))
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, RecursionError):
             unknown += 1
     return events, unknown
 
