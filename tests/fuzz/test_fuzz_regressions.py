@@ -252,3 +252,19 @@ def test_vllm_kv_event_batch_nest_is_a_malformed_batch() -> None:
             decode_events(payload)
         bridge.on_frames([b"", seq.to_bytes(8, "big"), payload])
     assert bridge.malformed == 2 and bridge.batches == 0
+
+
+@pytest.mark.parametrize("token", [2**63, -1])
+def test_vllm_block_stored_with_a_token_id_out_of_range_is_an_unknown_event(token: int) -> None:
+    """Found by ``kvwire bench fuzz`` (vllm.kv_events): a stored block's token id outside int64
+    made kvwire's chain hash fail to pack it (``struct.error`` on the bridge thread). The decoder
+    bounds token ids; such an event is skipped as unknown, the rest of its batch applied."""
+    import msgspec as ms
+
+    from kvwire.bench.fuzz_corpus import vllm_kv_events
+    from kvwire.integrations.vllm_kv_events import decode_events
+
+    good = ms.msgpack.decode(vllm_kv_events()[0])[1][0]
+    bad = dict(good, token_ids=[token] * len(good["token_ids"]))
+    events, unknown = decode_events(ms.msgpack.encode([1.5, [bad, good], 0]))
+    assert unknown == 1 and len(events) == 1

@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import threading
 from collections import Counter
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import zmq
@@ -43,6 +43,8 @@ from kvwire.kv_hash import ROOT_HASH, BlockHash, hash_block
 log = logging.getLogger(__name__)
 
 VllmHash = bytes | int  # vLLM's ExternalBlockHash: sha256 bytes, or a 64-bit int when so configured
+# kvwire's chain hashes token ids as signed 64-bit integers: an event with others is an unknown event
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 MAIN_MEDIUM = "GPU"  # what vLLM's block pool reports for its own KV cache (on CPU hosts too)
 POLL_MS = 100  # how often the bridge thread checks for close()
 MAX_DRAIN = 1000  # messages handled per wake-up at most
@@ -51,7 +53,7 @@ MAX_DRAIN = 1000  # messages handled per wake-up at most
 class VllmBlockStored(msgspec.Struct, tag="BlockStored"):
     block_hashes: list[VllmHash]
     parent_block_hash: VllmHash | None = None
-    token_ids: list[int] = msgspec.field(default_factory=list)
+    token_ids: list[TokenId] = msgspec.field(default_factory=list)
     block_size: int = 0
     lora_id: int | None = None
     lora_name: str | None = None
