@@ -373,7 +373,7 @@ class Dispatcher:
         try:
             raw = msgspec.json.decode(answer).get("kv_transfer_params")
             params = KVTransferParams.from_dict(raw)
-        except (msgspec.DecodeError, AttributeError, InvalidRequestError) as exc:
+        except (msgspec.DecodeError, AttributeError, InvalidRequestError, RecursionError) as exc:
             self._metrics.upstream_errors.labels(role="prefill", kind="bad_response").inc()
             raise UpstreamFailure(
                 f"prefill instance {p.instance_id} returned no valid kv_transfer_params: {exc}",

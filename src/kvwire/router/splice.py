@@ -64,11 +64,12 @@ class FirstTokenSplicer:
         """A splicer for P's non-streaming answer, or None when it has no single non-empty text."""
         try:
             answer = msgspec.json.decode(answer_bytes)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             return None
         if not isinstance(answer, dict) or (choice := _first_choice(answer)) is None:
             return None
-        text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
+        message = choice.get("message")
+        text = (message.get("content") if isinstance(message, dict) else None) if chat else choice.get("text")
         if not isinstance(text, str) or not text:
             return None
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -125,12 +126,17 @@ class FirstTokenSplicer:
         try:
             data = msgspec.json.decode(line[5:].strip())
             choice = data["choices"][0]
-        except (msgspec.DecodeError, KeyError, IndexError, TypeError):
+        except (msgspec.DecodeError, KeyError, IndexError, TypeError, RecursionError):
             return event  # usage-only or foreign events pass unchanged
         if not isinstance(choice, dict):
             return event
         delta = choice.get("delta") if self._chat else None
-        text = (delta or {}).get("content") if self._chat else choice.get("text")
+        if self._chat:
+            if not isinstance(delta, dict):
+                return event  # a chat event without a delta object: not one to trim
+            text = delta.get("content")
+        else:
+            text = choice.get("text")
         text = text if isinstance(text, str) else ""
         if self._chat and isinstance(delta, dict) and delta.pop("role", None) is not None and not text:
             return self._emit(data, choice, "")  # the role chunk went out with the early events

@@ -101,7 +101,7 @@ def _decode(body: bytes, cls: type[msgspec.Struct]) -> Any:
     except msgspec.ValidationError as exc:
         match = _PATH_FIELD.search(str(exc))
         raise BadRequest(f"invalid request: {exc}", param=match.group(1) if match else None) from exc
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # nesting past msgspec's limit: RecursionError
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import re
 from collections.abc import Sequence
 
 import msgspec
@@ -180,13 +181,24 @@ def _check_id(name: str, value: str, allow_empty: bool = False) -> None:
         raise ProtocolError(f"{name} must be 1..{MAX_ID_LEN} characters")
 
 
+# What a peer may name as its control endpoint (replies are sent there: ZeroMQ connects to it, and
+# refuses a malformed one with an error only at connect time): tcp://host:port, ipc://path, inproc://name.
+_ENDPOINT = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}|(?:ipc|inproc)://[^\x00\s]+")
+
+
+def _check_endpoint(endpoint: str) -> None:
+    if len(endpoint) > MAX_ID_LEN or not _ENDPOINT.fullmatch(endpoint):
+        raise ProtocolError(f"src_endpoint {endpoint[:80]!r} is not a ZMQ endpoint")
+    if endpoint.startswith("tcp://") and not 0 < int(endpoint.rsplit(":", 1)[1]) < 65536:
+        raise ProtocolError(f"src_endpoint {endpoint[:80]!r} has no valid port")
+
+
 def validate(msg: AnyMsg) -> None:
     """Semantic checks msgspec types cannot express (bounds, known dtypes, non-negative sizes)."""
     _check_id("transfer_id", msg.transfer_id)
     _check_id("src_id", msg.src_id)
     _check_id("dst_id", msg.dst_id, allow_empty=True)
-    if not msg.src_endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-        raise ProtocolError(f"src_endpoint {msg.src_endpoint!r} is not a ZMQ endpoint")
+    _check_endpoint(msg.src_endpoint)
     if isinstance(msg, Offer):
         for layer in msg.layers:
             bad_shape = len(layer.shape) > MAX_LAYER_DIMS or any(d < 0 for d in layer.shape)

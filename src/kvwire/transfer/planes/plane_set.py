@@ -32,10 +32,11 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
+from kvwire.errors import ProtocolError
 from kvwire.supervision import HealthBoard, SupervisedThread
 from kvwire.transfer.enums import Backend, FailReason, Transport
 from kvwire.transfer.planes.base import DataPlane, PlaneCallbacks
-from kvwire.transfer.planes.negotiation import Choice, Envelope, Hello, choose, host_identity
+from kvwire.transfer.planes.negotiation import Choice, Envelope, Hello, choose, decode_envelope, host_identity
 from kvwire.transfer.types import PeerRef, RecvItem, SendItem
 
 log = logging.getLogger("kvwire.transfer")
@@ -187,9 +188,9 @@ class PlaneSet(DataPlane):
     def on_peer_info(self, peer: PeerRef, info: bytes) -> None:
         assert self._hello is not None and self._callbacks is not None, "start() first"
         try:
-            envelope = msgspec.msgpack.decode(info, type=Envelope)
-        except msgspec.DecodeError as exc:
-            self._callbacks.on_protocol_error(f"plane handshake from {peer.endpoint} does not decode: {exc}")
+            envelope = decode_envelope(info)
+        except ProtocolError as exc:
+            self._callbacks.on_protocol_error(f"plane handshake from {peer.endpoint}: {exc}")
             return
         known = self._negotiate(peer, envelope.hello)
         backend = known.choice.backend

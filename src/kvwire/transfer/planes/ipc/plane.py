@@ -165,7 +165,7 @@ class IpcPlane(UnixLinkPlane):
                 (d, Target(d.handle, d.shift, arrays[d.span_set] if d.handle else _NO_SPANS))
                 for d in grant.dests
             ]
-        except (msgspec.DecodeError, ValueError, IndexError):
+        except (msgspec.DecodeError, ValueError, IndexError, RecursionError):
             self.callbacks.on_protocol_error(f"IPC plane info from {peer.endpoint} does not decode")
             return
         with self.lock:

@@ -81,7 +81,7 @@ def decode_direct(info: bytes) -> list[ShmDest]:
     ValueError when it does not decode or refers to a missing span set."""
     try:
         grant = msgspec.msgpack.decode(info, type=DirectInfo)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # nesting past msgspec's limit: RecursionError
         raise ValueError(str(exc)) from exc
     sets = grant.span_sets
     if any(not 0 <= d.span_set < len(sets) for d in grant.dests):

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _READ_BYTES = 64 << 10
+_MAX_RING_POS = (1 << (8 * CREDIT.size)) - 1  # ring positions count bytes for ever: u64
 Arrival = tuple[str, str, int] | None  # (peer id, transfer id, layer) or the end marker
 
 
@@ -188,6 +189,8 @@ class Inbound:
             return self._written(tid, layer, total)
         if kind != Frame.CHUNK:
             raise ProtocolError(f"unknown shared-memory frame kind {kind}")
+        if pos + num_bytes > _MAX_RING_POS:  # the credit it answers must fit its field
+            raise ProtocolError(f"chunk at ring position {pos} of {num_bytes} bytes is out of range")
         at = pos % ring.size
         if at + num_bytes > ring.size:
             raise ProtocolError(f"chunk at ring position {pos} of {num_bytes} bytes runs past the ring")
