@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "engine": ("kvwire.bench.engine", "built-in engine prefill/decode throughput"),
     "discovery": ("kvwire.bench.discovery", "discovery with N simulated instances: router CPU, latencies"),
     "soak": ("kvwire.bench.soak", "cluster under load while instances are killed: failures, hangs, leaks"),
+    "fuzz": ("kvwire.bench.fuzz", "every decoder fuzzed with atheris: inputs tried, crashes, inputs/s"),
 }
 
 

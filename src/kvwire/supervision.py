@@ -11,6 +11,8 @@ Two kinds of thread:
   failures within ``window_s`` and the component is **dead**: its :class:`HealthBoard` lists it, the
   process's ``/health`` answers 503 naming it, and ``on_dead`` (if given) runs once. A body must be
   restartable: sockets and state it needs across runs belong to the component, not to the body.
+- **Long-lived asyncio tasks** (the router's etcd watch) run under :func:`supervise_async`, the same
+  rules on the event loop: cancelling the task is the stop.
 - **One-shot workers** (one reader per accepted connection, a closer): :func:`guarded` wraps the
   target so that an exception is logged with the worker's name and counted on the board
   (``errors``); the worker is not restarted (its connection is gone) and the process stays healthy.
@@ -19,18 +21,20 @@ The :class:`HealthBoard` is owned by the process's edge (the server instance, th
 plugin) and passed down to the components it builds; a component built without one gets a private
 board (its restarts are still logged, nobody's ``/health`` reads them). :class:`SupervisionCollector`
 exports the board to Prometheus: ``kvwire_component_restarts_total{component}``,
-``kvwire_component_up{component}`` and ``kvwire_thread_errors_total{component}``.
+``kvwire_component_up{component}``, ``kvwire_thread_errors_total{component}`` and
+``kvwire_limit_hits_total{limit}`` (bounds that refused or cut something, :meth:`HealthBoard.limit_hit`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import enum
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -95,6 +99,7 @@ class HealthBoard:
         # Totals by component name; they outlive the entries (a stopped component keeps its count).
         self._restarts: collections.Counter[str] = collections.Counter()
         self._errors: collections.Counter[str] = collections.Counter()
+        self._limits: collections.Counter[str] = collections.Counter()
 
     def register(self, name: str) -> int:
         """A new running component; returns its key for :meth:`unregister` and the state updates."""
@@ -145,6 +150,17 @@ class HealthBoard:
         """A one-shot worker (:func:`guarded`) raised."""
         with self._lock:
             self._errors[name] += 1
+
+    def limit_hit(self, limit: str, amount: int = 1) -> None:
+        """A component refused or cut something at one of its bounds (a connection over a listener's
+        cap, a link past its deadline): ``kvwire_limit_hits_total{limit}``. ``limit`` is a fixed name
+        (never peer data: label sets stay bounded)."""
+        with self._lock:
+            self._limits[limit] += amount
+
+    def limit_hits(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._limits)
 
     def snapshot(self) -> list[ComponentStatus]:
         with self._lock:
@@ -264,6 +280,41 @@ class SupervisedThread:
             self.board.running(self._key)
 
 
+async def supervise_async(
+    name: str, body: Callable[[], Awaitable[None]], *, board: HealthBoard | None = None,
+    policy: RestartPolicy | None = None,
+) -> None:
+    """:class:`SupervisedThread` for an asyncio task: run ``body()`` until the task is cancelled (the
+    component's stop), restarting it with backoff when it raises or returns; dead (on ``board``)
+    after too many failures, and then this coroutine returns. Cancellation takes the component off
+    the board (stopped on purpose)."""
+    board = board if board is not None else HealthBoard()
+    policy = policy or RestartPolicy()
+    key = board.register(name)
+    attempt = 0
+    try:
+        while True:
+            try:
+                await body()
+                error: BaseException = RuntimeError(f"{name} returned while not stopping")
+            except Exception as exc:  # every exception a hostile peer or a bug can raise
+                error = exc
+            text = f"{type(error).__name__}: {error}"
+            if board.failed(key, text, policy) is ComponentState.DEAD:
+                log.error("component %s is dead (failed %d times within %.0f s; last: %s): the process "
+                          "reports unhealthy", name, policy.max_restarts + 1, policy.window_s, text,
+                          exc_info=error)
+                return
+            attempt += 1
+            backoff_s = policy.backoff_s(attempt)
+            log.error("component %s failed (%s); restarting in %.2f s", name, text, backoff_s, exc_info=error)
+            await asyncio.sleep(backoff_s)
+            board.running(key)
+    except asyncio.CancelledError:
+        board.unregister(key)
+        raise
+
+
 def guarded(name: str, target: Callable[..., None], board: HealthBoard | None = None) -> Callable[..., None]:
     """``target`` wrapped for a one-shot worker thread: an exception is logged with ``name`` and counted
     on ``board`` (``kvwire_thread_errors_total``) instead of ending the thread unseen."""
@@ -301,3 +352,8 @@ class SupervisionCollector:
         for name, count in sorted(self._board.worker_errors().items()):
             errors.add_metric([name], count)
         yield errors
+        limits = CounterMetricFamily("kvwire_limit_hits", "times a component refused or cut something at "
+                                     "one of its bounds", labels=["limit"])
+        for name, count in sorted(self._board.limit_hits().items()):
+            limits.add_metric([name], count)
+        yield limits

@@ -6,7 +6,8 @@ it prints ``MOCK_READY <port>`` once serving. It answers at once with determinis
 (``max_tokens`` tokens ``" t0 t1 ..."``), streaming or not, completions or chat. Directives in the
 prompt (or the last chat message) change the behaviour:
 
-* ``status=NNN`` -> HTTP NNN with an OpenAI-style error body naming this instance;
+* ``status=NNN`` -> HTTP NNN with an OpenAI-style error body naming this instance (429: with
+  ``Retry-After: 1``, as a kvwire instance whose waiting queue is full);
 * ``hang``       -> never answers (until the client goes away; the disconnect is recorded);
 * ``slow``       -> 50 ms between streamed tokens;
 * ``gap_ms=N``   -> N ms between streamed tokens (the stats record when each event was written);
@@ -112,7 +113,9 @@ class MockInstance:
         status = next((int(w[7:]) for w in words if w.startswith("status=")), None)
         if status is not None:
             message = f"mock {self.args.id} says {status}"
-            return web.json_response({"error": {"message": message, "code": status}}, status=status)
+            headers = {"Retry-After": "1"} if status == 429 else None  # a full waiting queue, like kvwire
+            return web.json_response({"error": {"message": message, "code": status}}, status=status,
+                                     headers=headers)
         if "hang" in words:
             await asyncio.sleep(3600)
         delay_s = self.args.delay_s + (0.3 if "delay" in words else 0.0)
@@ -210,7 +213,8 @@ async def _main(args: argparse.Namespace) -> None:
     )
     client: HeartbeatClient | EtcdRegistration
     if args.router.startswith("etcd://"):
-        client = EtcdRegistration(parse_discovery_address(args.router), info, mock.load, args.interval_s)
+        client = EtcdRegistration(parse_discovery_address(args.router), info, mock.load, args.interval_s,
+                                  secret=args.secret)
     else:
         client = HeartbeatClient(args.router, info, mock.load, interval_s=args.interval_s, secret=args.secret)
     client.start()

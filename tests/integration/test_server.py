@@ -351,6 +351,8 @@ def test_prefill_role_registers_serves_pull_and_deregisters(tmp_path: Path) -> N
                                                                         proc.url, "tiny")
         assert len(info.kv_endpoints) == 1 and info.kv_endpoints[0].startswith("tcp://127.0.0.1:")
         assert beat.load is not None and beat.load.total_kv_blocks == 512
+        # the heartbeat thread runs supervised on the instance's one health board (decision 117)
+        assert run(metric(proc.url, 'kvwire_component_up{component="kvwire-heartbeat"}')) == 1
 
         # Pull mode: P prefills, keeps the blocks under a lease and returns params for D. With the
         # secret set, P accepts only params the router signed (docs/security.md).

@@ -20,6 +20,10 @@ Contract:
   router's index is rebuilt from a full snapshot of this instance's cache (sent in the same bounded
   batches, the first one ``cleared``: it replaces whatever the router held for this instance).
   Counted in ``connections``.
+* The thread is supervised (``kvwire-heartbeat`` on the host's ``board``, its ``/health``): an
+  exception restarts it with backoff on fresh sockets (it registers again at once); one that keeps
+  failing is dead, and the host answers ``/health`` with 503 naming it, instead of serving on
+  unregistered and unaware.
 * :meth:`close` (idempotent; also the context-manager exit) stops the thread, sends a
   :class:`Deregister` so the router drops this instance at once, and waits at most ``linger_s`` for
   it to leave.
@@ -39,6 +43,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvwire.discovery.messages import (
+    MAX_FRAME_BYTES,
     Deregister,
     DiscoveryMessage,
     Heartbeat,
@@ -49,6 +54,7 @@ from kvwire.discovery.messages import (
 )
 from kvwire.errors import ConfigError
 from kvwire.kv_events import KvEventLog
+from kvwire.supervision import HealthBoard, SupervisedThread
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +103,8 @@ class HeartbeatClient:
         kv_events: KvEventLog | None = None,
         kv_events_interval_s: float = 0.05,
         wait_for_http: bool = False,
+        *,
+        board: HealthBoard | None = None,
     ) -> None:
         addresses = router_addresses(router_address)
         if not addresses or not all(a.startswith(("tcp://", "ipc://", "inproc://")) for a in addresses):
@@ -117,7 +125,9 @@ class HeartbeatClient:
         self._wait_for_http = wait_for_http
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._board = board
+        self._thread: SupervisedThread | None = None
+        self._http_answered = not wait_for_http  # once true, a restarted body does not wait again
         self._seq = 0
         self.sent = 0  # messages handed to ZeroMQ
         self.dropped = 0  # messages dropped because the queue to the router was full
@@ -126,9 +136,7 @@ class HeartbeatClient:
     def start(self) -> HeartbeatClient:
         if self._thread is not None:
             return self
-        self._thread = threading.Thread(
-            target=self._run, name=f"kvwire-heartbeat-{self.info.instance_id}", daemon=True
-        )
+        self._thread = SupervisedThread("kvwire-heartbeat", self._run, self._stop, board=self._board)
         self._thread.start()
         return self
 
@@ -141,9 +149,7 @@ class HeartbeatClient:
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=self._linger_s + 2.0)
-            if self._thread.is_alive():
-                log.warning("heartbeat thread of %s did not stop in time", self.info.instance_id)
+            self._thread.stop(timeout_s=self._linger_s + 2.0)  # logs when it did not stop in time
 
     def __enter__(self) -> HeartbeatClient:
         return self.start()
@@ -156,6 +162,9 @@ class HeartbeatClient:
     # --- thread ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        """The thread's body (a :class:`~kvwire.supervision.SupervisedThread`): its own sockets,
+        closed on the way out; an exception is restarted with backoff (new sockets, which register
+        again at once), and a thread that keeps failing is dead: the host's ``/health`` says so."""
         ctx = zmq.Context()
         socks = []  # one PUSH per router: a PUSH connected to several peers would round-robin
         monitors: list[zmq.Socket] = []  # each socket's connections (a router (re)started)
@@ -164,28 +173,15 @@ class HeartbeatClient:
                 sock = ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.SNDHWM, 4 if self._kv_events is None else 16)
                 sock.setsockopt(zmq.LINGER, int(self._linger_s * 1000))
+                sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # a PUSH reads nothing; bound it anyway
                 socks.append(sock)
                 monitors.append(sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))
                 sock.connect(address)
-            if self._wait_for_http and not self._await_http():
+            if not self._http_answered and not self._await_http():
                 return  # closed before the server answered: never registered, nothing to deregister
-            next_beat = 0.0
-            while not self._stop.is_set():
-                if self._new_connections(monitors):
-                    next_beat = 0.0  # a (re)started router: register at once, then the snapshot
-                now = time.monotonic()
-                if now >= next_beat or self._wake.is_set():
-                    self._wake.clear()
-                    self._send_all(socks, self._heartbeat())
-                    next_beat = now + self.interval_s
-                self._send_kv_events(socks)
-                wait_s = next_beat - time.monotonic()
-                if self._kv_events is not None:
-                    wait_s = min(wait_s, self._kv_events_interval_s)
-                self._wake.wait(max(wait_s, 0.0))
+            self._http_answered = True
+            self._beat(socks, monitors)
             self._send_all(socks, self._deregister())
-        except Exception:  # the thread must never die silently
-            log.exception("heartbeat thread of %s failed", self.info.instance_id)
         finally:
             for sock, monitor in zip(socks, monitors, strict=False):
                 sock.disable_monitor()
@@ -193,6 +189,23 @@ class HeartbeatClient:
             for sock in socks:
                 sock.close()  # waits up to LINGER for the deregistration to leave
             ctx.term()
+
+    def _beat(self, socks: list[zmq.Socket], monitors: list[zmq.Socket]) -> None:
+        """Heartbeats and KV events until close()."""
+        next_beat = 0.0
+        while not self._stop.is_set():
+            if self._new_connections(monitors):
+                next_beat = 0.0  # a (re)started router: register at once, then the snapshot
+            now = time.monotonic()
+            if now >= next_beat or self._wake.is_set():
+                self._wake.clear()
+                self._send_all(socks, self._heartbeat())
+                next_beat = now + self.interval_s
+            self._send_kv_events(socks)
+            wait_s = next_beat - time.monotonic()
+            if self._kv_events is not None:
+                wait_s = min(wait_s, self._kv_events_interval_s)
+            self._wake.wait(max(wait_s, 0.0))
 
     def _new_connections(self, monitors: list[zmq.Socket]) -> bool:
         """True when a discovery connection was (re)established since the last call; then the KV

@@ -4,9 +4,10 @@ Same surface as :class:`~kvwire.discovery.client.HeartbeatClient` (``start``, ``
 ``close``, ``sent``/``dropped``), so every host registers the same way whatever the backend.
 
 Contract:
-* One daemon thread. It grants a lease of ``lease_ttl_s`` (the heartbeat TTL: 3 heartbeat
-  intervals, at least 2 s) and puts the record (a JSON :class:`Heartbeat`: role, model, URL, KV
-  endpoints (one per TP rank), load) at ``prefix + instance_id`` bound to that lease.
+* One daemon thread, supervised (``kvwire-etcd-registration`` on the host's ``board``). It grants
+  a lease of ``lease_ttl_s`` (the heartbeat TTL: 3 heartbeat intervals, at least 2 s) and puts
+  the record (a JSON :class:`Heartbeat`: role, model, URL, KV endpoints (one per TP rank), load)
+  at ``prefix + instance_id`` bound to that lease.
 * Every ``interval_s`` it renews the lease (a keep-alive) and puts the record with the current
   load (``refresh_s``, default the interval). If the process dies or stops (kill -9, SIGSTOP, host
   gone), both stop: routers take it out of routing when the TTL passes without a record (the
@@ -22,6 +23,9 @@ Contract:
   retried every interval, so fixing them in etcd is enough. A keep-alive answered "unknown
   lease" (etcd lost it: restarted without its data, or the lease expired meanwhile) makes it
   grant a new lease and put the record again.
+* With a shared secret (``secret``) every record is signed (:func:`~kvwire.discovery.etcd_gateway.
+  encode_record`); its ``seq`` grows by one per put and ``sent_at`` is the wall clock, so a router
+  refuses an old record written again (decision 125).
 * :meth:`close` revokes the lease (the key goes at once: a graceful deregistration), waiting at most
   ``linger_s`` + the call deadline.
 """
@@ -36,9 +40,10 @@ from types import TracebackType
 
 from kvwire.discovery.address import DiscoveryAddress
 from kvwire.discovery.client import LoadFn
-from kvwire.discovery.etcd_gateway import EtcdAuthError, EtcdError, EtcdHttp, encode_record
+from kvwire.discovery.etcd_gateway import EtcdAuthError, EtcdError, EtcdHttp, encode_record, record_key
 from kvwire.discovery.messages import Heartbeat, InstanceInfo, InstanceLoad
 from kvwire.errors import ConfigError
+from kvwire.supervision import HealthBoard, SupervisedThread
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +67,8 @@ class EtcdRegistration:
         min_put_interval_s: float | None = None,
         refresh_s: float | None = None,
         linger_s: float = 0.5,
+        board: HealthBoard | None = None,
+        secret: str | bytes | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ConfigError(f"heartbeat interval_s must be > 0, got {interval_s}")
@@ -74,13 +81,15 @@ class EtcdRegistration:
         # the promise a record makes: another one within the lease TTL (kept only at one per interval)
         self.record_ttl_s = float(self.lease_ttl_s) if self.refresh_s <= interval_s else 0.0
         self._key = target.key(info.instance_id)
+        self._record_key = record_key(secret) if secret else None  # signs each record
         self._load_fn = load_fn
         self._linger_s = linger_s
         self._http = EtcdHttp(target.address, timeout_s=min(2.0, max(0.5, interval_s)),
                               ssl_context=target.ssl_context(), auth=target.auth)
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._board = board
+        self._thread: SupervisedThread | None = None
         self._seq = 0
         self._lease: int | None = None
         self._last_put = -math.inf
@@ -98,9 +107,8 @@ class EtcdRegistration:
 
     def start(self) -> EtcdRegistration:
         if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name=f"kvwire-etcd-{self.info.instance_id}", daemon=True
-            )
+            self._thread = SupervisedThread("kvwire-etcd-registration", self._run, self._stop,
+                                            board=self._board)
             self._thread.start()
         return self
 
@@ -113,9 +121,7 @@ class EtcdRegistration:
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=self._linger_s + 4.0)
-            if self._thread.is_alive():
-                log.warning("etcd registration thread of %s did not stop in time", self.info.instance_id)
+            self._thread.stop(timeout_s=self._linger_s + 4.0)  # logs when it did not stop in time
 
     def __enter__(self) -> EtcdRegistration:
         return self.start()
@@ -128,6 +134,9 @@ class EtcdRegistration:
     # --- thread ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        """The supervised thread's body: rounds until close(), then the revoke. Anything but an
+        etcd failure (counted in :meth:`tick`) raises to the supervisor: restarted with backoff, or
+        dead (the host's ``/health`` answers 503 naming ``kvwire-etcd-registration``)."""
         try:
             while not self._stop.is_set():
                 self.tick()
@@ -137,8 +146,6 @@ class EtcdRegistration:
                 self._http.revoke(self._lease)
         except EtcdError as exc:
             log.warning("could not revoke the etcd lease of %s: %s", self.info.instance_id, exc)
-        except Exception:  # the thread must never die silently
-            log.exception("etcd registration thread of %s failed", self.info.instance_id)
         finally:
             self._http.close()
 
@@ -193,7 +200,7 @@ class EtcdRegistration:
         self._seq += 1
         record = Heartbeat(info=self.info, load=load, seq=self._seq, sent_at=time.time(),
                            ttl_s=self.record_ttl_s)
-        self._http.put(self._key, encode_record(record), self._lease)
+        self._http.put(self._key, encode_record(record, self._record_key), self._lease)
         self._last_put, self._last_load = now, load
         self.puts += 1
         self.sent += 1

@@ -20,6 +20,7 @@ from kvwire.discovery.messages import InstanceInfo
 from kvwire.enum_values import as_enum
 from kvwire.kv_events import KvEventLog
 from kvwire.kv_params import KVCacheLayout, Role
+from kvwire.supervision import HealthBoard
 
 logger = logging.getLogger(__name__)
 
@@ -42,19 +43,23 @@ def start_registration(
     tokenizer: str = "",
     kv_layout: KVCacheLayout | None = None,
     wait_for_http: bool = False,
+    board: HealthBoard | None = None,
+    kv_mode: str = "",
+    max_model_len: int = 0,
 ) -> Registration:
     """Start registering at ``router_address`` (``etcd://HOST:PORT[/prefix]``, or ``tcp://HOST:PORT``
     of one or more routers, comma-separated: each gets every heartbeat) and return the client
-    (``close()`` deregisters). ``secret`` signs ZeroMQ heartbeats (etcd has its own access control;
-    the secret is not used there). KV events travel on the ZeroMQ connections only: an instance
-    registered in etcd is routed on load (decision 046).
+    (``close()`` deregisters). ``secret`` signs ZeroMQ heartbeats and etcd records (a router with
+    the secret refuses unsigned ones; decision 125). KV events travel on the ZeroMQ connections
+    only: an instance registered in etcd is routed on load (decision 046).
 
     ``role`` is an :class:`Role` or its value (``prefill``, ``decode`` or ``both``): the
     server's and the connector's role enums share those values. ``load_fn`` runs on the heartbeat
     thread. ``kv_events``: the host's prefix-cache log, published as KV events on the same connection;
     ``tokenizer``: how the router can tokenize like this host (see ``InstanceInfo.tokenizer``).
     ``wait_for_http``: send the first heartbeat only once an HTTP server answers at ``url`` (hosts
-    that start registration before they listen: vLLM; ZeroMQ only).
+    that start registration before they listen: vLLM; ZeroMQ only). ``board``: the host's
+    :class:`~kvwire.supervision.HealthBoard` (its ``/health``), where the registration thread is supervised.
     Raises :class:`~kvwire.errors.ConfigError` for a malformed address or interval or an unknown
     role; nothing is started then.
     """
@@ -67,15 +72,18 @@ def start_registration(
         version=version,
         tokenizer=tokenizer,
         kv_layout=kv_layout,
+        kv_mode=kv_mode,
+        max_model_len=max_model_len,
     )
     target = parse_registration_address(router_address)
     client: Registration
     if target.kind is DiscoveryKind.ETCD:
-        client = EtcdRegistration(target, info, load_fn=load_fn, interval_s=interval_s)
+        client = EtcdRegistration(target, info, load_fn=load_fn, interval_s=interval_s, board=board,
+                                  secret=secret)
     else:
         client = HeartbeatClient(
             target.address, info, load_fn=load_fn, interval_s=interval_s, secret=secret,
-            kv_events=kv_events, wait_for_http=wait_for_http,
+            kv_events=kv_events, wait_for_http=wait_for_http, board=board,
         )
     client.start()
     logger.info("registering %s (%s, %s, KV endpoints %s) at %s", instance_id, info.role.value,

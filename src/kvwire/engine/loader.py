@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from kvwire import hub
 from kvwire.engine.config import EngineConfig, Quantization
 from kvwire.engine.gguf_reader import GGUFFile
 from kvwire.engine.gguf_tokenizer import gguf_tokenizer
@@ -44,26 +45,24 @@ def resolve_dtype(config: EngineConfig) -> torch.dtype:
 def load_model(config: EngineConfig) -> LoadedModel:
     """Raises ModelLoadError when the preset, file or directory cannot be used."""
     device, dtype = torch.device(config.device), resolve_dtype(config)
-    gguf_path = _gguf_path(config.model)
-    mode = resolve_quantization(
-        config.quantization, gguf_path is not None, device.type == "cpu", config.tensor_parallel_size
-    )
-    if mode is Quantization.GGUF and gguf_path is None:
+    path = None if config.model in PRESETS else _checkpoint_path(config)
+    is_gguf = path is not None and (path.suffix == ".gguf" or path.is_file())
+    on_cpu = device.type == "cpu"
+    mode = resolve_quantization(config.quantization, is_gguf, on_cpu, config.tensor_parallel_size)
+    if mode is Quantization.GGUF and not is_gguf:
         raise ConfigError(f"quantization 'gguf' needs a GGUF model, not {config.model!r} (use int8 or int4)")
-    if config.model in PRESETS:
+    dense_prompts = config.dense_prompt_weights
+    if path is None:
         model, tokenizer, default_len = _load_preset(PRESETS[config.model], device, dtype)
-        quantize_model(model, mode, None, dense_prompts=config.dense_prompt_weights)
-    elif gguf_path is not None:
-        dense_prompts = config.dense_prompt_weights
-        model, tokenizer, default_len = _load_gguf(gguf_path, device, dtype, mode, dense_prompts)
-    elif Path(config.model).is_dir():
-        model, tokenizer, default_len = _load_hf_dir(Path(config.model), device, dtype)
-        quantize_model(model, mode, None, dense_prompts=config.dense_prompt_weights)
+        quantize_model(model, mode, None, dense_prompts=dense_prompts)
+    elif is_gguf:
+        model, tokenizer, default_len = _load_gguf(path, device, dtype, mode, dense_prompts)
     else:
-        names = ", ".join([*PRESETS, *PACKAGED_MODELS])
-        raise ModelLoadError(
-            f"{config.model!r} is neither a model name ({names}), a .gguf file nor a directory"
-        )
+        model, tokenizer, default_len = _load_hf_dir(path, device, dtype)
+        quantize_model(model, mode, None, dense_prompts=dense_prompts)
+    if config.tokenizer is not None:
+        tokenizer = HFTokenizer.from_dir(hub.resolve_tokenizer(config.tokenizer, None),
+                                         list(model.config.eos_token_ids))
     limit = model.config.max_position_embeddings
     if config.max_model_len is not None and config.max_model_len > limit:
         raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions")
@@ -71,14 +70,21 @@ def load_model(config: EngineConfig) -> LoadedModel:
     return LoadedModel(model.eval(), tokenizer, dtype, max_model_len, mode)
 
 
-def _gguf_path(model: str) -> Path | None:
-    if model in PRESETS:
-        return None
+def _checkpoint_path(config: EngineConfig) -> Path:
+    """The GGUF file or HF directory ``config.model`` names (a packaged model, a path, or a Hugging
+    Face model id resolved through the cache)."""
+    model = config.model
     if model in PACKAGED_MODELS:
         return PACKAGED_MODELS[model].path(model)
-    if model.endswith(".gguf") or Path(model).is_file():
+    if model.endswith(".gguf") or Path(model).is_file() or Path(model).is_dir():
         return Path(model)
-    return None
+    if hub.is_repo_id(model):
+        return hub.resolve(model, config.revision, config.gguf_file)
+    names = ", ".join([*PRESETS, *PACKAGED_MODELS])
+    raise ModelLoadError(
+        f"{model!r} is neither a model name ({names}), a .gguf file, a directory nor a "
+        "Hugging Face model id (ORG/NAME)"
+    )
 
 
 def _load_preset(preset: Preset, device: torch.device, dtype: torch.dtype) -> _Built:

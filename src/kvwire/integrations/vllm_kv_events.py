@@ -32,17 +32,20 @@ import dataclasses
 import logging
 import threading
 from collections import Counter
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import zmq
 
 from kvwire.kv_events import KvEventLog
 from kvwire.kv_hash import ROOT_HASH, BlockHash, hash_block
+from kvwire.supervision import HealthBoard, SupervisedThread
 
 log = logging.getLogger(__name__)
 
 VllmHash = bytes | int  # vLLM's ExternalBlockHash: sha256 bytes, or a 64-bit int when so configured
+# kvwire's chain hashes token ids as signed 64-bit integers: an event with others is an unknown event
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 MAIN_MEDIUM = "GPU"  # what vLLM's block pool reports for its own KV cache (on CPU hosts too)
 POLL_MS = 100  # how often the bridge thread checks for close()
 MAX_DRAIN = 1000  # messages handled per wake-up at most
@@ -51,7 +54,7 @@ MAX_DRAIN = 1000  # messages handled per wake-up at most
 class VllmBlockStored(msgspec.Struct, tag="BlockStored"):
     block_hashes: list[VllmHash]
     parent_block_hash: VllmHash | None = None
-    token_ids: list[int] = msgspec.field(default_factory=list)
+    token_ids: list[TokenId] = msgspec.field(default_factory=list)
     block_size: int = 0
     lora_id: int | None = None
     lora_name: str | None = None
@@ -86,15 +89,19 @@ _event_decoder = msgspec.msgpack.Decoder(VllmEvent)
 def decode_events(payload: bytes) -> tuple[list[VllmEvent], int]:
     """vLLM's msgpack ``KVEventBatch`` -> (the events we understand, how many we did not).
 
-    Raises ``msgspec.DecodeError`` / ``msgspec.ValidationError`` when the batch itself is malformed.
+    Raises ``msgspec.DecodeError`` / ``msgspec.ValidationError`` when the batch itself is malformed
+    (nested past msgspec's limit included).
     """
-    batch = _batch_decoder.decode(payload)
+    try:
+        batch = _batch_decoder.decode(payload)
+    except RecursionError as exc:
+        raise msgspec.DecodeError(f"KV event batch nested too deep: {exc}") from exc
     events: list[VllmEvent] = []
     unknown = 0
     for raw in batch.events:
         try:
             events.append(_event_decoder.decode(raw))
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, RecursionError):
             unknown += 1
     return events, unknown
 
@@ -242,12 +249,16 @@ class VllmKvEventBridge:
     hint — never a wrong answer (decision 046).
     """
 
-    def __init__(self, endpoint: str, translator: VllmKvTranslator, topic: str = "") -> None:
+    def __init__(
+        self, endpoint: str, translator: VllmKvTranslator, topic: str = "", *,
+        board: HealthBoard | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self.translator = translator
         self._topic = topic.encode()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._board = board
+        self._thread: SupervisedThread | None = None
         self._next_seq: int | None = None
         self.batches = 0
         self.gaps = 0
@@ -255,7 +266,7 @@ class VllmKvEventBridge:
 
     def start(self) -> VllmKvEventBridge:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="kvwire-vllm-kv-events", daemon=True)
+            self._thread = SupervisedThread("kvwire-vllm-kv-events", self._run, self._stop, board=self._board)
             self._thread.start()
         return self
 
@@ -264,14 +275,15 @@ class VllmKvEventBridge:
             return
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=POLL_MS / 1000 + 2.0)
-            if self._thread.is_alive():
-                log.warning("kvwire: the vLLM KV event bridge did not stop in time")
+            self._thread.stop(timeout_s=POLL_MS / 1000 + 2.0)  # logs when it did not stop in time
         t = self.translator
         log.info("kvwire: vLLM KV event bridge closed: %d batches, %d blocks held, %d gaps, %d malformed, "
                  "skipped %s", self.batches, t.num_blocks, self.gaps, self.malformed, dict(t.skipped))
 
     def _run(self) -> None:
+        """The supervised thread's body (``kvwire-vllm-kv-events``): its own SUB socket, closed on
+        the way out; an exception restarts it with backoff on a fresh socket (a sequence gap then
+        says batches were missed), and one that keeps failing is dead on the host's board."""
         # vLLM's publisher uses the process-wide context: an inproc:// endpoint needs the same one.
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         sock = ctx.socket(zmq.SUB)
@@ -284,8 +296,6 @@ class VllmKvEventBridge:
             while not self._stop.is_set():
                 if sock.poll(POLL_MS):
                     self._drain(sock)
-        except Exception:  # the thread must never die silently
-            log.exception("kvwire: the vLLM KV event bridge failed; KV events are no longer forwarded")
         finally:
             sock.close(linger=0)
 
@@ -311,7 +321,7 @@ class VllmKvEventBridge:
         self._next_seq = seq + 1
         try:
             events, unknown = decode_events(frames[2])
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except Exception as exc:  # DecodeError, ValidationError, RecursionError (nesting), ...
             self.malformed += 1
             log.warning("kvwire: malformed vLLM KV event batch %d: %s", seq, exc)
             return

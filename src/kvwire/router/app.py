@@ -33,7 +33,9 @@ from kvwire.router.registry import InstanceView, Registry
 from kvwire.router.request import ClientRequest, Outcome, parse_client_request
 from kvwire.router.security import instance_headers
 from kvwire.router.selection import ModelNotFoundError, Selector
-from kvwire.router.upstream import Upstream, UpstreamFailure
+from kvwire.router.upstream import Upstream, UpstreamFailure, UpstreamLimits
+from kvwire.router.vllm_api import VllmApi, mode_overridden, model_cards, warn_if_overridden
+from kvwire.supervision import HealthBoard, SupervisionCollector
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,9 @@ CHAT = "/v1/chat/completions"
 
 
 def error_response(status: int, message: str, type_: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": type_, "code": status}}, status=status)
+    """OpenAI's error body as vLLM writes it: ``param`` present, ``code`` the HTTP status."""
+    return web.json_response({"error": {"message": message, "type": type_, "param": None, "code": status}},
+                             status=status)
 
 
 class RouterServer:
@@ -52,14 +56,20 @@ class RouterServer:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
         self.metrics = RouterMetrics()
+        # The router's one health board: its supervised threads and tasks (/health, /metrics)
+        self.board = HealthBoard()
+        self.metrics.registry.register(SupervisionCollector(self.board))
         self.kv_index = KvIndex(cfg.kv_index_max_blocks)
-        self.registry = Registry(cfg.instance_ttl_s, cfg.forget_after_s, on_remove=self._forget_instance)
+        self.registry = Registry(cfg.instance_ttl_s, cfg.forget_after_s, on_remove=self._forget_instance,
+                                 on_register=lambda info: warn_if_overridden(info, cfg.mode),
+                                 max_instances=cfg.max_instances, max_record_ttl_s=cfg.max_record_ttl_s)
         # ZeroMQ heartbeats (default, with KV events into the index) or an etcd watch
-        self.discovery = make_discovery(cfg, self.registry, self.kv_index)
+        self.discovery = make_discovery(cfg, self.registry, self.kv_index, board=self.board)
         self.selector = Selector(self.registry, cfg.policy, cfg.seed, kv_index=self.kv_index)
         self.metrics.add_discovery(
             self.registry, lambda: dict(self.discovery.received), lambda: dict(self.discovery.dropped),
-            lambda: self.discovery.stale,
+            lambda: self.discovery.stale, lambda: self.discovery.connections_dropped,
+            lambda: self.discovery.freshness_evicted,
         )
         refusals = RefusalLog(log, "client request")
         middlewares = [api_key_middleware(cfg.api_keys, self._auth_refused, refusals)]
@@ -70,6 +80,8 @@ class RouterServer:
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/metrics", self._metrics_handler)
         self.app.router.add_get("/instances", self._instances)
+        # vLLM's /tokenize, /detokenize (forwarded to an instance) and /version (kvwire.router.vllm_api)
+        VllmApi(self.registry, lambda: self._upstream, self._instance_headers).add_routes(self.app)
         self._runner: web.AppRunner | None = None
         self._upstream: Upstream | None = None
         self._dispatcher: Dispatcher | None = None
@@ -94,7 +106,9 @@ class RouterServer:
     async def start(self) -> None:
         await self.discovery.start()
         self._upstream = Upstream(
-            self.registry, self.metrics, self.cfg.connect_timeout_s, self.cfg.upstream_timeout_s
+            self.registry, self.metrics, self.cfg.connect_timeout_s, self.cfg.upstream_timeout_s,
+            limits=UpstreamLimits(self.cfg.upstream_max_connections,
+                                  self.cfg.upstream_max_connections_per_instance),
         )
         self._dispatcher = Dispatcher(self.cfg, self.selector, self._upstream, self.metrics)
         self._runner = web.AppRunner(
@@ -187,23 +201,42 @@ class RouterServer:
     # --- service endpoints ----------------------------------------------------------------------
 
     async def _models(self, request: web.Request) -> web.Response:
-        models = sorted({v.info.model for v in self.registry.snapshot() if v.alive})
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvwire"} for m in models]
-        return web.json_response({"object": "list", "data": data})
+        return web.json_response(model_cards(self.registry.snapshot()))
+
+    def _instance_headers(self, request: web.Request) -> dict[str, str]:
+        auth = request.headers.get("Authorization")
+        forwarded = {"Content-Type": "application/json", **({"Authorization": auth} if auth else {})}
+        return instance_headers(forwarded, self.cfg)
 
     async def _health(self, request: web.Request) -> web.Response:
+        """200 ``ok``; 503 naming the dead component when a supervised thread or task gave up."""
         live = sum(1 for v in self.registry.snapshot() if v.alive)
         discovery = {"backend": self.discovery.kind.value, "stale": self.discovery.stale,
                      "error": self.discovery.last_error}
-        return web.json_response({"status": "ok", "live_instances": live, "discovery": discovery})
+        body: dict[str, Any] = {"status": "ok", "live_instances": live, "discovery": discovery}
+        dead = self.board.health_body()
+        if dead is not None:
+            return web.json_response({**body, **dead}, status=503)
+        return web.json_response(body)
 
     async def _metrics_handler(self, request: web.Request) -> web.Response:
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _instances(self, request: web.Request) -> web.Response:
+        """Every registry entry. With API keys configured and ``/instances`` opened to everyone
+        (``--open-endpoint instances``), a caller without a valid key gets no addresses (URL, KV
+        endpoints, data-plane peers): nothing to aim an attack at (decision 125)."""
         stale = self.discovery.stale
-        return web.json_response([self._instance_json(v, stale) for v in self.registry.snapshot()])
+        keys = self.cfg.api_keys
+        hide = keys.enabled and keys.check(request.headers.get("Authorization")) is not None
+        entries = [self._instance_json(v, stale) for v in self.registry.snapshot()]
+        if hide:
+            for entry in entries:
+                entry["url"], entry["kv_endpoints"] = None, []
+                if entry["load"] is not None:
+                    entry["load"]["kv_transports"] = {}
+        return web.json_response(entries)
 
     def _instance_json(self, v: InstanceView, stale: bool) -> dict[str, Any]:
         load = v.load
@@ -217,6 +250,10 @@ class RouterServer:
             "kv_endpoints": list(v.info.kv_endpoints),
             "kv_layout": None if v.info.kv_layout is None else msgspec.to_builtins(v.info.kv_layout),
             "version": v.info.version,
+            "max_model_len": v.info.max_model_len or None,
+            # the mode the instance was configured with ("" = none); overridden: the router's differs
+            "kv_mode": v.info.kv_mode or None,
+            "kv_mode_overridden": mode_overridden(v.info, self.cfg.mode),
             "alive": v.alive,
             "state": v.state.value,
             "reason": v.reason,
@@ -267,6 +304,9 @@ def _client_error(exc: Exception) -> tuple[int, Outcome, str]:
 
 def _upstream_error_response(exc: UpstreamFailure) -> web.Response:
     if exc.body:
-        # The instance's own error, status and body unchanged.
-        return web.Response(body=exc.body, status=exc.status, headers={"Content-Type": exc.content_type})
+        # The instance's own error, status and body unchanged (and its Retry-After: a full queue's 429).
+        headers = {"Content-Type": exc.content_type}
+        if exc.retry_after:
+            headers["Retry-After"] = exc.retry_after
+        return web.Response(body=exc.body, status=exc.status, headers=headers)
     return error_response(exc.status, str(exc), "upstream_error")

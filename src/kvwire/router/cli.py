@@ -72,18 +72,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="limit on one upstream request, streaming included (default %(default)s)")
     parser.add_argument("--client-write-timeout-s", type=float, default=d.client_write_timeout_s,
                         help="cut off a client reading nothing this long (default %(default)s)")
-    parser.add_argument("--stream-first-token-from-prefill", action="store_true",
-                        help="push mode, streaming: send P's first token at once, trim it off D's stream")
+    parser.add_argument("--stream-first-token-from-prefill", action=argparse.BooleanOptionalAction,
+                        default=d.stream_first_token_from_prefill,
+                        help="push mode, streaming: send P's first token to the client as soon as P has "
+                             "it, and D's stream from the second token on (default: on)")
     parser.add_argument("--max-connect-retries", type=int, default=d.max_connect_retries,
                         help="re-dispatches after a refused connection (default %(default)s)")
     parser.add_argument("--decode-local-prefill-tokens", type=int, default=d.decode_local_prefill_tokens,
                         help="kv_aware: skip P when D holds all but fewer than this many prompt tokens "
                              "(0 = never; default %(default)s)")
     parser.add_argument("--tokenizer", default=None,
-                        help="prompt tokenizer for KV-aware routing: 'byte' or a local HF model directory "
-                             "(default: what the instances announce)")
+                        help="prompt tokenizer for KV-aware routing: 'byte', a local HF model directory or a "
+                             "Hugging Face model id (default: what the instances announce)")
     parser.add_argument("--kv-index-max-blocks", type=int, default=d.kv_index_max_blocks,
                         help="block hashes the router's KV index keeps (default %(default)s)")
+    bounds = parser.add_argument_group("bounds on what peers choose")
+    bounds.add_argument("--max-instances", type=int, default=d.max_instances,
+                        help="instances the registry holds; heartbeats of new ones beyond are refused "
+                             "(default %(default)s)")
+    bounds.add_argument("--max-record-ttl-s", type=float, default=d.max_record_ttl_s,
+                        help="cap on the ttl_s an instance's heartbeat promises (default %(default)s)")
+    bounds.add_argument("--discovery-freshness-s", type=float, default=d.discovery_freshness_s,
+                        help="with a secret: refuse a first heartbeat of an instance epoch sent further "
+                             "than this from the router's clock (replays; default %(default)s)")
+    bounds.add_argument("--upstream-max-connections", type=int, default=d.upstream_max_connections,
+                        help="connections to instances in all; more requests wait (default %(default)s)")
+    bounds.add_argument("--upstream-max-connections-per-instance", type=int,
+                        default=d.upstream_max_connections_per_instance,
+                        help="connections to one instance; more requests wait (default %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -103,6 +119,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         instance_api_key=args.instance_api_key or os.environ.get(INSTANCE_API_KEY_ENV) or None,
         decode_local_prefill_tokens=args.decode_local_prefill_tokens, tokenizer=args.tokenizer,
         kv_index_max_blocks=args.kv_index_max_blocks,
+        max_instances=args.max_instances, max_record_ttl_s=args.max_record_ttl_s,
+        discovery_freshness_s=args.discovery_freshness_s,
+        upstream_max_connections=args.upstream_max_connections,
+        upstream_max_connections_per_instance=args.upstream_max_connections_per_instance,
     )
 
 

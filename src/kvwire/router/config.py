@@ -51,13 +51,25 @@ class RouterConfig:
     max_connect_retries: int = 2  # re-dispatches when an upstream refuses the connection
     seed: int | None = None  # for the random policy (tests)
     # Push mode, streaming: send P's first token to the client as soon as P answers, and trim it off
-    # the start of D's stream (D's text must start with it; greedy decoding guarantees that).
-    stream_first_token_from_prefill: bool = False
+    # the start of D's stream (P and D share a request id and a seed; a D that does not continue P's
+    # token has its answer continued elsewhere, decision 121).
+    stream_first_token_from_prefill: bool = True
     # kv_aware: when D holds all but fewer than this many prompt tokens, skip P and let D prefill the
     # rest itself (0 = never skip).
     decode_local_prefill_tokens: int = 256
     tokenizer: str | None = None  # "byte" or a local HF model dir; None = what instances announce
     kv_index_max_blocks: int = 1 << 20  # block hashes the KV index keeps (least recently stored go)
+    # Bounds on what peers choose (decision 117). Instances the registry holds (expired ones until
+    # forgotten included); a heartbeat of a new one beyond that is refused and counted.
+    max_instances: int = 10_000
+    # A heartbeat's promised ttl_s (etcd records) is clamped to this; negative/NaN counts as none.
+    max_record_ttl_s: float = 60.0
+    # With a secret: the first signed message of an instance's epoch must be sent within this many
+    # seconds of the router's clock (replays refused: decision 125); etcd records get their ttl_s more.
+    discovery_freshness_s: float = 30.0
+    # Connections to instances: in all, and to one instance; a request beyond waits for one (counted).
+    upstream_max_connections: int = 4096
+    upstream_max_connections_per_instance: int = 1024
 
     def __post_init__(self) -> None:
         for name in ("port", "discovery_port"):
@@ -77,6 +89,14 @@ class RouterConfig:
             raise ConfigError(
                 f"decode_local_prefill_tokens must be >= 0, got {self.decode_local_prefill_tokens}"
             )
+        for name in ("max_instances", "upstream_max_connections", "upstream_max_connections_per_instance"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.discovery_freshness_s < float("inf"):
+            raise ConfigError(
+                f"discovery_freshness_s must be > 0 and finite, got {self.discovery_freshness_s}")
+        if not 0 < self.max_record_ttl_s < float("inf"):
+            raise ConfigError(f"max_record_ttl_s must be > 0 and finite, got {self.max_record_ttl_s}")
         if self.kv_index_max_blocks <= 0:
             raise ConfigError(f"kv_index_max_blocks must be > 0, got {self.kv_index_max_blocks}")
         if self.kv_limit_s < self.kv_deadline_s:

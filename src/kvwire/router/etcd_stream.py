@@ -42,13 +42,16 @@ class WatchMessage(msgspec.Struct, gc=False):
 
 
 _decoder = msgspec.json.Decoder(WatchMessage, strict=False)
+# One watch message (a line) at most: a sync of 10,000 records is ~10 MB; a stream that sends more
+# without a newline is broken (or hostile) and is dropped (the watcher re-syncs).
+MAX_WATCH_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 def decode_watch_message(line: bytes) -> WatchMessage:
     """One line of the stream; raises :class:`EtcdError` for anything that is not a watch message."""
     try:
         return _decoder.decode(line)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except Exception as exc:  # DecodeError, ValidationError, RecursionError (nesting)
         raise EtcdError(f"etcd watch stream: not a watch message ({exc}): {line[:200]!r}") from exc
 
 
@@ -56,16 +59,20 @@ async def watch_messages(stream: aiohttp.StreamReader) -> AsyncIterator[WatchMes
     """The messages of a gateway stream, whatever their size (a message is joined from its chunks
     once, when its newline arrives)."""
     parts: list[bytes] = []
+    pending = 0  # bytes in parts
     async for chunk in stream.iter_any():
         *lines, rest = chunk.split(b"\n")
         if lines:
             lines[0] = b"".join([*parts, lines[0]])
-            parts = []
+            parts, pending = [], 0
             for line in lines:
                 if line.strip():
                     yield decode_watch_message(line)
         if rest:
             parts.append(rest)
+            pending += len(rest)
+            if pending > MAX_WATCH_MESSAGE_BYTES:
+                raise EtcdError(f"etcd watch stream: a message over {MAX_WATCH_MESSAGE_BYTES} bytes")
     tail = b"".join(parts)
     if tail.strip():
         yield decode_watch_message(tail)

@@ -2,7 +2,10 @@
 
 One ZeroMQ PULL socket bound on the discovery port; instances connect with
 :class:`kvwire.discovery.HeartbeatClient` (PUSH). Malformed, unsigned (when a secret is set) or badly
-signed messages are dropped and counted in ``dropped[reason]``; they never reach the registry.
+signed messages are dropped and counted in ``dropped[reason]``; they never reach the registry. With a
+secret, a signed message that is not fresh (a replay: its ``seq`` not after the last one of its
+instance and epoch, or a first message outside the time window; :mod:`kvwire.router.freshness`) is
+dropped too, as ``dropped["replayed"]``.
 
 Fast failure detection: a socket monitor reports when a discovery TCP connection closes (the
 instance process died: the kernel closes its sockets, kill -9 included). The listener remembers
@@ -20,10 +23,13 @@ import threading
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvwire.discovery.messages import Deregister, Heartbeat, KvEvents, decode_frames
+from kvwire.discovery.messages import MAX_FRAME_BYTES, Deregister, Heartbeat, KvEvents, decode_frames
 from kvwire.errors import AuthenticationError, ProtocolError
+from kvwire.refusal_log import RefusalLog
+from kvwire.router.freshness import DEFAULT_MAX_ENTRIES, DEFAULT_WINDOW_S, FreshnessGuard
 from kvwire.router.kv_index import KvIndex
-from kvwire.router.registry import ApplyResult, Registry, stop_thread
+from kvwire.router.registry import ApplyResult, Registry
+from kvwire.supervision import HealthBoard, SupervisedThread
 
 log = logging.getLogger(__name__)
 
@@ -39,19 +45,32 @@ _COALESCE_S = 0.025
 
 
 class DiscoveryListener:
-    """Binds ``tcp://host:port`` (port 0 = a free port) at construction; :meth:`start` runs the thread."""
+    """Binds ``tcp://host:port`` (port 0 = a free port) at construction; :meth:`start` runs the thread.
+
+    The thread is a :class:`~kvwire.supervision.SupervisedThread` (``kvwire-discovery`` on ``board``):
+    its loop is restartable (the sockets belong to the listener and are closed only by :meth:`close`),
+    so a bug or a hostile message that gets past the decoder costs one restart, not discovery. ZeroMQ
+    drops the connection of a peer sending a frame over ``MAX_FRAME_BYTES`` (``MAXMSGSIZE``) before
+    buffering it; connections that close without having delivered one valid message are counted in
+    :attr:`connections_dropped`.
+    """
 
     def __init__(
         self, registry: Registry, host: str, port: int, secret: bytes | None = None,
-        kv_index: KvIndex | None = None,
+        kv_index: KvIndex | None = None, *, board: HealthBoard | None = None,
+        freshness_window_s: float = DEFAULT_WINDOW_S, freshness_max_entries: int = DEFAULT_MAX_ENTRIES,
     ) -> None:
         self._registry = registry
         self._kv_index = kv_index  # KV events go there (dropped, counted, when None)
         self._secret = secret
+        # replays are refused only where forging is (without a secret anyone can write a heartbeat)
+        self.freshness = (FreshnessGuard(freshness_window_s, max_entries=freshness_max_entries)
+                          if secret else None)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 10_000)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # per frame; bigger: connection dropped
         if port == 0:
             self.port = self._sock.bind_to_random_port(f"tcp://{host}")
         else:
@@ -62,16 +81,19 @@ class DiscoveryListener:
         self._fd_owner: dict[int, tuple[str, int]] = {}  # connection fd -> (instance id, epoch)
         self.received: collections.Counter[str] = collections.Counter()  # by ApplyResult value
         self.dropped: collections.Counter[str] = collections.Counter()  # by reason
+        # connections closed before one valid heartbeat (a frame over MAXMSGSIZE, a scan, a refused peer)
+        self.connections_dropped = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvwire-discovery", daemon=True)
+        self._refusals = RefusalLog(log, "discovery message")  # a flood logs once a minute per reason
+        self._thread = SupervisedThread("kvwire-discovery", self._run, self._stop, board=board)
 
     def start(self) -> DiscoveryListener:
         self._thread.start()
         return self
 
     def close(self) -> None:
-        # The thread closes the sockets on its way out; close them here if it never started.
-        if stop_thread(self._thread, self._stop) and not self._ctx.closed:
+        """Stop the thread, then close the sockets (idempotent; also when it never started)."""
+        if self._thread.stop() and not self._ctx.closed:
             self._close_sockets()
 
     def _close_sockets(self) -> None:
@@ -81,25 +103,21 @@ class DiscoveryListener:
         self._ctx.term()
 
     def _run(self) -> None:
+        """The thread's loop until close(); raises on a failure (the supervisor restarts it)."""
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
-        try:
-            while not self._stop.is_set():
-                events = dict(poller.poll(_POLL_MS))
-                # Messages first: a heartbeat an instance sent just before dying is queued before
-                # its connection's close event; applied after it, it would bring the dead
-                # instance back until the TTL. ZeroMQ queues a connection's messages before it
-                # emits the event, so a full drain, then the events, keeps that order.
-                drained = self._drain()
-                if drained and self._monitor in events:
-                    self._on_monitor_events()
-                if events and drained:
-                    self._stop.wait(_COALESCE_S)
-        except Exception:
-            log.exception("discovery listener failed")
-        finally:
-            self._close_sockets()
+        while not self._stop.is_set():
+            events = dict(poller.poll(_POLL_MS))
+            # Messages first: a heartbeat an instance sent just before dying is queued before
+            # its connection's close event; applied after it, it would bring the dead
+            # instance back until the TTL. ZeroMQ queues a connection's messages before it
+            # emits the event, so a full drain, then the events, keeps that order.
+            drained = self._drain()
+            if drained and self._monitor in events:
+                self._on_monitor_events()
+            if events and drained:
+                self._stop.wait(_COALESCE_S)
 
     def _drain(self) -> bool:
         """Handle everything queued now, in arrival order: heartbeats and deregistrations in
@@ -128,13 +146,29 @@ class DiscoveryListener:
 
     def _decode(self, frames: list[zmq.Frame]) -> Heartbeat | Deregister | KvEvents | None:
         try:
-            return decode_frames([f.bytes for f in frames], self._secret)
+            return self._fresh(decode_frames([f.bytes for f in frames], self._secret))
         except AuthenticationError as exc:
             self.dropped["unauthenticated"] += 1
-            log.warning("dropped discovery message: %s", exc)
+            self._refusals.refused("unauthenticated", str(exc))
         except ProtocolError as exc:
             self.dropped["malformed"] += 1
-            log.warning("dropped discovery message: %s", exc)
+            self._refusals.refused("malformed", str(exc))
+        except Exception as exc:  # the decoder's contract is ProtocolError; a slip must not stop us
+            self.dropped["malformed"] += 1
+            self._refusals.refused("malformed", f"the decoder raised {type(exc).__name__}: {exc}")
+        return None
+
+    def _fresh(self, msg: Heartbeat | Deregister | KvEvents) -> Heartbeat | Deregister | KvEvents | None:
+        """``msg``, or None (counted, logged) when a secret is set and it is not fresh (a replay)."""
+        if self.freshness is None:
+            return msg
+        ident, epoch = (msg.info.instance_id, msg.info.epoch) if isinstance(msg, Heartbeat) else (
+            msg.instance_id, msg.epoch)
+        refused = self.freshness.check(ident, epoch, msg.seq, msg.sent_at, self.freshness.window_s)
+        if refused is None:
+            return msg
+        self.dropped["replayed"] += 1
+        self._refusals.refused("replayed", refused)
         return None
 
     def _apply(self, batch: list[tuple[Heartbeat | Deregister, int]]) -> None:
@@ -144,7 +178,8 @@ class DiscoveryListener:
         results = self._registry.apply_many([msg for msg, _ in batch])
         for (msg, fd), result in zip(batch, results, strict=True):
             self.received[result.value] += 1
-            if isinstance(msg, Heartbeat) and result is not ApplyResult.STALE and fd >= 0:
+            kept = result not in (ApplyResult.STALE, ApplyResult.REFUSED)
+            if isinstance(msg, Heartbeat) and kept and fd >= 0:
                 self._fd_owner[fd] = (msg.info.instance_id, msg.info.epoch)
         batch.clear()
 
@@ -157,6 +192,8 @@ class DiscoveryListener:
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue
             owner = self._fd_owner.pop(int(event["value"]), None)
-            if owner is not None:
+            if owner is None:  # never delivered a valid heartbeat: a frame over MAXMSGSIZE, a scan
+                self.connections_dropped += 1
+            else:
                 instance_id, epoch = owner
                 self._registry.mark_unreachable(instance_id, epoch, "discovery connection closed")

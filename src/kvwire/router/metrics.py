@@ -59,6 +59,10 @@ class RouterMetrics:
             "kvwire_router_auth_refused", "Client requests refused for a missing or wrong API key (401)",
             ["reason"], registry=r,
         )
+        self.upstream_connection_waits = Counter(
+            "kvwire_router_upstream_connection_waits", "Upstream requests that waited for a connection "
+            "(--upstream-max-connections or --upstream-max-connections-per-instance reached)", registry=r,
+        )
         self.inflight = Gauge("kvwire_router_inflight_requests", "Client requests in progress", registry=r)
         # KV-aware routing (policy kv_aware): prompt tokens routed, and those the chosen instance held
         self.kv_prompt_tokens = Counter(
@@ -77,21 +81,32 @@ class RouterMetrics:
             "kvwire_router_skipped_prefills", "P/D requests sent to D alone (it held nearly all the prompt)",
             registry=r,
         )
+        # Streaming push: the client's stream opened with P's first token (decision 121)
+        self.first_tokens_from_prefill = Counter(
+            "kvwire_router_first_tokens_from_prefill", "P/D streams whose first token came from P's answer",
+            registry=r,
+        )
 
     def add_discovery(self, registry: Registry, received: Callable[[], dict[str, int]],
-                      dropped: Callable[[], dict[str, int]], stale: Callable[[], bool] = bool) -> None:
-        self.registry.register(_DiscoveryCollector(registry, received, dropped, stale))
+                      dropped: Callable[[], dict[str, int]], stale: Callable[[], bool] = bool,
+                      connections_dropped: Callable[[], int] = int,
+                      freshness_evicted: Callable[[], int] = int) -> None:
+        self.registry.register(_DiscoveryCollector(registry, received, dropped, stale, connections_dropped,
+                                                   freshness_evicted))
 
 
 class _DiscoveryCollector(Collector):
     """Instances by role and state, discovery messages by result, read at scrape time."""
 
     def __init__(self, registry: Registry, received: Callable[[], dict[str, int]],
-                 dropped: Callable[[], dict[str, int]], stale: Callable[[], bool]) -> None:
+                 dropped: Callable[[], dict[str, int]], stale: Callable[[], bool],
+                 connections_dropped: Callable[[], int], freshness_evicted: Callable[[], int]) -> None:
         self._registry = registry
+        self._freshness_evicted = freshness_evicted
         self._received = received
         self._dropped = dropped
         self._stale = stale
+        self._connections_dropped = connections_dropped
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         yield self._instances()
@@ -109,6 +124,23 @@ class _DiscoveryCollector(Collector):
         for reason, n in sorted(self._dropped().items()):
             drop.add_metric([reason], n)
         yield drop
+        yield CounterMetricFamily(
+            "kvwire_router_discovery_connections_dropped",
+            "Discovery connections closed before one valid message (ZeroMQ drops the connection of a "
+            "frame over 64 KiB; also port scans and peers whose messages were all refused)",
+            value=self._connections_dropped(),
+        )
+        yield CounterMetricFamily(
+            "kvwire_router_discovery_ttl_clamped",
+            "Heartbeats whose promised ttl_s was negative, NaN or over --max-record-ttl-s (clamped)",
+            value=self._registry.ttl_clamped,
+        )
+        yield CounterMetricFamily(
+            "kvwire_router_discovery_freshness_evicted",
+            "Instance epochs whose last seq the router forgot early: it remembered 10 x --max-instances "
+            "(a replay of one is then refused only by the time window)",
+            value=self._freshness_evicted(),
+        )
         yield GaugeMetricFamily(
             "kvwire_router_discovery_stale",
             "1 while the instance view is not backed by live discovery (etcd unreachable)",
@@ -148,7 +180,7 @@ _event_decoder = msgspec.json.Decoder(_Event)
 def _has_token(data: bytes) -> bool:
     try:
         event = _event_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except Exception:  # DecodeError, ValidationError, RecursionError: an event we cannot read
         return False
     for choice in event.choices:
         if choice.text:

@@ -14,7 +14,7 @@ Liveness rules:
 * a new instance at the URL of another entry replaces that entry (one process per address);
 * :meth:`Registry.mark_unreachable` (request-path failure, discovery connection closed) takes an
   instance out of routing until its next heartbeat;
-* :meth:`Registry.sweep` (run by :class:`RegistrySweeper` every ``interval_s``) expires entries
+* :meth:`Registry.sweep` (run by :class:`~kvwire.router.sweeper.RegistrySweeper`) expires entries
   silent for ``ttl_s`` (or for the TTL their last heartbeat promised) and forgets expired ones
   after ``forget_after_s``; an etcd router, which tracks deadlines itself and has etcd confirm a
   silence first, calls :meth:`Registry.expire` for the instances it confirmed instead;
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -38,13 +39,12 @@ from msgspec.structs import replace
 
 from kvwire.discovery.messages import Deregister, Heartbeat, InstanceInfo, InstanceLoad
 from kvwire.kv_params import Role
+from kvwire.refusal_log import RefusalLog
 
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 
-_MIN_SWEEP_WAIT_S = 0.005  # the sweeper never spins faster than this
-_SWEEP_MARGIN_S = 0.002  # wake just past a deadline, so the entry is past its TTL
 
 
 class InstanceState(str, enum.Enum):
@@ -59,6 +59,7 @@ class ApplyResult(str, enum.Enum):
     REPLACED = "replaced"  # new epoch (restart) or new instance at the same URL
     DEREGISTERED = "deregistered"
     STALE = "stale"  # older epoch, replayed/reordered seq, or deregistration of an unknown epoch
+    REFUSED = "refused"  # a new instance while the registry holds max_instances entries
 
 
 class InstanceView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -96,13 +97,36 @@ class InstanceView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         return self.state is InstanceState.ALIVE
 
 
+DEFAULT_MAX_INSTANCES = 10_000
+DEFAULT_MAX_RECORD_TTL_S = 60.0
+
+
+def clamp_ttl_s(ttl_s: float, max_ttl_s: float) -> float:
+    """A peer's promised ``ttl_s``, as the registry uses it: at most ``max_ttl_s``; a negative or
+    non-finite one (NaN) counts as no promise (0: the registry's own TTL applies); ``inf`` is the cap."""
+    if math.isnan(ttl_s) or ttl_s <= 0:
+        return 0.0
+    return min(ttl_s, max_ttl_s)
+
+
 class Registry:
+    """Bounds on what peers choose: at most ``max_instances`` entries (a heartbeat of a new instance
+    beyond that is :attr:`ApplyResult.REFUSED`), and a promised ``ttl_s`` clamped to
+    ``max_record_ttl_s`` (:func:`clamp_ttl_s`; clamps counted in :attr:`ttl_clamped`)."""
+
     def __init__(
         self, ttl_s: float, forget_after_s: float = 60.0, clock: Clock = time.monotonic,
         on_remove: Callable[[str], None] | None = None,
+        on_register: Callable[[InstanceInfo], None] | None = None, *,
+        max_instances: int = DEFAULT_MAX_INSTANCES, max_record_ttl_s: float = DEFAULT_MAX_RECORD_TTL_S,
     ) -> None:
         self.ttl_s = ttl_s
+        self.max_instances = max_instances
+        self.max_record_ttl_s = max_record_ttl_s
+        self.ttl_clamped = 0  # heartbeats whose ttl_s was out of range (negative, NaN, above the cap)
+        self._refusals = RefusalLog(log, "instance registration")
         self._on_remove = on_remove
+        self._on_register = on_register  # outside the lock, once per new entry or epoch
         self._removed: list[str] = []  # ids removed under the lock, reported after it
         self.forget_after_s = forget_after_s
         self._clock = clock
@@ -127,13 +151,15 @@ class Registry:
                 if result is ApplyResult.REFRESHED and old is not None and old.alive and old.info == msg.info:
                     self._swap(self._entries[msg.info.instance_id])
                     return result
-            if result is not ApplyResult.STALE:
+            if result not in (ApplyResult.STALE, ApplyResult.REFUSED):
                 self._rebuild()
         self._report_removed()
-        if result in (ApplyResult.REGISTERED, ApplyResult.REPLACED, ApplyResult.DEREGISTERED):
-            ident = msg.instance_id if isinstance(msg, Deregister) else msg.info.instance_id
-            log.info("instance %s %s", ident, result.value)
+        self._log_result(msg, result)
         return result
+
+    def _registered(self, msg: Heartbeat | Deregister, result: ApplyResult) -> None:
+        if self._on_register is not None and isinstance(msg, Heartbeat):
+            self._on_register(msg.info)  # REGISTERED or REPLACED: a new instance or process
 
     def apply_many(self, msgs: list[Heartbeat | Deregister]) -> list[ApplyResult]:
         """:meth:`apply` for a batch (one watch message of an etcd router) under one lock, with at
@@ -153,7 +179,7 @@ class Registry:
                         swaps.append(self._entries[msg.info.instance_id])
                         results.append(result)
                         continue
-                dirty = dirty or result is not ApplyResult.STALE
+                dirty = dirty or result not in (ApplyResult.STALE, ApplyResult.REFUSED)
                 results.append(result)
             if dirty:
                 self._rebuild()  # from the entries, the refreshed ones included
@@ -161,10 +187,17 @@ class Registry:
                 self._swap_many(swaps)
         self._report_removed()
         for msg, result in zip(msgs, results, strict=True):
-            if result in (ApplyResult.REGISTERED, ApplyResult.REPLACED, ApplyResult.DEREGISTERED):
-                ident = msg.instance_id if isinstance(msg, Deregister) else msg.info.instance_id
-                log.info("instance %s %s", ident, result.value)
+            self._log_result(msg, result)
         return results
+
+    def _log_result(self, msg: Heartbeat | Deregister, result: ApplyResult) -> None:
+        ident = msg.instance_id if isinstance(msg, Deregister) else msg.info.instance_id
+        if result in (ApplyResult.REGISTERED, ApplyResult.REPLACED, ApplyResult.DEREGISTERED):
+            log.info("instance %s %s", ident, result.value)
+            self._registered(msg, result)
+        elif result is ApplyResult.REFUSED:
+            self._refusals.refused("registry_full", f"instance {ident[:100]!r}: the registry holds "
+                                   f"{self.max_instances} instances (--max-instances)")
 
     def expire(self, idents: list[str], as_of: float) -> list[str]:
         """Expire those of ``idents`` that are alive, promised a next heartbeat (``ttl_s`` > 0) and
@@ -194,13 +227,20 @@ class Registry:
     ) -> ApplyResult:
         now = self._clock()
         old = self._entries.get(info.instance_id)
+        same_url = [] if old is not None else [e for e in self._entries.values() if e.url == info.url]
+        if old is None and len(self._entries) - len(same_url) >= self.max_instances:
+            return ApplyResult.REFUSED
+        clamped = clamp_ttl_s(ttl_s, self.max_record_ttl_s)
+        if clamped != ttl_s and ttl_s != 0:
+            self.ttl_clamped += 1
+            ttl_s = clamped
         same_epoch = old is not None and old.info.epoch == info.epoch
         first_seen = old.first_seen if same_epoch and old is not None else now
         fresh = InstanceView(info=info, load=load, state=InstanceState.ALIVE, last_seen=now, last_seq=seq,
                              first_seen=first_seen, ttl_s=ttl_s)
         if old is None:
             result = ApplyResult.REGISTERED
-            for other in [e for e in self._entries.values() if e.url == info.url]:
+            for other in same_url:
                 del self._entries[other.instance_id]  # a new process took over that address
                 self._removed.append(other.instance_id)
                 result = ApplyResult.REPLACED
@@ -356,48 +396,3 @@ class Registry:
 
     def age_s(self, view: InstanceView) -> float:
         return max(0.0, self._clock() - view.last_seen)
-
-
-class RegistrySweeper:
-    """Daemon thread calling ``registry.sweep()`` until :meth:`close`: at the earliest entry's expiry
-    (so a silent instance is out within a few ms of its TTL), and at least every ``interval_s``.
-    In the steady state (every instance heartbeating) that is about once per TTL minus one
-    heartbeat interval, whatever the number of instances."""
-
-    def __init__(self, registry: Registry, interval_s: float) -> None:
-        self._registry = registry
-        self._interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvwire-registry-sweeper", daemon=True)
-
-    def start(self) -> RegistrySweeper:
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._next_wait()):
-            try:
-                self._registry.sweep()
-            except Exception:  # never let the sweeper die: liveness depends on it
-                log.exception("registry sweep failed")
-
-    def _next_wait(self) -> float:
-        due = self._registry.seconds_to_next_change()
-        if due is None:  # an entry registered from now on expires a TTL from now at the earliest
-            return min(self._interval_s, self._registry.ttl_s)
-        return min(self._interval_s, max(_MIN_SWEEP_WAIT_S, due + _SWEEP_MARGIN_S))
-
-    def close(self) -> None:
-        stop_thread(self._thread, self._stop)
-
-
-def stop_thread(thread: threading.Thread, stop: threading.Event, timeout_s: float = 5.0) -> bool:
-    """Set ``stop`` and join ``thread`` (started or not) for at most ``timeout_s``; False (logged) if it
-    is still running. Shared by the router's daemon threads (sweeper, discovery listener)."""
-    stop.set()
-    if thread.is_alive():
-        thread.join(timeout=timeout_s)
-        if thread.is_alive():
-            log.warning("thread %s did not stop within %.1f s", thread.name, timeout_s)
-            return False
-    return True

@@ -98,6 +98,8 @@ def parse_client_request(path: str, raw: bytes, headers: Mapping[str, str]) -> C
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise InvalidRequestError(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # msgspec's nesting guard (about 1,000 levels of arrays/objects)
+        raise InvalidRequestError("request body nests JSON arrays/objects too deeply") from exc
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object")
     if "stream" in body and not isinstance(body["stream"], bool):

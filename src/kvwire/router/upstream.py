@@ -18,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass
 from typing import TypeVar
 
 import aiohttp
 import msgspec
 
-from kvwire.errors import INSTANCE_GONE_CODES, UpstreamError
+from kvwire.errors import INSTANCE_GONE_CODES, ConfigError, UpstreamError
 from kvwire.router.metrics import RouterMetrics
 from kvwire.router.registry import InstanceState, InstanceView, Registry
 
@@ -43,7 +44,8 @@ T = TypeVar("T")
 
 
 class UpstreamFailure(UpstreamError):
-    """An upstream call failed. ``body``/``content_type``: the upstream's own error body, passed on."""
+    """An upstream call failed. ``body``/``content_type``/``retry_after``: the upstream's own error
+    body and its Retry-After header, passed on."""
 
     def __init__(
         self,
@@ -55,23 +57,53 @@ class UpstreamFailure(UpstreamError):
         retryable: bool = False,
         body: bytes | None = None,
         content_type: str = "application/json",
+        retry_after: str | None = None,
     ) -> None:
         super().__init__(message, status=status, kind=kind)
         self.instance_id = instance_id
         self.retryable = retryable
         self.body = body
         self.content_type = content_type
+        self.retry_after = retry_after  # the instance's Retry-After (a full waiting queue's 429), passed on
+
+
+@dataclass(frozen=True)
+class UpstreamLimits:
+    """Connections the router opens to instances: in all, and to one instance (host:port). A request
+    beyond waits for a free one (within its timeout), counted in
+    ``kvwire_router_upstream_connection_waits_total``."""
+
+    max_connections: int = 4096
+    max_connections_per_instance: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.max_connections <= 0 or self.max_connections_per_instance <= 0:
+            raise ConfigError(f"upstream connection limits must be > 0, got {self}")
 
 
 class Upstream:
     """Shared client session; one per router app (created inside the running event loop)."""
 
-    def __init__(self, registry: Registry, metrics: RouterMetrics, connect_timeout_s: float, total_s: float):
+    def __init__(
+        self, registry: Registry, metrics: RouterMetrics, connect_timeout_s: float, total_s: float, *,
+        limits: UpstreamLimits | None = None,
+    ) -> None:
         self._registry = registry
         self._metrics = metrics
         self._timeout = aiohttp.ClientTimeout(total=total_s, sock_connect=connect_timeout_s)
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0, enable_cleanup_closed=True)
-        self.session = aiohttp.ClientSession(connector=connector, timeout=self._timeout, auto_decompress=True)
+        limits = limits or UpstreamLimits()
+        connector = aiohttp.TCPConnector(
+            limit=limits.max_connections, limit_per_host=limits.max_connections_per_instance,
+            keepalive_timeout=30.0, enable_cleanup_closed=True,
+        )
+        trace = aiohttp.TraceConfig()
+        trace.on_connection_queued_start.append(self._connection_queued)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=self._timeout, auto_decompress=True,
+                                             trace_configs=[trace])
+
+    async def _connection_queued(self, session: object, context: object, params: object) -> None:
+        """aiohttp signal: a request waits for a connection (a connection limit is reached)."""
+        self._metrics.upstream_connection_waits.inc()
 
     async def close(self) -> None:
         await self.session.close()
@@ -167,11 +199,13 @@ class Upstream:
             resp.close()
         kind = "http_4xx" if resp.status < 500 else "http_5xx"
         text = body.decode("utf-8", "replace").strip() or "(empty body)"
-        return self._failure(
+        failure = self._failure(
             inst, role, kind, f"status {resp.status}: {text[:500]}", status=resp.status,
             dead=resp.status in _DEAD_STATUSES or _says_gone(resp.status, body), body=body or None,
             content_type=resp.headers.get("Content-Type", "application/json"),
         )
+        failure.retry_after = resp.headers.get("Retry-After")
+        return failure
 
     def lost(self, inst: InstanceView, role: str, exc: BaseException) -> UpstreamFailure:
         """Classify (and count) a failure past connecting: timeout, or the instance went away."""
@@ -210,6 +244,6 @@ def _says_gone(status: int, body: bytes) -> bool:
         return False
     try:
         error = msgspec.json.decode(body).get("error")
-    except (msgspec.DecodeError, AttributeError):
+    except (msgspec.DecodeError, AttributeError, RecursionError):
         return False
     return isinstance(error, dict) and error.get("code") in INSTANCE_GONE_CODES

@@ -12,7 +12,9 @@ from kvwire.discovery.address import parse_registration_address
 from kvwire.enum_values import as_enum
 from kvwire.errors import ConfigError
 from kvwire.kv_params import LoadFailurePolicy, Role, TransferMode
+from kvwire.transfer.config import ControlLimits
 from kvwire.transfer.enums import Transport
+from kvwire.transfer.planes.link_config import DataLinkConfig
 from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 
 # The one policy enum (kvwire.kv_params); this name is the server's spelling of it.
@@ -52,6 +54,11 @@ class ServerConfig:
     kv_load_failure_policy: KVLoadFailure = KVLoadFailure.RECOMPUTE
     # NCCL data plane tuning (--device cuda P/D); the CLI reads KVWIRE_NCCL_* once into it.
     kv_nccl: NcclPlaneConfig = dataclasses.field(default_factory=NcclPlaneConfig)
+    # What P/D peers can make the KV agent's control plane hold or trust (--kv-max-*; decision 116).
+    kv_limits: ControlLimits = dataclasses.field(default_factory=ControlLimits)
+    kv_max_pending_transfers: int = 65536  # transfers the KV agent tracks per side
+    # Data-plane listener caps and link deadlines (--kv-data-max-connections ... ; decision 115).
+    kv_data_links: DataLinkConfig = dataclasses.field(default_factory=DataLinkConfig)
     # SIGTERM/SIGINT: everything (abort in-flight, deregister, stop the engine thread) within this.
     shutdown_deadline_s: float = 10.0
     max_request_bytes: int = 16 * 1024 * 1024
@@ -64,6 +71,9 @@ class ServerConfig:
     engine_stall_timeout_s: float | None = 120.0
     # Keys clients (the router) must send as 'Authorization: Bearer'; none = open (kvwire.auth).
     api_keys: ApiKeyConfig = dataclasses.field(default_factory=ApiKeyConfig)
+    # Requests admitted but not yet computing (waiting for a batch slot or for remote KV) at most;
+    # one more is answered 429 with Retry-After (decision 117). 0 = no bound.
+    max_waiting_requests: int = 1024
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):
@@ -76,6 +86,8 @@ class ServerConfig:
             raise ConfigError(f"kv_load_failure_policy must be a KVLoadFailure, got {policy!r}")
         if self.kv_deadline_s <= 0:
             raise ConfigError(f"kv_deadline_s must be > 0, got {self.kv_deadline_s}")
+        if self.kv_max_pending_transfers < 1:
+            raise ConfigError(f"kv_max_pending_transfers must be >= 1, got {self.kv_max_pending_transfers}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         for name in ("kv_port", "kv_data_port", "kv_advertise_port", "kv_advertise_data_port"):
@@ -92,6 +104,9 @@ class ServerConfig:
         if self.engine_stall_timeout_s is not None and self.engine_stall_timeout_s < 0:
             timeout_s = self.engine_stall_timeout_s
             raise ConfigError(f"engine_stall_timeout_s must be >= 0 (0: off), got {timeout_s}")
+        if self.max_waiting_requests < 0:
+            waiting = self.max_waiting_requests
+            raise ConfigError(f"max_waiting_requests must be >= 0 (0: no bound), got {waiting}")
         if self.max_request_bytes <= 0:
             raise ConfigError(f"max_request_bytes must be > 0, got {self.max_request_bytes}")
         if self.router_address is not None:

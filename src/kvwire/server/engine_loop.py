@@ -191,6 +191,12 @@ class EngineLoop:
     def num_streams(self) -> int:
         return len(self._streams)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests admitted and not computing (waiting for a batch slot or for remote KV): the
+        streams in flight less those the engine ran at its last report."""
+        return max(0, len(self._streams) - self._stats.num_running)
+
     async def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: Any,
         kv_transfer_params: KVParams | None = None,

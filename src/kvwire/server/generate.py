@@ -64,6 +64,18 @@ def error_response(
     return json_response(status, error_body(message, err_type, param, code))
 
 
+RETRY_AFTER_S = 1  # what a client refused for a full waiting queue is told to wait
+
+
+def queue_full_response(max_waiting: int) -> web.Response:
+    """429: the waiting queue holds ``max_waiting`` requests (``--max-waiting-requests``)."""
+    response = error_response(
+        429, f"the server's waiting queue is full ({max_waiting} requests); retry later",
+        "rate_limit_error", code="queue_full")
+    response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
+
+
 @dataclasses.dataclass(frozen=True)
 class Reply:
     """A non-streaming answer: HTTP status, metrics outcome, JSON body (OpenAI's, or its error body)."""
@@ -100,6 +112,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    response_id: str | None = None  # from the request's ``request_id`` (vLLM's field), else the engine's id
 
 
 class GenerationHandler:
@@ -109,6 +122,7 @@ class GenerationHandler:
         check_kv_transfer_params: Callable[[object], object] | None = None,
         client_write_timeout_s: float = 30.0,
         vocab_size: int | None = None,
+        max_waiting_requests: int = 0,
     ) -> None:
         self._loop = engine_loop
         self._tokenizer = tokenizer
@@ -122,7 +136,16 @@ class GenerationHandler:
         # The connector's own admission check (role served, endpoints present) -> HTTP 400.
         self._check_kv = check_kv_transfer_params or KVTransferParams.from_dict
         self._write_timeout_s = client_write_timeout_s  # deadline of each write to a streaming client
+        self._max_waiting = max_waiting_requests  # 0: no bound on the waiting queue
         self.draining = False  # set on shutdown: new requests get 503
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self._vocab_size
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, RequestKind.COMPLETION)
@@ -137,8 +160,8 @@ class GenerationHandler:
         if isinstance(admitted, web.Response):
             return admitted
         request_id, stream, prepared = admitted
-        builder = ResponseBuilder(kind, request_id, self._model_name, int(time.time()),
-                                  prepared.return_token_ids)
+        builder = ResponseBuilder(kind, prepared.response_id or request_id, self._model_name,
+                                  int(time.time()), prepared.return_token_ids)
         writer = ClientWriter(request, self._write_timeout_s, request_id)
         try:
             if prepared.stream:
@@ -158,8 +181,37 @@ class GenerationHandler:
         if self.draining:
             self._count(endpoint, "shutdown")
             return error_response(503, "the server is shutting down", "server_error", code=INSTANCE_STOPPING)
+        if self._max_waiting and self._loop.num_waiting >= self._max_waiting:
+            self._count(endpoint, "queue_full")
+            return queue_full_response(self._max_waiting)
+        prepared = await self._read_and_prepare(request, kind)
+        if isinstance(prepared, web.Response):
+            return prepared
+        request_id = f"{_id_prefix(kind)}-{uuid.uuid4().hex}"  # the engine's: unique whatever the client sent
         try:
-            prepared = self._prepare(await request.read(), kind)
+            stream = await self._loop.add_request(
+                request_id, prepared.prompt_token_ids, prepared.params, prepared.kv_transfer_params
+            )
+        except InvalidRequestError as exc:
+            self._count(endpoint, "invalid")
+            return error_response(400, str(exc))
+        except (ServerShuttingDown, EngineError) as exc:
+            return self._failure_response(endpoint, exc)
+        self._metrics.prompt_tokens.inc(len(prepared.prompt_token_ids))
+        return request_id, stream, prepared
+
+    async def _read_and_prepare(self, request: web.Request, kind: RequestKind) -> Prepared | web.Response:
+        """The request's body read (within ``--max-request-bytes``) and validated, or the error
+        response (413, 400, 404, 403), counted."""
+        endpoint = kind.value
+        try:
+            return self._prepare(await request.read(), kind)
+        except web.HTTPRequestEntityTooLarge as exc:
+            self._count(endpoint, "too_large")
+            return error_response(413, exc.text or "request body too large")
+        except RecursionError:  # msgspec's nesting guard (about 1,000 levels of arrays/objects)
+            self._count(endpoint, "invalid")
+            return error_response(400, "request body nests JSON arrays/objects too deeply")
         except ModelNotFound as exc:
             self._count(endpoint, "invalid")
             return error_response(404, str(exc), "invalid_request_error", "model", "model_not_found")
@@ -172,19 +224,6 @@ class GenerationHandler:
         except ForbiddenError as exc:  # e.g. unsigned kv_transfer_params (counted where refused)
             self._count(endpoint, "forbidden")
             return error_response(403, str(exc), "permission_error", "kv_transfer_params", exc.reason)
-        prefix = "chatcmpl" if kind is RequestKind.CHAT else "cmpl"
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
-        try:
-            stream = await self._loop.add_request(
-                request_id, prepared.prompt_token_ids, prepared.params, prepared.kv_transfer_params
-            )
-        except InvalidRequestError as exc:
-            self._count(endpoint, "invalid")
-            return error_response(400, str(exc))
-        except (ServerShuttingDown, EngineError) as exc:
-            return self._failure_response(endpoint, exc)
-        self._metrics.prompt_tokens.inc(len(prepared.prompt_token_ids))
-        return request_id, stream, prepared
 
     def _prepare(self, body: bytes, kind: RequestKind) -> Prepared:
         if kind is RequestKind.COMPLETION:
@@ -216,6 +255,7 @@ class GenerationHandler:
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             return_token_ids=req.return_token_ids,
+            response_id=None if req.request_id is None else f"{_id_prefix(kind)}-{req.request_id}",
         )
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
@@ -356,6 +396,10 @@ class GenerationHandler:
 
     def _count(self, endpoint: str, outcome: str) -> None:
         self._metrics.requests.labels(endpoint, outcome).inc()
+
+
+def _id_prefix(kind: RequestKind) -> str:
+    return "chatcmpl" if kind is RequestKind.CHAT else "cmpl"
 
 
 def _first_extras(prepared: Prepared) -> dict[str, Any]:

@@ -3,6 +3,10 @@
 ``serve`` is the whole process: start everything, wait for SIGTERM/SIGINT, then within
 ``shutdown_deadline_s``: refuse new requests (503), deregister from the router, abort in-flight
 requests, stop the HTTP listener, stop the engine thread, close connectors. Returns the exit code.
+
+The instance owns the process's :class:`~kvwire.supervision.HealthBoard` (``ServerInstance.board``):
+every supervised component it builds (the KV transfer agent's threads through the connector
+factory, ...) registers there; ``/metrics`` exports it (``kvwire_component_*``) and ``/health`` reads it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from kvwire.server.engine_status import EngineStatus, StatsSnapshot
 from kvwire.server.generate import GenerationHandler
 from kvwire.server.metrics import ServerMetrics
 from kvwire.server.registration import default_instance_id, start_heartbeats
+from kvwire.supervision import HealthBoard, SupervisionCollector
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +68,9 @@ class ServerInstance:
         self.config = config
         self.engine_config = engine_config
         self.instance_id = default_instance_id(config)
+        # The instance's one health board (/health, /metrics): its supervised threads (registration,
+        # the KV transfer agent's through the connector factory) report there.
+        self.board = HealthBoard()
         self._secret = secret
         self._runner: web.AppRunner | None = None
         self._heartbeats: Any = None
@@ -78,8 +86,9 @@ class ServerInstance:
         """Load the engine, start its thread, listen, register. Returns the base URL."""
         loop = asyncio.get_running_loop()
         metrics = ServerMetrics(self._stats, self._engine_status)
+        metrics.registry.register(SupervisionCollector(self.board))
         self._connectors = build_connector_set(self.config, self.engine_config, self._secret,
-                                               metrics.registry)
+                                               metrics.registry, board=self.board)
         self._engine = await loop.run_in_executor(None, _build_engine, self.engine_config, self._connectors)
         engine_loop = EngineLoop(self._engine, stall_timeout_s=self.config.engine_stall_timeout_s,
                                  on_lost=self._engine_lost)
@@ -97,10 +106,12 @@ class ServerInstance:
             check_kv_transfer_params=self._kv_params_check(metrics),
             client_write_timeout_s=self.config.client_write_timeout_s,
             vocab_size=_model_vocab_size(self._engine),
+            max_waiting_requests=self.config.max_waiting_requests,
         )
         identity = {"instance_id": self.instance_id, "role": self.config.role.value,
                     "kv_endpoints": list(self._connectors.kv_endpoints)}
-        app = ServerApp(engine_loop, self._generation, metrics, model_name, max_model_len, identity)
+        app = ServerApp(engine_loop, self._generation, metrics, model_name, max_model_len, identity,
+                        board=self.board)
         engine_loop.start(loop)
         self._runner = web.AppRunner(
             app.build(self.config.max_request_bytes, self.config.api_keys), handler_cancellation=True,
@@ -117,7 +128,7 @@ class ServerInstance:
             kv_endpoints=self._connectors.kv_endpoints, stats_fn=self._stats,
             secret=self._secret, kv_events=getattr(self._engine, "kv_events", None),
             tokenizer=tokenizer_spec(self._engine.tokenizer, self.engine_config.model), kv_layout=kv_layout,
-            transports_fn=self._connectors.kv_transports,
+            transports_fn=self._connectors.kv_transports, board=self.board, max_model_len=max_model_len,
         )
         logger.info("kvwire serve ready: %s (model %s, role %s, max_model_len %d, instance %s)",
                     self.url, model_name, self.config.role.value, max_model_len, self.instance_id)
@@ -220,4 +231,7 @@ async def serve(config: ServerConfig, engine_config: EngineConfig, secret: str |
 def tokenizer_spec(tokenizer: Any, model: str) -> str:
     """What the router needs to tokenize like this engine (``InstanceInfo.tokenizer``): "byte" for the
     presets' byte tokenizer, else the model directory the tokenizer was loaded from."""
-    return "byte" if type(tokenizer).__name__ == "ByteTokenizer" else model
+    if type(tokenizer).__name__ == "ByteTokenizer":
+        return "byte"
+    source = getattr(tokenizer, "source_dir", None)  # a model id's snapshot, or a --tokenizer directory
+    return str(source) if source is not None else model

@@ -18,6 +18,7 @@ from kvwire.server.engine_status import StatsSnapshot
 if TYPE_CHECKING:
     from kvwire.discovery import Registration
     from kvwire.kv_events import KvEventLog
+    from kvwire.supervision import HealthBoard
 
 
 def default_instance_id(config: ServerConfig) -> str:
@@ -37,12 +38,15 @@ def start_heartbeats(
     tokenizer: str = "",
     kv_layout: Any = None,
     transports_fn: Callable[[], dict[str, str]] | None = None,
+    board: HealthBoard | None = None,
+    max_model_len: int = 0,
 ) -> Registration | None:
     """Start heartbeating to ``config.router_address``; returns the client (call ``close()`` to
     deregister) or None when no router is configured. ``kv_events``: the engine's prefix-cache log,
     published to the router as KV events; ``tokenizer``: ``InstanceInfo.tokenizer``;
     ``transports_fn``: peer KV endpoint -> data plane negotiated with it (reported in each
-    heartbeat's load, shown by the router's /instances)."""
+    heartbeat's load, shown by the router's /instances); ``board``: the instance's health board (the
+    registration thread is supervised there)."""
     if config.router_address is None:
         return None
     from kvwire.discovery import InstanceLoad, start_registration
@@ -61,5 +65,5 @@ def start_heartbeats(
         config.router_address, instance_id=instance_id, role=config.role, url=url, model=model,
         kv_endpoints=kv_endpoints, version=f"kvwire {kvwire.__version__}", load_fn=load,
         interval_s=config.heartbeat_interval_s, secret=secret, kv_events=kv_events, tokenizer=tokenizer,
-        kv_layout=kv_layout,
+        kv_layout=kv_layout, board=board, max_model_len=max_model_len,
     )

@@ -31,6 +31,7 @@ from kvwire.kv_hash import block_hashes
 from kvwire.router.kv_index import KvIndex
 from kvwire.router.listener import DiscoveryListener
 from kvwire.router.registry import Registry
+from kvwire.supervision import HealthBoard
 from support.waiting import wait_for
 
 BS = 4
@@ -225,3 +226,34 @@ def test_scheduler_side_forwards_vllm_events_to_the_index(publisher: Publisher, 
         listener.close()
     assert side.kv_bridge is not None and side.kv_bridge._thread is not None
     assert not side.kv_bridge._thread.is_alive()
+
+
+def test_bridge_survives_a_nested_batch_and_a_failing_translator(publisher: Publisher) -> None:
+    log = KvEventLog(BS)
+    translator = VllmKvTranslator(log)
+    board = HealthBoard()
+    real_apply = translator.apply
+    failures = [RuntimeError("injected")]
+
+    def apply_once_failing(events: Any) -> None:
+        if failures:
+            raise failures.pop()
+        real_apply(events)
+
+    translator.apply = apply_once_failing  # type: ignore[method-assign]
+    bridge = VllmKvEventBridge(f"tcp://127.0.0.1:{publisher.port}", translator, "kv", board=board).start()
+    try:
+        publisher.await_subscriber()
+        publisher.send(0, stored(0, 1, None))  # the translator raises: the bridge restarts
+        wait_for(lambda: board.restarts().get("kvwire-vllm-kv-events") == 1, 10, "the bridge restarted")
+        while publisher.sock.poll(10_000) and publisher.sock.recv()[:1] != b"\x01":
+            pass  # the failed body's unsubscription, then the restarted body's subscription
+        nested = b"\x93\xcb\x3f\xf8\x00\x00\x00\x00\x00\x00" + b"\x91" * 60_000 + b"\x90\x00"
+        publisher.sock.send_multipart([b"kv", (1).to_bytes(8, "big"), nested])
+        wait_for(lambda: bridge.malformed == 1, 10, "the nested batch counted as malformed")
+        publisher.send(2, stored(1, 1, None))
+        wait_for(lambda: log.num_cached_blocks == 1, 10, "a batch applied after both")
+        assert board.dead() == []
+    finally:
+        bridge.close()
+    assert board.snapshot() == []

@@ -8,7 +8,8 @@ import pytest
 
 from kvwire.discovery import Deregister, Heartbeat, InstanceInfo, InstanceLoad
 from kvwire.kv_params import Role
-from kvwire.router.registry import ApplyResult, InstanceState, Registry, RegistrySweeper
+from kvwire.router.registry import ApplyResult, InstanceState, Registry
+from kvwire.router.sweeper import RegistrySweeper
 
 
 class Clock:

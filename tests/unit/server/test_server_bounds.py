@@ -1,0 +1,101 @@
+"""Bounds on what clients send an instance, and /health naming a dead component (decision 117)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+from kvwire.server.cli import server_config_from_args
+from kvwire.supervision import HealthBoard
+from support.fake_engine_server import wait_until
+
+
+def test_full_waiting_queue_is_429_with_retry_after(run_with_fake_server: Any, fake_engine: Any) -> None:
+    fake_engine.step_gate = threading.Event()  # the first request's step hangs: the rest wait
+
+    async def body(server: Any) -> None:
+        req = {"prompt": "a", "max_tokens": 2}
+        first = asyncio.create_task(server.client.post("/v1/completions", json=req))
+        await wait_until(fake_engine.step_blocked.is_set, 10)
+        waiting = [asyncio.create_task(server.client.post("/v1/completions", json=req)) for _ in range(2)]
+        await wait_until(lambda: server.engine_loop.num_streams == 3, 10)
+        assert server.engine_loop.num_waiting == 2
+        refused = await server.client.post("/v1/completions", json=req)
+        assert refused.status == 429
+        assert refused.headers["Retry-After"] == "1"
+        error = (await refused.json())["error"]
+        assert error["code"] == "queue_full" and "waiting queue is full (2 requests)" in error["message"]
+        fake_engine.step_gate.set()
+        for task in (first, *waiting):
+            assert (await task).status == 200  # nothing admitted was lost
+        metrics = await (await server.client.get("/metrics")).text()
+        assert 'kvwire_requests_total{endpoint="completion",outcome="queue_full"} 1.0' in metrics
+        assert (await server.client.post("/v1/completions", json=req)).status == 200  # room again
+
+    run_with_fake_server(body, fake_engine, max_waiting_requests=2)
+
+
+def test_deeply_nested_json_is_400_and_the_server_keeps_serving(run_with_fake_server: Any) -> None:
+    async def body(server: Any) -> None:
+        nested = b'{"prompt": "a", "kv_transfer_params": {"x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}}"
+        resp = await server.client.post("/v1/completions", data=nested,
+                                        headers={"Content-Type": "application/json"})
+        assert resp.status == 400
+        assert "too deeply" in (await resp.json())["error"]["message"]
+        ok = await server.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert ok.status == 200
+
+    run_with_fake_server(body)
+
+
+def test_oversized_body_is_413_and_counted(run_with_fake_server: Any) -> None:
+    async def body(server: Any) -> None:
+        resp = await server.client.post("/v1/completions", json={"prompt": "a" * 8192})
+        assert resp.status == 413
+        metrics = await (await server.client.get("/metrics")).text()
+        assert 'kvwire_requests_total{endpoint="completion",outcome="too_large"} 1.0' in metrics
+
+    run_with_fake_server(body, max_request_bytes=4096)
+
+
+def test_oversized_header_is_400_and_the_server_keeps_serving(run_with_fake_server: Any) -> None:
+    async def body(server: Any) -> None:
+        resp = await server.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2},
+                                        headers={"X-Big": "x" * 20_000})
+        assert resp.status == 400  # aiohttp's max_field_size (8190 bytes)
+        ok = await server.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert ok.status == 200
+
+    run_with_fake_server(body)
+
+
+def test_health_is_503_naming_a_dead_component(run_with_fake_server: Any) -> None:
+    board = HealthBoard()
+    key = board.register("kvwire-heartbeat")
+
+    async def body(server: Any) -> None:
+        assert (await server.client.get("/health")).status == 200
+        board.mark_dead(key, "RuntimeError: injected")
+        resp = await server.client.get("/health")
+        assert resp.status == 503
+        data = await resp.json()
+        assert data["status"] == "component_dead" and "kvwire-heartbeat" in data["reason"]
+        dead = [{"component": "kvwire-heartbeat", "error": "RuntimeError: injected"}]
+        assert data["dead_components"] == dead
+
+    run_with_fake_server(body, board=board)
+
+
+def test_bound_flags_reach_the_config() -> None:
+    import argparse
+
+    from kvwire.server.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = server_config_from_args(parser.parse_args([]))
+    assert defaults.max_waiting_requests == 1024 and defaults.max_request_bytes == 16 * 1024 * 1024
+    cfg = server_config_from_args(parser.parse_args(["--max-waiting-requests", "7",
+                                                     "--max-request-bytes", "5000"]))
+    assert cfg.max_waiting_requests == 7 and cfg.max_request_bytes == 5000
