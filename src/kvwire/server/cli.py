@@ -84,6 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bounds = parser.add_argument_group("bounds on what clients send")
     bounds.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
                         help="largest accepted request body; larger: 413 (default %(default)s)")
+    bounds.add_argument("--http-idle-timeout-s", type=float, default=ServerConfig.http_idle_timeout_s,
+                        help="close a connection with no complete request head for this long (new or "
+                             "idle; default %(default)s)")
+    bounds.add_argument("--http-body-timeout-s", type=float, default=ServerConfig.http_body_timeout_s,
+                        help="answer 408 when a request body does not arrive within this (default "
+                             "%(default)s)")
     bounds.add_argument("--max-waiting-requests", type=int, default=ServerConfig.max_waiting_requests,
                         help="requests admitted and not yet computing at most; more: 429 with "
                              "Retry-After (0: no bound; default %(default)s)")
@@ -202,6 +208,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         api_keys=ApiKeyConfig(keys_from_cli(args.api_key, os.environ),
                               frozenset(f"/{name}" for name in args.open_endpoint)),
         max_request_bytes=args.max_request_bytes, max_waiting_requests=args.max_waiting_requests,
+        http_idle_timeout_s=args.http_idle_timeout_s, http_body_timeout_s=args.http_body_timeout_s,
     )
 
 

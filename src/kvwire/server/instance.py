@@ -107,6 +107,7 @@ class ServerInstance:
             client_write_timeout_s=self.config.client_write_timeout_s,
             vocab_size=_model_vocab_size(self._engine),
             max_waiting_requests=self.config.max_waiting_requests,
+            body_timeout_s=self.config.http_body_timeout_s,
         )
         identity = {"instance_id": self.instance_id, "role": self.config.role.value,
                     "kv_endpoints": list(self._connectors.kv_endpoints)}
@@ -117,6 +118,7 @@ class ServerInstance:
             app.build(self.config.max_request_bytes, self.config.api_keys), handler_cancellation=True,
             access_log=None,
             shutdown_timeout=max(0.5, self.config.shutdown_deadline_s / 2),
+            keepalive_timeout=self.config.http_idle_timeout_s,  # also the deadline of a request's head
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
