@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=KVLoadFailure.RECOMPUTE.value,
                         help="decode side: recompute the prompt or fail the request when KV does not arrive")
     parser.add_argument("--shutdown-deadline-s", type=float, default=10.0)
+    parser.add_argument("--drain-timeout-s", type=float, default=60.0,
+                        help="on SIGUSR1: deregister, refuse new requests, let in-flight ones finish for "
+                             "at most this long, then stop (default %(default)s)")
     parser.add_argument("--client-write-timeout-s", type=float, default=30.0,
                         help="cut off a client that reads nothing of its response for this long")
     parser.add_argument("--engine-stall-timeout-s", type=float, default=120.0,
@@ -114,6 +117,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         kv_transport=Transport(args.kv_transport),
         kv_load_failure_policy=KVLoadFailure(args.kv_load_failure_policy),
         shutdown_deadline_s=args.shutdown_deadline_s,
+        drain_timeout_s=args.drain_timeout_s,
         client_write_timeout_s=args.client_write_timeout_s,
         engine_stall_timeout_s=args.engine_stall_timeout_s,
         kv_nccl=NcclPlaneConfig.from_env(),  # the one place the environment is read

@@ -54,6 +54,9 @@ class ServerConfig:
     kv_nccl: NcclPlaneConfig = dataclasses.field(default_factory=NcclPlaneConfig)
     # SIGTERM/SIGINT: everything (abort in-flight, deregister, stop the engine thread) within this.
     shutdown_deadline_s: float = 10.0
+    # SIGUSR1 (drain, decision 120): deregister, refuse new requests, and let those in flight finish
+    # (their KV sent, for P) for at most this long before stopping as on SIGTERM.
+    drain_timeout_s: float = 60.0
     max_request_bytes: int = 16 * 1024 * 1024
     # A client that reads nothing of its response for this long (one SSE write, or a non-streaming
     # body, stuck) is cut off and its request aborted in the engine, like a disconnect.
@@ -87,6 +90,8 @@ class ServerConfig:
             raise ConfigError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
         if self.shutdown_deadline_s <= 0:
             raise ConfigError(f"shutdown_deadline_s must be > 0, got {self.shutdown_deadline_s}")
+        if self.drain_timeout_s <= 0:
+            raise ConfigError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
         if self.client_write_timeout_s <= 0:
             raise ConfigError(f"client_write_timeout_s must be > 0, got {self.client_write_timeout_s}")
         if self.engine_stall_timeout_s is not None and self.engine_stall_timeout_s < 0:

@@ -123,6 +123,7 @@ class GenerationHandler:
         self._check_kv = check_kv_transfer_params or KVTransferParams.from_dict
         self._write_timeout_s = client_write_timeout_s  # deadline of each write to a streaming client
         self.draining = False  # set on shutdown: new requests get 503
+        self.open_requests = 0  # requests between arrival and their last byte written (drain waits on it)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, RequestKind.COMPLETION)
@@ -133,6 +134,13 @@ class GenerationHandler:
     # --- admission -----------------------------------------------------------------------------
 
     async def _handle(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
+        self.open_requests += 1  # the event loop's thread only: no lock
+        try:
+            return await self._handle_one(request, kind)
+        finally:
+            self.open_requests -= 1
+
+    async def _handle_one(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
         admitted = await self._admit(request, kind)
         if isinstance(admitted, web.Response):
             return admitted
