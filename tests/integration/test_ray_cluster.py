@@ -230,6 +230,22 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
+def test_router_comes_back_on_its_ports(up: tuple[ManagedProcess, RayCluster]) -> None:
+    _, cluster = up
+    router = processes(cluster)["router"]
+    os.kill(router["pid"], signal.SIGKILL)
+
+    def back() -> bool:
+        now = processes(cluster)["router"]
+        return bool(now.get("alive")) and now["pid"] != router["pid"] and _alive(cluster) == {
+            "prefill-0", "decode-0"}
+
+    wait_for(back, 240, "the router restarted on its ports, the instances registered again", 1.0)
+    assert cluster.status()["router_url"] == cluster.router_url
+    results = send_all(cluster.router_url, [body(prompt(i), stream=False) for i in range(4)])
+    assert [r.error for r in results if not r.ok] == []
+
+
 def test_ctrl_c_leaves_nothing_behind(up: tuple[ManagedProcess, RayCluster],
                                       shm_before: frozenset[str]) -> None:
     proc, cluster = up
@@ -245,3 +261,29 @@ def test_ctrl_c_leaves_nothing_behind(up: tuple[ManagedProcess, RayCluster],
     assert [g for g in groups if g["state"] != "REMOVED"] == []
     # /dev/shm is host-wide: a new name some live process maps is another program's, not ours
     wait_for(lambda: not orphaned(shm_names() - shm_before), 30, "no /dev/shm name left behind")
+
+
+def test_killed_driver_takes_everything_with_it(ray_address: str, up: tuple[ManagedProcess, RayCluster],
+                                                shm_before: frozenset[str]) -> None:
+    """``kill -9`` of ``kvwire up --ray`` itself (a colocated instance this time): Ray ends the
+    controller it owned, the controller's actors, and with them their children."""
+    del up  # the first cluster is stopped: its resources are free
+    argv = kvwire_argv("up", "--ray", ray_address, "--name", f"{NAME}k", "--port", "0", "--prefill", "0",
+                       "--decode", "0", "--both", "1", "--prefill-resources", "pool_p=1",
+                       "--router-resources", "kvwire_router=1", "--start-timeout-s", "240")
+    proc = ManagedProcess("up-k", argv, sink=sys.stderr, sink_lock=threading.Lock())
+    try:
+        wait_for(lambda: "kvwire up: router" in proc.output() or proc.poll() is not None, 400,
+                 "the second kvwire up --ray ready", interval_s=0.5)
+        assert proc.poll() is None, proc.output()[-3000:]
+        handle = RayCluster.attach(f"{NAME}k", ray_address)
+        procs = processes(handle)
+        handle.close()
+        assert {p["role"] for p in procs.values()} == {"router", "both"}
+        assert send_all(str(handle.router_url), [body(prompt(1), stream=False)])[0].ok
+        pids = [p[key] for p in procs.values() for key in ("pid", "actor_pid")]
+        proc.signal(signal.SIGKILL)
+        wait_for(lambda: not any(_pid_alive(pid) for pid in pids), 120, "every process of the cluster gone")
+        wait_for(lambda: not orphaned(shm_names() - shm_before), 30, "no /dev/shm name left behind")
+    finally:
+        proc.stop(30)
