@@ -31,7 +31,7 @@ from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.engine.sampling_params import SamplingParams
 from kvwire.kv_params import Role
-from support.leaks import orphaned, shm_names
+from support.leaks import orphaned, shm_names_mapped_by
 from support.waiting import wait_for
 
 # Before Ray is imported (it reads this once): Ray then takes 127.0.0.1 as every node's IP, so it and
@@ -67,15 +67,9 @@ def ray_address() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def shm_before() -> frozenset[str]:
-    return frozenset(shm_names())
-
-
-@pytest.fixture(scope="module")
-def up(ray_address: str, shm_before: frozenset[str], tmp_path_factory: pytest.TempPathFactory
-       ) -> Iterator[tuple[ManagedProcess, RayCluster]]:
+def up(ray_address: str,
+       tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ManagedProcess, RayCluster]]:
     """``kvwire up --ray`` (1P1D) as a subprocess, and a handle on it through the Python API."""
-    del shm_before  # taken before anything starts
     log = open(tmp_path_factory.mktemp("ray") / "up.log", "w")  # noqa: SIM115 (closed below)
     argv = kvwire_argv("up", "--ray", ray_address, "--name", NAME, "--port", "0", "--prefill", "1",
                        "--decode", "1", "--prefill-resources", "pool_p=1", "--decode-resources", "pool_d=1",
@@ -246,11 +240,13 @@ def test_router_comes_back_on_its_ports(up: tuple[ManagedProcess, RayCluster]) -
     assert [r.error for r in results if not r.ok] == []
 
 
-def test_ctrl_c_leaves_nothing_behind(up: tuple[ManagedProcess, RayCluster],
-                                      shm_before: frozenset[str]) -> None:
+def test_ctrl_c_leaves_nothing_behind(up: tuple[ManagedProcess, RayCluster]) -> None:
     proc, cluster = up
     pids = [p[key] for p in processes(cluster).values() for key in ("pid", "actor_pid")]
     assert len(pids) == 6
+    for change in ("decode-1 added", "decode-0 restarted", "router restarted", "decode-1 removed"):
+        wait_for(lambda c=change: f"kvwire up: {c}" in proc.output(), 30, f"kvwire up reporting {change}")
+    mapped = shm_names_mapped_by(pids)  # /dev/shm is host-wide: judge the names ours map
     proc.signal(signal.SIGINT)
     assert proc.wait_exit(180) == 0, proc.output()[-3000:]
     wait_for(lambda: not any(_pid_alive(pid) for pid in pids), 60, "every kvwire process and actor gone")
@@ -259,12 +255,11 @@ def test_ctrl_c_leaves_nothing_behind(up: tuple[ManagedProcess, RayCluster],
     assert ours == []
     groups = ray.util.placement_group_table().values()
     assert [g for g in groups if g["state"] != "REMOVED"] == []
-    # /dev/shm is host-wide: a new name some live process maps is another program's, not ours
-    wait_for(lambda: not orphaned(shm_names() - shm_before), 30, "no /dev/shm name left behind")
+    wait_for(lambda: not orphaned(mapped), 30, "no /dev/shm name of theirs left behind")
 
 
-def test_killed_driver_takes_everything_with_it(ray_address: str, up: tuple[ManagedProcess, RayCluster],
-                                                shm_before: frozenset[str]) -> None:
+def test_killed_driver_takes_everything_with_it(ray_address: str, up: tuple[ManagedProcess, RayCluster]
+                                                ) -> None:
     """``kill -9`` of ``kvwire up --ray`` itself (a colocated instance this time): Ray ends the
     controller it owned, the controller's actors, and with them their children."""
     del up  # the first cluster is stopped: its resources are free
@@ -282,8 +277,9 @@ def test_killed_driver_takes_everything_with_it(ray_address: str, up: tuple[Mana
         assert {p["role"] for p in procs.values()} == {"router", "both"}
         assert send_all(str(handle.router_url), [body(prompt(1), stream=False)])[0].ok
         pids = [p[key] for p in procs.values() for key in ("pid", "actor_pid")]
+        mapped = shm_names_mapped_by(pids)
         proc.signal(signal.SIGKILL)
         wait_for(lambda: not any(_pid_alive(pid) for pid in pids), 120, "every process of the cluster gone")
-        wait_for(lambda: not orphaned(shm_names() - shm_before), 30, "no /dev/shm name left behind")
+        wait_for(lambda: not orphaned(mapped), 30, "no /dev/shm name of theirs left behind")
     finally:
         proc.stop(30)

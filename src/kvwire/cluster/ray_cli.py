@@ -51,6 +51,26 @@ def _describe(state: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def _alive(state: dict[str, Any]) -> dict[str, int | None]:
+    """Process name -> the pid of its kvwire child, None while it is down."""
+    return {name: p.get("pid") if p.get("alive") else None for name, p in state.get("processes", {}).items()}
+
+
+def _changes(before: dict[str, int | None], now: dict[str, int | None]) -> list[str]:
+    """One line per process (name -> pid, None while down) whose state changed."""
+    lines = []
+    for name in sorted(set(before) | set(now)):
+        if name not in now:
+            lines.append(f"{name} removed")
+        elif now[name] is None and before.get(name) is not None:
+            lines.append(f"{name} down (Ray restarts it)")
+        elif name not in before:
+            lines.append(f"{name} added")
+        elif now[name] is not None and before[name] != now[name]:
+            lines.append(f"{name} restarted (pid {now[name]})")
+    return lines
+
+
 def run_up(args: argparse.Namespace) -> int:
     try:
         spec = ray_spec_from_args(args)
@@ -68,9 +88,13 @@ def run_up(args: argparse.Namespace) -> int:
         cluster.start()
         print(f"kvwire up: router {cluster.router_url} ({_describe(cluster.state)}) on Ray; "
               f"Ctrl-C stops everything", flush=True)
+        alive = _alive(cluster.state)
         while True:
             time.sleep(STATUS_EVERY_S)
-            cluster.status()  # raises when the controller is gone
+            now = _alive(cluster.status())  # raises when the controller is gone
+            for line in _changes(alive, now):
+                print(f"kvwire up: {line}", flush=True)
+            alive = now
     except KeyboardInterrupt:
         print("kvwire up: stopping", flush=True)
         return 0

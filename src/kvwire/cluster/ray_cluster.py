@@ -86,7 +86,9 @@ class RayCluster:
         try:
             self.state = ray.get(self._controller.start.remote(), timeout=self._start_timeout_s())
         except BaseException:
-            self.stop()
+            # The controller stops what it started when start fails by itself; on Ctrl-C or a timeout
+            # it is still busy starting: ending it ends every actor it owns (their children with them).
+            self._kill()
             raise
         return self
 
@@ -115,6 +117,10 @@ class RayCluster:
             # the controller gone or stuck: ending it (below) ends what it owns
             with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
                 ray.get(self._controller.stop.remote(), timeout=4 * self.spec.cluster.stop_grace_s + 60)
+        self._kill()
+
+    def _kill(self) -> None:
+        if self._controller is not None:
             ray.kill(self._controller, no_restart=True)
             self._controller = None
         self.close()

@@ -194,8 +194,16 @@ class ClusterController:
         current = sorted((m for m in self.instances().values() if m.role is role),
                          key=lambda m: int(m.name.rsplit("-", 1)[1]))
         if count > len(current):
-            started = [self._start_instance(role) for _ in range(count - len(current))]
-            self._wait_ready(started)
+            started: list[str] = []
+            try:
+                for _ in range(count - len(current)):
+                    started.append(self._start_instance(role))
+                self._wait_ready(started)
+            except BaseException:  # not placed or not ready in time: take back what was started
+                for name in started:
+                    self.members[name].actor.stop.remote(self.spec.cluster.stop_grace_s)
+                    self._end(self.members.pop(name))
+                raise
         elif count < len(current):
             self._drain([m.name for m in current[count:]])
         return self.status()

@@ -77,3 +77,13 @@ def test_child_command_lines_parse() -> None:
     args = build_parser(router).parse_args(router)
     assert (args.port, args.discovery_port, args.discovery, args.policy) == (
         8000, 8001, "etcd://127.0.0.1:2379/kv", "round_robin")
+
+
+def test_up_reports_state_changes() -> None:
+    from kvwire.cluster.ray_cli import _changes
+
+    before = {"router": 10, "decode-0": 11, "decode-1": 12, "prefill-0": 13}
+    now = {"router": 10, "decode-0": None, "prefill-0": 20, "prefill-1": 21}
+    assert _changes(before, now) == ["decode-0 down (Ray restarts it)", "decode-1 removed",
+                                     "prefill-0 restarted (pid 20)", "prefill-1 added"]
+    assert _changes(now, now) == []
