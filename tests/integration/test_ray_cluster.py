@@ -26,6 +26,7 @@ import pytest
 from pd_cluster_helpers import body, metric, send_all
 
 from kvwire.cluster.client import post_completion
+from kvwire.cluster.etcd import LocalEtcd, etcd_binary
 from kvwire.cluster.process import ManagedProcess, kvwire_argv
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
@@ -260,12 +261,15 @@ def test_ctrl_c_leaves_nothing_behind(up: tuple[ManagedProcess, RayCluster]) -> 
 
 def test_killed_driver_takes_everything_with_it(ray_address: str, up: tuple[ManagedProcess, RayCluster]
                                                 ) -> None:
-    """``kill -9`` of ``kvwire up --ray`` itself (a colocated instance this time): Ray ends the
-    controller it owned, the controller's actors, and with them their children."""
+    """``kill -9`` of ``kvwire up --ray`` itself (a colocated instance this time, found through etcd
+    where the etcd binary is installed, as in CI): Ray ends the controller it owned, the controller's
+    actors, and with them their children."""
     del up  # the first cluster is stopped: its resources are free
+    etcd = LocalEtcd().start() if etcd_binary() is not None else None
+    discovery = ("--discovery", f"{etcd.discovery}/{NAME}k") if etcd is not None else ()
     argv = kvwire_argv("up", "--ray", ray_address, "--name", f"{NAME}k", "--port", "0", "--prefill", "0",
                        "--decode", "0", "--both", "1", "--prefill-resources", "pool_p=1",
-                       "--router-resources", "kvwire_router=1", "--start-timeout-s", "240")
+                       "--router-resources", "kvwire_router=1", "--start-timeout-s", "240", *discovery)
     proc = ManagedProcess("up-k", argv, sink=sys.stderr, sink_lock=threading.Lock())
     try:
         wait_for(lambda: "kvwire up: router" in proc.output() or proc.poll() is not None, 400,
@@ -275,6 +279,8 @@ def test_killed_driver_takes_everything_with_it(ray_address: str, up: tuple[Mana
         procs = processes(handle)
         handle.close()
         assert {p["role"] for p in procs.values()} == {"router", "both"}
+        if etcd is not None:  # the instance registered in etcd, where the router found it
+            assert handle.state["discovery"] == f"{etcd.discovery}/{NAME}k"
         assert send_all(str(handle.router_url), [body(prompt(1), stream=False)])[0].ok
         pids = [p[key] for p in procs.values() for key in ("pid", "actor_pid")]
         mapped = shm_names_mapped_by(pids)
@@ -283,3 +289,5 @@ def test_killed_driver_takes_everything_with_it(ray_address: str, up: tuple[Mana
         wait_for(lambda: not orphaned(mapped), 30, "no /dev/shm name of theirs left behind")
     finally:
         proc.stop(30)
+        if etcd is not None:
+            etcd.stop()
