@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_kv_limit_arguments(parser)
     _add_data_link_arguments(parser)
     parser.add_argument("--shutdown-deadline-s", type=float, default=10.0)
+    parser.add_argument("--drain-timeout-s", type=float, default=60.0,
+                        help="on SIGUSR1: deregister, refuse new requests, let in-flight ones finish for "
+                             "at most this long, then stop (default %(default)s)")
     parser.add_argument("--client-write-timeout-s", type=float, default=30.0,
                         help="cut off a client that reads nothing of its response for this long")
     parser.add_argument("--engine-stall-timeout-s", type=float, default=120.0,
@@ -201,6 +204,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         kv_limits=kv_limits_from_args(args),
         kv_max_pending_transfers=args.kv_max_pending_transfers,
         shutdown_deadline_s=args.shutdown_deadline_s,
+        drain_timeout_s=args.drain_timeout_s,
         client_write_timeout_s=args.client_write_timeout_s,
         engine_stall_timeout_s=args.engine_stall_timeout_s,
         kv_nccl=NcclPlaneConfig.from_env(),  # the one place the environment is read

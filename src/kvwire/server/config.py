@@ -61,6 +61,9 @@ class ServerConfig:
     kv_data_links: DataLinkConfig = dataclasses.field(default_factory=DataLinkConfig)
     # SIGTERM/SIGINT: everything (abort in-flight, deregister, stop the engine thread) within this.
     shutdown_deadline_s: float = 10.0
+    # SIGUSR1 (drain, decision 120): deregister, refuse new requests, and let those in flight finish
+    # (their KV sent, for P) for at most this long before stopping as on SIGTERM.
+    drain_timeout_s: float = 60.0
     max_request_bytes: int = 16 * 1024 * 1024
     # A connection with no complete request head for this long (new, or idle between requests) is
     # closed, so a slow-loris head cannot hold it; longer than the router's upstream keep-alive (30 s),
@@ -104,6 +107,8 @@ class ServerConfig:
             raise ConfigError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
         if self.shutdown_deadline_s <= 0:
             raise ConfigError(f"shutdown_deadline_s must be > 0, got {self.shutdown_deadline_s}")
+        if self.drain_timeout_s <= 0:
+            raise ConfigError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
         if self.client_write_timeout_s <= 0:
             raise ConfigError(f"client_write_timeout_s must be > 0, got {self.client_write_timeout_s}")
         if self.engine_stall_timeout_s is not None and self.engine_stall_timeout_s < 0:

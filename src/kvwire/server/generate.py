@@ -141,6 +141,7 @@ class GenerationHandler:
         self._max_waiting = max_waiting_requests  # 0: no bound on the waiting queue
         self._body_timeout_s = body_timeout_s  # a body that does not arrive in time: 408
         self.draining = False  # set on shutdown: new requests get 503
+        self.open_requests = 0  # requests between arrival and their last byte written (drain waits on it)
 
     @property
     def tokenizer(self) -> Any:
@@ -159,6 +160,13 @@ class GenerationHandler:
     # --- admission -----------------------------------------------------------------------------
 
     async def _handle(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
+        self.open_requests += 1  # the event loop's thread only: no lock
+        try:
+            return await self._handle_one(request, kind)
+        finally:
+            self.open_requests -= 1
+
+    async def _handle_one(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
         admitted = await self._admit(request, kind)
         if isinstance(admitted, web.Response):
             return admitted
