@@ -199,8 +199,6 @@ def test_stalled_data_plane_handshakes_are_closed(cluster: LocalCluster, plane: 
         assert all(hw.closed_by_peer(sock, 60.0) for sock in socks)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 33 part 3 (bounds, another change): aiohttp has no "
-                   "deadline for a request's head by default; a slow-loris connection is held for ever")
 def test_stalled_http_request_heads_are_closed(cluster: LocalCluster) -> None:
     """Router and instances close a connection whose request head does not complete in time."""
     ends = find_ends(cluster)
@@ -208,9 +206,6 @@ def test_stalled_http_request_heads_are_closed(cluster: LocalCluster) -> None:
         assert all(hw.closed_by_peer(sock, 90.0) for sock in socks)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 33 part 3 (bounds, another change): the data-plane "
-                   "listeners start one thread per accepted connection, before authentication, with no "
-                   "cap (planes/tcp/plane.py and planes/unix_links.py accept loops)")
 def test_connection_flood_on_data_planes_is_capped(cluster: LocalCluster) -> None:
     """300 unauthenticated connections on each data plane of an instance cost it a bounded number
     of threads (a cap per listener), not one each."""

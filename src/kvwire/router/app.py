@@ -112,7 +112,8 @@ class RouterServer:
         )
         self._dispatcher = Dispatcher(self.cfg, self.selector, self._upstream, self.metrics)
         self._runner = web.AppRunner(
-            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
+            keepalive_timeout=self.cfg.http_idle_timeout_s,  # also the deadline of a request's head
         )
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET6 if ":" in self.cfg.host else socket.AF_INET, socket.SOCK_STREAM)
@@ -191,9 +192,12 @@ class RouterServer:
             size = request.content_length
             raise _BodyTooLarge(f"request body of {size} bytes exceeds the {limit}-byte limit")
         try:
-            return await request.read()
+            return await asyncio.wait_for(request.read(), self.cfg.http_body_timeout_s)
         except web.HTTPRequestEntityTooLarge as exc:
             raise _BodyTooLarge(f"request body exceeds the {limit}-byte limit") from exc
+        except asyncio.TimeoutError as exc:
+            raise _BodyTimeout(f"request body did not arrive within {self.cfg.http_body_timeout_s:g} s "
+                               "(--http-body-timeout-s)") from exc
 
     def _auth_refused(self, refusal: Refusal) -> None:
         self.metrics.auth_refused.labels(reason=refusal.value).inc()
@@ -284,10 +288,15 @@ class _BodyTooLarge(InvalidRequestError):
     pass
 
 
+class _BodyTimeout(InvalidRequestError):
+    pass
+
+
 # Errors raised before anything went upstream -> (HTTP status, outcome label, OpenAI error type).
 # First match wins: subclasses before their bases.
 _ERROR_TABLE: tuple[tuple[type[Exception], int, Outcome, str], ...] = (
     (_BodyTooLarge, 413, Outcome.TOO_LARGE, "invalid_request_error"),
+    (_BodyTimeout, 408, Outcome.BODY_TIMEOUT, "invalid_request_error"),
     (InvalidRequestError, 400, Outcome.INVALID, "invalid_request_error"),
     (ModelNotFoundError, 404, Outcome.MODEL_NOT_FOUND, "not_found_error"),
     (NoInstanceError, 503, Outcome.NO_INSTANCE, "service_unavailable"),

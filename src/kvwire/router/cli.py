@@ -61,6 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "is always open)")
     parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                         help="largest accepted request body (default %(default)s)")
+    parser.add_argument("--http-idle-timeout-s", type=float, default=d.http_idle_timeout_s,
+                        help="close a client connection with no complete request head for this long "
+                             "(new or idle; default %(default)s)")
+    parser.add_argument("--http-body-timeout-s", type=float, default=d.http_body_timeout_s,
+                        help="answer 408 when a request body does not arrive within this (default "
+                             "%(default)s)")
     parser.add_argument("--kv-deadline-s", type=float, default=d.kv_deadline_s,
                         help="lease given to P/D transfers: a silent peer fails a transfer after this "
                              "long (default %(default)s)")
@@ -109,6 +115,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         discovery=with_discovery_options(args.discovery, args),
         instance_ttl_s=args.instance_ttl_s, policy=Policy(args.policy), mode=TransferMode(args.mode),
         secret=args.secret or None, max_body_bytes=args.max_body_bytes, kv_deadline_s=args.kv_deadline_s,
+        http_idle_timeout_s=args.http_idle_timeout_s, http_body_timeout_s=args.http_body_timeout_s,
         kv_limit_s=args.kv_limit_s, max_migrations=args.max_migrations,
         upstream_timeout_s=args.upstream_timeout_s, max_connect_retries=args.max_connect_retries,
         client_write_timeout_s=args.client_write_timeout_s,

@@ -40,6 +40,11 @@ class RouterConfig:
     # header is passed on when the router has no keys of its own, else nothing.
     instance_api_key: str | None = None
     max_body_bytes: int = 16 * 1024 * 1024
+    # A client connection with no complete request head for this long (a new connection, or idle
+    # between requests) is closed: a slow-loris head cannot hold it. Longer than the keep-alive of
+    # the router's own upstream pool (30 s) and of common clients (aiohttp 15 s), so they close first.
+    http_idle_timeout_s: float = 60.0
+    http_body_timeout_s: float = 30.0  # a request body that does not arrive in time: 408
     connect_timeout_s: float = 5.0
     upstream_timeout_s: float = 600.0  # whole upstream request, streaming included
     # A client that reads nothing for this long (one write stuck; streaming or a whole answer) is cut
@@ -83,6 +88,9 @@ class RouterConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not (self.http_idle_timeout_s > 0 and self.http_body_timeout_s > 0):
+            raise ConfigError("http_idle_timeout_s and http_body_timeout_s must be > 0, got "
+                              f"{self.http_idle_timeout_s}, {self.http_body_timeout_s}")
         if self.max_body_bytes < 1024:
             raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.decode_local_prefill_tokens < 0:

@@ -78,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_kv_limit_arguments(parser)
     _add_data_link_arguments(parser)
     parser.add_argument("--shutdown-deadline-s", type=float, default=10.0)
+    parser.add_argument("--drain-timeout-s", type=float, default=60.0,
+                        help="on SIGUSR1: deregister, refuse new requests, let in-flight ones finish for "
+                             "at most this long, then stop (default %(default)s)")
     parser.add_argument("--client-write-timeout-s", type=float, default=30.0,
                         help="cut off a client that reads nothing of its response for this long")
     parser.add_argument("--engine-stall-timeout-s", type=float, default=120.0,
@@ -91,6 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bounds = parser.add_argument_group("bounds on what clients send")
     bounds.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
                         help="largest accepted request body; larger: 413 (default %(default)s)")
+    bounds.add_argument("--http-idle-timeout-s", type=float, default=ServerConfig.http_idle_timeout_s,
+                        help="close a connection with no complete request head for this long (new or "
+                             "idle; default %(default)s)")
+    bounds.add_argument("--http-body-timeout-s", type=float, default=ServerConfig.http_body_timeout_s,
+                        help="answer 408 when a request body does not arrive within this (default "
+                             "%(default)s)")
     bounds.add_argument("--max-waiting-requests", type=int, default=ServerConfig.max_waiting_requests,
                         help="requests admitted and not yet computing at most; more: 429 with "
                              "Retry-After (0: no bound; default %(default)s)")
@@ -202,6 +211,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         kv_limits=kv_limits_from_args(args),
         kv_max_pending_transfers=args.kv_max_pending_transfers,
         shutdown_deadline_s=args.shutdown_deadline_s,
+        drain_timeout_s=args.drain_timeout_s,
         client_write_timeout_s=args.client_write_timeout_s,
         engine_stall_timeout_s=args.engine_stall_timeout_s,
         kv_nccl=NcclPlaneConfig.from_env(),  # the one place the environment is read
@@ -209,6 +219,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         api_keys=ApiKeyConfig(keys_from_cli(args.api_key, os.environ),
                               frozenset(f"/{name}" for name in args.open_endpoint)),
         max_request_bytes=args.max_request_bytes, max_waiting_requests=args.max_waiting_requests,
+        http_idle_timeout_s=args.http_idle_timeout_s, http_body_timeout_s=args.http_body_timeout_s,
     )
 
 

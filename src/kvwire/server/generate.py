@@ -12,6 +12,7 @@ connection is aborted (outcome ``client_timeout``).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -123,6 +124,7 @@ class GenerationHandler:
         client_write_timeout_s: float = 30.0,
         vocab_size: int | None = None,
         max_waiting_requests: int = 0,
+        body_timeout_s: float = 30.0,
     ) -> None:
         self._loop = engine_loop
         self._tokenizer = tokenizer
@@ -137,7 +139,9 @@ class GenerationHandler:
         self._check_kv = check_kv_transfer_params or KVTransferParams.from_dict
         self._write_timeout_s = client_write_timeout_s  # deadline of each write to a streaming client
         self._max_waiting = max_waiting_requests  # 0: no bound on the waiting queue
+        self._body_timeout_s = body_timeout_s  # a body that does not arrive in time: 408
         self.draining = False  # set on shutdown: new requests get 503
+        self.open_requests = 0  # requests between arrival and their last byte written (drain waits on it)
 
     @property
     def tokenizer(self) -> Any:
@@ -156,6 +160,13 @@ class GenerationHandler:
     # --- admission -----------------------------------------------------------------------------
 
     async def _handle(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
+        self.open_requests += 1  # the event loop's thread only: no lock
+        try:
+            return await self._handle_one(request, kind)
+        finally:
+            self.open_requests -= 1
+
+    async def _handle_one(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
         admitted = await self._admit(request, kind)
         if isinstance(admitted, web.Response):
             return admitted
@@ -202,10 +213,15 @@ class GenerationHandler:
 
     async def _read_and_prepare(self, request: web.Request, kind: RequestKind) -> Prepared | web.Response:
         """The request's body read (within ``--max-request-bytes``) and validated, or the error
-        response (413, 400, 404, 403), counted."""
+        response (413, 408, 400, 404, 403), counted."""
         endpoint = kind.value
         try:
-            return self._prepare(await request.read(), kind)
+            body = await asyncio.wait_for(request.read(), self._body_timeout_s)
+            return self._prepare(body, kind)
+        except asyncio.TimeoutError:
+            self._count(endpoint, "body_timeout")
+            return error_response(408, f"request body did not arrive within {self._body_timeout_s:g} s "
+                                  "(--http-body-timeout-s)")
         except web.HTTPRequestEntityTooLarge as exc:
             self._count(endpoint, "too_large")
             return error_response(413, exc.text or "request body too large")

@@ -101,8 +101,10 @@ def _decode(body: bytes, cls: type[msgspec.Struct]) -> Any:
     except msgspec.ValidationError as exc:
         match = _PATH_FIELD.search(str(exc))
         raise BadRequest(f"invalid request: {exc}", param=match.group(1) if match else None) from exc
-    except (msgspec.DecodeError, RecursionError) as exc:  # nesting past msgspec's limit: RecursionError
+    except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # msgspec's nesting guard (about 1,000 levels of arrays/objects)
+        raise BadRequest("request body is not valid JSON: it nests arrays/objects too deeply") from exc
 
 
 def parse_completion(body: bytes) -> CompletionRequest:
