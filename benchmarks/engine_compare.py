@@ -211,7 +211,7 @@ def report(
             figures = f"{tok:>9.1f}{tpot:>13.1f}{ttft:>13.1f}{itl:>13.1f}"
             lines.append(f"{name:<11}{conc:>5}{figures}{ok:>9}   {per_round}")
     lines.append("")
-    lines.append("ratios (medians over rounds; tok/s: higher is better for kvwire, TTFT: lower)")
+    lines.append("ratios (medians over rounds; tok/s, decode speed: higher is better; TTFT: lower)")
     for ours in [e for e in engines if e.startswith("kvwire")]:
         for other in [e for e in engines if not e.startswith("kvwire")]:
             for conc in concs:
@@ -220,7 +220,9 @@ def report(
                     continue
                 tok = _median_of_rounds(a, "tok_s") / _median_of_rounds(b, "tok_s")
                 ttft = _median_of_rounds(a, "ttft_ms") / _median_of_rounds(b, "ttft_ms")
-                lines.append(f"  {ours} / {other} at conc {conc}: tok/s x{tok:.2f}, TTFT x{ttft:.2f}")
+                decode = _median_of_rounds(b, "tpot_ms") / _median_of_rounds(a, "tpot_ms")
+                lines.append(f"  {ours} / {other} at conc {conc}: tok/s x{tok:.2f}, decode speed (1 / TPOT) "
+                             f"x{decode:.2f}, TTFT x{ttft:.2f}")  # fmt: skip
     return "\n".join(lines)
 
 
