@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvwire.auth import Refusal, RefusalLog, api_key_middleware
 from kvwire.errors import InvalidRequestError, NoInstanceError
-from kvwire.router.config import RouterConfig
+from kvwire.router.config import PdFallback, RouterConfig
 from kvwire.router.discovery_backend import ZmqDiscovery, make_discovery
 from kvwire.router.kv_index import KvIndex
 from kvwire.router.listener import DiscoveryListener
@@ -61,7 +61,8 @@ class RouterServer:
                                  max_instances=cfg.max_instances, max_record_ttl_s=cfg.max_record_ttl_s)
         # ZeroMQ heartbeats (default, with KV events into the index) or an etcd watch
         self.discovery = make_discovery(cfg, self.registry, self.kv_index, board=self.board)
-        self.selector = Selector(self.registry, cfg.policy, cfg.seed, kv_index=self.kv_index)
+        self.selector = Selector(self.registry, cfg.policy, cfg.seed, kv_index=self.kv_index,
+                                 decode_alone=cfg.pd_fallback is PdFallback.COLOCATED)
         self.metrics.add_discovery(
             self.registry, lambda: dict(self.discovery.received), lambda: dict(self.discovery.dropped),
             lambda: self.discovery.stale, lambda: self.discovery.connections_dropped,
@@ -194,7 +195,7 @@ class RouterServer:
     # --- service endpoints ----------------------------------------------------------------------
 
     async def _models(self, request: web.Request) -> web.Response:
-        models = sorted({v.info.model for v in self.registry.snapshot() if v.alive})
+        models = self.selector.servable_models()  # only what a request could be served on now
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvwire"} for m in models]
         return web.json_response({"object": "list", "data": data})
 

@@ -18,7 +18,7 @@ from kvwire.discovery.address import add_tls_arguments, with_discovery_options
 from kvwire.errors import ConfigError
 from kvwire.kv_params import TransferMode
 from kvwire.router.app import RouterServer
-from kvwire.router.config import Policy, RouterConfig
+from kvwire.router.config import PdFallback, Policy, RouterConfig
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: what the instances announce)")
     parser.add_argument("--kv-index-max-blocks", type=int, default=d.kv_index_max_blocks,
                         help="block hashes the router's KV index keeps (default %(default)s)")
+    parser.add_argument("--pd-fallback", choices=[f.value for f in PdFallback], default=d.pd_fallback.value,
+                        help="a model with a live decode but no live prefill instance: serve the request "
+                             "on decode alone (colocated) or answer 503 (error) (default %(default)s)")
     bounds = parser.add_argument_group("bounds on what peers choose")
     bounds.add_argument("--max-instances", type=int, default=d.max_instances,
                         help="instances the registry holds; heartbeats of new ones beyond are refused "
@@ -117,6 +120,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_instances=args.max_instances, max_record_ttl_s=args.max_record_ttl_s,
         upstream_max_connections=args.upstream_max_connections,
         upstream_max_connections_per_instance=args.upstream_max_connections_per_instance,
+        pd_fallback=PdFallback(args.pd_fallback),
     )
 
 

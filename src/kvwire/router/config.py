@@ -18,6 +18,14 @@ class Policy(str, enum.Enum):
     KV_AWARE = "kv_aware"  # prefix-cache overlap (KV events) minus load; decision 045
 
 
+class PdFallback(str, enum.Enum):
+    """What the router does with a request for a model that has a live decode instance but no live
+    prefill instance (and no ``both`` one)."""
+
+    COLOCATED = "colocated"  # D serves the whole request itself (warned, counted)
+    ERROR = "error"  # 503, and /v1/models does not list the model
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     host: str = "127.0.0.1"
@@ -66,6 +74,8 @@ class RouterConfig:
     # Connections to instances: in all, and to one instance; a request beyond waits for one (counted).
     upstream_max_connections: int = 4096
     upstream_max_connections_per_instance: int = 1024
+    # No live P for a model but a live D: serve on D as a colocated request, or answer 503 (decision 124).
+    pd_fallback: PdFallback = PdFallback.COLOCATED
 
     def __post_init__(self) -> None:
         for name in ("port", "discovery_port"):
@@ -102,6 +112,8 @@ class RouterConfig:
             raise ConfigError(f"policy must be a Policy, got {self.policy!r}")
         if not isinstance(self.mode, TransferMode):
             raise ConfigError(f"mode must be a TransferMode, got {self.mode!r}")
+        if not isinstance(self.pd_fallback, PdFallback):
+            raise ConfigError(f"pd_fallback must be a PdFallback, got {self.pd_fallback!r}")
         _ = self.discovery_target  # raises ConfigError for a bad discovery address
 
     @property

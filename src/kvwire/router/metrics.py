@@ -81,6 +81,10 @@ class RouterMetrics:
             "kvwire_router_skipped_prefills", "P/D requests sent to D alone (it held nearly all the prompt)",
             registry=r,
         )
+        self.pd_fallback = Counter(
+            "kvwire_router_pd_fallback", "Requests served by a decode instance alone, as colocated requests, "
+            "because no prefill instance of the model was live (--pd-fallback colocated)", registry=r,
+        )
 
     def add_discovery(self, registry: Registry, received: Callable[[], dict[str, int]],
                       dropped: Callable[[], dict[str, int]], stale: Callable[[], bool] = bool,

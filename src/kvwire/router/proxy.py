@@ -35,6 +35,7 @@ from kvwire.kv_signing import ParamsSigner
 from kvwire.router.client_body import send_body
 from kvwire.router.client_stream import ClientStream
 from kvwire.router.config import RouterConfig
+from kvwire.router.fallback import FallbackNotice
 from kvwire.router.kv_routing import PushPlan, plan_push, prefix_for
 from kvwire.router.metrics import RouterMetrics, SSETokenMeter
 from kvwire.router.migration import StreamInterrupted
@@ -62,6 +63,7 @@ class Dispatcher:
         self._background: set[asyncio.Task[Any]] = set()
         # With a shared secret every kv_transfer_params is signed (instances refuse unsigned ones).
         self._signer = ParamsSigner(cfg.secret, cfg.kv_params_ttl_s) if cfg.secret else None
+        self._fallback = FallbackNotice(metrics.pd_fallback)
 
     async def dispatch(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
         """Serve ``creq``; raises NoInstanceError / ModelNotFoundError / UpstreamFailure before any
@@ -78,6 +80,10 @@ class Dispatcher:
         if plan is Plan.COLOCATED:
             return await self._retrying(
                 lambda: self._single(request, creq, Role.BOTH, creq.raw, prefix=prefix))
+        if plan is Plan.DECODE_ALONE:  # no live P: D serves it colocated (--pd-fallback, decision 124)
+            self._fallback.served_alone(creq.model)
+            return await self._retrying(
+                lambda: self._single(request, creq, Role.DECODE, creq.raw, prefix=prefix))
         if self._cfg.mode is TransferMode.PUSH:
             return await self._retrying(lambda: self._push(request, creq, prefix))
         return await self._pull(request, creq)
