@@ -46,12 +46,14 @@ def test_decode_alone_serves_when_prefill_dies_and_is_counted(cluster: Any) -> N
     c.mocks["p0"].kill()
     wait_for(lambda: "p0" not in live_ids(c.router), 20, "p0 expired")
     assert _models(c.url) == ["m"]  # D alone can serve it
+    trap = {"transfer_id": "t", "mode": "pull", "role": "decode", "peer_endpoints": ["tcp://127.0.0.1:9"]}
     for stream in (False, True):
         code, data = post(c.url, "/v1/completions", {"model": "m", "prompt": "x", "stream": stream,
-                                                      "max_tokens": 3})
+                                                      "max_tokens": 3, "kv_transfer_params": trap})
         assert code == 200, data
     d_bodies = [r["body"] for r in c.mocks["d0"].stats()["requests"]]
-    assert len(d_bodies) == 2 and all("kv_transfer_params" not in b for b in d_bodies)  # a plain request
+    # a plain request: the client's kv_transfer_params dropped (decision 124)
+    assert len(d_bodies) == 2 and all("kv_transfer_params" not in b for b in d_bodies)
     assert c.metric("kvwire_router_pd_fallback_total") == 2
 
 

@@ -157,6 +157,8 @@ class RouterServer:
         try:
             creq = parse_client_request(path, await self._read_body(request), request.headers)
             creq.t0, stream = t0, creq.stream
+            if creq.client_kv_params:
+                self.metrics.client_kv_params.inc()
             creq.headers = instance_headers(creq.headers, self.cfg)
             response = await self._dispatcher.dispatch(request, creq)
             outcome = creq.outcome

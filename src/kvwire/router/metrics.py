@@ -85,6 +85,10 @@ class RouterMetrics:
             "kvwire_router_pd_fallback", "Requests served by a decode instance alone, as colocated requests, "
             "because no prefill instance of the model was live (--pd-fallback colocated)", registry=r,
         )
+        self.client_kv_params = Counter(
+            "kvwire_router_client_kv_params_dropped", "Client requests that carried kv_transfer_params, "
+            "removed before dispatch (only the router sets them)", registry=r,
+        )
 
     def add_discovery(self, registry: Registry, received: Callable[[], dict[str, int]],
                       dropped: Callable[[], dict[str, int]], stale: Callable[[], bool] = bool,

@@ -94,3 +94,14 @@ def test_router_does_not_import_torch() -> None:
         "assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("value", [{"transfer_id": "t", "role": "decode"}, None, "x"])
+def test_client_kv_transfer_params_are_dropped_from_body_and_raw(value: object) -> None:
+    raw = json.dumps({"prompt": "hi", "kv_transfer_params": value, "max_tokens": 3}).encode()
+    creq = parse_client_request("/v1/completions", raw, {})
+    assert creq.client_kv_params
+    assert "kv_transfer_params" not in creq.body and b"kv_transfer_params" not in creq.raw
+    assert json.loads(creq.raw) == {"prompt": "hi", "max_tokens": 3}
+    clean = parse_client_request("/v1/completions", b'{"prompt": "hi"}', {})
+    assert not clean.client_kv_params and clean.raw == b'{"prompt": "hi"}'  # untouched bytes
