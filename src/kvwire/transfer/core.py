@@ -6,12 +6,12 @@ import collections
 import dataclasses
 import logging
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 from kvwire.refusal_log import RefusalLog
 from kvwire.transfer.buffers import RecvMemory
 from kvwire.transfer.config import TransferConfig
+from kvwire.transfer.lease import RunningClock
 from kvwire.transfer.messages import Abort, AnyMsg
 from kvwire.transfer.planes.base import DataPlane
 from kvwire.transfer.stats import StatsRecorder
@@ -101,6 +101,7 @@ class Core:
     refusals: RefusalLog = dataclasses.field(default_factory=lambda: RefusalLog(log, "transfer message"))
     control: ControlLoop | None = None
     closed: bool = False
+    clock: RunningClock = dataclasses.field(default_factory=RunningClock)
 
     @property
     def endpoint(self) -> str:
@@ -131,6 +132,6 @@ class Core:
         self.tombstones.add(side, transfer_id, reason)
         log.info("transfer %s (%s) failed: %s", transfer_id, side, reason)
 
-    @staticmethod
-    def now() -> float:
-        return time.monotonic()
+    def now(self) -> float:
+        """The lease clock: monotonic, less the time this process was not running (decision 123)."""
+        return self.clock.now()
