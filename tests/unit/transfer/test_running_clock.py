@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 from kvwire.transfer.lease import PAUSE_GAP_S, RunningClock
@@ -51,4 +52,4 @@ def test_never_goes_backwards_under_concurrent_readers() -> None:
     for t in threads:
         t.join(30)
     for out in seen:
-        assert all(b >= a for a, b in zip(out, out[1:]))  # monotonic per thread
+        assert all(b >= a for a, b in itertools.pairwise(out))  # monotonic per thread
