@@ -243,7 +243,7 @@ def test_p_promises_the_transfer_at_admission(fabric: FakeFabric, registry) -> N
     assert p.agent.promises == ["t7"]  # once
 
 
-def test_p_promises_on_the_admission_thread_when_its_worker_is_in_process(fabric: FakeFabric, registry) -> None:
+def test_p_promises_at_admission_when_its_worker_is_in_process(fabric: FakeFabric, registry) -> None:
     """Built-in server, TP 1 (decision 123): the promise is made at admission, before any engine step;
     the same promise with the next step's metadata changes nothing."""
     p, d = make_pd(fabric, registry)
