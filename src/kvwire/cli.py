@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvwire.server.cli", "serve one engine behind the OpenAI API (role both|prefill|decode)"),
     "router": ("kvwire.router.cli", "run the OpenAI-compatible router with service discovery"),
     "up": ("kvwire.cluster.cli", "start a local router + prefill/decode cluster as subprocesses"),
+    "secret": ("kvwire.secrets_config", "print a fresh cluster secret (for KVWIRE_SECRET or --secret-file)"),
     "demo": ("kvwire.cluster.demo", "fresh-machine demo: local 1P1D on CPU, chat questions to smollm2-135m"),
 }
 BENCHMARKS: dict[str, tuple[str, str]] = {

@@ -26,7 +26,7 @@ from kvwire.kv_signing import ParamsSigner
 
 pytestmark = pytest.mark.slow
 API_KEY = "sk-kvwire-test-key"
-SECRET = "security-test-secret"
+SECRET = "security-test-secret-0123456789abcdef"
 PROMPT = [11, 12, 13, 14, 15, 16, 17]
 
 

@@ -19,6 +19,7 @@ from kvwire.errors import ConfigError
 from kvwire.kv_params import TransferMode
 from kvwire.router.app import RouterServer
 from kvwire.router.config import PdFallback, Policy, RouterConfig
+from kvwire.secrets_config import add_secret_arguments, check_exposure, load_secret
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instance selection policy (default %(default)s)")
     parser.add_argument("--mode", choices=[m.value for m in TransferMode], default=d.mode.value,
                         help="P/D KV transfer mode (default %(default)s)")
-    parser.add_argument("--secret", default=os.environ.get("KVWIRE_SECRET"),
-                        help="shared HMAC key: heartbeats must be signed with it and kv_transfer_params "
-                             "are signed with it (default: $KVWIRE_SECRET, else none)")
     parser.add_argument("--kv-params-ttl-s", type=float, default=d.kv_params_ttl_s,
                         help="signed kv_transfer_params expire after this long (default %(default)s)")
     parser.add_argument("--api-key", action="append", default=None,
@@ -87,6 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pd-fallback", choices=[f.value for f in PdFallback], default=d.pd_fallback.value,
                         help="a model with a live decode but no live prefill instance: serve the request "
                              "on decode alone (colocated) or answer 503 (error) (default %(default)s)")
+    add_secret_arguments(parser)  # the shared HMAC key: heartbeats signed with it, kv_transfer_params signed
     bounds = parser.add_argument_group("bounds on what peers choose")
     bounds.add_argument("--max-instances", type=int, default=d.max_instances,
                         help="instances the registry holds; heartbeats of new ones beyond are refused "
@@ -106,7 +105,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         discovery_host=args.discovery_host, discovery_port=args.discovery_port,
         discovery=with_discovery_options(args.discovery, args),
         instance_ttl_s=args.instance_ttl_s, policy=Policy(args.policy), mode=TransferMode(args.mode),
-        secret=args.secret or None, max_body_bytes=args.max_body_bytes, kv_deadline_s=args.kv_deadline_s,
+        secret=load_secret(args.secret_file), max_body_bytes=args.max_body_bytes,
+        kv_deadline_s=args.kv_deadline_s,
         kv_limit_s=args.kv_limit_s, max_migrations=args.max_migrations,
         upstream_timeout_s=args.upstream_timeout_s, max_connect_retries=args.max_connect_retries,
         client_write_timeout_s=args.client_write_timeout_s,
@@ -154,6 +154,9 @@ def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
+        discovery_hosts = [cfg.discovery_host] if cfg.discovery_target is None else []
+        check_exposure("kvwire router", cfg.host, discovery_hosts, secret=cfg.secret is not None,
+                       api_key=cfg.api_keys.enabled, insecure=args.insecure)
     except ConfigError as exc:
         print(f"kvwire router: {exc}", file=sys.stderr)
         return 2

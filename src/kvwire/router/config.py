@@ -41,7 +41,8 @@ class RouterConfig:
     forget_after_s: float = 60.0  # expired entries stay visible in /instances this long
     policy: Policy = Policy.KV_AWARE  # decision 048
     mode: TransferMode = TransferMode.PUSH
-    secret: str | None = None  # HMAC key for heartbeats (unsigned ones are dropped) and kv_transfer_params
+    # HMAC key for heartbeats (unsigned ones are dropped) and kv_transfer_params; never in a repr or log
+    secret: str | None = field(default=None, repr=False)
     kv_params_ttl_s: float = 60.0  # signed kv_transfer_params are refused by instances after this long
     api_keys: ApiKeyConfig = field(default_factory=ApiKeyConfig)  # keys clients must present (none: open)
     # Sent as 'Authorization: Bearer' to instances (their --api-key). None: the client's Authorization
