@@ -165,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
         server_config = server_config_from_args(args)
         engine_config = engine_config_from_args(args)
         secret = load_secret(args.secret_file)
-        check_exposure("kvwire serve", server_config.host, [server_config.kv_bind_host()],
+        kv_hosts = [] if server_config.role is Role.BOTH else [server_config.kv_bind_host()]  # KV agent
+        check_exposure("kvwire serve", server_config.host, kv_hosts,
                        secret=secret is not None, api_key=server_config.api_keys.enabled,
                        insecure=args.insecure)
     except ConfigError as exc:
