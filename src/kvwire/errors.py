@@ -47,10 +47,6 @@ class AuthenticationError(ProtocolError, PermissionError):
     """A peer could not prove the shared secret."""
 
 
-class StaleMessageError(AuthenticationError):
-    """A correctly signed message sent too long ago (or too far ahead): a replay (decision 124)."""
-
-
 class ForbiddenError(KvwireError, PermissionError):
     """A request asks for something its sender may not (becomes HTTP 403). ``reason`` is a short
     metric label (e.g. ``unsigned``, ``bad_signature``, ``expired``)."""

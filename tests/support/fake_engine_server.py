@@ -18,7 +18,6 @@ from typing import Any
 import msgspec
 from aiohttp.test_utils import TestClient, TestServer
 
-from kvwire.auth import ApiKeyConfig
 from kvwire.engine.outputs import EngineStats, RequestOutput
 from kvwire.engine.sampling_params import SamplingParams
 from kvwire.engine.tokenizer import ByteTokenizer
@@ -150,7 +149,6 @@ async def start_fake_server(
     engine: FakeEngine, accepts_kv: bool = True, client_write_timeout_s: float = 30.0,
     engine_stall_timeout_s: float | None = None, on_lost: Callable[[RankLost], None] | None = None,
     max_waiting_requests: int = 0, board: HealthBoard | None = None, max_request_bytes: int = 1 << 20,
-    identity: dict[str, Any] | None = None, api_keys: ApiKeyConfig | None = None,
 ) -> FakeServer:
     engine_loop = EngineLoop(engine, stall_timeout_s=engine_stall_timeout_s, on_lost=on_lost)
     metrics = ServerMetrics(lambda: engine_loop.stats, engine_loop.status)
@@ -158,10 +156,9 @@ async def start_fake_server(
                                    engine.max_model_len, accepts_kv_transfer_params=accepts_kv,
                                    client_write_timeout_s=client_write_timeout_s,
                                    max_waiting_requests=max_waiting_requests)
-    app = ServerApp(engine_loop, generation, metrics, engine.model_name, engine.max_model_len, identity,
-                    board=board)
+    app = ServerApp(engine_loop, generation, metrics, engine.model_name, engine.max_model_len, board=board)
     engine_loop.start(asyncio.get_running_loop())
-    client = TestClient(TestServer(app.build(max_request_bytes, api_keys)))
+    client = TestClient(TestServer(app.build(max_request_bytes)))
     await client.start_server()
     return FakeServer(engine, engine_loop, generation, client)
 

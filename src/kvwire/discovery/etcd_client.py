@@ -65,14 +65,11 @@ class EtcdRegistration:
         refresh_s: float | None = None,
         linger_s: float = 0.5,
         board: HealthBoard | None = None,
-        secret: str | bytes | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ConfigError(f"heartbeat interval_s must be > 0, got {interval_s}")
         self.target = target
         self.info = info
-        # Signs every record with the cluster secret (decision 124); never in a repr or log.
-        self._secret = secret.encode() if isinstance(secret, str) else secret
         self.interval_s = interval_s
         self.lease_ttl_s = lease_ttl_s or lease_ttl_for(interval_s)
         self.min_put_interval_s = interval_s if min_put_interval_s is None else min_put_interval_s
@@ -198,7 +195,7 @@ class EtcdRegistration:
         self._seq += 1
         record = Heartbeat(info=self.info, load=load, seq=self._seq, sent_at=time.time(),
                            ttl_s=self.record_ttl_s)
-        self._http.put(self._key, encode_record(record, self._secret), self._lease)
+        self._http.put(self._key, encode_record(record), self._lease)
         self._last_put, self._last_load = now, load
         self.puts += 1
         self.sent += 1

@@ -12,7 +12,6 @@ a JSON :class:`~kvwire.discovery.messages.Heartbeat`, readable with ``etcdctl ge
 from __future__ import annotations
 
 import base64
-import hmac
 import http.client
 import json
 import logging
@@ -23,8 +22,8 @@ from urllib.parse import urlsplit
 import msgspec
 
 from kvwire.discovery.address import EtcdAuth
-from kvwire.discovery.messages import DISCOVERY_VERSION, MAX_FRAME_BYTES, Heartbeat, check_info, sign
-from kvwire.errors import AuthenticationError, KvwireError, ProtocolError
+from kvwire.discovery.messages import DISCOVERY_VERSION, MAX_FRAME_BYTES, Heartbeat, check_info
+from kvwire.errors import KvwireError, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -85,52 +84,14 @@ _record_encoder = msgspec.json.Encoder()
 _record_decoder = msgspec.json.Decoder(Heartbeat)
 
 
-class SignedRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """An etcd instance record signed with the cluster secret (decision 124): the heartbeat's JSON
-    (base64) and the HMAC-SHA256 of those bytes, as ZeroMQ heartbeats are signed."""
-
-    signed: str
-    sig: str
+def encode_record(hb: Heartbeat) -> bytes:
+    return _record_encoder.encode(hb)
 
 
-_signed_decoder = msgspec.json.Decoder(SignedRecord)
-
-
-def encode_record(hb: Heartbeat, secret: bytes | None = None) -> bytes:
-    """The record's bytes: the heartbeat's JSON, wrapped in a :class:`SignedRecord` with a secret."""
-    payload = _record_encoder.encode(hb)
-    if not secret:
-        return payload
-    return _record_encoder.encode(SignedRecord(signed=base64.b64encode(payload).decode(),
-                                               sig=sign(payload, secret).hex()))
-
-
-def _unwrap(value: bytes, secret: bytes | None) -> bytes:
-    """The heartbeat JSON inside ``value``: checked against ``secret`` when given (AuthenticationError
-    for an unsigned or badly signed record); a signed record is read as such by a router without one."""
-    try:
-        wrapped: SignedRecord | None = _signed_decoder.decode(value)
-    except (msgspec.DecodeError, RecursionError):
-        wrapped = None
-    if wrapped is None:
-        if secret:
-            raise AuthenticationError("unsigned instance record (the router requires a secret)")
-        return value
-    try:
-        payload, sig = base64.b64decode(wrapped.signed, validate=True), bytes.fromhex(wrapped.sig)
-    except ValueError as exc:
-        raise ProtocolError(f"malformed signed instance record: {exc}") from exc
-    if secret and not hmac.compare_digest(sig, sign(payload, secret)):
-        raise AuthenticationError("bad instance record signature")
-    return payload
-
-
-def decode_record(value: bytes, secret: bytes | None = None) -> Heartbeat:
-    """A record read from etcd -> :class:`Heartbeat`; raises ``AuthenticationError`` (with ``secret``:
-    unsigned or badly signed) or ``ProtocolError`` for anything else."""
+def decode_record(value: bytes) -> Heartbeat:
+    """A record read from etcd -> :class:`Heartbeat`; raises ``ProtocolError`` for anything else."""
     if len(value) > MAX_FRAME_BYTES:
         raise ProtocolError(f"instance record of {len(value)} bytes exceeds {MAX_FRAME_BYTES}")
-    value = _unwrap(value, secret)
     try:
         hb = _record_decoder.decode(value)
     except Exception as exc:  # DecodeError, ValidationError, RecursionError (nesting), ...

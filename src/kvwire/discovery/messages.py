@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from kvwire.errors import AuthenticationError, ProtocolError, StaleMessageError
+from kvwire.errors import AuthenticationError, ProtocolError
 from kvwire.kv_params import KVCacheLayout, Role
 
 DISCOVERY_VERSION = 1
@@ -119,21 +119,6 @@ DiscoveryMessage = Heartbeat | Deregister | KvEvents
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(DiscoveryMessage)
-
-
-# A signed discovery message whose sent_at (the sender's wall clock, covered by the signature) is further
-# than this from the router's clock is refused as a replay (decision 124): NTP-synchronized clocks, with
-# room for a heartbeat queued behind a busy router. A replay within the window is refused by the
-# registry's per-epoch seq check while the instance is registered.
-MAX_SIGNED_AGE_S = 30.0
-
-
-def check_fresh(msg: DiscoveryMessage, now: float, max_age_s: float = MAX_SIGNED_AGE_S) -> None:
-    """Raise :class:`StaleMessageError` when ``msg.sent_at`` is more than ``max_age_s`` from ``now``."""
-    age = now - msg.sent_at
-    if not abs(age) <= max_age_s:  # NaN too
-        raise StaleMessageError(f"signed discovery message sent {age:.0f} s ago (more than {max_age_s:.0f} s "
-                                "from this clock): a replay, or clocks out of sync (run NTP)")
 
 
 def sign(payload: bytes, secret: bytes) -> bytes:

@@ -105,4 +105,4 @@ def make_discovery(
     target = cfg.discovery_target
     if target is None:
         return ZmqDiscovery(registry, cfg, kv_index, board=board)
-    return EtcdDiscovery(registry, target, board=board, secret=cfg.secret_bytes)
+    return EtcdDiscovery(registry, target, board=board)

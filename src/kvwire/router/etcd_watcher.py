@@ -63,7 +63,7 @@ from kvwire.discovery.etcd_gateway import (
     unb64,
 )
 from kvwire.discovery.messages import Deregister, Heartbeat
-from kvwire.errors import AuthenticationError, ProtocolError
+from kvwire.errors import ProtocolError
 from kvwire.router.etcd_expiry import DeadlineHeap
 from kvwire.router.etcd_stream import WatchEvent, watch_messages
 from kvwire.router.registry import ApplyResult, Registry
@@ -88,11 +88,9 @@ class EtcdWatcher:
     """Start with :meth:`start` on the router's loop; :meth:`stop` cancels the task and closes HTTP."""
 
     def __init__(
-        self, registry: Registry, target: DiscoveryAddress, *, board: HealthBoard | None = None,
-        secret: bytes | None = None,
+        self, registry: Registry, target: DiscoveryAddress, *, board: HealthBoard | None = None
     ) -> None:
         self._registry = registry
-        self._secret = secret  # records must be signed with it (decision 124); None: any record
         self._board = board  # the watch and the expiry tasks are supervised there (router /health)
         self.target = target
         self._url = target.address
@@ -397,11 +395,7 @@ class EtcdWatcher:
         """A record of a range answer, decoded (None, counted, when malformed); its revision noted."""
         self._note_revision(unb64(kv.get("key", "")), int(kv.get("mod_revision", 0)), deleted=False)
         try:
-            return decode_record(unb64(kv.get("value", "")), self._secret)
-        except AuthenticationError as exc:
-            self.dropped["unauthenticated"] += 1
-            log.warning("dropped etcd record %r: %s", kv.get("key"), exc)
-            return None
+            return decode_record(unb64(kv.get("value", "")))
         except (ProtocolError, ValueError) as exc:
             self.dropped["malformed"] += 1
             log.warning("dropped etcd record %r: %s", kv.get("key"), exc)

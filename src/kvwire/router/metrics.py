@@ -118,7 +118,7 @@ class _DiscoveryCollector(Collector):
         yield recv
         drop = CounterMetricFamily(
             "kvwire_router_discovery_dropped",
-            "Discovery messages dropped (malformed, unauthenticated, stale_signed: a signed replay)",
+            "Discovery messages dropped (malformed, unauthenticated)",
             labels=["reason"],
         )
         for reason, n in sorted(self._dropped().items()):

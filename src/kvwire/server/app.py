@@ -67,11 +67,9 @@ class ServerApp:
         # Shown by /health: instance id, role, KV endpoints (what registration advertises).
         self._identity = dict(identity or {})
         self._board = board  # the instance's supervised threads: a dead one makes /health 503
-        self._api_keys = ApiKeyConfig()
 
     def build(self, max_request_bytes: int, api_keys: ApiKeyConfig | None = None) -> web.Application:
-        self._api_keys = api_keys or ApiKeyConfig()
-        auth = api_key_middleware(self._api_keys, self._auth_refused,
+        auth = api_key_middleware(api_keys or ApiKeyConfig(), self._auth_refused,
                                   RefusalLog(logger, "HTTP request"))
         app = web.Application(client_max_size=max_request_bytes, middlewares=[auth, _errors_as_json])
         app.router.add_get("/health", self.health)
@@ -86,24 +84,16 @@ class ServerApp:
         self._metrics.refused.labels(reason=refusal.value).inc()
 
     async def health(self, request: web.Request) -> web.Response:
-        identity = self._shown_identity(request)
         if self._generation.draining:
-            return web.json_response({"status": "shutting down", **identity}, status=503)
+            return web.json_response({"status": "shutting down", **self._identity}, status=503)
         status = self._engine_loop.status()
         if status.health is not EngineHealth.OK:
-            body = {"status": status.health.value, "reason": status.reason, **identity}
+            body = {"status": status.health.value, "reason": status.reason, **self._identity}
             return web.json_response(body, status=503)
         dead = self._board.health_body() if self._board is not None else None
         if dead is not None:  # e.g. the heartbeat thread gave up: serving, but not registered
-            return web.json_response({**dead, **identity}, status=503)
-        return web.json_response({"status": "ok", **identity})
-
-    def _shown_identity(self, request: web.Request) -> dict[str, Any]:
-        """/health is open (probes); with API keys its KV endpoints are shown only to a request that
-        carries one (decision 124)."""
-        if not self._api_keys.enabled or self._api_keys.check(request.headers.get("Authorization")) is None:
-            return self._identity
-        return {k: v for k, v in self._identity.items() if k != "kv_endpoints"}
+            return web.json_response({**dead, **self._identity}, status=503)
+        return web.json_response({"status": "ok", **self._identity})
 
     async def models(self, request: web.Request) -> web.Response:
         card = {

@@ -146,21 +146,3 @@ def test_client_reaches_a_router_that_starts_later() -> None:
         client.close()
         sock.close()
         ctx.term()
-
-
-def test_etcd_records_signed_and_checked() -> None:
-    from kvwire.discovery.etcd_gateway import decode_record, encode_record
-
-    hb = Heartbeat(info=_info(), seq=4, sent_at=1.0)
-    key = b"r" * 32
-    assert decode_record(encode_record(hb)) == hb  # no secret: as before
-    signed = encode_record(hb, key)
-    assert decode_record(signed, key) == hb
-    assert decode_record(signed) == hb  # a router without the secret still reads it
-    with pytest.raises(AuthenticationError, match="unsigned"):
-        decode_record(encode_record(hb), key)
-    with pytest.raises(AuthenticationError, match="signature"):
-        decode_record(encode_record(hb, b"o" * 32), key)
-    tampered = signed.replace(b'"sig":"', b'"sig":"00')
-    with pytest.raises((AuthenticationError, ProtocolError)):
-        decode_record(tampered, key)
