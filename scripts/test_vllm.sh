@@ -4,7 +4,8 @@
 # router, a prefill and a decode vLLM instance with KvwireConnector and a plain vLLM reference, and
 # checks P/D output == plain output (push and pull), a prefill-killed case, a delayed-prefill case
 # (P held past a fixed deadline while it renews the lease; D on vLLM's default policy, fail), then a
-# prefill instance with TP 2 feeding a TP 1 instance (heterogeneous TP). Logs of every process land
+# prefill instance with TP 2 feeding a TP 1 instance (heterogeneous TP), and vLLM's own benchmark
+# client against a kvwire 1P1D cluster (no failed request, no warning). Logs of every process land
 # in build/vllm-tier-logs/. Budget: <= 15 min on a 2-core machine, install included (measured
 # 2026-12-02 on the shared box at load average 15-38: 10.6 min without the install, 4 of them for
 # the TP 2 engine's start-up).

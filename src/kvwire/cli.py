@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvwire.server.cli", "serve one engine behind the OpenAI API (role both|prefill|decode)"),
     "router": ("kvwire.router.cli", "run the OpenAI-compatible router with service discovery"),
     "up": ("kvwire.cluster.cli", "start a local router + prefill/decode cluster as subprocesses"),
+    "scale": ("kvwire.cluster.ray_cli", "add or drain instances of a `kvwire up --ray` cluster"),
     "secret": ("kvwire.secrets_config", "print a fresh cluster secret (for KVWIRE_SECRET or --secret-file)"),
     "demo": ("kvwire.cluster.demo", "fresh-machine demo: local 1P1D on CPU, chat questions to smollm2-135m"),
 }
@@ -28,6 +29,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "engine": ("kvwire.bench.engine", "built-in engine prefill/decode throughput"),
     "discovery": ("kvwire.bench.discovery", "discovery with N simulated instances: router CPU, latencies"),
     "soak": ("kvwire.bench.soak", "cluster under load while instances are killed: failures, hangs, leaks"),
+    "fuzz": ("kvwire.bench.fuzz", "every decoder fuzzed with atheris: inputs tried, crashes, inputs/s"),
 }
 
 

@@ -100,7 +100,9 @@ class ParamsVerifier:
             raise KVParamsRefused("kv_transfer_params are not signed by the router (this instance "
                                   "requires signed parameters: a shared secret is set)",
                                   ParamsRefusal.UNSIGNED)
-        if not hmac.compare_digest(params.sig, _mac(self._key, params)):
+        # compared as bytes: compare_digest refuses str with non-ASCII characters (TypeError)
+        sig = params.sig.encode("utf-8", "surrogatepass")
+        if not hmac.compare_digest(sig, _mac(self._key, params).encode()):
             raise KVParamsRefused("kv_transfer_params signature does not match",
                                   ParamsRefusal.BAD_SIGNATURE)
         now = self._clock()

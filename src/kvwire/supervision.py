@@ -21,7 +21,8 @@ The :class:`HealthBoard` is owned by the process's edge (the server instance, th
 plugin) and passed down to the components it builds; a component built without one gets a private
 board (its restarts are still logged, nobody's ``/health`` reads them). :class:`SupervisionCollector`
 exports the board to Prometheus: ``kvwire_component_restarts_total{component}``,
-``kvwire_component_up{component}`` and ``kvwire_thread_errors_total{component}``.
+``kvwire_component_up{component}``, ``kvwire_thread_errors_total{component}`` and
+``kvwire_limit_hits_total{limit}`` (bounds that refused or cut something, :meth:`HealthBoard.limit_hit`).
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class HealthBoard:
         # Totals by component name; they outlive the entries (a stopped component keeps its count).
         self._restarts: collections.Counter[str] = collections.Counter()
         self._errors: collections.Counter[str] = collections.Counter()
+        self._limits: collections.Counter[str] = collections.Counter()
 
     def register(self, name: str) -> int:
         """A new running component; returns its key for :meth:`unregister` and the state updates."""
@@ -148,6 +150,17 @@ class HealthBoard:
         """A one-shot worker (:func:`guarded`) raised."""
         with self._lock:
             self._errors[name] += 1
+
+    def limit_hit(self, limit: str, amount: int = 1) -> None:
+        """A component refused or cut something at one of its bounds (a connection over a listener's
+        cap, a link past its deadline): ``kvwire_limit_hits_total{limit}``. ``limit`` is a fixed name
+        (never peer data: label sets stay bounded)."""
+        with self._lock:
+            self._limits[limit] += amount
+
+    def limit_hits(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._limits)
 
     def snapshot(self) -> list[ComponentStatus]:
         with self._lock:
@@ -339,3 +352,8 @@ class SupervisionCollector:
         for name, count in sorted(self._board.worker_errors().items()):
             errors.add_metric([name], count)
         yield errors
+        limits = CounterMetricFamily("kvwire_limit_hits", "times a component refused or cut something at "
+                                     "one of its bounds", labels=["limit"])
+        for name, count in sorted(self._board.limit_hits().items()):
+            limits.add_metric([name], count)
+        yield limits

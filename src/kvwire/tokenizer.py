@@ -20,8 +20,9 @@ class Tokenizer(abc.ABC):
     vocab_size: int
 
     @abc.abstractmethod
-    def encode(self, text: str) -> list[int]:
-        """Text -> token ids, with the model's special prefix (BOS) when it uses one."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text -> token ids, with the model's special prefix (BOS) when it uses one (unless
+        ``add_special_tokens`` is False: vLLM's ``/tokenize`` option)."""
 
     @abc.abstractmethod
     def decode(self, token_ids: list[int]) -> str:
@@ -43,8 +44,9 @@ class ByteTokenizer(Tokenizer):
         self.eos_token_ids = frozenset({self.EOS, self.IM_END})
         self.vocab_size = self.NUM_TOKENS
 
-    def encode(self, text: str) -> list[int]:
-        return [self.BOS, *text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        body = list(text.encode("utf-8"))
+        return [self.BOS, *body] if add_special_tokens else body
 
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
@@ -79,6 +81,7 @@ class HFTokenizer(Tokenizer):
         self.eos_token_id = eos_id if eos_id is not None else (min(eos_ids) if eos_ids else None)
         self.eos_token_ids = frozenset(eos_ids)
         self.chat_template = chat_template
+        self.source_dir: Path | None = None  # the local directory it was read from, if any
 
     @classmethod
     def from_dir(cls, model_dir: Path, model_eos_ids: list[int] | None = None) -> HFTokenizer:
@@ -97,19 +100,21 @@ class HFTokenizer(Tokenizer):
         chat_template = config.get("chat_template")
         if chat_template is None and (model_dir / "chat_template.jinja").is_file():
             chat_template = (model_dir / "chat_template.jinja").read_text()
-        return cls(
+        tokenizer = cls(
             RawTokenizer.from_file(str(path)),
             bos_token=_token_text(config.get("bos_token")),
             eos_token=_token_text(config.get("eos_token")),
             extra_eos_ids=eos_ids,
             chat_template=chat_template,
         )
+        tokenizer.source_dir = model_dir  # announced to routers (a model id's cache snapshot)
+        return tokenizer
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=True).ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self._tok.decode(token_ids, skip_special_tokens=True))

@@ -213,7 +213,8 @@ async def _main(args: argparse.Namespace) -> None:
     )
     client: HeartbeatClient | EtcdRegistration
     if args.router.startswith("etcd://"):
-        client = EtcdRegistration(parse_discovery_address(args.router), info, mock.load, args.interval_s)
+        client = EtcdRegistration(parse_discovery_address(args.router), info, mock.load, args.interval_s,
+                                  secret=args.secret)
     else:
         client = HeartbeatClient(args.router, info, mock.load, interval_s=args.interval_s, secret=args.secret)
     client.start()

@@ -160,3 +160,23 @@ def test_an_instances_429_reaches_the_client_with_its_retry_after(cluster: Any) 
     finally:
         conn.close()
     assert live_ids(router) == {"m0"}  # a full queue is not a dead instance
+
+
+@pytest.mark.parametrize("cluster", [{"http_body_timeout_s": 0.5, "http_idle_timeout_s": 1.0}], indirect=True)
+def test_slow_bodies_get_408_and_stalled_heads_are_closed(cluster: Any) -> None:
+    """Slow-loris clients hold nothing: a body that stops arriving is answered 408 after
+    --http-body-timeout-s; a connection whose head never completes is closed after
+    --http-idle-timeout-s; the router keeps serving."""
+    router, mocks = cluster
+    _spawn(router, mocks, "m0")
+    wait_for(lambda: live_ids(router) == {"m0"}, 20, "m0 live")
+    with socket.create_connection(("127.0.0.1", router.port), timeout=20) as body_conn, \
+            socket.create_connection(("127.0.0.1", router.port), timeout=20) as head_conn:
+        body_conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n" + b'{"prompt": ')
+        head_conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # never finished
+        assert body_conn.recv(64).split(b"\r\n")[0].endswith(b" 408 Request Timeout")
+        assert head_conn.recv(64) == b""  # closed by the router, no answer
+    code, _ = post(router.url, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert code == 200
+    assert 'outcome="body_timeout"} 1.0' in _metrics(router)

@@ -1,7 +1,8 @@
 """Each attack of the threat model (docs/security.md) against a real cluster with an API key and a
 shared secret (router + 1 prefill + 1 decode, tiny model, CPU): refused, counted in a metric,
 logged once, and the cluster keeps serving. The transfer-level attack (a third agent attaching to a
-transfer) is in test_transfer_binding.py."""
+transfer) is in test_transfer_binding.py; etcd records, a cluster without a secret and the router's
+own refusals in test_security_discovery.py."""
 
 from __future__ import annotations
 
@@ -18,11 +19,14 @@ from typing import Any
 
 import msgspec
 import pytest
+import zmq
 from pd_cluster_helpers import running_cluster
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
+from kvwire.discovery.messages import Deregister, Heartbeat, InstanceInfo, encode_frames
 from kvwire.kv_params import KVTransferParams, Role, TransferMode
 from kvwire.kv_signing import ParamsSigner
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 API_KEY = "sk-kvwire-test-key"
@@ -155,3 +159,100 @@ def test_pull_mode_moves_kv_with_signed_params(tmp_path: Path) -> None:
                        heartbeat_interval_s=0.5, api_key=API_KEY, secret=SECRET)
     with running_cluster(spec, tmp_path / "pull.log") as pd:
         assert_serving(pd)
+
+
+# --- discovery and identity (decision 125); these run after the counting test above -------------
+
+
+def _trap() -> tuple[socket.socket, str]:
+    """A listening socket at an address of the attacker's choosing: nobody may ever connect to it."""
+    trap = socket.socket()
+    trap.bind(("127.0.0.1", 0))
+    trap.listen()
+    return trap, f"127.0.0.1:{trap.getsockname()[1]}"
+
+
+def _push(address: str, messages: list[list[bytes]]) -> None:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 5000)
+    sock.connect(address)
+    for frames in messages:
+        sock.send_multipart(frames)
+    sock.close()
+    ctx.term()
+
+
+def _instances(router: str) -> dict[str, dict[str, Any]]:
+    status, entries = call(f"{router}/instances")
+    assert status == 200, entries
+    return {entry["id"]: entry for entry in entries}
+
+
+def _dropped(router: str, reason: str) -> float:
+    return metric(router, "kvwire_router_discovery_dropped_total", reason=reason)
+
+
+def test_health_shows_no_endpoints_without_a_key(cluster: LocalCluster) -> None:
+    for name in ("prefill-0", "decode-0"):
+        url = _instance_url(cluster, name)
+        for key in (None, "sk-wrong-key-0000"):
+            assert call(f"{url}/health", key=key) == (200, {"status": "ok"})  # probes: status only
+        status, health = call(f"{url}/health")
+        assert status == 200 and health["instance_id"] == name and len(health["kv_endpoints"]) == 1
+
+
+def test_fake_registration_without_the_secret_is_dropped(cluster: LocalCluster, log_path: Path) -> None:
+    """Heartbeats unsigned or signed with another secret, one of them claiming decode-0's URL (which
+    would evict it): dropped and counted; the registry and the traffic are untouched."""
+    router = cluster.router_url
+    trap, trap_address = _trap()
+    decode_url = _instance_url(cluster, "decode-0")
+    before = _dropped(router, "unauthenticated")
+    try:
+        fakes = [InstanceInfo(instance_id="intruder", role=Role.DECODE, url=f"http://{trap_address}",
+                              model="tiny", kv_endpoints=[f"tcp://{trap_address}"]),
+                 InstanceInfo(instance_id="usurper", role=Role.DECODE, url=decode_url, model="tiny")]
+        messages = [encode_frames(Heartbeat(info=info, seq=1, sent_at=time.time()), secret)
+                    for info in fakes for secret in (None, b"not-the-cluster-secret")]
+        _push(cluster.discovery_address, messages)
+        wait_for(lambda: _dropped(router, "unauthenticated") >= before + 4, 30.0, "fake heartbeats dropped",
+                 interval_s=0.1)
+        entries = _instances(router)
+        assert set(entries) == {"prefill-0", "decode-0"} and all(e["alive"] for e in entries.values())
+        assert_serving(cluster)
+        assert select.select([trap], [], [], 0)[0] == []
+    finally:
+        trap.close()
+    assert log_path.read_text().count("refused discovery message (unauthenticated)") == 1
+
+
+def test_replayed_heartbeat_is_refused(cluster: LocalCluster, log_path: Path) -> None:
+    """A heartbeat signed with the secret, captured and sent again: after its instance deregistered
+    (the registry alone would take it back), and an early one of a live instance (decode-0)."""
+    router = cluster.router_url
+    trap, trap_address = _trap()
+    before = _dropped(router, "replayed")
+    try:
+        ghost = InstanceInfo(instance_id="ghost", role=Role.DECODE, url=f"http://{trap_address}",
+                             model="tiny-ghost")  # another model: no request is routed to it meanwhile
+        captured = encode_frames(Heartbeat(info=ghost, seq=1, sent_at=time.time()), SECRET.encode())
+        _push(cluster.discovery_address, [captured])
+        wait_for(lambda: "ghost" in _instances(router), 30.0, "the genuine heartbeat registers")
+        bye = Deregister(instance_id="ghost", epoch=ghost.epoch, seq=2, sent_at=time.time())
+        _push(cluster.discovery_address, [encode_frames(bye, SECRET.encode())])
+        wait_for(lambda: "ghost" not in _instances(router), 30.0, "ghost deregistered")
+
+        decode = _instances(router)["decode-0"]
+        early = InstanceInfo(instance_id="decode-0", role=Role.DECODE, url=decode["url"], model="tiny",
+                             epoch=decode["epoch"], kv_endpoints=[f"tcp://{trap_address}"])
+        replayed_early = encode_frames(Heartbeat(info=early, seq=1, sent_at=time.time()), SECRET.encode())
+        _push(cluster.discovery_address, [captured, captured, replayed_early])
+        wait_for(lambda: _dropped(router, "replayed") >= before + 3, 30.0, "replays dropped", interval_s=0.1)
+        entries = _instances(router)
+        assert "ghost" not in entries and entries["decode-0"]["kv_endpoints"] != early.kv_endpoints
+        assert_serving(cluster)
+        assert select.select([trap], [], [], 0)[0] == []
+    finally:
+        trap.close()
+    assert log_path.read_text().count("refused discovery message (replayed)") == 1

@@ -21,6 +21,7 @@ from transfer_helpers import DTYPES, digest, make_layer
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
 from kvwire.transfer.enums import Backend, KVLayout
 from kvwire.transfer.paged_kv import BlockTarget
+from kvwire.transfer.planes.link_config import DataLinkConfig
 from kvwire.transfer.planes.plane_set import PlaneSet
 from kvwire.transfer.planes.shm.plane import ShmPlane
 from kvwire.transfer.shared_memory import shared_tensors
@@ -169,6 +170,11 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=1 << 30)
     parser.add_argument("--spill", type=int, default=1 << 30)
     parser.add_argument("--transport", default="auto")
+    parser.add_argument("--ring-bytes", type=int, default=TransferConfig.shm_ring_bytes)
+    parser.add_argument("--data-port", type=int, default=0)
+    parser.add_argument("--advertise-data-port", type=int, default=0)
+    parser.add_argument("--keepalive-s", type=float, default=DataLinkConfig.keepalive_s)
+    parser.add_argument("--link-timeout-s", type=float, default=DataLinkConfig.link_timeout_s)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     cfg = TransferConfig(
@@ -177,6 +183,10 @@ def main() -> None:
         recv_budget_bytes=args.budget,
         spill_budget_bytes=args.spill,
         transport=args.transport,
+        shm_ring_bytes=args.ring_bytes,
+        data_port=args.data_port,
+        advertise_data_port=args.advertise_data_port,
+        links=DataLinkConfig(keepalive_s=args.keepalive_s, link_timeout_s=args.link_timeout_s),
     )
     agent = TransferAgent(cfg)
     peer = Peer(agent)

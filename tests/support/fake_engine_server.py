@@ -149,13 +149,14 @@ async def start_fake_server(
     engine: FakeEngine, accepts_kv: bool = True, client_write_timeout_s: float = 30.0,
     engine_stall_timeout_s: float | None = None, on_lost: Callable[[RankLost], None] | None = None,
     max_waiting_requests: int = 0, board: HealthBoard | None = None, max_request_bytes: int = 1 << 20,
+    body_timeout_s: float = 30.0,
 ) -> FakeServer:
     engine_loop = EngineLoop(engine, stall_timeout_s=engine_stall_timeout_s, on_lost=on_lost)
     metrics = ServerMetrics(lambda: engine_loop.stats, engine_loop.status)
     generation = GenerationHandler(engine_loop, engine.tokenizer, metrics, engine.model_name,
                                    engine.max_model_len, accepts_kv_transfer_params=accepts_kv,
                                    client_write_timeout_s=client_write_timeout_s,
-                                   max_waiting_requests=max_waiting_requests)
+                                   max_waiting_requests=max_waiting_requests, body_timeout_s=body_timeout_s)
     app = ServerApp(engine_loop, generation, metrics, engine.model_name, engine.max_model_len, board=board)
     engine_loop.start(asyncio.get_running_loop())
     client = TestClient(TestServer(app.build(max_request_bytes)))

@@ -37,7 +37,8 @@ class LoopbackPlane(DataPlane):
     _planes: ClassVar[dict[str, LoopbackPlane]] = {}
     _registry_lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, config: TransferConfig, instance_id: str) -> None:
+    def __init__(self, config: TransferConfig, instance_id: str, board: object = None) -> None:
+        del board  # a plane factory takes the process's HealthBoard; this fake supervises nothing
         self.device = torch.device(config.device)
         self.instance_id = instance_id
         self._address = f"loopback:{instance_id}"

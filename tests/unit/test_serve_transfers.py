@@ -72,3 +72,20 @@ def test_device_copies_are_summed_from_the_instances_metrics_and_reported_as_one
     assert out["device_copy_gbps"] == 1000.0
     assert "device copies 1000 GB/s (bytes / copy windows on the GPU)" in serve_transfers.describe(out)
     assert "device_copy_gbps" not in serve_transfers.summarize({"send": [], "recv": []}, False)
+
+
+def test_exposed_handover_percentiles_and_share_of_ttft(monkeypatch: pytest.MonkeyPatch) -> None:
+    answers = {"http://d": {"send": [], "recv": [], "exposed": [0.002, 0.004, 0.006, "x"]},
+               "http://p": {"send": [], "recv": []}}  # P reports none; a bad value is skipped
+
+    def fake(url: str, timeout_s: float) -> dict:
+        if url.startswith("http://gone"):
+            raise OSError("refused")
+        return answers[url.removesuffix("/kvwire/transfers")]
+
+    monkeypatch.setattr(serve_transfers, "http_json", fake)
+    out = serve_transfers.exposed_handover(["http://d", "http://p", "http://gone"], [0.01, 0.02, 0.04])
+    assert out["count"] == 3 and out["p50_s"] == 0.004 and out["p99_s"] == 0.006
+    assert out["share_of_ttft_p50"] == pytest.approx(0.2)
+    assert "p50 4.00 ms" in serve_transfers.describe_handover(out)
+    assert serve_transfers.exposed_handover(["http://p"], [0.01]) == {"count": 0}

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -64,6 +66,8 @@ ZMQ_TTL_INTERVALS = RouterConfig().instance_ttl_s / ServerConfig().heartbeat_int
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", default="10,100,1000", help="instance counts (default %(default)s)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the results as JSON (the table goes to stderr)")
     parser.add_argument("--backends", default="zmq,etcd", help="zmq, etcd or both (default %(default)s)")
     parser.add_argument("--interval-s", type=float, default=1.0, help="heartbeat interval (default 1 s)")
     parser.add_argument("--window-s", type=float, default=10.0, help="CPU window (default %(default)s)")
@@ -375,6 +379,8 @@ async def _main(args: argparse.Namespace) -> int:
     for r in results:
         if r.n == max(ns):
             print("goal " + _goals(r, args.interval_s))
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in results], indent=2), file=args.json_out)
     return 0
 
 
@@ -388,7 +394,11 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("kvwire.discovery").setLevel(logging.ERROR)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        return asyncio.run(_main(args))
+        if not args.json:
+            return asyncio.run(_main(args))
+        args.json_out = sys.stdout  # the JSON; the table, as it is measured, goes to stderr
+        with contextlib.redirect_stdout(sys.stderr):
+            return asyncio.run(_main(args))
     except KeyboardInterrupt:
         print("kvwire bench discovery: interrupted", file=sys.stderr)
         return 130

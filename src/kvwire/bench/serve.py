@@ -63,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     parser.add_argument("--plot", default=None, metavar="PNG", help="TTFT/ITL/E2E CDFs (matplotlib)")
     parser.add_argument("--serve-arg", action="append", default=[], help="extra `kvwire serve` flag (repeat)")
+    parser.add_argument("--router-arg", action="append", default=[],
+                        help="extra `kvwire router` flag for local setups (repeat)")
     parser.add_argument("--spread-gpus", type=int, default=0,
                         help="local setups: instance k uses GPU k %% N (1P1D on 2 GPUs: P and D apart)")
     parser.add_argument("--policies", default=None,
@@ -197,6 +199,8 @@ def print_table(summaries: Sequence[dict[str, Any]]) -> None:
             print(f"    error: {error}")
         if "kv_transfers" in s:
             print(f"    {serve_transfers.describe(s['kv_transfers'])}")
+        if "handover" in s:
+            print(f"    {serve_transfers.describe_handover(s['handover'])}")
 
 
 def plot(summaries: Sequence[dict[str, Any]], path: str) -> bool:
@@ -228,7 +232,8 @@ def _bench_setup(name: str, args: argparse.Namespace, load: LoadSpec) -> dict[st
     num_p, num_d, num_both = SETUPS[name]
     spec = ClusterSpec(num_prefill=num_p, num_decode=num_d, num_both=num_both, model=args.model,
                        device=args.device, mode=TransferMode(args.mode), port=0,
-                       serve_args=tuple(args.serve_arg), spread_gpus=args.spread_gpus,
+                       serve_args=tuple(args.serve_arg), router_args=tuple(args.router_arg),
+                       spread_gpus=args.spread_gpus,
                        start_timeout_s=600.0)
     with open_log(name) as sink, LocalCluster(spec, sink=sink) as cluster:
         print(f"kvwire bench serve: {name} up at {cluster.router_url}", file=sys.stderr)
@@ -242,6 +247,7 @@ def _bench_setup(name: str, args: argparse.Namespace, load: LoadSpec) -> dict[st
             summary["kv_transfers"] = serve_transfers.summarize(
                 rows, with_ceiling=args.device == "cpu", device_copy=serve_transfers.device_copies(urls)
             )
+            summary["handover"] = serve_transfers.exposed_handover(urls, summary["samples"]["ttft_s"])
     return summary
 
 

@@ -43,6 +43,39 @@ def collect(urls: Iterable[str]) -> dict[str, list[Row]]:
     return rows
 
 
+def exposed_handover(urls: Iterable[str], ttft_s: Sequence[float]) -> dict[str, Any]:
+    """The exposed handover per request — P's forward end (its last KV layer handed over) -> D holds
+    every layer — from the decode instances' ``/kvwire/transfers`` (``exposed``, one per transfer,
+    both clocks on one host), p50/p99 in seconds and as a share of the run's TTFT p50/p99 (the
+    percentiles are of separate samples: requests are not joined one by one)."""
+    exposed: list[float] = []
+    for url in urls:
+        try:
+            snapshot = http_json(f"{url.rstrip('/')}/kvwire/transfers", timeout_s=5.0)
+        except (OSError, ValueError):
+            continue
+        exposed += [float(v) for v in snapshot.get("exposed", []) if isinstance(v, (int, float))]
+    if not exposed:
+        return {"count": 0}
+    out: dict[str, Any] = {"count": len(exposed), "p50_s": _pct(exposed, 0.5), "p99_s": _pct(exposed, 0.99)}
+    if ttft_s:
+        out["share_of_ttft_p50"] = out["p50_s"] / _pct(ttft_s, 0.5)
+        out["share_of_ttft_p99"] = out["p99_s"] / _pct(ttft_s, 0.99)
+    return out
+
+
+def describe_handover(summary: dict[str, Any]) -> str:
+    """One line for the table."""
+    if not summary.get("count"):
+        return "exposed handover: none recorded"
+    text = (f"exposed handover (P's forward end -> D holds every layer) x{summary['count']}: "
+            f"p50 {summary['p50_s'] * 1e3:.2f} ms, p99 {summary['p99_s'] * 1e3:.2f} ms")
+    if "share_of_ttft_p50" in summary:
+        text += (f"; of TTFT p50 {summary['share_of_ttft_p50'] * 100:.1f} %, "
+                 f"p99 {summary['share_of_ttft_p99'] * 100:.1f} %")
+    return text
+
+
 _DEVICE_COPY = {"kvwire_kv_device_copy_bytes": 0, "kvwire_kv_device_copy_seconds": 1}
 
 

@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import random
 import re
 import signal
@@ -55,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-deadline-s", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", default="kvwire-bench-soak.log", help="the cluster's process output")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
 
 
 @dataclasses.dataclass
@@ -235,6 +237,9 @@ def run(args: argparse.Namespace) -> int:
     except ClusterError as exc:
         print(f"kvwire bench soak: {exc}", file=sys.stderr)
         return 1
-    print_table(rows)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print_table(rows)
     bad = any(r["hung"] or r["leaked_blocks"] for r in rows)
     return 1 if bad else 0

@@ -1,4 +1,5 @@
 """``kvwire up``: a local router + prefill/decode cluster as subprocesses, until Ctrl-C/SIGTERM.
+With ``--ray ADDRESS`` the same cluster runs as Ray actors across a Ray cluster (kvwire.cluster.ray_cli).
 
 Example: ``kvwire up --prefill 1 --decode 1 --model tiny --device cpu --mode push --port 8000``.
 Every child's output is prefixed with its name; the router URL is printed once everything is healthy.
@@ -58,6 +59,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # The cluster's secret: --secret-file or $KVWIRE_SECRET, else a fresh one per cluster (decision 124),
     # handed to the children in their environment.
     add_secret_arguments(parser)
+    add_ray_arguments(parser)
+
+
+def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
+    """``kvwire up --ray``: the same cluster as Ray actors across a Ray cluster's nodes (decision 120)."""
+    ray = parser.add_argument_group("on a Ray cluster (pip install 'kvwire[ray]')")
+    ray.add_argument("--ray", metavar="ADDRESS|auto", default=None,
+                     help="place the router and instances as actors on this Ray cluster (auto: the one "
+                          "`ray start` runs on this node); --host is then each node's IP")
+    ray.add_argument("--name", default="default", help="the cluster's name on Ray (kvwire scale --name)")
+    for role in ("prefill", "decode", "router"):
+        ray.add_argument(f"--{role}-resources", default="", metavar="NAME=AMOUNT[,...]",
+                         help=f"custom Ray resources each {role} reserves (e.g. pool_{role[0]}=1)")
+        ray.add_argument(f"--{role}-labels", default="", metavar="KEY=VALUE[,...]",
+                         help=f"node labels a {role} node must have")
+    ray.add_argument("--cpus-per-rank", type=float, default=1.0, help="Ray CPUs per TP rank (default 1)")
+    ray.add_argument("--gpus-per-rank", type=float, default=None,
+                     help="Ray GPUs per TP rank (default: 1 with --device cuda, else 0)")
+    ray.add_argument("--max-restarts", type=int, default=20,
+                     help="restarts Ray makes of an instance whose process died (-1: no limit)")
+    ray.add_argument("--drain-timeout-s", type=float, default=60.0,
+                     help="a removed instance's requests in flight may finish for this long")
 
 
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
@@ -87,6 +110,10 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ray is not None:
+        from kvwire.cluster.ray_cli import run_up
+
+        return run_up(args)
     try:
         spec = spec_from_args(args)
     except ConfigError as exc:

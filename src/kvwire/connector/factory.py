@@ -10,6 +10,7 @@ from kvwire.connector.config import ConnectorConfig, EngineInfo
 from kvwire.connector.metrics import connector_metrics
 from kvwire.connector.scheduler import KvwireSchedulerConnector
 from kvwire.connector.worker import AgentLike, KvwireWorkerConnector
+from kvwire.supervision import HealthBoard
 from kvwire.transfer import TransferAgent, TransferConfig
 
 
@@ -27,16 +28,18 @@ def build_connectors(
     *,
     agent: AgentLike | None = None,
     registry: CollectorRegistry | None = None,
+    board: HealthBoard | None = None,
 ) -> tuple[KvwireSchedulerConnector, KvwireWorkerConnector]:
     """Start a transfer agent (unless one is given) and return (scheduler half, worker half).
 
     The worker half owns the agent: ``worker.close()`` stops it. ``scheduler.kv_endpoints`` is what
     the instance advertises to the router (``InstanceInfo.kv_endpoints``); ``scheduler.instance_id``
-    is the agent's epoch. Metrics go to ``registry`` (default: prometheus_client's global one).
+    is the agent's epoch. Metrics go to ``registry`` (default: prometheus_client's global one). The
+    agent's supervised threads go on ``board`` (the process's health board; None: a private one).
     """
     owns_agent = agent is None
     if agent is None:
-        agent = TransferAgent(transfer_config_for(config, engine_info))
+        agent = TransferAgent(transfer_config_for(config, engine_info), board=board)
     metrics = connector_metrics(registry)
     worker = KvwireWorkerConnector(config, engine_info, agent, metrics=metrics, owns_agent=owns_agent)
     scheduler = KvwireSchedulerConnector(

@@ -34,7 +34,7 @@ def decode_trailer(payload: bytes) -> FirstTokenTrailer:
     """Raises :class:`ProtocolError` on a malformed payload or an unknown version."""
     try:
         trailer = _decoder.decode(payload)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # nesting past msgspec's limit: RecursionError
         raise ProtocolError(f"malformed first-token trailer: {exc}") from exc
     if trailer.v != TRAILER_VERSION:
         raise ProtocolError(f"first-token trailer version {trailer.v} not supported")

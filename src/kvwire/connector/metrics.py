@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import threading
+from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
@@ -70,6 +71,12 @@ class ConnectorMetrics:
             "kvwire_pd_blocks_awaiting_send", "P's blocks of finished requests held until the send completes",
             registry=registry,
         )
+        self.quarantined_blocks = Gauge(
+            "kvwire_pd_quarantined_blocks",
+            "D's blocks of failed or aborted receives held back from the engine because a stalled "
+            "sender may still write into them (decision 114)",
+            registry=registry,
+        )
         # Read from the agent at scrape time (a function gauge of a monotonic count).
         self.control_rejected = Gauge(
             "kvwire_pd_control_messages_rejected",
@@ -111,6 +118,12 @@ class RecentTransfers:
         self._rows: dict[str, collections.deque[tuple[int, float, float | None]]] = {
             side: collections.deque(maxlen=capacity) for side in ("send", "recv")
         }
+        # D: per transfer, P's last layer handed over (its forward's end) -> D holds every layer
+        self._exposed: collections.deque[float] = collections.deque(maxlen=capacity)
+
+    def add_exposed(self, seconds: float) -> None:
+        with self._lock:
+            self._exposed.append(seconds)
 
     def add(self, side: str, timing: TransferTiming) -> None:
         with self._lock:
@@ -118,9 +131,11 @@ class RecentTransfers:
                 (timing.num_bytes, timing.seconds, timing.busy_seconds)
             )
 
-    def snapshot(self) -> dict[str, list[tuple[int, float, float | None]]]:
+    def snapshot(self) -> dict[str, list[Any]]:
         with self._lock:
-            return {side: list(rows) for side, rows in self._rows.items()}
+            out: dict[str, list[Any]] = {side: list(rows) for side, rows in self._rows.items()}
+            out["exposed"] = list(self._exposed)
+            return out
 
 
 _lock = threading.Lock()

@@ -5,7 +5,8 @@ once and then hands it block ids, never gathered copies (the serving path is the
 per plane: byte spans of the blocks on TCP, device gathers/scatters on NCCL; see
 :mod:`kvwire.transfer.paged_kv`). Safety of in-place transfers: P's blocks stay allocated until the
 agent reports the send finished or failed; D's blocks are reused only after the agent reported the
-receive, or after ``abort`` returned — from then on nothing of that transfer writes into them.
+receive, or after the receive failed or was aborted and no sender may still write into them (a
+stalled shared-memory sender: the outcome waits in :mod:`kvwire.connector.quarantine`).
 
 P and D of different tensor-parallel sizes exchange *pieces* (one per pair of ranks, a head range
 each; :mod:`kvwire.connector.pieces`): a request is done on this rank when every piece is.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -45,6 +46,7 @@ from kvwire.connector.pieces import (
     recv_pieces,
     send_pieces,
 )
+from kvwire.connector.quarantine import ReceiveQuarantine
 from kvwire.connector.state import reason_label
 from kvwire.errors import ConfigError, KvwireError
 from kvwire.transfer.enums import KVLayout
@@ -96,6 +98,8 @@ class AgentLike(Protocol):
     def take_trailer(self, transfer_id: str) -> bytes | None: ...
 
     def abort(self, transfer_id: str, reason: str = "aborted") -> None: ...
+
+    def unsettled(self) -> Mapping[str, int]: ...
 
     def poll(self) -> TransferEvents: ...
 
@@ -160,6 +164,10 @@ class KvwireWorkerConnector(WorkerConnector):
         self._promised: dict[str, list[str]] = {}  # request transfer id -> piece ids promised, not started
         self._saving: list[_Send] = []  # sends whose layers this step's forward hands over
         self._pending = _StepOutput()  # local outcomes reported by the next get_finished
+        # failed/aborted receives a stalled sender may still write into: reported once it cannot
+        self._quarantine: ReceiveQuarantine[_StepOutput] = ReceiveQuarantine(
+            agent, self._metrics.quarantined_blocks
+        )
         self._closed = False
         self._metadata = None
         self.bytes_sent = self.bytes_received = 0  # KV payload bytes of this rank (also in metrics)
@@ -259,6 +267,7 @@ class KvwireWorkerConnector(WorkerConnector):
             self._on_received(tid, out, events.timings.get(tid))
         for tid, reason in events.failed.items():
             self._on_failed(tid, reason, out)
+        self._quarantine.release_settled(out)
         return ConnectorOutput(
             finished_sending=frozenset(out.finished_sending),
             finished_recving=frozenset(out.finished_recving),
@@ -465,6 +474,7 @@ class KvwireWorkerConnector(WorkerConnector):
                 if trailer.kv_ready_unix_s is not None:  # P's last layer computed -> D can decode
                     exposed = max(time.time() - trailer.kv_ready_unix_s, 0.0)
                     self._metrics.handover_seconds.labels(phase="exposed").observe(exposed)
+                    self._metrics.recent.add_exposed(exposed)
         group = self._recv_pieces.finish(tid)
         if group is None:
             return  # other pieces of this rank still arriving
@@ -473,14 +483,21 @@ class KvwireWorkerConnector(WorkerConnector):
             out.first_token_ids[recv.spec.request_id] = group.first_token
 
     def _recv_piece_failed(self, recv: _Recv, reason: str, out: _StepOutput) -> None:
-        """One piece failed: end this rank's other pieces of the request, apply the policy once."""
+        """One piece failed: end this rank's other pieces of the request, apply the policy once
+        (once no sender may write into the blocks any more)."""
         self._recvs.pop(recv.piece_id, None)
         group = self._recv_pieces.drop(recv.spec.transfer_id)
+        pieces = {recv.piece_id}
         for piece_id in group.pending if group is not None else ():
             other = self._recvs.pop(piece_id, None)
             if other is not None and other is not recv:
                 self._abort_agent(piece_id, f"a sibling piece failed: {reason}")
-        self._recv_failed(recv, reason, out)
+                pieces.add(piece_id)
+        self._count_failure("recv", reason)
+        self._quarantine.report_when_settled(
+            recv.spec.request_id, _blocks_written(recv.spec), pieces,
+            lambda o: self._apply_load_policy(recv, reason, o), out,
+        )  # fmt: skip
 
     def _read_trailer(self, tid: str) -> FirstTokenTrailer | None:
         try:
@@ -491,8 +508,11 @@ class KvwireWorkerConnector(WorkerConnector):
             return None
 
     def _recv_failed(self, recv: _Recv, reason: str, out: _StepOutput) -> None:
-        """Apply the load-failure policy: recompute (report the blocks invalid) or fail the request."""
         self._count_failure("recv", reason)
+        self._apply_load_policy(recv, reason, out)
+
+    def _apply_load_policy(self, recv: _Recv, reason: str, out: _StepOutput) -> None:
+        """Apply the load-failure policy: recompute (report the blocks invalid) or fail the request."""
         request_id = recv.spec.request_id
         if self.config.kv_load_failure_policy is LoadFailurePolicy.RECOMPUTE:
             logger.warning("request %s: remote KV load failed (%s); recomputing", request_id, reason)
@@ -525,10 +545,15 @@ class KvwireWorkerConnector(WorkerConnector):
         piece_ids = {spec.transfer_id, *self._promised.pop(spec.transfer_id, ())}
         piece_ids |= recv_group.pending if recv_group is not None else set()
         piece_ids |= send_group.pending if send_group is not None else set()
+        recvs = [self._recvs[p].spec for p in piece_ids if p in self._recvs]
         for piece_id in sorted(piece_ids):
             self._abort_piece(piece_id, spec.reason)
-        if spec.report_free:
-            self._pending.finished_sending.add(spec.request_id)
+        if spec.report_free:  # D: the engine frees the blocks once no sender may write into them
+            blocks = _blocks_written(recvs[0]) if recvs else 0
+            self._quarantine.report_when_settled(
+                spec.request_id, blocks, piece_ids, lambda o: o.finished_sending.add(spec.request_id),
+                self._pending,
+            )  # fmt: skip
 
     def _abort_piece(self, piece_id: str, reason: str) -> None:
         recv = self._recvs.pop(piece_id, None)
@@ -554,6 +579,11 @@ class KvwireWorkerConnector(WorkerConnector):
         return block_ids_tensor(block_ids, device)
 
     @property
+    def num_quarantined_blocks(self) -> int:
+        """D's blocks held back from the engine while a stalled sender may write into them."""
+        return self._quarantine.num_blocks
+
+    @property
     def num_live_transfers(self) -> int:
         return len(self._sends) + len(self._recvs)
 
@@ -564,5 +594,11 @@ class KvwireWorkerConnector(WorkerConnector):
         self._sends.clear()
         self._recvs.clear()
         self._saving = []
+        self._quarantine.close()
         if self._owns_agent:
             self.agent.close()
+
+
+def _blocks_written(spec: RecvSpec) -> int:
+    """D's blocks a receive writes into (after those it holds itself)."""
+    return len(spec.block_ids) - spec.skip_blocks

@@ -23,6 +23,9 @@ Contract:
   retried every interval, so fixing them in etcd is enough. A keep-alive answered "unknown
   lease" (etcd lost it: restarted without its data, or the lease expired meanwhile) makes it
   grant a new lease and put the record again.
+* With a shared secret (``secret``) every record is signed (:func:`~kvwire.discovery.etcd_gateway.
+  encode_record`); its ``seq`` grows by one per put and ``sent_at`` is the wall clock, so a router
+  refuses an old record written again (decision 125).
 * :meth:`close` revokes the lease (the key goes at once: a graceful deregistration), waiting at most
   ``linger_s`` + the call deadline.
 """
@@ -37,7 +40,7 @@ from types import TracebackType
 
 from kvwire.discovery.address import DiscoveryAddress
 from kvwire.discovery.client import LoadFn
-from kvwire.discovery.etcd_gateway import EtcdAuthError, EtcdError, EtcdHttp, encode_record
+from kvwire.discovery.etcd_gateway import EtcdAuthError, EtcdError, EtcdHttp, encode_record, record_key
 from kvwire.discovery.messages import Heartbeat, InstanceInfo, InstanceLoad
 from kvwire.errors import ConfigError
 from kvwire.supervision import HealthBoard, SupervisedThread
@@ -65,6 +68,7 @@ class EtcdRegistration:
         refresh_s: float | None = None,
         linger_s: float = 0.5,
         board: HealthBoard | None = None,
+        secret: str | bytes | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ConfigError(f"heartbeat interval_s must be > 0, got {interval_s}")
@@ -77,6 +81,7 @@ class EtcdRegistration:
         # the promise a record makes: another one within the lease TTL (kept only at one per interval)
         self.record_ttl_s = float(self.lease_ttl_s) if self.refresh_s <= interval_s else 0.0
         self._key = target.key(info.instance_id)
+        self._record_key = record_key(secret) if secret else None  # signs each record
         self._load_fn = load_fn
         self._linger_s = linger_s
         self._http = EtcdHttp(target.address, timeout_s=min(2.0, max(0.5, interval_s)),
@@ -195,7 +200,7 @@ class EtcdRegistration:
         self._seq += 1
         record = Heartbeat(info=self.info, load=load, seq=self._seq, sent_at=time.time(),
                            ttl_s=self.record_ttl_s)
-        self._http.put(self._key, encode_record(record), self._lease)
+        self._http.put(self._key, encode_record(record, self._record_key), self._lease)
         self._last_put, self._last_load = now, load
         self.puts += 1
         self.sent += 1

@@ -6,12 +6,17 @@ blocking client on the registration thread) and aiohttp (routers: range + watch 
 side needs gRPC, protobuf or an etcd client package (decision 036). No torch.
 
 Also here: the record an instance keeps under its key (:func:`encode_record` / :func:`decode_record`,
-a JSON :class:`~kvwire.discovery.messages.Heartbeat`, readable with ``etcdctl get``).
+a JSON :class:`~kvwire.discovery.messages.Heartbeat`, readable with ``etcdctl get``). With a shared
+secret the record is a :class:`SignedRecord` around that JSON: ``HMAC-SHA256(k, heartbeat JSON)``
+with ``k`` derived from the secret for etcd records only (:func:`record_key`), so a signature of
+another kind (a ZeroMQ heartbeat, ``kv_transfer_params``) never passes as a record's (decision 125).
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import http.client
 import json
 import logging
@@ -23,7 +28,7 @@ import msgspec
 
 from kvwire.discovery.address import EtcdAuth
 from kvwire.discovery.messages import DISCOVERY_VERSION, MAX_FRAME_BYTES, Heartbeat, check_info
-from kvwire.errors import KvwireError, ProtocolError
+from kvwire.errors import AuthenticationError, ConfigError, KvwireError, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -80,20 +85,62 @@ def prefix_request(prefix: str) -> dict[str, Any]:
     return {"key": b64(prefix), "range_end": b64(prefix_range_end(prefix))}
 
 
+_RECORD_KEY_LABEL = b"kvwire etcd record v1"
+
+
+class SignedRecord(msgspec.Struct, frozen=True, kw_only=True, tag="signed_record"):
+    """An etcd record signed with the shared secret: ``record`` is the heartbeat's JSON, verbatim."""
+
+    record: str
+    sig: str  # hex HMAC-SHA256(record_key(secret), record as UTF-8)
+
+
 _record_encoder = msgspec.json.Encoder()
-_record_decoder = msgspec.json.Decoder(Heartbeat)
+_record_decoder = msgspec.json.Decoder(Heartbeat | SignedRecord)
+_heartbeat_decoder = msgspec.json.Decoder(Heartbeat)
 
 
-def encode_record(hb: Heartbeat) -> bytes:
-    return _record_encoder.encode(hb)
+def record_key(secret: str | bytes) -> bytes:
+    """The key etcd records are signed with, derived from the shared secret (never the secret itself)."""
+    raw = secret.encode() if isinstance(secret, str) else bytes(secret)
+    if not raw:
+        raise ConfigError("the shared secret must not be empty")
+    return hmac.new(raw, _RECORD_KEY_LABEL, hashlib.sha256).digest()
 
 
-def decode_record(value: bytes) -> Heartbeat:
-    """A record read from etcd -> :class:`Heartbeat`; raises ``ProtocolError`` for anything else."""
+def _record_mac(key: bytes, payload: bytes) -> str:
+    return hmac.new(key, payload, hashlib.sha256).hexdigest()
+
+
+def encode_record(hb: Heartbeat, key: bytes | None = None) -> bytes:
+    """The value to put in etcd: the heartbeat's JSON, or (``key``: :func:`record_key`) a signed one."""
+    payload = _record_encoder.encode(hb)
+    if key is None:
+        return payload
+    return _record_encoder.encode(SignedRecord(record=payload.decode(), sig=_record_mac(key, payload)))
+
+
+def decode_record(value: bytes, key: bytes | None = None) -> Heartbeat:
+    """A record read from etcd -> :class:`Heartbeat`. Raises ``ProtocolError`` for anything else, and
+    :class:`~kvwire.errors.AuthenticationError` when ``key`` is given and the record is unsigned or
+    its signature is wrong (checked before the heartbeat inside is parsed). Without ``key`` a signed
+    record is read without checking (a router without the secret trusts etcd's access control)."""
     if len(value) > MAX_FRAME_BYTES:
         raise ProtocolError(f"instance record of {len(value)} bytes exceeds {MAX_FRAME_BYTES}")
     try:
-        hb = _record_decoder.decode(value)
+        outer = _record_decoder.decode(value)
+        if isinstance(outer, SignedRecord):
+            payload = outer.record.encode()
+            expected = b"" if key is None else _record_mac(key, payload).encode()
+            if key is not None and not hmac.compare_digest(outer.sig.encode(), expected):
+                raise AuthenticationError("bad instance record signature")
+            hb = _heartbeat_decoder.decode(payload)
+        elif key is not None:
+            raise AuthenticationError("unsigned instance record (the router requires a secret)")
+        else:
+            hb = outer
+    except ProtocolError:
+        raise
     except Exception as exc:  # DecodeError, ValidationError, RecursionError (nesting), ...
         raise ProtocolError(f"malformed instance record: {type(exc).__name__}: {exc}") from exc
     if hb.v != DISCOVERY_VERSION:

@@ -49,6 +49,11 @@ class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     tokenizer: str = ""
     # P/D instances: the KV layout a peer must match (tp_size = len(kv_endpoints)); None: unknown.
     kv_layout: KVCacheLayout | None = None
+    # The transfer mode the instance was configured with ("push" / "pull", e.g. the seed's
+    # send_type); "" = none (it follows the router's per-request mode). A router in the other mode
+    # overrides it: shown by /instances, warned about at registration.
+    kv_mode: str = ""
+    max_model_len: int = 0  # longest prompt + completion the instance accepts; 0 = unknown
 
 
 class InstanceLoad(msgspec.Struct, frozen=True, kw_only=True, gc=False):

@@ -44,12 +44,14 @@ def start_registration(
     kv_layout: KVCacheLayout | None = None,
     wait_for_http: bool = False,
     board: HealthBoard | None = None,
+    kv_mode: str = "",
+    max_model_len: int = 0,
 ) -> Registration:
     """Start registering at ``router_address`` (``etcd://HOST:PORT[/prefix]``, or ``tcp://HOST:PORT``
     of one or more routers, comma-separated: each gets every heartbeat) and return the client
-    (``close()`` deregisters). ``secret`` signs ZeroMQ heartbeats (etcd has its own access control;
-    the secret is not used there). KV events travel on the ZeroMQ connections only: an instance
-    registered in etcd is routed on load (decision 046).
+    (``close()`` deregisters). ``secret`` signs ZeroMQ heartbeats and etcd records (a router with
+    the secret refuses unsigned ones; decision 125). KV events travel on the ZeroMQ connections
+    only: an instance registered in etcd is routed on load (decision 046).
 
     ``role`` is an :class:`Role` or its value (``prefill``, ``decode`` or ``both``): the
     server's and the connector's role enums share those values. ``load_fn`` runs on the heartbeat
@@ -70,11 +72,14 @@ def start_registration(
         version=version,
         tokenizer=tokenizer,
         kv_layout=kv_layout,
+        kv_mode=kv_mode,
+        max_model_len=max_model_len,
     )
     target = parse_registration_address(router_address)
     client: Registration
     if target.kind is DiscoveryKind.ETCD:
-        client = EtcdRegistration(target, info, load_fn=load_fn, interval_s=interval_s, board=board)
+        client = EtcdRegistration(target, info, load_fn=load_fn, interval_s=interval_s, board=board,
+                                  secret=secret)
     else:
         client = HeartbeatClient(
             target.address, info, load_fn=load_fn, interval_s=interval_s, secret=secret,

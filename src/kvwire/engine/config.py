@@ -27,8 +27,12 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16")
 class EngineConfig:
     """Everything the engine needs. ``None`` means "derive from the model / device"."""
 
-    # A preset or packaged model name (kvwire.engine.models.presets), a .gguf file or an HF directory.
+    # A preset or packaged model name (kvwire.engine.models.presets), a .gguf file, an HF directory, or a
+    # Hugging Face model id: ORG/NAME (safetensors), ORG/NAME-GGUF with gguf_file, or ORG/NAME-GGUF:QUANT.
     model: str = "tiny"
+    revision: str | None = None  # Hugging Face branch, tag or commit of a model id (None: main)
+    gguf_file: str | None = None  # the file to load from a GGUF repo (vLLM's ORG/NAME:QUANT also works)
+    tokenizer: str | None = None  # a local directory or model id to take the tokenizer from
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     block_size: int = 16  # tokens per KV block

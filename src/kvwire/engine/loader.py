@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from kvwire import hub
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.gguf_reader import GGUFFile
 from kvwire.engine.gguf_tokenizer import gguf_tokenizer
@@ -51,16 +52,28 @@ def load_model(config: EngineConfig) -> LoadedModel:
         model, tokenizer, default_len = _load_gguf(Path(config.model), device, dtype)
     elif Path(config.model).is_dir():
         model, tokenizer, default_len = _load_hf_dir(Path(config.model), device, dtype)
+    elif hub.is_repo_id(config.model):
+        path = hub.resolve(config.model, config.revision, config.gguf_file)
+        model, tokenizer, default_len = _load_local(path, device, dtype)
     else:
         names = ", ".join([*PRESETS, *PACKAGED_MODELS])
         raise ModelLoadError(
-            f"{config.model!r} is neither a model name ({names}), a .gguf file nor a directory"
+            f"{config.model!r} is neither a model name ({names}), a .gguf file, a directory nor a "
+            "Hugging Face model id (ORG/NAME)"
         )
+    if config.tokenizer is not None:
+        tokenizer = HFTokenizer.from_dir(hub.resolve_tokenizer(config.tokenizer, None),
+                                         list(model.config.eos_token_ids))
     limit = model.config.max_position_embeddings
     if config.max_model_len is not None and config.max_model_len > limit:
         raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions")
     max_model_len = min(config.max_model_len or default_len, limit)
     return LoadedModel(model.eval(), tokenizer, dtype, max_model_len)
+
+
+def _load_local(path: Path, device: torch.device, dtype: torch.dtype) -> _Built:
+    """A checkpoint the Hugging Face cache resolved to: a .gguf file or a safetensors directory."""
+    return _load_gguf(path, device, dtype) if path.is_file() else _load_hf_dir(path, device, dtype)
 
 
 def _load_preset(preset: Preset, device: torch.device, dtype: torch.dtype) -> _Built:

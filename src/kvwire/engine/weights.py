@@ -61,8 +61,12 @@ def copy_hf_tensor(
     model: LlamaModel, params: dict[str, torch.nn.Parameter], hf_name: str, tensor: torch.Tensor
 ) -> str | None:
     name = hf_name.removeprefix("model.")
-    if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.lm_head is None):
+    if name.endswith("rotary_emb.inv_freq"):
         return None
+    if name == "lm_head.weight" and model.lm_head is None:
+        # Tied embeddings: one tensor under either name (safetensors.torch.save_model keeps only
+        # lm_head.weight); a checkpoint holding both holds the same values twice.
+        name = "embed_tokens.weight"
     match = _LAYER.match(name)
     if match and match.group(2) in _FUSED:
         fused, index = _FUSED[match.group(2)]

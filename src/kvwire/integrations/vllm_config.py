@@ -18,6 +18,13 @@ Seed keys and what they become (docs/vllm.md has the full migration table):
 * ``send_type`` ``PUT`` / ``PUT_ASYNC`` -> push mode, ``GET`` -> pull mode.
 * ``nccl_num_channels`` -> ``NCCL_MIN_NCHANNELS``/``NCCL_MAX_NCHANNELS`` for the NCCL data plane.
 * ``mem_pool_size_gb`` -> the agent's host spill pool.
+
+kvwire's control-plane bounds (decision 116; ``kvwire serve --kv-max-*``) take the names of
+:class:`~kvwire.transfer.config.ControlLimits`' fields (``max_message_bytes``, ``max_peer_deadline_s``,
+``max_early_grants_per_peer`` ...) plus ``max_pending_transfers``.
+kvwire's data-link bounds (decision 115) map to :class:`~kvwire.transfer.planes.link_config.DataLinkConfig`:
+``data_max_connections``, ``data_max_connections_per_peer``, ``data_handshake_timeout_s``,
+``data_keepalive_s``, ``data_link_timeout_s``.
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ from kvwire.discovery.address import parse_registration_address
 from kvwire.errors import ConfigError
 from kvwire.kv_params import Role, TransferMode
 from kvwire.secrets_config import check_secret, load_secret, read_secret_file
+from kvwire.transfer.config import ControlLimits
 from kvwire.transfer.enums import Transport
+from kvwire.transfer.planes.link_config import DataLinkConfig
 
 VLLM_DEFAULT_KV_PORT = 14579  # KVTransferConfig.kv_port's default in vLLM
 GiB = 1 << 30
@@ -45,8 +54,14 @@ KVWIRE_KEYS = frozenset(
     {"router", "discovery", "host", "http_host", "mode", "deadline_s", "lease_s", "backend", "transport",
      "recv_budget_bytes", "spill_budget_bytes", "secret", "secret_file", "heartbeat_interval_s",
      "instance_id", "model_name", "data_port", "advertise_host", "advertise_port", "advertise_data_port",
-     "fault_delay_send"}
+     "fault_delay_send",
+     # data-plane link bounds (DataLinkConfig, decision 115)
+     "data_max_connections", "data_max_connections_per_peer", "data_handshake_timeout_s", "data_keepalive_s",
+     "data_link_timeout_s"}
 )
+# the agent's control-plane bounds (decision 116): ControlLimits' own field names, and the transfer cap
+LIMIT_KEYS = frozenset(f.name for f in dataclasses.fields(ControlLimits))
+PENDING_KEY = "max_pending_transfers"
 _SEND_TYPES = {"PUT": TransferMode.PUSH, "PUT_ASYNC": TransferMode.PUSH, "GET": TransferMode.PULL}
 _ROLES = {
     "kv_producer": Role.PREFILL,
@@ -125,6 +140,8 @@ class VllmPluginConfig:
     spill_budget_bytes: int = 1 * GiB
     secret: str | None = dataclasses.field(default=None, repr=False)  # never in a repr or log
     router_address: str | None = None  # "tcp://host:port" or "etcd://host:port[/prefix]"; None = none
+    # The mode set by send_type / mode (None: not set); a router in the other mode overrides it.
+    configured_mode: TransferMode | None = None
     http_url: str | None = None  # advertised OpenAI API base, needed when router_address is set
     heartbeat_interval_s: float = 2.0
     instance_id: str | None = None  # stable name; None = vLLM's engine_id
@@ -132,6 +149,9 @@ class VllmPluginConfig:
     nccl_num_channels: int | None = None
     vllm_failure_policy: LoadFailurePolicy = LoadFailurePolicy.FAIL  # vLLM applies it (informational)
     fault_delay_send: SendDelayFault | None = None  # tests and drills only
+    limits: ControlLimits = dataclasses.field(default_factory=ControlLimits)  # the agents' control plane
+    max_pending_transfers: int = 65536  # per agent and side (TransferConfig.max_pending_transfers)
+    data_links: DataLinkConfig = dataclasses.field(default_factory=DataLinkConfig)  # data-plane bounds
 
     def __post_init__(self) -> None:
         if not 0 <= self.base_control_port <= 65535:
@@ -162,6 +182,8 @@ class VllmPluginConfig:
             raise ConfigError(f"transport {self.transport.value!r} needs kv_buffer_device 'cuda'")
         if self.nccl_num_channels is not None and self.nccl_num_channels <= 0:
             raise ConfigError(f"nccl_num_channels must be > 0, got {self.nccl_num_channels}")
+        if self.max_pending_transfers < 1:
+            raise ConfigError(f"max_pending_transfers must be >= 1, got {self.max_pending_transfers}")
 
     def control_port(self, rank: int) -> int:
         """Control port of rank ``rank``'s transfer agent (0 = any free port)."""
@@ -242,12 +264,12 @@ def _one_of(extra: Mapping[str, Any], seed_key: str, own_key: str) -> None:
 
 
 def _check_keys(extra: Mapping[str, Any]) -> None:
-    unknown = sorted(set(extra) - SEED_KEYS - KVWIRE_KEYS)
+    unknown = sorted(set(extra) - SEED_KEYS - KVWIRE_KEYS - LIMIT_KEYS - {PENDING_KEY})
     if unknown:
         raise ConfigError(
             f"KvwireConnector: unknown kv_connector_extra_config key(s) {unknown}. "
             f"Accepted seed (P2pNcclConnector) keys: {sorted(SEED_KEYS)}; "
-            f"kvwire keys: {sorted(KVWIRE_KEYS)} (see docs/vllm.md)"
+            f"kvwire keys: {sorted(KVWIRE_KEYS | LIMIT_KEYS | {PENDING_KEY})} (see docs/vllm.md)"
         )
 
 
@@ -344,6 +366,42 @@ def _transport(extra: Mapping[str, Any]) -> Transport:
         raise ConfigError(msg) from exc
 
 
+def _limits(extra: Mapping[str, Any]) -> ControlLimits:
+    """The control-plane bounds given (ControlLimits' field names); the others keep their defaults."""
+    given: dict[str, Any] = {}
+    for field in dataclasses.fields(ControlLimits):
+        reader = _get_int if field.type in ("int", int) else _get_float
+        value = reader(extra, field.name)
+        if value is not None:
+            given[field.name] = value
+    try:
+        return ControlLimits(**given)
+    except ConfigError as exc:
+        raise ConfigError(f"kv_connector_extra_config: {exc}") from exc
+
+
+def _pending_transfers(extra: Mapping[str, Any]) -> int:
+    value = _get_int(extra, PENDING_KEY)
+    return 65536 if value is None else value
+
+
+def _data_links(extra: Mapping[str, Any]) -> DataLinkConfig:
+    """The ``data_*`` link bounds given (the rest keep DataLinkConfig's defaults)."""
+    given: dict[str, Any] = {}
+    for field in ("max_connections", "max_connections_per_peer"):
+        value = _get_int(extra, f"data_{field}")
+        if value is not None:
+            given[field] = value
+    for field in ("handshake_timeout_s", "keepalive_s", "link_timeout_s"):
+        number = _get_float(extra, f"data_{field}")
+        if number is not None:
+            given[field] = number
+    try:
+        return DataLinkConfig(**given)
+    except ConfigError as exc:
+        raise ConfigError(f"kv_connector_extra_config: {exc}") from exc
+
+
 def _vllm_failure_policy(view: VllmTransferView) -> LoadFailurePolicy:
     try:
         return LoadFailurePolicy(view.kv_load_failure_policy)
@@ -394,6 +452,7 @@ def plugin_config_from_vllm(view: VllmTransferView) -> VllmPluginConfig:
         spill_budget_bytes=spill_budget,
         secret=_plugin_secret(extra),
         router_address=_router(extra),
+        configured_mode=_mode(extra) if {"send_type", "mode"} & set(extra) else None,
         http_url=f"http://{http_host}:{http_port}" if http_port is not None else None,
         heartbeat_interval_s=2.0 if interval_s is None else interval_s,
         instance_id=_get_str(extra, "instance_id") or view.engine_id,
@@ -401,4 +460,7 @@ def plugin_config_from_vllm(view: VllmTransferView) -> VllmPluginConfig:
         nccl_num_channels=_get_int(extra, "nccl_num_channels"),
         vllm_failure_policy=vllm_failure_policy,
         fault_delay_send=_send_delay_fault(extra),
+        limits=_limits(extra),
+        max_pending_transfers=_pending_transfers(extra),
+        data_links=_data_links(extra),
     )

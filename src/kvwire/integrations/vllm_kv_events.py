@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import threading
 from collections import Counter
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import zmq
@@ -44,6 +44,8 @@ from kvwire.supervision import HealthBoard, SupervisedThread
 log = logging.getLogger(__name__)
 
 VllmHash = bytes | int  # vLLM's ExternalBlockHash: sha256 bytes, or a 64-bit int when so configured
+# kvwire's chain hashes token ids as signed 64-bit integers: an event with others is an unknown event
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 MAIN_MEDIUM = "GPU"  # what vLLM's block pool reports for its own KV cache (on CPU hosts too)
 POLL_MS = 100  # how often the bridge thread checks for close()
 MAX_DRAIN = 1000  # messages handled per wake-up at most
@@ -52,7 +54,7 @@ MAX_DRAIN = 1000  # messages handled per wake-up at most
 class VllmBlockStored(msgspec.Struct, tag="BlockStored"):
     block_hashes: list[VllmHash]
     parent_block_hash: VllmHash | None = None
-    token_ids: list[int] = msgspec.field(default_factory=list)
+    token_ids: list[TokenId] = msgspec.field(default_factory=list)
     block_size: int = 0
     lora_id: int | None = None
     lora_name: str | None = None
@@ -87,15 +89,19 @@ _event_decoder = msgspec.msgpack.Decoder(VllmEvent)
 def decode_events(payload: bytes) -> tuple[list[VllmEvent], int]:
     """vLLM's msgpack ``KVEventBatch`` -> (the events we understand, how many we did not).
 
-    Raises ``msgspec.DecodeError`` / ``msgspec.ValidationError`` when the batch itself is malformed.
+    Raises ``msgspec.DecodeError`` / ``msgspec.ValidationError`` when the batch itself is malformed
+    (nested past msgspec's limit included).
     """
-    batch = _batch_decoder.decode(payload)
+    try:
+        batch = _batch_decoder.decode(payload)
+    except RecursionError as exc:
+        raise msgspec.DecodeError(f"KV event batch nested too deep: {exc}") from exc
     events: list[VllmEvent] = []
     unknown = 0
     for raw in batch.events:
         try:
             events.append(_event_decoder.decode(raw))
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, RecursionError):
             unknown += 1
     return events, unknown
 

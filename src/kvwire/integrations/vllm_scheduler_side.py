@@ -128,6 +128,7 @@ class SchedulerSide:
             interval_s=self.config.heartbeat_interval_s, secret=self.config.secret,
             kv_events=self.kv_event_log, tokenizer=self.identity.tokenizer,
             wait_for_http=True,  # vLLM's HTTP server starts listening after engine init
+            kv_mode="" if self.config.configured_mode is None else self.config.configured_mode.value,
         )
 
     @property

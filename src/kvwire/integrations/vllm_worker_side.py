@@ -4,11 +4,18 @@ Lives in a vLLM worker process, called on its model-runner thread (the agent's r
 transfer threads, inside the core). No vLLM import: the shell in :mod:`kvwire.integrations.vllm`
 passes plain values. Layer names from vLLM become the core's dense KV-layer indices here; layers that
 carry no KV of their own are never counted (the reference counted MoE layers and waited forever).
+
+Supervision (decision 116): the worker process's :class:`~kvwire.supervision.HealthBoard` is
+``WorkerSide.board``; the agent's threads run on it. vLLM's own health check cannot read it, so a
+component that is dead is logged as an error (once) at the next ``get_finished``; the agent has then
+failed every transfer in flight (reported as load errors, vLLM's ``kv_load_failure_policy`` applies)
+and refuses new ones (the core fails those requests' transfers at once): nothing waits on it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -23,6 +30,7 @@ from kvwire.connector.worker import AgentLike, KvwireWorkerConnector
 from kvwire.errors import EngineError
 from kvwire.integrations.vllm_config import DataPlane, VllmPluginConfig
 from kvwire.integrations.vllm_layers import KVLayers, kv_layers
+from kvwire.supervision import HealthBoard
 from kvwire.transfer import Backend, TransferAgent, TransferConfig
 from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 
@@ -33,10 +41,14 @@ AgentFactory = Callable[[TransferConfig], AgentLike]
 
 def transfer_config(config: VllmPluginConfig, engine_info: EngineInfo) -> TransferConfig:
     """The agent config of rank ``engine_info.rank``."""
+    ports = config.rank_ports(engine_info.rank)
     return TransferConfig(
         host=config.host,
         advertise_host=config.advertise_host,
-        **config.rank_ports(engine_info.rank),
+        control_port=ports["control_port"],
+        data_port=ports["data_port"],
+        advertise_control_port=ports["advertise_control_port"],
+        advertise_data_port=ports["advertise_data_port"],
         backend=Backend.NCCL if config.data_plane is DataPlane.NCCL else Backend.TCP,
         transport=config.transport,
         device=engine_info.device,
@@ -44,8 +56,11 @@ def transfer_config(config: VllmPluginConfig, engine_info: EngineInfo) -> Transf
         spill_budget_bytes=config.spill_budget_bytes,
         default_deadline_s=config.connector.agent_deadline_s,
         secret=config.secret.encode() if config.secret else None,
+        limits=config.limits,
+        max_pending_transfers=config.max_pending_transfers,
         # the plugin's edge: KVWIRE_NCCL_* read once per worker, when its agent is configured
         nccl=NcclPlaneConfig.from_env(),
+        links=config.data_links,
     )
 
 
@@ -61,11 +76,15 @@ class WorkerSide:
     """See the module docstring. ``close()`` stops the agent."""
 
     def __init__(
-        self, config: VllmPluginConfig, engine_info: EngineInfo, agent_factory: AgentFactory = TransferAgent
+        self, config: VllmPluginConfig, engine_info: EngineInfo, agent_factory: AgentFactory | None = None
     ) -> None:
+        """``agent_factory`` (tests): builds the agent; default a TransferAgent on :attr:`board`."""
         apply_nccl_channels(config)
         self.engine_info = engine_info
-        self.agent = agent_factory(transfer_config(config, engine_info))
+        self.board = HealthBoard()
+        factory = agent_factory or functools.partial(TransferAgent, board=self.board)
+        self.agent = factory(transfer_config(config, engine_info))
+        self._reported_dead: set[str] = set()
         self.core = KvwireWorkerConnector(config.connector, engine_info, self.agent, owns_agent=True)
         self._failure_policy = config.vllm_failure_policy.value
         self._fault_delay_send = config.fault_delay_send
@@ -134,6 +153,7 @@ class WorkerSide:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(finished_sending, finished_recving) since the last call; failed loads' blocks are kept for
         :meth:`take_invalid_block_ids`, which vLLM calls right after, in the same step."""
+        self._report_dead()
         out = self.core.get_finished(finished_req_ids)
         if out.invalid_block_ids:
             logger.warning(
@@ -142,6 +162,15 @@ class WorkerSide:
             )
         self._invalid_block_ids |= out.invalid_block_ids
         return set(out.finished_sending), set(out.finished_recving)
+
+    def _report_dead(self) -> None:
+        """Log each dead component once (vLLM's health check cannot see this board)."""
+        for status in self.board.dead():
+            if status.name not in self._reported_dead:
+                self._reported_dead.add(status.name)
+                logger.error("kvwire: rank %d: component %s is dead (%s); its transfers failed and new ones "
+                             "are refused: restart this vLLM instance", self.engine_info.rank, status.name,
+                             status.last_error)
 
     def take_invalid_block_ids(self) -> set[int]:
         invalid, self._invalid_block_ids = self._invalid_block_ids, set()

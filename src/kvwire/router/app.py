@@ -34,6 +34,7 @@ from kvwire.router.request import ClientRequest, Outcome, parse_client_request
 from kvwire.router.security import instance_headers
 from kvwire.router.selection import ModelNotFoundError, Selector
 from kvwire.router.upstream import Upstream, UpstreamFailure, UpstreamLimits
+from kvwire.router.vllm_api import VllmApi, mode_overridden, model_cards, warn_if_overridden
 from kvwire.supervision import HealthBoard, SupervisionCollector
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,9 @@ CHAT = "/v1/chat/completions"
 
 
 def error_response(status: int, message: str, type_: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": type_, "code": status}}, status=status)
+    """OpenAI's error body as vLLM writes it: ``param`` present, ``code`` the HTTP status."""
+    return web.json_response({"error": {"message": message, "type": type_, "param": None, "code": status}},
+                             status=status)
 
 
 class RouterServer:
@@ -58,6 +61,7 @@ class RouterServer:
         self.metrics.registry.register(SupervisionCollector(self.board))
         self.kv_index = KvIndex(cfg.kv_index_max_blocks)
         self.registry = Registry(cfg.instance_ttl_s, cfg.forget_after_s, on_remove=self._forget_instance,
+                                 on_register=lambda info: warn_if_overridden(info, cfg.mode),
                                  max_instances=cfg.max_instances, max_record_ttl_s=cfg.max_record_ttl_s)
         # ZeroMQ heartbeats (default, with KV events into the index) or an etcd watch
         self.discovery = make_discovery(cfg, self.registry, self.kv_index, board=self.board)
@@ -66,6 +70,7 @@ class RouterServer:
         self.metrics.add_discovery(
             self.registry, lambda: dict(self.discovery.received), lambda: dict(self.discovery.dropped),
             lambda: self.discovery.stale, lambda: self.discovery.connections_dropped,
+            lambda: self.discovery.freshness_evicted,
         )
         refusals = RefusalLog(log, "client request")
         middlewares = [api_key_middleware(cfg.api_keys, self._auth_refused, refusals)]
@@ -76,6 +81,8 @@ class RouterServer:
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/metrics", self._metrics_handler)
         self.app.router.add_get("/instances", self._instances)
+        # vLLM's /tokenize, /detokenize (forwarded to an instance) and /version (kvwire.router.vllm_api)
+        VllmApi(self.registry, lambda: self._upstream, self._instance_headers).add_routes(self.app)
         self._runner: web.AppRunner | None = None
         self._upstream: Upstream | None = None
         self._dispatcher: Dispatcher | None = None
@@ -106,7 +113,8 @@ class RouterServer:
         )
         self._dispatcher = Dispatcher(self.cfg, self.selector, self._upstream, self.metrics)
         self._runner = web.AppRunner(
-            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
+            keepalive_timeout=self.cfg.http_idle_timeout_s,  # also the deadline of a request's head
         )
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET6 if ":" in self.cfg.host else socket.AF_INET, socket.SOCK_STREAM)
@@ -187,9 +195,12 @@ class RouterServer:
             size = request.content_length
             raise _BodyTooLarge(f"request body of {size} bytes exceeds the {limit}-byte limit")
         try:
-            return await request.read()
+            return await asyncio.wait_for(request.read(), self.cfg.http_body_timeout_s)
         except web.HTTPRequestEntityTooLarge as exc:
             raise _BodyTooLarge(f"request body exceeds the {limit}-byte limit") from exc
+        except asyncio.TimeoutError as exc:
+            raise _BodyTimeout(f"request body did not arrive within {self.cfg.http_body_timeout_s:g} s "
+                               "(--http-body-timeout-s)") from exc
 
     def _auth_refused(self, refusal: Refusal) -> None:
         self.metrics.auth_refused.labels(reason=refusal.value).inc()
@@ -197,9 +208,13 @@ class RouterServer:
     # --- service endpoints ----------------------------------------------------------------------
 
     async def _models(self, request: web.Request) -> web.Response:
-        models = self.selector.servable_models()  # only what a request could be served on now
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvwire"} for m in models]
-        return web.json_response({"object": "list", "data": data})
+        # only the models a request could be served on now (decision 124)
+        return web.json_response(model_cards(self.registry.snapshot(), self.selector.servable_models()))
+
+    def _instance_headers(self, request: web.Request) -> dict[str, str]:
+        auth = request.headers.get("Authorization")
+        forwarded = {"Content-Type": "application/json", **({"Authorization": auth} if auth else {})}
+        return instance_headers(forwarded, self.cfg)
 
     async def _health(self, request: web.Request) -> web.Response:
         """200 ``ok``; 503 naming the dead component when a supervised thread or task gave up."""
@@ -217,8 +232,19 @@ class RouterServer:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _instances(self, request: web.Request) -> web.Response:
+        """Every registry entry. With API keys configured and ``/instances`` opened to everyone
+        (``--open-endpoint instances``), a caller without a valid key gets no addresses (URL, KV
+        endpoints, data-plane peers): nothing to aim an attack at (decision 125)."""
         stale = self.discovery.stale
-        return web.json_response([self._instance_json(v, stale) for v in self.registry.snapshot()])
+        keys = self.cfg.api_keys
+        hide = keys.enabled and keys.check(request.headers.get("Authorization")) is not None
+        entries = [self._instance_json(v, stale) for v in self.registry.snapshot()]
+        if hide:
+            for entry in entries:
+                entry["url"], entry["kv_endpoints"] = None, []
+                if entry["load"] is not None:
+                    entry["load"]["kv_transports"] = {}
+        return web.json_response(entries)
 
     def _instance_json(self, v: InstanceView, stale: bool) -> dict[str, Any]:
         load = v.load
@@ -232,6 +258,10 @@ class RouterServer:
             "kv_endpoints": list(v.info.kv_endpoints),
             "kv_layout": None if v.info.kv_layout is None else msgspec.to_builtins(v.info.kv_layout),
             "version": v.info.version,
+            "max_model_len": v.info.max_model_len or None,
+            # the mode the instance was configured with ("" = none); overridden: the router's differs
+            "kv_mode": v.info.kv_mode or None,
+            "kv_mode_overridden": mode_overridden(v.info, self.cfg.mode),
             "alive": v.alive,
             "state": v.state.value,
             "reason": v.reason,
@@ -262,10 +292,15 @@ class _BodyTooLarge(InvalidRequestError):
     pass
 
 
+class _BodyTimeout(InvalidRequestError):
+    pass
+
+
 # Errors raised before anything went upstream -> (HTTP status, outcome label, OpenAI error type).
 # First match wins: subclasses before their bases.
 _ERROR_TABLE: tuple[tuple[type[Exception], int, Outcome, str], ...] = (
     (_BodyTooLarge, 413, Outcome.TOO_LARGE, "invalid_request_error"),
+    (_BodyTimeout, 408, Outcome.BODY_TIMEOUT, "invalid_request_error"),
     (InvalidRequestError, 400, Outcome.INVALID, "invalid_request_error"),
     (ModelNotFoundError, 404, Outcome.MODEL_NOT_FOUND, "not_found_error"),
     (NoInstanceError, 503, Outcome.NO_INSTANCE, "service_unavailable"),

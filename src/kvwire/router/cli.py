@@ -59,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "is always open)")
     parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                         help="largest accepted request body (default %(default)s)")
+    parser.add_argument("--http-idle-timeout-s", type=float, default=d.http_idle_timeout_s,
+                        help="close a client connection with no complete request head for this long "
+                             "(new or idle; default %(default)s)")
+    parser.add_argument("--http-body-timeout-s", type=float, default=d.http_body_timeout_s,
+                        help="answer 408 when a request body does not arrive within this (default "
+                             "%(default)s)")
     parser.add_argument("--kv-deadline-s", type=float, default=d.kv_deadline_s,
                         help="lease given to P/D transfers: a silent peer fails a transfer after this "
                              "long (default %(default)s)")
@@ -70,16 +76,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="limit on one upstream request, streaming included (default %(default)s)")
     parser.add_argument("--client-write-timeout-s", type=float, default=d.client_write_timeout_s,
                         help="cut off a client reading nothing this long (default %(default)s)")
-    parser.add_argument("--stream-first-token-from-prefill", action="store_true",
-                        help="push mode, streaming: send P's first token at once, trim it off D's stream")
+    parser.add_argument("--stream-first-token-from-prefill", action=argparse.BooleanOptionalAction,
+                        default=d.stream_first_token_from_prefill,
+                        help="push mode, streaming: send P's first token to the client as soon as P has "
+                             "it, and D's stream from the second token on (default: on)")
     parser.add_argument("--max-connect-retries", type=int, default=d.max_connect_retries,
                         help="re-dispatches after a refused connection (default %(default)s)")
     parser.add_argument("--decode-local-prefill-tokens", type=int, default=d.decode_local_prefill_tokens,
                         help="kv_aware: skip P when D holds all but fewer than this many prompt tokens "
                              "(0 = never; default %(default)s)")
     parser.add_argument("--tokenizer", default=None,
-                        help="prompt tokenizer for KV-aware routing: 'byte' or a local HF model directory "
-                             "(default: what the instances announce)")
+                        help="prompt tokenizer for KV-aware routing: 'byte', a local HF model directory or a "
+                             "Hugging Face model id (default: what the instances announce)")
     parser.add_argument("--kv-index-max-blocks", type=int, default=d.kv_index_max_blocks,
                         help="block hashes the router's KV index keeps (default %(default)s)")
     parser.add_argument("--pd-fallback", choices=[f.value for f in PdFallback], default=d.pd_fallback.value,
@@ -92,6 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default %(default)s)")
     bounds.add_argument("--max-record-ttl-s", type=float, default=d.max_record_ttl_s,
                         help="cap on the ttl_s an instance's heartbeat promises (default %(default)s)")
+    bounds.add_argument("--discovery-freshness-s", type=float, default=d.discovery_freshness_s,
+                        help="with a secret: refuse a first heartbeat of an instance epoch sent further "
+                             "than this from the router's clock (replays; default %(default)s)")
     bounds.add_argument("--upstream-max-connections", type=int, default=d.upstream_max_connections,
                         help="connections to instances in all; more requests wait (default %(default)s)")
     bounds.add_argument("--upstream-max-connections-per-instance", type=int,
@@ -107,6 +118,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         instance_ttl_s=args.instance_ttl_s, policy=Policy(args.policy), mode=TransferMode(args.mode),
         secret=load_secret(args.secret_file), max_body_bytes=args.max_body_bytes,
         kv_deadline_s=args.kv_deadline_s,
+        http_idle_timeout_s=args.http_idle_timeout_s, http_body_timeout_s=args.http_body_timeout_s,
         kv_limit_s=args.kv_limit_s, max_migrations=args.max_migrations,
         upstream_timeout_s=args.upstream_timeout_s, max_connect_retries=args.max_connect_retries,
         client_write_timeout_s=args.client_write_timeout_s,
@@ -118,6 +130,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         decode_local_prefill_tokens=args.decode_local_prefill_tokens, tokenizer=args.tokenizer,
         kv_index_max_blocks=args.kv_index_max_blocks,
         max_instances=args.max_instances, max_record_ttl_s=args.max_record_ttl_s,
+        discovery_freshness_s=args.discovery_freshness_s,
         upstream_max_connections=args.upstream_max_connections,
         upstream_max_connections_per_instance=args.upstream_max_connections_per_instance,
         pd_fallback=PdFallback(args.pd_fallback),

@@ -49,6 +49,11 @@ class RouterConfig:
     # header is passed on when the router has no keys of its own, else nothing.
     instance_api_key: str | None = None
     max_body_bytes: int = 16 * 1024 * 1024
+    # A client connection with no complete request head for this long (a new connection, or idle
+    # between requests) is closed: a slow-loris head cannot hold it. Longer than the keep-alive of
+    # the router's own upstream pool (30 s) and of common clients (aiohttp 15 s), so they close first.
+    http_idle_timeout_s: float = 60.0
+    http_body_timeout_s: float = 30.0  # a request body that does not arrive in time: 408
     connect_timeout_s: float = 5.0
     upstream_timeout_s: float = 600.0  # whole upstream request, streaming included
     # A client that reads nothing for this long (one write stuck; streaming or a whole answer) is cut
@@ -60,8 +65,9 @@ class RouterConfig:
     max_connect_retries: int = 2  # re-dispatches when an upstream refuses the connection
     seed: int | None = None  # for the random policy (tests)
     # Push mode, streaming: send P's first token to the client as soon as P answers, and trim it off
-    # the start of D's stream (D's text must start with it; greedy decoding guarantees that).
-    stream_first_token_from_prefill: bool = False
+    # the start of D's stream (P and D share a request id and a seed; a D that does not continue P's
+    # token has its answer continued elsewhere, decision 121).
+    stream_first_token_from_prefill: bool = True
     # kv_aware: when D holds all but fewer than this many prompt tokens, skip P and let D prefill the
     # rest itself (0 = never skip).
     decode_local_prefill_tokens: int = 256
@@ -72,6 +78,9 @@ class RouterConfig:
     max_instances: int = 10_000
     # A heartbeat's promised ttl_s (etcd records) is clamped to this; negative/NaN counts as none.
     max_record_ttl_s: float = 60.0
+    # With a secret: the first signed message of an instance's epoch must be sent within this many
+    # seconds of the router's clock (replays refused: decision 125); etcd records get their ttl_s more.
+    discovery_freshness_s: float = 30.0
     # Connections to instances: in all, and to one instance; a request beyond waits for one (counted).
     upstream_max_connections: int = 4096
     upstream_max_connections_per_instance: int = 1024
@@ -90,6 +99,9 @@ class RouterConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not (self.http_idle_timeout_s > 0 and self.http_body_timeout_s > 0):
+            raise ConfigError("http_idle_timeout_s and http_body_timeout_s must be > 0, got "
+                              f"{self.http_idle_timeout_s}, {self.http_body_timeout_s}")
         if self.max_body_bytes < 1024:
             raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.decode_local_prefill_tokens < 0:
@@ -99,6 +111,9 @@ class RouterConfig:
         for name in ("max_instances", "upstream_max_connections", "upstream_max_connections_per_instance"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.discovery_freshness_s < float("inf"):
+            raise ConfigError(
+                f"discovery_freshness_s must be > 0 and finite, got {self.discovery_freshness_s}")
         if not 0 < self.max_record_ttl_s < float("inf"):
             raise ConfigError(f"max_record_ttl_s must be > 0 and finite, got {self.max_record_ttl_s}")
         if self.kv_index_max_blocks <= 0:

@@ -23,6 +23,10 @@ from kvwire.router.registry import Registry
 from kvwire.router.sweeper import RegistrySweeper
 from kvwire.supervision import HealthBoard
 
+# instance epochs whose last seq the freshness check remembers, per instance the registry may hold
+# (restarts within the window each add one)
+FRESHNESS_PER_INSTANCE = 10
+
 
 class RouterDiscovery(Protocol):
     kind: DiscoveryKind
@@ -47,6 +51,11 @@ class RouterDiscovery(Protocol):
         """Why the view is stale ("" when it is not): etcd unreachable, credentials refused."""
         ...
 
+    @property
+    def freshness_evicted(self) -> int:
+        """Instance epochs whose last ``seq`` was forgotten early (the freshness memory was full)."""
+        ...
+
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
@@ -65,7 +74,8 @@ class ZmqDiscovery:
     ) -> None:
         self.listener = DiscoveryListener(
             registry, cfg.discovery_host, cfg.discovery_port, cfg.secret_bytes, kv_index=kv_index,
-            board=board,
+            board=board, freshness_window_s=cfg.discovery_freshness_s,
+            freshness_max_entries=FRESHNESS_PER_INSTANCE * cfg.max_instances,
         )
         self.sweeper = RegistrySweeper(registry, cfg.sweep_interval_s, board=board)
         self.received = self.listener.received
@@ -78,6 +88,10 @@ class ZmqDiscovery:
     @property
     def connections_dropped(self) -> int:
         return self.listener.connections_dropped
+
+    @property
+    def freshness_evicted(self) -> int:
+        return 0 if self.listener.freshness is None else self.listener.freshness.evicted
 
     async def start(self) -> None:
         self.listener.start()
@@ -95,6 +109,10 @@ class EtcdDiscovery(EtcdWatcher):
     kind = DiscoveryKind.ETCD
     connections_dropped = 0  # the watch is the router's own connection
 
+    @property
+    def freshness_evicted(self) -> int:
+        return 0 if self.freshness is None else self.freshness.evicted
+
 
 def make_discovery(
     cfg: RouterConfig, registry: Registry, kv_index: KvIndex | None = None, *,
@@ -105,4 +123,6 @@ def make_discovery(
     target = cfg.discovery_target
     if target is None:
         return ZmqDiscovery(registry, cfg, kv_index, board=board)
-    return EtcdDiscovery(registry, target, board=board)
+    return EtcdDiscovery(registry, target, board=board, secret=cfg.secret_bytes,
+                         freshness_window_s=cfg.discovery_freshness_s,
+                         freshness_max_entries=FRESHNESS_PER_INSTANCE * cfg.max_instances)

@@ -12,7 +12,12 @@ Contract:
   router keeps routing on its last view, and :attr:`EtcdWatcher.stale` is true (shown per instance
   in ``/instances`` and as ``kvwire_router_discovery_stale``) until a sync succeeds again. Retries
   back off from 0.2 s to 2 s. A watch cancelled by compaction re-syncs the same way.
-* Records that fail to decode are dropped and counted in ``dropped["malformed"]``.
+* Records that fail to decode are dropped and counted in ``dropped["malformed"]``. With a shared
+  secret (``secret``), a record must be signed with it (:class:`~kvwire.discovery.etcd_gateway.
+  SignedRecord`): unsigned or badly signed ones are dropped as ``dropped["unauthenticated"]``, and an
+  old record written again (its ``seq`` below the last one of its instance and epoch, or a first
+  record older than the freshness window plus its ``ttl_s``) as ``dropped["replayed"]``
+  (:mod:`kvwire.router.freshness`, decision 125). Refusals are logged once per reason a minute.
 * Credentials in the address (``etcd://USER@HOST:PORT``, decision 099): the first call
   authenticates (``/v3/auth/authenticate``) and every call and the watch carry the token; a call
   answered "invalid token" authenticates again and is retried once; a watch cancelled "permission
@@ -59,14 +64,17 @@ from kvwire.discovery.etcd_gateway import (
     check_answer,
     decode_record,
     prefix_request,
+    record_key,
     token_of,
     unb64,
 )
 from kvwire.discovery.messages import Deregister, Heartbeat
-from kvwire.errors import ProtocolError
+from kvwire.errors import AuthenticationError, ProtocolError
+from kvwire.refusal_log import RefusalLog
 from kvwire.router.etcd_expiry import DeadlineHeap
 from kvwire.router.etcd_stream import WatchEvent, watch_messages
-from kvwire.router.registry import ApplyResult, Registry
+from kvwire.router.freshness import DEFAULT_MAX_ENTRIES, DEFAULT_WINDOW_S, FreshnessGuard
+from kvwire.router.registry import ApplyResult, Registry, clamp_ttl_s
 from kvwire.supervision import HealthBoard, supervise_async
 
 log = logging.getLogger(__name__)
@@ -88,9 +96,16 @@ class EtcdWatcher:
     """Start with :meth:`start` on the router's loop; :meth:`stop` cancels the task and closes HTTP."""
 
     def __init__(
-        self, registry: Registry, target: DiscoveryAddress, *, board: HealthBoard | None = None
+        self, registry: Registry, target: DiscoveryAddress, *, board: HealthBoard | None = None,
+        secret: bytes | None = None, freshness_window_s: float = DEFAULT_WINDOW_S,
+        freshness_max_entries: int = DEFAULT_MAX_ENTRIES,
     ) -> None:
         self._registry = registry
+        self._record_key = record_key(secret) if secret else None  # records must be signed with it
+        # a re-sync reads the same records again: the same seq is not a replay here
+        self.freshness = FreshnessGuard(freshness_window_s, max_entries=freshness_max_entries,
+                                        allow_repeat=True) if secret else None
+        self._refusals = RefusalLog(log, "etcd record")
         self._board = board  # the watch and the expiry tasks are supervised there (router /health)
         self.target = target
         self._url = target.address
@@ -340,7 +355,8 @@ class EtcdWatcher:
                 if ident in in_batch:
                     self._apply_batch(batch)
                     batch, in_batch = [], set()
-                    msg = self._event_message(event.type, kv.key, kv.value)  # epochs may have moved
+                    if isinstance(msg, Deregister):  # its epoch may have moved; a record is decoded
+                        msg = self._event_message(event.type, kv.key, kv.value)  # once (freshness)
                 if msg is not None:
                     batch.append(msg)
                     in_batch.add(ident)
@@ -361,13 +377,36 @@ class EtcdWatcher:
         if kind == "DELETE":
             ident = key.decode(errors="replace").removeprefix(self.target.prefix)
             epoch = self._epochs.get(ident)
-            return None if epoch is None else Deregister(instance_id=ident, epoch=epoch, sent_at=time.time())
+            if epoch is None:
+                return None
+            if self.freshness is not None:  # in etcd's order: the deleted record put back is a replay
+                self.freshness.seal(ident, epoch)
+            return Deregister(instance_id=ident, epoch=epoch, sent_at=time.time())
+        return self._record(value, key)
+
+    def _record(self, value: bytes, key: object) -> Heartbeat | None:
+        """A record's value, decoded, verified (with a secret) and fresh; else None (counted, logged)."""
         try:
-            return decode_record(value)
-        except ProtocolError as exc:
-            self.dropped["malformed"] += 1
-            log.warning("dropped etcd record %r: %s", key[:200], exc)
+            record = decode_record(value, self._record_key)
+        except AuthenticationError as exc:
+            self.dropped["unauthenticated"] += 1
+            self._refusals.refused("unauthenticated", f"key {key!r:.200}: {exc}")
             return None
+        except (ProtocolError, ValueError) as exc:
+            self.dropped["malformed"] += 1
+            self._refusals.refused("malformed", f"key {key!r:.200}: {exc}")
+            return None
+        if self.freshness is None:
+            return record
+        promised_s = clamp_ttl_s(record.ttl_s, self._registry.max_record_ttl_s)
+        max_age_s = self.freshness.window_s + promised_s if promised_s > 0 else None
+        refused = self.freshness.check(record.info.instance_id, record.info.epoch, record.seq,
+                                       record.sent_at, max_age_s)
+        if refused is None:
+            return record
+        self.dropped["replayed"] += 1
+        self._refusals.refused("replayed", f"key {key!r:.200}: {refused}")
+        return None
 
     def _apply_batch(self, batch: list[Heartbeat | Deregister]) -> None:
         if not batch:
@@ -395,11 +434,12 @@ class EtcdWatcher:
         """A record of a range answer, decoded (None, counted, when malformed); its revision noted."""
         self._note_revision(unb64(kv.get("key", "")), int(kv.get("mod_revision", 0)), deleted=False)
         try:
-            return decode_record(unb64(kv.get("value", "")))
-        except (ProtocolError, ValueError) as exc:
+            value = unb64(kv.get("value", ""))
+        except ValueError as exc:
             self.dropped["malformed"] += 1
-            log.warning("dropped etcd record %r: %s", kv.get("key"), exc)
+            self._refusals.refused("malformed", f"key {kv.get('key')!r:.200}: {exc}")
             return None
+        return self._record(value, kv.get("key"))
 
     def _on_delete(self, ident: str) -> None:
         epoch = self._epochs.pop(ident, None)
@@ -407,5 +447,7 @@ class EtcdWatcher:
         self._revisions.pop(ident, None)
         if epoch is None:
             return
+        if self.freshness is not None:
+            self.freshness.seal(ident, epoch)
         result = self._registry.apply(Deregister(instance_id=ident, epoch=epoch, sent_at=time.time()))
         self.received[result.value] += 1

@@ -2,7 +2,10 @@
 
 One ZeroMQ PULL socket bound on the discovery port; instances connect with
 :class:`kvwire.discovery.HeartbeatClient` (PUSH). Malformed, unsigned (when a secret is set) or badly
-signed messages are dropped and counted in ``dropped[reason]``; they never reach the registry.
+signed messages are dropped and counted in ``dropped[reason]``; they never reach the registry. With a
+secret, a signed message that is not fresh (a replay: its ``seq`` not after the last one of its
+instance and epoch, or a first message outside the time window; :mod:`kvwire.router.freshness`) is
+dropped too, as ``dropped["replayed"]``.
 
 Fast failure detection: a socket monitor reports when a discovery TCP connection closes (the
 instance process died: the kernel closes its sockets, kill -9 included). The listener remembers
@@ -23,6 +26,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvwire.discovery.messages import MAX_FRAME_BYTES, Deregister, Heartbeat, KvEvents, decode_frames
 from kvwire.errors import AuthenticationError, ProtocolError
 from kvwire.refusal_log import RefusalLog
+from kvwire.router.freshness import DEFAULT_MAX_ENTRIES, DEFAULT_WINDOW_S, FreshnessGuard
 from kvwire.router.kv_index import KvIndex
 from kvwire.router.registry import ApplyResult, Registry
 from kvwire.supervision import HealthBoard, SupervisedThread
@@ -54,10 +58,14 @@ class DiscoveryListener:
     def __init__(
         self, registry: Registry, host: str, port: int, secret: bytes | None = None,
         kv_index: KvIndex | None = None, *, board: HealthBoard | None = None,
+        freshness_window_s: float = DEFAULT_WINDOW_S, freshness_max_entries: int = DEFAULT_MAX_ENTRIES,
     ) -> None:
         self._registry = registry
         self._kv_index = kv_index  # KV events go there (dropped, counted, when None)
         self._secret = secret
+        # replays are refused only where forging is (without a secret anyone can write a heartbeat)
+        self.freshness = (FreshnessGuard(freshness_window_s, max_entries=freshness_max_entries)
+                          if secret else None)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -138,7 +146,7 @@ class DiscoveryListener:
 
     def _decode(self, frames: list[zmq.Frame]) -> Heartbeat | Deregister | KvEvents | None:
         try:
-            return decode_frames([f.bytes for f in frames], self._secret)
+            return self._fresh(decode_frames([f.bytes for f in frames], self._secret))
         except AuthenticationError as exc:
             self.dropped["unauthenticated"] += 1
             self._refusals.refused("unauthenticated", str(exc))
@@ -148,6 +156,19 @@ class DiscoveryListener:
         except Exception as exc:  # the decoder's contract is ProtocolError; a slip must not stop us
             self.dropped["malformed"] += 1
             self._refusals.refused("malformed", f"the decoder raised {type(exc).__name__}: {exc}")
+        return None
+
+    def _fresh(self, msg: Heartbeat | Deregister | KvEvents) -> Heartbeat | Deregister | KvEvents | None:
+        """``msg``, or None (counted, logged) when a secret is set and it is not fresh (a replay)."""
+        if self.freshness is None:
+            return msg
+        ident, epoch = (msg.info.instance_id, msg.info.epoch) if isinstance(msg, Heartbeat) else (
+            msg.instance_id, msg.epoch)
+        refused = self.freshness.check(ident, epoch, msg.seq, msg.sent_at, self.freshness.window_s)
+        if refused is None:
+            return msg
+        self.dropped["replayed"] += 1
+        self._refusals.refused("replayed", refused)
         return None
 
     def _apply(self, batch: list[tuple[Heartbeat | Deregister, int]]) -> None:

@@ -89,11 +89,18 @@ class RouterMetrics:
             "kvwire_router_client_kv_params_dropped", "Client requests that carried kv_transfer_params, "
             "removed before dispatch (only the router sets them)", registry=r,
         )
+        # Streaming push: the client's stream opened with P's first token (decision 121)
+        self.first_tokens_from_prefill = Counter(
+            "kvwire_router_first_tokens_from_prefill", "P/D streams whose first token came from P's answer",
+            registry=r,
+        )
 
     def add_discovery(self, registry: Registry, received: Callable[[], dict[str, int]],
                       dropped: Callable[[], dict[str, int]], stale: Callable[[], bool] = bool,
-                      connections_dropped: Callable[[], int] = int) -> None:
-        self.registry.register(_DiscoveryCollector(registry, received, dropped, stale, connections_dropped))
+                      connections_dropped: Callable[[], int] = int,
+                      freshness_evicted: Callable[[], int] = int) -> None:
+        self.registry.register(_DiscoveryCollector(registry, received, dropped, stale, connections_dropped,
+                                                   freshness_evicted))
 
 
 class _DiscoveryCollector(Collector):
@@ -101,8 +108,9 @@ class _DiscoveryCollector(Collector):
 
     def __init__(self, registry: Registry, received: Callable[[], dict[str, int]],
                  dropped: Callable[[], dict[str, int]], stale: Callable[[], bool],
-                 connections_dropped: Callable[[], int]) -> None:
+                 connections_dropped: Callable[[], int], freshness_evicted: Callable[[], int]) -> None:
         self._registry = registry
+        self._freshness_evicted = freshness_evicted
         self._received = received
         self._dropped = dropped
         self._stale = stale
@@ -134,6 +142,12 @@ class _DiscoveryCollector(Collector):
             "kvwire_router_discovery_ttl_clamped",
             "Heartbeats whose promised ttl_s was negative, NaN or over --max-record-ttl-s (clamped)",
             value=self._registry.ttl_clamped,
+        )
+        yield CounterMetricFamily(
+            "kvwire_router_discovery_freshness_evicted",
+            "Instance epochs whose last seq the router forgot early: it remembered 10 x --max-instances "
+            "(a replay of one is then refused only by the time window)",
+            value=self._freshness_evicted(),
         )
         yield GaugeMetricFamily(
             "kvwire_router_discovery_stale",

@@ -51,6 +51,20 @@ def _event_end(buf: bytes) -> int:
     return min(ends, default=-1)
 
 
+def _empty(choice: dict[str, Any], text: str, ids: Any) -> bool:
+    """A content event that says nothing to the client: no text, no ids, no end, no role."""
+    delta = choice.get("delta")
+    role = isinstance(delta, dict) and delta.get("role") is not None
+    return not text and not ids and choice.get("finish_reason") is None and not role \
+        and choice.get("logprobs") is None
+def token_ids(value: object) -> list[int] | None:
+    """``value`` as token ids when it is a list of non-negative ints (an instance's ``token_ids`` or
+    ``prompt_token_ids``), else None: the router treats malformed ids as absent, never trusts them."""
+    if not isinstance(value, list) or not all(type(t) is int and t >= 0 for t in value):
+        return None
+    return value
+
+
 def _sse(data: dict[str, Any]) -> bytes:
     return b"data: " + msgspec.json.encode(data) + b"\n\n"
 
@@ -115,7 +129,7 @@ class StreamLedger:
             return event
         try:
             data = msgspec.json.decode(payload)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             return event
         if not isinstance(data, dict):
             return event
@@ -131,8 +145,8 @@ class StreamLedger:
         prompt = data.pop("prompt_token_ids", None)
         budget = data.pop("kvwire_max_tokens", None)
         if not self._continuing:
-            if isinstance(prompt, list) and self.prompt_ids is None:
-                self.prompt_ids = [int(t) for t in prompt]
+            if self.prompt_ids is None:
+                self.prompt_ids = token_ids(prompt)
             if isinstance(budget, int) and self.max_tokens is None:
                 self.max_tokens = budget
             if self.base is None:
@@ -147,8 +161,9 @@ class StreamLedger:
             return event
         ids = choice.pop("token_ids", None)
         text = self._text(choice)
-        if isinstance(ids, list):
-            self.token_ids.extend(int(t) for t in ids)
+        valid_ids = token_ids(ids)
+        if valid_ids is not None:
+            self.token_ids.extend(valid_ids)
         elif text:
             self.ids_complete = False
         if self._client_ids and isinstance(ids, list):
@@ -159,6 +174,8 @@ class StreamLedger:
             self.finished = True
         if self._continuing:
             return self._rewrite(choice, text, bool(ids))
+        if changed and _empty(choice, text, ids):
+            return b""  # it carried only what the router reads (e.g. D's budget after P's first token)
         return _sse(data) if changed else event
 
     def _text(self, choice: dict[str, Any]) -> str:

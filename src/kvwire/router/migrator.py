@@ -48,7 +48,7 @@ class Migrator:
         self._metrics = metrics
 
     def _attach_ledger(self, creq: ClientRequest) -> StreamLedger | None:
-        if self._cfg.max_migrations == 0 or self._cfg.stream_first_token_from_prefill:
+        if self._cfg.max_migrations == 0:
             return None
         ledger = StreamLedger.for_request(creq)
         if ledger is not None:

@@ -16,6 +16,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from kvwire import hub
 from kvwire.errors import KvwireError
 from kvwire.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -62,7 +63,10 @@ def _load(spec: str) -> Tokenizer | None:
     if spec == BYTE:
         return ByteTokenizer()
     try:
-        return HFTokenizer.from_dir(Path(spec))
+        path = Path(spec)
+        if not path.is_dir() and hub.is_repo_id(spec):  # --tokenizer ORG/NAME: the Hugging Face cache
+            path = hub.resolve_tokenizer(spec)
+        return HFTokenizer.from_dir(path)
     except (KvwireError, OSError, ImportError, ValueError) as exc:
         log.warning("KV-aware routing: cannot load tokenizer %r (%s); routing such requests on load only",
                     spec, exc)

@@ -3,9 +3,11 @@
 * colocated (``both`` instances): the body is forwarded untouched to one instance.
 * P/D push: a fresh transfer id; P gets a copy with ``max_tokens=1`` (non-streaming), D the full
   request, **concurrently**, each with ``kv_transfer_params`` naming the other's KV endpoints; D's
-  answer is streamed back. If P rejects the request (4xx) before D has produced anything, D is
-  cancelled and P's error returned; if P refused the connection the pair is re-picked; if P died or
-  failed (5xx), D owns the outcome (it recomputes or fails per its failure policy).
+  answer is streamed back. A streaming answer opens with P's token as soon as P has it, and D's
+  stream follows from its second token (:mod:`kvwire.router.splice`, decision 121). If P rejects
+  the request (4xx) before D has produced anything, D is cancelled and P's error returned; if P
+  refused the connection the pair is re-picked; if P died or failed (5xx), D owns the outcome (it
+  recomputes or fails per its failure policy).
 * P/D pull: D is picked first and named in P's params (P leases its KV to that D only); P is called
   first; its returned ``kv_transfer_params`` go to D with the role switched to decode.
 * policy ``kv_aware`` (push): D first by its cached prefix; P skipped when D holds nearly the whole
@@ -40,6 +42,7 @@ from kvwire.router.kv_routing import PushPlan, plan_push, prefix_for
 from kvwire.router.metrics import RouterMetrics, SSETokenMeter
 from kvwire.router.migration import StreamInterrupted
 from kvwire.router.migrator import Migrator
+from kvwire.router.pd_bodies import decode_body, prefill_body, shared_fields, spliceable
 from kvwire.router.prompt_tokens import PromptTokenizer
 from kvwire.router.registry import InstanceView
 from kvwire.router.request import ClientRequest
@@ -160,6 +163,8 @@ class Dispatcher:
             chunk = first
             while chunk:
                 await out.write(splicer.filter(chunk) if splicer is not None else chunk)
+                if splicer is not None and splicer.diverged:
+                    return await self._diverged(out, inst)
                 chunk = await self._upstream.watched(inst, inst.role.value, resp.content.readany())
             if splicer is not None:
                 await out.write(splicer.flush())
@@ -180,6 +185,17 @@ class Dispatcher:
                 resp.close()  # drop the connection so that the instance aborts the request
         return await out.close()
 
+    async def _diverged(self, out: ClientStream, inst: InstanceView) -> web.StreamResponse:
+        """D's answer does not continue the first token P streamed (it recomputed the prompt, or
+        sampled differently): the answer continues from P's token elsewhere (migration), or, when
+        the request cannot migrate, ends with an error event. D's connection is closed (aborted)."""
+        reason = f"decode instance {inst.instance_id} did not continue the prefill's first token"
+        self._metrics.upstream_errors.labels(role="decode", kind="diverged").inc()
+        if out.ledger is not None:
+            raise StreamInterrupted(out, reason)
+        await out.error_event(reason, 502)
+        return await out.close()
+
     # --- P/D ------------------------------------------------------------------------------------
 
     async def _push(
@@ -194,14 +210,16 @@ class Dispatcher:
         tid = uuid.uuid4().hex
         p_params = self._push_params(tid, Role.PREFILL, peer=d, skip_blocks=pick.skip_blocks)
         d_params = self._push_params(tid, Role.DECODE, peer=p, skip_blocks=pick.skip_blocks)
-        p_body, d_body = _prefill_body(creq, p_params), _decode_body(creq, d_params)
+        early = creq.stream and self._cfg.stream_first_token_from_prefill and spliceable(creq)
+        shared = shared_fields(creq) if early else {}
+        p_body, d_body = prefill_body(creq, p_params, **shared), decode_body(creq, d_params, **shared)
         prompt = creq.est_prompt_tokens
         with self._selector.track(p.instance_id, prompt - pick.prefill.cached_tokens), \
                 self._selector.track(d.instance_id, prompt + creq.max_new_tokens):
             p_task = asyncio.create_task(self._call(p, "prefill", creq, p_body, stream=False))
             d_task = asyncio.create_task(self._call(d, "decode", creq, d_body, stream=creq.stream))
             try:
-                if creq.stream and self._cfg.stream_first_token_from_prefill and creq.ledger is None:
+                if early:
                     response = await self._push_early(request, creq, d, p_task, d_task)
                 else:
                     opened = await self._race(p_task, d_task)
@@ -242,6 +260,7 @@ class Dispatcher:
                 out = await ClientStream(request, creq, self._metrics, Plan.DISAGGREGATED,
                                          write_timeout_s=self._cfg.client_write_timeout_s).open()
                 await out.write(splicer.early_events())
+                self._metrics.first_tokens_from_prefill.inc()
             try:
                 resp, chunk = _take(await pending, resp)
             except UpstreamFailure as exc:
@@ -342,9 +361,9 @@ class Dispatcher:
             peer_endpoints=list(d.info.kv_endpoints), peer_instance_id=d.instance_id,
             deadline_s=self._cfg.kv_deadline_s, limit_s=self._cfg.kv_limit_s,
         ))
-        p_body = _prefill_body(creq, p_params)
+        p_body = prefill_body(creq, p_params)
         p, answer = await self._retrying(lambda: self._prefill_only(creq, p_body, model))
-        d_body = _decode_body(creq, self._params_from_prefill(p, answer))
+        d_body = decode_body(creq, self._params_from_prefill(p, answer))
         picked = [d]  # a retry re-picks; P refuses that D's pull and it recomputes the prompt
         return await self._retrying(lambda: self._single(
             request, creq, Role.DECODE, d_body, model, inst=picked.pop() if picked else None))
@@ -360,7 +379,7 @@ class Dispatcher:
         try:
             raw = msgspec.json.decode(answer).get("kv_transfer_params")
             params = KVTransferParams.from_dict(raw)
-        except (msgspec.DecodeError, AttributeError, InvalidRequestError) as exc:
+        except (msgspec.DecodeError, AttributeError, InvalidRequestError, RecursionError) as exc:
             self._metrics.upstream_errors.labels(role="prefill", kind="bad_response").inc()
             raise UpstreamFailure(
                 f"prefill instance {p.instance_id} returned no valid kv_transfer_params: {exc}",
@@ -375,18 +394,6 @@ class Dispatcher:
             peer_instance_id=peer_id, peer_kv_layout=params.peer_kv_layout or p.info.kv_layout,
             expires_at=None, sig=None,
         ))
-
-
-def _prefill_body(creq: ClientRequest, params: KVTransferParams) -> bytes:
-    """P's copy of the request: one token, non-streaming, with its kv_transfer_params."""
-    return creq.derived_body(
-        max_tokens=1, max_completion_tokens=1, stream=False, stream_options=None, min_tokens=None,
-        kv_transfer_params=params.to_dict(),
-    )
-
-
-def _decode_body(creq: ClientRequest, params: KVTransferParams) -> bytes:
-    return creq.derived_body(kv_transfer_params=params.to_dict())
 
 
 def _take(result: Opened | bytes, resp: aiohttp.ClientResponse | None) -> Opened:

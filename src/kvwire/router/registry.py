@@ -116,8 +116,9 @@ class Registry:
 
     def __init__(
         self, ttl_s: float, forget_after_s: float = 60.0, clock: Clock = time.monotonic,
-        on_remove: Callable[[str], None] | None = None, *, max_instances: int = DEFAULT_MAX_INSTANCES,
-        max_record_ttl_s: float = DEFAULT_MAX_RECORD_TTL_S,
+        on_remove: Callable[[str], None] | None = None,
+        on_register: Callable[[InstanceInfo], None] | None = None, *,
+        max_instances: int = DEFAULT_MAX_INSTANCES, max_record_ttl_s: float = DEFAULT_MAX_RECORD_TTL_S,
     ) -> None:
         self.ttl_s = ttl_s
         self.max_instances = max_instances
@@ -125,6 +126,7 @@ class Registry:
         self.ttl_clamped = 0  # heartbeats whose ttl_s was out of range (negative, NaN, above the cap)
         self._refusals = RefusalLog(log, "instance registration")
         self._on_remove = on_remove
+        self._on_register = on_register  # outside the lock, once per new entry or epoch
         self._removed: list[str] = []  # ids removed under the lock, reported after it
         self.forget_after_s = forget_after_s
         self._clock = clock
@@ -154,6 +156,10 @@ class Registry:
         self._report_removed()
         self._log_result(msg, result)
         return result
+
+    def _registered(self, msg: Heartbeat | Deregister, result: ApplyResult) -> None:
+        if self._on_register is not None and isinstance(msg, Heartbeat):
+            self._on_register(msg.info)  # REGISTERED or REPLACED: a new instance or process
 
     def apply_many(self, msgs: list[Heartbeat | Deregister]) -> list[ApplyResult]:
         """:meth:`apply` for a batch (one watch message of an etcd router) under one lock, with at
@@ -188,6 +194,7 @@ class Registry:
         ident = msg.instance_id if isinstance(msg, Deregister) else msg.info.instance_id
         if result in (ApplyResult.REGISTERED, ApplyResult.REPLACED, ApplyResult.DEREGISTERED):
             log.info("instance %s %s", ident, result.value)
+            self._registered(msg, result)
         elif result is ApplyResult.REFUSED:
             self._refusals.refused("registry_full", f"instance {ident[:100]!r}: the registry holds "
                                    f"{self.max_instances} instances (--max-instances)")

@@ -33,6 +33,7 @@ class Outcome(str, enum.Enum):
     INVALID = "invalid"  # 400
     MODEL_NOT_FOUND = "model_not_found"  # 404
     NO_INSTANCE = "no_instance"  # 503
+    BODY_TIMEOUT = "body_timeout"  # 408: the body did not arrive within --http-body-timeout-s
 
 
 @dataclass

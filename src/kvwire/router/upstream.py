@@ -244,6 +244,6 @@ def _says_gone(status: int, body: bytes) -> bool:
         return False
     try:
         error = msgspec.json.decode(body).get("error")
-    except (msgspec.DecodeError, AttributeError):
+    except (msgspec.DecodeError, AttributeError, RecursionError):
         return False
     return isinstance(error, dict) and error.get("code") in INSTANCE_GONE_CODES

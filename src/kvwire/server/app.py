@@ -20,6 +20,7 @@ from kvwire.server.engine_loop import EngineLoop
 from kvwire.server.engine_status import EngineHealth
 from kvwire.server.generate import GenerationHandler, error_response
 from kvwire.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvwire.server.tokenize import TokenizeHandlers
 from kvwire.supervision import HealthBoard
 
 logger = logging.getLogger(__name__)
@@ -67,9 +68,11 @@ class ServerApp:
         # Shown by /health: instance id, role, KV endpoints (what registration advertises).
         self._identity = dict(identity or {})
         self._board = board  # the instance's supervised threads: a dead one makes /health 503
+        self._api_keys = ApiKeyConfig()  # set by build(): /health shows the identity to key holders only
 
     def build(self, max_request_bytes: int, api_keys: ApiKeyConfig | None = None) -> web.Application:
-        auth = api_key_middleware(api_keys or ApiKeyConfig(), self._auth_refused,
+        self._api_keys = api_keys or ApiKeyConfig()
+        auth = api_key_middleware(self._api_keys, self._auth_refused,
                                   RefusalLog(logger, "HTTP request"))
         app = web.Application(client_max_size=max_request_bytes, middlewares=[auth, _errors_as_json])
         app.router.add_get("/health", self.health)
@@ -78,22 +81,34 @@ class ServerApp:
         app.router.add_get("/kvwire/transfers", self.transfers)
         app.router.add_post("/v1/completions", self._generation.completions)
         app.router.add_post("/v1/chat/completions", self._generation.chat)
+        # vLLM's /tokenize, /detokenize, /version (kvwire.server.tokenize)
+        TokenizeHandlers(self._generation.tokenizer, self._model_name, self._max_model_len,
+                         self._generation.vocab_size).add_routes(app)
         return app
 
     def _auth_refused(self, refusal: Refusal) -> None:
         self._metrics.refused.labels(reason=refusal.value).inc()
 
     async def health(self, request: web.Request) -> web.Response:
+        """200 ``ok`` or 503 with why. Open to probes; the instance's identity (id, role, KV
+        endpoints) and the reason are added only for a caller with a valid API key, or when no
+        keys are configured: an unauthenticated caller learns no endpoint to attack (decision 125)."""
+        keys = self._api_keys
+        shown = not keys.enabled or keys.check(request.headers.get("Authorization")) is None
         if self._generation.draining:
-            return web.json_response({"status": "shutting down", **self._identity}, status=503)
+            return self._health_response({"status": "shutting down"}, 503, shown)
         status = self._engine_loop.status()
         if status.health is not EngineHealth.OK:
-            body = {"status": status.health.value, "reason": status.reason, **self._identity}
-            return web.json_response(body, status=503)
+            return self._health_response({"status": status.health.value, "reason": status.reason}, 503, shown)
         dead = self._board.health_body() if self._board is not None else None
         if dead is not None:  # e.g. the heartbeat thread gave up: serving, but not registered
-            return web.json_response({**dead, **self._identity}, status=503)
-        return web.json_response({"status": "ok", **self._identity})
+            return self._health_response(dead, 503, shown)
+        return self._health_response({"status": "ok"}, 200, shown)
+
+    def _health_response(self, body: dict[str, Any], status: int, shown: bool) -> web.Response:
+        if not shown:
+            return web.json_response({"status": body.get("status", "unhealthy")}, status=status)
+        return web.json_response({**body, **self._identity}, status=status)
 
     async def models(self, request: web.Request) -> web.Response:
         card = {
@@ -104,6 +119,7 @@ class ServerApp:
             "root": self._model_name,
             "parent": None,
             "max_model_len": self._max_model_len,
+            "permission": [],
         }
         return web.json_response({"object": "list", "data": [card]})
 
@@ -112,11 +128,13 @@ class ServerApp:
 
     async def transfers(self, request: web.Request) -> web.Response:
         """The last completed KV transfers of this instance's connector, per side, as
-        ``{"send": [[bytes, seconds], ...], "recv": [...]}`` (exact percentiles for ``kvwire bench
-        serve``; empty lists on a colocated instance)."""
+        ``{"send": [[bytes, seconds, busy seconds], ...], "recv": [...], "exposed": [seconds, ...]}``
+        (``exposed``, on D: P's last layer handed over -> D holds every layer; exact percentiles for
+        ``kvwire bench serve``; empty lists on a colocated instance)."""
         del request
         from kvwire.connector.metrics import registered_connector_metrics
 
         metrics = registered_connector_metrics(self._metrics.registry)
-        snapshot = metrics.recent.snapshot() if metrics is not None else {"send": [], "recv": []}
+        empty: dict[str, list[Any]] = {"send": [], "recv": [], "exposed": []}
+        snapshot = metrics.recent.snapshot() if metrics is not None else empty
         return web.json_response(snapshot)

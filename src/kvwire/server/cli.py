@@ -17,7 +17,9 @@ from kvwire.errors import ConfigError, KvwireError
 from kvwire.kv_params import Role, TransferMode
 from kvwire.secrets_config import add_secret_arguments, check_exposure, load_secret
 from kvwire.server.config import KVLoadFailure, ServerConfig
+from kvwire.transfer.config import ControlLimits
 from kvwire.transfer.enums import Transport
+from kvwire.transfer.planes.link_config import DataLinkConfig
 from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 
 logger = logging.getLogger(__name__)
@@ -26,7 +28,13 @@ logger = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny",
-                        help="model name (tiny, smollm2-135m, ...), .gguf file or HF directory")
+                        help="model name (tiny, smollm2-135m, ...), .gguf file, HF directory or Hugging "
+                             "Face model id (ORG/NAME, ORG/NAME-GGUF:QUANT; its cache, HF_TOKEN and "
+                             "HF_HUB_OFFLINE apply)")
+    parser.add_argument("--revision", default=None, help="branch, tag or commit of a Hugging Face model id")
+    parser.add_argument("--gguf-file", default=None, help="the .gguf file of a Hugging Face GGUF repo")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer directory or Hugging Face model id (default: the model's own)")
     parser.add_argument("--served-model-name", default=None, help="name clients send (default: the model's)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
@@ -60,7 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-load-failure-policy", choices=[p.value for p in KVLoadFailure],
                         default=KVLoadFailure.RECOMPUTE.value,
                         help="decode side: recompute the prompt or fail the request when KV does not arrive")
+    _add_kv_limit_arguments(parser)
+    _add_data_link_arguments(parser)
     parser.add_argument("--shutdown-deadline-s", type=float, default=10.0)
+    parser.add_argument("--drain-timeout-s", type=float, default=60.0,
+                        help="on SIGUSR1: deregister, refuse new requests, let in-flight ones finish for "
+                             "at most this long, then stop (default %(default)s)")
     parser.add_argument("--client-write-timeout-s", type=float, default=30.0,
                         help="cut off a client that reads nothing of its response for this long")
     parser.add_argument("--engine-stall-timeout-s", type=float, default=120.0,
@@ -75,6 +88,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bounds = parser.add_argument_group("bounds on what clients send")
     bounds.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
                         help="largest accepted request body; larger: 413 (default %(default)s)")
+    bounds.add_argument("--http-idle-timeout-s", type=float, default=ServerConfig.http_idle_timeout_s,
+                        help="close a connection with no complete request head for this long (new or "
+                             "idle; default %(default)s)")
+    bounds.add_argument("--http-body-timeout-s", type=float, default=ServerConfig.http_body_timeout_s,
+                        help="answer 408 when a request body does not arrive within this (default "
+                             "%(default)s)")
     bounds.add_argument("--max-waiting-requests", type=int, default=ServerConfig.max_waiting_requests,
                         help="requests admitted and not yet computing at most; more: 429 with "
                              "Retry-After (0: no bound; default %(default)s)")
@@ -87,6 +106,69 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sizing.add_argument("--seed", type=int, default=None, help="engine sampler seed")
     sizing.add_argument("--tensor-parallel-size", "--tp", type=int, default=None, dest="tensor_parallel_size",
                         help="ranks (processes; GPUs on CUDA) the model is split over (default 1)")
+
+
+def _add_kv_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """What P/D peers can make the KV agent's control plane hold or trust (decision 116; the
+    defaults are ControlLimits')."""
+    d = ControlLimits()
+    group = parser.add_argument_group("KV transfer control-plane bounds (counted when hit: "
+                                      "kvwire_transfer_limit_hits_total)")
+    group.add_argument("--kv-max-control-message-bytes", type=int, default=d.max_message_bytes,
+                       help="largest control frame a peer may send (larger: dropped, peer disconnected)")
+    group.add_argument("--kv-min-peer-deadline-s", type=float, default=d.min_peer_deadline_s,
+                       help="a peer's Offer/Pull lease is raised to at least this")
+    group.add_argument("--kv-max-peer-deadline-s", type=float, default=d.max_peer_deadline_s,
+                       help="... and lowered to at most this (not finite: the message is refused)")
+    group.add_argument("--kv-max-early-grants", type=int, default=d.max_early_grants,
+                       help="P: receivers' grants kept before the send starts, in all")
+    group.add_argument("--kv-max-early-grants-per-peer", type=int, default=d.max_early_grants_per_peer,
+                       help="P: ... per receiver")
+    group.add_argument("--kv-max-pending-per-peer", type=int, default=d.max_pending_per_peer,
+                       help="per peer: its offers not expected yet, its pulls of transfers not started yet")
+    group.add_argument("--kv-max-pending-pulls", type=int, default=d.max_pending_pulls,
+                       help="P: pulls of transfers not started yet, in all")
+    group.add_argument("--kv-max-pending-transfers", type=int, default=65536,
+                       help="transfers the KV agent tracks, per side")
+    group.add_argument("--kv-max-peers", type=int, default=d.max_peers,
+                       help="peer endpoints whose epoch is remembered (least recently heard forgotten)")
+
+
+def kv_limits_from_args(args: argparse.Namespace) -> ControlLimits:
+    return ControlLimits(
+        max_message_bytes=args.kv_max_control_message_bytes, min_peer_deadline_s=args.kv_min_peer_deadline_s,
+        max_peer_deadline_s=args.kv_max_peer_deadline_s, max_early_grants=args.kv_max_early_grants,
+        max_early_grants_per_peer=args.kv_max_early_grants_per_peer,
+        max_pending_per_peer=args.kv_max_pending_per_peer, max_pending_pulls=args.kv_max_pending_pulls,
+        max_peers=args.kv_max_peers,
+    )
+
+
+def _add_data_link_arguments(parser: argparse.ArgumentParser) -> None:
+    """Bounds of the KV data-plane listeners and links (DataLinkConfig, decision 115)."""
+    links = DataLinkConfig()
+    group = parser.add_argument_group("KV data-plane links (tcp, shm, ipc)")
+    group.add_argument("--kv-data-max-connections", type=int, default=links.max_connections,
+                       help="connections one data-plane listener holds at once; more are closed at once")
+    group.add_argument("--kv-data-max-connections-per-peer", type=int, default=links.max_connections_per_peer,
+                       help="... of them from one peer address (TCP: IP; same host: process)")
+    group.add_argument("--kv-data-handshake-timeout-s", type=float, default=links.handshake_timeout_s,
+                       help="close a data connection that has not finished its hello within this")
+    group.add_argument("--kv-data-keepalive-s", type=float, default=links.keepalive_s,
+                       help="heartbeat / TCP keepalive interval of an idle data link")
+    group.add_argument("--kv-data-link-timeout-s", type=float, default=links.link_timeout_s,
+                       help="cut a data link that moves nothing for this long (a write without progress, "
+                            "no heartbeat heard): its transfers fail peer_lost")
+
+
+def _data_links_of(args: argparse.Namespace) -> DataLinkConfig:
+    return DataLinkConfig(
+        max_connections=args.kv_data_max_connections,
+        max_connections_per_peer=args.kv_data_max_connections_per_peer,
+        handshake_timeout_s=args.kv_data_handshake_timeout_s,
+        keepalive_s=args.kv_data_keepalive_s,
+        link_timeout_s=args.kv_data_link_timeout_s,
+    )
 
 
 def _registration_address(args: argparse.Namespace) -> str | None:
@@ -120,13 +202,18 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         kv_deadline_s=args.kv_deadline_s,
         kv_transport=Transport(args.kv_transport),
         kv_load_failure_policy=KVLoadFailure(args.kv_load_failure_policy),
+        kv_limits=kv_limits_from_args(args),
+        kv_max_pending_transfers=args.kv_max_pending_transfers,
         shutdown_deadline_s=args.shutdown_deadline_s,
+        drain_timeout_s=args.drain_timeout_s,
         client_write_timeout_s=args.client_write_timeout_s,
         engine_stall_timeout_s=args.engine_stall_timeout_s,
         kv_nccl=NcclPlaneConfig.from_env(),  # the one place the environment is read
+        kv_data_links=_data_links_of(args),
         api_keys=ApiKeyConfig(keys_from_cli(args.api_key, os.environ),
                               frozenset(f"/{name}" for name in args.open_endpoint)),
         max_request_bytes=args.max_request_bytes, max_waiting_requests=args.max_waiting_requests,
+        http_idle_timeout_s=args.http_idle_timeout_s, http_body_timeout_s=args.http_body_timeout_s,
     )
 
 
@@ -141,7 +228,8 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         if getattr(args, name) is not None
     }
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                        kv_load_failure_policy=args.kv_load_failure_policy, **sizing)
+                        kv_load_failure_policy=args.kv_load_failure_policy, revision=args.revision,
+                        gguf_file=args.gguf_file, tokenizer=args.tokenizer, **sizing)
 
 
 def _run_loop(main: Coroutine[Any, Any, int]) -> int:

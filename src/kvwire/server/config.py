@@ -12,7 +12,9 @@ from kvwire.discovery.address import parse_registration_address
 from kvwire.enum_values import as_enum
 from kvwire.errors import ConfigError
 from kvwire.kv_params import LoadFailurePolicy, Role, TransferMode
+from kvwire.transfer.config import ControlLimits
 from kvwire.transfer.enums import Transport
+from kvwire.transfer.planes.link_config import DataLinkConfig
 from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 
 # The one policy enum (kvwire.kv_params); this name is the server's spelling of it.
@@ -52,9 +54,22 @@ class ServerConfig:
     kv_load_failure_policy: KVLoadFailure = KVLoadFailure.RECOMPUTE
     # NCCL data plane tuning (--device cuda P/D); the CLI reads KVWIRE_NCCL_* once into it.
     kv_nccl: NcclPlaneConfig = dataclasses.field(default_factory=NcclPlaneConfig)
+    # What P/D peers can make the KV agent's control plane hold or trust (--kv-max-*; decision 116).
+    kv_limits: ControlLimits = dataclasses.field(default_factory=ControlLimits)
+    kv_max_pending_transfers: int = 65536  # transfers the KV agent tracks per side
+    # Data-plane listener caps and link deadlines (--kv-data-max-connections ... ; decision 115).
+    kv_data_links: DataLinkConfig = dataclasses.field(default_factory=DataLinkConfig)
     # SIGTERM/SIGINT: everything (abort in-flight, deregister, stop the engine thread) within this.
     shutdown_deadline_s: float = 10.0
+    # SIGUSR1 (drain, decision 120): deregister, refuse new requests, and let those in flight finish
+    # (their KV sent, for P) for at most this long before stopping as on SIGTERM.
+    drain_timeout_s: float = 60.0
     max_request_bytes: int = 16 * 1024 * 1024
+    # A connection with no complete request head for this long (new, or idle between requests) is
+    # closed, so a slow-loris head cannot hold it; longer than the router's upstream keep-alive (30 s),
+    # so the router closes its idle pooled connections first.
+    http_idle_timeout_s: float = 60.0
+    http_body_timeout_s: float = 30.0  # a request body that does not arrive in time: 408
     # A client that reads nothing of its response for this long (one SSE write, or a non-streaming
     # body, stuck) is cut off and its request aborted in the engine, like a disconnect.
     client_write_timeout_s: float = 30.0
@@ -79,6 +94,8 @@ class ServerConfig:
             raise ConfigError(f"kv_load_failure_policy must be a KVLoadFailure, got {policy!r}")
         if self.kv_deadline_s <= 0:
             raise ConfigError(f"kv_deadline_s must be > 0, got {self.kv_deadline_s}")
+        if self.kv_max_pending_transfers < 1:
+            raise ConfigError(f"kv_max_pending_transfers must be >= 1, got {self.kv_max_pending_transfers}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         for name in ("kv_port", "kv_data_port", "kv_advertise_port", "kv_advertise_data_port"):
@@ -90,6 +107,8 @@ class ServerConfig:
             raise ConfigError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
         if self.shutdown_deadline_s <= 0:
             raise ConfigError(f"shutdown_deadline_s must be > 0, got {self.shutdown_deadline_s}")
+        if self.drain_timeout_s <= 0:
+            raise ConfigError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
         if self.client_write_timeout_s <= 0:
             raise ConfigError(f"client_write_timeout_s must be > 0, got {self.client_write_timeout_s}")
         if self.engine_stall_timeout_s is not None and self.engine_stall_timeout_s < 0:
@@ -98,6 +117,9 @@ class ServerConfig:
         if self.max_waiting_requests < 0:
             waiting = self.max_waiting_requests
             raise ConfigError(f"max_waiting_requests must be >= 0 (0: no bound), got {waiting}")
+        if not (self.http_idle_timeout_s > 0 and self.http_body_timeout_s > 0):
+            raise ConfigError("http_idle_timeout_s and http_body_timeout_s must be > 0, got "
+                              f"{self.http_idle_timeout_s}, {self.http_body_timeout_s}")
         if self.max_request_bytes <= 0:
             raise ConfigError(f"max_request_bytes must be > 0, got {self.max_request_bytes}")
         if self.router_address is not None:

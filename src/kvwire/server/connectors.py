@@ -17,6 +17,8 @@ from kvwire.engine.config import EngineConfig
 from kvwire.errors import ConfigError
 from kvwire.kv_params import Role
 from kvwire.server.config import ServerConfig
+from kvwire.supervision import HealthBoard
+from kvwire.transfer.stats import ControlLimit
 
 if TYPE_CHECKING:
     from kvwire.transfer.stats import TransferStats
@@ -83,13 +85,20 @@ class _AgentStats:
         yield family
         for name, doc, value in _AGENT_COUNTERS:
             yield CounterMetricFamily(name, doc, value=value(stats))
+        limits = CounterMetricFamily("kvwire_transfer_limit_hits", "peer messages refused, clamped or "
+                                     "forgotten by a transfer control-plane limit", labels=["limit"])
+        for limit in ControlLimit:  # every one, 0 before it is hit: alerts can name them
+            limits.add_metric([limit.value], stats.limits_hit.get(limit.value, 0))
+        yield limits
 
 
 def build_connector_set(
-    config: ServerConfig, engine_config: EngineConfig, secret: str | None, registry: Any
+    config: ServerConfig, engine_config: EngineConfig, secret: str | None, registry: Any,
+    *, board: HealthBoard | None = None,
 ) -> ConnectorSet:
     """Build the connectors for ``config.role`` (raises ConfigError when they are not available).
-    The transfer agent starts here; ``ConnectorSet.close`` stops it."""
+    The transfer agent starts here, its supervised threads on ``board`` (the instance's health
+    board); ``ConnectorSet.close`` stops it."""
     if config.role is Role.BOTH:
         return ConnectorSet()
     try:
@@ -108,6 +117,8 @@ def build_connector_set(
         backend=Backend.NCCL if engine_config.is_cuda else Backend.TCP, transport=config.kv_transport,
         device=engine_config.device, default_deadline_s=config.kv_deadline_s,
         secret=secret.encode() if secret else None, nccl=config.kv_nccl,
+        limits=config.kv_limits, max_pending_transfers=config.kv_max_pending_transfers,
+        links=config.kv_data_links,
     )
     connector_config = ConnectorConfig(
         role=Role(config.role.value), mode=config.kv_mode, deadline_s=config.kv_deadline_s,
@@ -118,7 +129,7 @@ def build_connector_set(
         block_size=engine_config.block_size, device=engine_config.device,
         tp_size=engine_config.tensor_parallel_size, num_kv_heads=model_config_of(engine_config).num_kv_heads,
     )
-    scheduler, worker = build_connectors(connector_config, engine_info, registry=registry)
+    scheduler, worker = build_connectors(connector_config, engine_info, registry=registry, board=board)
     if engine_info.tp_size == 1 and hasattr(worker, "promise_now") and hasattr(scheduler, "promise_now"):
         scheduler.promise_now = worker.promise_now  # P renews D's lease from admission (decision 123)
     agent = getattr(worker, "agent", None)

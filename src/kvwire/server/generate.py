@@ -12,6 +12,7 @@ connection is aborted (outcome ``client_timeout``).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -112,6 +113,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    response_id: str | None = None  # from the request's ``request_id`` (vLLM's field), else the engine's id
 
 
 class GenerationHandler:
@@ -122,6 +124,7 @@ class GenerationHandler:
         client_write_timeout_s: float = 30.0,
         vocab_size: int | None = None,
         max_waiting_requests: int = 0,
+        body_timeout_s: float = 30.0,
     ) -> None:
         self._loop = engine_loop
         self._tokenizer = tokenizer
@@ -136,7 +139,17 @@ class GenerationHandler:
         self._check_kv = check_kv_transfer_params or KVTransferParams.from_dict
         self._write_timeout_s = client_write_timeout_s  # deadline of each write to a streaming client
         self._max_waiting = max_waiting_requests  # 0: no bound on the waiting queue
+        self._body_timeout_s = body_timeout_s  # a body that does not arrive in time: 408
         self.draining = False  # set on shutdown: new requests get 503
+        self.open_requests = 0  # requests between arrival and their last byte written (drain waits on it)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self._vocab_size
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, RequestKind.COMPLETION)
@@ -147,12 +160,19 @@ class GenerationHandler:
     # --- admission -----------------------------------------------------------------------------
 
     async def _handle(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
+        self.open_requests += 1  # the event loop's thread only: no lock
+        try:
+            return await self._handle_one(request, kind)
+        finally:
+            self.open_requests -= 1
+
+    async def _handle_one(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
         admitted = await self._admit(request, kind)
         if isinstance(admitted, web.Response):
             return admitted
         request_id, stream, prepared = admitted
-        builder = ResponseBuilder(kind, request_id, self._model_name, int(time.time()),
-                                  prepared.return_token_ids)
+        builder = ResponseBuilder(kind, prepared.response_id or request_id, self._model_name,
+                                  int(time.time()), prepared.return_token_ids)
         writer = ClientWriter(request, self._write_timeout_s, request_id)
         try:
             if prepared.stream:
@@ -178,8 +198,7 @@ class GenerationHandler:
         prepared = await self._read_and_prepare(request, kind)
         if isinstance(prepared, web.Response):
             return prepared
-        prefix = "chatcmpl" if kind is RequestKind.CHAT else "cmpl"
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        request_id = f"{_id_prefix(kind)}-{uuid.uuid4().hex}"  # the engine's: unique whatever the client sent
         try:
             stream = await self._loop.add_request(
                 request_id, prepared.prompt_token_ids, prepared.params, prepared.kv_transfer_params
@@ -194,10 +213,15 @@ class GenerationHandler:
 
     async def _read_and_prepare(self, request: web.Request, kind: RequestKind) -> Prepared | web.Response:
         """The request's body read (within ``--max-request-bytes``) and validated, or the error
-        response (413, 400, 404, 403), counted."""
+        response (413, 408, 400, 404, 403), counted."""
         endpoint = kind.value
         try:
-            return self._prepare(await request.read(), kind)
+            body = await asyncio.wait_for(request.read(), self._body_timeout_s)
+            return self._prepare(body, kind)
+        except asyncio.TimeoutError:
+            self._count(endpoint, "body_timeout")
+            return error_response(408, f"request body did not arrive within {self._body_timeout_s:g} s "
+                                  "(--http-body-timeout-s)")
         except web.HTTPRequestEntityTooLarge as exc:
             self._count(endpoint, "too_large")
             return error_response(413, exc.text or "request body too large")
@@ -247,6 +271,7 @@ class GenerationHandler:
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             return_token_ids=req.return_token_ids,
+            response_id=None if req.request_id is None else f"{_id_prefix(kind)}-{req.request_id}",
         )
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
@@ -387,6 +412,10 @@ class GenerationHandler:
 
     def _count(self, endpoint: str, outcome: str) -> None:
         self._metrics.requests.labels(endpoint, outcome).inc()
+
+
+def _id_prefix(kind: RequestKind) -> str:
+    return "chatcmpl" if kind is RequestKind.CHAT else "cmpl"
 
 
 def _first_extras(prepared: Prepared) -> dict[str, Any]:

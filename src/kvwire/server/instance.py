@@ -3,6 +3,12 @@
 ``serve`` is the whole process: start everything, wait for SIGTERM/SIGINT, then within
 ``shutdown_deadline_s``: refuse new requests (503), deregister from the router, abort in-flight
 requests, stop the HTTP listener, stop the engine thread, close connectors. Returns the exit code.
+SIGUSR1 drains first (decision 120): deregister and refuse new requests at once, let the requests in
+flight finish (for P: their KV sent) within ``drain_timeout_s``, then stop the same way.
+
+The instance owns the process's :class:`~kvwire.supervision.HealthBoard` (``ServerInstance.board``):
+every supervised component it builds (the KV transfer agent's threads through the connector
+factory, ...) registers there; ``/metrics`` exports it (``kvwire_component_*``) and ``/health`` reads it.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from aiohttp import web
@@ -64,8 +70,8 @@ class ServerInstance:
         self.config = config
         self.engine_config = engine_config
         self.instance_id = default_instance_id(config)
-        # The instance's one health board (/health, /metrics): its supervised threads (registration;
-        # the KV connector's transfer threads when it is given the board) report there.
+        # The instance's one health board (/health, /metrics): its supervised threads (registration,
+        # the KV transfer agent's through the connector factory) report there.
         self.board = HealthBoard()
         self._secret = secret
         self._runner: web.AppRunner | None = None
@@ -74,6 +80,7 @@ class ServerInstance:
         self._engine: Any = None
         self._engine_loop: EngineLoop | None = None
         self._generation: GenerationHandler | None = None
+        self._metrics: ServerMetrics | None = None
         self.url = ""
         self.lost: RankLost | None = None  # the engine lost a tensor-parallel rank: stop, exit non-zero
         self.on_lost: Callable[[RankLost], None] | None = None  # serve() stops the process on it
@@ -83,8 +90,9 @@ class ServerInstance:
         loop = asyncio.get_running_loop()
         metrics = ServerMetrics(self._stats, self._engine_status)
         metrics.registry.register(SupervisionCollector(self.board))
+        self._metrics = metrics
         self._connectors = build_connector_set(self.config, self.engine_config, self._secret,
-                                               metrics.registry)
+                                               metrics.registry, board=self.board)
         self._engine = await loop.run_in_executor(None, _build_engine, self.engine_config, self._connectors)
         engine_loop = EngineLoop(self._engine, stall_timeout_s=self.config.engine_stall_timeout_s,
                                  on_lost=self._engine_lost)
@@ -103,6 +111,7 @@ class ServerInstance:
             client_write_timeout_s=self.config.client_write_timeout_s,
             vocab_size=_model_vocab_size(self._engine),
             max_waiting_requests=self.config.max_waiting_requests,
+            body_timeout_s=self.config.http_body_timeout_s,
         )
         identity = {"instance_id": self.instance_id, "role": self.config.role.value,
                     "kv_endpoints": list(self._connectors.kv_endpoints)}
@@ -113,6 +122,7 @@ class ServerInstance:
             app.build(self.config.max_request_bytes, self.config.api_keys), handler_cancellation=True,
             access_log=None,
             shutdown_timeout=max(0.5, self.config.shutdown_deadline_s / 2),
+            keepalive_timeout=self.config.http_idle_timeout_s,  # also the deadline of a request's head
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
@@ -124,7 +134,7 @@ class ServerInstance:
             kv_endpoints=self._connectors.kv_endpoints, stats_fn=self._stats,
             secret=self._secret, kv_events=getattr(self._engine, "kv_events", None),
             tokenizer=tokenizer_spec(self._engine.tokenizer, self.engine_config.model), kv_layout=kv_layout,
-            transports_fn=self._connectors.kv_transports, board=self.board,
+            transports_fn=self._connectors.kv_transports, board=self.board, max_model_len=max_model_len,
         )
         logger.info("kvwire serve ready: %s (model %s, role %s, max_model_len %d, instance %s)",
                     self.url, model_name, self.config.role.value, max_model_len, self.instance_id)
@@ -169,6 +179,33 @@ class ServerInstance:
                 return int(address[1])
         return self.config.port
 
+    async def drain(self, timeout_s: float) -> bool:
+        """Stop taking work and let what is in flight finish: refuse new requests (503
+        ``instance_stopping``: a router re-dispatches them), deregister (the router stops routing
+        here), then wait until no request is open and no KV awaits sending, at most ``timeout_s``.
+        Returns True when drained; :meth:`stop` follows either way. Event loop only."""
+        if self._generation is not None:
+            self._generation.draining = True
+            logger.info("draining %d request(s) in flight", self._generation.open_requests)
+        if self._heartbeats is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._heartbeats.close)
+        deadline = time.monotonic() + timeout_s
+        while not self._idle():
+            if time.monotonic() >= deadline:
+                logger.warning("drain: requests still in flight after %.1f s; stopping anyway", timeout_s)
+                return False
+            await asyncio.sleep(0.05)  # a poll with a deadline: the engine thread finishes them
+        logger.info("drained: no request in flight")
+        return True
+
+    def _idle(self) -> bool:
+        """No HTTP request open and (P) no finished request's KV still to send."""
+        if self._generation is not None and self._generation.open_requests > 0:
+            return False
+        registry = self._metrics.registry if self._metrics is not None else None
+        awaiting = registry.get_sample_value("kvwire_pd_blocks_awaiting_send") if registry else None
+        return not awaiting
+
     async def stop(self) -> bool:
         """Shut down within the deadline. Returns False if some part had to be abandoned."""
         deadline = time.monotonic() + self.config.shutdown_deadline_s
@@ -206,17 +243,21 @@ async def serve(config: ServerConfig, engine_config: EngineConfig, secret: str |
     it shuts down the same way and returns EXIT_RANK_LOST: a supervisor restarts it). Returns the
     process exit code."""
     instance = ServerInstance(config, engine_config, secret)
-    stop = asyncio.Event()
+    stop, drain = asyncio.Event(), asyncio.Event()
     instance.on_lost = lambda _error: stop.set()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, drain.set)
     try:
         await instance.start()
-        await stop.wait()
+        await _first_of(stop.wait(), drain.wait())
+        if drain.is_set() and not stop.is_set():  # SIGTERM during the drain cuts it short
+            logger.info("SIGUSR1: draining (at most %.1f s)", config.drain_timeout_s)
+            await _first_of(instance.drain(config.drain_timeout_s), stop.wait())
         logger.info("%s: shutting down", "rank lost" if instance.lost is not None else "signal received")
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             loop.remove_signal_handler(sig)
         clean = await instance.stop()
     if instance.lost is not None:
@@ -224,7 +265,24 @@ async def serve(config: ServerConfig, engine_config: EngineConfig, secret: str |
     return 0 if clean else 1
 
 
+async def _first_of(*waits: Coroutine[Any, Any, Any]) -> None:
+    """Until the first of ``waits`` completes (the others are cancelled); its exception, if any,
+    is raised."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            task.result()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def tokenizer_spec(tokenizer: Any, model: str) -> str:
     """What the router needs to tokenize like this engine (``InstanceInfo.tokenizer``): "byte" for the
     presets' byte tokenizer, else the model directory the tokenizer was loaded from."""
-    return "byte" if type(tokenizer).__name__ == "ByteTokenizer" else model
+    if type(tokenizer).__name__ == "ByteTokenizer":
+        return "byte"
+    source = getattr(tokenizer, "source_dir", None)  # a model id's snapshot, or a --tokenizer directory
+    return str(source) if source is not None else model

@@ -62,6 +62,9 @@ class _CommonFields(msgspec.Struct, kw_only=True):
     return_token_ids: bool = False
     # The last N prompt tokens are this answer's own earlier output (a router migrating a stream).
     kvwire_prior_output_tokens: int = 0
+    # vLLM's: the answer's id is ``cmpl-<request_id>`` / ``chatcmpl-<request_id>`` (a router gives P and
+    # D the same one, so that a stream that starts with P's first token keeps one id throughout).
+    request_id: str | None = None
 
 
 class CompletionRequest(_CommonFields, kw_only=True):
@@ -86,6 +89,7 @@ class ChatRequest(_CommonFields, kw_only=True):
     tools: list[Any] | None = None
 
 
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII, no spaces: it becomes the answer's id
 _PATH_FIELD = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
 
 
@@ -99,6 +103,8 @@ def _decode(body: bytes, cls: type[msgspec.Struct]) -> Any:
         raise BadRequest(f"invalid request: {exc}", param=match.group(1) if match else None) from exc
     except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # msgspec's nesting guard (about 1,000 levels of arrays/objects)
+        raise BadRequest("request body is not valid JSON: it nests arrays/objects too deeply") from exc
 
 
 def parse_completion(body: bytes) -> CompletionRequest:
@@ -152,6 +158,9 @@ def _check_common(req: _CommonFields) -> None:
         raise BadRequest(f"top_k must be -1, 0 (disabled) or positive, got {req.top_k}", param="top_k")
     if req.stop_token_ids is not None and any(t < 0 for t in req.stop_token_ids):
         raise BadRequest("stop_token_ids must be non-negative", param="stop_token_ids")
+    if req.request_id is not None and not _REQUEST_ID.fullmatch(req.request_id):
+        raise BadRequest("request_id must be 1-256 printable ASCII characters without spaces",
+                         param="request_id")
     if req.stream_options is not None and not req.stream:
         raise BadRequest("stream_options is only allowed with stream=true", param="stream_options")
 
@@ -209,3 +218,40 @@ def stop_strings(req: _CommonFields) -> list[str]:
     if any(not s for s in stops):
         raise BadRequest("stop strings must not be empty", param="stop")
     return stops
+
+
+# --- vLLM's tokenizer endpoints ---------------------------------------------------------------
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """``POST /tokenize``: vLLM's body, either a ``prompt`` or chat ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """``POST /detokenize``: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int] = msgspec.field(default_factory=list)
+
+
+def parse_tokenize(body: bytes) -> TokenizeRequest:
+    req: TokenizeRequest = _decode(body, TokenizeRequest)
+    if (req.prompt is None) == (req.messages is None):
+        raise BadRequest("give either prompt or messages", param="prompt")
+    if req.messages is not None and not req.add_generation_prompt:
+        raise BadRequest("add_generation_prompt=false is not supported", param="add_generation_prompt")
+    return req
+
+
+def parse_detokenize(body: bytes, vocab_size: int | None) -> DetokenizeRequest:
+    req: DetokenizeRequest = _decode(body, DetokenizeRequest)
+    if any(t < 0 or (vocab_size is not None and t >= vocab_size) for t in req.tokens):
+        raise BadRequest(f"token ids must be in [0, {vocab_size})", param="tokens")
+    return req

@@ -39,6 +39,7 @@ def start_heartbeats(
     kv_layout: Any = None,
     transports_fn: Callable[[], dict[str, str]] | None = None,
     board: HealthBoard | None = None,
+    max_model_len: int = 0,
 ) -> Registration | None:
     """Start heartbeating to ``config.router_address``; returns the client (call ``close()`` to
     deregister) or None when no router is configured. ``kv_events``: the engine's prefix-cache log,
@@ -64,5 +65,5 @@ def start_heartbeats(
         config.router_address, instance_id=instance_id, role=config.role, url=url, model=model,
         kv_endpoints=kv_endpoints, version=f"kvwire {kvwire.__version__}", load_fn=load,
         interval_s=config.heartbeat_interval_s, secret=secret, kv_events=kv_events, tokenizer=tokenizer,
-        kv_layout=kv_layout, board=board,
+        kv_layout=kv_layout, board=board, max_model_len=max_model_len,
     )

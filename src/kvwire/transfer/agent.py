@@ -8,6 +8,11 @@ waits on the network. Completion is reported through :meth:`TransferAgent.poll`.
 Failure model: every transfer has a deadline; expiry, ``abort``, a peer's Abort, a broken data
 connection or a restarted peer (new instance id at the same endpoint) end it as FAILED with a reason
 on this side and (where the peer is still reachable) on the other, and free what it held.
+
+Supervision (decision 116): the control thread is a supervised component of ``board`` (the process's
+:class:`~kvwire.supervision.HealthBoard`; ``agent.board``). If it fails too often it is dead: every
+transfer in flight fails at once (``closed: ...``, seen in :meth:`TransferAgent.poll`), new ones are
+refused with a TransferError, and the board (``/health``, ``kvwire_component_up``) names it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 import torch
 
 from kvwire.errors import TransferError
+from kvwire.supervision import HealthBoard
 from kvwire.transfer.buffers import RecvMemory
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.control import TICK_S, ControlLoop
@@ -44,15 +50,21 @@ class TransferAgent:
     """Asynchronous per-transfer KV mover. Thread-safe; a context manager; ``close()`` stops all."""
 
     def __init__(
-        self, config: TransferConfig, plane_factory: Callable[[TransferConfig, str], DataPlane] = make_plane
+        self,
+        config: TransferConfig,
+        plane_factory: Callable[[TransferConfig, str, HealthBoard], DataPlane] = make_plane,
+        *,
+        board: HealthBoard | None = None,
     ) -> None:
-        """``plane_factory(config, instance_id)`` builds the data plane (default: the one
-        ``config.backend`` names; tests pass fakes)."""
+        """``plane_factory(config, instance_id, board)`` builds the data plane (default: the one
+        ``config.backend`` names; tests pass fakes). ``board``: the process's health board, which
+        lists the agent's supervised threads (None: a private one)."""
         self.config = config
+        self.board = board if board is not None else HealthBoard()
         self._instance_id = secrets.token_hex(8)
         self._paged: PagedKV | None = None
         # every held plane behind one DataPlane, routed per peer (negotiated; decision 075)
-        self._planes = plane = plane_factory(config, self._instance_id)
+        self._planes = plane = plane_factory(config, self._instance_id, self.board)
         memory = RecvMemory(
             config.recv_budget_bytes,
             config.spill_budget_bytes,
@@ -66,8 +78,9 @@ class TransferAgent:
         plane.start(self)
         try:
             core.control = ControlLoop(
-                config, self._on_message, self._on_reject, self._on_tick, self._on_unreachable
-            )
+                config, self._on_message, self._on_reject, self._on_tick, self._on_unreachable,
+                board=self.board, on_dead=self._on_control_dead, on_limit=core.stats.limit_hit,
+            )  # fmt: skip
         except BaseException:
             plane.close()
             raise
@@ -254,8 +267,8 @@ class TransferAgent:
         ``into_blocks`` (the serving path; :meth:`register_kv_caches` first): every layer lands in
         those blocks of its registered cache, the plane's fastest way — in place where the payload
         fits the blocks exactly, else through a copy that skips/drops blocks (see ``paged_kv``). The
-        blocks must not be reused until the transfer ended; once a cancel/abort of it returned,
-        nothing of it writes into them any more.
+        blocks must not be reused until the transfer ended; once it failed (or an abort of it
+        returned) and it is not in :meth:`unsettled`, nothing of it writes into them any more.
 
         ``accept_from`` (default ``pull_from``): the sender's control endpoint; offers of this id from
         any other agent are refused (counted in ``offers_refused``), so a third agent that knows the
@@ -322,6 +335,13 @@ class TransferAgent:
             self._receiver.fail(transfer_id, local, notify=True, label=label, wire_reason=reason)
             self._receiver.drop_done(transfer_id)
 
+    def unsettled(self) -> dict[str, int]:
+        """Failed or aborted receives whose sender may still write into their destinations (a
+        stalled shared-memory sender kept its grant past the revoke wait: decision 114), with the
+        bytes each covers. Reuse a receive's blocks only once it is absent here; a transfer leaves
+        this map when its sender let go of the grant or its process ended. Any thread."""
+        return self._core.plane.unsettled()
+
     def poll(self) -> TransferEvents:
         """Events since the last poll, swapped out atomically; each transfer id is reported once."""
         return self._core.events.swap()
@@ -336,10 +356,13 @@ class TransferAgent:
         core = self._core
         with core.lock:
             active = len(self._sender.sends) + len(self._receiver.recvs)
+        unsettled = core.plane.unsettled()
         return core.stats.snapshot(
             spill_bytes_in_use=core.memory.spill.in_use_bytes,
             budget_bytes_in_use=core.memory.budget_in_use,
             transfers_active=active,
+            quarantined_transfers=len(unsettled),
+            quarantined_bytes=sum(unsettled.values()),
         )
 
     def close(self) -> None:
@@ -367,6 +390,21 @@ class TransferAgent:
     def _check_open(self) -> None:
         if self._core.closed:
             raise RuntimeError("transfer agent is closed")
+        if self._core.dead is not None:
+            raise TransferError(self._core.dead)
+
+    def _on_control_dead(self, error: BaseException) -> None:
+        """Control thread, once, as supervision gives it up: nothing can move or expire any more, so
+        every transfer fails now (callers see it in ``poll``) and new ones are refused."""
+        what = f"{type(error).__name__}: {error}"
+        reason = f"{FailReason.CLOSED.value}: the transfer control loop is dead ({what})"
+        log.error("transfer agent %s: %s; failing every transfer in flight", self._instance_id, reason)
+        with self._core.lock:
+            if self._core.closed:
+                return
+            self._core.dead = reason
+            self._sender.close(reason)
+            self._receiver.close(reason)
 
     # --- control thread ----------------------------------------------------------------------------------
 
@@ -437,11 +475,8 @@ class TransferAgent:
     def _check_epoch(self, msg: AnyMsg) -> None:
         """A new instance id at a known endpoint: the old process is gone; fail its transfers."""
         core = self._core
-        known = core.peer_ids.get(msg.src_endpoint)
-        if known == msg.src_id:
-            return
-        core.peer_ids[msg.src_endpoint] = msg.src_id
-        if known is None:
+        known = core.peer_ids.heard(msg.src_endpoint, msg.src_id)
+        if known is None or known == msg.src_id:
             return
         log.warning("peer %s restarted (instance %s -> %s)", msg.src_endpoint, known, msg.src_id)
         core.stats.add("peers_restarted")
@@ -468,7 +503,8 @@ class TransferAgent:
 
     def _on_reject(self, reason: str) -> None:
         self._core.stats.add("messages_rejected")
-        log.warning("rejected control message: %s", reason)
+        # once, then a summary a minute: a peer sending garbage in a loop must not flood the log
+        self._core.rejects.refused("rejected", reason)
 
     def _on_tick(self) -> None:
         """After every control-loop wake-up: flush acks; scan deadlines at most every ``TICK_S``

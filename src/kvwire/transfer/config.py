@@ -3,13 +3,57 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from kvwire.errors import ConfigError
 from kvwire.transfer.enums import Backend, Transport
+from kvwire.transfer.planes.link_config import DataLinkConfig
 from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 
 GiB = 1 << 30
 MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlLimits:
+    """Bounds on what a peer can make one agent's control plane hold or trust (decision 116).
+
+    Every number a peer chooses is clamped or capped here: the size of a control message (checked
+    before its MAC or any decoding, and by ZeroMQ itself: ``MAXMSGSIZE``), the lease of its Offer or
+    Pull (clamped to ``[min_peer_deadline_s, max_peer_deadline_s]``; not finite: refused), what it
+    may leave waiting here before this side knows the transfer (early Grants, Offers not expected
+    yet, Pulls before ``start_send``: per peer and in all) and how many peer endpoints are
+    remembered (least recently heard of forgotten first). Each limit hit is counted in
+    ``TransferStats.limits_hit`` (``kvwire_transfer_limit_hits_total{limit}``).
+    """
+
+    max_message_bytes: int = 4 * MiB  # one control frame (a control message never carries layer data)
+    min_peer_deadline_s: float = 0.05  # a peer's Offer/Pull lease is clamped to [min, max]
+    max_peer_deadline_s: float = 600.0
+    max_early_grants: int = 4096  # Grants kept before start_send (decision 110), in all ...
+    max_early_grants_per_peer: int = 1024  # ... and per receiver endpoint
+    # per peer endpoint: its Offers not expected yet here, and its Pulls of transfers not started here
+    max_pending_per_peer: int = 1024
+    max_pending_pulls: int = 10_000  # Pulls (whole or piece) of transfers not started here, in all
+    max_peers: int = 4096  # peer endpoints whose epoch is remembered (least recently heard forgotten)
+
+    def __post_init__(self) -> None:
+        if not 64 * 1024 <= self.max_message_bytes <= 1 << 30:
+            raise ConfigError(f"max_message_bytes must be in [64 KiB, 1 GiB], got {self.max_message_bytes}")
+        lo, hi = self.min_peer_deadline_s, self.max_peer_deadline_s
+        if not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo <= hi):
+            raise ConfigError(f"peer deadline bounds must be finite with 0 < min <= max, got [{lo}, {hi}]")
+        counts = ("max_early_grants", "max_early_grants_per_peer", "max_pending_per_peer",
+                  "max_pending_pulls", "max_peers")
+        for name in counts:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"ControlLimits.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_early_grants_per_peer > self.max_early_grants:
+            raise ConfigError("ControlLimits.max_early_grants_per_peer must be <= max_early_grants")
+
+    def peer_deadline(self, deadline_s: float) -> float:
+        """A peer-supplied lease (finite, > 0: the codec checked) within our bounds."""
+        return min(max(deadline_s, self.min_peer_deadline_s), self.max_peer_deadline_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +90,9 @@ class TransferConfig:
     data_port: int = 0  # TCP data plane listening port (0 = any free port)
     socket_buffer_bytes: int = 8 * MiB  # SO_SNDBUF / SO_RCVBUF of data sockets
     max_layers_per_transfer: int = 4096  # protocol sanity bound on offers
-    max_pending_transfers: int = 65536  # bound on transfers tracked per agent
+    max_pending_transfers: int = 65536  # bound on transfers tracked per agent (each side)
+    # bounds on what peers can make the control plane hold or trust (decision 116)
+    limits: ControlLimits = dataclasses.field(default_factory=ControlLimits)
     shm_ring_bytes: int = 64 * MiB  # shared-memory plane: staging ring per inbound peer link
     advertise_host: str | None = None  # host peers dial (None: ``host``)
     advertise_control_port: int = 0  # control port peers dial (0: the bound one)
@@ -57,6 +103,9 @@ class TransferConfig:
     # The NCCL plane's tuning (used with backend NCCL). Built at the edge: the CLI / plugin reads
     # KVWIRE_NCCL_* once (NcclPlaneConfig.from_env) and passes it down; nothing below reads the env.
     nccl: NcclPlaneConfig = dataclasses.field(default_factory=NcclPlaneConfig)
+    # Data-plane links (tcp, shm, ipc): connection caps per listener and per peer, the handshake
+    # deadline, heartbeats and the deadline of a link that moves nothing (decision 115).
+    links: DataLinkConfig = dataclasses.field(default_factory=DataLinkConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.secret, str):  # accept str for convenience; store bytes
@@ -92,6 +141,11 @@ class TransferConfig:
             raise ConfigError("TransferConfig: the NCCL backend needs a CUDA device")
         if self.socket_buffer_bytes <= 0 or self.max_layers_per_transfer <= 0:
             raise ConfigError("TransferConfig: socket_buffer_bytes and max_layers_per_transfer must be > 0")
+        if self.max_pending_transfers < 1:
+            pending = self.max_pending_transfers
+            raise ConfigError(f"TransferConfig.max_pending_transfers must be >= 1, got {pending}")
+        if not isinstance(self.limits, ControlLimits):
+            raise ConfigError(f"TransferConfig.limits must be a ControlLimits, got {self.limits!r}")
         if not self.host:
             raise ConfigError("TransferConfig.host must not be empty")
         if self.advertise_host is not None and not self.advertise_host.strip():
@@ -100,6 +154,8 @@ class TransferConfig:
             raise ConfigError("TransferConfig.shm_ring_bytes must be at least 1 MiB")
         if not 1 <= self.shm_copy_threads <= 64:
             raise ConfigError("TransferConfig.shm_copy_threads must be between 1 and 64")
+        if not isinstance(self.links, DataLinkConfig):
+            raise ConfigError(f"TransferConfig.links must be a DataLinkConfig, got {self.links!r}")
 
     def _check_transport(self) -> None:
         if self.backend not in (Backend.TCP, Backend.NCCL):

@@ -14,7 +14,7 @@ from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.lease import RunningClock
 from kvwire.transfer.messages import Abort, AnyMsg
 from kvwire.transfer.planes.base import DataPlane
-from kvwire.transfer.stats import StatsRecorder
+from kvwire.transfer.stats import ControlLimit, StatsRecorder
 from kvwire.transfer.types import TransferEvents, TransferTiming
 
 if TYPE_CHECKING:
@@ -84,6 +84,37 @@ class Tombstones:
         return self._ended.get((side, transfer_id))
 
 
+class PeerIds:
+    """Peer control endpoint -> the instance id (epoch) last heard from it; at most ``max_peers``, the
+    least recently heard of forgotten first (a peer chooses its ``src_endpoint``: spoofed endpoints
+    must not grow this). Forgetting costs little: the next message from that peer is its "first"
+    (no restart detected by epoch; its transfers still end by their leases or a broken link), and
+    messages to it name no epoch until it is heard of again."""
+
+    def __init__(self, max_peers: int, stats: StatsRecorder) -> None:
+        self._ids: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._max = max_peers
+        self._stats = stats
+
+    def get(self, endpoint: str) -> str:
+        """The epoch known for ``endpoint`` ("" when unknown)."""
+        return self._ids.get(endpoint, "")
+
+    def heard(self, endpoint: str, instance_id: str) -> str | None:
+        """``instance_id`` was heard at ``endpoint``: remember it (most recent); returns the id known
+        before (None: first contact, or forgotten)."""
+        known = self._ids.get(endpoint)
+        self._ids[endpoint] = instance_id
+        self._ids.move_to_end(endpoint)
+        while len(self._ids) > self._max:
+            self._ids.popitem(last=False)
+            self._stats.limit_hit(ControlLimit.PEERS)
+        return known
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
 @dataclasses.dataclass
 class Core:
     """What both halves share. ``lock`` guards every field of both halves' transfer tables."""
@@ -96,12 +127,18 @@ class Core:
     events: EventBox = dataclasses.field(default_factory=EventBox)
     stats: StatsRecorder = dataclasses.field(default_factory=StatsRecorder)
     tombstones: Tombstones = dataclasses.field(default_factory=Tombstones)
-    peer_ids: dict[str, str] = dataclasses.field(default_factory=dict)  # endpoint -> instance id
+    peer_ids: PeerIds = dataclasses.field(init=False)  # endpoint -> instance id (bounded)
     # Offers from an agent a transfer is not bound to: logged once per minute, not per message.
     refusals: RefusalLog = dataclasses.field(default_factory=lambda: RefusalLog(log, "transfer message"))
+    # Control messages that do not decode, authenticate or validate: the same, per kind of refusal.
+    rejects: RefusalLog = dataclasses.field(default_factory=lambda: RefusalLog(log, "control message"))
     control: ControlLoop | None = None
     closed: bool = False
+    dead: str | None = None  # the control loop gave up (supervision): why; nothing moves any more
     clock: RunningClock = dataclasses.field(default_factory=RunningClock)
+
+    def __post_init__(self) -> None:
+        self.peer_ids = PeerIds(self.config.limits.max_peers, self.stats)
 
     @property
     def endpoint(self) -> str:
@@ -113,7 +150,7 @@ class Core:
         return {
             "src_id": self.instance_id,
             "src_endpoint": self.endpoint,
-            "dst_id": dst_id if dst_id is not None else self.peer_ids.get(dst_endpoint, ""),
+            "dst_id": dst_id if dst_id is not None else self.peer_ids.get(dst_endpoint),
             "transfer_id": transfer_id,
         }
 
@@ -131,6 +168,13 @@ class Core:
         self.stats.failed(label or reason)
         self.tombstones.add(side, transfer_id, reason)
         log.info("transfer %s (%s) failed: %s", transfer_id, side, reason)
+
+    def peer_deadline(self, deadline_s: float) -> float:
+        """A lease a peer chose (Offer/Pull ``deadline_s``) clamped to ``config.limits`` (counted)."""
+        clamped = self.config.limits.peer_deadline(deadline_s)
+        if clamped != deadline_s:
+            self.stats.limit_hit(ControlLimit.PEER_DEADLINE)
+        return clamped
 
     def now(self) -> float:
         """The lease clock: monotonic, less the time this process was not running (decision 123)."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
+import re
 from collections.abc import Sequence
 
 import msgspec
@@ -30,6 +32,12 @@ MAX_TRAILER_BYTES = 1 << 20
 MAC_BYTES = 32
 MAX_STATE_LEN = 32
 MAX_PIECES = 4096  # pulls one held transfer may serve (a piece per receiving rank)
+MAX_FRAMES = 2  # payload [+ MAC]
+MAX_LAYER_DIMS = 8  # a layer's shape (a product of thousands of huge numbers would stall the thread)
+# What decoding hostile bytes may raise besides msgspec's own errors (deep nesting, huge lengths, ...):
+# all of it is a ProtocolError to the caller.
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError, MemoryError, ValueError,
+                  TypeError, OverflowError)
 
 
 class Msg(msgspec.Struct, tag_field="t", kw_only=True, frozen=True):
@@ -124,8 +132,10 @@ class _Head(msgspec.Struct):
 class Codec:
     """Encodes/decodes control messages, with an HMAC per message when a secret is set."""
 
-    def __init__(self, secret: bytes | None) -> None:
+    def __init__(self, secret: bytes | None, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        """``max_message_bytes``: the largest payload accepted (``ControlLimits.max_message_bytes``)."""
         self._secret = secret
+        self._max_bytes = max_message_bytes
         self._encoder = msgspec.msgpack.Encoder()
         self._head = msgspec.msgpack.Decoder(_Head)
         self._decoder = msgspec.msgpack.Decoder(AnyMsg)
@@ -137,27 +147,31 @@ class Codec:
         return [payload, hmac.new(self._secret, payload, hashlib.sha256).digest()]
 
     def decode(self, frames: Sequence[bytes]) -> AnyMsg:
-        """Decode and validate one message; raises ProtocolError / AuthenticationError."""
-        if not frames or len(frames) > 2:
-            raise ProtocolError(f"expected 1 or 2 frames, got {len(frames)}")
+        """Decode and validate one message; raises ProtocolError / AuthenticationError, and nothing
+        else whatever the bytes (sizes are checked before the MAC is computed or anything decoded)."""
+        if not frames or len(frames) > MAX_FRAMES:
+            raise ProtocolError(f"expected 1 or {MAX_FRAMES} frames, got {len(frames)}")
         payload = frames[0]
+        if len(payload) > self._max_bytes:
+            raise ProtocolError(f"control message of {len(payload)} bytes exceeds {self._max_bytes}")
         if self._secret is not None:
             mac = frames[1] if len(frames) == 2 else b""
+            if len(mac) != MAC_BYTES:
+                raise AuthenticationError("control message without a valid HMAC")
             good = hmac.new(self._secret, payload, hashlib.sha256).digest()
             if not hmac.compare_digest(mac, good):
                 raise AuthenticationError("control message without a valid HMAC")
-        if len(payload) > MAX_MESSAGE_BYTES:
-            raise ProtocolError(f"control message of {len(payload)} bytes is too large")
         try:
             head = self._head.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise ProtocolError(f"malformed control message: {exc}") from exc
+        except _DECODE_ERRORS as exc:
+            raise ProtocolError(f"malformed control message: {type(exc).__name__}: {exc}") from exc
         if head.v != PROTOCOL_VERSION:
-            raise ProtocolError(f"unsupported protocol version {head.v} (type {head.t!r})")
+            raise ProtocolError(f"unsupported protocol version {head.v} (type {head.t[:MAX_STATE_LEN]!r})")
         try:
             msg: AnyMsg = self._decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise ProtocolError(f"invalid {head.t!r} message: {exc}") from exc
+        except _DECODE_ERRORS as exc:
+            kind = head.t[:MAX_STATE_LEN]
+            raise ProtocolError(f"invalid {kind!r} message: {type(exc).__name__}: {exc}") from exc
         validate(msg)
         return msg
 
@@ -167,19 +181,34 @@ def _check_id(name: str, value: str, allow_empty: bool = False) -> None:
         raise ProtocolError(f"{name} must be 1..{MAX_ID_LEN} characters")
 
 
+# What a peer may name as its control endpoint (replies are sent there: ZeroMQ connects to it, and
+# refuses a malformed one with an error only at connect time): tcp://host:port, ipc://path, inproc://name.
+_ENDPOINT = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}|(?:ipc|inproc)://[^\x00\s]+")
+
+
+def _check_endpoint(endpoint: str) -> None:
+    if len(endpoint) > MAX_ID_LEN or not _ENDPOINT.fullmatch(endpoint):
+        raise ProtocolError(f"src_endpoint {endpoint[:80]!r} is not a ZMQ endpoint")
+    if endpoint.startswith("tcp://") and not 0 < int(endpoint.rsplit(":", 1)[1]) < 65536:
+        raise ProtocolError(f"src_endpoint {endpoint[:80]!r} has no valid port")
+
+
 def validate(msg: AnyMsg) -> None:
     """Semantic checks msgspec types cannot express (bounds, known dtypes, non-negative sizes)."""
     _check_id("transfer_id", msg.transfer_id)
     _check_id("src_id", msg.src_id)
     _check_id("dst_id", msg.dst_id, allow_empty=True)
-    if not msg.src_endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-        raise ProtocolError(f"src_endpoint {msg.src_endpoint!r} is not a ZMQ endpoint")
+    _check_endpoint(msg.src_endpoint)
     if isinstance(msg, Offer):
         for layer in msg.layers:
-            if layer.dtype not in DTYPES_BY_NAME or any(d < 0 for d in layer.shape):
-                raise ProtocolError(f"offer {msg.transfer_id}: bad layer {layer}")
-    if isinstance(msg, (Offer, Pull)) and not msg.deadline_s > 0:
-        raise ProtocolError(f"{type(msg).__name__} {msg.transfer_id}: deadline_s must be > 0")
+            bad_shape = len(layer.shape) > MAX_LAYER_DIMS or any(d < 0 for d in layer.shape)
+            if layer.dtype not in DTYPES_BY_NAME or bad_shape:
+                dtype = layer.dtype[:MAX_STATE_LEN]
+                dims = len(layer.shape)
+                raise ProtocolError(f"offer {msg.transfer_id}: bad layer ({dtype!r}, {dims} dims)")
+    if isinstance(msg, (Offer, Pull)) and not (math.isfinite(msg.deadline_s) and msg.deadline_s > 0):
+        raise ProtocolError(f"{type(msg).__name__} {msg.transfer_id}: deadline_s must be finite and > 0, "
+                            f"got {msg.deadline_s}")
     if isinstance(msg, Pull) and msg.held:
         _check_id("held", msg.held)
         bad_heads = msg.heads and (len(msg.heads) != 2 or not 0 <= msg.heads[0] < msg.heads[1])

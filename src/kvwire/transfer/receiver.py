@@ -17,6 +17,7 @@ from kvwire.transfer.enums import FailReason
 from kvwire.transfer.lease import Lease, PeerState
 from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Renew, Trailer
 from kvwire.transfer.paged_kv import BlockTarget, PagedKV
+from kvwire.transfer.stats import ControlLimit
 from kvwire.transfer.types import (
     DTYPES_BY_NAME,
     ByteSpans,
@@ -92,6 +93,8 @@ class RecvState:
     # grant, sent again (as an ordinary one) when the Offer comes, in case the sender did not keep it
     early: dict[int, int] = dataclasses.field(default_factory=dict)
     early_grant: Grant | None = None
+    # created by this sender's Offer before expect(): counted against ControlLimits.max_pending_per_peer
+    unsolicited_by: str | None = None
 
     def complete(self) -> bool:
         return (
@@ -123,6 +126,8 @@ class Receiver:
         self.done_specs: dict[str, list[LayerSpec]] = {}
         self.done_trailers: dict[str, bytes] = {}
         self.acks: dict[str, _AckBatch] = {}
+        # per sender endpoint: its Offers held here that expect() has not claimed yet (decision 116)
+        self.unsolicited: collections.Counter[str] = collections.Counter()
 
     # --- API ---------------------------------------------------------------------------------------------
 
@@ -162,6 +167,7 @@ class Receiver:
                 raise TransferError("too many transfers in flight", transfer_id)
             st = self.recvs[transfer_id] = RecvState(transfer_id, Lease.start(now, deadline_s, limit_s))
         st.lease.tighten(now, deadline_s, limit_s)
+        self._claim(st)
         st.expected, st.num_layers, st.sink, st.pull_from = True, num_layers, sink, pull_from
         st.accept_from = accept_from
         st.sender = sender if st.sender is None else st.sender
@@ -217,7 +223,7 @@ class Receiver:
         self.core.stats.add("early_grants")
 
     def _pull_msg(self, endpoint: str, transfer_id: str, deadline_s: float, piece: PullSlice | None) -> Pull:
-        info = self.core.plane.local_info(PeerRef(endpoint, self.core.peer_ids.get(endpoint, ""), ""))
+        info = self.core.plane.local_info(PeerRef(endpoint, self.core.peer_ids.get(endpoint), ""))
         msg = Pull(**self.core.header(endpoint, transfer_id), deadline_s=deadline_s,
                    data_address=self.core.plane.address, plane_info=info)  # fmt: skip
         if piece is None:
@@ -274,12 +280,11 @@ class Receiver:
                 msg.src_endpoint, tid, f"{FailReason.MISMATCH.value}: bad layer count", msg.src_id
             )
             return
+        deadline_s = self.core.peer_deadline(msg.deadline_s)
         if st is None:
-            if len(self.recvs) >= self.core.config.max_pending_transfers:
-                self.core.send_abort(msg.src_endpoint, tid, "receiver has too many transfers", msg.src_id)
+            st = self._unsolicited(msg, deadline_s)
+            if st is None:
                 return
-            lease = Lease.start(self.core.now(), msg.deadline_s, self.core.config.default_limit_s)
-            st = self.recvs[tid] = RecvState(tid, lease)
         if st.early and st.peer is not None and st.peer.instance_id != msg.src_id:
             # another sender than the one granted early (a restart was handled by fail_peer already)
             reason = (
@@ -289,7 +294,7 @@ class Receiver:
             self.fail(tid, reason, notify=False)
             self.core.send_abort(msg.src_endpoint, tid, reason, msg.src_id)
             return
-        st.lease.tighten(self.core.now(), msg.deadline_s, None)
+        st.lease.tighten(self.core.now(), deadline_s, None)
         st.specs = [LayerSpec(tuple(w.shape), DTYPES_BY_NAME[w.dtype]) for w in msg.layers]
         st.with_trailer = msg.with_trailer
         st.peer = PeerRef(msg.src_endpoint, msg.src_id, msg.data_address, msg.plane_info)
@@ -304,6 +309,32 @@ class Receiver:
         self.grant_pass()
         if st.early and tid in self.recvs:
             self.maybe_complete(st)  # early-granted layers may all have landed before the Offer
+
+    def _unsolicited(self, msg: Offer, deadline_s: float) -> RecvState | None:
+        """State for an Offer that came before expect() (held until the caller expects it or its
+        lease ends), unless this agent or that sender has too many (refused with an Abort)."""
+        limit = None
+        if len(self.recvs) >= self.core.config.max_pending_transfers:
+            limit = ControlLimit.PENDING_TRANSFERS
+        elif self.unsolicited[msg.src_endpoint] >= self.core.config.limits.max_pending_per_peer:
+            limit = ControlLimit.PENDING_PER_PEER
+        if limit is not None:
+            self.core.stats.limit_hit(limit)
+            reason = f"receiver has too many transfers ({limit.value})"
+            self.core.send_abort(msg.src_endpoint, msg.transfer_id, reason, msg.src_id)
+            return None
+        lease = Lease.start(self.core.now(), deadline_s, self.core.config.default_limit_s)
+        st = self.recvs[msg.transfer_id] = RecvState(msg.transfer_id, lease, unsolicited_by=msg.src_endpoint)
+        self.unsolicited[msg.src_endpoint] += 1
+        return st
+
+    def _claim(self, st: RecvState) -> None:
+        """``st`` no longer counts as its sender's unsolicited Offer (expected now, or ended)."""
+        peer, st.unsolicited_by = st.unsolicited_by, None
+        if peer is not None:
+            self.unsolicited[peer] -= 1
+            if self.unsolicited[peer] <= 0:
+                del self.unsolicited[peer]
 
     def _check_early(self, st: RecvState) -> None:
         """The Offer of an early-granted transfer. Layers the sizes granted: the grant is sent again
@@ -587,6 +618,7 @@ class Receiver:
         st = self.recvs.pop(transfer_id, None)
         if st is None:
             return False
+        self._claim(st)
         self.core.plane.cancel(transfer_id)
         if st.guard is not None:
             st.guard.close()  # a copy into the caller's blocks running now finishes first

@@ -16,12 +16,14 @@ from kvwire.transfer.enums import FailReason
 from kvwire.transfer.lease import Lease, PeerState
 from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Renew, Trailer, WireLayer
 from kvwire.transfer.paged_kv import PagedKV
+from kvwire.transfer.peer_table import PeerTable
 from kvwire.transfer.planes.base import DataPlane
 from kvwire.transfer.split_pull import Split, SplitPulls
+from kvwire.transfer.stats import ControlLimit
 from kvwire.transfer.types import DTYPE_NAMES, ByteSpans, LayerSpec, PeerRef, SendItem, TransferTiming
 
 SIDE = "send"
-MAX_PENDING_PULLS = 10_000
+MAX_KEPT_PLANE_INFO = 64 * 1024  # an early Grant with a larger plane handshake is not kept (not needed)
 
 
 def _fits(st: SendState, grant: Grant) -> bool:
@@ -86,9 +88,17 @@ class Sender:
         self.core = core
         self.sends: dict[str, SendState] = {}
         self.promised: dict[str, tuple[str, Lease]] = {}  # accepted, not started: receiver endpoint
-        self.pending_pulls: dict[str, tuple[Pull, float]] = {}  # pulls that came before start_send
+        limits = core.config.limits
+        # pulls that came before start_send: transfer id -> (pull, until); bounded per puller and in all
+        self.pending_pulls: PeerTable[str, tuple[Pull, float]] = PeerTable(
+            limits.max_pending_per_peer, limits.max_pending_pulls, ControlLimit.PENDING_PER_PEER,
+            ControlLimit.PENDING_PULLS,
+        )  # fmt: skip
         # grants that came before start_send (decision 110): transfer id -> (grant, last heard of)
-        self.early_grants: dict[str, tuple[Grant, float]] = {}
+        self.early_grants: PeerTable[str, tuple[Grant, float]] = PeerTable(
+            limits.max_early_grants_per_peer, limits.max_early_grants, ControlLimit.EARLY_GRANTS_PER_PEER,
+            ControlLimit.EARLY_GRANTS,
+        )  # fmt: skip
         # ordered planes: per receiver epoch, granted (transfer, layer) in grant order
         self.order: dict[str, collections.deque[tuple[str, int]]] = {}
         self.splits = SplitPulls(self)
@@ -122,14 +132,14 @@ class Sender:
         self.core.stats.add("sends_started")
         if endpoint is not None:
             self.offer(st)
-            early = self.early_grants.pop(transfer_id, None)
+            early = self.early_grants.pop(transfer_id)
             if early is not None and early[0].src_endpoint == endpoint:
                 self.on_grant(early[0])  # the receiver granted before this Offer: send at once
             elif early is not None:
                 self.core.send_abort(early[0].src_endpoint, transfer_id, "not this transfer's receiver",
                                      early[0].src_id)
             return
-        pending = self.pending_pulls.pop(transfer_id, None)
+        pending = self.pending_pulls.pop(transfer_id)
         if pending is not None:
             self.on_pull(pending[0])
         self.splits.started(st)
@@ -261,7 +271,7 @@ class Sender:
     def offer(self, st: SendState) -> None:
         assert st.endpoint is not None
         core = self.core
-        peer_id = core.peer_ids.get(st.endpoint, "")
+        peer_id = core.peer_ids.get(st.endpoint)
         info = core.plane.local_info(PeerRef(st.endpoint, peer_id, ""))
         msg = Offer(
             **core.header(st.endpoint, st.transfer_id),
@@ -300,7 +310,8 @@ class Sender:
         elif st.peer.instance_id != msg.src_id:
             self.fail(st.transfer_id, f"{FailReason.PEER_LOST.value}: receiver restarted mid-transfer", True)
             return
-        new = [i for i in msg.layers if 0 <= i < len(st.layers) and i not in st.granted]
+        # (once each: a layer a peer names twice must not be queued twice on an ordered plane)
+        new = list(dict.fromkeys(i for i in msg.layers if 0 <= i < len(st.layers) and i not in st.granted))
         # every grant: the NCCL plane's chunk plans for these layers travel here (a repeated early
         # grant, decision 110, grants nothing new and its destinations were taken already)
         if msg.plane_info and new:
@@ -341,12 +352,7 @@ class Sender:
             return
         st = self.sends.get(msg.transfer_id)
         if st is None:
-            ended = self.core.tombstones.get(SIDE, msg.transfer_id)
-            if ended is not None or len(self.pending_pulls) >= MAX_PENDING_PULLS:
-                reason = ended or "too many pending pulls"
-                self.core.send_abort(msg.src_endpoint, msg.transfer_id, reason, msg.src_id)
-            else:  # the pull overtook start_send: hold it until the puller's deadline
-                self.pending_pulls[msg.transfer_id] = (msg, self.core.now() + msg.deadline_s)
+            self._hold_pull(msg)
             return
         if st.endpoint is None and st.pull_by is not None and msg.src_endpoint not in st.pull_by:
             self.core.stats.add("offers_refused")  # not the pair's receiver: the lease stays
@@ -363,14 +369,35 @@ class Sender:
                 msg.src_endpoint, msg.transfer_id, "already pulled by another peer", msg.src_id
             )
 
+    def _hold_pull(self, msg: Pull) -> None:
+        """A pull overtook start_send: hold it until the puller's (clamped) deadline, unless the
+        transfer already ended here or the puller (or everyone) has too many held (refused)."""
+        ended = self.core.tombstones.get(SIDE, msg.transfer_id)
+        limit = None if ended is not None else self.pending_pulls.admit(msg.transfer_id, msg.src_endpoint)
+        if ended is not None or limit is not None:
+            if limit is not None:
+                self.core.stats.limit_hit(limit)
+            reason = ended or f"too many pending pulls ({limit.value if limit else ''})"
+            self.core.send_abort(msg.src_endpoint, msg.transfer_id, reason, msg.src_id)
+            return
+        until = self.core.now() + self.core.peer_deadline(msg.deadline_s)
+        self.pending_pulls.put(msg.transfer_id, msg.src_endpoint, (msg, until))
+
     def _keep_early(self, msg: Grant) -> bool:
-        """Keep an early grant of a transfer not started yet (True), unless it already ended here
-        or too many are kept (False: answered as an unknown transfer)."""
+        """Keep an early grant of a transfer not started yet (True), unless it already ended here,
+        is not the shape of one (more layers than a transfer has, sizes that do not match them, an
+        outsized plane handshake) or too many are kept (False: answered as an unknown transfer; the
+        receiver grants again on the Offer)."""
         if self.core.tombstones.get(SIDE, msg.transfer_id) is not None:
             return False
-        if len(self.early_grants) >= self.core.config.max_pending_transfers:
+        shaped = len(msg.layers) == len(msg.sizes) <= self.core.config.max_layers_per_transfer
+        if not shaped or len(msg.plane_info) > MAX_KEPT_PLANE_INFO:
             return False
-        self.early_grants[msg.transfer_id] = (msg, self.core.now())
+        limit = self.early_grants.admit(msg.transfer_id, msg.src_endpoint)
+        if limit is not None:
+            self.core.stats.limit_hit(limit)
+            return False
+        self.early_grants.put(msg.transfer_id, msg.src_endpoint, (msg, self.core.now()))
         return True
 
     def heard_early(self, msg: Renew) -> bool:
@@ -378,7 +405,7 @@ class Sender:
         early = self.early_grants.get(msg.transfer_id)
         if early is None or early[0].src_endpoint != msg.src_endpoint:
             return False
-        self.early_grants[msg.transfer_id] = (early[0], self.core.now())
+        self.early_grants.put(msg.transfer_id, msg.src_endpoint, (early[0], self.core.now()))
         return True
 
     def _unknown(self, endpoint: str, transfer_id: str, dst_id: str) -> None:
@@ -431,6 +458,8 @@ class Sender:
                 self._handed(st, 1)
                 st.dispatched.add(index)
                 batch.append(self._item(st, index, self.core.plane.for_peer(peer)))
+        if queue is not None and not queue:
+            del self.order[peer.instance_id]  # one entry per receiver epoch with granted work, no more
         if batch:
             self.core.plane.send(peer, batch)
 
@@ -488,7 +517,7 @@ class Sender:
     def on_abort(self, transfer_id: str, src_endpoint: str, reason: str) -> None:
         early = self.early_grants.get(transfer_id)
         if early is not None and early[0].src_endpoint == src_endpoint:
-            del self.early_grants[transfer_id]
+            self.early_grants.pop(transfer_id)
         st = self.sends.get(transfer_id)
         if st is not None and st.endpoint == src_endpoint:
             self.fail(transfer_id, f"{FailReason.PEER_ABORTED.value}: {reason}", notify=False)
@@ -504,13 +533,15 @@ class Sender:
             elif st.endpoint is None:
                 what = "not pulled"
             self.fail(tid, f"{FailReason.DEADLINE.value}: {what}", notify=True)
-        for tid in [t for t, (_, until) in self.pending_pulls.items() if until <= now]:
-            msg, _ = self.pending_pulls.pop(tid)
-            self.core.send_abort(msg.src_endpoint, tid, FailReason.UNKNOWN.value, msg.src_id)
+        for tid, (msg, until) in self.pending_pulls.items():
+            if until <= now:
+                self.pending_pulls.pop(tid)
+                self.core.send_abort(msg.src_endpoint, tid, FailReason.UNKNOWN.value, msg.src_id)
         # an early grant lives while its receiver renews it (it renews well within its deadline)
         quiet = self.core.config.default_deadline_s
-        for tid in [t for t, (_, heard) in self.early_grants.items() if now - heard > quiet]:
-            del self.early_grants[tid]
+        for tid, (_, heard) in self.early_grants.items():
+            if now - heard > quiet:
+                self.early_grants.pop(tid)
         self.splits.expire(now)
 
     # --- leases ------------------------------------------------------------------------------------------

@@ -26,6 +26,8 @@ from kvwire.transfer.enums import FailReason, KVLayout
 from kvwire.transfer.lease import Lease
 from kvwire.transfer.messages import Pull
 from kvwire.transfer.paged import HEAD_DIM
+from kvwire.transfer.peer_table import PeerTable
+from kvwire.transfer.stats import ControlLimit
 from kvwire.transfer.types import LayerSpec, TransferTiming
 
 if TYPE_CHECKING:
@@ -34,7 +36,6 @@ if TYPE_CHECKING:
 SIDE = "send"
 MISMATCH = FailReason.MISMATCH.value
 NOT_BLOCKS = f"{MISMATCH}: only a transfer of blocks can be pulled in pieces"
-MAX_WAITING_PULLS = 10_000
 
 
 @dataclasses.dataclass
@@ -60,7 +61,12 @@ class SplitPulls:
     def __init__(self, sender: Sender) -> None:
         self.sender = sender
         self.core = sender.core
-        self.early: dict[str, list[tuple[Pull, float]]] = {}  # held id -> pulls before start_send
+        limits = self.core.config.limits
+        # piece pulls before start_send: (held id, piece id) -> (pull, until); bounded per puller and in all
+        self.early: PeerTable[tuple[str, str], tuple[Pull, float]] = PeerTable(
+            limits.max_pending_per_peer, limits.max_pending_pulls, ControlLimit.PENDING_PER_PEER,
+            ControlLimit.PENDING_PULLS,
+        )  # fmt: skip
 
     # --- pulls -------------------------------------------------------------------------------------------
 
@@ -83,6 +89,9 @@ class SplitPulls:
             self.sender.fail(parent.transfer_id, reason, notify=True)
             return
         if not parent.items:
+            if len(split.waiting) + len(split.children) >= split.pieces:
+                self._refuse(msg, "every piece was pulled already")  # (waiting: no more than it serves)
+                return
             split.waiting.append(msg)  # the layout is known from the first layer handed over
             return
         self._start_child(parent, split, msg)
@@ -115,16 +124,24 @@ class SplitPulls:
         if ended is not None:
             self._refuse(msg, ended if ended != "done" else "already pulled by another peer")
             return
-        if sum(len(v) for v in self.early.values()) >= MAX_WAITING_PULLS:
-            self._refuse(msg, "too many pending pulls")
+        key = (msg.held, msg.transfer_id)
+        limit = self.early.admit(key, msg.src_endpoint)
+        if limit is not None:
+            self.core.stats.limit_hit(limit)
+            self._refuse(msg, f"too many pending pulls ({limit.value})")
             return
-        # the pull overtook start_send: hold it until the puller's deadline
-        self.early.setdefault(msg.held, []).append((msg, self.core.now() + msg.deadline_s))
+        # the pull overtook start_send: hold it until the puller's (clamped) deadline
+        until = self.core.now() + self.core.peer_deadline(msg.deadline_s)
+        self.early.put(key, msg.src_endpoint, (msg, until))
 
     def started(self, parent: SendState) -> None:
         """``start_send`` of a held transfer: serve the piece pulls that came before it."""
-        for msg, _ in self.early.pop(parent.transfer_id, []):
-            self.on_pull(msg)
+        if not len(self.early):
+            return
+        for key, (msg, _) in self.early.items():
+            if key[0] == parent.transfer_id:
+                self.early.pop(key)
+                self.on_pull(msg)
 
     def _release(self, parent: SendState) -> None:
         """Nobody needs this held transfer: it ends as finished (its blocks can be freed)."""
@@ -149,7 +166,7 @@ class SplitPulls:
             self._refuse(msg, f"{MISMATCH}: heads {msg.heads} not held ({layout.value})")
             return
         now = self.core.now()
-        lease_s = min(msg.deadline_s, parent.lease.lease_s)
+        lease_s = min(self.core.peer_deadline(msg.deadline_s), parent.lease.lease_s)
         lease = Lease.start(now, lease_s, max(parent.lease.limit - now, 0.0))
         child = SendState(
             msg.transfer_id, layers, lease, False, msg.src_endpoint, parent=parent.transfer_id,
@@ -232,15 +249,10 @@ class SplitPulls:
         return parent.split is not None and parent.split.all_pulled
 
     def expire(self, now: float) -> None:
-        for held in list(self.early):
-            kept = [(msg, until) for msg, until in self.early[held] if until > now]
-            for msg, until in self.early[held]:
-                if until <= now:
-                    self._refuse(msg, FailReason.UNKNOWN.value)
-            if kept:
-                self.early[held] = kept
-            else:
-                del self.early[held]
+        for key, (msg, until) in self.early.items():
+            if until <= now:
+                self.early.pop(key)
+                self._refuse(msg, FailReason.UNKNOWN.value)
 
 
 def _narrowed(layers: list[LayerSpec], layout: KVLayout, heads: range | None) -> list[LayerSpec] | None:

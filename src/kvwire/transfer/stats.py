@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import threading
 from collections import Counter
 
@@ -18,6 +19,8 @@ class TransferStats:
     recvs_started: int = 0
     recvs_completed: int = 0
     failed: dict[str, int] = dataclasses.field(default_factory=dict)  # FailReason value | "other" -> count
+    # control-plane limits hit (decision 116), by ControlLimit value: refused, clamped or forgotten
+    limits_hit: dict[str, int] = dataclasses.field(default_factory=dict)
     bytes_sent: int = 0
     bytes_received: int = 0
     messages_rejected: int = 0  # malformed / unknown / old-version / unauthenticated messages
@@ -34,6 +37,22 @@ class TransferStats:
     spill_bytes_in_use: int = 0  # gauges at snapshot time
     budget_bytes_in_use: int = 0
     transfers_active: int = 0
+    quarantined_transfers: int = 0  # receives a stalled sender may still write into (decision 114)
+    quarantined_bytes: int = 0  # ... and the destination bytes they keep out of use
+
+
+class ControlLimit(str, enum.Enum):
+    """The control-plane limits a peer can hit (labels of ``limits_hit``; see ControlLimits)."""
+
+    MESSAGE_BYTES = "control_message_bytes"  # a control frame over max_message_bytes (refused)
+    FRAMES = "control_frames"  # a control message of more frames than the protocol has (refused)
+    PEER_DEADLINE = "peer_deadline"  # an Offer/Pull lease outside our bounds (clamped)
+    EARLY_GRANTS = "early_grants"  # an early Grant not kept: max_early_grants reached
+    EARLY_GRANTS_PER_PEER = "early_grants_per_peer"  # ... max_early_grants_per_peer reached
+    PENDING_PER_PEER = "pending_per_peer"  # an Offer or Pull refused: max_pending_per_peer reached
+    PENDING_TRANSFERS = "pending_transfers"  # an Offer refused: max_pending_transfers reached
+    PENDING_PULLS = "pending_pulls"  # a Pull refused: max_pending_pulls reached
+    PEERS = "peers"  # a peer endpoint's epoch forgotten: max_peers reached
 
 
 class StatsRecorder:
@@ -43,6 +62,7 @@ class StatsRecorder:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
         self._failed: Counter[str] = Counter()
+        self._limits: Counter[str] = Counter()
 
     def add(self, name: str, amount: int = 1) -> None:
         with self._lock:
@@ -55,10 +75,16 @@ class StatsRecorder:
         with self._lock:
             self._failed[label] += 1
 
+    def limit_hit(self, limit: ControlLimit | str) -> None:
+        label = ControlLimit(limit).value
+        with self._lock:
+            self._limits[label] += 1
+
     def snapshot(self, **gauges: int) -> TransferStats:
         with self._lock:
             counts = dict(self._counts)
             failed = dict(self._failed)
+            limits = dict(self._limits)
         fields = {f.name for f in dataclasses.fields(TransferStats)}
         values = {k: v for k, v in counts.items() if k in fields}
-        return TransferStats(failed=failed, **values, **gauges)
+        return TransferStats(failed=failed, limits_hit=limits, **values, **gauges)

@@ -12,6 +12,7 @@ import pytest
 
 from kvwire.cluster import demo
 from kvwire.engine.models.presets import PACKAGED_MODELS
+from support.hf_cache import offline_cache
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -27,10 +28,12 @@ def test_default_model_is_the_packaged_chat_model() -> None:
 
 
 def test_missing_model_package_stops_the_demo_with_the_install_command(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     def absent(name: str) -> None:
         raise importlib.metadata.PackageNotFoundError(name)
+
+    offline_cache(monkeypatch, tmp_path)  # nor in the Hugging Face cache, and no network
 
     monkeypatch.setattr(importlib.metadata, "distribution", absent)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # run() sets it for its instances: undone after the test

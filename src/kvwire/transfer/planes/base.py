@@ -175,6 +175,13 @@ class DataPlane(abc.ABC):
     def cancel(self, transfer_id: str) -> None:
         """Forget queued sends and posted receives of the transfer (best effort, see module doc)."""
 
+    def unsettled(self) -> dict[str, int]:
+        """Cancelled transfers whose peer may still write into their destinations, with the bytes
+        each covers: the caller must not reuse that memory yet (the shared-memory plane's
+        quarantined grants, decision 114). Default: none (a plane whose cancel waits for every
+        write it started). Any thread; cheap when empty."""
+        return {}
+
     @abc.abstractmethod
     def drop_peer(self, peer_instance_id: str) -> None:
         """Close connections/communicators with that peer epoch; never reuse them. Idempotent."""

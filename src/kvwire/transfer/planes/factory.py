@@ -6,6 +6,7 @@ Each plane is imported only when chosen, so a CPU process never imports the NCCL
 
 from __future__ import annotations
 
+from kvwire.supervision import HealthBoard
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.enums import Backend, Transport
 from kvwire.transfer.planes.base import DataPlane
@@ -23,29 +24,35 @@ def held_backends(config: TransferConfig) -> list[Backend]:
     return [Backend.SHM, config.backend]
 
 
-def make_member(backend: Backend, config: TransferConfig, instance_id: str) -> DataPlane:
+def make_member(
+    backend: Backend, config: TransferConfig, instance_id: str, board: HealthBoard | None = None
+) -> DataPlane:
     """One plane, configured from ``config`` alone (nothing read from the environment here: the CLI /
-    plugin config built ``config`` at the edge)."""
+    plugin config built ``config`` at the edge); its supervised threads report to ``board``."""
     if backend is Backend.TCP:
         from kvwire.transfer.planes.tcp.plane import TcpPlane
 
-        return TcpPlane(config, instance_id)
+        return TcpPlane(config, instance_id, board)
     if backend is Backend.NCCL:
         from kvwire.transfer.planes.nccl.plane import NcclPlane
 
-        return NcclPlane(config, instance_id)
+        return NcclPlane(config, instance_id, board=board)
     if backend is Backend.SHM:
         from kvwire.transfer.planes.shm.plane import ShmPlane
 
-        return ShmPlane(config, instance_id)
+        return ShmPlane(config, instance_id, board)
     if backend is Backend.IPC:
         from kvwire.transfer.planes.ipc.plane import IpcPlane
 
-        return IpcPlane(config, instance_id)
+        return IpcPlane(config, instance_id, board)
     raise AssertionError(f"no plane for backend {backend!r}")  # Backend is exhaustive here
 
 
-def make_plane(config: TransferConfig, instance_id: str) -> PlaneSet:
-    """The agent's plane set: every held plane behind one :class:`DataPlane`, routed per peer."""
-    members = [(b, make_member(b, config, instance_id)) for b in held_backends(config)]
-    return PlaneSet(members, instance_id, config.device, config.transport)
+def make_plane(config: TransferConfig, instance_id: str, board: HealthBoard | None = None) -> PlaneSet:
+    """The agent's plane set: every held plane behind one :class:`DataPlane`, routed per peer. Every
+    plane's supervised threads (acceptors, the fail loop, reporters, completers, the NCCL janitor)
+    report to ``board``, the process's (a private one when None: restarts are logged, nobody's
+    ``/health`` reads them)."""
+    board = board if board is not None else HealthBoard()
+    members = [(b, make_member(b, config, instance_id, board)) for b in held_backends(config)]
+    return PlaneSet(members, instance_id, config.device, config.transport, board)

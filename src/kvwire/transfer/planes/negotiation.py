@@ -18,6 +18,7 @@ import socket
 
 import msgspec
 
+from kvwire.errors import ProtocolError
 from kvwire.transfer.enums import Backend, Transport
 
 #: Preference of the pair when nothing is forced: same-host planes first (no wire at all), then
@@ -49,6 +50,22 @@ class Envelope(msgspec.Struct, frozen=True):
 
     hello: Hello
     inner: dict[str, bytes] = {}  # backend value -> that plane's local_info for this peer
+
+
+_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
+_TRANSPORTS = frozenset(t.value for t in Transport)
+
+
+def decode_envelope(info: bytes) -> Envelope:
+    """A peer's ``plane_info`` -> :class:`Envelope`; ``ProtocolError`` for anything else (bytes that
+    do not decode, nest too deep, or force a transport this version does not know)."""
+    try:
+        envelope = _envelope_decoder.decode(info)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise ProtocolError(f"plane handshake does not decode: {exc}") from exc
+    if envelope.hello.forced and envelope.hello.forced not in _TRANSPORTS:
+        raise ProtocolError(f"plane handshake forces an unknown transport {envelope.hello.forced[:32]!r}")
+    return envelope
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,8 +10,8 @@ import socket
 import threading
 from typing import ClassVar
 
+from kvwire.supervision import HealthBoard, guarded
 from kvwire.transfer.planes.shm.wire import abstract_name
-from kvwire.transfer.planes.tcp.wire import HANDSHAKE_TIMEOUT_S
 from kvwire.transfer.types import PeerRef, SendItem
 
 
@@ -21,14 +21,17 @@ class OutboundLink:
 
     kind: ClassVar[str]
 
-    def __init__(self, peer: PeerRef) -> None:
+    def __init__(self, peer: PeerRef, board: HealthBoard) -> None:
         self.peer = peer
+        self.board = board
         self.queue: queue.SimpleQueue[SendItem | None] = queue.SimpleQueue()
         self.stopped = threading.Event()
         self.dead = False  # set under the plane's lock when the thread gives up
         self.sock: socket.socket | None = None
         self.thread = threading.Thread(
-            target=self._run, name=f"kvwire-{self.kind}-send-{peer.instance_id[:8]}", daemon=True
+            target=guarded(f"kvwire-{self.kind}-send", self._run, board),
+            name=f"kvwire-{self.kind}-send-{peer.instance_id[:8]}",
+            daemon=True,
         )
 
     def _run(self) -> None:
@@ -43,11 +46,11 @@ class OutboundLink:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
-    def _dial_unix(self) -> socket.socket:
+    def _dial_unix(self, handshake_timeout_s: float) -> socket.socket:
         """Connect to the peer's abstract Unix socket (shared-memory and IPC links), handshake timeout
-        set (the caller authenticates, then clears it)."""
+        set (the caller authenticates, then sets the link's write deadline)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock = sock
-        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        sock.settimeout(handshake_timeout_s)
         sock.connect(abstract_name(self.peer.data_address))
         return sock

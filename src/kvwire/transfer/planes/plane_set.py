@@ -23,7 +23,6 @@ run under the agent lock and must not call back into the agent.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import queue
@@ -33,9 +32,11 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
+from kvwire.errors import ProtocolError
+from kvwire.supervision import HealthBoard, SupervisedThread
 from kvwire.transfer.enums import Backend, FailReason, Transport
 from kvwire.transfer.planes.base import DataPlane, PlaneCallbacks
-from kvwire.transfer.planes.negotiation import Choice, Envelope, Hello, choose, host_identity
+from kvwire.transfer.planes.negotiation import Choice, Envelope, Hello, choose, decode_envelope, host_identity
 from kvwire.transfer.types import PeerRef, RecvItem, SendItem
 
 log = logging.getLogger("kvwire.transfer")
@@ -65,8 +66,14 @@ class PlaneSet(DataPlane):
     """Holds several planes (in preference order) and routes each peer epoch to the negotiated one."""
 
     def __init__(
-        self, members: Sequence[tuple[Backend, DataPlane]], instance_id: str, device: str, forced: Transport
+        self,
+        members: Sequence[tuple[Backend, DataPlane]],
+        instance_id: str,
+        device: str,
+        forced: Transport,
+        board: HealthBoard | None = None,
     ) -> None:
+        """``board``: the process's health board (the members should share it); a private one if None."""
         if not members:
             raise ValueError("a plane set needs at least one plane")
         self.members: dict[Backend, DataPlane] = dict(members)
@@ -82,8 +89,10 @@ class PlaneSet(DataPlane):
         self._peers: dict[str, _Peer] = {}  # peer instance id -> hello + choice
         self._hello: Hello | None = None
         self._info_cache: dict[str, bytes] = {}  # peer instance id -> our envelope for it (chosen)
+        self.board = board if board is not None else HealthBoard()
         self._failures: queue.SimpleQueue[tuple[str, str] | None] = queue.SimpleQueue()
-        self._failer: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._failer: SupervisedThread | None = None
         self._callbacks: PlaneCallbacks | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------------
@@ -112,17 +121,19 @@ class PlaneSet(DataPlane):
             planes={b.value: p.address for b, p in self.members.items()},
             forced="" if self.forced is Transport.AUTO else self.forced.value,
         )
-        self._failer = threading.Thread(target=self._fail_loop, name="kvwire-planes-fail", daemon=True)
-        self._failer.start()
+        self._failer = SupervisedThread(
+            "kvwire-planes-fail", self._fail_loop, self._stopping, board=self.board
+        ).start()
 
     @property
     def address(self) -> str:
         return ",".join(f"{b.value}={p.address}" for b, p in self.members.items())
 
     def close(self) -> None:
-        if self._failer is not None and self._failer.is_alive():
+        if self._failer is not None:
+            self._stopping.set()
             self._failures.put(None)
-            self._failer.join(timeout=_STOP_WAIT_S)
+            self._failer.stop(_STOP_WAIT_S)
         for plane in self.members.values():
             plane.close()
 
@@ -177,9 +188,9 @@ class PlaneSet(DataPlane):
     def on_peer_info(self, peer: PeerRef, info: bytes) -> None:
         assert self._hello is not None and self._callbacks is not None, "start() first"
         try:
-            envelope = msgspec.msgpack.decode(info, type=Envelope)
-        except msgspec.DecodeError as exc:
-            self._callbacks.on_protocol_error(f"plane handshake from {peer.endpoint} does not decode: {exc}")
+            envelope = decode_envelope(info)
+        except ProtocolError as exc:
+            self._callbacks.on_protocol_error(f"plane handshake from {peer.endpoint}: {exc}")
             return
         known = self._negotiate(peer, envelope.hello)
         backend = known.choice.backend
@@ -250,6 +261,12 @@ class PlaneSet(DataPlane):
         for plane in self.members.values():
             plane.cancel(transfer_id)
 
+    def unsettled(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for plane in self.members.values():
+            out.update(plane.unsettled())
+        return out
+
     def drop_peer(self, peer_instance_id: str) -> None:
         with self._lock:
             self._peers.pop(peer_instance_id, None)
@@ -258,10 +275,14 @@ class PlaneSet(DataPlane):
             plane.drop_peer(peer_instance_id)
 
     def _fail_loop(self) -> None:
+        """The fail loop's body (supervised): fail scheduled transfers until close's end marker."""
         assert self._callbacks is not None
         while (failure := self._failures.get()) is not None:
-            with contextlib.suppress(Exception):  # a failing callback must not end this thread
+            try:
                 self._callbacks.on_transfer_failed(*failure)
+            except Exception:  # one failing callback must not stop the others' failures
+                log.exception("failing transfer %s (%s) raised", *failure)
+                self.board.worker_error("kvwire-planes-fail")
 
 
 def _peer_gpus(device: str) -> list[str]:

@@ -2,6 +2,12 @@
 connect to, one reader thread per inbound link, one writer per outbound peer, and the bookkeeping
 of cancelled transfers. Each plane supplies its link classes (:meth:`UnixLinkPlane._inbound_link`)
 and what it cleans up on close; the lifecycle below is the same for both.
+
+The listener is bounded like the TCP plane's (:mod:`~kvwire.transfer.planes.admission`: connections
+per listener and per peer process, the handshake deadline, back-off on EMFILE) and its acceptor is
+supervised. After the hello every link's socket keeps a timeout, ``links.link_timeout_s``: a write to
+a peer that stops reading fails after that long without progress. Readers treat a read timeout as an
+idle moment (a dead peer shows as EOF: its descriptors close with its process).
 """
 
 from __future__ import annotations
@@ -12,9 +18,10 @@ import threading
 import time
 from typing import Any, ClassVar, Protocol, TypeVar
 
+from kvwire.supervision import HealthBoard, SupervisedThread, guarded
 from kvwire.transfer.config import TransferConfig
+from kvwire.transfer.planes.admission import Admission, accept_loop, shutdown, unix_peer
 from kvwire.transfer.planes.base import DataPlane, PlaneCallbacks
-from kvwire.transfer.planes.shm.recv import shutdown
 from kvwire.transfer.planes.shm.wire import abstract_name
 from kvwire.transfer.planes.tcp.wire import CANCEL_MEMORY_S, POLL_S
 
@@ -54,10 +61,12 @@ class UnixLinkPlane(DataPlane):
     #: the plane's name in its socket address and thread names ("shm", "ipc")
     link_kind: ClassVar[str]
 
-    def __init__(self, config: TransferConfig, instance_id: str) -> None:
+    def __init__(self, config: TransferConfig, instance_id: str, board: HealthBoard | None = None) -> None:
         self.config = config
         self.instance_id = instance_id
         self.secret = config.secret
+        self.board = board if board is not None else HealthBoard()
+        self.admission = Admission(self.link_kind, config.links, self.board)
         self.lock = threading.Lock()
         self.closing = threading.Event()
         self.outbound: dict[str, Any] = {}  # peer instance id -> the plane's outbound link
@@ -66,7 +75,7 @@ class UnixLinkPlane(DataPlane):
         self.cancelled: dict[str, float] = {}  # transfer id -> when cancelled (time.monotonic())
         self._listener: socket.socket | None = None
         self._address = ""
-        self._acceptor: threading.Thread | None = None
+        self._acceptor: SupervisedThread | None = None
         self._callbacks: PlaneCallbacks | None = None
 
     def _inbound_link(self, conn: socket.socket) -> _Inbound:
@@ -96,10 +105,12 @@ class UnixLinkPlane(DataPlane):
             raise
         listener.settimeout(POLL_S)
         self._listener, self._address = listener, address
-        self._acceptor = threading.Thread(
-            target=self._accept_loop, name=f"kvwire-{self.link_kind}-accept", daemon=True
-        )
-        self._acceptor.start()
+        self._acceptor = SupervisedThread(
+            f"kvwire-{self.link_kind}-accept",
+            lambda: accept_loop(listener, self.admission, self.closing, unix_peer, self._serve),
+            self.closing,
+            board=self.board,
+        ).start()
 
     @property
     def address(self) -> str:
@@ -119,7 +130,7 @@ class UnixLinkPlane(DataPlane):
         for conn in inbound:
             shutdown(conn)
         if self._acceptor is not None:
-            self._acceptor.join(timeout=JOIN_S)
+            self._acceptor.stop(JOIN_S)
         for out in outbound:
             out.thread.join(timeout=JOIN_S)
         with self.lock:
@@ -141,23 +152,26 @@ class UnixLinkPlane(DataPlane):
         if len(self.cancelled) > _MAX_CANCELLED:
             self.cancelled = {t: s for t, s in self.cancelled.items() if now - s < CANCEL_MEMORY_S}
 
-    def _accept_loop(self) -> None:
-        assert self._listener is not None
-        while not self.closing.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self.closing.is_set():
-                    return
-                continue
-            link = self._inbound_link(conn)
-            reader = threading.Thread(target=link.serve, name=f"kvwire-{self.link_kind}-recv", daemon=True)
-            with self.lock:
-                if self.closing.is_set():
-                    conn.close()
-                    return
-                self.inbound[conn] = ""
-                self.readers.add(reader)
+    def _serve(self, conn: socket.socket) -> None:
+        """Start the reader of a connection the admission took on (acceptor thread)."""
+        link = self._inbound_link(conn)
+        reader = threading.Thread(
+            target=guarded(f"kvwire-{self.link_kind}-recv", link.serve, self.board),
+            name=f"kvwire-{self.link_kind}-recv",
+            daemon=True,
+        )
+        with self.lock:
+            if self.closing.is_set():
+                conn.close()
+                self.admission.release(conn)
+                return
+            self.inbound[conn] = ""
+            self.readers.add(reader)
+        try:
             reader.start()
+        except RuntimeError as exc:  # no thread to be had (the process's limit): refuse this one
+            with self.lock:
+                self.inbound.pop(conn, None)
+                self.readers.discard(reader)
+            conn.close()
+            self.admission.no_thread(conn, exc)

@@ -19,13 +19,14 @@ import numpy as np
 import torch
 
 from kvwire.errors import ProtocolError
+from kvwire.supervision import SupervisedThread
 from kvwire.transfer.planes.base import fail_queued
 from kvwire.transfer.planes.ipc.copy import LayerGroup, TileTable, compiled, launch, prepare
 from kvwire.transfer.planes.ipc.gate import LaunchGate
 from kvwire.transfer.planes.ipc.runs import spans_array, tile_runs
+from kvwire.transfer.planes.liveness import count_cut
 from kvwire.transfer.planes.outbound import OutboundLink
 from kvwire.transfer.planes.tcp.wire import (
-    HANDSHAKE_TIMEOUT_S,
     POLL_S,
     check_hello,
     prove_hello,
@@ -82,24 +83,31 @@ class IpcOutbound(OutboundLink):
 
     def __init__(self, plane: IpcPlane, peer: PeerRef) -> None:
         self.plane = plane
-        super().__init__(peer)
+        super().__init__(peer, plane.board)
         self.completions: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
         self.gate: LaunchGate  # made by the writer thread, with its device current
         self._tiles: collections.OrderedDict[tuple[int, int], tuple[object, object, TileTable]] = (
             collections.OrderedDict()
         )
-        self.completer = threading.Thread(
-            target=self._complete, name=f"kvwire-ipc-done-{peer.instance_id[:8]}", daemon=True
+        self._completed = threading.Event()  # the completer's stop: set with its end marker
+        self.completer = SupervisedThread(
+            "kvwire-ipc-done",
+            self._complete,
+            self._completed,
+            board=plane.board,
+            on_dead=lambda _: self.stop(),  # nothing completes this link's copies: end it
         )
 
     def _connect(self) -> socket.socket:
-        sock = self._dial_unix()
+        links = self.plane.config.links
+        sock = self._dial_unix(links.handshake_timeout_s)
         prove_hello(sock, self.plane.secret, self.plane.instance_id, MAGIC, VERSION)
-        sock.settimeout(None)
+        sock.settimeout(links.link_timeout_s)  # DONE frames' write deadline
         return sock
 
     def _run(self) -> None:
         cb = self.plane.callbacks
+        error: BaseException | None = None
         try:
             torch.cuda.set_device(self.plane.device)
             stream = torch.cuda.Stream(self.plane.device)
@@ -115,10 +123,13 @@ class IpcOutbound(OutboundLink):
                     self._copy(stream, anchor, batch)
         except (OSError, ConnectionError) as exc:
             if not self.stopped.is_set():
+                error = exc
                 cb.on_peer_failed(
                     self.peer.instance_id, f"peer_lost: IPC link to {self.peer.endpoint}: {exc}"
                 )
         finally:
+            count_cut(self.board, error)
+            del error
             self._finish()
 
     def _next_batch(self, sock: socket.socket) -> list[SendItem] | None:
@@ -219,13 +230,14 @@ class IpcOutbound(OutboundLink):
         return entry[2]
 
     def _complete(self) -> None:
-        """Completer thread: each batch, once its copies passed on the GPU -> DONE frames, on_sent."""
+        """Completer body (supervised: restarted if it raises): each batch, once its copies passed on
+        the GPU -> DONE frames, on_sent. Returns at the end marker."""
         cb = self.plane.callbacks
         stuck = False
         while True:
             batch = self.completions.get()
             if batch is None:
-                return
+                return  # _finish set _completed first
             stuck = stuck or not _passed(batch.end, GPU_WAIT_S)  # every copy landed in D's memory
             if stuck:  # this batch and every later one fail at once; the link ends
                 for tid in {item.transfer_id for item in batch.items}:
@@ -241,6 +253,7 @@ class IpcOutbound(OutboundLink):
                 self.sock.sendall(b"".join(done_frame(tid, ls) for tid, ls in layers.items()))
             except OSError as exc:
                 if not self.stopped.is_set():
+                    count_cut(self.board, exc)
                     cb.on_peer_failed(
                         self.peer.instance_id, f"peer_lost: IPC link to {self.peer.endpoint}: {exc}"
                     )
@@ -251,9 +264,10 @@ class IpcOutbound(OutboundLink):
 
     def _finish(self) -> None:
         plane = self.plane
-        if self.completer.is_alive():
+        if self.completer.ident is not None:  # started (alive, or dead: still on the board)
+            self._completed.set()
             self.completions.put(None)  # the completer reports what the GPU already copies, then ends
-            self.completer.join(timeout=_JOIN_S)
+            self.completer.stop(_JOIN_S)
         with plane.lock:
             self.dead = True
             if plane.outbound.get(self.peer.instance_id) is self:
@@ -276,9 +290,10 @@ class IpcInbound:
 
     def _handshake(self) -> None:
         conn = self.conn
-        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        conn.settimeout(self.plane.admission.hello_timeout_s())
         self.peer_id = check_hello(conn, self.plane.secret, MAGIC, VERSION, "IPC link")
-        conn.settimeout(None)
+        self.plane.admission.authenticated(conn)
+        conn.settimeout(None)  # this end only reads; a dead peer shows as EOF
 
     def serve(self) -> None:
         plane = self.plane
@@ -300,6 +315,7 @@ class IpcInbound:
             with plane.lock:
                 plane.inbound.pop(self.conn, None)
             self.conn.close()
+            plane.admission.release(self.conn)
         try:
             if isinstance(error, ProtocolError):
                 plane.callbacks.on_protocol_error(f"IPC link refused: {error}")

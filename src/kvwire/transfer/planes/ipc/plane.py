@@ -34,6 +34,7 @@ import msgspec
 import numpy as np
 import torch
 
+from kvwire.supervision import HealthBoard
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.planes.ipc.copy import CopyTuning
 from kvwire.transfer.planes.ipc.link import IpcInbound, IpcOutbound
@@ -74,8 +75,8 @@ class IpcPlane(UnixLinkPlane):
 
     link_kind = "ipc"
 
-    def __init__(self, config: TransferConfig, instance_id: str) -> None:
-        super().__init__(config, instance_id)
+    def __init__(self, config: TransferConfig, instance_id: str, board: HealthBoard | None = None) -> None:
+        super().__init__(config, instance_id, board)
         device = torch.device(config.device)
         if device.type == "cuda" and device.index is None:  # "cuda": the process's current device
             device = torch.device("cuda", torch.cuda.current_device())
@@ -164,7 +165,7 @@ class IpcPlane(UnixLinkPlane):
                 (d, Target(d.handle, d.shift, arrays[d.span_set] if d.handle else _NO_SPANS))
                 for d in grant.dests
             ]
-        except (msgspec.DecodeError, ValueError, IndexError):
+        except (msgspec.DecodeError, ValueError, IndexError, RecursionError):
             self.callbacks.on_protocol_error(f"IPC plane info from {peer.endpoint} does not decode")
             return
         with self.lock:

@@ -71,7 +71,7 @@ def decode_info(data: bytes) -> NcclInfo:
     """Decode and validate handshake bytes from a peer."""
     try:
         info = _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # nesting past msgspec's limit: RecursionError
         raise ProtocolError(f"malformed NCCL plane info: {exc}") from exc
     if info.v != NCCL_INFO_VERSION:
         raise ProtocolError(f"unsupported NCCL plane info version {info.v}")

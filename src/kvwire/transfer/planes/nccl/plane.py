@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from kvwire.errors import ProtocolError, TransferError
+from kvwire.supervision import HealthBoard, SupervisedThread, guarded
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.planes.base import DataPlane, PlaneCallbacks
 from kvwire.transfer.planes.nccl import device_signal
@@ -72,9 +73,14 @@ class NcclPlane(DataPlane):
     supports_device_signals = True  # cuStreamWaitValue32: CUDA drivers >= 11.7 (checked at start)
 
     def __init__(
-        self, config: TransferConfig, instance_id: str, plane_config: NcclPlaneConfig | None = None
+        self,
+        config: TransferConfig,
+        instance_id: str,
+        plane_config: NcclPlaneConfig | None = None,
+        board: HealthBoard | None = None,
     ) -> None:
         self.config = config
+        self.board = board if board is not None else HealthBoard()
         self.instance_id = instance_id
         self.plane_config = plane_config or config.nccl
         self.device = torch.device(config.device)
@@ -88,7 +94,7 @@ class NcclPlane(DataPlane):
         self._retired_graph_stats: collections.Counter[str] = collections.Counter()  # of closed senders
         self._closed = False
         self._stop = threading.Event()
-        self._janitor: threading.Thread | None = None
+        self._janitor: SupervisedThread | None = None
 
     def start(self, callbacks: PlaneCallbacks) -> None:
         if not torch.cuda.is_available():
@@ -104,8 +110,9 @@ class NcclPlane(DataPlane):
         self._alloc_stream = torch.cuda.Stream(device=self.device)
         if lib.has_registration:
             self.memory = ZeroCopyMemory(self.device)
-        self._janitor = threading.Thread(target=self._janitor_loop, name="kvwire-nccl-janitor", daemon=True)
-        self._janitor.start()
+        self._janitor = SupervisedThread(
+            "kvwire-nccl-janitor", self._janitor_loop, self._stop, board=self.board
+        ).start()
 
     @property
     def address(self) -> str:
@@ -216,8 +223,8 @@ class NcclPlane(DataPlane):
             self._senders.clear()
             self._receivers.clear()
         _close_all(channels)
-        if self._janitor is not None and self._janitor is not threading.current_thread():
-            self._janitor.join(timeout=5.0)
+        if self._janitor is not None and self._janitor.ident != threading.get_ident():
+            self._janitor.stop(5.0)
         if self.memory is not None:
             self.memory.close()
 
@@ -322,10 +329,14 @@ class NcclPlane(DataPlane):
             for channel in self._channels():
                 verdict = channel.check(now)
                 if verdict == "idle":
-                    threading.Thread(target=channel.close_idle, daemon=True).start()
+                    target = guarded("kvwire-nccl-close", channel.close_idle, self.board)
+                    threading.Thread(target=target, name="kvwire-nccl-close", daemon=True).start()
                 elif verdict is not None:
                     log.error("NCCL channel with %s fails (%s)", channel.peer_instance, verdict)
-                    threading.Thread(target=channel.fail, args=(verdict,), daemon=True).start()
+                    target = guarded("kvwire-nccl-fail", channel.fail, self.board)
+                    helper = threading.Thread(target=target, args=(verdict,), name="kvwire-nccl-fail")
+                    helper.daemon = True
+                    helper.start()
 
     def _dead(self, channel: _Channel, reason: str | None) -> None:
         """A channel closed itself: idle (``reason`` None) or broken (peer failed)."""

@@ -81,7 +81,7 @@ def decode_direct(info: bytes) -> list[ShmDest]:
     ValueError when it does not decode or refers to a missing span set."""
     try:
         grant = msgspec.msgpack.decode(info, type=DirectInfo)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # nesting past msgspec's limit: RecursionError
         raise ValueError(str(exc)) from exc
     sets = grant.span_sets
     if any(not 0 <= d.span_set < len(sets) for d in grant.dests):
@@ -205,6 +205,23 @@ class SourceViews:
             view = np.ctypeslib.as_array((ctypes.c_uint8 * num_bytes).from_address(key[0]))
             self._views[key] = view
         return view
+
+
+def halves(runs: Sequence[Run]) -> tuple[list[Run], list[Run]]:
+    """``runs`` cut at half their bytes (a run across the cut is split): the test hook's stop in the
+    middle of a layer (``plane.STOP_MID_LAYER_ENV``)."""
+    cut = sum(n for _, _, n in runs) // 2
+    first: list[Run] = []
+    rest: list[Run] = []
+    done = 0
+    for s, d, n in runs:
+        take = min(n, max(cut - done, 0))
+        if take:
+            first.append((s, d, take))
+        if n > take:
+            rest.append((s + take, d + take, n - take))
+        done += n
+    return first, rest
 
 
 class RunCopier:

@@ -92,14 +92,25 @@ class GrantTable:
     def revoke(self, slot: int, timeout_s: float) -> bool:
         """Zero the slot's token, then take its lock and free the slot: True once no sender writes
         under it any more; False when a sender held the lock past ``timeout_s`` (no new write
-        starts, but one may still be running; the slot stays out of use). Zeroing first tells a
-        sender holding the lock across layers to stop after the layer it is copying."""
+        starts, but one may still be running; the slot stays out of use until :meth:`try_release`
+        succeeds). Zeroing first tells a sender holding the lock across layers to stop after the
+        layer it is copying. ``timeout_s`` 0: one try, no wait."""
         self.tokens[slot] = 0
         held = lock_slot(self.fd, slot, timeout_s)
         if held:
             unlock_slot(self.fd, slot)
             self._free.append(slot)
         return held
+
+    def try_release(self, slot: int) -> bool:
+        """A slot whose revoke timed out (its token is zero already): take its lock without waiting
+        and free the slot. True when nobody holds it any more: its sender let go, or its process
+        ended (the kernel drops a dead holder's lock), so nothing writes under the grant again."""
+        if not _lock(self.fd, slot, fcntl.F_WRLCK, wait=False):
+            return False
+        unlock_slot(self.fd, slot)
+        self._free.append(slot)
+        return True
 
     def close(self) -> None:
         del self.tokens

@@ -7,7 +7,9 @@ twice and the TCP stack costs more than the copies). Two paths, chosen per desti
   (:mod:`kvwire.transfer.shared_memory`: the built-in engine's CPU KV cache). The receiver exports
   each region once per link (its memfd, at link setup) and grants (region, byte spans, grant slot);
   the sender copies its blocks straight into those spans and sends DONE. A cancel on the receiver
-  revokes the grant under the slot's lock (``grants``), so no write lands after it returns.
+  revokes the grant under the slot's lock (``grants``); when a stalled sender keeps the lock past
+  the revoke wait, the grant is quarantined (``quarantine``): the transfer stays :meth:`unsettled`
+  and its blocks out of use until the sender lets go or its process ends.
 * **ring** (docs/decisions/076-shm-plane.md): any other destination (vLLM's caches, receive and
   spill buffers). The sender copies each byte run into a ring of shared memory and the receiver
   copies it out into the destination: one memcpy per byte run on each side, overlapped chunk by
@@ -49,11 +51,13 @@ from collections.abc import Sequence
 
 import torch
 
+from kvwire.supervision import HealthBoard
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.planes.shm import run_copy
 from kvwire.transfer.planes.shm.direct import RunCopier, ShmDest, decode_direct, encode_direct
 from kvwire.transfer.planes.shm.grants import GrantTable
-from kvwire.transfer.planes.shm.recv import Inbound, Landing, shutdown
+from kvwire.transfer.planes.shm.quarantine import Quarantine, Quarantined
+from kvwire.transfer.planes.shm.recv import Inbound, Landing, peer_pid, shutdown
 from kvwire.transfer.planes.shm.send import Outbound
 from kvwire.transfer.planes.tcp.wire import CANCEL_WAIT_S
 from kvwire.transfer.planes.unix_links import UnixLinkPlane, take_granted
@@ -61,6 +65,15 @@ from kvwire.transfer.shared_memory import SharedArena, SharedRegion, region_of
 from kvwire.transfer.types import PeerRef, RecvItem, SendItem
 
 _JOIN_S = 5.0
+#: test hook (docs/decisions/114-shm-revoke-quarantine.md): a sender process started with this set to
+#: a layer index stops itself (SIGSTOP) half way through copying that layer on the one-copy path, so
+#: a test can resume it after the receiver gave up on the transfer. Read once, when a plane is made.
+STOP_MID_LAYER_ENV = "KVWIRE_TEST_SHM_STOP_MID_LAYER"
+
+
+def _stop_mid_layer() -> int | None:
+    value = os.environ.get(STOP_MID_LAYER_ENV, "")
+    return int(value) if value.strip() else None
 
 
 @dataclasses.dataclass
@@ -71,6 +84,8 @@ class _Grant:
     slot: int
     token: int
     pending: set[int]
+    num_bytes: int = 0  # destination bytes granted so far (quarantined with the grant, if it comes to that)
+    dests: list[torch.Tensor] = dataclasses.field(default_factory=list, repr=False)  # their tensors
 
 
 class ShmPlane(UnixLinkPlane):
@@ -81,8 +96,8 @@ class ShmPlane(UnixLinkPlane):
     early_grants = True  # a one-copy layer's runs must fit its granted spans (RunPlans)
     link_kind = "shm"
 
-    def __init__(self, config: TransferConfig, instance_id: str) -> None:
-        super().__init__(config, instance_id)
+    def __init__(self, config: TransferConfig, instance_id: str, board: HealthBoard | None = None) -> None:
+        super().__init__(config, instance_id, board)
         run_copy.warn_if_python()  # at start, not at the first transfer
         self.written = threading.Condition(self.lock)
         self.posted: dict[tuple[str, int], tuple[str, RecvItem]] = {}
@@ -91,6 +106,7 @@ class ShmPlane(UnixLinkPlane):
         # one-copy path, receiver side: regions exported to peers (region id -> (own fd dup, bytes)),
         # grants per transfer, destinations waiting for the next plane_info to each peer
         self.grants = GrantTable()
+        self.quarantine = Quarantine()  # grants a stalled sender may still write under (decision 114)
         self.exported: dict[int, tuple[int, int]] = {}
         self._granted: dict[str, _Grant] = {}
         self._pending: dict[str, list[ShmDest]] = {}
@@ -104,6 +120,7 @@ class ShmPlane(UnixLinkPlane):
             self._export_locked(self.arena.region)
         #: layers this plane sent, by path ("one_copy", "ring"): tests and diagnostics
         self.layers_sent: collections.Counter[str] = collections.Counter()
+        self.stop_mid_layer = _stop_mid_layer()  # test hook, sender side (STOP_MID_LAYER_ENV)
 
     # --- lifecycle (start, close, accepting links: UnixLinkPlane) --------------------------------
 
@@ -128,6 +145,7 @@ class ShmPlane(UnixLinkPlane):
                 os.close(fd)
             self.exported.clear()
             self._granted.clear()
+            self.quarantine.clear()
         self.grants.close()
 
     # --- sender side -------------------------------------------------------------------------------
@@ -156,8 +174,8 @@ class ShmPlane(UnixLinkPlane):
             for dests in self._pending.values():
                 dests[:] = [d for d in dests if d.transfer_id != transfer_id]
             grant = self._granted.pop(transfer_id, None)
-            if grant is not None:  # after this no write of the transfer runs or starts (grants)
-                self.grants.revoke(grant.slot, CANCEL_WAIT_S)
+            if grant is not None:  # after this no write of the transfer starts (grants); one
+                self._revoke_locked(transfer_id, grant, CANCEL_WAIT_S)  # still running: quarantined
             # a chunk being copied into the caller's memory ends before cancel returns (one chunk:
             # a memcpy of at most CHUNK_BYTES); the caller may reuse those blocks once it failed
             finished = self.written.wait_for(lambda: transfer_id not in self.writing.values(), CANCEL_WAIT_S)
@@ -175,7 +193,7 @@ class ShmPlane(UnixLinkPlane):
                 del self.dests[key]
             self._pending.pop(peer_instance_id, None)
             for tid in [t for t, g in self._granted.items() if g.peer_id == peer_instance_id]:
-                self.grants.revoke(self._granted.pop(tid).slot, CANCEL_WAIT_S)
+                self._revoke_locked(tid, self._granted.pop(tid), CANCEL_WAIT_S)
         if out is not None:
             out.stop()
         for conn in inbound:
@@ -220,11 +238,17 @@ class ShmPlane(UnixLinkPlane):
         self._export_locked(region)
         grant = self._granted.get(item.transfer_id)
         if grant is None:
+            if self._stalled_locked(peer_id):
+                return None  # a grant of this sender is quarantined: the ring puts no block at risk
             claimed = self.grants.claim()
+            if claimed is None and self.quarantine.settle(self.grants):
+                claimed = self.grants.claim()  # a slot came back from quarantine
             if claimed is None:
                 return None  # every slot in use: this transfer takes the ring
             grant = self._granted[item.transfer_id] = _Grant(peer_id, *claimed, set())
         grant.pending.add(item.layer_index)
+        grant.num_bytes += sum(n for _, n in spans)
+        grant.dests.append(base)
         return ShmDest(
             item.transfer_id,
             item.layer_index,
@@ -249,7 +273,35 @@ class ShmPlane(UnixLinkPlane):
         grant.pending.discard(layer)
         if not grant.pending:
             del self._granted[transfer_id]
-            self.grants.revoke(grant.slot, CANCEL_WAIT_S)
+            # every layer landed, so nothing more is written under the grant: no wait here (the
+            # sender lets go right after its last DONE); a slot still held then comes back later
+            self._revoke_locked("", grant, 0.0)
+
+    def _revoke_locked(self, transfer_id: str, grant: _Grant, wait_s: float) -> None:
+        """Revoke ``grant`` (caller holds the lock); quarantine it when its sender still holds the
+        slot after ``wait_s``. ``transfer_id`` empty: the transfer finished (only the slot waits)."""
+        if self.grants.revoke(grant.slot, wait_s):
+            return
+        pid = next((peer_pid(c) for c, p in self.inbound.items() if p == grant.peer_id), None)
+        keep = grant.dests if transfer_id else []  # a finished transfer's memory is its caller's
+        entry = Quarantined(transfer_id, grant.peer_id, grant.slot, grant.num_bytes, pid, keep=keep)
+        self.quarantine.add(entry)
+
+    def _stalled_locked(self, peer_id: str) -> bool:
+        """Whether a transfer of ``peer_id`` is still quarantined (tries to release them first)."""
+        if not self.quarantine.holds_peer(peer_id):
+            return False
+        self.quarantine.settle(self.grants, peer_id)
+        return self.quarantine.holds_peer(peer_id)
+
+    def unsettled(self) -> dict[str, int]:
+        """Cancelled transfers whose sender may still write into their destinations (quarantined
+        one-copy grants), with the bytes each covers; released ones are dropped first. Any thread."""
+        with self.lock:
+            if self.closing.is_set():
+                return {}
+            self.quarantine.settle(self.grants)
+            return self.quarantine.unsettled()
 
     def local_info(self, peer: PeerRef) -> bytes:
         with self.lock:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import queue
 import socket
@@ -21,12 +22,11 @@ import threading
 from typing import TYPE_CHECKING
 
 from kvwire.errors import ProtocolError
+from kvwire.supervision import SupervisedThread
+from kvwire.transfer.planes.liveness import count_cut
 from kvwire.transfer.planes.shm.ring import Bytes, SpanCursor, create_ring, ring_array, tensor_array
 from kvwire.transfer.planes.shm.wire import CREDIT, FRAME, MAGIC, VERSION, Frame, send_setup
-from kvwire.transfer.planes.tcp.wire import (
-    HANDSHAKE_TIMEOUT_S,
-    check_hello,
-)
+from kvwire.transfer.planes.tcp.wire import check_hello
 from kvwire.transfer.types import RecvItem
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _READ_BYTES = 64 << 10
+_MAX_RING_POS = (1 << (8 * CREDIT.size)) - 1  # ring positions count bytes for ever: u64
 Arrival = tuple[str, str, int] | None  # (peer id, transfer id, layer) or the end marker
 
 
@@ -65,8 +66,8 @@ class Inbound:
         self._inbox = bytearray()  # frame bytes read but not yet handled
 
     def _handshake(self) -> Bytes:
-        conn = self.conn
-        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        conn, links = self.conn, self.plane.config.links
+        conn.settimeout(self.plane.admission.hello_timeout_s())
         peer_id = check_hello(conn, self.plane.secret, MAGIC, VERSION, "shared-memory connection")
         size = self.plane.config.shm_ring_bytes
         fd, ring = create_ring(size)
@@ -78,15 +79,21 @@ class Inbound:
             send_setup(conn, (fd, size), (table.fd, table.size), regions)
         finally:
             os.close(fd)  # the mapping (here) and the sender's keep the memory; no name exists
-        conn.settimeout(None)
+        self.plane.admission.authenticated(conn)
+        conn.settimeout(links.link_timeout_s)  # credit writes' deadline; a read timeout is only idleness
         self.peer_id = peer_id
         return ring_array(ring)
 
     def serve(self) -> None:
         plane = self.plane
         arrivals: queue.SimpleQueue[Arrival] = queue.SimpleQueue()
-        reporter = threading.Thread(
-            target=self._report, args=(arrivals,), name="kvwire-shm-deliver", daemon=True
+        done = threading.Event()
+        reporter = SupervisedThread(
+            "kvwire-shm-deliver",
+            functools.partial(self._report, arrivals, done),
+            done,
+            board=plane.board,
+            on_dead=lambda _: shutdown(self.conn),  # nothing reports this link's layers: end it
         )
         error: BaseException | None = None
         try:
@@ -101,14 +108,16 @@ class Inbound:
         except (ProtocolError, OSError, ConnectionError, ValueError) as exc:
             error = exc
         finally:
-            if reporter.is_alive():  # report what fully arrived before any failure
+            if reporter.ident is not None:  # started: report what fully arrived before any failure
+                done.set()
                 arrivals.put(None)
-                reporter.join(timeout=10.0)
+                reporter.stop(10.0)  # also takes it off the board (dead or not)
             with plane.lock:
                 plane.inbound.pop(self.conn, None)
                 for key in [k for k, v in plane.landing.items() if v.peer_id == self.peer_id]:
                     del plane.landing[key]
             self.conn.close()
+            plane.admission.release(self.conn)
         try:
             self._report_end(error)
         finally:
@@ -124,6 +133,7 @@ class Inbound:
                     f"shared-memory connection failed during handshake: {error}"
                 )
             elif error is not None and not plane.closing.is_set():
+                count_cut(plane.board, error)
                 plane.callbacks.on_peer_failed(
                     self.peer_id, f"peer_lost: shared-memory link from peer broke: {error}"
                 )
@@ -131,9 +141,10 @@ class Inbound:
             with plane.lock:
                 plane.readers.discard(threading.current_thread())  # last: close() joins until here
 
-    def _report(self, arrivals: queue.SimpleQueue[Arrival]) -> None:
-        """Report arrived layers; layers of one transfer that arrived together (a sender's batch of
-        DONE frames) go in one call, so the agent wakes its control thread and acks once for them."""
+    def _report(self, arrivals: queue.SimpleQueue[Arrival], done: threading.Event) -> None:
+        """Reporter body (supervised: restarted if the callback raises). Report arrived layers; layers
+        of one transfer that arrived together (a sender's batch of DONE frames) go in one call, so the
+        agent wakes its control thread and acks once for them. Returns at the end marker."""
         end = False
         while not end and (arrival := arrivals.get()) is not None:
             batch = [arrival]
@@ -148,6 +159,7 @@ class Inbound:
                 batch.append(more)
             for (peer_id, transfer_id), layers in _grouped(batch):
                 self.plane.callbacks.on_received(peer_id, transfer_id, layers)
+        done.set()  # the end marker came: the link ended (not a failure of this body)
 
     def _take(self, num_bytes: int) -> bytes:
         """The next ``num_bytes`` of the frame stream; ConnectionError on EOF. Reads whatever the
@@ -155,7 +167,12 @@ class Inbound:
         together are handled without a system call each."""
         inbox = self._inbox
         while len(inbox) < num_bytes:
-            more = self.conn.recv(max(_READ_BYTES, num_bytes - len(inbox)))
+            try:
+                more = self.conn.recv(max(_READ_BYTES, num_bytes - len(inbox)))
+            except TimeoutError:  # an idle link (a dead peer shows as EOF)
+                if self.plane.closing.is_set():
+                    raise
+                continue
             if not more:
                 raise ConnectionError("connection closed by peer")
             inbox += more
@@ -172,6 +189,8 @@ class Inbound:
             return self._written(tid, layer, total)
         if kind != Frame.CHUNK:
             raise ProtocolError(f"unknown shared-memory frame kind {kind}")
+        if pos + num_bytes > _MAX_RING_POS:  # the credit it answers must fit its field
+            raise ProtocolError(f"chunk at ring position {pos} of {num_bytes} bytes is out of range")
         at = pos % ring.size
         if at + num_bytes > ring.size:
             raise ProtocolError(f"chunk at ring position {pos} of {num_bytes} bytes runs past the ring")
@@ -263,6 +282,15 @@ def peer_uid(conn: socket.socket) -> int:
     """The user id of the process at the other end of a Unix socket (SO_PEERCRED)."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     return int(_UCRED.unpack(creds)[1])
+
+
+def peer_pid(conn: socket.socket) -> int | None:
+    """The process id at the other end of a Unix socket (SO_PEERCRED); None once it is closed."""
+    try:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    except OSError:
+        return None
+    return int(_UCRED.unpack(creds)[0])
 
 
 def shutdown(conn: socket.socket) -> None:

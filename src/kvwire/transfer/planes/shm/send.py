@@ -22,15 +22,18 @@ import mmap
 import os
 import queue
 import select
+import signal
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvwire.transfer.planes.base import fail_queued
 from kvwire.transfer.planes.ipc.runs import Run
+from kvwire.transfer.planes.liveness import count_cut
 from kvwire.transfer.planes.outbound import OutboundLink
-from kvwire.transfer.planes.shm.direct import MappedRegions, RunPlans, ShmDest, SourceViews
+from kvwire.transfer.planes.shm.direct import MappedRegions, RunPlans, ShmDest, SourceViews, halves
 from kvwire.transfer.planes.shm.grants import GrantView
 from kvwire.transfer.planes.shm.ring import Bytes, SpanCursor, map_ring, next_slot, ring_array, tensor_array
 from kvwire.transfer.planes.shm.wire import (
@@ -75,7 +78,7 @@ class Outbound(OutboundLink):
 
     def __init__(self, plane: ShmPlane, peer: PeerRef) -> None:
         self.plane = plane
-        super().__init__(peer)
+        super().__init__(peer, plane.board)
         self._ring: mmap.mmap | None = None
         self._grants: GrantView | None = None
         self._regions = MappedRegions()
@@ -86,7 +89,8 @@ class Outbound(OutboundLink):
         self._credit_buf = b""
 
     def _connect(self) -> socket.socket:
-        sock = self._dial_unix()
+        links = self.plane.config.links
+        sock = self._dial_unix(links.handshake_timeout_s)
         prove_hello(sock, self.plane.secret, self.plane.instance_id, MAGIC, VERSION)
         (ring_fd, ring_bytes), (table_fd, table_bytes), regions = recv_setup(sock)
         try:
@@ -98,19 +102,23 @@ class Outbound(OutboundLink):
         finally:  # descriptors not consumed above (an error part way)
             for fd, _ in regions.values():
                 os.close(fd)
-        sock.settimeout(None)
+        sock.settimeout(links.link_timeout_s)  # every write's deadline from here on
         return sock
 
     def _run(self) -> None:
         cb = self.plane.callbacks
+        error: BaseException | None = None
         try:
             self._pump(self._connect())
         except (OSError, ConnectionError, ValueError) as exc:
             if not self.stopped.is_set():
+                error = exc
                 cb.on_peer_failed(
                     self.peer.instance_id, f"peer_lost: shared-memory link to {self.peer.endpoint}: {exc}"
                 )
         finally:
+            count_cut(self.board, error)
+            del error
             self._finish()
 
     def _pump(self, sock: socket.socket) -> None:
@@ -193,7 +201,7 @@ class Outbound(OutboundLink):
                             item.transfer_id, f"mismatch: shared-memory layer {item.layer_index}: {exc}"
                         )
                         continue
-                    self.plane.copier.copy(src, dst, runs)
+                    self._copy(item.layer_index, src, dst, runs)
                     tid = item.transfer_id.encode()
                     total = _payload_bytes(item)  # the runs' total (pairing checked it)
                     frames.append(
@@ -207,6 +215,21 @@ class Outbound(OutboundLink):
             raise ConnectionError(f"receiver kept its grant table locked: {exc}") from exc
         finally:  # what was written is announced, also when a later layer was revoked
             self._announce(sock, grant.transfer_id, frames, done)
+
+    def _copy(self, layer: int, src: Bytes, dst: Bytes, runs: list[Run]) -> None:
+        """One layer's runs into the granted destination; with the test hook set for ``layer``
+        (``plane.STOP_MID_LAYER_ENV``) this process stops itself half way (SIGSTOP) and writes the
+        rest once resumed: a sender stalled in the middle of a layer."""
+        if layer != self.plane.stop_mid_layer:
+            self.plane.copier.copy(src, dst, runs)
+            return
+        first, rest = halves(runs)
+        self.plane.copier.copy(src, dst, first)
+        # thread-directed: this thread stops on its way out of the system call (a SIGSTOP sent to
+        # the process may be taken by another thread while this one copies on until a tick)
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+        self.plane.copier.copy(src, dst, rest)
+        self._count("stopped_mid_layer")
 
     def _announce(
         self, sock: socket.socket, transfer_id: str, frames: list[bytes], layers: list[int]
@@ -273,10 +296,17 @@ class Outbound(OutboundLink):
         while this side blocks writing a frame."""
         self._read_credit(sock, wait=False)
         pos = next_slot(self._head, num_bytes, size)
+        timeout_s = self.plane.config.links.link_timeout_s
+        deadline = time.monotonic() + timeout_s
         while pos + num_bytes - self._consumed > size:
             if self.stopped.is_set():
                 raise ConnectionError("plane closing")
+            consumed = self._consumed
             self._read_credit(sock, wait=True)
+            if self._consumed != consumed:
+                deadline = time.monotonic() + timeout_s  # progress: the receiver is copying out
+            elif time.monotonic() > deadline:
+                raise TimeoutError(f"the receiver returned no ring credit for {timeout_s:g} s")
         return pos
 
     def _read_credit(self, sock: socket.socket, wait: bool) -> None:

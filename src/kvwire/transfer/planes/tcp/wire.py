@@ -11,19 +11,22 @@ import struct
 import torch
 
 from kvwire.errors import AuthenticationError, ProtocolError
+from kvwire.transfer.planes.liveness import Heartbeat
 
 MAGIC = b"KVWD"
-VERSION = 1
+VERSION = 2  # 2: heartbeats both ways (PING_FRAME, RECEIVER_PING)
 NONCE_BYTES = 16
 MAC_BYTES = 32
 HELLO = struct.Struct("!4sBH")  # magic, version, instance-id length
 FRAME = struct.Struct("!IQH")  # layer index, payload bytes, transfer-id length
-HANDSHAKE_TIMEOUT_S = 5.0
 POLL_S = 0.2  # how often idle threads check for close / a dead peer
 DISCARD_CHUNK = 1 << 20
 CANCEL_MEMORY_S = 120.0
 IOV_BATCH = 512  # iovecs per sendmsg/recvmsg_into (Linux IOV_MAX is 1024)
 CANCEL_WAIT_S = 1.0  # cancel waits this long for a frame being written into caller memory
+PING_LAYER = 0xFFFFFFFF  # a frame with this layer, no payload and no transfer id: the sender's heartbeat
+PING_FRAME = FRAME.pack(PING_LAYER, 0, 0)
+RECEIVER_PING = b"\x00"  # receiver -> sender after the hello: any byte is a heartbeat
 
 
 def hello_mac(secret: bytes | None, nonce: bytes, instance_id: bytes) -> bytes:
@@ -57,20 +60,30 @@ def check_hello(conn: socket.socket, secret: bytes | None, magic: bytes, version
     return peer_id.decode(errors="replace")
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``; ConnectionError on EOF."""
+def recv_exact(sock: socket.socket, view: memoryview, beat: Heartbeat | None = None) -> None:
+    """Fill ``view`` from ``sock``; ConnectionError on EOF. With ``beat``, a read that times out (the
+    socket's timeout) is an idle moment: the heartbeat pings or declares the link dead
+    (TimeoutError); without it the timeout propagates."""
     got = 0
     total = len(view)
     while got < total:
-        n = sock.recv_into(view[got:], total - got)
+        try:
+            n = sock.recv_into(view[got:], total - got)
+        except TimeoutError:
+            if beat is None:
+                raise
+            beat.idle()
+            continue
         if n == 0:
             raise ConnectionError("connection closed by peer")
+        if beat is not None:
+            beat.heard()
         got += n
 
 
-def recv_bytes(sock: socket.socket, n: int) -> bytes:
+def recv_bytes(sock: socket.socket, n: int, beat: Heartbeat | None = None) -> bytes:
     buf = bytearray(n)
-    recv_exact(sock, memoryview(buf))
+    recv_exact(sock, memoryview(buf), beat)
     return bytes(buf)
 
 
@@ -92,14 +105,23 @@ def send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
             parts[i] = parts[i][sent:]
 
 
-def recv_parts(sock: socket.socket, parts: list[memoryview]) -> None:
-    """Fill every part in order with ``recvmsg_into`` (the kernel scatters); ConnectionError on EOF."""
+def recv_parts(sock: socket.socket, parts: list[memoryview], beat: Heartbeat | None = None) -> None:
+    """Fill every part in order with ``recvmsg_into`` (the kernel scatters); ConnectionError on EOF;
+    ``beat`` as in :func:`recv_exact`."""
     parts = [p for p in parts if len(p)]
     i = 0
     while i < len(parts):
-        got = sock.recvmsg_into(parts[i : i + IOV_BATCH])[0]
+        try:
+            got = sock.recvmsg_into(parts[i : i + IOV_BATCH])[0]
+        except TimeoutError:
+            if beat is None:
+                raise
+            beat.idle()
+            continue
         if got == 0:
             raise ConnectionError("connection closed by peer")
+        if beat is not None:
+            beat.heard()
         while i < len(parts) and got >= len(parts[i]):
             got -= len(parts[i])
             i += 1

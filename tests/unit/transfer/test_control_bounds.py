@@ -1,0 +1,244 @@
+"""The transfer control plane as a trust boundary (decision 116): sizes before the MAC, frame counts,
+peer leases clamped, what peers leave waiting capped per peer and in all, peer epochs bounded.
+
+A *raw peer* is a pair of ZMQ sockets speaking the control protocol by hand: a DEALER that sends to
+the agent, and a ROUTER bound where the agent's replies go (so the agent sees a live endpoint)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+
+import msgspec
+import pytest
+import torch
+import zmq
+from agent_helpers import _layers, _send, poll_until
+
+from kvwire.errors import AuthenticationError, ProtocolError
+from kvwire.transfer import TransferAgent, TransferConfig
+from kvwire.transfer import messages as messages_module
+from kvwire.transfer.config import ControlLimits
+from kvwire.transfer.messages import PROTOCOL_VERSION, Codec, Grant, Offer, Pull, Renew, WireLayer
+
+HEAD = {"src_id": "peer-epoch-1", "transfer_id": "t"}
+SMALL = ControlLimits(max_message_bytes=64 * 1024)
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
+        time.sleep(0.01)
+
+
+class RawPeer:
+    """Sends hand-made control messages to ``target`` from ``endpoint`` (a ROUTER that takes replies)."""
+
+    def __init__(self, ctx: zmq.Context, target: str, secret: bytes | None = None) -> None:
+        self.inbox = ctx.socket(zmq.ROUTER)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        port = self.inbox.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.out = ctx.socket(zmq.DEALER)
+        self.out.setsockopt(zmq.LINGER, 0)
+        self.out.connect(target)
+        self.codec = Codec(secret)
+
+    def send(self, msg: object) -> None:
+        self.out.send_multipart(self.codec.encode(msg))  # type: ignore[arg-type]
+
+    def send_frames(self, frames: list[bytes]) -> None:
+        self.out.send_multipart(frames)
+
+    def close(self) -> None:
+        self.out.close(0)
+        self.inbox.close(0)
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context]:
+    context = zmq.Context()
+    yield context
+    context.term()
+
+
+@contextlib.contextmanager
+def raw_peer(ctx: zmq.Context, agent: TransferAgent) -> Iterator[RawPeer]:
+    peer = RawPeer(ctx, agent.endpoint)
+    try:
+        yield peer
+    finally:
+        peer.close()
+
+
+# An agent whose memory can never grant a 128-byte layer (neither pool takes one; both together could):
+# a raw peer's Offer of one stays held, waiting for credit, until its lease ends.
+HOLDS = {"recv_budget_bytes": 100, "spill_budget_bytes": 100}
+
+
+def offer(peer: RawPeer, tid: str, deadline_s: float = 30.0) -> Offer:
+    layers = [WireLayer([8, 8], "float16")]  # 128 bytes
+    return Offer(src_id="peer-epoch-1", src_endpoint=peer.endpoint, transfer_id=tid, layers=layers,
+                 deadline_s=deadline_s, data_address="127.0.0.1:1")  # fmt: skip
+
+
+# --- the codec -------------------------------------------------------------------------------------
+
+
+def test_oversized_message_is_refused_before_its_mac_is_computed(monkeypatch: pytest.MonkeyPatch) -> None:
+    codec = Codec(b"secret", max_message_bytes=64 * 1024)
+
+    def no_mac(*_args: object) -> object:
+        raise AssertionError("the MAC of an oversized message was computed")
+
+    monkeypatch.setattr(messages_module.hmac, "new", no_mac)
+    with pytest.raises(ProtocolError, match="exceeds 65536") as info:
+        codec.decode([b"\x00" * (64 * 1024 + 1), b"m" * 32])
+    assert not isinstance(info.value, AuthenticationError)
+    with pytest.raises(AuthenticationError):  # a MAC frame of the wrong size: refused without hashing
+        codec.decode([b"\x00" * 10, b"m" * (1 << 20)])
+    with pytest.raises(ProtocolError, match="frames"):
+        codec.decode([b"a", b"b", b"c"])
+
+
+@pytest.mark.parametrize("deadline_s", [float("inf"), float("nan"), -1.0, 0.0, float("-inf")])
+def test_non_finite_or_negative_deadlines_are_refused(deadline_s: float) -> None:
+    base = {"t": "offer", "v": PROTOCOL_VERSION, **HEAD, "src_endpoint": "tcp://127.0.0.1:9",
+            "layers": [[[4], "float16"]], "data_address": "h:1"}  # fmt: skip
+    for kind in ("offer", "pull"):
+        payload = msgspec.msgpack.encode({**base, "t": kind, "deadline_s": deadline_s})
+        with pytest.raises(ProtocolError, match="deadline_s must be finite and > 0"):
+            Codec(None).decode([payload])
+
+
+def test_hostile_payloads_raise_protocol_error_only() -> None:
+    codec = Codec(None)
+    nested = b"\x91" * 200_000 + b"\xc0"  # arrays nested 200,000 deep
+    nested_map = b"\x81\xa1t" * 50_000 + b"\xc0"
+    huge_dims = msgspec.msgpack.encode({"t": "offer", "v": PROTOCOL_VERSION, **HEAD,
+                                        "src_endpoint": "tcp://127.0.0.1:9", "deadline_s": 1.0,
+                                        "layers": [[[2**62] * 5000, "float16"]], "data_address": "h:1"})
+    for payload in (nested, nested_map, huge_dims, b"\xdd\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff"):
+        with pytest.raises(ProtocolError):
+            codec.decode([payload])
+
+
+# --- limits on a live agent ------------------------------------------------------------------------
+
+
+def test_message_of_too_many_frames_is_refused_and_counted(ctx: zmq.Context) -> None:
+    with TransferAgent(TransferConfig(limits=SMALL)) as agent, raw_peer(ctx, agent) as peer:
+        peer.send_frames([b"x"] * 1000)
+        wait_for(lambda: agent.stats().limits_hit.get("control_frames") == 1, "frames refused")
+        assert agent.stats().messages_rejected == 1
+        peer.send_frames([b"\x00" * (64 * 1024 + 1)])  # over MAXMSGSIZE: ZMQ drops it (and the peer)
+        peer.send(Renew(**HEAD, src_endpoint=peer.endpoint, state="unknown", reply=True))
+        time.sleep(0.2)
+        stats = agent.stats()
+        assert stats.messages_rejected == 1 and stats.limits_hit.get("control_message_bytes") is None
+        again = RawPeer(ctx, agent.endpoint)  # a new connection is heard again
+        try:
+            again.send_frames([b"\xc1"])
+            wait_for(lambda: agent.stats().messages_rejected == 2, "the next message decoded")
+        finally:
+            again.close()
+
+
+def test_peer_lease_is_clamped_so_an_offer_expires(ctx: zmq.Context) -> None:
+    limits = ControlLimits(min_peer_deadline_s=0.05, max_peer_deadline_s=0.3)
+    with TransferAgent(TransferConfig(limits=limits, **HOLDS)) as agent, raw_peer(ctx, agent) as peer:
+        peer.send(offer(peer, "forever", deadline_s=1e300))
+        events = poll_until(agent, lambda ev: "forever" in ev["failed"], timeout_s=20.0)
+        assert events["failed"]["forever"] == "deadline: 0/1 layers received"
+        stats = agent.stats()
+        assert stats.limits_hit["peer_deadline"] == 1 and stats.transfers_active == 0
+
+
+def test_unsolicited_offers_are_capped_per_peer(ctx: zmq.Context) -> None:
+    limits = ControlLimits(max_pending_per_peer=3)
+    with TransferAgent(TransferConfig(limits=limits, **HOLDS)) as agent, raw_peer(ctx, agent) as a, \
+            raw_peer(ctx, agent) as b:  # fmt: skip
+        for i in range(5):
+            a.send(offer(a, f"a{i}"))
+        wait_for(lambda: agent.stats().limits_hit.get("pending_per_peer") == 2, "two offers refused")
+        b.send(offer(b, "b0"))  # another peer is not crowded out
+        wait_for(lambda: agent.stats().transfers_active == 4, "b's offer held")
+        agent.expect("a0", num_layers=1)  # an expected transfer no longer counts against its sender
+        a.send(offer(a, "a5"))
+        wait_for(lambda: agent.stats().transfers_active == 5, "a's next offer held")
+        assert agent.stats().limits_hit["pending_per_peer"] == 2
+
+
+def test_pending_transfers_cap_refuses_offers(ctx: zmq.Context) -> None:
+    config = TransferConfig(max_pending_transfers=2, **HOLDS)
+    with TransferAgent(config) as agent, raw_peer(ctx, agent) as peer:
+        for i in range(4):
+            peer.send(offer(peer, f"o{i}"))
+        wait_for(lambda: agent.stats().limits_hit.get("pending_transfers") == 2, "two offers refused")
+        assert agent.stats().transfers_active == 2
+
+
+def _early_grant(peer: RawPeer, tid: str) -> Grant:
+    return Grant(src_id="d-epoch", src_endpoint=peer.endpoint, transfer_id=tid, layers=[0], sizes=[64],
+                 data_address="127.0.0.1:1", early=True)  # fmt: skip
+
+
+def test_early_grants_are_capped_per_peer_and_in_all(ctx: zmq.Context) -> None:
+    limits = ControlLimits(max_early_grants=3, max_early_grants_per_peer=2)
+    with TransferAgent(TransferConfig(limits=limits)) as p, raw_peer(ctx, p) as a, raw_peer(ctx, p) as b:
+        for i in range(4):
+            a.send(_early_grant(a, f"a{i}"))
+        wait_for(lambda: p.stats().limits_hit.get("early_grants_per_peer") == 2, "a's extra grants refused")
+        for i in range(2):
+            b.send(_early_grant(b, f"b{i}"))
+        wait_for(lambda: p.stats().limits_hit.get("early_grants") == 1, "the total cap reached")
+        with p._core.lock:
+            kept = sorted(tid for tid, _ in p._sender.early_grants.items())
+        assert kept == ["a0", "a1", "b0"]
+        outsized = msgspec.structs.replace(_early_grant(a, "big"), layers=list(range(5000)), sizes=[1] * 5000)
+        b.send(msgspec.structs.replace(outsized, src_endpoint=b.endpoint))  # not the shape of a transfer
+        time.sleep(0.2)
+        with p._core.lock:
+            assert "big" not in p._sender.early_grants
+
+
+def test_pulls_before_start_send_are_capped(ctx: zmq.Context) -> None:
+    limits = ControlLimits(max_pending_per_peer=2, max_pending_pulls=3)
+    with TransferAgent(TransferConfig(limits=limits)) as p, raw_peer(ctx, p) as a, raw_peer(ctx, p) as b:
+        for i in range(3):
+            a.send(Pull(src_id="d", src_endpoint=a.endpoint, transfer_id=f"a{i}", deadline_s=1e9,
+                        data_address="127.0.0.1:1"))  # fmt: skip
+        for i in range(2):
+            b.send(Pull(src_id="d", src_endpoint=b.endpoint, transfer_id=f"b{i}", deadline_s=30.0,
+                        data_address="127.0.0.1:1"))  # fmt: skip
+        refused = ("pending_per_peer", "pending_pulls")
+        wait_for(lambda: sum(p.stats().limits_hit.get(k, 0) for k in refused) == 2, "two pulls refused")
+        stats = p.stats()
+        assert stats.limits_hit == {"peer_deadline": 2, "pending_per_peer": 1, "pending_pulls": 1}
+        with p._core.lock:
+            assert len(p._sender.pending_pulls) == 3
+            until = max(until for _, (_, until) in p._sender.pending_pulls.items())
+        assert until <= time.monotonic() + limits.max_peer_deadline_s
+
+
+def test_peer_epochs_are_bounded(ctx: zmq.Context) -> None:
+    config = TransferConfig(limits=ControlLimits(max_peers=4))
+    with TransferAgent(config) as agent, raw_peer(ctx, agent) as peer:
+        for i in range(10):  # spoofed endpoints: a Renew reply about nothing is answered with nothing
+            peer.send(Renew(**HEAD, src_endpoint=f"tcp://10.0.0.{i}:1", state="unknown", reply=True))
+        wait_for(lambda: agent.stats().limits_hit.get("peers") == 6, "six epochs forgotten")
+        assert len(agent._core.peer_ids) == 4
+
+
+def test_transfers_work_at_the_default_limits() -> None:
+    with TransferAgent(TransferConfig()) as a, TransferAgent(TransferConfig()) as b:
+        layers = _layers(3)
+        b.expect("ok", num_layers=3)
+        _send(a, "ok", b.endpoint, layers)
+        poll_until(b, lambda ev: "ok" in ev["recvd"])
+        got = b.take_layers("ok")
+        assert all(torch.equal(got[i], t) for i, t in enumerate(layers))
+        assert a.stats().limits_hit == {} and b.stats().limits_hit == {}
+
