@@ -41,7 +41,7 @@ from kvwire.router.fallback import FallbackNotice
 from kvwire.router.kv_routing import PushPlan, plan_push, prefix_for
 from kvwire.router.metrics import RouterMetrics, SSETokenMeter
 from kvwire.router.migration import StreamInterrupted
-from kvwire.router.migrator import Migrator
+from kvwire.router.migrator import Migrator, redispatchable
 from kvwire.router.pd_bodies import decode_body, prefill_body, shared_fields, spliceable
 from kvwire.router.prompt_tokens import PromptTokenizer
 from kvwire.router.registry import InstanceView
@@ -266,6 +266,8 @@ class Dispatcher:
             except UpstreamFailure as exc:
                 if out is None:
                     raise
+                if redispatchable(exc):  # D died before its first byte: continue after P's token elsewhere
+                    raise StreamInterrupted(out, str(exc)) from exc
                 await out.error_event(str(exc), exc.status)
                 return await out.close()
             return await self._relay(
