@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("kvwire.router.cli", "run the OpenAI-compatible router with service discovery"),
     "up": ("kvwire.cluster.cli", "start a local router + prefill/decode cluster as subprocesses"),
     "scale": ("kvwire.cluster.ray_cli", "add or drain instances of a `kvwire up --ray` cluster"),
+    "secret": ("kvwire.secrets_config", "print a fresh cluster secret (for KVWIRE_SECRET or --secret-file)"),
     "demo": ("kvwire.cluster.demo", "fresh-machine demo: local 1P1D on CPU, chat questions to smollm2-135m"),
 }
 BENCHMARKS: dict[str, tuple[str, str]] = {

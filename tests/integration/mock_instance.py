@@ -19,6 +19,10 @@ prompt (or the last chat message) change the behaviour:
 A directive prefixed with a role (``prefill.status=500``, ``decode.hang``) applies only to instances
 of that role (words are separated by spaces).
 
+Started with ``--token-ids``, answers to a request with ``return_token_ids`` carry ids: prompt
+text characters are ids ``1000 + ord(c)``, token ``" tI"`` is id ``I``; a prompt of ids continues the
+answer after its trailing ids below 1000 (a migrated stream goes on from the token it stopped at).
+
 ``GET /mock/stats`` returns every request received (path, body, arrival time), the disconnects seen
 and the number of completed answers, so tests can check what the router sent and that a client
 disconnect reached the upstream. Prefill instances (``--role prefill``) answer in pull mode with
@@ -128,8 +132,11 @@ class MockInstance:
         return web.json_response(self._full(body, n, chat, words))
 
     def _full(self, body: dict[str, Any], n: int, chat: bool, words: set[str]) -> dict[str, Any]:
-        text = "".join(f" t{i}" for i in range(n))
+        start = _first_token(body)
+        text = "".join(f" t{i}" for i in range(start, start + n))
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        if self.args.token_ids and body.get("return_token_ids"):
+            choice["token_ids"] = list(range(start, start + n))
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -140,6 +147,8 @@ class MockInstance:
             "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n},
             "served_by": self.args.id,
         }
+        if self.args.token_ids and body.get("return_token_ids"):
+            out["prompt_token_ids"] = _prompt_ids(body)
         params = body.get("kv_transfer_params")
         pull = isinstance(params, dict) and params.get("mode") == "pull"
         if self.args.role == "prefill" and pull and "noparams" not in words:
@@ -152,6 +161,11 @@ class MockInstance:
         self, request: web.Request, body: dict[str, Any], n: int, chat: bool, words: set[str], delay_s: float
     ) -> web.StreamResponse:
         """Like a real server: headers (and the chat role chunk) at once, tokens after ``delay_s``."""
+        if self.args.drop_before_headers_s:
+            await asyncio.sleep(self.args.drop_before_headers_s)
+            assert request.transport is not None
+            request.transport.close()
+            return web.StreamResponse()
         gap_ms = next((int(w[7:]) for w in words if w.startswith("gap_ms=")), 50 if "slow" in words else 0)
         gap_s = gap_ms / 1000
         pad = "x" * 1024 * next((int(w[9:]) for w in words if w.startswith("chunk_kb=")), 0)
@@ -166,7 +180,9 @@ class MockInstance:
             await _event(resp, dict(base, choices=[role_delta]))
         if delay_s:
             await asyncio.sleep(delay_s)
-        for i in range(n):
+        start = _first_token(body)
+        ids = self.args.token_ids and bool(body.get("return_token_ids"))
+        for i in range(start, start + n):
             if i == 2 and "drop" in words:
                 assert request.transport is not None
                 request.transport.close()  # die mid-stream: the chunked body never ends
@@ -175,8 +191,13 @@ class MockInstance:
                 await asyncio.sleep(gap_s)
             piece = f" t{i}{pad}"
             choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
-            choice["finish_reason"] = "length" if i == n - 1 else None
-            await _event(resp, dict(base, choices=[choice]))
+            choice["finish_reason"] = "length" if i == start + n - 1 else None
+            event = dict(base, choices=[choice])
+            if ids:
+                choice["token_ids"] = [i]
+                if i == start:
+                    event["prompt_token_ids"] = _prompt_ids(body)
+            await _event(resp, event)
             emitted.append(time.time())
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
@@ -188,6 +209,24 @@ class MockInstance:
 
 async def _event(resp: web.StreamResponse, data: dict[str, Any]) -> None:
     await resp.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+
+
+def _prompt_ids(body: dict[str, Any]) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        return [int(t) for t in prompt]
+    return [1000 + ord(c) for c in _prompt_text(body)]
+
+
+def _first_token(body: dict[str, Any]) -> int:
+    """The index of the first token to answer: after the trailing generated ids of a prompt of ids."""
+    ids = _prompt_ids(body) if isinstance(body.get("prompt"), list) else []
+    done = 0
+    for t in reversed(ids):
+        if t >= 1000:
+            break
+        done += 1
+    return done
 
 
 def _prompt_text(body: dict[str, Any]) -> str:
@@ -239,6 +278,11 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--secret", default=None)
     p.add_argument("--delay-s", type=float, default=0.0)
     p.add_argument("--fake-kv-port", type=int, default=0)
+    p.add_argument("--token-ids", action="store_true",
+                   help="answer return_token_ids with ids, continue a prompt of ids (migration tests)")
+    p.add_argument("--drop-before-headers-s", type=float, default=0.0,
+                   help="streaming: wait this long, then close the connection before any header (an "
+                        "instance dying before its first byte; 0: never)")
     return p.parse_args(argv)
 
 

@@ -44,9 +44,13 @@ def expected() -> list[int]:
 
 def make_cluster(tmp: Path, policy: str) -> Iterator[LocalCluster]:
     # round_robin: these faults need P in the path; the default (kv_aware) would serve a prompt D
-    # already holds without P
+    # already holds without P. Policy fail: --pd-fallback error, so that the router does not
+    # re-dispatch the failed request to D alone once P is gone (decision 124) and D's error is what
+    # the client sees.
+    fallback = ("--pd-fallback", "error") if policy == "fail" else ()
     spec = ClusterSpec(num_prefill=1, num_decode=1, kv_deadline_s=DEADLINE_S, kv_load_failure_policy=policy,
-                       heartbeat_interval_s=0.5, instance_ttl_s=2.0, router_args=("--policy", "round_robin"))
+                       heartbeat_interval_s=0.5, instance_ttl_s=2.0,
+                       router_args=("--policy", "round_robin", *fallback))
     with running_cluster(spec, tmp / f"faults-{policy}.log") as cluster:
         yield cluster
 

@@ -30,7 +30,7 @@ from support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 API_KEY = "sk-kvwire-test-key"
-SECRET = "security-test-secret"
+SECRET = "security-test-secret-0123456789abcdef"
 PROMPT = [11, 12, 13, 14, 15, 16, 17]
 
 

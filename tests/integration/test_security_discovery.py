@@ -168,7 +168,7 @@ def test_open_instances_endpoint_hides_addresses_without_a_key() -> None:
         router.close()
 
 
-# --- the router's front door (branch secure implements these; the tests state what must hold) ---
+# --- the router's front door (decision 124) ---
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +180,6 @@ def open_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClus
         yield cluster
 
 
-@pytest.mark.xfail(strict=True, reason="needs the router stripping from branch secure")
 def test_client_kv_transfer_params_never_reach_an_instance(open_cluster: LocalCluster) -> None:
     """Trap parameters in the client's body, twice: the first request goes through P/D, the second
     is a prefix hit on D (kv_aware skips P and sends the body to D). The trap is never touched."""
@@ -209,7 +208,6 @@ def _instances_open(router: str) -> dict[str, dict[str, Any]]:
     return {entry["id"]: entry for entry in entries}
 
 
-@pytest.mark.xfail(strict=True, reason="needs the non-loopback refusal from branch secure")
 @pytest.mark.parametrize("command", [("router", "--port", "0", "--discovery-port", "0"),
                                      ("serve", "--model", "tiny", "--port", "0", "--router", "tcp://127.0.0.1:9")])
 def test_non_loopback_bind_without_a_secret_is_refused(command: tuple[str, ...]) -> None:

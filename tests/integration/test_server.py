@@ -24,6 +24,7 @@ from kvwire.discovery.messages import KvEvents
 from kvwire.kv_params import KVTransferParams, Role, TransferMode
 from kvwire.kv_signing import ParamsSigner
 
+SECRET = "s3cret-0123456789abcdef0123456789ab"  # kvwire serve needs 32+ bytes (decision 124)
 START_DEADLINE_S = 90.0
 BASE_ARGS = ["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--max-model-len", "256",
              "--num-kv-blocks", "512", "--block-size", "16"]
@@ -338,10 +339,10 @@ class FakeRouter:
 
 
 def test_prefill_role_registers_serves_pull_and_deregisters(tmp_path: Path) -> None:
-    router = FakeRouter(b"s3cret")
+    router = FakeRouter(SECRET.encode())
     proc = ServerProcess(
         tmp_path / "serve.log", "--role", "prefill", "--router", router.address, "--heartbeat-interval-s",
-        "0.2", "--instance-id", "p-test", "--kv-deadline-s", "3", env={"KVWIRE_SECRET": "s3cret"})
+        "0.2", "--instance-id", "p-test", "--kv-deadline-s", "3", env={"KVWIRE_SECRET": SECRET})
     try:
         proc.wait_healthy()
         beat = router.next_message()
@@ -356,7 +357,7 @@ def test_prefill_role_registers_serves_pull_and_deregisters(tmp_path: Path) -> N
 
         # Pull mode: P prefills, keeps the blocks under a lease and returns params for D. With the
         # secret set, P accepts only params the router signed (docs/security.md).
-        kv = ParamsSigner("s3cret").sign(KVTransferParams(
+        kv = ParamsSigner(SECRET).sign(KVTransferParams(
             transfer_id="t-pull", role=Role.PREFILL, mode=TransferMode.PULL)).to_dict()
         async def body() -> dict[str, Any]:
             async with aiohttp.ClientSession() as session:
@@ -368,7 +369,7 @@ def test_prefill_role_registers_serves_pull_and_deregisters(tmp_path: Path) -> N
         async def wrong_role() -> tuple[int, Any]:
             async with aiohttp.ClientSession() as session:
                 # signed (the signature is checked first: unsigned parameters are a 403), wrong role
-                bad = ParamsSigner("s3cret").sign(KVTransferParams(transfer_id="t-bad", role=Role.DECODE))
+                bad = ParamsSigner(SECRET).sign(KVTransferParams(transfer_id="t-bad", role=Role.DECODE))
                 return await post(session, proc.url + "/v1/completions", greedy(
                     "hello", 1, kv_transfer_params=bad.to_dict()))
 

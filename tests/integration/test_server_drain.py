@@ -21,14 +21,15 @@ from kvwire.kv_signing import ParamsSigner
 from support.waiting import wait_for
 
 MAX_TOKENS = 1000  # seconds of decoding on tiny: the stream outlasts the signal's handling
+SECRET = "s3cret-0123456789abcdef0123456789ab"  # kvwire serve needs 32+ bytes (decision 124)
 
 
 def test_sigusr1_finishes_the_stream_in_flight_refuses_new_ones_and_stops(tmp_path: Path) -> None:
-    router = FakeRouter(b"s3cret")
+    router = FakeRouter(SECRET.encode())
     proc = ServerProcess(tmp_path / "serve.log", "--router", router.address, "--heartbeat-interval-s", "0.2",
                          "--instance-id", "drain-test", "--drain-timeout-s", "60",
                          "--max-model-len", "1024",
-                         env={"KVWIRE_SECRET": "s3cret"})
+                         env={"KVWIRE_SECRET": SECRET})
     try:
         proc.wait_healthy()
         assert isinstance(router.next_message(), Heartbeat)
@@ -68,13 +69,13 @@ LEASE_S = 6.0
 
 def test_sigusr1_on_prefill_waits_for_the_kv_it_holds(tmp_path: Path) -> None:
     """Pull mode: P keeps a finished request's blocks for D under a lease; the drain waits for them."""
-    router = FakeRouter(b"s3cret")
+    router = FakeRouter(SECRET.encode())
     proc = ServerProcess(tmp_path / "serve.log", "--role", "prefill", "--router", router.address,
                          "--heartbeat-interval-s", "0.2", "--instance-id", "p-drain",
-                         "--kv-deadline-s", str(LEASE_S), env={"KVWIRE_SECRET": "s3cret"})
+                         "--kv-deadline-s", str(LEASE_S), env={"KVWIRE_SECRET": SECRET})
     try:
         proc.wait_healthy()
-        kv = ParamsSigner("s3cret").sign(KVTransferParams(
+        kv = ParamsSigner(SECRET).sign(KVTransferParams(
             transfer_id="t-drain", role=Role.PREFILL, mode=TransferMode.PULL)).to_dict()
 
         async def prefill() -> tuple[int, Any]:

@@ -18,6 +18,7 @@ from kvwire.auth import API_KEY_ENV
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.errors import ClusterError, ConfigError
 from kvwire.kv_params import LoadFailurePolicy, TransferMode
+from kvwire.secrets_config import add_secret_arguments, check_exposure, generate_secret, load_secret
 from kvwire.transfer.enums import Transport
 
 
@@ -55,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tensor-parallel size of each decode instance")
     parser.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
                         help="extra `kvwire serve` flag (repeat; e.g. --serve-arg=--num-kv-blocks=512)")
+    # The cluster's secret: --secret-file or $KVWIRE_SECRET, else a fresh one per cluster (decision 124),
+    # handed to the children in their environment.
+    add_secret_arguments(parser)
     add_ray_arguments(parser)
 
 
@@ -80,15 +84,19 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
+    secret = load_secret(args.secret_file) or generate_secret()
+    check_exposure("kvwire up", args.host, [], secret=True, api_key=bool(args.api_key),
+                   insecure=args.insecure)
+    insecure = ("--insecure",) if args.insecure else ()
     return ClusterSpec(
         num_prefill=args.prefill, num_decode=args.decode, num_both=args.both, model=args.model,
         device=args.device, mode=TransferMode(args.mode), host=args.host, port=args.port,
         kv_deadline_s=args.kv_deadline_s, kv_transport=Transport(args.kv_transport),
         kv_load_failure_policy=LoadFailurePolicy(args.kv_load_failure_policy),
         start_timeout_s=args.start_timeout_s, stop_grace_s=args.stop_grace_s,
-        serve_args=tuple(args.serve_arg), spread_gpus=args.spread_gpus, api_key=args.api_key,
+        serve_args=(*args.serve_arg, *insecure), spread_gpus=args.spread_gpus, api_key=args.api_key,
         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
-        discovery=args.discovery,
+        discovery=args.discovery, secret=secret, router_args=insecure,
     )
 
 

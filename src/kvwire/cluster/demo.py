@@ -22,6 +22,7 @@ from kvwire.cluster.client import RequestResult, post_completion
 from kvwire.cluster.local import ClusterSpec, LocalCluster, http_text
 from kvwire.errors import ClusterError, ModelLoadError
 from kvwire.kv_params import TransferMode
+from kvwire.secrets_config import generate_secret
 
 DEFAULT_MODEL = "smollm2-135m"
 QUESTIONS = (
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvwire demo: {problem}", file=sys.stderr)
         return 2
     spec = ClusterSpec(num_prefill=1, num_decode=1, model=args.model, device=args.device,
-                       mode=TransferMode(args.mode), port=0)
+                       mode=TransferMode(args.mode), port=0, secret=generate_secret())  # decision 124
     sink = sys.stdout if args.verbose else io.StringIO()
     print(f"kvwire demo: starting router + 1 prefill + 1 decode ({args.model} on {args.device}, {args.mode})")
     cluster = LocalCluster(spec, sink=sink)

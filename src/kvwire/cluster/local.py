@@ -69,7 +69,7 @@ class ClusterSpec:
     # KVWIRE_INSTANCE_API_KEY), and the shared secret (KVWIRE_SECRET). None: inherited as they are
     # (a KVWIRE_API_KEY in our environment is then the cluster's key, used the same way).
     api_key: str | None = None
-    secret: str | None = None
+    secret: str | None = dataclasses.field(default=None, repr=False)  # never in a repr or log
     prefill_tp: int = 1  # tensor-parallel size of each prefill instance (and of colocated ones)
     decode_tp: int = 1  # tensor-parallel size of each decode instance
     # "zmq": the router's embedded heartbeats; "etcd": start a local etcd; "etcd://...": use that etcd.

@@ -74,6 +74,7 @@ class ManagedProcess:
             preexec_fn=_die_with_parent(os.getpid()) if die_with_parent else None,
             env=env,
             text=True,
+            errors="replace",  # a child's stray bytes must not end the log pump (its pipe would fill)
             bufsize=1,
         )
         self._reader = threading.Thread(target=self._pump, name=f"log-{name}", daemon=True)

@@ -20,7 +20,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvwire.connector.base import (
@@ -87,6 +87,9 @@ class KvwireSchedulerConnector(SchedulerConnector):
         self._aborts: list[AbortSpec] = []
         self._promises: list[PromiseSpec] = []  # appended by any thread (admission): under the lock
         self._promises_lock = threading.Lock()
+        # Set by a host whose worker runs in this process (built-in server, TP 1): each promise is also
+        # made at once, on the admission thread, not only at the next engine step (decision 123).
+        self.promise_now: Callable[[PromiseSpec], None] | None = None
 
     # --- request admission -------------------------------------------------------------------
 
@@ -127,6 +130,8 @@ class KvwireSchedulerConnector(SchedulerConnector):
                            min(params.deadline_s, self.config.deadline_s), params.limit_s)
         with self._promises_lock:
             self._promises.append(spec)
+        if self.promise_now is not None:
+            self.promise_now(spec)
 
     def _params_for(self, request: ConnectorRequest) -> KVTransferParams | None:
         raw = request.kv_transfer_params

@@ -334,6 +334,12 @@ class KvwireWorkerConnector(WorkerConnector):
             return None
         return _Send(spec, ids, piece.transfer_id, piece.heads, tuple(layer.num_bytes for layer in layers))
 
+    def promise_now(self, spec: PromiseSpec) -> None:
+        """Admission thread, worker in the same process: promise at once (D's lease is renewed from
+        the moment the HTTP server holds the request, decision 123); the same spec arriving with the
+        next step's metadata promises again, which is idempotent."""
+        self._promise(spec)
+
     def _promise(self, spec: PromiseSpec) -> None:
         """P accepted a request: renew D's lease on each piece this rank will send until the send
         starts (decision 051; with equal TP sizes the one piece is the request's own transfer)."""

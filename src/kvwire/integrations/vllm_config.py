@@ -38,6 +38,7 @@ from kvwire.connector.config import ConnectorConfig, LoadFailurePolicy
 from kvwire.discovery.address import parse_registration_address
 from kvwire.errors import ConfigError
 from kvwire.kv_params import Role, TransferMode
+from kvwire.secrets_config import check_secret, load_secret, read_secret_file
 from kvwire.transfer.config import ControlLimits
 from kvwire.transfer.enums import Transport
 from kvwire.transfer.planes.link_config import DataLinkConfig
@@ -51,8 +52,9 @@ SEED_KEYS = frozenset(
 )
 KVWIRE_KEYS = frozenset(
     {"router", "discovery", "host", "http_host", "mode", "deadline_s", "lease_s", "backend", "transport",
-     "recv_budget_bytes", "spill_budget_bytes", "secret", "heartbeat_interval_s", "instance_id", "model_name",
-     "data_port", "advertise_host", "advertise_port", "advertise_data_port", "fault_delay_send",
+     "recv_budget_bytes", "spill_budget_bytes", "secret", "secret_file", "heartbeat_interval_s",
+     "instance_id", "model_name", "data_port", "advertise_host", "advertise_port", "advertise_data_port",
+     "fault_delay_send",
      # data-plane link bounds (DataLinkConfig, decision 115)
      "data_max_connections", "data_max_connections_per_peer", "data_handshake_timeout_s", "data_keepalive_s",
      "data_link_timeout_s"}
@@ -136,7 +138,7 @@ class VllmPluginConfig:
     base_advertise_data_port: int = 0
     recv_budget_bytes: int = 1 * GiB
     spill_budget_bytes: int = 1 * GiB
-    secret: str | None = None
+    secret: str | None = dataclasses.field(default=None, repr=False)  # never in a repr or log
     router_address: str | None = None  # "tcp://host:port" or "etcd://host:port[/prefix]"; None = none
     # The mode set by send_type / mode (None: not set); a router in the other mode overrides it.
     configured_mode: TransferMode | None = None
@@ -211,6 +213,19 @@ def _get_str(extra: Mapping[str, Any], key: str) -> str | None:
     if not isinstance(value, str) or not value:
         raise ConfigError(f"kv_connector_extra_config.{key} must be a non-empty string, got {value!r}")
     return value
+
+
+def _plugin_secret(extra: Mapping[str, Any]) -> str | None:
+    """The shared secret: ``secret_file`` (a file naming it, decision 124), else ``secret`` (on vLLM's
+    command line: visible in ``ps``), else ``$KVWIRE_SECRET``; at least 32 bytes."""
+    path, inline = _get_str(extra, "secret_file"), _get_str(extra, "secret")
+    if path and inline:
+        raise ConfigError("kv_connector_extra_config: give secret_file or secret, not both")
+    if path:
+        return read_secret_file(path)
+    if inline:
+        return check_secret(inline, "kv_connector_extra_config.secret")
+    return load_secret(None)
 
 
 def _get_int(extra: Mapping[str, Any], key: str) -> int | None:
@@ -435,7 +450,7 @@ def plugin_config_from_vllm(view: VllmTransferView) -> VllmPluginConfig:
         base_advertise_data_port=_get_int(extra, "advertise_data_port") or 0,
         recv_budget_bytes=recv_budget,
         spill_budget_bytes=spill_budget,
-        secret=_get_str(extra, "secret"),
+        secret=_plugin_secret(extra),
         router_address=_router(extra),
         configured_mode=_mode(extra) if {"send_type", "mode"} & set(extra) else None,
         http_url=f"http://{http_host}:{http_port}" if http_port is not None else None,

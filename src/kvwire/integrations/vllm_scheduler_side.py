@@ -32,6 +32,7 @@ from kvwire.kv_events import KvEventLog
 from kvwire.kv_params import KVTransferParams
 from kvwire.kv_signing import KVParamsRefused, verifier_from_secret
 from kvwire.refusal_log import RefusalLog
+from kvwire.supervision import HealthBoard
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,10 @@ class SchedulerSide:
         self._num_inflight = 0
         self._load = InstanceLoad()
         self._closed = False
+        # The registration and KV-event threads run supervised on this board; vLLM's health check
+        # cannot read it, so a dead one is logged as an error (once) at the next scheduler step.
+        self.board = HealthBoard()
+        self._reported_dead: set[str] = set()
         # With a shared secret, kv_transfer_params must be router-signed (kvwire.kv_signing); a
         # request whose params are refused runs locally: no transfer, no connection to any peer.
         self._verifier = verifier_from_secret(config.secret)
@@ -95,7 +100,7 @@ class SchedulerSide:
             return
         self.kv_event_log = KvEventLog(self.engine_info.block_size)
         self.kv_bridge = VllmKvEventBridge(
-            source.endpoint, VllmKvTranslator(self.kv_event_log), source.topic
+            source.endpoint, VllmKvTranslator(self.kv_event_log), source.topic, board=self.board
         ).start()
 
     # --- start-up -------------------------------------------------------------------------------
@@ -129,6 +134,7 @@ class SchedulerSide:
             kv_events=self.kv_event_log, tokenizer=self.identity.tokenizer,
             wait_for_http=True,  # vLLM's HTTP server starts listening after engine init
             kv_mode="" if self.config.configured_mode is None else self.config.configured_mode.value,
+            board=self.board,
         )
 
     @property
@@ -180,7 +186,16 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: Any) -> KvwireConnectorMetadata:
         step = self._tracker.step_info(scheduler_output)
         self._refresh_load(len(step.scheduled))
+        self._report_dead()
         return self.core.build_connector_meta(step)
+
+    def _report_dead(self) -> None:
+        """Log each dead component once (vLLM's health check cannot see this board)."""
+        for status in self.board.dead():
+            if status.name not in self._reported_dead:
+                self._reported_dead.add(status.name)
+                logger.error("kvwire: component %s is dead (%s): this instance no longer registers or "
+                             "reports KV events to the router; restart it", status.name, status.last_error)
 
     def update_connector_output(self, output: Any) -> None:
         """Feed the workers' (aggregated) output to the core, then rewrite vLLM's completion sets in

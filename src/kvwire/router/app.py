@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvwire.auth import Refusal, RefusalLog, api_key_middleware
 from kvwire.errors import InvalidRequestError, NoInstanceError
-from kvwire.router.config import RouterConfig
+from kvwire.router.config import PdFallback, RouterConfig
 from kvwire.router.discovery_backend import ZmqDiscovery, make_discovery
 from kvwire.router.kv_index import KvIndex
 from kvwire.router.listener import DiscoveryListener
@@ -65,7 +65,8 @@ class RouterServer:
                                  max_instances=cfg.max_instances, max_record_ttl_s=cfg.max_record_ttl_s)
         # ZeroMQ heartbeats (default, with KV events into the index) or an etcd watch
         self.discovery = make_discovery(cfg, self.registry, self.kv_index, board=self.board)
-        self.selector = Selector(self.registry, cfg.policy, cfg.seed, kv_index=self.kv_index)
+        self.selector = Selector(self.registry, cfg.policy, cfg.seed, kv_index=self.kv_index,
+                                 decode_alone=cfg.pd_fallback is PdFallback.COLOCATED)
         self.metrics.add_discovery(
             self.registry, lambda: dict(self.discovery.received), lambda: dict(self.discovery.dropped),
             lambda: self.discovery.stale, lambda: self.discovery.connections_dropped,
@@ -164,6 +165,8 @@ class RouterServer:
         try:
             creq = parse_client_request(path, await self._read_body(request), request.headers)
             creq.t0, stream = t0, creq.stream
+            if creq.client_kv_params:
+                self.metrics.client_kv_params.inc()
             creq.headers = instance_headers(creq.headers, self.cfg)
             response = await self._dispatcher.dispatch(request, creq)
             outcome = creq.outcome
@@ -205,7 +208,8 @@ class RouterServer:
     # --- service endpoints ----------------------------------------------------------------------
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response(model_cards(self.registry.snapshot()))
+        # only the models a request could be served on now (decision 124)
+        return web.json_response(model_cards(self.registry.snapshot(), self.selector.servable_models()))
 
     def _instance_headers(self, request: web.Request) -> dict[str, str]:
         auth = request.headers.get("Authorization")

@@ -18,7 +18,8 @@ from kvwire.discovery.address import add_tls_arguments, with_discovery_options
 from kvwire.errors import ConfigError
 from kvwire.kv_params import TransferMode
 from kvwire.router.app import RouterServer
-from kvwire.router.config import Policy, RouterConfig
+from kvwire.router.config import PdFallback, Policy, RouterConfig
+from kvwire.secrets_config import add_secret_arguments, check_exposure, load_secret
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instance selection policy (default %(default)s)")
     parser.add_argument("--mode", choices=[m.value for m in TransferMode], default=d.mode.value,
                         help="P/D KV transfer mode (default %(default)s)")
-    parser.add_argument("--secret", default=os.environ.get("KVWIRE_SECRET"),
-                        help="shared HMAC key: heartbeats must be signed with it and kv_transfer_params "
-                             "are signed with it (default: $KVWIRE_SECRET, else none)")
     parser.add_argument("--kv-params-ttl-s", type=float, default=d.kv_params_ttl_s,
                         help="signed kv_transfer_params expire after this long (default %(default)s)")
     parser.add_argument("--api-key", action="append", default=None,
@@ -92,6 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Hugging Face model id (default: what the instances announce)")
     parser.add_argument("--kv-index-max-blocks", type=int, default=d.kv_index_max_blocks,
                         help="block hashes the router's KV index keeps (default %(default)s)")
+    parser.add_argument("--pd-fallback", choices=[f.value for f in PdFallback], default=d.pd_fallback.value,
+                        help="a model with a live decode but no live prefill instance: serve the request "
+                             "on decode alone (colocated) or answer 503 (error) (default %(default)s)")
+    add_secret_arguments(parser)  # the shared HMAC key: heartbeats signed with it, kv_transfer_params signed
     bounds = parser.add_argument_group("bounds on what peers choose")
     bounds.add_argument("--max-instances", type=int, default=d.max_instances,
                         help="instances the registry holds; heartbeats of new ones beyond are refused "
@@ -114,7 +116,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         discovery_host=args.discovery_host, discovery_port=args.discovery_port,
         discovery=with_discovery_options(args.discovery, args),
         instance_ttl_s=args.instance_ttl_s, policy=Policy(args.policy), mode=TransferMode(args.mode),
-        secret=args.secret or None, max_body_bytes=args.max_body_bytes, kv_deadline_s=args.kv_deadline_s,
+        secret=load_secret(args.secret_file), max_body_bytes=args.max_body_bytes,
+        kv_deadline_s=args.kv_deadline_s,
         http_idle_timeout_s=args.http_idle_timeout_s, http_body_timeout_s=args.http_body_timeout_s,
         kv_limit_s=args.kv_limit_s, max_migrations=args.max_migrations,
         upstream_timeout_s=args.upstream_timeout_s, max_connect_retries=args.max_connect_retries,
@@ -130,6 +133,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         discovery_freshness_s=args.discovery_freshness_s,
         upstream_max_connections=args.upstream_max_connections,
         upstream_max_connections_per_instance=args.upstream_max_connections_per_instance,
+        pd_fallback=PdFallback(args.pd_fallback),
     )
 
 
@@ -163,6 +167,9 @@ def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
+        discovery_hosts = [cfg.discovery_host] if cfg.discovery_target is None else []
+        check_exposure("kvwire router", cfg.host, discovery_hosts, secret=cfg.secret is not None,
+                       api_key=cfg.api_keys.enabled, insecure=args.insecure)
     except ConfigError as exc:
         print(f"kvwire router: {exc}", file=sys.stderr)
         return 2

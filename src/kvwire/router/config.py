@@ -18,6 +18,14 @@ class Policy(str, enum.Enum):
     KV_AWARE = "kv_aware"  # prefix-cache overlap (KV events) minus load; decision 045
 
 
+class PdFallback(str, enum.Enum):
+    """What the router does with a request for a model that has a live decode instance but no live
+    prefill instance (and no ``both`` one)."""
+
+    COLOCATED = "colocated"  # D serves the whole request itself (warned, counted)
+    ERROR = "error"  # 503, and /v1/models does not list the model
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     host: str = "127.0.0.1"
@@ -33,7 +41,8 @@ class RouterConfig:
     forget_after_s: float = 60.0  # expired entries stay visible in /instances this long
     policy: Policy = Policy.KV_AWARE  # decision 048
     mode: TransferMode = TransferMode.PUSH
-    secret: str | None = None  # HMAC key for heartbeats (unsigned ones are dropped) and kv_transfer_params
+    # HMAC key for heartbeats (unsigned ones are dropped) and kv_transfer_params; never in a repr or log
+    secret: str | None = field(default=None, repr=False)
     kv_params_ttl_s: float = 60.0  # signed kv_transfer_params are refused by instances after this long
     api_keys: ApiKeyConfig = field(default_factory=ApiKeyConfig)  # keys clients must present (none: open)
     # Sent as 'Authorization: Bearer' to instances (their --api-key). None: the client's Authorization
@@ -75,6 +84,8 @@ class RouterConfig:
     # Connections to instances: in all, and to one instance; a request beyond waits for one (counted).
     upstream_max_connections: int = 4096
     upstream_max_connections_per_instance: int = 1024
+    # No live P for a model but a live D: serve on D as a colocated request, or answer 503 (decision 124).
+    pd_fallback: PdFallback = PdFallback.COLOCATED
 
     def __post_init__(self) -> None:
         for name in ("port", "discovery_port"):
@@ -117,6 +128,8 @@ class RouterConfig:
             raise ConfigError(f"policy must be a Policy, got {self.policy!r}")
         if not isinstance(self.mode, TransferMode):
             raise ConfigError(f"mode must be a TransferMode, got {self.mode!r}")
+        if not isinstance(self.pd_fallback, PdFallback):
+            raise ConfigError(f"pd_fallback must be a PdFallback, got {self.pd_fallback!r}")
         _ = self.discovery_target  # raises ConfigError for a bad discovery address
 
     @property

@@ -81,6 +81,14 @@ class RouterMetrics:
             "kvwire_router_skipped_prefills", "P/D requests sent to D alone (it held nearly all the prompt)",
             registry=r,
         )
+        self.pd_fallback = Counter(
+            "kvwire_router_pd_fallback", "Requests served by a decode instance alone, as colocated requests, "
+            "because no prefill instance of the model was live (--pd-fallback colocated)", registry=r,
+        )
+        self.client_kv_params = Counter(
+            "kvwire_router_client_kv_params_dropped", "Client requests that carried kv_transfer_params, "
+            "removed before dispatch (only the router sets them)", registry=r,
+        )
         # Streaming push: the client's stream opened with P's first token (decision 121)
         self.first_tokens_from_prefill = Counter(
             "kvwire_router_first_tokens_from_prefill", "P/D streams whose first token came from P's answer",

@@ -37,10 +37,11 @@ from kvwire.kv_signing import ParamsSigner
 from kvwire.router.client_body import send_body
 from kvwire.router.client_stream import ClientStream
 from kvwire.router.config import RouterConfig
+from kvwire.router.fallback import FallbackNotice
 from kvwire.router.kv_routing import PushPlan, plan_push, prefix_for
 from kvwire.router.metrics import RouterMetrics, SSETokenMeter
 from kvwire.router.migration import StreamInterrupted
-from kvwire.router.migrator import Migrator
+from kvwire.router.migrator import Migrator, redispatchable
 from kvwire.router.pd_bodies import decode_body, prefill_body, shared_fields, spliceable
 from kvwire.router.prompt_tokens import PromptTokenizer
 from kvwire.router.registry import InstanceView
@@ -65,6 +66,7 @@ class Dispatcher:
         self._background: set[asyncio.Task[Any]] = set()
         # With a shared secret every kv_transfer_params is signed (instances refuse unsigned ones).
         self._signer = ParamsSigner(cfg.secret, cfg.kv_params_ttl_s) if cfg.secret else None
+        self._fallback = FallbackNotice(metrics.pd_fallback)
 
     async def dispatch(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
         """Serve ``creq``; raises NoInstanceError / ModelNotFoundError / UpstreamFailure before any
@@ -81,6 +83,10 @@ class Dispatcher:
         if plan is Plan.COLOCATED:
             return await self._retrying(
                 lambda: self._single(request, creq, Role.BOTH, creq.raw, prefix=prefix))
+        if plan is Plan.DECODE_ALONE:  # no live P: D serves it colocated (--pd-fallback, decision 124)
+            self._fallback.served_alone(creq.model)
+            return await self._retrying(
+                lambda: self._single(request, creq, Role.DECODE, creq.raw, prefix=prefix))
         if self._cfg.mode is TransferMode.PUSH:
             return await self._retrying(lambda: self._push(request, creq, prefix))
         return await self._pull(request, creq)
@@ -260,6 +266,8 @@ class Dispatcher:
             except UpstreamFailure as exc:
                 if out is None:
                     raise
+                if redispatchable(exc):  # D died before its first byte: continue after P's token elsewhere
+                    raise StreamInterrupted(out, str(exc)) from exc
                 await out.error_event(str(exc), exc.status)
                 return await out.close()
             return await self._relay(

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 _FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 _DEFAULT_MAX_TOKENS = 16  # what OpenAI /v1/completions assumes when max_tokens is absent
+KV_PARAMS_FIELD = "kv_transfer_params"  # the router's to set; a client's is dropped
 
 
 class Outcome(str, enum.Enum):
@@ -46,6 +47,9 @@ class ClientRequest:
     prompt_token_ids: list[int] | None = None  # set when the router tokenized the prompt (kv_aware)
     ledger: StreamLedger | None = None  # streaming: what the client was sent (mid-stream migration)
     resume_stream: ClientStream | None = None  # a continuation: the client stream it writes into
+    # The client sent kv_transfer_params: removed from ``body`` and ``raw`` (only the router's own,
+    # signed when it has a secret, ever reach an instance; decision 124).
+    client_kv_params: bool = False
 
     @property
     def stream(self) -> bool:
@@ -121,4 +125,8 @@ def parse_client_request(path: str, raw: bytes, headers: Mapping[str, str]) -> C
         value = headers.get(name)
         if value:
             forwarded[name] = value
-    return ClientRequest(path=path, raw=raw, body=body, headers=forwarded)
+    client_kv_params = KV_PARAMS_FIELD in body
+    if client_kv_params:  # never forwarded, on any path (P/D, P skipped, D alone, colocated, migration)
+        del body[KV_PARAMS_FIELD]
+        raw = msgspec.json.encode(body)
+    return ClientRequest(path=path, raw=raw, body=body, headers=forwarded, client_kv_params=client_kv_params)

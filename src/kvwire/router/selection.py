@@ -24,6 +24,8 @@ from kvwire.router.registry import InstanceView, Registry
 class Plan(str, enum.Enum):
     COLOCATED = "colocated"  # one `both` instance serves the whole request
     DISAGGREGATED = "pd"  # prefill on a `prefill` instance, decode on a `decode` instance
+    # no live P (and no `both`) for the model: a `decode` instance serves the whole request itself
+    DECODE_ALONE = "decode_alone"
 
 
 # Above this many live instances of a role, least_loaded and random look at a random sample of this
@@ -101,9 +103,11 @@ class Selector:
     the same (the steady state: reports arrive once per interval, picks far more often)."""
 
     def __init__(
-        self, registry: Registry, policy: Policy, seed: int | None = None, kv_index: KvIndex | None = None
+        self, registry: Registry, policy: Policy, seed: int | None = None, kv_index: KvIndex | None = None,
+        decode_alone: bool = True,
     ) -> None:
         self._registry = registry
+        self.decode_alone = decode_alone  # --pd-fallback colocated: D serves when no P is live
         self._policy = POLICIES[policy]
         self.weights: KvAwareWeights = KV_AWARE_WEIGHTS
         self.kv_aware = policy is Policy.KV_AWARE
@@ -128,20 +132,35 @@ class Selector:
         return bool(self._registry.live(role, model))
 
     def plan(self, model: str | None) -> Plan:
-        """P/D when a prefill and a decode instance are live, else colocated; raises if neither."""
+        """P/D when a prefill and a decode instance are live, else colocated, else (``decode_alone``)
+        D alone; raises if none of these."""
         has_p = self._has_live(Role.PREFILL, model)
         has_d = self._has_live(Role.DECODE, model)
         if has_p and has_d:
             return Plan.DISAGGREGATED
         if self._has_live(Role.BOTH, model):
             return Plan.COLOCATED
+        if has_d and self.decode_alone:
+            return Plan.DECODE_ALONE
         self._check_model(model)
         for_model = f" for model {model!r}" if model else ""
         if has_p:
             raise NoInstanceError(f"no live decode instance{for_model} (prefill instances are up)")
         if has_d:
-            raise NoInstanceError(f"no live prefill instance{for_model} (decode instances are up)")
+            raise NoInstanceError(f"no live prefill instance{for_model} (decode instances are up; "
+                                  "the router runs with --pd-fallback error)")
         raise NoInstanceError(f"no live instance{for_model}")
+
+    def servable_models(self) -> list[str]:
+        """The models :meth:`plan` would serve now (``/v1/models``), sorted."""
+        models = {v.info.model for v in self._registry.snapshot() if v.alive}
+        return sorted(m for m in models if self._servable(m))
+
+    def _servable(self, model: str) -> bool:
+        if self._has_live(Role.BOTH, model):
+            return True
+        has_d = self._has_live(Role.DECODE, model)
+        return has_d and (self.decode_alone or self._has_live(Role.PREFILL, model))
 
     def _check_model(self, model: str | None) -> None:
         if model is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import msgspec
@@ -100,12 +100,12 @@ class VllmApi:
                               "ServiceUnavailableError")
 
 
-def model_cards(views: tuple[InstanceView, ...]) -> dict[str, Any]:
+def model_cards(views: tuple[InstanceView, ...], servable: Collection[str] | None = None) -> dict[str, Any]:
     """``/v1/models`` in vLLM's shape; ``max_model_len``: the smallest any live instance of the model
-    announced (None when none did)."""
+    announced (None when none did). ``servable``: list only these models (decision 124)."""
     lengths: dict[str, list[int]] = {}
     for v in views:
-        if v.alive:
+        if v.alive and (servable is None or v.info.model in servable):
             lengths.setdefault(v.info.model, [])
             if v.info.max_model_len > 0:
                 lengths[v.info.model].append(v.info.max_model_len)

@@ -15,6 +15,7 @@ from kvwire.auth import ApiKeyConfig, keys_from_cli
 from kvwire.discovery.address import add_tls_arguments, auth_of_args, tls_files_of, with_discovery_options
 from kvwire.errors import ConfigError, KvwireError
 from kvwire.kv_params import Role, TransferMode
+from kvwire.secrets_config import add_secret_arguments, check_exposure, load_secret
 from kvwire.server.config import KVLoadFailure, ServerConfig
 from kvwire.transfer.config import ControlLimits
 from kvwire.transfer.enums import Transport
@@ -23,7 +24,6 @@ from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 
 logger = logging.getLogger(__name__)
 
-SECRET_ENV = "KVWIRE_SECRET"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,6 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "$KVWIRE_API_KEY, else no authentication); /health stays open")
     parser.add_argument("--open-endpoint", action="append", choices=["metrics"], default=[],
                         help="serve /metrics without an API key")
+    add_secret_arguments(parser)
     bounds = parser.add_argument_group("bounds on what clients send")
     bounds.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
                         help="largest accepted request body; larger: 413 (default %(default)s)")
@@ -260,13 +261,18 @@ def run(args: argparse.Namespace) -> int:
     try:
         server_config = server_config_from_args(args)
         engine_config = engine_config_from_args(args)
+        secret = load_secret(args.secret_file)
+        kv_hosts = [] if server_config.role is Role.BOTH else [server_config.kv_bind_host()]  # KV agent
+        check_exposure("kvwire serve", server_config.host, kv_hosts,
+                       secret=secret is not None, api_key=server_config.api_keys.enabled,
+                       insecure=args.insecure)
     except ConfigError as exc:
         print(f"kvwire serve: {exc}", file=sys.stderr)
         return 2
     from kvwire.server.instance import serve
 
     try:
-        return _run_loop(serve(server_config, engine_config, os.environ.get(SECRET_ENV) or None))
+        return _run_loop(serve(server_config, engine_config, secret))
     except (KvwireError, OSError) as exc:
         logger.error("kvwire serve failed: %s", exc)
         return 1

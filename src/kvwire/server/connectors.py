@@ -130,6 +130,8 @@ def build_connector_set(
         tp_size=engine_config.tensor_parallel_size, num_kv_heads=model_config_of(engine_config).num_kv_heads,
     )
     scheduler, worker = build_connectors(connector_config, engine_info, registry=registry, board=board)
+    if engine_info.tp_size == 1 and hasattr(worker, "promise_now") and hasattr(scheduler, "promise_now"):
+        scheduler.promise_now = worker.promise_now  # P renews D's lease from admission (decision 123)
     agent = getattr(worker, "agent", None)
     if agent is not None and registry is not None:
         registry.register(_AgentStats(agent))

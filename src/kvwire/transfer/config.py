@@ -85,7 +85,8 @@ class TransferConfig:
     spill_budget_bytes: int = 1 * GiB
     default_deadline_s: float = 30.0  # lease: how long a transfer waits for a silent peer
     default_limit_s: float = 600.0  # overall bound on a transfer whose peer keeps renewing its lease
-    secret: bytes | None = None  # shared secret: peers that cannot prove it are refused
+    # shared secret: peers that cannot prove it are refused; never in a repr or log (decision 124)
+    secret: bytes | None = dataclasses.field(default=None, repr=False)
     data_port: int = 0  # TCP data plane listening port (0 = any free port)
     socket_buffer_bytes: int = 8 * MiB  # SO_SNDBUF / SO_RCVBUF of data sockets
     max_layers_per_transfer: int = 4096  # protocol sanity bound on offers

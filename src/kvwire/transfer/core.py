@@ -6,12 +6,12 @@ import collections
 import dataclasses
 import logging
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 from kvwire.refusal_log import RefusalLog
 from kvwire.transfer.buffers import RecvMemory
 from kvwire.transfer.config import TransferConfig
+from kvwire.transfer.lease import RunningClock
 from kvwire.transfer.messages import Abort, AnyMsg
 from kvwire.transfer.planes.base import DataPlane
 from kvwire.transfer.stats import ControlLimit, StatsRecorder
@@ -135,6 +135,7 @@ class Core:
     control: ControlLoop | None = None
     closed: bool = False
     dead: str | None = None  # the control loop gave up (supervision): why; nothing moves any more
+    clock: RunningClock = dataclasses.field(default_factory=RunningClock)
 
     def __post_init__(self) -> None:
         self.peer_ids = PeerIds(self.config.limits.max_peers, self.stats)
@@ -175,6 +176,6 @@ class Core:
             self.stats.limit_hit(ControlLimit.PEER_DEADLINE)
         return clamped
 
-    @staticmethod
-    def now() -> float:
-        return time.monotonic()
+    def now(self) -> float:
+        """The lease clock: monotonic, less the time this process was not running (decision 123)."""
+        return self.clock.now()

@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import threading
+import time
+from collections.abc import Callable
 
 MIN_RENEW_S = 0.05
 MAX_RENEW_S = 5.0
@@ -73,3 +76,37 @@ class Lease:
             return False
         self.next_renew = now + renew_interval(self.lease_s)
         return True
+
+
+# A gap longer than this between two readings of a process's lease clock (its control loop reads it
+# at least every TICK_S while it runs) is time the process did not run: stopped (SIGSTOP, a
+# suspended VM) or starved of CPU. Decision 123.
+PAUSE_GAP_S = 0.1
+
+
+class RunningClock:
+    """Monotonic seconds that leave out the time this process was not running (decision 123).
+
+    Each side judges its peer's silence, and its own producer's progress, on this clock: a P stopped
+    for most of a lease does not, once continued, count that stop against D's renewals it could not
+    read, nor against its own prefill that could not run. A peer that is stopped or dead is still
+    judged on the *other* side's clock, which runs: it fails within one lease as before. A gap
+    between two readings beyond ``PAUSE_GAP_S`` counts only ``PAUSE_GAP_S``. Any thread."""
+
+    def __init__(
+        self, monotonic: Callable[[], float] = time.monotonic, pause_gap_s: float = PAUSE_GAP_S
+    ) -> None:
+        self._monotonic = monotonic
+        self._pause_gap_s = pause_gap_s
+        self._lock = threading.Lock()
+        self._last = monotonic()
+        self.paused_s = 0.0  # wall time left out so far
+
+    def now(self) -> float:
+        with self._lock:
+            t = self._monotonic()
+            gap = t - self._last
+            if gap > self._pause_gap_s:
+                self.paused_s += gap - self._pause_gap_s
+            self._last = max(self._last, t)
+            return t - self.paused_s

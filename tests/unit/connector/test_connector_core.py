@@ -241,3 +241,15 @@ def test_p_promises_the_transfer_at_admission(fabric: FakeFabric, registry) -> N
     assert p.agent.promises == ["t7"]
     p.step()
     assert p.agent.promises == ["t7"]  # once
+
+
+def test_p_promises_at_admission_when_its_worker_is_in_process(fabric: FakeFabric, registry) -> None:
+    """Built-in server, TP 1 (decision 123): the promise is made at admission, before any engine step;
+    the same promise with the next step's metadata changes nothing."""
+    p, d = make_pd(fabric, registry)
+    p.sched.promise_now = p.worker.promise_now
+    preq, _ = push_requests(p, d, prompt_len=BLOCK, tid="t8")
+    p.sched.check_request_params(preq.kv_transfer_params)
+    assert p.agent.promises == ["t8"]
+    p.step()
+    assert set(p.agent.promises) == {"t8"}

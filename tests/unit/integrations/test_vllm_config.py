@@ -19,6 +19,8 @@ from kvwire.integrations.vllm_config import (
 from kvwire.kv_params import Role, TransferMode
 from kvwire.transfer.enums import Transport
 
+SECRET = "s3cret-0123456789abcdef0123456789ab"  # 32+ bytes (decision 124)
+
 
 def view(role: str = "kv_producer", **extra: Any) -> VllmTransferView:
     return VllmTransferView(kv_role=role, kv_connector_extra_config=extra)
@@ -100,7 +102,7 @@ def test_kvwire_keys() -> None:
     cfg = plugin_config_from_vllm(
         view(
             "kv_both", router="tcp://127.0.0.1:5555", http_host="10.1.1.1", http_port=8000, mode="pull",
-            deadline_s=5, lease_s=7.5, secret="s3cret", heartbeat_interval_s=0.5, instance_id="p0",
+            deadline_s=5, lease_s=7.5, secret=SECRET, heartbeat_interval_s=0.5, instance_id="p0",
             model_name="tiny", host="0.0.0.0", backend="tcp",
         )
     )
@@ -109,8 +111,21 @@ def test_kvwire_keys() -> None:
     assert cfg.connector.mode is TransferMode.PULL
     assert cfg.connector.deadline_s == 5 and cfg.connector.lease_s == 7.5
     assert (cfg.secret, cfg.heartbeat_interval_s, cfg.instance_id, cfg.model_name, cfg.host) == (
-        "s3cret", 0.5, "p0", "tiny", "0.0.0.0",
+        SECRET, 0.5, "p0", "tiny", "0.0.0.0",
     )
+
+
+def test_secret_from_a_file_or_the_environment_and_at_least_32_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    assert plugin_config_from_vllm(view("kv_producer", secret_file=str(path))).secret == SECRET
+    monkeypatch.setenv("KVWIRE_SECRET", "e" * 32)
+    assert plugin_config_from_vllm(view("kv_producer")).secret == "e" * 32
+    with pytest.raises(ConfigError, match="at least 32"):
+        plugin_config_from_vllm(view("kv_producer", secret="short"))
+    with pytest.raises(ConfigError, match="not both"):
+        plugin_config_from_vllm(view("kv_producer", secret=SECRET, secret_file=str(path)))
 
 
 def test_default_kv_port_means_any_free_port() -> None:

@@ -221,6 +221,8 @@ def test_scheduler_side_forwards_vllm_events_to_the_index(publisher: Publisher, 
         wait_for(lambda: index.match(["vllm-d"], lambda bs: block_hashes(prompt, bs)) == {"vllm-d": 4}, 10,
                  "the index to hold the prompt's 4 blocks")
         assert index.block_size("vllm-d") == BS
+        names = {status.name for status in side.board.snapshot()}
+        assert {"kvwire-vllm-kv-events", "kvwire-heartbeat"} <= names  # supervised on the side's board
     finally:
         side.close()
         listener.close()
@@ -257,3 +259,19 @@ def test_bridge_survives_a_nested_batch_and_a_failing_translator(publisher: Publ
     finally:
         bridge.close()
     assert board.snapshot() == []
+
+
+def test_scheduler_side_logs_a_dead_component_once(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's health check cannot read the plugin's board: a dead registration or KV-event thread is
+    logged as an error at the next scheduler step, once."""
+    config = plugin_config_from_vllm(VllmTransferView(kv_role="kv_consumer", kv_connector_extra_config={}))
+    side = SchedulerSide(config, EngineInfo(block_size=BS), Identity("vllm-d", "tiny", "vllm", "/models/t"))
+    try:
+        side.board.mark_dead(side.board.register("kvwire-heartbeat"), "RuntimeError: boom")
+        with caplog.at_level("ERROR", logger="kvwire"):
+            side._report_dead()
+            side._report_dead()
+        dead = [r for r in caplog.records if "kvwire-heartbeat is dead" in r.getMessage()]
+        assert len(dead) == 1 and "boom" in dead[0].getMessage()
+    finally:
+        side.close()

@@ -202,7 +202,7 @@ def test_with_a_secret_only_router_signed_params_move_kv() -> None:
 
     from kvwire.kv_signing import ParamsSigner
 
-    secret = "plugin-test-secret"
+    secret = "plugin-test-secret-0123456789abcdef"  # 32+ bytes (decision 124)
     p = Instance("kv_producer", torch.randn, deadline_s=10, secret=secret)
     d = Instance("kv_consumer", torch.zeros, deadline_s=10, secret=secret)
     try:

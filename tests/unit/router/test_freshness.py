@@ -7,6 +7,7 @@ import argparse
 import math
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import zmq
@@ -149,11 +150,13 @@ def test_listener_without_a_secret_checks_no_freshness() -> None:
         listener.close()
 
 
-def test_flags_reach_the_listener_and_evictions_are_exported() -> None:
+def test_flags_reach_the_listener_and_evictions_are_exported(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert config_from_args(parser.parse_args([])).discovery_freshness_s == 30.0
-    cfg = config_from_args(parser.parse_args(["--discovery-freshness-s", "5", "--secret", "s",
+    (tmp_path / "secret").write_text("s" * 32)  # secrets come from a file or the environment (decision 124)
+    cfg = config_from_args(parser.parse_args(["--discovery-freshness-s", "5", "--secret-file",
+                                              str(tmp_path / "secret"),
                                               "--discovery-port", "0", "--max-instances", "3"]))
     discovery = ZmqDiscovery(Registry(ttl_s=5.0), cfg)
     try:

@@ -6,6 +6,7 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -76,15 +77,17 @@ def test_config_validation() -> None:
     assert RouterConfig(instance_ttl_s=0.6).sweep_interval_s == pytest.approx(0.15)
 
 
-def test_cli_arguments_build_config() -> None:
+def test_cli_arguments_build_config(tmp_path: Path) -> None:
+    secret = "k" * 32
+    (tmp_path / "secret").write_text(secret + "\n")
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     args = parser.parse_args(
-        ["--port", "0", "--discovery-port", "0", "--policy", "random", "--mode", "pull", "--secret", "k",
-         "--instance-ttl-s", "1.5"]
+        ["--port", "0", "--discovery-port", "0", "--policy", "random", "--mode", "pull",
+         "--secret-file", str(tmp_path / "secret"), "--instance-ttl-s", "1.5"]
     )
     cfg = cli.config_from_args(args)
-    assert (cfg.policy, cfg.mode, cfg.secret) == (Policy.RANDOM, TransferMode.PULL, "k")
+    assert (cfg.policy, cfg.mode, cfg.secret) == (Policy.RANDOM, TransferMode.PULL, secret)
     assert cfg.instance_ttl_s == 1.5
 
 
@@ -94,3 +97,14 @@ def test_router_does_not_import_torch() -> None:
         "assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("value", [{"transfer_id": "t", "role": "decode"}, None, "x"])
+def test_client_kv_transfer_params_are_dropped_from_body_and_raw(value: object) -> None:
+    raw = json.dumps({"prompt": "hi", "kv_transfer_params": value, "max_tokens": 3}).encode()
+    creq = parse_client_request("/v1/completions", raw, {})
+    assert creq.client_kv_params
+    assert "kv_transfer_params" not in creq.body and b"kv_transfer_params" not in creq.raw
+    assert json.loads(creq.raw) == {"prompt": "hi", "max_tokens": 3}
+    clean = parse_client_request("/v1/completions", b'{"prompt": "hi"}', {})
+    assert not clean.client_kv_params and clean.raw == b'{"prompt": "hi"}'  # untouched bytes

@@ -55,6 +55,8 @@ async def _with_router(check: Any) -> None:
     await server.start()
     try:
         server.registry.apply(Heartbeat(info=info("p", kv_mode="pull", max_len=512), seq=1))
+        # a decode instance too: /v1/models lists a model only when it can be served (decision 124)
+        server.registry.apply(Heartbeat(info=info("q", Role.DECODE, max_len=512), seq=1))
         async with aiohttp.ClientSession() as session:
             await check(server, session)
     finally:

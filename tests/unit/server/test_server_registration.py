@@ -20,7 +20,7 @@ from kvwire.server.config import ServerConfig
 from kvwire.server.engine_loop import StatsSnapshot
 from kvwire.server.registration import start_heartbeats
 
-SECRET = "s3cret"
+SECRET = "s3cret-0123456789abcdef0123456789ab"  # 32+ bytes (decision 124)
 RECV_TIMEOUT_MS = 5000
 
 

@@ -160,7 +160,8 @@ class _Channel:
     # --- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
         for name, target in (("issuer", self._issue_loop), ("completer", self._complete_loop)):
-            thread = threading.Thread(target=target, name=f"kvwire-nccl-{name}", daemon=True)
+            thread = threading.Thread(target=self._failing_on_error, args=(name, target),
+                                      name=f"kvwire-nccl-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
 
@@ -191,6 +192,15 @@ class _Channel:
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=5.0)
+
+    def _failing_on_error(self, name: str, loop: Callable[[], None]) -> None:
+        """Run the issuer or completer loop; if it raises, the channel fails (its transfers fail
+        ``peer_lost`` through the plane) instead of the thread ending unseen with work still queued."""
+        try:
+            loop()
+        except Exception as exc:
+            log.exception("NCCL %s thread of the channel with %s failed", name, self.peer_instance)
+            self.fail(f"peer_lost: NCCL {name} thread failed: {type(exc).__name__}: {exc}")
 
     def fail(self, reason: str) -> None:
         """The communicator broke: abort it and tell the plane (which reports the peer failed)."""
