@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from types import FrameType
 
 from kvwire.auth import API_KEY_ENV
@@ -100,6 +101,18 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     )
 
 
+def stop_shielded(stop: Callable[[], object]) -> None:
+    """Run a cluster's ``stop`` with SIGINT and SIGTERM ignored: a second Ctrl-C or a SIGTERM during
+    the clean-up must not cut it short (orphans). The default handlers are back afterwards."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        stop()
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     """First Ctrl-C or SIGTERM: stop the cluster. Later ones are ignored from here on, so they cannot
     cut the clean-up short and leave orphan processes."""
@@ -142,9 +155,4 @@ def run(args: argparse.Namespace) -> int:
         print("kvwire up: stopping", flush=True)
         return 0
     finally:
-        # A second Ctrl-C or a SIGTERM during the clean-up must not cut it short (orphans).
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        cluster.stop()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        stop_shielded(cluster.stop)

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from kvwire.cluster.cli import _interrupt, spec_from_args
+from kvwire.cluster.cli import _interrupt, spec_from_args, stop_shielded
 from kvwire.cluster.ray_spec import Placement, RaySpec, parse_labels, parse_resources
 from kvwire.errors import ClusterError, ConfigError
 from kvwire.kv_params import Role
@@ -102,11 +102,7 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"kvwire up: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        cluster.stop()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        stop_shielded(cluster.stop)
 
 
 # --- kvwire scale ---------------------------------------------------------------------------------

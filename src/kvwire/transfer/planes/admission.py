@@ -27,8 +27,9 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
-from kvwire.supervision import HealthBoard
+from kvwire.supervision import HealthBoard, guarded
 from kvwire.transfer.planes.link_config import DataLinkConfig
 from kvwire.transfer.planes.liveness import LINK_TIMEOUT
 
@@ -216,3 +217,36 @@ def accept_loop(
             serve(conn)
         else:
             conn.close()
+
+
+class ListeningPlane(Protocol):
+    """What :func:`start_reader` needs of a plane with a listener (TCP, the Unix-socket links)."""
+
+    lock: threading.Lock
+    closing: threading.Event
+    admission: Admission
+    inbound: dict[socket.socket, str]
+    readers: set[threading.Thread]
+    board: HealthBoard
+
+
+def start_reader(plane: ListeningPlane, conn: socket.socket, name: str, serve: Callable[[], None]) -> None:
+    """Start ``serve`` (the reader of a connection the admission took on) on its own guarded thread,
+    tracked in ``plane.readers``; a plane closing, or no thread to be had (the process's limit),
+    refuses the connection instead. Acceptor thread."""
+    reader = threading.Thread(target=guarded(name, serve, plane.board), name=name, daemon=True)
+    with plane.lock:
+        if plane.closing.is_set():
+            conn.close()
+            plane.admission.release(conn)
+            return
+        plane.inbound[conn] = ""
+        plane.readers.add(reader)
+    try:
+        reader.start()
+    except RuntimeError as exc:  # no thread to be had: refuse this one
+        with plane.lock:
+            plane.inbound.pop(conn, None)
+            plane.readers.discard(reader)
+        conn.close()
+        plane.admission.no_thread(conn, exc)

@@ -18,9 +18,9 @@ import threading
 import time
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from kvwire.supervision import HealthBoard, SupervisedThread, guarded
+from kvwire.supervision import HealthBoard, SupervisedThread
 from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.planes.admission import Admission, accept_loop, shutdown, unix_peer
+from kvwire.transfer.planes.admission import Admission, accept_loop, shutdown, start_reader, unix_peer
 from kvwire.transfer.planes.base import DataPlane, PlaneCallbacks
 from kvwire.transfer.planes.shm.wire import abstract_name
 from kvwire.transfer.planes.tcp.wire import CANCEL_MEMORY_S, POLL_S
@@ -155,23 +155,4 @@ class UnixLinkPlane(DataPlane):
     def _serve(self, conn: socket.socket) -> None:
         """Start the reader of a connection the admission took on (acceptor thread)."""
         link = self._inbound_link(conn)
-        reader = threading.Thread(
-            target=guarded(f"kvwire-{self.link_kind}-recv", link.serve, self.board),
-            name=f"kvwire-{self.link_kind}-recv",
-            daemon=True,
-        )
-        with self.lock:
-            if self.closing.is_set():
-                conn.close()
-                self.admission.release(conn)
-                return
-            self.inbound[conn] = ""
-            self.readers.add(reader)
-        try:
-            reader.start()
-        except RuntimeError as exc:  # no thread to be had (the process's limit): refuse this one
-            with self.lock:
-                self.inbound.pop(conn, None)
-                self.readers.discard(reader)
-            conn.close()
-            self.admission.no_thread(conn, exc)
+        start_reader(self, conn, f"kvwire-{self.link_kind}-recv", link.serve)

@@ -30,9 +30,9 @@ import threading
 import time
 from collections.abc import Sequence
 
-from kvwire.supervision import HealthBoard, SupervisedThread, guarded
+from kvwire.supervision import HealthBoard, SupervisedThread
 from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.planes.admission import Admission, accept_loop, tcp_peer
+from kvwire.transfer.planes.admission import Admission, accept_loop, start_reader, tcp_peer
 from kvwire.transfer.planes.base import DataPlane, PlaneCallbacks
 from kvwire.transfer.planes.tcp.recv import TcpInbound
 from kvwire.transfer.planes.tcp.send import TcpOutbound
@@ -180,23 +180,4 @@ class TcpPlane(DataPlane):
 
     def _serve(self, conn: socket.socket) -> None:
         """Start the reader of a connection the admission took on (acceptor thread)."""
-        reader = threading.Thread(
-            target=guarded("kvwire-tcp-recv", TcpInbound(self, conn).serve, self.board),
-            name="kvwire-tcp-recv",
-            daemon=True,
-        )
-        with self.lock:
-            if self.closing.is_set():
-                conn.close()
-                self.admission.release(conn)
-                return
-            self.inbound[conn] = ""
-            self.readers.add(reader)
-        try:
-            reader.start()
-        except RuntimeError as exc:  # no thread to be had (the process's limit): refuse this one
-            with self.lock:
-                self.inbound.pop(conn, None)
-                self.readers.discard(reader)
-            conn.close()
-            self.admission.no_thread(conn, exc)
+        start_reader(self, conn, "kvwire-tcp-recv", TcpInbound(self, conn).serve)
