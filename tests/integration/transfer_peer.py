@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -23,6 +24,7 @@ from kvwire.transfer.enums import Backend, KVLayout
 from kvwire.transfer.paged_kv import BlockTarget
 from kvwire.transfer.planes.link_config import DataLinkConfig
 from kvwire.transfer.planes.plane_set import PlaneSet
+from kvwire.transfer.planes.shm.grants import lock_slot
 from kvwire.transfer.planes.shm.plane import ShmPlane
 from kvwire.transfer.shared_memory import shared_tensors
 
@@ -34,6 +36,7 @@ class Peer:
         self.sink_digests: dict[str, dict[int, str]] = {}
         self.lock = threading.Lock()
         self.caches: list[torch.Tensor] = []  # registered by op_expect_blocks
+        self.attack_stop = threading.Event()  # op_attack_grants runs until set
 
     def _poll(self) -> None:
         ev = self.agent.poll()
@@ -124,6 +127,30 @@ class Peer:
         planes = self.agent._planes
         plane = planes.members[Backend.SHM] if isinstance(planes, PlaneSet) else None
         return {"paths": dict(plane.layers_sent) if isinstance(plane, ShmPlane) else {}}
+
+    def op_attack_grants(self) -> Any:
+        """Turn hostile (an authenticated peer attacking other peers' grants): with the grant table
+        of every shared-memory link this agent holds, take every slot's lock and keep zeroing every
+        token (a stop or a revoke of whatever grant the table carries) until ``stop_attack``."""
+        planes = self.agent._planes
+        plane = planes.members[Backend.SHM] if isinstance(planes, PlaneSet) else None
+        assert isinstance(plane, ShmPlane)
+        views = [out._grants for out in plane.outbound.values() if out._grants is not None]
+        held = sum(lock_slot(v.fd, slot, 0.0) for v in views for slot in range(v.tokens.size))
+        self.attack_stop = threading.Event()
+
+        def zero() -> None:
+            while not self.attack_stop.wait(0.0005):
+                for view in views:
+                    view.tokens[:] = 0
+
+        threading.Thread(target=zero, name="attacker", daemon=True).start()
+        inodes = [os.fstat(v.fd).st_ino for v in views]
+        return {"slots": sum(int(v.tokens.size) for v in views), "held": held, "inodes": inodes}
+
+    def op_stop_attack(self) -> Any:
+        self.attack_stop.set()
+        return {}
 
     def op_arrived(self, tid: str) -> Any:
         with self.lock:

@@ -396,9 +396,11 @@ def test_abort_mid_batch_stops_the_writer_after_the_layer_under_way(
     gate.proceed[0].set()
     assert gate.entered[2].wait(10.0)  # "cut" layer 1 is being copied under the grant's lock
     slot = plane_d._granted["cut"].slot
+    table = plane_d.grants.table(p.instance_id)  # p's own grant region (its link keeps it)
+    assert table is not None
     aborter = threading.Thread(target=d.abort, args=("cut", "test"))
     aborter.start()
-    wait_for(lambda: int(plane_d.grants.tokens[slot]) == 0, 10.0, "the revoke zeroed the token")
+    wait_for(lambda: int(table.tokens[slot]) == 0, 10.0, "the revoke zeroed the token")
     assert aborter.is_alive()  # it waits for the layer under way
     gate.proceed[2].set()
     aborter.join(20.0)

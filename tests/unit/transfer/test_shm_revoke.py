@@ -18,6 +18,7 @@ import torch
 from kvwire.transfer import TransferConfig
 from kvwire.transfer.planes.shm import plane as shm_plane_module
 from kvwire.transfer.planes.shm.direct import halves
+from kvwire.transfer.planes.shm.grants import GrantTable
 from kvwire.transfer.planes.shm.plane import ShmPlane
 from kvwire.transfer.shared_memory import shared_tensors
 from kvwire.transfer.types import ByteSpans, PeerRef, RecvItem
@@ -45,9 +46,9 @@ class Holder:
     """A second process holding one grant slot's lock (a sender in the middle of a layer)."""
 
     def __init__(self, plane: ShmPlane, slot: int, token: int) -> None:
-        fd = plane.grants.fd
+        fd, size = _region(plane).fd, _region(plane).size
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _HOLDER, str(fd), str(plane.grants.size), str(slot), str(token)],
+            [sys.executable, "-c", _HOLDER, str(fd), str(size), str(slot), str(token)],
             pass_fds=[fd], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         assert self.line(60.0) == "held True"
@@ -86,6 +87,13 @@ def plane(monkeypatch: pytest.MonkeyPatch) -> Iterator[ShmPlane]:
         p.close()
 
 
+def _region(plane: ShmPlane) -> GrantTable:
+    """The grant region of PEER on ``plane`` (it must have one)."""
+    table = plane.grants.table(PEER.instance_id)
+    assert table is not None
+    return table
+
+
 def _grant(plane: ShmPlane, tid: str, dest: torch.Tensor) -> tuple[int, int]:
     """Post a one-copy receive of one layer into ``dest`` (shared memory): its (slot, token)."""
     spans = ByteSpans(dest, ((0, LAYER_BYTES),))
@@ -102,11 +110,13 @@ def test_cancel_quarantines_a_grant_held_by_another_process_until_it_lets_go_or_
     cache = shared_tensors([(4, LAYER_BYTES)], torch.uint8)[0]  # D's KV cache, in shared memory
     slot, token = _grant(plane, "stalled", cache[1])
     holder = Holder(plane, slot, token)
+    region = _region(plane)
     try:
         plane.cancel("stalled")  # the revoke wait runs out: the holder may still be writing
         assert plane.unsettled() == {"stalled": LAYER_BYTES}  # the blocks must not be reused
-        assert int(plane.grants.tokens[slot]) == 0  # no new write starts under the grant
-        assert slot not in plane.grants._free
+        assert int(region.tokens[slot]) == 0  # no new write starts under the grant
+        assert slot not in region._free
+        assert plane.grants.table(PEER.instance_id) is region  # the quarantined slot keeps its region
         # the stalled sender gets no new one-copy grant (the ring puts no block at risk) ...
         spans = ByteSpans(cache[2], ((0, LAYER_BYTES),))
         plane.post_recv(PEER, [RecvItem("next", 0, LAYER_BYTES, torch.empty(0, dtype=torch.uint8), spans)])
@@ -119,7 +129,8 @@ def test_cancel_quarantines_a_grant_held_by_another_process_until_it_lets_go_or_
             os.kill(holder.proc.pid, signal.SIGKILL)  # the kernel drops a dead holder's lock
             holder.proc.wait(timeout=30.0)
         wait_for(lambda: not plane.unsettled(), 10.0, "the quarantine to end")
-        assert slot in plane.grants._free
+        assert slot in region._free
+        assert plane.grants.table(PEER.instance_id) is None  # no link, nothing granted: region freed
         slot2, _ = _grant(plane, "after", cache[3])  # that sender is granted one-copy again
         assert plane._granted["after"].slot == slot2
     finally:
@@ -152,9 +163,11 @@ def test_cancel_with_the_slot_free_settles_at_once(plane: ShmPlane) -> None:
     """The fast path: nobody holds the slot, the revoke is confirmed, nothing is quarantined."""
     cache = shared_tensors([(2, LAYER_BYTES)], torch.uint8)[0]
     slot, _ = _grant(plane, "quick", cache[0])
+    region = _region(plane)
     plane.cancel("quick")
     assert plane.unsettled() == {}
-    assert slot in plane.grants._free
+    assert slot in region._free
+    assert plane.grants.table(PEER.instance_id) is None  # nothing left in it, no link: freed
 
 
 def test_halves_cut_runs_at_half_their_bytes() -> None:
@@ -164,3 +177,24 @@ def test_halves_cut_runs_at_half_their_bytes() -> None:
     assert sum(n for *_, n in first) == 11 and sum(n for *_, n in rest) == 11
     assert first == [(0, 100, 10), (50, 0, 1)] and rest == [(51, 1, 6), (20, 30, 5)]
     assert halves([(0, 0, 9)]) == ([(0, 0, 4)], [(4, 4, 5)])
+
+
+def test_a_quarantined_slot_keeps_its_region_after_the_link_closed(plane: ShmPlane) -> None:
+    """Decision 127 with 114: a sender's region outlives its link while a slot in it is quarantined
+    (a late write may still land), and is freed once the holder ends."""
+    cache = shared_tensors([(2, LAYER_BYTES)], torch.uint8)[0]
+    region = plane.grant_region_for_link(PEER.instance_id)  # PEER's link is set up
+    slot, token = _grant(plane, "stalled", cache[0])
+    holder = Holder(plane, slot, token)
+    try:
+        plane.cancel("stalled")
+        assert plane.unsettled() == {"stalled": LAYER_BYTES}
+        plane.link_closed(PEER.instance_id)  # the link ends; the stalled process lives on
+        assert plane.grants.table(PEER.instance_id) is region
+        assert plane.unsettled() == {"stalled": LAYER_BYTES}  # still quarantined, in that region
+        os.kill(holder.proc.pid, signal.SIGKILL)
+        holder.proc.wait(timeout=30.0)
+        wait_for(lambda: not plane.unsettled(), 10.0, "the quarantine to end")
+        assert plane.grants.table(PEER.instance_id) is None  # settled: the region is freed
+    finally:
+        holder.close()

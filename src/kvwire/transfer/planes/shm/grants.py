@@ -4,16 +4,17 @@ On the one-copy path the *sender* writes into the receiver's blocks, so the rece
 cannot simply stop copying (as it does on the ring path): it must be sure that no write of the
 cancelled transfer is under way or can start later, before the caller reuses those blocks.
 
-The table is a small memfd of 64-bit tokens, one slot per granted transfer, shared with every
-sender (passed at link setup). A grant names (slot, token). The sender holds a byte-range lock on
-the slot (an open-file-description lock, ``F_OFD_SETLK``: per descriptor, so two threads of one
-process exclude each other too, and the kernel drops it when a holder dies) while it copies the
-layers queued for the transfer, and re-reads the token before each layer. The receiver revokes by
-zeroing the token and then taking the same lock: once that returns, nothing of the transfer is being
-written and nothing will be. A sender that read the token before it was zeroed finishes the layer
-under way, sees the zero before the next one and lets go, so a revoke waits for at most one layer's
-copy however many layers the sender holds the slot for. The lock is what guarantees exclusion (a
-stale read of the token only delays the sender's stop; the revoke still waits for the lock).
+The table is a small memfd of 64-bit tokens, one slot per granted transfer, shared with one
+sending peer (passed at its links' setup; each peer has a table of its own: :mod:`regions`). A
+grant names (slot, token). The sender holds a byte-range lock on the slot (an
+open-file-description lock, ``F_OFD_SETLK``: per descriptor, so two threads of one process exclude
+each other too, and the kernel drops it when a holder dies) while it copies the layers queued for
+the transfer, and re-reads the token before each layer. The receiver revokes by zeroing the token
+and then taking the same lock: once that returns, nothing of the transfer is being written and
+nothing will be. A sender that read the token before it was zeroed finishes the layer under way,
+sees the zero before the next one and lets go, so a revoke waits for at most one layer's copy
+however many layers the sender holds the slot for. The lock is what guarantees exclusion (a stale
+read of the token only delays the sender's stop; the revoke still waits for the lock).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def unlock_slot(fd: int, slot: int) -> None:
 
 
 class GrantTable:
-    """The receiver's table (one per plane): claims slots for transfers and revokes them."""
+    """One grant region of the receiver (one per sending peer): claims slots for transfers and
+    revokes them."""
 
     def __init__(self, slots: int = DEFAULT_SLOTS) -> None:
         self.fd = sealed_memfd("kvwire-shm-grants", slots * SLOT_BYTES)
@@ -77,6 +79,7 @@ class GrantTable:
             raise
         self.tokens: npt.NDArray[np.uint64] = np.frombuffer(self._map, dtype=np.uint64)
         self.size = slots * SLOT_BYTES
+        self.slots = slots
         self._free = list(range(slots - 1, -1, -1))
 
     def claim(self) -> tuple[int, int] | None:
@@ -88,6 +91,10 @@ class GrantTable:
         token = secrets.randbits(63) | 1
         self.tokens[slot] = token
         return slot, token
+
+    def in_use(self) -> int:
+        """Slots claimed and not freed yet (granted, or waiting for a sender to let go)."""
+        return self.slots - len(self._free)
 
     def revoke(self, slot: int, timeout_s: float) -> bool:
         """Zero the slot's token, then take its lock and free the slot: True once no sender writes

@@ -7,7 +7,8 @@ twice and the TCP stack costs more than the copies). Two paths, chosen per desti
   (:mod:`kvwire.transfer.shared_memory`: the built-in engine's CPU KV cache). The receiver exports
   each region once per link (its memfd, at link setup) and grants (region, byte spans, grant slot);
   the sender copies its blocks straight into those spans and sends DONE. A cancel on the receiver
-  revokes the grant under the slot's lock (``grants``); when a stalled sender keeps the lock past
+  revokes the grant under the slot's lock (``grants``; each sending peer has a grant table of its
+  own, ``regions``, decision 127); when a stalled sender keeps the lock past
   the revoke wait, the grant is quarantined (``quarantine``): the transfer stays :meth:`unsettled`
   and its blocks out of use until the sender lets go or its process ends.
 * **ring** (docs/decisions/076-shm-plane.md): any other destination (vLLM's caches, receive and
@@ -21,7 +22,7 @@ lives in the network namespace, so negotiation offers this plane only inside one
     receiver -> sender   nonce (16 random bytes)
     sender -> receiver   "KVWS" version:u8 id_len:u16 instance_id hmac_sha256(secret, nonce+id)
     receiver -> sender   ring_bytes:u64 table_bytes:u64 regions:u16, per region id:u64 bytes:u64
-                         + memfds [ring, grant table, regions...] (SCM_RIGHTS)
+                         + memfds [ring, this peer's grant table, regions...] (SCM_RIGHTS)
     sender -> receiver   per frame: kind:u8 layer:u32 layer_bytes:u64 layer_offset:u64 ring_pos:u64
                          num_bytes:u32 tid_len:u16 transfer_id
                          (CHUNK: bytes are in the ring; DONE: the layer is in its destination)
@@ -58,6 +59,7 @@ from kvwire.transfer.planes.shm.direct import RunCopier, ShmDest, decode_direct,
 from kvwire.transfer.planes.shm.grants import GrantTable
 from kvwire.transfer.planes.shm.quarantine import Quarantine, Quarantined
 from kvwire.transfer.planes.shm.recv import Inbound, Landing, peer_pid, shutdown
+from kvwire.transfer.planes.shm.regions import GrantRegions
 from kvwire.transfer.planes.shm.send import Outbound
 from kvwire.transfer.planes.tcp.wire import CANCEL_WAIT_S
 from kvwire.transfer.planes.unix_links import UnixLinkPlane, take_granted
@@ -78,7 +80,8 @@ def _stop_mid_layer() -> int | None:
 
 @dataclasses.dataclass
 class _Grant:
-    """A transfer's one-copy grant on the receiver: its table slot and the layers still to land."""
+    """A transfer's one-copy grant on the receiver: its slot in its peer's grant region and the
+    layers still to land."""
 
     peer_id: str
     slot: int
@@ -104,8 +107,9 @@ class ShmPlane(UnixLinkPlane):
         self.landing: dict[tuple[str, int], Landing] = {}  # layers whose first chunk arrived
         self.writing: dict[socket.socket, str] = {}  # connection -> transfer being copied into caller memory
         # one-copy path, receiver side: regions exported to peers (region id -> (own fd dup, bytes)),
-        # grants per transfer, destinations waiting for the next plane_info to each peer
-        self.grants = GrantTable()
+        # a grant table per sending peer, grants per transfer, destinations waiting for the next
+        # plane_info to each peer
+        self.grants = GrantRegions(config.links.max_connections, self.board)
         self.quarantine = Quarantine()  # grants a stalled sender may still write under (decision 114)
         self.exported: dict[int, tuple[int, int]] = {}
         self._granted: dict[str, _Grant] = {}
@@ -146,7 +150,7 @@ class ShmPlane(UnixLinkPlane):
             self.exported.clear()
             self._granted.clear()
             self.quarantine.clear()
-        self.grants.close()
+            self.grants.close()
 
     # --- sender side -------------------------------------------------------------------------------
 
@@ -240,9 +244,10 @@ class ShmPlane(UnixLinkPlane):
         if grant is None:
             if self._stalled_locked(peer_id):
                 return None  # a grant of this sender is quarantined: the ring puts no block at risk
-            claimed = self.grants.claim()
-            if claimed is None and self.quarantine.settle(self.grants):
-                claimed = self.grants.claim()  # a slot came back from quarantine
+            table = self.grants.for_grant(peer_id)  # this sender's region: no other peer maps it
+            claimed = table.claim() if table is not None else None
+            if table is not None and claimed is None and self._settle_locked(peer_id):
+                claimed = table.claim()  # a slot came back from quarantine
             if claimed is None:
                 return None  # every slot in use: this transfer takes the ring
             grant = self._granted[item.transfer_id] = _Grant(peer_id, *claimed, set())
@@ -280,7 +285,9 @@ class ShmPlane(UnixLinkPlane):
     def _revoke_locked(self, transfer_id: str, grant: _Grant, wait_s: float) -> None:
         """Revoke ``grant`` (caller holds the lock); quarantine it when its sender still holds the
         slot after ``wait_s``. ``transfer_id`` empty: the transfer finished (only the slot waits)."""
-        if self.grants.revoke(grant.slot, wait_s):
+        table = self.grants.table(grant.peer_id)
+        if table is None or table.revoke(grant.slot, wait_s):  # None only once closed
+            self.grants.free_if_idle(grant.peer_id)
             return
         pid = next((peer_pid(c) for c, p in self.inbound.items() if p == grant.peer_id), None)
         keep = grant.dests if transfer_id else []  # a finished transfer's memory is its caller's
@@ -291,8 +298,29 @@ class ShmPlane(UnixLinkPlane):
         """Whether a transfer of ``peer_id`` is still quarantined (tries to release them first)."""
         if not self.quarantine.holds_peer(peer_id):
             return False
-        self.quarantine.settle(self.grants, peer_id)
+        self._settle_locked(peer_id)
         return self.quarantine.holds_peer(peer_id)
+
+    def _settle_locked(self, peer_id: str | None = None) -> bool:
+        """Release quarantined slots nobody holds any more (of ``peer_id``, or all), freeing the
+        regions that leaves idle; whether any was released."""
+        released = self.quarantine.settle(self.grants, peer_id)
+        for peer in {q.peer_id for q in released}:
+            self.grants.free_if_idle(peer)
+        return bool(released)
+
+    def grant_region_for_link(self, peer_id: str) -> GrantTable:
+        """The grant table to hand to a link of ``peer_id`` at its setup (its own region), held for
+        it until :meth:`link_closed`."""
+        with self.lock:
+            return self.grants.for_link(peer_id)
+
+    def link_closed(self, peer_id: str) -> None:
+        """A link of ``peer_id`` ended: its region is freed unless grants or quarantined slots
+        remain in it (those of a sender that ended are released here first)."""
+        with self.lock:
+            self._settle_locked(peer_id)
+            self.grants.link_closed(peer_id)
 
     def unsettled(self) -> dict[str, int]:
         """Cancelled transfers whose sender may still write into their destinations (quarantined
@@ -300,7 +328,7 @@ class ShmPlane(UnixLinkPlane):
         with self.lock:
             if self.closing.is_set():
                 return {}
-            self.quarantine.settle(self.grants)
+            self._settle_locked()
             return self.quarantine.unsettled()
 
     def local_info(self, peer: PeerRef) -> bytes:

@@ -13,8 +13,9 @@ Quarantine ends only on proof that nothing writes under the grant any more: its 
 taken, which happens once the sender let go of it (finished or stopped the layer) or its process
 ended (the kernel drops the lock of a dead holder). A finished transfer's slot whose sender had not
 let go yet when the last layer landed is parked here too (``transfer_id`` empty): its data is all
-in place, so nothing waits for it; only the slot comes back later. Not thread-safe: the plane's
-lock guards it.
+in place, so nothing waits for it; only the slot comes back later. Slots are those of the
+sender's own grant region (:mod:`regions`), which a quarantined slot keeps alive until it settles.
+Not thread-safe: the plane's lock guards it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 
 import torch
 
-from kvwire.transfer.planes.shm.grants import GrantTable
+from kvwire.transfer.planes.shm.regions import GrantRegions
 
 log = logging.getLogger("kvwire.transfer")
 
@@ -36,7 +37,7 @@ class Quarantined:
 
     transfer_id: str  # "" for a finished transfer's slot (not unsettled: its layers all landed)
     peer_id: str
-    slot: int
+    slot: int  # in ``peer_id``'s grant region
     num_bytes: int  # destination bytes the grant covers (what stays out of use)
     sender_pid: int | None  # the sender's process (SO_PEERCRED of its link), for the log
     since: float = dataclasses.field(default_factory=time.monotonic)
@@ -46,13 +47,13 @@ class Quarantined:
 
 
 class Quarantine:
-    """The receiver's quarantined grants, by slot."""
+    """The receiver's quarantined grants, by (peer, slot)."""
 
     def __init__(self) -> None:
-        self._held: dict[int, Quarantined] = {}
+        self._held: dict[tuple[str, int], Quarantined] = {}
 
     def add(self, entry: Quarantined) -> None:
-        self._held[entry.slot] = entry
+        self._held[(entry.peer_id, entry.slot)] = entry
         if entry.transfer_id:
             log.warning(
                 "shared-memory grant of transfer %s: sender %s (pid %s) still holds slot %d after "
@@ -60,15 +61,15 @@ class Quarantine:
                 entry.transfer_id, entry.peer_id[:8], entry.sender_pid, entry.slot, entry.num_bytes,
             )  # fmt: skip
 
-    def settle(self, table: GrantTable, peer_id: str | None = None) -> list[Quarantined]:
-        """Try every quarantined slot (of ``peer_id``, or all) without waiting; return and forget
-        those nobody holds any more (their slots are free again)."""
+    def settle(self, regions: GrantRegions, peer_id: str | None = None) -> list[Quarantined]:
+        """Try every quarantined slot (of ``peer_id``, or all) without waiting, each in its
+        sender's region; return and forget those nobody holds any more (their slots are free)."""
         released = [
             q for q in self._held.values()
-            if (peer_id is None or q.peer_id == peer_id) and table.try_release(q.slot)
+            if (peer_id is None or q.peer_id == peer_id) and _release(regions, q)
         ]  # fmt: skip
         for q in released:
-            del self._held[q.slot]
+            del self._held[(q.peer_id, q.slot)]
             if q.transfer_id:
                 log.info(
                     "shared-memory grant of transfer %s released by sender %s after %.3f s: its %d "
@@ -85,5 +86,14 @@ class Quarantine:
         """Whether a transfer of ``peer_id`` is quarantined (that sender is stalled)."""
         return any(q.peer_id == peer_id and q.transfer_id for q in self._held.values())
 
+    def holds_region(self, peer_id: str) -> bool:
+        """Whether any slot of ``peer_id``'s region is quarantined (finished transfers' too)."""
+        return any(q.peer_id == peer_id for q in self._held.values())
+
     def clear(self) -> None:
         self._held.clear()
+
+
+def _release(regions: GrantRegions, entry: Quarantined) -> bool:
+    table = regions.table(entry.peer_id)
+    return table is None or table.try_release(entry.slot)  # no region: nothing left to write under

@@ -1,12 +1,12 @@
 """Receiver half of the shared-memory plane: one reader thread per inbound peer connection.
 
 The reader authenticates the sender, creates this connection's ring (a memfd of
-``config.shm_ring_bytes``) and passes it over with the plane's grant table and the shared regions
-it exports (SCM_RIGHTS), then handles frames in order: a CHUNK is copied out of the ring into the
-posted destination (the caller's byte spans, or the receive buffer) and credited; a DONE says the
-sender wrote the whole layer straight into the destination (the one-copy path). Once a layer's
-bytes are all in place it is reported (from a second thread, so the caller's sink for layer i
-overlaps the copy of layer i+1, as on the TCP plane).
+``config.shm_ring_bytes``) and passes it over with the sender's own grant table (its region) and
+the shared regions it exports (SCM_RIGHTS), then handles frames in order: a CHUNK is copied out of
+the ring into the posted destination (the caller's byte spans, or the receive buffer) and
+credited; a DONE says the sender wrote the whole layer straight into the destination (the one-copy
+path). Once a layer's bytes are all in place it is reported (from a second thread, so the caller's
+sink for layer i overlaps the copy of layer i+1, as on the TCP plane).
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class Inbound:
         self.plane = plane
         self.conn = conn
         self.peer_id = ""
+        self._region: str | None = None  # the peer whose grant region this link holds
         self._later: list[tuple[str, str]] = []  # (transfer id | "", reason): reported outside the lock
         self._inbox = bytearray()  # frame bytes read but not yet handled
 
@@ -72,7 +73,8 @@ class Inbound:
         size = self.plane.config.shm_ring_bytes
         fd, ring = create_ring(size)
         try:
-            table = self.plane.grants
+            table = self.plane.grant_region_for_link(peer_id)  # its own: no other peer's grants
+            self._region = peer_id  # held for this link until it ends (serve)
             # shared regions (our KV cache, readable and writable by whoever maps it) only to a
             # process of our own user, who could read our memory anyway; others get the ring
             regions = self.plane.exported_regions() if peer_uid(conn) == os.getuid() else []
@@ -118,6 +120,8 @@ class Inbound:
                     del plane.landing[key]
             self.conn.close()
             plane.admission.release(self.conn)
+            if self._region is not None:
+                plane.link_closed(self._region)  # its region is freed unless grants remain in it
         try:
             self._report_end(error)
         finally:
