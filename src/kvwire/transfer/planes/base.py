@@ -102,6 +102,11 @@ class PlaneCallbacks(Protocol):
     def on_protocol_error(self, reason: str) -> None:
         """Something unexpected arrived (unauthenticated connection, unknown frame): counted, logged."""
 
+    def peer_endpoint(self, peer_instance_id: str) -> str | None:
+        """The control endpoint where the control plane authenticated this peer epoch and still holds
+        it as that endpoint's current one; None when it holds no such epoch (never heard, restarted
+        since, forgotten). A data link's hello is accepted only from such an epoch (decision 126)."""
+
     def on_device_copy(self, num_bytes: int, seconds: float) -> None:
         """A plane that copies on the GPU itself (CUDA IPC) ran ``num_bytes`` of copies in ``seconds``
         of device time (the copy engine's speed, without the host's share of the transfer)."""

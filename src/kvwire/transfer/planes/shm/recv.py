@@ -68,7 +68,8 @@ class Inbound:
     def _handshake(self) -> Bytes:
         conn, links = self.conn, self.plane.config.links
         conn.settimeout(self.plane.admission.hello_timeout_s())
-        peer_id = check_hello(conn, self.plane.secret, MAGIC, VERSION, "shared-memory connection")
+        claim = check_hello(conn, self.plane.secret, MAGIC, VERSION, "shared-memory connection")
+        peer_id = self.plane.admission.bind(claim, self.plane.instance_id, self.plane.callbacks, "shm link")
         size = self.plane.config.shm_ring_bytes
         fd, ring = create_ring(size)
         try:

@@ -59,7 +59,9 @@ class TcpInbound:
         conn.settimeout(self.plane.admission.hello_timeout_s())
         tune(conn, config.socket_buffer_bytes)
         tcp_keepalive(conn, config.links)
-        self.peer_id = check_hello(conn, self.plane.secret, MAGIC, VERSION, "data connection")
+        plane = self.plane
+        claim = check_hello(conn, plane.secret, MAGIC, VERSION, "data connection")
+        self.peer_id = plane.admission.bind(claim, plane.instance_id, plane.callbacks, "data link")
         self.plane.admission.authenticated(conn)
         conn.settimeout(config.links.keepalive_s)  # reads wake to heartbeat; writes (pings) are tiny
 
