@@ -185,3 +185,30 @@ def test_a_forged_shm_hello_is_refused() -> None:
         wait_for(lambda: plane.admission.held() == 0 and not plane.readers, 10, "the link closed")
     finally:
         plane.close()
+
+
+@pytest.mark.parametrize("transport", [Transport.TCP, Transport.SHM])
+def test_frames_from_another_authenticated_peer_leave_the_victims_receive(transport: Transport) -> None:
+    """Q (an epoch the control plane holds, with the secret) writes the layer P's transfer posted: it
+    is discarded and reported, P's receive stays posted, and P's own layer then lands in it."""
+    config = TransferConfig(transport=transport, links=LINKS, secret=SECRET)
+    kind = TcpPlane if transport is Transport.TCP else ShmPlane
+    agent = Agent({"p-epoch": "tcp://p:1", "q-epoch": "tcp://q:1"})
+    receiver = kind(config, "d-epoch", HealthBoard())
+    p, q = kind(config, "p-epoch", HealthBoard()), kind(config, "q-epoch", HealthBoard())
+    receiver.start(agent)
+    for sender in (p, q):
+        sender.start(Agent({"d-epoch": "tcp://d:1"}))
+    try:
+        dest = torch.zeros(1024, dtype=torch.uint8)
+        receiver.post_recv(PeerRef("tcp://p:1", "p-epoch", ""), [RecvItem("victim", 0, 1024, dest)])
+        d = PeerRef("tcp://d:1", "d-epoch", receiver.address)
+        q.send(d, [SendItem("victim", 0, torch.full((1024,), 9, dtype=torch.uint8))])
+        wait_for(lambda: any("not its sender" in e for e in agent.protocol_errors), 10, "Q's frame reported")
+        assert not agent.received and bool((dest == 0).all())
+        p.send(d, [SendItem("victim", 0, torch.full((1024,), 7, dtype=torch.uint8))])
+        wait_for(lambda: agent.received, 10, "P's layer")
+        assert agent.received == [("p-epoch", "victim", 0)] and bool((dest == 7).all())
+    finally:
+        for plane in (p, q, receiver):
+            plane.close()

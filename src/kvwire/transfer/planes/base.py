@@ -74,7 +74,7 @@ from __future__ import annotations
 import abc
 import queue
 from collections.abc import Sequence
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -194,6 +194,15 @@ class DataPlane(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Stop every plane thread and close every socket/communicator. Idempotent, bounded time."""
+
+
+def posted_for_another(
+    table: dict[tuple[str, int], tuple[str, Any]], key: tuple[str, int], peer_id: str
+) -> bool:
+    """True when the receive posted for ``key`` (transfer id, layer) belongs to another peer epoch: a
+    frame from ``peer_id``'s link must neither fill nor drop it (decision 126). Caller holds the lock."""
+    entry = table.get(key)
+    return entry is not None and entry[0] != peer_id
 
 
 def fail_queued(items: queue.SimpleQueue[SendItem | None], callbacks: PlaneCallbacks, reason: str) -> None:
