@@ -234,7 +234,7 @@ class Inbound:
             elif foreign:  # another peer's transfer: left posted (decision 126)
                 self._not_its_sender(tid, layer)
             elif posted is not None:
-                reason = f"mismatch: layer {layer} of {total} bytes from an unexpected sender/size"
+                reason = f"mismatch: layer {layer} of {total} bytes, not the size posted"
                 self._later.append((tid, reason))
             elif tid not in plane.cancelled:
                 self._later.append(("", f"unsolicited shared-memory layer {tid!r} {layer} ({total} B)"))
@@ -251,7 +251,7 @@ class Inbound:
                 self._not_its_sender(*key)
             elif posted is not None:
                 self._later.append(
-                    (key[0], f"mismatch: layer {key[1]} of {total} bytes from an unexpected sender/size")
+                    (key[0], f"mismatch: layer {key[1]} of {total} bytes, not the size posted")
                 )
             elif key[0] not in plane.cancelled:
                 self._later.append(

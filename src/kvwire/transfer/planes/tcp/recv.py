@@ -140,7 +140,8 @@ class TcpInbound:
                 plane.writing[conn] = tid  # in the same critical section: cancel() sees it
         if not valid or posted is None:
             if posted is not None:
-                plane.callbacks.on_transfer_failed(tid, f"mismatch: layer {layer} frame of {num_bytes} bytes")
+                reason = f"mismatch: layer {layer} frame of {num_bytes} bytes, not the size posted"
+                plane.callbacks.on_transfer_failed(tid, reason)
             elif foreign:  # another peer's transfer: discarded, that peer's receive left posted
                 plane.callbacks.on_protocol_error(
                     f"frame for {tid!r} layer {layer} from {self.peer_id!r}, which is not its sender"
