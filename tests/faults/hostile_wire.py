@@ -160,7 +160,8 @@ def _stream_drain(sock: socket.socket) -> list[int]:
 
 
 def data_plane_session(address: int | str, frames: bytes) -> None:
-    """A peer that passes the hello (no secret: an all-zero MAC proves it) and then sends ``frames``.
+    """A peer that proves the hello's MAC (no secret: all zeros) and then sends ``frames``; the
+    target refuses it at the binding (decision 126), so the frames test that nothing follows a refusal.
     Descriptors the shared-memory plane passes at setup are closed here (the test's, not a leak)."""
     magic, version = (TCP_MAGIC, TCP_VERSION) if isinstance(address, int) else (SHM_MAGIC, SHM_VERSION)
     me = b"hostile-peer"
@@ -171,7 +172,8 @@ def data_plane_session(address: int | str, frames: bytes) -> None:
             if not more:
                 return
             nonce += more
-        sock.sendall(HELLO.pack(magic, version, len(me)) + me + bytes(MAC_BYTES))
+        # the epochs of no agent the target knows: the hello is refused at the binding (decision 126)
+        sock.sendall(HELLO.pack(magic, version, len(me), len(me)) + me + me + bytes(MAC_BYTES))
         sock.sendall(frames)  # the shared-memory setup (with descriptors) is read by the drain
         sock.shutdown(socket.SHUT_WR)
         _stream_drain(sock)
@@ -188,9 +190,10 @@ def data_plane_cases(shm: bool) -> list[bytes]:
 def hello_cases(shm: bool) -> list[bytes]:
     """Bad hellos: wrong magic, wrong version, an id of 0 or 65535 bytes, truncated, a bad MAC."""
     magic, version = (SHM_MAGIC, SHM_VERSION) if shm else (TCP_MAGIC, TCP_VERSION)
-    return [HELLO.pack(b"NOPE", version, 4) + b"abcd" + bytes(32), HELLO.pack(magic, 99, 4) + b"abcd",
-            HELLO.pack(magic, version, 0), HELLO.pack(magic, version, 65535) + b"x" * 100,
-            HELLO.pack(magic, version, 4)[:5], HELLO.pack(magic, version, 4) + b"abcd" + b"\x01" * 32]
+    ids = b"abcdefgh"
+    return [HELLO.pack(b"NOPE", version, 4, 4) + ids + bytes(32), HELLO.pack(magic, 99, 4, 4) + ids,
+            HELLO.pack(magic, version, 0, 4), HELLO.pack(magic, version, 65535, 4) + b"x" * 100,
+            HELLO.pack(magic, version, 4, 4)[:5], HELLO.pack(magic, version, 4, 4) + ids + b"\x01" * 32]
 
 
 def hello_session(address: int | str, hello: bytes) -> None:

@@ -9,7 +9,7 @@ import secrets
 from collections.abc import Iterator
 
 import pytest
-from transfer_helpers import PeerProcess, digest, expected_digests, has_all, poll_until
+from transfer_helpers import PeerProcess, digest, expected_digests, has_all, plane_address, poll_until
 
 from kvwire.errors import TransferError
 from kvwire.transfer import TransferAgent, TransferConfig
@@ -109,3 +109,69 @@ def test_a_pull_lease_goes_only_to_the_named_receiver(
     d_agent.expect(tid, num_layers=len(SPECS), pull_from=p.endpoint)
     poll_until(d_agent, has_all("recvd", [tid]), timeout_s=20)
     assert {i: digest(t) for i, t in d_agent.take_layers(tid).items()} == expected_digests(77, SPECS)
+
+
+# A process with the secret dials D's data listener and proves the MAC, claiming an epoch D's control
+# plane does not hold (P restarted, or forged) or naming an earlier epoch of D; then it writes a frame
+# for the victim's transfer. argv: address ("host:port" or "@abstract"), magic, version, secret, src, dst.
+FORGER = """
+import socket, sys
+from kvwire.transfer.planes.shm.wire import abstract_name
+from kvwire.transfer.planes.tcp.wire import FRAME, host_port, prove_hello
+address, magic, version, secret, src, dst, tid = sys.argv[1:8]
+if address.startswith("@"):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(20)
+    sock.connect(abstract_name(address))
+else:
+    sock = socket.create_connection(host_port(address), timeout=20)
+prove_hello(sock, secret.encode(), src, dst, magic.encode(), int(version))
+try:
+    sock.sendall(FRAME.pack(0, 96, len(tid)) + tid.encode() + bytes(96))
+    while sock.recv(4096):
+        pass
+except OSError:
+    pass
+print("closed")
+"""
+
+
+def _forge(address: str, magic: bytes, version: int, src: str, dst: str, tid: str) -> None:
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-c", FORGER, address, magic.decode(), str(version), SECRET, src, dst, tid]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert done.stdout.strip() == "closed", done.stderr  # the listener closed the forged link
+
+
+def test_a_forged_data_link_hello_is_refused_and_the_pair_completes(
+    peers: dict[str, PeerProcess], d_agent: TransferAgent, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Decision 126: with the secret, a hello whose epochs are not the ones D's control plane holds
+    (P's epoch after a restart, or D's earlier epoch) is refused on every plane, counted, and the
+    link closed; the real P's transfer then completes with its own bytes."""
+    from kvwire.transfer.planes import admission
+    from kvwire.transfer.planes.shm import wire as shm_wire
+    from kvwire.transfer.planes.tcp import wire as tcp_wire
+
+    p = peers["p"]
+    warm = secrets.token_hex(16)  # D hears P: its control plane now holds P's epoch
+    d_agent.expect(warm, num_layers=len(SPECS), accept_from=p.endpoint)
+    _send(p, warm, d_agent.endpoint, seed=3)
+    poll_until(d_agent, has_all("recvd", [warm]), timeout_s=20)
+    tid = secrets.token_hex(16)  # the victim: expected from P while the forgers dial (each a slow start)
+    d_agent.expect(tid, num_layers=len(SPECS), accept_from=p.endpoint, deadline_s=300.0)
+    planes = [(plane_address(d_agent, "tcp"), tcp_wire.MAGIC, tcp_wire.VERSION),
+              (plane_address(d_agent, "shm"), shm_wire.MAGIC, shm_wire.VERSION)]
+    for address, magic, version in planes:
+        _forge(address, magic, version, secrets.token_hex(8), d_agent.instance_id, tid)  # unknown epoch
+        _forge(address, magic, version, p.instance_id, "d-earlier-epoch", tid)  # not meant for this D
+    refused = d_agent.board.limit_hits()[admission.LINK_REFUSED]
+    assert refused == 4
+    assert d_agent.stats().messages_rejected >= 4  # each refusal is a rejected message too
+    _send(p, tid, d_agent.endpoint, seed=42)
+    poll_until(d_agent, has_all("recvd", [tid]), timeout_s=20)
+    layers = d_agent.take_layers(tid)
+    assert {i: digest(t) for i, t in layers.items()} == expected_digests(42, SPECS)
+    assert d_agent.board.limit_hits()[admission.LINK_REFUSED] == refused  # P's own links: accepted

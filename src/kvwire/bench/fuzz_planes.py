@@ -36,6 +36,9 @@ class _Callbacks:
 
     on_sent = on_received = on_transfer_failed = on_peer_failed = on_protocol_error = on_device_copy = _count
 
+    def peer_endpoint(self, peer_instance_id: str) -> str | None:
+        return f"tcp://fuzz/{peer_instance_id}"  # every epoch known: the inputs reach the frame readers
+
 
 def _stream(data: bytes, read: Callable[[socket.socket], object]) -> object:
     """Write ``data`` into a fresh socket pair, close that end for writing, ``read`` the other end."""

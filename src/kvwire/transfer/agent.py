@@ -577,6 +577,10 @@ class TransferAgent:
     def on_protocol_error(self, reason: str) -> None:
         self._on_reject(reason)
 
+    def peer_endpoint(self, peer_instance_id: str) -> str | None:
+        with self._core.lock:
+            return self._core.peer_ids.endpoint_of(peer_instance_id)
+
     def on_device_copy(self, num_bytes: int, seconds: float) -> None:
         self._core.stats.add("device_copy_bytes", num_bytes)
         self._core.stats.add("device_copy_ns", round(seconds * 1e9))

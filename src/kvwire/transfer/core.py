@@ -100,6 +100,11 @@ class PeerIds:
         """The epoch known for ``endpoint`` ("" when unknown)."""
         return self._ids.get(endpoint, "")
 
+    def endpoint_of(self, instance_id: str) -> str | None:
+        """The endpoint whose current epoch is ``instance_id`` (None: none now). A scan: called once
+        per data link, on its hello."""
+        return next((e for e, i in self._ids.items() if i == instance_id), None)
+
     def heard(self, endpoint: str, instance_id: str) -> str | None:
         """``instance_id`` was heard at ``endpoint``: remember it (most recent); returns the id known
         before (None: first contact, or forgotten)."""

@@ -81,6 +81,9 @@ class Callbacks:
         with self.lock:
             self.protocol_errors.append(reason)
 
+    def peer_endpoint(self, peer_instance_id: str) -> str | None:
+        return f"tcp://{peer_instance_id}"  # every epoch known (the binding: test_link_binding.py)
+
     def on_device_copy(self, num_bytes: int, seconds: float) -> None:
         pass
 
@@ -179,9 +182,9 @@ def test_handshake_deadline_cuts_a_slow_hello(tcp: tuple[TcpPlane, Callbacks], b
     sock = dial(plane.address)
     assert len(sock.recv(NONCE_BYTES)) == NONCE_BYTES
     start = time.monotonic()
-    # a valid hello header announcing a 100-byte id, then the id a byte every 0.1 s: every read
+    # a valid hello header announcing two 50-byte ids, then the ids a byte every 0.1 s: every read
     # succeeds well within a per-read timeout; only the deadline on the whole hello ends it
-    for byte in HELLO.pack(MAGIC, VERSION, 100) + b"x" * 100:
+    for byte in HELLO.pack(MAGIC, VERSION, 50, 50) + b"x" * 100:
         if _readable(sock):  # EOF (or a reset): the listener cut it
             break
         try:
@@ -333,7 +336,7 @@ def test_a_silent_sender_is_cut_by_the_receiver(tcp: tuple[TcpPlane, Callbacks],
     plane, callbacks = tcp
     sock = dial(plane.address)
     sock.settimeout(10)
-    prove_hello(sock, None, "quiet", MAGIC, VERSION)
+    prove_hello(sock, None, "quiet", "receiver", MAGIC, VERSION)
     sock.sendall(PING_FRAME)  # one heartbeat, then silence
     wait_for(lambda: callbacks.peer_failed, 20, "the silent link cut")
     (peer, reason), = callbacks.peer_failed
@@ -356,7 +359,7 @@ def test_a_frame_slower_than_the_link_timeout_is_not_cut(tcp: tuple[TcpPlane, Ca
     plane.post_recv(PeerRef("tcp://s", "slow", ""), [RecvItem("t-slow", 0, 128, dest)])
     sock = dial(plane.address)
     sock.settimeout(10)
-    prove_hello(sock, None, "slow", MAGIC, VERSION)
+    prove_hello(sock, None, "slow", "receiver", MAGIC, VERSION)
     sock.sendall(FRAME.pack(0, 128, len(b"t-slow")) + b"t-slow")
     heard_during: list[float] = []
     start = time.monotonic()

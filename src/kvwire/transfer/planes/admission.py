@@ -32,6 +32,7 @@ from typing import Protocol
 from kvwire.supervision import HealthBoard, guarded
 from kvwire.transfer.planes.link_config import DataLinkConfig
 from kvwire.transfer.planes.liveness import LINK_TIMEOUT
+from kvwire.transfer.planes.tcp.wire import LinkRefused, PeerEpochs, bind_hello
 
 log = logging.getLogger("kvwire.transfer")
 
@@ -52,7 +53,8 @@ PEER_FULL = "data_peer_full"
 HANDSHAKE_TIMEOUT = "data_handshake_timeout"
 FD_EXHAUSTED = "data_accept_fd_exhausted"
 NO_THREAD = "data_accept_no_thread"
-LIMITS = (LISTENER_FULL, PEER_FULL, HANDSHAKE_TIMEOUT, FD_EXHAUSTED, NO_THREAD)
+LINK_REFUSED = "data_link_refused"  # an authenticated hello of an epoch the control plane does not hold
+LIMITS = (LISTENER_FULL, PEER_FULL, HANDSHAKE_TIMEOUT, FD_EXHAUSTED, NO_THREAD, LINK_REFUSED)
 
 
 class RateLimitedLog:
@@ -112,6 +114,16 @@ class Admission:
         self.log.warning(refused, "%s data listener refused a connection: it holds %s already",
                          self.what, cap)
         return False
+
+    def bind(self, claim: tuple[str, str], instance_id: str, control: PeerEpochs, what: str) -> str:
+        """The peer epoch of a hello that proved the secret, bound to the control plane
+        (:func:`~kvwire.transfer.planes.tcp.wire.bind_hello`); a refusal is counted and raised (the
+        reader reports it as a protocol error and closes the link)."""
+        try:
+            return bind_hello(claim, instance_id, control, what)
+        except LinkRefused:
+            self.board.limit_hit(LINK_REFUSED)
+            raise
 
     def authenticated(self, conn: socket.socket) -> None:
         """``conn`` finished its hello: off the handshake clock."""

@@ -74,7 +74,7 @@ from __future__ import annotations
 import abc
 import queue
 from collections.abc import Sequence
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -101,6 +101,11 @@ class PlaneCallbacks(Protocol):
 
     def on_protocol_error(self, reason: str) -> None:
         """Something unexpected arrived (unauthenticated connection, unknown frame): counted, logged."""
+
+    def peer_endpoint(self, peer_instance_id: str) -> str | None:
+        """The control endpoint where the control plane authenticated this peer epoch and still holds
+        it as that endpoint's current one; None when it holds no such epoch (never heard, restarted
+        since, forgotten). A data link's hello is accepted only from such an epoch (decision 126)."""
 
     def on_device_copy(self, num_bytes: int, seconds: float) -> None:
         """A plane that copies on the GPU itself (CUDA IPC) ran ``num_bytes`` of copies in ``seconds``
@@ -189,6 +194,15 @@ class DataPlane(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Stop every plane thread and close every socket/communicator. Idempotent, bounded time."""
+
+
+def posted_for_another(
+    table: dict[tuple[str, int], tuple[str, Any]], key: tuple[str, int], peer_id: str
+) -> bool:
+    """True when the receive posted for ``key`` (transfer id, layer) belongs to another peer epoch: a
+    frame from ``peer_id``'s link must neither fill nor drop it (decision 126). Caller holds the lock."""
+    entry = table.get(key)
+    return entry is not None and entry[0] != peer_id
 
 
 def fail_queued(items: queue.SimpleQueue[SendItem | None], callbacks: PlaneCallbacks, reason: str) -> None:

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from kvwire.transfer.planes.ipc.plane import IpcPlane
 
 MAGIC = b"KVWI"
-VERSION = 2
+VERSION = 3  # 3: the hello names both epochs (decision 126)
 DONE = struct.Struct("!HH")  # transfer-id length, layer count; the id, then the layers ("!H" each)
 MAX_BATCH = 64  # layers copied before one synchronization
 _TILE_CACHE = 64  # tile tables kept per link (one per span-set pair: about one per transfer)
@@ -101,7 +101,7 @@ class IpcOutbound(OutboundLink):
     def _connect(self) -> socket.socket:
         links = self.plane.config.links
         sock = self._dial_unix(links.handshake_timeout_s)
-        prove_hello(sock, self.plane.secret, self.plane.instance_id, MAGIC, VERSION)
+        prove_hello(sock, self.plane.secret, self.plane.instance_id, self.peer.instance_id, MAGIC, VERSION)
         sock.settimeout(links.link_timeout_s)  # DONE frames' write deadline
         return sock
 
@@ -291,7 +291,9 @@ class IpcInbound:
     def _handshake(self) -> None:
         conn = self.conn
         conn.settimeout(self.plane.admission.hello_timeout_s())
-        self.peer_id = check_hello(conn, self.plane.secret, MAGIC, VERSION, "IPC link")
+        plane = self.plane
+        claim = check_hello(conn, plane.secret, MAGIC, VERSION, "IPC link")
+        self.peer_id = plane.admission.bind(claim, plane.instance_id, plane.callbacks, "IPC link")
         self.plane.admission.authenticated(conn)
         conn.settimeout(None)  # this end only reads; a dead peer shows as EOF
 

@@ -153,7 +153,10 @@ class IpcPlane(UnixLinkPlane):
     def done(self, peer_id: str, transfer_id: str, layer: int) -> bool:
         """A DONE frame arrived: True when it completes a layer posted for that peer."""
         with self.lock:
-            return self.posted.pop((transfer_id, layer), None) == peer_id
+            if self.posted.get((transfer_id, layer)) != peer_id:
+                return False  # none, or another peer's: left as it is (decision 126)
+            del self.posted[(transfer_id, layer)]
+            return True
 
     # --- sender side -------------------------------------------------------------------------------
 

@@ -117,6 +117,9 @@ class Recorder:
         with self.cond:
             self.protocol_errors.append(reason)
 
+    def peer_endpoint(self, peer_instance_id: str) -> str | None:
+        return peer_ref(peer_instance_id).endpoint  # the two ranks know each other
+
     def on_device_copy(self, num_bytes: int, seconds: float) -> None:
         pass  # the NCCL plane's time is measured by its driver's callers
 

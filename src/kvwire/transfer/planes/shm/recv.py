@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from kvwire.errors import ProtocolError
 from kvwire.supervision import SupervisedThread
+from kvwire.transfer.planes.base import posted_for_another
 from kvwire.transfer.planes.liveness import count_cut
 from kvwire.transfer.planes.shm.ring import Bytes, SpanCursor, create_ring, ring_array, tensor_array
 from kvwire.transfer.planes.shm.wire import CREDIT, FRAME, MAGIC, VERSION, Frame, send_setup
@@ -69,7 +70,8 @@ class Inbound:
     def _handshake(self) -> Bytes:
         conn, links = self.conn, self.plane.config.links
         conn.settimeout(self.plane.admission.hello_timeout_s())
-        peer_id = check_hello(conn, self.plane.secret, MAGIC, VERSION, "shared-memory connection")
+        claim = check_hello(conn, self.plane.secret, MAGIC, VERSION, "shared-memory connection")
+        peer_id = self.plane.admission.bind(claim, self.plane.instance_id, self.plane.callbacks, "shm link")
         size = self.plane.config.shm_ring_bytes
         fd, ring = create_ring(size)
         try:
@@ -201,8 +203,8 @@ class Inbound:
         key = (tid, layer)
         with plane.lock:
             landing = plane.landing.get(key) if layer_off else self._start_layer(key, total)
-            if landing is not None and landing.cursor.pos != layer_off:
-                landing = None
+            if landing is not None and (landing.cursor.pos != layer_off or landing.peer_id != self.peer_id):
+                landing = None  # out of order, or another peer's layer (decision 126): dropped
             if landing is not None:
                 plane.writing[conn] = tid  # in the same critical section: cancel() sees it
         if landing is None:  # only then are failures queued: none is reported while ``writing`` is set
@@ -228,12 +230,15 @@ class Inbound:
         """A DONE frame: the sender wrote the layer into its granted shared destination."""
         plane, key = self.plane, (tid, layer)
         with plane.lock:
-            posted = plane.posted.pop(key, None)
+            foreign = posted_for_another(plane.posted, key, self.peer_id)
+            posted = None if foreign else plane.posted.pop(key, None)
             done = posted is not None and posted[0] == self.peer_id and posted[1].num_bytes == total
             if done:
                 plane.landed_locked(tid, layer)
+            elif foreign:  # another peer's transfer: left posted (decision 126)
+                self._not_its_sender(tid, layer)
             elif posted is not None:
-                reason = f"mismatch: layer {layer} of {total} bytes from an unexpected sender/size"
+                reason = f"mismatch: layer {layer} of {total} bytes, not the size posted"
                 self._later.append((tid, reason))
             elif tid not in plane.cancelled:
                 self._later.append(("", f"unsolicited shared-memory layer {tid!r} {layer} ({total} B)"))
@@ -243,11 +248,14 @@ class Inbound:
     def _start_layer(self, key: tuple[str, int], total: int) -> Landing | None:
         """First chunk of a layer (caller holds the lock): match it to its posted receive."""
         plane = self.plane
-        posted = plane.posted.pop(key, None)
+        foreign = posted_for_another(plane.posted, key, self.peer_id)
+        posted = None if foreign else plane.posted.pop(key, None)
         if posted is None or posted[0] != self.peer_id or posted[1].num_bytes != total:
-            if posted is not None:
+            if foreign:  # another peer's transfer: left posted (decision 126)
+                self._not_its_sender(*key)
+            elif posted is not None:
                 self._later.append(
-                    (key[0], f"mismatch: layer {key[1]} of {total} bytes from an unexpected sender/size")
+                    (key[0], f"mismatch: layer {key[1]} of {total} bytes, not the size posted")
                 )
             elif key[0] not in plane.cancelled:
                 self._later.append(
@@ -261,6 +269,9 @@ class Inbound:
             return None
         plane.landing[key] = landing
         return landing
+
+    def _not_its_sender(self, tid: str, layer: int) -> None:
+        self._later.append(("", f"shared-memory layer {tid!r} {layer} from {self.peer_id!r}, not its sender"))
 
     def _flush_later(self) -> None:
         later, self._later = self._later, []

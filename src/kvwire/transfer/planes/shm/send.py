@@ -91,7 +91,7 @@ class Outbound(OutboundLink):
     def _connect(self) -> socket.socket:
         links = self.plane.config.links
         sock = self._dial_unix(links.handshake_timeout_s)
-        prove_hello(sock, self.plane.secret, self.plane.instance_id, MAGIC, VERSION)
+        prove_hello(sock, self.plane.secret, self.plane.instance_id, self.peer.instance_id, MAGIC, VERSION)
         (ring_fd, ring_bytes), (table_fd, table_bytes), regions = recv_setup(sock)
         try:
             self._ring = map_ring(ring_fd, ring_bytes)

@@ -7,7 +7,7 @@ import socket
 import struct
 
 MAGIC = b"KVWS"
-VERSION = 2
+VERSION = 3  # 3: the hello names both epochs (decision 126)
 # receiver -> sender after the hello, with descriptors (SCM_RIGHTS) [ring, grant table, regions...]:
 # ring bytes, grant-table bytes, number of shared regions; then per region: region id, bytes
 SETUP = struct.Struct("!QQH")

@@ -8,12 +8,17 @@ posted destination buffer: no intermediate copy on either side.
 Connection (sender connects to the receiver's ``address``)::
 
     receiver -> sender   nonce (16 random bytes)
-    sender -> receiver   "KVWD" version:u8 id_len:u16 instance_id hmac_sha256(secret, nonce+id)
+    sender -> receiver   "KVWD" version:u8 src_len:u16 dst_len:u16 src_epoch dst_epoch
+                         hmac_sha256(secret, nonce + all of the above)
     sender -> receiver   frames: layer:u32 num_bytes:u64 tid_len:u16 transfer_id payload...
                          (layer 0xFFFFFFFF, no payload, no id: the sender's heartbeat)
     receiver -> sender   one byte: the receiver's heartbeat
 
 The MAC is 32 zero bytes when no secret is configured; with a secret, a bad MAC closes the connection.
+``src_epoch`` is the sender's instance id, ``dst_epoch`` the one its control plane knows for the
+receiver: the receiver takes the link only when the first is an epoch its own control plane holds now
+and the second is its own (decision 126), so only the peer epochs the control plane authenticated hold
+links, and frames match only receives posted for that epoch.
 Every frame names its transfer and layer, so frames of many transfers interleave in any order
 (``ordered = False``). Threads: one acceptor (supervised); per inbound connection a reader
 (:mod:`~kvwire.transfer.planes.tcp.recv`) and a supervised reporter (runs the sinks); one writer per

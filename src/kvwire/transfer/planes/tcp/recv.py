@@ -23,6 +23,7 @@ import torch
 from kvwire.errors import ProtocolError
 from kvwire.supervision import SupervisedThread
 from kvwire.transfer.planes.admission import shutdown
+from kvwire.transfer.planes.base import posted_for_another
 from kvwire.transfer.planes.liveness import Heartbeat, count_cut, tcp_keepalive
 from kvwire.transfer.planes.tcp.wire import (
     DISCARD_CHUNK,
@@ -59,7 +60,9 @@ class TcpInbound:
         conn.settimeout(self.plane.admission.hello_timeout_s())
         tune(conn, config.socket_buffer_bytes)
         tcp_keepalive(conn, config.links)
-        self.peer_id = check_hello(conn, self.plane.secret, MAGIC, VERSION, "data connection")
+        plane = self.plane
+        claim = check_hello(conn, plane.secret, MAGIC, VERSION, "data connection")
+        self.peer_id = plane.admission.bind(claim, plane.instance_id, plane.callbacks, "data link")
         self.plane.admission.authenticated(conn)
         conn.settimeout(config.links.keepalive_s)  # reads wake to heartbeat; writes (pings) are tiny
 
@@ -130,14 +133,18 @@ class TcpInbound:
             return None
         tid = recv_bytes(conn, tid_len, beat).decode(errors="replace")
         with plane.lock:
-            posted = plane.posted.pop((tid, layer), None)
+            foreign = posted_for_another(plane.posted, (tid, layer), self.peer_id)
+            posted = None if foreign else plane.posted.pop((tid, layer), None)
             valid = posted is not None and posted[0] == self.peer_id and posted[1].num_bytes == num_bytes
             if valid and posted is not None and posted[1].dest_spans is not None:
                 plane.writing[conn] = tid  # in the same critical section: cancel() sees it
         if not valid or posted is None:
             if posted is not None:
-                plane.callbacks.on_transfer_failed(
-                    tid, f"mismatch: layer {layer} frame of {num_bytes} bytes from an unexpected sender/size"
+                reason = f"mismatch: layer {layer} frame of {num_bytes} bytes, not the size posted"
+                plane.callbacks.on_transfer_failed(tid, reason)
+            elif foreign:  # another peer's transfer: discarded, that peer's receive left posted
+                plane.callbacks.on_protocol_error(
+                    f"frame for {tid!r} layer {layer} from {self.peer_id!r}, which is not its sender"
                 )
             elif not plane.is_cancelled(tid):
                 reason = f"unsolicited frame for {tid!r} layer {layer} ({num_bytes} B)"

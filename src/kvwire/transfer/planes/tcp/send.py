@@ -52,7 +52,7 @@ class TcpOutbound(OutboundLink):
         self.sock = sock
         tune(sock, self.plane.config.socket_buffer_bytes)
         tcp_keepalive(sock, links)
-        prove_hello(sock, self.plane.secret, self.plane.instance_id, MAGIC, VERSION)
+        prove_hello(sock, self.plane.secret, self.plane.instance_id, self.peer.instance_id, MAGIC, VERSION)
         sock.settimeout(links.link_timeout_s)  # every write's deadline from here on
         return sock
 

@@ -7,6 +7,7 @@ import hmac
 import os
 import socket
 import struct
+from typing import Protocol
 
 import torch
 
@@ -14,10 +15,11 @@ from kvwire.errors import AuthenticationError, ProtocolError
 from kvwire.transfer.planes.liveness import Heartbeat
 
 MAGIC = b"KVWD"
-VERSION = 2  # 2: heartbeats both ways (PING_FRAME, RECEIVER_PING)
+VERSION = 3  # 2: heartbeats both ways (PING_FRAME, RECEIVER_PING); 3: the hello names both epochs
 NONCE_BYTES = 16
 MAC_BYTES = 32
-HELLO = struct.Struct("!4sBH")  # magic, version, instance-id length
+MAX_ID_BYTES = 512
+HELLO = struct.Struct("!4sBHH")  # magic, version, sender-epoch length, receiver-epoch length
 FRAME = struct.Struct("!IQH")  # layer index, payload bytes, transfer-id length
 POLL_S = 0.2  # how often idle threads check for close / a dead peer
 DISCARD_CHUNK = 1 << 20
@@ -29,35 +31,72 @@ PING_FRAME = FRAME.pack(PING_LAYER, 0, 0)
 RECEIVER_PING = b"\x00"  # receiver -> sender after the hello: any byte is a heartbeat
 
 
-def hello_mac(secret: bytes | None, nonce: bytes, instance_id: bytes) -> bytes:
+class LinkRefused(ProtocolError):
+    """A data link's hello proved the secret but names an epoch this side's control plane does not
+    know now (a restarted or forged process), or an earlier epoch of this side (decision 126)."""
+
+
+class PeerEpochs(Protocol):
+    """What a hello is checked against: the agent's control plane (``PlaneCallbacks``)."""
+
+    def peer_endpoint(self, peer_instance_id: str) -> str | None: ...
+
+
+def hello_mac(secret: bytes | None, nonce: bytes, header: bytes, ids: bytes) -> bytes:
     if secret is None:
         return bytes(MAC_BYTES)
-    return hmac.new(secret, nonce + instance_id, hashlib.sha256).digest()
+    return hmac.new(secret, nonce + header + ids, hashlib.sha256).digest()
 
 
 def prove_hello(
-    sock: socket.socket, secret: bytes | None, instance_id: str, magic: bytes, version: int
+    sock: socket.socket, secret: bytes | None, instance_id: str, peer_id: str, magic: bytes, version: int
 ) -> None:
     """Dialling side of a data link's handshake: answer the acceptor's nonce with our hello (magic,
-    version, instance id) and its MAC under the shared secret."""
+    version, our epoch ``instance_id``, the epoch ``peer_id`` our control plane knows for the
+    acceptor) and its MAC under the shared secret, over all of it."""
     nonce = recv_bytes(sock, NONCE_BYTES)
-    me = instance_id.encode()
-    sock.sendall(HELLO.pack(magic, version, len(me)) + me + hello_mac(secret, nonce, me))
+    me, you = instance_id.encode(), peer_id.encode()
+    header = HELLO.pack(magic, version, len(me), len(you))
+    sock.sendall(header + me + you + hello_mac(secret, nonce, header, me + you))
 
 
-def check_hello(conn: socket.socket, secret: bytes | None, magic: bytes, version: int, what: str) -> str:
-    """Accepting side: send a nonce, read the peer's hello, check it and its MAC; the peer's instance
-    id. ``what`` names the link in errors (ProtocolError: not our protocol or version;
-    AuthenticationError: the shared secret was not proven)."""
+def check_hello(
+    conn: socket.socket, secret: bytes | None, magic: bytes, version: int, what: str
+) -> tuple[str, str]:
+    """Accepting side: send a nonce, read the peer's hello, check it and its MAC; the epochs it
+    names (the peer's, and the one it believes this side has). ``what`` names the link in errors
+    (ProtocolError: not our protocol or version; AuthenticationError: the shared secret was not
+    proven). :func:`bind_hello` then checks the epochs against the control plane."""
     nonce = os.urandom(NONCE_BYTES)
     conn.sendall(nonce)
-    got_magic, got_version, id_len = HELLO.unpack(recv_bytes(conn, HELLO.size))
-    if got_magic != magic or got_version != version or not 0 < id_len <= 512:
-        raise ProtocolError(f"bad {what} hello (magic {got_magic!r}, version {got_version})")
-    peer_id = recv_bytes(conn, id_len)
-    if not hmac.compare_digest(recv_bytes(conn, MAC_BYTES), hello_mac(secret, nonce, peer_id)):
+    header = recv_bytes(conn, HELLO.size)
+    got_magic, got_version, src_len, dst_len = HELLO.unpack(header)
+    if got_magic != magic or got_version != version:
+        raise ProtocolError(f"bad {what} hello (magic {got_magic!r}, version {got_version}; want {version})")
+    if not (0 < src_len <= MAX_ID_BYTES and 0 < dst_len <= MAX_ID_BYTES):
+        raise ProtocolError(f"bad {what} hello (epochs of {src_len} and {dst_len} bytes)")
+    ids = recv_bytes(conn, src_len + dst_len)
+    if not hmac.compare_digest(recv_bytes(conn, MAC_BYTES), hello_mac(secret, nonce, header, ids)):
         raise AuthenticationError(f"{what} could not prove the shared secret")
-    return peer_id.decode(errors="replace")
+    return ids[:src_len].decode(errors="replace"), ids[src_len:].decode(errors="replace")
+
+
+def bind_hello(claim: tuple[str, str], instance_id: str, control: PeerEpochs, what: str) -> str:
+    """The peer epoch of an authenticated hello, once bound to the control plane: it must name this
+    process's epoch ``instance_id`` and an epoch the control plane authenticated and still holds
+    for its endpoint; LinkRefused otherwise (decision 126)."""
+    peer_id, mine = claim
+    if mine != instance_id:
+        raise LinkRefused(
+            f"{what} from {peer_id!r} was meant for epoch {mine!r}, this process is {instance_id!r}"
+            " (a sender that knew an earlier process here)"
+        )
+    if control.peer_endpoint(peer_id) is None:
+        raise LinkRefused(
+            f"{what} claims epoch {peer_id!r}, which the control plane does not know now"
+            " (a restarted, forgotten or forged process)"
+        )
+    return peer_id
 
 
 def recv_exact(sock: socket.socket, view: memoryview, beat: Heartbeat | None = None) -> None:
