@@ -85,16 +85,6 @@ class Proc:
             self.shm_left |= left
             leaks.remove(left)
 
-    def engine_pids(self) -> list[int]:
-        """vLLM's engine-core and worker processes of the group (not the API server, not Python's
-        resource tracker): the processes that run the plugin."""
-        pids = []
-        for pid in leaks.group_pids(self.popen.pid):
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/comm", encoding="ascii") as comm:
-                if comm.read().startswith("VLLM::"):
-                    pids.append(pid)
-        return pids
-
     def _signal_group(self, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, sig)
