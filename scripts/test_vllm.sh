@@ -3,7 +3,8 @@
 # Sets up .venv-vllm (scripts/setup_vllm.sh), builds a tiny random Llama locally, starts a kvwire
 # router, a prefill and a decode vLLM instance with KvwireConnector and a plain vLLM reference, and
 # checks P/D output == plain output (push and pull), a prefill-killed case, a delayed-prefill case
-# (P held past a fixed deadline while it renews the lease; D on vLLM's default policy, fail), then a
+# (P held past a fixed deadline while it renews the lease; D on vLLM's default policy, fail), a slow P
+# (its processes stopped 80 % of the time, a 1 s lease, 40 requests: none recomputed), then a
 # prefill instance with TP 2 feeding a TP 1 instance (heterogeneous TP), and vLLM's own benchmark
 # client against a kvwire 1P1D cluster (no failed request, no warning). Logs of every process land
 # in build/vllm-tier-logs/. Budget: <= 15 min on a 2-core machine, install included (measured

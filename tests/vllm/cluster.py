@@ -255,13 +255,15 @@ class Cluster:
     def router_url(self) -> str:
         return f"http://127.0.0.1:{self.router_port}"
 
-    def start_router(self, mode: str, policy: str | None = TRANSFER_POLICY) -> None:
+    def start_router(
+        self, mode: str, policy: str | None = TRANSFER_POLICY, kv_deadline_s: float = KV_DEADLINE_S
+    ) -> None:
         """(Re)start the router; ``policy`` None: the router's default."""
         old = self.procs.pop("router", None)
         if old is not None:
             old.stop()
         self.procs["router"] = start_router(
-            self.router_port, self.discovery_port, mode, self.log_dir, KV_DEADLINE_S, policy
+            self.router_port, self.discovery_port, mode, self.log_dir, kv_deadline_s, policy
         )
         wait_until(
             lambda: self.registered() == {"prefill", "decode"}, 60, [self.procs["router"]], "registration"

@@ -8,9 +8,12 @@ counter shows exactly one locally computed prompt token per request (vLLM recomp
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
 import signal
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -210,6 +213,92 @@ def test_delayed_prefill_keeps_the_lease_under_the_fail_policy(
         time.sleep(0.5)
     assert computed == 1, f"D computed {computed} prompt tokens; the KV should have come from P"
     assert kv_blocks_released(cluster.p_port, 15) and kv_blocks_released(cluster.both_port, 15)
+
+
+class DutyCycle:
+    """Stops and continues processes (SIGSTOP, SIGCONT) until :meth:`stop`, which leaves them
+    running: they run ``run_s`` of every ``period_s``."""
+
+    def __init__(self, pids: list[int], run_s: float, period_s: float) -> None:
+        self._pids, self._run_s, self._period_s = pids, run_s, period_s
+        self._stop = threading.Event()
+        self.cycles = 0
+        self._thread = threading.Thread(target=self._run, name="duty-cycle", daemon=True)
+        self._thread.start()
+
+    def _signal(self, sig: signal.Signals) -> None:
+        for pid in self._pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self._run_s):
+                self._signal(signal.SIGSTOP)
+                self._stop.wait(self._period_s - self._run_s)
+                self._signal(signal.SIGCONT)
+                self.cycles += 1
+        finally:
+            self._signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def answer_or_error(base_url: str, prompt: list[int]) -> dict[str, Any] | str:
+    """The completion, or what went wrong (an HTTP error, a short answer) as a string."""
+    try:
+        answer = complete(base_url, prompt, timeout_s=300)
+    except (OSError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    ids = answer["choices"][0].get("token_ids") or []
+    return answer if len(ids) == MAX_TOKENS else f"{len(ids)} tokens"
+
+
+SLOW_REQUESTS, SLOW_CONCURRENCY = 40, 20
+SLOW_LEASE_S = 1.0
+# P runs 20 % of the time, stopped 0.4 s at a time (decision 123: 10 % is not met yet); the
+# figures of other duty cycles come from the same test with these variables set.
+SLOW_RUN_S = float(os.environ.get("KVWIRE_TIER_SLOW_RUN_S", "0.1"))
+SLOW_PERIOD_S = float(os.environ.get("KVWIRE_TIER_SLOW_PERIOD_S", "0.5"))
+
+
+def test_slow_prefill_keeps_pd_with_a_one_second_lease(cluster: Cluster) -> None:
+    """Issue 34 part 5 / decision 123 on vLLM: the router's --kv-deadline-s is 1 s and P's whole
+    process group (API server, engine core, worker) is stopped and continued in a duty cycle while
+    40 requests go through the router, 20 at a time. Every request completes and none was
+    recomputed on D: D computed one prompt token per request (the last), so every KV came from P."""
+    cluster.start_router("push", kv_deadline_s=SLOW_LEASE_S)
+    rng = random.Random(34)  # prompts neither P nor D saw: no prefix-cache hit stands in for the KV
+    batch = [[rng.randrange(3, 512) for _ in range(40 + i)] for i in range(SLOW_REQUESTS)]
+    before = local_compute(cluster)
+    group = leaks.group_pids(cluster.procs["p"].popen.pid)
+    assert len(group) >= 3, f"P's API server, engine core and worker: {group}"
+    duty = DutyCycle(group, SLOW_RUN_S, SLOW_PERIOD_S)
+    answers: list[dict[str, Any] | str] = []
+    try:
+        with ThreadPoolExecutor(max_workers=SLOW_CONCURRENCY) as pool:
+            for start in range(0, SLOW_REQUESTS, SLOW_CONCURRENCY):
+                answers += pool.map(lambda p: answer_or_error(cluster.router_url(), p),
+                                    batch[start:start + SLOW_CONCURRENCY])
+    finally:
+        duty.stop()
+        cluster.start_router("push")
+    failed = [a for a in answers if isinstance(a, str)]
+    print(f"duty cycles {duty.cycles}; failed {len(failed)} of {SLOW_REQUESTS}: {failed[:3]}")
+    assert duty.cycles > 0
+    assert failed == []
+    deadline = time.monotonic() + 30
+    computed = 0.0
+    while time.monotonic() < deadline:
+        computed = local_compute(cluster) - before
+        if computed >= SLOW_REQUESTS:
+            break
+        time.sleep(0.5)
+    print(f"duty cycles {duty.cycles}; D computed {computed:.0f} prompt tokens for {SLOW_REQUESTS} requests")
+    assert computed == SLOW_REQUESTS, f"D computed {computed} prompt tokens: some KV was recomputed"
+    assert kv_blocks_released(cluster.p_port, KV_DEADLINE_S + 15), "P kept KV blocks"
 
 
 def test_prefill_killed_mid_handover(cluster: Cluster, reference: dict[int, Any]) -> None:
