@@ -158,7 +158,7 @@ def test_open_instances_endpoint_hides_addresses_without_a_key() -> None:
         wait_for(lambda: "d0" in _instances(router.url), 30.0, "registered", interval_s=0.1)
         for key in (None, "sk-wrong-key-0000"):
             status, entries = call(f"{router.url}/instances", key=key)
-            assert status == 200 and entries[0]["id"] == "d0" and entries[0]["alive"]
+            assert status == 200 and entries[0]["id"] == "d0"
             assert (entries[0]["url"], entries[0]["kv_endpoints"]) == (None, [])
             assert entries[0]["load"]["kv_transports"] == {}
         full = _instances(router.url)["d0"]

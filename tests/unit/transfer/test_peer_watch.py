@@ -19,8 +19,9 @@ def test_a_send_to_a_dead_endpoint_fails_before_its_lease() -> None:
     with TransferAgent(TransferConfig()) as a:
         start = time.monotonic()
         _send(a, "s", gone, _layers(), deadline_s=LEASE_S)
-        reason = poll_until(a, lambda ev: "s" in ev["failed"], timeout_s=5.0)["failed"]["s"]
-        assert reason == f"peer_lost: {gone} refuses connections" and time.monotonic() - start < 5.0
+        # Well inside the 30 s lease even on a loaded box: a failure this early came from the watch.
+        reason = poll_until(a, lambda ev: "s" in ev["failed"], timeout_s=20.0)["failed"]["s"]
+        assert reason == f"peer_lost: {gone} refuses connections" and time.monotonic() - start < LEASE_S
 
 
 def test_a_peer_that_closes_mid_transfer_fails_the_pull_and_a_live_one_still_serves() -> None:
@@ -33,7 +34,7 @@ def test_a_peer_that_closes_mid_transfer_fails_the_pull_and_a_live_one_still_ser
         p_endpoint = p.endpoint
         d.expect("warm", num_layers=3, pull_from=p_endpoint, deadline_s=LEASE_S)  # connects to P
         p.close()
-        reason = poll_until(d, lambda ev: "warm" in ev["failed"], timeout_s=5.0)["failed"]["warm"]
+        reason = poll_until(d, lambda ev: "warm" in ev["failed"], timeout_s=20.0)["failed"]["warm"]
         assert reason == f"peer_lost: {p_endpoint} refuses connections", reason
         layers = _layers()
         _send(live, "ok", None, layers, deadline_s=LEASE_S)
