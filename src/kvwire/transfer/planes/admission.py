@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from kvwire.refusal_log import RefusalLog
 from kvwire.supervision import HealthBoard, guarded
 from kvwire.transfer.planes.link_config import DataLinkConfig
 from kvwire.transfer.planes.liveness import LINK_TIMEOUT
@@ -57,27 +58,6 @@ LINK_REFUSED = "data_link_refused"  # an authenticated hello of an epoch the con
 LIMITS = (LISTENER_FULL, PEER_FULL, HANDSHAKE_TIMEOUT, FD_EXHAUSTED, NO_THREAD, LINK_REFUSED)
 
 
-class RateLimitedLog:
-    """A warning per kind at most once per ``every_s``, with the number of repeats it stood for."""
-
-    def __init__(self, every_s: float = LOG_EVERY_S) -> None:
-        self._every_s = every_s
-        self._lock = threading.Lock()
-        self._next: dict[str, float] = {}
-        self._quiet: collections.Counter[str] = collections.Counter()
-
-    def warning(self, kind: str, message: str, *args: object) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now < self._next.get(kind, 0.0):
-                self._quiet[kind] += 1
-                return
-            self._next[kind] = now + self._every_s
-            repeats = self._quiet.pop(kind, 0)
-        suffix = f" (and {repeats} more like it in the last {self._every_s:.0f} s)" if repeats else ""
-        log.warning(message + suffix, *args)
-
-
 @dataclasses.dataclass
 class _Slot:
     peer: str
@@ -94,7 +74,7 @@ class Admission:
         self._lock = threading.Lock()
         self._slots: dict[socket.socket, _Slot] = {}
         self._per_peer: collections.Counter[str] = collections.Counter()
-        self.log = RateLimitedLog()
+        self.log = RefusalLog(log, f"{what} data connection", interval_s=LOG_EVERY_S)
         for limit in (*LIMITS, LINK_TIMEOUT):  # exported at 0 before the first hit: alerts can name them
             board.limit_hit(limit, 0)
 
@@ -111,8 +91,7 @@ class Admission:
                 self._per_peer[peer] += 1
                 return True
         self.board.limit_hit(refused)
-        self.log.warning(refused, "%s data listener refused a connection: it holds %s already",
-                         self.what, cap)
+        self.log.refused(refused, f"the {self.what} data listener holds {cap} already")
         return False
 
     def bind(self, claim: tuple[str, str], instance_id: str, control: PeerEpochs, what: str) -> str:
@@ -145,8 +124,7 @@ class Admission:
         """``conn`` was taken on but its reader thread could not start: released, counted, logged."""
         self.release(conn)
         self.board.limit_hit(NO_THREAD)
-        self.log.warning(NO_THREAD, "%s data listener closed a connection: no reader thread (%s)",
-                         self.what, error)
+        self.log.refused(NO_THREAD, f"no reader thread ({error})")
 
     def overdue(self) -> list[socket.socket]:
         """Connections past their handshake deadline (each returned once; counted)."""
@@ -157,9 +135,8 @@ class Admission:
                 slot.deadline = None
         if late:
             self.board.limit_hit(HANDSHAKE_TIMEOUT, len(late))
-            self.log.warning(HANDSHAKE_TIMEOUT, "%s data listener closed %d connection(s) that did not "
-                             "finish the hello within %.1f s", self.what, len(late),
-                             self.limits.handshake_timeout_s)
+            self.log.refused(HANDSHAKE_TIMEOUT, f"{len(late)} connection(s) did not finish the hello "
+                             f"within {self.limits.handshake_timeout_s:.1f} s")
         return [c for c, _ in late]
 
     def hello_timeout_s(self) -> float:
@@ -220,8 +197,7 @@ def accept_loop(
                 raise
             backoff_s = min(max(2 * backoff_s, 0.05), ACCEPT_BACKOFF_MAX_S)
             admission.board.limit_hit(FD_EXHAUSTED)
-            admission.log.warning(FD_EXHAUSTED, "%s data listener cannot accept (%s): backing off %.2f s",
-                                  admission.what, exc, backoff_s)
+            admission.log.refused(FD_EXHAUSTED, f"cannot accept ({exc}): backing off {backoff_s:.2f} s")
             closing.wait(backoff_s)
             continue
         backoff_s = 0.0
