@@ -180,3 +180,22 @@ def test_slow_bodies_get_408_and_stalled_heads_are_closed(cluster: Any) -> None:
     code, _ = post(router.url, "/v1/completions", {"prompt": "x", "max_tokens": 2})
     assert code == 200
     assert 'outcome="body_timeout"} 1.0' in _metrics(router)
+
+
+@pytest.mark.parametrize("cluster", [{"http_body_timeout_s": 0.5}], indirect=True)
+def test_tokenize_on_the_router_bounds_its_body_like_completions(cluster: Any) -> None:
+    """/tokenize and /detokenize are forwarded with the same bounds: a nested body is a 400 (was an
+    uncaught RecursionError), one that stops arriving a 408; the router keeps serving."""
+    router, mocks = cluster
+    _spawn(router, mocks, "m0")
+    wait_for(lambda: live_ids(router) == {"m0"}, 20, "m0 live")
+    nested = b'{"prompt": "x", "extra": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"
+    for path in ("/tokenize", "/detokenize"):
+        code, data = post(router.url, path, None, raw=nested)
+        assert code == 400 and b"too deeply" in data, (path, code, data[:200])
+        with socket.create_connection(("127.0.0.1", router.port), timeout=20) as conn:
+            conn.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                         b"\r\nContent-Length: 100\r\n\r\n" + b'{"prompt": ')
+            assert conn.recv(64).split(b"\r\n")[0].endswith(b" 408 Request Timeout")
+    code, _ = post(router.url, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert code == 200

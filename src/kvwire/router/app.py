@@ -82,7 +82,8 @@ class RouterServer:
         self.app.router.add_get("/metrics", self._metrics_handler)
         self.app.router.add_get("/instances", self._instances)
         # vLLM's /tokenize, /detokenize (forwarded to an instance) and /version (kvwire.router.vllm_api)
-        VllmApi(self.registry, lambda: self._upstream, self._instance_headers).add_routes(self.app)
+        VllmApi(self.registry, lambda: self._upstream, self._instance_headers,
+                self._read_body_or_error).add_routes(self.app)
         self._runner: web.AppRunner | None = None
         self._upstream: Upstream | None = None
         self._dispatcher: Dispatcher | None = None
@@ -188,6 +189,14 @@ class RouterServer:
             if outcome is Outcome.OK:
                 label = "true" if stream else "false"
                 self.metrics.e2e.labels(stream=label).observe(time.perf_counter() - t0)
+
+    async def _read_body_or_error(self, request: web.Request) -> bytes | web.Response:
+        """The body within ``--max-body-bytes`` and ``--http-body-timeout-s``, or its 413 / 408."""
+        try:
+            return await self._read_body(request)
+        except (_BodyTooLarge, _BodyTimeout) as exc:
+            status, _, type_ = _client_error(exc)
+            return error_response(status, str(exc), type_)
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.cfg.max_body_bytes

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 import msgspec
@@ -41,10 +41,12 @@ class VllmApi:
     def __init__(
         self, registry: Registry, upstream: Callable[[], Upstream | None],
         headers: Callable[[web.Request], dict[str, str]],
+        read_body: Callable[[web.Request], Awaitable[bytes | web.Response]],
     ) -> None:
         self._registry = registry
         self._upstream = upstream
         self._headers = headers  # the headers an instance gets for a client's request
+        self._read_body = read_body  # the router's: size and deadline bounded (413 / 408 responses)
         self._turn = itertools.count()
 
     def add_routes(self, app: web.Application) -> None:
@@ -63,11 +65,15 @@ class VllmApi:
         return web.json_response({"version": __version__})
 
     async def _forward(self, request: web.Request, path: str) -> web.StreamResponse:
-        body = await request.read()
+        body = await self._read_body(request)
+        if isinstance(body, web.Response):
+            return body
         try:
             decoded = msgspec.json.decode(body) if body.strip() else None
         except msgspec.DecodeError as exc:
             return error_response(400, f"request body is not valid JSON: {exc}", "BadRequestError")
+        except RecursionError:  # msgspec's nesting guard
+            return error_response(400, "request body nests JSON arrays/objects too deeply", "BadRequestError")
         if not isinstance(decoded, dict):
             return error_response(400, "request body must be a JSON object", "BadRequestError")
         model = decoded.get("model") if isinstance(decoded.get("model"), str) else None

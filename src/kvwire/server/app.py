@@ -82,8 +82,7 @@ class ServerApp:
         app.router.add_post("/v1/completions", self._generation.completions)
         app.router.add_post("/v1/chat/completions", self._generation.chat)
         # vLLM's /tokenize, /detokenize, /version (kvwire.server.tokenize)
-        TokenizeHandlers(self._generation.tokenizer, self._model_name, self._max_model_len,
-                         self._generation.vocab_size).add_routes(app)
+        TokenizeHandlers(self._generation, self._model_name, self._max_model_len).add_routes(app)
         return app
 
     def _auth_refused(self, refusal: Refusal) -> None:

@@ -151,6 +151,15 @@ class GenerationHandler:
     def vocab_size(self) -> int | None:
         return self._vocab_size
 
+    async def read_body(self, request: web.Request) -> bytes:
+        """The request's body within ``--http-body-timeout-s`` (``asyncio.TimeoutError`` past it: 408)
+        and ``--max-request-bytes`` (aiohttp's ``HTTPRequestEntityTooLarge``: 413)."""
+        return await asyncio.wait_for(request.read(), self._body_timeout_s)
+
+    def body_timeout_response(self) -> web.Response:
+        return error_response(408, f"request body did not arrive within {self._body_timeout_s:g} s "
+                              "(--http-body-timeout-s)")
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, RequestKind.COMPLETION)
 
@@ -216,12 +225,10 @@ class GenerationHandler:
         response (413, 408, 400, 404, 403), counted."""
         endpoint = kind.value
         try:
-            body = await asyncio.wait_for(request.read(), self._body_timeout_s)
-            return self._prepare(body, kind)
+            return self._prepare(await self.read_body(request), kind)
         except asyncio.TimeoutError:
             self._count(endpoint, "body_timeout")
-            return error_response(408, f"request body did not arrive within {self._body_timeout_s:g} s "
-                                  "(--http-body-timeout-s)")
+            return self.body_timeout_response()
         except web.HTTPRequestEntityTooLarge as exc:
             self._count(endpoint, "too_large")
             return error_response(413, exc.text or "request body too large")

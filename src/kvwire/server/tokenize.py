@@ -10,13 +10,13 @@ Errors: 400 (bad body, ids outside the vocabulary), 404 (another model), in vLLM
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
 
 from aiohttp import web
 
 from kvwire import __version__
 from kvwire.errors import InvalidRequestError
-from kvwire.server.generate import json_response
+from kvwire.server.generate import GenerationHandler, json_response
 from kvwire.server.openai_protocol import (
     BadRequest,
     ChatMessage,
@@ -30,11 +30,12 @@ from kvwire.server.openai_protocol import (
 class TokenizeHandlers:
     """Built once per instance with its tokenizer; the handlers are aiohttp routes."""
 
-    def __init__(self, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int | None) -> None:
-        self._tokenizer = tokenizer
+    def __init__(self, generation: GenerationHandler, model_name: str, max_model_len: int) -> None:
+        self._generation = generation  # its tokenizer, vocabulary and body deadline
+        self._tokenizer = generation.tokenizer
         self._model_name = model_name
         self._max_model_len = max_model_len
-        self._vocab_size = vocab_size
+        self._vocab_size = generation.vocab_size
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/tokenize", self.tokenize)
@@ -43,13 +44,15 @@ class TokenizeHandlers:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         try:
-            req = parse_tokenize(await request.read())
+            req = parse_tokenize(await self._generation.read_body(request))
             self._check_model(req.model)
             if req.messages is not None:
                 ids = self._tokenizer.apply_chat_template(_flat(req.messages))
             else:
                 assert req.prompt is not None
                 ids = self._tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        except asyncio.TimeoutError:
+            return self._generation.body_timeout_response()
         except _NotFound as exc:
             return _error(404, str(exc), "NotFoundError", "model")
         except InvalidRequestError as exc:
@@ -60,8 +63,10 @@ class TokenizeHandlers:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         try:
-            req = parse_detokenize(await request.read(), self._vocab_size)
+            req = parse_detokenize(await self._generation.read_body(request), self._vocab_size)
             self._check_model(req.model)
+        except asyncio.TimeoutError:
+            return self._generation.body_timeout_response()
         except _NotFound as exc:
             return _error(404, str(exc), "NotFoundError", "model")
         except InvalidRequestError as exc:

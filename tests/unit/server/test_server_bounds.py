@@ -131,3 +131,20 @@ def test_http_deadline_flags() -> None:
     config = server_config_from_args(parser.parse_args(["--http-idle-timeout-s", "7",
                                                         "--http-body-timeout-s", "3"]))
     assert (config.http_idle_timeout_s, config.http_body_timeout_s) == (7.0, 3.0)
+
+
+def test_a_tokenize_body_that_stops_arriving_is_408(run_with_fake_server: Any) -> None:
+    """/tokenize and /detokenize read their bodies under the same --http-body-timeout-s."""
+
+    async def body(server: Any) -> None:
+        for path in (b"/tokenize", b"/detokenize"):
+            reader, writer = await asyncio.open_connection(server.client.server.host,
+                                                           server.client.server.port)
+            writer.write(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n" + b'{"prompt": ')
+            await writer.drain()
+            status_line = await asyncio.wait_for(reader.readline(), 30)
+            assert status_line.startswith(b"HTTP/1.1 408"), (path, status_line)
+            writer.close()
+
+    run_with_fake_server(body, body_timeout_s=0.5)
