@@ -89,3 +89,42 @@ def test_exposed_handover_percentiles_and_share_of_ttft(monkeypatch: pytest.Monk
     assert out["share_of_ttft_p50"] == pytest.approx(0.2)
     assert "p50 4.00 ms" in serve_transfers.describe_handover(out)
     assert serve_transfers.exposed_handover(["http://p"], [0.01]) == {"count": 0}
+
+
+def test_handover_to_step_and_a_mark_leave_out_the_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lists are oldest first: what a mark saw (the warm-up's transfers: first launches, first
+    allocations) is left out; ``exposed_to_step`` adds the wait for D's next engine step."""
+    answers = {"http://d": {"send": [], "recv": [[10, 9.0, None], [10, 1.0, None]],
+                            "exposed": [5.0, 0.002, 0.004], "exposed_to_step": [6.0, 0.010, 0.020]}}
+
+    def fake(url: str, timeout_s: float) -> dict:
+        return answers[url.removesuffix("/kvwire/transfers")]
+
+    monkeypatch.setattr(serve_transfers, "http_json", fake)
+    marked = {"http://d": {"send": 0, "recv": 1, "exposed": 1, "exposed_to_step": 1}}
+    out = serve_transfers.exposed_handover(["http://d"], [0.1], since=marked)
+    assert out["count"] == 2 and out["p99_s"] == 0.004  # 5.0 s was the warm-up's
+    assert out["to_step_p50_s"] == 0.020 and out["to_step_share_of_ttft_p50"] == pytest.approx(0.2)
+    assert "to D's next engine step p50 20.00 ms" in serve_transfers.describe_handover(out)
+    assert serve_transfers.collect(["http://d"], since=marked)["recv"] == [(10, 1.0, None)]
+    assert serve_transfers.mark(["http://d"]) == {"http://d": {"send": 0, "recv": 2, "exposed": 3,
+                                                               "exposed_to_step": 3}}
+    assert serve_transfers.exposed_handover(["http://d"], [0.1])["p99_s"] == 5.0  # no mark: all
+
+
+def test_warm_up_prompts_are_not_the_timed_ones_and_the_timed_ones_follow_the_seed() -> None:
+    """A warm-up that reused the first timed prompts made those requests prefix-cache hits."""
+    import argparse
+
+    from kvwire.bench.serve import make_load
+
+    def load(warmup: int) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+        args = argparse.Namespace(num_prompts=4, input_len=16, output_len=4, seed=3, request_rate=2.0,
+                                  arrival="poisson", model="tiny", max_concurrency=0, timeout_s=5.0,
+                                  warmup=warmup)
+        spec = make_load(args)
+        return spec.prompts, spec.warmup_prompts
+
+    timed, warm = load(2)
+    assert len(warm) == 2 and not set(warm) & set(timed)
+    assert load(0) == (timed, ())  # the warm-up count does not change the timed prompts

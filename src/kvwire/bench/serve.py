@@ -28,7 +28,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arrival", choices=["poisson", "fixed"], default="poisson")
     parser.add_argument("--max-concurrency", type=int, default=0, help="0 = unlimited")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup", type=int, default=2, help="requests sent (and not counted) first")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="requests sent (and not counted) first, with prompts of their own")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="per request")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
@@ -81,6 +82,9 @@ class LoadSpec:
     model: str
     max_concurrency: int
     timeout_s: float
+    # sent (and answered) before the clock starts; prompts of their own, so that no timed request is
+    # a prefix-cache hit on a warm-up's prompt
+    warmup_prompts: tuple[tuple[int, ...], ...] = ()
 
 
 def make_load(args: argparse.Namespace) -> LoadSpec:
@@ -96,8 +100,12 @@ def make_load(args: argparse.Namespace) -> LoadSpec:
         if math.isfinite(args.request_rate) and args.request_rate > 0:
             gap = 1.0 / args.request_rate
             now += rng.expovariate(args.request_rate) if args.arrival == "poisson" else gap
+    warm_rng = random.Random(f"warmup-{args.seed}")  # the timed prompts stay those of the seed
+    warmup = tuple(
+        tuple(warm_rng.randrange(1, 250) for _ in range(args.input_len)) for _ in range(max(args.warmup, 0))
+    )
     return LoadSpec(
-        prompts, tuple(offsets), args.output_len, args.model, args.max_concurrency, args.timeout_s
+        prompts, tuple(offsets), args.output_len, args.model, args.max_concurrency, args.timeout_s, warmup
     )
 
 
@@ -121,15 +129,18 @@ class _Progress:
 
 
 async def run_load(
-    url: str, load: LoadSpec, *, warmup: int = 0, progress: bool = True
+    url: str, load: LoadSpec, *, progress: bool = True, after_warmup: Callable[[], None] | None = None,
 ) -> tuple[list[RequestResult], float]:
-    """Send the load to ``url``; returns the results (in prompt order) and the wall time."""
+    """Send the load to ``url``; returns the results (in prompt order) and the wall time.
+    ``after_warmup`` runs once the warm-up requests have been answered, before the clock starts."""
     endpoint = f"{url}/v1/completions"
     limit = asyncio.Semaphore(load.max_concurrency or len(load.prompts))
     bar = _Progress(len(load.prompts), progress)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        for prompt in load.prompts[:warmup]:
+        for prompt in load.warmup_prompts:
             await post_completion(session, endpoint, _body(load, prompt), timeout_s=load.timeout_s)
+        if after_warmup is not None:
+            await asyncio.get_running_loop().run_in_executor(None, after_warmup)
         start = time.perf_counter()
 
         async def one(index: int) -> RequestResult:
@@ -237,17 +248,29 @@ def _bench_setup(name: str, args: argparse.Namespace, load: LoadSpec) -> dict[st
                        start_timeout_s=600.0)
     with open_log(name) as sink, LocalCluster(spec, sink=sink) as cluster:
         print(f"kvwire bench serve: {name} up at {cluster.router_url}", file=sys.stderr)
+        urls = [inst.url for inst in cluster.instances.values() if inst.url]
+        # the warm-up's transfers (first launches, first allocations) are not the load's
+        marks: dict[str, Any] = {}
+
+        def take_marks() -> None:
+            marks["transfers"] = serve_transfers.mark(urls)
+            marks["copies"] = serve_transfers.device_copies(urls)
+
         results, duration = asyncio.run(
-            run_load(cluster.router_url, load, warmup=args.warmup, progress=not args.no_progress)
+            run_load(cluster.router_url, load, progress=not args.no_progress,
+                     after_warmup=take_marks if num_p or num_d else None)
         )
         summary = summarize(name, results, duration)
         if num_p or num_d:  # in-serving transfer GB/s, and the ceiling on the same bytes (same run)
-            urls = [inst.url for inst in cluster.instances.values() if inst.url]
-            rows = serve_transfers.collect(urls)
+            since = marks.get("transfers")
+            copied = serve_transfers.device_copies(urls)
+            before = marks.get("copies", (0.0, 0.0))
+            rows = serve_transfers.collect(urls, since)
             summary["kv_transfers"] = serve_transfers.summarize(
-                rows, with_ceiling=args.device == "cpu", device_copy=serve_transfers.device_copies(urls)
+                rows, with_ceiling=args.device == "cpu",
+                device_copy=(copied[0] - before[0], copied[1] - before[1]),
             )
-            summary["handover"] = serve_transfers.exposed_handover(urls, summary["samples"]["ttft_s"])
+            summary["handover"] = serve_transfers.exposed_handover(urls, summary["samples"]["ttft_s"], since)
     return summary
 
 
@@ -272,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.url is not None:
             results, duration = asyncio.run(
-                run_load(args.url.rstrip("/"), load, warmup=args.warmup, progress=not args.no_progress)
+                run_load(args.url.rstrip("/"), load, progress=not args.no_progress)
             )
             summaries.append(summarize(args.url, results, duration))
         else:

@@ -25,15 +25,42 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvwire.cluster.local import http_json, http_text
 
 Row = tuple[int, float, "float | None"]  # bytes, seconds, busy seconds
+# Per instance URL, how many entries each list of its /kvwire/transfers held when the mark was taken
+# (the lists are oldest first): what came after is the timed load's, the warm-up's before it.
+Mark = dict[str, dict[str, int]]
 
 
-def collect(urls: Iterable[str]) -> dict[str, list[Row]]:
-    """Every instance's completed transfers, per side (instances that cannot answer are skipped)."""
+def mark(urls: Iterable[str]) -> Mark:
+    """The instances' transfer lists as they stand (taken after the warm-up requests)."""
+    out: Mark = {}
+    for url in urls:
+        snapshot = _snapshot(url, None)
+        if snapshot is not None:
+            out[url] = {key: len(value) for key, value in snapshot.items() if isinstance(value, list)}
+    return out
+
+
+def _snapshot(url: str, since: Mark | None) -> dict[str, Any] | None:
+    """An instance's /kvwire/transfers, each list without the entries that were there at ``since``
+    (None when the instance cannot answer)."""
+    try:
+        snapshot = http_json(f"{url.rstrip('/')}/kvwire/transfers", timeout_s=5.0)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(snapshot, dict):
+        return None
+    skip = (since or {}).get(url, {})
+    return {key: value[skip.get(key, 0):] if isinstance(value, list) else value
+            for key, value in snapshot.items()}
+
+
+def collect(urls: Iterable[str], since: Mark | None = None) -> dict[str, list[Row]]:
+    """Every instance's completed transfers (after ``since``), per side (instances that cannot answer
+    are skipped)."""
     rows: dict[str, list[Row]] = {"send": [], "recv": []}
     for url in urls:
-        try:
-            snapshot = http_json(f"{url.rstrip('/')}/kvwire/transfers", timeout_s=5.0)
-        except (OSError, ValueError):
+        snapshot = _snapshot(url, since)
+        if snapshot is None:
             continue
         for side in rows:
             for entry in snapshot.get(side, []):
@@ -43,24 +70,33 @@ def collect(urls: Iterable[str]) -> dict[str, list[Row]]:
     return rows
 
 
-def exposed_handover(urls: Iterable[str], ttft_s: Sequence[float]) -> dict[str, Any]:
+def exposed_handover(
+    urls: Iterable[str], ttft_s: Sequence[float], since: Mark | None = None
+) -> dict[str, Any]:
     """The exposed handover per request — P's forward end (its last KV layer handed over) -> D holds
-    every layer — from the decode instances' ``/kvwire/transfers`` (``exposed``, one per transfer,
-    both clocks on one host), p50/p99 in seconds and as a share of the run's TTFT p50/p99 (the
-    percentiles are of separate samples: requests are not joined one by one)."""
-    exposed: list[float] = []
+    every layer — from the decode instances' ``/kvwire/transfers`` (``exposed``, one per transfer
+    after ``since``, both clocks on one host), p50/p99 in seconds and as a share of the run's TTFT
+    p50/p99 (the percentiles are of separate samples: requests are not joined one by one). The same
+    for ``exposed_to_step`` (``to_step_*``): up to D's engine step that picks the transfer up, which
+    adds the wait for D's next step boundary."""
+    found: dict[str, list[float]] = {"exposed": [], "exposed_to_step": []}
     for url in urls:
-        try:
-            snapshot = http_json(f"{url.rstrip('/')}/kvwire/transfers", timeout_s=5.0)
-        except (OSError, ValueError):
+        snapshot = _snapshot(url, since)
+        if snapshot is None:
             continue
-        exposed += [float(v) for v in snapshot.get("exposed", []) if isinstance(v, (int, float))]
+        for key, values in found.items():
+            values += [float(v) for v in snapshot.get(key, []) if isinstance(v, (int, float))]
+    exposed = found["exposed"]
     if not exposed:
         return {"count": 0}
-    out: dict[str, Any] = {"count": len(exposed), "p50_s": _pct(exposed, 0.5), "p99_s": _pct(exposed, 0.99)}
-    if ttft_s:
-        out["share_of_ttft_p50"] = out["p50_s"] / _pct(ttft_s, 0.5)
-        out["share_of_ttft_p99"] = out["p99_s"] / _pct(ttft_s, 0.99)
+    out: dict[str, Any] = {"count": len(exposed)}
+    for prefix, values in (("", exposed), ("to_step_", found["exposed_to_step"])):
+        if not values:
+            continue
+        out[f"{prefix}p50_s"], out[f"{prefix}p99_s"] = _pct(values, 0.5), _pct(values, 0.99)
+        if ttft_s:
+            out[f"{prefix}share_of_ttft_p50"] = out[f"{prefix}p50_s"] / _pct(ttft_s, 0.5)
+            out[f"{prefix}share_of_ttft_p99"] = out[f"{prefix}p99_s"] / _pct(ttft_s, 0.99)
     return out
 
 
@@ -73,6 +109,9 @@ def describe_handover(summary: dict[str, Any]) -> str:
     if "share_of_ttft_p50" in summary:
         text += (f"; of TTFT p50 {summary['share_of_ttft_p50'] * 100:.1f} %, "
                  f"p99 {summary['share_of_ttft_p99'] * 100:.1f} %")
+    if "to_step_p50_s" in summary:
+        text += (f"; to D's next engine step p50 {summary['to_step_p50_s'] * 1e3:.2f} ms, "
+                 f"p99 {summary['to_step_p99_s'] * 1e3:.2f} ms")
     return text
 
 

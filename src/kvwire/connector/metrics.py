@@ -44,7 +44,9 @@ class ConnectorMetrics:
         self.send_bytes = self.transfer_bytes.labels(side="send")
         self.recv_bytes = self.transfer_bytes.labels(side="recv")
         self.handover_seconds = Histogram(
-            "kvwire_pd_handover_seconds", "P/D handover time by phase (p_prefill, transfer, d_wait)",
+            "kvwire_pd_handover_seconds",
+            "P/D handover time by phase (p_prefill, transfer, d_wait; on D, exposed: P's last layer "
+            "handed over -> D holds every layer, exposed_to_step: -> D's engine step has it)",
             ["phase"], buckets=_HANDOVER_BUCKETS_S, registry=registry,
         )
         # One observation per completed transfer and side (TransferTiming: sender from its first
@@ -118,12 +120,15 @@ class RecentTransfers:
         self._rows: dict[str, collections.deque[tuple[int, float, float | None]]] = {
             side: collections.deque(maxlen=capacity) for side in ("send", "recv")
         }
-        # D: per transfer, P's last layer handed over (its forward's end) -> D holds every layer
+        # D: per transfer, P's last layer handed over (its forward's end) -> D holds every layer,
+        # and -> D's engine step has the transfer (the wait for D's next step boundary added)
         self._exposed: collections.deque[float] = collections.deque(maxlen=capacity)
+        self._exposed_to_step: collections.deque[float] = collections.deque(maxlen=capacity)
 
-    def add_exposed(self, seconds: float) -> None:
+    def add_exposed(self, seconds: float, to_step_s: float) -> None:
         with self._lock:
             self._exposed.append(seconds)
+            self._exposed_to_step.append(to_step_s)
 
     def add(self, side: str, timing: TransferTiming) -> None:
         with self._lock:
@@ -135,6 +140,7 @@ class RecentTransfers:
         with self._lock:
             out: dict[str, list[Any]] = {side: list(rows) for side, rows in self._rows.items()}
             out["exposed"] = list(self._exposed)
+            out["exposed_to_step"] = list(self._exposed_to_step)
             return out
 
 

@@ -471,10 +471,14 @@ class KvwireWorkerConnector(WorkerConnector):
             trailer = self._read_trailer(tid)  # every piece carries it: take each, keep one
             if trailer is not None and group.first_token is None:
                 group.first_token = trailer.token_id
-                if trailer.kv_ready_unix_s is not None:  # P's last layer computed -> D can decode
-                    exposed = max(time.time() - trailer.kv_ready_unix_s, 0.0)
+                if trailer.kv_ready_unix_s is not None:  # P's last layer computed -> D holds it all
+                    now = time.time()
+                    landed = timing.done_unix_s if timing is not None and timing.done_unix_s else now
+                    exposed = max(landed - trailer.kv_ready_unix_s, 0.0)
+                    to_step = max(now - trailer.kv_ready_unix_s, 0.0)  # ... -> D's engine step has it
                     self._metrics.handover_seconds.labels(phase="exposed").observe(exposed)
-                    self._metrics.recent.add_exposed(exposed)
+                    self._metrics.handover_seconds.labels(phase="exposed_to_step").observe(to_step)
+                    self._metrics.recent.add_exposed(exposed, to_step)
         group = self._recv_pieces.finish(tid)
         if group is None:
             return  # other pieces of this rank still arriving

@@ -127,13 +127,14 @@ class ServerApp:
 
     async def transfers(self, request: web.Request) -> web.Response:
         """The last completed KV transfers of this instance's connector, per side, as
-        ``{"send": [[bytes, seconds, busy seconds], ...], "recv": [...], "exposed": [seconds, ...]}``
-        (``exposed``, on D: P's last layer handed over -> D holds every layer; exact percentiles for
-        ``kvwire bench serve``; empty lists on a colocated instance)."""
+        ``{"send": [[bytes, seconds, busy seconds], ...], "recv": [...], "exposed": [seconds, ...],
+        "exposed_to_step": [seconds, ...]}`` (on D, per transfer: P's last layer handed over -> D holds
+        every layer, and -> D's engine step has it; exact percentiles for ``kvwire bench serve``;
+        oldest first; empty lists on a colocated instance)."""
         del request
         from kvwire.connector.metrics import registered_connector_metrics
 
         metrics = registered_connector_metrics(self._metrics.registry)
-        empty: dict[str, list[Any]] = {"send": [], "recv": [], "exposed": []}
+        empty: dict[str, list[Any]] = {"send": [], "recv": [], "exposed": [], "exposed_to_step": []}
         snapshot = metrics.recent.snapshot() if metrics is not None else empty
         return web.json_response(snapshot)

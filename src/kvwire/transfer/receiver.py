@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -580,7 +581,7 @@ class Receiver:
         timing = None
         if st.first_arrival is not None:
             num_bytes = sum(spec.num_bytes for spec in st.specs)
-            timing = TransferTiming(num_bytes, self.core.now() - st.first_arrival)
+            timing = TransferTiming(num_bytes, self.core.now() - st.first_arrival, done_unix_s=time.time())
         self.core.events.recvd(st.transfer_id, timing)
         self.core.stats.add("recvs_completed")
         self.core.tombstones.add(SIDE, st.transfer_id, "done")

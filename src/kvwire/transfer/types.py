@@ -72,11 +72,14 @@ class TransferTiming:
     With layer-wise sends the first layer leaves while P's forward still computes the others, so
     ``seconds`` spans part of the forward. ``busy_seconds`` (sender only) counts just the time the
     plane held at least one of the transfer's layers (handed over -> reported sent): the wire's
-    share, what a link-speed comparison should use."""
+    share, what a link-speed comparison should use. ``done_unix_s`` (receiver): the wall clock when
+    the last layer (and the trailer) had landed, so that P's wall-clock hand-over time can be set
+    against it on one host."""
 
     num_bytes: int
     seconds: float
     busy_seconds: float | None = None
+    done_unix_s: float | None = None
 
     @property
     def gbps(self) -> float:
