@@ -1,7 +1,9 @@
 """TransferAgent: one per process (per GPU worker); moves KV layers to/from peer agents.
 
 Threads: the control thread (:mod:`kvwire.transfer.control`: ZMQ I/O, message handling, deadlines,
-ack flushing, delayed sink deliveries) and the data plane's threads (:mod:`kvwire.transfer.planes.base`).
+ack flushing, delayed sink deliveries) and the data plane's threads (:mod:`kvwire.transfer.planes.base`);
+what they report goes through :mod:`kvwire.transfer.routes` to the side that holds the transfer
+(:mod:`kvwire.transfer.sender`, :mod:`kvwire.transfer.receiver`).
 Caller threads only touch in-memory state under the agent lock and queue work: no public method
 waits on the network. Completion is reported through :meth:`TransferAgent.poll`.
 
@@ -29,16 +31,15 @@ from kvwire.errors import TransferError
 from kvwire.supervision import HealthBoard
 from kvwire.transfer.buffers import RecvMemory
 from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.control import TICK_S, ControlLoop
+from kvwire.transfer.control import ControlLoop
 from kvwire.transfer.core import Core
 from kvwire.transfer.enums import FailReason, KVLayout
-from kvwire.transfer.lease import PeerState
-from kvwire.transfer.messages import Abort, Ack, AnyMsg, Grant, Offer, Pull, Renew, Trailer
 from kvwire.transfer.paged_kv import BlockTarget, PagedKV
 from kvwire.transfer.planes.base import DataPlane
 from kvwire.transfer.planes.factory import make_plane
 from kvwire.transfer.planes.plane_set import PlaneSet
 from kvwire.transfer.receiver import Receiver
+from kvwire.transfer.routes import Routes
 from kvwire.transfer.sender import Sender
 from kvwire.transfer.stats import TransferStats
 from kvwire.transfer.types import ByteSpans, LayerSink, LayerSpec, PullSlice, TransferEvents
@@ -74,12 +75,13 @@ class TransferAgent:
         self._core = core = Core(config, self._instance_id, plane, memory)
         self._sender = Sender(core)
         self._receiver = Receiver(core)
-        self._next_expiry = 0.0  # control thread only: when _on_tick next checks deadlines
-        plane.start(self)
+        # control messages, ticks and plane reports go to the side holding the transfer they name
+        self._routes = routes = Routes(core, self._sender, self._receiver)
+        plane.start(routes)
         try:
             core.control = ControlLoop(
-                config, self._on_message, self._on_reject, self._on_tick, self._on_unreachable,
-                board=self.board, on_dead=self._on_control_dead, on_limit=core.stats.limit_hit,
+                config, routes.on_message, routes.on_reject, routes.on_tick, routes.on_unreachable,
+                board=self.board, on_dead=routes.on_control_dead, on_limit=core.stats.limit_hit,
             )  # fmt: skip
         except BaseException:
             plane.close()
@@ -302,7 +304,7 @@ class TransferAgent:
         if deliver:
             control = self._core.control
             assert control is not None
-            control.call_soon(lambda: self._deliver_held(transfer_id))
+            control.call_soon(lambda: self._routes.deliver_held(transfer_id))
 
     def release_pull(self, held_id: str, peer_endpoint: str, deadline_s: float | None = None) -> None:
         """Pull mode: tell ``peer_endpoint`` that nothing of the transfer it holds as ``held_id`` is
@@ -330,7 +332,7 @@ class TransferAgent:
         with self._core.lock:
             label = FailReason.ABORTED.value
             local = FailReason.ABORTED.says(reason)
-            self._sender.forget(transfer_id, reason)
+            self._sender.promises.forget(transfer_id, reason)
             self._sender.fail(transfer_id, local, notify=True, label=label, wire_reason=reason)
             self._receiver.fail(transfer_id, local, notify=True, label=label, wire_reason=reason)
             self._receiver.drop_done(transfer_id)
@@ -392,196 +394,3 @@ class TransferAgent:
             raise RuntimeError("transfer agent is closed")
         if self._core.dead is not None:
             raise TransferError(self._core.dead)
-
-    def _on_control_dead(self, error: BaseException) -> None:
-        """Control thread, once, as supervision gives it up: nothing can move or expire any more, so
-        every transfer fails now (callers see it in ``poll``) and new ones are refused."""
-        what = f"{type(error).__name__}: {error}"
-        reason = f"{FailReason.CLOSED.value}: the transfer control loop is dead ({what})"
-        log.error("transfer agent %s: %s; failing every transfer in flight", self._instance_id, reason)
-        with self._core.lock:
-            if self._core.closed:
-                return
-            self._core.dead = reason
-            self._sender.close(reason)
-            self._receiver.close(reason)
-
-    # --- control thread ----------------------------------------------------------------------------------
-
-    def _on_message(self, msg: AnyMsg) -> None:
-        core = self._core
-        with core.lock:
-            if core.closed:
-                return
-            self._check_epoch(msg)
-            if msg.dst_id and msg.dst_id != self._instance_id and not isinstance(msg, (Offer, Pull)):
-                self._on_reject(
-                    f"stale {type(msg).__name__} for epoch {msg.dst_id} (now {self._instance_id})"
-                )
-                # an early Grant (decision 110) went to this endpoint's previous process on what
-                # the receiver knew of it: that process never had the transfer, nothing was lost;
-                # the receiver grants afresh when this process offers it
-                if not isinstance(msg, Abort) and not (isinstance(msg, Grant) and msg.early):
-                    reason = f"{FailReason.PEER_LOST.value}: peer restarted"
-                    core.send_abort(msg.src_endpoint, msg.transfer_id, reason, msg.src_id)
-                return
-            self._dispatch(msg)
-
-    def _dispatch(self, msg: AnyMsg) -> None:
-        if isinstance(msg, Offer):
-            self._receiver.on_offer(msg)
-        elif isinstance(msg, Grant):
-            self._sender.on_grant(msg)
-        elif isinstance(msg, Ack):
-            self._sender.on_ack(msg)
-        elif isinstance(msg, Trailer):
-            self._receiver.on_trailer(msg)
-        elif isinstance(msg, Pull):
-            self._sender.on_pull(msg)
-        elif isinstance(msg, Renew):
-            self._on_renew(msg)
-        elif isinstance(msg, Abort):
-            self._sender.on_abort(msg.transfer_id, msg.src_endpoint, msg.reason)
-            self._receiver.on_abort(msg.transfer_id, msg.src_id, msg.reason, msg.src_endpoint)
-
-    def _on_renew(self, msg: Renew) -> None:
-        """The peer is alive: extend our lease on the transfer; answer a non-reply with our state."""
-        core, tid, endpoint = self._core, msg.transfer_id, msg.src_endpoint
-        sending = self._sender.on_renew(msg)
-        promised = self._sender.on_promise_renew(msg)
-        self._sender.heard_early(msg)
-        receiving = self._receiver.on_renew(msg)
-        if msg.reply:
-            return
-        if promised and not sending:
-            state = PeerState.QUEUED.value
-            core.send(endpoint, Renew(**core.header(endpoint, tid, msg.src_id), state=state, reply=True))
-            return
-        if sending:
-            core.send(endpoint, self._sender.renew_msg(endpoint, tid, reply=True))
-            return
-        if receiving:
-            core.send(endpoint, self._receiver.renew_msg(endpoint, tid, reply=True))
-            return
-        # the asker receives if it reports so: our side of the transfer is then the send side
-        side = "send" if msg.state == PeerState.RECEIVING.value else "recv"
-        ended = core.tombstones.get(side, tid)
-        if ended is not None and ended != "done":
-            core.send_abort(endpoint, tid, ended, msg.src_id)
-            return
-        state = PeerState.DONE if ended == "done" else PeerState.UNKNOWN
-        core.send(endpoint, Renew(**core.header(endpoint, tid, msg.src_id), state=state.value, reply=True))
-
-    def _check_epoch(self, msg: AnyMsg) -> None:
-        """A new instance id at a known endpoint: the old process is gone; fail its transfers."""
-        core = self._core
-        known = core.peer_ids.heard(msg.src_endpoint, msg.src_id)
-        if known is None or known == msg.src_id:
-            return
-        log.warning("peer %s restarted (instance %s -> %s)", msg.src_endpoint, known, msg.src_id)
-        core.stats.add("peers_restarted")
-        reason = f"{FailReason.PEER_LOST.value}: peer {msg.src_endpoint} restarted"
-        self._fail_peer(known, reason, restarted=True)
-
-    def _fail_peer(self, peer_id: str, reason: str, restarted: bool = False) -> None:
-        """``restarted``: a new process took the peer's endpoint (not a link of a live peer that broke)."""
-        self._sender.fail_peer(peer_id, reason)
-        self._receiver.fail_peer(peer_id, reason, restarted)
-        self._core.plane.drop_peer(peer_id)
-
-    def _on_unreachable(self, endpoint: str) -> None:
-        """The peer at ``endpoint`` refuses connections (its process is gone): fail its transfers
-        now rather than at their leases (peer_watch, decision 088)."""
-        with self._core.lock:
-            if self._core.closed:
-                return
-            reason = f"{FailReason.PEER_LOST.value}: {endpoint} refuses connections"
-            failed = self._sender.fail_endpoint(endpoint, reason)
-            failed += self._receiver.fail_endpoint(endpoint, reason)
-        if failed:
-            log.warning("transfer peer %s refuses connections: failed its %d transfer(s)", endpoint, failed)
-
-    def _on_reject(self, reason: str) -> None:
-        self._core.stats.add("messages_rejected")
-        # once, then a summary a minute: a peer sending garbage in a loop must not flood the log
-        self._core.rejects.refused("rejected", reason)
-
-    def _on_tick(self) -> None:
-        """After every control-loop wake-up: flush acks; scan deadlines at most every ``TICK_S``
-        (each arrived layer wakes the loop, and the scans walk every transfer in flight)."""
-        with self._core.lock:
-            if self._core.closed:
-                return
-            now = self._core.now()
-            if now >= self._next_expiry:
-                self._next_expiry = now + TICK_S
-                self._sender.expire(now)
-                self._receiver.expire(now)
-                self._sender.renew(now)
-                self._receiver.renew(now)
-            self._receiver.flush_acks()
-
-    def _deliver_held(self, transfer_id: str) -> None:
-        with self._core.lock:
-            work = self._receiver.take_held_for_sink(transfer_id)
-        for index, sink, tensor in work:
-            self._run_sink(transfer_id, index, sink, tensor)
-
-    def _run_sink(self, transfer_id: str, index: int, sink: LayerSink, tensor: torch.Tensor) -> None:
-        try:
-            sink(index, tensor)
-            if tensor.is_cuda:  # the sink's copy/scatter is async: finish it before the buffer is reused
-                done = torch.cuda.Event()  # and before finished_recving (only the sink's work: the
-                done.record(torch.cuda.current_stream(tensor.device))  # plane's streams may hold
-                done.synchronize()  # receives still waiting for data)
-        except Exception as exc:
-            log.exception("sink of transfer %s failed on layer %d", transfer_id, index)
-            with self._core.lock:
-                self._receiver.fail(transfer_id, f"{FailReason.SINK.value}: {exc!r}", notify=True)
-            return
-        with self._core.lock:
-            self._receiver.delivered(transfer_id, index)
-
-    # --- data-plane callbacks (plane threads) ------------------------------------------------------------
-
-    def on_sent(self, peer_instance_id: str, transfer_id: str, layer_indices: Sequence[int]) -> None:
-        with self._core.lock:
-            for index in layer_indices:
-                self._sender.on_sent(transfer_id, index)
-
-    def on_received(self, peer_instance_id: str, transfer_id: str, layer_indices: Sequence[int]) -> None:
-        sinks = []
-        with self._core.lock:  # once per message (a plane's thread holds the GIL meanwhile)
-            if self._core.closed:
-                return
-            for index in layer_indices:
-                work = self._receiver.on_received(peer_instance_id, transfer_id, index)
-                if work is not None:
-                    sinks.append((index, *work))
-        control = self._core.control
-        if control is not None:
-            control.wake()  # flush the acks soon
-        for index, sink, tensor in sinks:
-            self._run_sink(transfer_id, index, sink, tensor)
-
-    def on_transfer_failed(self, transfer_id: str, reason: str) -> None:
-        with self._core.lock:
-            self._sender.fail(transfer_id, reason, notify=True)
-            self._receiver.fail(transfer_id, reason, notify=True)
-
-    def on_peer_failed(self, peer_instance_id: str, reason: str) -> None:
-        with self._core.lock:
-            if not self._core.closed:
-                self._fail_peer(peer_instance_id, reason)
-
-    def on_protocol_error(self, reason: str) -> None:
-        self._on_reject(reason)
-
-    def peer_endpoint(self, peer_instance_id: str) -> str | None:
-        with self._core.lock:
-            return self._core.peer_ids.endpoint_of(peer_instance_id)
-
-    def on_device_copy(self, num_bytes: int, seconds: float) -> None:
-        self._core.stats.add("device_copy_bytes", num_bytes)
-        self._core.stats.add("device_copy_ns", round(seconds * 1e9))
-        self._core.stats.add("device_copy_batches", 1)

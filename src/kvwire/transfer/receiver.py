@@ -1,134 +1,51 @@
-"""Receive half of the agent: expectations, offers, credit from the memory budget, arrivals, acks."""
+"""Receive side of the agent: expectations, offers, renewals and failures of the transfers it receives.
+
+Credit (grants from the memory budget, early grants) is :mod:`kvwire.transfer.grants`; what happens
+once a layer lands (sinks, acks, completion) is :mod:`kvwire.transfer.arrivals`; leases, expiry and
+the one ``fail`` are :mod:`kvwire.transfer.lifecycle`.
+"""
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import threading
-import time
-from collections.abc import Callable
 
 import msgspec
 import torch
 
 from kvwire.errors import TransferError
-from kvwire.transfer.buffers import BufferKind, RecvBuffer
+from kvwire.transfer.arrivals import Arrivals
 from kvwire.transfer.core import Core
 from kvwire.transfer.enums import FailReason
+from kvwire.transfer.grants import Credit
 from kvwire.transfer.lease import Lease, PeerState
-from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Renew, Trailer
+from kvwire.transfer.lifecycle import Transfers
+from kvwire.transfer.messages import Offer, Pull, Renew, Trailer
 from kvwire.transfer.paged_kv import BlockTarget, PagedKV
+from kvwire.transfer.recv_state import RecvState, SpansFn, WriteGuard
 from kvwire.transfer.stats import ControlLimit
-from kvwire.transfer.types import (
-    DTYPES_BY_NAME,
-    ByteSpans,
-    DeviceConsumer,
-    LayerSink,
-    LayerSpec,
-    PeerRef,
-    PullSlice,
-    RecvItem,
-    TransferTiming,
-)
+from kvwire.transfer.types import DTYPES_BY_NAME, LayerSink, LayerSpec, PeerRef, PullSlice
 
 SIDE = "recv"
 _SENDER_PROGRESS = frozenset({PeerState.QUEUED.value, PeerState.SENDING.value})
-SpansFn = Callable[[int], ByteSpans]  # layer index -> where its bytes go
-_NO_DEST = torch.empty(0, dtype=torch.uint8)
+
+__all__ = ["Receiver", "RecvState", "SpansFn", "WriteGuard"]
 
 
-class WriteGuard:
-    """Makes "once the transfer failed, nothing writes into the caller's blocks" hold for the copy
-    path: a write runs under the guard's lock and only while it is open; :meth:`close` (on failure,
-    under the agent lock) waits for a running write and stops later ones."""
+class Receiver(Transfers[RecvState]):
+    """Every method runs with ``core.lock`` held, except the sink calls the agent makes."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._open = True
-
-    def wrap(self, write: LayerSink) -> LayerSink:
-        def guarded(index: int, data: torch.Tensor) -> None:
-            with self._lock:
-                if self._open:
-                    write(index, data)
-
-        return guarded
-
-    def close(self) -> None:
-        with self._lock:
-            self._open = False
-
-
-@dataclasses.dataclass
-class RecvState:
-    transfer_id: str
-    lease: Lease  # deadline, renewed while the sender shows life, up to its limit
-    expected: bool = False  # expect() was called
-    num_layers: int | None = None
-    sink: LayerSink | None = None
-    pull_from: str | None = None
-    # The one sender endpoint this transfer may come from (the P/D pair the router named); offers
-    # from any other agent are refused. None: the first offer wins.
-    accept_from: str | None = None
-    sender: str | None = None  # push: the sender's control endpoint, known before its Offer
-    sender_id: str | None = None  # the sender's epoch as seen in its Renews before the Offer
-    scatter_into: SpansFn | None = None  # destination spans per layer (zero-copy receive)
-    # expect(into_blocks=...): the registered caches' blocks this transfer lands in (see paged_kv)
-    paged: PagedKV | None = None
-    target: BlockTarget | None = None
-    consumer: DeviceConsumer | None = None  # built once, for a device-consumer plane
-    consumed: set[int] = dataclasses.field(default_factory=set)  # granted with the device consumer
-    guard: WriteGuard | None = None  # the copy path's writes into the caller's blocks
-    first_arrival: float | None = None  # time.monotonic() of the first layer landing
-    specs: list[LayerSpec] | None = None  # from the Offer
-    with_trailer: bool = False
-    peer: PeerRef | None = None  # the sender (epoch + data address), from the Offer
-    to_grant: collections.deque[int] = dataclasses.field(default_factory=collections.deque)
-    # posted, not arrived (None: straight into the caller's scatter_into spans)
-    granted: dict[int, RecvBuffer | None] = dataclasses.field(default_factory=dict)
-    held: dict[int, RecvBuffer] = dataclasses.field(default_factory=dict)  # arrived, buffered
-    delivering: set[int] = dataclasses.field(default_factory=set)  # in a sink call now
-    arrived: set[int] = dataclasses.field(default_factory=set)  # delivered to the sink or held
-    trailer: bytes | None = None
-    # Layers granted before the sender's Offer (decision 110): index -> bytes granted; and that
-    # grant, sent again (as an ordinary one) when the Offer comes, in case the sender did not keep it
-    early: dict[int, int] = dataclasses.field(default_factory=dict)
-    early_grant: Grant | None = None
-    # created by this sender's Offer before expect(): counted against ControlLimits.max_pending_per_peer
-    unsolicited_by: str | None = None
-
-    def complete(self) -> bool:
-        return (
-            self.expected
-            and self.specs is not None
-            and len(self.arrived) == len(self.specs)
-            and not self.delivering
-            and (self.sink is None or not self.held)
-            and (not self.with_trailer or self.trailer is not None)
-        )
-
-
-@dataclasses.dataclass
-class _AckBatch:
-    endpoint: str
-    dst_id: str
-    layers: list[int] = dataclasses.field(default_factory=list)
-    trailer: bool = False
-
-
-class Receiver:
-    """Every method runs with ``core.lock`` held, except the ``deliver_*`` ones that call sinks."""
+    side = SIDE
 
     def __init__(self, core: Core) -> None:
-        self.core = core
-        self.recvs: dict[str, RecvState] = {}
-        self.grant_queue: collections.deque[str] = collections.deque()  # FIFO of transfers wanting credit
-        self.done_layers: dict[str, dict[int, RecvBuffer]] = {}
-        self.done_specs: dict[str, list[LayerSpec]] = {}
-        self.done_trailers: dict[str, bytes] = {}
-        self.acks: dict[str, _AckBatch] = {}
+        super().__init__(core)
+        self.credit = Credit(self)
+        self.arrivals = Arrivals(self)
         # per sender endpoint: its Offers held here that expect() has not claimed yet (decision 116)
         self.unsolicited: collections.Counter[str] = collections.Counter()
+
+    @property
+    def recvs(self) -> dict[str, RecvState]:
+        return self.table
 
     # --- API ---------------------------------------------------------------------------------------------
 
@@ -149,25 +66,8 @@ class Receiver:
         """Returns True when buffered layers must now be delivered to the new sink. Raises
         TransferError when the transfer was already offered by another agent than ``accept_from``
         (that transfer is failed: its data is never delivered)."""
-        if not transfer_id or num_layers <= 0:
-            raise TransferError("expect needs a transfer_id and num_layers > 0", transfer_id)
-        st = self.recvs.get(transfer_id)
-        if st is not None and st.expected:
-            raise TransferError(f"transfer {transfer_id} is already expected", transfer_id)
         accept_from = accept_from or pull_from
-        if st is not None and st.peer is not None and accept_from and st.peer.endpoint != accept_from:
-            self._refused(st.peer.endpoint, transfer_id)
-            self.fail(transfer_id, f"{FailReason.REFUSED.value}: offered by an unexpected peer", notify=True)
-            raise TransferError(f"transfer {transfer_id} was offered by {st.peer.endpoint}, not by "
-                                f"its peer {accept_from}", transfer_id)
-        now = self.core.now()
-        if limit_s is None:
-            limit_s = self.core.config.default_limit_s
-        if st is None:
-            if len(self.recvs) >= self.core.config.max_pending_transfers:
-                raise TransferError("too many transfers in flight", transfer_id)
-            st = self.recvs[transfer_id] = RecvState(transfer_id, Lease.start(now, deadline_s, limit_s))
-        st.lease.tighten(now, deadline_s, limit_s)
+        st = self._expected_state(transfer_id, num_layers, deadline_s, accept_from, limit_s)
         self._claim(st)
         st.expected, st.num_layers, st.sink, st.pull_from = True, num_layers, sink, pull_from
         st.accept_from = accept_from
@@ -184,44 +84,34 @@ class Receiver:
             self.core.send(pull_from, self._pull_msg(pull_from, transfer_id, deadline_s, pull_slice))
         if st.specs is not None and not self._check_offer(st):
             return False
-        self._grant_early(st)
-        self.maybe_complete(st)
-        return bool(st.held) and st.sink is not None and transfer_id in self.recvs
+        self.credit.grant_early(st)
+        self.arrivals.maybe_complete(st)
+        return bool(st.held) and st.sink is not None and transfer_id in self.table
 
-    def _grant_early(self, st: RecvState) -> None:
-        """Grant every layer now, before the sender's Offer (decision 110), when that is safe: push
-        mode with the sender's endpoint given (``expect(sender=...)``) and its epoch known (an
-        earlier contact), layers that land in spans (``scatter_into``, or ``into_blocks`` whose
-        blocks are whole and contiguous), and a plane negotiated with that sender that takes early
-        grants. The sender then starts writing as soon as it has a layer, without the Offer -> Grant
-        round trip. The Offer is checked against what was granted when it comes."""
-        if not st.expected or st.specs is not None or st.peer is not None or st.sender is None:
-            return
-        if st.pull_from is not None or st.num_layers is None:
-            return
-        if st.scatter_into is None and (
-            st.paged is None or st.target is None or not st.paged.contiguous or st.target.skip_blocks
-        ):
-            return
-        sender_id = st.sender_id or self.core.peer_ids.get(st.sender)
-        if not sender_id:
-            return
-        peer = PeerRef(st.sender, sender_id, "")
-        plane = self.core.plane.for_peer(peer)
-        if not (plane.early_grants and plane.supports_spans):
-            return
-        items: list[RecvItem] = []
-        for index in range(st.num_layers):
-            spans = self._spans(st, index)
-            if spans is None:
-                return  # failed (the target could not say where the layer goes)
-            items.append(RecvItem(st.transfer_id, index, spans.num_bytes, _NO_DEST, dest_spans=spans))
-        st.peer = peer
-        for item in items:
-            st.granted[item.layer_index] = None
-            st.early[item.layer_index] = item.num_bytes
-        st.early_grant = self._grant(st, items, early=True)
-        self.core.stats.add("early_grants")
+    def _expected_state(
+        self, transfer_id: str, num_layers: int, deadline_s: float, accept_from: str | None,
+        limit_s: float | None,
+    ) -> RecvState:  # fmt: skip
+        """The state ``expect`` fills in: the one an Offer made already, or a new one."""
+        if not transfer_id or num_layers <= 0:
+            raise TransferError("expect needs a transfer_id and num_layers > 0", transfer_id)
+        st = self.table.get(transfer_id)
+        if st is not None and st.expected:
+            raise TransferError(f"transfer {transfer_id} is already expected", transfer_id)
+        if st is not None and st.peer is not None and accept_from and st.peer.endpoint != accept_from:
+            self._refused(st.peer.endpoint, transfer_id)
+            self.fail(transfer_id, f"{FailReason.REFUSED.value}: offered by an unexpected peer", notify=True)
+            raise TransferError(f"transfer {transfer_id} was offered by {st.peer.endpoint}, not by "
+                                f"its peer {accept_from}", transfer_id)  # fmt: skip
+        now = self.core.now()
+        if limit_s is None:
+            limit_s = self.core.config.default_limit_s
+        if st is None:
+            if len(self.table) >= self.core.config.max_pending_transfers:
+                raise TransferError("too many transfers in flight", transfer_id)
+            st = self.table[transfer_id] = RecvState(transfer_id, Lease.start(now, deadline_s, limit_s))
+        st.lease.tighten(now, deadline_s, limit_s)
+        return st
 
     def _pull_msg(self, endpoint: str, transfer_id: str, deadline_s: float, piece: PullSlice | None) -> Pull:
         info = self.core.plane.local_info(PeerRef(endpoint, self.core.peer_ids.get(endpoint), ""))
@@ -237,36 +127,16 @@ class Receiver:
         self.core.send(endpoint, self._pull_msg(endpoint, held_id, deadline_s, PullSlice(held_id, None, 0)))
 
     def take_layers(self, transfer_id: str) -> dict[int, torch.Tensor]:
-        bufs = self.done_layers.pop(transfer_id, None)
-        specs = self.done_specs.pop(transfer_id, None)
-        if bufs is None or specs is None:
-            raise TransferError(f"no received layers for {transfer_id} (not finished, or taken)", transfer_id)
-        out: dict[int, torch.Tensor] = {}
-        for index, buf in bufs.items():
-            out[index] = self._layer_view(buf, specs[index], owned=True)
-            if buf.kind is BufferKind.SPILL:
-                buf.release()  # copied out: the spill buffer goes back to the pool
-            else:
-                buf.hand_over()  # the caller owns this memory now
-        self.grant_pass()
-        return out
+        return self.arrivals.take_layers(transfer_id)
 
     def take_trailer(self, transfer_id: str) -> bytes | None:
-        return self.done_trailers.pop(transfer_id, None)
-
-    def _layer_view(self, buf: RecvBuffer, spec: LayerSpec, owned: bool) -> torch.Tensor:
-        view = buf.view(spec.shape, spec.dtype)
-        if buf.kind is BufferKind.SPILL:
-            # spill buffers go back to the pool: hand out a copy on the agent's device
-            device = torch.device(self.core.config.device)
-            return view.to(device) if device.type != "cpu" else (view.clone() if owned else view)
-        return view
+        return self.arrivals.take_trailer(transfer_id)
 
     # --- messages ----------------------------------------------------------------------------------------
 
     def on_offer(self, msg: Offer) -> None:
         tid = msg.transfer_id
-        st = self.recvs.get(tid)
+        st = self.table.get(tid)
         if st is not None and st.accept_from is not None and msg.src_endpoint != st.accept_from:
             self._refused(msg.src_endpoint, tid)  # not the pair's sender: leave the transfer alone
             self.core.send_abort(msg.src_endpoint, tid, "not this transfer's peer", msg.src_id)
@@ -282,18 +152,8 @@ class Receiver:
             )
             return
         deadline_s = self.core.peer_deadline(msg.deadline_s)
-        if st is None:
-            st = self._unsolicited(msg, deadline_s)
-            if st is None:
-                return
-        if st.early and st.peer is not None and st.peer.instance_id != msg.src_id:
-            # another sender than the one granted early (a restart was handled by fail_peer already)
-            reason = (
-                f"{FailReason.PEER_LOST.value}: offer from {msg.src_endpoint} (instance {msg.src_id[:8]}) "
-                f"after an early grant to {st.peer.endpoint} (instance {st.peer.instance_id[:8]})"
-            )
-            self.fail(tid, reason, notify=False)
-            self.core.send_abort(msg.src_endpoint, tid, reason, msg.src_id)
+        st = st if st is not None else self._unsolicited(msg, deadline_s)
+        if st is None or not self._offer_from_granted(st, msg):
             return
         st.lease.tighten(self.core.now(), deadline_s, None)
         st.specs = [LayerSpec(tuple(w.shape), DTYPES_BY_NAME[w.dtype]) for w in msg.layers]
@@ -303,19 +163,28 @@ class Receiver:
             self.core.plane.on_peer_info(st.peer, msg.plane_info)
         if st.expected and not self._check_offer(st):
             return
-        if st.early:
-            self._check_early(st)
-        st.to_grant.extend(i for i in range(len(st.specs)) if i not in st.early)
-        self.grant_queue.append(tid)
-        self.grant_pass()
-        if st.early and tid in self.recvs:
-            self.maybe_complete(st)  # early-granted layers may all have landed before the Offer
+        self.credit.offered(st)
+        if st.early and tid in self.table:
+            self.arrivals.maybe_complete(st)  # early-granted layers may all have landed before the Offer
+
+    def _offer_from_granted(self, st: RecvState, msg: Offer) -> bool:
+        """False (the transfer failed) when ``st`` was granted early to another sender than the
+        Offer's (a restart was handled by ``fail_peer`` already)."""
+        if not st.early or st.peer is None or st.peer.instance_id == msg.src_id:
+            return True
+        reason = (
+            f"{FailReason.PEER_LOST.value}: offer from {msg.src_endpoint} (instance {msg.src_id[:8]}) "
+            f"after an early grant to {st.peer.endpoint} (instance {st.peer.instance_id[:8]})"
+        )
+        self.fail(st.transfer_id, reason, notify=False)
+        self.core.send_abort(msg.src_endpoint, st.transfer_id, reason, msg.src_id)
+        return False
 
     def _unsolicited(self, msg: Offer, deadline_s: float) -> RecvState | None:
         """State for an Offer that came before expect() (held until the caller expects it or its
         lease ends), unless this agent or that sender has too many (refused with an Abort)."""
         limit = None
-        if len(self.recvs) >= self.core.config.max_pending_transfers:
+        if len(self.table) >= self.core.config.max_pending_transfers:
             limit = ControlLimit.PENDING_TRANSFERS
         elif self.unsolicited[msg.src_endpoint] >= self.core.config.limits.max_pending_per_peer:
             limit = ControlLimit.PENDING_PER_PEER
@@ -325,7 +194,7 @@ class Receiver:
             self.core.send_abort(msg.src_endpoint, msg.transfer_id, reason, msg.src_id)
             return None
         lease = Lease.start(self.core.now(), deadline_s, self.core.config.default_limit_s)
-        st = self.recvs[msg.transfer_id] = RecvState(msg.transfer_id, lease, unsolicited_by=msg.src_endpoint)
+        st = self.table[msg.transfer_id] = RecvState(msg.transfer_id, lease, unsolicited_by=msg.src_endpoint)
         self.unsolicited[msg.src_endpoint] += 1
         return st
 
@@ -336,33 +205,6 @@ class Receiver:
             self.unsolicited[peer] -= 1
             if self.unsolicited[peer] <= 0:
                 del self.unsolicited[peer]
-
-    def _check_early(self, st: RecvState) -> None:
-        """The Offer of an early-granted transfer. Layers the sizes granted: the grant is sent again
-        as an ordinary one (a sender that did not keep it gets it now; one that used it finds
-        nothing new in it). Other sizes (P sends more blocks than D takes, say): the sender did not
-        use the grant (it checks the sizes), so nothing was written under it; the layers are
-        granted afresh, the ordinary way, and the new posts replace the early ones."""
-        assert st.specs is not None and st.peer is not None
-        fits = all(
-            index < len(st.specs) and st.specs[index].num_bytes == num_bytes
-            for index, num_bytes in st.early.items()
-        )
-        if not fits:
-            self._forget_early(st)
-            return
-        grant, st.early_grant = st.early_grant, None
-        if grant is not None:
-            self.core.send(st.peer.endpoint, msgspec.structs.replace(grant, early=False, sizes=[]))
-
-    def _forget_early(self, st: RecvState) -> None:
-        """Drop a transfer's early grant (its layers are granted again the ordinary way, on the
-        Offer); counted in ``early_grants_unused``."""
-        for index in st.early:
-            st.granted.pop(index, None)
-        st.early.clear()
-        st.early_grant = None
-        self.core.stats.add("early_grants_unused")
 
     def _refused(self, endpoint: str, transfer_id: str) -> None:
         self.core.stats.add("offers_refused")
@@ -384,15 +226,15 @@ class Receiver:
         return True
 
     def on_trailer(self, msg: Trailer) -> None:
-        st = self.recvs.get(msg.transfer_id)
+        st = self.table.get(msg.transfer_id)
         if st is None or st.peer is None or st.peer.instance_id != msg.src_id or st.trailer is not None:
             return
         st.trailer = msg.payload
-        self._ack(st, None, trailer=True)
-        self.maybe_complete(st)
+        self.arrivals.ack(st, None, trailer=True)
+        self.arrivals.maybe_complete(st)
 
     def on_abort(self, transfer_id: str, src_id: str, reason: str, src_endpoint: str = "") -> None:
-        st = self.recvs.get(transfer_id)
+        st = self.table.get(transfer_id)
         if st is None:
             return
         from_sender = st.peer is not None and st.peer.instance_id == src_id
@@ -401,226 +243,10 @@ class Receiver:
         if from_sender or from_pulled or from_announced:
             self.fail(transfer_id, f"{FailReason.PEER_ABORTED.value}: {reason}", notify=False)
 
-    # --- credit ------------------------------------------------------------------------------------------
-
-    def grant_pass(self) -> None:
-        """Reserve memory for waiting layers in FIFO order; post buffers, then send Grants."""
-        memory = self.core.memory
-        while self.grant_queue:
-            st = self.recvs.get(self.grant_queue[0])
-            if st is None or not st.to_grant or st.specs is None or st.peer is None:
-                self.grant_queue.popleft()
-                continue
-            items: list[RecvItem] = []
-            while st.to_grant:
-                index = st.to_grant[0]
-                num_bytes = st.specs[index].num_bytes
-                in_place = self._in_place(st, index, num_bytes)
-                if in_place == "spans" or (
-                    st.expected and st.scatter_into is not None and self.core.plane.supports_spans
-                ):
-                    item = self._span_item(st, index, num_bytes)
-                    if item is None:
-                        break
-                    st.to_grant.popleft()
-                    st.granted[index] = None
-                    items.append(item)
-                    continue
-                if num_bytes > memory.capacity_bytes:
-                    self.fail(
-                        st.transfer_id,
-                        f"{FailReason.BUDGET.value}: layer of {num_bytes} bytes never fits",
-                        True,
-                    )
-                    break
-                buf = memory.reserve(num_bytes)
-                if buf is None:
-                    self.core.stats.add("credit_waits")
-                    break
-                if buf.kind is BufferKind.SPILL:
-                    self.core.stats.add("spilled_layers")
-                st.to_grant.popleft()
-                st.granted[index] = buf
-                consumer = None
-                if in_place == "device" and buf.kind is not BufferKind.SPILL:
-                    consumer = self._consumer(st)
-                    st.consumed.add(index)
-                dest = buf.tensor[:num_bytes]
-                items.append(RecvItem(st.transfer_id, index, num_bytes, dest, on_device=consumer))
-            if items and st.transfer_id in self.recvs:
-                self._grant(st, items)
-            if st.transfer_id in self.recvs and st.to_grant:
-                return  # out of memory: later transfers wait too (FIFO, no starvation)
-
-    def _in_place(self, st: RecvState, index: int, num_bytes: int) -> str | None:
-        """How layer ``index`` of an ``into_blocks`` transfer lands without a host copy: "spans"
-        (the plane writes into the blocks), "device" (the plane's stream scatters behind the receive),
-        or None (buffered, then the sink copies)."""
-        paged, target = st.paged, st.target
-        if not st.expected or paged is None or target is None or st.peer is None:
-            return None
-        plane = self.core.plane.for_peer(st.peer)  # the plane negotiated with the sender
-        if not paged.takes_exactly(target, index, num_bytes):
-            return None
-        if plane.supports_spans and paged.contiguous:
-            return "spans"
-        if plane.supports_device_consumers and paged.device_paths():
-            return "device"
-        return None
-
-    def _consumer(self, st: RecvState) -> DeviceConsumer:
-        if st.consumer is None:
-            assert st.paged is not None and st.target is not None
-            st.consumer = st.paged.consumer(st.target)
-        return st.consumer
-
-    def _spans(self, st: RecvState, index: int) -> ByteSpans | None:
-        """Where layer ``index`` lands (``scatter_into`` or the target blocks); None: the transfer failed."""
-        try:
-            if st.scatter_into is not None:
-                return st.scatter_into(index)
-            assert st.paged is not None and st.target is not None
-            return st.paged.spans(index, st.target.block_ids)
-        except Exception as exc:
-            self.fail(st.transfer_id, f"{FailReason.MISMATCH.value}: scatter_into({index}): {exc!r}", True)
-            return None
-
-    def _span_item(self, st: RecvState, index: int, num_bytes: int) -> RecvItem | None:
-        spans = self._spans(st, index)
-        if spans is None:
-            return None
-        if spans.num_bytes != num_bytes:
-            reason = (
-                f"{FailReason.MISMATCH.value}: layer {index} spans hold {spans.num_bytes}, sender {num_bytes}"
-            )
-            self.fail(st.transfer_id, reason, True)
-            return None
-        return RecvItem(st.transfer_id, index, num_bytes, _NO_DEST, dest_spans=spans)
-
-    def _grant(self, st: RecvState, items: list[RecvItem], early: bool = False) -> Grant:
-        assert st.peer is not None
-        plane = self.core.plane
-        plane.post_recv(st.peer, items)  # before the Grant leaves: a fast sender finds its buffers
-        msg = Grant(
-            **self.core.header(st.peer.endpoint, st.transfer_id, st.peer.instance_id),
-            layers=[item.layer_index for item in items],
-            data_address=plane.address,
-            plane_info=plane.local_info(st.peer),
-            early=early,
-            sizes=[item.num_bytes for item in items] if early else [],
-        )
-        self.core.send(st.peer.endpoint, msg)
-        return msg
-
-    # --- arrivals ----------------------------------------------------------------------------------------
-
-    def on_received(
-        self, peer_id: str, transfer_id: str, index: int
-    ) -> tuple[LayerSink, torch.Tensor] | None:
-        """A layer landed. Returns (sink, tensor) when the caller must call the sink (without the lock)."""
-        st = self.recvs.get(transfer_id)
-        if st is None or st.peer is None or st.peer.instance_id != peer_id or index not in st.granted:
-            return None
-        buf = st.granted.pop(index)
-        # an early-granted layer may land before its Offer is read (decision 110)
-        num_bytes = st.specs[index].num_bytes if st.specs is not None else st.early[index]
-        self.core.stats.add("bytes_received", num_bytes)
-        if st.first_arrival is None:
-            st.first_arrival = self.core.now()
-        self._ack(st, index)
-        if buf is None or index in st.consumed:  # landed in the caller's blocks (spans or consumer)
-            if buf is not None:
-                buf.release()  # the plane reports a consumed layer only after its scatter finished
-            st.arrived.add(index)
-            self.maybe_complete(st)
-            self.grant_pass()
-            return None
-        assert st.specs is not None  # a buffered layer was granted from its Offer
-        if st.sink is not None and st.expected:
-            st.delivering.add(index)
-            st.held[index] = buf
-            return st.sink, self._layer_view(buf, st.specs[index], owned=False)
-        st.held[index] = buf
-        st.arrived.add(index)
-        self.maybe_complete(st)
-        return None
-
-    def take_held_for_sink(self, transfer_id: str) -> list[tuple[int, LayerSink, torch.Tensor]]:
-        st = self.recvs.get(transfer_id)
-        if st is None or st.sink is None or st.specs is None:
-            return []
-        out = []
-        for index, buf in st.held.items():
-            if index not in st.delivering:
-                st.delivering.add(index)
-                st.arrived.discard(index)
-                out.append((index, st.sink, self._layer_view(buf, st.specs[index], owned=False)))
-        return out
-
-    def delivered(self, transfer_id: str, index: int) -> None:
-        """The sink returned for ``index``: free its buffer, maybe complete, grant more."""
-        st = self.recvs.get(transfer_id)
-        if st is None or index not in st.delivering:
-            return
-        st.delivering.discard(index)
-        st.held.pop(index).release()
-        st.arrived.add(index)
-        self.maybe_complete(st)
-        self.grant_pass()
-
-    def maybe_complete(self, st: RecvState) -> None:
-        if not st.complete() or st.transfer_id not in self.recvs:
-            return
-        assert st.specs is not None
-        del self.recvs[st.transfer_id]
-        if st.sink is None:
-            self.done_layers[st.transfer_id] = st.held
-            self.done_specs[st.transfer_id] = st.specs
-        if st.trailer is not None:
-            self.done_trailers[st.transfer_id] = st.trailer
-        timing = None
-        if st.first_arrival is not None:
-            num_bytes = sum(spec.num_bytes for spec in st.specs)
-            timing = TransferTiming(num_bytes, self.core.now() - st.first_arrival, done_unix_s=time.time())
-        self.core.events.recvd(st.transfer_id, timing)
-        self.core.stats.add("recvs_completed")
-        self.core.tombstones.add(SIDE, st.transfer_id, "done")
-
-    def _ack(self, st: RecvState, index: int | None, trailer: bool = False) -> None:
-        assert st.peer is not None
-        batch = self.acks.get(st.transfer_id)
-        if batch is None:
-            batch = self.acks[st.transfer_id] = _AckBatch(st.peer.endpoint, st.peer.instance_id)
-        if index is not None:
-            batch.layers.append(index)
-        batch.trailer = batch.trailer or trailer
-
-    def flush_acks(self) -> None:
-        """Control thread: one Ack per transfer with everything that arrived since the last flush."""
-        batches, self.acks = self.acks, {}
-        for tid, b in batches.items():
-            self.core.send(
-                b.endpoint,
-                Ack(**self.core.header(b.endpoint, tid, b.dst_id), layers=b.layers, trailer=b.trailer),
-            )
-
     # --- failure -----------------------------------------------------------------------------------------
 
-    def fail(
-        self,
-        transfer_id: str,
-        reason: str,
-        notify: bool,
-        label: str | None = None,
-        wire_reason: str | None = None,
-    ) -> bool:
-        """End the transfer as failed with ``reason``; ``notify``: tell the peer (``wire_reason``, if
-        given, is what it is told; the local reason otherwise)."""
-        st = self.recvs.pop(transfer_id, None)
-        if st is None:
-            return False
+    def _released(self, st: RecvState) -> None:
         self._claim(st)
-        self.core.plane.cancel(transfer_id)
         if st.guard is not None:
             st.guard.close()  # a copy into the caller's blocks running now finishes first
         for granted in st.granted.values():
@@ -628,15 +254,10 @@ class Receiver:
                 granted.hand_over()  # cancelled chunk's dummy bytes arrive): never hand it out again
         for buf in st.held.values():  # includes layers in a sink call now (their tensor stays alive)
             buf.release()
-        self.acks.pop(transfer_id, None)
-        self.core.record_failure(SIDE, transfer_id, reason, label)
-        target = st.peer.endpoint if st.peer is not None else st.pull_from
-        if notify and target is not None:
-            self.core.send_abort(
-                target, transfer_id, wire_reason or reason, st.peer.instance_id if st.peer else None
-            )
-        self.grant_pass()
-        return True
+        self.arrivals.acks.pop(st.transfer_id, None)
+
+    def _after_failure(self, st: RecvState, reason: str) -> None:
+        self.credit.grant_pass()  # its memory went back to the budget
 
     def fail_peer(self, peer_id: str, reason: str, restarted: bool = False) -> None:
         """The sender ``peer_id`` is gone: fail its transfers, except those whose every layer already
@@ -645,79 +266,51 @@ class Receiver:
         when a new process ``restarted`` at its endpoint, those only granted early to the old one,
         which wait for the new one's Offer. (A broken link of a live sender fails those too: that
         sender may have kept the early grant, whose slot is revoked with the link.)"""
-        for tid in [
-            t for t, st in self.recvs.items() if st.peer is not None and st.peer.instance_id == peer_id
-        ]:
-            st = self.recvs[tid]
-            if restarted and self._early_only(st, peer_id):
+        for tid in self.bound_to(peer_id):
+            st = self.table[tid]
+            if restarted and st.early_only(peer_id):
                 # the transfer waits for the new process's Offer as if never granted; the plane's
                 # posts and grants for the old epoch go with ``drop_peer``, which follows
-                self._forget_early(st)
+                self.credit.forget_early(st)
                 st.peer = None
             elif not self._all_arrived(st):
                 self.fail(tid, reason, notify=False)
-
-    def _early_only(self, st: RecvState, peer_id: str) -> bool:
-        """Granted early to ``peer_id`` (decision 110) from what this side knew of the sender, with
-        no sign that that epoch ever had the transfer: no Offer, no layer, no Renew reporting it."""
-        return bool(st.early) and st.specs is None and not (st.arrived or st.delivering or st.held) and (
-            st.sender_id != peer_id
-        )
 
     def fail_endpoint(self, endpoint: str, reason: str) -> int:
         """The sender at ``endpoint`` is gone: as :meth:`fail_peer`, by endpoint (also before its
         Offer: a pull, or a push whose sender was named). Returns how many receives failed."""
         failed = 0
-        for tid in [t for t, st in self.recvs.items() if self._peer_endpoint(st) == endpoint]:
-            if not self._all_arrived(self.recvs[tid]):
+        for tid in [t for t, st in self.table.items() if st.peer_endpoint() == endpoint]:
+            if not self._all_arrived(self.table[tid]):
                 failed += self.fail(tid, reason, notify=False)
         return failed
 
     def _all_arrived(self, st: RecvState) -> bool:
         """Every layer landed (delivered or held). A trailer still missing will never come from a
         peer that is gone: the transfer then completes without it (the consumer computes P's token)."""
-        if st.specs is None or len(st.arrived | st.delivering) < len(st.specs):
+        if not st.all_landed():
             return False
         if st.with_trailer and st.trailer is None:
             st.with_trailer = False
             self.core.stats.add("trailers_missing")
-        self.maybe_complete(st)
+        self.arrivals.maybe_complete(st)
         return True
 
-    def expire(self, now: float) -> None:
-        for tid in [t for t, st in self.recvs.items() if st.lease.deadline <= now]:
-            st = self.recvs[tid]
-            if self._complete_without_trailer(st):
-                continue
-            got = f"{len(st.arrived)}/{len(st.specs)} layers" if st.specs is not None else "no offer"
-            self.fail(tid, f"{FailReason.DEADLINE.value}: {got} received", notify=True)
-
-    def _complete_without_trailer(self, st: RecvState) -> bool:
+    def _expiring(self, st: RecvState) -> str | None:
         """Every layer arrived and only the trailer (P's first token) is missing: finish without it
         (the consumer computes that token itself) rather than fail the whole transfer."""
-        if not st.with_trailer or st.trailer is not None:
-            return False
-        st.with_trailer = False
-        if not st.complete():
+        if st.with_trailer and st.trailer is None:
+            st.with_trailer = False
+            if st.complete():
+                self.core.stats.add("trailers_missing")
+                self.arrivals.maybe_complete(st)
+                return None
             st.with_trailer = True
-            return False
-        self.core.stats.add("trailers_missing")
-        self.maybe_complete(st)
-        return True
+        if st.specs is None:
+            return "no offer received"
+        return f"{len(st.arrived)}/{len(st.specs)} layers received"
 
     # --- leases ------------------------------------------------------------------------------------------
-
-    def _peer_endpoint(self, st: RecvState) -> str | None:
-        if st.peer is not None:
-            return st.peer.endpoint
-        return st.pull_from if st.pull_from is not None else st.sender
-
-    def renew(self, now: float) -> None:
-        """Send a Renew to the sender of every transfer whose renewal is due (and known)."""
-        for st in self.recvs.values():
-            endpoint = self._peer_endpoint(st)
-            if endpoint is not None and st.lease.due(now):
-                self.core.send(endpoint, self.renew_msg(endpoint, st.transfer_id, reply=False))
 
     def renew_msg(self, endpoint: str, transfer_id: str, reply: bool) -> Renew:
         return Renew(
@@ -726,10 +319,8 @@ class Receiver:
 
     def on_renew(self, msg: Renew) -> bool:
         """The sender of ``msg.transfer_id`` is alive: extend the lease. True if the transfer is ours."""
-        st = self.recvs.get(msg.transfer_id)
-        if st is None or self._peer_endpoint(st) != msg.src_endpoint:
-            return False
-        if st.peer is not None and st.peer.instance_id != msg.src_id:
+        st = self.renewed_by(msg)
+        if st is None:
             return False
         if msg.state not in _SENDER_PROGRESS:
             return True  # done, or does not know it: nothing more will come, no renewal
@@ -743,13 +334,8 @@ class Receiver:
         return True
 
     def drop_done(self, transfer_id: str) -> None:
-        for buf in self.done_layers.pop(transfer_id, {}).values():
-            buf.release()
-        self.done_specs.pop(transfer_id, None)
-        self.done_trailers.pop(transfer_id, None)
+        self.arrivals.drop_done(transfer_id)
 
     def close(self, reason: str) -> None:
-        for tid in list(self.recvs):
-            self.fail(tid, reason, notify=True)
-        for tid in list(self.done_layers):
-            self.drop_done(tid)
+        super().close(reason)
+        self.arrivals.close()

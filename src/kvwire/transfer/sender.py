@@ -1,11 +1,14 @@
-"""Send half of the agent: offers, credit (grants), dispatch to the data plane, acks, pull leases."""
+"""Send side of the agent: offers, grants taken, layers handed over, acks, pulls, renewals, failures.
+
+A transfer is a :class:`~kvwire.transfer.send_state.SendState`; handing granted layers to the plane is
+:mod:`kvwire.transfer.send_queue`; promises (accepted, not started) :mod:`kvwire.transfer.promises`;
+early grants kept before the start :mod:`kvwire.transfer.grants`; piece pulls
+:mod:`kvwire.transfer.split_pull`; leases, expiry and the one ``fail`` :mod:`kvwire.transfer.lifecycle`.
+"""
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -13,95 +16,43 @@ import torch
 from kvwire.errors import TransferError
 from kvwire.transfer.core import Core
 from kvwire.transfer.enums import FailReason
+from kvwire.transfer.grants import EarlyGrants, early_grant_fits
 from kvwire.transfer.lease import Lease, PeerState
+from kvwire.transfer.lifecycle import Transfers
 from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Renew, Trailer, WireLayer
 from kvwire.transfer.paged_kv import PagedKV
 from kvwire.transfer.peer_table import PeerTable
-from kvwire.transfer.planes.base import DataPlane
-from kvwire.transfer.split_pull import Split, SplitPulls
+from kvwire.transfer.promises import Promises
+from kvwire.transfer.send_queue import SendQueue
+from kvwire.transfer.send_state import HeldBlocks, SendState
+from kvwire.transfer.split_pull import SplitPulls
 from kvwire.transfer.stats import ControlLimit
-from kvwire.transfer.types import DTYPE_NAMES, ByteSpans, LayerSpec, PeerRef, SendItem, TransferTiming
+from kvwire.transfer.types import DTYPE_NAMES, ByteSpans, LayerSpec, PeerRef, SendItem
 
 SIDE = "send"
-MAX_KEPT_PLANE_INFO = 64 * 1024  # an early Grant with a larger plane handshake is not kept (not needed)
 
 
-def _fits(st: SendState, grant: Grant) -> bool:
-    """An early grant (decision 110) is used only if every layer it grants is the size granted."""
-    sizes = [st.layers[i].num_bytes if 0 <= i < len(st.layers) else -1 for i in grant.layers]
-    return sizes == grant.sizes
-
-
-@dataclasses.dataclass(frozen=True)
-class _Blocks:
-    """A layer handed over as blocks of the registered caches, not yet made a plane item."""
-
-    paged: PagedKV
-    block_ids: torch.Tensor
-    ready_event: Any
-
-
-@dataclasses.dataclass
-class SendState:
-    transfer_id: str
-    layers: list[LayerSpec]
-    lease: Lease  # deadline, renewed while the receiver shows life, up to its limit
-    with_trailer: bool
-    endpoint: str | None  # receiver's control endpoint; None until pulled
-    pull_by: frozenset[str] | None = None  # the only endpoints that may pull (None: the first puller)
-    peer: PeerRef | None = None  # bound by the first Grant (receiver's epoch + data address)
-    items: dict[int, SendItem | _Blocks] = dataclasses.field(default_factory=dict)  # layers handed over
-    granted: set[int] = dataclasses.field(default_factory=set)
-    dispatched: set[int] = dataclasses.field(default_factory=set)
-    acked: set[int] = dataclasses.field(default_factory=set)
-    trailer: bytes | None = None
-    trailer_sent: bool = False
-    trailer_acked: bool = False
-    first_dispatch: float | None = None  # time.monotonic() when the plane got its first layer
-    in_plane: int = 0  # layers handed to the plane and not yet reported sent
-    busy_since: float = 0.0  # when in_plane last went 0 -> 1
-    busy_s: float = 0.0  # total time with in_plane > 0 (TransferTiming.busy_seconds)
-    # send_blocks on a device-producer plane: the slab the plane gathers into, and its producer
-    slab: torch.Tensor | None = None
-    producer: Any | None = None
-    paged: PagedKV | None = None  # the caches the slab belongs to (it goes back to their pool)
-    last_progress: float = 0.0  # when a layer or the trailer was last handed over (or the start)
-    # Piece pulls (split_pull): a held transfer served in pieces, or one piece of such a transfer
-    split: Split | None = None
-    parent: str | None = None  # a piece: the held transfer's id
-    heads: range | None = None  # a piece: the KV heads of the held layers it carries
-
-    def stalled(self, now: float) -> bool:
-        """Something is still to be handed over and nothing was for a whole lease: the producer is
-        stuck (the receiver must not wait for it past its lease)."""
-        missing = len(self.items) < len(self.layers) or (self.with_trailer and self.trailer is None)
-        return missing and now - self.last_progress > self.lease.lease_s
-
-    def done(self) -> bool:
-        return len(self.acked) == len(self.layers) and (not self.with_trailer or self.trailer_acked)
-
-
-class Sender:
+class Sender(Transfers[SendState]):
     """Every method runs with ``core.lock`` held by the caller (the agent)."""
 
+    side = SIDE
+
     def __init__(self, core: Core) -> None:
-        self.core = core
-        self.sends: dict[str, SendState] = {}
-        self.promised: dict[str, tuple[str, Lease]] = {}  # accepted, not started: receiver endpoint
+        super().__init__(core)
+        self.promises = Promises(core)
         limits = core.config.limits
         # pulls that came before start_send: transfer id -> (pull, until); bounded per puller and in all
         self.pending_pulls: PeerTable[str, tuple[Pull, float]] = PeerTable(
             limits.max_pending_per_peer, limits.max_pending_pulls, ControlLimit.PENDING_PER_PEER,
             ControlLimit.PENDING_PULLS,
         )  # fmt: skip
-        # grants that came before start_send (decision 110): transfer id -> (grant, last heard of)
-        self.early_grants: PeerTable[str, tuple[Grant, float]] = PeerTable(
-            limits.max_early_grants_per_peer, limits.max_early_grants, ControlLimit.EARLY_GRANTS_PER_PEER,
-            ControlLimit.EARLY_GRANTS,
-        )  # fmt: skip
-        # ordered planes: per receiver epoch, granted (transfer, layer) in grant order
-        self.order: dict[str, collections.deque[tuple[str, int]]] = {}
+        self.early_grants = EarlyGrants(core)  # grants that came before start_send (decision 110)
+        self.queue = SendQueue(core, self.table)
         self.splits = SplitPulls(self)
+
+    @property
+    def sends(self) -> dict[str, SendState]:
+        return self.table
 
     # --- API ---------------------------------------------------------------------------------------------
 
@@ -117,27 +68,27 @@ class Sender:
     ) -> None:
         if not transfer_id:
             raise TransferError("transfer_id must not be empty")
-        if transfer_id in self.sends:
+        if transfer_id in self.table:
             raise TransferError(f"transfer {transfer_id} is already being sent", transfer_id)
         if not 0 < len(layers) <= self.core.config.max_layers_per_transfer:
             raise TransferError(f"a transfer needs 1..{self.core.config.max_layers_per_transfer} layers")
-        if len(self.sends) >= self.core.config.max_pending_transfers:
+        if len(self.table) >= self.core.config.max_pending_transfers:
             raise TransferError("too many transfers in flight", transfer_id)
         lease = Lease.start(self.core.now(), deadline_s, limit_s)
         st = SendState(
-            transfer_id, list(layers), lease, trailer, endpoint, pull_by, last_progress=self.core.now()
+            transfer_id, lease, list(layers), trailer, endpoint, pull_by, last_progress=self.core.now()
         )
-        self.promised.pop(transfer_id, None)
-        self.sends[transfer_id] = st
+        self.promises.started(transfer_id)
+        self.table[transfer_id] = st
         self.core.stats.add("sends_started")
         if endpoint is not None:
             self.offer(st)
-            early = self.early_grants.pop(transfer_id)
-            if early is not None and early[0].src_endpoint == endpoint:
-                self.on_grant(early[0])  # the receiver granted before this Offer: send at once
+            early = self.early_grants.take(transfer_id)
+            if early is not None and early.src_endpoint == endpoint:
+                self.on_grant(early)  # the receiver granted before this Offer: send at once
             elif early is not None:
-                self.core.send_abort(early[0].src_endpoint, transfer_id, "not this transfer's receiver",
-                                     early[0].src_id)
+                reason = "not this transfer's receiver"
+                self.core.send_abort(early.src_endpoint, transfer_id, reason, early.src_id)
             return
         pending = self.pending_pulls.pop(transfer_id)
         if pending is not None:
@@ -146,12 +97,8 @@ class Sender:
 
     def _check_layer(self, transfer_id: str, index: int) -> SendState | None:
         st = self._get_for_api(transfer_id)
-        if st is None:
-            return None
-        if not 0 <= index < len(st.layers):
-            raise TransferError(f"layer {index} out of range 0..{len(st.layers) - 1}", transfer_id)
-        if index in st.items:
-            raise TransferError(f"layer {index} was already handed over", transfer_id)
+        if st is not None:
+            st.check_layer(index)
         return st
 
     def add_layer_spans(self, transfer_id: str, index: int, spans: ByteSpans, ready_event: Any) -> None:
@@ -164,9 +111,7 @@ class Sender:
                 f"layer {index}: spans hold {spans.num_bytes} bytes, announced {spec.num_bytes}"
             )
         if self.core.plane.supports_spans:
-            st.items[index] = SendItem(transfer_id, index, spans.base, ready_event, spans)
-            st.last_progress = self.core.now()
-            self.dispatch(st)
+            self._handed_over(st, index, SendItem(transfer_id, index, spans.base, ready_event, spans))
             return
         if ready_event is not None:  # order the gather after the producer's writes (CUDA)
             ready_event.wait()
@@ -182,71 +127,19 @@ class Sender:
     ) -> None:
         """One layer as blocks of the registered caches. Which way it moves (spans, a device gather,
         a copy) depends on the plane negotiated with the receiver, known for sure only once it granted:
-        the layer waits as a :class:`_Blocks` and becomes a :class:`SendItem` at dispatch."""
+        the layer waits as a :class:`HeldBlocks` and becomes a :class:`SendItem` at dispatch."""
         st = self._check_layer(transfer_id, index)
-        if st is None:
-            return
-        st.items[index] = _Blocks(paged, block_ids, ready_event)
-        st.last_progress = self.core.now()
-        self.dispatch(st)
-
-    def _item(self, st: SendState, index: int, plane: DataPlane) -> SendItem:
-        """Layer ``index`` as ``plane`` (the one negotiated with the receiver) takes it best."""
-        held = st.items[index]
-        if isinstance(held, SendItem):
-            return held
-        paged, block_ids, ready_event = held.paged, held.block_ids, held.ready_event
-        tid = st.transfer_id
-        if plane.supports_spans and paged.contiguous:
-            spans = paged.spans(index, block_ids.tolist())
-            item = SendItem(tid, index, spans.base, ready_event, spans)
-        elif plane.supports_device_producers and paged.device_paths():
-            if st.producer is None:
-                from kvwire.transfer.planes.cuda_paged import PagedLayers, SlabGather
-
-                st.slab = paged.take_slab(int(block_ids.numel()), self._slab_allocator(plane))
-                st.paged = paged
-                group = paged.group()
-                assert isinstance(group, PagedLayers)
-                st.producer = SlabGather(group, block_ids.to(paged.device), st.slab)
-            assert st.slab is not None
-            item = SendItem(tid, index, st.slab[index], ready_event, on_device=st.producer)
-        else:
-            if ready_event is not None:  # order the gather after the producer's writes (CUDA)
-                ready_event.wait()
-            tensor = paged.gather(index, block_ids)
-            event = None
-            if tensor.is_cuda:
-                event = torch.cuda.Event()
-                event.record()
-            item = SendItem(tid, index, tensor, event)
-        st.items[index] = item
-        return item
-
-    @staticmethod
-    def _slab_allocator(plane: DataPlane) -> Callable[[tuple[int, ...], torch.dtype], torch.Tensor]:
-        """Send slabs from the plane's zero-copy memory where it has some (NCCL moves them in place)."""
-
-        def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            zero_copy = getattr(plane, "allocate_zero_copy", None)
-            flat = zero_copy(num_bytes) if zero_copy is not None else plane.allocate(num_bytes)
-            return flat.view(dtype).view(shape)
-
-        return allocate
+        if st is not None:
+            self._handed_over(st, index, HeldBlocks(paged, block_ids, ready_event))
 
     def add_layer(self, transfer_id: str, index: int, tensor: torch.Tensor, ready_event: Any) -> None:
         st = self._check_layer(transfer_id, index)
-        if st is None:
-            return
-        spec = st.layers[index]
-        if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype or not tensor.is_contiguous():
-            raise TransferError(
-                f"layer {index}: got {tuple(tensor.shape)} {tensor.dtype} "
-                f"(contiguous={tensor.is_contiguous()}), announced {spec.shape} {spec.dtype}",
-                transfer_id,
-            )
-        st.items[index] = SendItem(transfer_id, index, tensor, ready_event)
+        if st is not None:
+            st.check_tensor(index, tensor)
+            self._handed_over(st, index, SendItem(transfer_id, index, tensor, ready_event))
+
+    def _handed_over(self, st: SendState, index: int, item: SendItem | HeldBlocks) -> None:
+        st.items[index] = item
         st.last_progress = self.core.now()
         self.dispatch(st)
 
@@ -261,10 +154,14 @@ class Sender:
         self._send_trailer(st)
 
     def _get_for_api(self, transfer_id: str) -> SendState | None:
-        st = self.sends.get(transfer_id)
+        st = self.table.get(transfer_id)
         if st is None and self.core.tombstones.get(SIDE, transfer_id) is None:
             raise TransferError(f"unknown transfer {transfer_id} (start_send first)", transfer_id)
         return st  # None: it already ended (failed/aborted): the caller sees that in poll()
+
+    def promise(self, transfer_id: str, endpoint: str, deadline_s: float, limit_s: float | None) -> None:
+        """See :meth:`kvwire.transfer.promises.Promises.promise`."""
+        self.promises.promise(transfer_id, endpoint, deadline_s, limit_s, transfer_id in self.table)
 
     # --- messages ----------------------------------------------------------------------------------------
 
@@ -293,10 +190,11 @@ class Sender:
         )
 
     def on_grant(self, msg: Grant) -> None:
-        st = self.sends.get(msg.transfer_id)
-        if st is None and msg.early and self._keep_early(msg):
+        st = self.table.get(msg.transfer_id)
+        ended = self.core.tombstones.get(SIDE, msg.transfer_id) is not None
+        if st is None and msg.early and self.early_grants.keep(msg, ended):
             return
-        if st is not None and msg.early and not _fits(st, msg):
+        if st is not None and msg.early and not early_grant_fits(st.layers, msg):
             return  # the layers are not the sizes granted early: the receiver grants on the Offer
         if st is None or st.endpoint != msg.src_endpoint:
             if st is None and msg.plane_info:  # an ordered plane must still consume what was granted
@@ -317,13 +215,11 @@ class Sender:
         if msg.plane_info and new:
             self.core.plane.on_peer_info(st.peer, msg.plane_info)
         st.granted.update(new)
-        if self.core.plane.ordered:
-            queue = self.order.setdefault(st.peer.instance_id, collections.deque())
-            queue.extend((st.transfer_id, i) for i in new)
+        self.queue.granted(st, new)
         self.dispatch(st)
 
     def on_ack(self, msg: Ack) -> None:
-        st = self.sends.get(msg.transfer_id)
+        st = self.table.get(msg.transfer_id)
         if st is None or st.peer is None or st.peer.instance_id != msg.src_id:
             return  # late ack of an ended transfer
         new = {i for i in msg.layers if i in st.dispatched} - st.acked
@@ -336,21 +232,19 @@ class Sender:
             self._complete(st)
 
     def _complete(self, st: SendState) -> None:
-        del self.sends[st.transfer_id]
+        del self.table[st.transfer_id]
         if st.slab is not None and st.paged is not None:
             st.paged.give_slab(st.slab)  # the plane is done with it (a failed send's is dropped)
         self.core.stats.add("sends_completed")
         self.core.tombstones.add(SIDE, st.transfer_id, "done")
-        if st.parent is not None:  # a piece: its held transfer reports once all pieces are done
-            self.splits.child_done(st, self._timing(st))
-            return
-        self.core.events.sent(st.transfer_id, self._timing(st))
+        if not self.splits.piece_done(st, self.queue.timing(st)):
+            self.core.events.sent(st.transfer_id, self.queue.timing(st))
 
     def on_pull(self, msg: Pull) -> None:
         if msg.held:
             self.splits.on_pull(msg)
             return
-        st = self.sends.get(msg.transfer_id)
+        st = self.table.get(msg.transfer_id)
         if st is None:
             self._hold_pull(msg)
             return
@@ -383,195 +277,85 @@ class Sender:
         until = self.core.now() + self.core.peer_deadline(msg.deadline_s)
         self.pending_pulls.put(msg.transfer_id, msg.src_endpoint, (msg, until))
 
-    def _keep_early(self, msg: Grant) -> bool:
-        """Keep an early grant of a transfer not started yet (True), unless it already ended here,
-        is not the shape of one (more layers than a transfer has, sizes that do not match them, an
-        outsized plane handshake) or too many are kept (False: answered as an unknown transfer; the
-        receiver grants again on the Offer)."""
-        if self.core.tombstones.get(SIDE, msg.transfer_id) is not None:
-            return False
-        shaped = len(msg.layers) == len(msg.sizes) <= self.core.config.max_layers_per_transfer
-        if not shaped or len(msg.plane_info) > MAX_KEPT_PLANE_INFO:
-            return False
-        limit = self.early_grants.admit(msg.transfer_id, msg.src_endpoint)
-        if limit is not None:
-            self.core.stats.limit_hit(limit)
-            return False
-        self.early_grants.put(msg.transfer_id, msg.src_endpoint, (msg, self.core.now()))
-        return True
-
-    def heard_early(self, msg: Renew) -> bool:
-        """The receiver of an early grant kept here renews its transfer: it still waits for it."""
-        early = self.early_grants.get(msg.transfer_id)
-        if early is None or early[0].src_endpoint != msg.src_endpoint:
-            return False
-        self.early_grants.put(msg.transfer_id, msg.src_endpoint, (early[0], self.core.now()))
-        return True
-
     def _unknown(self, endpoint: str, transfer_id: str, dst_id: str) -> None:
         reason = self.core.tombstones.get(SIDE, transfer_id) or FailReason.UNKNOWN.value
         if reason != "done":
             self.core.send_abort(endpoint, transfer_id, reason, dst_id)
 
+    def on_abort(self, transfer_id: str, src_endpoint: str, reason: str) -> None:
+        self.early_grants.aborted(transfer_id, src_endpoint)
+        st = self.table.get(transfer_id)
+        if st is not None and st.endpoint == src_endpoint:
+            self.fail(transfer_id, f"{FailReason.PEER_ABORTED.value}: {reason}", notify=False)
+
     # --- data --------------------------------------------------------------------------------------------
-
-    def _timing(self, st: SendState) -> TransferTiming | None:
-        if st.first_dispatch is None:
-            return None
-        num_bytes = sum(spec.num_bytes for spec in st.layers)
-        return TransferTiming(num_bytes, self.core.now() - st.first_dispatch, st.busy_s)
-
-    def _handed(self, st: SendState, count: int) -> None:
-        now = self.core.now()
-        if st.first_dispatch is None:
-            st.first_dispatch = now
-        if st.in_plane == 0:
-            st.busy_since = now
-        st.in_plane += count
 
     def dispatch(self, st: SendState) -> None:
         if st.split is not None:  # a held transfer served in pieces: they get the layer
             self.splits.layer_added(st)
-        if st.peer is None:
-            return
-        if self.core.plane.ordered:
-            self._dispatch_ordered(st.peer)
-            return
-        ready = sorted(i for i in st.granted if i in st.items and i not in st.dispatched)
-        if ready:
-            plane = self.core.plane.for_peer(st.peer)
-            items = [self._item(st, i, plane) for i in ready]
-            self._handed(st, len(ready))
-            st.dispatched.update(ready)
-            self.core.plane.send(st.peer, items)
-
-    def _dispatch_ordered(self, peer: PeerRef) -> None:
-        queue = self.order.get(peer.instance_id)
-        batch: list[SendItem] = []
-        while queue:
-            tid, index = queue[0]
-            st = self.sends.get(tid)
-            if st is not None and index not in st.items:
-                break  # the plane needs this layer next: hold the later ones
-            queue.popleft()
-            if st is not None:
-                self._handed(st, 1)
-                st.dispatched.add(index)
-                batch.append(self._item(st, index, self.core.plane.for_peer(peer)))
-        if queue is not None and not queue:
-            del self.order[peer.instance_id]  # one entry per receiver epoch with granted work, no more
-        if batch:
-            self.core.plane.send(peer, batch)
+        self.queue.dispatch(st)
 
     def on_sent(self, transfer_id: str, index: int) -> None:
-        st = self.sends.get(transfer_id)
-        if st is not None and st.in_plane > 0:
-            st.in_plane -= 1
-            if st.in_plane == 0:
-                st.busy_s += self.core.now() - st.busy_since
+        self.queue.on_sent(transfer_id, index)
 
     # --- failure -----------------------------------------------------------------------------------------
 
-    def fail(
-        self,
-        transfer_id: str,
-        reason: str,
-        notify: bool,
-        label: str | None = None,
-        wire_reason: str | None = None,
-    ) -> bool:
-        """End the transfer as failed with ``reason``; ``notify``: tell the peer (``wire_reason``, if
-        given, is what it is told; the local reason otherwise)."""
-        st = self.sends.pop(transfer_id, None)
-        if st is None:
-            return False
-        self.core.plane.cancel(transfer_id)
-        self.core.record_failure(SIDE, transfer_id, reason, label)
-        if notify and st.endpoint is not None:
-            dst = st.peer.instance_id if st.peer is not None else None
-            self.core.send_abort(st.endpoint, transfer_id, wire_reason or reason, dst)
+    def _after_failure(self, st: SendState, reason: str) -> None:
         if st.peer is not None and self.core.plane.ordered:
-            self._dispatch_ordered(st.peer)
-        if st.parent is not None:
-            self.splits.child_failed(st, reason)
-        self.splits.parent_failed(st, reason)
-        return True
+            self.queue.dispatch_ordered(st.peer)
+        self.splits.failed(st, reason)
 
     def fail_peer(self, peer_id: str, reason: str) -> None:
-        for tid in [
-            t for t, st in self.sends.items() if st.peer is not None and st.peer.instance_id == peer_id
-        ]:
+        for tid in self.bound_to(peer_id):
             self.fail(tid, reason, notify=False)
-        self.order.pop(peer_id, None)
+        self.queue.drop_peer(peer_id)
 
     def fail_endpoint(self, endpoint: str, reason: str) -> int:
         """The receiver at ``endpoint`` is gone: fail what is sent to it, drop what is promised.
         Returns how many sends failed."""
-        gone = [t for t, st in self.sends.items() if st.endpoint == endpoint]
+        gone = [t for t, st in self.table.items() if st.endpoint == endpoint]
         for tid in gone:
             self.fail(tid, reason, notify=False)
-        for tid in [t for t, (e, _) in self.promised.items() if e == endpoint]:
-            del self.promised[tid]
+        self.promises.drop_endpoint(endpoint)
         return len(gone)
 
-    def on_abort(self, transfer_id: str, src_endpoint: str, reason: str) -> None:
-        early = self.early_grants.get(transfer_id)
-        if early is not None and early[0].src_endpoint == src_endpoint:
-            self.early_grants.pop(transfer_id)
-        st = self.sends.get(transfer_id)
-        if st is not None and st.endpoint == src_endpoint:
-            self.fail(transfer_id, f"{FailReason.PEER_ABORTED.value}: {reason}", notify=False)
-
     def expire(self, now: float) -> None:
-        for tid in [t for t, st in self.sends.items() if st.lease.deadline <= now]:
-            st = self.sends.get(tid)
-            if st is None or self.splits.keeps_lease(st):
-                continue  # ended with an expired piece, or every piece pulled: the pieces' leases bound it
-            what = f"{len(st.acked)}/{len(st.layers)} layers acknowledged"
-            if st.split is not None:
-                what = f"{len(st.split.children)} of {st.split.pieces} pieces pulled"
-            elif st.endpoint is None:
-                what = "not pulled"
-            self.fail(tid, f"{FailReason.DEADLINE.value}: {what}", notify=True)
+        super().expire(now)
         for tid, (msg, until) in self.pending_pulls.items():
             if until <= now:
                 self.pending_pulls.pop(tid)
                 self.core.send_abort(msg.src_endpoint, tid, FailReason.UNKNOWN.value, msg.src_id)
-        # an early grant lives while its receiver renews it (it renews well within its deadline)
-        quiet = self.core.config.default_deadline_s
-        for tid, (_, heard) in self.early_grants.items():
-            if now - heard > quiet:
-                self.early_grants.pop(tid)
+        self.early_grants.expire(now)
         self.splits.expire(now)
+
+    def _expiring(self, st: SendState) -> str | None:
+        if self.splits.keeps_lease(st):
+            return None  # every piece pulled: the pieces' leases bound it
+        if st.split is not None:
+            return f"{len(st.split.children)} of {st.split.pieces} pieces pulled"
+        if st.endpoint is None:
+            return "not pulled"
+        return f"{len(st.acked)}/{len(st.layers)} layers acknowledged"
 
     # --- leases ------------------------------------------------------------------------------------------
 
     def renew(self, now: float) -> None:
         """Send a Renew to the receiver of every transfer (or promise) whose renewal is due; drop
         promises past their limit (a request that never started)."""
-        for st in self.sends.values():
-            if st.endpoint is not None and st.lease.due(now):
-                self.core.send(st.endpoint, self.renew_msg(st.endpoint, st.transfer_id, reply=False))
-        for tid in [t for t, (_, lease) in self.promised.items() if lease.limit <= now]:
-            del self.promised[tid]
-        for tid, (endpoint, lease) in self.promised.items():
-            if lease.due(now):
-                msg = Renew(**self.core.header(endpoint, tid), state=PeerState.QUEUED.value, reply=False)
-                self.core.send(endpoint, msg)
+        super().renew(now)
+        self.promises.renew(now)
 
     def renew_msg(self, endpoint: str, transfer_id: str, reply: bool) -> Renew:
-        st = self.sends.get(transfer_id)
+        st = self.table.get(transfer_id)
         stalled = st is not None and st.stalled(self.core.now())
         state = PeerState.STALLED if stalled else PeerState.SENDING
         return Renew(**self.core.header(endpoint, transfer_id), state=state.value, reply=reply)
 
     def on_renew(self, msg: Renew) -> bool:
         """The receiver of ``msg.transfer_id`` is alive: extend the lease. True if the transfer is ours."""
-        st = self.sends.get(msg.transfer_id)
-        if st is None or st.endpoint != msg.src_endpoint:
+        st = self.renewed_by(msg)
+        if st is None:
             return False
-        if st.peer is not None and st.peer.instance_id != msg.src_id:
-            return False  # an older or newer epoch of the receiver: epoch checks handle it
         if msg.state == PeerState.DONE.value and st.peer is not None:
             # the receiver finished (e.g. without a trailer that came too late): so did we
             self._complete(st)
@@ -581,34 +365,6 @@ class Sender:
             st.lease.renewed(now)
         return True
 
-    def promise(self, transfer_id: str, endpoint: str, deadline_s: float, limit_s: float | None) -> None:
-        """The request behind ``transfer_id`` was accepted (its prefill may be queued): renew the
-        receiver's lease (state QUEUED) until ``start``, ``forget`` or the limit."""
-        if transfer_id in self.sends or transfer_id in self.promised or self.core.tombstones.get(
-            SIDE, transfer_id
-        ) is not None:
-            return
-        if len(self.promised) >= self.core.config.max_pending_transfers:
-            raise TransferError("too many promised transfers", transfer_id)
-        lease = Lease.start(self.core.now(), deadline_s, limit_s)
-        lease.next_renew = 0.0  # tell the receiver at once
-        self.promised[transfer_id] = (endpoint, lease)
-
-    def forget(self, transfer_id: str, reason: str) -> None:
-        """Drop a promise (the request ended before its send started): the receiver is told at once
-        and later renewals of it are answered with an Abort."""
-        entry = self.promised.pop(transfer_id, None)
-        if entry is not None:
-            self.core.send_abort(entry[0], transfer_id, reason)
-            self.core.tombstones.add(SIDE, transfer_id, reason)
-
-    def on_promise_renew(self, msg: Renew) -> bool:
-        """True if ``msg`` is about a transfer promised to its sender (promises live until start,
-        abort or their limit: this side's own word, whatever the receiver says)."""
-        entry = self.promised.get(msg.transfer_id)
-        return entry is not None and entry[0] == msg.src_endpoint
-
     def close(self, reason: str) -> None:
         self.early_grants.clear()
-        for tid in list(self.sends):
-            self.fail(tid, reason, notify=True)
+        super().close(reason)

@@ -4,9 +4,10 @@ P and D of different tensor-parallel sizes: in pull mode P holds each rank's who
 registered paged cache, blocks pinned) without knowing D's size; every D rank that needs heads of it
 pulls its own *piece*: a :class:`~kvwire.transfer.messages.Pull` naming the held transfer, its own
 transfer id for the piece, the head range it owns and how many pieces the held transfer serves in
-all. Each piece becomes a *child* send (a normal :class:`~kvwire.transfer.sender.SendState` bound to
-that receiver: offer, credit, leases, acks as any send) whose layers are the held blocks narrowed to
-the piece's heads, so no receiver gets bytes it throws away.
+all. Each piece becomes a *child* send (a :class:`Piece`: a
+:class:`~kvwire.transfer.send_state.SendState` bound to that receiver: offer, credit, leases, acks as
+any send) whose layers are the held blocks narrowed to the piece's heads, so no receiver gets bytes
+it throws away.
 
 The held transfer (the *parent*) is reported to the caller once: finished when every one of its
 ``pieces`` children was acknowledged; failed as soon as one child fails (the other children are
@@ -27,11 +28,12 @@ from kvwire.transfer.lease import Lease
 from kvwire.transfer.messages import Pull
 from kvwire.transfer.paged import HEAD_DIM
 from kvwire.transfer.peer_table import PeerTable
+from kvwire.transfer.send_state import HeldBlocks, SendState
 from kvwire.transfer.stats import ControlLimit
 from kvwire.transfer.types import LayerSpec, TransferTiming
 
 if TYPE_CHECKING:
-    from kvwire.transfer.sender import Sender, SendState
+    from kvwire.transfer.sender import Sender
 
 SIDE = "send"
 MISMATCH = FailReason.MISMATCH.value
@@ -53,6 +55,14 @@ class Split:
     @property
     def all_pulled(self) -> bool:
         return len(self.children) >= self.pieces
+
+
+@dataclasses.dataclass
+class Piece(SendState):
+    """One piece of a held transfer: a send to the receiver that pulled it."""
+
+    parent: str = ""  # the held transfer's id
+    heads: range | None = None  # the KV heads of the held layers it carries
 
 
 class SplitPulls:
@@ -97,7 +107,7 @@ class SplitPulls:
         self._start_child(parent, split, msg)
 
     def _refusal(self, parent: SendState, msg: Pull) -> str | None:
-        if parent.endpoint is not None or parent.parent is not None:
+        if parent.endpoint is not None or isinstance(parent, Piece):
             return "already pulled by another peer"
         if parent.pull_by is not None and msg.src_endpoint not in parent.pull_by:
             self.core.stats.add("offers_refused")
@@ -153,10 +163,9 @@ class SplitPulls:
     # --- children ----------------------------------------------------------------------------------------
 
     def _start_child(self, parent: SendState, split: Split, msg: Pull) -> None:
-        from kvwire.transfer.sender import SendState, _Blocks
-
         first = next(iter(parent.items.values()))
-        if not isinstance(first, _Blocks) or not all(isinstance(i, _Blocks) for i in parent.items.values()):
+        blocks = all(isinstance(i, HeldBlocks) for i in parent.items.values())
+        if not isinstance(first, HeldBlocks) or not blocks:
             self._refuse(msg, NOT_BLOCKS)
             return
         layout = first.paged.layout
@@ -168,8 +177,8 @@ class SplitPulls:
         now = self.core.now()
         lease_s = min(self.core.peer_deadline(msg.deadline_s), parent.lease.lease_s)
         lease = Lease.start(now, lease_s, max(parent.lease.limit - now, 0.0))
-        child = SendState(
-            msg.transfer_id, layers, lease, False, msg.src_endpoint, parent=parent.transfer_id,
+        child = Piece(
+            msg.transfer_id, lease, layers, False, msg.src_endpoint, parent=parent.transfer_id,
             heads=heads, last_progress=now,
         )  # fmt: skip
         split.children.add(child.transfer_id)
@@ -196,23 +205,31 @@ class SplitPulls:
                 self._start_child(parent, split, msg)
 
     def _copy_layers(self, parent: SendState, child: SendState) -> None:
-        from kvwire.transfer.sender import _Blocks
-
+        assert isinstance(child, Piece)
         for index, item in parent.items.items():
             if index in child.items:
                 continue
-            if not isinstance(item, _Blocks):
+            if not isinstance(item, HeldBlocks):
                 reason = NOT_BLOCKS
                 self.sender.fail(parent.transfer_id, reason, notify=True)
                 return
-            child.items[index] = _Blocks(item.paged.heads(child.heads), item.block_ids, item.ready_event)
+            child.items[index] = HeldBlocks(item.paged.heads(child.heads), item.block_ids, item.ready_event)
             child.last_progress = self.core.now()
 
-    def child_done(self, child: SendState, timing: TransferTiming | None) -> None:
-        parent = self.sender.sends.get(child.parent or "")
+    def piece_done(self, child: SendState, timing: TransferTiming | None) -> bool:
+        """A send completed: when it is a piece, count it (its held transfer reports once all its
+        pieces are done) and return True; False for any other send."""
+        if not isinstance(child, Piece):
+            return False
+        parent = self.sender.sends.get(child.parent)
         split = parent.split if parent is not None else None
-        if parent is None or split is None:
-            return
+        if parent is not None and split is not None:
+            self._count_piece(parent, split, child, timing)
+        return True
+
+    def _count_piece(
+        self, parent: SendState, split: Split, child: Piece, timing: TransferTiming | None
+    ) -> None:
         split.done.add(child.transfer_id)
         if timing is not None:
             split.num_bytes += timing.num_bytes
@@ -229,15 +246,14 @@ class SplitPulls:
         self.core.stats.add("sends_completed")
         self.core.tombstones.add(SIDE, parent.transfer_id, "done")
 
-    def child_failed(self, child: SendState, reason: str) -> None:
-        """One piece failed: the held transfer fails (its other pieces with it)."""
-        self.sender.fail(child.parent or "", f"{reason} (piece {child.transfer_id})", notify=False)
-
-    def parent_failed(self, parent: SendState, reason: str) -> None:
-        """The held transfer ended failed: every piece still in flight ends, its receiver told."""
-        if parent.split is None:
+    def failed(self, st: SendState, reason: str) -> None:
+        """A send failed. A piece: the held transfer fails (its other pieces with it). A held
+        transfer: every piece still in flight ends, its receiver told."""
+        if isinstance(st, Piece):
+            self.sender.fail(st.parent, f"{reason} (piece {st.transfer_id})", notify=False)
+        if st.split is None:
             return
-        for child_id in sorted(parent.split.children - parent.split.done):
+        for child_id in sorted(st.split.children - st.split.done):
             self.sender.fail(child_id, reason, notify=True)
 
     # --- time --------------------------------------------------------------------------------------------

@@ -114,7 +114,7 @@ def test_a_handler_that_keeps_failing_restarts_the_loop(monkeypatch: pytest.Monk
         def broken(msg: object) -> None:
             raise RuntimeError("renew handling broken")
 
-        monkeypatch.setattr(agent, "_on_renew", broken)
+        monkeypatch.setattr(agent._routes, "_on_renew", broken)
         ctx = zmq.Context()
         out = ctx.socket(zmq.DEALER)
         out.setsockopt(zmq.LINGER, 0)

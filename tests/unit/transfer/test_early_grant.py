@@ -245,7 +245,7 @@ def test_a_sender_restarted_before_the_request_gets_the_transfer_granted_afresh(
     src_ids, dst_ids = [4, 5, 9, 1], [0, 7, 8, 3]
     with TransferAgent(TransferConfig(transport=transport)) as d:
         # D's data links do not report the old process's end: D keeps the pair's plane and epoch
-        monkeypatch.setattr(d, "on_peer_failed", lambda peer_id, reason: None)
+        monkeypatch.setattr(d._routes, "on_peer_failed", lambda peer_id, reason: None)
         with TransferAgent(cfg_p) as old:
             _push(old, d, "meet", src, dst, src_ids, dst_ids, sender=old.endpoint)
             poll_until(d, lambda e: "meet" in e["recvd"])
@@ -301,7 +301,7 @@ def test_a_restart_forgets_only_early_grants_the_old_epoch_never_had(
                                    state=PeerState.QUEUED.value, reply=True))
     assert had.sender_id == p.instance_id and never.sender_id is None
     with d._core.lock:
-        d._fail_peer(p.instance_id, "peer_lost: test restart", restarted=True)
+        d._routes._fail_peer(p.instance_id, "peer_lost: test restart", restarted=True)
     assert "had" in poll_until(d, lambda e: "had" in e["failed"])["failed"]
     assert d._receiver.recvs["never"] is never  # still waiting, for the new process's Offer
     assert never.peer is None and not never.early and d.stats().early_grants_unused == 1
@@ -317,5 +317,5 @@ def test_a_broken_link_of_a_live_sender_fails_its_early_grants(
     expect("linked")
     assert d.stats().early_grants == 1
     with d._core.lock:
-        d._fail_peer(p.instance_id, "peer_lost: link broke")
+        d._routes._fail_peer(p.instance_id, "peer_lost: link broke")
     assert "linked" in poll_until(d, lambda e: "linked" in e["failed"])["failed"]

@@ -86,7 +86,7 @@ def test_whole_push_held_before_expect_survives_the_sender_leaving(
     payload = gather_blocks(src, block_ids_tensor(ids, "cpu"), KVLayout.KV_FIRST)
     _send(a, "whole", b.endpoint, [payload])
     poll_until(a, lambda ev: "whole" in ev["sent"])
-    b.on_peer_failed(a.instance_id, "peer_lost: the sender closed")  # what its plane reports
+    b._routes.on_peer_failed(a.instance_id, "peer_lost: the sender closed")  # what its plane reports
     b.expect("whole", num_layers=1, scatter_into=lambda i: block_spans(dst, ids, KVLayout.KV_FIRST))
     ev = poll_until(b, lambda ev: "whole" in ev["recvd"])
     assert "whole" not in ev["failed"]
