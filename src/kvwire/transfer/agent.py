@@ -66,13 +66,9 @@ class TransferAgent:
         self._paged: PagedKV | None = None
         # every held plane behind one DataPlane, routed per peer (negotiated; decision 075)
         self._planes = plane = plane_factory(config, self._instance_id, self.board)
-        memory = RecvMemory(
-            config.recv_budget_bytes,
-            config.spill_budget_bytes,
-            plane.allocate,
-            pinned=config.device.startswith("cuda"),
-        )
-        self._core = core = Core(config, self._instance_id, plane, memory)
+        pinned = config.device.startswith("cuda")
+        mem = RecvMemory(config.recv_budget_bytes, config.spill_budget_bytes, plane.allocate, pinned=pinned)
+        self._core = core = Core(config, self._instance_id, plane, mem)
         self._sender = Sender(core)
         self._receiver = Receiver(core)
         # control messages, ticks and plane reports go to the side holding the transfer they name
@@ -175,13 +171,9 @@ class TransferAgent:
             self._sender.start(transfer_id, peer_endpoint, layers, deadline, with_trailer, pullers, limit)
 
     def promise(
-        self,
-        transfer_id: str,
-        peer_endpoint: str,
-        *,
-        deadline_s: float | None = None,
+        self, transfer_id: str, peer_endpoint: str, *, deadline_s: float | None = None,
         limit_s: float | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         """Tell ``peer_endpoint`` (the receiver) that this side accepted ``transfer_id`` and will
         send it (its prefill may be queued): the receiver's lease on it is renewed (state QUEUED)
         until :meth:`start_send` or :meth:`abort`, as long as the receiver answers within
@@ -289,18 +281,9 @@ class TransferAgent:
         with self._core.lock:
             self._check_open()
             deliver = self._receiver.expect(
-                transfer_id,
-                num_layers,
-                sink,
-                deadline,
-                pull_from,
-                scatter_into,
-                target,
-                accept_from,
-                sender,
-                limit_s,
-                pull_slice,
-            )
+                transfer_id, num_layers, sink, deadline, pull_from, scatter_into, target, accept_from,
+                sender, limit_s, pull_slice,
+            )  # fmt: skip
         if deliver:
             control = self._core.control
             assert control is not None

@@ -31,6 +31,44 @@ _SENDER_PROGRESS = frozenset({PeerState.QUEUED.value, PeerState.SENDING.value})
 __all__ = ["Receiver", "RecvState", "SpansFn", "WriteGuard"]
 
 
+class UnsolicitedOffers:
+    """Offers that came before ``expect()``: held (as transfers of the receiver's table) until the
+    caller expects them or their lease ends; at most ``max_pending_per_peer`` per sender endpoint and
+    ``max_pending_transfers`` transfers in all (decision 116)."""
+
+    def __init__(self, core: Core, recvs: dict[str, RecvState]) -> None:
+        self.core = core
+        self.recvs = recvs
+        # per sender endpoint: its Offers held here that expect() has not claimed yet
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def admit(self, msg: Offer, deadline_s: float) -> RecvState | None:
+        """State for an Offer that came before expect(), unless this agent or that sender has too
+        many (refused with an Abort)."""
+        limit = None
+        if len(self.recvs) >= self.core.config.max_pending_transfers:
+            limit = ControlLimit.PENDING_TRANSFERS
+        elif self.counts[msg.src_endpoint] >= self.core.config.limits.max_pending_per_peer:
+            limit = ControlLimit.PENDING_PER_PEER
+        if limit is not None:
+            self.core.stats.limit_hit(limit)
+            reason = f"receiver has too many transfers ({limit.value})"
+            self.core.send_abort(msg.src_endpoint, msg.transfer_id, reason, msg.src_id)
+            return None
+        lease = Lease.start(self.core.now(), deadline_s, self.core.config.default_limit_s)
+        st = self.recvs[msg.transfer_id] = RecvState(msg.transfer_id, lease, unsolicited_by=msg.src_endpoint)
+        self.counts[msg.src_endpoint] += 1
+        return st
+
+    def claim(self, st: RecvState) -> None:
+        """``st`` no longer counts as its sender's unsolicited Offer (expected now, or ended)."""
+        peer, st.unsolicited_by = st.unsolicited_by, None
+        if peer is not None:
+            self.counts[peer] -= 1
+            if self.counts[peer] <= 0:
+                del self.counts[peer]
+
+
 class Receiver(Transfers[RecvState]):
     """Every method runs with ``core.lock`` held, except the sink calls the agent makes."""
 
@@ -40,8 +78,7 @@ class Receiver(Transfers[RecvState]):
         super().__init__(core)
         self.credit = Credit(self)
         self.arrivals = Arrivals(self)
-        # per sender endpoint: its Offers held here that expect() has not claimed yet (decision 116)
-        self.unsolicited: collections.Counter[str] = collections.Counter()
+        self.unsolicited = UnsolicitedOffers(core, self.table)
 
     @property
     def recvs(self) -> dict[str, RecvState]:
@@ -68,7 +105,7 @@ class Receiver(Transfers[RecvState]):
         (that transfer is failed: its data is never delivered)."""
         accept_from = accept_from or pull_from
         st = self._expected_state(transfer_id, num_layers, deadline_s, accept_from, limit_s)
-        self._claim(st)
+        self.unsolicited.claim(st)
         st.expected, st.num_layers, st.sink, st.pull_from = True, num_layers, sink, pull_from
         st.accept_from = accept_from
         st.sender = sender if st.sender is None else st.sender
@@ -152,7 +189,7 @@ class Receiver(Transfers[RecvState]):
             )
             return
         deadline_s = self.core.peer_deadline(msg.deadline_s)
-        st = st if st is not None else self._unsolicited(msg, deadline_s)
+        st = st if st is not None else self.unsolicited.admit(msg, deadline_s)
         if st is None or not self._offer_from_granted(st, msg):
             return
         st.lease.tighten(self.core.now(), deadline_s, None)
@@ -179,32 +216,6 @@ class Receiver(Transfers[RecvState]):
         self.fail(st.transfer_id, reason, notify=False)
         self.core.send_abort(msg.src_endpoint, st.transfer_id, reason, msg.src_id)
         return False
-
-    def _unsolicited(self, msg: Offer, deadline_s: float) -> RecvState | None:
-        """State for an Offer that came before expect() (held until the caller expects it or its
-        lease ends), unless this agent or that sender has too many (refused with an Abort)."""
-        limit = None
-        if len(self.table) >= self.core.config.max_pending_transfers:
-            limit = ControlLimit.PENDING_TRANSFERS
-        elif self.unsolicited[msg.src_endpoint] >= self.core.config.limits.max_pending_per_peer:
-            limit = ControlLimit.PENDING_PER_PEER
-        if limit is not None:
-            self.core.stats.limit_hit(limit)
-            reason = f"receiver has too many transfers ({limit.value})"
-            self.core.send_abort(msg.src_endpoint, msg.transfer_id, reason, msg.src_id)
-            return None
-        lease = Lease.start(self.core.now(), deadline_s, self.core.config.default_limit_s)
-        st = self.table[msg.transfer_id] = RecvState(msg.transfer_id, lease, unsolicited_by=msg.src_endpoint)
-        self.unsolicited[msg.src_endpoint] += 1
-        return st
-
-    def _claim(self, st: RecvState) -> None:
-        """``st`` no longer counts as its sender's unsolicited Offer (expected now, or ended)."""
-        peer, st.unsolicited_by = st.unsolicited_by, None
-        if peer is not None:
-            self.unsolicited[peer] -= 1
-            if self.unsolicited[peer] <= 0:
-                del self.unsolicited[peer]
 
     def _refused(self, endpoint: str, transfer_id: str) -> None:
         self.core.stats.add("offers_refused")
@@ -246,7 +257,7 @@ class Receiver(Transfers[RecvState]):
     # --- failure -----------------------------------------------------------------------------------------
 
     def _released(self, st: RecvState) -> None:
-        self._claim(st)
+        self.unsolicited.claim(st)
         if st.guard is not None:
             st.guard.close()  # a copy into the caller's blocks running now finishes first
         for granted in st.granted.values():

@@ -13,7 +13,7 @@ from kvwire.errors import TransferError
 from kvwire.transfer.lifecycle import TransferState
 from kvwire.transfer.paged_kv import PagedKV
 from kvwire.transfer.planes.base import DataPlane
-from kvwire.transfer.types import LayerSpec, PeerRef, SendItem
+from kvwire.transfer.types import ByteSpans, LayerSpec, PeerRef, SendItem
 
 if TYPE_CHECKING:
     from kvwire.transfer.split_pull import Split
@@ -130,3 +130,16 @@ def _slab_allocator(plane: DataPlane) -> Callable[[tuple[int, ...], torch.dtype]
         return flat.view(dtype).view(shape)
 
     return allocate
+
+
+def gathered(spans: ByteSpans, spec: LayerSpec, ready_event: Any) -> tuple[torch.Tensor, Any]:
+    """A layer's ``spans`` gathered into one tensor (for a plane that takes no spans), and the event
+    that orders its use after the gather (CUDA; None on the CPU)."""
+    if ready_event is not None:  # order the gather after the producer's writes (CUDA)
+        ready_event.wait()
+        ready_event = None
+    tensor = spans.gather().view(spec.dtype).view(spec.shape)
+    if tensor.is_cuda:
+        ready_event = torch.cuda.Event()
+        ready_event.record()
+    return tensor, ready_event

@@ -21,12 +21,11 @@ from kvwire.transfer.lease import Lease, PeerState
 from kvwire.transfer.lifecycle import Transfers
 from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Renew, Trailer, WireLayer
 from kvwire.transfer.paged_kv import PagedKV
-from kvwire.transfer.peer_table import PeerTable
+from kvwire.transfer.pending_pulls import PendingPulls
 from kvwire.transfer.promises import Promises
 from kvwire.transfer.send_queue import SendQueue
-from kvwire.transfer.send_state import HeldBlocks, SendState
+from kvwire.transfer.send_state import HeldBlocks, SendState, gathered
 from kvwire.transfer.split_pull import SplitPulls
-from kvwire.transfer.stats import ControlLimit
 from kvwire.transfer.types import DTYPE_NAMES, ByteSpans, LayerSpec, PeerRef, SendItem
 
 SIDE = "send"
@@ -40,12 +39,7 @@ class Sender(Transfers[SendState]):
     def __init__(self, core: Core) -> None:
         super().__init__(core)
         self.promises = Promises(core)
-        limits = core.config.limits
-        # pulls that came before start_send: transfer id -> (pull, until); bounded per puller and in all
-        self.pending_pulls: PeerTable[str, tuple[Pull, float]] = PeerTable(
-            limits.max_pending_per_peer, limits.max_pending_pulls, ControlLimit.PENDING_PER_PEER,
-            ControlLimit.PENDING_PULLS,
-        )  # fmt: skip
+        self.pending_pulls = PendingPulls(core)  # pulls that came before start_send
         self.early_grants = EarlyGrants(core)  # grants that came before start_send (decision 110)
         self.queue = SendQueue(core, self.table)
         self.splits = SplitPulls(self)
@@ -90,9 +84,9 @@ class Sender(Transfers[SendState]):
                 reason = "not this transfer's receiver"
                 self.core.send_abort(early.src_endpoint, transfer_id, reason, early.src_id)
             return
-        pending = self.pending_pulls.pop(transfer_id)
+        pending = self.pending_pulls.take(transfer_id)
         if pending is not None:
-            self.on_pull(pending[0])
+            self.on_pull(pending)
         self.splits.started(st)
 
     def _check_layer(self, transfer_id: str, index: int) -> SendState | None:
@@ -112,15 +106,8 @@ class Sender(Transfers[SendState]):
             )
         if self.core.plane.supports_spans:
             self._handed_over(st, index, SendItem(transfer_id, index, spans.base, ready_event, spans))
-            return
-        if ready_event is not None:  # order the gather after the producer's writes (CUDA)
-            ready_event.wait()
-            ready_event = None
-        tensor = spans.gather().view(spec.dtype).view(spec.shape)
-        if tensor.is_cuda:
-            ready_event = torch.cuda.Event()
-            ready_event.record()
-        self.add_layer(transfer_id, index, tensor, ready_event)
+        else:  # the plane takes tensors only: gather here
+            self.add_layer(transfer_id, index, *gathered(spans, spec, ready_event))
 
     def add_layer_blocks(
         self, transfer_id: str, index: int, paged: PagedKV, block_ids: torch.Tensor, ready_event: Any
@@ -197,11 +184,7 @@ class Sender(Transfers[SendState]):
         if st is not None and msg.early and not early_grant_fits(st.layers, msg):
             return  # the layers are not the sizes granted early: the receiver grants on the Offer
         if st is None or st.endpoint != msg.src_endpoint:
-            if st is None and msg.plane_info:  # an ordered plane must still consume what was granted
-                self.core.plane.cancel(msg.transfer_id)
-                peer = PeerRef(msg.src_endpoint, msg.src_id, msg.data_address, msg.plane_info)
-                self.core.plane.on_peer_info(peer, msg.plane_info)
-            self._unknown(msg.src_endpoint, msg.transfer_id, msg.src_id)
+            self._grant_of_unknown(msg, started=st is not None)
             return
         if st.peer is None:
             st.peer = PeerRef(msg.src_endpoint, msg.src_id, msg.data_address, msg.plane_info)
@@ -246,7 +229,7 @@ class Sender(Transfers[SendState]):
             return
         st = self.table.get(msg.transfer_id)
         if st is None:
-            self._hold_pull(msg)
+            self.pending_pulls.hold(msg)
             return
         if st.endpoint is None and st.pull_by is not None and msg.src_endpoint not in st.pull_by:
             self.core.stats.add("offers_refused")  # not the pair's receiver: the lease stays
@@ -263,24 +246,16 @@ class Sender(Transfers[SendState]):
                 msg.src_endpoint, msg.transfer_id, "already pulled by another peer", msg.src_id
             )
 
-    def _hold_pull(self, msg: Pull) -> None:
-        """A pull overtook start_send: hold it until the puller's (clamped) deadline, unless the
-        transfer already ended here or the puller (or everyone) has too many held (refused)."""
-        ended = self.core.tombstones.get(SIDE, msg.transfer_id)
-        limit = None if ended is not None else self.pending_pulls.admit(msg.transfer_id, msg.src_endpoint)
-        if ended is not None or limit is not None:
-            if limit is not None:
-                self.core.stats.limit_hit(limit)
-            reason = ended or f"too many pending pulls ({limit.value if limit else ''})"
-            self.core.send_abort(msg.src_endpoint, msg.transfer_id, reason, msg.src_id)
-            return
-        until = self.core.now() + self.core.peer_deadline(msg.deadline_s)
-        self.pending_pulls.put(msg.transfer_id, msg.src_endpoint, (msg, until))
-
-    def _unknown(self, endpoint: str, transfer_id: str, dst_id: str) -> None:
-        reason = self.core.tombstones.get(SIDE, transfer_id) or FailReason.UNKNOWN.value
+    def _grant_of_unknown(self, msg: Grant, started: bool) -> None:
+        """A grant of a transfer not sent here (or not to its sender): answered with an Abort unless
+        the transfer finished here."""
+        if not started and msg.plane_info:  # an ordered plane must still consume what was granted
+            self.core.plane.cancel(msg.transfer_id)
+            peer = PeerRef(msg.src_endpoint, msg.src_id, msg.data_address, msg.plane_info)
+            self.core.plane.on_peer_info(peer, msg.plane_info)
+        reason = self.core.tombstones.get(SIDE, msg.transfer_id) or FailReason.UNKNOWN.value
         if reason != "done":
-            self.core.send_abort(endpoint, transfer_id, reason, dst_id)
+            self.core.send_abort(msg.src_endpoint, msg.transfer_id, reason, msg.src_id)
 
     def on_abort(self, transfer_id: str, src_endpoint: str, reason: str) -> None:
         self.early_grants.aborted(transfer_id, src_endpoint)
@@ -321,10 +296,7 @@ class Sender(Transfers[SendState]):
 
     def expire(self, now: float) -> None:
         super().expire(now)
-        for tid, (msg, until) in self.pending_pulls.items():
-            if until <= now:
-                self.pending_pulls.pop(tid)
-                self.core.send_abort(msg.src_endpoint, tid, FailReason.UNKNOWN.value, msg.src_id)
+        self.pending_pulls.expire(now)
         self.early_grants.expire(now)
         self.splits.expire(now)
 
