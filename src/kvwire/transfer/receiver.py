@@ -278,7 +278,9 @@ class Receiver(Transfers[RecvState]):
         which wait for the new one's Offer. (A broken link of a live sender fails those too: that
         sender may have kept the early grant, whose slot is revoked with the link.)"""
         for tid in self.bound_to(peer_id):
-            st = self.table[tid]
+            st = self.table.get(tid)  # (failing one frees memory: the grant pass may fail another)
+            if st is None:
+                continue
             if restarted and st.early_only(peer_id):
                 # the transfer waits for the new process's Offer as if never granted; the plane's
                 # posts and grants for the old epoch go with ``drop_peer``, which follows
@@ -292,7 +294,8 @@ class Receiver(Transfers[RecvState]):
         Offer: a pull, or a push whose sender was named). Returns how many receives failed."""
         failed = 0
         for tid in [t for t, st in self.table.items() if st.peer_endpoint() == endpoint]:
-            if not self._all_arrived(self.table[tid]):
+            st = self.table.get(tid)
+            if st is not None and not self._all_arrived(st):
                 failed += self.fail(tid, reason, notify=False)
         return failed
 

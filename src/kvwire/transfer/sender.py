@@ -220,8 +220,9 @@ class Sender(Transfers[SendState]):
             st.paged.give_slab(st.slab)  # the plane is done with it (a failed send's is dropped)
         self.core.stats.add("sends_completed")
         self.core.tombstones.add(SIDE, st.transfer_id, "done")
-        if not self.splits.piece_done(st, self.queue.timing(st)):
-            self.core.events.sent(st.transfer_id, self.queue.timing(st))
+        timing = self.queue.timing(st)
+        if not self.splits.piece_done(st, timing):  # a piece: its held transfer reports once all are done
+            self.core.events.sent(st.transfer_id, timing)
 
     def on_pull(self, msg: Pull) -> None:
         if msg.held:
