@@ -63,6 +63,7 @@ class WriteGuard:
 class RecvState:
     transfer_id: str
     lease: Lease  # deadline, renewed while the sender shows life, up to its limit
+    created_s: float = 0.0  # on the core's clock: when this side first heard of the transfer
     expected: bool = False  # expect() was called
     num_layers: int | None = None
     sink: LayerSink | None = None
@@ -166,7 +167,7 @@ class Receiver:
         if st is None:
             if len(self.recvs) >= self.core.config.max_pending_transfers:
                 raise TransferError("too many transfers in flight", transfer_id)
-            st = self.recvs[transfer_id] = RecvState(transfer_id, Lease.start(now, deadline_s, limit_s))
+            st = self.recvs[transfer_id] = RecvState(transfer_id, Lease.start(now, deadline_s, limit_s), now)
         st.lease.tighten(now, deadline_s, limit_s)
         self._claim(st)
         st.expected, st.num_layers, st.sink, st.pull_from = True, num_layers, sink, pull_from
@@ -731,7 +732,7 @@ class Receiver:
             return False
         if st.peer is not None and st.peer.instance_id != msg.src_id:
             return False
-        if msg.state not in _SENDER_PROGRESS:
+        if msg.state not in _SENDER_PROGRESS and not self._admitting(st, msg):
             return True  # done, or does not know it: nothing more will come, no renewal
         if st.specs is None:  # before the Offer: the sender's epoch must not change meanwhile
             if st.sender_id is None:
@@ -741,6 +742,21 @@ class Receiver:
                 return True
         st.lease.renewed(self.core.now())
         return True
+
+    def _admitting(self, st: RecvState, msg: Renew) -> bool:
+        """A live push sender that has not heard of the transfer yet (its HTTP server or engine queue
+        still holds the request: decision 128) renews the lease, within ``max_admission_wait_s`` of
+        ``expect`` and before its Offer. Its epoch is pinned like a sender's in progress, so a
+        restarted sender (which never had the request) fails the transfer."""
+        if msg.state != PeerState.UNKNOWN.value or st.specs is not None or st.pull_from is not None:
+            return False
+        if not st.expected or st.sender is None:
+            return False
+        waited = self.core.now() - st.created_s
+        if waited <= self.core.config.limits.max_admission_wait_s:
+            self.core.stats.add("admission_renewals")
+            return True
+        return False
 
     def drop_done(self, transfer_id: str) -> None:
         for buf in self.done_layers.pop(transfer_id, {}).values():
