@@ -2,7 +2,8 @@
 
 A client proves a key with ``Authorization: Bearer <key>``. A request without a header, with another
 scheme, or with a key that is not configured gets **401** and OpenAI's error body
-(``{"error": {"message", "type": "invalid_request_error", "param": null, "code": "invalid_api_key"}}``)
+(``{"error": {"message", "type": "invalid_request_error", "param": null, "code": 401, "reason":
+"invalid_api_key"}}``: vLLM's shape, ``code`` the HTTP status)
 plus ``WWW-Authenticate: Bearer``; nothing else of the request is read. ``/health`` is always open
 (load balancers and orchestrators probe it without credentials); ``/metrics`` and ``/instances`` are
 protected unless listed in :attr:`ApiKeyConfig.open_paths` (``--open-endpoint``). Keys are compared
@@ -108,7 +109,7 @@ def unauthorized_response(refusal: Refusal) -> web.Response:
         if refusal is Refusal.MISSING_KEY else "Incorrect API key provided."
     )
     body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                      "code": "invalid_api_key"}}
+                      "code": 401, "reason": "invalid_api_key"}}
     return web.json_response(body, status=401, headers={"WWW-Authenticate": "Bearer"})
 
 

@@ -198,7 +198,7 @@ def test_malformed_token_ids_from_an_instance_are_treated_as_absent(ids: str) ->
     over the token ids and prompt ids an instance streamed (ValueError, TypeError in the router's
     relay). Ids that are not a list of non-negative ints are now ignored: the
     answer is then not token-exact, so a migration resumes from the text (ids_complete False)."""
-    from kvwire.router.migration import StreamLedger
+    from kvwire.router.stream_ledger import StreamLedger
 
     ledger = StreamLedger(_streamed(False), chat=False)  # type: ignore[arg-type]
     event = ('{"id": "c", "object": "text_completion", "created": 1, "model": "tiny", '

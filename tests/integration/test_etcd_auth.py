@@ -91,12 +91,12 @@ def test_register_and_watch_as_a_user_through_token_expiry(
             await asyncio.to_thread(wait_for, lambda: registry.get("auth-0") is not None, 10, "registered")
             assert not watcher.stale and watcher.last_error == ""
             # the router's token lapses unused; its next call takes a new one
-            token = watcher._token
+            token = watcher.client.token
             assert token
             await asyncio.to_thread(wait_for, lambda: _token_rejected(etcd.url, token), 10,  # type: ignore[arg-type]
                                     "the router's token to expire", 1.5 * TOKEN_TTL_S)
-            await watcher._post("/v3/kv/range", {"key": b64(PREFIX + "auth-0")})
-            assert watcher._token not in ("", token)
+            await watcher.client.post("/v3/kv/range", {"key": b64(PREFIX + "auth-0")})
+            assert watcher.client.token not in ("", token)
             assert registry.get("auth-0").alive  # type: ignore[union-attr]
         finally:
             registration.close()

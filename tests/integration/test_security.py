@@ -104,7 +104,7 @@ def test_router_and_instances_require_api_keys(cluster: LocalCluster) -> None:
         for key in (None, "sk-wrong-key-0000"):
             status, answer = call(f"{url}/v1/completions", completion(), key=key)
             assert status == 401, answer
-            assert answer["error"]["code"] == "invalid_api_key"
+            assert answer["error"]["reason"] == "invalid_api_key" and answer["error"]["code"] == 401
         assert call(f"{url}/metrics", key=None)[0] == 401
         assert call(f"{url}/health", key=None)[0] == 200  # probes need no key
     assert call(f"{router}/instances", key=None)[0] == 401
@@ -134,13 +134,13 @@ def test_forged_kv_transfer_params_are_refused_before_any_connection(
             body = completion(kv_transfer_params=params.to_dict())
             status, answer = call(f"{prefill}/v1/completions", body)
             assert status == 403, answer
-            assert answer["error"]["code"] == reason
+            assert answer["error"]["reason"] == reason and answer["error"]["code"] == 403
         # A genuine pull-mode prefill is admitted once; the same parameters again are a replay.
         lease = ParamsSigner(SECRET).sign(KVTransferParams(transfer_id=uuid.uuid4().hex,
                                                            mode=TransferMode.PULL, role=Role.PREFILL))
         assert call(f"{prefill}/v1/completions", completion(kv_transfer_params=lease.to_dict()))[0] == 200
         status, answer = call(f"{prefill}/v1/completions", completion(kv_transfer_params=lease.to_dict()))
-        assert (status, answer["error"]["code"]) == (403, "replayed")
+        assert (status, answer["error"]["code"], answer["error"]["reason"]) == (403, 403, "replayed")
 
         assert_serving(cluster)  # the instances keep serving; and by now any connection would be in
         assert select.select([trap], [], [], 0)[0] == []

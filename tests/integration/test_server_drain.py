@@ -46,7 +46,7 @@ def test_sigusr1_finishes_the_stream_in_flight_refuses_new_ones_and_stops(tmp_pa
                 return first + await resp.read(), status, refused
 
         raw, _, refused = run(body())
-        assert refused["error"]["code"] == "instance_stopping"
+        assert refused["error"]["reason"] == "instance_stopping" and refused["error"]["code"] == 503
         events = sse_events(raw)
         assert not [e for e in events if "error" in e]
         tokens = sum(len(e["choices"][0].get("token_ids") or []) for e in events if e.get("choices"))

@@ -25,10 +25,10 @@ from kvwire.auth import Refusal, RefusalLog, api_key_middleware
 from kvwire.errors import InvalidRequestError, NoInstanceError
 from kvwire.router.config import PdFallback, RouterConfig
 from kvwire.router.discovery_backend import ZmqDiscovery, make_discovery
+from kvwire.router.dispatcher import Dispatcher
 from kvwire.router.kv_index import KvIndex
 from kvwire.router.listener import DiscoveryListener
 from kvwire.router.metrics import RouterMetrics
-from kvwire.router.proxy import Dispatcher
 from kvwire.router.registry import InstanceView, Registry
 from kvwire.router.request import ClientRequest, Outcome, parse_client_request
 from kvwire.router.security import instance_headers

@@ -15,9 +15,9 @@ from aiohttp import web
 
 from kvwire.client_writer import ClientWriter
 from kvwire.router.metrics import RouterMetrics, SSETokenMeter
-from kvwire.router.migration import StreamLedger
 from kvwire.router.request import ClientRequest, Outcome
 from kvwire.router.selection import Plan
+from kvwire.router.stream_ledger import StreamLedger
 
 
 class ClientStream:

@@ -4,7 +4,7 @@ An instance's record promises the next within ``ttl_s`` (decision 095). The rout
 instance, the deadline its last record set, in a heap keyed on deadlines: the next one due is found
 in O(log N) and nothing scans every instance. What the router does when one passes (ask etcd
 whether the instance's key is still at the revision the router last saw) is in
-:mod:`kvwire.router.etcd_watcher`. Pure bookkeeping, no I/O.
+:mod:`kvwire.router.etcd_probe`. Pure bookkeeping, no I/O.
 """
 
 from __future__ import annotations

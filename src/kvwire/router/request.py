@@ -14,7 +14,7 @@ from kvwire.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from kvwire.router.client_stream import ClientStream
-    from kvwire.router.migration import StreamLedger
+    from kvwire.router.stream_ledger import StreamLedger
 
 _FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 _DEFAULT_MAX_TOKENS = 16  # what OpenAI /v1/completions assumes when max_tokens is absent

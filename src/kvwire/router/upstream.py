@@ -246,4 +246,7 @@ def _says_gone(status: int, body: bytes) -> bool:
         error = msgspec.json.decode(body).get("error")
     except (msgspec.DecodeError, AttributeError, RecursionError):
         return False
-    return isinstance(error, dict) and error.get("code") in INSTANCE_GONE_CODES
+    # ``reason`` (vLLM's shape: ``code`` is the status); ``code`` from instances before 2026-12-05
+    return isinstance(error, dict) and (
+        error.get("reason") in INSTANCE_GONE_CODES or error.get("code") in INSTANCE_GONE_CODES
+    )

@@ -139,6 +139,9 @@ def _add_kv_limit_arguments(parser: argparse.ArgumentParser) -> None:
                        help="transfers the KV agent tracks, per side")
     group.add_argument("--kv-max-peers", type=int, default=d.max_peers,
                        help="peer endpoints whose epoch is remembered (least recently heard forgotten)")
+    group.add_argument("--kv-max-admission-wait-s", type=float, default=d.max_admission_wait_s,
+                       help="D, push: how long a live P that has not yet taken the request up (its HTTP "
+                            "server or queue holds it) keeps D's lease renewed (decision 128)")
 
 
 def kv_limits_from_args(args: argparse.Namespace) -> ControlLimits:
@@ -147,7 +150,7 @@ def kv_limits_from_args(args: argparse.Namespace) -> ControlLimits:
         max_peer_deadline_s=args.kv_max_peer_deadline_s, max_early_grants=args.kv_max_early_grants,
         max_early_grants_per_peer=args.kv_max_early_grants_per_peer,
         max_pending_per_peer=args.kv_max_pending_per_peer, max_pending_pulls=args.kv_max_pending_pulls,
-        max_peers=args.kv_max_peers,
+        max_peers=args.kv_max_peers, max_admission_wait_s=args.kv_max_admission_wait_s,
     )
 
 

@@ -65,6 +65,9 @@ _AGENT_COUNTERS: tuple[tuple[str, str, Callable[[TransferStats], float]], ...] =
     ("kvwire_kv_early_grants", "KV receives granted before the sender's offer", lambda s: s.early_grants),
     ("kvwire_kv_early_grants_unused", "early grants dropped (the offer did not fit, or the sender restarted)",
      lambda s: s.early_grants_unused),
+    # D's leases renewed by a live P whose HTTP server or queue still held the request (decision 128)
+    ("kvwire_kv_admission_renewals", "KV receive leases renewed by a live sender that had not taken the "
+     "request up yet", lambda s: s.admission_renewals),
 )
 
 

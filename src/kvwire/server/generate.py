@@ -60,9 +60,9 @@ def json_response(status: int, body: dict[str, Any]) -> web.Response:
 
 def error_response(
     status: int, message: str, err_type: str = "invalid_request_error", param: str | None = None,
-    code: str | None = None,
+    reason: str | None = None,
 ) -> web.Response:
-    return json_response(status, error_body(message, err_type, param, code))
+    return json_response(status, error_body(status, message, err_type, param, reason))
 
 
 RETRY_AFTER_S = 1  # what a client refused for a full waiting queue is told to wait
@@ -72,7 +72,7 @@ def queue_full_response(max_waiting: int) -> web.Response:
     """429: the waiting queue holds ``max_waiting`` requests (``--max-waiting-requests``)."""
     response = error_response(
         429, f"the server's waiting queue is full ({max_waiting} requests); retry later",
-        "rate_limit_error", code="queue_full")
+        "rate_limit_error", reason="queue_full")
     response.headers["Retry-After"] = str(RETRY_AFTER_S)
     return response
 
@@ -90,12 +90,12 @@ class Reply:
         """An engine-side failure: shutdown, an engine stall and a lost rank are 503 (retry elsewhere;
         ``instance_lost`` also tells a router to take this instance out of routing), else 500."""
         if isinstance(exc, RankLost):
-            return cls(503, "lost", error_body(str(exc), "server_error", code=INSTANCE_LOST))
+            return cls(503, "lost", error_body(503, str(exc), "server_error", reason=INSTANCE_LOST))
         if isinstance(exc, ServerShuttingDown):
-            return cls(503, "shutdown", error_body(str(exc), "server_error"))
+            return cls(503, "shutdown", error_body(503, str(exc), "server_error", reason=INSTANCE_STOPPING))
         if isinstance(exc, EngineStalled):
-            return cls(503, "stalled", error_body(str(exc), "server_error", code="engine_stalled"))
-        return cls(500, "error", error_body(str(exc), "server_error"))
+            return cls(503, "stalled", error_body(503, str(exc), "server_error", reason="engine_stalled"))
+        return cls(500, "error", error_body(500, str(exc), "server_error"))
 
 
 class ModelNotFound(InvalidRequestError):
@@ -200,7 +200,9 @@ class GenerationHandler:
         endpoint = kind.value
         if self.draining:
             self._count(endpoint, "shutdown")
-            return error_response(503, "the server is shutting down", "server_error", code=INSTANCE_STOPPING)
+            return error_response(
+                503, "the server is shutting down", "server_error", reason=INSTANCE_STOPPING
+            )
         if self._max_waiting and self._loop.num_waiting >= self._max_waiting:
             self._count(endpoint, "queue_full")
             return queue_full_response(self._max_waiting)
@@ -240,7 +242,7 @@ class GenerationHandler:
             return error_response(404, str(exc), "invalid_request_error", "model", "model_not_found")
         except BadRequest as exc:
             self._count(endpoint, "invalid")
-            return error_response(400, str(exc), param=exc.param, code=exc.code)
+            return error_response(400, str(exc), param=exc.param, reason=exc.code)
         except InvalidRequestError as exc:
             self._count(endpoint, "invalid")
             return error_response(400, str(exc))
@@ -336,9 +338,11 @@ class GenerationHandler:
         timer.on_finish(time.monotonic())
         reason = last.finish_reason or "stop"
         if reason == "error":
-            return Reply(500, reason, error_body(f"engine error: {last.error or 'unknown'}", "server_error"))
+            message = f"engine error: {last.error or 'unknown'}"
+            return Reply(500, reason, error_body(500, message, "server_error"))
         if reason == "abort":
-            return Reply(503, reason, error_body("the request was aborted by the engine", "server_error"))
+            message = "the request was aborted by the engine"
+            return Reply(503, reason, error_body(503, message, "server_error"))
         usage = usage_body(last.num_prompt_tokens or len(prepared.prompt_token_ids), len(last.token_ids))
         body = builder.full(last.text, list(last.token_ids), reason, usage, last.kv_transfer_params,
                             prepared.prompt_token_ids)
@@ -392,7 +396,8 @@ class GenerationHandler:
                 out = item.output
                 timer.on_tokens(len(out.new_token_ids), item.time_s)
                 if out.finished and out.finish_reason == "error":
-                    await writer.write(sse_event(error_body(f"engine error: {out.error}", "server_error")))
+                    message = f"engine error: {out.error}"
+                    await writer.write(sse_event(error_body(500, message, "server_error")))
                     return "error", None
                 if out.new_token_ids or out.new_text or out.finished:
                     reason = (out.finish_reason or "stop") if out.finished else None

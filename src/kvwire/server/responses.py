@@ -29,9 +29,16 @@ def json_bytes(payload: dict[str, Any]) -> bytes:
 
 
 def error_body(
-    message: str, err_type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+    status: int, message: str, err_type: str = "invalid_request_error", param: str | None = None,
+    reason: str | None = None,
 ) -> dict[str, Any]:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+    """vLLM's error body (``ErrorResponse``: ``code`` is the HTTP status, an int); ``reason``, when
+    given, is kvwire's machine-readable cause (``queue_full``, ``instance_lost``, ...: what a router or
+    script branches on), an extra field that vLLM's and OpenAI's clients ignore."""
+    error: dict[str, Any] = {"message": message, "type": err_type, "param": param, "code": status}
+    if reason is not None:
+        error["reason"] = reason
+    return {"error": error}
 
 
 def usage_body(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:

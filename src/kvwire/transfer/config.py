@@ -25,6 +25,11 @@ class ControlLimits:
     yet, Pulls before ``start_send``: per peer and in all) and how many peer endpoints are
     remembered (least recently heard of forgotten first). Each limit hit is counted in
     ``TransferStats.limits_hit`` (``kvwire_transfer_limit_hits_total{limit}``).
+
+    ``max_admission_wait_s`` (decision 128): how long after ``expect`` a push receiver keeps its lease
+    renewed on the word of a live sender that has not heard of the transfer yet (the request still in
+    its HTTP server or its engine's queue: it answers ``unknown``). A sender that never hears of it
+    fails the transfer this long after ``expect`` (or at its limit); a silent one, within one lease.
     """
 
     max_message_bytes: int = 4 * MiB  # one control frame (a control message never carries layer data)
@@ -36,6 +41,7 @@ class ControlLimits:
     max_pending_per_peer: int = 1024
     max_pending_pulls: int = 10_000  # Pulls (whole or piece) of transfers not started here, in all
     max_peers: int = 4096  # peer endpoints whose epoch is remembered (least recently heard forgotten)
+    max_admission_wait_s: float = 30.0  # push receiver: a live sender's "unknown" renews this long
 
     def __post_init__(self) -> None:
         if not 64 * 1024 <= self.max_message_bytes <= 1 << 30:
@@ -48,6 +54,9 @@ class ControlLimits:
         for name in counts:
             if getattr(self, name) < 1:
                 raise ConfigError(f"ControlLimits.{name} must be >= 1, got {getattr(self, name)}")
+        wait_s = self.max_admission_wait_s
+        if not (math.isfinite(wait_s) and wait_s >= 0):
+            raise ConfigError(f"max_admission_wait_s must be finite and >= 0, got {wait_s}")
         if self.max_early_grants_per_peer > self.max_early_grants:
             raise ConfigError("ControlLimits.max_early_grants_per_peer must be <= max_early_grants")
 

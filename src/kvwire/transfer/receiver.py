@@ -146,7 +146,7 @@ class Receiver(Transfers[RecvState]):
         if st is None:
             if len(self.table) >= self.core.config.max_pending_transfers:
                 raise TransferError("too many transfers in flight", transfer_id)
-            st = self.table[transfer_id] = RecvState(transfer_id, Lease.start(now, deadline_s, limit_s))
+            st = self.table[transfer_id] = RecvState(transfer_id, Lease.start(now, deadline_s, limit_s), now)
         st.lease.tighten(now, deadline_s, limit_s)
         return st
 
@@ -336,7 +336,7 @@ class Receiver(Transfers[RecvState]):
         st = self.renewed_by(msg)
         if st is None:
             return False
-        if msg.state not in _SENDER_PROGRESS:
+        if msg.state not in _SENDER_PROGRESS and not self._admitting(st, msg):
             return True  # done, or does not know it: nothing more will come, no renewal
         if st.specs is None:  # before the Offer: the sender's epoch must not change meanwhile
             if st.sender_id is None:
@@ -346,6 +346,21 @@ class Receiver(Transfers[RecvState]):
                 return True
         st.lease.renewed(self.core.now())
         return True
+
+    def _admitting(self, st: RecvState, msg: Renew) -> bool:
+        """A live push sender that has not heard of the transfer yet (its HTTP server or engine queue
+        still holds the request: decision 128) renews the lease, within ``max_admission_wait_s`` of
+        ``expect`` and before its Offer. Its epoch is pinned like a sender's in progress, so a
+        restarted sender (which never had the request) fails the transfer."""
+        if msg.state != PeerState.UNKNOWN.value or st.specs is not None or st.pull_from is not None:
+            return False
+        if not st.expected or st.sender is None:
+            return False
+        waited = self.core.now() - st.created_s
+        if waited <= self.core.config.limits.max_admission_wait_s:
+            self.core.stats.add("admission_renewals")
+            return True
+        return False
 
     def drop_done(self, transfer_id: str) -> None:
         self.arrivals.drop_done(transfer_id)

@@ -42,6 +42,7 @@ class WriteGuard:
 
 @dataclasses.dataclass
 class RecvState(TransferState):
+    created_s: float = 0.0  # on the core's clock: when this side first heard of the transfer
     expected: bool = False  # expect() was called
     num_layers: int | None = None
     sink: LayerSink | None = None

@@ -31,6 +31,8 @@ class TransferStats:
     early_grants: int = 0  # transfers granted at expect time, before the sender's Offer (decision 110)
     early_grants_unused: int = 0  # ... dropped: other sizes offered, or the sender restarted
     trailers_missing: int = 0  # transfers completed at their deadline without the sender's trailer
+    # push receives renewed by a live sender that had not heard of them yet (decision 128)
+    admission_renewals: int = 0
     device_copy_bytes: int = 0  # bytes a plane copied on the GPU itself (CUDA IPC) ...
     device_copy_ns: int = 0  # ... and the device time those copies took
     device_copy_batches: int = 0  # ... in this many batches (one timed window each)

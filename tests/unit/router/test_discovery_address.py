@@ -189,7 +189,7 @@ def test_watch_backlog_does_not_starve_the_event_loop() -> None:
     async def scenario() -> tuple[int, int]:
         registry = Registry(ttl_s=10.0)
         watcher = EtcdWatcher(registry, parse_discovery_address("etcd://h:1"))
-        watcher._session = Session()  # type: ignore[assignment]
+        watcher.client.session = Session()  # type: ignore[assignment]
         ticks = 0
 
         async def other_work() -> None:

@@ -73,7 +73,7 @@ def test_a_probe_expires_only_what_etcd_confirms_silent() -> None:
     watcher.stale = False
     events = [WatchEvent(kv=WatchKv(key=f"/p/{i}".encode(), value=encode_record(_record(i, 1)),
                                     mod_revision=rev)) for rev, i in enumerate("abc", start=10)]
-    watcher._apply_events(events)
+    watcher.records.apply_events(events)
     assert watcher.revision == 12 and len(registry.live(Role.DECODE)) == 3
     etcd_revisions = {"a": 10, "b": 15, "c": None}  # b: a newer record on its way; c: lease gone
     answers: list[dict[str, Any] | Exception] = [EtcdError("unreachable")]
@@ -92,24 +92,24 @@ def test_a_probe_expires_only_what_etcd_confirms_silent() -> None:
             responses.append({"response_range": {"kvs": kvs} if kvs else {}})
         return {"responses": responses}
 
-    watcher._post = post  # type: ignore[method-assign]
+    watcher.client.post = post  # type: ignore[method-assign]
 
     async def scenario() -> None:
         clock.now += 1.0
-        assert watcher._expiry_step() > 0 and not watcher._probes  # nothing due yet
+        assert watcher.expiry.step() > 0 and not watcher.expiry.in_flight  # nothing due yet
         clock.now += 1.5  # everyone 2.5 s silent, TTL 2 s
-        watcher._expiry_step()
-        await asyncio.gather(*watcher._probes)  # etcd did not answer: nobody expired
+        watcher.expiry.step()
+        await asyncio.gather(*watcher.expiry.in_flight)  # etcd did not answer: nobody expired
         assert watcher.probes["failed"] == 3 and len(registry.live(Role.DECODE)) == 3
         clock.now += 0.3  # the failed ones are asked again
-        watcher._expiry_step()
-        await asyncio.gather(*watcher._probes)
+        watcher.expiry.step()
+        await asyncio.gather(*watcher.expiry.in_flight)
         assert {v.instance_id for v in registry.live(Role.DECODE)} == {"b"}
         assert registry.get("a").state is InstanceState.EXPIRED  # type: ignore[union-attr]
         assert watcher.probes["expired"] == 2 and watcher.probes["behind"] == 1
-        assert "b" in watcher._deadlines  # asked again unless its newer record arrives first
-        watcher._apply_events([WatchEvent(kv=WatchKv(key=b"/p/b", value=encode_record(_record("b", 2)),
+        assert "b" in watcher.records.deadlines  # asked again unless its newer record arrives first
+        watcher.records.apply_events([WatchEvent(kv=WatchKv(key=b"/p/b", value=encode_record(_record("b", 2)),
                                                      mod_revision=15))])
-        assert watcher._deadlines.earliest() == pytest.approx(clock.now + 2.0)
+        assert watcher.records.deadlines.earliest() == pytest.approx(clock.now + 2.0)
 
     asyncio.run(scenario())

@@ -115,16 +115,16 @@ def _watcher() -> tuple[EtcdWatcher, Registry]:
 
 def test_watcher_refuses_unsigned_and_replayed_records() -> None:
     watcher, registry = _watcher()
-    watcher._apply_events([_event("PUT", encode_record(_hb()))])
-    watcher._apply_events([_event("PUT", _signed(1, sent_at=time.time() - 3600))])  # too old
+    watcher.records.apply_events([_event("PUT", encode_record(_hb()))])
+    watcher.records.apply_events([_event("PUT", _signed(1, sent_at=time.time() - 3600))])  # too old
     assert registry.get("p0") is None and watcher.dropped == {"unauthenticated": 1, "replayed": 1}
     first = _signed(1)
-    watcher._apply_events([_event("PUT", first)])
-    watcher._apply_events([_event("PUT", first)])  # a re-sync reads the same record again: fine
+    watcher.records.apply_events([_event("PUT", first)])
+    watcher.records.apply_events([_event("PUT", first)])  # a re-sync reads the same record again: fine
     assert registry.get("p0") is not None and watcher.dropped["replayed"] == 1
-    watcher._apply_events([_event("DELETE")])  # the lease ended
+    watcher.records.apply_events([_event("DELETE")])  # the lease ended
     assert registry.get("p0") is None
-    watcher._apply_events([_event("PUT", first)])  # put back by someone else: a replay
+    watcher.records.apply_events([_event("PUT", first)])  # put back by someone else: a replay
     assert registry.get("p0") is None and watcher.dropped["replayed"] == 2
 
 
@@ -132,10 +132,10 @@ def test_watcher_takes_an_instance_back_with_its_next_record() -> None:
     """Lease lost and re-granted at once: the deletion and the instance's next record in one watch
     message; the record is fresh, and stays fresh when a re-sync reads it again."""
     watcher, registry = _watcher()
-    watcher._apply_events([_event("PUT", _signed(1))])
+    watcher.records.apply_events([_event("PUT", _signed(1))])
     again = _signed(2)
-    watcher._apply_events([_event("DELETE"), _event("PUT", again)])
-    watcher._apply_events([_event("PUT", again)])
+    watcher.records.apply_events([_event("DELETE"), _event("PUT", again)])
+    watcher.records.apply_events([_event("PUT", again)])
     assert registry.get("p0") is not None and watcher.dropped == {}
 
 

@@ -143,8 +143,8 @@ def test_same_id_other_text_diverges() -> None:
 def _ledger(return_ids: bool) -> Any:
     import msgspec
 
-    from kvwire.router.migration import StreamLedger
     from kvwire.router.request import parse_client_request
+    from kvwire.router.stream_ledger import StreamLedger
 
     body = {"model": "m", "prompt": "x", "stream": True, "max_tokens": 3, "return_token_ids": return_ids}
     ledger = StreamLedger.for_request(parse_client_request("/v1/completions", msgspec.json.encode(body), {}))

@@ -141,11 +141,11 @@ def test_a_probe_that_raises_is_counted_not_silent() -> None:
 
     async def main() -> None:
         task = asyncio.create_task(probe())
-        watcher._probes.add(task)
-        task.add_done_callback(watcher._probe_done)
+        watcher.expiry.in_flight.add(task)
+        task.add_done_callback(watcher.expiry.probe_done)
         await asyncio.gather(task, return_exceptions=True)
         await asyncio.sleep(0)  # the done callback runs on the next loop iteration
 
     asyncio.run(main())
-    assert watcher.probes["failed"] == 1 and not watcher._probes
+    assert watcher.probes["failed"] == 1 and not watcher.expiry.in_flight
     assert board.worker_errors() == {"kvwire-etcd-probe": 1}

@@ -144,7 +144,7 @@ def test_errors_are_openai_shaped(run_with_fake_server: Any) -> None:
     async def body(server: Any) -> None:
         resp = await server.client.post("/v1/completions", json={"model": "gpt-9", "prompt": "a"})
         assert resp.status == 404
-        assert (await resp.json())["error"]["code"] == "model_not_found"
+        assert (await resp.json())["error"]["reason"] == "model_not_found"
         resp = await server.client.post("/v1/nothing", json={})
         assert resp.status == 404 and "error" in await resp.json()
         resp = await server.client.get("/v1/completions")
@@ -153,7 +153,8 @@ def test_errors_are_openai_shaped(run_with_fake_server: Any) -> None:
         assert resp.status == 413 and "error" in await resp.json()
         resp = await server.client.post("/v1/completions", json={"prompt": "a" * 200})
         err = (await resp.json())["error"]
-        assert resp.status == 400 and err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+        assert resp.status == 400 and err["reason"] == "context_length_exceeded" and err["code"] == 400
+        assert err["param"] == "prompt"
         resp = await server.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 63})
         assert resp.status == 400 and (await resp.json())["error"]["param"] == "max_tokens"
         resp = await server.client.post("/v1/completions", json={"prompt": [1, 999]})

@@ -25,7 +25,8 @@ def test_full_waiting_queue_is_429_with_retry_after(run_with_fake_server: Any, f
         assert refused.status == 429
         assert refused.headers["Retry-After"] == "1"
         error = (await refused.json())["error"]
-        assert error["code"] == "queue_full" and "waiting queue is full (2 requests)" in error["message"]
+        assert error["reason"] == "queue_full" and error["code"] == 429
+        assert "waiting queue is full (2 requests)" in error["message"]
         fake_engine.step_gate.set()
         for task in (first, *waiting):
             assert (await task).status == 200  # nothing admitted was lost

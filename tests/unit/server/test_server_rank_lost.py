@@ -53,7 +53,7 @@ def _run(engine: LosingEngine, body: Any) -> list[RankLost]:
 
 
 def _assert_lost(error: dict[str, Any]) -> None:
-    assert error["code"] == INSTANCE_LOST and LOST in error["message"], error
+    assert error["reason"] == INSTANCE_LOST and error["code"] == 503 and LOST in error["message"], error
 
 
 def test_in_flight_requests_fail_with_503_instance_lost_and_the_owner_is_told() -> None:

@@ -56,7 +56,7 @@ async def _metric(server: FakeServer, line_start: str) -> float:
 
 def _assert_stalled_error(body: dict[str, Any]) -> None:
     err = body["error"]
-    assert err["type"] == "server_error" and err["code"] == "engine_stalled", err
+    assert err["type"] == "server_error" and err["reason"] == "engine_stalled" and err["code"] == 503, err
     assert "the engine stalled: no engine step completed" in err["message"]
 
 

@@ -11,6 +11,7 @@ import torch
 from agent_helpers import _layers, _send, poll_until
 
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
+from kvwire.transfer.config import ControlLimits
 
 LEASE_S = 0.3
 
@@ -64,14 +65,62 @@ def test_silent_endpoint_fails_at_the_first_deadline(pair: tuple[TransferAgent, 
     assert time.monotonic() - start < LEASE_S + 0.5
 
 
-def test_alive_sender_that_never_got_the_request_renews_nothing(
+def test_alive_sender_that_never_got_the_request_renews_only_for_the_admission_wait() -> None:
+    """a is alive and answers renewals "unknown" (P never got the request): its word renews D's lease
+    for ``max_admission_wait_s`` after ``expect`` (decision 128), no longer."""
+    wait_s = 4 * LEASE_S
+    config = TransferConfig(limits=ControlLimits(max_admission_wait_s=wait_s))
+    with TransferAgent(TransferConfig()) as a, TransferAgent(config) as b:
+        start = time.monotonic()
+        b.expect("lost", num_layers=1, deadline_s=LEASE_S, sender=a.endpoint, limit_s=30)
+        poll_until(b, lambda ev: "lost" in ev["failed"], timeout_s=20)
+        waited = time.monotonic() - start
+        assert waited >= wait_s, waited  # renewed past several leases ...
+        assert b.stats().admission_renewals >= 1
+    # ... and failed within one lease of the admission wait's end (generous slack: a loaded box)
+    assert waited < wait_s + LEASE_S + 2.0, waited
+
+
+def test_no_admission_wait_renews_nothing_on_unknown() -> None:
+    config = TransferConfig(limits=ControlLimits(max_admission_wait_s=0.0))
+    with TransferAgent(TransferConfig()) as a, TransferAgent(config) as b:
+        start = time.monotonic()
+        b.expect("lost", num_layers=1, deadline_s=LEASE_S, sender=a.endpoint, limit_s=30)
+        poll_until(b, lambda ev: "lost" in ev["failed"])
+        assert time.monotonic() - start < LEASE_S + 0.5
+        assert b.stats().admission_renewals == 0
+
+
+def test_a_request_still_in_the_senders_http_server_keeps_its_receive(
     pair: tuple[TransferAgent, TransferAgent],
 ) -> None:
-    a, b = pair  # a is alive and answers renewals, but "unknown": P never got the request
-    start = time.monotonic()
-    b.expect("lost", num_layers=1, deadline_s=LEASE_S, sender=a.endpoint, limit_s=30)
-    poll_until(b, lambda ev: "lost" in ev["failed"])
-    assert time.monotonic() - start < LEASE_S + 0.5
+    """The default: P's HTTP server holds the request for several of D's leases before P's agent
+    hears of it (a slow or throttled P, decision 128); D keeps the receive and the data lands."""
+    a, b = pair
+    b.expect("late", num_layers=3, deadline_s=LEASE_S, sender=a.endpoint, limit_s=30)
+    _quiet_for(b, 5 * LEASE_S)
+    layers = _layers()
+    _send(a, "late", b.endpoint, layers, deadline_s=LEASE_S)
+    poll_until(b, lambda ev: "late" in ev["recvd"])
+    got = b.take_layers("late")
+    assert all(torch.equal(got[i], t) for i, t in enumerate(layers))
+    assert b.stats().admission_renewals >= 1
+
+
+def test_a_sender_restarted_before_taking_the_request_up_fails_the_receive() -> None:
+    """The admission wait trusts one epoch: a new process at P's endpoint never had the request."""
+    with TransferAgent(TransferConfig()) as probe:
+        port = int(probe.endpoint.rsplit(":", 1)[1])
+    with TransferAgent(TransferConfig()) as b:
+        first = TransferAgent(TransferConfig(control_port=port))
+        try:
+            b.expect("gone", num_layers=1, deadline_s=LEASE_S, sender=first.endpoint, limit_s=30)
+            poll_until(b, lambda ev: b.stats().admission_renewals >= 1 or "gone" in ev["failed"])
+        finally:
+            first.close()
+        with TransferAgent(TransferConfig(control_port=port)):
+            reason = poll_until(b, lambda ev: "gone" in ev["failed"], timeout_s=20)["failed"]["gone"]
+        assert reason.startswith(("peer_lost", "deadline")), reason
 
 
 def test_renewals_stop_at_the_limit(pair: tuple[TransferAgent, TransferAgent]) -> None:

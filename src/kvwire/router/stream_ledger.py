@@ -1,29 +1,26 @@
-"""Mid-stream migration: a streamed answer whose instance died continues on another instance.
+"""The ledger of a streamed answer: what one streaming client has been sent, in token ids.
 
 The router asks instances for token ids (``return_token_ids``: every content event carries the
 ``token_ids`` it adds, the first event the ``prompt_token_ids`` and, from kvwire instances, the
 resolved ``kvwire_max_tokens``). A :class:`StreamLedger` reads every event relayed to the client,
 remembers those ids and strips them again unless the client asked for them itself. When the
-upstream stream breaks (connection lost, an error event, an end without ``[DONE]``) the relay raises
-:class:`StreamInterrupted`; the dispatcher then sends :meth:`StreamLedger.continuation` — a
-``/v1/completions`` request whose prompt is the prompt's ids plus every token already streamed, with
-the remaining budget — through the usual P/D or colocated path, and the ledger rewrites that
-continuation's events into the client's stream: same id, creation time, model and object type (chat
-deltas for a chat request), no second role event, usage counting the whole answer. Greedy output is
-thus identical, token for token, to an uninterrupted run. See docs/decisions/052.
+upstream stream breaks (connection lost, an error event, an end without ``[DONE]``) the dispatcher
+(:mod:`kvwire.router.dispatcher`) sends :meth:`StreamLedger.continuation` — a ``/v1/completions``
+request whose prompt is the prompt's ids plus every token already streamed, with the remaining
+budget — through the usual P/D or colocated path, and the ledger rewrites that continuation's
+events into the client's stream: same id, creation time, model and object type (chat deltas for a
+chat request), no second role event, usage counting the whole answer. Greedy output is thus
+identical, token for token, to an uninterrupted run. See docs/decisions/052.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from kvwire.router.request import ClientRequest
-
-if TYPE_CHECKING:
-    from kvwire.router.client_stream import ClientStream
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +32,6 @@ _CARRIED = (
     "user",
 )
 _COMPLETIONS = "/v1/completions"
-
-
-class StreamInterrupted(Exception):
-    """The upstream stream broke after the client's stream was opened (raised by the relay)."""
-
-    def __init__(self, out: ClientStream, reason: str) -> None:
-        super().__init__(reason)
-        self.out = out
-        self.reason = reason
 
 
 def _event_end(buf: bytes) -> int:

@@ -6,8 +6,8 @@ from typing import Any
 
 import msgspec
 
-from kvwire.router.migration import StreamLedger
 from kvwire.router.request import parse_client_request
+from kvwire.router.stream_ledger import StreamLedger
 
 
 def _sse(data: dict[str, Any]) -> bytes:
