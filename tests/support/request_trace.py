@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 SITE_DIR = Path(__file__).resolve().parent / "request_trace_site"
-PROCESSES = ("router", "prefill-0", "decode-0")
 MAX_TOKENS = 4  # the doc's request: P's token and three of D's (decode steps included)
 FIGURE_TOKENS = 2  # the figures' request: D's path ends with its first token
 QUIET_S = 3.0  # recorded before the request: what background loops call on their own
