@@ -211,17 +211,22 @@ class Moves:
     most_reentered: str
 
 
-def moves(calls: Sequence[Call]) -> Moves:
-    """The moves of ``calls`` (in time order, every thread of one process together)."""
+def moves(calls: Sequence[Call], distinct: bool = False) -> Moves:
+    """The moves of ``calls`` (in time order, every thread of one process together). ``distinct``:
+    each (caller file, file, function) counts once, at its first call, so a loop that polls while it
+    waits (more turns on a loaded host) adds nothing after its first turn."""
     visited: set[str] = set()
+    seen: set[tuple[str, str, str]] = set()
     entries: dict[str, int] = {}
     total = back = 0
     for c in calls:
-        if c.caller and c.caller != c.file:
+        edge = (c.caller, c.file, c.function)
+        if c.caller and c.caller != c.file and not (distinct and edge in seen):
             total += 1
             if c.file in visited:
                 back += 1
                 entries[c.file] = entries.get(c.file, 0) + 1
+        seen.add(edge)
         visited.add(c.file)
         if c.caller:
             visited.add(c.caller)
@@ -362,15 +367,17 @@ def figures(runs: Sequence[Trace], src: Path) -> list[str]:
     union = set().union(*(set(c.file for p in t.calls for c in request_calls(t, p)) for t in runs))
     first = runs[0]
     files = {p: len(first_visits(request_calls(first, p))) for p in first.calls}
-    d_moves = moves(decode_path(first))
+    path = decode_path(first)
+    distinct, every = moves(path, distinct=True), moves(path)
     classes, fields = config_fields(src)
     largest = ", ".join(f"{name} {lines}" for name, lines in largest_classes(src))
     return [
         f"files per request (union over processes): {len(union)}"
         f" (router {files['router']}, P {files['prefill-0']}, D {files['decode-0']})",
-        f"moves between modules on D's path to its first token: {d_moves.total},"
-        f" back into a module already left: {d_moves.back},"
-        f" most re-entered: {d_moves.most_reentered} {d_moves.max_reentries} times",
+        f"moves between modules on D's path to its first token (distinct caller file -> function):"
+        f" {distinct.total}, back into a module already left: {distinct.back}, most re-entered:"
+        f" {distinct.most_reentered} {distinct.max_reentries} times"
+        f" (as calls: {every.total}, {every.back} back, {every.most_reentered} {every.max_reentries})",
         f"largest classes (lines): {largest}",
         f"config fields: {fields} in {classes} *Config dataclasses",
     ]

@@ -105,3 +105,12 @@ def test_moves_count_calls_across_files_and_those_back_into_a_file_already_visit
     ]
     expected = rt.Moves(total=4, back=2, max_reentries=1, most_reentered="connector/scheduler.py")
     assert rt.moves(calls) == expected
+
+
+def test_distinct_moves_count_a_polling_loop_once() -> None:
+    turn = [Call(1.0, "T", "connector/worker.py", "poll", "engine/llm_engine.py"),
+            Call(1.1, "T", "engine/llm_engine.py", "on_done", "connector/worker.py")]
+    calls = [Call(0.5, "T", "engine/llm_engine.py", "step", ""), *turn, *turn, *turn]
+    assert rt.moves(calls).total == 6
+    assert rt.moves(calls, distinct=True) == rt.Moves(total=2, back=1, max_reentries=1,
+                                                      most_reentered="engine/llm_engine.py")
