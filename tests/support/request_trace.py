@@ -405,7 +405,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         trace = runs[0]
         for process in trace.calls:
             calls = request_calls(trace, process)
-            print(f"{process}: {len(first_visits(calls))} files, {moves(calls)}")
+            print(f"{process}: {len(first_visits(calls))} files; distinct {moves(calls, distinct=True)};"
+                  f" as calls {moves(calls)}")
     return 0
 
 
