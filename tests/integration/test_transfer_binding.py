@@ -9,11 +9,11 @@ import secrets
 from collections.abc import Iterator
 
 import pytest
-from transfer_helpers import PeerProcess, digest, expected_digests, has_all, plane_address, poll_until
 
 from kvwire.errors import TransferError
 from kvwire.transfer import TransferAgent, TransferConfig
 from kvwire.transfer.stats import TransferStats
+from support.transfer_helpers import PeerProcess, digest, expected_digests, has_all, plane_address, poll_until
 
 SECRET = "binding-test-secret"
 SPECS = [([2, 3, 4, 8], "float32"), ([2, 3, 4, 8], "float16")]

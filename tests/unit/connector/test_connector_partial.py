@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from connector_fakes import BLOCK, NUM_BLOCKS, NUM_LAYERS, FakeFabric, FakeRequest, Side, chunk
 from prometheus_client import CollectorRegistry
 
 from kvwire.connector.base import StepInfo
@@ -15,6 +14,7 @@ from kvwire.connector.scheduler import KvwireSchedulerConnector
 from kvwire.connector.worker import KvwireWorkerConnector
 from kvwire.kv_params import KVTransferParams, Role
 from kvwire.transfer.paged import KVLayout
+from support.connector_fakes import BLOCK, NUM_BLOCKS, NUM_LAYERS, FakeFabric, FakeRequest, Side, chunk
 
 SHAPES = {
     KVLayout.KV_FIRST: (2, NUM_BLOCKS, BLOCK, 2, 4),

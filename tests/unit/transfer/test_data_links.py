@@ -10,7 +10,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -41,51 +41,12 @@ from kvwire.transfer.planes.tcp.wire import (
     prove_hello,
 )
 from kvwire.transfer.types import PeerRef, RecvItem, SendItem
+from support.plane_callbacks import RecordingCallbacks as Callbacks
 from support.waiting import wait_for
 
 # short deadlines, with room for a loaded box: a link is cut after 8 missed heartbeats
 LINKS = DataLinkConfig(max_connections=4, max_connections_per_peer=2, handshake_timeout_s=0.5,
                        keepalive_s=0.25, link_timeout_s=2.0)
-
-
-class Callbacks:
-    """A plane's agent, recording what it is told; ``on_received`` raises ``fail_first`` times."""
-
-    def __init__(self, fail_first: int = 0) -> None:
-        self.lock = threading.Lock()
-        self.received: list[tuple[str, int]] = []
-        self.sent: list[tuple[str, int]] = []
-        self.peer_failed: list[tuple[str, str]] = []
-        self.protocol_errors: list[str] = []
-        self.fail_first = fail_first
-
-    def on_sent(self, peer: str, transfer_id: str, layers: Sequence[int]) -> None:
-        with self.lock:
-            self.sent += [(transfer_id, i) for i in layers]
-
-    def on_received(self, peer: str, transfer_id: str, layers: Sequence[int]) -> None:
-        with self.lock:
-            if self.fail_first > 0:
-                self.fail_first -= 1
-                raise RuntimeError("a sink that raises")
-            self.received += [(transfer_id, i) for i in layers]
-
-    def on_transfer_failed(self, transfer_id: str, reason: str) -> None:
-        pass
-
-    def on_peer_failed(self, peer: str, reason: str) -> None:
-        with self.lock:
-            self.peer_failed.append((peer, reason))
-
-    def on_protocol_error(self, reason: str) -> None:
-        with self.lock:
-            self.protocol_errors.append(reason)
-
-    def peer_endpoint(self, peer_instance_id: str) -> str | None:
-        return f"tcp://{peer_instance_id}"  # every epoch known (the binding: test_link_binding.py)
-
-    def on_device_copy(self, num_bytes: int, seconds: float) -> None:
-        pass
 
 
 @pytest.fixture

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from agent_helpers import _layers, _send, poll_until
 
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
 from kvwire.transfer.config import ControlLimits
+from support.agent_helpers import _layers, _send, poll_until
 
 LEASE_S = 0.3
 
