@@ -23,7 +23,7 @@ import pytest
 from transfer_helpers import DTYPES, PeerProcess, has_all, make_layer, poll_until
 
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
-from kvwire.transfer.planes.link_config import DataLinkConfig
+from kvwire.transfer.planes.common.link_config import DataLinkConfig
 from support.fault_relay import FaultRelay, Mode
 from support.leaks import LeakBaseline, socket_kinds
 from support.waiting import free_port, wait_for

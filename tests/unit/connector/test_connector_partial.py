@@ -14,7 +14,7 @@ from kvwire.connector.config import EngineInfo
 from kvwire.connector.scheduler import KvwireSchedulerConnector
 from kvwire.connector.worker import KvwireWorkerConnector
 from kvwire.kv_params import KVTransferParams, Role
-from kvwire.transfer.paged import KVLayout
+from kvwire.transfer.block_copy import KVLayout
 
 SHAPES = {
     KVLayout.KV_FIRST: (2, NUM_BLOCKS, BLOCK, 2, 4),

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvwire.transfer.planes.ipc.runs import Run, pair_runs
+from kvwire.transfer.planes.common.runs import Run, pair_runs
 from kvwire.transfer.planes.shm.run_copy import STREAM_MIN_BYTES, check_table, copy_runs, run_table
 from kvwire.transfer.shared_memory import check_peer_memfd
 

@@ -18,7 +18,6 @@ spinning. Each refusal is counted on the :class:`~kvwire.supervision.HealthBoard
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import errno
 import logging
@@ -31,9 +30,10 @@ from typing import Protocol
 
 from kvwire.refusal_log import RefusalLog
 from kvwire.supervision import HealthBoard, guarded
-from kvwire.transfer.planes.link_config import DataLinkConfig
-from kvwire.transfer.planes.liveness import LINK_TIMEOUT
-from kvwire.transfer.planes.tcp.wire import LinkRefused, PeerEpochs, bind_hello
+from kvwire.transfer.planes.common.hello import LinkRefused, PeerEpochs, bind_hello
+from kvwire.transfer.planes.common.link_config import DataLinkConfig
+from kvwire.transfer.planes.common.liveness import LINK_TIMEOUT
+from kvwire.transfer.planes.common.wire import shutdown
 
 log = logging.getLogger("kvwire.transfer")
 
@@ -96,7 +96,7 @@ class Admission:
 
     def bind(self, claim: tuple[str, str], instance_id: str, control: PeerEpochs, what: str) -> str:
         """The peer epoch of a hello that proved the secret, bound to the control plane
-        (:func:`~kvwire.transfer.planes.tcp.wire.bind_hello`); a refusal is counted and raised (the
+        (:func:`~kvwire.transfer.planes.common.hello.bind_hello`); a refusal is counted and raised (the
         reader reports it as a protocol error and closes the link)."""
         try:
             return bind_hello(claim, instance_id, control, what)
@@ -162,11 +162,6 @@ def unix_peer(conn: socket.socket, addr: object) -> str:
     except OSError:
         return "?"
     return f"pid {pid}"
-
-
-def shutdown(conn: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        conn.shutdown(socket.SHUT_RDWR)
 
 
 def accept_loop(
