@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
-from kvwire.transfer.planes.link_config import DataLinkConfig
+from kvwire.transfer.planes.common.link_config import DataLinkConfig
 from support.fault_relay import FaultRelay, Mode
 from support.leaks import LeakBaseline, socket_kinds
 from support.transfer_helpers import DTYPES, PeerProcess, has_all, make_layer, poll_until

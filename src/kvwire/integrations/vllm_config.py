@@ -22,9 +22,10 @@ Seed keys and what they become (docs/vllm.md has the full migration table):
 kvwire's control-plane bounds (decision 116; ``kvwire serve --kv-max-*``) take the names of
 :class:`~kvwire.transfer.config.ControlLimits`' fields (``max_message_bytes``, ``max_peer_deadline_s``,
 ``max_early_grants_per_peer`` ...) plus ``max_pending_transfers``.
-kvwire's data-link bounds (decision 115) map to :class:`~kvwire.transfer.planes.link_config.DataLinkConfig`:
-``data_max_connections``, ``data_max_connections_per_peer``, ``data_handshake_timeout_s``,
-``data_keepalive_s``, ``data_link_timeout_s``.
+kvwire's data-link bounds (decision 115) map to
+:class:`~kvwire.transfer.planes.common.link_config.DataLinkConfig`: ``data_max_connections``,
+``data_max_connections_per_peer``, ``data_handshake_timeout_s``, ``data_keepalive_s``,
+``data_link_timeout_s``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from kvwire.kv_params import Role, TransferMode
 from kvwire.secrets_config import check_secret, load_secret, read_secret_file
 from kvwire.transfer.config import ControlLimits
 from kvwire.transfer.enums import Transport
-from kvwire.transfer.planes.link_config import DataLinkConfig
+from kvwire.transfer.planes.common.link_config import DataLinkConfig
 
 VLLM_DEFAULT_KV_PORT = 14579  # KVTransferConfig.kv_port's default in vLLM
 GiB = 1 << 30

@@ -19,7 +19,7 @@ from kvwire.secrets_config import add_secret_arguments, check_exposure, load_sec
 from kvwire.server.config import KVLoadFailure, ServerConfig
 from kvwire.transfer.config import ControlLimits
 from kvwire.transfer.enums import Transport
-from kvwire.transfer.planes.link_config import DataLinkConfig
+from kvwire.transfer.planes.common.link_config import DataLinkConfig
 from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 
 logger = logging.getLogger(__name__)

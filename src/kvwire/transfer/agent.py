@@ -34,11 +34,11 @@ from kvwire.transfer.core import Core
 from kvwire.transfer.enums import FailReason, KVLayout
 from kvwire.transfer.lease import PeerState
 from kvwire.transfer.messages import Abort, Ack, AnyMsg, Grant, Offer, Pull, Renew, Trailer
-from kvwire.transfer.paged_kv import BlockTarget, PagedKV
 from kvwire.transfer.planes.base import DataPlane
 from kvwire.transfer.planes.factory import make_plane
 from kvwire.transfer.planes.plane_set import PlaneSet
 from kvwire.transfer.receiver import Receiver
+from kvwire.transfer.registered_caches import BlockTarget, PagedKV
 from kvwire.transfer.sender import Sender
 from kvwire.transfer.stats import TransferStats
 from kvwire.transfer.types import ByteSpans, LayerSink, LayerSpec, PullSlice, TransferEvents

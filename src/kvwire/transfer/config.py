@@ -7,7 +7,7 @@ import math
 
 from kvwire.errors import ConfigError
 from kvwire.transfer.enums import Backend, Transport
-from kvwire.transfer.planes.link_config import DataLinkConfig
+from kvwire.transfer.planes.common.link_config import DataLinkConfig
 from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 
 GiB = 1 << 30

@@ -17,7 +17,7 @@ from kvwire.transfer.core import Core
 from kvwire.transfer.enums import FailReason
 from kvwire.transfer.lease import Lease, PeerState
 from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Renew, Trailer
-from kvwire.transfer.paged_kv import BlockTarget, PagedKV
+from kvwire.transfer.registered_caches import BlockTarget, PagedKV
 from kvwire.transfer.stats import ControlLimit
 from kvwire.transfer.types import (
     DTYPES_BY_NAME,

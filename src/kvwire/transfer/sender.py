@@ -15,9 +15,9 @@ from kvwire.transfer.core import Core
 from kvwire.transfer.enums import FailReason
 from kvwire.transfer.lease import Lease, PeerState
 from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Renew, Trailer, WireLayer
-from kvwire.transfer.paged_kv import PagedKV
 from kvwire.transfer.peer_table import PeerTable
 from kvwire.transfer.planes.base import DataPlane
+from kvwire.transfer.registered_caches import PagedKV
 from kvwire.transfer.split_pull import Split, SplitPulls
 from kvwire.transfer.stats import ControlLimit
 from kvwire.transfer.types import DTYPE_NAMES, ByteSpans, LayerSpec, PeerRef, SendItem, TransferTiming
@@ -202,7 +202,7 @@ class Sender:
             item = SendItem(tid, index, spans.base, ready_event, spans)
         elif plane.supports_device_producers and paged.device_paths():
             if st.producer is None:
-                from kvwire.transfer.planes.cuda_paged import PagedLayers, SlabGather
+                from kvwire.transfer.planes.common.group_kernels import PagedLayers, SlabGather
 
                 st.slab = paged.take_slab(int(block_ids.numel()), self._slab_allocator(plane))
                 st.paged = paged
