@@ -88,3 +88,26 @@ def test_vllm_config_imports_without_torch_or_zmq() -> None:
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def _imports_anywhere(tree: ast.Module) -> list[str]:
+    """Every module an ``import`` names, lazy ones inside functions included."""
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found += [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+    return found
+
+
+def test_the_server_and_the_vllm_plugin_import_no_plane() -> None:
+    """``kvwire serve`` and the vLLM plugin build a TransferConfig from what kvwire.transfer.config
+    exposes and hand it to the agent; which plane runs is the agent's business (decision 134)."""
+    offenders = []
+    for package in ("server", "integrations"):
+        for path in sorted((SRC / "kvwire" / package).rglob("*.py")):
+            planes = [m for m in _imports_anywhere(ast.parse(path.read_text()))
+                      if m.startswith("kvwire.transfer.planes")]
+            offenders += [f"{_module_name(path)} imports {m}" for m in planes]
+    assert offenders == []
