@@ -153,3 +153,15 @@ def test_the_plane_check_sees_a_crossing(tmp_path: Path) -> None:
         (tmp_path / path).parent.mkdir(exist_ok=True)
         (tmp_path / path).write_text(text)
     assert _crossings(_plane_imports(tmp_path)) == {"shm/send.py": ["tcp"], "common/wire.py": ["ipc"]}
+
+
+def test_the_server_and_the_vllm_plugin_import_no_plane() -> None:
+    """``kvwire serve`` and the vLLM plugin build a TransferConfig from what kvwire.transfer.config
+    exposes and hand it to the agent; which plane runs is the agent's business (decision 134)."""
+    offenders = []
+    for package in ("server", "integrations"):
+        for path in sorted((SRC / "kvwire" / package).rglob("*.py")):
+            planes = [m for m in _every_import(ast.parse(path.read_text()))
+                      if m.startswith("kvwire.transfer.planes")]
+            offenders += [f"{_module_name(path)} imports {m}" for m in planes]
+    assert offenders == []

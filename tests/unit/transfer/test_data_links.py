@@ -96,11 +96,12 @@ def test_serve_flags_and_plugin_keys_set_the_caps() -> None:
     args = parser.parse_args(["--kv-data-max-connections", "64", "--kv-data-max-connections-per-peer", "8",
                               "--kv-data-handshake-timeout-s", "2", "--kv-data-keepalive-s", "1",
                               "--kv-data-link-timeout-s", "9"])
-    assert server_config_from_args(args).kv_data_links == DataLinkConfig(64, 8, 2.0, 1.0, 9.0)
-    assert server_config_from_args(parser.parse_args([])).kv_data_links == DataLinkConfig()
+    assert server_config_from_args(args).transfer.links == DataLinkConfig(64, 8, 2.0, 1.0, 9.0)
+    assert server_config_from_args(parser.parse_args([])).transfer.links == DataLinkConfig()
     view = VllmTransferView(kv_role="kv_producer", kv_connector_extra_config={
         "data_max_connections": 16, "data_link_timeout_s": "20"})
-    assert plugin_config_from_vllm(view).data_links == DataLinkConfig(max_connections=16, link_timeout_s=20.0)
+    links = plugin_config_from_vllm(view).transfer.links
+    assert links == DataLinkConfig(max_connections=16, link_timeout_s=20.0)
     with pytest.raises(ConfigError):
         plugin_config_from_vllm(VllmTransferView(kv_role="kv_producer", kv_connector_extra_config={
             "data_max_connections_per_peer": 0}))
@@ -384,10 +385,10 @@ def test_serve_hands_the_links_and_board_to_the_planes() -> None:
     from kvwire.server.config import ServerConfig
     from kvwire.server.connectors import build_connector_set
 
-    config = ServerConfig(role=Role.PREFILL, kv_data_links=LINKS)
+    config = ServerConfig(role=Role.PREFILL, transfer=TransferConfig(links=LINKS))
     board, registry = HealthBoard(), CollectorRegistry()
     registry.register(SupervisionCollector(board))
-    connectors = build_connector_set(config, EngineConfig(model="tiny"), None, registry, board=board)
+    connectors = build_connector_set(config, EngineConfig(model="tiny"), registry, board=board)
     try:
         assert connectors.worker.agent.config.links == LINKS
         assert registry.get_sample_value("kvwire_component_up", {"component": "kvwire-tcp-accept"}) == 1
