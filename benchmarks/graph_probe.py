@@ -23,7 +23,7 @@ import torch
 
 from kvwire.bench import nccl_harness as h
 from kvwire.bench import nccl_workers as w
-from kvwire.transfer.planes.cuda_paged import PagedLayers
+from kvwire.transfer.planes.common.group_kernels import PagedLayers
 from kvwire.transfer.planes.nccl import device_signal
 from kvwire.transfer.planes.nccl.bindings import NcclComm
 from kvwire.transfer.planes.nccl.device_signal import DeviceSignal

@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-from kvwire.transfer.paged import KVLayout, gather_blocks
-from kvwire.transfer.planes.cuda_paged import PagedLayers
+from kvwire.transfer.block_copy import KVLayout, gather_blocks
+from kvwire.transfer.planes.common.group_kernels import PagedLayers
 
 REPS = 200
 

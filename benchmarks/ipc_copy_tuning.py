@@ -23,9 +23,9 @@ import time
 
 import torch
 
-from kvwire.transfer.paged import KVLayout, block_spans
+from kvwire.transfer.block_copy import KVLayout, block_spans
+from kvwire.transfer.planes.common.runs import spans_array, tile_runs
 from kvwire.transfer.planes.ipc.copy import CopyTuning, LayerGroup, TileTable, copy_groups, launch, prepare
-from kvwire.transfer.planes.ipc.runs import spans_array, tile_runs
 
 LAYERS, BLOCK, HEADS, DIM = 32, 16, 8, 128
 

@@ -60,11 +60,11 @@ def _time(
 
 
 def main() -> None:
-    from kvwire.transfer.paged import KVLayout, block_spans
+    from kvwire.transfer.block_copy import KVLayout, block_spans
+    from kvwire.transfer.planes.common.runs import spans_array, tile_runs
     from kvwire.transfer.planes.ipc.copy import LayerGroup, TileTable, copy_groups, launch, prepare
     from kvwire.transfer.planes.ipc.cuda_ipc import open_handle
     from kvwire.transfer.planes.ipc.gate import LaunchGate
-    from kvwire.transfer.planes.ipc.runs import spans_array, tile_runs
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])

@@ -18,12 +18,20 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from fault_cluster import blocks_back_to_zero, completion, http_ports, metric, pids, post_json, running
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.discovery.messages import Heartbeat, InstanceInfo, encode_frames
 from kvwire.kv_params import Role
 from kvwire.transfer.messages import PROTOCOL_VERSION
+from support.fault_cluster import (
+    blocks_back_to_zero,
+    completion,
+    http_ports,
+    metric,
+    pids,
+    post_json,
+    running,
+)
 from support.leaks import LeakBaseline
 
 pytestmark = pytest.mark.slow

@@ -1,7 +1,7 @@
 """Hostile bytes on every port a default 1P1D cluster opens (issue 33, decision 113).
 
 Router + prefill + decode, tiny model, CPU, default settings (the planes are TCP and shared memory:
-one host). Every listening end of every process is found from /proc (tests/faults/hostile_wire.py):
+one host). Every listening end of every process is found from /proc (tests/support/hostile_wire.py):
 the router's HTTP and discovery ports, each instance's HTTP port, transfer control port, TCP data
 plane and shared-memory socket. Each gets a corpus: the fuzzing tier's real messages mutated, a 60 KB
 nesting bomb, 16 MiB frames, truncated and bad hellos, unsolicited and lying data frames, garbage, raw
@@ -26,14 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import hostile_wire as hw
 import pytest
 import zmq
-from fault_cluster import blocks_back_to_zero, http_ports, pids, running
 
 from kvwire.cluster.client import post_completion
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.cluster.process import wait_until
+from support import hostile_wire as hw
+from support.fault_cluster import blocks_back_to_zero, http_ports, pids, running
 from support.leaks import LeakBaseline, footprint
 
 pytestmark = pytest.mark.slow

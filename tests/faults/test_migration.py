@@ -17,7 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fault_cluster import (
+
+from kvwire.cluster.local import ClusterSpec, LocalCluster
+from kvwire.cluster.process import wait_until
+from support.fault_cluster import (
     StreamKiller,
     blocks_back_to_zero,
     completion,
@@ -29,9 +32,6 @@ from fault_cluster import (
     running,
     serving,
 )
-
-from kvwire.cluster.local import ClusterSpec, LocalCluster
-from kvwire.cluster.process import wait_until
 from support.leaks import LeakBaseline
 from support.sse_client import SSEResult, stream
 

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fault_cluster import completion, http_ports, pids, post_json, running
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.cluster.process import wait_until
+from support.fault_cluster import completion, http_ports, pids, post_json, running
 from support.fault_relay import FaultRelay, Mode
 from support.leaks import LeakBaseline
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from fault_cluster import blocks_back_to_zero, completion, http_ports, metric, post_json
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
+from support.fault_cluster import blocks_back_to_zero, completion, http_ports, metric, post_json
 from support.fault_relay import FaultRelay, Mode, RelayGroup
 from support.leaks import LeakBaseline
 from support.sse_client import stream

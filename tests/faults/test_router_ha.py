@@ -14,10 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fault_cluster import completion, http_ports, pids, post_json, running
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster, free_port
 from kvwire.cluster.process import ManagedProcess, kvwire_argv, wait_until
+from support.fault_cluster import completion, http_ports, pids, post_json, running
 from support.leaks import LeakBaseline
 
 pytestmark = pytest.mark.slow

@@ -16,10 +16,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-from fault_cluster import completion, metric, running
 
 from kvwire.cluster.client import RequestResult, post_completion
 from kvwire.cluster.local import ClusterSpec, LocalCluster
+from support.fault_cluster import completion, metric, running
 
 pytestmark = pytest.mark.slow
 PERIOD_S = 0.5

@@ -16,7 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fault_cluster import (
+
+from kvwire.cluster.local import ClusterSpec, LocalCluster
+from kvwire.cluster.process import wait_until
+from support.fault_cluster import (
     blocks_back_to_zero,
     completion,
     http_ports,
@@ -26,9 +29,6 @@ from fault_cluster import (
     running,
     serving,
 )
-
-from kvwire.cluster.local import ClusterSpec, LocalCluster
-from kvwire.cluster.process import wait_until
 from support.leaks import LeakBaseline
 from support.sse_client import stream
 

@@ -15,7 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
-from fault_cluster import (
+
+from kvwire.cluster.local import ClusterSpec, LocalCluster, http_json
+from kvwire.cluster.process import wait_until
+from kvwire.errors import EXIT_RANK_LOST
+from support.fault_cluster import (
     StreamKiller,
     blocks_back_to_zero,
     completion,
@@ -23,10 +27,6 @@ from fault_cluster import (
     post_json,
     running,
 )
-
-from kvwire.cluster.local import ClusterSpec, LocalCluster, http_json
-from kvwire.cluster.process import wait_until
-from kvwire.errors import EXIT_RANK_LOST
 from support.sse_client import stream
 
 pytestmark = pytest.mark.slow

@@ -13,12 +13,12 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from fault_cluster import post_json
 
 from kvwire.cluster.local import free_port
 from kvwire.cluster.process import ManagedProcess, kvwire_argv, wait_until
 from kvwire.discovery import HeartbeatClient, InstanceInfo
 from kvwire.kv_params import Role
+from support.fault_cluster import post_json
 
 pytestmark = pytest.mark.slow
 ANSWER = {"id": "cmpl-y", "object": "text_completion", "created": 0, "model": "m",

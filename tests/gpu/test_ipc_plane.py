@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvwire.transfer.paged import KVLayout, block_spans, gather_blocks
+from kvwire.transfer.block_copy import KVLayout, block_spans, gather_blocks
 from support.nccl_planes import child_results
 
 pytestmark = [
@@ -201,8 +201,8 @@ def test_copy_kernel_launches_through_the_compiled_runner() -> None:
     """After its first (compiling) launch the mover launches through Triton's compiled-kernel runner
     (the JIT entry point costs more host time per batch), bit-exact; a runner that refused the call
     would have switched the module to the JIT path for good."""
+    from kvwire.transfer.planes.common.runs import spans_array, tile_runs
     from kvwire.transfer.planes.ipc import copy
-    from kvwire.transfer.planes.ipc.runs import spans_array, tile_runs
 
     torch.cuda.set_device(0)
     src = [t.cuda() for t in _cache(3)]

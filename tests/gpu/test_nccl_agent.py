@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvwire.transfer.paged import KVLayout, gather_blocks
+from kvwire.transfer.block_copy import KVLayout, gather_blocks
 from support.nccl_planes import child_results, two_gpus
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not two_gpus(), reason="needs 2 CUDA GPUs")]
@@ -43,7 +43,7 @@ def _poll(agent: Any, wanted: set[str], field: str, timeout_s: float = 60.0) -> 
 
 def _agent_sender(conn: Connection, _: Any) -> dict[str, str]:
     from kvwire.transfer import Backend, LayerSpec, TransferAgent, TransferConfig
-    from kvwire.transfer.planes.cuda_paged import gather_layers
+    from kvwire.transfer.planes.common.group_kernels import gather_layers
 
     with TransferAgent(TransferConfig(backend=Backend.NCCL, transport="nccl", device="cuda:0")) as agent:
         peer = conn.recv()
@@ -67,7 +67,7 @@ def _agent_sender(conn: Connection, _: Any) -> dict[str, str]:
 
 def _agent_receiver(conn: Connection, _: Any) -> dict[str, Any]:
     from kvwire.transfer import Backend, TransferAgent, TransferConfig
-    from kvwire.transfer.paged import scatter_blocks
+    from kvwire.transfer.block_copy import scatter_blocks
 
     with TransferAgent(TransferConfig(backend=Backend.NCCL, transport="nccl", device="cuda:1")) as agent:
         conn.send(agent.endpoint)

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pd_cluster_helpers import BLOCK, body, metric, running_cluster, send_all
 
 from kvwire.cluster.local import ClusterSpec, http_json
+from support.pd_cluster_helpers import BLOCK, body, metric, running_cluster, send_all
 from support.waiting import wait_for
 
 pytestmark = pytest.mark.slow

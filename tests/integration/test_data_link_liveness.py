@@ -20,12 +20,12 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from transfer_helpers import DTYPES, PeerProcess, has_all, make_layer, poll_until
 
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
-from kvwire.transfer.planes.link_config import DataLinkConfig
+from kvwire.transfer.planes.common.link_config import DataLinkConfig
 from support.fault_relay import FaultRelay, Mode
 from support.leaks import LeakBaseline, socket_kinds
+from support.transfer_helpers import DTYPES, PeerProcess, has_all, make_layer, poll_until
 from support.waiting import free_port, wait_for
 
 KEEPALIVE_S, LINK_TIMEOUT_S = 0.5, 3.0

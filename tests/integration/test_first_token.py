@@ -17,10 +17,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-from pd_cluster_helpers import ColocatedServer, metric, running_cluster
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.kv_params import TransferMode
+from support.pd_cluster_helpers import ColocatedServer, metric, running_cluster
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 12

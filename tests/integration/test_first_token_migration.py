@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import msgspec
 import pytest
-from mock_instance import MockProcess, RouterThread, get_raw, live_ids, post, router_config
 
+from support.mock_instance import MockProcess, RouterThread, get_raw, live_ids, post, router_config
 from support.waiting import wait_for
 
 

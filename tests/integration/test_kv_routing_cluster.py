@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from pd_cluster_helpers import BLOCK, ColocatedServer, body, metric, running_cluster, send_all
 
 from kvwire.cluster.local import ClusterSpec, http_json
+from support.pd_cluster_helpers import BLOCK, ColocatedServer, body, metric, running_cluster, send_all
 from support.waiting import wait_for
 
 pytestmark = pytest.mark.slow

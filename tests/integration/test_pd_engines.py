@@ -11,13 +11,13 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from pd_engine_helpers import BLOCK, FIRST, GREEDY, MAX_LEN, MAX_TOKENS, PD, engine_config
 
 from kvwire.connector.config import LoadFailurePolicy
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.kv_params import KVTransferParams, Role
 from kvwire.transfer.enums import Backend
+from support.pd_engine_helpers import BLOCK, FIRST, GREEDY, MAX_LEN, MAX_TOKENS, PD, engine_config
 
 LENGTHS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5, MAX_LEN - MAX_TOKENS - 1]
 

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pd_cluster_helpers import body, metric, running_cluster, send_all
 
 from kvwire.cluster.client import RequestResult
 from kvwire.cluster.local import ClusterSpec, LocalCluster
@@ -21,6 +20,7 @@ from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.engine.sampling_params import SamplingParams
 from support.leaks import LeakBaseline
+from support.pd_cluster_helpers import body, metric, running_cluster, send_all
 from support.waiting import wait_for
 
 pytestmark = pytest.mark.slow

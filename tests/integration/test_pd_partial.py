@@ -12,10 +12,10 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from pd_engine_helpers import BLOCK, FIRST, GREEDY, PD, engine_config
 
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.kv_params import KVTransferParams, Role
+from support.pd_engine_helpers import BLOCK, FIRST, GREEDY, PD, engine_config
 
 TURN1 = [(5 * j) % 250 + 1 for j in range(6 * BLOCK + 4)]  # 100 tokens: 6 full blocks
 TURN2 = TURN1 + [(11 * j) % 250 + 3 for j in range(3 * BLOCK + 7)]  # the next turn extends it

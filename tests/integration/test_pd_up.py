@@ -15,13 +15,13 @@ import threading
 import time
 
 import pytest
-from pd_cluster_helpers import body, metric, send_all
 
 from kvwire.bench.serve import _percentiles, summarize
 from kvwire.cluster.client import RequestResult
 from kvwire.cluster.local import ClusterSpec
 from kvwire.cluster.process import ManagedProcess, kvwire_argv
 from kvwire.errors import ConfigError
+from support.pd_cluster_helpers import body, metric, send_all
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from pd_cluster_helpers import body, metric, send_all
 
 from kvwire.cluster.client import post_completion
 from kvwire.cluster.etcd import LocalEtcd, etcd_binary
@@ -33,6 +32,7 @@ from kvwire.engine.llm_engine import LLMEngine
 from kvwire.engine.sampling_params import SamplingParams
 from kvwire.kv_params import Role
 from support.leaks import orphaned, shm_names_mapped_by
+from support.pd_cluster_helpers import body, metric, send_all
 from support.waiting import wait_for
 
 # Before Ray is imported (it reads this once): Ray then takes 127.0.0.1 as every node's IP, so it and

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 import zmq
-from mock_instance import MockProcess, RouterThread, get_raw, live_ids, post, router_config
 
 from kvwire.supervision import RestartPolicy
+from support.mock_instance import MockProcess, RouterThread, get_raw, live_ids, post, router_config
 from support.waiting import wait_for
 
 INTERVAL_S = 0.2

@@ -10,8 +10,7 @@ import subprocess
 import sys
 import time
 
-from mock_instance import MockProcess, post
-
+from support.mock_instance import MockProcess, post
 from support.waiting import wait_for
 
 

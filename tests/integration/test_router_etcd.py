@@ -13,11 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from mock_instance import MockProcess, RouterThread, get, get_raw, post, router_config
-from pd_cluster_helpers import body, metric, running_cluster, send_all
 
 from kvwire.cluster.etcd import INSTALL_HINT, LocalEtcd, etcd_binary
 from kvwire.cluster.local import ClusterSpec, http_json
+from support.mock_instance import MockProcess, RouterThread, get, get_raw, post, router_config
+from support.pd_cluster_helpers import body, metric, running_cluster, send_all
 from support.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None, reason=f"etcd binary not installed: {INSTALL_HINT}")

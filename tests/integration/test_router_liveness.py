@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import zmq
-from mock_instance import MockProcess, RouterThread, get_raw, live_ids, post, router_config
 
 from kvwire.discovery import Heartbeat, InstanceInfo, encode_frames
 from kvwire.kv_params import Role
+from support.mock_instance import MockProcess, RouterThread, get_raw, live_ids, post, router_config
 from support.waiting import wait_for
 
 INTERVAL_S = 0.2

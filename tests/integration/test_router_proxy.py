@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 import zmq
-from mock_instance import MockCluster, MockSpec, get, live_ids, post
 
 from kvwire.discovery import Heartbeat, InstanceInfo, encode_frames
 from kvwire.kv_params import Role, TransferMode
 from kvwire.router.config import Policy
+from support.mock_instance import MockCluster, MockSpec, get, live_ids, post
 from support.waiting import wait_for
 
 

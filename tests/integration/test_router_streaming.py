@@ -17,9 +17,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from mock_instance import PD_AND_SOLO, MockCluster, MockProcess
 
 from kvwire.kv_params import TransferMode
+from support.mock_instance import PD_AND_SOLO, MockCluster, MockProcess
 
 GAP_MS = 100
 N_TOKENS = 6

@@ -13,12 +13,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from mock_instance import PD_AND_SOLO, MockCluster, RouterThread, get_raw, post
 
 from kvwire.errors import ConfigError
 from kvwire.router.cli import add_arguments, config_from_args
 from kvwire.router.config import RouterConfig
 from support.http_client import read_slowly
+from support.mock_instance import PD_AND_SOLO, MockCluster, RouterThread, get_raw, post
 from support.waiting import wait_for
 
 WRITE_TIMEOUT_S = 0.5

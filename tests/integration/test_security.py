@@ -20,12 +20,12 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from pd_cluster_helpers import running_cluster
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.discovery.messages import Deregister, Heartbeat, InstanceInfo, encode_frames
 from kvwire.kv_params import KVTransferParams, Role, TransferMode
 from kvwire.kv_signing import ParamsSigner
+from support.pd_cluster_helpers import running_cluster
 from support.waiting import wait_for
 
 pytestmark = pytest.mark.slow

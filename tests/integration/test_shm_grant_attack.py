@@ -12,13 +12,13 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from transfer_helpers import PeerProcess, digest, has_all, poll_until
 
 from kvwire.transfer import TransferAgent, TransferConfig
 from kvwire.transfer.enums import KVLayout
-from kvwire.transfer.paged_kv import BlockTarget
+from kvwire.transfer.registered_caches import BlockTarget
 from kvwire.transfer.shared_memory import shared_tensors
 from support.shm_planes import shm_plane
+from support.transfer_helpers import PeerProcess, digest, has_all, poll_until
 from support.waiting import wait_for
 
 SECRET = secrets.token_hex(32)

@@ -11,14 +11,14 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from transfer_helpers import PeerProcess, digest, has_all, poll_until
 
 from kvwire.cluster.local import free_port
 from kvwire.transfer import TransferAgent, TransferConfig
 from kvwire.transfer.enums import KVLayout
-from kvwire.transfer.paged_kv import BlockTarget
+from kvwire.transfer.registered_caches import BlockTarget
 from kvwire.transfer.shared_memory import MEMFD_NAME, shared_tensors
 from support.shm_planes import shm_plane
+from support.transfer_helpers import PeerProcess, digest, has_all, poll_until
 from support.waiting import wait_for
 
 SHAPE = [2, 12, 16, 4, 32]  # KV_FIRST float32: 12 blocks of 8 KiB halves

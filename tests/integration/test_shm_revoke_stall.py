@@ -12,10 +12,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
-import shm_stall
-from shm_stall import Decode, Prefill, Tally
 
 from kvwire.transfer.planes.shm import plane as shm_plane_module
+from support import shm_stall
+from support.shm_stall import Decode, Prefill, Tally
 
 ITERATIONS = int(os.environ.get("KVWIRE_SHM_STALL_ITERATIONS", "10"))
 

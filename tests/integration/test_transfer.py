@@ -8,7 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from transfer_helpers import (
+
+from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
+from support.transfer_helpers import (
     DTYPES,
     PeerProcess,
     expected_digests,
@@ -17,8 +19,6 @@ from transfer_helpers import (
     poll_until,
     random_specs,
 )
-
-from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
 
 
 @pytest.fixture(scope="module", params=["auto", "tcp"])

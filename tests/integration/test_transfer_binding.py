@@ -9,11 +9,11 @@ import secrets
 from collections.abc import Iterator
 
 import pytest
-from transfer_helpers import PeerProcess, digest, expected_digests, has_all, plane_address, poll_until
 
 from kvwire.errors import TransferError
 from kvwire.transfer import TransferAgent, TransferConfig
 from kvwire.transfer.stats import TransferStats
+from support.transfer_helpers import PeerProcess, digest, expected_digests, has_all, plane_address, poll_until
 
 SECRET = "binding-test-secret"
 SPECS = [([2, 3, 4, 8], "float32"), ([2, 3, 4, 8], "float16")]
@@ -116,8 +116,9 @@ def test_a_pull_lease_goes_only_to_the_named_receiver(
 # for the victim's transfer. argv: address ("host:port" or "@abstract"), magic, version, secret, src, dst.
 FORGER = """
 import socket, sys
-from kvwire.transfer.planes.shm.wire import abstract_name
-from kvwire.transfer.planes.tcp.wire import FRAME, host_port, prove_hello
+from kvwire.transfer.planes.common.hello import prove_hello
+from kvwire.transfer.planes.common.wire import abstract_name
+from kvwire.transfer.planes.tcp.wire import FRAME, host_port
 address, magic, version, secret, src, dst, tid = sys.argv[1:8]
 if address.startswith("@"):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -151,7 +152,7 @@ def test_a_forged_data_link_hello_is_refused_and_the_pair_completes(
     """Decision 126: with the secret, a hello whose epochs are not the ones D's control plane holds
     (P's epoch after a restart, or D's earlier epoch) is refused on every plane, counted, and the
     link closed; the real P's transfer then completes with its own bytes."""
-    from kvwire.transfer.planes import admission
+    from kvwire.transfer.planes.common import admission
     from kvwire.transfer.planes.shm import wire as shm_wire
     from kvwire.transfer.planes.tcp import wire as tcp_wire
 

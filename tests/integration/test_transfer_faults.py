@@ -12,7 +12,10 @@ import msgspec
 import pytest
 import torch
 import zmq
-from transfer_helpers import (
+
+from kvwire.cluster.local import free_port
+from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig, TransferStats
+from support.transfer_helpers import (
     DTYPES,
     PeerProcess,
     expected_digests,
@@ -22,9 +25,6 @@ from transfer_helpers import (
     poll_until,
     shm_rings_mapped,
 )
-
-from kvwire.cluster.local import free_port
-from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig, TransferStats
 from support.waiting import wait_for
 
 KIB = 1024

@@ -10,9 +10,9 @@ import threading
 import time
 
 import torch
-from transfer_helpers import has_all, plane_address, poll_until, shm_rings_mapped
 
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
+from support.transfer_helpers import has_all, plane_address, poll_until, shm_rings_mapped
 
 LAYERS = [torch.arange(64, dtype=torch.float32).reshape(4, 16) + i for i in range(3)]
 

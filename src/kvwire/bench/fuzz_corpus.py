@@ -229,7 +229,8 @@ def plane_infos() -> list[bytes]:
 
 
 def tcp_hellos() -> list[bytes]:
-    from kvwire.transfer.planes.tcp.wire import HELLO, MAC_BYTES, MAGIC, VERSION
+    from kvwire.transfer.planes.common.hello import HELLO, MAC_BYTES
+    from kvwire.transfer.planes.tcp.wire import MAGIC, VERSION
 
     peer, me = b"b" * 16, b"a" * 16  # the dialler's epoch, the one it names for the acceptor
     return [HELLO.pack(MAGIC, VERSION, len(peer), len(me)) + peer + me + bytes(MAC_BYTES)]

@@ -72,7 +72,8 @@ class _Link:
 
 def tcp_hello() -> FuzzTarget:
     """The accepting side of a TCP (and, same code, shared-memory and IPC) link's handshake."""
-    from kvwire.transfer.planes.tcp.wire import MAGIC, VERSION, check_hello
+    from kvwire.transfer.planes.common.hello import check_hello
+    from kvwire.transfer.planes.tcp.wire import MAGIC, VERSION
 
     def check(data: bytes) -> object:
         return _stream(data, lambda conn: check_hello(conn, None, MAGIC, VERSION, "data connection"))
@@ -97,7 +98,7 @@ def tcp_frames() -> FuzzTarget:
     import torch
 
     from kvwire.transfer.config import TransferConfig
-    from kvwire.transfer.planes.liveness import Heartbeat
+    from kvwire.transfer.planes.common.liveness import Heartbeat
     from kvwire.transfer.planes.tcp.plane import TcpPlane
     from kvwire.transfer.planes.tcp.recv import TcpInbound
     from kvwire.transfer.planes.tcp.wire import RECEIVER_PING
@@ -117,7 +118,7 @@ def tcp_frames() -> FuzzTarget:
         with plane.lock:
             plane.posted.clear()
             plane.posted[("req-1", 0)] = (_PEER, RecvItem("req-1", 0, _LAYER_BYTES, dest))
-            plane._cancelled.clear()
+            plane.cancelled.clear()
         return _stream(data, read)
 
     return FuzzTarget("plane.tcp_frames", check, (ProtocolError, OSError), fuzz_corpus.tcp_frames)

@@ -14,7 +14,7 @@ from kvwire.bench import nccl_workers as w
 from kvwire.bench.serving_path import KVGeometry, ServingSide, run_transfers
 from kvwire.transfer import Backend, TransferConfig
 from kvwire.transfer.enums import Transport
-from kvwire.transfer.planes.cuda_paged import PagedLayers
+from kvwire.transfer.planes.common.group_kernels import PagedLayers
 from kvwire.transfer.planes.nccl.bindings import abort_all, load_nccl
 from kvwire.transfer.planes.nccl.plane import NcclPlaneConfig
 

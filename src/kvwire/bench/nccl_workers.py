@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from kvwire.bench import nccl_harness as h
-from kvwire.transfer.paged import KVLayout, gather_blocks, scatter_blocks
-from kvwire.transfer.planes.cuda_paged import PagedLayers, SlabGather
+from kvwire.transfer.block_copy import KVLayout, gather_blocks, scatter_blocks
+from kvwire.transfer.planes.common.group_kernels import PagedLayers, SlabGather
 from kvwire.transfer.planes.nccl.bindings import NcclComm
 from kvwire.transfer.planes.nccl.device_signal import DeviceSignal
 from kvwire.transfer.planes.nccl.framing import message_ranges

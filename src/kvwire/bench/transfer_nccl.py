@@ -17,7 +17,7 @@ Per size (Llama-3-8B-shaped paged KV, bf16, block size 16, random block ids on b
   device signal (:mod:`kvwire.transfer.planes.nccl.device_signal`): the plane queues the transfer
   on its send stream behind a wait for the signal (one CUDA graph replay once the shape repeats),
   and at t0 the sender's stream fires it, as a P instance would right after its forward wrote the
-  KV. The plane gathers each message with one launch (:mod:`kvwire.transfer.planes.cuda_paged`)
+  KV. The plane gathers each message with one launch (:mod:`kvwire.transfer.planes.common.group_kernels`)
   right before sending it; the receiver
   posts every message before the data is ready and scatters each on arrival (device consumers).
   ``--sender producer`` hands the layers over at t0 instead.

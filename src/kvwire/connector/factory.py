@@ -67,20 +67,6 @@ class RankConnectorFactory:
         if info.device.startswith("cuda"):
             base = int(info.device.split(":", 1)[1]) if ":" in info.device else 0
             info = dataclasses.replace(info, device=f"cuda:{base + rank}")
-        transfer = transfer_config_for(self.config, info)
-        transfer = dataclasses.replace(
-            transfer,
-            control_port=_shift(transfer.control_port, rank),
-            data_port=_shift(transfer.data_port, rank),
-            advertise_control_port=_shift(transfer.advertise_control_port, rank),
-            advertise_data_port=_shift(transfer.advertise_data_port, rank),
-            device=info.device,
-        )
-        agent = TransferAgent(transfer)
+        agent = TransferAgent(transfer_config_for(self.config, info).for_rank(rank, info.device))
         metrics = connector_metrics(CollectorRegistry())
         return KvwireWorkerConnector(self.config, info, agent, metrics=metrics, owns_agent=True)
-
-
-def _shift(port: int, rank: int) -> int:
-    """Rank ``rank``'s copy of a fixed port (0 = any free port stays 0)."""
-    return port + rank if port else 0

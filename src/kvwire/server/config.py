@@ -1,6 +1,9 @@
 """Configuration of one ``kvwire serve`` instance (everything but the engine's own sizing).
 
-Built once at the edge (:mod:`kvwire.server.cli`) and passed down; validated in ``__post_init__``.
+Built once at the edge (:func:`kvwire.server.cli.serve_configs_from_args`) and passed down; validated
+in ``__post_init__``. The KV transfer agent's settings travel inside it as one
+:class:`~kvwire.transfer.config.TransferConfig` that the server hands to the connector without
+looking inside (docs/decisions/134-config-builders-and-packages.md).
 """
 
 from __future__ import annotations
@@ -9,13 +12,9 @@ import dataclasses
 
 from kvwire.auth import ApiKeyConfig
 from kvwire.discovery.address import parse_registration_address
-from kvwire.enum_values import as_enum
 from kvwire.errors import ConfigError
 from kvwire.kv_params import LoadFailurePolicy, Role, TransferMode
-from kvwire.transfer.config import ControlLimits
-from kvwire.transfer.enums import Transport
-from kvwire.transfer.planes.link_config import DataLinkConfig
-from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
+from kvwire.transfer.config import TransferConfig
 
 # The one policy enum (kvwire.kv_params); this name is the server's spelling of it.
 KVLoadFailure = LoadFailurePolicy
@@ -36,29 +35,15 @@ class ServerConfig:
     instance_id: str | None = None
     # Host put in the URL advertised to the router; None = ``host`` (127.0.0.1 for a wildcard bind).
     advertise_host: str | None = None
-    # Port of this instance's KV transfer agent (role prefill/decode); 0 = any free port.
-    kv_port: int = 0
-    kv_data_port: int = 0  # its TCP data plane's port; 0 = any free port
-    # What P/D peers dial when it is not what the agent binds (NAT, a proxy, a Kubernetes Service;
-    # decision 090): host (the agent then binds ``host``, which may be a wildcard), control and data
-    # ports (0 = the bound ones). None / 0 = advertise what is bound.
-    kv_advertise_host: str | None = None
-    kv_advertise_port: int = 0
-    kv_advertise_data_port: int = 0
     # P/D connector defaults (the router's per-request kv_transfer_params may override mode/deadline).
     kv_mode: TransferMode = TransferMode.PUSH
     kv_deadline_s: float = 30.0  # push transfer deadline and pull lease on P's blocks
-    # Data plane per peer: negotiated (auto: shm on one host for CPU, else tcp / nccl) or forced.
-    kv_transport: Transport = Transport.AUTO
     # D: what to do when remote KV does not arrive (recompute the prompt locally, or fail the request).
     kv_load_failure_policy: KVLoadFailure = KVLoadFailure.RECOMPUTE
-    # NCCL data plane tuning (--device cuda P/D); the CLI reads KVWIRE_NCCL_* once into it.
-    kv_nccl: NcclPlaneConfig = dataclasses.field(default_factory=NcclPlaneConfig)
-    # What P/D peers can make the KV agent's control plane hold or trust (--kv-max-*; decision 116).
-    kv_limits: ControlLimits = dataclasses.field(default_factory=ControlLimits)
-    kv_max_pending_transfers: int = 65536  # transfers the KV agent tracks per side
-    # Data-plane listener caps and link deadlines (--kv-data-max-connections ... ; decision 115).
-    kv_data_links: DataLinkConfig = dataclasses.field(default_factory=DataLinkConfig)
+    # The KV transfer agent of role prefill/decode (unused for both), built by the CLI from --kv-port,
+    # --kv-data-port, --kv-advertise-*, --kv-transport, --kv-max-*, --kv-data-*, KVWIRE_NCCL_*, the
+    # device and the secret. Passed to the connector as it is: the server reads none of its fields.
+    transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
     # SIGTERM/SIGINT: everything (abort in-flight, deregister, stop the engine thread) within this.
     shutdown_deadline_s: float = 10.0
     # SIGUSR1 (drain, decision 120): deregister, refuse new requests, and let those in flight finish
@@ -88,21 +73,15 @@ class ServerConfig:
             raise ConfigError(f"role must be a Role, got {self.role!r}")
         if not isinstance(self.kv_mode, TransferMode):
             raise ConfigError(f"kv_mode must be a TransferMode, got {self.kv_mode!r}")
-        object.__setattr__(self, "kv_transport", as_enum(Transport, self.kv_transport, "kv_transport"))
         if not isinstance(self.kv_load_failure_policy, KVLoadFailure):
             policy = self.kv_load_failure_policy
             raise ConfigError(f"kv_load_failure_policy must be a KVLoadFailure, got {policy!r}")
         if self.kv_deadline_s <= 0:
             raise ConfigError(f"kv_deadline_s must be > 0, got {self.kv_deadline_s}")
-        if self.kv_max_pending_transfers < 1:
-            raise ConfigError(f"kv_max_pending_transfers must be >= 1, got {self.kv_max_pending_transfers}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("kv_port", "kv_data_port", "kv_advertise_port", "kv_advertise_data_port"):
-            if not 0 <= getattr(self, name) <= 65535:
-                raise ConfigError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
-        if self.kv_advertise_host is not None and not self.kv_advertise_host.strip():
-            raise ConfigError("kv_advertise_host must not be empty (omit it to advertise the bound host)")
+        if not isinstance(self.transfer, TransferConfig):
+            raise ConfigError(f"transfer must be a TransferConfig, got {self.transfer!r}")
         if self.heartbeat_interval_s <= 0:
             raise ConfigError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
         if self.shutdown_deadline_s <= 0:
@@ -129,11 +108,11 @@ class ServerConfig:
 
     def public_host(self) -> str:
         """Host other processes use to reach this instance."""
-        if self.advertise_host:
-            return self.advertise_host
-        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return public_host(self.host, self.advertise_host)
 
-    def kv_bind_host(self) -> str:
-        """Interface the KV transfer agent binds: ``host`` itself (a wildcard included) when peers are
-        told another host (``kv_advertise_host``), else the host it advertises (:meth:`public_host`)."""
-        return self.host if self.kv_advertise_host else self.public_host()
+
+def public_host(host: str, advertise_host: str | None) -> str:
+    """``advertise_host``, else ``host`` (127.0.0.1 for a wildcard bind)."""
+    if advertise_host:
+        return advertise_host
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host

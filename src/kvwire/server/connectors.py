@@ -96,37 +96,27 @@ class _AgentStats:
 
 
 def build_connector_set(
-    config: ServerConfig, engine_config: EngineConfig, secret: str | None, registry: Any,
-    *, board: HealthBoard | None = None,
+    config: ServerConfig, engine_config: EngineConfig, registry: Any, *, board: HealthBoard | None = None,
 ) -> ConnectorSet:
     """Build the connectors for ``config.role`` (raises ConfigError when they are not available).
-    The transfer agent starts here, its supervised threads on ``board`` (the instance's health
-    board); ``ConnectorSet.close`` stops it."""
+    The transfer agent starts here with ``config.transfer`` (device, secret and ports included: the
+    CLI built it), its supervised threads on ``board`` (the instance's health board);
+    ``ConnectorSet.close`` stops it."""
     if config.role is Role.BOTH:
         return ConnectorSet()
     try:
         from kvwire.connector.config import ConnectorConfig, EngineInfo, LoadFailurePolicy
         from kvwire.connector.factory import RankConnectorFactory, build_connectors
         from kvwire.engine.tp.runner import model_config_of
-        from kvwire.transfer import Backend, TransferConfig
     except ImportError as exc:
         raise ConfigError(
             f"role {config.role.value}: the P/D connector is not available in this build ({exc})"
         ) from exc
-    transfer = TransferConfig(
-        host=config.kv_bind_host(), control_port=config.kv_port, data_port=config.kv_data_port,
-        advertise_host=config.kv_advertise_host, advertise_control_port=config.kv_advertise_port,
-        advertise_data_port=config.kv_advertise_data_port,
-        backend=Backend.NCCL if engine_config.is_cuda else Backend.TCP, transport=config.kv_transport,
-        device=engine_config.device, default_deadline_s=config.kv_deadline_s,
-        secret=secret.encode() if secret else None, nccl=config.kv_nccl,
-        limits=config.kv_limits, max_pending_transfers=config.kv_max_pending_transfers,
-        links=config.kv_data_links,
-    )
     connector_config = ConnectorConfig(
         role=Role(config.role.value), mode=config.kv_mode, deadline_s=config.kv_deadline_s,
         lease_s=config.kv_deadline_s,
-        kv_load_failure_policy=LoadFailurePolicy(config.kv_load_failure_policy.value), transfer=transfer,
+        kv_load_failure_policy=LoadFailurePolicy(config.kv_load_failure_policy.value),
+        transfer=config.transfer,  # built by the CLI; passed on as it is
     )
     engine_info = EngineInfo(
         block_size=engine_config.block_size, device=engine_config.device,

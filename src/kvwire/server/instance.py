@@ -91,8 +91,8 @@ class ServerInstance:
         metrics = ServerMetrics(self._stats, self._engine_status)
         metrics.registry.register(SupervisionCollector(self.board))
         self._metrics = metrics
-        self._connectors = build_connector_set(self.config, self.engine_config, self._secret,
-                                               metrics.registry, board=self.board)
+        self._connectors = build_connector_set(self.config, self.engine_config, metrics.registry,
+                                               board=self.board)
         self._engine = await loop.run_in_executor(None, _build_engine, self.engine_config, self._connectors)
         engine_loop = EngineLoop(self._engine, stall_timeout_s=self.config.engine_stall_timeout_s,
                                  on_lost=self._engine_lost)

@@ -2,7 +2,7 @@
 
 One :class:`TransferAgent` per process (per GPU worker): ZMQ control plane + a data plane
 (:class:`Backend` TCP for CPU tensors, NCCL for GPUs; one subpackage each under
-:mod:`kvwire.transfer.planes`). Paged gather/scatter helpers live in :mod:`kvwire.transfer.paged`.
+:mod:`kvwire.transfer.planes`). Paged gather/scatter helpers live in :mod:`kvwire.transfer.block_copy`.
 
 The names below are imported on first use (PEP 562), so importing a light submodule such as
 ``kvwire.transfer.config`` does not import the agent, ZeroMQ or the planes.

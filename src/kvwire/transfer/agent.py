@@ -34,11 +34,11 @@ from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.control import ControlLoop
 from kvwire.transfer.core import Core
 from kvwire.transfer.enums import FailReason, KVLayout
-from kvwire.transfer.paged_kv import BlockTarget, PagedKV
 from kvwire.transfer.planes.base import DataPlane
 from kvwire.transfer.planes.factory import make_plane
 from kvwire.transfer.planes.plane_set import PlaneSet
 from kvwire.transfer.receiver import Receiver
+from kvwire.transfer.registered_caches import BlockTarget, PagedKV
 from kvwire.transfer.routes import Routes
 from kvwire.transfer.sender import Sender
 from kvwire.transfer.stats import TransferStats
@@ -117,7 +117,7 @@ class TransferAgent:
     def register_kv_caches(self, kv_caches: Sequence[torch.Tensor], layout: KVLayout) -> None:
         """Register the worker's paged KV caches (one tensor per KV-bearing layer, index = layer
         index in transfers) once, before any :meth:`send_blocks` or ``expect(into_blocks=...)``. The
-        agent then moves blocks the plane's fastest way (``kvwire.transfer.paged_kv``). The tensors
+        agent then moves blocks the plane's fastest way (``kvwire.transfer.registered_caches``). The tensors
         must stay allocated for the agent's life."""
         paged = PagedKV(kv_caches, layout)
         with self._core.lock:
@@ -260,7 +260,7 @@ class TransferAgent:
 
         ``into_blocks`` (the serving path; :meth:`register_kv_caches` first): every layer lands in
         those blocks of its registered cache, the plane's fastest way — in place where the payload
-        fits the blocks exactly, else through a copy that skips/drops blocks (see ``paged_kv``). The
+        fits the blocks exactly, else through a copy that skips/drops blocks (see ``registered_caches``). The
         blocks must not be reused until the transfer ended; once it failed (or an abort of it
         returned) and it is not in :meth:`unsettled`, nothing of it writes into them any more.
 

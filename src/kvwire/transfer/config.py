@@ -1,4 +1,9 @@
-"""Configuration of one :class:`~kvwire.transfer.agent.TransferAgent` (frozen, validated once)."""
+"""Configuration of one :class:`~kvwire.transfer.agent.TransferAgent` (frozen, validated once).
+
+Everything a process's config builder needs to make a :class:`TransferConfig` is importable from
+here (:class:`ControlLimits`, :class:`DataLinkConfig`, :func:`nccl_from_env`): the server and the
+vLLM plugin build it at their edge and never import a plane (decision 134).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,19 @@ import math
 
 from kvwire.errors import ConfigError
 from kvwire.transfer.enums import Backend, Transport
-from kvwire.transfer.planes.link_config import DataLinkConfig
+from kvwire.transfer.planes.common.link_config import DataLinkConfig
 from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
+
+__all__ = ["ControlLimits", "DataLinkConfig", "NcclPlaneConfig", "TransferConfig", "nccl_from_env"]
 
 GiB = 1 << 30
 MiB = 1 << 20
+
+
+def nccl_from_env() -> NcclPlaneConfig:
+    """The NCCL plane's tuning from ``KVWIRE_NCCL_*``: read once, at a process's edge (``kvwire
+    serve``'s builder, the vLLM plugin's worker), and passed down inside :class:`TransferConfig`."""
+    return NcclPlaneConfig.from_env()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,9 +194,26 @@ class TransferConfig:
                 f"transport {self.transport.value!r} needs a CUDA device (device is {self.device!r})"
             )
 
+    def for_rank(self, rank: int, device: str) -> TransferConfig:
+        """Tensor-parallel rank ``rank``'s copy on ``device``: every fixed port (bound and advertised)
+        becomes ``port + rank``; 0 (any free port / the bound one) stays 0."""
+        return dataclasses.replace(
+            self,
+            control_port=_shift(self.control_port, rank),
+            data_port=_shift(self.data_port, rank),
+            advertise_control_port=_shift(self.advertise_control_port, rank),
+            advertise_data_port=_shift(self.advertise_data_port, rank),
+            device=device,
+        )
+
     def advertised(self, bound: str, port: int) -> str:
         """``host:port`` peers dial for a socket bound at ``bound`` (``host:port``), given the
         ``advertise_*`` port of that socket (0: the bound port)."""
         bound_host, _, bound_port = bound.rpartition(":")
         host = self.advertise_host or bound_host
         return f"{host}:{port or bound_port}"
+
+
+def _shift(port: int, rank: int) -> int:
+    """Rank ``rank``'s copy of a fixed port (0 = any free port stays 0)."""
+    return port + rank if port else 0

@@ -20,8 +20,8 @@ from kvwire.transfer.grants import Credit
 from kvwire.transfer.lease import Lease, PeerState
 from kvwire.transfer.lifecycle import Transfers
 from kvwire.transfer.messages import Offer, Pull, Renew, Trailer
-from kvwire.transfer.paged_kv import BlockTarget, PagedKV
 from kvwire.transfer.recv_state import RecvState, SpansFn, WriteGuard
+from kvwire.transfer.registered_caches import BlockTarget, PagedKV
 from kvwire.transfer.stats import ControlLimit
 from kvwire.transfer.types import DTYPES_BY_NAME, LayerSink, LayerSpec, PeerRef, PullSlice
 

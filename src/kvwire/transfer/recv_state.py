@@ -12,7 +12,7 @@ import torch
 from kvwire.transfer.buffers import RecvBuffer
 from kvwire.transfer.lifecycle import TransferState
 from kvwire.transfer.messages import Grant
-from kvwire.transfer.paged_kv import BlockTarget, PagedKV
+from kvwire.transfer.registered_caches import BlockTarget, PagedKV
 from kvwire.transfer.types import ByteSpans, DeviceConsumer, LayerSink, LayerSpec, PeerRef
 
 SpansFn = Callable[[int], ByteSpans]  # layer index -> where its bytes go
@@ -53,7 +53,7 @@ class RecvState(TransferState):
     sender: str | None = None  # push: the sender's control endpoint, known before its Offer
     sender_id: str | None = None  # the sender's epoch as seen in its Renews before the Offer
     scatter_into: SpansFn | None = None  # destination spans per layer (zero-copy receive)
-    # expect(into_blocks=...): the registered caches' blocks this transfer lands in (see paged_kv)
+    # expect(into_blocks=...): the registered caches' blocks this transfer lands in (see registered_caches)
     paged: PagedKV | None = None
     target: BlockTarget | None = None
     consumer: DeviceConsumer | None = None  # built once, for a device-consumer plane

@@ -11,8 +11,8 @@ import torch
 
 from kvwire.errors import TransferError
 from kvwire.transfer.lifecycle import TransferState
-from kvwire.transfer.paged_kv import PagedKV
 from kvwire.transfer.planes.base import DataPlane
+from kvwire.transfer.registered_caches import PagedKV
 from kvwire.transfer.types import ByteSpans, LayerSpec, PeerRef, SendItem
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ class SendState(TransferState):
             item = SendItem(tid, index, spans.base, ready_event, spans)
         elif plane.supports_device_producers and paged.device_paths():
             if self.producer is None:
-                from kvwire.transfer.planes.cuda_paged import PagedLayers, SlabGather
+                from kvwire.transfer.planes.common.group_kernels import PagedLayers, SlabGather
 
                 self.slab = paged.take_slab(int(block_ids.numel()), _slab_allocator(plane))
                 self.paged = paged

@@ -20,9 +20,9 @@ from kvwire.transfer.grants import EarlyGrants, early_grant_fits
 from kvwire.transfer.lease import Lease, PeerState
 from kvwire.transfer.lifecycle import Transfers
 from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Renew, Trailer, WireLayer
-from kvwire.transfer.paged_kv import PagedKV
 from kvwire.transfer.pending_pulls import PendingPulls
 from kvwire.transfer.promises import Promises
+from kvwire.transfer.registered_caches import PagedKV
 from kvwire.transfer.send_queue import SendQueue
 from kvwire.transfer.send_state import HeldBlocks, SendState, gathered
 from kvwire.transfer.split_pull import SplitPulls

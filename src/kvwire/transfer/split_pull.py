@@ -23,10 +23,10 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from kvwire.transfer.block_copy import HEAD_DIM
 from kvwire.transfer.enums import FailReason, KVLayout
 from kvwire.transfer.lease import Lease
 from kvwire.transfer.messages import Pull
-from kvwire.transfer.paged import HEAD_DIM
 from kvwire.transfer.peer_table import PeerTable
 from kvwire.transfer.send_state import HeldBlocks, SendState
 from kvwire.transfer.stats import ControlLimit

@@ -115,12 +115,12 @@ LayerSink = Callable[[int, torch.Tensor], None]
 # ``dest`` are filled. It enqueues work that reads ``dest`` (e.g. a scatter into paged KV blocks) and
 # that work must write nothing unless the *gate* passes: ``gate`` is a device int32 tensor
 # ``[magic, real, armed, 0]`` and the work may write only if ``magic == GATE_MAGIC``, ``real == 1`` and
-# ``armed == 1`` (:meth:`kvwire.transfer.planes.cuda_paged.PagedLayers.scatter` takes it). ``on_received`` is
-# reported only after the enqueued work completed; once ``cancel`` of the transfer returned, nothing
-# of it writes any more (the plane disarms the gates and waits for work that already started). The
-# work of different messages may run concurrently (the NCCL plane alternates two streams): it must
-# not rely on an earlier message's work having finished. The consumer runs under a plane lock: it
-# must only enqueue GPU work, never call the agent or the plane.
+# ``armed == 1`` (:meth:`kvwire.transfer.planes.common.group_kernels.PagedLayers.scatter` takes it).
+# ``on_received`` is reported only after the enqueued work completed; once ``cancel`` of the transfer
+# returned, nothing of it writes any more (the plane disarms the gates and waits for work that
+# already started). The work of different messages may run concurrently (the NCCL plane alternates
+# two streams): it must not rely on an earlier message's work having finished. The consumer runs
+# under a plane lock: it must only enqueue GPU work, never call the agent or the plane.
 DeviceConsumer = Callable[[Sequence["RecvItem"], torch.Tensor], None]
 GATE_MAGIC = 0x4B565752  # "KVWR"
 
@@ -129,8 +129,8 @@ GATE_MAGIC = 0x4B565752  # "KVWR"
 # before its send, with the message's items that name this producer and the plane's send stream
 # current (already ordered after those items' ``ready_event``). It enqueues the work that fills the
 # items' ``tensor`` (e.g. a one-launch gather of paged KV blocks, see
-# :meth:`kvwire.transfer.planes.cuda_paged.PagedLayers.gather`); the send follows it on the same stream. The
-# caller thus hands a whole transfer over at once and the plane gathers message by message, each
+# :meth:`kvwire.transfer.planes.common.group_kernels.PagedLayers.gather`); the send follows it on the same
+# stream. The caller thus hands a whole transfer over at once and the plane gathers message by message, each
 # gather just ahead of its message on the wire, with no event or thread hand-off per message. A
 # producer must only enqueue GPU work on the current stream (kernels already loaded: a first launch
 # loads a CUDA module, which synchronizes the device) and never call the agent or the plane; if it
@@ -184,7 +184,7 @@ class CheckedSpans(tuple[tuple[int, int], ...]):
 @dataclasses.dataclass(frozen=True)
 class ByteSpans:
     """Byte ranges of one contiguous ``base`` tensor whose concatenation is one layer's payload,
-    e.g. a request's blocks inside a paged KV cache (see ``kvwire.transfer.paged.block_spans``).
+    e.g. a request's blocks inside a paged KV cache (see ``kvwire.transfer.block_copy.block_spans``).
     Lets a plane gather/scatter with the kernel (``sendmsg``/``recvmsg_into`` iovecs): no copy."""
 
     base: torch.Tensor  # contiguous

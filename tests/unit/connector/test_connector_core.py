@@ -7,7 +7,13 @@ import math
 
 import pytest
 import torch
-from connector_fakes import (
+from prometheus_client import CollectorRegistry
+
+from kvwire.connector.config import EngineInfo
+from kvwire.connector.scheduler import KvwireSchedulerConnector
+from kvwire.connector.worker import KvwireWorkerConnector
+from kvwire.kv_params import KVTransferParams, Role, TransferMode
+from support.connector_fakes import (
     BLOCK,
     NUM_BLOCKS,
     NUM_LAYERS,
@@ -18,12 +24,6 @@ from connector_fakes import (
     make_pd,
     push_requests,
 )
-from prometheus_client import CollectorRegistry
-
-from kvwire.connector.config import EngineInfo
-from kvwire.connector.scheduler import KvwireSchedulerConnector
-from kvwire.connector.worker import KvwireWorkerConnector
-from kvwire.kv_params import KVTransferParams, Role, TransferMode
 
 
 @pytest.fixture

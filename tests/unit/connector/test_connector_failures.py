@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from connector_fakes import BLOCK, NUM_LAYERS, FakeRequest, chunk, make_pd, push_requests
 from prometheus_client import CollectorRegistry
 
 from kvwire.connector.config import ConnectorConfig, EngineInfo, LoadFailurePolicy
 from kvwire.connector.scheduler import KvwireSchedulerConnector
 from kvwire.errors import ConfigError
 from kvwire.kv_params import KVTransferParams, Role
+from support.connector_fakes import BLOCK, NUM_LAYERS, FakeRequest, chunk, make_pd, push_requests
 
 
 @pytest.fixture
 def fabric():  # type: ignore[no-untyped-def]
-    from connector_fakes import FakeFabric
+    from support.connector_fakes import FakeFabric
 
     return FakeFabric()
 

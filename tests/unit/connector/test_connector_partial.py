@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from connector_fakes import BLOCK, NUM_BLOCKS, NUM_LAYERS, FakeFabric, FakeRequest, Side, chunk
 from prometheus_client import CollectorRegistry
 
 from kvwire.connector.base import StepInfo
@@ -14,7 +13,8 @@ from kvwire.connector.config import EngineInfo
 from kvwire.connector.scheduler import KvwireSchedulerConnector
 from kvwire.connector.worker import KvwireWorkerConnector
 from kvwire.kv_params import KVTransferParams, Role
-from kvwire.transfer.paged import KVLayout
+from kvwire.transfer.block_copy import KVLayout
+from support.connector_fakes import BLOCK, NUM_BLOCKS, NUM_LAYERS, FakeFabric, FakeRequest, Side, chunk
 
 SHAPES = {
     KVLayout.KV_FIRST: (2, NUM_BLOCKS, BLOCK, 2, 4),

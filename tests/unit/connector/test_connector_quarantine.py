@@ -5,11 +5,11 @@ outcome (recompute, failure, blocks free) only once the transfer is settled."""
 from __future__ import annotations
 
 import pytest
-from connector_fakes import BLOCK, FakeFabric, make_pd, push_requests
 from prometheus_client import CollectorRegistry
 
 from kvwire.connector.base import ConnectorOutput
 from kvwire.connector.config import LoadFailurePolicy
+from support.connector_fakes import BLOCK, FakeFabric, make_pd, push_requests
 
 
 def _start_d(d, dreq, d_ids, n):  # type: ignore[no-untyped-def]

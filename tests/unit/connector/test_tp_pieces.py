@@ -145,12 +145,12 @@ def test_an_incompatible_pair_is_refused_at_admission() -> None:
 def test_an_opaque_layout_refuses_different_tp_sizes_and_keeps_equal_ones() -> None:
     """vLLM registers its KV as opaque blocks (MLA layout with num_kv_heads set): a P/D pair of
     different TP sizes must be refused (P frees, nothing sent), never sent whole as if it were MLA."""
-    from connector_fakes import FakeFabric
     from prometheus_client import CollectorRegistry
 
     from kvwire.connector.metadata import SendSpec
     from kvwire.connector.metrics import connector_metrics
     from kvwire.connector.worker import KvwireWorkerConnector
+    from support.connector_fakes import FakeFabric
 
     agent = FakeFabric().agent("p")
     info = EngineInfo(block_size=4, kv_layout=KVLayout.MLA, tp_size=1, num_kv_heads=2)

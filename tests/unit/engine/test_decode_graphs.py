@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_factories import generate, greedy, make_engine, random_prompts
-from engine_fake_connectors import Calls, RecordingScheduler, RecordingWorker
 
 from kvwire.engine import SamplingParams
 from kvwire.engine.decode_graphs import DecodeGraphs, _bucket, _buckets
+from support.engine_factories import generate, greedy, make_engine, random_prompts
+from support.engine_fake_connectors import Calls, RecordingScheduler, RecordingWorker
 
 PROMPTS = random_prompts(5, 3, 60, seed=9)
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from engine_factories import generate, greedy, make_engine, random_prompts, run_all
 
 from kvwire.engine import AttentionBackend, SamplingParams
+from support.engine_factories import generate, greedy, make_engine, random_prompts, run_all
 
 PROMPTS = random_prompts(6, 3, 70, seed=1)
 MAX_TOKENS = 12

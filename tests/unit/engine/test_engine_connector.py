@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from engine_factories import generate, greedy, make_engine, random_prompts, run_all
-from engine_fake_connectors import (
+
+from kvwire.connector.base import ConnectorOutput
+from kvwire.engine import KVLoadFailurePolicy, LLMEngine
+from support.engine_factories import generate, greedy, make_engine, random_prompts, run_all
+from support.engine_fake_connectors import (
     Calls,
     DecodeScheduler,
     DecodeWorker,
@@ -13,9 +16,6 @@ from engine_fake_connectors import (
     Wire,
     prefill,
 )
-
-from kvwire.connector.base import ConnectorOutput
-from kvwire.engine import KVLoadFailurePolicy, LLMEngine
 
 PROMPTS = random_prompts(3, 20, 45, seed=3)
 NUM_LAYERS = 4  # the tiny preset

@@ -7,11 +7,18 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_factories import generate, greedy, make_engine, random_prompts
-from engine_fake_connectors import Calls, DecodeScheduler, DecodeWorker, RecordingWorker, Wire, prefill
 
 from kvwire.connector.base import ConnectorOutput
 from kvwire.engine import RequestOutput
+from support.engine_factories import generate, greedy, make_engine, random_prompts
+from support.engine_fake_connectors import (
+    Calls,
+    DecodeScheduler,
+    DecodeWorker,
+    RecordingWorker,
+    Wire,
+    prefill,
+)
 
 
 @pytest.mark.parametrize("seed", [0, 2, 3])

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_factories import generate, greedy, make_engine, random_prompts, run_all
 
 from kvwire.engine import SamplingParams
 from kvwire.engine.sampler import Sampler, filtered_probs
 from kvwire.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer
 from kvwire.errors import InvalidRequestError
+from support.engine_factories import generate, greedy, make_engine, random_prompts, run_all
 
 PROMPT = random_prompts(1, 12, 12, seed=5)[0]
 

@@ -11,13 +11,12 @@ from kvwire.connector.config import LoadFailurePolicy
 from kvwire.errors import ConfigError
 from kvwire.integrations.vllm_config import (
     VLLM_DEFAULT_KV_PORT,
-    DataPlane,
     GiB,
     VllmTransferView,
     plugin_config_from_vllm,
 )
 from kvwire.kv_params import Role, TransferMode
-from kvwire.transfer.enums import Transport
+from kvwire.transfer.enums import Backend, Transport
 
 SECRET = "s3cret-0123456789abcdef0123456789ab"  # 32+ bytes (decision 124)
 
@@ -31,11 +30,13 @@ def test_defaults() -> None:
     assert cfg.connector.role is Role.PREFILL
     assert cfg.connector.mode is TransferMode.PUSH
     assert cfg.connector.use_first_token is False
-    assert cfg.data_plane is DataPlane.TCP and cfg.transport is Transport.AUTO  # shm on one host
-    assert plugin_config_from_vllm(view(transport="TCP")).transport is Transport.TCP
-    assert cfg.base_control_port == 0 and cfg.control_port(3) == 0
+    transfer = cfg.transfer
+    assert transfer.backend is Backend.TCP and transfer.transport is Transport.AUTO  # shm on one host
+    assert plugin_config_from_vllm(view(transport="TCP")).transfer.transport is Transport.TCP
+    assert transfer.control_port == 0 and transfer.for_rank(3, "cpu").control_port == 0
     assert cfg.router_address is None and cfg.http_url is None
-    assert cfg.recv_budget_bytes == GiB and cfg.spill_budget_bytes == GiB
+    assert transfer.recv_budget_bytes == GiB and transfer.spill_budget_bytes == GiB
+    assert transfer.default_deadline_s == cfg.connector.agent_deadline_s and cfg.device_type == "cpu"
 
 
 @pytest.mark.parametrize(
@@ -75,10 +76,10 @@ def test_seed_keys_map() -> None:
     assert cfg.router_address == "tcp://10.0.0.1:30001"
     assert cfg.http_url == "http://127.0.0.1:20001"
     assert cfg.connector.mode is TransferMode.PUSH
-    assert cfg.data_plane is DataPlane.NCCL and cfg.nccl_num_channels == 16
-    assert cfg.spill_budget_bytes == 32 * GiB
-    assert cfg.recv_budget_bytes == 1_000_000_000
-    assert cfg.control_port(0) == 21001 and cfg.control_port(2) == 21003
+    assert cfg.transfer.backend is Backend.NCCL and cfg.nccl_num_channels == 16
+    assert cfg.transfer.spill_budget_bytes == 32 * GiB
+    assert cfg.transfer.recv_budget_bytes == 1_000_000_000
+    assert cfg.transfer.control_port == 21001 and cfg.transfer.for_rank(2, "cuda:2").control_port == 21003
 
 
 def test_discovery_etcd() -> None:
@@ -110,9 +111,10 @@ def test_kvwire_keys() -> None:
     assert cfg.http_url == "http://10.1.1.1:8000"
     assert cfg.connector.mode is TransferMode.PULL
     assert cfg.connector.deadline_s == 5 and cfg.connector.lease_s == 7.5
-    assert (cfg.secret, cfg.heartbeat_interval_s, cfg.instance_id, cfg.model_name, cfg.host) == (
+    assert (cfg.secret, cfg.heartbeat_interval_s, cfg.instance_id, cfg.model_name, cfg.transfer.host) == (
         SECRET, 0.5, "p0", "tiny", "0.0.0.0",
     )
+    assert cfg.transfer.secret == SECRET.encode()
 
 
 def test_secret_from_a_file_or_the_environment_and_at_least_32_bytes(
@@ -130,7 +132,7 @@ def test_secret_from_a_file_or_the_environment_and_at_least_32_bytes(
 
 def test_default_kv_port_means_any_free_port() -> None:
     cfg = plugin_config_from_vllm(VllmTransferView(kv_role="kv_producer", kv_port=VLLM_DEFAULT_KV_PORT))
-    assert cfg.control_port(0) == 0
+    assert cfg.transfer.control_port == 0
 
 
 def test_failure_policy_follows_vllm() -> None:
@@ -208,11 +210,13 @@ def test_advertise_keys_give_each_rank_its_ports() -> None:
              "advertise_port": "31000", "advertise_data_port": 31100}
     cfg = plugin_config_from_vllm(VllmTransferView(kv_role="kv_producer", kv_port=7000,
                                                    kv_connector_extra_config=extra))
-    assert cfg.advertise_host == "kv.example.internal" and cfg.host == "0.0.0.0"
-    assert cfg.rank_ports(1) == {"control_port": 7001, "data_port": 7101, "advertise_control_port": 31001,
-                                 "advertise_data_port": 31101}
-    assert plugin_config_from_vllm(view("kv_producer")).rank_ports(0) == {
-        "control_port": 0, "data_port": 0, "advertise_control_port": 0, "advertise_data_port": 0}
+    assert cfg.transfer.advertise_host == "kv.example.internal" and cfg.transfer.host == "0.0.0.0"
+    rank1 = cfg.transfer.for_rank(1, "cpu")
+    assert (rank1.control_port, rank1.data_port, rank1.advertise_control_port, rank1.advertise_data_port) == (
+        7001, 7101, 31001, 31101)
+    rank0 = plugin_config_from_vllm(view("kv_producer")).transfer.for_rank(0, "cpu")
+    assert (rank0.control_port, rank0.data_port, rank0.advertise_control_port, rank0.advertise_data_port) == (
+        0, 0, 0, 0)
     with pytest.raises(ConfigError, match="advertise_port"):
         plugin_config_from_vllm(VllmTransferView(kv_role="kv_producer",
                                                  kv_connector_extra_config={"advertise_port": 70000}))

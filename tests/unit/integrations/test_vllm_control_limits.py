@@ -13,7 +13,7 @@ import pytest
 from kvwire.connector.config import EngineInfo
 from kvwire.errors import ConfigError
 from kvwire.integrations.vllm_config import VllmTransferView, plugin_config_from_vllm
-from kvwire.integrations.vllm_worker_side import WorkerSide, transfer_config
+from kvwire.integrations.vllm_worker_side import WorkerSide
 from kvwire.transfer.config import ControlLimits
 from kvwire.transfer.control import NAME
 
@@ -23,14 +23,14 @@ def view(**extra: Any) -> VllmTransferView:
 
 
 def test_limits_default_and_map_from_extra_config() -> None:
-    assert plugin_config_from_vllm(view()).limits == ControlLimits()
+    assert plugin_config_from_vllm(view()).transfer.limits == ControlLimits()
     extra = {"max_peer_deadline_s": 60, "max_early_grants_per_peer": "8", "max_pending_per_peer": 16,
              "max_pending_transfers": 500, "max_peers": 9}
     cfg = plugin_config_from_vllm(view(**extra))
-    assert cfg.limits == ControlLimits(max_peer_deadline_s=60.0, max_early_grants_per_peer=8,
+    assert cfg.transfer.limits == ControlLimits(max_peer_deadline_s=60.0, max_early_grants_per_peer=8,
                                        max_pending_per_peer=16, max_peers=9)  # fmt: skip
-    agent_config = transfer_config(cfg, EngineInfo(block_size=4, rank=1, tp_size=2))
-    assert agent_config.limits == cfg.limits and agent_config.max_pending_transfers == 500
+    agent_config = cfg.transfer.for_rank(1, "cpu")  # what rank 1's worker starts its agent with
+    assert agent_config.limits == cfg.transfer.limits and agent_config.max_pending_transfers == 500
 
 
 @pytest.mark.parametrize(

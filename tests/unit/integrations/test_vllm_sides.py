@@ -7,7 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from vllm_fakes import (
+
+from kvwire.kv_params import KVTransferParams, Role, TransferMode
+from support.vllm_fakes import (
     BLOCK,
     LAYER_NAMES,
     CachedRequestData,
@@ -17,8 +19,6 @@ from vllm_fakes import (
     Request,
     SchedulerOutput,
 )
-
-from kvwire.kv_params import KVTransferParams, Role, TransferMode
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """``kvwire serve --kv-max-*`` (decision 116): the transfer control plane's bounds, parsed into
-ServerConfig, validated, handed to the transfer agent with the instance's health board, and exported."""
+ServerConfig.transfer, validated, handed to the transfer agent with the instance's health board, and
+exported."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from kvwire.server.cli import add_arguments, server_config_from_args
 from kvwire.server.config import ServerConfig
 from kvwire.server.connectors import build_connector_set
 from kvwire.supervision import HealthBoard, SupervisionCollector
-from kvwire.transfer.config import ControlLimits
+from kvwire.transfer.config import ControlLimits, TransferConfig
 
 
 def _parse(*argv: str) -> ServerConfig:
@@ -26,7 +27,7 @@ def _parse(*argv: str) -> ServerConfig:
 
 def test_defaults_are_control_limits_defaults() -> None:
     cfg = _parse()
-    assert cfg.kv_limits == ControlLimits() and cfg.kv_max_pending_transfers == 65536
+    assert cfg.transfer.limits == ControlLimits() and cfg.transfer.max_pending_transfers == 65536
 
 
 def test_kv_limit_flags_reach_the_server_config() -> None:
@@ -35,11 +36,11 @@ def test_kv_limit_flags_reach_the_server_config() -> None:
                  "--kv-max-early-grants-per-peer", "10", "--kv-max-pending-per-peer", "20",
                  "--kv-max-pending-pulls", "30", "--kv-max-pending-transfers", "40",
                  "--kv-max-peers", "50")  # fmt: skip
-    assert cfg.kv_limits == ControlLimits(
+    assert cfg.transfer.limits == ControlLimits(
         max_message_bytes=1 << 20, min_peer_deadline_s=0.5, max_peer_deadline_s=60.0, max_early_grants=100,
         max_early_grants_per_peer=10, max_pending_per_peer=20, max_pending_pulls=30, max_peers=50,
     )  # fmt: skip
-    assert cfg.kv_max_pending_transfers == 40
+    assert cfg.transfer.max_pending_transfers == 40
 
 
 @pytest.mark.parametrize(
@@ -62,10 +63,10 @@ def test_bad_kv_limits_are_refused(argv: list[str], match: str) -> None:
 
 def test_connector_set_hands_the_board_and_limits_to_the_agent() -> None:
     limits = ControlLimits(max_peers=7, max_peer_deadline_s=42.0)
-    config = ServerConfig(role=Role.PREFILL, kv_limits=limits, kv_max_pending_transfers=99)
+    config = ServerConfig(role=Role.PREFILL, transfer=TransferConfig(limits=limits, max_pending_transfers=99))
     board, registry = HealthBoard(), CollectorRegistry()
     registry.register(SupervisionCollector(board))
-    connectors = build_connector_set(config, EngineConfig(model="tiny"), None, registry, board=board)
+    connectors = build_connector_set(config, EngineConfig(model="tiny"), registry, board=board)
     try:
         agent = connectors.worker.agent
         assert agent.board is board

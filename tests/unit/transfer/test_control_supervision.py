@@ -10,7 +10,6 @@ from collections.abc import Callable
 import pytest
 import torch
 import zmq
-from agent_helpers import _layers, _send, poll_until
 
 from kvwire.errors import TransferError
 from kvwire.supervision import ComponentState, HealthBoard
@@ -18,6 +17,7 @@ from kvwire.transfer import TransferAgent, TransferConfig
 from kvwire.transfer import control as control_module
 from kvwire.transfer.control import NAME
 from kvwire.transfer.messages import Codec, Offer, Renew
+from support.agent_helpers import _layers, _send, poll_until
 
 
 def wait_for(cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:

@@ -10,7 +10,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,69 +23,22 @@ from kvwire.supervision import HealthBoard, SupervisionCollector
 from kvwire.transfer.agent import TransferAgent
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.enums import Backend, Transport
-from kvwire.transfer.planes import admission
-from kvwire.transfer.planes.admission import Admission, accept_loop
-from kvwire.transfer.planes.link_config import DataLinkConfig
+from kvwire.transfer.planes.common import admission
+from kvwire.transfer.planes.common.admission import Admission, accept_loop
+from kvwire.transfer.planes.common.hello import HELLO, NONCE_BYTES, prove_hello
+from kvwire.transfer.planes.common.link_config import DataLinkConfig
+from kvwire.transfer.planes.common.wire import abstract_name
 from kvwire.transfer.planes.plane_set import PlaneSet
 from kvwire.transfer.planes.shm.plane import ShmPlane
-from kvwire.transfer.planes.shm.wire import abstract_name
 from kvwire.transfer.planes.tcp.plane import TcpPlane
-from kvwire.transfer.planes.tcp.wire import (
-    FRAME,
-    HELLO,
-    MAGIC,
-    NONCE_BYTES,
-    PING_FRAME,
-    VERSION,
-    host_port,
-    prove_hello,
-)
+from kvwire.transfer.planes.tcp.wire import FRAME, MAGIC, PING_FRAME, VERSION, host_port
 from kvwire.transfer.types import PeerRef, RecvItem, SendItem
+from support.plane_callbacks import RecordingCallbacks as Callbacks
 from support.waiting import wait_for
 
 # short deadlines, with room for a loaded box: a link is cut after 8 missed heartbeats
 LINKS = DataLinkConfig(max_connections=4, max_connections_per_peer=2, handshake_timeout_s=0.5,
                        keepalive_s=0.25, link_timeout_s=2.0)
-
-
-class Callbacks:
-    """A plane's agent, recording what it is told; ``on_received`` raises ``fail_first`` times."""
-
-    def __init__(self, fail_first: int = 0) -> None:
-        self.lock = threading.Lock()
-        self.received: list[tuple[str, int]] = []
-        self.sent: list[tuple[str, int]] = []
-        self.peer_failed: list[tuple[str, str]] = []
-        self.protocol_errors: list[str] = []
-        self.fail_first = fail_first
-
-    def on_sent(self, peer: str, transfer_id: str, layers: Sequence[int]) -> None:
-        with self.lock:
-            self.sent += [(transfer_id, i) for i in layers]
-
-    def on_received(self, peer: str, transfer_id: str, layers: Sequence[int]) -> None:
-        with self.lock:
-            if self.fail_first > 0:
-                self.fail_first -= 1
-                raise RuntimeError("a sink that raises")
-            self.received += [(transfer_id, i) for i in layers]
-
-    def on_transfer_failed(self, transfer_id: str, reason: str) -> None:
-        pass
-
-    def on_peer_failed(self, peer: str, reason: str) -> None:
-        with self.lock:
-            self.peer_failed.append((peer, reason))
-
-    def on_protocol_error(self, reason: str) -> None:
-        with self.lock:
-            self.protocol_errors.append(reason)
-
-    def peer_endpoint(self, peer_instance_id: str) -> str | None:
-        return f"tcp://{peer_instance_id}"  # every epoch known (the binding: test_link_binding.py)
-
-    def on_device_copy(self, num_bytes: int, seconds: float) -> None:
-        pass
 
 
 @pytest.fixture
@@ -143,11 +96,12 @@ def test_serve_flags_and_plugin_keys_set_the_caps() -> None:
     args = parser.parse_args(["--kv-data-max-connections", "64", "--kv-data-max-connections-per-peer", "8",
                               "--kv-data-handshake-timeout-s", "2", "--kv-data-keepalive-s", "1",
                               "--kv-data-link-timeout-s", "9"])
-    assert server_config_from_args(args).kv_data_links == DataLinkConfig(64, 8, 2.0, 1.0, 9.0)
-    assert server_config_from_args(parser.parse_args([])).kv_data_links == DataLinkConfig()
+    assert server_config_from_args(args).transfer.links == DataLinkConfig(64, 8, 2.0, 1.0, 9.0)
+    assert server_config_from_args(parser.parse_args([])).transfer.links == DataLinkConfig()
     view = VllmTransferView(kv_role="kv_producer", kv_connector_extra_config={
         "data_max_connections": 16, "data_link_timeout_s": "20"})
-    assert plugin_config_from_vllm(view).data_links == DataLinkConfig(max_connections=16, link_timeout_s=20.0)
+    links = plugin_config_from_vllm(view).transfer.links
+    assert links == DataLinkConfig(max_connections=16, link_timeout_s=20.0)
     with pytest.raises(ConfigError):
         plugin_config_from_vllm(VllmTransferView(kv_role="kv_producer", kv_connector_extra_config={
             "data_max_connections_per_peer": 0}))
@@ -431,10 +385,10 @@ def test_serve_hands_the_links_and_board_to_the_planes() -> None:
     from kvwire.server.config import ServerConfig
     from kvwire.server.connectors import build_connector_set
 
-    config = ServerConfig(role=Role.PREFILL, kv_data_links=LINKS)
+    config = ServerConfig(role=Role.PREFILL, transfer=TransferConfig(links=LINKS))
     board, registry = HealthBoard(), CollectorRegistry()
     registry.register(SupervisionCollector(board))
-    connectors = build_connector_set(config, EngineConfig(model="tiny"), None, registry, board=board)
+    connectors = build_connector_set(config, EngineConfig(model="tiny"), registry, board=board)
     try:
         assert connectors.worker.agent.config.links == LINKS
         assert registry.get_sample_value("kvwire_component_up", {"component": "kvwire-tcp-accept"}) == 1

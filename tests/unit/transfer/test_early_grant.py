@@ -8,16 +8,16 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from agent_helpers import poll_until
 
 from kvwire.transfer import TransferAgent, TransferConfig
+from kvwire.transfer.block_copy import block_ids_tensor, block_spans, gather_blocks
 from kvwire.transfer.enums import KVLayout
 from kvwire.transfer.lease import PeerState
 from kvwire.transfer.messages import Grant, Renew
-from kvwire.transfer.paged import block_ids_tensor, block_spans, gather_blocks
-from kvwire.transfer.paged_kv import BlockTarget
+from kvwire.transfer.registered_caches import BlockTarget
 from kvwire.transfer.shared_memory import shared_tensors
 from kvwire.transfer.types import LayerSpec
+from support.agent_helpers import poll_until
 from support.shm_planes import shm_plane
 from support.waiting import free_port, wait_for
 

@@ -12,10 +12,12 @@ import torch
 
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.enums import Backend
+from kvwire.transfer.planes.common.runs import pair_runs, spans_array, tile_runs
 from kvwire.transfer.planes.factory import held_backends
+from kvwire.transfer.planes.ipc.grants import Dest, GrantInfo, ImportTable
 from kvwire.transfer.planes.ipc.plane import IpcPlane
-from kvwire.transfer.planes.ipc.runs import Dest, GrantInfo, ImportTable, pair_runs, spans_array, tile_runs
 from kvwire.transfer.types import ByteSpans, PeerRef, RecvItem
+from support.plane_callbacks import RecordingCallbacks
 
 
 def _apply(runs: list[tuple[int, int, int]], src: bytes, size: int) -> bytes:
@@ -131,18 +133,13 @@ def test_receiver_destinations_travel_with_the_next_grant_and_sender_takes_them_
 
 def test_undecodable_plane_info_is_a_protocol_error_not_a_crash() -> None:
     sender = IpcPlane(TransferConfig(device="cuda:0", transport="ipc"), "tx")
-    errors: list[str] = []
-
-    class Callbacks:
-        def on_protocol_error(self, reason: str) -> None:
-            errors.append(reason)
-
-    sender._callbacks = Callbacks()  # type: ignore[assignment]  # start() would open the link socket
+    callbacks = RecordingCallbacks()
+    sender._callbacks = callbacks  # type: ignore[assignment]  # start() would open the link socket
     peer = PeerRef("tcp://rx", "rx", "@b")
     bad_set = GrantInfo([Dest("t", 0, b"h" * 64, 0, 5)], [])  # names a span set it does not carry
     for info in (b"\x93garbage", msgspec.msgpack.encode(bad_set)):
         sender.on_peer_info(peer, info)
-    assert len(errors) == 2 and sender.take_dest("rx", "t", 0) is None
+    assert len(callbacks.protocol_errors) == 2 and sender.take_dest("rx", "t", 0) is None
 
 
 def test_ipc_is_the_same_host_plane_of_cuda_agents() -> None:

@@ -16,13 +16,15 @@ from kvwire.errors import AuthenticationError, ProtocolError
 from kvwire.supervision import HealthBoard
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.enums import Transport
-from kvwire.transfer.planes import admission
-from kvwire.transfer.planes.link_config import DataLinkConfig
+from kvwire.transfer.planes.common import admission
+from kvwire.transfer.planes.common.hello import LinkRefused, bind_hello, check_hello, prove_hello
+from kvwire.transfer.planes.common.link_config import DataLinkConfig
+from kvwire.transfer.planes.common.wire import abstract_name
 from kvwire.transfer.planes.shm import wire as shm_wire
 from kvwire.transfer.planes.shm.plane import ShmPlane
 from kvwire.transfer.planes.tcp import wire as tcp_wire
 from kvwire.transfer.planes.tcp.plane import TcpPlane
-from kvwire.transfer.planes.tcp.wire import LinkRefused, bind_hello, check_hello, host_port, prove_hello
+from kvwire.transfer.planes.tcp.wire import host_port
 from kvwire.transfer.types import PeerRef, RecvItem, SendItem
 from support.waiting import wait_for
 
@@ -176,7 +178,7 @@ def test_a_forged_shm_hello_is_refused() -> None:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(10)
-            sock.connect(shm_wire.abstract_name(plane.address))
+            sock.connect(abstract_name(plane.address))
             prove_hello(sock, SECRET, "p-restarted", "d-epoch", shm_wire.MAGIC, shm_wire.VERSION)
             assert sock.recv(4096) == b""  # closed: no ring, no grant table, no regions sent
         wait_for(lambda: agent.protocol_errors, 10, "the refusal reported")

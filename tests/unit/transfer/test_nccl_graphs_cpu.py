@@ -13,6 +13,7 @@ from kvwire.transfer.planes.nccl.graphs import Captured, SendGraphs, producer_ke
 from kvwire.transfer.planes.nccl.messages import ChunkPlan
 from kvwire.transfer.planes.nccl.send import _leading_run
 from kvwire.transfer.types import CapturableProducer, SendItem
+from support.plane_callbacks import RecordingCallbacks
 
 
 class FakeGraph:
@@ -164,22 +165,6 @@ def test_completer_coalesces_reports_only_where_nothing_waits_on_them() -> None:
     assert not recv(None, _batch("t", replay, True), _batch("t", other, False))  # type: ignore[arg-type]
 
 
-class _Calls:
-    """PlaneCallbacks that log every call in order."""
-
-    def __init__(self) -> None:
-        self.log: list[tuple[str, str, Any]] = []
-
-    def on_sent(self, peer: str, transfer_id: str, layers: Sequence[int]) -> None:
-        self.log.append(("sent", transfer_id, list(layers)))
-
-    def on_received(self, peer: str, transfer_id: str, layers: Sequence[int]) -> None:
-        self.log.append(("received", transfer_id, list(layers)))
-
-    def on_transfer_failed(self, transfer_id: str, reason: str) -> None:
-        self.log.append(("failed", transfer_id, reason))
-
-
 def _chunk_batch(seq: int, transfer_id: str, layers: list[int], real: bool = True) -> Any:
     from kvwire.transfer.planes.nccl.channel import _Batch
 
@@ -195,7 +180,7 @@ def test_sender_reports_each_transfer_run_once() -> None:
     from kvwire.transfer.planes.nccl.send import SendChannel
 
     channel = object.__new__(SendChannel)  # _deliver reads only these (a real one needs CUDA streams)
-    channel.cancelled, channel.callbacks, channel.peer_instance = CancelledSet(), _Calls(), "p"
+    channel.cancelled, channel.callbacks, channel.peer_instance = CancelledSet(), RecordingCallbacks(), "p"
     channel.cond = threading.Condition()
     channel.cancelled.add("gone")
     batches = [
@@ -218,7 +203,7 @@ def test_receiver_reports_runs_and_what_landed_before_a_failure_first() -> None:
     from kvwire.transfer.planes.nccl.recv import RecvChannel
 
     channel = object.__new__(RecvChannel)
-    channel.cancelled, channel.callbacks, channel.peer_instance = CancelledSet(), _Calls(), "p"
+    channel.cancelled, channel.callbacks, channel.peer_instance = CancelledSet(), RecordingCallbacks(), "p"
     channel._gate_lock, channel._gated = threading.Lock(), {}
     status = np.zeros((8, 4), dtype=np.int32)
     status[:, 0], status[:, 1] = STATUS_MAGIC, 1

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from kvwire.errors import ConfigError, ProtocolError
+from kvwire.transfer.block_copy import KVLayout, gather_blocks
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.enums import Backend
-from kvwire.transfer.paged import KVLayout, gather_blocks
-from kvwire.transfer.planes import cuda_paged
+from kvwire.transfer.planes.common import group_kernels
 from kvwire.transfer.planes.nccl.bindings import (
     CommConfig,
     NcclUnavailableError,
@@ -219,21 +219,21 @@ def test_plane_needs_cuda() -> None:
 def test_group_gather_scatter_equal_per_layer_ops(layout: KVLayout, shape: tuple[int, ...]) -> None:
     layers = [torch.randn(shape) for _ in range(3)]
     ids = torch.tensor([6, 1, 4])
-    out = cuda_paged.gather_layers(layers, ids, layout)
-    assert out.shape == cuda_paged.group_shape(layers, 3, layout)
+    out = group_kernels.gather_layers(layers, ids, layout)
+    assert out.shape == group_kernels.group_shape(layers, 3, layout)
     for index, layer in enumerate(layers):
         assert torch.equal(out[index], gather_blocks(layer, ids, layout))
     dst = [torch.zeros(shape) for _ in range(3)]
-    cuda_paged.scatter_layers(dst, torch.tensor([0, 8, 2]), out, layout)
+    group_kernels.scatter_layers(dst, torch.tensor([0, 8, 2]), out, layout)
     for index in range(3):
         assert torch.equal(gather_blocks(dst[index], torch.tensor([0, 8, 2]), layout), out[index])
     with pytest.raises(ValueError):
-        cuda_paged.scatter_layers(dst, ids, out[:2], layout)
+        group_kernels.scatter_layers(dst, ids, out[:2], layout)
 
 
 def test_gated_scatter_needs_the_one_launch_path() -> None:
     layers = [torch.zeros(2, 4, 2, 1, 8) for _ in range(2)]
-    paged = cuda_paged.PagedLayers(layers, KVLayout.KV_FIRST)
+    paged = group_kernels.PagedLayers(layers, KVLayout.KV_FIRST)
     assert not paged.gated_scatter  # CPU tensors: torch fallback, which cannot honour a gate
     data = torch.ones(paged.shape(2))
     with pytest.raises(ConfigError):
@@ -245,9 +245,9 @@ def test_gated_scatter_needs_the_one_launch_path() -> None:
 def test_copy_share_bounds_the_grid_of_this_threads_launches() -> None:
     import threading
 
-    grid = cuda_paged._grid
+    grid = group_kernels._grid
     assert grid(10_000, 100, 132) == 100  # the bounded grid
-    with cuda_paged.copy_share(0.5):
+    with group_kernels.copy_share(0.5):
         assert grid(10_000, 100, 132) == 66  # half of the SMs
         assert grid(10, 100, 132) == 10  # never more programs than tiles
         seen: list[int] = []
@@ -255,14 +255,14 @@ def test_copy_share_bounds_the_grid_of_this_threads_launches() -> None:
         other.start()
         other.join()
         assert seen == [100]  # another thread's launches are not limited
-        with cuda_paged.copy_share(None):
+        with group_kernels.copy_share(None):
             assert grid(10_000, 100, 132) == 100
         assert grid(10_000, 100, 132) == 66  # restored on exit
     assert grid(10_000, 100, 132) == 100
     assert grid(10_000, 0, 0) == 10_000  # unbounded (no GPU)
-    with cuda_paged.copy_share(1.0):
+    with group_kernels.copy_share(1.0):
         assert grid(10_000, 400, 132) == 400  # 1.0 is no limit, even above one program per SM
-    with pytest.raises(ConfigError, match="share"), cuda_paged.copy_share(0.0):
+    with pytest.raises(ConfigError, match="share"), group_kernels.copy_share(0.0):
         pass
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 
 import torch
-from agent_helpers import _layers, _send, poll_until
 
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
+from support.agent_helpers import _layers, _send, poll_until
 from support.waiting import free_port
 
 LEASE_S = 30.0  # far longer than the poll below: a failure within it came from the watch

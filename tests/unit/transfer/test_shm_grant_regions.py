@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvwire.transfer import TransferConfig
-from kvwire.transfer.planes.link_config import DataLinkConfig
+from kvwire.transfer.planes.common.link_config import DataLinkConfig
 from kvwire.transfer.planes.shm.grants import GrantTable, GrantView, lock_slot
 from kvwire.transfer.planes.shm.plane import ShmPlane
 from kvwire.transfer.planes.shm.regions import REGIONS_FULL

@@ -17,8 +17,7 @@ import torch
 
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
 from kvwire.transfer.enums import KVLayout
-from kvwire.transfer.paged_kv import BlockTarget
-from kvwire.transfer.planes.ipc.runs import pair_runs
+from kvwire.transfer.planes.common.runs import pair_runs
 from kvwire.transfer.planes.shm import plane as shm_plane_module
 from kvwire.transfer.planes.shm import send as shm_send
 from kvwire.transfer.planes.shm.direct import (
@@ -35,6 +34,7 @@ from kvwire.transfer.planes.shm.direct import (
 )
 from kvwire.transfer.planes.shm.grants import GrantTable, GrantView
 from kvwire.transfer.planes.shm.run_copy import check_table, run_table
+from kvwire.transfer.registered_caches import BlockTarget
 from kvwire.transfer.shared_memory import (
     SharedArena,
     check_peer_memfd,

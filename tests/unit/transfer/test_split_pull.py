@@ -8,12 +8,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from agent_helpers import poll_until
 
 from kvwire.transfer import TransferAgent, TransferConfig
-from kvwire.transfer.paged import KVLayout, block_ids_tensor, gathered_shape
-from kvwire.transfer.paged_kv import BlockTarget
+from kvwire.transfer.block_copy import KVLayout, block_ids_tensor, gathered_shape
+from kvwire.transfer.registered_caches import BlockTarget
 from kvwire.transfer.types import LayerSpec, PullSlice
+from support.agent_helpers import poll_until
 
 LAYOUT = KVLayout.KV_FIRST
 NUM_LAYERS = 2

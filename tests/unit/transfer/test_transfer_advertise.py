@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from agent_helpers import _layers, _send, poll_until
 
 from kvwire.errors import ConfigError
 from kvwire.transfer import TransferAgent, TransferConfig
+from support.agent_helpers import _layers, _send, poll_until
 from support.fault_relay import FaultRelay, RelayGroup
 from support.waiting import free_port
 

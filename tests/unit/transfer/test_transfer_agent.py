@@ -8,11 +8,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from agent_helpers import _layers, _send, poll_until
 
 from kvwire.errors import TransferError
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
-from kvwire.transfer.paged import KVLayout, block_ids_tensor, block_spans, gather_blocks
+from kvwire.transfer.block_copy import KVLayout, block_ids_tensor, block_spans, gather_blocks
+from support.agent_helpers import _layers, _send, poll_until
 
 
 @pytest.fixture(params=["auto", "tcp"])

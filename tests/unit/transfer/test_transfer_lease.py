@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from agent_helpers import _layers, _send, poll_until
 
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
 from kvwire.transfer.config import ControlLimits
+from support.agent_helpers import _layers, _send, poll_until
 
 LEASE_S = 0.3
 
@@ -120,7 +120,8 @@ def test_a_sender_restarted_before_taking_the_request_up_fails_the_receive() -> 
             first.close()
         with TransferAgent(TransferConfig(control_port=port)):
             reason = poll_until(b, lambda ev: "gone" in ev["failed"], timeout_s=20)["failed"]["gone"]
-        assert reason.startswith(("peer_lost", "deadline")), reason
+        # D saw the new epoch ("sender restarted"), or the new P aborted it on D's renewal
+        assert "peer_lost" in reason or reason.startswith("deadline"), reason
 
 
 def test_renewals_stop_at_the_limit(pair: tuple[TransferAgent, TransferAgent]) -> None:

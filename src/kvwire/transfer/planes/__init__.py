@@ -1,6 +1,8 @@
 """Data planes: one subpackage per transport behind :class:`kvwire.transfer.planes.base.DataPlane`.
 
-``tcp/`` (raw sockets, CPU tensors) and ``nccl/`` (NCCL point to point, GPUs); ``factory.make_plane``
-imports the one a config names, lazily, so importing this package imports no plane (and no CUDA).
-``cuda_paged`` holds the GPU block-run gather/scatter kernels that GPU planes share.
+``tcp/`` (raw sockets, CPU tensors), ``shm/`` (shared memory, one host), ``ipc/`` (CUDA IPC, one
+host) and ``nccl/`` (NCCL point to point, GPUs); ``factory.make_plane`` imports the one a config
+names, lazily, so importing this package imports no plane (and no CUDA). ``common/`` holds what
+planes share (the link hello, socket helpers, one listener lifecycle, copy runs, the GPU group
+kernels); a plane imports only ``base`` and ``common``, never another plane.
 """

@@ -3,7 +3,7 @@ destination is a peer's allocation mapped by CUDA IPC): **one kernel launch per 
 that share their block geometry, whatever the number of blocks.
 
 A group is a tile table (``(src_offset, dst_offset, bytes)`` relative to a layer's base, each at most
-``tile_bytes``; see :func:`kvwire.transfer.planes.ipc.runs.tile_runs`), uploaded once per request,
+``tile_bytes``; see :func:`kvwire.transfer.planes.common.runs.tile_runs`), uploaded once per request,
 and one ``(src_base, dst_base)`` address pair per layer, uploaded per launch. Offsets are 4-byte
 words relative to an *anchor* tensor of this process, so any two device addresses of the process's
 address space, local or mapped, are reachable from one pointer; the Triton kernel's programs

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import torch
 
-from kvwire.transfer.planes.stream_memops import WAIT_VALUE_GEQ, wait_value32
+from kvwire.transfer.planes.common.stream_memops import WAIT_VALUE_GEQ, wait_value32
 
 _WRAP = 1 << 32
 

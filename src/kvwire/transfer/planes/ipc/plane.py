@@ -36,11 +36,12 @@ import torch
 
 from kvwire.supervision import HealthBoard
 from kvwire.transfer.config import TransferConfig
+from kvwire.transfer.planes.common.runs import spans_array
+from kvwire.transfer.planes.common.unix_links import UnixLinkPlane, take_granted
+from kvwire.transfer.planes.common.wire import shutdown
 from kvwire.transfer.planes.ipc.copy import CopyTuning
+from kvwire.transfer.planes.ipc.grants import Dest, GrantInfo, ImportTable, Target
 from kvwire.transfer.planes.ipc.link import IpcInbound, IpcOutbound
-from kvwire.transfer.planes.ipc.runs import Dest, GrantInfo, ImportTable, Target, spans_array
-from kvwire.transfer.planes.shm.recv import shutdown
-from kvwire.transfer.planes.unix_links import UnixLinkPlane, take_granted
 from kvwire.transfer.types import PeerRef, RecvItem, SendItem
 
 _JOIN_S = 5.0
@@ -67,7 +68,7 @@ class _PendingGrant:
         return GrantInfo(self.dests, [spans_array(s).astype("<i8").tobytes() for s in self._sets])
 
 
-class IpcPlane(UnixLinkPlane):
+class IpcPlane(UnixLinkPlane[IpcOutbound]):
     """CUDA IPC data plane for GPU tensors of processes on one host."""
 
     ordered = False

@@ -53,7 +53,7 @@ class NcclPlaneConfig:
     # every byte cross the receiver's HBM three times). The receiver decides per communicator (in its
     # offer); the sender follows. Needs NCCL >= 2.19 (off otherwise).
     zero_copy: bool = True
-    # Gathers and scatters with slack run on this share of the SMs (cuda_paged.copy_share): a
+    # Gathers and scatters with slack run on this share of the SMs (group_kernels.copy_share): a
     # message's gather when two messages of its transfer leave before it, a message's scatter when two
     # land after it. At full width such a copy saturates HBM in a burst and slows the NCCL kernel
     # beside it; the first gathers and the last scatters (the exposed ones) keep every SM. 1.0: off.

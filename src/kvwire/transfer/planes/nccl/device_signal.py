@@ -33,7 +33,7 @@ import threading
 import torch
 
 from kvwire.errors import TransferError
-from kvwire.transfer.planes.stream_memops import (
+from kvwire.transfer.planes.common.stream_memops import (
     WAIT_VALUE_GEQ,
     WRITE_VALUE_DEFAULT,
     wait_value32,

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from kvwire.transfer.planes.cuda_paged import copy_share
+from kvwire.transfer.planes.common.group_kernels import copy_share
 from kvwire.transfer.planes.nccl.bindings import load_nccl
 from kvwire.transfer.planes.nccl.channel import (
     STATUS_MAGIC,

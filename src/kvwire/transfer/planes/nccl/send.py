@@ -27,7 +27,7 @@ from collections.abc import Callable, Container, Hashable, Sequence
 import torch
 
 from kvwire.errors import PeerLostError
-from kvwire.transfer.planes.cuda_paged import copy_share
+from kvwire.transfer.planes.common.group_kernels import copy_share
 from kvwire.transfer.planes.nccl.bindings import NcclComm
 from kvwire.transfer.planes.nccl.channel import STATUS_MAGIC, _Batch, _Channel, _Work, adjacent_ptr, log
 from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
@@ -212,7 +212,7 @@ class SendChannel(_Channel):
         return self._scratch.data_ptr(), self._scratch, False
 
     def _share(self, chunk: ChunkPlan) -> float | None:
-        """The SM share the chunk's producers may copy on (None: all; see cuda_paged.copy_share)."""
+        """The SM share the chunk's producers may copy on (None: all; see group_kernels.copy_share)."""
         return self.config.slack_copy_share if chunk.seq in self._slack else None
 
     def _produce(self, chunk: ChunkPlan, items: list[SendItem]) -> bool:

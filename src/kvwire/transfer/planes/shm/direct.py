@@ -3,7 +3,7 @@
 When a receiver's destination lies in a :mod:`shared region <kvwire.transfer.shared_memory>`, its
 grant describes it as (region id, byte spans from the region's base, grant slot and token) and the
 sender, which mapped the region at link setup, copies its blocks straight into it: the block runs
-are paired (``planes.ipc.runs.pair_runs``: runs contiguous on both sides merge) and copied by
+are paired (``planes.common.runs.pair_runs``: runs contiguous on both sides merge) and copied by
 :class:`RunCopier` (:mod:`run_copy <kvwire.transfer.planes.shm.run_copy>`: one native call per layer,
 without the GIL), optionally split over several threads.
 """
@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvwire.transfer.planes.ipc.runs import Run, pair_runs
+from kvwire.transfer.planes.common.runs import Run, pair_runs
 from kvwire.transfer.planes.shm.run_copy import STREAM_MIN_BYTES, check_table, copy_runs, run_table
 from kvwire.transfer.shared_memory import check_peer_memfd
 

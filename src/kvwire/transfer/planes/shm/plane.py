@@ -54,15 +54,15 @@ import torch
 
 from kvwire.supervision import HealthBoard
 from kvwire.transfer.config import TransferConfig
+from kvwire.transfer.planes.common.unix_links import UnixLinkPlane, take_granted
+from kvwire.transfer.planes.common.wire import CANCEL_WAIT_S, peer_pid, shutdown
 from kvwire.transfer.planes.shm import run_copy
 from kvwire.transfer.planes.shm.direct import RunCopier, ShmDest, decode_direct, encode_direct
 from kvwire.transfer.planes.shm.grants import GrantTable
 from kvwire.transfer.planes.shm.quarantine import Quarantine, Quarantined
-from kvwire.transfer.planes.shm.recv import Inbound, Landing, peer_pid, shutdown
+from kvwire.transfer.planes.shm.recv import Inbound, Landing
 from kvwire.transfer.planes.shm.regions import GrantRegions
 from kvwire.transfer.planes.shm.send import Outbound
-from kvwire.transfer.planes.tcp.wire import CANCEL_WAIT_S
-from kvwire.transfer.planes.unix_links import UnixLinkPlane, take_granted
 from kvwire.transfer.shared_memory import SharedArena, SharedRegion, region_of
 from kvwire.transfer.types import PeerRef, RecvItem, SendItem
 
@@ -91,7 +91,7 @@ class _Grant:
     dests: list[torch.Tensor] = dataclasses.field(default_factory=list, repr=False)  # their tensors
 
 
-class ShmPlane(UnixLinkPlane):
+class ShmPlane(UnixLinkPlane[Outbound]):
     """Shared-memory data plane for CPU tensors of processes on one host."""
 
     ordered = False

@@ -11,29 +11,27 @@ sink for layer i overlaps the copy of layer i+1, as on the TCP plane).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
 import queue
 import socket
-import struct
 import threading
 from typing import TYPE_CHECKING
 
 from kvwire.errors import ProtocolError
 from kvwire.supervision import SupervisedThread
 from kvwire.transfer.planes.base import posted_for_another
-from kvwire.transfer.planes.liveness import count_cut
+from kvwire.transfer.planes.common.hello import check_hello
+from kvwire.transfer.planes.common.liveness import count_cut
+from kvwire.transfer.planes.common.wire import peer_uid, shutdown
 from kvwire.transfer.planes.shm.ring import Bytes, SpanCursor, create_ring, ring_array, tensor_array
 from kvwire.transfer.planes.shm.wire import CREDIT, FRAME, MAGIC, VERSION, Frame, send_setup
-from kvwire.transfer.planes.tcp.wire import check_hello
 from kvwire.transfer.types import RecvItem
 
 if TYPE_CHECKING:
     from kvwire.transfer.planes.shm.plane import ShmPlane
 
-_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _READ_BYTES = 64 << 10
 _MAX_RING_POS = (1 << (8 * CREDIT.size)) - 1  # ring positions count bytes for ever: u64
 Arrival = tuple[str, str, int] | None  # (peer id, transfer id, layer) or the end marker
@@ -291,23 +289,3 @@ def _grouped(arrivals: list[tuple[str, str, int]]) -> list[tuple[tuple[str, str]
         else:
             out.append(((peer_id, transfer_id), [layer]))
     return [(key, tuple(layers)) for key, layers in out]
-
-
-def peer_uid(conn: socket.socket) -> int:
-    """The user id of the process at the other end of a Unix socket (SO_PEERCRED)."""
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-    return int(_UCRED.unpack(creds)[1])
-
-
-def peer_pid(conn: socket.socket) -> int | None:
-    """The process id at the other end of a Unix socket (SO_PEERCRED); None once it is closed."""
-    try:
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-    except OSError:
-        return None
-    return int(_UCRED.unpack(creds)[0])
-
-
-def shutdown(conn: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        conn.shutdown(socket.SHUT_RDWR)

@@ -30,9 +30,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvwire.transfer.planes.base import fail_queued
-from kvwire.transfer.planes.ipc.runs import Run
-from kvwire.transfer.planes.liveness import count_cut
-from kvwire.transfer.planes.outbound import OutboundLink
+from kvwire.transfer.planes.common.hello import prove_hello
+from kvwire.transfer.planes.common.liveness import count_cut
+from kvwire.transfer.planes.common.outbound import OutboundLink
+from kvwire.transfer.planes.common.runs import Run
+from kvwire.transfer.planes.common.wire import CANCEL_WAIT_S, POLL_S
 from kvwire.transfer.planes.shm.direct import MappedRegions, RunPlans, ShmDest, SourceViews, halves
 from kvwire.transfer.planes.shm.grants import GrantView
 from kvwire.transfer.planes.shm.ring import Bytes, SpanCursor, map_ring, next_slot, ring_array, tensor_array
@@ -44,11 +46,6 @@ from kvwire.transfer.planes.shm.wire import (
     VERSION,
     Frame,
     recv_setup,
-)
-from kvwire.transfer.planes.tcp.wire import (
-    CANCEL_WAIT_S,
-    POLL_S,
-    prove_hello,
 )
 from kvwire.transfer.types import PeerRef, SendItem
 

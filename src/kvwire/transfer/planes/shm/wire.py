@@ -26,13 +26,6 @@ class Frame(enum.IntEnum):
     DONE = 2  # a whole layer was written straight into the receiver's shared memory
 
 
-def abstract_name(address: str) -> str:
-    """``@name`` (how the plane advertises itself) -> the Linux abstract socket name."""
-    if not address.startswith("@"):
-        raise ValueError(f"not a shared-memory plane address: {address!r}")
-    return "\0" + address[1:]
-
-
 def send_setup(
     sock: socket.socket, ring: tuple[int, int], table: tuple[int, int], regions: list[tuple[int, int, int]]
 ) -> None:

@@ -29,104 +29,56 @@ both ways, and a deadline on every write.
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import threading
-import time
 from collections.abc import Sequence
 
-from kvwire.supervision import HealthBoard, SupervisedThread
+from kvwire.supervision import HealthBoard
 from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.planes.admission import Admission, accept_loop, start_reader, tcp_peer
-from kvwire.transfer.planes.base import DataPlane, PlaneCallbacks
+from kvwire.transfer.planes.common.admission import tcp_peer
+from kvwire.transfer.planes.common.listener import ListenerPlane
+from kvwire.transfer.planes.common.wire import CANCEL_WAIT_S, shutdown
 from kvwire.transfer.planes.tcp.recv import TcpInbound
 from kvwire.transfer.planes.tcp.send import TcpOutbound
-from kvwire.transfer.planes.tcp.wire import CANCEL_MEMORY_S, CANCEL_WAIT_S, POLL_S, tensor_bytes
+from kvwire.transfer.planes.tcp.wire import tensor_bytes
 from kvwire.transfer.types import PeerRef, RecvItem, SendItem
 
 __all__ = ["TcpPlane", "tensor_bytes"]
 
-_JOIN_S = 5.0
 
-
-class TcpPlane(DataPlane):
-    """Raw-socket data plane for CPU tensors (CUDA tensors are staged through host memory)."""
+class TcpPlane(ListenerPlane[TcpOutbound]):
+    """Raw-socket data plane for CPU tensors (CUDA tensors are staged through host memory).
+    Listener, acceptor, close and cancelled ids:
+    :class:`~kvwire.transfer.planes.common.listener.ListenerPlane`."""
 
     ordered = False
     supports_spans = True
     early_grants = True  # a data frame must match its posted item's size
+    link_kind = "tcp"
 
     def __init__(self, config: TransferConfig, instance_id: str, board: HealthBoard | None = None) -> None:
-        self.config = config
-        self.instance_id = instance_id
-        self.secret = config.secret
-        self.board = board if board is not None else HealthBoard()
-        self.admission = Admission("tcp", config.links, self.board)
-        self.lock = threading.Lock()
-        self.outbound: dict[str, TcpOutbound] = {}
-        self.inbound: dict[socket.socket, str] = {}  # connection -> peer instance id ("" = handshaking)
-        self.readers: set[threading.Thread] = set()
+        super().__init__(config, instance_id, board)
         self.posted: dict[tuple[str, int], tuple[str, RecvItem]] = {}
-        self._cancelled: dict[str, float] = {}
         self.writing: dict[socket.socket, str] = {}  # connection -> transfer being written into spans
         self.written = threading.Condition(self.lock)
-        self.closing = threading.Event()
-        self._listener: socket.socket | None = None
-        self._address = ""  # what peers dial (config.advertise_*); bound_address: where we listen
-        self.bound_address = ""
-        self._acceptor: SupervisedThread | None = None
-        self._callbacks: PlaneCallbacks | None = None
+        self.bound_address = ""  # where we listen; ``address``: what peers dial (config.advertise_*)
 
-    @property
-    def callbacks(self) -> PlaneCallbacks:
-        assert self._callbacks is not None, "start() first"
-        return self._callbacks
+    # --- lifecycle (start, close, accepting links: ListenerPlane) ------------------------------------
 
-    # --- lifecycle ---------------------------------------------------------------------------------
-
-    def start(self, callbacks: PlaneCallbacks) -> None:
-        self._callbacks = callbacks
+    def _open_listener(self) -> tuple[socket.socket, str]:
         listener = socket.create_server((self.config.host, self.config.data_port), backlog=128)
-        listener.settimeout(POLL_S)
-        self._listener = listener
         host, port = listener.getsockname()[:2]
         self.bound_address = f"{host}:{port}"
-        self._address = self.config.advertised(self.bound_address, self.config.advertise_data_port)
-        self._acceptor = SupervisedThread(
-            "kvwire-tcp-accept",
-            lambda: accept_loop(listener, self.admission, self.closing, tcp_peer, self._serve),
-            self.closing,
-            board=self.board,
-        ).start()
+        return listener, self.config.advertised(self.bound_address, self.config.advertise_data_port)
 
-    @property
-    def address(self) -> str:
-        assert self._address, "start() first"
-        return self._address
+    def _peer(self, conn: socket.socket, addr: object) -> str:
+        return tcp_peer(conn, addr)
 
-    def close(self) -> None:
-        if self.closing.is_set():
-            return
-        self.closing.set()
-        with self.lock:
-            outbound = list(self.outbound.values())
-            inbound = list(self.inbound)
-            self.posted.clear()
-        for out in outbound:
-            out.stop()
-        for sock in inbound:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-        if self._acceptor is not None:
-            self._acceptor.stop(_JOIN_S)
-        for out in outbound:
-            out.thread.join(timeout=_JOIN_S)
-        with self.lock:
-            readers = list(self.readers)
-        for reader in readers:
-            reader.join(timeout=_JOIN_S)
-        if self._listener is not None:
-            self._listener.close()
+    def _inbound_link(self, conn: socket.socket) -> TcpInbound:
+        return TcpInbound(self, conn)
+
+    def _closing_locked(self) -> None:
+        self.posted.clear()
 
     # --- sender side ---------------------------------------------------------------------------------
 
@@ -142,16 +94,9 @@ class TcpPlane(DataPlane):
         for item in items:
             out.queue.put(item)
 
-    def is_cancelled(self, transfer_id: str) -> bool:
-        with self.lock:
-            return transfer_id in self._cancelled
-
     def cancel(self, transfer_id: str) -> None:
-        now = time.monotonic()
         with self.lock:
-            self._cancelled[transfer_id] = now
-            if len(self._cancelled) > 4096:
-                self._cancelled = {t: s for t, s in self._cancelled.items() if now - s < CANCEL_MEMORY_S}
+            self._note_cancelled(transfer_id)
             for key in [k for k in self.posted if k[0] == transfer_id]:
                 del self.posted[key]
             # A frame being written into the caller's memory (spans) must end before cancel returns:
@@ -161,8 +106,7 @@ class TcpPlane(DataPlane):
             )
             conns = [] if finished else [c for c, t in self.writing.items() if t == transfer_id]
         for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
+            shutdown(conn)
 
     def drop_peer(self, peer_instance_id: str) -> None:
         with self.lock:
@@ -173,8 +117,7 @@ class TcpPlane(DataPlane):
         if out is not None:
             out.stop()
         for sock in inbound:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+            shutdown(sock)
 
     # --- receiver side -------------------------------------------------------------------------------
 
@@ -182,7 +125,3 @@ class TcpPlane(DataPlane):
         with self.lock:
             for item in items:
                 self.posted[(item.transfer_id, item.layer_index)] = (peer.instance_id, item)
-
-    def _serve(self, conn: socket.socket) -> None:
-        """Start the reader of a connection the admission took on (acceptor thread)."""
-        start_reader(self, conn, "kvwire-tcp-recv", TcpInbound(self, conn).serve)

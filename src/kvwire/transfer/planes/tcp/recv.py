@@ -22,9 +22,10 @@ import torch
 
 from kvwire.errors import ProtocolError
 from kvwire.supervision import SupervisedThread
-from kvwire.transfer.planes.admission import shutdown
 from kvwire.transfer.planes.base import posted_for_another
-from kvwire.transfer.planes.liveness import Heartbeat, count_cut, tcp_keepalive
+from kvwire.transfer.planes.common.hello import check_hello
+from kvwire.transfer.planes.common.liveness import Heartbeat, count_cut, tcp_keepalive
+from kvwire.transfer.planes.common.wire import recv_bytes, recv_exact, recv_parts, shutdown
 from kvwire.transfer.planes.tcp.wire import (
     DISCARD_CHUNK,
     FRAME,
@@ -32,10 +33,6 @@ from kvwire.transfer.planes.tcp.wire import (
     PING_LAYER,
     RECEIVER_PING,
     VERSION,
-    check_hello,
-    recv_bytes,
-    recv_exact,
-    recv_parts,
     tensor_bytes,
     tune,
 )

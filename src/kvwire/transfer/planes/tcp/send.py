@@ -4,7 +4,7 @@
 The writer dials, proves the hello, then writes queued layers in order. Every write runs under the
 socket's timeout (``links.link_timeout_s``: a write without progress that long cuts the link); while
 idle it drains the receiver's heartbeats, sends its own every ``keepalive_s`` and cuts a link that
-heard nothing for ``link_timeout_s`` (:mod:`kvwire.transfer.planes.liveness`).
+heard nothing for ``link_timeout_s`` (:mod:`kvwire.transfer.planes.common.liveness`).
 """
 
 from __future__ import annotations
@@ -15,17 +15,16 @@ import socket
 from typing import TYPE_CHECKING
 
 from kvwire.transfer.planes.base import fail_queued
-from kvwire.transfer.planes.liveness import Heartbeat, count_cut, tcp_keepalive
-from kvwire.transfer.planes.outbound import OutboundLink
+from kvwire.transfer.planes.common.hello import prove_hello
+from kvwire.transfer.planes.common.liveness import Heartbeat, count_cut, tcp_keepalive
+from kvwire.transfer.planes.common.outbound import OutboundLink
+from kvwire.transfer.planes.common.wire import POLL_S, send_parts
 from kvwire.transfer.planes.tcp.wire import (
     FRAME,
     MAGIC,
     PING_FRAME,
-    POLL_S,
     VERSION,
     host_port,
-    prove_hello,
-    send_parts,
     tensor_bytes,
     tune,
 )

@@ -12,12 +12,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from transfer_helpers import PeerProcess
 
 from kvwire.transfer import TransferAgent, TransferConfig
 from kvwire.transfer.enums import KVLayout
-from kvwire.transfer.paged_kv import BlockTarget
+from kvwire.transfer.registered_caches import BlockTarget
 from support.loopback_plane import LoopbackPlane
+from support.transfer_helpers import PeerProcess
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 4, 24, 16, 2, 64  # 8 KiB per block and K/V half
 LAYER_SHAPE = (2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)

@@ -1,6 +1,6 @@
 """A mock OpenAI upstream that heartbeats to a kvwire router, plus test helpers to run it.
 
-Run as a process: ``python tests/integration/mock_instance.py --router tcp://H:P --role both --id m0``
+Run as a process: ``python tests/support/mock_instance.py --router tcp://H:P --role both --id m0``
 (``--router etcd://H:P`` registers in etcd instead);
 it prints ``MOCK_READY <port>`` once serving. It answers at once with deterministic text
 (``max_tokens`` tokens ``" t0 t1 ..."``), streaming or not, completions or chat. Directives in the

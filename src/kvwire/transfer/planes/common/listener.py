@@ -1,64 +1,57 @@
-"""What the same-host planes (``shm``, ``ipc``) share: a Linux abstract Unix socket that peers
-connect to, one reader thread per inbound link, one writer per outbound peer, and the bookkeeping
-of cancelled transfers. Each plane supplies its link classes (:meth:`UnixLinkPlane._inbound_link`)
-and what it cleans up on close; the lifecycle below is the same for both.
+"""The one listener lifecycle every socket plane shares (TCP, shared memory, CUDA IPC): a bounded,
+supervised acceptor, one reader thread per inbound link, one writer per outbound peer, the close
+that stops them all, and the bookkeeping of cancelled transfers.
 
-The listener is bounded like the TCP plane's (:mod:`~kvwire.transfer.planes.admission`: connections
-per listener and per peer process, the handshake deadline, back-off on EMFILE) and its acceptor is
-supervised. After the hello every link's socket keeps a timeout, ``links.link_timeout_s``: a write to
-a peer that stops reading fails after that long without progress. Readers treat a read timeout as an
-idle moment (a dead peer shows as EOF: its descriptors close with its process).
+A plane supplies its listening socket (:meth:`ListenerPlane._open_listener`), how a connection's peer
+is named for the per-peer cap (:meth:`ListenerPlane._peer`), the reader of an accepted connection
+(:meth:`ListenerPlane._inbound_link`) and what it cleans up on close (:meth:`_closing_locked`,
+:meth:`_closed`). The listener is bounded by :mod:`~kvwire.transfer.planes.common.admission`
+(connections per listener and per peer, the handshake deadline, back-off on EMFILE;
+docs/decisions/115-data-link-bounds.md) and its acceptor is a
+:class:`~kvwire.supervision.SupervisedThread` (restarted with backoff, or marked dead on the board).
+
+Threads: ``start``/``close``/``cancel`` run on the caller's thread; the acceptor and every reader
+and writer on their own. ``lock`` guards ``outbound``, ``inbound``, ``readers`` and ``cancelled``.
 """
 
 from __future__ import annotations
 
-import secrets
 import socket
 import threading
 import time
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import ClassVar, Generic, Protocol, TypeVar
 
 from kvwire.supervision import HealthBoard, SupervisedThread
 from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.planes.admission import Admission, accept_loop, shutdown, start_reader, unix_peer
 from kvwire.transfer.planes.base import DataPlane, PlaneCallbacks
-from kvwire.transfer.planes.shm.wire import abstract_name
-from kvwire.transfer.planes.tcp.wire import CANCEL_MEMORY_S, POLL_S
+from kvwire.transfer.planes.common.admission import Admission, accept_loop, start_reader
+from kvwire.transfer.planes.common.wire import CANCEL_MEMORY_S, POLL_S, shutdown
 
 JOIN_S = 5.0  # a plane thread not gone by then is left (daemon) and logged by its owner
-_MAX_CANCELLED = 4096  # cancelled ids kept before the old ones (past CANCEL_MEMORY_S) are dropped
+MAX_CANCELLED = 4096  # cancelled ids kept before the old ones (past CANCEL_MEMORY_S) are dropped
 
 
-class _Outbound(Protocol):
+class Outbound(Protocol):
+    """A plane's writer for one peer epoch (:class:`~kvwire.transfer.planes.common.outbound.OutboundLink`)."""
+
     thread: threading.Thread
 
     def stop(self) -> None: ...
 
 
-class _Inbound(Protocol):
+class Inbound(Protocol):
+    """A plane's reader of one accepted connection."""
+
     def serve(self) -> None: ...
 
 
-_Dest = TypeVar("_Dest")
+OutT = TypeVar("OutT", bound=Outbound)
 
 
-def take_granted(
-    lock: threading.Lock, table: dict[tuple[str, int], tuple[str, _Dest]], peer_id: str, key: tuple[str, int]
-) -> _Dest | None:
-    """Remove and return the destination a peer granted for ``key`` (transfer id, layer): None when
-    there is none or another peer granted it (the sender then uses its fallback or fails the layer)."""
-    with lock:
-        entry = table.get(key)
-        if entry is None or entry[0] != peer_id:
-            return None
-        del table[key]
-    return entry[1]
+class ListenerPlane(DataPlane, Generic[OutT]):
+    """Base of the planes that accept links on a listening socket; ``OutT`` is the plane's writer."""
 
-
-class UnixLinkPlane(DataPlane):
-    """Base of the planes whose links are abstract Unix sockets (one network namespace, one host)."""
-
-    #: the plane's name in its socket address and thread names ("shm", "ipc")
+    #: the plane's name in its admission, socket address and thread names ("tcp", "shm", "ipc")
     link_kind: ClassVar[str]
 
     def __init__(self, config: TransferConfig, instance_id: str, board: HealthBoard | None = None) -> None:
@@ -69,7 +62,7 @@ class UnixLinkPlane(DataPlane):
         self.admission = Admission(self.link_kind, config.links, self.board)
         self.lock = threading.Lock()
         self.closing = threading.Event()
-        self.outbound: dict[str, Any] = {}  # peer instance id -> the plane's outbound link
+        self.outbound: dict[str, OutT] = {}  # peer instance id -> the plane's outbound link
         self.inbound: dict[socket.socket, str] = {}  # connection -> peer instance id ("" = handshaking)
         self.readers: set[threading.Thread] = set()
         self.cancelled: dict[str, float] = {}  # transfer id -> when cancelled (time.monotonic())
@@ -78,7 +71,17 @@ class UnixLinkPlane(DataPlane):
         self._acceptor: SupervisedThread | None = None
         self._callbacks: PlaneCallbacks | None = None
 
-    def _inbound_link(self, conn: socket.socket) -> _Inbound:
+    # --- what a plane supplies -------------------------------------------------------------------
+
+    def _open_listener(self) -> tuple[socket.socket, str]:
+        """A bound, listening socket and the address peers dial (called once, by :meth:`start`)."""
+        raise NotImplementedError
+
+    def _peer(self, conn: socket.socket, addr: object) -> str:
+        """Who ``conn`` is for the per-peer cap (TCP: the remote IP; Unix sockets: the process)."""
+        raise NotImplementedError
+
+    def _inbound_link(self, conn: socket.socket) -> Inbound:
         """The plane's reader of one accepted connection (its ``serve`` runs on a thread of its own)."""
         raise NotImplementedError
 
@@ -88,6 +91,8 @@ class UnixLinkPlane(DataPlane):
     def _closed(self) -> None:
         """Called once after every plane thread was joined, before the listener closes."""
 
+    # --- lifecycle -------------------------------------------------------------------------------
+
     @property
     def callbacks(self) -> PlaneCallbacks:
         assert self._callbacks is not None, "start() first"
@@ -95,19 +100,12 @@ class UnixLinkPlane(DataPlane):
 
     def start(self, callbacks: PlaneCallbacks) -> None:
         self._callbacks = callbacks
-        address = f"@kvwire-{self.link_kind}-{self.instance_id}-{secrets.token_hex(4)}"
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            listener.bind(abstract_name(address))
-            listener.listen(128)
-        except OSError:
-            listener.close()
-            raise
+        listener, address = self._open_listener()
         listener.settimeout(POLL_S)
         self._listener, self._address = listener, address
         self._acceptor = SupervisedThread(
             f"kvwire-{self.link_kind}-accept",
-            lambda: accept_loop(listener, self.admission, self.closing, unix_peer, self._serve),
+            lambda: accept_loop(listener, self.admission, self.closing, self._peer, self._serve),
             self.closing,
             board=self.board,
         ).start()
@@ -122,7 +120,7 @@ class UnixLinkPlane(DataPlane):
             return
         self.closing.set()
         with self.lock:
-            outbound: list[_Outbound] = list(self.outbound.values())
+            outbound: list[OutT] = list(self.outbound.values())
             inbound = list(self.inbound)
             self._closing_locked()
         for out in outbound:
@@ -141,6 +139,8 @@ class UnixLinkPlane(DataPlane):
         if self._listener is not None:
             self._listener.close()
 
+    # --- cancelled transfers ---------------------------------------------------------------------
+
     def is_cancelled(self, transfer_id: str) -> bool:
         with self.lock:
             return transfer_id in self.cancelled
@@ -149,7 +149,7 @@ class UnixLinkPlane(DataPlane):
         """Remember a cancelled transfer (bounded). Caller holds ``lock``."""
         now = time.monotonic()
         self.cancelled[transfer_id] = now
-        if len(self.cancelled) > _MAX_CANCELLED:
+        if len(self.cancelled) > MAX_CANCELLED:
             self.cancelled = {t: s for t, s in self.cancelled.items() if now - s < CANCEL_MEMORY_S}
 
     def _serve(self, conn: socket.socket) -> None:

@@ -1,12 +1,12 @@
 """Paged gather/scatter for a *group* of layers in one kernel launch (Triton), with a torch fallback.
 
-:mod:`kvwire.transfer.paged` costs one launch per layer. For a transfer of 32 layers of 2 MiB each
+:mod:`kvwire.transfer.block_copy` costs one launch per layer. For a transfer of 32 layers of 2 MiB each
 the launches (and the Python around them) cost more than the copy itself, so this module gathers the
 selected blocks of every layer of a group into one contiguous buffer with **one** launch, and
 scatters such a buffer back into the blocks of a destination cache with one launch.
 
-Buffer format: ``out[l]`` is exactly ``paged.gather_blocks(kv_layers[l], block_ids, layout)`` (so a
-receiver can scatter per layer with :func:`kvwire.transfer.paged.scatter_blocks` too, and the bytes on
+Buffer format: ``out[l]`` is exactly ``block_copy.gather_blocks(kv_layers[l], block_ids, layout)`` (so a
+receiver can scatter per layer with :func:`kvwire.transfer.block_copy.scatter_blocks` too, and the bytes on
 the wire do not depend on which path produced them).
 
 Geometry: every layout is ``planes x num_blocks x chunk`` elements with ``chunk`` contiguous per block:
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from kvwire.errors import ConfigError
-from kvwire.transfer.paged import KVLayout, gather_blocks, gathered_shape, scatter_blocks
+from kvwire.transfer.block_copy import KVLayout, gather_blocks, gathered_shape, scatter_blocks
 from kvwire.transfer.types import GATE_MAGIC as _GATE_MAGIC
 from kvwire.transfer.types import SendItem
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvwire.transfer.paged import KVLayout, block_ids_tensor, gather_blocks, gathered_shape, scatter_blocks
+from kvwire.transfer.block_copy import (
+    KVLayout,
+    block_ids_tensor,
+    gather_blocks,
+    gathered_shape,
+    scatter_blocks,
+)
 
 SHAPES = {
     KVLayout.KV_FIRST: (2, 10, 4, 3, 8),
@@ -55,7 +61,7 @@ def test_bad_shapes_are_rejected() -> None:
 
 
 def test_copy_grid_leaves_sms_to_nccl_but_at_most_a_quarter() -> None:
-    from kvwire.transfer.planes.cuda_paged import copy_grid
+    from kvwire.transfer.planes.common.group_kernels import copy_grid
 
     assert copy_grid(132) == 100  # H200: 32 SMs free for NCCL's CTAs
     assert copy_grid(132, 4, 0) == 528

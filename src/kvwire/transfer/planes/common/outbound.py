@@ -11,7 +11,7 @@ import threading
 from typing import ClassVar
 
 from kvwire.supervision import HealthBoard, guarded
-from kvwire.transfer.planes.shm.wire import abstract_name
+from kvwire.transfer.planes.common.wire import abstract_name
 from kvwire.transfer.types import PeerRef, SendItem
 
 

@@ -22,9 +22,9 @@ import zmq
 from kvwire.bench import fuzz_corpus, fuzz_mutate
 from kvwire.errors import ProtocolError
 from kvwire.transfer.messages import Codec
+from kvwire.transfer.planes.common.hello import HELLO, MAC_BYTES, NONCE_BYTES
 from kvwire.transfer.planes.shm.wire import MAGIC as SHM_MAGIC
 from kvwire.transfer.planes.shm.wire import VERSION as SHM_VERSION
-from kvwire.transfer.planes.tcp.wire import HELLO, MAC_BYTES, NONCE_BYTES
 from kvwire.transfer.planes.tcp.wire import MAGIC as TCP_MAGIC
 from kvwire.transfer.planes.tcp.wire import VERSION as TCP_VERSION
 

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from engine_factories import make_engine, run_all
 
 from kvwire.connector.base import (
     ConnectorMetadata,
@@ -19,6 +18,7 @@ from kvwire.connector.base import (
     WorkerConnector,
 )
 from kvwire.engine import SamplingParams
+from support.engine_factories import make_engine, run_all
 
 
 @dataclasses.dataclass

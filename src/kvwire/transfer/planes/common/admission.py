@@ -18,12 +18,10 @@ spinning. Each refusal is counted on the :class:`~kvwire.supervision.HealthBoard
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import errno
 import logging
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -31,9 +29,10 @@ from typing import Protocol
 
 from kvwire.refusal_log import RefusalLog
 from kvwire.supervision import HealthBoard, guarded
-from kvwire.transfer.planes.link_config import DataLinkConfig
-from kvwire.transfer.planes.liveness import LINK_TIMEOUT
-from kvwire.transfer.planes.tcp.wire import LinkRefused, PeerEpochs, bind_hello
+from kvwire.transfer.planes.common.hello import LinkRefused, PeerEpochs, bind_hello
+from kvwire.transfer.planes.common.link_config import DataLinkConfig
+from kvwire.transfer.planes.common.liveness import LINK_TIMEOUT
+from kvwire.transfer.planes.common.wire import peer_pid, shutdown
 
 log = logging.getLogger("kvwire.transfer")
 
@@ -46,7 +45,6 @@ LOG_EVERY_S = 10.0
 _FD_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 # a connection that went away between the kernel's accept and ours: nothing wrong with the listener
 _TRANSIENT = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EINTR, errno.EPERM, errno.EAGAIN})
-_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 # kvwire_limit_hits_total{limit} names
 LISTENER_FULL = "data_listener_full"
@@ -96,7 +94,7 @@ class Admission:
 
     def bind(self, claim: tuple[str, str], instance_id: str, control: PeerEpochs, what: str) -> str:
         """The peer epoch of a hello that proved the secret, bound to the control plane
-        (:func:`~kvwire.transfer.planes.tcp.wire.bind_hello`); a refusal is counted and raised (the
+        (:func:`~kvwire.transfer.planes.common.hello.bind_hello`); a refusal is counted and raised (the
         reader reports it as a protocol error and closes the link)."""
         try:
             return bind_hello(claim, instance_id, control, what)
@@ -157,16 +155,8 @@ def tcp_peer(conn: socket.socket, addr: object) -> str:
 def unix_peer(conn: socket.socket, addr: object) -> str:
     """A Unix-socket connection's peer for the per-peer cap: its process (SO_PEERCRED)."""
     del addr
-    try:
-        pid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))[0]
-    except OSError:
-        return "?"
-    return f"pid {pid}"
-
-
-def shutdown(conn: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        conn.shutdown(socket.SHUT_RDWR)
+    pid = peer_pid(conn)
+    return "?" if pid is None else f"pid {pid}"
 
 
 def accept_loop(

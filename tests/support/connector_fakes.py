@@ -24,7 +24,7 @@ from kvwire.connector.scheduler import KvwireSchedulerConnector
 from kvwire.connector.worker import KvwireWorkerConnector
 from kvwire.kv_params import KVTransferParams, Role
 from kvwire.transfer.enums import KVLayout
-from kvwire.transfer.paged_kv import BlockTarget, PagedKV
+from kvwire.transfer.registered_caches import BlockTarget, PagedKV
 from kvwire.transfer.types import LayerSink, LayerSpec, TransferEvents
 
 _ids = itertools.count()

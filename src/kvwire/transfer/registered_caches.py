@@ -7,7 +7,7 @@ and then hands the agent *block ids*, never gathered copies. The agent picks, pe
   from / writes into the blocks themselves, no gather or scatter copy (:meth:`PagedKV.spans`);
 * a plane with device producers/consumers (NCCL): the plane gathers each message's layers from the
   cache into a per-transfer slab right before sending it (one launch per message,
-  :class:`~kvwire.transfer.planes.cuda_paged.SlabGather`), and the receiver's stream scatters each
+  :class:`~kvwire.transfer.planes.common.group_kernels.SlabGather`), and the receiver's stream scatters each
   layer into its blocks behind the receive, gated so a cancelled receive never writes
   (:meth:`PagedKV.consumer`); no host synchronization per layer;
 * otherwise: one gather copy per layer on the sender and one scatter on arrival (the sink path).
@@ -32,8 +32,7 @@ from collections.abc import Sequence
 import torch
 
 from kvwire.errors import ConfigError
-from kvwire.transfer.enums import KVLayout
-from kvwire.transfer.paged import (
+from kvwire.transfer.block_copy import (
     BLOCK_DIM,
     block_spans,
     gather_blocks,
@@ -41,6 +40,7 @@ from kvwire.transfer.paged import (
     head_slice,
     scatter_blocks,
 )
+from kvwire.transfer.enums import KVLayout
 from kvwire.transfer.types import GATE_MAGIC, ByteSpans, DeviceConsumer, LayerSpec, RecvItem
 
 _SLABS_PER_SHAPE = 4  # idle send slabs kept per shape (a serving instance reuses a few buckets)
@@ -74,7 +74,7 @@ class PagedKV:
         for layer in self.layers:
             gathered_shape(layer, 1, layout)  # validates the layout's rank
         self.contiguous = all(layer.is_contiguous() for layer in self.layers)
-        self._group: object | None = None  # cuda_paged.PagedLayers, built on first device use
+        self._group: object | None = None  # group_kernels.PagedLayers, built on first device use
         self._group_lock = threading.Lock()
         self._slabs: dict[tuple[tuple[int, ...], torch.dtype], collections.deque[torch.Tensor]] = {}
         self._slab_lock = threading.Lock()
@@ -148,10 +148,11 @@ class PagedKV:
     # --- device paths (GPU planes) --------------------------------------------------------------
 
     def group(self) -> object:
-        """The layers as one :class:`~kvwire.transfer.planes.cuda_paged.PagedLayers` (built once)."""
+        """The layers as one :class:`~kvwire.transfer.planes.common.group_kernels.PagedLayers`
+        (built once)."""
         with self._group_lock:
             if self._group is None:
-                from kvwire.transfer.planes.cuda_paged import PagedLayers
+                from kvwire.transfer.planes.common.group_kernels import PagedLayers
 
                 self._group = PagedLayers(self.layers, self.layout)
             return self._group

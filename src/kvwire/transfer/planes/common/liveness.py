@@ -28,7 +28,7 @@ import socket
 import time
 
 from kvwire.supervision import HealthBoard
-from kvwire.transfer.planes.link_config import DataLinkConfig
+from kvwire.transfer.planes.common.link_config import DataLinkConfig
 
 LINK_TIMEOUT = "data_link_timeout"  # kvwire_limit_hits_total{limit}: a link cut for moving nothing
 
