@@ -2,7 +2,7 @@
 
 Credit (grants from the memory budget, early grants) is :mod:`kvwire.transfer.grants`; what happens
 once a layer lands (sinks, acks, completion) is :mod:`kvwire.transfer.arrivals`; leases, expiry and
-the one ``fail`` are :mod:`kvwire.transfer.lifecycle`.
+the one ``fail`` are :mod:`kvwire.transfer.core` (``Transfers``).
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ import torch
 
 from kvwire.errors import TransferError
 from kvwire.transfer.arrivals import Arrivals
-from kvwire.transfer.core import Core
+from kvwire.transfer.core import Core, Transfers
 from kvwire.transfer.enums import FailReason
 from kvwire.transfer.grants import Credit
 from kvwire.transfer.lease import Lease, PeerState
-from kvwire.transfer.lifecycle import Transfers
 from kvwire.transfer.messages import Offer, Pull, Renew, Trailer
 from kvwire.transfer.recv_state import RecvState, SpansFn, WriteGuard
 from kvwire.transfer.registered_caches import BlockTarget, PagedKV

@@ -1,9 +1,9 @@
 """Send side of the agent: offers, grants taken, layers handed over, acks, pulls, renewals, failures.
 
 A transfer is a :class:`~kvwire.transfer.send_state.SendState`; handing granted layers to the plane is
-:mod:`kvwire.transfer.send_queue`; promises (accepted, not started) :mod:`kvwire.transfer.promises`;
+``send_state.SendQueue``; promises (accepted, not started) ``lease.Promises``;
 early grants kept before the start :mod:`kvwire.transfer.grants`; piece pulls
-:mod:`kvwire.transfer.split_pull`; leases, expiry and the one ``fail`` :mod:`kvwire.transfer.lifecycle`.
+:mod:`kvwire.transfer.split_pull`; leases, expiry and the one ``fail`` ``core.Transfers``.
 """
 
 from __future__ import annotations
@@ -14,18 +14,15 @@ from typing import Any
 import torch
 
 from kvwire.errors import TransferError
-from kvwire.transfer.core import Core
+from kvwire.transfer.core import Core, Transfers
 from kvwire.transfer.enums import FailReason
 from kvwire.transfer.grants import EarlyGrants, early_grant_fits
-from kvwire.transfer.lease import Lease, PeerState
-from kvwire.transfer.lifecycle import Transfers
+from kvwire.transfer.lease import Lease, PeerState, Promises
 from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Renew, Trailer, WireLayer
 from kvwire.transfer.pending_pulls import PendingPulls
-from kvwire.transfer.promises import Promises
 from kvwire.transfer.registered_caches import PagedKV
-from kvwire.transfer.send_queue import SendQueue
-from kvwire.transfer.send_state import HeldBlocks, SendState, gathered
-from kvwire.transfer.split_pull import SplitPulls
+from kvwire.transfer.send_state import HeldBlocks, SendQueue, SendState, gathered
+from kvwire.transfer.split_pull import Piece, SplitPulls
 from kvwire.transfer.types import DTYPE_NAMES, ByteSpans, LayerSpec, PeerRef, SendItem
 
 SIDE = "send"
@@ -221,7 +218,9 @@ class Sender(Transfers[SendState]):
         self.core.stats.add("sends_completed")
         self.core.tombstones.add(SIDE, st.transfer_id, "done")
         timing = self.queue.timing(st)
-        if not self.splits.piece_done(st, timing):  # a piece: its held transfer reports once all are done
+        if isinstance(st, Piece):  # its held transfer reports once all its pieces are done
+            self.splits.piece_done(st, timing)
+        else:
             self.core.events.sent(st.transfer_id, timing)
 
     def on_pull(self, msg: Pull) -> None:
@@ -279,7 +278,8 @@ class Sender(Transfers[SendState]):
     def _after_failure(self, st: SendState, reason: str) -> None:
         if st.peer is not None and self.core.plane.ordered:
             self.queue.dispatch_ordered(st.peer)
-        self.splits.failed(st, reason)
+        if isinstance(st, Piece) or st.split is not None:
+            self.splits.failed(st, reason)
 
     def fail_peer(self, peer_id: str, reason: str) -> None:
         for tid in self.bound_to(peer_id):

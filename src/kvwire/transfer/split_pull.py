@@ -216,16 +216,12 @@ class SplitPulls:
             child.items[index] = HeldBlocks(item.paged.heads(child.heads), item.block_ids, item.ready_event)
             child.last_progress = self.core.now()
 
-    def piece_done(self, child: SendState, timing: TransferTiming | None) -> bool:
-        """A send completed: when it is a piece, count it (its held transfer reports once all its
-        pieces are done) and return True; False for any other send."""
-        if not isinstance(child, Piece):
-            return False
+    def piece_done(self, child: Piece, timing: TransferTiming | None) -> None:
+        """A piece completed: count it (its held transfer reports once all its pieces are done)."""
         parent = self.sender.sends.get(child.parent)
         split = parent.split if parent is not None else None
         if parent is not None and split is not None:
             self._count_piece(parent, split, child, timing)
-        return True
 
     def _count_piece(
         self, parent: SendState, split: Split, child: Piece, timing: TransferTiming | None
