@@ -1,9 +1,9 @@
-"""Runs one step's forward pass: packs the scheduled tokens, drives the worker connector, samples.
+"""Runs one step's forward pass: packs the scheduled tokens, samples, inside the worker connector.
 
-Connector calls in one step (vLLM V1 order): bind metadata, ``start_load_kv``, the forward (each
-attention layer calls ``wait_for_layer_load`` / ``save_kv_layer``, see attention.py),
-``wait_for_save``, ``get_finished``, clear metadata. They run even when no token is scheduled, so
-that transfers of requests waiting for remote KV keep being reported.
+One connector call a step (decision 131): ``run_step`` binds the step's metadata, starts loads, runs
+the forward given to it (each attention layer calls ``wait_for_layer_load`` / ``save_kv_layer``, see
+attention.py), finishes the saves and reports. It runs even when no token is scheduled, so that
+transfers of requests waiting for remote KV keep being reported.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import torch
 
 from kvwire.connector.base import ConnectorMetadata, ConnectorOutput, NoOpWorkerConnector, WorkerConnector
+from kvwire.connector.kv_cache import allocate_kv_caches
 from kvwire.engine.attention import AttentionMetadata, ForwardContext
 from kvwire.engine.config import AttentionBackend, EngineConfig
 from kvwire.engine.decode_graphs import DecodeGraphs
@@ -21,7 +22,6 @@ from kvwire.engine.models.llama import LlamaModel
 from kvwire.engine.request import Request
 from kvwire.engine.sampler import Sampler
 from kvwire.engine.scheduler import ScheduledRequest
-from kvwire.transfer.shared_memory import shared_tensors
 
 
 @dataclasses.dataclass
@@ -77,10 +77,8 @@ class ModelRunner:
         )
         # With graphs, one more block than the block manager knows: the padding rows' scratch block.
         shape = (2, num_blocks + int(use_graphs), config.block_size, model.num_local_kv_heads, cfg.head_dim)
-        if device.type == "cpu":  # in shared memory: a peer on this host writes KV into it directly
-            self.kv_caches = shared_tensors([shape] * cfg.num_layers, dtype)
-        else:
-            self.kv_caches = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        # CPU: in shared memory, where a peer on this host writes KV into it directly
+        self.kv_caches = allocate_kv_caches(shape, cfg.num_layers, dtype, device)
         connector.register_kv_caches(self.kv_caches)
         self.sampler = Sampler(device, config.seed)
         self.graphs = (
@@ -92,14 +90,10 @@ class ModelRunner:
     def execute(
         self, scheduled: list[ScheduledRequest], metadata: ConnectorMetadata, finished_ids: Iterable[str]
     ) -> StepResult:
-        self.connector.bind_connector_metadata(metadata)
-        try:
-            self.connector.start_load_kv()
-            sampled = self._forward_and_sample(scheduled) if scheduled else {}
-            self.connector.wait_for_save()
-            output = self.connector.get_finished(set(finished_ids))
-        finally:
-            self.connector.clear_connector_metadata()
+        def forward() -> dict[str, int]:
+            return self._forward_and_sample(scheduled) if scheduled else {}
+
+        sampled, output = self.connector.run_step(metadata, frozenset(finished_ids), forward)
         return StepResult(sampled, output)
 
     @torch.inference_mode()
