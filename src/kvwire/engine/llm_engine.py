@@ -187,16 +187,16 @@ class LLMEngine:
             raise self.lost
         outputs: dict[str, RequestOutput] = {}
         self._apply_inbox(outputs)
-        plan = self.scheduler.schedule()
-        metadata = self.scheduler_connector.plan_step(plan.plan)
+        step = self.scheduler.schedule()
+        metadata = self.scheduler_connector.plan_step(step.plan)
         try:
-            result = self.runner.execute(plan.scheduled, metadata, plan.plan.finished_request_ids)
+            result = self.runner.execute(step.scheduled, metadata, step.plan.finished_request_ids)
         except RankLost as exc:
             self._end_after_rank_lost(exc)
             raise
-        self._num_prompt_tokens += sum(s.num_new_prompt_tokens for s in plan.scheduled)
-        self.scheduler.advance(plan.scheduled)
-        for item in plan.scheduled:
+        self._num_prompt_tokens += sum(s.num_new_prompt_tokens for s in step.scheduled)
+        self.scheduler.advance(step.scheduled)
+        for item in step.scheduled:
             token = result.sampled.get(item.request.request_id)
             if token is not None:
                 self._append_token(item.request, token, outputs)
