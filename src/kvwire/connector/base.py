@@ -229,15 +229,20 @@ class WorkerConnector(abc.ABC):
         return ConnectorOutput()
 
     def run_step(
-        self, metadata: ConnectorMetadata, finished_req_ids: frozenset[str], forward: Callable[[], T]
+        self,
+        metadata: ConnectorMetadata,
+        finished_req_ids: frozenset[str],
+        forward: Callable[[WorkerConnector | None], T],
     ) -> tuple[T, ConnectorOutput]:
         """The built-in engine's one call per step (decision 131): bind ``metadata``, start loads,
-        run ``forward`` (its attention layers call ``wait_for_layer_load`` / ``save_kv_layer``),
-        finish the saves and report. The metadata is cleared even when ``forward`` raises."""
+        run ``forward(layer_hooks)`` (its attention layers call ``wait_for_layer_load`` /
+        ``save_kv_layer`` on ``layer_hooks`` unless it is None: a connector with nothing to do per
+        layer in this step passes None), finish the saves and report. The metadata is cleared even
+        when ``forward`` raises."""
         self.bind_connector_metadata(metadata)
         try:
             self.start_load_kv()
-            result = forward()
+            result = forward(self)
             self.wait_for_save()
             output = self.get_finished(set(finished_req_ids))
         finally:

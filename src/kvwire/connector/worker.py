@@ -207,16 +207,20 @@ class KvwireWorkerConnector(WorkerConnector):
     # --- per step ---------------------------------------------------------------------------
 
     def run_step(
-        self, metadata: ConnectorMetadata, finished_req_ids: frozenset[str], forward: Callable[[], T]
+        self,
+        metadata: ConnectorMetadata,
+        finished_req_ids: frozenset[str],
+        forward: Callable[[WorkerConnector | None], T],
     ) -> tuple[T, ConnectorOutput]:
         """The built-in engine's one call per step (decision 131), the same work as vLLM's sequence
-        of hooks in one body: start this step's transfers, run ``forward`` (its attention layers hand
-        each KV layer over through ``save_kv_layer``), end the saves (also when ``forward`` raises),
-        report."""
+        of hooks in one body: start this step's transfers, run ``forward`` (when a send starts in
+        this step, its attention layers hand each KV layer over through ``save_kv_layer``; else it
+        gets no layer hooks: loads never wait inside the forward and nothing is saved), end the
+        saves (also when ``forward`` raises), report."""
         del finished_req_ids  # aborts arrive as AbortSpecs in the metadata
         self._apply_metadata(metadata)
         try:
-            result = forward()
+            result = forward(self if self._saving else None)
         finally:
             self._finish_saves()
         return result, self._report()

@@ -1,8 +1,9 @@
 """Runs one step's forward pass: packs the scheduled tokens, samples, inside the worker connector.
 
 One connector call a step (decision 131): ``run_step`` binds the step's metadata, starts loads, runs
-the forward given to it (each attention layer calls ``wait_for_layer_load`` / ``save_kv_layer``, see
-attention.py), finishes the saves and reports. It runs even when no token is scheduled, so that
+the forward given to it (each attention layer calls ``wait_for_layer_load`` / ``save_kv_layer`` on
+the layer hooks ``run_step`` hands it, see attention.py; none when the connector has no per-layer
+work in the step), finishes the saves and reports. It runs even when no token is scheduled, so that
 transfers of requests waiting for remote KV keep being reported.
 """
 
@@ -90,17 +91,19 @@ class ModelRunner:
     def execute(
         self, scheduled: list[ScheduledRequest], metadata: ConnectorMetadata, finished_ids: Iterable[str]
     ) -> StepResult:
-        def forward() -> dict[str, int]:
-            return self._forward_and_sample(scheduled) if scheduled else {}
+        def forward(layer_hooks: WorkerConnector | None) -> dict[str, int]:
+            return self._forward_and_sample(scheduled, layer_hooks) if scheduled else {}
 
         sampled, output = self.connector.run_step(metadata, frozenset(finished_ids), forward)
         return StepResult(sampled, output)
 
     @torch.inference_mode()
-    def _forward_and_sample(self, scheduled: list[ScheduledRequest]) -> dict[str, int]:
+    def _forward_and_sample(
+        self, scheduled: list[ScheduledRequest], layer_hooks: WorkerConnector | None
+    ) -> dict[str, int]:
         # Decodes (one new token) first: attention batches them over gathered blocks.
         batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
-        hidden, query_start_loc = self._forward(batch)  # [T, hidden]
+        hidden, query_start_loc = self._forward(batch, layer_hooks)  # [T, hidden]
         rows = [i for i, s in enumerate(batch) if s.samples]
         if not rows or not self.samples:
             return {}
@@ -110,8 +113,12 @@ class ModelRunner:
         tokens = self.sampler.sample(logits, [r.params for r in requests], [r.generator for r in requests])
         return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
 
-    def _forward(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
-        """Hidden states of the packed new tokens, and where each sequence's tokens start."""
+    def _forward(
+        self, batch: list[ScheduledRequest], layer_hooks: WorkerConnector | None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Hidden states of the packed new tokens, and where each sequence's tokens start.
+        ``layer_hooks``: the worker connector the attention layers call, None when it has no
+        per-layer work in this step."""
         widest = max(len(s.request.block_ids) for s in batch)
         if (
             self.graphs is not None
@@ -128,7 +135,7 @@ class ModelRunner:
             )
             return hidden, list(range(len(batch) + 1))
         input_ids, positions_t, meta = self._prepare(batch)
-        ctx = ForwardContext(meta, self.kv_caches, self.connector, self.backend)
+        ctx = ForwardContext(meta, self.kv_caches, layer_hooks, self.backend)
         split = self.model.row_split
         if split is None:
             return self.model(input_ids, positions_t, ctx), meta.query_start_loc

@@ -11,7 +11,7 @@ import torch
 from connector_fakes import NUM_LAYERS, FakeFabric, FakeRequest, Side, chunk, make_pd, push_requests
 from prometheus_client import CollectorRegistry
 
-from kvwire.connector.base import Allocation, ScheduledChunk, StepPlan, StepReport
+from kvwire.connector.base import Allocation, ScheduledChunk, StepPlan, StepReport, WorkerConnector
 
 
 def one_call_step(side: Side, plan: StepPlan, forward_layers: int | None = None) -> StepReport:
@@ -19,10 +19,12 @@ def one_call_step(side: Side, plan: StepPlan, forward_layers: int | None = None)
     ``forward_layers`` layers, all by default when something is scheduled), report out."""
     saved = NUM_LAYERS if forward_layers is None else forward_layers
 
-    def forward() -> str:
-        for index in range(saved if plan.scheduled else 0):
-            side.worker.wait_for_layer_load(index)
-            side.worker.save_kv_layer(index, side.caches[index])
+    def forward(hooks: WorkerConnector | None) -> str:
+        if plan.scheduled:  # layer hooks exactly when this step starts a send
+            assert hooks is (side.worker if side.worker._saving else None)
+        for index in range(saved if hooks is not None else 0):
+            hooks.wait_for_layer_load(index)  # type: ignore[union-attr]
+            hooks.save_kv_layer(index, side.caches[index])  # type: ignore[union-attr]
         return "sampled"
 
     metadata = side.sched.plan_step(plan)
@@ -82,8 +84,9 @@ def test_run_step_ends_the_saves_when_the_forward_raises() -> None:
     p.sched.get_num_new_matched_tokens(preq, 0)
     metadata = p.sched.plan_step(plan(chunk(preq, [0, 1], computed=0, scheduled=9)))
 
-    def forward() -> None:
-        p.worker.save_kv_layer(0, p.caches[0])
+    def forward(hooks: WorkerConnector | None) -> None:
+        assert hooks is p.worker  # a send starts in this step
+        hooks.save_kv_layer(0, p.caches[0])
         raise RuntimeError("forward failed")
 
     with pytest.raises(RuntimeError, match="forward failed"):
@@ -99,7 +102,8 @@ def test_a_request_without_params_costs_the_connector_nothing() -> None:
     p, _ = make_pd(FakeFabric(), CollectorRegistry())
     local = FakeRequest("local", [1, 2, 3])
     assert p.sched.get_num_new_matched_tokens(local, 0) == (0, False)
-    metadata = p.sched.plan_step(plan(chunk(local, [0], 0, 3), allocated=[Allocation(local, (0,), 0)]))
-    assert metadata.is_empty()
-    report = one_call_step(p, StepPlan(()))
+    step = plan(chunk(local, [0], 0, 3), allocated=[Allocation(local, (0,), 0)])
+    assert p.sched.plan_step(step).is_empty()
+    report = one_call_step(p, step)  # its forward gets no layer hooks: nothing to save
     assert report == StepReport(report.output) and not report.output.finished_sending
+    assert not p.agent.sends and p.sched.num_tracked_requests == 0

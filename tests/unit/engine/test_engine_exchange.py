@@ -13,7 +13,7 @@ from engine_factories import greedy, make_engine, random_prompts, run_all
 from engine_fake_connectors import Calls, RecordingScheduler, RecordingWorker
 
 import kvwire.engine
-from kvwire.connector.base import ConnectorMetadata, ConnectorOutput, StepPlan, StepReport
+from kvwire.connector.base import ConnectorMetadata, ConnectorOutput, StepPlan, StepReport, WorkerConnector
 
 T = TypeVar("T")
 PROMPTS = random_prompts(3, 20, 45, seed=5)
@@ -31,7 +31,10 @@ class CountingScheduler(RecordingScheduler):
 
 class CountingWorker(RecordingWorker):
     def run_step(
-        self, metadata: ConnectorMetadata, finished_req_ids: frozenset[str], forward: Callable[[], T]
+        self,
+        metadata: ConnectorMetadata,
+        finished_req_ids: frozenset[str],
+        forward: Callable[[WorkerConnector | None], T],
     ) -> tuple[T, ConnectorOutput]:
         self.calls.append(("run_step", finished_req_ids))
         return super().run_step(metadata, finished_req_ids, forward)
