@@ -93,8 +93,9 @@ class ConnectorOutput:
 
 @dataclasses.dataclass(frozen=True)
 class Allocation:
-    """A request admitted this step whose connector was asked about remote tokens: its blocks and how
-    many of its tokens come from a remote instance (``update_state_after_alloc``'s arguments)."""
+    """A request admitted for the first time this step (the connector was asked about its remote
+    tokens): its blocks and how many of its tokens come from a remote instance, the arguments of
+    ``update_state_after_alloc``."""
 
     request: ConnectorRequest
     block_ids: tuple[int, ...]  # every KV block of the request after admission
