@@ -10,31 +10,37 @@ An engine hosts two halves that talk only through per-step :class:`ConnectorMeta
   the forward pass, waits for a layer's load inside attention, saves each layer's KV right after
   attention wrote it, and reports finished sends/receives.
 
-The built-in engine (``kvwire.engine``) calls these hooks exactly where vLLM's V1 engine calls the
-methods of ``KVConnectorBase_V1``; ``kvwire.integrations.vllm`` adapts the same core to vLLM. The
-default is :class:`NoOpSchedulerConnector` / :class:`NoOpWorkerConnector`.
+Two ways in. ``kvwire.integrations.vllm`` calls the vLLM-shaped hooks one by one, where vLLM's V1
+engine calls the methods of ``KVConnectorBase_V1``. The built-in engine (``kvwire.engine``) makes one
+exchange per step with each half (decision 131): the scheduler half takes a :class:`StepPlan` and
+gives back a :class:`StepReport`; the worker half runs the step's forward inside ``run_step``. Both
+are written here once, over the vLLM-shaped hooks, so every connector serves both hosts. The default
+is :class:`NoOpSchedulerConnector` / :class:`NoOpWorkerConnector`.
 
-Call order in one engine step (engine thread unless said otherwise)::
+Calls in one step of the built-in engine (engine thread)::
 
-    scheduler: get_num_new_matched_tokens -> (allocate) -> update_state_after_alloc
-               build_connector_meta(step)                      -> metadata to workers
-    worker:    bind_connector_metadata(meta); start_load_kv()
-               for each layer: wait_for_layer_load(i); attention writes KV; save_kv_layer(i, kv)
-               wait_for_save(); get_finished(finished_ids) -> (sending, recving); clear_connector_metadata()
-    scheduler: update_connector_output(output)  # frees blocks of finished sends, resumes finished recvs
-               request_finished(request, block_ids) when a request ends (finish or abort)
+    admission (once a request): get_num_new_matched_tokens(request, num_local_tokens)
+    scheduler: plan_step(plan)          -> metadata   # update_state_after_alloc per allocation,
+                                                      # then build_connector_meta
+    worker:    run_step(metadata, finished_ids, forward) -> (forward's result, ConnectorOutput)
+               # bind_connector_metadata; start_load_kv; forward (each layer: wait_for_layer_load,
+               # attention writes KV, save_kv_layer); wait_for_save; get_finished; clear metadata
+    request end (once a request): request_finished(request, block_ids)
+    scheduler: report_step(output)      -> report     # update_connector_output, P's first tokens
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from kvwire.kv_params import KVParams
+
+T = TypeVar("T")
 
 
 class ConnectorRequest(Protocol):
@@ -85,6 +91,42 @@ class ConnectorOutput:
     first_token_ids: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    """A request admitted for the first time this step (the connector was asked about its remote
+    tokens): its blocks and how many of its tokens come from a remote instance, the arguments of
+    ``update_state_after_alloc``."""
+
+    request: ConnectorRequest
+    block_ids: tuple[int, ...]  # every KV block of the request after admission
+    num_external_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """The built-in engine's one message to the scheduler half in a step, built after scheduling."""
+
+    scheduled: tuple[ScheduledChunk, ...]  # what this step computes, in schedule order
+    # Requests that finished or were aborted since the previous step (preempted ones are not here:
+    # they come back through admission).
+    finished_request_ids: frozenset[str] = frozenset()
+    allocated: tuple[Allocation, ...] = ()  # admissions this step, in admission order
+
+    @property
+    def step_info(self) -> StepInfo:
+        return StepInfo(self.scheduled, self.finished_request_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """The scheduler half's one answer after a step: the workers' report, applied to its own state."""
+
+    output: ConnectorOutput
+    # Requests whose remote KV is loaded, with the first token P sampled (push: the trailer; pull:
+    # kv_transfer_params). Absent: none came, the engine recomputes the last prompt token.
+    first_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
 class SchedulerConnector(abc.ABC):
     """Scheduler half. Called on the engine's scheduler thread only; must never block."""
 
@@ -126,6 +168,26 @@ class SchedulerConnector(abc.ABC):
         del request_id
         return None
 
+    # --- the built-in engine's exchange (decision 131) ---------------------------------------
+
+    def plan_step(self, plan: StepPlan) -> ConnectorMetadata:
+        """This step's plan in, the workers' metadata out: the step's allocations (in admission
+        order), then the metadata built from what was scheduled."""
+        for item in plan.allocated:
+            self.update_state_after_alloc(item.request, item.block_ids, item.num_external_tokens)
+        return self.build_connector_meta(plan.step_info)
+
+    def report_step(self, output: ConnectorOutput) -> StepReport:
+        """The workers' report in (after the step's requests that ended were told with
+        ``request_finished``); what the engine acts on out."""
+        self.update_connector_output(output)
+        first_tokens: dict[str, int] = {}
+        for request_id in sorted(output.finished_recving):
+            token = self.take_first_token(request_id)
+            if token is not None:
+                first_tokens[request_id] = token
+        return StepReport(output, first_tokens)
+
     def close(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """Stop background work. Idempotent."""
 
@@ -166,6 +228,27 @@ class WorkerConnector(abc.ABC):
         ``finished_req_ids`` are requests that finished on the scheduler since the last step."""
         del finished_req_ids
         return ConnectorOutput()
+
+    def run_step(
+        self,
+        metadata: ConnectorMetadata,
+        finished_req_ids: frozenset[str],
+        forward: Callable[[WorkerConnector | None], T],
+    ) -> tuple[T, ConnectorOutput]:
+        """The built-in engine's one call per step (decision 131): bind ``metadata``, start loads,
+        run ``forward(layer_hooks)`` (its attention layers call ``wait_for_layer_load`` /
+        ``save_kv_layer`` on ``layer_hooks`` unless it is None: a connector with nothing to do per
+        layer in this step passes None), finish the saves and report. The metadata is cleared even
+        when ``forward`` raises."""
+        self.bind_connector_metadata(metadata)
+        try:
+            self.start_load_kv()
+            result = forward(self)
+            self.wait_for_save()
+            output = self.get_finished(set(finished_req_ids))
+        finally:
+            self.clear_connector_metadata()
+        return result, output
 
     def close(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """Stop background work. Idempotent."""

@@ -28,6 +28,8 @@ from kvwire.connector.base import (
     ConnectorRequest,
     SchedulerConnector,
     StepInfo,
+    StepPlan,
+    StepReport,
 )
 from kvwire.connector.config import ConnectorConfig, EngineInfo
 from kvwire.connector.messages import FirstTokenTrailer
@@ -270,6 +272,19 @@ class KvwireSchedulerConnector(SchedulerConnector):
         )
 
     # --- per step -------------------------------------------------------------------------------
+
+    def plan_step(self, plan: StepPlan) -> KvwireConnectorMetadata:
+        """The built-in engine's plan (decision 131): this step's allocations, then the metadata."""
+        for item in plan.allocated:
+            self.update_state_after_alloc(item.request, item.block_ids, item.num_external_tokens)
+        return self.build_connector_meta(plan.step_info)
+
+    def report_step(self, output: ConnectorOutput) -> StepReport:
+        """The built-in engine's report (decision 131): the workers' output applied; P's first token
+        of each request whose remote KV is loaded, when it came."""
+        self.update_connector_output(output)
+        first_tokens = {rid: self.take_first_token(rid) for rid in sorted(output.finished_recving)}
+        return StepReport(output, {rid: t for rid, t in first_tokens.items() if t is not None})
 
     def build_connector_meta(self, step: StepInfo) -> KvwireConnectorMetadata:
         for chunk in step.scheduled:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import torch
@@ -61,6 +61,8 @@ from kvwire.transfer.registered_caches import BlockTarget
 from kvwire.transfer.types import LayerSpec, PullSlice, TransferEvents, TransferTiming
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class AgentLike(Protocol):
@@ -210,8 +212,31 @@ class KvwireWorkerConnector(WorkerConnector):
 
     # --- per step ---------------------------------------------------------------------------
 
+    def run_step(
+        self,
+        metadata: ConnectorMetadata,
+        finished_req_ids: frozenset[str],
+        forward: Callable[[WorkerConnector | None], T],
+    ) -> tuple[T, ConnectorOutput]:
+        """The built-in engine's one call per step (decision 131), the same work as vLLM's sequence
+        of hooks in one body: start this step's transfers, run ``forward`` (when a send starts in
+        this step, its attention layers hand each KV layer over through ``save_kv_layer``; else it
+        gets no layer hooks: loads never wait inside the forward and nothing is saved), end the
+        saves (also when ``forward`` raises), report."""
+        del finished_req_ids  # aborts arrive as AbortSpecs in the metadata
+        self._apply_metadata(metadata)
+        try:
+            result = forward(self if self._saving else None)
+        finally:
+            self._finish_saves()
+        return result, self._report()
+
     def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
         super().bind_connector_metadata(metadata)
+        self._apply_metadata(metadata)
+
+    def _apply_metadata(self, metadata: ConnectorMetadata) -> None:
+        """Promises, aborts, receives, sends, trailers: in that order."""
         if not isinstance(metadata, KvwireConnectorMetadata):
             return
         for promise in metadata.promises:
@@ -265,6 +290,10 @@ class KvwireWorkerConnector(WorkerConnector):
 
     def get_finished(self, finished_req_ids: set[str]) -> ConnectorOutput:
         del finished_req_ids  # aborts arrive as AbortSpecs in the metadata
+        return self._report()
+
+    def _report(self) -> ConnectorOutput:
+        """Outcomes since the last report: local ones, then the agent's."""
         out, self._pending = self._pending, _StepOutput()
         events = self.agent.poll()
         for tid in events.finished_sending:

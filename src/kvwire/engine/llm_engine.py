@@ -1,4 +1,6 @@
-"""LLMEngine: the serving loop. ``step()`` = schedule -> run (forward + connector) -> postprocess.
+"""LLMEngine: the serving loop. ``step()`` = schedule -> plan to the connector -> run -> postprocess
+-> report from the connector (decision 131: the scheduler half gets one plan and gives one report a
+step; the worker half runs the forward inside its one ``run_step``).
 
 Threading: ``step``, ``stats`` and ``close`` belong to one engine thread. ``add_request`` and
 ``abort_request`` may be called from any thread: they validate at once (raising InvalidRequestError)
@@ -185,20 +187,23 @@ class LLMEngine:
             raise self.lost
         outputs: dict[str, RequestOutput] = {}
         self._apply_inbox(outputs)
-        plan = self.scheduler.schedule()
-        metadata = self.scheduler_connector.build_connector_meta(plan.step_info)
+        step = self.scheduler.schedule()
+        metadata = self.scheduler_connector.plan_step(step.plan)
         try:
-            result = self.runner.execute(plan.scheduled, metadata, plan.step_info.finished_request_ids)
+            result = self.runner.execute(step.scheduled, metadata, step.plan.finished_request_ids)
         except RankLost as exc:
             self._end_after_rank_lost(exc)
             raise
-        self._num_prompt_tokens += sum(s.num_new_prompt_tokens for s in plan.scheduled)
-        self.scheduler.advance(plan.scheduled)
-        for item in plan.scheduled:
+        self._num_prompt_tokens += sum(s.num_new_prompt_tokens for s in step.scheduled)
+        self.scheduler.advance(step.scheduled)
+        for item in step.scheduled:
             token = result.sampled.get(item.request.request_id)
             if token is not None:
                 self._append_token(item.request, token, outputs)
-        update = self.scheduler.update_from_connector(result.connector_output, self._requests)
+        # after the step's requests that ended were told (request_finished): a send acknowledged
+        # in this very step then frees blocks already held for it
+        report = self.scheduler_connector.report_step(result.connector_output)
+        update = self.scheduler.apply_report(report, self._requests)
         for req, token in update.first_tokens:
             self._append_token(req, token, outputs)
         for req, reason in update.failed:

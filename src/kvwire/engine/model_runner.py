@@ -1,9 +1,10 @@
-"""Runs one step's forward pass: packs the scheduled tokens, drives the worker connector, samples.
+"""Runs one step's forward pass: packs the scheduled tokens, samples, inside the worker connector.
 
-Connector calls in one step (vLLM V1 order): bind metadata, ``start_load_kv``, the forward (each
-attention layer calls ``wait_for_layer_load`` / ``save_kv_layer``, see attention.py),
-``wait_for_save``, ``get_finished``, clear metadata. They run even when no token is scheduled, so
-that transfers of requests waiting for remote KV keep being reported.
+One connector call a step (decision 131): ``run_step`` binds the step's metadata, starts loads, runs
+the forward given to it (each attention layer calls ``wait_for_layer_load`` / ``save_kv_layer`` on
+the layer hooks ``run_step`` hands it, see attention.py; none when the connector has no per-layer
+work in the step), finishes the saves and reports. It runs even when no token is scheduled, so that
+transfers of requests waiting for remote KV keep being reported.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Iterable
 import torch
 
 from kvwire.connector.base import ConnectorMetadata, ConnectorOutput, NoOpWorkerConnector, WorkerConnector
+from kvwire.connector.kv_cache import allocate_kv_caches
 from kvwire.engine.attention import AttentionMetadata, ForwardContext
 from kvwire.engine.config import AttentionBackend, EngineConfig
 from kvwire.engine.decode_graphs import DecodeGraphs
@@ -21,7 +23,6 @@ from kvwire.engine.models.llama import LlamaModel
 from kvwire.engine.request import Request
 from kvwire.engine.sampler import Sampler
 from kvwire.engine.scheduler import ScheduledRequest
-from kvwire.transfer.shared_memory import shared_tensors
 
 
 @dataclasses.dataclass
@@ -77,10 +78,8 @@ class ModelRunner:
         )
         # With graphs, one more block than the block manager knows: the padding rows' scratch block.
         shape = (2, num_blocks + int(use_graphs), config.block_size, model.num_local_kv_heads, cfg.head_dim)
-        if device.type == "cpu":  # in shared memory: a peer on this host writes KV into it directly
-            self.kv_caches = shared_tensors([shape] * cfg.num_layers, dtype)
-        else:
-            self.kv_caches = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        # CPU: in shared memory, where a peer on this host writes KV into it directly
+        self.kv_caches = allocate_kv_caches(shape, cfg.num_layers, dtype, device)
         connector.register_kv_caches(self.kv_caches)
         self.sampler = Sampler(device, config.seed)
         self.graphs = (
@@ -92,21 +91,19 @@ class ModelRunner:
     def execute(
         self, scheduled: list[ScheduledRequest], metadata: ConnectorMetadata, finished_ids: Iterable[str]
     ) -> StepResult:
-        self.connector.bind_connector_metadata(metadata)
-        try:
-            self.connector.start_load_kv()
-            sampled = self._forward_and_sample(scheduled) if scheduled else {}
-            self.connector.wait_for_save()
-            output = self.connector.get_finished(set(finished_ids))
-        finally:
-            self.connector.clear_connector_metadata()
+        def forward(layer_hooks: WorkerConnector | None) -> dict[str, int]:
+            return self._forward_and_sample(scheduled, layer_hooks) if scheduled else {}
+
+        sampled, output = self.connector.run_step(metadata, frozenset(finished_ids), forward)
         return StepResult(sampled, output)
 
     @torch.inference_mode()
-    def _forward_and_sample(self, scheduled: list[ScheduledRequest]) -> dict[str, int]:
+    def _forward_and_sample(
+        self, scheduled: list[ScheduledRequest], layer_hooks: WorkerConnector | None
+    ) -> dict[str, int]:
         # Decodes (one new token) first: attention batches them over gathered blocks.
         batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
-        hidden, query_start_loc = self._forward(batch)  # [T, hidden]
+        hidden, query_start_loc = self._forward(batch, layer_hooks)  # [T, hidden]
         rows = [i for i, s in enumerate(batch) if s.samples]
         if not rows or not self.samples:
             return {}
@@ -116,8 +113,12 @@ class ModelRunner:
         tokens = self.sampler.sample(logits, [r.params for r in requests], [r.generator for r in requests])
         return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
 
-    def _forward(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
-        """Hidden states of the packed new tokens, and where each sequence's tokens start."""
+    def _forward(
+        self, batch: list[ScheduledRequest], layer_hooks: WorkerConnector | None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Hidden states of the packed new tokens, and where each sequence's tokens start.
+        ``layer_hooks``: the worker connector the attention layers call, None when it has no
+        per-layer work in this step."""
         widest = max(len(s.request.block_ids) for s in batch)
         if (
             self.graphs is not None
@@ -134,7 +135,7 @@ class ModelRunner:
             )
             return hidden, list(range(len(batch) + 1))
         input_ids, positions_t, meta = self._prepare(batch)
-        ctx = ForwardContext(meta, self.kv_caches, self.connector, self.backend)
+        ctx = ForwardContext(meta, self.kv_caches, layer_hooks, self.backend)
         split = self.model.row_split
         if split is None:
             return self.model(input_ids, positions_t, ctx), meta.query_start_loc

@@ -5,11 +5,13 @@ token, an unfinished prompt as much of the budget as it can take: chunked prefil
 requests in arrival order. When a running request needs a block and none is free, the most recently
 admitted running request is preempted: its blocks are freed and it is recomputed later.
 
-The scheduler half of the KV connector is called here, as vLLM's V1 scheduler does:
-``get_num_new_matched_tokens`` when a waiting request is admitted, ``update_state_after_alloc``
-after its blocks are allocated, ``request_finished`` when it ends, ``update_connector_output`` with
-what the workers report after each step. Requests whose remote KV arrives asynchronously wait in
-``WAITING_FOR_REMOTE_KV`` (holding their blocks) while the others keep running.
+The scheduler half of the KV connector is asked twice a request: ``get_num_new_matched_tokens``
+when a waiting request is first admitted (how many of its tokens come from a remote instance) and
+``request_finished`` when it ends. Everything else of a step travels as data (decision 131): the
+schedule's :class:`~kvwire.connector.base.StepPlan` (what is scheduled, what was allocated, what
+ended) goes to the connector once, and its :class:`~kvwire.connector.base.StepReport` comes back to
+``apply_report``. Requests whose remote KV arrives asynchronously wait in ``WAITING_FOR_REMOTE_KV``
+(holding their blocks) while the others keep running.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import logging
 from collections import deque
 from typing import Any
 
-from kvwire.connector.base import ConnectorOutput, ScheduledChunk, SchedulerConnector, StepInfo
+from kvwire.connector.base import Allocation, ScheduledChunk, SchedulerConnector, StepPlan, StepReport
 from kvwire.engine.block_manager import BlockManager
 from kvwire.engine.config import EngineConfig, KVLoadFailurePolicy
 from kvwire.engine.request import Request, RequestStatus
@@ -47,12 +49,12 @@ class ScheduledRequest:
 @dataclasses.dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
-    step_info: StepInfo  # the connector's view of the same step
+    plan: StepPlan  # the connector's view of the same step
 
 
 @dataclasses.dataclass
 class ConnectorUpdate:
-    """What the engine must act on after the workers' ConnectorOutput was applied."""
+    """What the engine must act on after the connector's StepReport was applied."""
 
     first_tokens: list[tuple[Request, int]]  # remote KV complete, with the token P sampled
     failed: list[tuple[Request, str]]  # remote KV failed and the policy is FAIL
@@ -71,6 +73,7 @@ class Scheduler:
         self.delayed_free: dict[str, list[int]] = {}  # finished requests whose blocks a send still reads
         self._sent_early: set[str] = set()  # finished_sending seen before request_finished
         self._finished_ids: set[str] = set()  # finished since the last schedule()
+        self._allocated: list[Allocation] = []  # first admissions of this schedule(), for the plan
         self.num_preemptions = 0
         self.num_kv_load_failures = 0
         self.num_kv_load_recomputes = 0
@@ -98,11 +101,14 @@ class Scheduler:
             if item.num_new_tokens:
                 scheduled.append(item)
                 budget -= item.num_new_tokens
-        step_info = StepInfo(
-            scheduled=tuple(_chunk(s) for s in scheduled), finished_request_ids=frozenset(self._finished_ids)
+        plan = StepPlan(
+            scheduled=tuple(_chunk(s) for s in scheduled),
+            finished_request_ids=frozenset(self._finished_ids),
+            allocated=tuple(self._allocated),
         )
         self._finished_ids.clear()
-        return SchedulerOutput(scheduled, step_info)
+        self._allocated.clear()
+        return SchedulerOutput(scheduled, plan)
 
     def _make_room(self, req: Request, num_new: int) -> bool:
         """Allocate blocks so ``req`` can compute ``num_new`` more tokens, preempting from the back
@@ -153,9 +159,9 @@ class Scheduler:
         if cached or num_external:
             req.num_cached_tokens = start
             self.num_prefix_cache_hit_tokens += len(cached) * self.blocks.block_size
-        if not req.asked_connector:
+        if not req.asked_connector:  # the connector learns the blocks with this step's plan
             req.asked_connector = True
-            self.connector.update_state_after_alloc(req, list(req.block_ids), num_external)
+            self._allocated.append(Allocation(req, tuple(req.block_ids), num_external))
         if load_async:
             req.status = RequestStatus.WAITING_FOR_REMOTE_KV
             req.num_external_tokens = num_external
@@ -199,9 +205,9 @@ class Scheduler:
         self._finished_ids.add(req.request_id)
         return params
 
-    def update_from_connector(self, output: ConnectorOutput, live: dict[str, Request]) -> ConnectorUpdate:
-        """Apply the workers' report: free delayed blocks, resume or fail remote loads."""
-        self.connector.update_connector_output(output)
+    def apply_report(self, report: StepReport, live: dict[str, Request]) -> ConnectorUpdate:
+        """Apply the connector's report: free delayed blocks, resume or fail remote loads."""
+        output = report.output
         update = ConnectorUpdate([], [])
         for request_id in output.finished_sending:
             self._release(request_id, live)
@@ -218,7 +224,7 @@ class Scheduler:
         for request_id in output.finished_recving:
             waiting = self.waiting_for_remote.get(request_id)
             if waiting is not None:
-                self._resume(waiting, update)
+                self._resume(waiting, report.first_tokens.get(request_id), update)
         return update
 
     def release_all_delayed(self) -> None:
@@ -236,14 +242,15 @@ class Scheduler:
         elif request_id in live:
             self._sent_early.add(request_id)
 
-    def _resume(self, req: Request, update: ConnectorUpdate) -> None:
-        """All remote KV of ``req`` arrived: it continues as a waiting request that holds its blocks."""
+    def _resume(self, req: Request, token: int | None, update: ConnectorUpdate) -> None:
+        """All remote KV of ``req`` arrived (``token``: P's first token, if it came): it continues as
+        a waiting request that holds its blocks."""
         del self.waiting_for_remote[req.request_id]
         req.num_computed_tokens += req.num_external_tokens
         req.num_cached_tokens = req.num_computed_tokens
         first_token = None
         if req.num_computed_tokens == req.num_tokens:
-            first_token = self.connector.take_first_token(req.request_id)
+            first_token = token
             if first_token is None:
                 req.num_computed_tokens -= 1  # recompute the last prompt token to sample the first
         self.blocks.cache_blocks(req.all_token_ids, req.block_ids, req.num_computed_tokens, req.block_hashes)

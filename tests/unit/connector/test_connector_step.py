@@ -1,0 +1,109 @@
+"""The built-in engine's one-call path (decision 131): ``plan_step`` / ``run_step`` /
+``report_step`` do what the vLLM-shaped hooks do one by one, on the real connector halves."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from kvwire.connector.base import Allocation, ScheduledChunk, StepPlan, StepReport, WorkerConnector
+from support.connector_fakes import NUM_LAYERS, FakeFabric, FakeRequest, Side, chunk, make_pd, push_requests
+
+
+def one_call_step(side: Side, plan: StepPlan, forward_layers: int | None = None) -> StepReport:
+    """One engine step the built-in engine's way: plan in, the forward inside ``run_step`` (saving
+    ``forward_layers`` layers, all by default when something is scheduled), report out."""
+    saved = NUM_LAYERS if forward_layers is None else forward_layers
+
+    def forward(hooks: WorkerConnector | None) -> str:
+        if plan.scheduled:  # layer hooks exactly when this step starts a send
+            assert hooks is (side.worker if side.worker._saving else None)
+        for index in range(saved if hooks is not None else 0):
+            hooks.wait_for_layer_load(index)  # type: ignore[union-attr]
+            hooks.save_kv_layer(index, side.caches[index])  # type: ignore[union-attr]
+        return "sampled"
+
+    metadata = side.sched.plan_step(plan)
+    result, output = side.worker.run_step(metadata, plan.finished_request_ids, forward)
+    assert result == "sampled"
+    return side.sched.report_step(output)
+
+
+def report_until(side: Side, request_id: str, timeout_s: float = 5.0) -> StepReport:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        report = one_call_step(side, StepPlan(()))
+        if request_id in report.output.finished_recving | report.output.finished_sending:
+            return report
+        time.sleep(0.005)
+    raise AssertionError(f"{request_id} not reported before the deadline")
+
+
+def plan(*chunks: ScheduledChunk, allocated: Sequence[Allocation] = ()) -> StepPlan:
+    return StepPlan(tuple(chunks), allocated=tuple(allocated))
+
+
+def test_push_with_first_token_through_plan_run_and_report() -> None:
+    p, d = make_pd(FakeFabric(), CollectorRegistry())
+    preq, dreq = push_requests(p, d, prompt_len=20)
+    p_ids, d_ids = [3, 7, 1], [10, 2, 5]
+    assert d.sched.get_num_new_matched_tokens(dreq, 0) == (20, True)
+    one_call_step(d, plan(allocated=[Allocation(dreq, tuple(d_ids), 20)]))  # D expects the transfer
+    assert p.sched.get_num_new_matched_tokens(preq, 0) == (0, False)
+    one_call_step(p, plan(chunk(preq, p_ids, computed=0, scheduled=20), allocated=[Allocation(preq, (), 0)]))
+    assert "t1" in p.agent.sends  # every layer handed over inside run_step
+    preq.output_token_ids = [42]
+    assert p.sched.request_finished(preq, p_ids) == (True, None)
+    assert report_until(p, preq.request_id).output.finished_sending == {preq.request_id}
+    report = report_until(d, dreq.request_id)
+    assert report.first_tokens == {dreq.request_id: 42}  # P's token, resolved by the scheduler half
+    for layer in range(NUM_LAYERS):
+        assert torch.equal(p.caches[layer][:, p_ids], d.caches[layer][:, d_ids])
+    assert d.sched.request_finished(dreq, d_ids) == (False, None)
+    assert d.sched.num_tracked_requests == 0 and p.sched.num_tracked_requests == 0
+
+
+def test_no_first_token_in_the_report_without_the_trailer() -> None:
+    p, d = make_pd(FakeFabric(), CollectorRegistry(), use_first_token=False)
+    preq, dreq = push_requests(p, d, prompt_len=17)
+    assert d.sched.get_num_new_matched_tokens(dreq, 0) == (16, True)  # D recomputes the last token
+    one_call_step(d, plan(allocated=[Allocation(dreq, (4, 5), 16)]))
+    p.sched.get_num_new_matched_tokens(preq, 0)
+    one_call_step(p, plan(chunk(preq, [0, 1, 2], computed=0, scheduled=17)))
+    report = report_until(d, dreq.request_id)
+    assert report.output.finished_recving == {dreq.request_id} and report.first_tokens == {}
+
+
+def test_run_step_ends_the_saves_when_the_forward_raises() -> None:
+    p, d = make_pd(FakeFabric(), CollectorRegistry())
+    preq, _ = push_requests(p, d, prompt_len=9)
+    p.sched.get_num_new_matched_tokens(preq, 0)
+    metadata = p.sched.plan_step(plan(chunk(preq, [0, 1], computed=0, scheduled=9)))
+
+    def forward(hooks: WorkerConnector | None) -> None:
+        assert hooks is p.worker  # a send starts in this step
+        hooks.save_kv_layer(0, p.caches[0])
+        raise RuntimeError("forward failed")
+
+    with pytest.raises(RuntimeError, match="forward failed"):
+        p.worker.run_step(metadata, frozenset(), forward)
+    # a send that did not get every layer can never complete: aborted at once, not at its deadline
+    assert p.agent.aborted == [("t1", f"mismatch: 1 of {NUM_LAYERS} layers saved")]
+    preq.output_token_ids = [5]
+    p.sched.request_finished(preq, [0, 1])
+    assert report_until(p, preq.request_id).output.finished_sending == {preq.request_id}
+
+
+def test_a_request_without_params_costs_the_connector_nothing() -> None:
+    p, _ = make_pd(FakeFabric(), CollectorRegistry())
+    local = FakeRequest("local", [1, 2, 3])
+    assert p.sched.get_num_new_matched_tokens(local, 0) == (0, False)
+    step = plan(chunk(local, [0], 0, 3), allocated=[Allocation(local, (0,), 0)])
+    assert p.sched.plan_step(step).is_empty()
+    report = one_call_step(p, step)  # its forward gets no layer hooks: nothing to save
+    assert report == StepReport(report.output) and not report.output.finished_sending
+    assert not p.agent.sends and p.sched.num_tracked_requests == 0
