@@ -189,7 +189,7 @@ class Routes:
     def on_sent(self, peer_instance_id: str, transfer_id: str, layer_indices: Sequence[int]) -> None:
         with self.core.lock:
             for index in layer_indices:
-                self.sender.on_sent(transfer_id, index)
+                self.sender.queue.on_sent(transfer_id, index)
 
     def on_received(self, peer_instance_id: str, transfer_id: str, layer_indices: Sequence[int]) -> None:
         sinks = []

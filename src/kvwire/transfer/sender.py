@@ -86,14 +86,8 @@ class Sender(Transfers[SendState]):
             self.on_pull(pending)
         self.splits.started(st)
 
-    def _check_layer(self, transfer_id: str, index: int) -> SendState | None:
-        st = self._get_for_api(transfer_id)
-        if st is not None:
-            st.check_layer(index)
-        return st
-
     def add_layer_spans(self, transfer_id: str, index: int, spans: ByteSpans, ready_event: Any) -> None:
-        st = self._check_layer(transfer_id, index)
+        st = self._get_for_api(transfer_id, index)
         if st is None:
             return
         spec = st.layers[index]
@@ -112,12 +106,12 @@ class Sender(Transfers[SendState]):
         """One layer as blocks of the registered caches. Which way it moves (spans, a device gather,
         a copy) depends on the plane negotiated with the receiver, known for sure only once it granted:
         the layer waits as a :class:`HeldBlocks` and becomes a :class:`SendItem` at dispatch."""
-        st = self._check_layer(transfer_id, index)
+        st = self._get_for_api(transfer_id, index)
         if st is not None:
             self._handed_over(st, index, HeldBlocks(paged, block_ids, ready_event))
 
     def add_layer(self, transfer_id: str, index: int, tensor: torch.Tensor, ready_event: Any) -> None:
-        st = self._check_layer(transfer_id, index)
+        st = self._get_for_api(transfer_id, index)
         if st is not None:
             st.check_tensor(index, tensor)
             self._handed_over(st, index, SendItem(transfer_id, index, tensor, ready_event))
@@ -137,10 +131,13 @@ class Sender(Transfers[SendState]):
         st.last_progress = self.core.now()
         self._send_trailer(st)
 
-    def _get_for_api(self, transfer_id: str) -> SendState | None:
+    def _get_for_api(self, transfer_id: str, layer_index: int | None = None) -> SendState | None:
+        """The transfer a caller hands something to (``layer_index``: a layer it may take now)."""
         st = self.table.get(transfer_id)
         if st is None and self.core.tombstones.get(SIDE, transfer_id) is None:
             raise TransferError(f"unknown transfer {transfer_id} (start_send first)", transfer_id)
+        if st is not None and layer_index is not None:
+            st.check_layer(layer_index)
         return st  # None: it already ended (failed/aborted): the caller sees that in poll()
 
     def promise(self, transfer_id: str, endpoint: str, deadline_s: float, limit_s: float | None) -> None:
@@ -269,9 +266,6 @@ class Sender(Transfers[SendState]):
         if st.split is not None:  # a held transfer served in pieces: they get the layer
             self.splits.layer_added(st)
         self.queue.dispatch(st)
-
-    def on_sent(self, transfer_id: str, index: int) -> None:
-        self.queue.on_sent(transfer_id, index)
 
     # --- failure -----------------------------------------------------------------------------------------
 
