@@ -33,6 +33,8 @@ class AttentionMetadata:
     seq_lens: list[int]  # host copy of seq_lens_t
     num_decodes: int  # the first num_decodes sequences have exactly one new token
     block_size: int
+    _decode_kv: torch.Tensor | None = dataclasses.field(default=None, init=False, repr=False)
+    _decode_bias: torch.Tensor | None = dataclasses.field(default=None, init=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -46,13 +48,32 @@ class AttentionMetadata:
         slots = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.block_tables.device)
         return (slots[None, :] < self.seq_lens_t[:nd, None])[:, None, None, :]
 
+    def decode_bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """:attr:`decode_mask` as the additive mask SDPA turns a boolean one into (0 where visible,
+        -inf elsewhere), in the queries' dtype: built once per step instead of once per layer."""
+        bias = self._decode_bias
+        if bias is None or bias.dtype != dtype:
+            mask = self.decode_mask
+            bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            self._decode_bias = bias
+        return bias
+
     @functools.cached_property
-    def decode_slots(self) -> torch.Tensor:
-        """[num_decodes * max_blocks * block_size] int64: the flat KV slots the decodes read, row by
-        row (built once per step, shared by every layer)."""
-        table = self.block_tables[: self.num_decodes]
-        offsets = torch.arange(self.block_size, device=table.device)
-        return (table[:, :, None] * self.block_size + offsets).flatten()
+    def decode_blocks(self) -> torch.Tensor:
+        """[num_decodes * max_blocks] int64: the KV blocks the decodes read, row by row (built once
+        per step, shared by every layer)."""
+        return self.block_tables[: self.num_decodes].flatten()
+
+    def decode_kv_buffer(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """[2, num_decodes * max_blocks, block_size * heads * dim]: where a layer gathers its decodes'
+        K and V. One buffer per step, reused by every layer (each layer's attention has read it before
+        the next layer gathers), so a step allocates it once instead of once per layer."""
+        _, _, block_size, heads, dim = kv_cache.shape
+        shape = (2, self.decode_blocks.shape[0], block_size * heads * dim)
+        buf = self._decode_kv
+        if buf is None or buf.shape != shape or buf.dtype != kv_cache.dtype or buf.device != kv_cache.device:
+            buf = self._decode_kv = torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
+        return buf
 
     @functools.cached_property
     def chunk_masks(self) -> list[torch.Tensor | None]:
@@ -137,8 +158,10 @@ def reference_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
 def sdpa_attention(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
 ) -> torch.Tensor:
-    out = torch.empty_like(q)
     nd = meta.num_decodes
+    if nd == q.shape[0]:  # a decode-only step: no packed output to assemble
+        return _decode_sdpa(q, kv_cache, meta)
+    out = torch.empty_like(q)
     if nd:
         out[:nd] = _decode_sdpa(q[:nd], kv_cache, meta)
     for i, mask in enumerate(meta.chunk_masks, start=nd):
@@ -156,14 +179,15 @@ def _decode_sdpa(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadat
     KV head's query "positions" ([B, Hkv, group, D]), so SDPA needs no GQA expansion of K/V."""
     batch, num_heads, dim = q.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
-    # K and V of every decode in one gather of whole token rows: [2, B, L, Hkv, D]
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads * dim)
-    kv = flat.index_select(1, meta.decode_slots).view(2, batch, -1, num_kv_heads, dim)
+    # K and V of every decode in one gather of whole blocks: [2, B, L, Hkv, D]
+    blocks = kv_cache.view(2, num_blocks, block_size * num_kv_heads * dim)
+    kv = torch.index_select(blocks, 1, meta.decode_blocks, out=meta.decode_kv_buffer(kv_cache))
+    kv = kv.view(2, batch, -1, num_kv_heads, dim)
     out = F.scaled_dot_product_attention(
         q.view(batch, num_kv_heads, num_heads // num_kv_heads, dim),
         kv[0].transpose(1, 2),
         kv[1].transpose(1, 2),
-        attn_mask=meta.decode_mask,
+        attn_mask=meta.decode_bias(q.dtype),
     )  # [B, Hkv, group, D]
     return out.reshape(batch, num_heads, dim)
 

@@ -61,3 +61,35 @@ def test_paged_attention_matches_dense(backend: AttentionBackend, block_size: in
     else:
         out = sdpa_attention(q, k, v, kv_cache, meta)
     torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_only_step_reuses_one_gather_buffer_across_layers() -> None:
+    """A decode-only step (the batched path): every layer gathers into the step's one buffer, and
+    each layer still attends over its own cache (equal to the reference), not a previous layer's."""
+    torch.manual_seed(1)
+    heads, kv_heads, dim, num_blocks, block_size, layers = 6, 2, 16, 40, 4, 3
+    lens = [5, 11, 8]  # KV lengths after this step: different, so the padded slots are masked
+    tables = [torch.randperm(num_blocks)[: -(-n // block_size)].tolist() for n in lens]
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([t[(n - 1) // block_size] * block_size + (n - 1) % block_size
+                                   for t, n in zip(tables, lens, strict=True)]),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        seq_lens_t=torch.tensor(lens),
+        query_start_loc=list(range(len(lens) + 1)),
+        seq_lens=lens,
+        num_decodes=len(lens),
+        block_size=block_size,
+    )  # fmt: skip
+    buffers = []
+    for _ in range(layers):
+        kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, dim)
+        q = torch.randn(len(lens), heads, dim)
+        k, v = torch.randn(len(lens), kv_heads, dim), torch.randn(len(lens), kv_heads, dim)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = sdpa_attention(q, k, v, kv_cache, meta)
+        torch.testing.assert_close(out, reference_attention(q, kv_cache, meta), atol=1e-5, rtol=1e-5)
+        buffers.append(meta.decode_kv_buffer(kv_cache))
+    assert all(b is buffers[0] for b in buffers)
+    bias = meta.decode_bias(torch.float32)
+    assert torch.equal(bias == 0, meta.decode_mask) and bool(torch.isinf(bias[~meta.decode_mask]).all())

@@ -4,6 +4,10 @@ One class covers the family: RMSNorm, RoPE (with Llama-3 frequency scaling), gro
 (optional qkv bias for Qwen2, q/k RMSNorm for Qwen3), SwiGLU MLP, tied or untied embeddings. q/k/v and
 gate/up projections are fused into one matmul each (the loader concatenates HF's separate weights).
 Tokens are packed: every tensor is ``[T, ...]`` over the step's new tokens of all sequences.
+
+Inside the decoder, submodules are called through ``.forward``: ``nn.Module.__call__`` (its hook and
+tracing checks) costs microseconds per call, and a decode step makes ~10 such calls per layer (no hooks
+are registered on these modules; decision 135).
 """
 
 from __future__ import annotations
@@ -100,16 +104,16 @@ class Attention(nn.Module):
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
-        qkv = self.qkv_proj(x)  # [T, (Hq + 2 * Hkv) * D]
+        qkv = self.qkv_proj.forward(x)  # [T, (Hq + 2 * Hkv) * D]
         num_qk = self.num_heads + self.num_kv_heads
         qk = qkv[:, : num_qk * self.head_dim].view(-1, num_qk, self.head_dim)  # [T, Hq + Hkv, D]
         v = qkv[:, num_qk * self.head_dim :].view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-            q, k = apply_rope(self.q_norm(q), rope), apply_rope(self.k_norm(k), rope)
+            q, k = apply_rope(self.q_norm.forward(q), rope), apply_rope(self.k_norm.forward(k), rope)
         else:  # one rotation for q and k together (fewer kernel launches per layer)
             q, k = apply_rope(qk, rope).split((self.num_heads, self.num_kv_heads), dim=1)
-        out = self.o_proj(attention(self.layer_index, q, k, v, ctx).flatten(1))  # [T, hidden]
+        out = self.o_proj.forward(attention(self.layer_index, q, k, v, ctx).flatten(1))  # [T, hidden]
         return out if self.all_reduce is None else self.all_reduce(out)
 
 
@@ -125,8 +129,8 @@ class MLP(nn.Module):
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # as Attention's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
+        out = self.down_proj.forward(F.silu(gate) * up)
         return out if self.all_reduce is None else self.all_reduce(out)
 
 
@@ -139,8 +143,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, device, dtype)
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn.forward(self.input_layernorm.forward(x), rope, ctx)
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
 
 class LlamaModel(nn.Module):
@@ -169,8 +173,8 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         rope = self.rope(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, rope, ctx)
-        return self.norm(x)
+            x = layer.forward(x, rope, ctx)
+        return self.norm.forward(x)
 
     @property
     def num_local_kv_heads(self) -> int:

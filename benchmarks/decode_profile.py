@@ -1,0 +1,112 @@
+"""Where a decode step's time goes: the built-in engine, ``--batch`` sequences of different lengths
+decoding together, timed and then profiled with ``torch.profiler`` (CPU by default).
+
+The sequences are prefilled first (random prompts of ``--context`` ± 20 tokens, so that their KV
+lengths differ as a server's do), then ``--steps`` decode steps are timed one by one (median and
+minimum) and ``--profile-steps`` more run under the profiler. The table groups the profiler's self
+time per step: the int4 and int8 weight kernels, the KV gather, SDPA, the KV write, and the rest
+(norms, RoPE, casts, sampling, dispatch).
+
+Usage: ``python benchmarks/decode_profile.py --batch 8 --threads 1`` (``--model`` an HF directory or
+a preset, ``--quantization`` as ``kvwire serve``'s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections import defaultdict
+
+from torch.profiler import ProfilerActivity, profile
+
+from kvwire.engine.config import EngineConfig
+from kvwire.engine.llm_engine import LLMEngine
+from kvwire.engine.sampling_params import SamplingParams
+
+GROUPS = {
+    "aten::_weight_int4pack_mm_for_cpu": "int4 projections",
+    "aten::_weight_int8pack_mm": "int8 projections / LM head",
+    "aten::index_select": "KV gather",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "SDPA",
+    "aten::index_copy_": "KV write",
+    "aten::mm": "dense matmul",
+    "aten::addmm": "dense matmul",
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--profile-steps", type=int, default=20)
+    args = parser.parse_args()
+    engine = _engine(args)
+    step_times = [_timed_step(engine) for _ in range(args.steps)]
+    print(
+        f"{args.model} ({args.quantization}), batch {args.batch}, context ~{args.context}, "
+        f"{args.threads} thread(s): step median {statistics.median(step_times) * 1e3:.2f} ms, "
+        f"min {min(step_times) * 1e3:.2f} ms over {args.steps} steps"
+    )
+    _profile(engine, args.profile_steps)
+
+
+def _engine(args: argparse.Namespace) -> LLMEngine:
+    longest = args.context + 20 + args.steps + args.profile_steps + 8
+    config = EngineConfig(
+        model=args.model,
+        quantization=args.quantization,
+        cpu_threads=args.threads,
+        block_size=16,
+        max_model_len=longest + 1,
+        num_kv_blocks=args.batch * -(-longest // 16) + 8,
+        max_num_batched_tokens=max(2048, longest),
+        max_num_seqs=args.batch,
+        enable_prefix_caching=False,
+    )
+    engine = LLMEngine(config)
+    rng = random.Random(0)
+    vocab = min(engine.model.config.vocab_size, 256)
+    params = SamplingParams(max_tokens=longest - args.context, ignore_eos=True)
+    for i in range(args.batch):
+        prompt = [rng.randrange(vocab) for _ in range(args.context + rng.randrange(-20, 21))]
+        engine.add_request(f"profile-{i}", prompt, params)
+    started: set[str] = set()
+    while len(started) < args.batch:  # every sequence prefilled: the steps below are decode-only
+        started |= {out.request_id for out in engine.step() if out.new_token_ids}
+    for _ in range(3):
+        engine.step()
+    return engine
+
+
+def _timed_step(engine: LLMEngine) -> float:
+    start = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - start
+
+
+def _profile(engine: LLMEngine, steps: int) -> None:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    per_group: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    for event in prof.key_averages():
+        group = GROUPS.get(event.key, "everything else")
+        per_group[group] += event.self_cpu_time_total / steps / 1e3
+        calls[group] += event.count // steps
+    total = sum(per_group.values())
+    print(f"\nper step under the profiler ({steps} steps), self CPU time:\n")
+    print("| part | ms per step | share | ops per step |\n|---|---|---|---|")
+    for group, ms in sorted(per_group.items(), key=lambda kv: -kv[1]):
+        print(f"| {group} | {ms:.2f} | {ms / total:.0%} | {calls[group]} |")
+    print(f"| **step** | **{total:.2f}** | | {sum(calls.values())} |")
+
+
+if __name__ == "__main__":
+    main()
