@@ -27,7 +27,7 @@ from kvwire.connector.factory import build_connectors
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.engine.sampling_params import SamplingParams
-from kvwire.kv_params import KVTransferParams, Role
+from kvwire.protocol.kv_params import KVTransferParams, Role
 
 BLOCK = 16
 DECODE_TOKENS = 4

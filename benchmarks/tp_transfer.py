@@ -31,7 +31,7 @@ from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.engine.sampling_params import SamplingParams
 from kvwire.engine.tp.runner import TPRunner, model_config_of
-from kvwire.kv_params import KVTransferParams, Role, TransferMode
+from kvwire.protocol.kv_params import KVTransferParams, Role, TransferMode
 
 BLOCK = 16
 

@@ -17,7 +17,7 @@ import pytest
 from kvwire.cluster.local import free_port
 from kvwire.cluster.process import ManagedProcess, kvwire_argv, wait_until
 from kvwire.discovery import HeartbeatClient, InstanceInfo
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 from support.fault_cluster import post_json
 
 pytestmark = pytest.mark.slow

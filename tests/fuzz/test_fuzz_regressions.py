@@ -1,7 +1,7 @@
 """One regression test per crash the fuzzing tier found (decision 113), each at its decoder.
 
 The first is the crash of issue 33: a 60 KB frame of nested msgpack arrays made
-``discovery.messages.decode_frames`` raise ``RecursionError``, which stopped the router's discovery
+``discovery.heartbeats.decode_frames`` raise ``RecursionError``, which stopped the router's discovery
 listener. msgspec raises ``RecursionError`` for any input nested past its limit (about a thousand
 levels), JSON or msgpack, typed or not (skipped unknown fields included); every decoder now turns it
 into its typed error.
@@ -14,16 +14,16 @@ import json
 import msgspec
 import pytest
 
-from kvwire.connector.messages import decode_trailer
+from kvwire.connector.first_token_trailer import decode_trailer
 from kvwire.discovery.etcd_gateway import EtcdError, decode_record
-from kvwire.discovery.messages import MAX_FRAME_BYTES, decode_frames, sign
+from kvwire.discovery.heartbeats import MAX_FRAME_BYTES, decode_frames, sign
 from kvwire.errors import AuthenticationError, InvalidRequestError, ProtocolError
-from kvwire.kv_params import KVTransferParams, Role
-from kvwire.kv_signing import KVParamsRefused, ParamsRefusal, ParamsSigner, ParamsVerifier
+from kvwire.protocol.kv_params import KVTransferParams, Role
+from kvwire.protocol.kv_signing import KVParamsRefused, ParamsRefusal, ParamsSigner, ParamsVerifier
 from kvwire.router.etcd_stream import decode_watch_message
 from kvwire.router.request import parse_client_request
 from kvwire.server.openai_protocol import BadRequest, parse_chat, parse_completion
-from kvwire.transfer.messages import MAX_MESSAGE_BYTES, Codec
+from kvwire.transfer.control_messages import MAX_MESSAGE_BYTES, Codec
 
 MSGPACK_NEST = b"\x91" * 60_000 + b"\x90"  # the 60 KB frame of issue 33
 JSON_NEST = b"[" * 5000 + b"]" * 5000
@@ -153,7 +153,7 @@ def test_control_message_with_a_malformed_endpoint_is_refused(endpoint: str) -> 
     """Replies go to ``src_endpoint``: ZeroMQ refuses a malformed one only when the control thread
     connects to it (a socket was made by then, and nothing closed it: 3 descriptors per message).
     The decoder refuses it instead."""
-    from kvwire.transfer.messages import Abort
+    from kvwire.transfer.control_messages import Abort
 
     msg = Abort(src_id="a", src_endpoint=endpoint, transfer_id="t", reason="r")
     with pytest.raises(ProtocolError, match="src_endpoint"):
@@ -163,7 +163,7 @@ def test_control_message_with_a_malformed_endpoint_is_refused(endpoint: str) -> 
 @pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:5600", "tcp://[::1]:5", "tcp://host_a.lan:80",
                                       "ipc:///tmp/kvwire.sock", "inproc://agent-1"])
 def test_control_message_endpoints_of_every_form_pass(endpoint: str) -> None:
-    from kvwire.transfer.messages import Abort
+    from kvwire.transfer.control_messages import Abort
 
     msg = Abort(src_id="a", src_endpoint=endpoint, transfer_id="t", reason="r")
     assert Codec(None).decode(Codec(None).encode(msg)) == msg
@@ -228,7 +228,7 @@ def test_chat_answers_without_a_message_object_are_not_spliced(message: str) -> 
 
 
 def test_nccl_plane_info_nest_is_a_protocol_error() -> None:
-    from kvwire.transfer.planes.nccl.messages import NcclInfo, decode_info, encode_info
+    from kvwire.transfer.planes.nccl.plane_info import NcclInfo, decode_info, encode_info
 
     assert decode_info(encode_info(NcclInfo())) == NcclInfo()
     with pytest.raises(ProtocolError, match="malformed NCCL plane info"):
@@ -242,7 +242,7 @@ def test_vllm_kv_event_batch_nest_is_a_malformed_batch() -> None:
     import msgspec as ms
 
     from kvwire.integrations.vllm_kv_events import VllmKvEventBridge, VllmKvTranslator, decode_events
-    from kvwire.kv_events import KvEventLog
+    from kvwire.protocol.kv_events import KvEventLog
 
     nested_events = b"\x93\xcb" + bytes(8) + b"\x91" * 3000 + b"\x90" + b"\x00"
     nested_one = ms.msgpack.encode([1.5, [ms.Raw(b"\x81\xa4type" + b"\x91" * 3000 + b"\x90")], 0])

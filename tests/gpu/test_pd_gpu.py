@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvwire.cluster.local import LocalCluster
-from kvwire.kv_params import TransferMode
+from kvwire.protocol.kv_params import TransferMode
 from kvwire.transfer.enums import Transport
 from support.pd_gpu import MAX_TOKENS, body, metric, pd_cluster, prompts_of, reference, send
 

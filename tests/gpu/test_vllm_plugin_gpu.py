@@ -92,7 +92,7 @@ def _idle_until(inst: Any, done: Any, timeout_s: float = 60.0) -> None:
 
 
 def _params(tid: str, role: str, mode: str, peers: list[str]) -> dict[str, Any]:
-    from kvwire.kv_params import KVTransferParams, Role, TransferMode
+    from kvwire.protocol.kv_params import KVTransferParams, Role, TransferMode
 
     return KVTransferParams(
         transfer_id=tid, role=Role(role), mode=TransferMode(mode), peer_endpoints=peers

@@ -22,8 +22,8 @@ from kvwire.cluster.etcd import INSTALL_HINT, LocalEtcd, etcd_binary
 from kvwire.discovery.address import PASSWORD_ENV, DiscoveryAddress, parse_discovery_address
 from kvwire.discovery.etcd_client import EtcdRegistration
 from kvwire.discovery.etcd_gateway import EtcdAuthError, EtcdHttp, b64, prefix_range_end
-from kvwire.discovery.messages import InstanceInfo
-from kvwire.kv_params import Role
+from kvwire.discovery.heartbeats import InstanceInfo
+from kvwire.protocol.kv_params import Role
 from kvwire.router.discovery_backend import EtcdDiscovery
 from kvwire.router.registry import Registry
 from support.waiting import wait_for

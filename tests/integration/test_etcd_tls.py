@@ -19,8 +19,8 @@ from kvwire.cluster.etcd import INSTALL_HINT, LocalEtcd, LocalEtcdTls, etcd_bina
 from kvwire.discovery.address import parse_discovery_address, with_tls_files
 from kvwire.discovery.etcd_client import EtcdRegistration
 from kvwire.discovery.etcd_gateway import EtcdError, EtcdHttp
-from kvwire.discovery.messages import InstanceInfo, InstanceLoad
-from kvwire.kv_params import Role
+from kvwire.discovery.heartbeats import InstanceInfo, InstanceLoad
+from kvwire.protocol.kv_params import Role
 from kvwire.router.discovery_backend import EtcdDiscovery
 from kvwire.router.registry import Registry
 from support.tls_certs import OPENSSL, CertFiles, make_certs

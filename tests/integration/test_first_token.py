@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
-from kvwire.kv_params import TransferMode
+from kvwire.protocol.kv_params import TransferMode
 from support.pd_cluster_helpers import ColocatedServer, metric, running_cluster
 
 pytestmark = pytest.mark.slow

@@ -7,8 +7,8 @@ import time
 from collections.abc import Callable
 
 from kvwire.discovery import HeartbeatClient, InstanceInfo
-from kvwire.kv_events import KvEventLog
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_events import KvEventLog
+from kvwire.protocol.kv_params import Role
 from kvwire.router.kv_index import KvIndex
 from kvwire.router.listener import DiscoveryListener
 from kvwire.router.registry import Registry
@@ -52,7 +52,7 @@ def test_a_burst_of_heartbeats_lands_in_batches_in_arrival_order() -> None:
     earlier one in the same burst."""
     import zmq
 
-    from kvwire.discovery.messages import Heartbeat, InstanceLoad, encode_frames
+    from kvwire.discovery.heartbeats import Heartbeat, InstanceLoad, encode_frames
 
     registry = Registry(ttl_s=30.0)
     listener = DiscoveryListener(registry, "127.0.0.1", 0)

@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
-from kvwire.kv_params import TransferMode
+from kvwire.protocol.kv_params import TransferMode
 from kvwire.transfer.enums import Transport
 from support.pd_cluster_helpers import ColocatedServer, body, metric, prompts, running_cluster, send_all
 from support.waiting import wait_for

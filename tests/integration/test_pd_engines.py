@@ -15,7 +15,7 @@ import pytest
 from kvwire.connector.config import LoadFailurePolicy
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
-from kvwire.kv_params import KVTransferParams, Role
+from kvwire.protocol.kv_params import KVTransferParams, Role
 from kvwire.transfer.enums import Backend
 from support.pd_engine_helpers import BLOCK, FIRST, GREEDY, MAX_LEN, MAX_TOKENS, PD, engine_config
 

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from kvwire.connector.base import ConnectorOutput, ScheduledChunk, StepInfo
 from kvwire.connector.config import ConnectorConfig, EngineInfo
 from kvwire.connector.factory import build_connectors
-from kvwire.kv_params import KVTransferParams, Role
+from kvwire.protocol.kv_params import KVTransferParams, Role
 
 BLOCK, LAYERS, NUM_BLOCKS, KV_HEADS, HEAD_DIM = 16, 32, 264, 8, 128
 PROMPT = 2048

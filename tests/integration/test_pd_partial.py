@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvwire.engine.llm_engine import LLMEngine
-from kvwire.kv_params import KVTransferParams, Role
+from kvwire.protocol.kv_params import KVTransferParams, Role
 from support.pd_engine_helpers import BLOCK, FIRST, GREEDY, PD, engine_config
 
 TURN1 = [(5 * j) % 250 + 1 for j in range(6 * BLOCK + 4)]  # 100 tokens: 6 full blocks

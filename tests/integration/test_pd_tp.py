@@ -25,7 +25,7 @@ from kvwire.engine.llm_engine import LLMEngine
 from kvwire.engine.sampling_params import SamplingParams
 from kvwire.engine.tp.runner import TPRunner, model_config_of
 from kvwire.errors import RankLost
-from kvwire.kv_params import KVTransferParams, Role, TransferMode
+from kvwire.protocol.kv_params import KVTransferParams, Role, TransferMode
 
 BLOCK = 8
 MAX_TOKENS = 6

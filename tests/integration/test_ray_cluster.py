@@ -30,7 +30,7 @@ from kvwire.cluster.process import ManagedProcess, kvwire_argv
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.engine.sampling_params import SamplingParams
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 from support.leaks import orphaned, shm_names_mapped_by
 from support.pd_cluster_helpers import body, metric, send_all
 from support.waiting import wait_for

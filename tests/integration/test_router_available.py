@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 from kvwire.router.config import PdFallback
 from support.mock_instance import MockCluster, get, live_ids, post
 from support.waiting import wait_for

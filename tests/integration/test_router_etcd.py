@@ -151,8 +151,8 @@ def test_router_expires_an_overdue_record_before_etcd_drops_its_lease(etcd: Loca
 
     from kvwire.discovery import InstanceInfo, parse_discovery_address
     from kvwire.discovery.etcd_gateway import EtcdHttp, encode_record
-    from kvwire.discovery.messages import Heartbeat
-    from kvwire.kv_params import Role
+    from kvwire.discovery.heartbeats import Heartbeat
+    from kvwire.protocol.kv_params import Role
     from kvwire.router.discovery_backend import EtcdDiscovery
     from kvwire.router.registry import InstanceState, Registry
 

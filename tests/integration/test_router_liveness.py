@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from kvwire.discovery import Heartbeat, InstanceInfo, encode_frames
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 from support.mock_instance import MockProcess, RouterThread, get_raw, live_ids, post, router_config
 from support.waiting import wait_for
 

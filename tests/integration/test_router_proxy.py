@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from kvwire.discovery import Heartbeat, InstanceInfo, encode_frames
-from kvwire.kv_params import Role, TransferMode
+from kvwire.protocol.kv_params import Role, TransferMode
 from kvwire.router.config import Policy
 from support.mock_instance import MockCluster, MockSpec, get, live_ids, post
 from support.waiting import wait_for

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from kvwire.kv_params import TransferMode
+from kvwire.protocol.kv_params import TransferMode
 from support.mock_instance import PD_AND_SOLO, MockCluster, MockProcess
 
 GAP_MS = 100

@@ -22,9 +22,9 @@ import pytest
 import zmq
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
-from kvwire.discovery.messages import Deregister, Heartbeat, InstanceInfo, encode_frames
-from kvwire.kv_params import KVTransferParams, Role, TransferMode
-from kvwire.kv_signing import ParamsSigner
+from kvwire.discovery.heartbeats import Deregister, Heartbeat, InstanceInfo, encode_frames
+from kvwire.protocol.kv_params import KVTransferParams, Role, TransferMode
+from kvwire.protocol.kv_signing import ParamsSigner
 from support.pd_cluster_helpers import running_cluster
 from support.waiting import wait_for
 

@@ -29,14 +29,14 @@ from typing import Any
 import pytest
 from test_security import API_KEY, SECRET, _dropped, _instances, _push, _trap, assert_serving, call
 
-from kvwire.auth import ApiKeyConfig
 from kvwire.cluster.etcd import INSTALL_HINT, etcd_binary
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.cluster.process import kvwire_argv
 from kvwire.discovery import parse_discovery_address
 from kvwire.discovery.etcd_gateway import EtcdHttp, b64, decode_record, encode_record, record_key, unb64
-from kvwire.discovery.messages import Heartbeat, InstanceInfo, InstanceLoad, encode_frames
-from kvwire.kv_params import KVTransferParams, Role, TransferMode
+from kvwire.discovery.heartbeats import Heartbeat, InstanceInfo, InstanceLoad, encode_frames
+from kvwire.http.auth import ApiKeyConfig
+from kvwire.protocol.kv_params import KVTransferParams, Role, TransferMode
 from support.mock_instance import MockProcess, RouterThread, router_config
 from support.pd_cluster_helpers import running_cluster
 from support.waiting import wait_for

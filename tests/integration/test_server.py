@@ -20,9 +20,9 @@ import zmq
 
 from kvwire.cluster.local import free_port
 from kvwire.discovery import Deregister, Heartbeat, decode_frames
-from kvwire.discovery.messages import KvEvents
-from kvwire.kv_params import KVTransferParams, Role, TransferMode
-from kvwire.kv_signing import ParamsSigner
+from kvwire.discovery.heartbeats import KvEvents
+from kvwire.protocol.kv_params import KVTransferParams, Role, TransferMode
+from kvwire.protocol.kv_signing import ParamsSigner
 
 SECRET = "s3cret-0123456789abcdef0123456789ab"  # kvwire serve needs 32+ bytes (decision 124)
 START_DEADLINE_S = 90.0

@@ -16,8 +16,8 @@ import aiohttp
 from test_server import FakeRouter, ServerProcess, greedy, metric, post, run, sse_events
 
 from kvwire.discovery import Deregister, Heartbeat
-from kvwire.kv_params import KVTransferParams, Role, TransferMode
-from kvwire.kv_signing import ParamsSigner
+from kvwire.protocol.kv_params import KVTransferParams, Role, TransferMode
+from kvwire.protocol.kv_signing import ParamsSigner
 from support.waiting import wait_for
 
 MAX_TOKENS = 1000  # seconds of decoding on tiny: the stream outlasts the signal's handling

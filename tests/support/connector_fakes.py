@@ -22,7 +22,7 @@ from kvwire.connector.config import ConnectorConfig, EngineInfo
 from kvwire.connector.metrics import connector_metrics
 from kvwire.connector.scheduler import KvwireSchedulerConnector
 from kvwire.connector.worker import KvwireWorkerConnector
-from kvwire.kv_params import KVTransferParams, Role
+from kvwire.protocol.kv_params import KVTransferParams, Role
 from kvwire.transfer.enums import KVLayout
 from kvwire.transfer.registered_caches import BlockTarget, PagedKV
 from kvwire.transfer.types import LayerSink, LayerSpec, TransferEvents

@@ -22,7 +22,7 @@ from kvwire.engine.outputs import EngineStats, RequestOutput
 from kvwire.engine.sampling_params import SamplingParams
 from kvwire.engine.tokenizer import ByteTokenizer
 from kvwire.errors import InvalidRequestError, RankLost
-from kvwire.kv_params import KVTransferParams
+from kvwire.protocol.kv_params import KVTransferParams
 from kvwire.server.app import ServerApp
 from kvwire.server.engine_loop import EngineLoop
 from kvwire.server.generate import GenerationHandler

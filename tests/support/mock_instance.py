@@ -56,7 +56,7 @@ from kvwire.discovery import (
     InstanceLoad,
     parse_discovery_address,
 )
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 from kvwire.router.config import Policy, RouterConfig
 
 HERE = Path(__file__).resolve()

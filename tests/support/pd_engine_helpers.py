@@ -14,7 +14,7 @@ from kvwire.connector.factory import build_connectors
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.engine.sampling_params import SamplingParams
-from kvwire.kv_params import KVTransferParams, Role, TransferMode
+from kvwire.protocol.kv_params import KVTransferParams, Role, TransferMode
 
 BLOCK = 16
 MAX_TOKENS = 8

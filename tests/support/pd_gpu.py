@@ -15,7 +15,7 @@ import pytest
 
 from kvwire.cluster.client import RequestResult, post_completion
 from kvwire.cluster.local import ClusterSpec, LocalCluster
-from kvwire.kv_params import TransferMode
+from kvwire.protocol.kv_params import TransferMode
 
 LENGTHS = (1, 15, 16, 17, 53, 1015)
 MAX_TOKENS = 8

@@ -34,7 +34,7 @@ from kvwire.connector.factory import build_connectors
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.engine.sampling_params import SamplingParams
-from kvwire.kv_params import KVTransferParams, Role
+from kvwire.protocol.kv_params import KVTransferParams, Role
 from kvwire.transfer.planes.shm.plane import STOP_MID_LAYER_ENV
 
 BLOCK = 16

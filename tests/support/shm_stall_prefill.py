@@ -23,7 +23,7 @@ from kvwire.connector.factory import build_connectors
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.engine.sampling_params import SamplingParams
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 from kvwire.transfer.enums import Backend
 from kvwire.transfer.planes.plane_set import PlaneSet
 from kvwire.transfer.planes.shm.plane import ShmPlane

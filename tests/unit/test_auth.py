@@ -6,9 +6,9 @@ import logging
 
 import pytest
 
-from kvwire.auth import ApiKeyConfig, Refusal, bearer_token, keys_from_cli
 from kvwire.errors import ConfigError
-from kvwire.refusal_log import RefusalLog
+from kvwire.http.auth import ApiKeyConfig, Refusal, bearer_token, keys_from_cli
+from kvwire.http.refusal_log import RefusalLog
 from kvwire.router.config import RouterConfig
 from kvwire.router.security import instance_headers
 

@@ -1,7 +1,7 @@
 import pytest
 
 from kvwire.errors import InvalidRequestError
-from kvwire.kv_params import KV_PARAMS_VERSION, KVTransferParams, Role, TransferMode
+from kvwire.protocol.kv_params import KV_PARAMS_VERSION, KVTransferParams, Role, TransferMode
 
 
 def test_round_trip_through_json_dict() -> None:

@@ -9,8 +9,14 @@ import msgspec
 import pytest
 
 from kvwire.errors import ConfigError
-from kvwire.kv_params import KVTransferParams, Role, TransferMode
-from kvwire.kv_signing import CLOCK_SKEW_S, KVParamsRefused, ParamsRefusal, ParamsSigner, ParamsVerifier
+from kvwire.protocol.kv_params import KVTransferParams, Role, TransferMode
+from kvwire.protocol.kv_signing import (
+    CLOCK_SKEW_S,
+    KVParamsRefused,
+    ParamsRefusal,
+    ParamsSigner,
+    ParamsVerifier,
+)
 
 SECRET = "unit-secret"
 NOW = 1_800_000_000.0
@@ -89,7 +95,7 @@ def test_bad_configuration_is_refused() -> None:
 def test_a_refused_signature_never_reaches_the_admission_check() -> None:
     """The connector's check may act (P promises D its transfer, contacting D's endpoint): forged
     parameters must be refused before it runs."""
-    from kvwire.kv_signing import verifying
+    from kvwire.protocol.kv_signing import verifying
 
     seen: list[object] = []
     refused: list[object] = []

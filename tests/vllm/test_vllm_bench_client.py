@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
-from kvwire.kv_params import TransferMode
+from kvwire.protocol.kv_params import TransferMode
 
 NUM_PROMPTS = 24
 _CLIENT = ("import argparse, sys; from vllm.benchmarks.serve import add_cli_args, main; "

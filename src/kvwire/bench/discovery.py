@@ -50,8 +50,8 @@ from typing import Any
 
 from kvwire.discovery.address import parse_discovery_address
 from kvwire.discovery.etcd_client import lease_ttl_for
-from kvwire.discovery.messages import Deregister, Heartbeat
-from kvwire.kv_params import Role
+from kvwire.discovery.heartbeats import Deregister, Heartbeat
+from kvwire.protocol.kv_params import Role
 from kvwire.router.config import Policy, RouterConfig
 from kvwire.router.discovery_backend import EtcdDiscovery, ZmqDiscovery
 from kvwire.router.registry import ApplyResult, Registry

@@ -6,7 +6,7 @@ and KV endpoint. Each one announces itself every ``INTERVAL_S`` with a new load,
 evenly over the interval:
 
 * ``zmq``: one ZeroMQ PUSH socket (its own TCP connection) per instance, the messages built and
-  signed by the same :func:`~kvwire.discovery.messages.encode_frames` the real client uses.
+  signed by the same :func:`~kvwire.discovery.heartbeats.encode_frames` the real client uses.
 * ``etcd``: one lease and one key per instance, as :class:`~kvwire.discovery.etcd_client.EtcdRegistration`
   keeps them: each round renews the lease and puts the record with a new load (the record promising
   the next within the lease TTL). The calls are
@@ -38,8 +38,8 @@ import zmq
 from kvwire.discovery.address import parse_discovery_address
 from kvwire.discovery.etcd_client import lease_ttl_for
 from kvwire.discovery.etcd_gateway import EtcdError, EtcdHttp, encode_record
-from kvwire.discovery.messages import Heartbeat, InstanceInfo, InstanceLoad, encode_frames
-from kvwire.kv_params import Role
+from kvwire.discovery.heartbeats import Heartbeat, InstanceInfo, InstanceLoad, encode_frames
+from kvwire.protocol.kv_params import Role
 
 MODEL = "sim"
 ETCD_WORKERS = 32  # threads sending the groups' calls (blocking HTTP: they wait on etcd)

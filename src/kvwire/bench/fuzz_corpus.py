@@ -23,8 +23,8 @@ _LAYOUT = {"model": "tiny", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16, 
 
 
 def _heartbeats() -> list[object]:
-    from kvwire.discovery.messages import Deregister, Heartbeat, InstanceInfo, InstanceLoad, KvEvents
-    from kvwire.kv_params import KVCacheLayout, Role
+    from kvwire.discovery.heartbeats import Deregister, Heartbeat, InstanceInfo, InstanceLoad, KvEvents
+    from kvwire.protocol.kv_params import KVCacheLayout, Role
 
     info = InstanceInfo(
         instance_id="p-0", role=Role.PREFILL, url="http://127.0.0.1:8100", model="tiny", epoch=17,
@@ -43,7 +43,7 @@ def _heartbeats() -> list[object]:
 
 
 def discovery_frames() -> list[bytes]:
-    from kvwire.discovery.messages import encode_frames
+    from kvwire.discovery.heartbeats import encode_frames
 
     out = []
     for msg in _heartbeats():
@@ -78,7 +78,7 @@ def etcd_watch_lines() -> list[bytes]:
 
 
 def control_messages() -> list[bytes]:
-    from kvwire.transfer.messages import (
+    from kvwire.transfer.control_messages import (
         Abort,
         Ack,
         AnyMsg,
@@ -110,15 +110,15 @@ def control_messages() -> list[bytes]:
 
 
 def trailers() -> list[bytes]:
-    from kvwire.connector.messages import FirstTokenTrailer, encode_trailer
+    from kvwire.connector.first_token_trailer import FirstTokenTrailer, encode_trailer
 
     return [encode_trailer(FirstTokenTrailer(token_id=42, num_prompt_tokens=7, kv_ready_unix_s=1.25)),
             encode_trailer(FirstTokenTrailer(token_id=None, num_prompt_tokens=0))]
 
 
 def kv_params() -> list[bytes]:
-    from kvwire.kv_params import KVCacheLayout, KVTransferParams, Role, TransferMode
-    from kvwire.kv_signing import ParamsSigner
+    from kvwire.protocol.kv_params import KVCacheLayout, KVTransferParams, Role, TransferMode
+    from kvwire.protocol.kv_signing import ParamsSigner
 
     signer = ParamsSigner(SECRET, clock=lambda: 4_000_000_000.0)  # unexpired for the fuzzer's lifetime
     params = [

@@ -55,7 +55,7 @@ def _split(data: bytes) -> tuple[int, bytes]:
 
 def discovery_frames() -> FuzzTarget:
     from kvwire.bench import fuzz_corpus
-    from kvwire.discovery.messages import decode_frames
+    from kvwire.discovery.heartbeats import decode_frames
 
     def check(data: bytes) -> object:
         mode, rest = _split(data)
@@ -84,7 +84,7 @@ def etcd_watch() -> FuzzTarget:
 
 def transfer_control() -> FuzzTarget:
     from kvwire.bench import fuzz_corpus
-    from kvwire.transfer.messages import Codec
+    from kvwire.transfer.control_messages import Codec
 
     plain, signed = Codec(None), Codec(SECRET)
 
@@ -99,7 +99,7 @@ def transfer_control() -> FuzzTarget:
 
 def first_token_trailer() -> FuzzTarget:
     from kvwire.bench import fuzz_corpus
-    from kvwire.connector.messages import decode_trailer
+    from kvwire.connector.first_token_trailer import decode_trailer
 
     return FuzzTarget("connector.trailer", decode_trailer, (ProtocolError,), fuzz_corpus.trailers)
 
@@ -108,8 +108,8 @@ def kv_params() -> FuzzTarget:
     """``kv_transfer_params`` as an instance gets them: inside a request body, then checked and
     verified against the router's signature (a secret is set)."""
     from kvwire.bench import fuzz_corpus
-    from kvwire.kv_params import KVTransferParams
-    from kvwire.kv_signing import ParamsVerifier
+    from kvwire.protocol.kv_params import KVTransferParams
+    from kvwire.protocol.kv_signing import ParamsVerifier
     from kvwire.server.openai_protocol import parse_completion
 
     def check(data: bytes) -> object:
@@ -203,7 +203,7 @@ def vllm_kv_events() -> FuzzTarget:
     may escape it."""
     from kvwire.bench import fuzz_corpus
     from kvwire.integrations.vllm_kv_events import VllmKvEventBridge, VllmKvTranslator
-    from kvwire.kv_events import KvEventLog
+    from kvwire.protocol.kv_events import KvEventLog
 
     bridge = VllmKvEventBridge("tcp://127.0.0.1:1", VllmKvTranslator(KvEventLog(16)))  # never started
 

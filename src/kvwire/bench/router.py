@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvwire.cluster.process import ManagedProcess, kvwire_argv, wait_until
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 from kvwire.router.cli import run_event_loop
 
 _CANNED = json.dumps({

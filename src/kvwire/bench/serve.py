@@ -37,7 +37,7 @@ from kvwire.bench import serve_transfers, workloads
 from kvwire.cluster.client import RequestResult, post_completion
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.errors import ClusterError
-from kvwire.kv_params import TransferMode
+from kvwire.protocol.kv_params import TransferMode
 
 # name -> (prefill, decode, colocated) instances; "2colocated" is the baseline with as many instances
 # (and, with --spread-gpus 2, GPUs) as 1p1d: two colocated instances behind the router

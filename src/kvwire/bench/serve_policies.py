@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvwire.bench.workloads import Session, carry_tokens
 from kvwire.cluster.client import RequestResult, post_completion
 from kvwire.cluster.local import ClusterSpec, LocalCluster
-from kvwire.kv_params import TransferMode
+from kvwire.protocol.kv_params import TransferMode
 
 
 async def run_sessions(

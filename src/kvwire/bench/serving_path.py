@@ -26,7 +26,7 @@ from kvwire.connector.config import ConnectorConfig, EngineInfo
 from kvwire.connector.metadata import KvwireConnectorMetadata, RecvSpec, SendSpec
 from kvwire.connector.metrics import connector_metrics
 from kvwire.connector.worker import KvwireWorkerConnector
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 from kvwire.transfer import TransferAgent, TransferConfig
 from kvwire.transfer.enums import KVLayout
 

@@ -40,7 +40,7 @@ from kvwire.connector.config import ConnectorConfig, EngineInfo
 from kvwire.connector.metadata import KvwireConnectorMetadata, RecvSpec, SendSpec
 from kvwire.connector.metrics import connector_metrics
 from kvwire.connector.worker import KvwireWorkerConnector
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 from kvwire.transfer import Backend, LayerSpec, TransferAgent, TransferConfig
 from kvwire.transfer.block_copy import block_ids_tensor, gather_blocks, gathered_shape, scatter_blocks
 from kvwire.transfer.enums import KVLayout, Transport

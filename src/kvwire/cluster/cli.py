@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
-from kvwire.auth import API_KEY_ENV
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.errors import ClusterError, ConfigError
-from kvwire.kv_params import LoadFailurePolicy, TransferMode
+from kvwire.http.auth import API_KEY_ENV
+from kvwire.protocol.kv_params import LoadFailurePolicy, TransferMode
 from kvwire.secrets_config import add_secret_arguments, check_exposure, generate_secret, load_secret
 from kvwire.transfer.enums import Transport
 

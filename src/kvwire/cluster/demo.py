@@ -21,7 +21,7 @@ import aiohttp
 from kvwire.cluster.client import RequestResult, post_completion
 from kvwire.cluster.local import ClusterSpec, LocalCluster, http_text
 from kvwire.errors import ClusterError, ModelLoadError
-from kvwire.kv_params import TransferMode
+from kvwire.protocol.kv_params import TransferMode
 from kvwire.secrets_config import generate_secret
 
 DEFAULT_MODEL = "smollm2-135m"

@@ -10,8 +10,8 @@ binary must be installed) and stops last; instances register there and the route
 exits because its engine lost a tensor-parallel rank is restarted under its name by
 :meth:`LocalCluster.restart_if_rank_lost` (``kvwire up`` calls it; decision 085).
 
-Modes, roles and policies are enums (:class:`~kvwire.kv_params.TransferMode`,
-:class:`~kvwire.discovery.messages.Role`, :class:`~kvwire.kv_params.LoadFailurePolicy`);
+Modes, roles and policies are enums (:class:`~kvwire.protocol.kv_params.TransferMode`,
+:class:`~kvwire.discovery.heartbeats.Role`, :class:`~kvwire.protocol.kv_params.LoadFailurePolicy`);
 where one is given, its string value (what the CLI and tests spell) is accepted too and converted at
 construction; anything else is a :class:`~kvwire.errors.ConfigError` naming the valid values.
 """
@@ -35,7 +35,7 @@ from kvwire.cluster.process import ManagedProcess, kvwire_argv
 from kvwire.discovery.address import DiscoveryKind, parse_discovery_address
 from kvwire.enum_values import as_enum
 from kvwire.errors import EXIT_RANK_LOST, ClusterError, ConfigError
-from kvwire.kv_params import LoadFailurePolicy, Role, TransferMode
+from kvwire.protocol.kv_params import LoadFailurePolicy, Role, TransferMode
 from kvwire.transfer.enums import Transport
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from typing import Any
 from kvwire.cluster.cli import _interrupt, spec_from_args, stop_shielded
 from kvwire.cluster.ray_spec import Placement, RaySpec, parse_labels, parse_resources
 from kvwire.errors import ClusterError, ConfigError
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 
 STATUS_EVERY_S = 5.0  # how often `up` checks that the controller still answers
 

@@ -29,7 +29,7 @@ import ray
 from kvwire.cluster.ray_controller import ClusterController
 from kvwire.cluster.ray_spec import RAY_NAMESPACE, RaySpec
 from kvwire.errors import ClusterError
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 
 _Controller = ray.remote(ClusterController)
 

@@ -32,7 +32,7 @@ from kvwire.cluster.ray_actors import ProcessHost, free_ports
 from kvwire.cluster.ray_spec import RAY_NAMESPACE, Placement, RaySpec
 from kvwire.enum_values import as_enum
 from kvwire.errors import ClusterError, ConfigError
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 
 log = logging.getLogger(__name__)
 ROUTER = "router"

@@ -13,7 +13,7 @@ import re
 
 from kvwire.cluster.local import ClusterSpec
 from kvwire.errors import ConfigError
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 
 RAY_NAMESPACE = "kvwire"  # every kvwire actor lives in this Ray namespace
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")

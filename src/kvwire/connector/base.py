@@ -38,7 +38,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from kvwire.kv_params import KVParams
+from kvwire.protocol.kv_params import KVParams
 
 T = TypeVar("T")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvwire.errors import ConfigError
-from kvwire.kv_params import LoadFailurePolicy, Role, TransferMode
+from kvwire.protocol.kv_params import LoadFailurePolicy, Role, TransferMode
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.enums import KVLayout
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvwire.connector.base import ConnectorMetadata
-from kvwire.connector.messages import FirstTokenTrailer
+from kvwire.connector.first_token_trailer import FirstTokenTrailer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,7 @@ from kvwire.connector.base import (
     StepReport,
 )
 from kvwire.connector.config import ConnectorConfig, EngineInfo
-from kvwire.connector.messages import FirstTokenTrailer
+from kvwire.connector.first_token_trailer import FirstTokenTrailer
 from kvwire.connector.metadata import (
     AbortSpec,
     KvwireConnectorMetadata,
@@ -44,7 +44,7 @@ from kvwire.connector.metadata import (
 from kvwire.connector.metrics import ConnectorMetrics, connector_metrics
 from kvwire.connector.state import Phase, RequestState
 from kvwire.errors import InvalidRequestError
-from kvwire.kv_params import KVCacheLayout, KVTransferParams, Role, TransferMode, layout_mismatch
+from kvwire.protocol.kv_params import KVCacheLayout, KVTransferParams, Role, TransferMode, layout_mismatch
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import dataclasses
 import enum
 import time
 
-from kvwire.kv_params import KVTransferParams
+from kvwire.protocol.kv_params import KVTransferParams
 from kvwire.transfer.enums import FailReason
 
 

@@ -25,7 +25,7 @@ import torch
 
 from kvwire.connector.base import ConnectorMetadata, ConnectorOutput, WorkerConnector
 from kvwire.connector.config import ConnectorConfig, EngineInfo, LoadFailurePolicy
-from kvwire.connector.messages import FirstTokenTrailer, decode_trailer, encode_trailer
+from kvwire.connector.first_token_trailer import FirstTokenTrailer, decode_trailer, encode_trailer
 from kvwire.connector.metadata import (
     AbortSpec,
     KvwireConnectorMetadata,

@@ -1,6 +1,6 @@
 """Service discovery: instances announce themselves to the router with signed, versioned heartbeats.
 
-``messages`` holds the wire types; ``client.HeartbeatClient`` (ZeroMQ) and
+``heartbeats`` holds the wire types; ``client.HeartbeatClient`` (ZeroMQ) and
 ``etcd_client.EtcdRegistration`` (etcd lease + record) are the instance side (no torch) and
 ``registration.start_registration`` the one way every host starts it.
 The router side lives in ``kvwire.router.listener`` / ``kvwire.router.registry``.
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from kvwire.discovery.address import DiscoveryAddress, DiscoveryKind, parse_discovery_address
     from kvwire.discovery.client import HeartbeatClient
     from kvwire.discovery.etcd_client import EtcdRegistration
-    from kvwire.discovery.messages import (
+    from kvwire.discovery.heartbeats import (
         DISCOVERY_VERSION,
         Deregister,
         DiscoveryMessage,
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
         new_epoch,
     )
     from kvwire.discovery.registration import Registration, start_registration
-    from kvwire.kv_params import Role
+    from kvwire.protocol.kv_params import Role
 
 _HOMES = {
     "DiscoveryAddress": "address",
@@ -38,16 +38,16 @@ _HOMES = {
     "parse_discovery_address": "address",
     "HeartbeatClient": "client",
     "EtcdRegistration": "etcd_client",
-    "DISCOVERY_VERSION": "messages",
-    "Deregister": "messages",
-    "DiscoveryMessage": "messages",
-    "Heartbeat": "messages",
-    "InstanceInfo": "messages",
-    "InstanceLoad": "messages",
-    "Role": "messages",
-    "decode_frames": "messages",
-    "encode_frames": "messages",
-    "new_epoch": "messages",
+    "DISCOVERY_VERSION": "heartbeats",
+    "Deregister": "heartbeats",
+    "DiscoveryMessage": "heartbeats",
+    "Heartbeat": "heartbeats",
+    "InstanceInfo": "heartbeats",
+    "InstanceLoad": "heartbeats",
+    "Role": "heartbeats",
+    "decode_frames": "heartbeats",
+    "encode_frames": "heartbeats",
+    "new_epoch": "heartbeats",
     "Registration": "registration",
     "start_registration": "registration",
 }

@@ -42,7 +42,7 @@ from types import TracebackType
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvwire.discovery.messages import (
+from kvwire.discovery.heartbeats import (
     MAX_FRAME_BYTES,
     Deregister,
     DiscoveryMessage,
@@ -53,7 +53,7 @@ from kvwire.discovery.messages import (
     encode_frames,
 )
 from kvwire.errors import ConfigError
-from kvwire.kv_events import KvEventLog
+from kvwire.protocol.kv_events import KvEventLog
 from kvwire.supervision import HealthBoard, SupervisedThread
 
 log = logging.getLogger(__name__)

@@ -41,7 +41,7 @@ from types import TracebackType
 from kvwire.discovery.address import DiscoveryAddress
 from kvwire.discovery.client import LoadFn
 from kvwire.discovery.etcd_gateway import EtcdAuthError, EtcdError, EtcdHttp, encode_record, record_key
-from kvwire.discovery.messages import Heartbeat, InstanceInfo, InstanceLoad
+from kvwire.discovery.heartbeats import Heartbeat, InstanceInfo, InstanceLoad
 from kvwire.errors import ConfigError
 from kvwire.supervision import HealthBoard, SupervisedThread
 

@@ -6,7 +6,7 @@ blocking client on the registration thread) and aiohttp (routers: range + watch 
 side needs gRPC, protobuf or an etcd client package (decision 036). No torch.
 
 Also here: the record an instance keeps under its key (:func:`encode_record` / :func:`decode_record`,
-a JSON :class:`~kvwire.discovery.messages.Heartbeat`, readable with ``etcdctl get``). With a shared
+a JSON :class:`~kvwire.discovery.heartbeats.Heartbeat`, readable with ``etcdctl get``). With a shared
 secret the record is a :class:`SignedRecord` around that JSON: ``HMAC-SHA256(k, heartbeat JSON)``
 with ``k`` derived from the secret for etcd records only (:func:`record_key`), so a signature of
 another kind (a ZeroMQ heartbeat, ``kv_transfer_params``) never passes as a record's (decision 125).
@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from kvwire.discovery.address import EtcdAuth
-from kvwire.discovery.messages import DISCOVERY_VERSION, MAX_FRAME_BYTES, Heartbeat, check_info
+from kvwire.discovery.heartbeats import DISCOVERY_VERSION, MAX_FRAME_BYTES, Heartbeat, check_info
 from kvwire.errors import AuthenticationError, ConfigError, KvwireError, ProtocolError
 
 log = logging.getLogger(__name__)

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from kvwire.discovery.address import DiscoveryKind, parse_registration_address
 from kvwire.discovery.client import HeartbeatClient, LoadFn
 from kvwire.discovery.etcd_client import EtcdRegistration
-from kvwire.discovery.messages import InstanceInfo
+from kvwire.discovery.heartbeats import InstanceInfo
 from kvwire.enum_values import as_enum
-from kvwire.kv_events import KvEventLog
-from kvwire.kv_params import KVCacheLayout, Role
+from kvwire.protocol.kv_events import KvEventLog
+from kvwire.protocol.kv_params import KVCacheLayout, Role
 from kvwire.supervision import HealthBoard
 
 logger = logging.getLogger(__name__)

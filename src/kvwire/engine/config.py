@@ -7,9 +7,9 @@ import enum
 import os
 
 from kvwire.errors import ConfigError
-from kvwire.kv_params import LoadFailurePolicy
+from kvwire.protocol.kv_params import LoadFailurePolicy
 
-# The one policy enum (kvwire.kv_params); this name is the engine's spelling of it.
+# The one policy enum (kvwire.protocol.kv_params); this name is the engine's spelling of it.
 KVLoadFailurePolicy = LoadFailurePolicy
 
 

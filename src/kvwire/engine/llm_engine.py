@@ -35,11 +35,11 @@ from kvwire.engine.sampling_params import SamplingParams
 from kvwire.engine.scheduler import Scheduler
 from kvwire.engine.stop import check_stop
 from kvwire.engine.tokenizer import IncrementalDetokenizer
-from kvwire.engine.tp.messages import WorkerConnectorFactory
 from kvwire.engine.tp.runner import TPLeader, TPRunner
+from kvwire.engine.tp.step_messages import WorkerConnectorFactory
 from kvwire.errors import InvalidRequestError, RankLost
-from kvwire.kv_events import KvEventLog
-from kvwire.kv_params import KVParams, KVTransferParams
+from kvwire.protocol.kv_events import KvEventLog
+from kvwire.protocol.kv_params import KVParams, KVTransferParams
 
 log = logging.getLogger(__name__)
 

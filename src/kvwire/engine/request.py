@@ -9,7 +9,7 @@ import torch
 
 from kvwire.engine.sampling_params import SamplingParams
 from kvwire.engine.tokenizer import IncrementalDetokenizer
-from kvwire.kv_params import KVParams
+from kvwire.protocol.kv_params import KVParams
 
 
 class RequestStatus(enum.Enum):

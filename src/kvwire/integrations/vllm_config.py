@@ -39,7 +39,7 @@ from typing import Any
 from kvwire.connector.config import ConnectorConfig, LoadFailurePolicy
 from kvwire.discovery.address import parse_registration_address
 from kvwire.errors import ConfigError
-from kvwire.kv_params import Role, TransferMode
+from kvwire.protocol.kv_params import Role, TransferMode
 from kvwire.secrets_config import check_secret, load_secret, read_secret_file
 from kvwire.transfer.config import ControlLimits, DataLinkConfig, TransferConfig, nccl_from_env
 from kvwire.transfer.enums import Backend, Transport

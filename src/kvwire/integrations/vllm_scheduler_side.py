@@ -25,13 +25,13 @@ from kvwire.connector.scheduler import KvwireSchedulerConnector
 from kvwire.discovery import InstanceLoad, Registration, start_registration
 from kvwire.discovery.address import DiscoveryKind, parse_registration_address
 from kvwire.errors import EngineError, InvalidRequestError
+from kvwire.http.refusal_log import RefusalLog
 from kvwire.integrations.vllm_config import VllmPluginConfig
 from kvwire.integrations.vllm_kv_events import VllmKvEventBridge, VllmKvEventsSource, VllmKvTranslator
 from kvwire.integrations.vllm_steps import DeliveryLedger, StepTracker
-from kvwire.kv_events import KvEventLog
-from kvwire.kv_params import KVTransferParams
-from kvwire.kv_signing import KVParamsRefused, verifier_from_secret
-from kvwire.refusal_log import RefusalLog
+from kvwire.protocol.kv_events import KvEventLog
+from kvwire.protocol.kv_params import KVTransferParams
+from kvwire.protocol.kv_signing import KVParamsRefused, verifier_from_secret
 from kvwire.supervision import HealthBoard
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class SchedulerSide:
         # cannot read it, so a dead one is logged as an error (once) at the next scheduler step.
         self.board = HealthBoard()
         self._reported_dead: set[str] = set()
-        # With a shared secret, kv_transfer_params must be router-signed (kvwire.kv_signing); a
+        # With a shared secret, kv_transfer_params must be router-signed (kvwire.protocol.kv_signing); a
         # request whose params are refused runs locally: no transfer, no connection to any peer.
         self._verifier = verifier_from_secret(config.secret)
         self._judged: dict[str, bool] = {}  # request id -> params accepted (until request_finished)

@@ -13,10 +13,10 @@ from typing import Any, TypeVar
 
 import zmq
 
-from kvwire.auth import ApiKeyConfig, keys_from_cli
 from kvwire.discovery.address import add_tls_arguments, with_discovery_options
 from kvwire.errors import ConfigError
-from kvwire.kv_params import TransferMode
+from kvwire.http.auth import ApiKeyConfig, keys_from_cli
+from kvwire.protocol.kv_params import TransferMode
 from kvwire.router.app import RouterServer
 from kvwire.router.config import PdFallback, Policy, RouterConfig
 from kvwire.secrets_config import add_secret_arguments, check_exposure, load_secret

@@ -5,10 +5,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvwire.auth import ApiKeyConfig
 from kvwire.discovery.address import DiscoveryAddress, DiscoveryKind, parse_discovery_address
 from kvwire.errors import ConfigError
-from kvwire.kv_params import TransferMode
+from kvwire.http.auth import ApiKeyConfig
+from kvwire.protocol.kv_params import TransferMode
 
 
 class Policy(str, enum.Enum):

@@ -32,7 +32,7 @@ import logging
 from aiohttp import web
 
 from kvwire.errors import NoInstanceError
-from kvwire.kv_params import Role, TransferMode
+from kvwire.protocol.kv_params import Role, TransferMode
 from kvwire.router.client_stream import ClientStream
 from kvwire.router.config import RouterConfig
 from kvwire.router.continuation import StreamInterrupted, attach_ledger, give_up, redispatchable, send_tail

@@ -23,9 +23,9 @@ import time
 from typing import Any
 
 from kvwire.discovery.etcd_gateway import decode_record, record_key, unb64
-from kvwire.discovery.messages import Deregister, Heartbeat
+from kvwire.discovery.heartbeats import Deregister, Heartbeat
 from kvwire.errors import AuthenticationError, ProtocolError
-from kvwire.refusal_log import RefusalLog
+from kvwire.http.refusal_log import RefusalLog
 from kvwire.router.etcd_expiry import DeadlineHeap
 from kvwire.router.etcd_stream import WatchEvent
 from kvwire.router.freshness import FreshnessGuard

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 from kvwire.router.prompt_tokens import PromptTokenizer
 from kvwire.router.request import ClientRequest
 from kvwire.router.selection import Picked, Prefix, Selector

@@ -23,9 +23,9 @@ import threading
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvwire.discovery.messages import MAX_FRAME_BYTES, Deregister, Heartbeat, KvEvents, decode_frames
+from kvwire.discovery.heartbeats import MAX_FRAME_BYTES, Deregister, Heartbeat, KvEvents, decode_frames
 from kvwire.errors import AuthenticationError, ProtocolError
-from kvwire.refusal_log import RefusalLog
+from kvwire.http.refusal_log import RefusalLog
 from kvwire.router.freshness import DEFAULT_MAX_ENTRIES, DEFAULT_WINDOW_S, FreshnessGuard
 from kvwire.router.kv_index import KvIndex
 from kvwire.router.registry import ApplyResult, Registry

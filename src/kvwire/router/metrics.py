@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 from kvwire.router.registry import InstanceState, Registry
 
 _LATENCY_BUCKETS_S = (

@@ -8,7 +8,7 @@ import secrets
 import uuid
 from typing import Any
 
-from kvwire.kv_params import KVTransferParams
+from kvwire.protocol.kv_params import KVTransferParams
 from kvwire.router.request import ClientRequest
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import msgspec
 
 from kvwire.errors import InvalidRequestError
-from kvwire.kv_params import KVTransferParams, Role, TransferMode
-from kvwire.kv_signing import ParamsSigner
+from kvwire.protocol.kv_params import KVTransferParams, Role, TransferMode
+from kvwire.protocol.kv_signing import ParamsSigner
 from kvwire.router.config import RouterConfig
 from kvwire.router.metrics import RouterMetrics
 from kvwire.router.registry import InstanceView

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from aiohttp import web
 
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 from kvwire.router.config import RouterConfig
 from kvwire.router.metrics import RouterMetrics
 from kvwire.router.pd_bodies import decode_body, prefill_body

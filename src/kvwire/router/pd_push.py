@@ -23,7 +23,7 @@ from typing import Any, cast
 import aiohttp
 from aiohttp import web
 
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 from kvwire.router.config import RouterConfig
 from kvwire.router.continuation import StreamInterrupted, redispatchable
 from kvwire.router.kv_routing import PushPlan, plan_push

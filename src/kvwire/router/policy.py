@@ -17,8 +17,8 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvwire.discovery.messages import InstanceLoad
-from kvwire.kv_params import Role
+from kvwire.discovery.heartbeats import InstanceLoad
+from kvwire.protocol.kv_params import Role
 from kvwire.router.config import Policy
 
 

@@ -37,9 +37,9 @@ from collections.abc import Callable
 import msgspec
 from msgspec.structs import replace
 
-from kvwire.discovery.messages import Deregister, Heartbeat, InstanceInfo, InstanceLoad
-from kvwire.kv_params import Role
-from kvwire.refusal_log import RefusalLog
+from kvwire.discovery.heartbeats import Deregister, Heartbeat, InstanceInfo, InstanceLoad
+from kvwire.http.refusal_log import RefusalLog
+from kvwire.protocol.kv_params import Role
 
 log = logging.getLogger(__name__)
 

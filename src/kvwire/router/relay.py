@@ -19,7 +19,7 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 from kvwire.router.client_body import send_body
 from kvwire.router.client_stream import ClientStream
 from kvwire.router.config import RouterConfig

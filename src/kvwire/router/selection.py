@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import overload
 
 from kvwire.errors import NoInstanceError, RouterError
-from kvwire.kv_hash import BlockHash, block_hashes
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_hash import BlockHash, block_hashes
+from kvwire.protocol.kv_params import Role
 from kvwire.router.config import Policy
 from kvwire.router.kv_index import KvIndex
 from kvwire.router.policy import KV_AWARE_WEIGHTS, POLICIES, Candidate, KvAwareWeights, PickContext

@@ -18,8 +18,8 @@ import msgspec
 from aiohttp import web
 
 from kvwire import __version__
-from kvwire.discovery.messages import InstanceInfo
-from kvwire.kv_params import Role, TransferMode
+from kvwire.discovery.heartbeats import InstanceInfo
+from kvwire.protocol.kv_params import Role, TransferMode
 from kvwire.router.registry import InstanceView, Registry
 from kvwire.router.upstream import Upstream, UpstreamFailure
 

@@ -14,8 +14,8 @@ from typing import Any
 
 from aiohttp import web
 
-from kvwire.auth import ApiKeyConfig, Refusal, api_key_middleware
-from kvwire.refusal_log import RefusalLog
+from kvwire.http.auth import ApiKeyConfig, Refusal, api_key_middleware
+from kvwire.http.refusal_log import RefusalLog
 from kvwire.server.engine_loop import EngineLoop
 from kvwire.server.engine_status import EngineHealth
 from kvwire.server.generate import GenerationHandler, error_response

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvwire.auth import ApiKeyConfig
 from kvwire.discovery.address import parse_registration_address
 from kvwire.errors import ConfigError
-from kvwire.kv_params import LoadFailurePolicy, Role, TransferMode
+from kvwire.http.auth import ApiKeyConfig
+from kvwire.protocol.kv_params import LoadFailurePolicy, Role, TransferMode
 from kvwire.transfer.config import TransferConfig
 
-# The one policy enum (kvwire.kv_params); this name is the server's spelling of it.
+# The one policy enum (kvwire.protocol.kv_params); this name is the server's spelling of it.
 KVLoadFailure = LoadFailurePolicy
 
 
@@ -62,7 +62,7 @@ class ServerConfig:
     # 503 until the engine makes progress again. Must exceed the longest legitimate step (a first CUDA
     # compile included). None or 0 = no watchdog.
     engine_stall_timeout_s: float | None = 120.0
-    # Keys clients (the router) must send as 'Authorization: Bearer'; none = open (kvwire.auth).
+    # Keys clients (the router) must send as 'Authorization: Bearer'; none = open (kvwire.http.auth).
     api_keys: ApiKeyConfig = dataclasses.field(default_factory=ApiKeyConfig)
     # Requests admitted but not yet computing (waiting for a batch slot or for remote KV) at most;
     # one more is answered 429 with Retry-After (decision 117). 0 = no bound.

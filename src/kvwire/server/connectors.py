@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 
 from kvwire.engine.config import EngineConfig
 from kvwire.errors import ConfigError
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 from kvwire.server.config import ServerConfig
 from kvwire.supervision import HealthBoard
 from kvwire.transfer.stats import ControlLimit

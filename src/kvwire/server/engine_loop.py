@@ -35,7 +35,7 @@ from kvwire.errors import (  # the last still importable here
     RankLost,
     ServerShuttingDown,
 )
-from kvwire.kv_params import KVParams
+from kvwire.protocol.kv_params import KVParams
 from kvwire.server.engine_status import EngineHealth, EngineStatus, StatsSnapshot
 from kvwire.server.stall_watchdog import StallWatchdog
 

@@ -6,7 +6,7 @@ a full body, a finished stream, an error (500 engine failure, 503 shutdown or en
 stream an error event then ``[DONE]``) or an abort when the client went away (the ``finally`` below
 aborts it in the engine, which frees its KV blocks). A client that stops reading counts as gone:
 every write of a response after admission (each SSE event; the whole JSON body of a non-streaming
-answer) has a deadline (``client_write_timeout_s``, see :mod:`kvwire.client_writer`), after which its
+answer) has a deadline (``client_write_timeout_s``, see :mod:`kvwire.http.client_writer`), after which its
 connection is aborted (outcome ``client_timeout``).
 """
 
@@ -22,7 +22,6 @@ from typing import Any
 
 from aiohttp import web
 
-from kvwire.client_writer import ClientWriter
 from kvwire.engine.sampling_params import SamplingParams
 from kvwire.errors import (
     INSTANCE_LOST,
@@ -34,7 +33,8 @@ from kvwire.errors import (
     RankLost,
     ServerShuttingDown,
 )
-from kvwire.kv_params import KVTransferParams
+from kvwire.http.client_writer import ClientWriter
+from kvwire.protocol.kv_params import KVTransferParams
 from kvwire.server.engine_loop import EngineLoop, RequestStream
 from kvwire.server.metrics import RequestTimer, ServerMetrics
 from kvwire.server.openai_protocol import (

@@ -24,8 +24,8 @@ from aiohttp import web
 
 from kvwire.engine.config import EngineConfig
 from kvwire.errors import EXIT_RANK_LOST, RankLost
-from kvwire.kv_signing import KVParamsRefused, verifier_from_secret, verifying
-from kvwire.refusal_log import RefusalLog
+from kvwire.http.refusal_log import RefusalLog
+from kvwire.protocol.kv_signing import KVParamsRefused, verifier_from_secret, verifying
 from kvwire.server.app import ServerApp
 from kvwire.server.config import ServerConfig
 from kvwire.server.connectors import ConnectorSet, build_connector_set
@@ -48,7 +48,7 @@ def _build_engine(engine_config: EngineConfig, connectors: ConnectorSet) -> Any:
 
 def _kv_layout(engine: Any, model_name: str) -> Any:
     """What a P/D peer must match (kv_params.KVCacheLayout), advertised and checked per request."""
-    from kvwire.kv_params import KVCacheLayout
+    from kvwire.protocol.kv_params import KVCacheLayout
 
     cfg = engine.model.config
     return KVCacheLayout(

@@ -14,8 +14,8 @@ import torch
 
 from kvwire.errors import TransferError
 from kvwire.transfer.buffers import BufferKind, RecvBuffer
+from kvwire.transfer.control_messages import Ack
 from kvwire.transfer.core import Core
-from kvwire.transfer.messages import Ack
 from kvwire.transfer.recv_state import RecvState
 from kvwire.transfer.types import LayerSink, LayerSpec, TransferTiming
 

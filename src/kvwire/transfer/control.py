@@ -32,7 +32,7 @@ import zmq
 from kvwire.errors import ProtocolError
 from kvwire.supervision import HealthBoard, SupervisedThread
 from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.messages import MAX_FRAMES, AnyMsg, Codec
+from kvwire.transfer.control_messages import MAX_FRAMES, AnyMsg, Codec
 from kvwire.transfer.peer_watch import PeerWatch
 
 log = logging.getLogger(__name__)

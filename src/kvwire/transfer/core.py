@@ -18,12 +18,12 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from kvwire.refusal_log import RefusalLog
+from kvwire.http.refusal_log import RefusalLog
 from kvwire.transfer.buffers import RecvMemory
 from kvwire.transfer.config import TransferConfig
+from kvwire.transfer.control_messages import Abort, AnyMsg, Renew
 from kvwire.transfer.enums import FailReason
 from kvwire.transfer.lease import Lease, RunningClock
-from kvwire.transfer.messages import Abort, AnyMsg, Renew
 from kvwire.transfer.planes.base import DataPlane
 from kvwire.transfer.stats import ControlLimit, StatsRecorder
 from kvwire.transfer.types import PeerRef, TransferEvents, TransferTiming

@@ -1,6 +1,6 @@
 """Credit: the receive side grants layers from its memory budget; early grants on both sides.
 
-A receiver grants a layer (a :class:`~kvwire.transfer.messages.Grant`) once it posted where the layer
+A receiver grants a layer (a :class:`~kvwire.transfer.control_messages.Grant`) once it posted where the layer
 lands: the caller's spans or blocks (in place), or a buffer reserved from the receive budget or the
 spill pool. :class:`Credit` keeps the FIFO of transfers waiting for credit and runs the grant pass
 (no transfer overtakes one that waits for memory). It also grants every layer *early*, before the
@@ -19,9 +19,9 @@ import msgspec
 import torch
 
 from kvwire.transfer.buffers import BufferKind
+from kvwire.transfer.control_messages import Grant, Renew
 from kvwire.transfer.core import Core
 from kvwire.transfer.enums import FailReason
-from kvwire.transfer.messages import Grant, Renew
 from kvwire.transfer.peer_table import PeerTable
 from kvwire.transfer.recv_state import RecvState
 from kvwire.transfer.stats import ControlLimit

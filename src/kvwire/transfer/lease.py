@@ -9,7 +9,7 @@ producer is stuck) renews nothing.
 
 A transfer starts with ``deadline = now + lease_s`` (the caller's ``deadline_s``, e.g.
 ``--kv-deadline-s``) and ``limit = now + limit_s`` (the overall per-request bound). While it is in
-flight each side sends its peer a :class:`~kvwire.transfer.messages.Renew` every
+flight each side sends its peer a :class:`~kvwire.transfer.control_messages.Renew` every
 :func:`renew_interval` and answers the peer's Renews (a reply carries the transfer's state there,
 or an Abort when the peer's side of it failed). Any Renew from the peer moves the deadline to
 ``min(limit, now + lease_s)``. So a dead or silent peer (killed, stopped, partitioned) still fails
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvwire.errors import TransferError
-from kvwire.transfer.messages import Renew
+from kvwire.transfer.control_messages import Renew
 
 if TYPE_CHECKING:
     from kvwire.transfer.core import Core

@@ -14,11 +14,11 @@ import torch
 
 from kvwire.errors import TransferError
 from kvwire.transfer.arrivals import Arrivals
+from kvwire.transfer.control_messages import Offer, Pull, Renew, Trailer
 from kvwire.transfer.core import Core, Transfers
 from kvwire.transfer.enums import FailReason
 from kvwire.transfer.grants import Credit
 from kvwire.transfer.lease import Lease, PeerState
-from kvwire.transfer.messages import Offer, Pull, Renew, Trailer
 from kvwire.transfer.recv_state import RecvState, SpansFn, WriteGuard
 from kvwire.transfer.registered_caches import BlockTarget, PagedKV
 from kvwire.transfer.stats import ControlLimit

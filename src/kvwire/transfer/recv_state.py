@@ -10,8 +10,8 @@ from collections.abc import Callable
 import torch
 
 from kvwire.transfer.buffers import RecvBuffer
+from kvwire.transfer.control_messages import Grant
 from kvwire.transfer.core import TransferState
-from kvwire.transfer.messages import Grant
 from kvwire.transfer.registered_caches import BlockTarget, PagedKV
 from kvwire.transfer.types import ByteSpans, DeviceConsumer, LayerSink, LayerSpec, PeerRef
 

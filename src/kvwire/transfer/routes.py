@@ -16,10 +16,10 @@ from collections.abc import Sequence
 import torch
 
 from kvwire.transfer.control import TICK_S
+from kvwire.transfer.control_messages import Abort, Ack, AnyMsg, Grant, Offer, Pull, Renew, Trailer
 from kvwire.transfer.core import Core
 from kvwire.transfer.enums import FailReason
 from kvwire.transfer.lease import PeerState
-from kvwire.transfer.messages import Abort, Ack, AnyMsg, Grant, Offer, Pull, Renew, Trailer
 from kvwire.transfer.receiver import Receiver
 from kvwire.transfer.sender import Sender
 from kvwire.transfer.types import LayerSink

@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from kvwire.errors import TransferError
+from kvwire.transfer.control_messages import Ack, Grant, Offer, Pull, Renew, Trailer, WireLayer
 from kvwire.transfer.core import Core, Transfers
 from kvwire.transfer.enums import FailReason
 from kvwire.transfer.grants import EarlyGrants, early_grant_fits
 from kvwire.transfer.lease import Lease, PeerState, Promises
-from kvwire.transfer.messages import Ack, Grant, Offer, Pull, Renew, Trailer, WireLayer
 from kvwire.transfer.pending_pulls import PendingPulls
 from kvwire.transfer.registered_caches import PagedKV
 from kvwire.transfer.send_state import HeldBlocks, SendQueue, SendState, gathered

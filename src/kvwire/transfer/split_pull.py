@@ -2,7 +2,7 @@
 
 P and D of different tensor-parallel sizes: in pull mode P holds each rank's whole layer (its
 registered paged cache, blocks pinned) without knowing D's size; every D rank that needs heads of it
-pulls its own *piece*: a :class:`~kvwire.transfer.messages.Pull` naming the held transfer, its own
+pulls its own *piece*: a :class:`~kvwire.transfer.control_messages.Pull` naming the held transfer, its own
 transfer id for the piece, the head range it owns and how many pieces the held transfer serves in
 all. Each piece becomes a *child* send (a :class:`Piece`: a
 :class:`~kvwire.transfer.send_state.SendState` bound to that receiver: offer, credit, leases, acks as
@@ -24,9 +24,9 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from kvwire.transfer.block_copy import HEAD_DIM
+from kvwire.transfer.control_messages import Pull
 from kvwire.transfer.enums import FailReason, KVLayout
 from kvwire.transfer.lease import Lease
-from kvwire.transfer.messages import Pull
 from kvwire.transfer.peer_table import PeerTable
 from kvwire.transfer.send_state import HeldBlocks, SendState
 from kvwire.transfer.stats import ControlLimit

@@ -14,7 +14,7 @@ from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.connector.config import LoadFailurePolicy
 from kvwire.enum_values import as_enum
 from kvwire.errors import ConfigError
-from kvwire.kv_params import Role, TransferMode
+from kvwire.protocol.kv_params import Role, TransferMode
 
 
 def test_enum_fields_default_to_members() -> None:

@@ -11,7 +11,7 @@ from kvwire.cli import build_parser
 from kvwire.cluster.local import ClusterSpec
 from kvwire.cluster.ray_spec import Placement, RaySpec, parse_labels, parse_resources
 from kvwire.errors import ConfigError
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 
 
 def up_args(*flags: str) -> argparse.Namespace:

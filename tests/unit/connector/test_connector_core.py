@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from kvwire.connector.config import EngineInfo
 from kvwire.connector.scheduler import KvwireSchedulerConnector
 from kvwire.connector.worker import KvwireWorkerConnector
-from kvwire.kv_params import KVTransferParams, Role, TransferMode
+from kvwire.protocol.kv_params import KVTransferParams, Role, TransferMode
 from support.connector_fakes import (
     BLOCK,
     NUM_BLOCKS,

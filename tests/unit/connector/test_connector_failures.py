@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 from kvwire.connector.config import ConnectorConfig, EngineInfo, LoadFailurePolicy
 from kvwire.connector.scheduler import KvwireSchedulerConnector
 from kvwire.errors import ConfigError
-from kvwire.kv_params import KVTransferParams, Role
+from kvwire.protocol.kv_params import KVTransferParams, Role
 from support.connector_fakes import BLOCK, NUM_LAYERS, FakeRequest, chunk, make_pd, push_requests
 
 

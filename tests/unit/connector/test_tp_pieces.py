@@ -24,7 +24,7 @@ from kvwire.connector.scheduler import KvwireSchedulerConnector
 from kvwire.connector.worker import KvwireWorkerConnector
 from kvwire.engine.tp.aggregate import OutputAggregator
 from kvwire.errors import ConfigError, InvalidRequestError
-from kvwire.kv_params import KVCacheLayout, KVTransferParams, Role, layout_mismatch
+from kvwire.protocol.kv_params import KVCacheLayout, KVTransferParams, Role, layout_mismatch
 from kvwire.transfer.enums import KVLayout
 from kvwire.transfer.types import PullSlice
 

@@ -15,7 +15,7 @@ from kvwire.integrations.vllm_config import (
     VllmTransferView,
     plugin_config_from_vllm,
 )
-from kvwire.kv_params import Role, TransferMode
+from kvwire.protocol.kv_params import Role, TransferMode
 from kvwire.transfer.enums import Backend, Transport
 
 SECRET = "s3cret-0123456789abcdef0123456789ab"  # 32+ bytes (decision 124)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvwire.kv_params import KVTransferParams, Role, TransferMode
+from kvwire.protocol.kv_params import KVTransferParams, Role, TransferMode
 from support.vllm_fakes import (
     BLOCK,
     LAYER_NAMES,
@@ -200,7 +200,7 @@ def test_with_a_secret_only_router_signed_params_move_kv() -> None:
     locally (no transfer, no connection), is counted and is judged once."""
     from prometheus_client import REGISTRY
 
-    from kvwire.kv_signing import ParamsSigner
+    from kvwire.protocol.kv_signing import ParamsSigner
 
     secret = "plugin-test-secret-0123456789abcdef"  # 32+ bytes (decision 124)
     p = Instance("kv_producer", torch.randn, deadline_s=10, secret=secret)

@@ -9,7 +9,7 @@ from kvwire.discovery.address import DEFAULT_ETCD_PREFIX, DiscoveryKind, parse_d
 from kvwire.discovery.etcd_client import lease_ttl_for
 from kvwire.discovery.etcd_gateway import decode_record, encode_record, prefix_range_end
 from kvwire.errors import ConfigError, ProtocolError
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 from kvwire.router.config import RouterConfig
 
 

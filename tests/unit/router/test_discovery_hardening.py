@@ -12,9 +12,9 @@ import pytest
 import zmq
 
 from kvwire.discovery import Heartbeat, HeartbeatClient, InstanceInfo, encode_frames
-from kvwire.discovery.messages import MAX_FRAME_BYTES, decode_frames
+from kvwire.discovery.heartbeats import MAX_FRAME_BYTES, decode_frames
 from kvwire.errors import ProtocolError
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 from kvwire.router.listener import DiscoveryListener
 from kvwire.router.registry import ApplyResult, Registry, clamp_ttl_s
 from kvwire.router.sweeper import RegistrySweeper

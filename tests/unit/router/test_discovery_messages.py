@@ -19,7 +19,7 @@ from kvwire.discovery import (
     encode_frames,
 )
 from kvwire.errors import AuthenticationError, ConfigError, ProtocolError
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 
 
 def _info(**kw: object) -> InstanceInfo:

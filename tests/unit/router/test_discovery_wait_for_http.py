@@ -8,7 +8,7 @@ import threading
 import zmq
 
 from kvwire.discovery import Heartbeat, HeartbeatClient, InstanceInfo, decode_frames
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 from support.waiting import free_port as _free_port
 
 

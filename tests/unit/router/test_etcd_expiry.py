@@ -12,8 +12,8 @@ import pytest
 
 from kvwire.discovery import InstanceInfo, parse_discovery_address
 from kvwire.discovery.etcd_gateway import EtcdError, encode_record
-from kvwire.discovery.messages import Heartbeat
-from kvwire.kv_params import Role
+from kvwire.discovery.heartbeats import Heartbeat
+from kvwire.protocol.kv_params import Role
 from kvwire.router.etcd_expiry import DeadlineHeap
 from kvwire.router.etcd_stream import WatchEvent, WatchKv, decode_watch_message
 from kvwire.router.etcd_watcher import EtcdWatcher

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from kvwire.discovery import InstanceInfo, parse_discovery_address
 from kvwire.discovery.etcd_client import EtcdRegistration
 from kvwire.discovery.etcd_gateway import SignedRecord, decode_record, encode_record, record_key
-from kvwire.discovery.messages import Heartbeat, encode_frames
+from kvwire.discovery.heartbeats import Heartbeat, encode_frames
 from kvwire.errors import AuthenticationError, ConfigError, ProtocolError
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 from kvwire.router.etcd_stream import WatchEvent, WatchKv
 from kvwire.router.etcd_watcher import EtcdWatcher
 from kvwire.router.registry import Registry

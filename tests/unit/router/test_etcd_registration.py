@@ -10,7 +10,7 @@ import kvwire.discovery.etcd_client as etcd_client
 from kvwire.discovery import InstanceInfo, InstanceLoad, parse_discovery_address
 from kvwire.discovery.etcd_client import EtcdRegistration
 from kvwire.discovery.etcd_gateway import EtcdError, decode_record
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 
 
 class FakeEtcd:

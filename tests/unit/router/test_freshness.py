@@ -14,9 +14,9 @@ import zmq
 from prometheus_client import generate_latest
 
 from kvwire.discovery import Heartbeat, InstanceInfo, encode_frames
-from kvwire.discovery.messages import Deregister
+from kvwire.discovery.heartbeats import Deregister
 from kvwire.errors import ConfigError
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 from kvwire.router.cli import add_arguments, config_from_args
 from kvwire.router.config import RouterConfig
 from kvwire.router.discovery_backend import ZmqDiscovery

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from kvwire.discovery import Heartbeat, InstanceInfo
 from kvwire.errors import ConfigError, NoInstanceError
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 from kvwire.router.config import PdFallback, Policy, RouterConfig
 from kvwire.router.fallback import FallbackNotice
 from kvwire.router.registry import Registry

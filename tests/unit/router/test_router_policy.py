@@ -9,7 +9,7 @@ import pytest
 
 from kvwire.discovery import Heartbeat, InstanceInfo, InstanceLoad
 from kvwire.errors import NoInstanceError
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 from kvwire.router.config import Policy
 from kvwire.router.policy import Candidate, PickContext, least_loaded, random_choice, round_robin
 from kvwire.router.registry import Registry

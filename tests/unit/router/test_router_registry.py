@@ -7,7 +7,7 @@ import time
 import pytest
 
 from kvwire.discovery import Deregister, Heartbeat, InstanceInfo, InstanceLoad
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 from kvwire.router.registry import ApplyResult, InstanceState, Registry
 from kvwire.router.sweeper import RegistrySweeper
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvwire.errors import ConfigError, InvalidRequestError
-from kvwire.kv_params import TransferMode
+from kvwire.protocol.kv_params import TransferMode
 from kvwire.router import cli
 from kvwire.router.config import Policy, RouterConfig
 from kvwire.router.metrics import SSETokenMeter

@@ -12,7 +12,7 @@ import pytest
 
 from kvwire import __version__
 from kvwire.discovery import Heartbeat, InstanceInfo
-from kvwire.kv_params import Role, TransferMode
+from kvwire.protocol.kv_params import Role, TransferMode
 from kvwire.router.app import RouterServer
 from kvwire.router.config import RouterConfig
 from kvwire.router.registry import Registry

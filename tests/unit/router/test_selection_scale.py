@@ -10,9 +10,9 @@ import collections
 import contextlib
 
 from kvwire.discovery import Heartbeat, InstanceInfo, InstanceLoad
-from kvwire.discovery.messages import KvEvents
-from kvwire.kv_hash import block_hashes
-from kvwire.kv_params import Role
+from kvwire.discovery.heartbeats import KvEvents
+from kvwire.protocol.kv_hash import block_hashes
+from kvwire.protocol.kv_params import Role
 from kvwire.router.config import Policy
 from kvwire.router.kv_index import KvIndex
 from kvwire.router.registry import Registry

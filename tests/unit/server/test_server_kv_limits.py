@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from kvwire.engine.config import EngineConfig
 from kvwire.errors import ConfigError
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 from kvwire.server.cli import add_arguments, server_config_from_args
 from kvwire.server.config import ServerConfig
 from kvwire.server.connectors import build_connector_set

@@ -15,7 +15,7 @@ from kvwire.connector.config import EngineInfo
 from kvwire.discovery import Deregister, Heartbeat, InstanceLoad, decode_frames
 from kvwire.integrations.vllm_config import VllmTransferView, plugin_config_from_vllm
 from kvwire.integrations.vllm_scheduler_side import Identity, RankEndpoint, SchedulerSide
-from kvwire.kv_params import Role
+from kvwire.protocol.kv_params import Role
 from kvwire.server.config import ServerConfig
 from kvwire.server.engine_loop import StatsSnapshot
 from kvwire.server.registration import start_heartbeats

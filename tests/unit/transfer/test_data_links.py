@@ -381,7 +381,7 @@ def test_serve_hands_the_links_and_board_to_the_planes() -> None:
     """``kvwire serve``'s config reaches the planes: the agent's TransferConfig carries the links,
     and the instance's board (exported on its /metrics) names every data-plane limit and acceptor."""
     from kvwire.engine.config import EngineConfig
-    from kvwire.kv_params import Role
+    from kvwire.protocol.kv_params import Role
     from kvwire.server.config import ServerConfig
     from kvwire.server.connectors import build_connector_set
 

@@ -11,9 +11,9 @@ import torch
 
 from kvwire.transfer import TransferAgent, TransferConfig
 from kvwire.transfer.block_copy import block_ids_tensor, block_spans, gather_blocks
+from kvwire.transfer.control_messages import Grant, Renew
 from kvwire.transfer.enums import KVLayout
 from kvwire.transfer.lease import PeerState
-from kvwire.transfer.messages import Grant, Renew
 from kvwire.transfer.registered_caches import BlockTarget
 from kvwire.transfer.shared_memory import shared_tensors
 from kvwire.transfer.types import LayerSpec

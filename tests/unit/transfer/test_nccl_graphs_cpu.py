@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from kvwire.transfer.planes.nccl.graphs import Captured, SendGraphs, producer_key
-from kvwire.transfer.planes.nccl.messages import ChunkPlan
+from kvwire.transfer.planes.nccl.plane_info import ChunkPlan
 from kvwire.transfer.planes.nccl.send import _leading_run
 from kvwire.transfer.types import CapturableProducer, SendItem
 from support.plane_callbacks import RecordingCallbacks
@@ -227,7 +227,7 @@ def test_copies_with_slack_are_the_later_gathers_and_the_earlier_scatters() -> N
     import torch
 
     from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
-    from kvwire.transfer.planes.nccl.messages import ChunkPlan, CommOffer
+    from kvwire.transfer.planes.nccl.plane_info import ChunkPlan, CommOffer
     from kvwire.transfer.planes.nccl.recv import RecvChannel
     from kvwire.transfer.planes.nccl.send import SendChannel
     from kvwire.transfer.types import RecvItem
@@ -262,7 +262,7 @@ def _bare_receiver(lanes: int, **config: int) -> object:
     import threading
 
     from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
-    from kvwire.transfer.planes.nccl.messages import CommOffer
+    from kvwire.transfer.planes.nccl.plane_info import CommOffer
     from kvwire.transfer.planes.nccl.recv import RecvChannel
 
     receiver = object.__new__(RecvChannel)

@@ -13,7 +13,7 @@ import torch
 from kvwire.errors import TransferError
 from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 from kvwire.transfer.planes.nccl.memory import ZeroCopyMemory, pool_size
-from kvwire.transfer.planes.nccl.messages import CommOffer, NcclInfo, decode_info, encode_info
+from kvwire.transfer.planes.nccl.plane_info import CommOffer, NcclInfo, decode_info, encode_info
 
 MiB = 1 << 20
 

@@ -23,8 +23,8 @@ from kvwire.transfer.planes.nccl.bindings import (
 )
 from kvwire.transfer.planes.nccl.channel import adjacent_ptr
 from kvwire.transfer.planes.nccl.framing import message_ranges, plan_chunks
-from kvwire.transfer.planes.nccl.messages import ChunkPlan, CommOffer, NcclInfo, decode_info, encode_info
 from kvwire.transfer.planes.nccl.plane import NcclPlane, NcclPlaneConfig
+from kvwire.transfer.planes.nccl.plane_info import ChunkPlan, CommOffer, NcclInfo, decode_info, encode_info
 from kvwire.transfer.types import RecvItem
 
 MiB = 1 << 20

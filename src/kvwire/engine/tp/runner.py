@@ -18,8 +18,8 @@ from kvwire.engine.models.config import ModelConfig
 from kvwire.engine.scheduler import ScheduledRequest
 from kvwire.engine.tp.aggregate import OutputAggregator
 from kvwire.engine.tp.group import TPGroup
-from kvwire.engine.tp.messages import Sizes, WorkerConnectorFactory, to_message
 from kvwire.engine.tp.shard import check_shardable, shard_model
+from kvwire.engine.tp.step_messages import Sizes, WorkerConnectorFactory, to_message
 from kvwire.engine.tp.workers import Workers
 from kvwire.errors import RankLost
 

@@ -25,8 +25,8 @@ import torch
 
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.tp.group import TPGroup, create_store, rank_device
-from kvwire.engine.tp.messages import Sizes, StepMessage, WorkerConnectorFactory, from_message
 from kvwire.engine.tp.shard import set_all_reduce
+from kvwire.engine.tp.step_messages import Sizes, StepMessage, WorkerConnectorFactory, from_message
 from kvwire.errors import RankLost
 
 log = logging.getLogger(__name__)

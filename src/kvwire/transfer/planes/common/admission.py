@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from kvwire.refusal_log import RefusalLog
+from kvwire.http.refusal_log import RefusalLog
 from kvwire.supervision import HealthBoard, guarded
 from kvwire.transfer.planes.common.hello import LinkRefused, PeerEpochs, bind_hello
 from kvwire.transfer.planes.common.link_config import DataLinkConfig

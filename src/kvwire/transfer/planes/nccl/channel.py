@@ -39,7 +39,7 @@ from kvwire.transfer.planes.base import PlaneCallbacks
 from kvwire.transfer.planes.nccl.bindings import NcclComm, abort_all
 from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 from kvwire.transfer.planes.nccl.memory import NcclBuffer, ZeroCopyMemory
-from kvwire.transfer.planes.nccl.messages import ChunkPlan, CommOffer
+from kvwire.transfer.planes.nccl.plane_info import ChunkPlan, CommOffer
 from kvwire.transfer.types import GATE_MAGIC, RecvItem, SendItem
 
 log = logging.getLogger("kvwire.transfer.planes.nccl.plane")

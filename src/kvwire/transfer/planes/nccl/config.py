@@ -7,7 +7,7 @@ import os
 
 from kvwire.errors import ConfigError
 from kvwire.transfer.planes.nccl.bindings import CommConfig
-from kvwire.transfer.planes.nccl.messages import MAX_LANES
+from kvwire.transfer.planes.nccl.plane_info import MAX_LANES
 
 MiB = 1 << 20
 

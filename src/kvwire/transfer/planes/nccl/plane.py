@@ -5,7 +5,8 @@ Per peer epoch (``PeerRef.instance_id``) and direction there is one channel: two
 **receiver**, whose NCCL unique ids travel to the sender in the agent's ``plane_info`` (with the
 GRANT that follows the first ``post_recv``). The receiver also decides how
 layers are coalesced into NCCL messages and announces those *chunk plans* the same way, so matched
-send/recv sizes always agree whatever the timing on either side (:mod:`kvwire.transfer.planes.nccl.messages`).
+send/recv sizes always agree whatever the timing on either side
+(:mod:`kvwire.transfer.planes.nccl.plane_info`).
 
 Guarantees asked of the agent (all hold for :class:`~kvwire.transfer.agent.TransferAgent`):
 
@@ -45,7 +46,7 @@ from kvwire.transfer.planes.nccl.bindings import NcclUnavailableError, load_nccl
 from kvwire.transfer.planes.nccl.channel import CancelledSet, _Channel
 from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 from kvwire.transfer.planes.nccl.memory import ZeroCopyMemory
-from kvwire.transfer.planes.nccl.messages import NcclInfo, decode_info, encode_info
+from kvwire.transfer.planes.nccl.plane_info import NcclInfo, decode_info, encode_info
 from kvwire.transfer.planes.nccl.recv import RecvChannel
 from kvwire.transfer.planes.nccl.send import SendChannel
 from kvwire.transfer.types import PeerRef, RecvItem, SendItem

@@ -2,7 +2,8 @@
 
 ``post_recv`` items are grouped into chunks (:func:`plan_chunks`), numbered, queued for posting and
 queued for announcement (the next ``local_info`` to that peer carries the plans, see
-:mod:`kvwire.transfer.planes.nccl.messages`). Each chunk is received as one NCCL group (data + 8-byte status)
+:mod:`kvwire.transfer.planes.nccl.plane_info`). Each chunk is received as one NCCL group
+(data + 8-byte status)
 with its own completion event, so the first chunks are delivered while later ones are still on the
 wire. A chunk whose destinations lie back to back on the device is received in place; otherwise into
 a staging buffer allocated on the receive stream and copied out to each destination (device or pinned
@@ -47,7 +48,7 @@ from kvwire.transfer.planes.nccl.channel import (
 )
 from kvwire.transfer.planes.nccl.framing import plan_chunks
 from kvwire.transfer.planes.nccl.memory import NcclBuffer
-from kvwire.transfer.planes.nccl.messages import ChunkPlan, CommOffer
+from kvwire.transfer.planes.nccl.plane_info import ChunkPlan, CommOffer
 from kvwire.transfer.types import DeviceConsumer, RecvItem, SendItem
 
 STATUS_RING = 1024  # status slots per channel: bounds the chunks in flight

@@ -34,7 +34,7 @@ from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 from kvwire.transfer.planes.nccl.device_signal import DeviceSignal, wait_ready
 from kvwire.transfer.planes.nccl.graphs import CaptureAborted, SendGraphs, producer_key
 from kvwire.transfer.planes.nccl.memory import NcclBuffer
-from kvwire.transfer.planes.nccl.messages import ChunkPlan, CommOffer
+from kvwire.transfer.planes.nccl.plane_info import ChunkPlan, CommOffer
 from kvwire.transfer.types import DeviceProducer, RecvItem, SendItem
 
 _MAX_SIGNALS = 4096  # transfers' device signals remembered per channel (oldest forgotten first)

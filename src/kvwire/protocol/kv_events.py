@@ -2,7 +2,7 @@
 
 The engine (engine thread) calls :meth:`KvEventLog.stored` / :meth:`KvEventLog.removed` as blocks
 enter and leave its prefix cache; the discovery client (its own thread) calls :meth:`drain` every
-few tens of milliseconds and sends the batch to the router (:class:`~kvwire.discovery.messages.KvEvents`).
+few tens of milliseconds and sends the batch to the router (:class:`~kvwire.discovery.heartbeats.KvEvents`).
 
 Changes are *coalesced*: the log keeps the set of hashes cached now and the set the router was last
 told about, and a batch carries only the difference for the hashes touched since (a block stored
@@ -19,7 +19,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvwire.kv_hash import BlockHash
+from kvwire.protocol.kv_hash import BlockHash
 
 MAX_BATCH_HASHES = 4000  # stored + removed per batch: ~36 KB of msgpack, under the 64 KiB frame cap
 

@@ -7,7 +7,7 @@ each as 8 little-endian bytes. Only full blocks have a hash. Two sequences share
 exactly when they share their first ``(i+1)*bs`` tokens (up to 64-bit collisions).
 
 Unlike Python's ``hash()``, the value does not depend on the interpreter or the process, so an
-instance can announce hashes (KV events, :mod:`kvwire.discovery.messages`) and the router can
+instance can announce hashes (KV events, :mod:`kvwire.discovery.heartbeats`) and the router can
 compute the same hashes for an incoming prompt and look them up. Pure Python, no torch.
 """
 

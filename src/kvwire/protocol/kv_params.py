@@ -107,7 +107,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     # The other side's KV layout (the router copies it from discovery): checked at admission.
     peer_kv_layout: KVCacheLayout | None = None
     v: int = KV_PARAMS_VERSION
-    # Set by a router with a shared secret (kvwire.kv_signing): Unix time after which instances
+    # Set by a router with a shared secret (kvwire.protocol.kv_signing): Unix time after which instances
     # refuse these params, and the HMAC over every other field. None = unsigned.
     expires_at: float | None = None
     sig: str | None = None

@@ -1,7 +1,7 @@
 """Router-signed ``kv_transfer_params``: only the router decides which peers exchange KV.
 
 With a shared secret (``KVWIRE_SECRET``, the one discovery heartbeats and the transfer control plane
-already use), the router signs every :class:`~kvwire.kv_params.KVTransferParams` it hands an
+already use), the router signs every :class:`~kvwire.protocol.kv_params.KVTransferParams` it hands an
 instance: ``sig = HMAC-SHA256(k, canonical(params without sig))`` where ``k`` is derived from the
 secret for this purpose only (a heartbeat signature can never pass as a params signature). The
 signature covers every field: transfer id, mode, role, the peer's instance id and KV endpoints, the
@@ -30,7 +30,7 @@ from collections.abc import Callable
 import msgspec
 
 from kvwire.errors import ConfigError, ForbiddenError
-from kvwire.kv_params import KVTransferParams
+from kvwire.protocol.kv_params import KVTransferParams
 
 _KEY_LABEL = b"kvwire kv_transfer_params v1"
 CLOCK_SKEW_S = 5.0  # how far the router's and an instance's clocks may disagree

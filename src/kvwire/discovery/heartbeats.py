@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import msgspec
 
 from kvwire.errors import AuthenticationError, ProtocolError
-from kvwire.kv_params import KVCacheLayout, Role
+from kvwire.protocol.kv_params import KVCacheLayout, Role
 
 DISCOVERY_VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024  # a heartbeat is a few hundred bytes; anything bigger is garbage
@@ -102,9 +102,9 @@ class Deregister(msgspec.Struct, frozen=True, kw_only=True, tag="deregister", gc
 
 
 class KvEvents(msgspec.Struct, frozen=True, kw_only=True, tag="kv_events"):
-    """Prefix-cache changes of one instance since its previous batch (see :mod:`kvwire.kv_events`).
+    """Prefix-cache changes of one instance since its previous batch (see :mod:`kvwire.protocol.kv_events`).
 
-    Hashes are :mod:`kvwire.kv_hash` chained block hashes over ``block_size``-token blocks.
+    Hashes are :mod:`kvwire.protocol.kv_hash` chained block hashes over ``block_size``-token blocks.
     ``cleared``: forget every hash of this instance before applying (a resync after a lost batch).
     """
 

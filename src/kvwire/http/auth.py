@@ -27,7 +27,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from kvwire.errors import ConfigError
-from kvwire.refusal_log import RefusalLog
+from kvwire.http.refusal_log import RefusalLog
 
 log = logging.getLogger(__name__)
 
