@@ -1,6 +1,8 @@
-"""TransferConfig and LayerSpec validation."""
+"""TransferConfig (validation, per-rank copies, NCCL tuning from the environment) and LayerSpec."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -40,3 +42,28 @@ def test_layer_spec() -> None:
         LayerSpec((2, -1), torch.float32)
     with pytest.raises(ConfigError):
         LayerSpec((2,), torch.complex64)
+
+
+def test_for_rank_shifts_fixed_ports_and_sets_the_device() -> None:
+    """The one rank rule (the vLLM plugin's workers, the built-in engine's TP ranks): fixed ports,
+    bound and advertised, become port + rank; 0 (any free / the bound one) stays 0."""
+    base = TransferConfig(control_port=7000, data_port=0, advertise_control_port=31000,
+                          advertise_data_port=31100, device="cuda", backend=Backend.NCCL, secret=b"s" * 32)
+    rank2 = base.for_rank(2, "cuda:2")
+    assert (rank2.control_port, rank2.data_port) == (7002, 0)
+    assert (rank2.advertise_control_port, rank2.advertise_data_port) == (31002, 31102)
+    assert rank2.device == "cuda:2" and rank2.secret == base.secret and rank2.backend is Backend.NCCL
+    assert base.for_rank(0, "cuda") == base
+
+
+def test_nccl_tuning_is_read_from_the_environment_by_the_builders_helper(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvwire.transfer.config import NcclPlaneConfig, nccl_from_env
+
+    for name in [n for n in os.environ if n.startswith("KVWIRE_NCCL_")]:
+        monkeypatch.delenv(name)
+    assert nccl_from_env() == NcclPlaneConfig()
+    monkeypatch.setenv("KVWIRE_NCCL_LANES", "3")
+    monkeypatch.setenv("KVWIRE_NCCL_CHUNK_MIB", "16")
+    tuned = nccl_from_env()
+    assert (tuned.lanes, tuned.chunk_bytes) == (3, 16 << 20)
