@@ -17,7 +17,16 @@ from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.protocol.kv_params import KVTransferParams, Role
 from kvwire.transfer.enums import Backend
-from support.pd_engine_helpers import BLOCK, FIRST, GREEDY, MAX_LEN, MAX_TOKENS, PD, engine_config
+from support.pd_engine_helpers import (
+    BLOCK,
+    FIRST,
+    GREEDY,
+    MAX_LEN,
+    MAX_TOKENS,
+    NO_ADMISSION_WAIT,
+    PD,
+    engine_config,
+)
 
 LENGTHS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5, MAX_LEN - MAX_TOKENS - 1]
 
@@ -148,7 +157,8 @@ def test_aborts_at_any_moment_release_blocks(pd: PD) -> None:
 
 
 def test_p_lost_d_recomputes_within_deadline(reference: dict[int, list[int]]) -> None:
-    pair = PD(p_config=engine_config(), d_config=engine_config(), deadline_s=0.5)
+    pair = PD(p_config=engine_config(), d_config=engine_config(), deadline_s=0.5,
+              transfer=NO_ADMISSION_WAIT)
     try:
         all_prompts = prompts(6)
         for i, prompt in enumerate(all_prompts):
@@ -170,6 +180,7 @@ def test_p_lost_policy_fail_gives_clear_error() -> None:
         d_config=engine_config(kv_load_failure_policy="fail"),
         deadline_s=0.3,
         policy=LoadFailurePolicy.FAIL,
+        transfer=NO_ADMISSION_WAIT,
     )
     try:
         pair.add_push("r0", [1, 2, 3], to_p=False)

@@ -15,6 +15,12 @@ from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.engine.sampling_params import SamplingParams
 from kvwire.protocol.kv_params import KVTransferParams, Role, TransferMode
+from kvwire.transfer.config import ControlLimits, TransferConfig
+
+# P alive but never given the request (the tests' "P lost"): its agent answers "unknown", which renews
+# D's lease for max_admission_wait_s (decision 128, 30 s by default: a request still in P's HTTP
+# server). The tests of D's recovery from a lost P pin the wait to 0 to test the lease itself.
+NO_ADMISSION_WAIT = TransferConfig(limits=ControlLimits(max_admission_wait_s=0.0))
 
 BLOCK = 16
 MAX_TOKENS = 8
@@ -43,10 +49,12 @@ class PD:
         d_config: EngineConfig,
         deadline_s: float = 30.0,
         policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE,
+        transfer: TransferConfig | None = None,
     ) -> None:
         def pair(role: Role, config: EngineConfig) -> LLMEngine:
             cc = ConnectorConfig(
-                role=role, deadline_s=deadline_s, lease_s=deadline_s, kv_load_failure_policy=policy
+                role=role, deadline_s=deadline_s, lease_s=deadline_s, kv_load_failure_policy=policy,
+                transfer=transfer,
             )
             sched, worker = build_connectors(cc, EngineInfo(block_size=BLOCK), registry=CollectorRegistry())
             return LLMEngine(config, sched, worker)
