@@ -9,25 +9,17 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-from kvwire.cluster.local import ClusterSpec, LocalCluster
+from kvwire.cluster.local import LocalCluster
 from kvwire.cluster.process import wait_until
+from support.pd_cluster_helpers import running_cluster
 
 PROMPT = [(7 * j) % 250 + 1 for j in range(21)]
 
 
-@contextlib.contextmanager
-def running(spec: ClusterSpec, log_path: Path) -> Iterator[LocalCluster]:
-    with open(log_path, "w") as sink:
-        cluster = LocalCluster(spec, sink=sink)
-        try:
-            cluster.start()
-            yield cluster
-        finally:
-            cluster.stop()
+running = running_cluster  # the fault tests' name for it
 
 
 def metric(url: str, name: str) -> float:
