@@ -147,6 +147,18 @@ def test_router_reads_of_nested_upstream_answers_are_not_crashes() -> None:
     assert _says_gone(503, b'{"error": ' + JSON_NEST + b"}") is False
 
 
+@pytest.mark.parametrize("body", [b'{"error": {"reason": []}}', b'{"error": {"code": {"a": 1}}}',
+                                  b'{"error": {"reason": [1], "code": [2]}}'])
+def test_an_unhashable_error_reason_or_code_from_an_instance_is_not_a_crash(body: bytes) -> None:
+    """The router looks an instance's error ``reason`` (and the older string ``code``) up in a set:
+    a list or object there raised TypeError on the request's task."""
+    from kvwire.router.upstream import _says_gone
+
+    assert _says_gone(503, body) is False
+    assert _says_gone(503, b'{"error": {"code": 503, "reason": "instance_lost"}}') is True
+    assert _says_gone(503, b'{"error": {"code": "instance_stopping"}}') is True
+
+
 @pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:abc", "tcp://a b:1", "tcp://*:5", "tcp://", "ipc://",
                                       "tcp://127.0.0.1:0", "tcp://h:99999", "tcp://h:1\x00", "http://evil"])
 def test_control_message_with_a_malformed_endpoint_is_refused(endpoint: str) -> None:

@@ -246,7 +246,10 @@ def _says_gone(status: int, body: bytes) -> bool:
         error = msgspec.json.decode(body).get("error")
     except (msgspec.DecodeError, AttributeError, RecursionError):
         return False
-    # ``reason`` (vLLM's shape: ``code`` is the status); ``code`` from instances before 2026-12-05
-    return isinstance(error, dict) and (
-        error.get("reason") in INSTANCE_GONE_CODES or error.get("code") in INSTANCE_GONE_CODES
+    if not isinstance(error, dict):
+        return False
+    # ``reason`` (vLLM's shape: ``code`` is the status); ``code`` from instances before 2026-12-05.
+    # Only strings are looked up: an upstream's list or object there is not hashable.
+    return any(
+        isinstance(error.get(key), str) and error[key] in INSTANCE_GONE_CODES for key in ("reason", "code")
     )
