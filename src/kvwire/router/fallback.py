@@ -9,9 +9,10 @@ otherwise log every request).
 from __future__ import annotations
 
 import logging
-import time
 
 from prometheus_client import Counter
+
+from kvwire.http.refusal_log import LogThrottle
 
 log = logging.getLogger(__name__)
 
@@ -21,19 +22,13 @@ class FallbackNotice:
 
     def __init__(self, counter: Counter, interval_s: float = 60.0) -> None:
         self._counter = counter
-        self._interval_s = interval_s
-        self._last: dict[str | None, float] = {}  # model -> when last warned (monotonic)
-        self._since: dict[str | None, int] = {}  # model -> requests since that warning
+        self._throttle = LogThrottle(interval_s)  # per model
 
     def served_alone(self, model: str | None) -> None:
         self._counter.inc()
-        now = time.monotonic()
-        last = self._last.get(model)
-        if last is not None and now - last < self._interval_s:
-            self._since[model] = self._since.get(model, 0) + 1
+        more = self._throttle.due(model)
+        if more is None:
             return
-        self._last[model] = now
-        more = self._since.pop(model, 0)
         since = f" ({more} more since the last warning)" if more else ""
         log.warning("no live prefill instance for model %r: a decode instance serves the request alone, "
                     "prefill included (--pd-fallback colocated)%s", model, since)
