@@ -254,7 +254,7 @@ def test_vllm_kv_event_batch_nest_is_a_malformed_batch() -> None:
     import msgspec as ms
 
     from kvwire.integrations.vllm_kv_events import VllmKvEventBridge, VllmKvTranslator, decode_events
-    from kvwire.protocol.kv_events import KvEventLog
+    from kvwire.protocol.kv_blocks import KvEventLog
 
     nested_events = b"\x93\xcb" + bytes(8) + b"\x91" * 3000 + b"\x90" + b"\x00"
     nested_one = ms.msgpack.encode([1.5, [ms.Raw(b"\x81\xa4type" + b"\x91" * 3000 + b"\x90")], 0])

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 
 from kvwire.discovery import HeartbeatClient, InstanceInfo
-from kvwire.protocol.kv_events import KvEventLog
+from kvwire.protocol.kv_blocks import KvEventLog
 from kvwire.protocol.kv_params import Role
 from kvwire.router.kv_index import KvIndex
 from kvwire.router.listener import DiscoveryListener

@@ -203,7 +203,7 @@ def vllm_kv_events() -> FuzzTarget:
     may escape it."""
     from kvwire.bench import fuzz_corpus
     from kvwire.integrations.vllm_kv_events import VllmKvEventBridge, VllmKvTranslator
-    from kvwire.protocol.kv_events import KvEventLog
+    from kvwire.protocol.kv_blocks import KvEventLog
 
     bridge = VllmKvEventBridge("tcp://127.0.0.1:1", VllmKvTranslator(KvEventLog(16)))  # never started
 

@@ -102,9 +102,9 @@ class Deregister(msgspec.Struct, frozen=True, kw_only=True, tag="deregister", gc
 
 
 class KvEvents(msgspec.Struct, frozen=True, kw_only=True, tag="kv_events"):
-    """Prefix-cache changes of one instance since its previous batch (see :mod:`kvwire.protocol.kv_events`).
+    """Prefix-cache changes of one instance since its previous batch (see :mod:`kvwire.protocol.kv_blocks`).
 
-    Hashes are :mod:`kvwire.protocol.kv_hash` chained block hashes over ``block_size``-token blocks.
+    Hashes are :mod:`kvwire.protocol.kv_blocks` chained block hashes over ``block_size``-token blocks.
     ``cleared``: forget every hash of this instance before applying (a resync after a lost batch).
     """
 

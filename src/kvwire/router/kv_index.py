@@ -7,7 +7,7 @@ costs a missed hit, never a wrong answer: instances check their own cache).
 
 An instance's entries are dropped when it leaves (:meth:`drop`, called by the registry when it
 forgets or deregisters it) and replaced when it restarts (a batch of a newer epoch). Batches of an
-older epoch are ignored. Hashes are :mod:`kvwire.protocol.kv_hash` chains; no torch.
+older epoch are ignored. Hashes are :mod:`kvwire.protocol.kv_blocks` chains; no torch.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvwire.discovery.heartbeats import KvEvents
-from kvwire.protocol.kv_hash import BlockHash
+from kvwire.protocol.kv_blocks import BlockHash
 
 DEFAULT_MAX_BLOCKS = 1 << 20  # hashes: ~200 MB worst case; a 2-core box's tiny clusters use far less
 

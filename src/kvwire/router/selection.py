@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import overload
 
 from kvwire.errors import NoInstanceError, RouterError
-from kvwire.protocol.kv_hash import BlockHash, block_hashes
+from kvwire.protocol.kv_blocks import BlockHash, block_hashes
 from kvwire.protocol.kv_params import Role
 from kvwire.router.config import Policy
 from kvwire.router.kv_index import KvIndex

@@ -11,7 +11,7 @@ import contextlib
 
 from kvwire.discovery import Heartbeat, InstanceInfo, InstanceLoad
 from kvwire.discovery.heartbeats import KvEvents
-from kvwire.protocol.kv_hash import block_hashes
+from kvwire.protocol.kv_blocks import block_hashes
 from kvwire.protocol.kv_params import Role
 from kvwire.router.config import Policy
 from kvwire.router.kv_index import KvIndex
