@@ -22,7 +22,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvwire.errors import InvalidRequestError, NoInstanceError
-from kvwire.http.auth import Refusal, RefusalLog, api_key_middleware
+from kvwire.http.front_door import Refusal, RefusalLog, api_key_middleware
 from kvwire.router.config import PdFallback, RouterConfig
 from kvwire.router.discovery_backend import ZmqDiscovery, make_discovery
 from kvwire.router.dispatcher import Dispatcher

@@ -3,7 +3,7 @@
 Returning a ``web.Response`` would let aiohttp write the body after the handler returned, with no
 deadline: a client that never reads a body larger than the socket buffers would hold the request for
 ever. :func:`send_body` writes it in the handler instead, through
-:class:`kvwire.http.client_writer.ClientWriter` (``send_body``), in bounded pieces so that the deadline
+:class:`kvwire.http.front_door.ClientWriter` (``send_body``), in bounded pieces so that the deadline
 means "the client read (almost) nothing for ``client_write_timeout_s``", not "the whole body took
 that long" (a slow reader of a large answer is not cut off). On a timeout the request's outcome
 becomes ``client_timeout`` and a ``ConnectionResetError`` unwinds the dispatch like a disconnect
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from kvwire.http.client_writer import ClientWriter
+from kvwire.http.front_door import ClientWriter
 from kvwire.router.request import ClientRequest, Outcome
 
 

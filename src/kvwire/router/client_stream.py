@@ -1,7 +1,7 @@
 """The SSE stream from the router to the client: prepared once, metered (TTFT/ITL) as it is written.
 
 Every write has a deadline (``client_write_timeout_s``): a client that stops reading is cut off
-(:class:`kvwire.http.client_writer.ClientWriter`), the request's outcome becomes ``client_timeout`` and the
+(:class:`kvwire.http.front_door.ClientWriter`), the request's outcome becomes ``client_timeout`` and the
 write raises a ``ConnectionResetError`` that unwinds the relay like a disconnect (upstream calls closed).
 Non-streaming answers get the same deadline through :mod:`kvwire.router.client_body`.
 """
@@ -13,7 +13,7 @@ import time
 import msgspec
 from aiohttp import web
 
-from kvwire.http.client_writer import ClientWriter
+from kvwire.http.front_door import ClientWriter
 from kvwire.router.metrics import RouterMetrics, SSETokenMeter
 from kvwire.router.request import ClientRequest, Outcome
 from kvwire.router.selection import Plan

@@ -1,6 +1,6 @@
 """The router's side of authentication: which credentials go to instances.
 
-Clients authenticate to the router with its own keys (:mod:`kvwire.http.auth`); instances are a separate
+Clients authenticate to the router with its own keys (:mod:`kvwire.http.front_door`); instances are a separate
 trust boundary. The router sends ``RouterConfig.instance_api_key`` to every instance. Without one, it
 passes the client's ``Authorization`` header on only when it has no keys of its own (a router in
 front of instances that check keys themselves, e.g. vLLM's ``--api-key``); a client's key for the
@@ -9,7 +9,7 @@ router is never shown to instances.
 
 from __future__ import annotations
 
-from kvwire.http.auth import bearer_header
+from kvwire.http.front_door import bearer_header
 from kvwire.router.config import RouterConfig
 
 

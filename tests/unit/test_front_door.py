@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from kvwire.errors import ConfigError
-from kvwire.http.auth import ApiKeyConfig, Refusal, bearer_token, keys_from_cli
+from kvwire.http.front_door import ApiKeyConfig, Refusal, bearer_token, keys_from_cli
 from kvwire.http.refusal_log import RefusalLog
 from kvwire.router.config import RouterConfig
 from kvwire.router.security import instance_headers
