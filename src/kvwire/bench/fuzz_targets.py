@@ -177,10 +177,8 @@ def upstream_answer() -> FuzzTarget:
     a streamed P/D request), D's event stream (the splice, the migration ledger) and an error body.
     None of these raises: an answer the router cannot use is passed on or ends that upstream call."""
     from kvwire.bench import fuzz_corpus
-    from kvwire.router.request import parse_client_request
-    from kvwire.router.splice import FirstTokenSplicer
-    from kvwire.router.stream_ledger import StreamLedger
-    from kvwire.router.upstream import _says_gone
+    from kvwire.router.relay import FirstTokenSplicer, _says_gone
+    from kvwire.router.request import StreamLedger, parse_client_request
 
     requests = [parse_client_request(path, body, {}) for path, body in fuzz_corpus.streamed_requests()]
 

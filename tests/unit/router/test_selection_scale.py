@@ -14,8 +14,7 @@ from kvwire.discovery.heartbeats import KvEvents
 from kvwire.protocol.kv_blocks import block_hashes
 from kvwire.protocol.kv_params import Role
 from kvwire.router.config import Policy
-from kvwire.router.kv_index import KvIndex
-from kvwire.router.registry import Registry
+from kvwire.router.registry import KvIndex, Registry
 from kvwire.router.selection import SAMPLE_SIZE, Prefix, Selector
 
 BS = 4
