@@ -1,7 +1,7 @@
 """The selector at many instances: samples instead of scanning, reuses candidates, same answers.
 
 Pools here are larger than SAMPLE_SIZE, so the sampled paths run (the policies themselves are
-tested in test_router_policy.py and test_kv_routing.py).
+tested in test_selection_policy.py and test_selection_kv_routing.py).
 """
 
 from __future__ import annotations
