@@ -456,6 +456,7 @@ class PullPath:
 # an instance: a client's own are dropped on parsing (:mod:`kvwire.router.request`, decision 124).
 # No I/O; event-loop thread.
 
+
 class PdParams:
     def __init__(self, cfg: RouterConfig, metrics: RouterMetrics) -> None:
         self._cfg = cfg
@@ -509,6 +510,7 @@ class PdParams:
 # What P and D are sent in push and pull mode: P's one-token copy of the request, D's copy, and
 # the fields both get when P's first token opens the client's stream (decision 121). Pure functions of
 # the client's request; no I/O.
+
 
 def prefill_body(creq: ClientRequest, params: KVTransferParams, **shared: Any) -> bytes:
     """P's copy of the request: one token, non-streaming, with its kv_transfer_params."""

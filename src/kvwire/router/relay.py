@@ -411,6 +411,7 @@ def _says_gone(status: int, body: bytes) -> bool:
 # calls closed).
 # Non-streaming answers get the same deadline through :func:`send_body`.
 
+
 class ClientStream:
     """Wraps a ``web.StreamResponse``; :meth:`write` times each event that carries generated text."""
 
@@ -542,6 +543,7 @@ class SSETokenMeter:
 # that long" (a slow reader of a large answer is not cut off). On a timeout the request's outcome
 # becomes ``client_timeout`` and a ``ConnectionResetError`` unwinds the dispatch like a disconnect
 # (upstream calls still in flight are cancelled).
+
 
 async def send_body(
     request: web.Request, creq: ClientRequest, body: bytes, *, status: int, content_type: str,

@@ -181,6 +181,7 @@ POLICIES: dict[Policy, PolicyFn] = {
 # Runs on the router's event loop only (no locks): the registry is read through its immutable
 # snapshots.
 
+
 class Plan(str, enum.Enum):
     COLOCATED = "colocated"  # one `both` instance serves the whole request
     DISAGGREGATED = "pd"  # prefill on a `prefill` instance, decode on a `decode` instance
@@ -465,6 +466,7 @@ class Selector:
 #   holds them; if it evicted some since, it drops the transfer and prefills locally (correct, slower).
 #
 # Event-loop thread only; no torch.
+
 
 @dataclass(frozen=True)
 class PushPlan:
