@@ -135,8 +135,7 @@ def test_shm_one_copy_grant_nest_is_a_value_error() -> None:
 def test_router_reads_of_nested_upstream_answers_are_not_crashes() -> None:
     """What an instance answers the router (P's answer, D's stream, an error body) nested too deep:
     treated like any other answer it cannot use."""
-    from kvwire.router.splice import FirstTokenSplicer
-    from kvwire.router.upstream import _says_gone
+    from kvwire.router.relay import FirstTokenSplicer, _says_gone
 
     assert FirstTokenSplicer.from_prefill(JSON_NEST, chat=False) is None
     answer = json.dumps({"choices": [{"text": "Hi", "index": 0}], "id": "x"}).encode()
@@ -152,7 +151,7 @@ def test_router_reads_of_nested_upstream_answers_are_not_crashes() -> None:
 def test_an_unhashable_error_reason_or_code_from_an_instance_is_not_a_crash(body: bytes) -> None:
     """The router looks an instance's error ``reason`` (and the older string ``code``) up in a set:
     a list or object there raised TypeError on the request's task."""
-    from kvwire.router.upstream import _says_gone
+    from kvwire.router.relay import _says_gone
 
     assert _says_gone(503, body) is False
     assert _says_gone(503, b'{"error": {"code": 503, "reason": "instance_lost"}}') is True
@@ -210,7 +209,7 @@ def test_malformed_token_ids_from_an_instance_are_treated_as_absent(ids: str) ->
     over the token ids and prompt ids an instance streamed (ValueError, TypeError in the router's
     relay). Ids that are not a list of non-negative ints are now ignored: the
     answer is then not token-exact, so a migration resumes from the text (ids_complete False)."""
-    from kvwire.router.stream_ledger import StreamLedger
+    from kvwire.router.request import StreamLedger
 
     ledger = StreamLedger(_streamed(False), chat=False)  # type: ignore[arg-type]
     event = ('{"id": "c", "object": "text_completion", "created": 1, "model": "tiny", '
@@ -227,7 +226,7 @@ def test_malformed_token_ids_from_an_instance_are_treated_as_absent(ids: str) ->
 def test_chat_answers_without_a_message_object_are_not_spliced(message: str) -> None:
     """Found by ``kvwire bench fuzz``: P's chat answer whose ``message`` is not an object
     (AttributeError), and D's chat events without a ``delta`` object (TypeError on the trim)."""
-    from kvwire.router.splice import FirstTokenSplicer
+    from kvwire.router.relay import FirstTokenSplicer
 
     answer = b'{"choices": [{"index": 0, "message": ' + message.encode() + b"}]}"
     assert FirstTokenSplicer.from_prefill(answer, chat=True) is None
@@ -254,7 +253,7 @@ def test_vllm_kv_event_batch_nest_is_a_malformed_batch() -> None:
     import msgspec as ms
 
     from kvwire.integrations.vllm_kv_events import VllmKvEventBridge, VllmKvTranslator, decode_events
-    from kvwire.protocol.kv_events import KvEventLog
+    from kvwire.protocol.kv_blocks import KvEventLog
 
     nested_events = b"\x93\xcb" + bytes(8) + b"\x91" * 3000 + b"\x90" + b"\x00"
     nested_one = ms.msgpack.encode([1.5, [ms.Raw(b"\x81\xa4type" + b"\x91" * 3000 + b"\x90")], 0])

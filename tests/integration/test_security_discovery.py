@@ -35,7 +35,7 @@ from kvwire.cluster.process import kvwire_argv
 from kvwire.discovery import parse_discovery_address
 from kvwire.discovery.etcd_gateway import EtcdHttp, b64, decode_record, encode_record, record_key, unb64
 from kvwire.discovery.heartbeats import Heartbeat, InstanceInfo, InstanceLoad, encode_frames
-from kvwire.http.auth import ApiKeyConfig
+from kvwire.http.front_door import ApiKeyConfig
 from kvwire.protocol.kv_params import KVTransferParams, Role, TransferMode
 from support.mock_instance import MockProcess, RouterThread, router_config
 from support.pd_cluster_helpers import running_cluster

@@ -177,10 +177,8 @@ def upstream_answer() -> FuzzTarget:
     a streamed P/D request), D's event stream (the splice, the migration ledger) and an error body.
     None of these raises: an answer the router cannot use is passed on or ends that upstream call."""
     from kvwire.bench import fuzz_corpus
-    from kvwire.router.request import parse_client_request
-    from kvwire.router.splice import FirstTokenSplicer
-    from kvwire.router.stream_ledger import StreamLedger
-    from kvwire.router.upstream import _says_gone
+    from kvwire.router.relay import FirstTokenSplicer, _says_gone
+    from kvwire.router.request import StreamLedger, parse_client_request
 
     requests = [parse_client_request(path, body, {}) for path, body in fuzz_corpus.streamed_requests()]
 
@@ -203,7 +201,7 @@ def vllm_kv_events() -> FuzzTarget:
     may escape it."""
     from kvwire.bench import fuzz_corpus
     from kvwire.integrations.vllm_kv_events import VllmKvEventBridge, VllmKvTranslator
-    from kvwire.protocol.kv_events import KvEventLog
+    from kvwire.protocol.kv_blocks import KvEventLog
 
     bridge = VllmKvEventBridge("tcp://127.0.0.1:1", VllmKvTranslator(KvEventLog(16)))  # never started
 

@@ -17,7 +17,7 @@ from types import FrameType
 
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.errors import ClusterError, ConfigError
-from kvwire.http.auth import API_KEY_ENV
+from kvwire.http.front_door import API_KEY_ENV
 from kvwire.protocol.kv_params import LoadFailurePolicy, TransferMode
 from kvwire.secrets_config import add_secret_arguments, check_exposure, generate_secret, load_secret
 from kvwire.transfer.enums import Transport

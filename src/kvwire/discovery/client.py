@@ -53,7 +53,7 @@ from kvwire.discovery.heartbeats import (
     encode_frames,
 )
 from kvwire.errors import ConfigError
-from kvwire.protocol.kv_events import KvEventLog
+from kvwire.protocol.kv_blocks import KvEventLog
 from kvwire.supervision import HealthBoard, SupervisedThread
 
 log = logging.getLogger(__name__)

@@ -66,17 +66,6 @@ class InstanceLoad(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     # peer KV endpoint -> the data plane negotiated with it (shm, tcp, nccl, ipc; "none")
     kv_transports: dict[str, str] = msgspec.field(default_factory=dict)
 
-    @property
-    def num_requests(self) -> int:
-        return self.num_running + self.num_waiting
-
-    @property
-    def free_kv_fraction(self) -> float:
-        """Fraction of KV blocks free (1.0 when the instance reports no KV pool)."""
-        if self.total_kv_blocks <= 0:
-            return 1.0
-        return max(0.0, min(1.0, self.free_kv_blocks / self.total_kv_blocks))
-
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="heartbeat", gc=False):
     """Periodic liveness + load report; the first one registers the instance."""
@@ -102,9 +91,9 @@ class Deregister(msgspec.Struct, frozen=True, kw_only=True, tag="deregister", gc
 
 
 class KvEvents(msgspec.Struct, frozen=True, kw_only=True, tag="kv_events"):
-    """Prefix-cache changes of one instance since its previous batch (see :mod:`kvwire.protocol.kv_events`).
+    """Prefix-cache changes of one instance since its previous batch (see :mod:`kvwire.protocol.kv_blocks`).
 
-    Hashes are :mod:`kvwire.protocol.kv_hash` chained block hashes over ``block_size``-token blocks.
+    Hashes are :mod:`kvwire.protocol.kv_blocks` chained block hashes over ``block_size``-token blocks.
     ``cleared``: forget every hash of this instance before applying (a resync after a lost batch).
     """
 

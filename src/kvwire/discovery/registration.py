@@ -18,7 +18,7 @@ from kvwire.discovery.client import HeartbeatClient, LoadFn
 from kvwire.discovery.etcd_client import EtcdRegistration
 from kvwire.discovery.heartbeats import InstanceInfo
 from kvwire.enum_values import as_enum
-from kvwire.protocol.kv_events import KvEventLog
+from kvwire.protocol.kv_blocks import KvEventLog
 from kvwire.protocol.kv_params import KVCacheLayout, Role
 from kvwire.supervision import HealthBoard
 

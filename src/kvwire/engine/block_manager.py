@@ -4,8 +4,8 @@ Each block holds ``block_size`` tokens of every layer's KV. A block is *free* wh
 (ref count 0). A full block whose KV was computed is registered under a hash of its tokens and of
 every token before it (a hash chain); a later request with the same prefix takes the block instead
 of recomputing it. Free blocks stay cached until they are reused (least recently freed first).
-The hashes are those of :mod:`kvwire.protocol.kv_hash` (shared with the router); every hash that enters or
-leaves the cache is reported to the optional :class:`~kvwire.protocol.kv_events.KvEventLog` (KV events).
+The hashes are those of :mod:`kvwire.protocol.kv_blocks` (shared with the router); every hash that enters or
+leaves the cache is reported to the optional :class:`~kvwire.protocol.kv_blocks.KvEventLog` (KV events).
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvwire.protocol.kv_events import KvEventLog
-from kvwire.protocol.kv_hash import BlockHash, block_hashes
+from kvwire.protocol.kv_blocks import BlockHash, KvEventLog, block_hashes
 
 
 class BlockManager:

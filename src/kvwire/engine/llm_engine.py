@@ -38,7 +38,7 @@ from kvwire.engine.tokenizer import IncrementalDetokenizer
 from kvwire.engine.tp.runner import TPLeader, TPRunner
 from kvwire.engine.tp.step_messages import WorkerConnectorFactory
 from kvwire.errors import InvalidRequestError, RankLost
-from kvwire.protocol.kv_events import KvEventLog
+from kvwire.protocol.kv_blocks import KvEventLog
 from kvwire.protocol.kv_params import KVParams, KVTransferParams
 
 log = logging.getLogger(__name__)

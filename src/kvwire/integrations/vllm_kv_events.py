@@ -11,7 +11,7 @@ vLLM's block hashes are not kvwire's: they depend on vLLM's hash function (``sha
 ``xxhash`` optional), a seed (random per process for the non-cryptographic ones, ``PYTHONHASHSEED``)
 and vLLM's encoding of the block, all of which change with vLLM's versions and settings. So the
 plugin does not forward them: :class:`VllmKvTranslator` re-hashes each stored block with
-:func:`kvwire.protocol.kv_hash.hash_block` over the token ids the event carries, chained from its parent's
+:func:`kvwire.protocol.kv_blocks.hash_block` over the token ids the event carries, chained from its parent's
 kvwire hash, and remembers ``vLLM hash -> kvwire hash`` for as long as vLLM holds the block (removals
 carry only vLLM's hash). The router therefore indexes one hash scheme for every instance, built-in
 engine and vLLM alike, and computes it for prompts as before.
@@ -37,8 +37,7 @@ from typing import Annotated, Any
 import msgspec
 import zmq
 
-from kvwire.protocol.kv_events import KvEventLog
-from kvwire.protocol.kv_hash import ROOT_HASH, BlockHash, hash_block
+from kvwire.protocol.kv_blocks import ROOT_HASH, BlockHash, KvEventLog, hash_block
 from kvwire.supervision import HealthBoard, SupervisedThread
 
 log = logging.getLogger(__name__)

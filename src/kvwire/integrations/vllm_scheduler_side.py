@@ -29,7 +29,7 @@ from kvwire.http.refusal_log import RefusalLog
 from kvwire.integrations.vllm_config import VllmPluginConfig
 from kvwire.integrations.vllm_kv_events import VllmKvEventBridge, VllmKvEventsSource, VllmKvTranslator
 from kvwire.integrations.vllm_steps import DeliveryLedger, StepTracker
-from kvwire.protocol.kv_events import KvEventLog
+from kvwire.protocol.kv_blocks import KvEventLog
 from kvwire.protocol.kv_params import KVTransferParams
 from kvwire.protocol.kv_signing import KVParamsRefused, verifier_from_secret
 from kvwire.supervision import HealthBoard

@@ -6,7 +6,8 @@ to HTTP here, once: invalid input -> 400, unknown model -> 404, body too large -
 instance -> 503, upstream 4xx/5xx -> the same status and body. A client disconnect cancels the
 handler (``handler_cancellation``), which cancels the upstream calls; so does a client that stops
 reading (streaming or not), once a write to it passes ``client_write_timeout_s`` (outcome
-``client_timeout``).
+``client_timeout``). The credentials the router sends to instances (:func:`instance_headers`) are
+at the end.
 """
 
 from __future__ import annotations
@@ -22,18 +23,16 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvwire.errors import InvalidRequestError, NoInstanceError
-from kvwire.http.auth import Refusal, RefusalLog, api_key_middleware
+from kvwire.http.front_door import Refusal, RefusalLog, api_key_middleware, bearer_header
 from kvwire.router.config import PdFallback, RouterConfig
 from kvwire.router.discovery_backend import ZmqDiscovery, make_discovery
 from kvwire.router.dispatcher import Dispatcher
-from kvwire.router.kv_index import KvIndex
 from kvwire.router.listener import DiscoveryListener
 from kvwire.router.metrics import RouterMetrics
-from kvwire.router.registry import InstanceView, Registry
+from kvwire.router.registry import InstanceView, KvIndex, Registry
+from kvwire.router.relay import Upstream, UpstreamFailure, UpstreamLimits
 from kvwire.router.request import ClientRequest, Outcome, parse_client_request
-from kvwire.router.security import instance_headers
 from kvwire.router.selection import ModelNotFoundError, Selector
-from kvwire.router.upstream import Upstream, UpstreamFailure, UpstreamLimits
 from kvwire.router.vllm_api import VllmApi, mode_overridden, model_cards, warn_if_overridden
 from kvwire.supervision import HealthBoard, SupervisionCollector
 
@@ -332,3 +331,21 @@ def _upstream_error_response(exc: UpstreamFailure) -> web.Response:
             headers["Retry-After"] = exc.retry_after
         return web.Response(body=exc.body, status=exc.status, headers=headers)
     return error_response(exc.status, str(exc), "upstream_error")
+
+
+# --- credentials sent to instances ---------------------------------------------------------------
+# Clients authenticate to the router with its own keys (:mod:`kvwire.http.front_door`); instances are
+# a separate trust boundary. The router sends ``RouterConfig.instance_api_key`` to every instance.
+# Without one, it passes the client's ``Authorization`` header on only when it has no keys of its own
+# (a router in front of instances that check keys themselves, e.g. vLLM's ``--api-key``); a client's
+# key for the router is never shown to instances.
+
+
+def instance_headers(forwarded: dict[str, str], cfg: RouterConfig) -> dict[str, str]:
+    """``forwarded`` (the client's headers the router passes on) with the instance credentials."""
+    headers = {k: v for k, v in forwarded.items() if k.lower() != "authorization"}
+    if cfg.instance_api_key:
+        headers.update(bearer_header(cfg.instance_api_key))
+    elif not cfg.api_keys.enabled and "Authorization" in forwarded:
+        headers["Authorization"] = forwarded["Authorization"]
+    return headers

@@ -15,7 +15,7 @@ import zmq
 
 from kvwire.discovery.address import add_tls_arguments, with_discovery_options
 from kvwire.errors import ConfigError
-from kvwire.http.auth import ApiKeyConfig, keys_from_cli
+from kvwire.http.front_door import ApiKeyConfig, keys_from_cli
 from kvwire.protocol.kv_params import TransferMode
 from kvwire.router.app import RouterServer
 from kvwire.router.config import PdFallback, Policy, RouterConfig

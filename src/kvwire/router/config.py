@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from kvwire.discovery.address import DiscoveryAddress, DiscoveryKind, parse_discovery_address
 from kvwire.errors import ConfigError
-from kvwire.http.auth import ApiKeyConfig
+from kvwire.http.front_door import ApiKeyConfig
 from kvwire.protocol.kv_params import TransferMode
 
 

@@ -17,9 +17,8 @@ from typing import Protocol
 from kvwire.discovery.address import DiscoveryKind
 from kvwire.router.config import RouterConfig
 from kvwire.router.etcd_watcher import EtcdWatcher
-from kvwire.router.kv_index import KvIndex
 from kvwire.router.listener import DiscoveryListener
-from kvwire.router.registry import Registry
+from kvwire.router.registry import KvIndex, Registry
 from kvwire.router.sweeper import RegistrySweeper
 from kvwire.supervision import HealthBoard
 

@@ -27,8 +27,7 @@ from kvwire.discovery.heartbeats import MAX_FRAME_BYTES, Deregister, Heartbeat, 
 from kvwire.errors import AuthenticationError, ProtocolError
 from kvwire.http.refusal_log import RefusalLog
 from kvwire.router.freshness import DEFAULT_MAX_ENTRIES, DEFAULT_WINDOW_S, FreshnessGuard
-from kvwire.router.kv_index import KvIndex
-from kvwire.router.registry import ApplyResult, Registry
+from kvwire.router.registry import ApplyResult, KvIndex, Registry
 from kvwire.supervision import HealthBoard, SupervisedThread
 
 log = logging.getLogger(__name__)

@@ -1,14 +1,14 @@
-"""Router Prometheus metrics (one ``CollectorRegistry`` per app, no globals) and the SSE token meter.
+"""Router Prometheus metrics (one ``CollectorRegistry`` per app, no globals).
 
 TTFT and ITL are measured at the router, as the client sees them: TTFT from the moment the request
-arrived to the first forwarded SSE event that carries generated text; ITL between such events.
+arrived to the first forwarded SSE event that carries generated text; ITL between such events
+(:class:`kvwire.router.relay.SSETokenMeter` finds those events).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -165,58 +165,3 @@ class _DiscoveryCollector(Collector):
         for (role, state), n in counts.items():
             gauge.add_metric([role.value, state.value], n)
         return gauge
-
-
-class _Delta(msgspec.Struct):
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[object] | None = None
-
-
-class _Choice(msgspec.Struct):
-    text: str | None = None
-    delta: _Delta | None = None
-
-
-class _Event(msgspec.Struct):
-    choices: list[_Choice] = msgspec.field(default_factory=list)
-
-
-_event_decoder = msgspec.json.Decoder(_Event)
-
-
-def _has_token(data: bytes) -> bool:
-    try:
-        event = _event_decoder.decode(data)
-    except Exception:  # DecodeError, ValidationError, RecursionError: an event we cannot read
-        return False
-    for choice in event.choices:
-        if choice.text:
-            return True
-        d = choice.delta
-        if d is not None and (d.content or d.reasoning_content or d.tool_calls):
-            return True
-    return False
-
-
-class SSETokenMeter:
-    """Counts SSE events that carry generated text in a byte stream fed chunk by chunk.
-
-    Only reads a copy of the stream (the router forwards the bytes unchanged). Events split across
-    chunks are reassembled; role-only, usage-only and ``[DONE]`` events do not count.
-    """
-
-    def __init__(self) -> None:
-        self._buf = b""
-
-    def feed(self, chunk: bytes) -> int:
-        self._buf += chunk
-        *events, self._buf = self._buf.replace(b"\r\n", b"\n").split(b"\n\n")
-        n = 0
-        for event in events:
-            for line in event.split(b"\n"):
-                if line.startswith(b"data:"):
-                    payload = line[5:].strip()
-                    if payload != b"[DONE]" and _has_token(payload):
-                        n += 1
-        return n

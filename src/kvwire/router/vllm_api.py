@@ -21,7 +21,7 @@ from kvwire import __version__
 from kvwire.discovery.heartbeats import InstanceInfo
 from kvwire.protocol.kv_params import Role, TransferMode
 from kvwire.router.registry import InstanceView, Registry
-from kvwire.router.upstream import Upstream, UpstreamFailure
+from kvwire.router.relay import Upstream, UpstreamFailure
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvwire.http.auth import ApiKeyConfig, Refusal, api_key_middleware
+from kvwire.http.front_door import ApiKeyConfig, Refusal, api_key_middleware
 from kvwire.http.refusal_log import RefusalLog
 from kvwire.server.engine_loop import EngineLoop
 from kvwire.server.engine_status import EngineHealth

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvwire.discovery.address import add_tls_arguments, auth_of_args, tls_files_of, with_discovery_options
 from kvwire.errors import ConfigError, KvwireError
-from kvwire.http.auth import ApiKeyConfig, keys_from_cli
+from kvwire.http.front_door import ApiKeyConfig, keys_from_cli
 from kvwire.protocol.kv_params import Role, TransferMode
 from kvwire.secrets_config import add_secret_arguments, check_exposure, load_secret
 from kvwire.server.config import KVLoadFailure, ServerConfig, public_host

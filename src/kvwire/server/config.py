@@ -12,7 +12,7 @@ import dataclasses
 
 from kvwire.discovery.address import parse_registration_address
 from kvwire.errors import ConfigError
-from kvwire.http.auth import ApiKeyConfig
+from kvwire.http.front_door import ApiKeyConfig
 from kvwire.protocol.kv_params import LoadFailurePolicy, Role, TransferMode
 from kvwire.transfer.config import TransferConfig
 
@@ -62,7 +62,7 @@ class ServerConfig:
     # 503 until the engine makes progress again. Must exceed the longest legitimate step (a first CUDA
     # compile included). None or 0 = no watchdog.
     engine_stall_timeout_s: float | None = 120.0
-    # Keys clients (the router) must send as 'Authorization: Bearer'; none = open (kvwire.http.auth).
+    # Keys clients (the router) must send as 'Authorization: Bearer'; none = open (kvwire.http.front_door).
     api_keys: ApiKeyConfig = dataclasses.field(default_factory=ApiKeyConfig)
     # Requests admitted but not yet computing (waiting for a batch slot or for remote KV) at most;
     # one more is answered 429 with Retry-After (decision 117). 0 = no bound.

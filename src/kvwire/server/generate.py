@@ -6,7 +6,7 @@ a full body, a finished stream, an error (500 engine failure, 503 shutdown or en
 stream an error event then ``[DONE]``) or an abort when the client went away (the ``finally`` below
 aborts it in the engine, which frees its KV blocks). A client that stops reading counts as gone:
 every write of a response after admission (each SSE event; the whole JSON body of a non-streaming
-answer) has a deadline (``client_write_timeout_s``, see :mod:`kvwire.http.client_writer`), after which its
+answer) has a deadline (``client_write_timeout_s``, see :mod:`kvwire.http.front_door`), after which its
 connection is aborted (outcome ``client_timeout``).
 """
 
@@ -33,7 +33,7 @@ from kvwire.errors import (
     RankLost,
     ServerShuttingDown,
 )
-from kvwire.http.client_writer import ClientWriter
+from kvwire.http.front_door import ClientWriter
 from kvwire.protocol.kv_params import KVTransferParams
 from kvwire.server.engine_loop import EngineLoop, RequestStream
 from kvwire.server.metrics import RequestTimer, ServerMetrics

@@ -17,7 +17,7 @@ from kvwire.server.engine_status import StatsSnapshot
 
 if TYPE_CHECKING:
     from kvwire.discovery import Registration
-    from kvwire.protocol.kv_events import KvEventLog
+    from kvwire.protocol.kv_blocks import KvEventLog
     from kvwire.supervision import HealthBoard
 
 

@@ -135,7 +135,7 @@ def test_packaged_model_falls_back_to_the_same_file_on_the_hub(
 
 def test_router_tokenizer_from_a_model_id(cache: Path) -> None:
     """The router's --tokenizer ORG/NAME (KV-aware routing) comes from the same cache."""
-    from kvwire.router.prompt_tokens import PromptTokenizer
+    from kvwire.router.selection import PromptTokenizer
 
     save_tokenizer(snapshot(cache, "test-org/tok"))
     tok = PromptTokenizer("test-org/tok").tokenizer("")

@@ -26,11 +26,9 @@ from kvwire.integrations.vllm_kv_events import (
     subscribe_endpoint,
 )
 from kvwire.integrations.vllm_scheduler_side import Identity, RankEndpoint, SchedulerSide
-from kvwire.protocol.kv_events import KvEventLog
-from kvwire.protocol.kv_hash import block_hashes
-from kvwire.router.kv_index import KvIndex
+from kvwire.protocol.kv_blocks import KvEventLog, block_hashes
 from kvwire.router.listener import DiscoveryListener
-from kvwire.router.registry import Registry
+from kvwire.router.registry import KvIndex, Registry
 from kvwire.supervision import HealthBoard
 from support.waiting import wait_for
 

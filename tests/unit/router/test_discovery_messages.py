@@ -74,12 +74,6 @@ def test_bad_fields_and_version_rejected() -> None:
         decode_frames(encode_frames(Heartbeat(info=_info(instance_id=""))))
 
 
-def test_load_fraction() -> None:
-    assert InstanceLoad(free_kv_blocks=25, total_kv_blocks=100).free_kv_fraction == 0.25
-    assert InstanceLoad().free_kv_fraction == 1.0
-    assert InstanceLoad(num_running=2, num_waiting=3).num_requests == 5
-
-
 def test_client_rejects_bad_config() -> None:
     with pytest.raises(ConfigError):
         HeartbeatClient("127.0.0.1:5", _info())

@@ -14,7 +14,7 @@ from kvwire.errors import ConfigError, InvalidRequestError
 from kvwire.protocol.kv_params import TransferMode
 from kvwire.router import cli
 from kvwire.router.config import Policy, RouterConfig
-from kvwire.router.metrics import SSETokenMeter
+from kvwire.router.relay import SSETokenMeter
 from kvwire.router.request import parse_client_request
 
 

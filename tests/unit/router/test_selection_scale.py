@@ -1,7 +1,7 @@
 """The selector at many instances: samples instead of scanning, reuses candidates, same answers.
 
 Pools here are larger than SAMPLE_SIZE, so the sampled paths run (the policies themselves are
-tested in test_router_policy.py and test_kv_routing.py).
+tested in test_selection_policy.py and test_selection_kv_routing.py).
 """
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ import contextlib
 
 from kvwire.discovery import Heartbeat, InstanceInfo, InstanceLoad
 from kvwire.discovery.heartbeats import KvEvents
-from kvwire.protocol.kv_hash import block_hashes
+from kvwire.protocol.kv_blocks import block_hashes
 from kvwire.protocol.kv_params import Role
 from kvwire.router.config import Policy
-from kvwire.router.kv_index import KvIndex
-from kvwire.router.registry import Registry
+from kvwire.router.registry import KvIndex, Registry
 from kvwire.router.selection import SAMPLE_SIZE, Prefix, Selector
 
 BS = 4

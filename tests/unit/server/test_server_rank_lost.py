@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from kvwire.errors import INSTANCE_LOST, INSTANCE_STOPPING, RankLost
-from kvwire.router.upstream import _says_gone
+from kvwire.router.relay import _says_gone
 from support.fake_engine_server import FakeEngine, FakeServer, start_fake_server, stop_fake_server, wait_until
 
 LONG = 5000

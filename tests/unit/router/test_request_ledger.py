@@ -6,8 +6,7 @@ from typing import Any
 
 import msgspec
 
-from kvwire.router.request import parse_client_request
-from kvwire.router.stream_ledger import StreamLedger
+from kvwire.router.request import StreamLedger, parse_client_request
 
 
 def _sse(data: dict[str, Any]) -> bytes:

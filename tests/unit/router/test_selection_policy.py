@@ -11,13 +11,37 @@ from kvwire.discovery import Heartbeat, InstanceInfo, InstanceLoad
 from kvwire.errors import NoInstanceError
 from kvwire.protocol.kv_params import Role
 from kvwire.router.config import Policy
-from kvwire.router.policy import Candidate, PickContext, least_loaded, random_choice, round_robin
 from kvwire.router.registry import Registry
-from kvwire.router.selection import ModelNotFoundError, Plan, Selector
+from kvwire.router.selection import (
+    Candidate,
+    ModelNotFoundError,
+    PickContext,
+    Plan,
+    Selector,
+    least_loaded,
+    load_key,
+    random_choice,
+    round_robin,
+)
 
 
 def cands(n: int, **loads: InstanceLoad) -> list[Candidate]:
     return [Candidate(f"i{k}", f"http://h/{k}", loads.get(f"i{k}")) for k in range(n)]
+
+
+def test_load_key_reads_the_report() -> None:
+    """Requests: the larger of the router's in-flight count and the reported running + waiting;
+    then tokens; then the fraction of KV blocks in use (0 without a KV pool, clamped to [0, 1])."""
+    def key(load: InstanceLoad | None, requests: int = 0) -> tuple[int, int, float]:
+        return load_key(Candidate("i", "http://h", load, requests, 7))
+
+    assert key(InstanceLoad(num_running=2, num_waiting=3), requests=1) == (5, 7, 0.0)
+    assert key(InstanceLoad(num_running=2), requests=4)[0] == 4
+    assert key(InstanceLoad(free_kv_blocks=25, total_kv_blocks=100))[2] == 0.75
+    assert key(InstanceLoad(free_kv_blocks=150, total_kv_blocks=100))[2] == 0.0
+    assert key(InstanceLoad(free_kv_blocks=-5, total_kv_blocks=100))[2] == 1.0
+    assert key(InstanceLoad()) == (0, 7, 0.0)
+    assert key(None, requests=2) == (2, 7, 0.0)
 
 
 def run(policy, candidates: list[Candidate], picks: int, seed: int = 0) -> collections.Counter[str]:  # type: ignore[no-untyped-def]

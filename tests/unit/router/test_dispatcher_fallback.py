@@ -12,7 +12,7 @@ from kvwire.discovery import Heartbeat, InstanceInfo
 from kvwire.errors import ConfigError, NoInstanceError
 from kvwire.protocol.kv_params import Role
 from kvwire.router.config import PdFallback, Policy, RouterConfig
-from kvwire.router.fallback import FallbackNotice
+from kvwire.router.dispatcher import FallbackNotice
 from kvwire.router.registry import Registry
 from kvwire.router.selection import Plan, Selector
 
@@ -63,7 +63,7 @@ def test_servable_models_match_what_plan_serves(decode_alone: bool) -> None:
 def test_notice_counts_every_request_and_warns_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
     counter = Counter("fallback_test", "test", registry=CollectorRegistry())
     notice = FallbackNotice(counter, interval_s=3600)
-    with caplog.at_level(logging.WARNING, logger="kvwire.router.fallback"):
+    with caplog.at_level(logging.WARNING, logger="kvwire.router.dispatcher"):
         for _ in range(5):
             notice.served_alone("m")
         notice.served_alone("other")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvwire.router.splice import FirstTokenSplicer
+from kvwire.router.relay import FirstTokenSplicer
 
 
 def sse(data: dict[str, Any]) -> bytes:
@@ -143,8 +143,7 @@ def test_same_id_other_text_diverges() -> None:
 def _ledger(return_ids: bool) -> Any:
     import msgspec
 
-    from kvwire.router.request import parse_client_request
-    from kvwire.router.stream_ledger import StreamLedger
+    from kvwire.router.request import StreamLedger, parse_client_request
 
     body = {"model": "m", "prompt": "x", "stream": True, "max_tokens": 3, "return_token_ids": return_ids}
     ledger = StreamLedger.for_request(parse_client_request("/v1/completions", msgspec.json.encode(body), {}))

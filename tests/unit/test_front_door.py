@@ -7,10 +7,10 @@ import logging
 import pytest
 
 from kvwire.errors import ConfigError
-from kvwire.http.auth import ApiKeyConfig, Refusal, bearer_token, keys_from_cli
+from kvwire.http.front_door import ApiKeyConfig, Refusal, bearer_token, keys_from_cli
 from kvwire.http.refusal_log import RefusalLog
+from kvwire.router.app import instance_headers
 from kvwire.router.config import RouterConfig
-from kvwire.router.security import instance_headers
 
 KEYS = ApiKeyConfig(("sk-first-key", "sk-second-key"), frozenset({"/metrics"}))
 

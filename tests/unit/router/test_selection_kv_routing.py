@@ -12,16 +12,19 @@ import pytest
 from kvwire.discovery import Heartbeat, InstanceInfo, InstanceLoad, decode_frames, encode_frames
 from kvwire.discovery.heartbeats import Deregister, KvEvents
 from kvwire.errors import ProtocolError
-from kvwire.protocol.kv_events import KvEventLog
-from kvwire.protocol.kv_hash import block_hashes, hash_block
+from kvwire.protocol.kv_blocks import KvEventLog, block_hashes, hash_block
 from kvwire.protocol.kv_params import Role
 from kvwire.router.config import Policy
-from kvwire.router.kv_index import KvIndex
-from kvwire.router.kv_routing import plan_push
-from kvwire.router.policy import Candidate, PickContext, kv_aware
-from kvwire.router.prompt_tokens import PromptTokenizer
-from kvwire.router.registry import Registry
-from kvwire.router.selection import Prefix, Selector
+from kvwire.router.registry import KvIndex, Registry
+from kvwire.router.selection import (
+    Candidate,
+    PickContext,
+    Prefix,
+    PromptTokenizer,
+    Selector,
+    kv_aware,
+    plan_push,
+)
 from kvwire.tokenizer import ByteTokenizer
 
 BS = 4
@@ -47,7 +50,7 @@ def test_block_hashes_memo_extends_in_place() -> None:
 
 
 def test_block_hashes_do_not_depend_on_the_process() -> None:
-    code = "from kvwire.protocol.kv_hash import block_hashes; print(block_hashes(list(range(40)), 16))"
+    code = "from kvwire.protocol.kv_blocks import block_hashes; print(block_hashes(list(range(40)), 16))"
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": seed, "PYTHONPATH": ":".join(sys.path)}).stdout
             for seed in ("1", "2")}
@@ -55,7 +58,7 @@ def test_block_hashes_do_not_depend_on_the_process() -> None:
 
 
 def test_router_modules_import_no_torch() -> None:
-    code = ("import sys, kvwire.router.app, kvwire.router.kv_routing, kvwire.protocol.kv_hash, "
+    code = ("import sys, kvwire.router.app, kvwire.router.selection, kvwire.protocol.kv_blocks, "
             "kvwire.tokenizer; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
