@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from kvwire.engine.sampling_params import SamplingParams
+from kvwire.engine import SamplingParams
 from kvwire.errors import (
     INSTANCE_LOST,
     INSTANCE_STOPPING,

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvwire.engine.block_manager import BlockManager
+from kvwire.engine.scheduler import BlockManager
 
 
 def test_allocate_and_free_track_reference_counts() -> None:
