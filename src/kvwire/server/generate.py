@@ -49,7 +49,6 @@ from kvwire.server.openai_protocol import (
     chat_messages,
     parse_chat,
     parse_completion,
-    prompt_token_source,
     stop_strings,
 )
 
@@ -307,7 +306,7 @@ class GenerationHandler:
     def _prepare(self, body: bytes, kind: RequestKind) -> Prepared:
         if kind is RequestKind.COMPLETION:
             req: Any = parse_completion(body)
-            source = prompt_token_source(req)
+            source = req.prompt  # text or token ids (parse_completion resolved it)
             prompt_ids = self._tokenizer.encode(source) if isinstance(source, str) else source
             default_max: int | None = DEFAULT_COMPLETION_MAX_TOKENS
         else:
