@@ -21,9 +21,9 @@ from collections import defaultdict
 
 from torch.profiler import ProfilerActivity, profile
 
+from kvwire.engine import SamplingParams
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
-from kvwire.engine.sampling_params import SamplingParams
 
 GROUPS = {
     "aten::_weight_int4pack_mm_for_cpu": "int4 projections",

@@ -21,7 +21,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from kvwire.engine.sampling_params import SamplingParams
+        from kvwire.engine.model_runner import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'kvwire' has no attribute {name!r}")

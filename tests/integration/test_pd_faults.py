@@ -16,9 +16,9 @@ import pytest
 
 from kvwire.cluster.client import RequestResult
 from kvwire.cluster.local import ClusterSpec, LocalCluster
+from kvwire.engine import SamplingParams
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
-from kvwire.engine.sampling_params import SamplingParams
 from support.leaks import LeakBaseline
 from support.pd_cluster_helpers import body, metric, running_cluster, send_all
 from support.waiting import wait_for

@@ -20,9 +20,9 @@ from prometheus_client import CollectorRegistry
 
 from kvwire.connector.config import ConnectorConfig, EngineInfo, LoadFailurePolicy
 from kvwire.connector.factory import RankConnectorFactory, build_connectors
+from kvwire.engine import SamplingParams
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
-from kvwire.engine.sampling_params import SamplingParams
 from kvwire.engine.tp.runner import TPRunner, model_config_of
 from kvwire.errors import RankLost
 from kvwire.protocol.kv_params import KVTransferParams, Role, TransferMode

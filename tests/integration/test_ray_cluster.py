@@ -27,9 +27,9 @@ import pytest
 from kvwire.cluster.client import post_completion
 from kvwire.cluster.etcd import LocalEtcd, etcd_binary
 from kvwire.cluster.process import ManagedProcess, kvwire_argv
+from kvwire.engine import SamplingParams
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
-from kvwire.engine.sampling_params import SamplingParams
 from kvwire.protocol.kv_params import Role
 from support.leaks import orphaned, shm_names_mapped_by
 from support.pd_cluster_helpers import body, metric, send_all

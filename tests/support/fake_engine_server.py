@@ -18,8 +18,8 @@ from typing import Any
 import msgspec
 from aiohttp.test_utils import TestClient, TestServer
 
+from kvwire.engine import SamplingParams
 from kvwire.engine.outputs import EngineStats, RequestOutput
-from kvwire.engine.sampling_params import SamplingParams
 from kvwire.engine.tokenizer import ByteTokenizer
 from kvwire.errors import InvalidRequestError, RankLost
 from kvwire.protocol.kv_params import KVTransferParams

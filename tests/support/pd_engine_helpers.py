@@ -11,9 +11,9 @@ from prometheus_client import CollectorRegistry
 
 from kvwire.connector.config import ConnectorConfig, EngineInfo, LoadFailurePolicy
 from kvwire.connector.factory import build_connectors
+from kvwire.engine import SamplingParams
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
-from kvwire.engine.sampling_params import SamplingParams
 from kvwire.protocol.kv_params import KVTransferParams, Role, TransferMode
 from kvwire.transfer.config import ControlLimits, TransferConfig
 

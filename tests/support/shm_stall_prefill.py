@@ -20,9 +20,9 @@ from prometheus_client import CollectorRegistry
 
 from kvwire.connector.config import ConnectorConfig, EngineInfo
 from kvwire.connector.factory import build_connectors
+from kvwire.engine import SamplingParams
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
-from kvwire.engine.sampling_params import SamplingParams
 from kvwire.protocol.kv_params import Role
 from kvwire.transfer.enums import Backend
 from kvwire.transfer.planes.plane_set import PlaneSet

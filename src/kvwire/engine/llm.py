@@ -8,8 +8,8 @@ from typing import cast
 
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
+from kvwire.engine.model_runner import SamplingParams
 from kvwire.engine.outputs import RequestOutput
-from kvwire.engine.sampling_params import SamplingParams
 from kvwire.errors import InvalidRequestError
 
 

@@ -1,6 +1,11 @@
-"""LLMEngine: the serving loop. ``step()`` = schedule -> plan to the connector -> run -> postprocess
--> report from the connector (decision 131: the scheduler half gets one plan and gives one report a
-step; the worker half runs the forward inside its one ``run_step``).
+"""LLMEngine: the serving loop, and the request it serves. ``step()`` = schedule -> plan to the
+connector -> run -> postprocess (tokens appended, stop conditions checked, then the scheduler moves
+its counters and ends what stopped) -> report from the connector (decision 131: the scheduler half
+gets one plan and gives one report a step; the worker half runs the forward inside its one
+``run_step``).
+
+Read in order: :class:`Request` (its tokens, blocks and state), :class:`LLMEngine` (``add_request``,
+``step``), :func:`check_stop` (when a request stops).
 
 Threading: ``step``, ``stats`` and ``close`` belong to one engine thread. ``add_request`` and
 ``abort_request`` may be called from any thread: they validate at once (raising InvalidRequestError)
@@ -16,6 +21,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -25,15 +32,11 @@ from kvwire.connector.base import (
     SchedulerConnector,
     WorkerConnector,
 )
-from kvwire.engine.block_manager import BlockManager
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.loader import load_model
-from kvwire.engine.model_runner import ModelRunner, num_kv_blocks_for
+from kvwire.engine.model_runner import ModelRunner, SamplingParams, num_kv_blocks_for
 from kvwire.engine.outputs import EngineStats, RequestOutput
-from kvwire.engine.request import Request, RequestStatus
-from kvwire.engine.sampling_params import SamplingParams
-from kvwire.engine.scheduler import Scheduler
-from kvwire.engine.stop import check_stop
+from kvwire.engine.scheduler import FINISH_REASONS, BlockManager, RequestStatus, Scheduler
 from kvwire.engine.tokenizer import IncrementalDetokenizer
 from kvwire.engine.tp.runner import TPLeader, TPRunner
 from kvwire.engine.tp.step_messages import WorkerConnectorFactory
@@ -42,6 +45,55 @@ from kvwire.protocol.kv_blocks import KvEventLog
 from kvwire.protocol.kv_params import KVParams, KVTransferParams
 
 log = logging.getLogger(__name__)
+
+
+class Request:
+    """A request inside the engine: its tokens, its KV blocks, its state (the scheduler's
+    :class:`~kvwire.engine.scheduler.RequestStatus`). Satisfies
+    ``kvwire.connector.base.ConnectorRequest`` (plus ``output_token_ids`` and
+    ``num_computed_tokens``, which connectors may read, as in vLLM)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        detokenizer: IncrementalDetokenizer,
+        kv_transfer_params: KVParams | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids: Sequence[int] = tuple(prompt_token_ids)
+        self.params = params
+        self.kv_transfer_params = kv_transfer_params
+        self.generator = generator  # per-request seed; None = the engine's generator
+        self.detokenizer = detokenizer
+        self.output_token_ids: list[int] = []
+        # Kept up to date by append_token (plain fields: the scheduler and the model runner read them
+        # for every request every step). all_token_ids: prompt + output; do not modify it elsewhere.
+        self.all_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_tokens = len(self.all_token_ids)
+        self.status = RequestStatus.WAITING
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # prefix-cache hashes of full blocks (memo, see BlockManager)
+        self.num_computed_tokens = 0  # tokens of all_token_ids whose KV is in block_ids
+        self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache or a remote instance
+        self.asked_connector = False  # the connector is asked until the request gets its blocks, then never
+        self.num_external_tokens = 0  # tokens a connector loads asynchronously (WAITING_FOR_REMOTE_KV)
+        self.error: str | None = None
+        self.stop_text_len: int | None = None  # output text cut here by a stop string
+
+    def append_token(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self.all_token_ids.append(token)
+        self.num_tokens += 1
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens})"
+        )
 
 
 class LLMEngine:
@@ -194,18 +246,22 @@ class LLMEngine:
         except RankLost as exc:
             self._end_after_rank_lost(exc)
             raise
-        self._num_prompt_tokens += sum(s.num_new_prompt_tokens for s in step.scheduled)
-        self.scheduler.advance(step.scheduled)
+        self._num_prompt_tokens += step.num_new_prompt_tokens
+        stopped: list[tuple[Request, RequestStatus]] = []
         for item in step.scheduled:
             token = result.sampled.get(item.request.request_id)
-            if token is not None:
-                self._append_token(item.request, token, outputs)
+            if token is not None and (status := self._append_token(item.request, token, outputs)):
+                stopped.append((item.request, status))
+        # the scheduler moves its counters, caches the newly full blocks, ends the stopped requests
+        for req, status, params in self.scheduler.postprocess(step.scheduled, stopped):
+            self._ended(req, status, params, outputs)
         # after the step's requests that ended were told (request_finished): a send acknowledged
         # in this very step then frees blocks already held for it
         report = self.scheduler_connector.report_step(result.connector_output)
         update = self.scheduler.apply_report(report, self._requests)
         for req, token in update.first_tokens:
-            self._append_token(req, token, outputs)
+            if status := self._append_token(req, token, outputs):
+                self._finish(req, status, outputs)
         for req, reason in update.failed:
             self._finish(req, RequestStatus.FINISHED_ERROR, outputs, error=f"remote KV load failed: {reason}")
         self._num_steps += 1
@@ -221,28 +277,37 @@ class LLMEngine:
             elif item in self._requests:
                 self._finish(self._requests[item], RequestStatus.FINISHED_ABORTED, outputs)
 
-    def _append_token(self, req: Request, token: int, outputs: dict[str, RequestOutput]) -> None:
-        """A new output token: detokenize, check stop conditions, report."""
+    def _append_token(
+        self, req: Request, token: int, outputs: dict[str, RequestOutput]
+    ) -> RequestStatus | None:
+        """A new output token: detokenize, check stop conditions, report. Returns the status that
+        ends the request (the caller ends it), None when it goes on."""
         req.append_token(token)
         self._num_generation_tokens += 1
         status, new_text = check_stop(req, token, self.tokenizer.eos_token_ids, self.max_model_len)
         self._output(req, outputs, [token], new_text)
-        if status is not None:
-            self._finish(req, status, outputs)
+        return status
 
     def _finish(
         self, req: Request, status: RequestStatus, outputs: dict[str, RequestOutput], error: str | None = None
     ) -> None:
+        """End a request in any state now (abort, error, a first token from P that stops it)."""
         req.error = error
-        params = self.scheduler.finish(req, status)
+        self._ended(req, status, self.scheduler.finish(req, status), outputs)
+
+    def _ended(
+        self, req: Request, status: RequestStatus, params: dict[str, Any] | None,
+        outputs: dict[str, RequestOutput],
+    ) -> None:
+        """The scheduler ended ``req`` (``params``: the connector's kv_transfer_params for the client)."""
         del self._requests[req.request_id]
         with self._lock:
             self._pending_ids.discard(req.request_id)
         out = self._output(req, outputs, [], "")
         out.finished, out.finish_reason, out.error, out.kv_transfer_params = (
             True,
-            status.finish_reason,
-            error,
+            FINISH_REASONS.get(status),
+            req.error,
             params,
         )
 
@@ -331,3 +396,28 @@ def _prior_output(prompt: list[int], params: SamplingParams) -> list[int]:
     """The prompt's trailing tokens that are the answer's own earlier output (migration)."""
     n = min(params.prior_output_tokens, len(prompt))
     return prompt[len(prompt) - n :] if n else []
+
+
+def check_stop(
+    req: Request, token: int, eos_token_ids: frozenset[int], max_model_len: int
+) -> tuple[RequestStatus | None, str]:
+    """Called after ``token`` was appended to ``req.output_token_ids``. Returns the finish status
+    (None = continue) and the text this token adds to the output (cut before a stop string; a stop
+    token adds no text)."""
+    p = req.params
+    if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
+        return RequestStatus.FINISHED_STOPPED, req.detokenizer.step(req.output_token_ids[:-1], final=True)
+    length_done = len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= max_model_len
+    detok = req.detokenizer
+    emitted = len(detok.text)
+    new_text = detok.step(req.output_token_ids, final=length_done)
+    if p.stop and new_text:
+        window_start = max(0, emitted - max(len(s) for s in p.stop) + 1)
+        hits = [i for i in (detok.text.find(s, window_start) for s in p.stop) if i >= 0]
+        if hits:
+            cut = min(hits)
+            detok.text = detok.text[:cut]
+            return RequestStatus.FINISHED_STOPPED, new_text[: max(0, cut - emitted)]
+    if length_done:
+        return RequestStatus.FINISHED_LENGTH, new_text
+    return None, new_text

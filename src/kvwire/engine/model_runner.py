@@ -1,4 +1,6 @@
 """Runs one step's forward pass: packs the scheduled tokens, samples, inside the worker connector.
+Read in order: :class:`ModelRunner`, then the sampling at the end of this module (each request's
+:class:`SamplingParams` and the :class:`Sampler`).
 
 One connector call a step (decision 131): ``run_step`` binds the step's metadata, starts loads, runs
 the forward given to it (each attention layer calls ``wait_for_layer_load`` / ``save_kv_layer`` on
@@ -10,7 +12,8 @@ transfers of requests waiting for remote KV keep being reported.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,9 +23,11 @@ from kvwire.engine.attention import AttentionMetadata, ForwardContext
 from kvwire.engine.config import AttentionBackend, EngineConfig
 from kvwire.engine.decode_graphs import DecodeGraphs
 from kvwire.engine.models.llama import LlamaModel
-from kvwire.engine.request import Request
-from kvwire.engine.sampler import Sampler
 from kvwire.engine.scheduler import ScheduledRequest
+from kvwire.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from kvwire.engine.llm_engine import Request
 
 
 @dataclasses.dataclass
@@ -177,3 +182,103 @@ class ModelRunner:
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+
+
+# --- sampling -------------------------------------------------------------------------------------
+# Per-request sampling parameters (frozen, validated: bad values raise InvalidRequestError).
+#
+# Sampling the next token from logits: greedy, temperature, top-k, top-p, per-request seeds.
+#
+# Greedy rows take the argmax. The other rows are filtered together (temperature, then top-k, then
+# top-p over what is left) and drawn with ``torch.multinomial``: rows with their own seed from their own
+# generator (so a seeded request samples the same tokens whatever it is batched with), the rest in one
+# draw from the engine's generator.
+
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16  # output tokens at most (the model length may end a request earlier)
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int | None = None  # per-request torch.Generator seed; None = the engine's generator
+    stop: Sequence[str] = ()  # stop strings: the text ends before the first match
+    stop_token_ids: Sequence[int] = ()  # tokens that end the request (kept in token_ids)
+    ignore_eos: bool = False
+    # The last N prompt tokens are this answer's own earlier output (an answer migrated from a dead
+    # instance, decision 052): detokenization and stop strings continue from them, so the text
+    # equals an uninterrupted run's even across a character split by the migration.
+    prior_output_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0.0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise InvalidRequestError("stop must be a list of non-empty strings")
+        stop_ids = tuple(self.stop_token_ids)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids):
+            raise InvalidRequestError("stop_token_ids must be a list of non-negative integers")
+        prior = self.prior_output_tokens
+        if isinstance(prior, bool) or not isinstance(prior, int) or prior < 0:
+            raise InvalidRequestError(f"prior_output_tokens must be an integer >= 0, got {prior!r}")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", stop_ids)
+
+    @property
+    def greedy(self) -> bool:
+        """Temperatures this close to 0 are greedy (dividing by them would overflow)."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)  # for requests without a seed
+
+    def new_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> list[int]:
+        """logits: [N, vocab] fp32, one row per request -> N token ids (one host sync)."""
+        tokens = logits.argmax(dim=-1)  # [N]; greedy rows keep this
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            probs = filtered_probs(logits[rows], [params[i] for i in rows])  # [R, vocab]
+            shared = [j for j, i in enumerate(rows) if generators[i] is None]
+            if shared:
+                drawn = torch.multinomial(probs[shared], 1, generator=self.generator)[:, 0]
+                tokens[[rows[j] for j in shared]] = drawn
+            for j, i in enumerate(rows):
+                gen = generators[i]
+                if gen is not None:
+                    tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
+        return [int(t) for t in tokens.tolist()]
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[R, vocab] logits -> probabilities after each row's temperature, top-k and top-p."""
+    device, vocab = logits.device, logits.shape[-1]
+    temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+    sorted_logits, order = (logits / temperature).sort(dim=-1, descending=True)  # [R, vocab]
+    rank = torch.arange(vocab, device=device)[None, :]
+    sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    # Drop a token when the tokens ranked above it already cover top_p (the first always stays).
+    drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits.softmax(dim=-1))

@@ -1,4 +1,5 @@
-"""Continuous-batching scheduler: which requests run this step and how many tokens each computes.
+"""Continuous-batching scheduler: which requests run this step and how many tokens each computes,
+and the KV blocks they hold (:class:`BlockManager`, at the end of this module).
 
 One step has a token budget (``max_num_batched_tokens``). Running requests go first (a decode costs one
 token, an unfinished prompt as much of the budget as it can take: chunked prefill), then waiting
@@ -12,44 +13,73 @@ schedule's :class:`~kvwire.connector.base.StepPlan` (what is scheduled, what was
 ended) goes to the connector once, and its :class:`~kvwire.connector.base.StepReport` comes back to
 ``apply_report``. Requests whose remote KV arrives asynchronously wait in ``WAITING_FOR_REMOTE_KV``
 (holding their blocks) while the others keep running.
+
+The engine calls it three times a step: ``schedule``, ``postprocess`` (after the forward pass and
+the engine's stop checks: counters, newly full blocks, the requests that stopped end) and
+``apply_report``; ``finish`` ends a request at any other time (abort, error).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
-from collections import deque
-from typing import Any
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from kvwire.connector.base import Allocation, ScheduledChunk, SchedulerConnector, StepPlan, StepReport
-from kvwire.engine.block_manager import BlockManager
 from kvwire.engine.config import EngineConfig, KVLoadFailurePolicy
-from kvwire.engine.request import Request, RequestStatus
+from kvwire.protocol.kv_blocks import BlockHash, KvEventLog, block_hashes
+
+if TYPE_CHECKING:
+    from kvwire.engine.llm_engine import Request
 
 log = logging.getLogger(__name__)
+
+
+class RequestStatus(enum.Enum):
+    """A request's state: the scheduler moves it between the first three; ``finish`` sets the last."""
+
+    WAITING = "waiting"  # queued; not yet (or no longer, after preemption) holding KV blocks
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks allocated; a connector is loading them
+    RUNNING = "running"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+# What a finished request's output says (RequestOutput.finish_reason), by status.
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
 
 
 @dataclasses.dataclass
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens whose KV this step computes, from request.num_computed_tokens on
+    # True when this step reaches the request's last token, so it samples the next one (set here:
+    # the model runner reads it for every request of the step)
+    samples: bool = dataclasses.field(init=False)
 
-    @property
-    def num_new_prompt_tokens(self) -> int:
-        """How many of the scheduled tokens are prompt tokens (for statistics)."""
-        start = self.request.num_computed_tokens
-        return max(0, min(start + self.num_new_tokens, self.request.num_prompt_tokens) - start)
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the request's last token, so it samples the next one."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclasses.dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     plan: StepPlan  # the connector's view of the same step
+    num_new_prompt_tokens: int = 0  # how many of the scheduled tokens are prompt tokens (statistics)
 
 
 @dataclasses.dataclass
@@ -108,7 +138,7 @@ class Scheduler:
         )
         self._finished_ids.clear()
         self._allocated.clear()
-        return SchedulerOutput(scheduled, plan)
+        return SchedulerOutput(scheduled, plan, sum(_num_new_prompt_tokens(s) for s in scheduled))
 
     def _make_room(self, req: Request, num_new: int) -> bool:
         """Allocate blocks so ``req`` can compute ``num_new`` more tokens, preempting from the back
@@ -173,6 +203,15 @@ class Scheduler:
         return ScheduledRequest(req, num_new)
 
     # --- after the forward pass ---------------------------------------------------------------------
+
+    def postprocess(
+        self, scheduled: list[ScheduledRequest], stopped: list[tuple[Request, RequestStatus]]
+    ) -> list[tuple[Request, RequestStatus, dict[str, Any] | None]]:
+        """After the forward pass and the engine's stop checks: move the counters and cache the newly
+        full blocks (:meth:`advance`), then end the requests that stopped, in order (:meth:`finish`).
+        Returns each ended request with its status and the connector's kv_transfer_params."""
+        self.advance(scheduled)
+        return [(req, status, self.finish(req, status)) for req, status in stopped]
 
     def advance(self, scheduled: list[ScheduledRequest]) -> None:
         """The step computed the scheduled tokens' KV: move the counters, cache newly full blocks."""
@@ -282,6 +321,12 @@ class Scheduler:
         self.num_kv_load_recomputes += 1
 
 
+def _num_new_prompt_tokens(item: ScheduledRequest) -> int:
+    """How many of the scheduled tokens are prompt tokens."""
+    start = item.request.num_computed_tokens
+    return max(0, min(start + item.num_new_tokens, item.request.num_prompt_tokens) - start)
+
+
 def _chunk(item: ScheduledRequest) -> ScheduledChunk:
     req = item.request
     return ScheduledChunk(
@@ -291,3 +336,130 @@ def _chunk(item: ScheduledRequest) -> ScheduledChunk:
         num_scheduled_tokens=item.num_new_tokens,
         num_prompt_tokens=req.num_prompt_tokens,
     )
+
+
+# --- KV blocks ------------------------------------------------------------------------------------
+# KV block allocation with reference counts and prefix caching.
+#
+# Each block holds ``block_size`` tokens of every layer's KV. A block is *free* when no request holds it
+# (ref count 0). A full block whose KV was computed is registered under a hash of its tokens and of
+# every token before it (a hash chain); a later request with the same prefix takes the block instead
+# of recomputing it. Free blocks stay cached until they are reused (least recently freed first).
+# The hashes are those of :mod:`kvwire.protocol.kv_blocks` (shared with the router); every hash that enters or
+# leaves the cache is reported to the optional :class:`~kvwire.protocol.kv_blocks.KvEventLog` (KV events).
+
+
+class BlockManager:
+    """Owned by the scheduler (engine thread only)."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+        events: KvEventLog | None = None,
+    ) -> None:
+        self.events = events
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self.num_used_blocks = 0  # blocks some request holds (a plain field: read by every stats())
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU first
+        self._hash_of_block: dict[int, BlockHash] = {}
+        self._block_of_hash: dict[BlockHash, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def num_unreferenced(self, block_ids: Sequence[int]) -> int:
+        """How many of ``block_ids`` no request holds (they are in the free list)."""
+        return sum(1 for block in block_ids if self._ref_counts[block] == 0)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- prefix cache ---------------------------------------------------------------------------
+
+    def block_hashes(
+        self, token_ids: Sequence[int], num_tokens: int, memo: list[BlockHash] | None = None
+    ) -> list[BlockHash]:
+        """Chained hashes of the full blocks of ``token_ids[:num_tokens]``. ``memo`` (a request's
+        list, extended in place) keeps earlier blocks' hashes so each block is hashed once."""
+        return block_hashes(token_ids, self.block_size, max(num_tokens, 0), memo)
+
+    def find_cached_blocks(self, token_ids: Sequence[int], memo: list[BlockHash] | None = None) -> list[int]:
+        """Longest run of cached blocks that prefixes ``token_ids``, leaving at least one token to
+        compute (the step that computes it samples the next token). Takes no references."""
+        if not self.enable_prefix_caching:
+            return []
+        found: list[int] = []
+        for block_hash in self.block_hashes(token_ids, len(token_ids) - 1, memo):
+            block = self._block_of_hash.get(block_hash)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def cache_blocks(
+        self,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        num_computed_tokens: int,
+        memo: list[BlockHash] | None = None,
+    ) -> None:
+        """Register the request's full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self.block_hashes(token_ids, num_computed_tokens, memo)
+        new: list[BlockHash] = []
+        for block, block_hash in zip(block_ids, hashes, strict=False):
+            if block not in self._hash_of_block and block_hash not in self._block_of_hash:
+                self._block_of_hash[block_hash] = block
+                self._hash_of_block[block] = block_hash
+                new.append(block_hash)
+        if new and self.events is not None:
+            self.events.stored(new)
+
+    # --- allocation -------------------------------------------------------------------------------
+
+    def take(self, block_ids: Sequence[int]) -> None:
+        """Add a reference to blocks found by :meth:`find_cached_blocks`."""
+        for block in block_ids:
+            if self._ref_counts[block] == 0:
+                del self._free[block]
+                self.num_used_blocks += 1
+            self._ref_counts[block] += 1
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """``num_blocks`` fresh blocks (evicting cached ones, least recently freed first)."""
+        if num_blocks > len(self._free):
+            raise MemoryError(f"{num_blocks} KV blocks asked, {len(self._free)} free")
+        blocks = []
+        for _ in range(num_blocks):
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
+            self._ref_counts[block] = 1
+            blocks.append(block)
+        self.num_used_blocks += num_blocks
+        return blocks
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block. Tail blocks are freed first so that they are evicted
+        before the prefix blocks other requests are more likely to share."""
+        for block in reversed(block_ids):
+            assert self._ref_counts[block] > 0, f"block {block} freed twice"
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                self._free[block] = None
+                self.num_used_blocks -= 1
+
+    def invalidate(self, block_ids: Sequence[int]) -> None:
+        """Forget the cached content of blocks (their KV is wrong, e.g. a failed remote load)."""
+        for block in block_ids:
+            self._evict(block)
+
+    def _evict(self, block: int) -> None:
+        block_hash = self._hash_of_block.pop(block, None)
+        if block_hash is not None and self._block_of_hash.get(block_hash) == block:
+            del self._block_of_hash[block_hash]
+            if self.events is not None:
+                self.events.removed((block_hash,))

@@ -1,48 +1,27 @@
-"""The aiohttp application: routes, OpenAI-style error bodies, health, models and metrics.
+"""The aiohttp application: routes, health, models and metrics.
 
-Generation endpoints live in :mod:`kvwire.server.generate`. Errors become HTTP statuses here, once:
-an unknown route or method, an oversized body and any unexpected exception all get the OpenAI
-error body (``{"error": {"message", "type", "param", "code"}}``), never an empty reply.
+Generation endpoints live in :mod:`kvwire.server.generate`, and so does the middleware that turns
+every error into an OpenAI error body (:func:`~kvwire.server.generate.errors_as_json`): an unknown
+route or method, an oversized body and any unexpected exception all get one, never an empty reply.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
 from kvwire.http.front_door import ApiKeyConfig, Refusal, api_key_middleware
 from kvwire.http.refusal_log import RefusalLog
-from kvwire.server.engine_loop import EngineLoop
-from kvwire.server.engine_status import EngineHealth
-from kvwire.server.generate import GenerationHandler, error_response
+from kvwire.server.engine_loop import EngineHealth, EngineLoop
+from kvwire.server.generate import GenerationHandler, errors_as_json
 from kvwire.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvwire.server.tokenize import TokenizeHandlers
 from kvwire.supervision import HealthBoard
 
 logger = logging.getLogger(__name__)
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
-
-
-@web.middleware
-async def _errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        default_type = "invalid_request_error" if exc.status < 500 else "server_error"
-        err_type = _ERROR_TYPES.get(exc.status, default_type)
-        return error_response(exc.status, exc.reason if exc.text is None else exc.text, err_type)
-    except Exception as exc:  # the one place an unexpected error becomes an HTTP status
-        logger.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(500, f"internal server error: {type(exc).__name__}: {exc}", "server_error")
 
 
 class ServerApp:
@@ -74,7 +53,7 @@ class ServerApp:
         self._api_keys = api_keys or ApiKeyConfig()
         auth = api_key_middleware(self._api_keys, self._auth_refused,
                                   RefusalLog(logger, "HTTP request"))
-        app = web.Application(client_max_size=max_request_bytes, middlewares=[auth, _errors_as_json])
+        app = web.Application(client_max_size=max_request_bytes, middlewares=[auth, errors_as_json])
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)

@@ -2,8 +2,8 @@
 
 Threads: the engine is touched only by the engine thread (started by :meth:`EngineLoop.start`).
 The asyncio side sends it commands (add, abort, abort-all, stop) through a queue and receives each
-step's outputs through ``loop.call_soon_threadsafe``, fanned out to one :class:`RequestStream`
-per request. Failure: an exception from ``add_request`` is raised to the awaiting caller; an
+step's outputs through ``loop.call_soon_threadsafe``, put into the outbox (an ``asyncio.Queue``) the
+caller gave each request. Failure: an exception from ``add_request`` is raised to the awaiting caller; an
 exception from ``step`` fails every in-flight request with :class:`EngineError` (their streams
 raise it) and the loop keeps serving new requests; after ``MAX_CONSECUTIVE_STEP_ERRORS`` failed steps in
 a row, or any other exception, the thread stops, ``alive`` turns false (``/health`` reports 503) and new
@@ -22,6 +22,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import enum
 import logging
 import queue
 import threading
@@ -36,7 +37,6 @@ from kvwire.errors import (  # the last still importable here
     ServerShuttingDown,
 )
 from kvwire.protocol.kv_params import KVParams
-from kvwire.server.engine_status import EngineHealth, EngineStatus, StatsSnapshot
 from kvwire.server.stall_watchdog import StallWatchdog
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,52 @@ MAX_CONSECUTIVE_STEP_ERRORS = 5  # then the engine is considered broken and the 
 _LIVENESS_CHECK_S = 1.0  # how often a caller waiting for the engine thread checks that it still runs
 _ERROR_BACKOFF_S = 0.05  # wait before the next step after a failed one, times the failures in a row
 RANK_CHECK_S = 1.0  # while idle, how often the engine's tensor-parallel ranks are checked (check_ranks)
+
+
+# --- what the loop reports: immutable values, safe to read on any thread (/health, /metrics, the
+# heartbeat thread) -------------------------------------------------------------------------------
+
+
+class EngineHealth(enum.Enum):
+    """What ``/health`` reports about the engine (the value is its ``status`` string)."""
+
+    OK = "ok"
+    STALLED = "engine stalled"  # no progress for the stall timeout; clears when the engine resumes
+    STOPPED = "engine thread stopped"  # for good
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStatus:
+    """The engine loop's health, for ``/health`` and ``/metrics``."""
+
+    health: EngineHealth = EngineHealth.OK
+    reason: str = ""  # why it is not OK
+    num_stalls: int = 0  # stalls declared since start (each one failed the requests then in flight)
+
+
+@dataclasses.dataclass(frozen=True)
+class StatsSnapshot:
+    """Engine statistics copied on the engine thread after each iteration (safe to read anywhere)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_for_remote_kv: int = 0
+    kv_blocks_in_use: int = 0
+    kv_blocks_total: int = 0
+    num_preemptions: int = 0
+    num_prefix_cache_hit_tokens: int = 0  # prompt tokens found in the local prefix cache, since start
+    # time.monotonic() when copied: the loop refreshes the snapshot between engine steps, so during a
+    # long step it lags the live connector/transfer metrics (exported as its age)
+    taken_at: float = dataclasses.field(default_factory=time.monotonic)
+
+    @classmethod
+    def of(cls, stats: Any) -> StatsSnapshot:
+        counts = [f.name for f in dataclasses.fields(cls) if f.name != "taken_at"]
+        return cls(**{name: int(getattr(stats, name, 0) or 0) for name in counts})
+
+    def age_s(self, now: float | None = None) -> float:
+        """Seconds since the snapshot was copied."""
+        return max(0.0, (time.monotonic() if now is None else now) - self.taken_at)
 
 
 class EngineLike(Protocol):
@@ -70,31 +116,10 @@ class TimedOutput:
     time_s: float  # time.monotonic() when the step that produced it ended
 
 
-class RequestStream:
-    """Outputs of one request, in order; ends after the finished output. Event-loop thread only."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self.arrival_s = time.monotonic()
-        self.finished = False
-        self._queue: asyncio.Queue[TimedOutput | BaseException] = asyncio.Queue()
-
-    def put(self, item: TimedOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> TimedOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.output.finished:
-            self.finished = True
-        return item
+# Where the loop puts a request's outputs, on the event loop's thread: each TimedOutput in order, or
+# the exception that ends the request (the HTTP handler gives a
+# :class:`~kvwire.server.generate.RequestStream`).
+RequestOutbox = asyncio.Queue[TimedOutput | BaseException]
 
 
 @dataclasses.dataclass
@@ -139,7 +164,7 @@ class EngineLoop:
         self._idle_wait_s = idle_wait_s  # block this long on the queue when nothing is in flight
         self._remote_wait_s = remote_wait_s  # ... and this long when all wait for KV transfers
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}  # event-loop thread only
+        self._streams: dict[str, RequestOutbox] = {}  # event-loop thread only: outboxes in flight
         self._adding: dict[str, concurrent.futures.Future[None]] = {}  # event-loop thread: adds not taken yet
         self._live: set[str] = set()  # engine thread only: ids added and not finished
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -198,10 +223,11 @@ class EngineLoop:
         return max(0, len(self._streams) - self._stats.num_running)
 
     async def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: Any,
+        self, request_id: str, outbox: RequestOutbox, prompt_token_ids: list[int], params: Any,
         kv_transfer_params: KVParams | None = None,
-    ) -> RequestStream:
-        """Hand a request to the engine; raises what ``engine.add_request`` raised."""
+    ) -> None:
+        """Hand a request to the engine; its outputs go to ``outbox``, until the finished one (or the
+        exception that ends it). Raises what ``engine.add_request`` raised."""
         if self._closing:
             raise ServerShuttingDown("the server is shutting down")
         if not self.alive:
@@ -212,8 +238,7 @@ class EngineLoop:
             raise EngineStalled(self._watchdog.reason(time.monotonic()))
         if request_id in self._streams:
             raise EngineError(f"duplicate request id {request_id}")
-        stream = RequestStream(request_id)
-        self._streams[request_id] = stream
+        self._streams[request_id] = outbox
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._adding[request_id] = done
         self._commands.put(_Add(request_id, prompt_token_ids, params, kv_transfer_params, done))
@@ -224,7 +249,6 @@ class EngineLoop:
             raise
         finally:
             del self._adding[request_id]
-        return stream
 
     async def _accepted(self, done: concurrent.futures.Future[None]) -> None:
         """Wait for the engine thread to take the request; fail if the thread dies meanwhile."""
@@ -263,18 +287,18 @@ class EngineLoop:
 
     def _deliver(self, outputs: Sequence[Any], time_s: float) -> None:
         for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
+            outbox = self._streams.get(output.request_id)
+            if outbox is None:
                 continue  # aborted meanwhile
-            stream.put(TimedOutput(output, time_s))
+            outbox.put_nowait(TimedOutput(output, time_s))
             if output.finished:
                 del self._streams[output.request_id]
 
     def _fail(self, request_ids: Sequence[str], error: BaseException) -> None:
         for request_id in request_ids:
-            stream = self._streams.pop(request_id, None)
-            if stream is not None:
-                stream.put(error)
+            outbox = self._streams.pop(request_id, None)
+            if outbox is not None:
+                outbox.put_nowait(error)
 
     def _fail_in_flight(self, error: EngineStalled) -> None:
         """The watchdog saw a stall: every waiting request fails with ``error`` now (adds not yet taken
@@ -282,8 +306,8 @@ class EngineLoop:
         for done in self._adding.values():
             _resolve(done, error)
         streams, self._streams = self._streams, {}
-        for request_id, stream in streams.items():
-            stream.put(error)
+        for request_id, outbox in streams.items():
+            outbox.put_nowait(error)
             self._commands.put(_Abort(request_id))
 
     def _post(self, callback: Any, *args: Any) -> None:

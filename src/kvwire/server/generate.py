@@ -8,6 +8,11 @@ aborts it in the engine, which frees its KV blocks). A client that stops reading
 every write of a response after admission (each SSE event; the whole JSON body of a non-streaming
 answer) has a deadline (``client_write_timeout_s``, see :mod:`kvwire.http.front_door`), after which its
 connection is aborted (outcome ``client_timeout``).
+
+Also here, as the handler uses them: the middleware that turns every other error of the app into
+an OpenAI error body (:func:`errors_as_json`), the request's :class:`RequestStream` (the engine loop
+puts its outputs there), the OpenAI response bodies and SSE chunks (:class:`ResponseBuilder`, pure
+functions of their inputs) and the request's latency metrics (:class:`RequestTimer`).
 """
 
 from __future__ import annotations
@@ -17,12 +22,13 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
-from kvwire.engine.sampling_params import SamplingParams
+from kvwire.engine import SamplingParams
 from kvwire.errors import (
     INSTANCE_LOST,
     INSTANCE_STOPPING,
@@ -35,18 +41,16 @@ from kvwire.errors import (
 )
 from kvwire.http.front_door import ClientWriter
 from kvwire.protocol.kv_params import KVTransferParams
-from kvwire.server.engine_loop import EngineLoop, RequestStream
-from kvwire.server.metrics import RequestTimer, ServerMetrics
+from kvwire.server.engine_loop import EngineLoop, RequestOutbox, TimedOutput
+from kvwire.server.metrics import ServerMetrics
 from kvwire.server.openai_protocol import (
     BadRequest,
     RequestKind,
     chat_messages,
     parse_chat,
     parse_completion,
-    prompt_token_source,
     stop_strings,
 )
-from kvwire.server.responses import SSE_DONE, ResponseBuilder, error_body, json_bytes, sse_event, usage_body
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +67,29 @@ def error_response(
     reason: str | None = None,
 ) -> web.Response:
     return json_response(status, error_body(status, message, err_type, param, reason))
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+
+
+@web.middleware
+async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The app's last middleware: an unknown route or method, an oversized body and any unexpected
+    exception get the OpenAI error body (``{"error": {"message", "type", "param", "code"}}``), never
+    an empty reply. Errors become HTTP statuses here, once."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        default_type = "invalid_request_error" if exc.status < 500 else "server_error"
+        err_type = _ERROR_TYPES.get(exc.status, default_type)
+        return error_response(exc.status, exc.reason if exc.text is None else exc.text, err_type)
+    except Exception as exc:  # the one place an unexpected error becomes an HTTP status
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(500, f"internal server error: {type(exc).__name__}: {exc}", "server_error")
 
 
 RETRY_AFTER_S = 1  # what a client refused for a full waiting queue is told to wait
@@ -114,6 +141,31 @@ class Prepared:
     include_usage: bool
     return_token_ids: bool
     response_id: str | None = None  # from the request's ``request_id`` (vLLM's field), else the engine's id
+
+
+class RequestStream(RequestOutbox):
+    """Outputs of one request, in order; ends after the finished output. Event-loop thread only. The
+    engine loop puts into it (``put_nowait``, the queue's own); the handler iterates it."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__()
+        self.request_id = request_id
+        self.arrival_s = time.monotonic()
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> TimedOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.output.finished:
+            self.finished = True
+        return item
 
 
 class GenerationHandler:
@@ -210,9 +262,10 @@ class GenerationHandler:
         if isinstance(prepared, web.Response):
             return prepared
         request_id = f"{_id_prefix(kind)}-{uuid.uuid4().hex}"  # the engine's: unique whatever the client sent
+        stream = RequestStream(request_id)
         try:
-            stream = await self._loop.add_request(
-                request_id, prepared.prompt_token_ids, prepared.params, prepared.kv_transfer_params
+            await self._loop.add_request(
+                request_id, stream, prepared.prompt_token_ids, prepared.params, prepared.kv_transfer_params
             )
         except InvalidRequestError as exc:
             self._count(endpoint, "invalid")
@@ -253,7 +306,7 @@ class GenerationHandler:
     def _prepare(self, body: bytes, kind: RequestKind) -> Prepared:
         if kind is RequestKind.COMPLETION:
             req: Any = parse_completion(body)
-            source = prompt_token_source(req)
+            source = req.prompt  # text or token ids (parse_completion resolved it)
             prompt_ids = self._tokenizer.encode(source) if isinstance(source, str) else source
             default_max: int | None = DEFAULT_COMPLETION_MAX_TOKENS
         else:
@@ -437,3 +490,145 @@ def _first_extras(prepared: Prepared) -> dict[str, Any]:
     return {"prompt_token_ids": list(prepared.prompt_token_ids),
             "kvwire_max_tokens": prepared.params.max_tokens}
 
+
+# --- OpenAI response bodies and SSE chunks ----------------------------------------------------------
+# Pure functions of their inputs (no engine, no HTTP), so the wire format is tested on its own.
+# Streaming follows OpenAI: ``data: {json}\n\n`` events, the last content chunk carries
+# ``finish_reason``, an optional usage chunk with empty ``choices`` follows, then ``data: [DONE]``.
+# kvwire extensions: top-level ``kv_transfer_params`` (non-streaming body and the final streaming
+# chunk), and ``token_ids`` / ``prompt_token_ids`` when the request asked ``return_token_ids``.
+
+SSE_DONE = b"data: [DONE]\n\n"
+_encoder = msgspec.json.Encoder()
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + _encoder.encode(payload) + b"\n\n"
+
+
+def json_bytes(payload: dict[str, Any]) -> bytes:
+    return _encoder.encode(payload)
+
+
+def error_body(
+    status: int, message: str, err_type: str = "invalid_request_error", param: str | None = None,
+    reason: str | None = None,
+) -> dict[str, Any]:
+    """vLLM's error body (``ErrorResponse``: ``code`` is the HTTP status, an int); ``reason``, when
+    given, is kvwire's machine-readable cause (``queue_full``, ``instance_lost``, ...: what a router or
+    script branches on), an extra field that vLLM's and OpenAI's clients ignore."""
+    error: dict[str, Any] = {"message": message, "type": err_type, "param": param, "code": status}
+    if reason is not None:
+        error["reason"] = reason
+    return {"error": error}
+
+
+def usage_body(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class ResponseBuilder:
+    """Builds every body of one request (same id, model and creation time throughout)."""
+
+    kind: RequestKind
+    response_id: str
+    model: str
+    created: int
+    return_token_ids: bool = False
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def full(
+        self,
+        text: str,
+        token_ids: list[int],
+        finish_reason: str | None,
+        usage: dict[str, int],
+        kv_transfer_params: dict[str, Any] | None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> dict[str, Any]:
+        """The non-streaming body."""
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        if self.kind is RequestKind.CHAT:
+            choice["message"] = {"role": "assistant", "content": text}
+            body = self._envelope("chat.completion", [choice])
+        else:
+            choice["text"] = text
+            body = self._envelope("text_completion", [choice])
+        if self.return_token_ids:
+            choice["token_ids"] = token_ids
+            body["prompt_token_ids"] = prompt_token_ids
+        body["usage"] = usage
+        body["kv_transfer_params"] = kv_transfer_params
+        return body
+
+    def first_chunk(self) -> dict[str, Any] | None:
+        """Chat streams open with the assistant role; completions have no opening chunk."""
+        if self.kind is not RequestKind.CHAT:
+            return None
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
+        return self._envelope("chat.completion.chunk", [choice])
+
+    def chunk(
+        self,
+        text: str,
+        token_ids: list[int],
+        finish_reason: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """One streaming content chunk; the final one has ``finish_reason`` and ``kv_transfer_params``."""
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        if self.kind is RequestKind.CHAT:
+            choice["delta"] = {"content": text} if text or finish_reason is None else {}
+            body = self._envelope("chat.completion.chunk", [choice])
+        else:
+            choice["text"] = text
+            body = self._envelope("text_completion", [choice])
+        if self.return_token_ids:
+            choice["token_ids"] = token_ids
+        if finish_reason is not None:
+            body["kv_transfer_params"] = kv_transfer_params
+        return body
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.kind is RequestKind.CHAT else "text_completion"
+        body = self._envelope(obj, [])
+        body["usage"] = usage
+        return body
+
+
+# --- the request's latency metrics ------------------------------------------------------------------
+
+
+class RequestTimer:
+    """Records TTFT / ITL / E2E for one request from the engine's output timestamps."""
+
+    def __init__(self, metrics: ServerMetrics, arrival_s: float) -> None:
+        self._metrics = metrics
+        self._arrival_s = arrival_s
+        self._last_token_s: float | None = None
+
+    def on_tokens(self, num_new_tokens: int, time_s: float) -> None:
+        if num_new_tokens <= 0:
+            return
+        self._metrics.generation_tokens.inc(num_new_tokens)
+        if self._last_token_s is None:
+            self._metrics.ttft.observe(max(0.0, time_s - self._arrival_s))
+            num_gaps, gap_s = num_new_tokens - 1, 0.0  # tokens beyond the first came in the same step
+        else:
+            num_gaps = num_new_tokens
+            gap_s = max(0.0, time_s - self._last_token_s) / num_new_tokens
+        for _ in range(num_gaps):
+            self._metrics.itl.observe(gap_s)
+        self._last_token_s = time_s
+
+    def on_finish(self, time_s: float) -> None:
+        self._metrics.e2e.observe(max(0.0, time_s - self._arrival_s))

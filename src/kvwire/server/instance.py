@@ -29,8 +29,7 @@ from kvwire.protocol.kv_signing import KVParamsRefused, verifier_from_secret, ve
 from kvwire.server.app import ServerApp
 from kvwire.server.config import ServerConfig
 from kvwire.server.connectors import ConnectorSet, build_connector_set
-from kvwire.server.engine_loop import EngineLoop
-from kvwire.server.engine_status import EngineStatus, StatsSnapshot
+from kvwire.server.engine_loop import EngineLoop, EngineStatus, StatsSnapshot
 from kvwire.server.generate import GenerationHandler
 from kvwire.server.metrics import ServerMetrics
 from kvwire.server.registration import default_instance_id, start_heartbeats

@@ -1,10 +1,11 @@
 """Prometheus metrics of one server instance, in a registry owned by the app (no globals).
 
 Request-level series (counters, TTFT/ITL histograms) are updated by the HTTP handlers on the event
-loop thread. Engine-level series (queues, KV blocks, preemptions, stalls) are read at scrape time
-from the engine loop's latest :class:`StatsSnapshot` and :class:`EngineStatus`. Other components
-register their series in :attr:`ServerMetrics.registry` (the KV connector does so when it is built)
-or pass a collector to :meth:`ServerMetrics.add_collector`.
+loop thread (TTFT/ITL/E2E through :class:`kvwire.server.generate.RequestTimer`). Engine-level series
+(queues, KV blocks, preemptions, stalls) are read at scrape time from the engine loop's latest
+:class:`StatsSnapshot` and :class:`EngineStatus`. Other components register their series in
+:attr:`ServerMetrics.registry` (the KV connector does so when it is built) or pass a collector to
+:meth:`ServerMetrics.add_collector`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvwire.server.engine_status import EngineHealth, EngineStatus, StatsSnapshot
+from kvwire.server.engine_loop import EngineHealth, EngineStatus, StatsSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -107,29 +108,3 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class RequestTimer:
-    """Records TTFT / ITL / E2E for one request from the engine's output timestamps."""
-
-    def __init__(self, metrics: ServerMetrics, arrival_s: float) -> None:
-        self._metrics = metrics
-        self._arrival_s = arrival_s
-        self._last_token_s: float | None = None
-
-    def on_tokens(self, num_new_tokens: int, time_s: float) -> None:
-        if num_new_tokens <= 0:
-            return
-        self._metrics.generation_tokens.inc(num_new_tokens)
-        if self._last_token_s is None:
-            self._metrics.ttft.observe(max(0.0, time_s - self._arrival_s))
-            num_gaps, gap_s = num_new_tokens - 1, 0.0  # tokens beyond the first came in the same step
-        else:
-            num_gaps = num_new_tokens
-            gap_s = max(0.0, time_s - self._last_token_s) / num_new_tokens
-        for _ in range(num_gaps):
-            self._metrics.itl.observe(gap_s)
-        self._last_token_s = time_s
-
-    def on_finish(self, time_s: float) -> None:
-        self._metrics.e2e.observe(max(0.0, time_s - self._arrival_s))

@@ -68,7 +68,8 @@ class _CommonFields(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(_CommonFields, kw_only=True):
-    # str | list[int] | a list of exactly one of those (checked in prompt_token_source).
+    # str | list[int] | a list of exactly one of those (checked in prompt_token_source); after
+    # parse_completion, the one prompt: str | list[int].
     prompt: Any = None
     echo: bool = False
     best_of: int | None = None
@@ -108,7 +109,8 @@ def _decode(body: bytes, cls: type[msgspec.Struct]) -> Any:
 
 
 def parse_completion(body: bytes) -> CompletionRequest:
-    """Decode and validate a ``/v1/completions`` body."""
+    """Decode and validate a ``/v1/completions`` body; its ``prompt`` comes back as the one prompt,
+    text or token ids (:func:`prompt_token_source`)."""
     req: CompletionRequest = _decode(body, CompletionRequest)
     _check_common(req)
     if req.echo:
@@ -117,7 +119,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
         raise BadRequest("best_of > 1 is not supported", param="best_of")
     if req.suffix:
         raise BadRequest("suffix is not supported", param="suffix")
-    prompt_token_source(req)  # type/shape check now, tokenization later
+    req.prompt = prompt_token_source(req)  # checked and unwrapped now (text or token ids), tokenized later
     return req
 
 

@@ -2,7 +2,7 @@
 
 The discovery client is imported lazily, so a server started without ``--router`` needs none of it.
 The heartbeat thread calls ``load_fn``, which only reads the engine loop's latest immutable
-:class:`~kvwire.server.engine_status.StatsSnapshot` (never the engine itself).
+:class:`~kvwire.server.engine_loop.StatsSnapshot` (never the engine itself).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import kvwire
 from kvwire.server.config import ServerConfig
-from kvwire.server.engine_status import StatsSnapshot
+from kvwire.server.engine_loop import StatsSnapshot
 
 if TYPE_CHECKING:
     from kvwire.discovery import Registration

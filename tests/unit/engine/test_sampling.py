@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvwire.engine import SamplingParams
-from kvwire.engine.sampler import Sampler, filtered_probs
+from kvwire.engine.model_runner import Sampler, filtered_probs
 from kvwire.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer
 from kvwire.errors import InvalidRequestError
 from support.engine_factories import generate, greedy, make_engine, random_prompts, run_all

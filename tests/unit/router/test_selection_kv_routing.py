@@ -106,7 +106,7 @@ def test_event_log_stays_bounded_when_nobody_drains() -> None:
 
 
 def test_block_manager_reports_stores_and_evictions() -> None:
-    from kvwire.engine.block_manager import BlockManager
+    from kvwire.engine.scheduler import BlockManager
 
     log = KvEventLog(BS)
     bm = BlockManager(num_blocks=3, block_size=BS, events=log)

@@ -245,7 +245,7 @@ def test_non_streaming_disconnect_aborts(run_with_fake_server: Any, fake_engine:
 def test_stats_snapshot_records_when_it_was_copied() -> None:
     from types import SimpleNamespace
 
-    from kvwire.server.engine_status import StatsSnapshot
+    from kvwire.server.engine_loop import StatsSnapshot
 
     stats = SimpleNamespace(num_running=2, kv_blocks_in_use=7, kv_blocks_total=64, taken_at=-1.0)
     before = time.monotonic()

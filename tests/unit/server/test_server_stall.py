@@ -18,8 +18,7 @@ import pytest
 from kvwire.errors import ConfigError, EngineStalled
 from kvwire.server.cli import add_arguments, server_config_from_args
 from kvwire.server.config import ServerConfig
-from kvwire.server.engine_loop import EngineLoop
-from kvwire.server.engine_status import EngineHealth
+from kvwire.server.engine_loop import EngineHealth, EngineLoop
 from kvwire.server.stall_watchdog import StallWatchdog
 from support.fake_engine_server import (
     FakeEngine,
