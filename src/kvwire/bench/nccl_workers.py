@@ -20,13 +20,12 @@ from typing import Any
 import torch
 
 from kvwire.bench import nccl_harness as h
-from kvwire.transfer.block_copy import KVLayout, gather_blocks, scatter_blocks
+from kvwire.transfer.memory import KVLayout, RecvItem, SendItem, gather_blocks, scatter_blocks
 from kvwire.transfer.planes.common.group_kernels import PagedLayers, SlabGather
 from kvwire.transfer.planes.nccl.bindings import NcclComm
 from kvwire.transfer.planes.nccl.device_signal import DeviceSignal
 from kvwire.transfer.planes.nccl.framing import message_ranges
 from kvwire.transfer.planes.nccl.memory import NcclBuffer
-from kvwire.transfer.types import RecvItem, SendItem
 
 LAYOUT = KVLayout.KV_FIRST
 SENDERS = ("armed", "producer", "per-message", "bulk")  # how (c)'s sender hands its layers to the plane
