@@ -323,7 +323,7 @@ class KvwireSide:
 class Landing:
     """The receiver's device consumer for one transfer: scatter a message's layers from the slab into
     the paged cache with one gated launch; the end is when every message's scatter is done (they may
-    run concurrently, see :data:`~kvwire.transfer.types.DeviceConsumer`)."""
+    run concurrently, see :data:`~kvwire.transfer.memory.DeviceConsumer`)."""
 
     def __init__(self, paged: PagedLayers, ids: torch.Tensor, slab: torch.Tensor) -> None:
         self.paged = paged

@@ -147,7 +147,7 @@ class _Caches:
 
     def __init__(self, tokens: int, shape: Shape, *, shared: bool = False) -> None:
         """``shared``: both caches in shared memory, allocated as the built-in engine allocates its
-        CPU KV cache (``kvwire.transfer.shared_memory``)."""
+        CPU KV cache (``kvwire.transfer.memory``)."""
         gen = torch.Generator().manual_seed(tokens)
         self.num_blocks = -(-tokens // shape.block_size)
         total = self.num_blocks + max(16, self.num_blocks // 4)
