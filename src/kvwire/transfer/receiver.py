@@ -538,8 +538,6 @@ class Arrivals:
 SIDE = "recv"
 _SENDER_PROGRESS = frozenset({PeerState.QUEUED.value, PeerState.SENDING.value})
 
-__all__ = ["Receiver", "RecvState", "SpansFn", "WriteGuard"]
-
 
 class UnsolicitedOffers:
     """Offers that came before ``expect()``: held (as transfers of the receiver's table) until the

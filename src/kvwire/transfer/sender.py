@@ -56,7 +56,7 @@ import collections
 import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -92,8 +92,7 @@ from kvwire.transfer.memory import (
 from kvwire.transfer.pending_pulls import PendingPulls
 from kvwire.transfer.planes.base import DataPlane
 
-if TYPE_CHECKING:
-    pass
+SIDE = "send"  # this side's key in the tombstones
 
 
 # ============================== A send's state and the queue to the plane
@@ -376,7 +375,6 @@ def early_grant_fits(layers: list[LayerSpec], grant: Grant) -> bool:
 
 # ============================== Pulls in pieces
 
-SIDE = "send"
 MISMATCH = FailReason.MISMATCH.value
 NOT_BLOCKS = f"{MISMATCH}: only a transfer of blocks can be pulled in pieces"
 
