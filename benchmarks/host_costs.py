@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvwire.transfer.block_copy import KVLayout, gather_blocks
+from kvwire.transfer.memory import KVLayout, gather_blocks
 from kvwire.transfer.planes.common.group_kernels import PagedLayers
 
 REPS = 200

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from kvwire.transfer.block_copy import KVLayout, block_spans
+from kvwire.transfer.memory import KVLayout, block_spans
 from kvwire.transfer.planes.common.runs import spans_array, tile_runs
 from kvwire.transfer.planes.ipc.copy import CopyTuning, LayerGroup, TileTable, copy_groups, launch, prepare
 

@@ -60,7 +60,7 @@ def _time(
 
 
 def main() -> None:
-    from kvwire.transfer.block_copy import KVLayout, block_spans
+    from kvwire.transfer.memory import KVLayout, block_spans
     from kvwire.transfer.planes.common.runs import spans_array, tile_runs
     from kvwire.transfer.planes.ipc.copy import LayerGroup, TileTable, copy_groups, launch, prepare
     from kvwire.transfer.planes.ipc.cuda_ipc import open_handle

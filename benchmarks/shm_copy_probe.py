@@ -6,7 +6,7 @@ larger than the request. This probe times the plane's copier (``run_copy.copy_ru
 extension, with ordinary and with non-temporal stores; decision 112) and the Python loop it
 replaced (``memoryview`` slice assignment) against one contiguous copy of the same bytes
 (``numpy.copyto``, the baseline of ``kvwire bench transfer --backend shm``), in two kinds of memory:
-memfd-backed mappings (what ``kvwire.transfer.shared_memory`` allocates: shmem, whose huge pages
+memfd-backed mappings (what ``kvwire.transfer.memory`` allocates: shmem, whose huge pages
 depend on ``/sys/kernel/mm/transparent_hugepage/shmem_enabled``) and anonymous numpy arrays (huge
 pages per ``transparent_hugepage/enabled``). The ratios are the ceilings the plane's copy can reach.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvwire.transfer.block_copy import KVLayout, gather_blocks
+from kvwire.transfer.memory import KVLayout, gather_blocks
 from kvwire.transfer.planes.common import group_kernels
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

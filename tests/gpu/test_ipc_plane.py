@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvwire.transfer.block_copy import KVLayout, block_spans, gather_blocks
+from kvwire.transfer.memory import KVLayout, block_spans, gather_blocks
 from support.nccl_planes import child_results
 
 pytestmark = [

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvwire.transfer.block_copy import KVLayout, gather_blocks
+from kvwire.transfer.memory import KVLayout, gather_blocks
 from support.nccl_planes import child_results, two_gpus
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not two_gpus(), reason="needs 2 CUDA GPUs")]
@@ -67,7 +67,7 @@ def _agent_sender(conn: Connection, _: Any) -> dict[str, str]:
 
 def _agent_receiver(conn: Connection, _: Any) -> dict[str, Any]:
     from kvwire.transfer import Backend, TransferAgent, TransferConfig
-    from kvwire.transfer.block_copy import scatter_blocks
+    from kvwire.transfer.memory import scatter_blocks
 
     with TransferAgent(TransferConfig(backend=Backend.NCCL, transport="nccl", device="cuda:1")) as agent:
         conn.send(agent.endpoint)

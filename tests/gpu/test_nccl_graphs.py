@@ -52,7 +52,7 @@ def _cache(seed: int, device: str) -> list[torch.Tensor]:
 
 
 def _expected(seed: int) -> torch.Tensor:
-    from kvwire.transfer.block_copy import KVLayout, gather_blocks
+    from kvwire.transfer.memory import KVLayout, gather_blocks
 
     ids = torch.tensor(BLOCKS, device="cuda:1")
     cache = _cache(seed, "cuda:1")
@@ -93,8 +93,8 @@ def _recv(conn: Connection, _: Any) -> dict[str, Any]:
 
 def _send(conn: Connection, _: Any) -> dict[str, Any]:
     from kvwire.transfer.enums import KVLayout
+    from kvwire.transfer.memory import SendItem
     from kvwire.transfer.planes.common.group_kernels import PagedLayers, SlabGather
-    from kvwire.transfer.types import SendItem
     from support import nccl_planes as h
 
     plane, rec = h.start_plane(0, "send-g", _cfg())

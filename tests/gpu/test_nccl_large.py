@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvwire.transfer.block_copy import KVLayout, gather_blocks, gathered_shape
+from kvwire.transfer.memory import KVLayout, gather_blocks, gathered_shape
 from support.nccl_planes import child_results, two_gpus
 
 pytestmark = [
@@ -248,7 +248,7 @@ def _sender(conn: Connection, mode: str) -> dict[str, Any]:
 
 def _receiver(conn: Connection, mode: str) -> dict[str, Any]:
     from kvwire.transfer import Backend, LayerSink, TransferAgent, TransferConfig
-    from kvwire.transfer.block_copy import scatter_blocks
+    from kvwire.transfer.memory import scatter_blocks
 
     _log_to_stderr("D cuda:1")
     device = torch.device("cuda:1")

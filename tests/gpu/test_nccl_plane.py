@@ -50,7 +50,7 @@ TRANSFERS = [
 
 
 def _recv_bit_exact(conn: Connection, lanes: int) -> dict[str, bool]:
-    from kvwire.transfer.types import RecvItem
+    from kvwire.transfer.memory import RecvItem
     from support import nccl_planes as h
 
     plane, rec = h.start_plane(1, "recv-1", _cfg(lanes=lanes))  # the receiver's offer sets the lanes
@@ -282,8 +282,8 @@ def _step(side: str, what: str) -> None:
 
 def _recv_consumers(conn: Connection, _: Any) -> dict[str, Any]:
     from kvwire.transfer.enums import KVLayout
+    from kvwire.transfer.memory import RecvItem
     from kvwire.transfer.planes.common.group_kernels import PagedLayers
-    from kvwire.transfer.types import RecvItem
     from support import nccl_planes as h
 
     plane, rec = h.start_plane(1, "recv-c", _cfg(chunk_bytes=1 * MiB, edge_bytes=0, stall_timeout_s=20.0))
@@ -349,7 +349,7 @@ def _recv_consumers(conn: Connection, _: Any) -> dict[str, Any]:
 
 
 def _send_consumers(conn: Connection, _: Any) -> None:
-    from kvwire.transfer.block_copy import KVLayout, gather_blocks
+    from kvwire.transfer.memory import KVLayout, gather_blocks
     from support import nccl_planes as h
 
     plane, rec = h.start_plane(0, "send-c", _cfg(chunk_bytes=1 * MiB, edge_bytes=0, stall_timeout_s=20.0))
@@ -420,7 +420,7 @@ def _recv_producers(conn: Connection, _: Any) -> dict[str, Any]:
 
 def _gathered_src(seed: int) -> torch.Tensor:
     """What the receiver must get: each layer's SRC_BLOCKS, gathered (KV_FIRST), as int16 words."""
-    from kvwire.transfer.block_copy import KVLayout, gather_blocks
+    from kvwire.transfer.memory import KVLayout, gather_blocks
 
     ids = torch.tensor(SRC_BLOCKS)
     return (
@@ -432,8 +432,8 @@ def _gathered_src(seed: int) -> torch.Tensor:
 
 def _send_producers(conn: Connection, _: Any) -> dict[str, Any]:
     from kvwire.transfer.enums import KVLayout
+    from kvwire.transfer.memory import SendItem
     from kvwire.transfer.planes.common.group_kernels import PagedLayers
-    from kvwire.transfer.types import SendItem
     from support import nccl_planes as h
 
     plane, rec = h.start_plane(0, "send-p", _cfg(chunk_bytes=1 * MiB, edge_bytes=0, stall_timeout_s=20.0))

@@ -46,7 +46,7 @@ def _cache(seed: int, device: str) -> list[torch.Tensor]:
 
 
 def _recv(conn: Connection, _: Any) -> dict[str, Any]:
-    from kvwire.transfer.block_copy import KVLayout, gather_blocks
+    from kvwire.transfer.memory import KVLayout, gather_blocks
     from support import nccl_planes as h
 
     plane, rec = h.start_plane(1, "recv-s", _cfg())
@@ -76,9 +76,9 @@ def _recv(conn: Connection, _: Any) -> dict[str, Any]:
 
 def _send(conn: Connection, _: Any) -> dict[str, Any]:
     from kvwire.transfer.enums import KVLayout
+    from kvwire.transfer.memory import SendItem
     from kvwire.transfer.planes.common.group_kernels import PagedLayers, SlabGather
     from kvwire.transfer.planes.nccl.device_signal import DeviceSignal, SignalState
-    from kvwire.transfer.types import SendItem
     from support import nccl_planes as h
 
     plane, rec = h.start_plane(0, "send-s", _cfg())

@@ -44,7 +44,7 @@ def _cfg(zero_copy: bool) -> Any:
 
 
 def _recv(conn: Connection, zero_copy: bool) -> dict[str, Any]:
-    from kvwire.transfer.types import RecvItem
+    from kvwire.transfer.memory import RecvItem
     from support import nccl_planes as h
 
     plane, rec = h.start_plane(1, "zc-recv-1", _cfg(zero_copy))

@@ -13,7 +13,7 @@ import torch
 
 from kvwire.transfer import TransferAgent, TransferConfig
 from kvwire.transfer.enums import KVLayout
-from kvwire.transfer.registered_caches import BlockTarget
+from kvwire.transfer.memory import BlockTarget
 from support.loopback_plane import LoopbackPlane
 
 pytestmark = pytest.mark.gpu

@@ -15,8 +15,7 @@ import torch
 
 from kvwire.transfer import TransferAgent, TransferConfig
 from kvwire.transfer.enums import KVLayout
-from kvwire.transfer.registered_caches import BlockTarget
-from kvwire.transfer.shared_memory import shared_tensors
+from kvwire.transfer.memory import BlockTarget, shared_tensors
 from support.shm_planes import shm_plane
 from support.transfer_helpers import PeerProcess, digest, has_all, poll_until
 from support.waiting import wait_for

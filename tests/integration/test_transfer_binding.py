@@ -12,7 +12,7 @@ import pytest
 
 from kvwire.errors import TransferError
 from kvwire.transfer import TransferAgent, TransferConfig
-from kvwire.transfer.stats import TransferStats
+from kvwire.transfer.core import TransferStats
 from support.transfer_helpers import PeerProcess, digest, expected_digests, has_all, plane_address, poll_until
 
 SECRET = "binding-test-secret"

@@ -24,8 +24,7 @@ from kvwire.connector.scheduler import KvwireSchedulerConnector
 from kvwire.connector.worker import KvwireWorkerConnector
 from kvwire.protocol.kv_params import KVTransferParams, Role
 from kvwire.transfer.enums import KVLayout
-from kvwire.transfer.registered_caches import BlockTarget, PagedKV
-from kvwire.transfer.types import LayerSink, LayerSpec, TransferEvents
+from kvwire.transfer.memory import BlockTarget, LayerSink, LayerSpec, PagedKV, TransferEvents
 
 _ids = itertools.count()
 

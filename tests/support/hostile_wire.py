@@ -21,7 +21,7 @@ import zmq
 
 from kvwire.bench import fuzz_corpus, fuzz_mutate
 from kvwire.errors import ProtocolError
-from kvwire.transfer.control_messages import Codec
+from kvwire.transfer.core import Codec
 from kvwire.transfer.planes.common.hello import HELLO, MAC_BYTES, NONCE_BYTES
 from kvwire.transfer.planes.shm.wire import MAGIC as SHM_MAGIC
 from kvwire.transfer.planes.shm.wire import VERSION as SHM_VERSION

@@ -4,7 +4,7 @@ It stands in for the NCCL plane in CPU tests of the paths that only a GPU plane 
 hands it items with ``on_device`` producers and consumers): it calls a message's producer before
 "sending" (one message per ``send`` call and producer), copies each item's bytes into the receiver's
 posted ``dest``, runs the receiver's consumer with an open gate, and reports ``on_received`` after
-the consumer returned — the NCCL plane's contract (:data:`kvwire.transfer.types.DeviceConsumer`) on
+the consumer returned — the NCCL plane's contract (:data:`kvwire.transfer.memory.DeviceConsumer`) on
 one thread. A cancelled transfer's pending data never reaches its consumer (the gate is closed).
 On a CUDA agent device it does the same with device tensors (one process, one GPU): the producers'
 one-launch gathers and the consumers' gated scatters then run for real, without NCCL.
@@ -24,8 +24,8 @@ from typing import ClassVar
 import torch
 
 from kvwire.transfer.config import TransferConfig
+from kvwire.transfer.memory import GATE_MAGIC, PeerRef, RecvItem, SendItem
 from kvwire.transfer.planes.base import DataPlane, PlaneCallbacks
-from kvwire.transfer.types import GATE_MAGIC, PeerRef, RecvItem, SendItem
 
 _OPEN_GATE = torch.tensor([GATE_MAGIC, 1, 1, 0], dtype=torch.int32)
 _CLOSED_GATE = torch.tensor([GATE_MAGIC, 1, 0, 0], dtype=torch.int32)

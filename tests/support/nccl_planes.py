@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from kvwire.transfer.memory import PeerRef, SendItem
 from kvwire.transfer.planes.nccl.driver import (
     NCCL_SAFE_ENV,
     Recorder,
@@ -24,7 +25,6 @@ from kvwire.transfer.planes.nccl.driver import (
     zero_copy_slab,
 )
 from kvwire.transfer.planes.nccl.plane import NcclPlane
-from kvwire.transfer.types import PeerRef, SendItem
 
 log = logging.getLogger(__name__)
 

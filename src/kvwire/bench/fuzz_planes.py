@@ -98,11 +98,11 @@ def tcp_frames() -> FuzzTarget:
     import torch
 
     from kvwire.transfer.config import TransferConfig
+    from kvwire.transfer.memory import RecvItem
     from kvwire.transfer.planes.common.liveness import Heartbeat
     from kvwire.transfer.planes.tcp.plane import TcpPlane
     from kvwire.transfer.planes.tcp.recv import TcpInbound
     from kvwire.transfer.planes.tcp.wire import RECEIVER_PING
-    from kvwire.transfer.types import RecvItem
 
     plane = TcpPlane(TransferConfig(), "a" * 32)
     plane._callbacks = _Callbacks()
@@ -130,10 +130,10 @@ def shm_frames() -> FuzzTarget:
     import torch
 
     from kvwire.transfer.config import MiB, TransferConfig
+    from kvwire.transfer.memory import RecvItem
     from kvwire.transfer.planes.shm.plane import ShmPlane
     from kvwire.transfer.planes.shm.recv import Inbound
     from kvwire.transfer.planes.shm.ring import create_ring, ring_array
-    from kvwire.transfer.types import RecvItem
 
     config = TransferConfig(recv_budget_bytes=1 * MiB, shm_ring_bytes=1 * MiB)
     plane = ShmPlane(config, "a" * 32)

@@ -14,10 +14,9 @@ import torch
 from kvwire.bench import nccl_harness as h
 from kvwire.bench.nccl_workers import LAYOUT, KvwireSide, barrier, ceiling, summarize
 from kvwire.bench.synthetic_forward import SyntheticForward
-from kvwire.transfer.block_copy import gather_blocks, scatter_blocks
+from kvwire.transfer.memory import SendItem, gather_blocks, scatter_blocks
 from kvwire.transfer.planes.common.group_kernels import PagedLayers, triton_available
 from kvwire.transfer.planes.nccl.bindings import CommConfig
-from kvwire.transfer.types import SendItem
 
 
 def overlap(

@@ -20,13 +20,12 @@ from typing import Any
 import torch
 
 from kvwire.bench import nccl_harness as h
-from kvwire.transfer.block_copy import KVLayout, gather_blocks, scatter_blocks
+from kvwire.transfer.memory import KVLayout, RecvItem, SendItem, gather_blocks, scatter_blocks
 from kvwire.transfer.planes.common.group_kernels import PagedLayers, SlabGather
 from kvwire.transfer.planes.nccl.bindings import NcclComm
 from kvwire.transfer.planes.nccl.device_signal import DeviceSignal
 from kvwire.transfer.planes.nccl.framing import message_ranges
 from kvwire.transfer.planes.nccl.memory import NcclBuffer
-from kvwire.transfer.types import RecvItem, SendItem
 
 LAYOUT = KVLayout.KV_FIRST
 SENDERS = ("armed", "producer", "per-message", "bulk")  # how (c)'s sender hands its layers to the plane
@@ -324,7 +323,7 @@ class KvwireSide:
 class Landing:
     """The receiver's device consumer for one transfer: scatter a message's layers from the slab into
     the paged cache with one gated launch; the end is when every message's scatter is done (they may
-    run concurrently, see :data:`~kvwire.transfer.types.DeviceConsumer`)."""
+    run concurrently, see :data:`~kvwire.transfer.memory.DeviceConsumer`)."""
 
     def __init__(self, paged: PagedLayers, ids: torch.Tensor, slab: torch.Tensor) -> None:
         self.paged = paged

@@ -42,11 +42,16 @@ from kvwire.connector.metrics import connector_metrics
 from kvwire.connector.worker import KvwireWorkerConnector
 from kvwire.protocol.kv_params import Role
 from kvwire.transfer import Backend, LayerSpec, TransferAgent, TransferConfig
-from kvwire.transfer.block_copy import block_ids_tensor, gather_blocks, gathered_shape, scatter_blocks
 from kvwire.transfer.enums import KVLayout, Transport
+from kvwire.transfer.memory import (
+    block_ids_tensor,
+    gather_blocks,
+    gathered_shape,
+    scatter_blocks,
+    shared_tensors,
+)
 from kvwire.transfer.planes.common.wire import recv_exact
 from kvwire.transfer.planes.tcp.wire import tensor_bytes, tune
-from kvwire.transfer.shared_memory import shared_tensors
 
 DEFAULT_TOKENS = (512, 2048, 8192)
 _CEILING_JOIN_S = 10.0  # the writer is done once the reader has every byte; this only guards a bug
@@ -142,7 +147,7 @@ class _Caches:
 
     def __init__(self, tokens: int, shape: Shape, *, shared: bool = False) -> None:
         """``shared``: both caches in shared memory, allocated as the built-in engine allocates its
-        CPU KV cache (``kvwire.transfer.shared_memory``)."""
+        CPU KV cache (``kvwire.transfer.memory``)."""
         gen = torch.Generator().manual_seed(tokens)
         self.num_blocks = -(-tokens // shape.block_size)
         total = self.num_blocks + max(16, self.num_blocks // 4)

@@ -94,7 +94,7 @@ def _receiver(conn: Connection, tokens: int, shape: Shape, runs: int, verify: bo
     """D: expects each transfer (then says so), waits for it, answers the time it became whole (one
     host: P reads the same clock); with ``verify``, checks every block of the last run at the end."""
     from kvwire.transfer import TransferAgent
-    from kvwire.transfer.block_copy import KVLayout, block_spans, gather_blocks
+    from kvwire.transfer.memory import KVLayout, block_spans, gather_blocks
 
     if where.device.startswith("cuda"):
         torch.cuda.set_device(where.device)
@@ -132,7 +132,7 @@ def _sender(
     conn: Connection, tokens: int, shape: Shape, runs: int, where: Where
 ) -> list[tuple[float, float, int]]:
     from kvwire.transfer import LayerSpec, TransferAgent
-    from kvwire.transfer.block_copy import KVLayout, block_spans
+    from kvwire.transfer.memory import KVLayout, block_spans
 
     total, src_ids = _ids(tokens, shape, 1)
     gen = torch.Generator().manual_seed(tokens)
@@ -183,7 +183,7 @@ def overlap(tokens: int, shape: Shape, iters: int = 6) -> OverlapResult:
     process on the same GPU, receives into its paged caches."""
     from kvwire.bench.synthetic_forward import SyntheticForward
     from kvwire.transfer import LayerSpec, TransferAgent
-    from kvwire.transfer.block_copy import KVLayout, block_spans
+    from kvwire.transfer.memory import KVLayout, block_spans
 
     ctx = mp.get_context("spawn")
     left, right = ctx.Pipe()

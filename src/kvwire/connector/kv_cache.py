@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvwire.transfer.shared_memory import shared_tensors
+from kvwire.transfer.memory import shared_tensors
 
 
 def allocate_kv_caches(

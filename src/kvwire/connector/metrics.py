@@ -15,7 +15,7 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from kvwire.transfer.types import TransferTiming
+from kvwire.transfer.memory import TransferTiming
 
 _HANDOVER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _SIZE_BUCKETS = tuple(float(1 << s) for s in range(16, 36, 2))  # 64 KiB .. 16 GiB

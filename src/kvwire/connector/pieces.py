@@ -21,8 +21,7 @@ from kvwire.connector.tp_map import (
     received_by,
     sent_by,
 )
-from kvwire.transfer.block_copy import head_slice
-from kvwire.transfer.types import PullSlice
+from kvwire.transfer.memory import PullSlice, head_slice
 
 __all__ = ["head_slice"]  # re-exported: the view lives with the other paged-KV helpers
 

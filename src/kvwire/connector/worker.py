@@ -49,16 +49,19 @@ from kvwire.connector.pieces import (
 from kvwire.connector.quarantine import ReceiveQuarantine
 from kvwire.connector.state import reason_label
 from kvwire.errors import ConfigError, KvwireError
-from kvwire.transfer.block_copy import (
+from kvwire.transfer.enums import KVLayout
+from kvwire.transfer.memory import (
     HEAD_DIM,
+    BlockTarget,
+    LayerSpec,
+    PullSlice,
+    TransferEvents,
+    TransferTiming,
     block_ids_tensor,
     gather_blocks,
     gathered_shape,
     scatter_blocks,
 )
-from kvwire.transfer.enums import KVLayout
-from kvwire.transfer.registered_caches import BlockTarget
-from kvwire.transfer.types import LayerSpec, PullSlice, TransferEvents, TransferTiming
 
 logger = logging.getLogger(__name__)
 

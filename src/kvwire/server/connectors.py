@@ -18,10 +18,10 @@ from kvwire.errors import ConfigError
 from kvwire.protocol.kv_params import Role
 from kvwire.server.config import ServerConfig
 from kvwire.supervision import HealthBoard
-from kvwire.transfer.stats import ControlLimit
+from kvwire.transfer.core import ControlLimit
 
 if TYPE_CHECKING:
-    from kvwire.transfer.stats import TransferStats
+    from kvwire.transfer.core import TransferStats
 
 logger = logging.getLogger(__name__)
 

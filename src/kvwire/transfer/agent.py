@@ -1,8 +1,46 @@
-"""TransferAgent: one per process (per GPU worker); moves KV layers to/from peer agents.
+"""The transfer agent: its control thread, where what reaches it goes, and its public API.
 
-Threads: the control thread (:mod:`kvwire.transfer.control`: ZMQ I/O, message handling, deadlines,
+Read in order: :class:`ControlLoop` (the ZMQ control thread); :class:`Routes` (control messages,
+ticks and plane reports to the side holding the transfer); :class:`TransferAgent`.
+
+The control thread
+------------------
+The agent's control thread: owns every ZMQ socket (ZMQ sockets are not thread-safe).
+
+Inbound: one ROUTER bound at the agent's control endpoint. Outbound: one DEALER per peer endpoint,
+created lazily (ZMQ reconnects it transparently when the peer restarts; epochs in the messages tell
+old from new). Other threads hand work over through :meth:`send` / :meth:`call_soon`, which append to
+an outbox and wake the thread through a socket pair; the thread never blocks on a peer (sends are
+non-blocking, a full queue drops the message and logs: deadlines cover the loss).
+
+Trust boundary (decision 116): ZeroMQ drops (and disconnects) a peer whose frame exceeds
+``ControlLimits.max_message_bytes`` (``MAXMSGSIZE``); a message of more frames than the protocol has is
+read part by part and dropped without keeping its extra parts; the codec checks sizes before any MAC
+or decoding and turns whatever hostile bytes raise into a ProtocolError. The thread runs under a
+:class:`~kvwire.supervision.SupervisedThread`: an exception in the handling of one message or one
+outbound send is logged (rate-limited), counted on the board and the loop goes on; anything else that
+escapes an iteration restarts the loop after a backoff, and too many such failures mark the component
+dead (``on_dead``: the agent fails every transfer and refuses new ones). More than
+``MAX_CONTAINED_ERRORS`` contained errors within ``CONTAINED_WINDOW_S`` count as one such failure.
+
+Routes
+------
+Where what reaches an agent goes: control messages, ticks and plane reports, to the side that
+holds the transfer they name.
+
+The control thread (:class:`ControlLoop`) calls ``on_message``, ``on_reject``, ``on_tick``,
+``on_unreachable`` and ``on_control_dead``; the data plane's threads call the
+:class:`~kvwire.transfer.planes.base.PlaneCallbacks` methods. Each takes ``core.lock``; a sink runs
+without it. Epochs are checked here, once per message, before any side sees it: a new instance id at
+a known endpoint fails the old process's transfers (decision 092).
+
+The agent
+---------
+TransferAgent: one per process (per GPU worker); moves KV layers to/from peer agents.
+
+Threads: the control thread (:class:`ControlLoop`: ZMQ I/O, message handling, deadlines,
 ack flushing, delayed sink deliveries) and the data plane's threads (:mod:`kvwire.transfer.planes.base`);
-what they report goes through :mod:`kvwire.transfer.routes` to the side that holds the transfer
+what they report goes through :class:`Routes` to the side that holds the transfer
 (:mod:`kvwire.transfer.sender`, :mod:`kvwire.transfer.receiver`).
 Caller threads only touch in-memory state under the agent lock and queue work: no public method
 waits on the network. Completion is reported through :meth:`TransferAgent.poll`.
@@ -19,32 +57,521 @@ refused with a TransferError, and the board (``/health``, ``kvwire_component_up`
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import secrets
+import socket
+import threading
+import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
 import torch
+import zmq
 
-from kvwire.errors import TransferError
-from kvwire.supervision import HealthBoard
+from kvwire.errors import ProtocolError, TransferError
+from kvwire.supervision import HealthBoard, SupervisedThread
 from kvwire.transfer.buffers import RecvMemory
 from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.control import ControlLoop
-from kvwire.transfer.core import Core
+from kvwire.transfer.core import (
+    MAX_FRAMES,
+    Abort,
+    Ack,
+    AnyMsg,
+    Codec,
+    Core,
+    Grant,
+    Offer,
+    PeerState,
+    Pull,
+    Renew,
+    Trailer,
+    TransferStats,
+)
 from kvwire.transfer.enums import FailReason, KVLayout
+from kvwire.transfer.memory import (
+    BlockTarget,
+    ByteSpans,
+    LayerSink,
+    LayerSpec,
+    PagedKV,
+    PullSlice,
+    TransferEvents,
+)
+from kvwire.transfer.peer_watch import PeerWatch
 from kvwire.transfer.planes.base import DataPlane
 from kvwire.transfer.planes.factory import make_plane
 from kvwire.transfer.planes.plane_set import PlaneSet
 from kvwire.transfer.receiver import Receiver
-from kvwire.transfer.registered_caches import BlockTarget, PagedKV
-from kvwire.transfer.routes import Routes
 from kvwire.transfer.sender import Sender
-from kvwire.transfer.stats import TransferStats
-from kvwire.transfer.types import ByteSpans, LayerSink, LayerSpec, PullSlice, TransferEvents
+
+# ============================== The control thread
 
 log = logging.getLogger("kvwire.transfer")
+control_log = logging.getLogger("kvwire.transfer.control")  # the control thread's logger (its name kept)
+
+TICK_S = 0.02  # deadline/ack-flush granularity
+MAX_BATCH = 256  # inbound messages handled per wake-up before the outbox gets a turn
+SNDHWM = 10_000
+LINGER_MS = 200  # give final Aborts a moment to leave on close
+MAX_DEALERS = 512  # cached outbound sockets (one per peer endpoint)
+# Nothing is ever read from an outbound DEALER (peers answer on our ROUTER): what a peer pushes back
+# into one is capped at one small frame rather than queued unread.
+DEALER_MAX_INBOUND_BYTES = 1024
+NAME = "kvwire-transfer-control"
+ERROR_LOG_INTERVAL_S = 10.0  # per-message / per-send errors: one traceback per interval, then counts
+# Contained errors tolerated within the window; one more and the loop fails (the supervisor restarts
+# it with backoff, and gives it up when that keeps happening): a handler that fails on message after
+# message is broken, not unlucky, and the process must say so.
+MAX_CONTAINED_ERRORS = 100
+CONTAINED_WINDOW_S = 60.0
+
+
+class ControlLoop:
+    """Control-plane I/O thread. ``handler``/``on_reject``/``on_tick`` run on this thread.
+
+    ``board``: the process's :class:`~kvwire.supervision.HealthBoard` (None: a private one);
+    ``on_dead(exc)``: runs once, on this thread, when supervision gives the loop up;
+    ``on_limit(name)``: a control-plane limit was hit (counted by the agent)."""
+
+    def __init__(
+        self,
+        config: TransferConfig,
+        handler: Callable[[AnyMsg], None],
+        on_reject: Callable[[str], None],
+        on_tick: Callable[[], None],
+        on_unreachable: Callable[[str], None] | None = None,
+        *,
+        board: HealthBoard | None = None,
+        on_dead: Callable[[BaseException], None] | None = None,
+        on_limit: Callable[[str], None] | None = None,
+    ) -> None:
+        """``on_unreachable(endpoint)``: a peer we send to refuses connections now (peer_watch)."""
+        self._max_bytes = config.limits.max_message_bytes
+        self._codec = Codec(config.secret, self._max_bytes)
+        self._handler = handler
+        self._on_reject = on_reject
+        self._on_tick = on_tick
+        self._on_limit = on_limit or (lambda _name: None)
+        self._ctx = zmq.Context(io_threads=1)
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.RCVHWM, SNDHWM)
+        self._router.setsockopt(zmq.MAXMSGSIZE, self._max_bytes)  # per frame; larger: peer disconnected
+        self._router.bind(f"tcp://{config.host}:{config.control_port}")
+        #: where the ROUTER listens; ``endpoint``: what peers are told to dial (config.advertise_*)
+        self.bound_endpoint: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        bound = self.bound_endpoint.removeprefix("tcp://")
+        self.endpoint: str = "tcp://" + config.advertised(bound, config.advertise_control_port)
+        # outbound sockets by peer endpoint, least recently used first (bounded: peers come and go)
+        self._dealers: collections.OrderedDict[str, zmq.Socket] = collections.OrderedDict()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_w.setblocking(False)
+        self._wake_r.setblocking(False)
+        self._lock = threading.Lock()
+        self._outbox: collections.deque[tuple[str, AnyMsg] | Callable[[], None]] = collections.deque()
+        self._stop = threading.Event()
+        self._errors = _ErrorLog()
+        self._contained_at: collections.deque[float] = collections.deque()  # when, within the window
+        self.board = board if board is not None else HealthBoard()
+        self._thread = SupervisedThread(NAME, self._loop, self._stop, board=self.board, on_dead=on_dead)
+        self._poller = zmq.Poller()
+        self._poller.register(self._router, zmq.POLLIN)
+        self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        self._watch = PeerWatch(self._poller, on_unreachable) if on_unreachable is not None else None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # --- thread-safe entry points ----------------------------------------------------------------------
+
+    def send(self, endpoint: str, msg: AnyMsg) -> None:
+        with self._lock:
+            self._outbox.append((endpoint, msg))
+        self.wake()
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            self._outbox.append(fn)
+        self.wake()
+
+    def wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"\0")
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread, flush the outbox, close every socket and the ZMQ context."""
+        self._stop.set()
+        self.wake()
+        stopped = self._thread.stop(timeout_s)
+        if stopped:  # the thread is gone: its sockets are ours now (final Aborts leave)
+            try:
+                self._drain_outbox()
+            except Exception:
+                control_log.exception("transfer control loop: flushing the outbox on close failed")
+        if self._watch is not None:
+            self._watch.close()
+        for dealer in self._dealers.values():
+            dealer.close(linger=LINGER_MS)
+        self._dealers.clear()
+        self._router.close(linger=0)
+        self._ctx.term()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # --- the thread ------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        """The supervised body: returns once ``stop`` is set. What one message or one send raises is
+        contained where it happens; anything else propagates to the supervisor (restart, or dead)."""
+        while not self._stop.is_set():
+            ready = dict(self._poller.poll(int(TICK_S * 1000)))
+            if self._router in ready:
+                self._drain_inbound()
+            if self._wake_r.fileno() in ready:
+                with contextlib.suppress(BlockingIOError):
+                    self._wake_r.recv(65536)
+            self._drain_outbox()
+            if self._watch is not None:
+                self._watch.handle(ready)
+            self._on_tick()
+
+    def _drain_inbound(self) -> None:
+        for _ in range(MAX_BATCH):
+            frames = self._recv_frames()
+            if frames is None:
+                return
+            if not frames:
+                continue  # refused (too many frames), already counted
+            try:
+                msg = self._codec.decode(frames)
+            except ProtocolError as exc:
+                if len(frames[0]) > self._max_bytes:
+                    self._on_limit("control_message_bytes")
+                self._on_reject(str(exc))
+                continue
+            try:
+                self._handler(msg)
+            except Exception:  # a bug one message triggers must not stop the others
+                self._contained("handling a control message")
+
+    def _recv_frames(self) -> list[bytes] | None:
+        """One inbound message without its ROUTER identity frame; None when none is waiting; [] when
+        it had more frames than the protocol (the rest read and dropped, never kept)."""
+        try:
+            self._router.recv(zmq.NOBLOCK)  # the peer's identity (ZMQ delivers a message's parts at once)
+        except zmq.Again:
+            return None
+        frames: list[bytes] = []
+        count = 0
+        while self._router.getsockopt(zmq.RCVMORE):
+            part = self._router.recv(zmq.NOBLOCK, copy=False)
+            count += 1
+            if count <= MAX_FRAMES:
+                frames.append(part.bytes)
+        if count > MAX_FRAMES or not frames:
+            self._on_limit("control_frames")
+            self._on_reject(f"control message of {count} frames (at most {MAX_FRAMES})")
+            return []
+        return frames
+
+    def _drain_outbox(self) -> None:
+        while True:
+            with self._lock:
+                if not self._outbox:
+                    return
+                item = self._outbox.popleft()
+            try:
+                if callable(item):
+                    item()
+                else:
+                    self._send_now(*item)
+            except Exception:  # one bad endpoint (a peer's choice) or callback: the rest go on
+                self._contained("sending a control message" if not callable(item) else "a queued call")
+
+    def _contained(self, what: str) -> None:
+        """Log (rate-limited, with the traceback) and count an error contained to one item; past
+        ``MAX_CONTAINED_ERRORS`` within the window, fail the loop instead (the caller's exception
+        context goes with it)."""
+        self.board.worker_error(NAME)
+        self._errors.log(f"transfer control loop: {what} failed (continuing)")
+        now = time.monotonic()
+        self._contained_at.append(now)
+        while self._contained_at and self._contained_at[0] < now - CONTAINED_WINDOW_S:
+            self._contained_at.popleft()
+        if len(self._contained_at) > MAX_CONTAINED_ERRORS:
+            self._contained_at.clear()
+            raise RuntimeError(f"{what} failed more than {MAX_CONTAINED_ERRORS} times within "
+                               f"{CONTAINED_WINDOW_S:.0f} s")
+
+    def _dealer(self, endpoint: str) -> zmq.Socket:
+        dealer = self._dealers.get(endpoint)
+        if dealer is not None:
+            self._dealers.move_to_end(endpoint)
+            return dealer
+        if len(self._dealers) >= MAX_DEALERS:
+            gone, oldest = self._dealers.popitem(last=False)
+            if self._watch is not None:
+                self._watch.unwatch(gone, oldest)
+            oldest.close(linger=0)
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, LINGER_MS)
+        dealer.setsockopt(zmq.SNDHWM, SNDHWM)
+        dealer.setsockopt(zmq.RCVHWM, 1)
+        dealer.setsockopt(zmq.MAXMSGSIZE, DEALER_MAX_INBOUND_BYTES)
+        try:
+            if self._watch is not None:
+                self._watch.watch(endpoint, dealer)  # before connect: its first attempt counts too
+            dealer.connect(endpoint)
+        except zmq.ZMQError:
+            if self._watch is not None:
+                self._watch.unwatch(endpoint, dealer)
+            dealer.close(linger=0)
+            raise
+        self._dealers[endpoint] = dealer
+        return dealer
+
+    def _send_now(self, endpoint: str, msg: AnyMsg) -> None:
+        dealer = self._dealer(endpoint)
+        try:
+            dealer.send_multipart(self._codec.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            control_log.warning(
+                "control queue to %s is full: dropped %s for %s",
+                endpoint,
+                type(msg).__name__,
+                msg.transfer_id,
+            )
+
+
+class _ErrorLog:
+    """One traceback per ``ERROR_LOG_INTERVAL_S``, then how many were not logged (a hostile peer that
+    triggers an error per message must not flood the log). Control thread only."""
+
+    def __init__(self) -> None:
+        self._last = -ERROR_LOG_INTERVAL_S
+        self._suppressed = 0
+
+    def log(self, text: str) -> None:
+        now = time.monotonic()
+        if now - self._last < ERROR_LOG_INTERVAL_S:
+            self._suppressed += 1
+            return
+        more = f" ({self._suppressed} more since the last report)" if self._suppressed else ""
+        self._last, self._suppressed = now, 0
+        control_log.exception("%s%s", text, more)
+
+
+# ============================== Routes
+
+
+
+class Routes:
+    """The agent's control-thread and plane-thread entry points (see the module docstring)."""
+
+    def __init__(self, core: Core, sender: Sender, receiver: Receiver) -> None:
+        self.core = core
+        self.sender = sender
+        self.receiver = receiver
+        self._next_expiry = 0.0  # control thread only: when on_tick next checks deadlines
+
+    # --- control thread ----------------------------------------------------------------------------------
+
+    def on_message(self, msg: AnyMsg) -> None:
+        core = self.core
+        with core.lock:
+            if core.closed:
+                return
+            self._check_epoch(msg)
+            if msg.dst_id and msg.dst_id != core.instance_id and not isinstance(msg, (Offer, Pull)):
+                self.on_reject(f"stale {type(msg).__name__} for epoch {msg.dst_id} (now {core.instance_id})")
+                # an early Grant (decision 110) went to this endpoint's previous process on what
+                # the receiver knew of it: that process never had the transfer, nothing was lost;
+                # the receiver grants afresh when this process offers it
+                if not isinstance(msg, Abort) and not (isinstance(msg, Grant) and msg.early):
+                    reason = f"{FailReason.PEER_LOST.value}: peer restarted"
+                    core.send_abort(msg.src_endpoint, msg.transfer_id, reason, msg.src_id)
+                return
+            self._route(msg)
+
+    def _route(self, msg: AnyMsg) -> None:
+        if isinstance(msg, Offer):
+            self.receiver.on_offer(msg)
+        elif isinstance(msg, Grant):
+            self.sender.on_grant(msg)
+        elif isinstance(msg, Ack):
+            self.sender.on_ack(msg)
+        elif isinstance(msg, Trailer):
+            self.receiver.on_trailer(msg)
+        elif isinstance(msg, Pull):
+            self.sender.on_pull(msg)
+        elif isinstance(msg, Renew):
+            self._on_renew(msg)
+        elif isinstance(msg, Abort):
+            self.sender.on_abort(msg.transfer_id, msg.src_endpoint, msg.reason)
+            self.receiver.on_abort(msg.transfer_id, msg.src_id, msg.reason, msg.src_endpoint)
+
+    def _on_renew(self, msg: Renew) -> None:
+        """The peer is alive: extend our lease on the transfer; answer a non-reply with our state."""
+        core, tid, endpoint = self.core, msg.transfer_id, msg.src_endpoint
+        sending = self.sender.on_renew(msg)
+        promised = self.sender.promises.renewed_by(msg)
+        self.sender.early_grants.heard(msg)
+        receiving = self.receiver.on_renew(msg)
+        if msg.reply:
+            return
+        if promised and not sending:
+            state = PeerState.QUEUED.value
+            core.send(endpoint, Renew(**core.header(endpoint, tid, msg.src_id), state=state, reply=True))
+            return
+        if sending:
+            core.send(endpoint, self.sender.renew_msg(endpoint, tid, reply=True))
+            return
+        if receiving:
+            core.send(endpoint, self.receiver.renew_msg(endpoint, tid, reply=True))
+            return
+        # the asker receives if it reports so: our side of the transfer is then the send side
+        side = self.sender.side if msg.state == PeerState.RECEIVING.value else self.receiver.side
+        ended = core.tombstones.get(side, tid)
+        if ended is not None and ended != "done":
+            core.send_abort(endpoint, tid, ended, msg.src_id)
+            return
+        state = PeerState.DONE if ended == "done" else PeerState.UNKNOWN
+        core.send(endpoint, Renew(**core.header(endpoint, tid, msg.src_id), state=state.value, reply=True))
+
+    def _check_epoch(self, msg: AnyMsg) -> None:
+        """A new instance id at a known endpoint: the old process is gone; fail its transfers."""
+        core = self.core
+        known = core.peer_ids.heard(msg.src_endpoint, msg.src_id)
+        if known is None or known == msg.src_id:
+            return
+        log.warning("peer %s restarted (instance %s -> %s)", msg.src_endpoint, known, msg.src_id)
+        core.stats.add("peers_restarted")
+        reason = f"{FailReason.PEER_LOST.value}: peer {msg.src_endpoint} restarted"
+        self._fail_peer(known, reason, restarted=True)
+
+    def _fail_peer(self, peer_id: str, reason: str, restarted: bool = False) -> None:
+        """``restarted``: a new process took the peer's endpoint (not a link of a live peer that broke)."""
+        self.sender.fail_peer(peer_id, reason)
+        self.receiver.fail_peer(peer_id, reason, restarted)
+        self.core.plane.drop_peer(peer_id)
+
+    def on_unreachable(self, endpoint: str) -> None:
+        """The peer at ``endpoint`` refuses connections (its process is gone): fail its transfers
+        now rather than at their leases (peer_watch, decision 088)."""
+        with self.core.lock:
+            if self.core.closed:
+                return
+            reason = f"{FailReason.PEER_LOST.value}: {endpoint} refuses connections"
+            failed = self.sender.fail_endpoint(endpoint, reason)
+            failed += self.receiver.fail_endpoint(endpoint, reason)
+        if failed:
+            log.warning("transfer peer %s refuses connections: failed its %d transfer(s)", endpoint, failed)
+
+    def on_reject(self, reason: str) -> None:
+        self.core.stats.add("messages_rejected")
+        # once, then a summary a minute: a peer sending garbage in a loop must not flood the log
+        self.core.rejects.refused("rejected", reason)
+
+    def on_tick(self) -> None:
+        """After every control-loop wake-up: flush acks; scan deadlines at most every ``TICK_S``
+        (each arrived layer wakes the loop, and the scans walk every transfer in flight)."""
+        with self.core.lock:
+            if self.core.closed:
+                return
+            now = self.core.now()
+            if now >= self._next_expiry:
+                self._next_expiry = now + TICK_S
+                self.sender.expire(now)
+                self.receiver.expire(now)
+                self.sender.renew(now)
+                self.receiver.renew(now)
+            self.receiver.arrivals.flush_acks()
+
+    def on_control_dead(self, error: BaseException) -> None:
+        """Control thread, once, as supervision gives it up: nothing can move or expire any more, so
+        every transfer fails now (callers see it in ``poll``) and new ones are refused."""
+        what = f"{type(error).__name__}: {error}"
+        reason = f"{FailReason.CLOSED.value}: the transfer control loop is dead ({what})"
+        log.error("transfer agent %s: %s; failing every transfer in flight", self.core.instance_id, reason)
+        with self.core.lock:
+            if self.core.closed:
+                return
+            self.core.dead = reason
+            self.sender.close(reason)
+            self.receiver.close(reason)
+
+    def deliver_held(self, transfer_id: str) -> None:
+        """Control thread: hand the layers buffered before ``expect`` to the sink it named."""
+        with self.core.lock:
+            work = self.receiver.arrivals.take_held_for_sink(transfer_id)
+        for index, sink, tensor in work:
+            self._run_sink(transfer_id, index, sink, tensor)
+
+    def _run_sink(self, transfer_id: str, index: int, sink: LayerSink, tensor: torch.Tensor) -> None:
+        try:
+            sink(index, tensor)
+            if tensor.is_cuda:  # the sink's copy/scatter is async: finish it before the buffer is reused
+                done = torch.cuda.Event()  # and before finished_recving (only the sink's work: the
+                done.record(torch.cuda.current_stream(tensor.device))  # plane's streams may hold
+                done.synchronize()  # receives still waiting for data)
+        except Exception as exc:
+            log.exception("sink of transfer %s failed on layer %d", transfer_id, index)
+            with self.core.lock:
+                self.receiver.fail(transfer_id, f"{FailReason.SINK.value}: {exc!r}", notify=True)
+            return
+        with self.core.lock:
+            self.receiver.arrivals.delivered(transfer_id, index)
+
+    # --- data-plane callbacks (plane threads): PlaneCallbacks -------------------------------------------
+
+    def on_sent(self, peer_instance_id: str, transfer_id: str, layer_indices: Sequence[int]) -> None:
+        with self.core.lock:
+            for index in layer_indices:
+                self.sender.queue.on_sent(transfer_id, index)
+
+    def on_received(self, peer_instance_id: str, transfer_id: str, layer_indices: Sequence[int]) -> None:
+        sinks = []
+        with self.core.lock:  # once per message (a plane's thread holds the GIL meanwhile)
+            if self.core.closed:
+                return
+            for index in layer_indices:
+                work = self.receiver.arrivals.on_received(peer_instance_id, transfer_id, index)
+                if work is not None:
+                    sinks.append((index, *work))
+        control = self.core.control
+        if control is not None:
+            control.wake()  # flush the acks soon
+        for index, sink, tensor in sinks:
+            self._run_sink(transfer_id, index, sink, tensor)
+
+    def on_transfer_failed(self, transfer_id: str, reason: str) -> None:
+        with self.core.lock:
+            self.sender.fail(transfer_id, reason, notify=True)
+            self.receiver.fail(transfer_id, reason, notify=True)
+
+    def on_peer_failed(self, peer_instance_id: str, reason: str) -> None:
+        with self.core.lock:
+            if not self.core.closed:
+                self._fail_peer(peer_instance_id, reason)
+
+    def on_protocol_error(self, reason: str) -> None:
+        self.on_reject(reason)
+
+    def peer_endpoint(self, peer_instance_id: str) -> str | None:
+        with self.core.lock:
+            return self.core.peer_ids.endpoint_of(peer_instance_id)
+
+    def on_device_copy(self, num_bytes: int, seconds: float) -> None:
+        self.core.stats.add("device_copy_bytes", num_bytes)
+        self.core.stats.add("device_copy_ns", round(seconds * 1e9))
+        self.core.stats.add("device_copy_batches", 1)
+
+
+# ============================== The agent
+
 
 
 class TransferAgent:
@@ -117,7 +644,7 @@ class TransferAgent:
     def register_kv_caches(self, kv_caches: Sequence[torch.Tensor], layout: KVLayout) -> None:
         """Register the worker's paged KV caches (one tensor per KV-bearing layer, index = layer
         index in transfers) once, before any :meth:`send_blocks` or ``expect(into_blocks=...)``. The
-        agent then moves blocks the plane's fastest way (``kvwire.transfer.registered_caches``). The tensors
+        agent then moves blocks the plane's fastest way (``kvwire.transfer.memory``). The tensors
         must stay allocated for the agent's life."""
         paged = PagedKV(kv_caches, layout)
         with self._core.lock:
@@ -155,7 +682,7 @@ class TransferAgent:
         ``offers_refused``); None: the first puller. A held transfer of blocks (:meth:`send_blocks`)
         may also be pulled in pieces, a head range each (``expect(pull_slice=...)``).
 
-        ``deadline_s`` is a liveness lease (:mod:`kvwire.transfer.lease`): renewed while the
+        ``deadline_s`` is a liveness lease (:mod:`kvwire.transfer.core`): renewed while the
         receiver shows life, never past ``limit_s`` (default ``config.default_limit_s``).
 
         ``transfer_id``: caller-given, unique (e.g. a uuid minted by the router); do not reuse an id

@@ -73,10 +73,6 @@ class ControlLimits:
         if self.max_early_grants_per_peer > self.max_early_grants:
             raise ConfigError("ControlLimits.max_early_grants_per_peer must be <= max_early_grants")
 
-    def peer_deadline(self, deadline_s: float) -> float:
-        """A peer-supplied lease (finite, > 0: the codec checked) within our bounds."""
-        return min(max(deadline_s, self.min_peer_deadline_s), self.max_peer_deadline_s)
-
 
 @dataclasses.dataclass(frozen=True)
 class TransferConfig:

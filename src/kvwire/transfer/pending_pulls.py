@@ -7,11 +7,8 @@ the others out; a refused or expired pull is answered with an Abort. Every metho
 
 from __future__ import annotations
 
-from kvwire.transfer.control_messages import Pull
-from kvwire.transfer.core import Core
+from kvwire.transfer.core import ControlLimit, Core, PeerTable, Pull
 from kvwire.transfer.enums import FailReason
-from kvwire.transfer.peer_table import PeerTable
-from kvwire.transfer.stats import ControlLimit
 
 SIDE = "send"
 

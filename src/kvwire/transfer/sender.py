@@ -1,31 +1,630 @@
-"""Send side of the agent: offers, grants taken, layers handed over, acks, pulls, renewals, failures.
+"""Send side of the agent: one transfer's state and the queue to the plane, early grants kept before
+the start, pulls in pieces, and the side itself.
 
-A transfer is a :class:`~kvwire.transfer.send_state.SendState`; handing granted layers to the plane is
-``send_state.SendQueue``; promises (accepted, not started) ``lease.Promises``;
-early grants kept before the start :mod:`kvwire.transfer.grants`; piece pulls
-:mod:`kvwire.transfer.split_pull`; leases, expiry and the one ``fail`` ``core.Transfers``.
+Read in order: a send's state and :class:`SendQueue`; :class:`EarlyGrants` (decision 110);
+split pulls (a held transfer served in pieces); the :class:`Sender` (offers, grants, layers
+handed over, acks, pulls, renewals, failures).
+
+A send's state and the queue to the plane
+-----------------------------------------
+One transfer on the send side: its layers as handed over, granted, dispatched and acknowledged;
+and the side's queue of granted layers to the data plane (:class:`SendQueue`).
+
+An ordered plane (NCCL) takes a receiver's layers in the order it granted them: they wait in that
+order, per receiver epoch, and a layer not handed over yet holds the later ones back. Every method
+runs with ``core.lock`` held.
+
+Early grants
+------------
+The send side keeps an early grant of a transfer it has not started yet (:class:`EarlyGrants`),
+bounded per receiver and in all, while that receiver renews it. Every method runs with ``core.lock``.
+
+Pulls in pieces
+---------------
+Pull mode, one held transfer served in pieces to several receivers (docs/decisions/087).
+
+P and D of different tensor-parallel sizes: in pull mode P holds each rank's whole layer (its
+registered paged cache, blocks pinned) without knowing D's size; every D rank that needs heads of it
+pulls its own *piece*: a :class:`~kvwire.transfer.core.Pull` naming the held transfer, its own
+transfer id for the piece, the head range it owns and how many pieces the held transfer serves in
+all. Each piece becomes a *child* send (a :class:`Piece`: a
+:class:`~kvwire.transfer.sender.SendState` bound to that receiver: offer, credit, leases, acks as
+any send) whose layers are the held blocks narrowed to the piece's heads, so no receiver gets bytes
+it throws away.
+
+The held transfer (the *parent*) is reported to the caller once: finished when every one of its
+``pieces`` children was acknowledged; failed as soon as one child fails (the other children are
+then failed too, their receivers told), or when not every piece was pulled by the parent's lease.
+Once all pieces are pulled, the children's leases (renewed by their receivers) bound the wait.
+
+A release (``pieces == 0``) ends a held transfer nobody needs (a replica of KV heads another P rank
+serves) as finished at once. Every method runs with ``core.lock`` held (the sender's caller).
+
+The send side
+-------------
+Send side of the agent: offers, grants taken, layers handed over, acks, pulls, renewals, failures.
+
+A transfer is a :class:`SendState`; handing granted layers to the plane is :class:`SendQueue`;
+promises (accepted, not started) ``core.Promises``; early grants kept before the start
+:class:`EarlyGrants`; piece pulls :class:`SplitPulls`; leases, expiry and the one ``fail``
+``core.Transfers``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import collections
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
 from kvwire.errors import TransferError
-from kvwire.transfer.control_messages import Ack, Grant, Offer, Pull, Renew, Trailer, WireLayer
-from kvwire.transfer.core import Core, Transfers
-from kvwire.transfer.enums import FailReason
-from kvwire.transfer.grants import EarlyGrants, early_grant_fits
-from kvwire.transfer.lease import Lease, PeerState, Promises
+from kvwire.transfer.core import (
+    Ack,
+    ControlLimit,
+    Core,
+    Grant,
+    Lease,
+    Offer,
+    PeerState,
+    PeerTable,
+    Promises,
+    Pull,
+    Renew,
+    Trailer,
+    Transfers,
+    TransferState,
+    WireLayer,
+)
+from kvwire.transfer.enums import FailReason, KVLayout
+from kvwire.transfer.memory import (
+    DTYPE_NAMES,
+    HEAD_DIM,
+    ByteSpans,
+    LayerSpec,
+    PagedKV,
+    PeerRef,
+    SendItem,
+    TransferTiming,
+)
 from kvwire.transfer.pending_pulls import PendingPulls
-from kvwire.transfer.registered_caches import PagedKV
-from kvwire.transfer.send_state import HeldBlocks, SendQueue, SendState, gathered
-from kvwire.transfer.split_pull import Piece, SplitPulls
-from kvwire.transfer.types import DTYPE_NAMES, ByteSpans, LayerSpec, PeerRef, SendItem
+from kvwire.transfer.planes.base import DataPlane
 
-SIDE = "send"
+SIDE = "send"  # this side's key in the tombstones
+
+
+# ============================== A send's state and the queue to the plane
+
+@dataclasses.dataclass(frozen=True)
+class HeldBlocks:
+    """A layer handed over as blocks of the registered caches, not yet made a plane item."""
+
+    paged: PagedKV
+    block_ids: torch.Tensor
+    ready_event: Any
+
+
+@dataclasses.dataclass
+class SendState(TransferState):
+    layers: list[LayerSpec]
+    with_trailer: bool
+    endpoint: str | None  # receiver's control endpoint; None until pulled
+    pull_by: frozenset[str] | None = None  # the only endpoints that may pull (None: the first puller)
+    peer: PeerRef | None = None  # bound by the first Grant (receiver's epoch + data address)
+    items: dict[int, SendItem | HeldBlocks] = dataclasses.field(default_factory=dict)  # layers handed over
+    granted: set[int] = dataclasses.field(default_factory=set)
+    dispatched: set[int] = dataclasses.field(default_factory=set)
+    acked: set[int] = dataclasses.field(default_factory=set)
+    trailer: bytes | None = None
+    trailer_sent: bool = False
+    trailer_acked: bool = False
+    first_dispatch: float | None = None  # time.monotonic() when the plane got its first layer
+    in_plane: int = 0  # layers handed to the plane and not yet reported sent
+    busy_since: float = 0.0  # when in_plane last went 0 -> 1
+    busy_s: float = 0.0  # total time with in_plane > 0 (TransferTiming.busy_seconds)
+    # send_blocks on a device-producer plane: the slab the plane gathers into, and its producer
+    slab: torch.Tensor | None = None
+    producer: Any | None = None
+    paged: PagedKV | None = None  # the caches the slab belongs to (it goes back to their pool)
+    last_progress: float = 0.0  # when a layer or the trailer was last handed over (or the start)
+    split: Split | None = None  # a held transfer served in pieces (split_pull)
+
+    @property
+    def bound_peer(self) -> PeerRef | None:
+        return self.peer
+
+    def peer_endpoint(self) -> str | None:
+        return self.endpoint
+
+    def stalled(self, now: float) -> bool:
+        """Something is still to be handed over and nothing was for a whole lease: the producer is
+        stuck (the receiver must not wait for it past its lease)."""
+        missing = len(self.items) < len(self.layers) or (self.with_trailer and self.trailer is None)
+        return missing and now - self.last_progress > self.lease.lease_s
+
+    def done(self) -> bool:
+        return len(self.acked) == len(self.layers) and (not self.with_trailer or self.trailer_acked)
+
+    def check_layer(self, index: int) -> None:
+        """Layer ``index`` may be handed over now (in range, not yet handed over)."""
+        if not 0 <= index < len(self.layers):
+            raise TransferError(f"layer {index} out of range 0..{len(self.layers) - 1}", self.transfer_id)
+        if index in self.items:
+            raise TransferError(f"layer {index} was already handed over", self.transfer_id)
+
+    def check_tensor(self, index: int, tensor: torch.Tensor) -> None:
+        """``tensor`` is layer ``index`` as announced (shape, dtype, contiguous)."""
+        spec = self.layers[index]
+        if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype or not tensor.is_contiguous():
+            raise TransferError(
+                f"layer {index}: got {tuple(tensor.shape)} {tensor.dtype} "
+                f"(contiguous={tensor.is_contiguous()}), announced {spec.shape} {spec.dtype}",
+                self.transfer_id,
+            )
+
+    def item(self, index: int, plane: DataPlane) -> SendItem:
+        """Layer ``index`` as ``plane`` (the one negotiated with the receiver) takes it best."""
+        held = self.items[index]
+        if isinstance(held, SendItem):
+            return held
+        paged, block_ids, ready_event = held.paged, held.block_ids, held.ready_event
+        tid = self.transfer_id
+        if plane.supports_spans and paged.contiguous:
+            spans = paged.spans(index, block_ids.tolist())
+            item = SendItem(tid, index, spans.base, ready_event, spans)
+        elif plane.supports_device_producers and paged.device_paths():
+            if self.producer is None:
+                from kvwire.transfer.planes.common.group_kernels import PagedLayers, SlabGather
+
+                self.slab = paged.take_slab(int(block_ids.numel()), _slab_allocator(plane))
+                self.paged = paged
+                group = paged.group()
+                assert isinstance(group, PagedLayers)
+                self.producer = SlabGather(group, block_ids.to(paged.device), self.slab)
+            assert self.slab is not None
+            item = SendItem(tid, index, self.slab[index], ready_event, on_device=self.producer)
+        else:
+            if ready_event is not None:  # order the gather after the producer's writes (CUDA)
+                ready_event.wait()
+            tensor = paged.gather(index, block_ids)
+            event = None
+            if tensor.is_cuda:
+                event = torch.cuda.Event()
+                event.record()
+            item = SendItem(tid, index, tensor, event)
+        self.items[index] = item
+        return item
+
+
+def _slab_allocator(plane: DataPlane) -> Callable[[tuple[int, ...], torch.dtype], torch.Tensor]:
+    """Send slabs from the plane's zero-copy memory where it has some (NCCL moves them in place)."""
+
+    def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        zero_copy = getattr(plane, "allocate_zero_copy", None)
+        flat = zero_copy(num_bytes) if zero_copy is not None else plane.allocate(num_bytes)
+        return flat.view(dtype).view(shape)
+
+    return allocate
+
+
+def gathered(spans: ByteSpans, spec: LayerSpec, ready_event: Any) -> tuple[torch.Tensor, Any]:
+    """A layer's ``spans`` gathered into one tensor (for a plane that takes no spans), and the event
+    that orders its use after the gather (CUDA; None on the CPU)."""
+    if ready_event is not None:  # order the gather after the producer's writes (CUDA)
+        ready_event.wait()
+        ready_event = None
+    tensor = spans.gather().view(spec.dtype).view(spec.shape)
+    if tensor.is_cuda:
+        ready_event = torch.cuda.Event()
+        ready_event.record()
+    return tensor, ready_event
+
+
+class SendQueue:
+    """Hands the send side's granted layers to the plane (see the module docstring)."""
+
+    def __init__(self, core: Core, sends: dict[str, SendState]) -> None:
+        self.core = core
+        self.sends = sends
+        # ordered planes: per receiver epoch, granted (transfer, layer) in grant order
+        self.order: dict[str, collections.deque[tuple[str, int]]] = {}
+
+    def granted(self, st: SendState, new: Iterable[int]) -> None:
+        """Layers ``new`` of ``st`` were granted (once each), in grant order."""
+        assert st.peer is not None
+        if self.core.plane.ordered:
+            queue = self.order.setdefault(st.peer.instance_id, collections.deque())
+            queue.extend((st.transfer_id, i) for i in new)
+
+    def dispatch(self, st: SendState) -> None:
+        """Hand the plane every layer of ``st`` that is granted and handed over, not yet dispatched."""
+        if st.peer is None:
+            return
+        if self.core.plane.ordered:
+            self.dispatch_ordered(st.peer)
+            return
+        ready = sorted(i for i in st.granted if i in st.items and i not in st.dispatched)
+        if ready:
+            plane = self.core.plane.for_peer(st.peer)
+            items = [st.item(i, plane) for i in ready]
+            self._handed(st, len(ready))
+            st.dispatched.update(ready)
+            self.core.plane.send(st.peer, items)
+
+    def dispatch_ordered(self, peer: PeerRef) -> None:
+        queue = self.order.get(peer.instance_id)
+        batch: list[SendItem] = []
+        while queue:
+            tid, index = queue[0]
+            st = self.sends.get(tid)
+            if st is not None and index not in st.items:
+                break  # the plane needs this layer next: hold the later ones
+            queue.popleft()
+            if st is not None:
+                self._handed(st, 1)
+                st.dispatched.add(index)
+                batch.append(st.item(index, self.core.plane.for_peer(peer)))
+        if queue is not None and not queue:
+            del self.order[peer.instance_id]  # one entry per receiver epoch with granted work, no more
+        if batch:
+            self.core.plane.send(peer, batch)
+
+    def _handed(self, st: SendState, count: int) -> None:
+        now = self.core.now()
+        if st.first_dispatch is None:
+            st.first_dispatch = now
+        if st.in_plane == 0:
+            st.busy_since = now
+        st.in_plane += count
+
+    def on_sent(self, transfer_id: str, index: int) -> None:
+        st = self.sends.get(transfer_id)
+        if st is not None and st.in_plane > 0:
+            st.in_plane -= 1
+            if st.in_plane == 0:
+                st.busy_s += self.core.now() - st.busy_since
+
+    def drop_peer(self, peer_id: str) -> None:
+        self.order.pop(peer_id, None)
+
+    def timing(self, st: SendState) -> TransferTiming | None:
+        if st.first_dispatch is None:
+            return None
+        num_bytes = sum(spec.num_bytes for spec in st.layers)
+        return TransferTiming(num_bytes, self.core.now() - st.first_dispatch, st.busy_s)
+
+
+# ============================== Early grants kept by the sender
+
+MAX_KEPT_PLANE_INFO = 64 * 1024  # an early Grant with a larger plane handshake is not kept (not needed)
+
+
+class EarlyGrants:
+    """The send side's early grants of transfers not started yet: transfer id -> (grant, when its
+    receiver was last heard of); bounded per receiver and in all (decision 110)."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        limits = core.config.limits
+        self.table: PeerTable[str, tuple[Grant, float]] = PeerTable(
+            limits.max_early_grants_per_peer, limits.max_early_grants, ControlLimit.EARLY_GRANTS_PER_PEER,
+            ControlLimit.EARLY_GRANTS,
+        )  # fmt: skip
+
+    def keep(self, msg: Grant, ended: bool) -> bool:
+        """Keep an early grant of a transfer not started yet (True), unless it already ``ended``
+        here, is not the shape of one (more layers than a transfer has, sizes that do not match them,
+        an outsized plane handshake) or too many are kept (False: answered as an unknown transfer;
+        the receiver grants again on the Offer)."""
+        if ended:
+            return False
+        shaped = len(msg.layers) == len(msg.sizes) <= self.core.config.max_layers_per_transfer
+        if not shaped or len(msg.plane_info) > MAX_KEPT_PLANE_INFO:
+            return False
+        limit = self.table.admit(msg.transfer_id, msg.src_endpoint)
+        if limit is not None:
+            self.core.stats.limit_hit(limit)
+            return False
+        self.table.put(msg.transfer_id, msg.src_endpoint, (msg, self.core.now()))
+        return True
+
+    def take(self, transfer_id: str) -> Grant | None:
+        """The early grant kept for ``transfer_id`` (which starts now), once."""
+        entry = self.table.pop(transfer_id)
+        return entry[0] if entry is not None else None
+
+    def heard(self, msg: Renew) -> bool:
+        """The receiver of an early grant kept here renews its transfer: it still waits for it."""
+        early = self.table.get(msg.transfer_id)
+        if early is None or early[0].src_endpoint != msg.src_endpoint:
+            return False
+        self.table.put(msg.transfer_id, msg.src_endpoint, (early[0], self.core.now()))
+        return True
+
+    def aborted(self, transfer_id: str, src_endpoint: str) -> None:
+        """The receiver of an early grant gave the transfer up: drop the grant."""
+        early = self.table.get(transfer_id)
+        if early is not None and early[0].src_endpoint == src_endpoint:
+            self.table.pop(transfer_id)
+
+    def expire(self, now: float) -> None:
+        """An early grant lives while its receiver renews it (it renews well within its deadline)."""
+        quiet = self.core.config.default_deadline_s
+        for tid, (_, heard) in self.table.items():
+            if now - heard > quiet:
+                self.table.pop(tid)
+
+    def clear(self) -> None:
+        self.table.clear()
+
+    def __contains__(self, transfer_id: object) -> bool:
+        return transfer_id in self.table
+
+    def items(self) -> list[tuple[str, tuple[Grant, float]]]:
+        return list(self.table.items())
+
+
+def early_grant_fits(layers: list[LayerSpec], grant: Grant) -> bool:
+    """An early grant (decision 110) is used only if every layer it grants is the size granted."""
+    sizes = [layers[i].num_bytes if 0 <= i < len(layers) else -1 for i in grant.layers]
+    return sizes == grant.sizes
+
+
+# ============================== Pulls in pieces
+
+MISMATCH = FailReason.MISMATCH.value
+NOT_BLOCKS = f"{MISMATCH}: only a transfer of blocks can be pulled in pieces"
+
+
+@dataclasses.dataclass
+class Split:
+    """A held transfer's pieces (on the parent ``SendState``)."""
+
+    pieces: int  # how many pulls it serves in all (from its first pull)
+    children: set[str] = dataclasses.field(default_factory=set)  # started pieces' transfer ids
+    done: set[str] = dataclasses.field(default_factory=set)
+    num_bytes: int = 0
+    busy_s: float = 0.0
+    first_dispatch: float | None = None
+    waiting: list[Pull] = dataclasses.field(default_factory=list)  # came before any layer
+
+    @property
+    def all_pulled(self) -> bool:
+        return len(self.children) >= self.pieces
+
+
+@dataclasses.dataclass
+class Piece(SendState):
+    """One piece of a held transfer: a send to the receiver that pulled it."""
+
+    parent: str = ""  # the held transfer's id
+    heads: range | None = None  # the KV heads of the held layers it carries
+
+
+class SplitPulls:
+    """The sender's piece pulls (see the module docstring)."""
+
+    def __init__(self, sender: Sender) -> None:
+        self.sender = sender
+        self.core = sender.core
+        limits = self.core.config.limits
+        # piece pulls before start_send: (held id, piece id) -> (pull, until); bounded per puller and in all
+        self.early: PeerTable[tuple[str, str], tuple[Pull, float]] = PeerTable(
+            limits.max_pending_per_peer, limits.max_pending_pulls, ControlLimit.PENDING_PER_PEER,
+            ControlLimit.PENDING_PULLS,
+        )  # fmt: skip
+
+    # --- pulls -------------------------------------------------------------------------------------------
+
+    def on_pull(self, msg: Pull) -> None:
+        parent = self.sender.sends.get(msg.held)
+        if parent is None:
+            self._unheld(msg)
+            return
+        refusal = self._refusal(parent, msg)
+        if refusal is not None:
+            self._refuse(msg, refusal)
+            return
+        if msg.pieces == 0:
+            self._release(parent)
+            return
+        split = parent.split = parent.split or Split(msg.pieces)
+        if msg.pieces != split.pieces:
+            reason = f"{MISMATCH}: pulls disagree on the piece count ({split.pieces}, {msg.pieces})"
+            self._refuse(msg, reason)
+            self.sender.fail(parent.transfer_id, reason, notify=True)
+            return
+        if not parent.items:
+            if len(split.waiting) + len(split.children) >= split.pieces:
+                self._refuse(msg, "every piece was pulled already")  # (waiting: no more than it serves)
+                return
+            split.waiting.append(msg)  # the layout is known from the first layer handed over
+            return
+        self._start_child(parent, split, msg)
+
+    def _refusal(self, parent: SendState, msg: Pull) -> str | None:
+        if parent.endpoint is not None or isinstance(parent, Piece):
+            return "already pulled by another peer"
+        if parent.pull_by is not None and msg.src_endpoint not in parent.pull_by:
+            self.core.stats.add("offers_refused")
+            self.core.refusals.refused("wrong_peer", f"pull of {msg.held} from {msg.src_endpoint}")
+            return "not this transfer's peer"
+        if parent.with_trailer:
+            return f"{MISMATCH}: a transfer with a trailer cannot be pulled in pieces"
+        split = parent.split
+        if split is not None and msg.pieces and split.all_pulled:
+            return "every piece was pulled already"
+        if split is not None and split.children and msg.pieces == 0:
+            return f"{MISMATCH}: released after pieces were pulled"
+        taken = msg.transfer_id in self.sender.sends or self.core.tombstones.get(SIDE, msg.transfer_id)
+        if msg.pieces and (taken or msg.transfer_id == msg.held):
+            return "piece transfer id already in use"
+        return None
+
+    def _refuse(self, msg: Pull, reason: str) -> None:
+        if msg.pieces:  # a release has no transfer on the puller's side
+            self.core.send_abort(msg.src_endpoint, msg.transfer_id, reason, msg.src_id)
+
+    def _unheld(self, msg: Pull) -> None:
+        ended = self.core.tombstones.get(SIDE, msg.held)
+        if ended is not None:
+            self._refuse(msg, ended if ended != "done" else "already pulled by another peer")
+            return
+        key = (msg.held, msg.transfer_id)
+        limit = self.early.admit(key, msg.src_endpoint)
+        if limit is not None:
+            self.core.stats.limit_hit(limit)
+            self._refuse(msg, f"too many pending pulls ({limit.value})")
+            return
+        # the pull overtook start_send: hold it until the puller's (clamped) deadline
+        until = self.core.now() + self.core.peer_deadline(msg.deadline_s)
+        self.early.put(key, msg.src_endpoint, (msg, until))
+
+    def started(self, parent: SendState) -> None:
+        """``start_send`` of a held transfer: serve the piece pulls that came before it."""
+        if not len(self.early):
+            return
+        for key, (msg, _) in self.early.items():
+            if key[0] == parent.transfer_id:
+                self.early.pop(key)
+                self.on_pull(msg)
+
+    def _release(self, parent: SendState) -> None:
+        """Nobody needs this held transfer: it ends as finished (its blocks can be freed)."""
+        del self.sender.sends[parent.transfer_id]
+        self.core.events.sent(parent.transfer_id, None)
+        self.core.stats.add("sends_completed")
+        self.core.tombstones.add(SIDE, parent.transfer_id, "done")
+
+    # --- children ----------------------------------------------------------------------------------------
+
+    def _start_child(self, parent: SendState, split: Split, msg: Pull) -> None:
+        first = next(iter(parent.items.values()))
+        blocks = all(isinstance(i, HeldBlocks) for i in parent.items.values())
+        if not isinstance(first, HeldBlocks) or not blocks:
+            self._refuse(msg, NOT_BLOCKS)
+            return
+        layout = first.paged.layout
+        heads = range(msg.heads[0], msg.heads[1]) if msg.heads else None
+        layers = _narrowed(parent.layers, layout, heads)
+        if layers is None:
+            self._refuse(msg, f"{MISMATCH}: heads {msg.heads} not held ({layout.value})")
+            return
+        now = self.core.now()
+        lease_s = min(self.core.peer_deadline(msg.deadline_s), parent.lease.lease_s)
+        lease = Lease.start(now, lease_s, max(parent.lease.limit - now, 0.0))
+        child = Piece(
+            msg.transfer_id, lease, layers, False, msg.src_endpoint, parent=parent.transfer_id,
+            heads=heads, last_progress=now,
+        )  # fmt: skip
+        split.children.add(child.transfer_id)
+        self.sender.sends[child.transfer_id] = child
+        self.core.stats.add("sends_started")
+        self._copy_layers(parent, child)
+        self.sender.offer(child)
+
+    def layer_added(self, parent: SendState) -> None:
+        """A layer of a held transfer was handed over: its pieces get it too; pulls that waited for
+        the first layer start now."""
+        split = parent.split
+        if split is None:
+            return
+        for child_id in list(split.children):
+            child = self.sender.sends.get(child_id)
+            if child is not None:
+                self._copy_layers(parent, child)
+            if child_id in self.sender.sends:  # (copying fails the held transfer if it cannot be split)
+                self.sender.dispatch(self.sender.sends[child_id])
+        waiting, split.waiting = split.waiting, []
+        for msg in waiting:
+            if parent.transfer_id in self.sender.sends:
+                self._start_child(parent, split, msg)
+
+    def _copy_layers(self, parent: SendState, child: SendState) -> None:
+        assert isinstance(child, Piece)
+        for index, item in parent.items.items():
+            if index in child.items:
+                continue
+            if not isinstance(item, HeldBlocks):
+                reason = NOT_BLOCKS
+                self.sender.fail(parent.transfer_id, reason, notify=True)
+                return
+            child.items[index] = HeldBlocks(item.paged.heads(child.heads), item.block_ids, item.ready_event)
+            child.last_progress = self.core.now()
+
+    def piece_done(self, child: Piece, timing: TransferTiming | None) -> None:
+        """A piece completed: count it (its held transfer reports once all its pieces are done)."""
+        parent = self.sender.sends.get(child.parent)
+        split = parent.split if parent is not None else None
+        if parent is not None and split is not None:
+            self._count_piece(parent, split, child, timing)
+
+    def _count_piece(
+        self, parent: SendState, split: Split, child: Piece, timing: TransferTiming | None
+    ) -> None:
+        split.done.add(child.transfer_id)
+        if timing is not None:
+            split.num_bytes += timing.num_bytes
+            split.busy_s += timing.busy_seconds or 0.0
+        if child.first_dispatch is not None:
+            split.first_dispatch = min(split.first_dispatch or child.first_dispatch, child.first_dispatch)
+        if len(split.done) < split.pieces:
+            return
+        del self.sender.sends[parent.transfer_id]
+        total = None
+        if split.first_dispatch is not None:
+            total = TransferTiming(split.num_bytes, self.core.now() - split.first_dispatch, split.busy_s)
+        self.core.events.sent(parent.transfer_id, total)
+        self.core.stats.add("sends_completed")
+        self.core.tombstones.add(SIDE, parent.transfer_id, "done")
+
+    def failed(self, st: SendState, reason: str) -> None:
+        """A send failed. A piece: the held transfer fails (its other pieces with it). A held
+        transfer: every piece still in flight ends, its receiver told."""
+        if isinstance(st, Piece):
+            self.sender.fail(st.parent, f"{reason} (piece {st.transfer_id})", notify=False)
+        if st.split is None:
+            return
+        for child_id in sorted(st.split.children - st.split.done):
+            self.sender.fail(child_id, reason, notify=True)
+
+    # --- time --------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def keeps_lease(parent: SendState) -> bool:
+        """A held transfer whose every piece was pulled no longer expires itself: its pieces'
+        leases (renewed by their receivers) bound it."""
+        return parent.split is not None and parent.split.all_pulled
+
+    def expire(self, now: float) -> None:
+        for key, (msg, until) in self.early.items():
+            if until <= now:
+                self.early.pop(key)
+                self._refuse(msg, FailReason.UNKNOWN.value)
+
+
+def _narrowed(layers: list[LayerSpec], layout: KVLayout, heads: range | None) -> list[LayerSpec] | None:
+    """The held layers' payload restricted to ``heads`` (None when it has no such heads)."""
+    if heads is None:
+        return list(layers)
+    dim = HEAD_DIM.get(layout)
+    if dim is None:
+        return None
+    out = []
+    for spec in layers:
+        if len(spec.shape) <= dim or heads.stop > spec.shape[dim]:
+            return None
+        shape = list(spec.shape)
+        shape[dim] = len(heads)
+        out.append(LayerSpec(tuple(shape), spec.dtype))
+    return out
+
+
+# ============================== The send side
+
 
 
 class Sender(Transfers[SendState]):

@@ -13,7 +13,7 @@ from kvwire.connector.config import EngineInfo
 from kvwire.connector.scheduler import KvwireSchedulerConnector
 from kvwire.connector.worker import KvwireWorkerConnector
 from kvwire.protocol.kv_params import KVTransferParams, Role
-from kvwire.transfer.block_copy import KVLayout
+from kvwire.transfer.memory import KVLayout
 from support.connector_fakes import BLOCK, NUM_BLOCKS, NUM_LAYERS, FakeFabric, FakeRequest, Side, chunk
 
 SHAPES = {

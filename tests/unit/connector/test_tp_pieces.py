@@ -26,7 +26,7 @@ from kvwire.engine.tp.aggregate import OutputAggregator
 from kvwire.errors import ConfigError, InvalidRequestError
 from kvwire.protocol.kv_params import KVCacheLayout, KVTransferParams, Role, layout_mismatch
 from kvwire.transfer.enums import KVLayout
-from kvwire.transfer.types import PullSlice
+from kvwire.transfer.memory import PullSlice
 
 
 def test_symmetric_plan_keeps_the_request_transfer_id() -> None:

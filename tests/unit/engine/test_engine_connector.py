@@ -184,7 +184,7 @@ def test_every_step_respects_the_token_budget_and_puts_decodes_first() -> None:
 def test_cpu_kv_cache_is_registered_in_shared_memory() -> None:
     """On CPU the engine's paged KV cache lives in one shared region (a peer on this host writes
     transferred KV straight into it: the shared-memory plane's one-copy path)."""
-    from kvwire.transfer.shared_memory import region_of
+    from kvwire.transfer.memory import region_of
 
     _, _, worker, _ = recording_engine()
     regions = [region_of(cache) for cache in worker.kv_caches]

@@ -14,8 +14,8 @@ from kvwire.connector.config import EngineInfo
 from kvwire.errors import ConfigError
 from kvwire.integrations.vllm_config import VllmTransferView, plugin_config_from_vllm
 from kvwire.integrations.vllm_worker_side import WorkerSide
+from kvwire.transfer.agent import NAME
 from kvwire.transfer.config import ControlLimits
-from kvwire.transfer.control import NAME
 
 
 def view(**extra: Any) -> VllmTransferView:

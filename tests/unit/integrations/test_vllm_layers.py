@@ -7,7 +7,7 @@ import torch
 
 from kvwire.errors import ConfigError
 from kvwire.integrations.vllm_layers import block_view, head_view, kv_layers
-from kvwire.transfer.block_copy import KVLayout, gather_blocks, head_slice, scatter_blocks
+from kvwire.transfer.memory import KVLayout, gather_blocks, head_slice, scatter_blocks
 
 
 def test_contiguous_cpu_layout_shares_storage() -> None:

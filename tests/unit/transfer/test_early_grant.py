@@ -10,13 +10,16 @@ import pytest
 import torch
 
 from kvwire.transfer import TransferAgent, TransferConfig
-from kvwire.transfer.block_copy import block_ids_tensor, block_spans, gather_blocks
-from kvwire.transfer.control_messages import Grant, Renew
+from kvwire.transfer.core import Grant, PeerState, Renew
 from kvwire.transfer.enums import KVLayout
-from kvwire.transfer.lease import PeerState
-from kvwire.transfer.registered_caches import BlockTarget
-from kvwire.transfer.shared_memory import shared_tensors
-from kvwire.transfer.types import LayerSpec
+from kvwire.transfer.memory import (
+    BlockTarget,
+    LayerSpec,
+    block_ids_tensor,
+    block_spans,
+    gather_blocks,
+    shared_tensors,
+)
 from support.agent_helpers import poll_until
 from support.shm_planes import shm_plane
 from support.waiting import free_port, wait_for

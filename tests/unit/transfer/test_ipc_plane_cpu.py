@@ -12,11 +12,11 @@ import torch
 
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.enums import Backend
+from kvwire.transfer.memory import ByteSpans, PeerRef, RecvItem
 from kvwire.transfer.planes.common.runs import pair_runs, spans_array, tile_runs
 from kvwire.transfer.planes.factory import held_backends
 from kvwire.transfer.planes.ipc.grants import Dest, GrantInfo, ImportTable
 from kvwire.transfer.planes.ipc.plane import IpcPlane
-from kvwire.transfer.types import ByteSpans, PeerRef, RecvItem
 from support.plane_callbacks import RecordingCallbacks
 
 

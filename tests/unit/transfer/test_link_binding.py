@@ -16,6 +16,7 @@ from kvwire.errors import AuthenticationError, ProtocolError
 from kvwire.supervision import HealthBoard
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.enums import Transport
+from kvwire.transfer.memory import PeerRef, RecvItem, SendItem
 from kvwire.transfer.planes.common import admission
 from kvwire.transfer.planes.common.hello import LinkRefused, bind_hello, check_hello, prove_hello
 from kvwire.transfer.planes.common.link_config import DataLinkConfig
@@ -25,7 +26,6 @@ from kvwire.transfer.planes.shm.plane import ShmPlane
 from kvwire.transfer.planes.tcp import wire as tcp_wire
 from kvwire.transfer.planes.tcp.plane import TcpPlane
 from kvwire.transfer.planes.tcp.wire import host_port
-from kvwire.transfer.types import PeerRef, RecvItem, SendItem
 from support.waiting import wait_for
 
 SECRET = b"s" * 32

@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
+from kvwire.transfer.memory import CapturableProducer, SendItem
 from kvwire.transfer.planes.nccl.graphs import Captured, SendGraphs, producer_key
 from kvwire.transfer.planes.nccl.plane_info import ChunkPlan
 from kvwire.transfer.planes.nccl.send import _leading_run
-from kvwire.transfer.types import CapturableProducer, SendItem
 from support.plane_callbacks import RecordingCallbacks
 
 
@@ -226,11 +226,11 @@ def test_copies_with_slack_are_the_later_gathers_and_the_earlier_scatters() -> N
 
     import torch
 
+    from kvwire.transfer.memory import RecvItem
     from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
     from kvwire.transfer.planes.nccl.plane_info import ChunkPlan, CommOffer
     from kvwire.transfer.planes.nccl.recv import RecvChannel
     from kvwire.transfer.planes.nccl.send import SendChannel
-    from kvwire.transfer.types import RecvItem
 
     sender = object.__new__(SendChannel)  # add_plans reads only these (a real one needs CUDA streams)
     sender.cond, sender.plans, sender.next_seq, sender.warmed = threading.Condition(), {}, 0, False
@@ -277,7 +277,7 @@ def _bare_receiver(lanes: int, **config: int) -> object:
 def test_a_transfers_messages_take_turns_on_the_lanes_from_lane_0() -> None:
     import torch
 
-    from kvwire.transfer.types import RecvItem
+    from kvwire.transfer.memory import RecvItem
 
     mib = 1 << 20
     receiver: Any = _bare_receiver(2, chunk_bytes=mib, edge_bytes=0)

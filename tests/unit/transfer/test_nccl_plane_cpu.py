@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kvwire.errors import ConfigError, ProtocolError
-from kvwire.transfer.block_copy import KVLayout, gather_blocks
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.enums import Backend
+from kvwire.transfer.memory import KVLayout, RecvItem, gather_blocks
 from kvwire.transfer.planes.common import group_kernels
 from kvwire.transfer.planes.nccl.bindings import (
     CommConfig,
@@ -25,7 +25,6 @@ from kvwire.transfer.planes.nccl.channel import adjacent_ptr
 from kvwire.transfer.planes.nccl.framing import message_ranges, plan_chunks
 from kvwire.transfer.planes.nccl.plane import NcclPlane, NcclPlaneConfig
 from kvwire.transfer.planes.nccl.plane_info import ChunkPlan, CommOffer, NcclInfo, decode_info, encode_info
-from kvwire.transfer.types import RecvItem
 
 MiB = 1 << 20
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 
-from kvwire.transfer.lease import PAUSE_GAP_S, RunningClock
+from kvwire.transfer.core import PAUSE_GAP_S, RunningClock
 
 
 class FakeTime:

@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from kvwire.transfer import TransferConfig
+from kvwire.transfer.memory import ByteSpans, PeerRef, RecvItem, shared_tensors
 from kvwire.transfer.planes.common.link_config import DataLinkConfig
 from kvwire.transfer.planes.shm.grants import GrantTable, GrantView, lock_slot
 from kvwire.transfer.planes.shm.plane import ShmPlane
 from kvwire.transfer.planes.shm.regions import REGIONS_FULL
-from kvwire.transfer.shared_memory import shared_tensors
-from kvwire.transfer.types import ByteSpans, PeerRef, RecvItem
 
 A = PeerRef("tcp://127.0.0.1:1", "peer-a", "@nowhere-a")
 B = PeerRef("tcp://127.0.0.1:2", "peer-b", "@nowhere-b")

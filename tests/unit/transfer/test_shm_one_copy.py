@@ -17,6 +17,16 @@ import torch
 
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
 from kvwire.transfer.enums import KVLayout
+from kvwire.transfer.memory import (
+    BlockTarget,
+    SharedArena,
+    check_peer_memfd,
+    live_regions,
+    region_of,
+    sealed_memfd,
+    shared_tensors,
+    shared_zeros,
+)
 from kvwire.transfer.planes.common.runs import pair_runs
 from kvwire.transfer.planes.shm import plane as shm_plane_module
 from kvwire.transfer.planes.shm import send as shm_send
@@ -34,16 +44,6 @@ from kvwire.transfer.planes.shm.direct import (
 )
 from kvwire.transfer.planes.shm.grants import GrantTable, GrantView
 from kvwire.transfer.planes.shm.run_copy import check_table, run_table
-from kvwire.transfer.registered_caches import BlockTarget
-from kvwire.transfer.shared_memory import (
-    SharedArena,
-    check_peer_memfd,
-    live_regions,
-    region_of,
-    sealed_memfd,
-    shared_tensors,
-    shared_zeros,
-)
 from support.shm_planes import shm_plane
 from support.waiting import wait_for
 
@@ -512,7 +512,7 @@ def test_a_finalizer_inside_the_locked_section_does_not_deadlock() -> None:
     lock (it hung a CI run in region_of): the release is deferred to the end of the section."""
     import threading
 
-    from kvwire.transfer import shared_memory
+    from kvwire.transfer import memory as shared_memory
 
     tensor = shared_memory.shared_zeros((4096,), torch.uint8)
     region, _ = shared_memory.region_of(tensor)  # type: ignore[misc]

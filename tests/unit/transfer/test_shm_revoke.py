@@ -16,12 +16,11 @@ import pytest
 import torch
 
 from kvwire.transfer import TransferConfig
+from kvwire.transfer.memory import ByteSpans, PeerRef, RecvItem, shared_tensors
 from kvwire.transfer.planes.shm import plane as shm_plane_module
 from kvwire.transfer.planes.shm.direct import halves
 from kvwire.transfer.planes.shm.grants import GrantTable
 from kvwire.transfer.planes.shm.plane import ShmPlane
-from kvwire.transfer.shared_memory import shared_tensors
-from kvwire.transfer.types import ByteSpans, PeerRef, RecvItem
 from support.waiting import wait_for
 
 PEER = PeerRef("tcp://127.0.0.1:1", "p-instance", "@nowhere")

@@ -11,7 +11,7 @@ import torch
 
 from kvwire.errors import TransferError
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
-from kvwire.transfer.block_copy import KVLayout, block_ids_tensor, block_spans, gather_blocks
+from kvwire.transfer.memory import KVLayout, block_ids_tensor, block_spans, gather_blocks
 from support.agent_helpers import _layers, _send, poll_until
 
 

@@ -78,7 +78,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from kvwire.transfer.types import PeerRef, RecvItem, SendItem
+from kvwire.transfer.memory import PeerRef, RecvItem, SendItem
 
 
 class PlaneCallbacks(Protocol):

@@ -35,9 +35,9 @@ import torch
 from kvwire.errors import ProtocolError
 from kvwire.supervision import HealthBoard, SupervisedThread
 from kvwire.transfer.enums import Backend, FailReason, Transport
+from kvwire.transfer.memory import PeerRef, RecvItem, SendItem
 from kvwire.transfer.planes.base import DataPlane, PlaneCallbacks
 from kvwire.transfer.planes.negotiation import Choice, Envelope, Hello, choose, decode_envelope, host_identity
-from kvwire.transfer.types import PeerRef, RecvItem, SendItem
 
 log = logging.getLogger("kvwire.transfer")
 _FLAGS_ANY = ("ordered",)

@@ -31,9 +31,8 @@ from typing import Any
 import torch
 
 from kvwire.errors import ConfigError
-from kvwire.transfer.block_copy import KVLayout, gather_blocks, gathered_shape, scatter_blocks
-from kvwire.transfer.types import GATE_MAGIC as _GATE_MAGIC
-from kvwire.transfer.types import SendItem
+from kvwire.transfer.memory import GATE_MAGIC as _GATE_MAGIC
+from kvwire.transfer.memory import KVLayout, SendItem, gather_blocks, gathered_shape, scatter_blocks
 
 _TILE_WORDS = 8192  # 32 KiB per program step: 16 words (four 16-byte loads in flight) per thread of 16 warps
 _NUM_WARPS = 16

@@ -11,8 +11,8 @@ import threading
 from typing import ClassVar
 
 from kvwire.supervision import HealthBoard, guarded
+from kvwire.transfer.memory import PeerRef, SendItem
 from kvwire.transfer.planes.common.wire import abstract_name
-from kvwire.transfer.types import PeerRef, SendItem
 
 
 class OutboundLink:

@@ -20,6 +20,7 @@ import torch
 
 from kvwire.errors import ProtocolError
 from kvwire.supervision import SupervisedThread
+from kvwire.transfer.memory import PeerRef, SendItem
 from kvwire.transfer.planes.base import fail_queued
 from kvwire.transfer.planes.common.hello import check_hello, prove_hello
 from kvwire.transfer.planes.common.liveness import count_cut
@@ -28,7 +29,6 @@ from kvwire.transfer.planes.common.runs import spans_array, tile_runs
 from kvwire.transfer.planes.common.wire import POLL_S, recv_bytes
 from kvwire.transfer.planes.ipc.copy import LayerGroup, TileTable, compiled, launch, prepare
 from kvwire.transfer.planes.ipc.gate import LaunchGate
-from kvwire.transfer.types import PeerRef, SendItem
 
 if TYPE_CHECKING:
     from kvwire.transfer.planes.ipc.plane import IpcPlane

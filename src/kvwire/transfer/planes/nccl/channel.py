@@ -35,12 +35,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kvwire.errors import TransferError
+from kvwire.transfer.memory import GATE_MAGIC, RecvItem, SendItem
 from kvwire.transfer.planes.base import PlaneCallbacks
 from kvwire.transfer.planes.nccl.bindings import NcclComm, abort_all
 from kvwire.transfer.planes.nccl.config import NcclPlaneConfig
 from kvwire.transfer.planes.nccl.memory import NcclBuffer, ZeroCopyMemory
 from kvwire.transfer.planes.nccl.plane_info import ChunkPlan, CommOffer
-from kvwire.transfer.types import GATE_MAGIC, RecvItem, SendItem
 
 log = logging.getLogger("kvwire.transfer.planes.nccl.plane")
 

@@ -27,8 +27,8 @@ import torch
 from kvwire.errors import TransferTimeout
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.enums import Backend
+from kvwire.transfer.memory import DeviceConsumer, PeerRef, RecvItem
 from kvwire.transfer.planes.nccl.plane import NcclPlane, NcclPlaneConfig
-from kvwire.transfer.types import DeviceConsumer, PeerRef, RecvItem
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvwire.transfer.types import RecvItem
+from kvwire.transfer.memory import RecvItem
 
 
 def plan_chunks(

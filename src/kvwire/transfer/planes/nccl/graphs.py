@@ -35,7 +35,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from kvwire.transfer.types import DeviceProducer, SendItem
+from kvwire.transfer.memory import DeviceProducer, SendItem
 
 _MAX_SEEN = 1024  # keys remembered for the "seen before" rule
 

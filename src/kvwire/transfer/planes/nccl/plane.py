@@ -40,6 +40,7 @@ import torch
 from kvwire.errors import ProtocolError, TransferError
 from kvwire.supervision import HealthBoard, SupervisedThread, guarded
 from kvwire.transfer.config import TransferConfig
+from kvwire.transfer.memory import PeerRef, RecvItem, SendItem
 from kvwire.transfer.planes.base import DataPlane, PlaneCallbacks
 from kvwire.transfer.planes.nccl import device_signal
 from kvwire.transfer.planes.nccl.bindings import NcclUnavailableError, load_nccl, run_together
@@ -49,7 +50,6 @@ from kvwire.transfer.planes.nccl.memory import ZeroCopyMemory
 from kvwire.transfer.planes.nccl.plane_info import NcclInfo, decode_info, encode_info
 from kvwire.transfer.planes.nccl.recv import RecvChannel
 from kvwire.transfer.planes.nccl.send import SendChannel
-from kvwire.transfer.types import PeerRef, RecvItem, SendItem
 
 __all__ = ["NcclPlane", "NcclPlaneConfig"]
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from kvwire.transfer.memory import DeviceConsumer, RecvItem, SendItem
 from kvwire.transfer.planes.common.group_kernels import copy_share
 from kvwire.transfer.planes.nccl.bindings import load_nccl
 from kvwire.transfer.planes.nccl.channel import (
@@ -49,7 +50,6 @@ from kvwire.transfer.planes.nccl.channel import (
 from kvwire.transfer.planes.nccl.framing import plan_chunks
 from kvwire.transfer.planes.nccl.memory import NcclBuffer
 from kvwire.transfer.planes.nccl.plane_info import ChunkPlan, CommOffer
-from kvwire.transfer.types import DeviceConsumer, RecvItem, SendItem
 
 STATUS_RING = 1024  # status slots per channel: bounds the chunks in flight
 _MAX_ORDINALS = 4096  # transfers whose message count is remembered (for their lanes)

@@ -27,6 +27,7 @@ from collections.abc import Callable, Container, Hashable, Sequence
 import torch
 
 from kvwire.errors import PeerLostError
+from kvwire.transfer.memory import DeviceProducer, RecvItem, SendItem
 from kvwire.transfer.planes.common.group_kernels import copy_share
 from kvwire.transfer.planes.nccl.bindings import NcclComm
 from kvwire.transfer.planes.nccl.channel import STATUS_MAGIC, _Batch, _Channel, _Work, adjacent_ptr, log
@@ -35,7 +36,6 @@ from kvwire.transfer.planes.nccl.device_signal import DeviceSignal, wait_ready
 from kvwire.transfer.planes.nccl.graphs import CaptureAborted, SendGraphs, producer_key
 from kvwire.transfer.planes.nccl.memory import NcclBuffer
 from kvwire.transfer.planes.nccl.plane_info import ChunkPlan, CommOffer
-from kvwire.transfer.types import DeviceProducer, RecvItem, SendItem
 
 _MAX_SIGNALS = 4096  # transfers' device signals remembered per channel (oldest forgotten first)
 

@@ -23,9 +23,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvwire.transfer.memory import check_peer_memfd
 from kvwire.transfer.planes.common.runs import Run, pair_runs
 from kvwire.transfer.planes.shm.run_copy import STREAM_MIN_BYTES, check_table, copy_runs, run_table
-from kvwire.transfer.shared_memory import check_peer_memfd
 
 Bytes = npt.NDArray[np.uint8]
 

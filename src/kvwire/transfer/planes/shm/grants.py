@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import numpy.typing as npt
 
-from kvwire.transfer.shared_memory import check_peer_memfd, sealed_memfd
+from kvwire.transfer.memory import check_peer_memfd, sealed_memfd
 
 SLOT_BYTES = 8
 DEFAULT_SLOTS = 4096  # transfers with one-copy grants outstanding at once (more: they use the ring)

@@ -54,6 +54,7 @@ import torch
 
 from kvwire.supervision import HealthBoard
 from kvwire.transfer.config import TransferConfig
+from kvwire.transfer.memory import PeerRef, RecvItem, SendItem, SharedArena, SharedRegion, region_of
 from kvwire.transfer.planes.common.unix_links import UnixLinkPlane, take_granted
 from kvwire.transfer.planes.common.wire import CANCEL_WAIT_S, peer_pid, shutdown
 from kvwire.transfer.planes.shm import run_copy
@@ -63,8 +64,6 @@ from kvwire.transfer.planes.shm.quarantine import Quarantine, Quarantined
 from kvwire.transfer.planes.shm.recv import Inbound, Landing
 from kvwire.transfer.planes.shm.regions import GrantRegions
 from kvwire.transfer.planes.shm.send import Outbound
-from kvwire.transfer.shared_memory import SharedArena, SharedRegion, region_of
-from kvwire.transfer.types import PeerRef, RecvItem, SendItem
 
 _JOIN_S = 5.0
 #: test hook (docs/decisions/114-shm-revoke-quarantine.md): a sender process started with this set to

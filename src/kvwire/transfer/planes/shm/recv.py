@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING
 
 from kvwire.errors import ProtocolError
 from kvwire.supervision import SupervisedThread
+from kvwire.transfer.memory import RecvItem
 from kvwire.transfer.planes.base import posted_for_another
 from kvwire.transfer.planes.common.hello import check_hello
 from kvwire.transfer.planes.common.liveness import count_cut
 from kvwire.transfer.planes.common.wire import peer_uid, shutdown
 from kvwire.transfer.planes.shm.ring import Bytes, SpanCursor, create_ring, ring_array, tensor_array
 from kvwire.transfer.planes.shm.wire import CREDIT, FRAME, MAGIC, VERSION, Frame, send_setup
-from kvwire.transfer.types import RecvItem
 
 if TYPE_CHECKING:
     from kvwire.transfer.planes.shm.plane import ShmPlane

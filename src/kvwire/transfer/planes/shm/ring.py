@@ -19,8 +19,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvwire.transfer.memory import check_peer_memfd, sealed_memfd
 from kvwire.transfer.planes.shm.run_copy import copy_runs, run_table
-from kvwire.transfer.shared_memory import check_peer_memfd, sealed_memfd
 
 Bytes = npt.NDArray[np.uint8]
 

@@ -29,6 +29,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvwire.transfer.memory import PeerRef, SendItem
 from kvwire.transfer.planes.base import fail_queued
 from kvwire.transfer.planes.common.hello import prove_hello
 from kvwire.transfer.planes.common.liveness import count_cut
@@ -47,7 +48,6 @@ from kvwire.transfer.planes.shm.wire import (
     Frame,
     recv_setup,
 )
-from kvwire.transfer.types import PeerRef, SendItem
 
 if TYPE_CHECKING:
     from kvwire.transfer.planes.shm.plane import ShmPlane

@@ -35,13 +35,13 @@ from collections.abc import Sequence
 
 from kvwire.supervision import HealthBoard
 from kvwire.transfer.config import TransferConfig
+from kvwire.transfer.memory import PeerRef, RecvItem, SendItem
 from kvwire.transfer.planes.common.admission import tcp_peer
 from kvwire.transfer.planes.common.listener import ListenerPlane
 from kvwire.transfer.planes.common.wire import CANCEL_WAIT_S, shutdown
 from kvwire.transfer.planes.tcp.recv import TcpInbound
 from kvwire.transfer.planes.tcp.send import TcpOutbound
 from kvwire.transfer.planes.tcp.wire import tensor_bytes
-from kvwire.transfer.types import PeerRef, RecvItem, SendItem
 
 __all__ = ["TcpPlane", "tensor_bytes"]
 

@@ -14,6 +14,7 @@ import select
 import socket
 from typing import TYPE_CHECKING
 
+from kvwire.transfer.memory import PeerRef, SendItem
 from kvwire.transfer.planes.base import fail_queued
 from kvwire.transfer.planes.common.hello import prove_hello
 from kvwire.transfer.planes.common.liveness import Heartbeat, count_cut, tcp_keepalive
@@ -28,7 +29,6 @@ from kvwire.transfer.planes.tcp.wire import (
     tensor_bytes,
     tune,
 )
-from kvwire.transfer.types import PeerRef, SendItem
 
 if TYPE_CHECKING:
     from kvwire.transfer.planes.tcp.plane import TcpPlane

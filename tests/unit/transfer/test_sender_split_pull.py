@@ -1,5 +1,5 @@
 """Pull mode, one held transfer served in pieces (a head range each) to several receivers
-(transfer/split_pull.py): three in-process agents on loopback, one P and two D ranks."""
+(transfer/sender.py): three in-process agents on loopback, one P and two D ranks."""
 
 from __future__ import annotations
 
@@ -10,9 +10,14 @@ import pytest
 import torch
 
 from kvwire.transfer import TransferAgent, TransferConfig
-from kvwire.transfer.block_copy import KVLayout, block_ids_tensor, gathered_shape
-from kvwire.transfer.registered_caches import BlockTarget
-from kvwire.transfer.types import LayerSpec, PullSlice
+from kvwire.transfer.memory import (
+    BlockTarget,
+    KVLayout,
+    LayerSpec,
+    PullSlice,
+    block_ids_tensor,
+    gathered_shape,
+)
 from support.agent_helpers import poll_until
 
 LAYOUT = KVLayout.KV_FIRST

@@ -14,9 +14,9 @@ import zmq
 from kvwire.errors import TransferError
 from kvwire.supervision import ComponentState, HealthBoard
 from kvwire.transfer import TransferAgent, TransferConfig
-from kvwire.transfer import control as control_module
-from kvwire.transfer.control import NAME
-from kvwire.transfer.control_messages import Codec, Offer, Renew
+from kvwire.transfer import agent as control_module
+from kvwire.transfer.agent import NAME
+from kvwire.transfer.core import Codec, Offer, Renew
 from support.agent_helpers import _layers, _send, poll_until
 
 

@@ -5,13 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvwire.transfer.block_copy import (
-    KVLayout,
-    block_ids_tensor,
-    gather_blocks,
-    gathered_shape,
-    scatter_blocks,
-)
+from kvwire.transfer.memory import KVLayout, block_ids_tensor, gather_blocks, gathered_shape, scatter_blocks
 
 SHAPES = {
     KVLayout.KV_FIRST: (2, 10, 4, 3, 8),
