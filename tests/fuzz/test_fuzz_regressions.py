@@ -112,7 +112,7 @@ def test_kv_params_signature_with_non_ascii_characters_is_refused() -> None:
 
 def test_plane_info_forcing_an_unknown_transport_is_a_protocol_error() -> None:
     from kvwire.bench.fuzz_corpus import local_hello
-    from kvwire.transfer.planes.negotiation import Envelope, decode_envelope
+    from kvwire.transfer.planes.base import Envelope, decode_envelope
 
     hostile = msgspec.structs.replace(local_hello(), forced="carrier-pigeon")
     with pytest.raises(ProtocolError, match="unknown transport"):

@@ -21,8 +21,8 @@ from transfer_helpers import DTYPES, digest, make_layer
 
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
 from kvwire.transfer.enums import Backend, KVLayout
+from kvwire.transfer.planes.base import PlaneSet
 from kvwire.transfer.planes.common.link_config import DataLinkConfig
-from kvwire.transfer.planes.plane_set import PlaneSet
 from kvwire.transfer.planes.shm.grants import lock_slot
 from kvwire.transfer.planes.shm.plane import ShmPlane
 from kvwire.transfer.registered_caches import BlockTarget

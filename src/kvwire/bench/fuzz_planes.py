@@ -105,7 +105,7 @@ def tcp_frames() -> FuzzTarget:
     from kvwire.transfer.types import RecvItem
 
     plane = TcpPlane(TransferConfig(), "a" * 32)
-    plane._callbacks = _Callbacks()
+    plane.callbacks = _Callbacks()
     dest = torch.zeros(_LAYER_BYTES, dtype=torch.uint8)
 
     def read(conn: socket.socket) -> int:
@@ -137,7 +137,7 @@ def shm_frames() -> FuzzTarget:
 
     config = TransferConfig(recv_budget_bytes=1 * MiB, shm_ring_bytes=1 * MiB)
     plane = ShmPlane(config, "a" * 32)
-    plane._callbacks = _Callbacks()
+    plane.callbacks = _Callbacks()
     fd, mapping = create_ring(config.shm_ring_bytes)
     os.close(fd)
     ring = ring_array(mapping)  # keeps the mapping alive as long as the target

@@ -40,7 +40,7 @@ from kvwire.bench.waiting import RECEIVED, SENT, wait_transfer
 from kvwire.transfer import TransferAgent, TransferConfig
 from kvwire.transfer.block_copy import KVLayout, block_spans
 from kvwire.transfer.enums import Backend, Transport
-from kvwire.transfer.planes.plane_set import PlaneSet
+from kvwire.transfer.planes.base import PlaneSet
 from kvwire.transfer.planes.shm import run_copy
 from kvwire.transfer.planes.shm.plane import ShmPlane
 from kvwire.transfer.types import ByteSpans

@@ -34,9 +34,8 @@ from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.control import ControlLoop
 from kvwire.transfer.core import Core
 from kvwire.transfer.enums import FailReason, KVLayout
-from kvwire.transfer.planes.base import DataPlane
+from kvwire.transfer.planes.base import DataPlane, PlaneSet
 from kvwire.transfer.planes.factory import make_plane
-from kvwire.transfer.planes.plane_set import PlaneSet
 from kvwire.transfer.receiver import Receiver
 from kvwire.transfer.registered_caches import BlockTarget, PagedKV
 from kvwire.transfer.routes import Routes

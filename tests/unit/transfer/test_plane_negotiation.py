@@ -14,8 +14,8 @@ import torch
 from kvwire.errors import ConfigError
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
 from kvwire.transfer.enums import Backend
+from kvwire.transfer.planes.base import Hello, choose, host_identity
 from kvwire.transfer.planes.factory import held_backends
-from kvwire.transfer.planes.negotiation import Hello, choose, host_identity
 from kvwire.transfer.planes.shm.ring import SpanCursor, coalesce, next_slot
 
 BOOT, HOST, NETNS = host_identity()

@@ -54,7 +54,7 @@ import torch
 
 from kvwire.supervision import HealthBoard
 from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.planes.common.unix_links import UnixLinkPlane, take_granted
+from kvwire.transfer.planes.base import UnixLinkPlane, take_granted
 from kvwire.transfer.planes.common.wire import CANCEL_WAIT_S, peer_pid, shutdown
 from kvwire.transfer.planes.shm import run_copy
 from kvwire.transfer.planes.shm.direct import RunCopier, ShmDest, decode_direct, encode_direct
