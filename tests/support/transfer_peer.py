@@ -23,8 +23,8 @@ from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
 from kvwire.transfer.enums import Backend, KVLayout
 from kvwire.transfer.planes.base import PlaneSet
 from kvwire.transfer.planes.common.link_config import DataLinkConfig
-from kvwire.transfer.planes.shm.grants import lock_slot
 from kvwire.transfer.planes.shm.plane import ShmPlane
+from kvwire.transfer.planes.shm.send import lock_slot
 from kvwire.transfer.registered_caches import BlockTarget
 from kvwire.transfer.shared_memory import shared_tensors
 

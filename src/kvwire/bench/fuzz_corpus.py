@@ -218,7 +218,7 @@ def plane_infos() -> list[bytes]:
     import msgspec
 
     from kvwire.transfer.planes.base import Envelope, Hello
-    from kvwire.transfer.planes.shm.direct import ShmDest, encode_direct
+    from kvwire.transfer.planes.shm.send import ShmDest, encode_direct
 
     spans = [(0, 4096), (8192, 4096)]
     direct = encode_direct([ShmDest("req-1", layer, 1, 65536 * layer, 3, 99, spans) for layer in range(2)])

@@ -130,9 +130,8 @@ def shm_frames() -> FuzzTarget:
     import torch
 
     from kvwire.transfer.config import MiB, TransferConfig
-    from kvwire.transfer.planes.shm.plane import ShmPlane
-    from kvwire.transfer.planes.shm.recv import Inbound
-    from kvwire.transfer.planes.shm.ring import create_ring, ring_array
+    from kvwire.transfer.planes.shm.plane import Inbound, ShmPlane
+    from kvwire.transfer.planes.shm.send import create_ring, ring_array
     from kvwire.transfer.types import RecvItem
 
     config = TransferConfig(recv_budget_bytes=1 * MiB, shm_ring_bytes=1 * MiB)

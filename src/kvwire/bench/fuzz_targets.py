@@ -160,7 +160,7 @@ def plane_info() -> FuzzTarget:
     shared-memory plane's one-copy destinations."""
     from kvwire.bench import fuzz_corpus
     from kvwire.transfer.planes.base import choose, decode_envelope
-    from kvwire.transfer.planes.shm.direct import decode_direct
+    from kvwire.transfer.planes.shm.send import decode_direct
 
     local = fuzz_corpus.local_hello()
 

@@ -16,7 +16,7 @@ from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
 from kvwire.transfer.enums import Backend
 from kvwire.transfer.planes.base import Hello, choose, host_identity
 from kvwire.transfer.planes.factory import held_backends
-from kvwire.transfer.planes.shm.ring import SpanCursor, coalesce, next_slot
+from kvwire.transfer.planes.shm.send import SpanCursor, coalesce, next_slot
 
 BOOT, HOST, NETNS = host_identity()
 

@@ -13,9 +13,8 @@ import torch
 
 from kvwire.transfer import TransferConfig
 from kvwire.transfer.planes.common.link_config import DataLinkConfig
-from kvwire.transfer.planes.shm.grants import GrantTable, GrantView, lock_slot
-from kvwire.transfer.planes.shm.plane import ShmPlane
-from kvwire.transfer.planes.shm.regions import REGIONS_FULL
+from kvwire.transfer.planes.shm.plane import REGIONS_FULL, GrantTable, ShmPlane
+from kvwire.transfer.planes.shm.send import GrantView, lock_slot
 from kvwire.transfer.shared_memory import shared_tensors
 from kvwire.transfer.types import ByteSpans, PeerRef, RecvItem
 

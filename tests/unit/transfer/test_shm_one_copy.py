@@ -20,20 +20,22 @@ from kvwire.transfer.enums import KVLayout
 from kvwire.transfer.planes.common.runs import pair_runs
 from kvwire.transfer.planes.shm import plane as shm_plane_module
 from kvwire.transfer.planes.shm import send as shm_send
-from kvwire.transfer.planes.shm.direct import (
+from kvwire.transfer.planes.shm.plane import GrantTable
+from kvwire.transfer.planes.shm.send import (
     DirectInfo,
+    GrantView,
     MappedRegions,
     RunCopier,
     RunPlans,
     ShmDest,
     SourceViews,
     WireDest,
+    check_table,
     decode_direct,
     encode_direct,
     layer_runs,
+    run_table,
 )
-from kvwire.transfer.planes.shm.grants import GrantTable, GrantView
-from kvwire.transfer.planes.shm.run_copy import check_table, run_table
 from kvwire.transfer.registered_caches import BlockTarget
 from kvwire.transfer.shared_memory import (
     SharedArena,
