@@ -132,6 +132,12 @@ def test_layer_runs_match_pair_runs_and_copies_are_bit_exact() -> None:
     assert layer_runs(src_spans, dst_spans) == pair_runs(src_spans, dst_spans)
     uneven = [(0, 3 * block), (10 * block, block)]  # lengths differ per span: the general walk
     assert layer_runs(uneven, dst_spans[:4]) == pair_runs(uneven, dst_spans[:4])
+    # into one span (a receive buffer), with empty and adjacent source spans among them
+    for src in (src_spans, uneven, [(0, block), (block, 0), (block, block), (5 * block, 2 * block)]):
+        one = [(7 * block, sum(n for _, n in src))]
+        assert layer_runs(src, one) == pair_runs(src, one), src
+    with pytest.raises(ValueError, match="bytes"):
+        layer_runs(uneven, [(0, 5 * block)])
     with pytest.raises(ValueError, match="bytes"):
         layer_runs(src_spans, dst_spans[:-1])
     runs = layer_runs(src_spans, dst_spans)

@@ -488,13 +488,31 @@ class MappedRegions:
 
 
 def layer_runs(src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]]) -> list[Run]:
-    """The copies moving the ``src`` spans' bytes into the ``dst`` spans (``pair_runs``), with a
-    fast path for the common case of paged -> paged (span i of each side has the same length: block
-    runs that are contiguous on both sides are single spans already). Raises ValueError when the
+    """The copies moving the ``src`` spans' bytes into the ``dst`` spans (``pair_runs``), with fast
+    paths for the common cases: paged -> paged (span i of each side has the same length: block
+    runs that are contiguous on both sides are single spans already) and paged -> one span (a
+    receive buffer: a transfer offered before its blocks were known). Raises ValueError when the
     totals differ."""
     if len(src) == len(dst) and all(a[1] == b[1] for a, b in zip(src, dst, strict=True)):
         return [(a[0], b[0], a[1]) for a, b in zip(src, dst, strict=True) if a[1] > 0]
+    if len(dst) == 1 and sum(n for _, n in src) == dst[0][1]:
+        return _into_one_span(src, dst[0][0])
     return pair_runs(src, dst)
+
+
+def _into_one_span(src: Sequence[tuple[int, int]], at: int) -> list[Run]:
+    """``pair_runs(src, [(at, total)])``: the source spans one after another from ``at``, spans
+    that continue each other merged."""
+    runs: list[Run] = []
+    for offset, n in src:
+        if n <= 0:
+            continue
+        if runs and runs[-1][0] + runs[-1][2] == offset:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
+        else:
+            runs.append((offset, at, n))
+        at += n
+    return runs
 
 
 class PlannedRuns(list[Run]):
