@@ -2,7 +2,7 @@
 
 Everything else is in pyproject.toml. The extension is optional: without a C compiler kvwire still
 installs, and the plane copies runs in Python (slower, holding the GIL; it logs a warning, and
-``kvwire.transfer.planes.shm.run_copy.NATIVE`` is False). docs/decisions/112-native-run-copies.md.
+``kvwire.transfer.planes.shm.send.NATIVE`` is False). docs/decisions/112-native-run-copies.md.
 """
 
 from setuptools import Extension, setup

@@ -2,7 +2,7 @@
 
 The shared-memory plane's one-copy path copies a request's blocks run by run (a KV block half is
 one run of 32 KiB at the Llama-3-8B shape) from P's cache into D's, both scattered in caches much
-larger than the request. This probe times the plane's copier (``run_copy.copy_runs``: the C
+larger than the request. This probe times the plane's copier (``shm.send.copy_runs``: the C
 extension, with ordinary and with non-temporal stores; decision 112) and the Python loop it
 replaced (``memoryview`` slice assignment) against one contiguous copy of the same bytes
 (``numpy.copyto``, the baseline of ``kvwire bench transfer --backend shm``), in two kinds of memory:
@@ -25,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
-from kvwire.transfer.planes.shm.run_copy import copy_runs, describe, run_table
+from kvwire.transfer.planes.shm.send import copy_runs, describe_copier, run_table
 
 Array = npt.NDArray[np.uint8]
 
@@ -91,7 +91,7 @@ def main() -> None:
     num_bytes = args.mib << 20
     runs = scattered_runs(num_bytes, args.run_kib << 10, args.pool)
     print(f"{len(runs)} runs of {args.run_kib} KiB scattered in caches of {args.pool * args.mib:.0f} MiB; "
-          f"best of {args.repeats}; load average {os.getloadavg()[0]:.1f}; copier: {describe()}")
+          f"best of {args.repeats}; load average {os.getloadavg()[0]:.1f}; copier: {describe_copier()}")
     print("GB/s, and in parentheses the share of one contiguous copy of the same bytes")
     print(f"{'memory':<10} {'contiguous':>11} {'python loop':>15} {'copier':>15} {'streamed':>15}")
     kinds: list[tuple[str, Callable[[int], Array]]] = [("memfd", memfd_array), ("anonymous", anonymous_array)]

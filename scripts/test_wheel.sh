@@ -37,7 +37,7 @@ cd "$work"  # nothing from the source tree on the path
 installed=$("$work/venv/bin/python" -c 'import kvwire; print(kvwire.__file__)')
 case "$installed" in "$work/venv/"*) ;; *) echo "test_wheel: kvwire imported from $installed"; exit 1 ;; esac
 # the wheel carries the shared-memory plane's C extension, built for this Python
-"$work/venv/bin/python" -c 'from kvwire.transfer.planes.shm import run_copy as r; assert r.NATIVE, r.NATIVE_ERROR' \
+"$work/venv/bin/python" -c 'from kvwire.transfer.planes.shm import send as r; assert r.NATIVE, r.NATIVE_ERROR' \
   || { echo "test_wheel: the native run copier is not in the wheel"; exit 1; }
 for cmd in "demo --help" "serve --help" "router --help" "up --help" "bench --help"; do
   "$work/venv/bin/kvwire" $cmd >/dev/null

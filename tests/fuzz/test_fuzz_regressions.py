@@ -112,7 +112,7 @@ def test_kv_params_signature_with_non_ascii_characters_is_refused() -> None:
 
 def test_plane_info_forcing_an_unknown_transport_is_a_protocol_error() -> None:
     from kvwire.bench.fuzz_corpus import local_hello
-    from kvwire.transfer.planes.negotiation import Envelope, decode_envelope
+    from kvwire.transfer.planes.base import Envelope, decode_envelope
 
     hostile = msgspec.structs.replace(local_hello(), forced="carrier-pigeon")
     with pytest.raises(ProtocolError, match="unknown transport"):
@@ -124,7 +124,7 @@ def test_plane_info_forcing_an_unknown_transport_is_a_protocol_error() -> None:
 
 
 def test_shm_one_copy_grant_nest_is_a_value_error() -> None:
-    from kvwire.transfer.planes.shm.direct import decode_direct
+    from kvwire.transfer.planes.shm.send import decode_direct
 
     grant = b"\x83\xa5dests\x90\xa9span_sets\x90\xa1x"  # a map: dests, span_sets and an unknown key
     assert decode_direct(grant + b"\x90") == []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvwire.transfer import TransferAgent
 from kvwire.transfer.enums import Backend
-from kvwire.transfer.planes.plane_set import PlaneSet
+from kvwire.transfer.planes.base import PlaneSet
 from kvwire.transfer.planes.shm.plane import ShmPlane
 
 

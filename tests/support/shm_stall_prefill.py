@@ -25,7 +25,7 @@ from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.protocol.kv_params import Role
 from kvwire.transfer.enums import Backend
-from kvwire.transfer.planes.plane_set import PlaneSet
+from kvwire.transfer.planes.base import PlaneSet
 from kvwire.transfer.planes.shm.plane import ShmPlane
 
 FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

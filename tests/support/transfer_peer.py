@@ -22,10 +22,10 @@ from transfer_helpers import DTYPES, digest, make_layer
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
 from kvwire.transfer.enums import Backend, KVLayout
 from kvwire.transfer.memory import BlockTarget, shared_tensors
+from kvwire.transfer.planes.base import PlaneSet
 from kvwire.transfer.planes.common.link_config import DataLinkConfig
-from kvwire.transfer.planes.plane_set import PlaneSet
-from kvwire.transfer.planes.shm.grants import lock_slot
 from kvwire.transfer.planes.shm.plane import ShmPlane
+from kvwire.transfer.planes.shm.send import lock_slot
 
 
 class Peer:

@@ -114,7 +114,7 @@ def _plane_imports(root: Path = PLANES) -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
     for path in sorted(root.rglob("*.py")):
         parts = path.relative_to(root).parts
-        if len(parts) < 2:  # base.py, factory.py, negotiation.py ...: the package level, not a plane
+        if len(parts) < 2:  # base.py, factory.py: the package level, not a plane
             continue
         named = {
             target[len(PLANES_PKG) + 1 :].split(".")[0]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from kvwire.bench.fuzz_targets import SECRET
 
 if TYPE_CHECKING:
-    from kvwire.transfer.planes.negotiation import Hello
+    from kvwire.transfer.planes.base import Hello
 
 _LAYOUT = {"model": "tiny", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "block_size": 16,
            "dtype": "float32", "tp_size": 1}
@@ -197,7 +197,7 @@ def vllm_kv_events() -> list[bytes]:
 
 
 def local_hello() -> Hello:
-    from kvwire.transfer.planes.negotiation import Hello
+    from kvwire.transfer.planes.base import Hello
 
     return Hello(instance_id="a" * 32, boot_id="boot", hostname="host", netns=4026531840, device="cpu",
                  planes={"shm": "@kvwire-shm-a", "tcp": "127.0.0.1:5601"})
@@ -206,8 +206,8 @@ def local_hello() -> Hello:
 def plane_infos() -> list[bytes]:
     import msgspec
 
-    from kvwire.transfer.planes.negotiation import Envelope, Hello
-    from kvwire.transfer.planes.shm.direct import ShmDest, encode_direct
+    from kvwire.transfer.planes.base import Envelope, Hello
+    from kvwire.transfer.planes.shm.send import ShmDest, encode_direct
 
     spans = [(0, 4096), (8192, 4096)]
     direct = encode_direct([ShmDest("req-1", layer, 1, 65536 * layer, 3, 99, spans) for layer in range(2)])

@@ -105,7 +105,7 @@ def tcp_frames() -> FuzzTarget:
     from kvwire.transfer.planes.tcp.wire import RECEIVER_PING
 
     plane = TcpPlane(TransferConfig(), "a" * 32)
-    plane._callbacks = _Callbacks()
+    plane.callbacks = _Callbacks()
     dest = torch.zeros(_LAYER_BYTES, dtype=torch.uint8)
 
     def read(conn: socket.socket) -> int:
@@ -131,13 +131,12 @@ def shm_frames() -> FuzzTarget:
 
     from kvwire.transfer.config import MiB, TransferConfig
     from kvwire.transfer.memory import RecvItem
-    from kvwire.transfer.planes.shm.plane import ShmPlane
-    from kvwire.transfer.planes.shm.recv import Inbound
-    from kvwire.transfer.planes.shm.ring import create_ring, ring_array
+    from kvwire.transfer.planes.shm.plane import Inbound, ShmPlane
+    from kvwire.transfer.planes.shm.send import create_ring, ring_array
 
     config = TransferConfig(recv_budget_bytes=1 * MiB, shm_ring_bytes=1 * MiB)
     plane = ShmPlane(config, "a" * 32)
-    plane._callbacks = _Callbacks()
+    plane.callbacks = _Callbacks()
     fd, mapping = create_ring(config.shm_ring_bytes)
     os.close(fd)
     ring = ring_array(mapping)  # keeps the mapping alive as long as the target

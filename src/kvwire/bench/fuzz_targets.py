@@ -159,8 +159,8 @@ def plane_info() -> FuzzTarget:
     """``plane_info`` of Offer/Grant/Pull: the plane-set envelope (hello, negotiation) and the
     shared-memory plane's one-copy destinations."""
     from kvwire.bench import fuzz_corpus
-    from kvwire.transfer.planes.negotiation import choose, decode_envelope
-    from kvwire.transfer.planes.shm.direct import decode_direct
+    from kvwire.transfer.planes.base import choose, decode_envelope
+    from kvwire.transfer.planes.shm.send import decode_direct
 
     local = fuzz_corpus.local_hello()
 

@@ -40,8 +40,8 @@ from kvwire.bench.waiting import RECEIVED, SENT, wait_transfer
 from kvwire.transfer import TransferAgent, TransferConfig
 from kvwire.transfer.enums import Backend, Transport
 from kvwire.transfer.memory import ByteSpans, KVLayout, block_spans
-from kvwire.transfer.planes.plane_set import PlaneSet
-from kvwire.transfer.planes.shm import run_copy
+from kvwire.transfer.planes.base import PlaneSet
+from kvwire.transfer.planes.shm import send as shm_send
 from kvwire.transfer.planes.shm.plane import ShmPlane
 
 DEFAULT_TOKENS = (512, 2048, 8192)
@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
                     "backend": "shm",
                     "shape": {**dataclasses.asdict(shape), "dtype": str(shape.dtype)},
                     "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-                    "run_copier": run_copy.describe(),
+                    "run_copier": shm_send.describe_copier(),
                     "results": [dataclasses.asdict(r) for r in results],
                 }
             )
@@ -256,7 +256,7 @@ def _print_table(results: list[ShmResult], shape: Shape) -> None:
         f"KV transfer, shared memory (one copy into D's shared cache; ring: D's cache in ordinary "
         f"memory) vs memcpy vs TCP: {shape.num_layers} layers x [2, tokens, "
         f"{shape.num_kv_heads}, {shape.head_dim}] {str(shape.dtype).removeprefix('torch.')}, paged "
-        f"(block {shape.block_size}) -> paged; run copier: {run_copy.describe()}"
+        f"(block {shape.block_size}) -> paged; run copier: {shm_send.describe_copier()}"
     )
     print(
         f"{'tokens':>7} {'MiB':>7} {'shm ms':>8} {'GB/s':>6} {'ring ms':>8} {'GB/s':>6} "

@@ -3,7 +3,7 @@
 Called on the model-runner thread. The connector registers the engine's KV caches with the agent
 once and then hands it block ids, never gathered copies (the serving path is the agent's fastest
 per plane: byte spans of the blocks on TCP, device gathers/scatters on NCCL; see
-:mod:`kvwire.transfer.registered_caches`). Safety of in-place transfers: P's blocks stay allocated until the
+:mod:`kvwire.transfer.memory`). Safety of in-place transfers: P's blocks stay allocated until the
 agent reports the send finished or failed; D's blocks are reused only after the agent reported the
 receive, or after the receive failed or was aborted and no sender may still write into them (a
 stalled shared-memory sender: the outcome waits in :mod:`kvwire.connector.quarantine`).

@@ -101,9 +101,8 @@ from kvwire.transfer.memory import (
     TransferEvents,
 )
 from kvwire.transfer.peer_watch import PeerWatch
-from kvwire.transfer.planes.base import DataPlane
+from kvwire.transfer.planes.base import DataPlane, PlaneSet
 from kvwire.transfer.planes.factory import make_plane
-from kvwire.transfer.planes.plane_set import PlaneSet
 from kvwire.transfer.receiver import Receiver
 from kvwire.transfer.sender import Sender
 

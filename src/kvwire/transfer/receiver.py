@@ -296,13 +296,13 @@ class Credit:
 
     def _grant(self, st: RecvState, items: list[RecvItem], early: bool = False) -> Grant:
         assert st.peer is not None
-        plane = self.core.plane
-        plane.post_recv(st.peer, items)  # before the Grant leaves: a fast sender finds its buffers
+        # posted before the Grant leaves: a fast sender finds its buffers
+        data_address, plane_info = self.core.plane.post_grant(st.peer, items)
         msg = Grant(
             **self.core.header(st.peer.endpoint, st.transfer_id, st.peer.instance_id),
             layers=[item.layer_index for item in items],
-            data_address=plane.address,
-            plane_info=plane.local_info(st.peer),
+            data_address=data_address,
+            plane_info=plane_info,
             early=early,
             sizes=[item.num_bytes for item in items] if early else [],
         )

@@ -24,12 +24,12 @@ from kvwire.transfer.agent import TransferAgent
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.enums import Backend, Transport
 from kvwire.transfer.memory import PeerRef, RecvItem, SendItem
+from kvwire.transfer.planes.base import PlaneSet
 from kvwire.transfer.planes.common import admission
 from kvwire.transfer.planes.common.admission import Admission, accept_loop
 from kvwire.transfer.planes.common.hello import HELLO, NONCE_BYTES, prove_hello
 from kvwire.transfer.planes.common.link_config import DataLinkConfig
 from kvwire.transfer.planes.common.wire import abstract_name
-from kvwire.transfer.planes.plane_set import PlaneSet
 from kvwire.transfer.planes.shm.plane import ShmPlane
 from kvwire.transfer.planes.tcp.plane import TcpPlane
 from kvwire.transfer.planes.tcp.wire import FRAME, MAGIC, PING_FRAME, VERSION, host_port

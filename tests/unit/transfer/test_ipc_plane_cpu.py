@@ -134,7 +134,7 @@ def test_receiver_destinations_travel_with_the_next_grant_and_sender_takes_them_
 def test_undecodable_plane_info_is_a_protocol_error_not_a_crash() -> None:
     sender = IpcPlane(TransferConfig(device="cuda:0", transport="ipc"), "tx")
     callbacks = RecordingCallbacks()
-    sender._callbacks = callbacks  # type: ignore[assignment]  # start() would open the link socket
+    sender.callbacks = callbacks  # start() would open the link socket
     peer = PeerRef("tcp://rx", "rx", "@b")
     bad_set = GrantInfo([Dest("t", 0, b"h" * 64, 0, 5)], [])  # names a span set it does not carry
     for info in (b"\x93garbage", msgspec.msgpack.encode(bad_set)):

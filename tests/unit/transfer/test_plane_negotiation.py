@@ -6,17 +6,30 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from collections.abc import Sequence
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
 from kvwire.errors import ConfigError
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
-from kvwire.transfer.enums import Backend
+from kvwire.transfer.enums import Backend, Transport
+from kvwire.transfer.memory import PeerRef, RecvItem, SendItem
+from kvwire.transfer.planes.base import (
+    DataPlane,
+    Envelope,
+    Hello,
+    PlaneCallbacks,
+    PlaneSet,
+    choose,
+    host_identity,
+)
 from kvwire.transfer.planes.factory import held_backends
-from kvwire.transfer.planes.negotiation import Hello, choose, host_identity
-from kvwire.transfer.planes.shm.ring import SpanCursor, coalesce, next_slot
+from kvwire.transfer.planes.shm.send import SpanCursor, coalesce, next_slot
+from support.plane_callbacks import RecordingCallbacks
+from support.waiting import wait_for
 
 BOOT, HOST, NETNS = host_identity()
 
@@ -149,6 +162,73 @@ def test_auto_meets_forced_tcp_and_reports_the_plane() -> None:
             time.sleep(0.002)
         assert torch.equal(b.take_layers("y")[0], layer)
         assert a.peer_transports() == {b.endpoint: "tcp"} and b.peer_transports() == {a.endpoint: "tcp"}
+
+
+class _Member(DataPlane):
+    """A plane that records its posts and says a piece of its own to each peer."""
+
+    def __init__(self, address: str) -> None:
+        self._own = address
+        self.posted: list[tuple[PeerRef, list[RecvItem]]] = []
+
+    def start(self, callbacks: PlaneCallbacks) -> None:
+        del callbacks
+
+    @property
+    def address(self) -> str:
+        return self._own
+
+    def local_info(self, peer: PeerRef) -> bytes:
+        return f"piece for {peer.instance_id}".encode()
+
+    def send(self, peer: PeerRef, items: Sequence[SendItem]) -> None:
+        raise AssertionError("not sent to")
+
+    def post_recv(self, peer: PeerRef, items: Sequence[RecvItem]) -> None:
+        self.posted.append((peer, list(items)))
+
+    def cancel(self, transfer_id: str) -> None:
+        del transfer_id
+
+    def drop_peer(self, peer_instance_id: str) -> None:
+        del peer_instance_id
+
+    def close(self) -> None:
+        pass
+
+
+def test_post_grant_posts_through_the_negotiated_plane_and_returns_the_grants_fields() -> None:
+    """The receiver's one call per grant gives what post_recv, address and local_info gave: the set's
+    address, and its envelope around the negotiated plane's piece; the post reaches that plane once,
+    with the peer's address for it. A peer with no handshake gets every member's piece and its
+    transfers fail (reason ``transport: ...``)."""
+    members = {"a": _Member("tcp-of-a"), "b": _Member("tcp-of-b")}
+    planes = {n: PlaneSet([(Backend.TCP, m)], n, "cpu", Transport.AUTO) for n, m in members.items()}
+    callbacks = RecordingCallbacks()
+    for plane_set in planes.values():
+        plane_set.start(callbacks)
+    try:
+        a_ref = PeerRef("tcp://a", "a", planes["a"].address)
+        items = [RecvItem("t", 0, 8, torch.zeros(8, dtype=torch.uint8))]
+        address, info = planes["b"].post_grant(a_ref, items)  # no hello from "a" yet
+        assert address == planes["b"].address == "tcp=tcp-of-b"
+        assert msgspec.msgpack.decode(info, type=Envelope).inner == {"tcp": b"piece for a"}
+        assert not members["b"].posted
+        wait_for(lambda: [t for t, _ in callbacks.transfer_failed] == ["t"], 10, "unrouted transfer failed")
+        assert callbacks.transfer_failed[0][1].startswith("transport: no plane handshake")
+
+        planes["b"].on_peer_info(a_ref, planes["a"].local_info(PeerRef("tcp://b", "b", "")))
+        address, info = planes["b"].post_grant(a_ref, items)
+        envelope = msgspec.msgpack.decode(info, type=Envelope)
+        assert address == "tcp=tcp-of-b" and envelope.hello.instance_id == "b"
+        assert envelope.inner == {"tcp": b"piece for a"}
+        assert info == planes["b"].local_info(a_ref)  # what the two calls say
+        [(peer, posted)] = members["b"].posted
+        assert (peer.instance_id, peer.data_address, posted) == ("a", "tcp-of-a", items)
+        assert members["b"].post_grant(peer, items) == ("tcp-of-b", b"piece for a")  # the default
+    finally:
+        for plane_set in planes.values():
+            plane_set.close()
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -11,8 +11,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvwire.transfer.planes.shm import direct, run_copy
-from kvwire.transfer.planes.shm.run_copy import STREAM_MIN_BYTES, Bytes, copy_runs, run_table
+from kvwire.transfer.planes.shm import send as shm_send
+from kvwire.transfer.planes.shm.send import STREAM_MIN_BYTES, Bytes, copy_runs, run_table
 
 Table = npt.NDArray[np.int64]
 
@@ -20,16 +20,16 @@ Table = npt.NDArray[np.int64]
 @pytest.fixture(params=["native", "python"])
 def copier(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     if request.param == "python":
-        monkeypatch.setattr(run_copy, "_native", None)
-        monkeypatch.setattr(run_copy, "_warned", True)  # the fallback's warning is not under test here
+        monkeypatch.setattr(shm_send, "_native", None)
+        monkeypatch.setattr(shm_send, "_warned", True)  # the fallback's warning is not under test here
     yield request.param
 
 
 def test_the_native_copier_is_built() -> None:
     """``pip install`` (scripts/setup.sh) builds the C extension on any machine with a C compiler,
     CI's included; without it every shared-memory copy would run in Python, holding the GIL."""
-    assert run_copy.NATIVE, run_copy.NATIVE_ERROR
-    assert run_copy.describe() == "native"
+    assert shm_send.NATIVE, shm_send.NATIVE_ERROR
+    assert shm_send.describe_copier() == "native"
 
 
 def _runs(rng: random.Random, size: int, count: int) -> list[tuple[int, int, int]]:
@@ -77,11 +77,11 @@ def test_large_layers_are_streamed_small_ones_stored(monkeypatch: pytest.MonkeyP
         calls.append(stream)
         copy_runs(src, dst, table, checked=checked, stream=stream)
 
-    monkeypatch.setattr(direct, "copy_runs", record)
+    monkeypatch.setattr(shm_send, "copy_runs", record)
     block = 64 << 10
     src = np.frombuffer(random.Random(9).randbytes(STREAM_MIN_BYTES + 16 * block), dtype=np.uint8)
     for threads in (1, 2):
-        copier = direct.RunCopier(threads)
+        copier = shm_send.RunCopier(threads)
         try:
             for count, streamed in ((4, False), (STREAM_MIN_BYTES // block, True)):
                 calls.clear()
@@ -157,8 +157,8 @@ def test_native_copies_let_other_threads_run(copier: str) -> None:
 def test_the_python_fallback_warns_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(run_copy, "_native", None)
-    monkeypatch.setattr(run_copy, "_warned", False)
+    monkeypatch.setattr(shm_send, "_native", None)
+    monkeypatch.setattr(shm_send, "_warned", False)
     src = np.arange(16, dtype=np.uint8)
     dst = np.zeros(16, dtype=np.uint8)
     with caplog.at_level("WARNING", logger="kvwire.transfer"):

@@ -30,20 +30,22 @@ from kvwire.transfer.memory import (
 from kvwire.transfer.planes.common.runs import pair_runs
 from kvwire.transfer.planes.shm import plane as shm_plane_module
 from kvwire.transfer.planes.shm import send as shm_send
-from kvwire.transfer.planes.shm.direct import (
+from kvwire.transfer.planes.shm.plane import GrantTable
+from kvwire.transfer.planes.shm.send import (
     DirectInfo,
+    GrantView,
     MappedRegions,
     RunCopier,
     RunPlans,
     ShmDest,
     SourceViews,
     WireDest,
+    check_table,
     decode_direct,
     encode_direct,
     layer_runs,
+    run_table,
 )
-from kvwire.transfer.planes.shm.grants import GrantTable, GrantView
-from kvwire.transfer.planes.shm.run_copy import check_table, run_table
 from support.shm_planes import shm_plane
 from support.waiting import wait_for
 
@@ -130,6 +132,12 @@ def test_layer_runs_match_pair_runs_and_copies_are_bit_exact() -> None:
     assert layer_runs(src_spans, dst_spans) == pair_runs(src_spans, dst_spans)
     uneven = [(0, 3 * block), (10 * block, block)]  # lengths differ per span: the general walk
     assert layer_runs(uneven, dst_spans[:4]) == pair_runs(uneven, dst_spans[:4])
+    # into one span (a receive buffer), with empty and adjacent source spans among them
+    for src in (src_spans, uneven, [(0, block), (block, 0), (block, block), (5 * block, 2 * block)]):
+        one = [(7 * block, sum(n for _, n in src))]
+        assert layer_runs(src, one) == pair_runs(src, one), src
+    with pytest.raises(ValueError, match="bytes"):
+        layer_runs(uneven, [(0, 5 * block)])
     with pytest.raises(ValueError, match="bytes"):
         layer_runs(src_spans, dst_spans[:-1])
     runs = layer_runs(src_spans, dst_spans)
@@ -512,7 +520,7 @@ def test_a_finalizer_inside_the_locked_section_does_not_deadlock() -> None:
     lock (it hung a CI run in region_of): the release is deferred to the end of the section."""
     import threading
 
-    from kvwire.transfer import memory as shared_memory
+    from kvwire.transfer import shared_memory
 
     tensor = shared_memory.shared_zeros((4096,), torch.uint8)
     region, _ = shared_memory.region_of(tensor)  # type: ignore[misc]

@@ -18,9 +18,8 @@ import torch
 from kvwire.transfer import TransferConfig
 from kvwire.transfer.memory import ByteSpans, PeerRef, RecvItem, shared_tensors
 from kvwire.transfer.planes.shm import plane as shm_plane_module
-from kvwire.transfer.planes.shm.direct import halves
-from kvwire.transfer.planes.shm.grants import GrantTable
-from kvwire.transfer.planes.shm.plane import ShmPlane
+from kvwire.transfer.planes.shm.plane import GrantTable, ShmPlane
+from kvwire.transfer.planes.shm.send import halves
 from support.waiting import wait_for
 
 PEER = PeerRef("tcp://127.0.0.1:1", "p-instance", "@nowhere")
@@ -30,7 +29,7 @@ LAYER_BYTES = 4096
 # writing a layer does, says so, and lets go when told (or never, when killed).
 _HOLDER = """
 import sys
-from kvwire.transfer.planes.shm.grants import GrantView
+from kvwire.transfer.planes.shm.send import GrantView
 fd, size, slot, token = map(int, sys.argv[1:5])
 view = GrantView(fd, size)
 with view.holding(slot, token, 10.0) as granted:

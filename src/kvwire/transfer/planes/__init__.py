@@ -2,7 +2,8 @@
 
 ``tcp/`` (raw sockets, CPU tensors), ``shm/`` (shared memory, one host), ``ipc/`` (CUDA IPC, one
 host) and ``nccl/`` (NCCL point to point, GPUs); ``factory.make_plane`` imports the one a config
-names, lazily, so importing this package imports no plane (and no CUDA). ``common/`` holds what
-planes share (the link hello, socket helpers, one listener lifecycle, copy runs, the GPU group
-kernels); a plane imports only ``base`` and ``common``, never another plane.
+names, lazily, so importing this package imports no plane (and no CUDA). ``base`` holds the
+interface, the negotiation, the plane set and the listener bases; ``common/`` what else planes
+share (the link hello, socket helpers, admission, copy runs, the GPU group kernels); a plane
+imports only ``base`` and ``common``, never another plane.
 """

@@ -64,21 +64,47 @@ Memory: receive-budget buffers come from :meth:`allocate` (a GPU plane allocates
 stream); spill buffers are host memory (pinned on CUDA) allocated by the agent. A GPU plane given a
 host ``dest`` stages through device memory. ``dest`` is a flat ``uint8`` tensor of ``num_bytes``.
 
-Implementations: one subpackage per plane under :mod:`kvwire.transfer.planes` (``tcp``, ``nccl``),
-built by :func:`kvwire.transfer.planes.factory.make_plane`, which imports them lazily (this module
-imports none of them: no import circle).
+Implementations: one subpackage per plane under :mod:`kvwire.transfer.planes` (``tcp``, ``shm``,
+``ipc``, ``nccl``), built by :func:`kvwire.transfer.planes.factory.make_plane`, which imports them
+lazily (this module imports none of them: no import circle).
+
+This module holds the interface and everything about *which* plane moves a peer's bytes, in the
+order a reader meets them (docs/decisions/139-planes-in-few-modules.md):
+
+1. the interface: :class:`PlaneCallbacks`, :class:`DataPlane`;
+2. negotiation: the :class:`Hello` each agent sends and the pair's :func:`choose`;
+3. :class:`PlaneSet`: every held plane behind one :class:`DataPlane`, routed per peer epoch;
+4. the bases of the socket planes: :class:`ListenerPlane` (tcp, shm, ipc) and
+   :class:`UnixLinkPlane` (shm, ipc).
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
+import functools
+import logging
+import os
 import queue
+import secrets
+import socket
+import threading
+import time
 from collections.abc import Sequence
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
+import msgspec
 import torch
 
+from kvwire.errors import ProtocolError
+from kvwire.supervision import HealthBoard, SupervisedThread
+from kvwire.transfer.config import TransferConfig
+from kvwire.transfer.enums import Backend, FailReason, Transport
 from kvwire.transfer.memory import PeerRef, RecvItem, SendItem
+from kvwire.transfer.planes.common.admission import Admission, accept_loop, start_reader, unix_peer
+from kvwire.transfer.planes.common.wire import CANCEL_MEMORY_S, POLL_S, abstract_name, shutdown
+
+log = logging.getLogger("kvwire.transfer")
 
 
 class PlaneCallbacks(Protocol):
@@ -124,10 +150,10 @@ class DataPlane(abc.ABC):
     #: early grant, decision 110): the plane checks that what is written fits what was granted.
     early_grants: ClassVar[bool] = False
     #: True when the plane runs ``RecvItem.on_device`` consumers on the GPU right behind the receive
-    #: (:data:`kvwire.transfer.types.DeviceConsumer`): no host wake-up between data and consumer.
+    #: (:data:`kvwire.transfer.memory.DeviceConsumer`): no host wake-up between data and consumer.
     supports_device_consumers: ClassVar[bool] = False
     #: True when the plane runs ``SendItem.on_device`` producers on its send stream right before each
-    #: message (:data:`kvwire.transfer.types.DeviceProducer`).
+    #: message (:data:`kvwire.transfer.memory.DeviceProducer`).
     supports_device_producers: ClassVar[bool] = False
     #: True when the plane honours ``SendItem.ready_signal`` (a device-side wait before the sends).
     supports_device_signals: ClassVar[bool] = False
@@ -176,6 +202,13 @@ class DataPlane(abc.ABC):
         """Post destination buffers for layers granted to ``peer``; returns at once.
         Reports ``on_received`` per item once its ``dest`` is filled."""
 
+    def post_grant(self, peer: PeerRef, items: Sequence[RecvItem]) -> tuple[str, bytes]:
+        """Post ``items`` (:meth:`post_recv`) and return what the Grant granting them carries to
+        ``peer``: (``data_address``, ``plane_info``). The receiver's one call into the plane per
+        grant; the default posts, then reads :attr:`address` and :meth:`local_info`."""
+        self.post_recv(peer, items)
+        return self.address, self.local_info(peer)
+
     @abc.abstractmethod
     def cancel(self, transfer_id: str) -> None:
         """Forget queued sends and posted receives of the transfer (best effort, see module doc)."""
@@ -216,3 +249,655 @@ def fail_queued(items: queue.SimpleQueue[SendItem | None], callbacks: PlaneCallb
         if item is not None and item.transfer_id not in failed:
             failed.add(item.transfer_id)
             callbacks.on_transfer_failed(item.transfer_id, reason)
+
+
+# =================================================================================================
+# Negotiation
+# =================================================================================================
+
+# Per-peer plane negotiation: what each agent says about itself, and the pair's choice.
+#
+# Every control message that carries ``plane_info`` (Offer, Grant, Pull) starts with this agent's
+# :class:`Hello`: host identity (boot id + hostname + network namespace inode: two processes share
+# memory and abstract Unix sockets only when all three match), device kind and GPU UUID, the planes it
+# holds (with their addresses) and the transport it was forced to, if any. Both ends run
+# :func:`choose` on the same two hellos, so they agree without another round trip: the receiver knows
+# the sender's hello from the Offer before it posts a receive, and the sender learns the receiver's
+# from the first Grant before it sends a byte. Pure functions, unit-tested on their own.
+
+#: Preference of the pair when nothing is forced: same-host planes first (no wire at all), then
+#: NCCL (GPU to GPU), then TCP (anything to anything).
+PREFERENCE: tuple[Backend, ...] = (Backend.IPC, Backend.SHM, Backend.NCCL, Backend.TCP)
+
+
+class Hello(msgspec.Struct, frozen=True, kw_only=True):
+    """One agent as its peers' planes need to know it (travels in every ``plane_info``)."""
+
+    instance_id: str
+    boot_id: str
+    hostname: str
+    netns: int  # inode of /proc/self/ns/net (0 when unknown: never equal to another's)
+    device: str  # "cpu" or "cuda"
+    gpu_uuid: str = ""  # the CUDA device's UUID ("" on CPU)
+    peer_gpus: list[str] = []  # UUIDs of this host's other GPUs the device reaches peer to peer
+    planes: dict[str, str] = {}  # backend value -> that plane's address, in preference order
+    forced: str = ""  # the forced transport ("" = auto)
+
+    def describe(self) -> str:
+        gpu = f" {self.gpu_uuid}" if self.gpu_uuid else ""
+        planes = ",".join(self.planes)
+        return f"{self.hostname} (instance {self.instance_id[:8]}, {self.device}{gpu}, planes {planes})"
+
+
+class Envelope(msgspec.Struct, frozen=True):
+    """``plane_info`` of a plane set: the hello plus the member planes' own handshake bytes."""
+
+    hello: Hello
+    inner: dict[str, bytes] = {}  # backend value -> that plane's local_info for this peer
+
+
+_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
+_TRANSPORTS = frozenset(t.value for t in Transport)
+
+
+def decode_envelope(info: bytes) -> Envelope:
+    """A peer's ``plane_info`` -> :class:`Envelope`; ``ProtocolError`` for anything else (bytes that
+    do not decode, nest too deep, or force a transport this version does not know)."""
+    try:
+        envelope = _envelope_decoder.decode(info)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise ProtocolError(f"plane handshake does not decode: {exc}") from exc
+    if envelope.hello.forced and envelope.hello.forced not in _TRANSPORTS:
+        raise ProtocolError(f"plane handshake forces an unknown transport {envelope.hello.forced[:32]!r}")
+    return envelope
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The pair's plane, or why there is none (``backend`` None: ``error`` names both ends)."""
+
+    backend: Backend | None
+    error: str = ""
+
+
+@functools.cache
+def host_identity() -> tuple[str, str, int]:
+    """(boot id, hostname, network-namespace inode) of this process."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot_id = f.read().strip()
+    except OSError:
+        boot_id = ""
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        netns = 0
+    return boot_id, socket.gethostname(), netns
+
+
+def same_host(a: Hello, b: Hello) -> bool:
+    """Both processes share the host's memory and its abstract Unix sockets."""
+    return (
+        bool(a.boot_id)
+        and a.netns != 0
+        and (a.boot_id, a.hostname, a.netns) == (b.boot_id, b.hostname, b.netns)
+    )
+
+
+def usable(backend: Backend, a: Hello, b: Hello) -> str:
+    """ "" when the pair can use ``backend``; otherwise why not."""
+    if backend.value not in a.planes or backend.value not in b.planes:
+        holders = [h.hostname + "/" + h.instance_id[:8] for h in (a, b) if backend.value in h.planes]
+        return f"not held by both ends (held by: {', '.join(holders) or 'neither'})"
+    if backend in (Backend.IPC, Backend.SHM) and not same_host(a, b):
+        return "the two ends are not on the same host (boot id, hostname or network namespace differ)"
+    if backend in (Backend.IPC, Backend.NCCL) and not (a.device == b.device == "cuda"):
+        return f"needs CUDA tensors on both ends (devices {a.device} and {b.device})"
+    if backend is Backend.IPC and not _reachable(a, b):
+        return f"GPUs {a.gpu_uuid or '?'} and {b.gpu_uuid or '?'} are neither one device nor peer-accessible"
+    if backend is Backend.SHM and not (a.device == b.device == "cpu"):
+        return f"moves CPU tensors only (devices {a.device} and {b.device})"
+    return ""
+
+
+def _reachable(a: Hello, b: Hello) -> bool:
+    """One GPU, or two that can access each other's memory (CUDA IPC maps the peer's allocation)."""
+    if not a.gpu_uuid or not b.gpu_uuid:
+        return False
+    return a.gpu_uuid == b.gpu_uuid or (b.gpu_uuid in a.peer_gpus and a.gpu_uuid in b.peer_gpus)
+
+
+def choose(local: Hello, remote: Hello) -> Choice:
+    """The plane of the pair (symmetric: ``choose(a, b) == choose(b, a)``)."""
+    forced = {h.forced for h in (local, remote) if h.forced and h.forced != Transport.AUTO.value}
+    ends = f"{local.describe()} and {remote.describe()}"
+    if len(forced) > 1:
+        return Choice(None, f"transports {' and '.join(sorted(forced))} are forced on the two ends: {ends}")
+    if forced:
+        backend = Backend(forced.pop())
+        why = usable(backend, local, remote)
+        if why:
+            return Choice(
+                None, f"transport {backend.value!r} is forced but cannot be used between {ends}: {why}"
+            )
+        return Choice(backend)
+    for backend in PREFERENCE:
+        if not usable(backend, local, remote):
+            return Choice(backend)
+    return Choice(None, f"no data plane works between {ends}")
+
+
+# =================================================================================================
+# The plane set
+# =================================================================================================
+
+# A set of data planes behind the one :class:`DataPlane` interface, routing every call per peer.
+#
+# Why a set and not a choice in the agent: the agent's send and receive halves talk to "the plane"
+# and key everything by peer epoch already; the only new fact, *which* plane a peer epoch uses, is a
+# property of that peer, learnt from the handshake bytes the agent already forwards
+# (``local_info`` / ``on_peer_info``). Keeping the routing here leaves the sender and receiver code
+# unchanged and gives every member plane the exact contract it had alone
+# (docs/decisions/075-plane-negotiation.md).
+#
+# ``plane_info`` of the set is a :class:`Envelope`: this agent's
+# hello plus, per member plane, that plane's own handshake bytes (all members' until the peer's
+# hello is known, then only the chosen plane's). Each side chooses with the same pure function on
+# the same two hellos, so both agree without an extra round trip.
+#
+# Class flags: a set whose members disagree takes the conservative value (``ordered`` if any member
+# is ordered: an unordered plane accepts items in grant order too; ``supports_*`` only if every
+# member does: the agent then gathers/scatters itself, which every plane accepts).
+#
+# A pair that cannot use a forced transport fails each of its transfers (reason ``transport: ...``,
+# naming both ends) from the set's own thread: the calls that discover it (``send``/``post_recv``)
+# run under the agent lock and must not call back into the agent.
+
+_FLAGS_ANY = ("ordered",)
+_FLAGS_ALL = (
+    "supports_spans",
+    "supports_device_consumers",
+    "supports_device_producers",
+    "supports_device_signals",
+)
+_STOP_WAIT_S = 5.0
+#: Peer epochs remembered; the oldest is forgotten beyond (it renegotiates from its next message's
+#: hello, which every plane_info carries), so peers that come and go never grow the table.
+MAX_PEERS = 4096
+
+
+@dataclasses.dataclass
+class _Peer:
+    """What the set knows about one peer epoch."""
+
+    hello: Hello
+    choice: Choice
+    endpoint: str
+
+
+class PlaneSet(DataPlane):
+    """Holds several planes (in preference order) and routes each peer epoch to the negotiated one."""
+
+    def __init__(
+        self,
+        members: Sequence[tuple[Backend, DataPlane]],
+        instance_id: str,
+        device: str,
+        forced: Transport,
+        board: HealthBoard | None = None,
+    ) -> None:
+        """``board``: the process's health board (the members should share it); a private one if None."""
+        if not members:
+            raise ValueError("a plane set needs at least one plane")
+        self.members: dict[Backend, DataPlane] = dict(members)
+        self.instance_id = instance_id
+        self.device = device
+        self.forced = forced
+        planes = list(self.members.values())
+        for flag in _FLAGS_ANY:  # instance values shadow the DataPlane class defaults (see module doc)
+            setattr(self, flag, any(getattr(p, flag) for p in planes))
+        for flag in _FLAGS_ALL:
+            setattr(self, flag, all(getattr(p, flag) for p in planes))
+        self._lock = threading.Lock()
+        self._peers: dict[str, _Peer] = {}  # peer instance id -> hello + choice
+        self._hello: Hello | None = None
+        self._info_cache: dict[str, bytes] = {}  # peer instance id -> our envelope for it (chosen)
+        self.board = board if board is not None else HealthBoard()
+        self._failures: queue.SimpleQueue[tuple[str, str] | None] = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self._failer: SupervisedThread | None = None
+        self._callbacks: PlaneCallbacks | None = None
+        self._address = ""  # made once the members listen (start)
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    def start(self, callbacks: PlaneCallbacks) -> None:
+        self._callbacks = callbacks
+        started: list[DataPlane] = []
+        try:
+            for plane in self.members.values():
+                plane.start(callbacks)
+                started.append(plane)
+        except BaseException:
+            for plane in started:
+                plane.close()
+            raise
+        boot_id, hostname, netns = host_identity()
+        cuda = self.device.startswith("cuda")
+        self._hello = Hello(
+            instance_id=self.instance_id,
+            boot_id=boot_id,
+            hostname=hostname,
+            netns=netns,
+            device="cuda" if cuda else "cpu",
+            gpu_uuid=_gpu_uuid(self.device) if cuda else "",
+            peer_gpus=_peer_gpus(self.device) if cuda else [],
+            planes={b.value: p.address for b, p in self.members.items()},
+            forced="" if self.forced is Transport.AUTO else self.forced.value,
+        )
+        self._address = ",".join(f"{b.value}={p.address}" for b, p in self.members.items())
+        self._failer = SupervisedThread(
+            "kvwire-planes-fail", self._fail_loop, self._stopping, board=self.board
+        ).start()
+
+    @property
+    def address(self) -> str:
+        assert self._address, "start() first"
+        return self._address
+
+    def close(self) -> None:
+        if self._failer is not None:
+            self._stopping.set()
+            self._failures.put(None)
+            self._failer.stop(_STOP_WAIT_S)
+        for plane in self.members.values():
+            plane.close()
+
+    def allocate(self, num_bytes: int) -> torch.Tensor:
+        return next(iter(self.members.values())).allocate(num_bytes)
+
+    def register_memory(self, tensors: Sequence[torch.Tensor]) -> None:
+        for plane in self.members.values():
+            plane.register_memory(tensors)
+
+    # --- negotiation -------------------------------------------------------------------------------
+
+    def peer_transports(self) -> dict[str, str]:
+        """Peer control endpoint -> chosen plane (``"none"`` when the pair has none), for
+        heartbeats and logs. Latest epoch per endpoint."""
+        with self._lock:
+            return {
+                p.endpoint: (p.choice.backend.value if p.choice.backend else "none")
+                for p in self._peers.values()
+            }
+
+    def choice_for(self, peer_instance_id: str) -> Choice | None:
+        with self._lock:
+            peer = self._peers.get(peer_instance_id)
+        return None if peer is None else peer.choice
+
+    def local_info(self, peer: PeerRef) -> bytes:
+        assert self._hello is not None, "start() first"
+        known, cached = self._known(peer)
+        if known is not None and known.choice.backend is not None:
+            member = self.members[known.choice.backend]
+            return self._envelope(peer, known, member.local_info(self._member_peer(peer, known)), cached)
+        inner_all: dict[str, bytes] = {}
+        if known is None:  # first contact: every member may be the one; each says its piece
+            for backend, member in self.members.items():
+                piece = member.local_info(PeerRef(peer.endpoint, peer.instance_id, "", b""))
+                if piece:
+                    inner_all[backend.value] = piece
+        return msgspec.msgpack.encode(Envelope(self._hello, inner_all))
+
+    def _known(self, peer: PeerRef) -> tuple[_Peer | None, bytes | None]:
+        """What the set knows of ``peer``, and the plane_info it last sent it (if cached)."""
+        with self._lock:
+            known = self._peers.get(peer.instance_id) if peer.instance_id else None
+            cached = self._info_cache.get(peer.instance_id) if known is not None else None
+        return known, cached
+
+    def _envelope(self, peer: PeerRef, known: _Peer, inner: bytes, cached: bytes | None) -> bytes:
+        """The set's plane_info for a negotiated ``peer`` around its plane's own ``inner`` bytes."""
+        assert self._hello is not None and known.choice.backend is not None
+        if not inner and cached is not None:
+            return cached  # the common case (TCP, SHM): the same bytes every message
+        inner_by_backend = {known.choice.backend.value: inner} if inner else {}
+        info = msgspec.msgpack.encode(Envelope(self._hello, inner_by_backend))
+        if not inner:
+            with self._lock:
+                self._info_cache[peer.instance_id] = info
+        return info
+
+    def on_peer_info(self, peer: PeerRef, info: bytes) -> None:
+        assert self._hello is not None and self._callbacks is not None, "start() first"
+        try:
+            envelope = decode_envelope(info)
+        except ProtocolError as exc:
+            self._callbacks.on_protocol_error(f"plane handshake from {peer.endpoint}: {exc}")
+            return
+        known = self._negotiate(peer, envelope.hello)
+        backend = known.choice.backend
+        if backend is not None and backend.value in envelope.inner:
+            self.members[backend].on_peer_info(self._member_peer(peer, known), envelope.inner[backend.value])
+
+    def _negotiate(self, peer: PeerRef, hello: Hello) -> _Peer:
+        assert self._hello is not None
+        with self._lock:
+            known = self._peers.get(peer.instance_id)
+            if known is not None:
+                return known
+            choice = choose(self._hello, hello)
+            known = self._peers[peer.instance_id] = _Peer(hello, choice, peer.endpoint)
+            while len(self._peers) > MAX_PEERS:
+                oldest = next(iter(self._peers))  # dicts keep insertion order
+                del self._peers[oldest]
+                self._info_cache.pop(oldest, None)
+        if choice.backend is not None:
+            log.info(
+                "data plane with peer %s (%s): %s", peer.endpoint, hello.describe(), choice.backend.value
+            )
+        else:
+            log.error("no data plane with peer %s: %s", peer.endpoint, choice.error)
+        return known
+
+    def for_peer(self, peer: PeerRef) -> DataPlane:
+        """The member negotiated with ``peer`` (this set, with its conservative flags, until then)."""
+        with self._lock:
+            known = self._peers.get(peer.instance_id)
+        if known is not None and known.choice.backend is not None:
+            return self.members[known.choice.backend]
+        return self
+
+    def _route(self, peer: PeerRef, transfer_ids: Sequence[str]) -> tuple[DataPlane, PeerRef] | None:
+        """The member plane for ``peer`` (negotiated), or None after scheduling the transfers' failure."""
+        with self._lock:
+            known = self._peers.get(peer.instance_id)
+        if known is not None and known.choice.backend is not None:
+            return self.members[known.choice.backend], self._member_peer(peer, known)
+        self._fail_unrouted(peer, known, transfer_ids)
+        return None
+
+    def _fail_unrouted(self, peer: PeerRef, known: _Peer | None, transfer_ids: Sequence[str]) -> None:
+        """Schedule the failure of transfers with a peer that has no plane (yet, or at all)."""
+        if known is None:
+            error = f"no plane handshake from peer {peer.endpoint} (instance {peer.instance_id[:8]})"
+        else:
+            error = known.choice.error
+        for tid in dict.fromkeys(transfer_ids):
+            self._failures.put((tid, f"{FailReason.TRANSPORT.value}: {error}"))
+
+    @staticmethod
+    def _member_peer(peer: PeerRef, known: _Peer) -> PeerRef:
+        assert known.choice.backend is not None
+        address = known.hello.planes.get(known.choice.backend.value, "")
+        return PeerRef(peer.endpoint, peer.instance_id, address, peer.plane_info)
+
+    # --- data --------------------------------------------------------------------------------------
+
+    def send(self, peer: PeerRef, items: Sequence[SendItem]) -> None:
+        routed = self._route(peer, [i.transfer_id for i in items])
+        if routed is not None:
+            routed[0].send(routed[1], items)
+
+    def post_recv(self, peer: PeerRef, items: Sequence[RecvItem]) -> None:
+        routed = self._route(peer, [i.transfer_id for i in items])
+        if routed is not None:
+            routed[0].post_recv(routed[1], items)
+
+    def post_grant(self, peer: PeerRef, items: Sequence[RecvItem]) -> tuple[str, bytes]:
+        """:meth:`post_recv` then (:attr:`address`, :meth:`local_info`), with one call into the
+        member negotiated with ``peer`` (its own address is in the hello: not needed here)."""
+        known, cached = self._known(peer)
+        if known is None or known.choice.backend is None:
+            self._fail_unrouted(peer, known, [i.transfer_id for i in items])
+            return self.address, self.local_info(peer)
+        member = self.members[known.choice.backend]
+        _, inner = member.post_grant(self._member_peer(peer, known), items)
+        return self._address, self._envelope(peer, known, inner, cached)
+
+    def cancel(self, transfer_id: str) -> None:
+        for plane in self.members.values():
+            plane.cancel(transfer_id)
+
+    def unsettled(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for plane in self.members.values():
+            out.update(plane.unsettled())
+        return out
+
+    def drop_peer(self, peer_instance_id: str) -> None:
+        with self._lock:
+            self._peers.pop(peer_instance_id, None)
+            self._info_cache.pop(peer_instance_id, None)
+        for plane in self.members.values():
+            plane.drop_peer(peer_instance_id)
+
+    def _fail_loop(self) -> None:
+        """The fail loop's body (supervised): fail scheduled transfers until close's end marker."""
+        assert self._callbacks is not None
+        while (failure := self._failures.get()) is not None:
+            try:
+                self._callbacks.on_transfer_failed(*failure)
+            except Exception:  # one failing callback must not stop the others' failures
+                log.exception("failing transfer %s (%s) raised", *failure)
+                self.board.worker_error("kvwire-planes-fail")
+
+
+def _peer_gpus(device: str) -> list[str]:
+    """UUIDs of the other CUDA devices of this host that ``device`` can access peer to peer."""
+    try:
+        index = torch.device(device).index or 0
+        return [
+            _gpu_uuid(f"cuda:{other}")
+            for other in range(torch.cuda.device_count())
+            if other != index and torch.cuda.can_device_access_peer(index, other)
+        ]
+    except (RuntimeError, AssertionError, AttributeError):
+        return []
+
+
+def _gpu_uuid(device: str) -> str:
+    """The CUDA device's UUID ("" when it cannot be read, e.g. no driver)."""
+    try:
+        return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
+    except (RuntimeError, AssertionError, AttributeError):
+        return ""
+
+
+# =================================================================================================
+# Planes that accept links
+# =================================================================================================
+
+# The one listener lifecycle every socket plane shares (TCP, shared memory, CUDA IPC): a bounded,
+# supervised acceptor, one reader thread per inbound link, one writer per outbound peer, the close
+# that stops them all, and the bookkeeping of cancelled transfers.
+#
+# A plane supplies its listening socket (:meth:`ListenerPlane._open_listener`), how a connection's peer
+# is named for the per-peer cap (:meth:`ListenerPlane._peer`), the reader of an accepted connection
+# (:meth:`ListenerPlane._inbound_link`) and what it cleans up on close (:meth:`_closing_locked`,
+# :meth:`_closed`). The listener is bounded by :mod:`~kvwire.transfer.planes.common.admission`
+# (connections per listener and per peer, the handshake deadline, back-off on EMFILE;
+# docs/decisions/115-data-link-bounds.md) and its acceptor is a
+# :class:`~kvwire.supervision.SupervisedThread` (restarted with backoff, or marked dead on the board).
+#
+# Threads: ``start``/``close``/``cancel`` run on the caller's thread; the acceptor and every reader
+# and writer on their own. ``lock`` guards ``outbound``, ``inbound``, ``readers`` and ``cancelled``.
+
+JOIN_S = 5.0  # a plane thread not gone by then is left (daemon) and logged by its owner
+MAX_CANCELLED = 4096  # cancelled ids kept before the old ones (past CANCEL_MEMORY_S) are dropped
+
+
+class WriterLink(Protocol):
+    """A plane's writer for one peer epoch (:class:`~kvwire.transfer.planes.common.outbound.OutboundLink`)."""
+
+    thread: threading.Thread
+
+    def stop(self) -> None: ...
+
+
+class ReaderLink(Protocol):
+    """A plane's reader of one accepted connection."""
+
+    def serve(self) -> None: ...
+
+
+OutT = TypeVar("OutT", bound=WriterLink)
+
+
+class ListenerPlane(DataPlane, Generic[OutT]):
+    """Base of the planes that accept links on a listening socket; ``OutT`` is the plane's writer."""
+
+    #: the plane's name in its admission, socket address and thread names ("tcp", "shm", "ipc")
+    link_kind: ClassVar[str]
+    #: the agent's callbacks, set by :meth:`start` (a plain field: the plane's threads read it for
+    #: every layer they report)
+    callbacks: PlaneCallbacks
+
+    def __init__(self, config: TransferConfig, instance_id: str, board: HealthBoard | None = None) -> None:
+        self.config = config
+        self.instance_id = instance_id
+        self.secret = config.secret
+        self.board = board if board is not None else HealthBoard()
+        self.admission = Admission(self.link_kind, config.links, self.board)
+        self.lock = threading.Lock()
+        self.closing = threading.Event()
+        self.outbound: dict[str, OutT] = {}  # peer instance id -> the plane's outbound link
+        self.inbound: dict[socket.socket, str] = {}  # connection -> peer instance id ("" = handshaking)
+        self.readers: set[threading.Thread] = set()
+        self.cancelled: dict[str, float] = {}  # transfer id -> when cancelled (time.monotonic())
+        self._listener: socket.socket | None = None
+        self._address = ""
+        self._acceptor: SupervisedThread | None = None
+
+    # --- what a plane supplies -------------------------------------------------------------------
+
+    def _open_listener(self) -> tuple[socket.socket, str]:
+        """A bound, listening socket and the address peers dial (called once, by :meth:`start`)."""
+        raise NotImplementedError
+
+    def _peer(self, conn: socket.socket, addr: object) -> str:
+        """Who ``conn`` is for the per-peer cap (TCP: the remote IP; Unix sockets: the process)."""
+        raise NotImplementedError
+
+    def _inbound_link(self, conn: socket.socket) -> ReaderLink:
+        """The plane's reader of one accepted connection (its ``serve`` runs on a thread of its own)."""
+        raise NotImplementedError
+
+    def _closing_locked(self) -> None:
+        """Called once, under ``lock``, when close starts (drop what no thread may pick up any more)."""
+
+    def _closed(self) -> None:
+        """Called once after every plane thread was joined, before the listener closes."""
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def start(self, callbacks: PlaneCallbacks) -> None:
+        self.callbacks = callbacks
+        listener, address = self._open_listener()
+        listener.settimeout(POLL_S)
+        self._listener, self._address = listener, address
+        self._acceptor = SupervisedThread(
+            f"kvwire-{self.link_kind}-accept",
+            lambda: accept_loop(listener, self.admission, self.closing, self._peer, self._serve),
+            self.closing,
+            board=self.board,
+        ).start()
+
+    @property
+    def address(self) -> str:
+        assert self._address, "start() first"
+        return self._address
+
+    def close(self) -> None:
+        if self.closing.is_set():
+            return
+        self.closing.set()
+        with self.lock:
+            outbound: list[OutT] = list(self.outbound.values())
+            inbound = list(self.inbound)
+            self._closing_locked()
+        for out in outbound:
+            out.stop()
+        for conn in inbound:
+            shutdown(conn)
+        if self._acceptor is not None:
+            self._acceptor.stop(JOIN_S)
+        for out in outbound:
+            out.thread.join(timeout=JOIN_S)
+        with self.lock:
+            readers = list(self.readers)
+        for reader in readers:
+            reader.join(timeout=JOIN_S)
+        self._closed()
+        if self._listener is not None:
+            self._listener.close()
+
+    # --- cancelled transfers ---------------------------------------------------------------------
+
+    def is_cancelled(self, transfer_id: str) -> bool:
+        with self.lock:
+            return transfer_id in self.cancelled
+
+    def _note_cancelled(self, transfer_id: str) -> None:
+        """Remember a cancelled transfer (bounded). Caller holds ``lock``."""
+        now = time.monotonic()
+        self.cancelled[transfer_id] = now
+        if len(self.cancelled) > MAX_CANCELLED:
+            self.cancelled = {t: s for t, s in self.cancelled.items() if now - s < CANCEL_MEMORY_S}
+
+    def _serve(self, conn: socket.socket) -> None:
+        """Start the reader of a connection the admission took on (acceptor thread)."""
+        link = self._inbound_link(conn)
+        start_reader(self, conn, f"kvwire-{self.link_kind}-recv", link.serve)
+
+
+# =================================================================================================
+# Planes on abstract Unix sockets (same host)
+# =================================================================================================
+
+# What the same-host planes (``shm``, ``ipc``) share on top of the listener lifecycle
+# (:class:`ListenerPlane`): a Linux abstract Unix socket that
+# peers connect to, a peer named by its process for the per-peer cap, and the table of destinations a
+# peer granted. Each plane supplies its link classes (:meth:`UnixLinkPlane._inbound_link`) and what it
+# cleans up on close.
+#
+# The listener is bounded like the TCP plane's (:mod:`~kvwire.transfer.planes.common.admission`:
+# connections per listener and per peer process, the handshake deadline, back-off on EMFILE) and its
+# acceptor is supervised. After the hello every link's socket keeps a timeout,
+# ``links.link_timeout_s``: a write to a peer that stops reading fails after that long without
+# progress. Readers treat a read timeout as an idle moment (a dead peer shows as EOF: its descriptors
+# close with its process).
+
+_Dest = TypeVar("_Dest")
+
+
+def take_granted(
+    lock: threading.Lock, table: dict[tuple[str, int], tuple[str, _Dest]], peer_id: str, key: tuple[str, int]
+) -> _Dest | None:
+    """Remove and return the destination a peer granted for ``key`` (transfer id, layer): None when
+    there is none or another peer granted it (the sender then uses its fallback or fails the layer)."""
+    with lock:
+        entry = table.get(key)
+        if entry is None or entry[0] != peer_id:
+            return None
+        del table[key]
+    return entry[1]
+
+
+class UnixLinkPlane(ListenerPlane[OutT]):
+    """Base of the planes whose links are abstract Unix sockets (one network namespace, one host)."""
+
+    def _open_listener(self) -> tuple[socket.socket, str]:
+        address = f"@kvwire-{self.link_kind}-{self.instance_id}-{secrets.token_hex(4)}"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(abstract_name(address))
+            listener.listen(128)
+        except OSError:
+            listener.close()
+            raise
+        return listener, address
+
+    def _peer(self, conn: socket.socket, addr: object) -> str:
+        return unix_peer(conn, addr)

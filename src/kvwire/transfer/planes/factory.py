@@ -9,8 +9,7 @@ from __future__ import annotations
 from kvwire.supervision import HealthBoard
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.enums import Backend, Transport
-from kvwire.transfer.planes.base import DataPlane
-from kvwire.transfer.planes.plane_set import PlaneSet
+from kvwire.transfer.planes.base import DataPlane, PlaneSet
 
 
 def held_backends(config: TransferConfig) -> list[Backend]:

@@ -1,12 +1,12 @@
 """Paged gather/scatter for a *group* of layers in one kernel launch (Triton), with a torch fallback.
 
-:mod:`kvwire.transfer.block_copy` costs one launch per layer. For a transfer of 32 layers of 2 MiB each
+:mod:`kvwire.transfer.memory` costs one launch per layer. For a transfer of 32 layers of 2 MiB each
 the launches (and the Python around them) cost more than the copy itself, so this module gathers the
 selected blocks of every layer of a group into one contiguous buffer with **one** launch, and
 scatters such a buffer back into the blocks of a destination cache with one launch.
 
 Buffer format: ``out[l]`` is exactly ``block_copy.gather_blocks(kv_layers[l], block_ids, layout)`` (so a
-receiver can scatter per layer with :func:`kvwire.transfer.block_copy.scatter_blocks` too, and the bytes on
+receiver can scatter per layer with :func:`kvwire.transfer.memory.scatter_blocks` too, and the bytes on
 the wire do not depend on which path produced them).
 
 Geometry: every layout is ``planes x num_blocks x chunk`` elements with ``chunk`` contiguous per block:
@@ -260,8 +260,9 @@ class PagedLayers:
     ) -> None:
         """``data`` (as :meth:`gather` fills it) into blocks ``block_ids`` of layers ``[start, stop)``.
 
-        ``gate`` (device int32 ``[magic, real, armed, 0]``, see :data:`kvwire.transfer.types.DeviceConsumer`):
-        the kernel writes nothing unless the gate passes when it runs. Needs the one-launch path
+        ``gate`` (device int32 ``[magic, real, armed, 0]``, see
+        :data:`kvwire.transfer.memory.DeviceConsumer`): the kernel writes nothing unless the gate passes
+        when it runs. Needs the one-launch path
         (:attr:`one_launch`); raises :class:`~kvwire.errors.ConfigError` otherwise."""
         self._run(block_ids, data, start, stop, gather=False, gate=gate)
 
@@ -272,7 +273,7 @@ class PagedLayers:
         address and value, when that launch can be captured into a CUDA graph and replayed: the
         one-launch path with ``block_ids`` already int64 on the layers' device (no conversion copy)
         and ``buf`` as the launch wants it. None otherwise. See
-        :class:`kvwire.transfer.types.CapturableProducer`."""
+        :class:`kvwire.transfer.memory.CapturableProducer`."""
         first = self.layers[0]
         ok = (
             self.one_launch
@@ -412,7 +413,7 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 class SlabGather:
-    """A capturable device producer (:class:`~kvwire.transfer.types.CapturableProducer`) for one
+    """A capturable device producer (:class:`~kvwire.transfer.memory.CapturableProducer`) for one
     transfer whose layer ``i`` is ``slab[i]``: it gathers a message's layers, blocks ``block_ids`` of
     ``paged``, into their rows of the slab with one launch on the plane's send stream. Keep
     ``block_ids`` (int64, on the device) and the slab at the same addresses from one transfer to the

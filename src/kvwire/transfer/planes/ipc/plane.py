@@ -37,8 +37,8 @@ import torch
 from kvwire.supervision import HealthBoard
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.memory import PeerRef, RecvItem, SendItem
+from kvwire.transfer.planes.base import UnixLinkPlane, take_granted
 from kvwire.transfer.planes.common.runs import spans_array
-from kvwire.transfer.planes.common.unix_links import UnixLinkPlane, take_granted
 from kvwire.transfer.planes.common.wire import shutdown
 from kvwire.transfer.planes.ipc.copy import CopyTuning
 from kvwire.transfer.planes.ipc.grants import Dest, GrantInfo, ImportTable, Target

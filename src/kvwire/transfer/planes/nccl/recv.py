@@ -14,7 +14,7 @@ stream behind the receive's event (consecutive chunks alternate between two, so 
 scatter never waits for the previous one's): the receive stream carries only the receives, back to
 back.
 
-Device consumers (``RecvItem.on_device``, see :data:`kvwire.transfer.types.DeviceConsumer`) are
+Device consumers (``RecvItem.on_device``, see :data:`kvwire.transfer.memory.DeviceConsumer`) are
 enqueued when the chunk is *posted*, on its consumer stream behind the receive's event, so the GPU
 runs them (e.g. a scatter into paged KV blocks) the moment the bytes land: no host wake-up per chunk.
 Each such chunk has a *gate* in the status ring, ``[magic, real, armed, 0]``: the arm (``[0, 0, 1, 0]``)

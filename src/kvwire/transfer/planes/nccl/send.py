@@ -13,7 +13,7 @@ communicator (the receiver's offer says so) every message's memory must be regis
 only from the plane's zero-copy memory, else staged in a pooled registered buffer.
 
 Once the channel is connected, a run of one transfer's chunks that can be captured (every chunk's
-layers back to back, every producer a :class:`~kvwire.transfer.types.CapturableProducer`) is
+layers back to back, every producer a :class:`~kvwire.transfer.memory.CapturableProducer`) is
 launched as one CUDA graph replay when the same run was seen before
 (:mod:`kvwire.transfer.planes.nccl.graphs`): the same GPU work, without ~100-300 us of Python per message.
 """

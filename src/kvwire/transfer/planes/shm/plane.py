@@ -4,12 +4,12 @@ Why not sockets: on one host the loopback socket is the bottleneck (the kernel c
 twice and the TCP stack costs more than the copies). Two paths, chosen per destination:
 
 * **one copy** (docs/decisions/080-shm-one-copy.md): the destination lies in a shared region
-  (:mod:`kvwire.transfer.shared_memory`: the built-in engine's CPU KV cache). The receiver exports
+  (:mod:`kvwire.transfer.memory`: the built-in engine's CPU KV cache). The receiver exports
   each region once per link (its memfd, at link setup) and grants (region, byte spans, grant slot);
   the sender copies its blocks straight into those spans and sends DONE. A cancel on the receiver
-  revokes the grant under the slot's lock (``grants``; each sending peer has a grant table of its
-  own, ``regions``, decision 127); when a stalled sender keeps the lock past
-  the revoke wait, the grant is quarantined (``quarantine``): the transfer stays :meth:`unsettled`
+  revokes the grant under the slot's lock (:class:`GrantTable`; each sending peer has a grant table
+  of its own, :class:`GrantRegions`, decision 127); when a stalled sender keeps the lock past
+  the revoke wait, the grant is quarantined (:class:`Quarantine`): the transfer stays :meth:`unsettled`
   and its blocks out of use until the sender lets go or its process ends.
 * **ring** (docs/decisions/076-shm-plane.md): any other destination (vLLM's caches, receive and
   spill buffers). The sender copies each byte run into a ring of shared memory and the receiver
@@ -39,32 +39,69 @@ Semantics otherwise as the TCP plane (unordered, spans, cancel waits for a chunk
 into caller memory, or for the grant's lock). Regions made after a link's setup reach that peer
 through the ring until its next epoch. Threads: one acceptor; per inbound link a reader and a
 reporter; one writer per peer; ``shm_copy_threads - 1`` copy helpers.
+
+Two modules (docs/decisions/139-planes-in-few-modules.md). This one: the plane (:class:`ShmPlane`)
+and its receiver half, in order: the reader of an inbound link (:class:`Inbound`), the grant table
+the receiver claims and revokes slots in (:class:`GrantTable`), one table per sending peer
+(:class:`GrantRegions`), and the grants a stalled sender may still write under
+(:class:`Quarantine`). :mod:`kvwire.transfer.planes.shm.send`: the writer and the copies both halves
+make (ring, run copier, the grant message, the slot locks).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import functools
+import logging
+import mmap
 import os
+import queue
+import secrets
 import socket
 import threading
+import time
 from collections.abc import Sequence
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
-from kvwire.supervision import HealthBoard
+from kvwire.errors import ProtocolError
+from kvwire.supervision import HealthBoard, SupervisedThread
 from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.memory import PeerRef, RecvItem, SendItem, SharedArena, SharedRegion, region_of
-from kvwire.transfer.planes.common.unix_links import UnixLinkPlane, take_granted
-from kvwire.transfer.planes.common.wire import CANCEL_WAIT_S, peer_pid, shutdown
-from kvwire.transfer.planes.shm import run_copy
-from kvwire.transfer.planes.shm.direct import RunCopier, ShmDest, decode_direct, encode_direct
-from kvwire.transfer.planes.shm.grants import GrantTable
-from kvwire.transfer.planes.shm.quarantine import Quarantine, Quarantined
-from kvwire.transfer.planes.shm.recv import Inbound, Landing
-from kvwire.transfer.planes.shm.regions import GrantRegions
-from kvwire.transfer.planes.shm.send import Outbound
+from kvwire.transfer.memory import (
+    PeerRef,
+    RecvItem,
+    SendItem,
+    SharedArena,
+    SharedRegion,
+    region_of,
+    sealed_memfd,
+)
+from kvwire.transfer.planes.base import UnixLinkPlane, take_granted
+from kvwire.transfer.planes.common.hello import check_hello
+from kvwire.transfer.planes.common.liveness import count_cut
+from kvwire.transfer.planes.common.wire import CANCEL_WAIT_S, peer_pid, peer_uid, shutdown
+from kvwire.transfer.planes.shm.send import (
+    SLOT_BYTES,
+    Bytes,
+    Outbound,
+    RunCopier,
+    ShmDest,
+    SpanCursor,
+    create_ring,
+    decode_direct,
+    encode_direct,
+    ring_array,
+    slot_unheld,
+    tensor_array,
+    warn_if_python,
+)
+from kvwire.transfer.planes.shm.wire import CREDIT, FRAME, MAGIC, VERSION, Frame, send_setup
 
+log = logging.getLogger("kvwire.transfer")
 _JOIN_S = 5.0
 #: test hook (docs/decisions/114-shm-revoke-quarantine.md): a sender process started with this set to
 #: a layer index stops itself (SIGSTOP) half way through copying that layer on the one-copy path, so
@@ -100,7 +137,7 @@ class ShmPlane(UnixLinkPlane[Outbound]):
 
     def __init__(self, config: TransferConfig, instance_id: str, board: HealthBoard | None = None) -> None:
         super().__init__(config, instance_id, board)
-        run_copy.warn_if_python()  # at start, not at the first transfer
+        warn_if_python()  # at start, not at the first transfer
         self.written = threading.Condition(self.lock)
         self.posted: dict[tuple[str, int], tuple[str, RecvItem]] = {}
         self.landing: dict[tuple[str, int], Landing] = {}  # layers whose first chunk arrived
@@ -206,11 +243,21 @@ class ShmPlane(UnixLinkPlane[Outbound]):
 
     def post_recv(self, peer: PeerRef, items: Sequence[RecvItem]) -> None:
         with self.lock:
-            for item in items:
-                self.posted[(item.transfer_id, item.layer_index)] = (peer.instance_id, item)
-                dest = self._direct_dest(peer.instance_id, item)
-                if dest is not None:
-                    self._pending.setdefault(peer.instance_id, []).append(dest)
+            self._post_locked(peer.instance_id, items)
+
+    def post_grant(self, peer: PeerRef, items: Sequence[RecvItem]) -> tuple[str, bytes]:
+        """:meth:`post_recv` and :meth:`local_info` under one hold of the lock."""
+        with self.lock:
+            self._post_locked(peer.instance_id, items)
+            dests = self._pending.pop(peer.instance_id, None)
+        return self._address, encode_direct(dests) if dests else b""
+
+    def _post_locked(self, peer_id: str, items: Sequence[RecvItem]) -> None:
+        for item in items:
+            self.posted[(item.transfer_id, item.layer_index)] = (peer_id, item)
+            dest = self._direct_dest(peer_id, item)
+            if dest is not None:
+                self._pending.setdefault(peer_id, []).append(dest)
 
     def register_memory(self, tensors: Sequence[torch.Tensor]) -> None:
         """Export the shared regions holding ``tensors`` (the engine's KV cache) to every link set
@@ -351,3 +398,528 @@ class ShmPlane(UnixLinkPlane[Outbound]):
     def take_dest(self, peer_id: str, transfer_id: str, layer: int) -> ShmDest | None:
         """The one-copy destination granted for a layer (removed), or None (use the ring)."""
         return take_granted(self.lock, self.dests, peer_id, (transfer_id, layer))
+
+
+# =================================================================================================
+# The reader: one thread per inbound link
+# =================================================================================================
+
+# Receiver half of the shared-memory plane: one reader thread per inbound peer connection.
+#
+# The reader authenticates the sender, creates this connection's ring (a memfd of
+# ``config.shm_ring_bytes``) and passes it over with the sender's own grant table (its region) and
+# the shared regions it exports (SCM_RIGHTS), then handles frames in order: a CHUNK is copied out of
+# the ring into the posted destination (the caller's byte spans, or the receive buffer) and
+# credited; a DONE says the sender wrote the whole layer straight into the destination (the one-copy
+# path). Once a layer's bytes are all in place it is reported (from a second thread, so the caller's
+# sink for layer i overlaps the copy of layer i+1, as on the TCP plane).
+
+_READ_BYTES = 64 << 10
+_MAX_RING_POS = (1 << (8 * CREDIT.size)) - 1  # ring positions count bytes for ever: u64
+Arrival = tuple[str, str, int] | None  # (peer id, transfer id, layer) or the end marker
+
+
+@dataclasses.dataclass
+class Landing:
+    """A layer being received: where its bytes go and how far they got."""
+
+    peer_id: str
+    item: RecvItem
+    cursor: SpanCursor
+
+
+def landing_for(peer_id: str, item: RecvItem) -> Landing:
+    if item.dest_spans is not None:
+        return Landing(peer_id, item, SpanCursor(tensor_array(item.dest_spans.base), item.dest_spans.spans))
+    if item.dest.device.type != "cpu":
+        raise ProtocolError("the shared-memory plane receives into CPU memory only")
+    return Landing(peer_id, item, SpanCursor(tensor_array(item.dest), [(0, item.num_bytes)]))
+
+
+class Inbound:
+    """Serves one accepted connection (runs on its own thread: :meth:`serve`)."""
+
+    def __init__(self, plane: ShmPlane, conn: socket.socket) -> None:
+        self.plane = plane
+        self.conn = conn
+        self.peer_id = ""
+        self._region: str | None = None  # the peer whose grant region this link holds
+        self._later: list[tuple[str, str]] = []  # (transfer id | "", reason): reported outside the lock
+        self._inbox = bytearray()  # frame bytes read but not yet handled
+
+    def _handshake(self) -> Bytes:
+        conn, links = self.conn, self.plane.config.links
+        conn.settimeout(self.plane.admission.hello_timeout_s())
+        claim = check_hello(conn, self.plane.secret, MAGIC, VERSION, "shared-memory connection")
+        peer_id = self.plane.admission.bind(claim, self.plane.instance_id, self.plane.callbacks, "shm link")
+        size = self.plane.config.shm_ring_bytes
+        fd, ring = create_ring(size)
+        try:
+            table = self.plane.grant_region_for_link(peer_id)  # its own: no other peer's grants
+            self._region = peer_id  # held for this link until it ends (serve)
+            # shared regions (our KV cache, readable and writable by whoever maps it) only to a
+            # process of our own user, who could read our memory anyway; others get the ring
+            regions = self.plane.exported_regions() if peer_uid(conn) == os.getuid() else []
+            send_setup(conn, (fd, size), (table.fd, table.size), regions)
+        finally:
+            os.close(fd)  # the mapping (here) and the sender's keep the memory; no name exists
+        self.plane.admission.authenticated(conn)
+        conn.settimeout(links.link_timeout_s)  # credit writes' deadline; a read timeout is only idleness
+        self.peer_id = peer_id
+        return ring_array(ring)
+
+    def serve(self) -> None:
+        plane = self.plane
+        arrivals: queue.SimpleQueue[Arrival] = queue.SimpleQueue()
+        done = threading.Event()
+        reporter = SupervisedThread(
+            "kvwire-shm-deliver",
+            functools.partial(self._report, arrivals, done),
+            done,
+            board=plane.board,
+            on_dead=lambda _: shutdown(self.conn),  # nothing reports this link's layers: end it
+        )
+        error: BaseException | None = None
+        try:
+            ring = self._handshake()
+            with plane.lock:
+                plane.inbound[self.conn] = self.peer_id
+            reporter.start()
+            while not plane.closing.is_set():
+                arrived = self._read_chunk(ring)
+                if arrived is not None:
+                    arrivals.put((self.peer_id, *arrived))
+        except (ProtocolError, OSError, ConnectionError, ValueError) as exc:
+            error = exc
+        finally:
+            if reporter.ident is not None:  # started: report what fully arrived before any failure
+                done.set()
+                arrivals.put(None)
+                reporter.stop(10.0)  # also takes it off the board (dead or not)
+            with plane.lock:
+                plane.inbound.pop(self.conn, None)
+                for key in [k for k, v in plane.landing.items() if v.peer_id == self.peer_id]:
+                    del plane.landing[key]
+            self.conn.close()
+            plane.admission.release(self.conn)
+            if self._region is not None:
+                plane.link_closed(self._region)  # its region is freed unless grants remain in it
+        try:
+            self._report_end(error)
+        finally:
+            del error  # its traceback holds this frame (and the ring): no cycle keeps the mapping
+
+    def _report_end(self, error: BaseException | None) -> None:
+        plane = self.plane
+        try:
+            if isinstance(error, ProtocolError):
+                plane.callbacks.on_protocol_error(f"shared-memory connection refused: {error}")
+            elif error is not None and not self.peer_id:
+                plane.callbacks.on_protocol_error(
+                    f"shared-memory connection failed during handshake: {error}"
+                )
+            elif error is not None and not plane.closing.is_set():
+                count_cut(plane.board, error)
+                plane.callbacks.on_peer_failed(
+                    self.peer_id, f"peer_lost: shared-memory link from peer broke: {error}"
+                )
+        finally:
+            with plane.lock:
+                plane.readers.discard(threading.current_thread())  # last: close() joins until here
+
+    def _report(self, arrivals: queue.SimpleQueue[Arrival], done: threading.Event) -> None:
+        """Reporter body (supervised: restarted if the callback raises). Report arrived layers; layers
+        of one transfer that arrived together (a sender's batch of DONE frames) go in one call, so the
+        agent wakes its control thread and acks once for them. Returns at the end marker."""
+        end = False
+        while not end and (arrival := arrivals.get()) is not None:
+            batch = [arrival]
+            while True:
+                try:
+                    more = arrivals.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    end = True
+                    break
+                batch.append(more)
+            for (peer_id, transfer_id), layers in _grouped(batch):
+                self.plane.callbacks.on_received(peer_id, transfer_id, layers)
+        done.set()  # the end marker came: the link ended (not a failure of this body)
+
+    def _take(self, num_bytes: int) -> bytes:
+        """The next ``num_bytes`` of the frame stream; ConnectionError on EOF. Reads whatever the
+        socket holds (a sender's batch of DONE frames arrives in one read), so frames that came
+        together are handled without a system call each."""
+        inbox = self._inbox
+        while len(inbox) < num_bytes:
+            try:
+                more = self.conn.recv(max(_READ_BYTES, num_bytes - len(inbox)))
+            except TimeoutError:  # an idle link (a dead peer shows as EOF)
+                if self.plane.closing.is_set():
+                    raise
+                continue
+            if not more:
+                raise ConnectionError("connection closed by peer")
+            inbox += more
+        out = bytes(inbox[:num_bytes])
+        del inbox[:num_bytes]
+        return out
+
+    def _read_chunk(self, ring: Bytes) -> tuple[str, int] | None:
+        """Handle one chunk frame; (transfer id, layer) when it completed a layer."""
+        conn, plane = self.conn, self.plane
+        kind, layer, total, layer_off, pos, num_bytes, tid_len = FRAME.unpack(self._take(FRAME.size))
+        tid = self._take(tid_len).decode(errors="replace")
+        if kind == Frame.DONE:
+            return self._written(tid, layer, total)
+        if kind != Frame.CHUNK:
+            raise ProtocolError(f"unknown shared-memory frame kind {kind}")
+        if pos + num_bytes > _MAX_RING_POS:  # the credit it answers must fit its field
+            raise ProtocolError(f"chunk at ring position {pos} of {num_bytes} bytes is out of range")
+        at = pos % ring.size
+        if at + num_bytes > ring.size:
+            raise ProtocolError(f"chunk at ring position {pos} of {num_bytes} bytes runs past the ring")
+        key = (tid, layer)
+        with plane.lock:
+            landing = plane.landing.get(key) if layer_off else self._start_layer(key, total)
+            if landing is not None and (landing.cursor.pos != layer_off or landing.peer_id != self.peer_id):
+                landing = None  # out of order, or another peer's layer (decision 126): dropped
+            if landing is not None:
+                plane.writing[conn] = tid  # in the same critical section: cancel() sees it
+        if landing is None:  # only then are failures queued: none is reported while ``writing`` is set
+            self._flush_later()
+            conn.sendall(CREDIT.pack(pos + num_bytes))  # dropped (cancelled/unsolicited): free it
+            return None
+        try:
+            landing.cursor.scatter(ring, at, num_bytes)
+        finally:
+            with plane.lock:
+                plane.writing.pop(conn, None)
+                plane.written.notify_all()
+        conn.sendall(CREDIT.pack(pos + num_bytes))
+        if landing.cursor.remaining():
+            return None
+        with plane.lock:
+            done = plane.landing.pop(key, None) is landing
+            if done:
+                plane.landed_locked(tid, layer)
+        return (tid, layer) if done else None
+
+    def _written(self, tid: str, layer: int, total: int) -> tuple[str, int] | None:
+        """A DONE frame: the sender wrote the layer into its granted shared destination."""
+        plane, key = self.plane, (tid, layer)
+        with plane.lock:
+            posted, foreign = self._take_posted(key)
+            done = posted is not None and posted[0] == self.peer_id and posted[1].num_bytes == total
+            if done:
+                plane.landed_locked(tid, layer)
+            elif foreign:  # another peer's transfer: left posted (decision 126)
+                self._not_its_sender(tid, layer)
+            elif posted is not None:
+                reason = f"mismatch: layer {layer} of {total} bytes, not the size posted"
+                self._later.append((tid, reason))
+            elif tid not in plane.cancelled:
+                self._later.append(("", f"unsolicited shared-memory layer {tid!r} {layer} ({total} B)"))
+        self._flush_later()
+        return key if done else None
+
+    def _start_layer(self, key: tuple[str, int], total: int) -> Landing | None:
+        """First chunk of a layer (caller holds the lock): match it to its posted receive."""
+        plane = self.plane
+        posted, foreign = self._take_posted(key)
+        if posted is None or posted[0] != self.peer_id or posted[1].num_bytes != total:
+            if foreign:  # another peer's transfer: left posted (decision 126)
+                self._not_its_sender(*key)
+            elif posted is not None:
+                self._later.append(
+                    (key[0], f"mismatch: layer {key[1]} of {total} bytes, not the size posted")
+                )
+            elif key[0] not in plane.cancelled:
+                self._later.append(
+                    ("", f"unsolicited shared-memory chunk for {key[0]!r} layer {key[1]} ({total} B)")
+                )
+            return None
+        try:
+            landing = landing_for(self.peer_id, posted[1])
+        except ProtocolError as exc:
+            self._later.append((key[0], f"mismatch: {exc}"))
+            return None
+        plane.landing[key] = landing
+        return landing
+
+    def _take_posted(self, key: tuple[str, int]) -> tuple[tuple[str, RecvItem] | None, bool]:
+        """The receive posted for ``key`` (transfer id, layer), removed, and whether the one posted
+        belongs to another peer epoch: that one stays posted, neither filled nor dropped by a frame
+        of this link (decision 126). Caller holds the lock."""
+        posted = self.plane.posted.get(key)
+        if posted is not None and posted[0] != self.peer_id:
+            return None, True
+        return self.plane.posted.pop(key, None), False
+
+    def _not_its_sender(self, tid: str, layer: int) -> None:
+        self._later.append(("", f"shared-memory layer {tid!r} {layer} from {self.peer_id!r}, not its sender"))
+
+    def _flush_later(self) -> None:
+        later, self._later = self._later, []
+        for transfer_id, reason in later:
+            if transfer_id:
+                self.plane.callbacks.on_transfer_failed(transfer_id, reason)
+            else:
+                self.plane.callbacks.on_protocol_error(reason)
+
+
+def _grouped(arrivals: list[tuple[str, str, int]]) -> list[tuple[tuple[str, str], tuple[int, ...]]]:
+    """Consecutive arrivals of one (peer, transfer) merged: [((peer, transfer), layers)], in order."""
+    out: list[tuple[tuple[str, str], list[int]]] = []
+    for peer_id, transfer_id, layer in arrivals:
+        if out and out[-1][0] == (peer_id, transfer_id):
+            out[-1][1].append(layer)
+        else:
+            out.append(((peer_id, transfer_id), [layer]))
+    return [(key, tuple(layers)) for key, layers in out]
+
+
+# =================================================================================================
+# The grant table: the receiver's side
+# =================================================================================================
+
+DEFAULT_SLOTS = 4096  # transfers with one-copy grants outstanding at once (more: they use the ring)
+
+
+class GrantTable:
+    """One grant region of the receiver (one per sending peer): claims slots for transfers and
+    revokes them."""
+
+    def __init__(self, slots: int = DEFAULT_SLOTS) -> None:
+        self.fd = sealed_memfd("kvwire-shm-grants", slots * SLOT_BYTES)
+        try:
+            self._map = mmap.mmap(self.fd, slots * SLOT_BYTES)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.tokens: npt.NDArray[np.uint64] = np.frombuffer(self._map, dtype=np.uint64)
+        self.size = slots * SLOT_BYTES
+        self.slots = slots
+        self._free = list(range(slots - 1, -1, -1))
+
+    def claim(self) -> tuple[int, int] | None:
+        """A free slot armed with a new token: (slot, token); None when every slot is in use.
+        Caller serializes (the plane's lock)."""
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        token = secrets.randbits(63) | 1
+        self.tokens[slot] = token
+        return slot, token
+
+    def in_use(self) -> int:
+        """Slots claimed and not freed yet (granted, or waiting for a sender to let go)."""
+        return self.slots - len(self._free)
+
+    def revoke(self, slot: int, timeout_s: float) -> bool:
+        """Zero the slot's token, then take its lock and free the slot: True once no sender writes
+        under it any more; False when a sender held the lock past ``timeout_s`` (no new write
+        starts, but one may still be running; the slot stays out of use until :meth:`try_release`
+        succeeds). Zeroing first tells a sender holding the lock across layers to stop after the
+        layer it is copying. ``timeout_s`` 0: one try, no wait."""
+        self.tokens[slot] = 0
+        held = slot_unheld(self.fd, slot, timeout_s)
+        if held:
+            self._free.append(slot)
+        return held
+
+    def try_release(self, slot: int) -> bool:
+        """A slot whose revoke timed out (its token is zero already): take its lock without waiting
+        and free the slot. True when nobody holds it any more: its sender let go, or its process
+        ended (the kernel drops a dead holder's lock), so nothing writes under the grant again."""
+        if not slot_unheld(self.fd, slot, 0.0):
+            return False
+        self._free.append(slot)
+        return True
+
+    def close(self) -> None:
+        del self.tokens
+        with contextlib.suppress(BufferError):
+            self._map.close()
+        os.close(self.fd)
+
+
+# =================================================================================================
+# Grant regions: one grant table per sending peer
+# =================================================================================================
+
+# Grant regions: one grant table per sending peer, so no peer can touch another's grants.
+#
+# A grant table (:class:`GrantTable`) is shared memory the sender maps writable: it must be, since the
+# sender takes its slot locks on it and a revoke is only confirmed through those locks. With one
+# table for every link, any peer that passed the hello could zero another peer's tokens (its
+# transfers stop: a denial of service) or hold another peer's slot locks (its revokes never confirm:
+# its blocks stay quarantined). Here each peer instance gets a table of its own, its *region*: its
+# grants are claimed only there, its link's setup hands over only that one, and a revoke or a
+# quarantine release looks only there (docs/decisions/127-shm-grant-regions.md).
+#
+# Regions are bounded: a link's setup makes its peer's region if there is none (live links are
+# capped by the listener's ``max_connections``); a grant made before the peer linked (its first
+# transfer) makes one only while fewer than ``max_connections`` exist, otherwise that transfer takes
+# the ring (``kvwire_limit_hits_total{limit="shm_grant_regions_full"}``). So at most twice the
+# listener cap exist at once. A region is freed once its peer has no live link, no grant outstanding
+# and nothing quarantined in it (a quarantined slot keeps its region until it settles, decision 114).
+# Not thread-safe: the plane's lock guards it.
+
+REGIONS_FULL = "shm_grant_regions_full"  # kvwire_limit_hits_total{limit}: a grant sent to the ring
+
+
+class GrantRegions:
+    """The receiver's grant tables, by peer instance id."""
+
+    def __init__(self, max_regions: int, board: HealthBoard, slots: int = DEFAULT_SLOTS) -> None:
+        self.max_regions = max_regions
+        self._board = board
+        self._slots = slots
+        self._tables: dict[str, GrantTable] = {}
+        self._links: collections.Counter[str] = collections.Counter()
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+    def table(self, peer_id: str) -> GrantTable | None:
+        """``peer_id``'s region, if it has one."""
+        return self._tables.get(peer_id)
+
+    def for_link(self, peer_id: str) -> GrantTable:
+        """A link of ``peer_id`` is being set up: its region (made if needed), counted as in use
+        until :meth:`link_closed`."""
+        self._links[peer_id] += 1
+        return self._make(peer_id)
+
+    def link_closed(self, peer_id: str) -> None:
+        """A link counted by :meth:`for_link` ended: its region is freed if nothing else holds it."""
+        self._links[peer_id] -= 1
+        if self._links[peer_id] <= 0:
+            del self._links[peer_id]
+            self.free_if_idle(peer_id)
+
+    def for_grant(self, peer_id: str) -> GrantTable | None:
+        """The region to claim a grant of ``peer_id`` in; None when it has none and the cap is
+        reached (that transfer takes the ring)."""
+        table = self._tables.get(peer_id)
+        if table is not None:
+            return table
+        if len(self._tables) >= self.max_regions:
+            self._board.limit_hit(REGIONS_FULL)
+            return None
+        return self._make(peer_id)
+
+    def free_if_idle(self, peer_id: str) -> None:
+        """Free ``peer_id``'s region when no link of it is live and none of its slots is in use (a
+        grant outstanding, or a quarantined one: its slot is not free until it settles)."""
+        table = self._tables.get(peer_id)
+        if table is None or self._links.get(peer_id, 0) > 0 or table.in_use():
+            return
+        del self._tables[peer_id]
+        table.close()
+
+    def close(self) -> None:
+        for table in self._tables.values():
+            table.close()
+        self._tables.clear()
+        self._links.clear()
+
+    def _make(self, peer_id: str) -> GrantTable:
+        table = self._tables.get(peer_id)
+        if table is None:
+            table = self._tables[peer_id] = GrantTable(self._slots)
+        return table
+
+
+# =================================================================================================
+# Quarantine: grants a stalled sender may still write under
+# =================================================================================================
+
+# Quarantine: one-copy grants whose revoke was not confirmed, and the receiver memory they cover.
+#
+# On the one-copy path a sender writes straight into the receiver's blocks under a grant
+# (:class:`GrantTable`). A revoke zeroes the grant's token and waits up to ``CANCEL_WAIT_S`` for the
+# slot's lock: a sender stalled in the middle of a layer for longer than that (stopped, swapped out,
+# a big layer on a busy box) still holds the lock and will finish copying that layer whenever it runs
+# again. Until it lets go, the transfer's destination blocks must not be reused, or that late copy
+# lands in another request's KV (docs/decisions/114-shm-revoke-quarantine.md).
+#
+# Such a grant is *quarantined* here: its slot stays out of use and its transfer is reported
+# unsettled (:meth:`ShmPlane.unsettled`), so the connector keeps the blocks from the engine's pool.
+# Quarantine ends only on proof that nothing writes under the grant any more: its slot lock can be
+# taken, which happens once the sender let go of it (finished or stopped the layer) or its process
+# ended (the kernel drops the lock of a dead holder). A finished transfer's slot whose sender had not
+# let go yet when the last layer landed is parked here too (``transfer_id`` empty): its data is all
+# in place, so nothing waits for it; only the slot comes back later. Slots are those of the
+# sender's own grant region (:class:`GrantRegions`), which a quarantined slot keeps alive until it settles.
+# Not thread-safe: the plane's lock guards it.
+
+
+@dataclasses.dataclass
+class Quarantined:
+    """A grant slot a sender may still write under."""
+
+    transfer_id: str  # "" for a finished transfer's slot (not unsettled: its layers all landed)
+    peer_id: str
+    slot: int  # in ``peer_id``'s grant region
+    num_bytes: int  # destination bytes the grant covers (what stays out of use)
+    sender_pid: int | None  # the sender's process (SO_PEERCRED of its link), for the log
+    since: float = dataclasses.field(default_factory=time.monotonic)
+    # the destination tensors: kept alive, so a receive buffer of the shared arena (which returns
+    # to the arena with its last tensor) is not handed out again while the sender may write into it
+    keep: list[torch.Tensor] = dataclasses.field(default_factory=list, repr=False)
+
+
+class Quarantine:
+    """The receiver's quarantined grants, by (peer, slot)."""
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[str, int], Quarantined] = {}
+
+    def add(self, entry: Quarantined) -> None:
+        self._held[(entry.peer_id, entry.slot)] = entry
+        if entry.transfer_id:
+            log.warning(
+                "shared-memory grant of transfer %s: sender %s (pid %s) still holds slot %d after "
+                "the revoke wait; its %d destination bytes stay quarantined until it lets go or exits",
+                entry.transfer_id, entry.peer_id[:8], entry.sender_pid, entry.slot, entry.num_bytes,
+            )  # fmt: skip
+
+    def settle(self, regions: GrantRegions, peer_id: str | None = None) -> list[Quarantined]:
+        """Try every quarantined slot (of ``peer_id``, or all) without waiting, each in its
+        sender's region; return and forget those nobody holds any more (their slots are free)."""
+        released = [
+            q for q in self._held.values()
+            if (peer_id is None or q.peer_id == peer_id) and _release(regions, q)
+        ]  # fmt: skip
+        for q in released:
+            del self._held[(q.peer_id, q.slot)]
+            if q.transfer_id:
+                log.info(
+                    "shared-memory grant of transfer %s released by sender %s after %.3f s: its %d "
+                    "destination bytes may be reused",
+                    q.transfer_id, q.peer_id[:8], time.monotonic() - q.since, q.num_bytes,
+                )  # fmt: skip
+        return released
+
+    def unsettled(self) -> dict[str, int]:
+        """Transfer id -> destination bytes, of every quarantined transfer."""
+        return {q.transfer_id: q.num_bytes for q in self._held.values() if q.transfer_id}
+
+    def holds_peer(self, peer_id: str) -> bool:
+        """Whether a transfer of ``peer_id`` is quarantined (that sender is stalled)."""
+        return any(q.peer_id == peer_id and q.transfer_id for q in self._held.values())
+
+    def holds_region(self, peer_id: str) -> bool:
+        """Whether any slot of ``peer_id``'s region is quarantined (finished transfers' too)."""
+        return any(q.peer_id == peer_id for q in self._held.values())
+
+    def clear(self) -> None:
+        self._held.clear()
+
+
+def _release(regions: GrantRegions, entry: Quarantined) -> bool:
+    table = regions.table(entry.peer_id)
+    return table is None or table.try_release(entry.slot)  # no region: nothing left to write under

@@ -36,8 +36,8 @@ from collections.abc import Sequence
 from kvwire.supervision import HealthBoard
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.memory import PeerRef, RecvItem, SendItem
+from kvwire.transfer.planes.base import ListenerPlane
 from kvwire.transfer.planes.common.admission import tcp_peer
-from kvwire.transfer.planes.common.listener import ListenerPlane
 from kvwire.transfer.planes.common.wire import CANCEL_WAIT_S, shutdown
 from kvwire.transfer.planes.tcp.recv import TcpInbound
 from kvwire.transfer.planes.tcp.send import TcpOutbound
@@ -49,7 +49,7 @@ __all__ = ["TcpPlane", "tensor_bytes"]
 class TcpPlane(ListenerPlane[TcpOutbound]):
     """Raw-socket data plane for CPU tensors (CUDA tensors are staged through host memory).
     Listener, acceptor, close and cancelled ids:
-    :class:`~kvwire.transfer.planes.common.listener.ListenerPlane`."""
+    :class:`~kvwire.transfer.planes.base.ListenerPlane`."""
 
     ordered = False
     supports_spans = True
