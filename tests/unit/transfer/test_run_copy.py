@@ -121,7 +121,8 @@ def test_the_native_copier_refuses_read_only_destinations_and_ragged_tables() ->
 def test_native_copies_let_other_threads_run(copier: str) -> None:
     """The native copy runs without the GIL: another Python thread counts during one long copy about
     as fast as it counts alone. The Python fallback copies a run in one bytecode holding the GIL, so
-    the counter stalls (measured 0.13-0.17 of its rate alone, against 0.99-1.15 natively)."""
+    the counter stalls (measured 0.13-0.17 of its rate alone, against 0.99-1.15 natively on a quiet box
+    and 0.47 at load average 6.6: the threshold sits between the two, not at the quiet figure)."""
     size = 512 << 20  # one run: tens of ms
     src = np.ones(size, dtype=np.uint8)
     dst = np.zeros(size, dtype=np.uint8)
@@ -149,9 +150,9 @@ def test_native_copies_let_other_threads_run(copier: str) -> None:
         counter.join(timeout=10.0)
     share = during / copying / alone
     if copier == "native":
-        assert share > 0.5, share
+        assert share > 0.3, share
     else:
-        assert share < 0.5, share
+        assert share < 0.3, share
 
 
 def test_the_python_fallback_warns_once(
