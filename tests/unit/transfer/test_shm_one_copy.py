@@ -520,7 +520,7 @@ def test_a_finalizer_inside_the_locked_section_does_not_deadlock() -> None:
     lock (it hung a CI run in region_of): the release is deferred to the end of the section."""
     import threading
 
-    from kvwire.transfer import shared_memory
+    from kvwire.transfer import memory as shared_memory
 
     tensor = shared_memory.shared_zeros((4096,), torch.uint8)
     region, _ = shared_memory.region_of(tensor)  # type: ignore[misc]
