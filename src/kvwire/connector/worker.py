@@ -25,7 +25,7 @@ import torch
 
 from kvwire.connector.base import ConnectorMetadata, ConnectorOutput, WorkerConnector
 from kvwire.connector.config import ConnectorConfig, EngineInfo, LoadFailurePolicy
-from kvwire.connector.first_token_trailer import FirstTokenTrailer, decode_trailer, encode_trailer
+from kvwire.connector.first_token_trailer import TRAILER_VERSION, FirstTokenTrailer
 from kvwire.connector.metadata import (
     AbortSpec,
     KvwireConnectorMetadata,
@@ -48,7 +48,7 @@ from kvwire.connector.pieces import (
 )
 from kvwire.connector.quarantine import ReceiveQuarantine
 from kvwire.connector.state import reason_label
-from kvwire.errors import ConfigError, KvwireError
+from kvwire.errors import ConfigError, KvwireError, ProtocolError
 from kvwire.transfer.block_copy import (
     HEAD_DIM,
     block_ids_tensor,
@@ -63,6 +63,26 @@ from kvwire.transfer.types import LayerSpec, PullSlice, TransferEvents, Transfer
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+_trailer_encoder = msgspec.msgpack.Encoder()
+_trailer_decoder = msgspec.msgpack.Decoder(FirstTokenTrailer)
+
+
+def encode_trailer(trailer: FirstTokenTrailer) -> bytes:
+    """P's first-token trailer as it travels with the transfer (the worker is its one encoder)."""
+    return _trailer_encoder.encode(trailer)
+
+
+def decode_trailer(payload: bytes) -> FirstTokenTrailer:
+    """D's side, bytes from the peer: raises :class:`ProtocolError` on a malformed payload or an
+    unknown version."""
+    try:
+        trailer = _trailer_decoder.decode(payload)
+    except (msgspec.DecodeError, RecursionError) as exc:  # nesting past msgspec's limit: RecursionError
+        raise ProtocolError(f"malformed first-token trailer: {exc}") from exc
+    if trailer.v != TRAILER_VERSION:
+        raise ProtocolError(f"first-token trailer version {trailer.v} not supported")
+    return trailer
 
 
 class AgentLike(Protocol):
@@ -302,7 +322,8 @@ class KvwireWorkerConnector(WorkerConnector):
             self._on_received(tid, out, events.timings.get(tid))
         for tid, reason in events.failed.items():
             self._on_failed(tid, reason, out)
-        self._quarantine.release_settled(out)
+        if self._quarantine.held:  # (a call only while something is held)
+            self._quarantine.release_settled(out)
         return ConnectorOutput(
             finished_sending=frozenset(out.finished_sending),
             finished_recving=frozenset(out.finished_recving),
@@ -439,12 +460,12 @@ class KvwireWorkerConnector(WorkerConnector):
             self._metrics.transfers_completed.labels(side="send").inc()
             self._send_piece_done(tid, out)
         if timing is not None:
-            self._metrics.observe_transfer("send", timing)
+            self._observe_transfer("send", timing)
 
     def _send_piece_done(self, piece_id: str, out: _StepOutput) -> None:
         """P frees the request's blocks once every piece this rank sends is acknowledged or failed."""
         group = self._send_pieces.finish(piece_id)
-        if group is not None:
+        if group is not None and not group.pending:
             out.finished_sending.add(group.request_id)
 
     # --- receive side -----------------------------------------------------------------------
@@ -500,26 +521,45 @@ class KvwireWorkerConnector(WorkerConnector):
         if timing is not None:
             self.bytes_received += timing.num_bytes
             self._metrics.recv_bytes.inc(timing.num_bytes)
-            self._metrics.observe_transfer("recv", timing)
-        group = self._recv_pieces.group_of(tid)
+            self._observe_transfer("recv", timing)
+        group = self._recv_pieces.finish(tid)
         if recv.spec.want_trailer and group is not None:
             trailer = self._read_trailer(tid)  # every piece carries it: take each, keep one
             if trailer is not None and group.first_token is None:
                 group.first_token = trailer.token_id
-                if trailer.kv_ready_unix_s is not None:  # P's last layer computed -> D holds it all
-                    now = time.time()
-                    landed = timing.done_unix_s if timing is not None and timing.done_unix_s else now
-                    exposed = max(landed - trailer.kv_ready_unix_s, 0.0)
-                    to_step = max(now - trailer.kv_ready_unix_s, 0.0)  # ... -> D's engine step has it
-                    self._metrics.handover_seconds.labels(phase="exposed").observe(exposed)
-                    self._metrics.handover_seconds.labels(phase="exposed_to_step").observe(to_step)
-                    self._metrics.recent.add_exposed(exposed, to_step)
-        group = self._recv_pieces.finish(tid)
-        if group is None:
+                self._observe_exposed(trailer, timing)
+        if group is None or group.pending:
             return  # other pieces of this rank still arriving
         out.finished_recving.add(recv.spec.request_id)
         if group.first_token is not None:
             out.first_token_ids[recv.spec.request_id] = group.first_token
+
+    def _observe_exposed(self, trailer: FirstTokenTrailer, timing: TransferTiming | None) -> None:
+        """P's last layer computed -> D holds it all (and -> D's engine step has it)."""
+        if trailer.kv_ready_unix_s is None:
+            return
+        now = time.time()
+        landed = timing.done_unix_s if timing is not None and timing.done_unix_s else now
+        exposed = max(landed - trailer.kv_ready_unix_s, 0.0)
+        to_step = max(now - trailer.kv_ready_unix_s, 0.0)
+        self._metrics.handover_seconds.labels(phase="exposed").observe(exposed)
+        self._metrics.handover_seconds.labels(phase="exposed_to_step").observe(to_step)
+        recent = self._metrics.recent
+        recent.exposed.append(exposed)
+        recent.exposed_to_step.append(to_step)
+
+    def _observe_transfer(self, side: str, timing: TransferTiming) -> None:
+        """A completed transfer's data timing (one call per transfer and side). The rates are
+        computed here from the timing's fields (GB/s: 1e9 bytes a second)."""
+        m = self._metrics
+        m.transfer_seconds.labels(side=side).observe(timing.seconds)
+        m.transfer_size_bytes.labels(side=side).observe(timing.num_bytes)
+        gbps = timing.num_bytes / timing.seconds / 1e9 if timing.seconds > 0 else 0.0
+        m.transfer_gbps.labels(side=side).observe(gbps)
+        busy_s = timing.busy_seconds
+        if busy_s is not None and busy_s > 0:
+            m.transfer_busy_gbps.labels(side=side).observe(timing.num_bytes / busy_s / 1e9)
+        m.recent.rows[side].append((timing.num_bytes, timing.seconds, busy_s))
 
     def _recv_piece_failed(self, recv: _Recv, reason: str, out: _StepOutput) -> None:
         """One piece failed: end this rank's other pieces of the request, apply the policy once

@@ -25,7 +25,7 @@ import torch
 
 from kvwire.connector.config import EngineInfo
 from kvwire.connector.metadata import KvwireConnectorMetadata
-from kvwire.connector.tp_map import owned_heads
+from kvwire.connector.pieces import owned_heads
 from kvwire.connector.worker import AgentLike, KvwireWorkerConnector
 from kvwire.errors import EngineError
 from kvwire.integrations.vllm_config import VllmPluginConfig
