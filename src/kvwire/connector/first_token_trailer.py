@@ -15,7 +15,7 @@ class FirstTokenTrailer(msgspec.Struct, frozen=True, kw_only=True):
 
     token_id: int | None
     num_prompt_tokens: int
-    # P's wall clock when its worker handed the last KV layer over (set by the worker): D observes
+    # P's wall clock when its forward wrote the last KV layer (set by the worker): D observes
     # "P's last layer computed -> D can decode" (kvwire_pd_handover_seconds{phase="exposed"}); only
     # meaningful where both clocks agree (one host, or NTP-synchronized hosts).
     kv_ready_unix_s: float | None = None

@@ -3,7 +3,7 @@
 ``side`` is ``send`` (P) or ``recv`` (D). Handover phases: ``p_prefill`` (P: request first seen by
 the scheduler -> prompt computed and first token sampled), ``transfer`` (P: end of prefill -> every
 layer and the trailer acknowledged by D), ``d_wait`` (D: blocks allocated -> all remote KV in),
-``exposed`` (D: P's last layer handed over -> D can decode, from P's wall clock in the trailer).
+``exposed`` (D: P's forward wrote its last layer -> D can decode, from P's wall clock in the trailer).
 Per completed transfer and side: ``kvwire_pd_transfer_{seconds,size_bytes,gbps}``, observed by the
 worker connector (``KvwireWorkerConnector._observe_transfer``).
 """
@@ -111,7 +111,7 @@ class RecentTransfers:
         self.rows: dict[str, collections.deque[tuple[int, float, float | None]]] = {
             side: collections.deque(maxlen=capacity) for side in ("send", "recv")
         }
-        # D: per transfer, P's last layer handed over (its forward's end) -> D holds every layer,
+        # D: per transfer, P's forward wrote its last layer -> D holds every layer,
         # and -> D's engine step has the transfer (the wait for D's next step boundary added)
         self.exposed: collections.deque[float] = collections.deque(maxlen=capacity)
         self.exposed_to_step: collections.deque[float] = collections.deque(maxlen=capacity)
