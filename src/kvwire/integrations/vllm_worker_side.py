@@ -117,7 +117,8 @@ class WorkerSide:
         self.core.clear_connector_metadata()
 
     def save_kv_layer(self, layer_name: str) -> None:
-        """Hand the layer's blocks of every request completing its prompt this step to the agent."""
+        """The layer's blocks of every request completing its prompt this step, for the agent (handed
+        over now with GPU caches; at :meth:`wait_for_save` with CPU caches, decision 141)."""
         index = self.layers.index_of(layer_name)
         if index is not None:
             self.core.save_kv_layer(index, self.layers.views[index])
