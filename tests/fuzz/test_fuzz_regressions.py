@@ -14,7 +14,7 @@ import json
 import msgspec
 import pytest
 
-from kvwire.connector.first_token_trailer import decode_trailer
+from kvwire.connector.worker import decode_trailer
 from kvwire.discovery.etcd_gateway import EtcdError, decode_record
 from kvwire.discovery.heartbeats import MAX_FRAME_BYTES, decode_frames, sign
 from kvwire.errors import AuthenticationError, InvalidRequestError, ProtocolError

@@ -99,7 +99,8 @@ def control_messages() -> list[bytes]:
 
 
 def trailers() -> list[bytes]:
-    from kvwire.connector.first_token_trailer import FirstTokenTrailer, encode_trailer
+    from kvwire.connector.first_token_trailer import FirstTokenTrailer
+    from kvwire.connector.worker import encode_trailer
 
     return [encode_trailer(FirstTokenTrailer(token_id=42, num_prompt_tokens=7, kv_ready_unix_s=1.25)),
             encode_trailer(FirstTokenTrailer(token_id=None, num_prompt_tokens=0))]

@@ -99,7 +99,7 @@ def transfer_control() -> FuzzTarget:
 
 def first_token_trailer() -> FuzzTarget:
     from kvwire.bench import fuzz_corpus
-    from kvwire.connector.first_token_trailer import decode_trailer
+    from kvwire.connector.worker import decode_trailer
 
     return FuzzTarget("connector.trailer", decode_trailer, (ProtocolError,), fuzz_corpus.trailers)
 

@@ -73,7 +73,7 @@ def collect(urls: Iterable[str], since: Mark | None = None) -> dict[str, list[Ro
 def exposed_handover(
     urls: Iterable[str], ttft_s: Sequence[float], since: Mark | None = None
 ) -> dict[str, Any]:
-    """The exposed handover per request — P's forward end (its last KV layer handed over) -> D holds
+    """The exposed handover per request — P's forward end (its last KV layer written) -> D holds
     every layer — from the decode instances' ``/kvwire/transfers`` (``exposed``, one per transfer
     after ``since``, both clocks on one host), p50/p99 in seconds and as a share of the run's TTFT
     p50/p99 (the percentiles are of separate samples: requests are not joined one by one). The same

@@ -112,10 +112,6 @@ class StepPlan:
     finished_request_ids: frozenset[str] = frozenset()
     allocated: tuple[Allocation, ...] = ()  # admissions this step, in admission order
 
-    @property
-    def step_info(self) -> StepInfo:
-        return StepInfo(self.scheduled, self.finished_request_ids)
-
 
 @dataclasses.dataclass(frozen=True)
 class StepReport:
@@ -175,7 +171,7 @@ class SchedulerConnector(abc.ABC):
         order), then the metadata built from what was scheduled."""
         for item in plan.allocated:
             self.update_state_after_alloc(item.request, item.block_ids, item.num_external_tokens)
-        return self.build_connector_meta(plan.step_info)
+        return self.build_connector_meta(StepInfo(plan.scheduled, plan.finished_request_ids))
 
     def report_step(self, output: ConnectorOutput) -> StepReport:
         """The workers' report in (after the step's requests that ended were told with

@@ -18,7 +18,7 @@ class EngineInfo:
     device: str = "cpu"
     rank: int = 0
     kv_layout: KVLayout = KVLayout.KV_FIRST  # of the KV cache tensors given to the worker
-    # Tensor parallelism (connector/tp_map.py): ranks of this instance, and the model's KV heads
+    # Tensor parallelism (connector/pieces.py): ranks of this instance, and the model's KV heads
     # over all ranks (None: the cache's heads times tp_size, i.e. no replication; ignored for MLA).
     tp_size: int = 1
     num_kv_heads: int | None = None

@@ -3,8 +3,9 @@
 ``side`` is ``send`` (P) or ``recv`` (D). Handover phases: ``p_prefill`` (P: request first seen by
 the scheduler -> prompt computed and first token sampled), ``transfer`` (P: end of prefill -> every
 layer and the trailer acknowledged by D), ``d_wait`` (D: blocks allocated -> all remote KV in),
-``exposed`` (D: P's last layer handed over -> D can decode, from P's wall clock in the trailer).
-Per completed transfer and side: ``kvwire_pd_transfer_{seconds,size_bytes,gbps}``.
+``exposed`` (D: P's forward wrote its last layer -> D can decode, from P's wall clock in the trailer).
+Per completed transfer and side: ``kvwire_pd_transfer_{seconds,size_bytes,gbps}``, observed by the
+worker connector (``KvwireWorkerConnector._observe_transfer``).
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import threading
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
-
-from kvwire.transfer.memory import TransferTiming
 
 _HANDOVER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _SIZE_BUCKETS = tuple(float(1 << s) for s in range(16, 36, 2))  # 64 KiB .. 16 GiB
@@ -100,48 +99,28 @@ class ConnectorMetrics:
             ["side", "outcome"], registry=registry,
         )
 
-    def observe_transfer(self, side: str, timing: TransferTiming) -> None:
-        """A completed transfer's data timing (one call per transfer and side)."""
-        self.transfer_seconds.labels(side=side).observe(timing.seconds)
-        self.transfer_size_bytes.labels(side=side).observe(timing.num_bytes)
-        self.transfer_gbps.labels(side=side).observe(timing.gbps)
-        if timing.busy_gbps is not None:
-            self.transfer_busy_gbps.labels(side=side).observe(timing.busy_gbps)
-        self.recent.add(side, timing)
-
 
 class RecentTransfers:
     """The last ``capacity`` completed transfers per side (bytes, seconds, busy seconds or None):
     exact percentiles for ``kvwire bench serve`` (served at ``/kvwire/transfers``), which histogram
-    buckets cannot give."""
+    buckets cannot give. One writer, the worker connector's thread, appends to the deques directly
+    (``deque.append`` is atomic); :meth:`snapshot` copies each deque in one step (``deque.copy``), so
+    any thread may read while it writes."""
 
     def __init__(self, capacity: int = 4096) -> None:
-        self._lock = threading.Lock()
-        self._rows: dict[str, collections.deque[tuple[int, float, float | None]]] = {
+        self.rows: dict[str, collections.deque[tuple[int, float, float | None]]] = {
             side: collections.deque(maxlen=capacity) for side in ("send", "recv")
         }
-        # D: per transfer, P's last layer handed over (its forward's end) -> D holds every layer,
+        # D: per transfer, P's forward wrote its last layer -> D holds every layer,
         # and -> D's engine step has the transfer (the wait for D's next step boundary added)
-        self._exposed: collections.deque[float] = collections.deque(maxlen=capacity)
-        self._exposed_to_step: collections.deque[float] = collections.deque(maxlen=capacity)
-
-    def add_exposed(self, seconds: float, to_step_s: float) -> None:
-        with self._lock:
-            self._exposed.append(seconds)
-            self._exposed_to_step.append(to_step_s)
-
-    def add(self, side: str, timing: TransferTiming) -> None:
-        with self._lock:
-            self._rows.setdefault(side, collections.deque(maxlen=4096)).append(
-                (timing.num_bytes, timing.seconds, timing.busy_seconds)
-            )
+        self.exposed: collections.deque[float] = collections.deque(maxlen=capacity)
+        self.exposed_to_step: collections.deque[float] = collections.deque(maxlen=capacity)
 
     def snapshot(self) -> dict[str, list[Any]]:
-        with self._lock:
-            out: dict[str, list[Any]] = {side: list(rows) for side, rows in self._rows.items()}
-            out["exposed"] = list(self._exposed)
-            out["exposed_to_step"] = list(self._exposed_to_step)
-            return out
+        out: dict[str, list[Any]] = {side: list(rows.copy()) for side, rows in self.rows.items()}
+        out["exposed"] = list(self.exposed.copy())
+        out["exposed_to_step"] = list(self.exposed_to_step.copy())
+        return out
 
 
 _lock = threading.Lock()

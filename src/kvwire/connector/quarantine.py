@@ -44,7 +44,7 @@ class ReceiveQuarantine(Generic[Out]):
     def __init__(self, agent: _Agent, gauge: Gauge) -> None:
         self._agent = agent
         self._gauge = gauge
-        self._held: list[_Held[Out]] = []
+        self.held: list[_Held[Out]] = []  # read by the worker: no call while nothing is held
 
     def report_when_settled(
         self, request_id: str, num_blocks: int, transfers: Collection[str], report: Callable[[Out], None],
@@ -57,7 +57,7 @@ class ReceiveQuarantine(Generic[Out]):
         if not held:
             report(out)
             return
-        self._held.append(_Held(request_id, held, num_blocks, report))
+        self.held.append(_Held(request_id, held, num_blocks, report))
         self._gauge.inc(num_blocks)
         logger.warning(
             "request %s: %d KV block(s) quarantined: a stalled sender may still write into them "
@@ -68,11 +68,11 @@ class ReceiveQuarantine(Generic[Out]):
     def release_settled(self, out: Out) -> None:
         """Report the held outcomes whose transfers are all settled now (one agent call per step,
         only while something is held)."""
-        if not self._held:
+        if not self.held:
             return
         unsettled = self._agent.unsettled()
         still: list[_Held[Out]] = []
-        for held in self._held:
+        for held in self.held:
             if not held.transfers.isdisjoint(unsettled):
                 still.append(held)
                 continue
@@ -82,14 +82,14 @@ class ReceiveQuarantine(Generic[Out]):
                 "request %s: %d quarantined KV block(s) released after %.3f s",
                 held.request_id, held.num_blocks, time.monotonic() - held.since,
             )  # fmt: skip
-        self._held = still
+        self.held = still
 
     @property
     def num_blocks(self) -> int:
-        return sum(held.num_blocks for held in self._held)
+        return sum(held.num_blocks for held in self.held)
 
     def close(self) -> None:
         """The engine ends: nothing reuses the blocks any more."""
-        for held in self._held:
+        for held in self.held:
             self._gauge.dec(held.num_blocks)
-        self._held = []
+        self.held = []

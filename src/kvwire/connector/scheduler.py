@@ -277,7 +277,7 @@ class KvwireSchedulerConnector(SchedulerConnector):
         """The built-in engine's plan (decision 131): this step's allocations, then the metadata."""
         for item in plan.allocated:
             self.update_state_after_alloc(item.request, item.block_ids, item.num_external_tokens)
-        return self.build_connector_meta(plan.step_info)
+        return self.build_connector_meta(StepInfo(plan.scheduled, plan.finished_request_ids))
 
     def report_step(self, output: ConnectorOutput) -> StepReport:
         """The built-in engine's report (decision 131): the workers' output applied; P's first token

@@ -25,7 +25,7 @@ import torch
 
 from kvwire.connector.base import ConnectorMetadata, ConnectorOutput, WorkerConnector
 from kvwire.connector.config import ConnectorConfig, EngineInfo, LoadFailurePolicy
-from kvwire.connector.first_token_trailer import FirstTokenTrailer, decode_trailer, encode_trailer
+from kvwire.connector.first_token_trailer import TRAILER_VERSION, FirstTokenTrailer
 from kvwire.connector.metadata import (
     AbortSpec,
     KvwireConnectorMetadata,
@@ -48,7 +48,7 @@ from kvwire.connector.pieces import (
 )
 from kvwire.connector.quarantine import ReceiveQuarantine
 from kvwire.connector.state import reason_label
-from kvwire.errors import ConfigError, KvwireError
+from kvwire.errors import ConfigError, KvwireError, ProtocolError
 from kvwire.transfer.enums import KVLayout
 from kvwire.transfer.memory import (
     HEAD_DIM,
@@ -66,6 +66,26 @@ from kvwire.transfer.memory import (
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+_trailer_encoder = msgspec.msgpack.Encoder()
+_trailer_decoder = msgspec.msgpack.Decoder(FirstTokenTrailer)
+
+
+def encode_trailer(trailer: FirstTokenTrailer) -> bytes:
+    """P's first-token trailer as it travels with the transfer (the worker is its one encoder)."""
+    return _trailer_encoder.encode(trailer)
+
+
+def decode_trailer(payload: bytes) -> FirstTokenTrailer:
+    """D's side, bytes from the peer: raises :class:`ProtocolError` on a malformed payload or an
+    unknown version."""
+    try:
+        trailer = _trailer_decoder.decode(payload)
+    except (msgspec.DecodeError, RecursionError) as exc:  # nesting past msgspec's limit: RecursionError
+        raise ProtocolError(f"malformed first-token trailer: {exc}") from exc
+    if trailer.v != TRAILER_VERSION:
+        raise ProtocolError(f"first-token trailer version {trailer.v} not supported")
+    return trailer
 
 
 class AgentLike(Protocol):
@@ -124,9 +144,11 @@ class _Send:
     piece_id: str = ""  # the agent-level transfer id (the request's own in the symmetric plan)
     heads: range | None = None  # this rank's KV heads the piece carries (None: all)
     layer_bytes: tuple[int, ...] = ()  # payload bytes per layer
-    num_layers_sent: int = 0
+    num_layers_written: int = 0  # KV layers the forward wrote
+    num_layers_sent: int = 0  # ... and handed to the agent
+    unsent: list[int] = dataclasses.field(default_factory=list)  # written, held back (CPU caches)
     failed: bool = False
-    kv_ready_unix_s: float | None = None  # wall clock when the last layer was handed over
+    kv_ready_unix_s: float | None = None  # wall clock when the forward wrote the last layer
 
 
 @dataclasses.dataclass
@@ -174,6 +196,9 @@ class KvwireWorkerConnector(WorkerConnector):
         self._recv_pieces = PieceBook()
         self._promised: dict[str, list[str]] = {}  # request transfer id -> piece ids promised, not started
         self._saving: list[_Send] = []  # sends whose layers this step's forward hands over
+        # CPU caches: each layer the forward writes waits for the next step boundary (decision 141)
+        self._hold_layers = False
+        self._unsent: list[_Send] = []  # sends with layers held back, for send_saved
         self._pending = _StepOutput()  # local outcomes reported by the next get_finished
         # failed/aborted receives a stalled sender may still write into: reported once it cannot
         self._quarantine: ReceiveQuarantine[_StepOutput] = ReceiveQuarantine(
@@ -193,6 +218,7 @@ class KvwireWorkerConnector(WorkerConnector):
         if layout is not None:
             self._layout = layout
         self._kv_caches = list(kv_caches)
+        self._hold_layers = bool(self._kv_caches) and self._kv_caches[0].device.type == "cpu"
         self._preload_kernels()
         if self._kv_caches:
             self.agent.register_kv_caches(self._kv_caches, self._layout)
@@ -222,11 +248,14 @@ class KvwireWorkerConnector(WorkerConnector):
         forward: Callable[[WorkerConnector | None], T],
     ) -> tuple[T, ConnectorOutput]:
         """The built-in engine's one call per step (decision 131), the same work as vLLM's sequence
-        of hooks in one body: start this step's transfers, run ``forward`` (when a send starts in
-        this step, its attention layers hand each KV layer over through ``save_kv_layer``; else it
-        gets no layer hooks: loads never wait inside the forward and nothing is saved), end the
-        saves (also when ``forward`` raises), report."""
+        of hooks in one body: hand over the KV layers the previous step held back (CPU caches,
+        decision 141: that step's outputs, P's first token among them, are out by now), start this
+        step's transfers, run ``forward`` (when a send starts in this step, its attention layers
+        pass each KV layer through ``save_kv_layer``; else it gets no layer hooks: loads never wait
+        inside the forward and nothing is saved), end the saves (also when ``forward`` raises),
+        report."""
         del finished_req_ids  # aborts arrive as AbortSpecs in the metadata
+        self.send_saved()
         self._apply_metadata(metadata)
         try:
             result = forward(self if self._saving else None)
@@ -255,6 +284,7 @@ class KvwireWorkerConnector(WorkerConnector):
 
     def clear_connector_metadata(self) -> None:
         self._finish_saves()
+        self.send_saved()
         super().clear_connector_metadata()
 
     def start_load_kv(self) -> None:
@@ -265,31 +295,55 @@ class KvwireWorkerConnector(WorkerConnector):
         del layer_index
 
     def save_kv_layer(self, layer_index: int, kv_layer: torch.Tensor) -> None:
-        """The forward wrote layer ``layer_index``'s KV (``kv_layer`` is that registered cache):
-        hand its blocks (of this piece's heads) of every finishing prefill to the agent, ordered
-        after the write on a GPU."""
+        """The forward wrote layer ``layer_index``'s KV (``kv_layer`` is that registered cache).
+        GPU caches: hand its blocks (of this piece's heads) of every finishing prefill to the agent
+        now, ordered after the write by an event: the plane's copy overlaps the rest of the
+        forward. CPU caches: hold the layer back until :meth:`send_saved` (decision 141): the copy
+        would run on the cores the forward uses, so handing it over now only delays P's first token."""
         del kv_layer  # the agent reads the registered cache itself
         event = None
         for send in self._saving:
             if send.failed:
                 continue
+            send.num_layers_written += 1
+            if send.num_layers_written == len(self._kv_caches):
+                send.kv_ready_unix_s = time.time()
+            if self._hold_layers:
+                send.unsent.append(layer_index)
+                continue
             if event is None and send.ids.is_cuda:
                 event = torch.cuda.Event()
                 event.record()
-            try:
-                self.agent.send_blocks(send.piece_id, layer_index, send.ids, event, heads=send.heads)
-            except KvwireError as exc:
-                logger.warning("transfer %s: send_blocks failed: %s", send.piece_id, exc)
-                send.failed = True
-                continue
-            send.num_layers_sent += 1
-            if send.num_layers_sent == len(self._kv_caches):
-                send.kv_ready_unix_s = time.time()
-            if send.spec.peer_endpoints:  # pull: counted once pulled (pieces may take part of it)
-                self._count_sent(send.layer_bytes[layer_index])
+            self._hand_over(send, layer_index, event)
+
+    def _hand_over(self, send: _Send, layer_index: int, event: Any | None) -> None:
+        try:
+            self.agent.send_blocks(send.piece_id, layer_index, send.ids, event, heads=send.heads)
+        except KvwireError as exc:
+            logger.warning("transfer %s: send_blocks failed: %s", send.piece_id, exc)
+            send.failed = True
+            return
+        send.num_layers_sent += 1
+        if send.spec.peer_endpoints:  # pull: counted once pulled (pieces may take part of it)
+            self._count_sent(send.layer_bytes[layer_index])
+
+    def send_saved(self) -> None:
+        """Hand the agent the KV layers held back after the last forward (CPU caches), in order;
+        a send that did not get every layer then fails at once. Called at the start of the next
+        step, after the engine published the step's outputs, and by the hook-driven host (vLLM) at
+        the end of the forward (``wait_for_save``). Nothing to do on GPU caches."""
+        unsent, self._unsent = self._unsent, []
+        for send in unsent:
+            layers, send.unsent = send.unsent, []
+            for layer_index in layers:
+                if send.failed or send.piece_id not in self._sends:
+                    break  # failed or aborted meanwhile
+                self._hand_over(send, layer_index, None)
+            self._fail_if_short(send, send.num_layers_sent)
 
     def wait_for_save(self) -> None:
         self._finish_saves()
+        self.send_saved()
 
     def get_finished(self, finished_req_ids: set[str]) -> ConnectorOutput:
         del finished_req_ids  # aborts arrive as AbortSpecs in the metadata
@@ -305,7 +359,8 @@ class KvwireWorkerConnector(WorkerConnector):
             self._on_received(tid, out, events.timings.get(tid))
         for tid, reason in events.failed.items():
             self._on_failed(tid, reason, out)
-        self._quarantine.release_settled(out)
+        if self._quarantine.held:  # (a call only while something is held)
+            self._quarantine.release_settled(out)
         return ConnectorOutput(
             finished_sending=frozenset(out.finished_sending),
             finished_recving=frozenset(out.finished_recving),
@@ -412,12 +467,19 @@ class KvwireWorkerConnector(WorkerConnector):
 
     def _finish_saves(self) -> None:
         """After the forward: a send that did not get every KV layer can never complete; fail it now
-        rather than at its deadline."""
+        rather than at its deadline. Layers held back wait for :meth:`send_saved`."""
         for send in self._saving:
-            if send.num_layers_sent < len(self._kv_caches) and send.piece_id in self._sends:
-                reason = f"mismatch: {send.num_layers_sent} of {len(self._kv_caches)} layers saved"
-                self._abort_agent(send.piece_id, reason)
+            if self._hold_layers and send.num_layers_written == len(self._kv_caches):
+                self._unsent.append(send)
+            else:
+                done = send.num_layers_written if self._hold_layers else send.num_layers_sent
+                self._fail_if_short(send, done)
         self._saving = []
+
+    def _fail_if_short(self, send: _Send, num_layers: int) -> None:
+        if num_layers < len(self._kv_caches) and send.piece_id in self._sends:
+            reason = f"mismatch: {num_layers} of {len(self._kv_caches)} layers saved"
+            self._abort_agent(send.piece_id, reason)
 
     def _send_trailer(self, spec: TrailerSpec) -> None:
         for piece_id in sorted(self._send_pieces.pieces(spec.transfer_id)):
@@ -442,12 +504,12 @@ class KvwireWorkerConnector(WorkerConnector):
             self._metrics.transfers_completed.labels(side="send").inc()
             self._send_piece_done(tid, out)
         if timing is not None:
-            self._metrics.observe_transfer("send", timing)
+            self._observe_transfer("send", timing)
 
     def _send_piece_done(self, piece_id: str, out: _StepOutput) -> None:
         """P frees the request's blocks once every piece this rank sends is acknowledged or failed."""
         group = self._send_pieces.finish(piece_id)
-        if group is not None:
+        if group is not None and not group.pending:
             out.finished_sending.add(group.request_id)
 
     # --- receive side -----------------------------------------------------------------------
@@ -503,26 +565,45 @@ class KvwireWorkerConnector(WorkerConnector):
         if timing is not None:
             self.bytes_received += timing.num_bytes
             self._metrics.recv_bytes.inc(timing.num_bytes)
-            self._metrics.observe_transfer("recv", timing)
-        group = self._recv_pieces.group_of(tid)
+            self._observe_transfer("recv", timing)
+        group = self._recv_pieces.finish(tid)
         if recv.spec.want_trailer and group is not None:
             trailer = self._read_trailer(tid)  # every piece carries it: take each, keep one
             if trailer is not None and group.first_token is None:
                 group.first_token = trailer.token_id
-                if trailer.kv_ready_unix_s is not None:  # P's last layer computed -> D holds it all
-                    now = time.time()
-                    landed = timing.done_unix_s if timing is not None and timing.done_unix_s else now
-                    exposed = max(landed - trailer.kv_ready_unix_s, 0.0)
-                    to_step = max(now - trailer.kv_ready_unix_s, 0.0)  # ... -> D's engine step has it
-                    self._metrics.handover_seconds.labels(phase="exposed").observe(exposed)
-                    self._metrics.handover_seconds.labels(phase="exposed_to_step").observe(to_step)
-                    self._metrics.recent.add_exposed(exposed, to_step)
-        group = self._recv_pieces.finish(tid)
-        if group is None:
+                self._observe_exposed(trailer, timing)
+        if group is None or group.pending:
             return  # other pieces of this rank still arriving
         out.finished_recving.add(recv.spec.request_id)
         if group.first_token is not None:
             out.first_token_ids[recv.spec.request_id] = group.first_token
+
+    def _observe_exposed(self, trailer: FirstTokenTrailer, timing: TransferTiming | None) -> None:
+        """P's last layer computed -> D holds it all (and -> D's engine step has it)."""
+        if trailer.kv_ready_unix_s is None:
+            return
+        now = time.time()
+        landed = timing.done_unix_s if timing is not None and timing.done_unix_s else now
+        exposed = max(landed - trailer.kv_ready_unix_s, 0.0)
+        to_step = max(now - trailer.kv_ready_unix_s, 0.0)
+        self._metrics.handover_seconds.labels(phase="exposed").observe(exposed)
+        self._metrics.handover_seconds.labels(phase="exposed_to_step").observe(to_step)
+        recent = self._metrics.recent
+        recent.exposed.append(exposed)
+        recent.exposed_to_step.append(to_step)
+
+    def _observe_transfer(self, side: str, timing: TransferTiming) -> None:
+        """A completed transfer's data timing (one call per transfer and side). The rates are
+        computed here from the timing's fields (GB/s: 1e9 bytes a second)."""
+        m = self._metrics
+        m.transfer_seconds.labels(side=side).observe(timing.seconds)
+        m.transfer_size_bytes.labels(side=side).observe(timing.num_bytes)
+        gbps = timing.num_bytes / timing.seconds / 1e9 if timing.seconds > 0 else 0.0
+        m.transfer_gbps.labels(side=side).observe(gbps)
+        busy_s = timing.busy_seconds
+        if busy_s is not None and busy_s > 0:
+            m.transfer_busy_gbps.labels(side=side).observe(timing.num_bytes / busy_s / 1e9)
+        m.recent.rows[side].append((timing.num_bytes, timing.seconds, busy_s))
 
     def _recv_piece_failed(self, recv: _Recv, reason: str, out: _StepOutput) -> None:
         """One piece failed: end this rank's other pieces of the request, apply the policy once
@@ -604,6 +685,7 @@ class KvwireWorkerConnector(WorkerConnector):
             self._count_failure("recv", "aborted")
         if send is not None:
             self._saving = [s for s in self._saving if s is not send]
+            self._unsent = [s for s in self._unsent if s is not send]
             self._count_failure("send", "aborted")
         self._abort_agent(piece_id, reason)
 
@@ -636,6 +718,7 @@ class KvwireWorkerConnector(WorkerConnector):
         self._sends.clear()
         self._recvs.clear()
         self._saving = []
+        self._unsent = []
         self._quarantine.close()
         if self._owns_agent:
             self.agent.close()

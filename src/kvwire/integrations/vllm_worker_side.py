@@ -25,7 +25,7 @@ import torch
 
 from kvwire.connector.config import EngineInfo
 from kvwire.connector.metadata import KvwireConnectorMetadata
-from kvwire.connector.tp_map import owned_heads
+from kvwire.connector.pieces import owned_heads
 from kvwire.connector.worker import AgentLike, KvwireWorkerConnector
 from kvwire.errors import EngineError
 from kvwire.integrations.vllm_config import VllmPluginConfig
@@ -117,7 +117,8 @@ class WorkerSide:
         self.core.clear_connector_metadata()
 
     def save_kv_layer(self, layer_name: str) -> None:
-        """Hand the layer's blocks of every request completing its prompt this step to the agent."""
+        """The layer's blocks of every request completing its prompt this step, for the agent (handed
+        over now with GPU caches; at :meth:`wait_for_save` with CPU caches, decision 141)."""
         index = self.layers.index_of(layer_name)
         if index is not None:
             self.core.save_kv_layer(index, self.layers.views[index])

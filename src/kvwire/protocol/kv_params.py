@@ -87,7 +87,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     mode: TransferMode = TransferMode.PUSH
     role: Role
     # The other side's transfer-agent endpoints, one per worker rank (their count is the peer's TP
-    # size; which rank talks to which: connector/tp_map.py).
+    # size; which rank talks to which: connector/pieces.py).
     # P in pull mode: the D that may pull (empty: the first puller).
     peer_endpoints: list[str] = msgspec.field(default_factory=list)
     # The other side's instance id (for logs/metrics and epoch checks); optional.

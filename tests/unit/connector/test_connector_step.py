@@ -11,6 +11,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from kvwire.connector.base import Allocation, ScheduledChunk, StepPlan, StepReport, WorkerConnector
+from kvwire.connector.metadata import AbortSpec
 from support.connector_fakes import NUM_LAYERS, FakeFabric, FakeRequest, Side, chunk, make_pd, push_requests
 
 
@@ -55,7 +56,9 @@ def test_push_with_first_token_through_plan_run_and_report() -> None:
     one_call_step(d, plan(allocated=[Allocation(dreq, tuple(d_ids), 20)]))  # D expects the transfer
     assert p.sched.get_num_new_matched_tokens(preq, 0) == (0, False)
     one_call_step(p, plan(chunk(preq, p_ids, computed=0, scheduled=20), allocated=[Allocation(preq, (), 0)]))
-    assert "t1" in p.agent.sends  # every layer handed over inside run_step
+    # CPU caches: the layers the forward wrote wait for P's next step (decision 141), which hands
+    # them over before anything else
+    assert "t1" in p.agent.sends and not p.agent.sends["t1"].data
     preq.output_token_ids = [42]
     assert p.sched.request_finished(preq, p_ids) == (True, None)
     assert report_until(p, preq.request_id).output.finished_sending == {preq.request_id}
@@ -74,6 +77,7 @@ def test_no_first_token_in_the_report_without_the_trailer() -> None:
     one_call_step(d, plan(allocated=[Allocation(dreq, (4, 5), 16)]))
     p.sched.get_num_new_matched_tokens(preq, 0)
     one_call_step(p, plan(chunk(preq, [0, 1, 2], computed=0, scheduled=17)))
+    one_call_step(p, StepPlan(()))  # P's next step hands the held KV layers over (decision 141)
     report = report_until(d, dreq.request_id)
     assert report.output.finished_recving == {dreq.request_id} and report.first_tokens == {}
 
@@ -107,3 +111,55 @@ def test_a_request_without_params_costs_the_connector_nothing() -> None:
     report = one_call_step(p, step)  # its forward gets no layer hooks: nothing to save
     assert report == StepReport(report.output) and not report.output.finished_sending
     assert not p.agent.sends and p.sched.num_tracked_requests == 0
+
+
+def test_cpu_layers_are_handed_over_at_the_next_step_in_order() -> None:
+    p, d = make_pd(FakeFabric(), CollectorRegistry())
+    preq, dreq = push_requests(p, d, prompt_len=9)
+    d.sched.get_num_new_matched_tokens(dreq, 0)
+    one_call_step(d, plan(allocated=[Allocation(dreq, (6, 7), 9)]))
+    p.sched.get_num_new_matched_tokens(preq, 0)
+    handed: list[int] = []
+    send_blocks = p.agent.send_blocks
+
+    def spy(transfer_id: str, layer_index: int, *args: object, **kwargs: object) -> None:
+        handed.append(layer_index)
+        send_blocks(transfer_id, layer_index, *args, **kwargs)  # type: ignore[arg-type]
+
+    p.agent.send_blocks = spy  # type: ignore[method-assign]
+    one_call_step(p, plan(chunk(preq, [0, 1], computed=0, scheduled=9)))
+    assert handed == []  # nothing during the forward nor before the step returned
+    preq.output_token_ids = [3]
+    assert p.sched.request_finished(preq, [0, 1]) == (True, None)  # blocks kept until sent
+    report = one_call_step(p, StepPlan(()))  # the layers, then the trailer
+    assert handed == list(range(NUM_LAYERS))
+    sent = report.output.finished_sending or report_until(p, preq.request_id).output.finished_sending
+    assert sent == {preq.request_id}
+    assert report_until(d, dreq.request_id).first_tokens == {dreq.request_id: 3}
+    for layer in range(NUM_LAYERS):
+        assert torch.equal(p.caches[layer][:, [0, 1]], d.caches[layer][:, [6, 7]])
+
+
+def test_held_layers_of_an_aborted_request_are_not_handed_over() -> None:
+    p, d = make_pd(FakeFabric(), CollectorRegistry())
+    preq, _ = push_requests(p, d, prompt_len=9)
+    p.sched.get_num_new_matched_tokens(preq, 0)
+    one_call_step(p, plan(chunk(preq, [0, 1], computed=0, scheduled=9)))
+    p.worker._apply_abort(AbortSpec(preq.request_id, "t1", "client went away", False))
+    p.agent.send_blocks = None  # type: ignore[assignment,method-assign]  # any call now fails the test
+    one_call_step(p, StepPlan(()))
+    assert ("t1", "client went away") in p.agent.aborted
+
+
+def test_the_hook_driven_host_hands_held_layers_over_at_wait_for_save() -> None:
+    p, d = make_pd(FakeFabric(), CollectorRegistry())
+    preq, _ = push_requests(p, d, prompt_len=9)
+    p.sched.get_num_new_matched_tokens(preq, 0)
+    metadata = p.sched.plan_step(plan(chunk(preq, [0, 1], computed=0, scheduled=9)))
+    p.worker.bind_connector_metadata(metadata)  # vLLM's sequence of hooks
+    for index in range(NUM_LAYERS):
+        p.worker.save_kv_layer(index, p.caches[index])
+    assert not p.agent.sends["t1"].data  # held during the forward (CPU caches)
+    p.worker.wait_for_save()  # vLLM has no later point before its output: the forward's end
+    assert p.agent.sends["t1"].delivered | set(p.agent.sends["t1"].data) == set(range(NUM_LAYERS))
+    p.worker.clear_connector_metadata()

@@ -73,9 +73,11 @@ def test_head_slice_is_a_view_of_the_heads() -> None:
 def test_piece_book_finishes_a_request_with_its_last_piece() -> None:
     book = PieceBook()
     book.add("t", "r", ["t~p0d0", "t~p1d0"])
-    assert book.finish("t~p0d0") is None
+    first = book.finish("t~p0d0")
+    assert first is not None and first.pending == {"t~p1d0"} and len(book) == 1
     group = book.finish("t~p1d0")
-    assert group is not None and group.request_id == "r" and len(book) == 0
+    assert group is first and group.request_id == "r" and not group.pending and len(book) == 0
+    assert book.finish("t~p1d0") is None  # unknown by now
 
 
 def _meta(rid: str, blocks: tuple[int, ...]) -> KvwireConnectorMetadata:

@@ -1,7 +1,7 @@
 """Cut a loaded :class:`LlamaModel` down to one tensor-parallel rank's share (Megatron-style).
 
 Attention: rank ``r`` keeps query heads ``[r*Hq/N, (r+1)*Hq/N)`` and the KV heads
-``tp_map.owned_heads(r, N, Hkv)`` (one replicated head when ``Hkv < N``), i.e. the rows of the fused
+``pieces.owned_heads(r, N, Hkv)`` (one replicated head when ``Hkv < N``), i.e. the rows of the fused
 qkv projection (and its bias) for those heads, and the matching input columns of ``o_proj``.
 MLP: the rows ``[r*I/N, (r+1)*I/N)`` of gate and of up, the same columns of ``down_proj``. The
 outputs of ``o_proj`` and ``down_proj`` are partial sums, added over the ranks by ``all_reduce``.
@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kvwire.connector.tp_map import check_tp, owned_heads
+from kvwire.connector.pieces import check_tp, owned_heads
 from kvwire.engine.models.config import ModelConfig
 from kvwire.engine.models.llama import MLP, Attention, LlamaModel
 from kvwire.errors import ConfigError

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from kvwire.connector.tp_map import (
+from kvwire.connector.pieces import (
     Piece,
     check_tp,
     is_identity,
