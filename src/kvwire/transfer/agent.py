@@ -9,9 +9,9 @@ The agent's control thread: owns every ZMQ socket (ZMQ sockets are not thread-sa
 
 Inbound: one ROUTER bound at the agent's control endpoint. Outbound: one DEALER per peer endpoint,
 created lazily (ZMQ reconnects it transparently when the peer restarts; epochs in the messages tell
-old from new). Other threads hand work over through :meth:`send` / :meth:`call_soon`, which append to
-an outbox and wake the thread through a socket pair; the thread never blocks on a peer (sends are
-non-blocking, a full queue drops the message and logs: deadlines cover the loss).
+old from new). Other threads hand work over by appending to its ``outbox`` (messages: ``Core.send``;
+calls: :meth:`call_soon`) and waking it through a socket pair (``waker``); the thread never blocks on
+a peer (sends are non-blocking, a full queue drops the message and logs: deadlines cover the loss).
 
 Trust boundary (decision 116): ZeroMQ drops (and disconnects) a peer whose frame exceeds
 ``ControlLimits.max_message_bytes`` (``MAXMSGSIZE``); a message of more frames than the protocol has is
