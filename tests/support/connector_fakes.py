@@ -259,7 +259,7 @@ class FakeAgent:
     def unsettled(self) -> dict[str, int]:
         return dict(self.unsettled_transfers)
 
-    def poll(self) -> TransferEvents:
+    def poll(self, trailers: bool = False) -> TransferEvents:
         now = time.monotonic()
         for table in (self.sends, self.recvs):
             for tid, item in list(table.items()):
@@ -272,6 +272,10 @@ class FakeAgent:
                     self._failed[tid] = "deadline: expired"
         with self._lock:
             events = TransferEvents(frozenset(self._sent), frozenset(self._recvd), dict(self._failed))
+            for tid in self._recvd if trailers else ():
+                recv = self._done_recvs.get(tid)
+                if recv is not None and recv.trailer is not None:
+                    events.trailers[tid] = recv.trailer
             self._sent, self._recvd, self._failed = set(), set(), {}
         return events
 

@@ -132,7 +132,7 @@ class AgentLike(Protocol):
 
     def unsettled(self) -> Mapping[str, int]: ...
 
-    def poll(self) -> TransferEvents: ...
+    def poll(self, trailers: bool = False) -> TransferEvents: ...
 
     def close(self) -> None: ...
 
@@ -200,6 +200,7 @@ class KvwireWorkerConnector(WorkerConnector):
         self._hold_layers = False
         self._unsent: list[_Send] = []  # sends with layers held back, for send_saved
         self._pending = _StepOutput()  # local outcomes reported by the next get_finished
+        self._trailers: dict[str, bytes] = {}  # the last poll's trailers, by transfer id
         # failed/aborted receives a stalled sender may still write into: reported once it cannot
         self._quarantine: ReceiveQuarantine[_StepOutput] = ReceiveQuarantine(
             agent, self._metrics.quarantined_blocks
@@ -352,7 +353,8 @@ class KvwireWorkerConnector(WorkerConnector):
     def _report(self) -> ConnectorOutput:
         """Outcomes since the last report: local ones, then the agent's."""
         out, self._pending = self._pending, _StepOutput()
-        events = self.agent.poll()
+        events = self.agent.poll(trailers=True)
+        self._trailers = events.trailers
         for tid in events.finished_sending:
             self._on_sent(tid, out, events.timings.get(tid))
         for tid in events.finished_recving:
@@ -624,7 +626,7 @@ class KvwireWorkerConnector(WorkerConnector):
 
     def _read_trailer(self, tid: str) -> FirstTokenTrailer | None:
         try:
-            payload = self.agent.take_trailer(tid)
+            payload = self._trailers.pop(tid, None)
             return None if payload is None else decode_trailer(payload)
         except KvwireError as exc:
             logger.warning("transfer %s: no usable first token (%s); recomputing it", tid, exc)

@@ -178,8 +178,18 @@ class ClientWriter:
         await self._bounded(lambda: response.prepare(self._request))
         return response
 
-    async def write(self, data: bytes) -> None:
-        await self._bounded(lambda: self.response.write(data))
+    async def write(
+        self, data: bytes, *, opening: web.StreamResponse | None = None, last: bool = False
+    ) -> None:
+        """Write ``data`` (each step under the deadline): ``opening``: first send that response's status
+        line and headers (:meth:`open`); ``last``: then end the response (:meth:`write_eof`). A
+        streaming handler's whole use of the writer is these calls."""
+        if opening is not None:
+            await self.open(opening)
+        if data:
+            await self._bounded(lambda: self.response.write(data))
+        if last:
+            await self.write_eof()
 
     async def write_eof(self) -> None:
         await self._bounded(self.response.write_eof)

@@ -420,19 +420,19 @@ class GenerationHandler:
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers=_SSE_HEADERS)
         try:
-            await writer.open(response)
             first = builder.first_chunk()
             extras = _first_extras(prepared) if builder.return_token_ids else {}
             if first is not None:
                 first.update(extras)
                 extras = {}
-                await writer.write(sse_event(first))
+            # the status line and headers go out now, with the first chunk when there is one
+            await writer.write(sse_event(first) if first is not None else b"", opening=response)
             outcome, usage = await self._stream_outputs(writer, stream, builder, prepared, extras)
             self._count(prepared.kind.value, outcome)
+            usage_chunk = b""
             if usage is not None and prepared.include_usage:
-                await writer.write(sse_event(builder.usage_chunk(usage)))
-            await writer.write(SSE_DONE)
-            await writer.write_eof()
+                usage_chunk = sse_event(builder.usage_chunk(usage))
+            await writer.write(usage_chunk + SSE_DONE, last=True)
         except ConnectionResetError as exc:  # client gone mid-stream; the caller's finally aborts the request
             logger.debug("client of %s disconnected: %s", builder.response_id, exc)
         return response

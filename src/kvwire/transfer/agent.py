@@ -9,9 +9,9 @@ The agent's control thread: owns every ZMQ socket (ZMQ sockets are not thread-sa
 
 Inbound: one ROUTER bound at the agent's control endpoint. Outbound: one DEALER per peer endpoint,
 created lazily (ZMQ reconnects it transparently when the peer restarts; epochs in the messages tell
-old from new). Other threads hand work over through :meth:`send` / :meth:`call_soon`, which append to
-an outbox and wake the thread through a socket pair; the thread never blocks on a peer (sends are
-non-blocking, a full queue drops the message and logs: deadlines cover the loss).
+old from new). Other threads hand work over by appending to its ``outbox`` (messages: ``Core.send``;
+calls: :meth:`call_soon`) and waking it through a socket pair (``waker``); the thread never blocks on
+a peer (sends are non-blocking, a full queue drops the message and logs: deadlines cover the loss).
 
 Trust boundary (decision 116): ZeroMQ drops (and disconnects) a peer whose frame exceeds
 ``ControlLimits.max_message_bytes`` (``MAXMSGSIZE``); a message of more frames than the protocol has is
@@ -166,11 +166,13 @@ class ControlLoop:
         self.endpoint: str = "tcp://" + config.advertised(bound, config.advertise_control_port)
         # outbound sockets by peer endpoint, least recently used first (bounded: peers come and go)
         self._dealers: collections.OrderedDict[str, zmq.Socket] = collections.OrderedDict()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_w.setblocking(False)
+        self._wake_r, self.waker = socket.socketpair()  # ``waker``: a byte wakes the thread (any thread)
+        self.waker.setblocking(False)
         self._wake_r.setblocking(False)
         self._lock = threading.Lock()
-        self._outbox: collections.deque[tuple[str, AnyMsg] | Callable[[], None]] = collections.deque()
+        # what the thread sends or runs next; ``Core.send`` appends to it directly (a deque's append is
+        # atomic; this thread is its one consumer), the lock orders ``call_soon`` with the drain
+        self.outbox: collections.deque[tuple[str, AnyMsg] | Callable[[], None]] = collections.deque()
         self._stop = threading.Event()
         self._errors = _ErrorLog()
         self._contained_at: collections.deque[float] = collections.deque()  # when, within the window
@@ -186,19 +188,14 @@ class ControlLoop:
 
     # --- thread-safe entry points ----------------------------------------------------------------------
 
-    def send(self, endpoint: str, msg: AnyMsg) -> None:
-        with self._lock:
-            self._outbox.append((endpoint, msg))
-        self.wake()
-
     def call_soon(self, fn: Callable[[], None]) -> None:
         with self._lock:
-            self._outbox.append(fn)
+            self.outbox.append(fn)
         self.wake()
 
     def wake(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):
-            self._wake_w.send(b"\0")
+            self.waker.send(b"\0")
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the thread, flush the outbox, close every socket and the ZMQ context."""
@@ -218,7 +215,7 @@ class ControlLoop:
         self._router.close(linger=0)
         self._ctx.term()
         self._wake_r.close()
-        self._wake_w.close()
+        self.waker.close()
 
     # --- the thread ------------------------------------------------------------------------------------
 
@@ -279,9 +276,9 @@ class ControlLoop:
     def _drain_outbox(self) -> None:
         while True:
             with self._lock:
-                if not self._outbox:
+                if not self.outbox:
                     return
-                item = self._outbox.popleft()
+                item = self.outbox.popleft()
             try:
                 if callable(item):
                     item()
@@ -396,21 +393,19 @@ class Routes:
             self._route(msg)
 
     def _route(self, msg: AnyMsg) -> None:
-        if isinstance(msg, Offer):
-            self.receiver.on_offer(msg)
+        if isinstance(msg, (Offer, Trailer)):
+            self.receiver.on_control(msg)
         elif isinstance(msg, Grant):
             self.sender.on_grant(msg)
         elif isinstance(msg, Ack):
             self.sender.on_ack(msg)
-        elif isinstance(msg, Trailer):
-            self.receiver.on_trailer(msg)
         elif isinstance(msg, Pull):
             self.sender.on_pull(msg)
         elif isinstance(msg, Renew):
             self._on_renew(msg)
         elif isinstance(msg, Abort):
             self.sender.on_abort(msg.transfer_id, msg.src_endpoint, msg.reason)
-            self.receiver.on_abort(msg.transfer_id, msg.src_id, msg.reason, msg.src_endpoint)
+            self.receiver.on_control(msg)
 
     def _on_renew(self, msg: Renew) -> None:
         """The peer is alive: extend our lease on the transfer; answer a non-reply with our state."""
@@ -654,13 +649,15 @@ class TransferAgent:
     def block_layers(self, num_blocks: int, heads: range | None = None) -> list[LayerSpec]:
         """The layer specs of a transfer of ``num_blocks`` blocks of every registered layer (only KV
         ``heads`` of each block, when given)."""
-        paged = self._registered().heads(heads)
+        paged = self._registered(heads)
         return [paged.spec(index, num_blocks) for index in range(paged.num_layers)]
 
-    def _registered(self) -> PagedKV:
+    def _registered(self, heads: range | None = None) -> PagedKV:
+        """The registered caches, restricted to KV ``heads`` when given (no call into them otherwise:
+        the whole caches are the common case on a request's path)."""
         if self._paged is None:
             raise TransferError("register_kv_caches first")
-        return self._paged
+        return self._paged if heads is None else self._paged.heads(heads)
 
     # --- send side ---------------------------------------------------------------------------------------
 
@@ -746,7 +743,7 @@ class TransferAgent:
         recorded after the layer's KV was written. ``heads``: only these KV heads of each block (a
         tensor-parallel peer's share). The blocks must not change until the transfer ends. No-op if
         the transfer already failed."""
-        paged = self._registered().heads(heads)
+        paged = self._registered(heads)
         with self._core.lock:
             self._check_open()
             self._sender.add_layer_blocks(transfer_id, layer_index, paged, block_ids, ready_event)
@@ -802,7 +799,7 @@ class TransferAgent:
         receivers (its ``held_id``; ``transfer_id`` is this piece's own id), only the KV heads it names."""
         if sum(x is not None for x in (sink, scatter_into, into_blocks)) > 1:
             raise ValueError("expect: give at most one of sink, scatter_into, into_blocks")
-        target = None if into_blocks is None else (self._registered().heads(into_blocks.heads), into_blocks)
+        target = None if into_blocks is None else (self._registered(into_blocks.heads), into_blocks)
         deadline = self.config.default_deadline_s if deadline_s is None else deadline_s
         with self._core.lock:
             self._check_open()
@@ -853,9 +850,17 @@ class TransferAgent:
         this map when its sender let go of the grant or its process ended. Any thread."""
         return self._core.plane.unsettled()
 
-    def poll(self) -> TransferEvents:
-        """Events since the last poll, swapped out atomically; each transfer id is reported once."""
-        return self._core.events.swap()
+    def poll(self, trailers: bool = False) -> TransferEvents:
+        """Events since the last poll, swapped out atomically; each transfer id is reported once.
+        ``trailers``: the events also carry the trailers of the transfers in ``finished_recving``
+        that came with one (taken: :meth:`take_trailer` returns None for those afterwards), so a
+        caller that reads them makes one call per step."""
+        events = self._core.events.swap()
+        if trailers and events.finished_recving:
+            with self._core.lock:
+                done = self._receiver.arrivals.done_trailers
+                events.trailers.update((t, done.pop(t)) for t in events.finished_recving if t in done)
+        return events
 
     def wait(self, timeout_s: float) -> bool:
         """Block until :meth:`poll` has an event to report, at most ``timeout_s`` seconds; True if

@@ -71,6 +71,7 @@ Every method runs with ``core.lock`` held (decisions 051, 092, 123).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import enum
 import hashlib
@@ -744,8 +745,13 @@ class Core:
         }
 
     def send(self, endpoint: str, msg: AnyMsg) -> None:
-        assert self.control is not None
-        self.control.send(endpoint, msg)
+        """Queue ``msg`` for the control thread and wake it (any thread): the loop's outbox and waker
+        are used here directly, so that sending is no call back into the agent's module (decision 143)."""
+        control = self.control
+        assert control is not None
+        control.outbox.append((endpoint, msg))
+        with contextlib.suppress(BlockingIOError, OSError):
+            control.waker.send(b"\0")
 
     def send_abort(self, endpoint: str, transfer_id: str, reason: str, dst_id: str | None = None) -> None:
         self.send(endpoint, Abort(**self.header(endpoint, transfer_id, dst_id), reason=reason))

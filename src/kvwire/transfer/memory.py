@@ -180,6 +180,8 @@ class TransferEvents:
     failed: dict[str, str] = dataclasses.field(default_factory=dict)  # transfer id -> reason
     # completed transfers (either set above) -> their data timing on this side
     timings: dict[str, TransferTiming] = dataclasses.field(default_factory=dict)
+    # ``poll(trailers=True)``: transfers in finished_recving that came with a trailer -> its payload
+    trailers: dict[str, bytes] = dataclasses.field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.finished_sending or self.finished_recving or self.failed)

@@ -46,6 +46,7 @@ import torch
 from kvwire.errors import TransferError
 from kvwire.transfer.buffers import BufferKind, RecvBuffer
 from kvwire.transfer.core import (
+    Abort,
     Ack,
     ControlLimit,
     Core,
@@ -678,6 +679,15 @@ class Receiver(Transfers[RecvState]):
         return self.arrivals.take_trailer(transfer_id)
 
     # --- messages ----------------------------------------------------------------------------------------
+
+    def on_control(self, msg: Offer | Trailer | Abort) -> None:
+        """The control thread's one way in: a message for the receive side, by its type."""
+        if isinstance(msg, Offer):
+            self.on_offer(msg)
+        elif isinstance(msg, Trailer):
+            self.on_trailer(msg)
+        else:
+            self.on_abort(msg.transfer_id, msg.src_id, msg.reason, msg.src_endpoint)
 
     def on_offer(self, msg: Offer) -> None:
         tid = msg.transfer_id
