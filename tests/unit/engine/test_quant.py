@@ -172,3 +172,56 @@ def test_prompt_rows_use_the_dense_copy_and_decode_rows_the_packed_kernel(kind: 
     assert torch.equal(mixed[:3], packed[:3]) and torch.equal(mixed[3:], dense[3:])
     split.packed_rows = 1
     assert torch.equal(layer(x[4:6]), torch.cat((packed[4:5], dense[5:6])))
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_int8_prompt_rows_follow_the_weight_and_depend_on_their_row_alone(kind: str) -> None:
+    """With a calibration (``input_absmax``), prompt rows are smoothed, quantized to int8 per row and
+    multiplied by an int8 x int8 GEMM: within int8 rounding of the layer's weight, and a row gives the
+    same bits whatever other rows it comes with (P and D, chunked or not, agree)."""
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(8))
+    x[:, 5] *= 30.0  # an outlier column, which the smoothing moves into the weight
+    split, seen = RowSplit(), x.abs().amax(dim=0)
+    if kind == "int4":
+        layer: Int4Linear | Int8Linear = Int4Linear(
+            quantize_int4(w.numpy()), 96, 64, split=split, dense=True, input_absmax=seen
+        )
+    else:
+        layer = Int8Linear(w, split=split, dense=True, input_absmax=seen)
+    assert layer.prompt_weight is not None and layer.prompt_weight.dtype == torch.int8
+    packed = layer(x)
+    split.packed_rows = 0
+    prompt = layer(x)
+    assert prompt.dtype == torch.float32
+    _close(prompt, packed, 0.03)
+    assert torch.equal(layer(x[2:5]), prompt[2:5]) and torch.equal(layer(x[7:8]), prompt[7:8])
+    split.packed_rows = 2
+    assert torch.equal(layer(x[:6]), torch.cat((packed[:2], prompt[2:6])))
+
+
+def test_calibration_is_the_same_on_every_load_and_prompts_follow_the_dense_model(tmp_path: Path) -> None:
+    """The int8 prompt copies come from a fixed calibration forward: two loads of one checkpoint (a P
+    and a D instance) hold the same bytes, and a prompt's logits follow the exact model's."""
+    written = write_tiny_llama(tmp_path / "m.gguf", Q.Q4_1, tied=False)
+    config = EngineConfig(model=str(written.path), num_kv_blocks=8, quantization="gguf")
+    first, second = load_model(config).model, load_model(config).model
+    int8 = {"self_attn.qkv_proj", "mlp.gate_up_proj"}  # the others keep a bfloat16 copy
+    for (name, a), b in zip(first.named_modules(), second.modules(), strict=True):
+        if isinstance(a, (Int4Linear, Int8Linear)) and a.split is not None:
+            assert isinstance(b, type(a)) and a.prompt_weight is not None and b.prompt_weight is not None
+            assert torch.equal(a.prompt_weight, b.prompt_weight)
+            is_int8 = name.split(".", 2)[-1] in int8
+            assert a.prompt_weight.dtype == (torch.int8 if is_int8 else torch.bfloat16), name
+            if is_int8:
+                assert a.prompt_unsmooth is not None and b.prompt_unsmooth is not None
+                assert torch.equal(a.prompt_unsmooth, b.prompt_unsmooth)
+    dense = load_model(EngineConfig(model=str(written.path), num_kv_blocks=8, quantization="none")).model
+    ids = torch.tensor([5, 9, 40, 41, 200, 7])
+    assert first.row_split is not None
+    first.row_split.packed_rows = 0  # every row a prompt row
+    with torch.inference_mode():
+        ctx = ForwardContext(None, [], None)
+        expected = dense.compute_logits(dense(ids, torch.arange(6), ctx))
+        actual = first.compute_logits(first(ids, torch.arange(6), ctx))
+    _close(actual, expected, 0.05)
