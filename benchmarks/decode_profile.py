@@ -12,10 +12,9 @@ a preset, ``--quantization`` as ``kvwire serve``'s).
 
 ``--waves N`` measures instead what a server sees at concurrency ``--batch``: N waves of ``--batch``
 prompts of ``--context`` tokens submitted together, each run to ``--output`` tokens (prefill, then the
-batched decode), with the prefill step and the wave timed (wall and this thread's CPU time: the CPU
-time is the steadier figure on a shared box). ``--prompt-gemms int8,bf16`` builds one engine per
-prompt-row path of the quantized layers (int8 x int8 GEMMs, or the bfloat16 copies of before:
-decision 142) and alternates them wave by wave, so that both see the same load.
+batched decode), with the prefill step and the wave timed (wall and this thread's CPU time).
+``--compare-model M`` (with ``--compare-quantization``) builds a second engine and alternates the two
+wave by wave, so that both see the same load (decision 142).
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from collections import defaultdict
 
 from torch.profiler import ProfilerActivity, profile
 
-from kvwire.engine import quantize
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.engine.sampling_params import SamplingParams
@@ -55,7 +53,8 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=20)
     parser.add_argument("--waves", type=int, default=0, help="time N waves of prompts instead")
     parser.add_argument("--output", type=int, default=64, help="output tokens per request (--waves)")
-    parser.add_argument("--prompt-gemms", default="int8", help="int8, bf16 or int8,bf16 (--waves)")
+    parser.add_argument("--compare-model", default=None, help="a second engine, alternated (--waves)")
+    parser.add_argument("--compare-quantization", default=None, help="its quantization (default: the same)")
     args = parser.parse_args()
     if args.waves:
         _waves(args)
@@ -98,25 +97,23 @@ def _engine(args: argparse.Namespace) -> LLMEngine:
     return engine
 
 
-def _wave_engine(args: argparse.Namespace, prompt_gemms: str) -> LLMEngine:
-    saved = quantize.INT8_PROMPTS
-    quantize.INT8_PROMPTS = saved if prompt_gemms == "int8" else frozenset()
-    try:
-        return LLMEngine(
-            EngineConfig(
-                model=args.model, quantization=args.quantization, cpu_threads=args.threads, block_size=16,
-                max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.batch * args.context),
-                num_kv_blocks=args.batch * -(-(args.context + args.output) // 16) + 8,
-                enable_prefix_caching=False,
-            )
-        )  # fmt: skip
-    finally:
-        quantize.INT8_PROMPTS = saved
+def _wave_engine(args: argparse.Namespace, model: str, quantization: str) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=model, quantization=quantization, cpu_threads=args.threads, block_size=16,
+            max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.batch * args.context),
+            num_kv_blocks=args.batch * -(-(args.context + args.output) // 16) + 8,
+            enable_prefix_caching=False,
+        )
+    )  # fmt: skip
 
 
 def _waves(args: argparse.Namespace) -> None:
-    kinds = args.prompt_gemms.split(",")
-    engines = {kind: _wave_engine(args, kind) for kind in kinds}
+    specs = [(args.model, args.quantization)]
+    if args.compare_model is not None:
+        specs.append((args.compare_model, args.compare_quantization or args.quantization))
+    kinds = [f"{model} ({quantization})" for model, quantization in specs]
+    engines = {kind: _wave_engine(args, *spec) for kind, spec in zip(kinds, specs, strict=True)}
     rng = random.Random(0)
     params = SamplingParams(max_tokens=args.output, ignore_eos=True)
     rows: dict[str, list[tuple[float, float, float, float]]] = {kind: [] for kind in kinds}
@@ -133,9 +130,9 @@ def _waves(args: argparse.Namespace) -> None:
                 engine.step()
             if wave:
                 rows[kind].append((*prefill, time.perf_counter() - wall, time.thread_time() - cpu))
-    print(f"{args.model} ({args.quantization}), waves of {args.batch} x ({args.context} + {args.output}) "
-          f"tokens, {args.threads} thread(s), medians of {args.waves} waves (alternating):\n")  # fmt: skip
-    print("| prompt GEMMs | prefill wall | prefill CPU | wave wall | wave CPU | out tok/s (wall / CPU) |")
+    print(f"waves of {args.batch} x ({args.context} + {args.output}) tokens, {args.threads} thread(s), "
+          f"medians of {args.waves} waves:\n")  # fmt: skip
+    print("| engine | prefill wall | prefill CPU | wave wall | wave CPU | out tok/s (wall / CPU) |")
     print("|---|---|---|---|---|---|")
     for kind, got in rows.items():
         pw, pc, ww, wc = (statistics.median(col) for col in zip(*got, strict=True))

@@ -208,14 +208,14 @@ def _decode_tokens(steps: int, repeats: int) -> int:
 
 def _decode_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step reads: every parameter, and a quantized layer's packed weight and scales
-    (not its copy for prompt rows; engine/quant.py). The embedding table counts whole where it
+    (not its bf16 copy for prompt rows; engine/quant.py). The embedding table counts whole where it
     is also the LM head (tied, dense); a quantized head has its own packed copy."""
     params = dict(model.named_parameters())
     if getattr(model, "head", None) is not None:
         params.pop("embed_tokens.weight", None)  # read one row per token
     total = sum(p.numel() * p.element_size() for p in params.values())
     for name, buf in model.named_buffers():
-        if not name.endswith(("prompt_weight", "prompt_scale", "prompt_unsmooth", "cos_table", "sin_table")):
+        if not name.endswith(("dense_weight", "cos_table", "sin_table")):
             total += buf.numel() * buf.element_size()
     return total
 

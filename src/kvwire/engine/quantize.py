@@ -2,9 +2,7 @@
 :class:`~kvwire.engine.config.Quantization` mode names (layers in engine/quant.py, decision 118).
 
 The model is first loaded dense (the oracle-exact weights); each projection and the LM head is then
-replaced by an :class:`Int4Linear` or :class:`Int8Linear`, and the dense weight is dropped. With
-``dense_prompts``, a calibration forward of the dense model first records the largest input per column
-of every projection, from which its int8 copy for prompt rows is smoothed (decision 142). A fused
+replaced by an :class:`Int4Linear` or :class:`Int8Linear`, and the dense weight is dropped. A fused
 projection (q/k/v, gate/up) is int4 from the file's own codes only when every slice of it was a
 Q4_0/Q4_1 tensor; otherwise it is made from the dense values. The embedding table, norms and
 biases stay dense (a lookup reads one row per token).
@@ -12,31 +10,21 @@ biases stay dense (a lookup reads one row per token).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-from kvwire.engine.attention import ForwardContext
 from kvwire.engine.config import Quantization
 from kvwire.engine.gguf_weights import GGUFSources
 from kvwire.engine.models.llama import LlamaModel
 from kvwire.engine.quant import GROUP, Int4Groups, Int4Linear, Int8Linear, RowSplit, quantize_int4
 
 _DENSE_TYPES = ("F32", "F16", "BF16")
-CALIBRATION_TOKENS = 256  # token ids in the forward that measures each projection's input range
-CALIBRATION_SEED = 0
 _SLICES = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "self_attn.o_proj": ("self_attn.o_proj",),
     "mlp.down_proj": ("mlp.down_proj",),
 }
-# The projections whose prompt rows go through an int8 x int8 GEMM: the two that read an RMSNorm's
-# output (its outlier columns come from the norm's weight, which smoothing evens out). o_proj and
-# down_proj (attention outputs, SwiGLU products) keep a bfloat16 copy: in int8 they changed the demo's
-# first answer (decision 142).
-INT8_PROMPTS = frozenset(("self_attn.qkv_proj", "mlp.gate_up_proj"))
 
 
 def resolve_quantization(mode: Quantization, is_gguf: bool, on_cpu: bool, tp_size: int) -> Quantization:
@@ -55,14 +43,12 @@ def quantize_model(
         return
     split = RowSplit() if dense_prompts else None
     with torch.no_grad():
-        absmax = calibrate(model) if dense_prompts and INT8_PROMPTS else {}
         for index, layer in enumerate(model.layers):
             for fused, parts in _SLICES.items():
                 owner_name, attr = fused.rsplit(".", 1)
                 owner = layer.get_submodule(owner_name)
                 names = [f"layers.{index}.{p}.weight" for p in parts]
-                seen = absmax.get(f"layers.{index}.{fused}") if fused in INT8_PROMPTS else None
-                new = _quantized(getattr(owner, attr), mode, names, sources, split, seen)
+                new = _quantized(getattr(owner, attr), mode, names, sources, split)
                 if new is not None:
                     setattr(owner, attr, new)
         head_source = "embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
@@ -75,10 +61,9 @@ def quantize_model(
 
 def _quantized(
     linear: nn.Linear, mode: Quantization, names: list[str], sources: GGUFSources | None,
-    split: RowSplit | None, input_absmax: torch.Tensor | None = None,
+    split: RowSplit | None,
 ) -> nn.Module | None:  # fmt: skip
-    """The replacement of ``linear`` (None: it stays dense). With ``split``, it keeps an int8 copy for
-    prompt rows, smoothed by ``input_absmax`` (see :func:`calibrate`)."""
+    """The replacement of ``linear`` (None: it stays dense). With ``split``, it keeps a bf16 copy."""
     dense = split is not None
     types = [sources.types.get(n, "F32") for n in names] if sources else ["F32"] * len(names)
     if mode is Quantization.GGUF and all(t in _DENSE_TYPES for t in types):
@@ -93,47 +78,8 @@ def _quantized(
     elif mode is Quantization.INT4:
         groups = quantize_int4(linear.weight.detach().float().numpy())
     else:
-        return Int8Linear(linear.weight, linear.bias, split, dense, input_absmax)
-    return Int4Linear(
-        groups, linear.in_features, linear.out_features, linear.bias, split, dense, input_absmax
-    )
-
-
-def calibrate(model: LlamaModel, tokens: int = CALIBRATION_TOKENS) -> dict[str, torch.Tensor]:
-    """The largest |input| per column of every projection ("layers.{i}.self_attn.qkv_proj", ...) over
-    a dense forward of ``tokens`` pseudo-random token ids (a fixed seed: every instance that loads the
-    same checkpoint computes the same values, so P and D quantize alike)."""
-    count = min(tokens, model.config.max_position_embeddings)
-    generator = torch.Generator().manual_seed(CALIBRATION_SEED)
-    ids = torch.randint(0, model.config.vocab_size, (count,), generator=generator)
-    device = model.embed_tokens.weight.device
-    seen: dict[str, torch.Tensor] = {}
-    projections = {
-        f"layers.{i}.{fused}": layer.get_submodule(fused)
-        for i, layer in enumerate(model.layers)
-        for fused in _SLICES
-        if fused in INT8_PROMPTS
-    }
-    for name, module in projections.items():
-        module.forward = _recording(module, name, seen)  # the decoder calls .forward directly
-    try:
-        model(ids.to(device), torch.arange(count, device=device), ForwardContext(None, [], None))
-    finally:
-        for module in projections.values():
-            del module.forward
-    return seen
-
-
-def _recording(
-    module: nn.Module, name: str, seen: dict[str, torch.Tensor]
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    forward = type(module).forward
-
-    def record(x: torch.Tensor) -> torch.Tensor:
-        seen[name] = x.detach().reshape(-1, x.shape[-1]).abs().amax(dim=0).float().cpu()
-        return forward(module, x)
-
-    return record
+        return Int8Linear(linear.weight, linear.bias, split, dense)
+    return Int4Linear(groups, linear.in_features, linear.out_features, linear.bias, split, dense)
 
 
 def _as_linear(weight: torch.Tensor) -> nn.Linear:
