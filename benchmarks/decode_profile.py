@@ -9,6 +9,12 @@ time per step: the int4 and int8 weight kernels, the KV gather, SDPA, the KV wri
 
 Usage: ``python benchmarks/decode_profile.py --batch 8 --threads 1`` (``--model`` an HF directory or
 a preset, ``--quantization`` as ``kvwire serve``'s).
+
+``--waves N`` measures instead what a server sees at concurrency ``--batch``: N waves of ``--batch``
+prompts of ``--context`` tokens submitted together, each run to ``--output`` tokens (prefill, then the
+batched decode), with the prefill step and the wave timed (wall and this thread's CPU time).
+``--compare-model M`` (with ``--compare-quantization``) builds a second engine and alternates the two
+wave by wave, so that both see the same load (decision 142).
 """
 
 from __future__ import annotations
@@ -45,7 +51,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--profile-steps", type=int, default=20)
+    parser.add_argument("--waves", type=int, default=0, help="time N waves of prompts instead")
+    parser.add_argument("--output", type=int, default=64, help="output tokens per request (--waves)")
+    parser.add_argument("--compare-model", default=None, help="a second engine, alternated (--waves)")
+    parser.add_argument("--compare-quantization", default=None, help="its quantization (default: the same)")
     args = parser.parse_args()
+    if args.waves:
+        _waves(args)
+        return
     engine = _engine(args)
     step_times = [_timed_step(engine) for _ in range(args.steps)]
     print(
@@ -82,6 +95,50 @@ def _engine(args: argparse.Namespace) -> LLMEngine:
     for _ in range(3):
         engine.step()
     return engine
+
+
+def _wave_engine(args: argparse.Namespace, model: str, quantization: str) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=model, quantization=quantization, cpu_threads=args.threads, block_size=16,
+            max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.batch * args.context),
+            num_kv_blocks=args.batch * -(-(args.context + args.output) // 16) + 8,
+            enable_prefix_caching=False,
+        )
+    )  # fmt: skip
+
+
+def _waves(args: argparse.Namespace) -> None:
+    specs = [(args.model, args.quantization)]
+    if args.compare_model is not None:
+        specs.append((args.compare_model, args.compare_quantization or args.quantization))
+    kinds = [f"{model} ({quantization})" for model, quantization in specs]
+    engines = {kind: _wave_engine(args, *spec) for kind, spec in zip(kinds, specs, strict=True)}
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=args.output, ignore_eos=True)
+    rows: dict[str, list[tuple[float, float, float, float]]] = {kind: [] for kind in kinds}
+    for wave in range(args.waves + 1):  # wave 0 warms up, not counted
+        prompts = [[rng.randrange(256) for _ in range(args.context)] for _ in range(args.batch)]
+        for kind in kinds if wave % 2 else kinds[::-1]:  # the same prompts for every engine
+            engine = engines[kind]
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"{kind}-{wave}-{i}", prompt, params)
+            wall, cpu = time.perf_counter(), time.thread_time()
+            engine.step()  # the prompts (one step when they fit --max-num-batched-tokens)
+            prefill = (time.perf_counter() - wall, time.thread_time() - cpu)
+            while engine.has_unfinished_requests():
+                engine.step()
+            if wave:
+                rows[kind].append((*prefill, time.perf_counter() - wall, time.thread_time() - cpu))
+    print(f"waves of {args.batch} x ({args.context} + {args.output}) tokens, {args.threads} thread(s), "
+          f"medians of {args.waves} waves:\n")  # fmt: skip
+    print("| engine | prefill wall | prefill CPU | wave wall | wave CPU | out tok/s (wall / CPU) |")
+    print("|---|---|---|---|---|---|")
+    for kind, got in rows.items():
+        pw, pc, ww, wc = (statistics.median(col) for col in zip(*got, strict=True))
+        tokens = args.batch * args.output
+        print(f"| {kind} | {pw * 1e3:.0f} ms | {pc * 1e3:.0f} ms | {ww * 1e3:.0f} ms | {wc * 1e3:.0f} ms "
+              f"| {tokens / ww:.1f} / {tokens / wc:.1f} |")  # fmt: skip
 
 
 def _timed_step(engine: LLMEngine) -> float:
