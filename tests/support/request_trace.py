@@ -7,6 +7,7 @@ a change to the request path, or the structure figures written below that sectio
     PYTHONPATH=src python tests/support/request_trace.py --runs 3           # the doc's lists
     PYTHONPATH=src python tests/support/request_trace.py --runs 3 --metrics # + moves per process
     PYTHONPATH=src python tests/support/request_trace.py --figures          # the four figures
+    PYTHONPATH=src python tests/support/request_trace.py --reentries        # D's moves back, per file
 
 What is traced: a router, one prefill and one decode instance (``ClusterSpec()`` defaults: push,
 the built-in engine, model ``tiny``, the plane the pair negotiates: shm on one CPU host) as real
@@ -234,6 +235,23 @@ def moves(calls: Sequence[Call], distinct: bool = False) -> Moves:
     return Moves(total, back, entries.get(top, 0), top)
 
 
+def reentries(calls: Sequence[Call]) -> dict[str, list[str]]:
+    """Per file, the distinct moves back into it (``caller file->function``), in order: issue 35's
+    "no module re-entered more than twice" is every list of D's path at most 2 long."""
+    visited: set[str] = set()
+    seen: set[tuple[str, str, str]] = set()
+    back: dict[str, list[str]] = {}
+    for c in calls:
+        edge = (c.caller, c.file, c.function)
+        if c.caller and c.caller != c.file and edge not in seen and c.file in visited:
+            back.setdefault(c.file, []).append(f"{c.caller}->{c.function}")
+        seen.add(edge)
+        visited.add(c.file)
+        if c.caller:
+            visited.add(c.caller)
+    return back
+
+
 def decode_path(trace: Trace) -> list[Call]:
     """D's calls for the request: its path from the HTTP handler to its first token when the traced
     request asked for FIGURE_TOKENS (P's first token and D's first)."""
@@ -395,8 +413,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="trace this many requests; files only some run are marked as a race")
     parser.add_argument("--figures", action="store_true", help="print the four structure figures")
     parser.add_argument("--metrics", action="store_true", help="print the request figures per process")
+    parser.add_argument("--reentries", action="store_true",
+                        help="print, per file, the distinct moves back into it on D's path")
     args = parser.parse_args(argv)
-    runs = list(_traces(max(1, args.runs), FIGURE_TOKENS if args.figures else MAX_TOKENS))
+    figure_request = args.figures or args.reentries
+    runs = list(_traces(max(1, args.runs), FIGURE_TOKENS if figure_request else MAX_TOKENS))
+    if args.reentries:
+        for trace in runs:
+            back = reentries(decode_path(trace))
+            for file, edges in sorted(back.items(), key=lambda kv: -len(kv[1])):
+                print(f"{len(edges):3d} {file}: " + "; ".join(edges))
+            print()
+        return 0
     if args.figures:
         print("\n".join(figures(runs, _kvwire_root())))
         return 0

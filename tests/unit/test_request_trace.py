@@ -114,3 +114,18 @@ def test_distinct_moves_count_a_polling_loop_once() -> None:
     assert rt.moves(calls).total == 6
     assert rt.moves(calls, distinct=True) == rt.Moves(total=2, back=1, max_reentries=1,
                                                       most_reentered="engine/llm_engine.py")
+
+
+def test_reentries_list_each_distinct_move_back_per_file() -> None:
+    calls = [
+        Call(1.0, "T", "engine/llm_engine.py", "step", ""),
+        Call(1.1, "T", "connector/scheduler.py", "plan", "engine/llm_engine.py"),  # first visit
+        Call(1.2, "T", "connector/scheduler.py", "report", "engine/llm_engine.py"),  # back
+        Call(1.3, "T", "connector/scheduler.py", "report", "engine/llm_engine.py"),  # the same edge
+        Call(1.4, "T", "connector/scheduler.py", "_one", "connector/scheduler.py"),  # same file
+        Call(1.5, "T", "engine/llm_engine.py", "cb", "connector/scheduler.py"),  # back
+    ]
+    assert rt.reentries(calls) == {
+        "connector/scheduler.py": ["engine/llm_engine.py->report"],
+        "engine/llm_engine.py": ["connector/scheduler.py->cb"],
+    }
