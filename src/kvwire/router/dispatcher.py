@@ -216,7 +216,9 @@ async def give_up(
 
 
 
-class PushPath:
+class _PdPath:
+    """What both P/D paths are built from: the router's config, picks, calls, parameters, metrics."""
+
     def __init__(
         self, cfg: RouterConfig, selector: Selector, relay: Relay, params: PdParams, metrics: RouterMetrics
     ) -> None:
@@ -225,6 +227,13 @@ class PushPath:
         self._relay = relay
         self._params = params
         self._metrics = metrics
+
+
+class PushPath(_PdPath):
+    def __init__(
+        self, cfg: RouterConfig, selector: Selector, relay: Relay, params: PdParams, metrics: RouterMetrics
+    ) -> None:
+        super().__init__(cfg, selector, relay, params, metrics)
         self._background: set[asyncio.Task[Any]] = set()  # P calls that outlived their answer
 
     def pick(self, creq: ClientRequest, prefix: Prefix | None) -> PushPlan:
@@ -409,16 +418,7 @@ def _close_opened(task: asyncio.Task[Opened]) -> None:
 T = TypeVar("T")
 
 
-class PullPath:
-    def __init__(
-        self, cfg: RouterConfig, selector: Selector, relay: Relay, params: PdParams, metrics: RouterMetrics
-    ) -> None:
-        self._cfg = cfg
-        self._selector = selector
-        self._relay = relay
-        self._params = params
-        self._metrics = metrics
-
+class PullPath(_PdPath):
     async def serve(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
         tid = uuid.uuid4().hex
         # D is picked first and named in P's params: P leases its KV to that D only (decision 044).
