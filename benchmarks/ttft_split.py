@@ -59,7 +59,7 @@ def histogram_mean(url: str, name: str) -> tuple[float, float]:
 def one_setup(name: str, counts: tuple[int, int, int], args: argparse.Namespace) -> str:
     num_p, num_d, num_both = counts
     spec = ClusterSpec(num_prefill=num_p, num_decode=num_d, num_both=num_both, model="tiny", port=0,
-                       mode=TransferMode.PUSH)
+                       mode=TransferMode.PUSH, serve_args=tuple(args.serve_arg))
     prompt = " ".join(WORDS[i % len(WORDS)] for i in range(args.prompt_words))
     with open(f"kvwire-ttft-split-{name}.log", "w") as sink, LocalCluster(spec, sink=sink) as cluster:
         for i in range(5):
@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--prompt-words", type=int, default=27, help="~5 tokens a word (tiny: bytes)")
     parser.add_argument("--gap-s", type=float, default=0.15, help="pause between requests")
+    parser.add_argument("--serve-arg", action="append", default=[],
+                        help="an argument for every instance (repeatable)")
     args = parser.parse_args(argv)
     print("| setup | client TTFT p50 ms | client mean | router TTFT mean | engine TTFT mean per instance |")
     print("|---|---|---|---|---|")
