@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from urllib.parse import urlparse
 
@@ -61,7 +63,8 @@ def one_setup(name: str, counts: tuple[int, int, int], args: argparse.Namespace)
     spec = ClusterSpec(num_prefill=num_p, num_decode=num_d, num_both=num_both, model="tiny", port=0,
                        mode=TransferMode.PUSH, serve_args=tuple(args.serve_arg))
     prompt = " ".join(WORDS[i % len(WORDS)] for i in range(args.prompt_words))
-    with open(f"kvwire-ttft-split-{name}.log", "w") as sink, LocalCluster(spec, sink=sink) as cluster:
+    log_path = os.path.join(tempfile.gettempdir(), f"kvwire-ttft-split-{name}.log")  # the instances' logs
+    with open(log_path, "w") as sink, LocalCluster(spec, sink=sink) as cluster:
         for i in range(5):
             first_token_s(cluster.router_url, f"warm {i} {prompt}")
         urls = {k: inst.url for k, inst in cluster.instances.items() if inst.url}
