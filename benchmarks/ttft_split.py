@@ -31,7 +31,7 @@ WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog"]
 def first_token_s(url: str, prompt: str, max_tokens: int = 8) -> float:
     """Seconds from sending a streaming completion to its first event that carries text."""
     parsed = urlparse(url)
-    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=60)
+    conn = http.client.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port, timeout=60)
     body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
                        "ignore_eos": True})
     start = time.perf_counter()
