@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
+from aiohttp import web
 
 from kvwire.errors import ConfigError
-from kvwire.http.front_door import ApiKeyConfig, Refusal, bearer_token, keys_from_cli
+from kvwire.http.front_door import ApiKeyConfig, Refusal, api_key_middleware, bearer_token, keys_from_cli
 from kvwire.http.refusal_log import RefusalLog
 from kvwire.router.app import instance_headers
 from kvwire.router.config import RouterConfig
@@ -85,3 +87,37 @@ def test_cli_flags_become_configs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert serve.api_keys.keys == ("sk-from-the-env",) and not serve.api_keys.open_paths
     up = spec_from_args(_parse(["up"]))  # type: ignore[arg-type]
     assert up.api_key == "sk-from-the-env"
+
+
+def test_a_key_that_is_not_utf8_is_a_401_not_a_500() -> None:
+    """aiohttp decodes header values with surrogateescape: such a token is compared as its bytes and
+    refused like any wrong key (the check raised UnicodeEncodeError: a 500 before any handler)."""
+    assert KEYS.check(b"Bearer sk-\xff\xfe".decode("utf-8", "surrogateescape")) is Refusal.WRONG_KEY
+    utf8 = ApiKeyConfig(("sk-caf\u00e9-key",))
+    assert utf8.check("Bearer sk-caf\u00e9-key") is None
+
+    async def scenario() -> bytes:
+        refused: list[Refusal] = []
+        app = web.Application(middlewares=[api_key_middleware(KEYS, refused.append)])
+
+        async def ok(_: web.Request) -> web.Response:
+            return web.Response(text="ok")
+
+        app.router.add_get("/v1/models", ok)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-\xff\xfe\r\n"
+                         b"Connection: close\r\n\r\n")
+            answer = await asyncio.wait_for(reader.read(), 30)
+            writer.close()
+        finally:
+            await runner.cleanup()
+        assert refused == [Refusal.WRONG_KEY]
+        return answer
+
+    assert asyncio.run(scenario()).startswith(b"HTTP/1.1 401")

@@ -142,6 +142,13 @@ def router_bodies() -> list[bytes]:
             b"\x00\n\n" + json.dumps({"prompt": [1, 2], "max_tokens": 2}).encode()]
 
 
+def api_keys() -> list[bytes]:
+    """``Authorization`` header values as clients send them (http.api_key): a right key, a wrong one,
+    another scheme, a non-ASCII key (UTF-8)."""
+    return [b"Bearer sk-fuzz-key-1", "Bearer sk-fuzz-\u00e9-key-2".encode(), b"bearer  sk-wrong-key ",
+            b"Basic dXNlcjpwYXNz"]
+
+
 ANSWER_END = b"\n\x00\n"  # router.upstream_answer: P's answer, then D's stream
 
 

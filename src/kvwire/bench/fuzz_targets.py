@@ -155,6 +155,21 @@ def router_body() -> FuzzTarget:
     return FuzzTarget("http.router_body", check, (InvalidRequestError,), fuzz_corpus.router_bodies, 8192)
 
 
+def api_key() -> FuzzTarget:
+    """The ``Authorization`` header at an HTTP front door (``kvwire router`` and ``kvwire serve``), as
+    aiohttp hands it over (decoded with ``surrogateescape``): a key check or a refusal, nothing else
+    (an exception there is a 500 before any handler runs)."""
+    from kvwire.bench import fuzz_corpus
+    from kvwire.http.front_door import ApiKeyConfig
+
+    keys = ApiKeyConfig(("sk-fuzz-key-1", "sk-fuzz-\u00e9-key-2"))
+
+    def check(data: bytes) -> object:
+        return keys.check(data.decode("utf-8", "surrogateescape")) is None  # True: a key matched
+
+    return FuzzTarget("http.api_key", check, (), fuzz_corpus.api_keys, 1024)
+
+
 def plane_info() -> FuzzTarget:
     """``plane_info`` of Offer/Grant/Pull: the plane-set envelope (hello, negotiation) and the
     shared-memory plane's one-copy destinations."""
@@ -227,6 +242,7 @@ TARGETS: dict[str, str] = {
     "kv.params": "kvwire.bench.fuzz_targets:kv_params",
     "http.instance_body": "kvwire.bench.fuzz_targets:instance_body",
     "http.router_body": "kvwire.bench.fuzz_targets:router_body",
+    "http.api_key": "kvwire.bench.fuzz_targets:api_key",
     "router.upstream_answer": "kvwire.bench.fuzz_targets:upstream_answer",
     "vllm.kv_events": "kvwire.bench.fuzz_targets:vllm_kv_events",
     "plane.tcp_hello": "kvwire.bench.fuzz_planes:tcp_hello",

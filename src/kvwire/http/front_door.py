@@ -82,9 +82,12 @@ class ApiKeyConfig:
         if token is None:
             return Refusal.MISSING_KEY
         # Compare against every key (no early exit) so that timing says nothing about which matched.
+        # Header values arrive decoded with surrogateescape (aiohttp): bytes that are not UTF-8 are
+        # compared as the bytes they were (a plain ``encode`` would raise: a 500 instead of a 401).
+        raw = token.encode("utf-8", "surrogateescape")
         matched = False
         for key in self.keys:
-            matched |= hmac.compare_digest(token.encode(), key.encode())
+            matched |= hmac.compare_digest(raw, key.encode("utf-8", "surrogateescape"))
         return None if matched else Refusal.WRONG_KEY
 
 
