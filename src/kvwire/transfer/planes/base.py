@@ -81,6 +81,7 @@ order a reader meets them (docs/decisions/139-planes-in-few-modules.md):
 from __future__ import annotations
 
 import abc
+import collections
 import dataclasses
 import functools
 import logging
@@ -871,18 +872,86 @@ class ListenerPlane(DataPlane, Generic[OutT]):
 
 _Dest = TypeVar("_Dest")
 
+#: Destinations one peer epoch may have granted this sender at once (a layer each, of its transfers in
+#: flight here), and all peers together; one over a cap is not kept (``data_granted_dests_full``).
+MAX_GRANTED_PER_PEER = 65536
+MAX_GRANTED = 262144
+GRANTED_FULL = "data_granted_dests_full"
 
-def take_granted(
-    lock: threading.Lock, table: dict[tuple[str, int], tuple[str, _Dest]], peer_id: str, key: tuple[str, int]
-) -> _Dest | None:
-    """Remove and return the destination a peer granted for ``key`` (transfer id, layer): None when
-    there is none or another peer granted it (the sender then uses its fallback or fails the layer)."""
-    with lock:
-        entry = table.get(key)
+
+class GrantedDests(Generic[_Dest]):
+    """Destinations peers granted this sender (one-copy writes), by (transfer id, layer), each owned by
+    the peer epoch that granted it. The caller holds the plane's lock.
+
+    A peer names them in its ``plane_info``, for any transfer id it likes, and an entry leaves only
+    when its layer is sent, its transfer is cancelled here or its peer is dropped: so the table is
+    capped, per peer and in all, and one peer cannot grow it nor take another's share below the
+    total. A destination over a cap is not kept (counted on the board; :meth:`put` says how many):
+    the sender then writes that layer its other way (the shared-memory ring) or fails it (CUDA IPC:
+    no destination granted)."""
+
+    def __init__(self, board: HealthBoard, per_peer: int | None = None, total: int | None = None) -> None:
+        """``per_peer``, ``total``: the caps (None: ``MAX_GRANTED_PER_PEER``, ``MAX_GRANTED``)."""
+        self._board = board
+        self._per_peer = MAX_GRANTED_PER_PEER if per_peer is None else per_peer
+        self._total = MAX_GRANTED if total is None else total
+        self._items: dict[tuple[str, int], tuple[str, _Dest]] = {}
+        self._counts: collections.Counter[str] = collections.Counter()
+        board.limit_hit(GRANTED_FULL, 0)  # exported at 0 before the first hit
+
+    def put(self, peer_id: str, granted: Sequence[tuple[tuple[str, int], _Dest]]) -> int:
+        """Keep what ``peer_id`` granted (an entry replaces the one of its key); how many a cap refused."""
+        refused = 0
+        for key, dest in granted:
+            self._pop(key)
+            if self._counts[peer_id] >= self._per_peer or len(self._items) >= self._total:
+                refused += 1
+                continue
+            self._items[key] = (peer_id, dest)
+            self._counts[peer_id] += 1
+        if refused:
+            self._board.limit_hit(GRANTED_FULL, refused)
+        return refused
+
+    def take(self, peer_id: str, key: tuple[str, int]) -> _Dest | None:
+        """Remove and return the destination ``peer_id`` granted for ``key`` (transfer id, layer): None
+        when there is none or another peer granted it (the sender then uses its fallback or fails the
+        layer)."""
+        entry = self._items.get(key)
         if entry is None or entry[0] != peer_id:
             return None
-        del table[key]
-    return entry[1]
+        self._pop(key)
+        return entry[1]
+
+    def drop_transfer(self, transfer_id: str) -> None:
+        for key in [k for k in self._items if k[0] == transfer_id]:
+            self._pop(key)
+
+    def drop_peer(self, peer_id: str) -> None:
+        for key in [k for k, (pid, _) in self._items.items() if pid == peer_id]:
+            self._pop(key)
+
+    def clear(self) -> None:
+        self._items.clear()
+        self._counts.clear()
+
+    def _pop(self, key: tuple[str, int]) -> None:
+        entry = self._items.pop(key, None)
+        if entry is not None:
+            self._counts[entry[0]] -= 1
+            if self._counts[entry[0]] <= 0:
+                del self._counts[entry[0]]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def take_granted(
+    lock: threading.Lock, table: GrantedDests[_Dest], peer_id: str, key: tuple[str, int]
+) -> _Dest | None:
+    """:meth:`GrantedDests.take` under the plane's ``lock`` (a sender's writer thread)."""
+    with lock:
+        return table.take(peer_id, key)
 
 
 class UnixLinkPlane(ListenerPlane[OutT]):

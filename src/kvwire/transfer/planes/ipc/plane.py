@@ -37,7 +37,7 @@ import torch
 from kvwire.supervision import HealthBoard
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.memory import PeerRef, RecvItem, SendItem
-from kvwire.transfer.planes.base import UnixLinkPlane, take_granted
+from kvwire.transfer.planes.base import GrantedDests, UnixLinkPlane, take_granted
 from kvwire.transfer.planes.common.runs import spans_array
 from kvwire.transfer.planes.common.wire import shutdown
 from kvwire.transfer.planes.ipc.copy import CopyTuning
@@ -83,7 +83,7 @@ class IpcPlane(UnixLinkPlane[IpcOutbound]):
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.posted: dict[tuple[str, int], str] = {}  # receiver: (transfer, layer) -> peer id
-        self.dests: dict[tuple[str, int], tuple[str, Target]] = {}  # sender: granted destinations
+        self.dests: GrantedDests[Target] = GrantedDests(self.board)  # sender: granted destinations
         self._pending: dict[str, _PendingGrant] = {}  # receiver: what the next Grant to a peer carries
         self._exported: dict[int, bytes] = {}  # allocation base -> its IPC handle
         self.imports = ImportTable(self._open, self._close)
@@ -173,8 +173,10 @@ class IpcPlane(UnixLinkPlane[IpcOutbound]):
             self.callbacks.on_protocol_error(f"IPC plane info from {peer.endpoint} does not decode")
             return
         with self.lock:
-            for dest, target in targets:
-                self.dests[(dest.transfer_id, dest.layer)] = (peer.instance_id, target)
+            refused = self.dests.put(peer.instance_id, [((d.transfer_id, d.layer), t) for d, t in targets])
+        if refused:  # those layers fail: no destination granted
+            self.callbacks.on_protocol_error(f"IPC plane info from {peer.endpoint}: {refused} destination(s) "
+                                             "over the cap")
 
     def send(self, peer: PeerRef, items: Sequence[SendItem]) -> None:
         with self.lock:
@@ -194,9 +196,9 @@ class IpcPlane(UnixLinkPlane[IpcOutbound]):
     def cancel(self, transfer_id: str) -> None:
         with self.lock:
             self._note_cancelled(transfer_id)
-            for table in (self.posted, self.dests):
-                for key in [k for k in table if k[0] == transfer_id]:
-                    del table[key]
+            for key in [k for k in self.posted if k[0] == transfer_id]:
+                del self.posted[key]
+            self.dests.drop_transfer(transfer_id)
 
     def drop_peer(self, peer_instance_id: str) -> None:
         with self.lock:
@@ -204,8 +206,7 @@ class IpcPlane(UnixLinkPlane[IpcOutbound]):
             inbound = [c for c, pid in self.inbound.items() if pid == peer_instance_id]
             for key in [k for k, pid in self.posted.items() if pid == peer_instance_id]:
                 del self.posted[key]
-            for key in [k for k, (pid, _) in self.dests.items() if pid == peer_instance_id]:
-                del self.dests[key]
+            self.dests.drop_peer(peer_instance_id)
             self._pending.pop(peer_instance_id, None)
         if out is not None:
             out.stop()  # its thread unmaps the peer's allocations when it ends

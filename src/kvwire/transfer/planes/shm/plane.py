@@ -80,7 +80,7 @@ from kvwire.transfer.memory import (
     region_of,
     sealed_memfd,
 )
-from kvwire.transfer.planes.base import UnixLinkPlane, take_granted
+from kvwire.transfer.planes.base import GrantedDests, UnixLinkPlane, take_granted
 from kvwire.transfer.planes.common.hello import check_hello
 from kvwire.transfer.planes.common.liveness import count_cut
 from kvwire.transfer.planes.common.wire import CANCEL_WAIT_S, peer_pid, peer_uid, shutdown
@@ -151,7 +151,7 @@ class ShmPlane(UnixLinkPlane[Outbound]):
         self._granted: dict[str, _Grant] = {}
         self._pending: dict[str, list[ShmDest]] = {}
         # sender side: destinations granted by peers, (transfer, layer) -> (peer id, dest)
-        self.dests: dict[tuple[str, int], tuple[str, ShmDest]] = {}
+        self.dests: GrantedDests[ShmDest] = GrantedDests(self.board)
         self.copier = RunCopier(config.shm_copy_threads)
         # receive-budget buffers in shared memory too (a transfer offered before its blocks were
         # known lands there in one copy); one region, exported to every link like the KV cache
@@ -209,8 +209,7 @@ class ShmPlane(UnixLinkPlane[Outbound]):
                 del self.posted[key]
             for key in [k for k in self.landing if k[0] == transfer_id]:
                 del self.landing[key]
-            for key in [k for k in self.dests if k[0] == transfer_id]:
-                del self.dests[key]
+            self.dests.drop_transfer(transfer_id)
             for dests in self._pending.values():
                 dests[:] = [d for d in dests if d.transfer_id != transfer_id]
             grant = self._granted.pop(transfer_id, None)
@@ -229,8 +228,7 @@ class ShmPlane(UnixLinkPlane[Outbound]):
             inbound = [c for c, pid in self.inbound.items() if pid == peer_instance_id]
             for key in [k for k, (pid, _) in self.posted.items() if pid == peer_instance_id]:
                 del self.posted[key]
-            for key in [k for k, (pid, _) in self.dests.items() if pid == peer_instance_id]:
-                del self.dests[key]
+            self.dests.drop_peer(peer_instance_id)
             self._pending.pop(peer_instance_id, None)
             for tid in [t for t, g in self._granted.items() if g.peer_id == peer_instance_id]:
                 self._revoke_locked(tid, self._granted.pop(tid), CANCEL_WAIT_S)
@@ -391,9 +389,11 @@ class ShmPlane(UnixLinkPlane[Outbound]):
             self.callbacks.on_protocol_error(f"shared-memory plane info from {peer.endpoint}: {exc}")
             return
         with self.lock:
-            for dest in dests:
-                if dest.transfer_id not in self.cancelled:
-                    self.dests[(dest.transfer_id, dest.layer)] = (peer.instance_id, dest)
+            live = [((d.transfer_id, d.layer), d) for d in dests if d.transfer_id not in self.cancelled]
+            refused = self.dests.put(peer.instance_id, live)
+        if refused:  # those layers go through the ring
+            self.callbacks.on_protocol_error(
+                f"shared-memory plane info from {peer.endpoint}: {refused} destination(s) over the cap")
 
     def take_dest(self, peer_id: str, transfer_id: str, layer: int) -> ShmDest | None:
         """The one-copy destination granted for a layer (removed), or None (use the ring)."""
