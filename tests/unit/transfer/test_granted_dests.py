@@ -8,7 +8,6 @@ sender never sends must not grow the table, nor take another peer's place in it.
 from __future__ import annotations
 
 import pytest
-from tests.support.plane_callbacks import RecordingCallbacks
 
 from kvwire.supervision import HealthBoard
 from kvwire.transfer.config import TransferConfig
@@ -17,6 +16,7 @@ from kvwire.transfer.planes import base
 from kvwire.transfer.planes.base import GRANTED_FULL, GrantedDests
 from kvwire.transfer.planes.shm.plane import ShmPlane
 from kvwire.transfer.planes.shm.send import ShmDest, encode_direct
+from support.plane_callbacks import RecordingCallbacks
 
 
 def test_each_peer_has_its_share_and_the_total_holds() -> None:
