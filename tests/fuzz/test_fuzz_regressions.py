@@ -123,6 +123,27 @@ def test_plane_info_forcing_an_unknown_transport_is_a_protocol_error() -> None:
     assert decode_envelope(ok).hello.forced == "shm"
 
 
+@pytest.mark.parametrize("field", ["hostname", "boot_id", "instance_id", "gpu_uuid", "peer_gpus", "planes"])
+def test_plane_info_with_an_oversized_hello_is_a_protocol_error(field: str) -> None:
+    """A peer's hello is kept per peer epoch (up to MAX_PEERS) and logged: a 1 MB hostname (or GPU
+    list, or plane table) in every plane_info would have held MAX_PEERS times that."""
+    from kvwire.bench.fuzz_corpus import local_hello
+    from kvwire.transfer.planes.base import MAX_HELLO_ITEMS, MAX_HELLO_TEXT, Envelope, decode_envelope
+
+    big: object = "h" * (1 << 20)
+    if field == "peer_gpus":
+        big = [f"GPU-{i}" for i in range(MAX_HELLO_ITEMS + 1)]
+    elif field == "planes":
+        big = {"tcp": "127.0.0.1:1", "x" * (MAX_HELLO_TEXT + 1): ""}
+    hostile = msgspec.structs.replace(local_hello(), **{field: big})
+    with pytest.raises(ProtocolError, match="hello too large"):
+        decode_envelope(msgspec.msgpack.encode(Envelope(hostile, {})))
+    inner = {str(i): b"" for i in range(MAX_HELLO_ITEMS + 1)}
+    with pytest.raises(ProtocolError, match="hello too large"):
+        decode_envelope(msgspec.msgpack.encode(Envelope(local_hello(), inner)))
+    assert decode_envelope(msgspec.msgpack.encode(Envelope(local_hello(), {}))).hello == local_hello()
+
+
 def test_shm_one_copy_grant_nest_is_a_value_error() -> None:
     from kvwire.transfer.planes.shm.send import decode_direct
 

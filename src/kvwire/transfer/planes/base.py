@@ -299,17 +299,29 @@ class Envelope(msgspec.Struct, frozen=True):
 
 _envelope_decoder = msgspec.msgpack.Decoder(Envelope)
 _TRANSPORTS = frozenset(t.value for t in Transport)
+# A peer's hello is kept (one per peer epoch, up to MAX_PEERS) and logged: each of its names is short
+# (ids, a hostname, a UUID, a plane address), its lists name a host's GPUs and planes.
+MAX_HELLO_TEXT = 512
+MAX_HELLO_ITEMS = 64
 
 
 def decode_envelope(info: bytes) -> Envelope:
     """A peer's ``plane_info`` -> :class:`Envelope`; ``ProtocolError`` for anything else (bytes that
-    do not decode, nest too deep, or force a transport this version does not know)."""
+    do not decode, nest too deep, force a transport this version does not know, or a hello with a
+    name over ``MAX_HELLO_TEXT`` characters or a list over ``MAX_HELLO_ITEMS`` items)."""
     try:
         envelope = _envelope_decoder.decode(info)
     except (msgspec.DecodeError, RecursionError) as exc:
         raise ProtocolError(f"plane handshake does not decode: {exc}") from exc
-    if envelope.hello.forced and envelope.hello.forced not in _TRANSPORTS:
-        raise ProtocolError(f"plane handshake forces an unknown transport {envelope.hello.forced[:32]!r}")
+    hello = envelope.hello
+    if hello.forced and hello.forced not in _TRANSPORTS:
+        raise ProtocolError(f"plane handshake forces an unknown transport {hello.forced[:32]!r}")
+    texts = (hello.instance_id, hello.boot_id, hello.hostname, hello.device, hello.gpu_uuid,
+             *hello.peer_gpus, *hello.planes, *hello.planes.values())
+    items = max(len(hello.peer_gpus), len(hello.planes), len(envelope.inner))
+    if items > MAX_HELLO_ITEMS or any(len(text) > MAX_HELLO_TEXT for text in texts):
+        raise ProtocolError(f"plane handshake hello too large ({items} items, names of up to "
+                            f"{max(map(len, texts))} characters)")
     return envelope
 
 
