@@ -191,6 +191,7 @@ MAX_MESSAGE_BYTES = 4 << 20  # a control message never carries layer data
 MAX_TRAILER_BYTES = 1 << 20
 MAC_BYTES = 32
 MAX_STATE_LEN = 32
+MAX_REASON_LEN = 1024  # a peer's Abort reason, as kept (tombstones, poll events) and logged: clamped
 MAX_PIECES = 4096  # pulls one held transfer may serve (a piece per receiving rank)
 MAX_FRAMES = 2  # payload [+ MAC]
 MAX_LAYER_DIMS = 8  # a layer's shape (a product of thousands of huge numbers would stall the thread)
@@ -333,6 +334,8 @@ class Codec:
             kind = head.t[:MAX_STATE_LEN]
             raise ProtocolError(f"invalid {kind!r} message: {type(exc).__name__}: {exc}") from exc
         validate(msg)
+        if isinstance(msg, Abort) and len(msg.reason) > MAX_REASON_LEN:
+            msg = msgspec.structs.replace(msg, reason=msg.reason[:MAX_REASON_LEN] + "...")
         return msg
 
 

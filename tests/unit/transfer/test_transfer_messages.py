@@ -6,7 +6,18 @@ import msgspec
 import pytest
 
 from kvwire.errors import AuthenticationError, ProtocolError
-from kvwire.transfer.core import MAX_PIECES, PROTOCOL_VERSION, Ack, Codec, Grant, Offer, Pull, WireLayer
+from kvwire.transfer.core import (
+    MAX_PIECES,
+    MAX_REASON_LEN,
+    PROTOCOL_VERSION,
+    Abort,
+    Ack,
+    Codec,
+    Grant,
+    Offer,
+    Pull,
+    WireLayer,
+)
 
 HEAD = {"src_id": "abc", "src_endpoint": "tcp://127.0.0.1:5000", "transfer_id": "t-1"}
 
@@ -96,3 +107,15 @@ def test_hmac_required_and_checked() -> None:
         Codec(b"k2").decode(frames)  # other key
     with pytest.raises(AuthenticationError):
         signed.decode([frames[0] + b" ", frames[1]])  # tampered
+
+
+def test_a_peers_abort_reason_is_clamped() -> None:
+    """The reason is peer text the agent keeps (tombstones, up to 100,000; poll events) and logs: a
+    megabyte of it is cut to MAX_REASON_LEN characters (the Abort itself still counts)."""
+    codec = Codec(b"k")
+    long = Abort(**HEAD, reason="peer_aborted: " + "x" * (1 << 20))
+    got = codec.decode(codec.encode(long))
+    assert isinstance(got, Abort) and got.transfer_id == "t-1"
+    assert len(got.reason) == MAX_REASON_LEN + 3 and got.reason.startswith("peer_aborted: xxx")
+    short = Abort(**HEAD, reason="deadline: no data")
+    assert codec.decode(codec.encode(short)) == short
