@@ -135,6 +135,16 @@ def instance_bodies() -> list[bytes]:
             b"\x01" + json.dumps(_CHAT, ensure_ascii=False).encode()]
 
 
+def tokenize_bodies() -> list[bytes]:
+    """``/tokenize`` bodies (a prompt; chat messages, one with content parts) and a ``/detokenize`` one."""
+    chat = {"model": "tiny", "messages": [*_CHAT["messages"], {"role": "user", "content": [
+        {"type": "text", "text": "and Spain?"}]}], "return_token_strs": True}
+    prompt = {"model": "tiny", "prompt": "The capital", "add_special_tokens": False}
+    return [b"\x00" + json.dumps(prompt).encode(),
+            b"\x00" + json.dumps(chat, ensure_ascii=False).encode(),
+            b"\x01" + json.dumps({"model": "tiny", "tokens": [1, 450, 7483]}).encode()]
+
+
 def router_bodies() -> list[bytes]:
     headers = b"Authorization: Bearer sk-1\nX-Request-Id: r-1\nUser-Agent: openai-python\n\n"
     return [b"\x00" + headers + json.dumps(_COMPLETION).encode(),

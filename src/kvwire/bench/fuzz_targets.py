@@ -135,6 +135,27 @@ def instance_body() -> FuzzTarget:
     return FuzzTarget("http.instance_body", check, (InvalidRequestError,), fuzz_corpus.instance_bodies, 8192)
 
 
+def instance_tokenize() -> FuzzTarget:
+    """A ``/tokenize`` or ``/detokenize`` body on an instance (vLLM's service endpoints): what the
+    handler reads before the tokenizer runs (the chat messages flattened for the template)."""
+    from kvwire.bench import fuzz_corpus
+    from kvwire.server.openai_protocol import (
+        ChatRequest,
+        chat_messages,
+        parse_detokenize,
+        parse_tokenize,
+    )
+
+    def check(data: bytes) -> object:
+        mode, rest = _split(data)
+        if mode & 1:
+            return parse_detokenize(rest, 32000).tokens
+        req = parse_tokenize(rest)
+        return chat_messages(ChatRequest(messages=req.messages)) if req.messages is not None else req.prompt
+
+    return FuzzTarget("http.instance_tokenize", check, (InvalidRequestError,), fuzz_corpus.tokenize_bodies)
+
+
 def router_body() -> FuzzTarget:
     """An OpenAI request body and headers on the router (what it reads before picking instances)."""
     from kvwire.bench import fuzz_corpus
@@ -241,6 +262,7 @@ TARGETS: dict[str, str] = {
     "connector.trailer": "kvwire.bench.fuzz_targets:first_token_trailer",
     "kv.params": "kvwire.bench.fuzz_targets:kv_params",
     "http.instance_body": "kvwire.bench.fuzz_targets:instance_body",
+    "http.instance_tokenize": "kvwire.bench.fuzz_targets:instance_tokenize",
     "http.router_body": "kvwire.bench.fuzz_targets:router_body",
     "http.api_key": "kvwire.bench.fuzz_targets:api_key",
     "router.upstream_answer": "kvwire.bench.fuzz_targets:upstream_answer",
