@@ -137,8 +137,9 @@ def instance_bodies() -> list[bytes]:
 
 def tokenize_bodies() -> list[bytes]:
     """``/tokenize`` bodies (a prompt; chat messages, one with content parts) and a ``/detokenize`` one."""
-    chat = {"model": "tiny", "messages": [*_CHAT["messages"], {"role": "user", "content": [
-        {"type": "text", "text": "and Spain?"}]}], "return_token_strs": True}
+    parts = [{"type": "text", "text": "The capital of France?"}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}]
+    chat = {"model": "tiny", "messages": messages, "return_token_strs": True}
     prompt = {"model": "tiny", "prompt": "The capital", "add_special_tokens": False}
     return [b"\x00" + json.dumps(prompt).encode(),
             b"\x00" + json.dumps(chat, ensure_ascii=False).encode(),
