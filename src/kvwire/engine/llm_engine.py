@@ -258,6 +258,7 @@ class LLMEngine:
         # after the step's requests that ended were told (request_finished): a send acknowledged
         # in this very step then frees blocks already held for it
         report = self.scheduler_connector.report_step(result.connector_output)
+        self._drop_foreign_tokens(report.first_tokens)
         update = self.scheduler.apply_report(report, self._requests)
         for req, token in update.first_tokens:
             if status := self._append_token(req, token, outputs):
@@ -276,6 +277,17 @@ class LLMEngine:
                 self.scheduler.waiting.append(item)
             elif item in self._requests:
                 self._finish(self._requests[item], RequestStatus.FINISHED_ABORTED, outputs)
+
+    def _drop_foreign_tokens(self, first_tokens: dict[str, int]) -> None:
+        """P's first tokens are peer data (push: its trailer; pull: ``kv_transfer_params``): one outside
+        this model's vocabulary would fail the next forward, and with it every request in flight. It
+        is dropped (logged): that request recomputes its last prompt token, as when none came."""
+        vocab = self.model.config.vocab_size
+        for request_id, token in list(first_tokens.items()):
+            if not 0 <= token < vocab:
+                del first_tokens[request_id]
+                log.warning("request %s: P's first token %d is outside the vocabulary [0, %d); "
+                            "recomputing it", request_id, token, vocab)
 
     def _append_token(
         self, req: Request, token: int, outputs: dict[str, RequestOutput]

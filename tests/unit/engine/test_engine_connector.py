@@ -167,6 +167,23 @@ def test_decode_from_transferred_kv_equals_local_generation(load_async: bool, us
     assert engine.stats().num_prompt_tokens == (0 if use_first_token else len(PROMPTS))
 
 
+@pytest.mark.parametrize("bad", [-1, 264, 10**12])  # the tiny model's vocabulary is [0, 264)
+def test_a_first_token_outside_the_vocabulary_is_recomputed_and_loses_nothing(bad: int) -> None:
+    """P's first token is peer data (its trailer, or kv_transfer_params in pull mode): one outside the
+    vocabulary failed D's next forward, and with it every request in flight. It is dropped: that
+    request recomputes its last prompt token and every request answers as a local generation."""
+    expected = generate(make_engine(), PROMPTS, greedy(8))
+    wire = Wire()
+    prefill(wire, PROMPTS)
+    assert wire.first_token
+    wire.first_token["r1"] = bad  # one request's P misbehaves
+    calls = Calls()
+    sched = DecodeScheduler(calls, wire, load_async=True, use_first_token=True)
+    engine = make_engine(scheduler_connector=sched, worker_connector=DecodeWorker(calls, wire, sched, 16))
+    assert generate(engine, PROMPTS, greedy(8)) == expected
+    assert engine.stats().num_prompt_tokens == 1  # r1's last prompt token, recomputed
+
+
 def test_every_step_respects_the_token_budget_and_puts_decodes_first() -> None:
     engine, _, _, calls = recording_engine(max_num_batched_tokens=24, block_size=8)
     for i, prompt in enumerate(PROMPTS):
