@@ -126,6 +126,12 @@ class RecvMemory:
         return self.budget.capacity_bytes + self.spill.capacity_bytes
 
     @property
+    def largest_buffer_bytes(self) -> int:
+        """The largest buffer :meth:`reserve` can ever give: one layer lands in one pool, so a larger
+        layer never gets credit, however much of both pools is free."""
+        return max(self.budget.capacity_bytes, self.spill.capacity_bytes)
+
+    @property
     def budget_in_use(self) -> int:
         return self.budget.in_use_bytes
 

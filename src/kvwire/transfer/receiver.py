@@ -229,7 +229,7 @@ class Credit:
                 st.granted[index] = None
                 items.append(item)
                 continue
-            if num_bytes > memory.capacity_bytes:
+            if num_bytes > memory.largest_buffer_bytes:  # else it would wait at the head for ever
                 reason = f"{FailReason.BUDGET.value}: layer of {num_bytes} bytes never fits"
                 self.receiver.fail(st.transfer_id, reason, True)
                 break

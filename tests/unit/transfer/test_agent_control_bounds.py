@@ -73,9 +73,13 @@ def raw_peer(ctx: zmq.Context, agent: TransferAgent) -> Iterator[RawPeer]:
         peer.close()
 
 
-# An agent whose memory can never grant a 128-byte layer (neither pool takes one; both together could):
-# a raw peer's Offer of one stays held, waiting for credit, until its lease ends.
-HOLDS = {"recv_budget_bytes": 100, "spill_budget_bytes": 100}
+@contextlib.contextmanager
+def holding_agent(config: TransferConfig) -> Iterator[TransferAgent]:
+    """An agent whose receive memory has no room now (every reservation refused): a raw peer's Offer
+    stays held, waiting for credit, until its lease ends."""
+    with TransferAgent(config) as agent:
+        agent._core.memory.reserve = lambda _num_bytes: None  # type: ignore[method-assign]
+        yield agent
 
 
 def offer(peer: RawPeer, tid: str, deadline_s: float = 30.0) -> Offer:
@@ -148,7 +152,7 @@ def test_message_of_too_many_frames_is_refused_and_counted(ctx: zmq.Context) -> 
 
 def test_peer_lease_is_clamped_so_an_offer_expires(ctx: zmq.Context) -> None:
     limits = ControlLimits(min_peer_deadline_s=0.05, max_peer_deadline_s=0.3)
-    with TransferAgent(TransferConfig(limits=limits, **HOLDS)) as agent, raw_peer(ctx, agent) as peer:
+    with holding_agent(TransferConfig(limits=limits)) as agent, raw_peer(ctx, agent) as peer:
         peer.send(offer(peer, "forever", deadline_s=1e300))
         events = poll_until(agent, lambda ev: "forever" in ev["failed"], timeout_s=20.0)
         assert events["failed"]["forever"] == "deadline: 0/1 layers received"
@@ -158,7 +162,7 @@ def test_peer_lease_is_clamped_so_an_offer_expires(ctx: zmq.Context) -> None:
 
 def test_unsolicited_offers_are_capped_per_peer(ctx: zmq.Context) -> None:
     limits = ControlLimits(max_pending_per_peer=3)
-    with TransferAgent(TransferConfig(limits=limits, **HOLDS)) as agent, raw_peer(ctx, agent) as a, \
+    with holding_agent(TransferConfig(limits=limits)) as agent, raw_peer(ctx, agent) as a, \
             raw_peer(ctx, agent) as b:  # fmt: skip
         for i in range(5):
             a.send(offer(a, f"a{i}"))
@@ -172,8 +176,8 @@ def test_unsolicited_offers_are_capped_per_peer(ctx: zmq.Context) -> None:
 
 
 def test_pending_transfers_cap_refuses_offers(ctx: zmq.Context) -> None:
-    config = TransferConfig(max_pending_transfers=2, **HOLDS)
-    with TransferAgent(config) as agent, raw_peer(ctx, agent) as peer:
+    config = TransferConfig(max_pending_transfers=2)
+    with holding_agent(config) as agent, raw_peer(ctx, agent) as peer:
         for i in range(4):
             peer.send(offer(peer, f"o{i}"))
         wait_for(lambda: agent.stats().limits_hit.get("pending_transfers") == 2, "two offers refused")
@@ -242,3 +246,23 @@ def test_transfers_work_at_the_default_limits() -> None:
         assert all(torch.equal(got[i], t) for i, t in enumerate(layers))
         assert a.stats().limits_hit == {} and b.stats().limits_hit == {}
 
+
+
+def test_an_offer_of_a_layer_no_pool_can_hold_fails_and_blocks_no_one(ctx: zmq.Context) -> None:
+    """Credit is granted in Offer order. A layer larger than either pool (budget, spill) never gets a
+    buffer, though both together could hold it: an Offer of one (here a raw peer's, not expected)
+    used to wait at the head of the queue for its whole lease (up to max_peer_deadline_s), and every
+    transfer behind it with it. It fails at once; the next transfer is granted and lands."""
+    config = TransferConfig(recv_budget_bytes=1024, spill_budget_bytes=1024)
+    with TransferAgent(config) as agent, TransferAgent(TransferConfig()) as sender, \
+            raw_peer(ctx, agent) as hostile:  # fmt: skip
+        big = msgspec.structs.replace(offer(hostile, "big"), layers=[WireLayer([32, 32], "float16")])
+        hostile.send(big)  # 2,048 bytes: the two pools together, neither alone
+        events = poll_until(agent, lambda ev: "big" in ev["failed"], timeout_s=20.0)
+        assert events["failed"]["big"] == "budget: layer of 2048 bytes never fits"
+        layers = _layers(2)
+        agent.expect("after", num_layers=2, deadline_s=20.0)
+        _send(sender, "after", agent.endpoint, layers, deadline_s=20.0)
+        poll_until(agent, lambda ev: "after" in ev["recvd"], timeout_s=30.0)
+        got = agent.take_layers("after")
+        assert all(torch.equal(got[i], layers[i]) for i in range(2))
