@@ -163,10 +163,15 @@ class DataPlane(abc.ABC):
     def start(self, callbacks: PlaneCallbacks) -> None:
         """Bind/listen and start the plane's threads. Called once, before any other method."""
 
+    #: what :attr:`address` returns, made once by ``start`` (a plane that derives it otherwise
+    #: overrides :attr:`address`)
+    _address: str = ""
+
     @property
-    @abc.abstractmethod
     def address(self) -> str:
         """What peers need to reach this plane (TCP: "host:port"); sent in OFFER/GRANT messages."""
+        assert self._address, "start() first"
+        return self._address
 
     def local_info(self, peer: PeerRef) -> bytes:
         """Opaque handshake bytes for the next control message to ``peer`` (default: none)."""
@@ -513,11 +518,6 @@ class PlaneSet(DataPlane):
             "kvwire-planes-fail", self._fail_loop, self._stopping, board=self.board
         ).start()
 
-    @property
-    def address(self) -> str:
-        assert self._address, "start() first"
-        return self._address
-
     def close(self) -> None:
         if self._failer is not None:
             self._stopping.set()
@@ -816,11 +816,6 @@ class ListenerPlane(DataPlane, Generic[OutT]):
             self.closing,
             board=self.board,
         ).start()
-
-    @property
-    def address(self) -> str:
-        assert self._address, "start() first"
-        return self._address
 
     def close(self) -> None:
         if self.closing.is_set():
