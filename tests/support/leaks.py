@@ -1,5 +1,5 @@
 """Leak counting for fault tests: a surviving process must return to its thread and open-fd counts
-of before the fault, and nothing may be left in /dev/shm.
+of before the fault, and nothing of kvwire's may be left in /dev/shm.
 
 ``LeakBaseline.take({"prefill-0": pid, ...})`` reads ``/proc/PID/task``, ``/proc/PID/fd`` and the
 shared-memory objects each process maps (``/dev/shm/*`` files and memfds, from ``/proc/PID/maps``),
@@ -10,9 +10,10 @@ process maps; at the deadline it fails the test naming each excess (new sockets 
 no leak, one more of them is. Established connections on ``pooled_ports`` (HTTP keep-alive pools,
 sized by the load's concurrency and bounded by their client) are not counted; half-closed ones are.
 
-/dev/shm is host-wide, so a name another user's live process maps is not counted (it is theirs,
-not left behind); kvwire's own shared memory (the shm plane's ring) is a memfd, which has no name
-there and shows up in the fd and mapping counts instead.
+/dev/shm is host-wide, so only kvwire's own names count there (``SHM_PREFIX``, the prefix of the
+shared memory kvwire names: ``kvwire-shm-ring``, ``kvwire-shm-grants``, ``kvwire-kv``): another
+process's segment, made or left while a test runs, is not the test's leak. kvwire's shared memory is
+memfds today, which have no name there and show up in the fd and mapping counts instead.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 from collections.abc import Mapping
 
 SHM_DIR = "/dev/shm"
+SHM_PREFIX = "kvwire-"  # the names kvwire gives its shared memory (memfds: src/kvwire/transfer/memory.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +124,11 @@ def shm_names() -> set[str]:
     return set(os.listdir(SHM_DIR)) if os.path.isdir(SHM_DIR) else set()
 
 
+def kvwire_shm_names() -> set[str]:
+    """The names in /dev/shm that are kvwire's (``SHM_PREFIX``)."""
+    return {name for name in shm_names() if name.startswith(SHM_PREFIX)}
+
+
 def _mapped_anywhere(names: set[str]) -> set[str]:
     """The names of ``names`` some live process on the host maps."""
     mapped: set[str] = set()
@@ -157,7 +164,7 @@ class LeakBaseline:
         fds = {name: frozenset(fd_targets(pid).values()) for name, pid in pids.items()}
         names = dict(port_names or {})
         sockets = {name: socket_kinds(pid, names) for name, pid in pids.items()}
-        return cls(dict(pids), counts, frozenset(shm_names()), fds, names, sockets, pooled_ports)
+        return cls(dict(pids), counts, frozenset(kvwire_shm_names()), fds, names, sockets, pooled_ports)
 
     def without(self, *names: str) -> LeakBaseline:
         """The baseline of the other processes (``names`` were killed on purpose: not survivors)."""
@@ -186,7 +193,7 @@ class LeakBaseline:
                     found.append(f"{name} new fds: {describe_sockets(pid, new_fds, self.port_names)}")
                     more = socket_kinds(pid, self.port_names) - self.sockets.get(name, collections.Counter())
                     found.append(f"{name} more sockets than before by port: {dict(more)}")
-        new = shm_names() - self.shm
+        new = kvwire_shm_names() - self.shm
         if new:
             found += [f"{SHM_DIR}/{name} left behind" for name in sorted(new - _mapped_anywhere(new))]
         return found
