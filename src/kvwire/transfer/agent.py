@@ -72,6 +72,7 @@ import torch
 import zmq
 
 from kvwire.errors import ProtocolError, TransferError
+from kvwire.http.refusal_log import RefusalLog
 from kvwire.supervision import HealthBoard, SupervisedThread
 from kvwire.transfer.buffers import RecvMemory
 from kvwire.transfer.config import TransferConfig
@@ -175,6 +176,7 @@ class ControlLoop:
         self.outbox: collections.deque[tuple[str, AnyMsg] | Callable[[], None]] = collections.deque()
         self._stop = threading.Event()
         self._errors = _ErrorLog()
+        self._refusals = RefusalLog(control_log, "control message")  # endpoints ZeroMQ refuses
         self._contained_at: collections.deque[float] = collections.deque()  # when, within the window
         self.board = board if board is not None else HealthBoard()
         self._thread = SupervisedThread(NAME, self._loop, self._stop, board=self.board, on_dead=on_dead)
@@ -330,7 +332,12 @@ class ControlLoop:
         return dealer
 
     def _send_now(self, endpoint: str, msg: AnyMsg) -> None:
-        dealer = self._dealer(endpoint)
+        try:
+            dealer = self._dealer(endpoint)
+        except zmq.ZMQError as exc:  # an endpoint ZeroMQ refuses (a caller's or kv_transfer_params'
+            self._on_limit("control_endpoint")  # choice): dropped like a full queue's, not a loop error
+            self._refusals.refused("bad_endpoint", f"cannot send to {endpoint[:80]!r} ({exc})")
+            return
         try:
             dealer.send_multipart(self._codec.encode(msg), zmq.NOBLOCK)
         except zmq.Again:

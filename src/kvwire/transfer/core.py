@@ -146,6 +146,7 @@ class ControlLimit(str, enum.Enum):
     PENDING_TRANSFERS = "pending_transfers"  # an Offer refused: max_pending_transfers reached
     PENDING_PULLS = "pending_pulls"  # a Pull refused: max_pending_pulls reached
     PEERS = "peers"  # a peer endpoint's epoch forgotten: max_peers reached
+    ENDPOINT = "control_endpoint"  # a message not sent: ZeroMQ refuses its endpoint (dropped, logged)
 
 
 class StatsRecorder:

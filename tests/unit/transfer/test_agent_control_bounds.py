@@ -16,7 +16,7 @@ import torch
 import zmq
 
 from kvwire.errors import AuthenticationError, ProtocolError
-from kvwire.transfer import TransferAgent, TransferConfig
+from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
 from kvwire.transfer import core as messages_module
 from kvwire.transfer.config import ControlLimits
 from kvwire.transfer.core import PROTOCOL_VERSION, Codec, Grant, Offer, Pull, Renew, WireLayer
@@ -266,3 +266,24 @@ def test_an_offer_of_a_layer_no_pool_can_hold_fails_and_blocks_no_one(ctx: zmq.C
         poll_until(agent, lambda ev: "after" in ev["recvd"], timeout_s=30.0)
         got = agent.take_layers("after")
         assert all(torch.equal(got[i], layers[i]) for i in range(2))
+
+
+def test_endpoints_zeromq_refuses_are_dropped_not_loop_errors() -> None:
+    """A peer endpoint comes from the caller (kv_transfer_params) or a peer; one ZeroMQ cannot connect
+    to was an error of the control loop, and a hundred of them a minute gave the loop up (every
+    transfer of the process failed). The message is dropped and counted (as a full queue's: the
+    transfer ends at its lease); the loop stays up and moves the next transfer."""
+    bad = ["not an endpoint", "tcp://", "http://host:1", "tcp://127.0.0.1:99999"]
+    with TransferAgent(TransferConfig()) as agent, TransferAgent(TransferConfig()) as peer:
+        for i in range(40):  # ~160 refused sends (Offers, Pulls, Renews): past MAX_CONTAINED_ERRORS
+            agent.start_send(f"s{i}", bad[i % 4], [LayerSpec((4,), torch.float32)], deadline_s=0.5)
+            agent.expect(f"r{i}", num_layers=1, pull_from=bad[(i + 1) % 4], deadline_s=0.5)
+        events = poll_until(agent, lambda ev: len(ev["failed"]) == 80, timeout_s=30.0)
+        assert all(reason.startswith(("deadline", "peer_lost")) for reason in events["failed"].values())
+        assert agent.stats().limits_hit["control_endpoint"] >= 80
+        assert agent.board.worker_errors().get("kvwire-transfer-control", 0) == 0
+        assert not agent.board.dead() and agent.board.restarts().get("kvwire-transfer-control", 0) == 0
+        layers = _layers(2)
+        peer.expect("after", num_layers=2, deadline_s=20.0)
+        _send(agent, "after", peer.endpoint, layers, deadline_s=20.0)
+        poll_until(agent, lambda ev: "after" in ev["sent"], timeout_s=30.0)
