@@ -27,7 +27,8 @@ kvwire's control-plane bounds (decision 116; ``kvwire serve --kv-max-*``) take t
 ``max_early_grants_per_peer`` ...) plus ``max_pending_transfers``.
 kvwire's data-link bounds (decision 115) map to :class:`~kvwire.transfer.config.DataLinkConfig`:
 ``data_max_connections``, ``data_max_connections_per_peer``, ``data_handshake_timeout_s``,
-``data_keepalive_s``, ``data_link_timeout_s``.
+``data_keepalive_s``, ``data_link_timeout_s``, ``data_max_granted_dests_per_peer``,
+``data_max_granted_dests``.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ KVWIRE_KEYS = frozenset(
      "fault_delay_send",
      # data-plane link bounds (DataLinkConfig, decision 115)
      "data_max_connections", "data_max_connections_per_peer", "data_handshake_timeout_s", "data_keepalive_s",
-     "data_link_timeout_s"}
+     "data_link_timeout_s", "data_max_granted_dests_per_peer", "data_max_granted_dests"}
 )
 # the agent's control-plane bounds (decision 116): ControlLimits' own field names, and the transfer cap
 LIMIT_KEYS = frozenset(f.name for f in dataclasses.fields(ControlLimits))
@@ -338,7 +339,9 @@ def _pending_transfers(extra: Mapping[str, Any]) -> int:
 def _data_links(extra: Mapping[str, Any]) -> DataLinkConfig:
     """The ``data_*`` link bounds given (the rest keep DataLinkConfig's defaults)."""
     given: dict[str, Any] = {}
-    for field in ("max_connections", "max_connections_per_peer"):
+    counts = ("max_connections", "max_connections_per_peer", "max_granted_dests_per_peer",
+              "max_granted_dests")
+    for field in counts:
         value = _get_int(extra, f"data_{field}")
         if value is not None:
             given[field] = value

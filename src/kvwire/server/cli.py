@@ -181,6 +181,11 @@ def _add_data_link_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-data-link-timeout-s", type=float, default=links.link_timeout_s,
                        help="cut a data link that moves nothing for this long (a write without progress, "
                             "no heartbeat heard): its transfers fail peer_lost")
+    group.add_argument("--kv-data-max-granted-dests-per-peer", type=int,
+                       default=links.max_granted_dests_per_peer,
+                       help="one-copy destinations (shm, ipc) kept from one peer's grants; more are not kept")
+    group.add_argument("--kv-data-max-granted-dests", type=int, default=links.max_granted_dests,
+                       help="... from all peers together")
 
 
 def _data_links_of(args: argparse.Namespace) -> DataLinkConfig:
@@ -190,6 +195,8 @@ def _data_links_of(args: argparse.Namespace) -> DataLinkConfig:
         handshake_timeout_s=args.kv_data_handshake_timeout_s,
         keepalive_s=args.kv_data_keepalive_s,
         link_timeout_s=args.kv_data_link_timeout_s,
+        max_granted_dests_per_peer=args.kv_data_max_granted_dests_per_peer,
+        max_granted_dests=args.kv_data_max_granted_dests,
     )
 
 

@@ -95,13 +95,14 @@ def test_serve_flags_and_plugin_keys_set_the_caps() -> None:
     add_arguments(parser)
     args = parser.parse_args(["--kv-data-max-connections", "64", "--kv-data-max-connections-per-peer", "8",
                               "--kv-data-handshake-timeout-s", "2", "--kv-data-keepalive-s", "1",
-                              "--kv-data-link-timeout-s", "9"])
-    assert server_config_from_args(args).transfer.links == DataLinkConfig(64, 8, 2.0, 1.0, 9.0)
+                              "--kv-data-link-timeout-s", "9", "--kv-data-max-granted-dests-per-peer", "100",
+                              "--kv-data-max-granted-dests", "300"])
+    assert server_config_from_args(args).transfer.links == DataLinkConfig(64, 8, 2.0, 1.0, 9.0, 100, 300)
     assert server_config_from_args(parser.parse_args([])).transfer.links == DataLinkConfig()
     view = VllmTransferView(kv_role="kv_producer", kv_connector_extra_config={
-        "data_max_connections": 16, "data_link_timeout_s": "20"})
+        "data_max_connections": 16, "data_link_timeout_s": "20", "data_max_granted_dests": 500})
     links = plugin_config_from_vllm(view).transfer.links
-    assert links == DataLinkConfig(max_connections=16, link_timeout_s=20.0)
+    assert links == DataLinkConfig(max_connections=16, link_timeout_s=20.0, max_granted_dests=500)
     with pytest.raises(ConfigError):
         plugin_config_from_vllm(VllmTransferView(kv_role="kv_producer", kv_connector_extra_config={
             "data_max_connections_per_peer": 0}))

@@ -7,13 +7,11 @@ sender never sends must not grow the table, nor take another peer's place in it.
 
 from __future__ import annotations
 
-import pytest
-
 from kvwire.supervision import HealthBoard
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.memory import PeerRef
-from kvwire.transfer.planes import base
 from kvwire.transfer.planes.base import GRANTED_FULL, GrantedDests
+from kvwire.transfer.planes.common.link_config import DataLinkConfig
 from kvwire.transfer.planes.shm.plane import ShmPlane
 from kvwire.transfer.planes.shm.send import ShmDest, encode_direct
 from support.plane_callbacks import RecordingCallbacks
@@ -21,7 +19,8 @@ from support.plane_callbacks import RecordingCallbacks
 
 def test_each_peer_has_its_share_and_the_total_holds() -> None:
     board = HealthBoard()
-    table: GrantedDests[str] = GrantedDests(board, per_peer=3, total=5)
+    links = DataLinkConfig(max_granted_dests_per_peer=3, max_granted_dests=5)
+    table: GrantedDests[str] = GrantedDests(board, links)
     assert board.limit_hits()[GRANTED_FULL] == 0  # exported before the first hit
     assert table.put("a", [((f"t{i}", 0), f"a{i}") for i in range(5)]) == 2  # a's share is 3
     assert table.put("b", [(("u", i), f"b{i}") for i in range(3)]) == 1  # the total is 5
@@ -41,11 +40,11 @@ def _dests(transfer: str, count: int) -> bytes:
     return encode_direct([ShmDest(transfer, layer, 1, 0, 0, 7, ((0, 64),)) for layer in range(count)])
 
 
-def test_shm_grants_of_transfers_never_sent_stop_at_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_shm_grants_of_transfers_never_sent_stop_at_the_cap() -> None:
     """Grants naming many transfers (none of which this sender sends) fill only their peer's share:
     the rest is refused, counted and reported; another peer's grant still lands and is taken."""
-    monkeypatch.setattr(base, "MAX_GRANTED_PER_PEER", 40)
-    plane = ShmPlane(TransferConfig(recv_budget_bytes=1 << 20), "p-instance")
+    links = DataLinkConfig(max_granted_dests_per_peer=40)
+    plane = ShmPlane(TransferConfig(recv_budget_bytes=1 << 20, links=links), "p-instance")
     plane.callbacks = callbacks = RecordingCallbacks()
     hostile, honest = PeerRef("tcp://h:1", "hostile", ""), PeerRef("tcp://d:1", "honest", "")
     try:

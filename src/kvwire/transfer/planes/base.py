@@ -103,6 +103,7 @@ from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.enums import Backend, FailReason, Transport
 from kvwire.transfer.memory import PeerRef, RecvItem, SendItem
 from kvwire.transfer.planes.common.admission import Admission, accept_loop, start_reader, unix_peer
+from kvwire.transfer.planes.common.link_config import DataLinkConfig
 from kvwire.transfer.planes.common.wire import CANCEL_MEMORY_S, POLL_S, abstract_name, shutdown
 
 log = logging.getLogger("kvwire.transfer")
@@ -879,11 +880,7 @@ class ListenerPlane(DataPlane, Generic[OutT]):
 
 _Dest = TypeVar("_Dest")
 
-#: Destinations one peer epoch may have granted this sender at once (a layer each, of its transfers in
-#: flight here), and all peers together; one over a cap is not kept (``data_granted_dests_full``).
-MAX_GRANTED_PER_PEER = 65536
-MAX_GRANTED = 262144
-GRANTED_FULL = "data_granted_dests_full"
+GRANTED_FULL = "data_granted_dests_full"  # kvwire_limit_hits_total{limit}: a destination not kept
 
 
 class GrantedDests(Generic[_Dest]):
@@ -892,16 +889,16 @@ class GrantedDests(Generic[_Dest]):
 
     A peer names them in its ``plane_info``, for any transfer id it likes, and an entry leaves only
     when its layer is sent, its transfer is cancelled here or its peer is dropped: so the table is
-    capped, per peer and in all, and one peer cannot grow it nor take another's share below the
-    total. A destination over a cap is not kept (counted on the board; :meth:`put` says how many):
-    the sender then writes that layer its other way (the shared-memory ring) or fails it (CUDA IPC:
-    no destination granted)."""
+    capped, per peer epoch and in all (``DataLinkConfig.max_granted_dests_per_peer``,
+    ``max_granted_dests``), and one peer cannot grow it nor take another's share below the total. A
+    destination over a cap is not kept (counted on the board; :meth:`put` says how many): the sender
+    then writes that layer its other way (the shared-memory ring) or fails it (CUDA IPC: no
+    destination granted)."""
 
-    def __init__(self, board: HealthBoard, per_peer: int | None = None, total: int | None = None) -> None:
-        """``per_peer``, ``total``: the caps (None: ``MAX_GRANTED_PER_PEER``, ``MAX_GRANTED``)."""
+    def __init__(self, board: HealthBoard, links: DataLinkConfig) -> None:
         self._board = board
-        self._per_peer = MAX_GRANTED_PER_PEER if per_peer is None else per_peer
-        self._total = MAX_GRANTED if total is None else total
+        self._per_peer = links.max_granted_dests_per_peer
+        self._total = links.max_granted_dests
         self._items: dict[tuple[str, int], tuple[str, _Dest]] = {}
         self._counts: collections.Counter[str] = collections.Counter()
         board.limit_hit(GRANTED_FULL, 0)  # exported at 0 before the first hit

@@ -38,10 +38,18 @@ class DataLinkConfig:
     # heartbeat (the peer's host vanished, or a partition). Its transfers fail ``peer_lost``; its
     # thread and socket are freed. Also TCP_USER_TIMEOUT, and TCP_KEEPCNT = this / ``keepalive_s``.
     link_timeout_s: float = 15.0
+    # One-copy destinations (shm, CUDA IPC) a sender keeps from one peer epoch's grants, and from all:
+    # a peer names them for any transfer id, and they leave only when sent, cancelled or the peer is
+    # dropped. Over a cap one is not kept (``data_granted_dests_full``): shm writes that layer through
+    # the ring, IPC fails it.
+    max_granted_dests_per_peer: int = 65536
+    max_granted_dests: int = 262144
 
     def __post_init__(self) -> None:
         if self.max_connections < 1 or self.max_connections_per_peer < 1:
             raise ConfigError("DataLinkConfig: max_connections and max_connections_per_peer must be >= 1")
+        if self.max_granted_dests_per_peer < 1 or self.max_granted_dests < 1:  # per peer > total: total holds
+            raise ConfigError("DataLinkConfig: max_granted_dests_per_peer and max_granted_dests must be >= 1")
         for name in ("handshake_timeout_s", "keepalive_s", "link_timeout_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):

@@ -83,7 +83,7 @@ class IpcPlane(UnixLinkPlane[IpcOutbound]):
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.posted: dict[tuple[str, int], str] = {}  # receiver: (transfer, layer) -> peer id
-        self.dests: GrantedDests[Target] = GrantedDests(self.board)  # sender: granted destinations
+        self.dests: GrantedDests[Target] = GrantedDests(self.board, config.links)  # sender: granted
         self._pending: dict[str, _PendingGrant] = {}  # receiver: what the next Grant to a peer carries
         self._exported: dict[int, bytes] = {}  # allocation base -> its IPC handle
         self.imports = ImportTable(self._open, self._close)

@@ -151,7 +151,7 @@ class ShmPlane(UnixLinkPlane[Outbound]):
         self._granted: dict[str, _Grant] = {}
         self._pending: dict[str, list[ShmDest]] = {}
         # sender side: destinations granted by peers, (transfer, layer) -> (peer id, dest)
-        self.dests: GrantedDests[ShmDest] = GrantedDests(self.board)
+        self.dests: GrantedDests[ShmDest] = GrantedDests(self.board, config.links)
         self.copier = RunCopier(config.shm_copy_threads)
         # receive-budget buffers in shared memory too (a transfer offered before its blocks were
         # known lands there in one copy); one region, exported to every link like the KV cache
