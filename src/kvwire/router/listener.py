@@ -133,7 +133,7 @@ class DiscoveryListener:
             msg = self._decode(frames)
             if isinstance(msg, KvEvents):
                 self._apply(batch)
-                applied = self._kv_index is not None and self._kv_index.apply(msg)
+                applied = self._kv_index is not None and self._registered(msg) and self._kv_index.apply(msg)
                 self.received["kv_events" if applied else "kv_events_ignored"] += 1
             elif msg is not None:
                 fd = frames[0].get(zmq.SRCFD)
@@ -156,6 +156,14 @@ class DiscoveryListener:
             self.dropped["malformed"] += 1
             self._refusals.refused("malformed", f"the decoder raised {type(exc).__name__}: {exc}")
         return None
+
+    def _registered(self, msg: KvEvents) -> bool:
+        """KV events count only for an instance the registry holds, at that epoch (its heartbeat goes
+        first on every connection). Others' (a peer that never registered, one already forgotten)
+        would each add state to the index that nothing removes, and every block size they name
+        costs each request a pass over its prompt (``KvIndex.holders``)."""
+        view = self._registry.get(msg.instance_id)
+        return view is not None and view.info.epoch == msg.epoch
 
     def _fresh(self, msg: Heartbeat | Deregister | KvEvents) -> Heartbeat | Deregister | KvEvents | None:
         """``msg``, or None (counted, logged) when a secret is set and it is not fresh (a replay)."""

@@ -12,11 +12,11 @@ import pytest
 import zmq
 
 from kvwire.discovery import Heartbeat, HeartbeatClient, InstanceInfo, encode_frames
-from kvwire.discovery.heartbeats import MAX_FRAME_BYTES, decode_frames
+from kvwire.discovery.heartbeats import MAX_FRAME_BYTES, KvEvents, decode_frames
 from kvwire.errors import ProtocolError
 from kvwire.protocol.kv_params import Role
 from kvwire.router.listener import DiscoveryListener
-from kvwire.router.registry import ApplyResult, Registry, clamp_ttl_s
+from kvwire.router.registry import ApplyResult, KvIndex, Registry, clamp_ttl_s
 from kvwire.router.sweeper import RegistrySweeper
 from kvwire.supervision import HealthBoard
 from support.waiting import wait_for
@@ -201,3 +201,29 @@ def test_heartbeat_thread_that_keeps_failing_is_dead_on_the_board() -> None:
         wait_for(lambda: board.dead() != [], 30, "the heartbeat component dead")
         body = board.health_body()
         assert body is not None and "kvwire-heartbeat" in str(body["reason"])
+
+
+def test_kv_events_of_instances_not_registered_are_ignored() -> None:
+    """KV events from a peer that never registered (or under another epoch) left state in the index
+    that nothing removed, and each block size they named cost every request a pass over its prompt:
+    they are ignored (counted); the registered instance's events still land."""
+    index = KvIndex()
+    registry = Registry(ttl_s=30.0, on_remove=index.drop)
+    lis = DiscoveryListener(registry, "127.0.0.1", 0, kv_index=index).start()
+    ctx, sock = _pusher(lis.address)
+    try:
+        sock.send_multipart(encode_frames(_hb("i0")))  # epoch 1
+        for n in range(200):
+            sock.send_multipart(encode_frames(KvEvents(instance_id=f"ghost-{n}", epoch=1, block_size=n + 1,
+                                                       stored=[n])))
+        sock.send_multipart(encode_frames(KvEvents(instance_id="i0", epoch=2, block_size=16, stored=[7])))
+        sock.send_multipart(encode_frames(KvEvents(instance_id="i0", epoch=1, block_size=16, stored=[1, 2])))
+        wait_for(lambda: lis.received["kv_events"] == 1 and lis.received["kv_events_ignored"] == 201,
+                 timeout_s=20.0, what="every KV event handled")
+        assert index.num_blocks("i0") == 2 and len(index) == 2
+        assert all(index.block_size(f"ghost-{n}") is None for n in range(200))
+        assert index.holders(lambda block_size: [1] if block_size == 16 else [99]) == {"i0"}
+    finally:
+        sock.close()
+        ctx.term()
+        lis.close()
