@@ -90,6 +90,10 @@ class ChatRequest(_CommonFields, kw_only=True):
     tools: list[Any] | None = None
 
 
+# The engine's thread compares each new token of the request with every stop token id and searches its
+# text for every stop string: a body of millions of them slowed every request of the instance.
+MAX_STOP_STRINGS = 256
+MAX_STOP_TOKEN_IDS = 1024
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII, no spaces: it becomes the answer's id
 _PATH_FIELD = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
 
@@ -160,6 +164,8 @@ def _check_common(req: _CommonFields) -> None:
         raise BadRequest(f"top_k must be -1, 0 (disabled) or positive, got {req.top_k}", param="top_k")
     if req.stop_token_ids is not None and any(t < 0 for t in req.stop_token_ids):
         raise BadRequest("stop_token_ids must be non-negative", param="stop_token_ids")
+    if req.stop_token_ids is not None and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise BadRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", param="stop_token_ids")
     if req.request_id is not None and not _REQUEST_ID.fullmatch(req.request_id):
         raise BadRequest("request_id must be 1-256 printable ASCII characters without spaces",
                          param="request_id")
@@ -219,6 +225,8 @@ def stop_strings(req: _CommonFields) -> list[str]:
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop)
     if any(not s for s in stops):
         raise BadRequest("stop strings must not be empty", param="stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
     return stops
 
 

@@ -7,6 +7,8 @@ import json
 import pytest
 
 from kvwire.server.openai_protocol import (
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
     BadRequest,
     chat_messages,
     parse_chat,
@@ -106,3 +108,17 @@ def test_chat_rejects(fields: dict[str, object], param: str) -> None:
     with pytest.raises(BadRequest) as info:
         parse_chat(body(**fields))
     assert info.value.param == param
+
+
+def test_stop_strings_and_stop_token_ids_are_bounded() -> None:
+    """The engine's thread checks every stop string and stop token id after each token of the request:
+    millions of them (a 16 MiB body holds that many) slowed every request of the instance."""
+    ok = parse_completion(body(prompt="x", stop=["s"] * MAX_STOP_STRINGS,
+                               stop_token_ids=[1] * MAX_STOP_TOKEN_IDS))
+    assert len(stop_strings(ok)) == MAX_STOP_STRINGS
+    with pytest.raises(BadRequest) as info:
+        stop_strings(parse_completion(body(prompt="x", stop=["s"] * (MAX_STOP_STRINGS + 1))))
+    assert info.value.param == "stop"
+    with pytest.raises(BadRequest) as info:
+        parse_chat(body(messages=[{"role": "user", "content": "x"}], stop_token_ids=[1] * 100_000))
+    assert info.value.param == "stop_token_ids"
