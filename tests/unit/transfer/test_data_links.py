@@ -418,3 +418,17 @@ def test_unix_listener_caps_per_peer_process(board: HealthBoard) -> None:
         for sock in held:
             sock.close()
         plane.close()
+
+
+@pytest.mark.parametrize("address", ["no-port", "127.0.0.1:99999", ":5", "127.0.0.1:x"])
+def test_a_data_address_that_is_not_host_port_fails_the_link_clearly(
+    tcp: tuple[TcpPlane, Callbacks], board: HealthBoard, address: str,
+) -> None:
+    """The peer's data address comes from its plane_info. One that is not host:port raised ValueError
+    or OverflowError in the writer thread (logged as a thread error, the queue failed as a vague
+    "link closed"): now the link fails with the reason, and no thread error is counted."""
+    plane, callbacks = tcp
+    plane.send(PeerRef("tcp://127.0.0.1:9", "sender-peer", address), [SendItem("t", 0, torch.zeros(8))])
+    wait_for(lambda: callbacks.peer_failed, 10, "the link to fail")
+    assert "is not a host:port data address" in callbacks.peer_failed[0][1]
+    assert board.worker_errors() == {}

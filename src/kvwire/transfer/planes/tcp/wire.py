@@ -31,5 +31,10 @@ def tune(sock: socket.socket, buffer_bytes: int) -> None:
 
 
 def host_port(address: str) -> tuple[str, int]:
+    """A peer's ``host:port`` data address (from its plane_info: the peer's choice). One that is not
+    raises ConnectionError, which the writer reports as the link failing (it raised ValueError or
+    OverflowError, which ended the writer thread as an error)."""
     host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConnectionError(f"{address[:80]!r} is not a host:port data address")
     return host.strip("[]"), int(port)
