@@ -236,6 +236,17 @@ def plane_infos() -> list[bytes]:
             msgspec.msgpack.encode(Envelope(local_hello(), {}))]
 
 
+def nccl_infos() -> list[bytes]:
+    """NCCL plane_info as a receiver sends it: an offer (two lanes), chunk plans, both."""
+    from kvwire.transfer.planes.nccl.plane_info import ChunkPlan, CommOffer, NcclInfo, encode_info
+
+    offer = CommOffer("c0ffee", bytes(range(128)), zero_copy=True, lane_ids=[bytes(128)])
+    chunks = [ChunkPlan("c0ffee", seq, "req-1", [2 * seq, 2 * seq + 1], 8192, lane=seq % 2)
+              for seq in range(3)]
+    return [encode_info(NcclInfo(offers=[offer])), encode_info(NcclInfo(chunks=chunks)),
+            encode_info(NcclInfo(offers=[offer], chunks=chunks))]
+
+
 def tcp_hellos() -> list[bytes]:
     from kvwire.transfer.planes.common.hello import HELLO, MAC_BYTES
     from kvwire.transfer.planes.tcp.wire import MAGIC, VERSION

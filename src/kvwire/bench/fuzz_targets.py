@@ -208,6 +208,15 @@ def plane_info() -> FuzzTarget:
     return FuzzTarget("transfer.plane_info", check, (ProtocolError, ValueError), fuzz_corpus.plane_infos)
 
 
+def nccl_info() -> FuzzTarget:
+    """The NCCL plane's part of a peer's ``plane_info`` (communicator offers, chunk plans): pure
+    msgspec, no CUDA needed to decode it."""
+    from kvwire.bench import fuzz_corpus
+    from kvwire.transfer.planes.nccl.plane_info import decode_info
+
+    return FuzzTarget("transfer.nccl_info", decode_info, (ProtocolError,), fuzz_corpus.nccl_infos)
+
+
 def upstream_answer() -> FuzzTarget:
     """What an instance answers, as the router reads it: P's whole answer (the first-token splice of
     a streamed P/D request), D's event stream (the splice, the migration ledger) and an error body.
@@ -259,6 +268,7 @@ TARGETS: dict[str, str] = {
     "etcd.watch": "kvwire.bench.fuzz_targets:etcd_watch",
     "transfer.control": "kvwire.bench.fuzz_targets:transfer_control",
     "transfer.plane_info": "kvwire.bench.fuzz_targets:plane_info",
+    "transfer.nccl_info": "kvwire.bench.fuzz_targets:nccl_info",
     "connector.trailer": "kvwire.bench.fuzz_targets:first_token_trailer",
     "kv.params": "kvwire.bench.fuzz_targets:kv_params",
     "http.instance_body": "kvwire.bench.fuzz_targets:instance_body",
