@@ -205,8 +205,23 @@ class GenerationHandler:
 
     async def read_body(self, request: web.Request) -> bytes:
         """The request's body within ``--http-body-timeout-s`` (``asyncio.TimeoutError`` past it: 408)
-        and ``--max-request-bytes`` (aiohttp's ``HTTPRequestEntityTooLarge``: 413)."""
-        return await asyncio.wait_for(request.read(), self._body_timeout_s)
+        and ``--max-request-bytes`` (aiohttp's ``HTTPRequestEntityTooLarge``: 413).
+
+        The handler's cancellation (the client went away) always propagates, also when the body's
+        last bytes arrive in the same loop iteration: not ``asyncio.wait_for``, which before Python
+        3.12 returns the body then (CPython gh-86296), so that the request would be admitted for a
+        client that is gone and, not streamed, never aborted (decision 146)."""
+        read = asyncio.ensure_future(request.read())
+        try:
+            done, _ = await asyncio.wait({read}, timeout=self._body_timeout_s)
+        finally:
+            if not read.done():
+                read.cancel()  # timed out, or the client went away
+            elif not read.cancelled():
+                read.exception()  # retrieved (raised below unless the client went away)
+        if not done:
+            raise asyncio.TimeoutError(f"request body not read within {self._body_timeout_s:g} s")
+        return read.result()
 
     def body_timeout_response(self) -> web.Response:
         return error_response(408, f"request body did not arrive within {self._body_timeout_s:g} s "
