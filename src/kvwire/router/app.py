@@ -23,7 +23,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvwire.errors import InvalidRequestError, NoInstanceError
-from kvwire.http.front_door import Refusal, RefusalLog, api_key_middleware, bearer_header
+from kvwire.http.front_door import Refusal, RefusalLog, api_key_middleware, bearer_header, client_gone
 from kvwire.router.config import PdFallback, RouterConfig
 from kvwire.router.discovery_backend import ZmqDiscovery, make_discovery
 from kvwire.router.dispatcher import Dispatcher
@@ -177,9 +177,11 @@ class RouterServer:
         except _CLIENT_ERRORS as exc:
             status, outcome, type_ = _client_error(exc)
             return error_response(status, str(exc), type_)
-        except (asyncio.CancelledError, ConnectionResetError):
+        except (asyncio.CancelledError, ConnectionResetError) as exc:
             timed_out = creq is not None and creq.outcome is Outcome.CLIENT_TIMEOUT  # stopped reading
             outcome = Outcome.CLIENT_TIMEOUT if timed_out else Outcome.CLIENT_DISCONNECTED
+            if isinstance(exc, ConnectionResetError):  # a routine event, not an error to log
+                return client_gone(request, exc)
             raise
         finally:
             self._active.discard(task)

@@ -39,7 +39,7 @@ from kvwire.errors import (
     RankLost,
     ServerShuttingDown,
 )
-from kvwire.http.front_door import ClientWriter
+from kvwire.http.front_door import ClientWriter, client_gone
 from kvwire.protocol.kv_params import KVTransferParams
 from kvwire.server.engine_loop import EngineLoop, RequestOutbox, TimedOutput
 from kvwire.server.metrics import ServerMetrics
@@ -87,6 +87,8 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
         default_type = "invalid_request_error" if exc.status < 500 else "server_error"
         err_type = _ERROR_TYPES.get(exc.status, default_type)
         return error_response(exc.status, exc.reason if exc.text is None else exc.text, err_type)
+    except ConnectionResetError as exc:  # the client went away (a body read or a write): not an error
+        return client_gone(request, exc)
     except Exception as exc:  # the one place an unexpected error becomes an HTTP status
         logger.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(500, f"internal server error: {type(exc).__name__}: {exc}", "server_error")
