@@ -25,7 +25,7 @@ Pull mode, one held transfer served in pieces to several receivers (docs/decisio
 
 P and D of different tensor-parallel sizes: in pull mode P holds each rank's whole layer (its
 registered paged cache, blocks pinned) without knowing D's size; every D rank that needs heads of it
-pulls its own *piece*: a :class:`~kvwire.transfer.core.Pull` naming the held transfer, its own
+pulls its own *piece*: a :class:`~kvwire.transfer.wire.Pull` naming the held transfer, its own
 transfer id for the piece, the head range it owns and how many pieces the held transfer serves in
 all. Each piece becomes a *child* send (a :class:`Piece`: a
 :class:`~kvwire.transfer.sender.SendState` bound to that receiver: offer, credit, leases, acks as
@@ -45,7 +45,7 @@ The send side
 Send side of the agent: offers, grants taken, layers handed over, acks, pulls, renewals, failures.
 
 A transfer is a :class:`SendState`; handing granted layers to the plane is :class:`SendQueue`;
-promises (accepted, not started) ``core.Promises``; early grants kept before the start
+promises (accepted, not started) :class:`Promises`; early grants kept before the start
 :class:`EarlyGrants`; piece pulls :class:`SplitPulls`; leases, expiry and the one ``fail``
 ``core.Transfers``.
 """
@@ -61,23 +61,7 @@ from typing import Any
 import torch
 
 from kvwire.errors import TransferError
-from kvwire.transfer.core import (
-    Ack,
-    ControlLimit,
-    Core,
-    Grant,
-    Lease,
-    Offer,
-    PeerState,
-    PeerTable,
-    Promises,
-    Pull,
-    Renew,
-    Trailer,
-    Transfers,
-    TransferState,
-    WireLayer,
-)
+from kvwire.transfer.core import Core, Lease, PeerState, Transfers, TransferState
 from kvwire.transfer.enums import FailReason, KVLayout
 from kvwire.transfer.memory import (
     DTYPE_NAMES,
@@ -91,6 +75,17 @@ from kvwire.transfer.memory import (
 )
 from kvwire.transfer.pending_pulls import PendingPulls
 from kvwire.transfer.planes.base import DataPlane
+from kvwire.transfer.wire import (
+    Ack,
+    ControlLimit,
+    Grant,
+    Offer,
+    PeerTable,
+    Pull,
+    Renew,
+    Trailer,
+    WireLayer,
+)
 
 SIDE = "send"  # this side's key in the tombstones
 
@@ -295,6 +290,67 @@ class SendQueue:
             return None
         num_bytes = sum(spec.num_bytes for spec in st.layers)
         return TransferTiming(num_bytes, self.core.now() - st.first_dispatch, st.busy_s)
+
+
+# ============================== Promises
+
+class Promises:
+    """Promised transfers: accepted by the send side, not started yet (their prefill may be queued).
+
+    :meth:`~kvwire.transfer.agent.TransferAgent.promise` keeps one here until ``start_send``,
+    ``abort`` or its limit; meanwhile the receiver's lease on it is renewed (state QUEUED: decision
+    123). A promise is this side's own word, whatever the receiver says. Every method runs with
+    ``core.lock``. transfer id -> (receiver endpoint, lease)."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.table: dict[str, tuple[str, Lease]] = {}
+
+    def promise(
+        self, transfer_id: str, endpoint: str, deadline_s: float, limit_s: float | None, started: bool
+    ) -> None:
+        """The request behind ``transfer_id`` was accepted (its prefill may be queued): renew the
+        receiver's lease (state QUEUED) until ``start``, ``forget`` or the limit. Nothing when the
+        transfer ``started`` already, is promised or ended."""
+        if started or transfer_id in self.table or self.core.tombstones.get(SIDE, transfer_id) is not None:
+            return
+        if len(self.table) >= self.core.config.max_pending_transfers:
+            raise TransferError("too many promised transfers", transfer_id)
+        lease = Lease.start(self.core.now(), deadline_s, limit_s)
+        lease.next_renew = 0.0  # tell the receiver at once
+        self.table[transfer_id] = (endpoint, lease)
+
+    def started(self, transfer_id: str) -> None:
+        """The send started: its own lease takes over."""
+        self.table.pop(transfer_id, None)
+
+    def forget(self, transfer_id: str, reason: str) -> None:
+        """Drop a promise (the request ended before its send started): the receiver is told at once
+        and later renewals of it are answered with an Abort."""
+        entry = self.table.pop(transfer_id, None)
+        if entry is not None:
+            self.core.send_abort(entry[0], transfer_id, reason)
+            self.core.tombstones.add(SIDE, transfer_id, reason)
+
+    def drop_endpoint(self, endpoint: str) -> None:
+        """The receiver at ``endpoint`` is gone: its promises go (nothing to tell it)."""
+        for tid in [t for t, (e, _) in self.table.items() if e == endpoint]:
+            del self.table[tid]
+
+    def renew(self, now: float) -> None:
+        """Renew (state QUEUED) each promise that is due; drop those past their limit (a request that
+        never started)."""
+        for tid in [t for t, (_, lease) in self.table.items() if lease.limit <= now]:
+            del self.table[tid]
+        for tid, (endpoint, lease) in self.table.items():
+            if lease.due(now):
+                msg = Renew(**self.core.header(endpoint, tid), state=PeerState.QUEUED.value, reply=False)
+                self.core.send(endpoint, msg)
+
+    def renewed_by(self, msg: Renew) -> bool:
+        """True if ``msg`` is about a transfer promised to its sender."""
+        entry = self.table.get(msg.transfer_id)
+        return entry is not None and entry[0] == msg.src_endpoint
 
 
 # ============================== Early grants kept by the sender
@@ -626,7 +682,6 @@ def _narrowed(layers: list[LayerSpec], layout: KVLayout, heads: range | None) ->
 # ============================== The send side
 
 
-
 class Sender(Transfers[SendState]):
     """Every method runs with ``core.lock`` held by the caller (the agent)."""
 
@@ -740,7 +795,7 @@ class Sender(Transfers[SendState]):
         return st  # None: it already ended (failed/aborted): the caller sees that in poll()
 
     def promise(self, transfer_id: str, endpoint: str, deadline_s: float, limit_s: float | None) -> None:
-        """See :meth:`kvwire.transfer.promises.Promises.promise`."""
+        """See :meth:`Promises.promise`."""
         self.promises.promise(transfer_id, endpoint, deadline_s, limit_s, transfer_id in self.table)
 
     # --- messages ----------------------------------------------------------------------------------------
@@ -919,6 +974,8 @@ class Sender(Transfers[SendState]):
 
     def on_renew(self, msg: Renew) -> bool:
         """The receiver of ``msg.transfer_id`` is alive: extend the lease. True if the transfer is ours."""
+        if msg.transfer_id not in self.table:
+            return False  # not sent from here (a receiving agent's every Renew)
         st = self.renewed_by(msg)
         if st is None:
             return False

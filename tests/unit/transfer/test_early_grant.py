@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvwire.transfer import TransferAgent, TransferConfig
-from kvwire.transfer.core import Grant, PeerState, Renew
+from kvwire.transfer.core import PeerState
 from kvwire.transfer.enums import KVLayout
 from kvwire.transfer.memory import (
     BlockTarget,
@@ -20,6 +20,7 @@ from kvwire.transfer.memory import (
     gather_blocks,
     shared_tensors,
 )
+from kvwire.transfer.wire import Grant, Renew
 from support.agent_helpers import poll_until
 from support.shm_planes import shm_plane
 from support.waiting import free_port, wait_for
