@@ -500,7 +500,8 @@ class TransferAgent:
             self._check_open()
             deadline = self.config.default_deadline_s if deadline_s is None else deadline_s
             limit = self.config.default_limit_s if limit_s is None else limit_s
-            self._sender.promise(transfer_id, peer_endpoint, deadline, limit)
+            started = transfer_id in self._sender.table
+            self._sender.promises.promise(transfer_id, peer_endpoint, deadline, limit, started)
         control = self._core.control
         assert control is not None
         control.wake()
@@ -616,12 +617,12 @@ class TransferAgent:
     def take_layers(self, transfer_id: str) -> dict[int, torch.Tensor]:
         """The buffered layers of a transfer in ``finished_recving`` (no-sink case), once."""
         with self._core.lock:
-            return self._receiver.take_layers(transfer_id)
+            return self._receiver.arrivals.take_layers(transfer_id)
 
     def take_trailer(self, transfer_id: str) -> bytes | None:
         """The trailer of a transfer in ``finished_recving``, once (None if none came)."""
         with self._core.lock:
-            return self._receiver.take_trailer(transfer_id)
+            return self._receiver.arrivals.take_trailer(transfer_id)
 
     # --- both sides --------------------------------------------------------------------------------------
 
@@ -634,7 +635,7 @@ class TransferAgent:
             self._sender.promises.forget(transfer_id, reason)
             self._sender.fail(transfer_id, local, notify=True, label=label, wire_reason=reason)
             self._receiver.fail(transfer_id, local, notify=True, label=label, wire_reason=reason)
-            self._receiver.drop_done(transfer_id)
+            self._receiver.arrivals.drop_done(transfer_id)
 
     def unsettled(self) -> dict[str, int]:
         """Failed or aborted receives whose sender may still write into their destinations (a
@@ -664,7 +665,7 @@ class TransferAgent:
     def stats(self) -> TransferStats:
         core = self._core
         with core.lock:
-            active = len(self._sender.sends) + len(self._receiver.recvs)
+            active = len(self._sender.table) + len(self._receiver.table)
         unsettled = core.plane.unsettled()
         return core.stats.snapshot(
             spill_bytes_in_use=core.memory.spill.in_use_bytes,

@@ -1108,10 +1108,6 @@ class Receiver(Transfers[RecvState]):
         self.arrivals = Arrivals(self)
         self.unsolicited = UnsolicitedOffers(core, self.table)
 
-    @property
-    def recvs(self) -> dict[str, RecvState]:
-        return self.table
-
     # --- API ---------------------------------------------------------------------------------------------
 
     def expect(
@@ -1194,12 +1190,6 @@ class Receiver(Transfers[RecvState]):
     def release(self, held_id: str, endpoint: str, deadline_s: float) -> None:
         """A piece pull of nothing: the sender ends the held transfer (split_pull)."""
         self.core.send(endpoint, self._pull_msg(endpoint, held_id, deadline_s, PullSlice(held_id, None, 0)))
-
-    def take_layers(self, transfer_id: str) -> dict[int, torch.Tensor]:
-        return self.arrivals.take_layers(transfer_id)
-
-    def take_trailer(self, transfer_id: str) -> bytes | None:
-        return self.arrivals.take_trailer(transfer_id)
 
     # --- messages ----------------------------------------------------------------------------------------
 
@@ -1402,9 +1392,6 @@ class Receiver(Transfers[RecvState]):
             self.core.stats.add("admission_renewals")
             return True
         return False
-
-    def drop_done(self, transfer_id: str) -> None:
-        self.arrivals.drop_done(transfer_id)
 
     def close(self, reason: str) -> None:
         super().close(reason)

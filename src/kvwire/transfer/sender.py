@@ -476,7 +476,7 @@ class SplitPulls:
     # --- pulls -------------------------------------------------------------------------------------------
 
     def on_pull(self, msg: Pull) -> None:
-        parent = self.sender.sends.get(msg.held)
+        parent = self.sender.table.get(msg.held)
         if parent is None:
             self._unheld(msg)
             return
@@ -515,7 +515,7 @@ class SplitPulls:
             return "every piece was pulled already"
         if split is not None and split.children and msg.pieces == 0:
             return f"{MISMATCH}: released after pieces were pulled"
-        taken = msg.transfer_id in self.sender.sends or self.core.tombstones.get(SIDE, msg.transfer_id)
+        taken = msg.transfer_id in self.sender.table or self.core.tombstones.get(SIDE, msg.transfer_id)
         if msg.pieces and (taken or msg.transfer_id == msg.held):
             return "piece transfer id already in use"
         return None
@@ -550,7 +550,7 @@ class SplitPulls:
 
     def _release(self, parent: SendState) -> None:
         """Nobody needs this held transfer: it ends as finished (its blocks can be freed)."""
-        del self.sender.sends[parent.transfer_id]
+        del self.sender.table[parent.transfer_id]
         self.core.events.sent(parent.transfer_id, None)
         self.core.stats.add("sends_completed")
         self.core.tombstones.add(SIDE, parent.transfer_id, "done")
@@ -577,7 +577,7 @@ class SplitPulls:
             heads=heads, last_progress=now,
         )  # fmt: skip
         split.children.add(child.transfer_id)
-        self.sender.sends[child.transfer_id] = child
+        self.sender.table[child.transfer_id] = child
         self.core.stats.add("sends_started")
         self._copy_layers(parent, child)
         self.sender.offer(child)
@@ -589,14 +589,14 @@ class SplitPulls:
         if split is None:
             return
         for child_id in list(split.children):
-            child = self.sender.sends.get(child_id)
+            child = self.sender.table.get(child_id)
             if child is not None:
                 self._copy_layers(parent, child)
-            if child_id in self.sender.sends:  # (copying fails the held transfer if it cannot be split)
-                self.sender.dispatch(self.sender.sends[child_id])
+            if child_id in self.sender.table:  # (copying fails the held transfer if it cannot be split)
+                self.sender.dispatch(self.sender.table[child_id])
         waiting, split.waiting = split.waiting, []
         for msg in waiting:
-            if parent.transfer_id in self.sender.sends:
+            if parent.transfer_id in self.sender.table:
                 self._start_child(parent, split, msg)
 
     def _copy_layers(self, parent: SendState, child: SendState) -> None:
@@ -613,7 +613,7 @@ class SplitPulls:
 
     def piece_done(self, child: Piece, timing: TransferTiming | None) -> None:
         """A piece completed: count it (its held transfer reports once all its pieces are done)."""
-        parent = self.sender.sends.get(child.parent)
+        parent = self.sender.table.get(child.parent)
         split = parent.split if parent is not None else None
         if parent is not None and split is not None:
             self._count_piece(parent, split, child, timing)
@@ -629,7 +629,7 @@ class SplitPulls:
             split.first_dispatch = min(split.first_dispatch or child.first_dispatch, child.first_dispatch)
         if len(split.done) < split.pieces:
             return
-        del self.sender.sends[parent.transfer_id]
+        del self.sender.table[parent.transfer_id]
         total = None
         if split.first_dispatch is not None:
             total = TransferTiming(split.num_bytes, self.core.now() - split.first_dispatch, split.busy_s)
@@ -694,10 +694,6 @@ class Sender(Transfers[SendState]):
         self.early_grants = EarlyGrants(core)  # grants that came before start_send (decision 110)
         self.queue = SendQueue(core, self.table)
         self.splits = SplitPulls(self)
-
-    @property
-    def sends(self) -> dict[str, SendState]:
-        return self.table
 
     # --- API ---------------------------------------------------------------------------------------------
 
@@ -793,10 +789,6 @@ class Sender(Transfers[SendState]):
         if st is not None and layer_index is not None:
             st.check_layer(layer_index)
         return st  # None: it already ended (failed/aborted): the caller sees that in poll()
-
-    def promise(self, transfer_id: str, endpoint: str, deadline_s: float, limit_s: float | None) -> None:
-        """See :meth:`Promises.promise`."""
-        self.promises.promise(transfer_id, endpoint, deadline_s, limit_s, transfer_id in self.table)
 
     # --- messages ----------------------------------------------------------------------------------------
 
