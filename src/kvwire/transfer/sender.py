@@ -1,7 +1,8 @@
-"""Send side of the agent: one transfer's state and the queue to the plane, early grants kept before
-the start, pulls in pieces, and the side itself.
+"""Send side of the agent: one transfer's state and the queue to the plane, promises and early grants
+kept before the start, pulls in pieces, and the side itself.
 
-Read in order: a send's state and :class:`SendQueue`; :class:`EarlyGrants` (decision 110);
+Read in order: a send's state and :class:`SendQueue`; :class:`Promises` (decision 123);
+:class:`EarlyGrants` (decision 110);
 split pulls (a held transfer served in pieces); the :class:`Sender` (offers, grants, layers
 handed over, acks, pulls, renewals, failures).
 
