@@ -82,11 +82,12 @@ Routes
 Where what reaches an agent goes: control messages, ticks and plane reports, to the side that
 holds the transfer they name.
 
-The control thread (:class:`ControlLoop`) calls ``on_message``, ``on_reject``, ``on_tick``,
-``on_unreachable`` and ``on_control_dead``; the data plane's threads call the
-:class:`~kvwire.transfer.planes.base.PlaneCallbacks` methods. Each takes ``core.lock``; a sink runs
-without it. Epochs are checked here, once per message, before any side sees it: a new instance id at
-a known endpoint fails the old process's transfers (decision 092).
+The control thread (:class:`~kvwire.transfer.agent.ControlLoop`) calls ``on_message``,
+``on_reject``, ``on_tick``, ``on_unreachable`` and ``on_control_dead``; the data plane's threads call
+the :class:`~kvwire.transfer.planes.base.PlaneCallbacks` methods. Each takes ``core.lock``; a sink
+runs without it. Epochs are checked here, once per message, before any side sees it: a new instance
+id at a known endpoint fails the old process's transfers (decision 092). Layers that landed before
+``expect`` named their sink are handed to it by the control thread's tick (``on_tick``).
 """
 
 from __future__ import annotations
