@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from kvwire.errors import AuthenticationError, ProtocolError
-from kvwire.transfer.core import MAX_PIECES, PROTOCOL_VERSION, Ack, Codec, Grant, Offer, Pull, WireLayer
+from kvwire.transfer.wire import MAX_PIECES, PROTOCOL_VERSION, Ack, Codec, Grant, Offer, Pull, WireLayer
 
 HEAD = {"src_id": "abc", "src_endpoint": "tcp://127.0.0.1:5000", "transfer_id": "t-1"}
 
