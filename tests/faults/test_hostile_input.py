@@ -22,7 +22,7 @@ import zmq
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.discovery.heartbeats import Heartbeat, InstanceInfo, encode_frames
 from kvwire.protocol.kv_params import Role
-from kvwire.transfer.core import PROTOCOL_VERSION
+from kvwire.transfer.wire import PROTOCOL_VERSION
 from support.fault_cluster import (
     blocks_back_to_zero,
     completion,

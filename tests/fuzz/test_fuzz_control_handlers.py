@@ -25,19 +25,8 @@ import torch
 from kvwire.bench.fuzz_corpus import plane_infos
 from kvwire.errors import ProtocolError
 from kvwire.transfer import TransferAgent, TransferConfig
-from kvwire.transfer.core import (
-    Abort,
-    Ack,
-    AnyMsg,
-    Codec,
-    Grant,
-    Offer,
-    PeerState,
-    Pull,
-    Renew,
-    Trailer,
-    WireLayer,
-)
+from kvwire.transfer.core import PeerState
+from kvwire.transfer.wire import Abort, Ack, AnyMsg, Codec, Grant, Offer, Pull, Renew, Trailer, WireLayer
 from support.agent_helpers import _layers, _send, poll_until
 
 ROUNDS = 150

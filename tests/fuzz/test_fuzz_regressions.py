@@ -23,7 +23,7 @@ from kvwire.protocol.kv_signing import KVParamsRefused, ParamsRefusal, ParamsSig
 from kvwire.router.etcd_stream import decode_watch_message
 from kvwire.router.request import parse_client_request
 from kvwire.server.openai_protocol import BadRequest, parse_chat, parse_completion
-from kvwire.transfer.core import MAX_MESSAGE_BYTES, Codec
+from kvwire.transfer.wire import MAX_MESSAGE_BYTES, Codec
 
 MSGPACK_NEST = b"\x91" * 60_000 + b"\x90"  # the 60 KB frame of issue 33
 JSON_NEST = b"[" * 5000 + b"]" * 5000
@@ -185,7 +185,7 @@ def test_control_message_with_a_malformed_endpoint_is_refused(endpoint: str) -> 
     """Replies go to ``src_endpoint``: ZeroMQ refuses a malformed one only when the control thread
     connects to it (a socket was made by then, and nothing closed it: 3 descriptors per message).
     The decoder refuses it instead."""
-    from kvwire.transfer.core import Abort
+    from kvwire.transfer.wire import Abort
 
     msg = Abort(src_id="a", src_endpoint=endpoint, transfer_id="t", reason="r")
     with pytest.raises(ProtocolError, match="src_endpoint"):
@@ -195,7 +195,7 @@ def test_control_message_with_a_malformed_endpoint_is_refused(endpoint: str) -> 
 @pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:5600", "tcp://[::1]:5", "tcp://host_a.lan:80",
                                       "ipc:///tmp/kvwire.sock", "inproc://agent-1"])
 def test_control_message_endpoints_of_every_form_pass(endpoint: str) -> None:
-    from kvwire.transfer.core import Abort
+    from kvwire.transfer.wire import Abort
 
     msg = Abort(src_id="a", src_endpoint=endpoint, transfer_id="t", reason="r")
     assert Codec(None).decode(Codec(None).encode(msg)) == msg

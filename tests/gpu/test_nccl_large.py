@@ -136,7 +136,7 @@ def _agent_state(agent: Any, tids: Sequence[str]) -> dict[str, Any]:
         try:
             out: dict[str, Any] = {"stats": dataclasses.asdict(agent.stats())}
             for tid in tids:
-                send = agent._sender.sends.get(tid)
+                send = agent._sender.table.get(tid)
                 if send is not None:
                     out[f"send {tid}"] = {
                         "handed_over": len(send.items),
@@ -147,7 +147,7 @@ def _agent_state(agent: Any, tids: Sequence[str]) -> dict[str, Any]:
                         "trailer_sent": send.trailer_sent,
                         "trailer_acked": send.trailer_acked,
                     }
-                recv = agent._receiver.recvs.get(tid)
+                recv = agent._receiver.table.get(tid)
                 if recv is not None:
                     out[f"recv {tid}"] = {
                         "expected": recv.expected,

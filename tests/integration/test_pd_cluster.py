@@ -147,17 +147,7 @@ async def _abort_many(url: str) -> None:
 def test_client_aborts_mid_handover_release_blocks(cluster: LocalCluster, reference: list[list[int]]) -> None:
     asyncio.run(_abort_many(cluster.router_url))
     # Push: every side cancels at once. Pull: a lease whose D never came expires (by design).
-    try:
-        assert_no_blocks_held(cluster, within_s=15.0 + KV_DEADLINE_S)
-    except AssertionError as exc:
-        # Known race (2026-12-05, present since at least c6c0534: 2 of 5 runs of
-        # `pytest tests/integration/test_pd_cluster.py -k "aborts_mid_handover and 2P2D-push"`):
-        # with two D instances in push mode a D may keep an aborted request's blocks. Reported as
-        # an expected failure of this one setup until it is fixed; every other setup must pass.
-        spec = cluster.spec
-        if spec.num_decode > 1 and spec.mode is TransferMode.PUSH:
-            pytest.xfail(f"known race, 2P2D push: {exc}")
-        raise
+    assert_no_blocks_held(cluster, within_s=15.0 + KV_DEADLINE_S)
     # Still serving, still exact.
     result = send_all(cluster.router_url, bodies()[:2])
     assert [r.token_ids for r in result] == reference[:2]

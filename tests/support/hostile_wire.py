@@ -21,12 +21,12 @@ import zmq
 
 from kvwire.bench import fuzz_corpus, fuzz_mutate
 from kvwire.errors import ProtocolError
-from kvwire.transfer.core import Codec
 from kvwire.transfer.planes.common.hello import HELLO, MAC_BYTES, NONCE_BYTES
 from kvwire.transfer.planes.shm.wire import MAGIC as SHM_MAGIC
 from kvwire.transfer.planes.shm.wire import VERSION as SHM_VERSION
 from kvwire.transfer.planes.tcp.wire import MAGIC as TCP_MAGIC
 from kvwire.transfer.planes.tcp.wire import VERSION as TCP_VERSION
+from kvwire.transfer.wire import Codec
 
 NEST = b"\x91" * 60_000 + b"\x90"  # the 60 KB frame of issue 33
 OVERSIZE = 16 << 20  # bytes: far past every decoder's cap (64 KiB discovery, 4 MiB control)

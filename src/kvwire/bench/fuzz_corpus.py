@@ -78,7 +78,7 @@ def etcd_watch_lines() -> list[bytes]:
 
 
 def control_messages() -> list[bytes]:
-    from kvwire.transfer.core import Abort, Ack, AnyMsg, Codec, Grant, Offer, Pull, Renew, Trailer, WireLayer
+    from kvwire.transfer.wire import Abort, Ack, AnyMsg, Codec, Grant, Offer, Pull, Renew, Trailer, WireLayer
 
     head: dict[str, Any] = {"src_id": "a" * 32, "src_endpoint": "tcp://127.0.0.1:5600", "dst_id": "b" * 32,
             "transfer_id": "req-1"}

@@ -84,7 +84,7 @@ def etcd_watch() -> FuzzTarget:
 
 def transfer_control() -> FuzzTarget:
     from kvwire.bench import fuzz_corpus
-    from kvwire.transfer.core import Codec
+    from kvwire.transfer.wire import Codec
 
     plain, signed = Codec(None), Codec(SECRET)
 

@@ -146,6 +146,17 @@ def api_key_middleware(
     return check_api_key
 
 
+def client_gone(request: web.Request, exc: ConnectionResetError) -> web.Response:
+    """What a handler returns when its client went away (or stopped reading): a routine event, logged
+    at debug level, not an error. The connection is closed, so aiohttp's write of this reply fails
+    quietly (it ignores a ``ConnectionError`` there) and nothing reaches a client that left; the access
+    log shows 499, the status proxies use for a client that closed its request."""
+    log.debug("%s %s: client gone (%s)", request.method, request.path, exc)
+    if request.transport is not None:
+        request.transport.close()
+    return web.Response(status=499)
+
+
 # --- writes to a client under a deadline ------------------------------------------------------------
 
 # One bounded write of a whole body. aiohttp waits for the client (drain) once more than 64 KiB went

@@ -23,7 +23,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvwire.errors import InvalidRequestError, NoInstanceError
-from kvwire.http.front_door import Refusal, RefusalLog, api_key_middleware, bearer_header
+from kvwire.http.front_door import Refusal, RefusalLog, api_key_middleware, bearer_header, client_gone
 from kvwire.router.config import PdFallback, RouterConfig
 from kvwire.router.discovery_backend import ZmqDiscovery, make_discovery
 from kvwire.router.dispatcher import Dispatcher
@@ -177,9 +177,11 @@ class RouterServer:
         except _CLIENT_ERRORS as exc:
             status, outcome, type_ = _client_error(exc)
             return error_response(status, str(exc), type_)
-        except (asyncio.CancelledError, ConnectionResetError):
+        except (asyncio.CancelledError, ConnectionResetError) as exc:
             timed_out = creq is not None and creq.outcome is Outcome.CLIENT_TIMEOUT  # stopped reading
             outcome = Outcome.CLIENT_TIMEOUT if timed_out else Outcome.CLIENT_DISCONNECTED
+            if isinstance(exc, ConnectionResetError):  # a routine event, not an error to log
+                return client_gone(request, exc)
             raise
         finally:
             self._active.discard(task)
@@ -198,17 +200,28 @@ class RouterServer:
             return error_response(status, str(exc), type_)
 
     async def _read_body(self, request: web.Request) -> bytes:
-        limit = self.cfg.max_body_bytes
+        """The body within ``--max-body-bytes`` and ``--http-body-timeout-s``. The handler's
+        cancellation (the client went away) always propagates, also when the body's last bytes arrive
+        in the same loop iteration: not ``asyncio.wait_for``, which before Python 3.12 returns the
+        body then (CPython gh-86296) and the request would go to P and D for nobody (decision 146)."""
+        limit, timeout_s = self.cfg.max_body_bytes, self.cfg.http_body_timeout_s
         if request.content_length is not None and request.content_length > limit:
             size = request.content_length
             raise _BodyTooLarge(f"request body of {size} bytes exceeds the {limit}-byte limit")
+        read = asyncio.ensure_future(request.read())
         try:
-            return await asyncio.wait_for(request.read(), self.cfg.http_body_timeout_s)
+            done, _ = await asyncio.wait({read}, timeout=timeout_s)
+        finally:
+            if not read.done():
+                read.cancel()  # timed out, or the client went away
+            elif not read.cancelled():
+                read.exception()  # retrieved (raised below unless the client went away)
+        if not done:
+            raise _BodyTimeout(f"request body did not arrive within {timeout_s:g} s (--http-body-timeout-s)")
+        try:
+            return read.result()
         except web.HTTPRequestEntityTooLarge as exc:
             raise _BodyTooLarge(f"request body exceeds the {limit}-byte limit") from exc
-        except asyncio.TimeoutError as exc:
-            raise _BodyTimeout(f"request body did not arrive within {self.cfg.http_body_timeout_s:g} s "
-                               "(--http-body-timeout-s)") from exc
 
     def _auth_refused(self, refusal: Refusal) -> None:
         self.metrics.auth_refused.labels(reason=refusal.value).inc()

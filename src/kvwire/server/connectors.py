@@ -18,7 +18,7 @@ from kvwire.errors import ConfigError
 from kvwire.protocol.kv_params import Role
 from kvwire.server.config import ServerConfig
 from kvwire.supervision import HealthBoard
-from kvwire.transfer.core import ControlLimit
+from kvwire.transfer.wire import ControlLimit
 
 if TYPE_CHECKING:
     from kvwire.transfer.core import TransferStats

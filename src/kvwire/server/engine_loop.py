@@ -251,16 +251,20 @@ class EngineLoop:
             del self._adding[request_id]
 
     async def _accepted(self, done: concurrent.futures.Future[None]) -> None:
-        """Wait for the engine thread to take the request; fail if the thread dies meanwhile."""
+        """Wait for the engine thread to take the request; fail if the thread dies meanwhile.
+
+        A cancellation (the client went away) always reaches the caller, which then aborts the
+        request, also when the engine thread takes it in the same loop iteration. Hence
+        ``asyncio.wait`` and not ``asyncio.wait_for``, which before Python 3.12 returns then (CPython
+        gh-86296): the request would stay in the engine for a client that is gone (decision 146)."""
         waiter = asyncio.wrap_future(done)
         while True:
-            try:
-                await asyncio.wait_for(asyncio.shield(waiter), timeout=_LIVENESS_CHECK_S)
+            taken, _ = await asyncio.wait({waiter}, timeout=_LIVENESS_CHECK_S)
+            if taken:
+                waiter.result()  # raises what the engine's add_request raised
                 return
-            except asyncio.TimeoutError:
-                if not self.alive:
-                    self._refuse_pending(EngineError("the engine thread is not running"))
-                    await waiter  # raises what _refuse_pending set
+            if not self.alive:  # our add, if still queued, fails now: the next wait returns at once
+                self._refuse_pending(EngineError("the engine thread is not running"))
 
     def abort(self, request_id: str) -> None:
         """Stop a request (client gone); its blocks are freed by the engine. Idempotent."""

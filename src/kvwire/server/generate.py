@@ -39,7 +39,7 @@ from kvwire.errors import (
     RankLost,
     ServerShuttingDown,
 )
-from kvwire.http.front_door import ClientWriter
+from kvwire.http.front_door import ClientWriter, client_gone
 from kvwire.protocol.kv_params import KVTransferParams
 from kvwire.server.engine_loop import EngineLoop, RequestOutbox, TimedOutput
 from kvwire.server.metrics import ServerMetrics
@@ -87,6 +87,8 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
         default_type = "invalid_request_error" if exc.status < 500 else "server_error"
         err_type = _ERROR_TYPES.get(exc.status, default_type)
         return error_response(exc.status, exc.reason if exc.text is None else exc.text, err_type)
+    except ConnectionResetError as exc:  # the client went away (a body read or a write): not an error
+        return client_gone(request, exc)
     except Exception as exc:  # the one place an unexpected error becomes an HTTP status
         logger.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(500, f"internal server error: {type(exc).__name__}: {exc}", "server_error")
@@ -205,8 +207,23 @@ class GenerationHandler:
 
     async def read_body(self, request: web.Request) -> bytes:
         """The request's body within ``--http-body-timeout-s`` (``asyncio.TimeoutError`` past it: 408)
-        and ``--max-request-bytes`` (aiohttp's ``HTTPRequestEntityTooLarge``: 413)."""
-        return await asyncio.wait_for(request.read(), self._body_timeout_s)
+        and ``--max-request-bytes`` (aiohttp's ``HTTPRequestEntityTooLarge``: 413).
+
+        The handler's cancellation (the client went away) always propagates, also when the body's
+        last bytes arrive in the same loop iteration: not ``asyncio.wait_for``, which before Python
+        3.12 returns the body then (CPython gh-86296), so that the request would be admitted for a
+        client that is gone and, not streamed, never aborted (decision 146)."""
+        read = asyncio.ensure_future(request.read())
+        try:
+            done, _ = await asyncio.wait({read}, timeout=self._body_timeout_s)
+        finally:
+            if not read.done():
+                read.cancel()  # timed out, or the client went away
+            elif not read.cancelled():
+                read.exception()  # retrieved (raised below unless the client went away)
+        if not done:
+            raise asyncio.TimeoutError(f"request body not read within {self._body_timeout_s:g} s")
+        return read.result()
 
     def body_timeout_response(self) -> web.Response:
         return error_response(408, f"request body did not arrive within {self._body_timeout_s:g} s "

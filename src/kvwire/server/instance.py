@@ -218,7 +218,10 @@ class ServerInstance:
             self._engine_loop.abort_all("the server is shutting down")
         if self._runner is not None:
             try:
-                await asyncio.wait_for(self._runner.cleanup(), timeout=max(0.1, deadline - time.monotonic()))
+                # a cancellation lost here would only let the shutdown go on
+                await asyncio.wait_for(  # noqa: TID251
+                    self._runner.cleanup(), timeout=max(0.1, deadline - time.monotonic())
+                )
             except asyncio.TimeoutError:
                 logger.warning("HTTP shutdown did not finish within the deadline")
                 clean = False

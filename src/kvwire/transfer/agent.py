@@ -1,7 +1,8 @@
-"""The transfer agent: its control thread, where what reaches it goes, and its public API.
+"""The transfer agent: its control thread, its completion events, and its public API.
 
-Read in order: :class:`ControlLoop` (the ZMQ control thread); :class:`Routes` (control messages,
-ticks and plane reports to the side holding the transfer); :class:`TransferAgent`.
+Read in order: :class:`ControlLoop` (the ZMQ control thread); :class:`EventBox` (what ``poll``
+reports); :class:`TransferAgent`. Where what reaches the agent goes (control messages, ticks, plane
+reports) is :class:`~kvwire.transfer.core.Routes`.
 
 The control thread
 ------------------
@@ -23,16 +24,10 @@ escapes an iteration restarts the loop after a backoff, and too many such failur
 dead (``on_dead``: the agent fails every transfer and refuses new ones). More than
 ``MAX_CONTAINED_ERRORS`` contained errors within ``CONTAINED_WINDOW_S`` count as one such failure.
 
-Routes
-------
-Where what reaches an agent goes: control messages, ticks and plane reports, to the side that
-holds the transfer they name.
-
-The control thread (:class:`ControlLoop`) calls ``on_message``, ``on_reject``, ``on_tick``,
-``on_unreachable`` and ``on_control_dead``; the data plane's threads call the
-:class:`~kvwire.transfer.planes.base.PlaneCallbacks` methods. Each takes ``core.lock``; a sink runs
-without it. Epochs are checked here, once per message, before any side sees it: a new instance id at
-a known endpoint fails the old process's transfers (decision 092).
+Completion events
+-----------------
+What the halves report (sent, received, failed, with timings), appended by any thread and swapped
+out at once by :meth:`TransferAgent.poll`.
 
 The agent
 ---------
@@ -40,8 +35,8 @@ TransferAgent: one per process (per GPU worker); moves KV layers to/from peer ag
 
 Threads: the control thread (:class:`ControlLoop`: ZMQ I/O, message handling, deadlines,
 ack flushing, delayed sink deliveries) and the data plane's threads (:mod:`kvwire.transfer.planes.base`);
-what they report goes through :class:`Routes` to the side that holds the transfer
-(:mod:`kvwire.transfer.sender`, :mod:`kvwire.transfer.receiver`).
+what they report goes through :class:`~kvwire.transfer.core.Routes` to the side that holds the
+transfer (:mod:`kvwire.transfer.sender`, the receive side in :mod:`kvwire.transfer.core`).
 Caller threads only touch in-memory state under the agent lock and queue work: no public method
 waits on the network. Completion is reported through :meth:`TransferAgent.poll`.
 
@@ -76,21 +71,7 @@ from kvwire.http.refusal_log import RefusalLog
 from kvwire.supervision import HealthBoard, SupervisedThread
 from kvwire.transfer.buffers import RecvMemory
 from kvwire.transfer.config import TransferConfig
-from kvwire.transfer.core import (
-    MAX_FRAMES,
-    Abort,
-    Ack,
-    AnyMsg,
-    Codec,
-    Core,
-    Grant,
-    Offer,
-    PeerState,
-    Pull,
-    Renew,
-    Trailer,
-    TransferStats,
-)
+from kvwire.transfer.core import TICK_S, CompletionEvents, Core, Receiver, Routes, TransferStats
 from kvwire.transfer.enums import FailReason, KVLayout
 from kvwire.transfer.memory import (
     BlockTarget,
@@ -104,15 +85,14 @@ from kvwire.transfer.memory import (
 from kvwire.transfer.peer_watch import PeerWatch
 from kvwire.transfer.planes.base import DataPlane, PlaneSet
 from kvwire.transfer.planes.factory import make_plane
-from kvwire.transfer.receiver import Receiver
 from kvwire.transfer.sender import Sender
+from kvwire.transfer.wire import MAX_FRAMES, AnyMsg, Codec
 
 # ============================== The control thread
 
 log = logging.getLogger("kvwire.transfer")
 control_log = logging.getLogger("kvwire.transfer.control")  # the control thread's logger (its name kept)
 
-TICK_S = 0.02  # deadline/ack-flush granularity
 MAX_BATCH = 256  # inbound messages handled per wake-up before the outbox gets a turn
 SNDHWM = 10_000
 LINGER_MS = 200  # give final Aborts a moment to leave on close
@@ -367,212 +347,26 @@ class _ErrorLog:
         control_log.exception("%s%s", text, more)
 
 
-# ============================== Routes
+# ============================== Completion events
 
+class EventBox(CompletionEvents):
+    """The completion events as :meth:`TransferAgent.poll` and :meth:`TransferAgent.wait` read them:
+    the halves append (:class:`~kvwire.transfer.core.CompletionEvents`, any thread), the caller of
+    ``poll`` swaps them out atomically."""
 
+    def wait(self, timeout_s: float) -> bool:
+        """Block until an event is waiting to be swapped out, at most ``timeout_s``; True if one is."""
+        with self._lock:
+            return self._ready.wait_for(lambda: bool(self._sent or self._recvd or self._failed), timeout_s)
 
-class Routes:
-    """The agent's control-thread and plane-thread entry points (see the module docstring)."""
-
-    def __init__(self, core: Core, sender: Sender, receiver: Receiver) -> None:
-        self.core = core
-        self.sender = sender
-        self.receiver = receiver
-        self._next_expiry = 0.0  # control thread only: when on_tick next checks deadlines
-
-    # --- control thread ----------------------------------------------------------------------------------
-
-    def on_message(self, msg: AnyMsg) -> None:
-        core = self.core
-        with core.lock:
-            if core.closed:
-                return
-            self._check_epoch(msg)
-            if msg.dst_id and msg.dst_id != core.instance_id and not isinstance(msg, (Offer, Pull)):
-                self.on_reject(f"stale {type(msg).__name__} for epoch {msg.dst_id} (now {core.instance_id})")
-                # an early Grant (decision 110) went to this endpoint's previous process on what
-                # the receiver knew of it: that process never had the transfer, nothing was lost;
-                # the receiver grants afresh when this process offers it
-                if not isinstance(msg, Abort) and not (isinstance(msg, Grant) and msg.early):
-                    reason = f"{FailReason.PEER_LOST.value}: peer restarted"
-                    core.send_abort(msg.src_endpoint, msg.transfer_id, reason, msg.src_id)
-                return
-            self._route(msg)
-
-    def _route(self, msg: AnyMsg) -> None:
-        if isinstance(msg, (Offer, Trailer)):
-            self.receiver.on_control(msg)
-        elif isinstance(msg, Grant):
-            self.sender.on_grant(msg)
-        elif isinstance(msg, Ack):
-            self.sender.on_ack(msg)
-        elif isinstance(msg, Pull):
-            self.sender.on_pull(msg)
-        elif isinstance(msg, Renew):
-            self._on_renew(msg)
-        elif isinstance(msg, Abort):
-            self.sender.on_abort(msg.transfer_id, msg.src_endpoint, msg.reason)
-            self.receiver.on_control(msg)
-
-    def _on_renew(self, msg: Renew) -> None:
-        """The peer is alive: extend our lease on the transfer; answer a non-reply with our state."""
-        core, tid, endpoint = self.core, msg.transfer_id, msg.src_endpoint
-        sending = self.sender.on_renew(msg)
-        promised = self.sender.promises.renewed_by(msg)
-        self.sender.early_grants.heard(msg)
-        receiving = self.receiver.on_renew(msg)
-        if msg.reply:
-            return
-        if promised and not sending:
-            state = PeerState.QUEUED.value
-            core.send(endpoint, Renew(**core.header(endpoint, tid, msg.src_id), state=state, reply=True))
-            return
-        if sending:
-            core.send(endpoint, self.sender.renew_msg(endpoint, tid, reply=True))
-            return
-        if receiving:
-            core.send(endpoint, self.receiver.renew_msg(endpoint, tid, reply=True))
-            return
-        # the asker receives if it reports so: our side of the transfer is then the send side
-        side = self.sender.side if msg.state == PeerState.RECEIVING.value else self.receiver.side
-        ended = core.tombstones.get(side, tid)
-        if ended is not None and ended != "done":
-            core.send_abort(endpoint, tid, ended, msg.src_id)
-            return
-        state = PeerState.DONE if ended == "done" else PeerState.UNKNOWN
-        core.send(endpoint, Renew(**core.header(endpoint, tid, msg.src_id), state=state.value, reply=True))
-
-    def _check_epoch(self, msg: AnyMsg) -> None:
-        """A new instance id at a known endpoint: the old process is gone; fail its transfers."""
-        core = self.core
-        known = core.peer_ids.heard(msg.src_endpoint, msg.src_id)
-        if known is None or known == msg.src_id:
-            return
-        log.warning("peer %s restarted (instance %s -> %s)", msg.src_endpoint, known, msg.src_id)
-        core.stats.add("peers_restarted")
-        reason = f"{FailReason.PEER_LOST.value}: peer {msg.src_endpoint} restarted"
-        self._fail_peer(known, reason, restarted=True)
-
-    def _fail_peer(self, peer_id: str, reason: str, restarted: bool = False) -> None:
-        """``restarted``: a new process took the peer's endpoint (not a link of a live peer that broke)."""
-        self.sender.fail_peer(peer_id, reason)
-        self.receiver.fail_peer(peer_id, reason, restarted)
-        self.core.plane.drop_peer(peer_id)
-
-    def on_unreachable(self, endpoint: str) -> None:
-        """The peer at ``endpoint`` refuses connections (its process is gone): fail its transfers
-        now rather than at their leases (peer_watch, decision 088)."""
-        with self.core.lock:
-            if self.core.closed:
-                return
-            reason = f"{FailReason.PEER_LOST.value}: {endpoint} refuses connections"
-            failed = self.sender.fail_endpoint(endpoint, reason)
-            failed += self.receiver.fail_endpoint(endpoint, reason)
-        if failed:
-            log.warning("transfer peer %s refuses connections: failed its %d transfer(s)", endpoint, failed)
-
-    def on_reject(self, reason: str) -> None:
-        self.core.stats.add("messages_rejected")
-        # once, then a summary a minute: a peer sending garbage in a loop must not flood the log
-        self.core.rejects.refused("rejected", reason)
-
-    def on_tick(self) -> None:
-        """After every control-loop wake-up: flush acks; scan deadlines at most every ``TICK_S``
-        (each arrived layer wakes the loop, and the scans walk every transfer in flight)."""
-        with self.core.lock:
-            if self.core.closed:
-                return
-            now = self.core.now()
-            if now >= self._next_expiry:
-                self._next_expiry = now + TICK_S
-                self.sender.expire(now)
-                self.receiver.expire(now)
-                self.sender.renew(now)
-                self.receiver.renew(now)
-            self.receiver.arrivals.flush_acks()
-
-    def on_control_dead(self, error: BaseException) -> None:
-        """Control thread, once, as supervision gives it up: nothing can move or expire any more, so
-        every transfer fails now (callers see it in ``poll``) and new ones are refused."""
-        what = f"{type(error).__name__}: {error}"
-        reason = f"{FailReason.CLOSED.value}: the transfer control loop is dead ({what})"
-        log.error("transfer agent %s: %s; failing every transfer in flight", self.core.instance_id, reason)
-        with self.core.lock:
-            if self.core.closed:
-                return
-            self.core.dead = reason
-            self.sender.close(reason)
-            self.receiver.close(reason)
-
-    def deliver_held(self, transfer_id: str) -> None:
-        """Control thread: hand the layers buffered before ``expect`` to the sink it named."""
-        with self.core.lock:
-            work = self.receiver.arrivals.take_held_for_sink(transfer_id)
-        for index, sink, tensor in work:
-            self._run_sink(transfer_id, index, sink, tensor)
-
-    def _run_sink(self, transfer_id: str, index: int, sink: LayerSink, tensor: torch.Tensor) -> None:
-        try:
-            sink(index, tensor)
-            if tensor.is_cuda:  # the sink's copy/scatter is async: finish it before the buffer is reused
-                done = torch.cuda.Event()  # and before finished_recving (only the sink's work: the
-                done.record(torch.cuda.current_stream(tensor.device))  # plane's streams may hold
-                done.synchronize()  # receives still waiting for data)
-        except Exception as exc:
-            log.exception("sink of transfer %s failed on layer %d", transfer_id, index)
-            with self.core.lock:
-                self.receiver.fail(transfer_id, f"{FailReason.SINK.value}: {exc!r}", notify=True)
-            return
-        with self.core.lock:
-            self.receiver.arrivals.delivered(transfer_id, index)
-
-    # --- data-plane callbacks (plane threads): PlaneCallbacks -------------------------------------------
-
-    def on_sent(self, peer_instance_id: str, transfer_id: str, layer_indices: Sequence[int]) -> None:
-        with self.core.lock:
-            for index in layer_indices:
-                self.sender.queue.on_sent(transfer_id, index)
-
-    def on_received(self, peer_instance_id: str, transfer_id: str, layer_indices: Sequence[int]) -> None:
-        sinks = []
-        with self.core.lock:  # once per message (a plane's thread holds the GIL meanwhile)
-            if self.core.closed:
-                return
-            for index in layer_indices:
-                work = self.receiver.arrivals.on_received(peer_instance_id, transfer_id, index)
-                if work is not None:
-                    sinks.append((index, *work))
-        control = self.core.control
-        if control is not None:
-            control.wake()  # flush the acks soon
-        for index, sink, tensor in sinks:
-            self._run_sink(transfer_id, index, sink, tensor)
-
-    def on_transfer_failed(self, transfer_id: str, reason: str) -> None:
-        with self.core.lock:
-            self.sender.fail(transfer_id, reason, notify=True)
-            self.receiver.fail(transfer_id, reason, notify=True)
-
-    def on_peer_failed(self, peer_instance_id: str, reason: str) -> None:
-        with self.core.lock:
-            if not self.core.closed:
-                self._fail_peer(peer_instance_id, reason)
-
-    def on_protocol_error(self, reason: str) -> None:
-        self.on_reject(reason)
-
-    def peer_endpoint(self, peer_instance_id: str) -> str | None:
-        with self.core.lock:
-            return self.core.peer_ids.endpoint_of(peer_instance_id)
-
-    def on_device_copy(self, num_bytes: int, seconds: float) -> None:
-        self.core.stats.add("device_copy_bytes", num_bytes)
-        self.core.stats.add("device_copy_ns", round(seconds * 1e9))
-        self.core.stats.add("device_copy_batches", 1)
+    def swap(self) -> TransferEvents:
+        with self._lock:
+            sent, recvd, failed, timings = self._sent, self._recvd, self._failed, self._timings
+            self._sent, self._recvd, self._failed, self._timings = set(), set(), {}, {}
+        return TransferEvents(frozenset(sent), frozenset(recvd), failed, timings)
 
 
 # ============================== The agent
-
 
 
 class TransferAgent:
@@ -596,7 +390,8 @@ class TransferAgent:
         self._planes = plane = plane_factory(config, self._instance_id, self.board)
         pinned = config.device.startswith("cuda")
         mem = RecvMemory(config.recv_budget_bytes, config.spill_budget_bytes, plane.allocate, pinned=pinned)
-        self._core = core = Core(config, self._instance_id, plane, mem)
+        self._events = EventBox()  # the halves append through core.events; poll swaps them out
+        self._core = core = Core(config, self._instance_id, plane, mem, self._events)
         self._sender = Sender(core)
         self._receiver = Receiver(core)
         # control messages, ticks and plane reports go to the side holding the transfer they name
@@ -712,7 +507,8 @@ class TransferAgent:
             self._check_open()
             deadline = self.config.default_deadline_s if deadline_s is None else deadline_s
             limit = self.config.default_limit_s if limit_s is None else limit_s
-            self._sender.promise(transfer_id, peer_endpoint, deadline, limit)
+            started = transfer_id in self._sender.table
+            self._sender.promises.promise(transfer_id, peer_endpoint, deadline, limit, started)
         control = self._core.control
         assert control is not None
         control.wake()
@@ -814,10 +610,8 @@ class TransferAgent:
                 transfer_id, num_layers, sink, deadline, pull_from, scatter_into, target, accept_from,
                 sender, limit_s, pull_slice,
             )  # fmt: skip
-        if deliver:
-            control = self._core.control
-            assert control is not None
-            control.call_soon(lambda: self._routes.deliver_held(transfer_id))
+        if deliver:  # the control thread hands the layers buffered so far to the sink
+            self._core.wake()
 
     def release_pull(self, held_id: str, peer_endpoint: str, deadline_s: float | None = None) -> None:
         """Pull mode: tell ``peer_endpoint`` that nothing of the transfer it holds as ``held_id`` is
@@ -830,12 +624,12 @@ class TransferAgent:
     def take_layers(self, transfer_id: str) -> dict[int, torch.Tensor]:
         """The buffered layers of a transfer in ``finished_recving`` (no-sink case), once."""
         with self._core.lock:
-            return self._receiver.take_layers(transfer_id)
+            return self._receiver.arrivals.take_layers(transfer_id)
 
     def take_trailer(self, transfer_id: str) -> bytes | None:
         """The trailer of a transfer in ``finished_recving``, once (None if none came)."""
         with self._core.lock:
-            return self._receiver.take_trailer(transfer_id)
+            return self._receiver.arrivals.take_trailer(transfer_id)
 
     # --- both sides --------------------------------------------------------------------------------------
 
@@ -848,7 +642,7 @@ class TransferAgent:
             self._sender.promises.forget(transfer_id, reason)
             self._sender.fail(transfer_id, local, notify=True, label=label, wire_reason=reason)
             self._receiver.fail(transfer_id, local, notify=True, label=label, wire_reason=reason)
-            self._receiver.drop_done(transfer_id)
+            self._receiver.arrivals.drop_done(transfer_id)
 
     def unsettled(self) -> dict[str, int]:
         """Failed or aborted receives whose sender may still write into their destinations (a
@@ -862,7 +656,7 @@ class TransferAgent:
         ``trailers``: the events also carry the trailers of the transfers in ``finished_recving``
         that came with one (taken: :meth:`take_trailer` returns None for those afterwards), so a
         caller that reads them makes one call per step."""
-        events = self._core.events.swap()
+        events = self._events.swap()
         if trailers and events.finished_recving:
             with self._core.lock:
                 done = self._receiver.arrivals.done_trailers
@@ -873,12 +667,12 @@ class TransferAgent:
         """Block until :meth:`poll` has an event to report, at most ``timeout_s`` seconds; True if
         it has. For a caller with nothing else to do (a benchmark, an idle engine loop): it sleeps
         instead of polling in a loop, which costs a core's time in wake-ups."""
-        return self._core.events.wait(timeout_s)
+        return self._events.wait(timeout_s)
 
     def stats(self) -> TransferStats:
         core = self._core
         with core.lock:
-            active = len(self._sender.sends) + len(self._receiver.recvs)
+            active = len(self._sender.table) + len(self._receiver.table)
         unsettled = core.plane.unsettled()
         return core.stats.snapshot(
             spill_bytes_in_use=core.memory.spill.in_use_bytes,

@@ -120,16 +120,11 @@ class RecvMemory:
     ) -> None:
         self.budget = BufferPool(budget_bytes, allocate)
         self.spill = BufferPool(spill_bytes, lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=pinned))
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.budget.capacity_bytes + self.spill.capacity_bytes
-
-    @property
-    def largest_buffer_bytes(self) -> int:
-        """The largest buffer :meth:`reserve` can ever give: one layer lands in one pool, so a larger
-        layer never gets credit, however much of both pools is free."""
-        return max(self.budget.capacity_bytes, self.spill.capacity_bytes)
+        # the most a transfer's layers may take (read per granted layer: a field, not a property)
+        self.capacity_bytes = budget_bytes + spill_bytes
+        # the largest buffer reserve() can ever give: one layer lands in one pool, so a larger layer
+        # never gets credit, however much of both pools is free (read per granted layer: a field)
+        self.largest_buffer_bytes = max(budget_bytes, spill_bytes)
 
     @property
     def budget_in_use(self) -> int:

@@ -1,38 +1,22 @@
-"""What the send and receive halves of one agent share: counters, the control-plane messages, bounded
-peer tables, leases, and the base of both halves' transfers.
+"""The core of one transfer agent: what its send and receive halves share, the receive half built on
+it, and the routes from the control thread and the data plane to the half that holds a transfer.
 
-Read in order: the agent's counters; the typed wire messages and their codec; the per-peer bounded
-table; liveness leases and the lease clock; the shared core (lock, events, peers, I/O) and
-``Transfers``, the table of one side with the one ``fail``.
+Read in order: the agent's counters; liveness leases and the lease clock; the shared core (lock,
+peers, I/O) and ``Transfers``, the table of one side with the one ``fail``; the receive side (a
+receive's state, credit, arrivals, the :class:`Receiver`); :class:`Routes`. The send side
+(:mod:`kvwire.transfer.sender`) builds on the same base; the wire messages and their codec are
+:mod:`kvwire.transfer.wire`; the control thread, the completion events and the public API are
+:mod:`kvwire.transfer.agent`.
+
+Why the receive side lives here (decision 145): on D's path to its first token, the receive side
+uses the core's clock, leases, counters, tombstones, peer epochs, message header and send, and the
+peer-deadline clamp, and the control thread's and the plane's reports reach it through the routes;
+as calls between modules those were a dozen ways back into one module. In one module they are one
+reading order, and D's path enters it three ways: ``expect``, a control message, a layer landed.
 
 Counters
 --------
 Counters of one transfer agent (read with ``agent.stats()``; exported to Prometheus elsewhere).
-
-Control-plane messages
-----------------------
-Control-plane messages of the transfer agent (typed, versioned msgspec Structs; msgpack on the wire).
-
-Wire format: one ZMQ multipart message per control message, sent DEALER -> the peer's ROUTER:
-``[payload]`` or, when a shared secret is configured, ``[payload, hmac_sha256(secret, payload)]``.
-``payload`` is a msgpack map tagged by ``t`` with the protocol version ``v``. Anything that does not
-decode, has an unknown tag, another version, fails validation or lacks a valid MAC raises
-:class:`~kvwire.errors.ProtocolError` (:class:`~kvwire.errors.AuthenticationError` for the MAC); the
-agent logs it, counts it and keeps working.
-
-Every message names its sender's epoch (``src_id``, random per process start) and control endpoint
-(``src_endpoint``), and the epoch it believes the receiver has (``dst_id``, "" when unknown): a
-message for an older epoch of the receiver is stale and answered with an Abort.
-
-Peer tables
------------
-A table of entries that peers create (decision 116): bounded per peer and in all.
-
-What a peer can leave waiting on this side before this side knows the transfer (an early Grant, a
-Pull of a transfer not started yet) is kept in a :class:`PeerTable`: at most ``per_peer`` entries per
-peer endpoint and ``total`` in all, so one peer (or many spoofed endpoints) cannot grow memory without
-bound or crowd the others out. :meth:`PeerTable.admit` names the limit a new entry would break.
-Callers hold the agent lock (no locking here).
 
 Leases
 ------
@@ -47,7 +31,7 @@ producer is stuck) renews nothing.
 
 A transfer starts with ``deadline = now + lease_s`` (the caller's ``deadline_s``, e.g.
 ``--kv-deadline-s``) and ``limit = now + limit_s`` (the overall per-request bound). While it is in
-flight each side sends its peer a :class:`~kvwire.transfer.core.Renew` every
+flight each side sends its peer a :class:`~kvwire.transfer.wire.Renew` every
 :func:`renew_interval` and answers the peer's Renews (a reply carries the transfer's state there,
 or an Abort when the peer's side of it failed). Any Renew from the peer moves the deadline to
 ``min(limit, now + lease_s)``. So a dead or silent peer (killed, stopped, partitioned) still fails
@@ -61,11 +45,49 @@ base of both halves' transfers.
 
 Each transfer is a small state object (:class:`TransferState`: its id and its :class:`Lease`; the send
 side's :class:`~kvwire.transfer.sender.SendState`, the receive side's
-:class:`~kvwire.transfer.receiver.RecvState`). :class:`Transfers` is the table of one side: it ends a
+:class:`RecvState`). :class:`Transfers` is the table of one side: it ends a
 transfer as failed (:meth:`Transfers.fail`, the one place that does), expires those past their lease,
 sends the Renews that are due and checks that a Renew comes from the transfer's peer. A side adds
 what only it frees (buffers, slabs, pieces) through the ``_released``/``_after_failure`` hooks.
 Every method runs with ``core.lock`` held (decisions 051, 092, 123).
+A receive's state
+-----------------
+One transfer on the receive side: what was expected, offered, granted, landed and delivered.
+
+Credit
+------
+A receiver grants a layer (a :class:`~kvwire.transfer.wire.Grant`) once it posted where the layer
+lands: the caller's spans or blocks (in place), or a buffer reserved from the receive budget or the
+spill pool. :class:`Credit` keeps the FIFO of transfers waiting for credit and runs the grant pass
+(no transfer overtakes one that waits for memory). It also grants every layer *early*, before the
+sender's Offer, where that is safe (decision 110), and checks the Offer against that grant.
+
+Arrivals
+--------
+Receive side, after the grant: layers landing, sink deliveries, acks, completion, finished layers.
+
+Every method runs with ``core.lock`` held; a sink is called by the agent without it (``on_received``
+and ``take_held_for_sink`` hand the call out, ``delivered`` takes its return).
+
+The receive side
+----------------
+Receive side of the agent: expectations, offers, renewals and failures of the transfers it receives.
+
+Credit (grants from the memory budget, early grants) is :class:`Credit`; what happens once a layer
+lands (sinks, acks, completion) is :class:`Arrivals`; leases, expiry and the one ``fail`` are
+:class:`Transfers`.
+
+Routes
+------
+Where what reaches an agent goes: control messages, ticks and plane reports, to the side that
+holds the transfer they name.
+
+The control thread (:class:`~kvwire.transfer.agent.ControlLoop`) calls ``on_message``,
+``on_reject``, ``on_tick``, ``on_unreachable`` and ``on_control_dead``; the data plane's threads call
+the :class:`~kvwire.transfer.planes.base.PlaneCallbacks` methods. Each takes ``core.lock``; a sink
+runs without it. Epochs are checked here, once per message, before any side sees it: a new instance
+id at a known endpoint fails the old process's transfers (decision 092). Layers that landed before
+``expect`` named their sink are handed to it by the control thread's tick (``on_tick``).
 """
 
 from __future__ import annotations
@@ -74,29 +96,50 @@ import collections
 import contextlib
 import dataclasses
 import enum
-import hashlib
-import hmac
 import logging
-import math
-import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import msgspec
+import torch
 
-from kvwire.errors import AuthenticationError, ProtocolError, TransferError
+from kvwire.errors import TransferError
 from kvwire.http.refusal_log import RefusalLog
-from kvwire.transfer.buffers import RecvMemory
+from kvwire.transfer.buffers import BufferKind, RecvBuffer, RecvMemory
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.enums import FailReason
-from kvwire.transfer.memory import DTYPES_BY_NAME, PeerRef, TransferEvents, TransferTiming
+from kvwire.transfer.memory import (
+    DTYPES_BY_NAME,
+    BlockTarget,
+    ByteSpans,
+    DeviceConsumer,
+    LayerSink,
+    LayerSpec,
+    PagedKV,
+    PeerRef,
+    PullSlice,
+    RecvItem,
+    TransferTiming,
+)
 from kvwire.transfer.planes.base import DataPlane
+from kvwire.transfer.wire import (
+    Abort,
+    Ack,
+    AnyMsg,
+    ControlLimit,
+    Grant,
+    Offer,
+    Pull,
+    Renew,
+    Trailer,
+)
 
 if TYPE_CHECKING:
     from kvwire.transfer.agent import ControlLoop
+    from kvwire.transfer.sender import Sender
 
 
 # ============================== Counters
@@ -134,21 +177,6 @@ class TransferStats:
     quarantined_bytes: int = 0  # ... and the destination bytes they keep out of use
 
 
-class ControlLimit(str, enum.Enum):
-    """The control-plane limits a peer can hit (labels of ``limits_hit``; see ControlLimits)."""
-
-    MESSAGE_BYTES = "control_message_bytes"  # a control frame over max_message_bytes (refused)
-    FRAMES = "control_frames"  # a control message of more frames than the protocol has (refused)
-    PEER_DEADLINE = "peer_deadline"  # an Offer/Pull lease outside our bounds (clamped)
-    EARLY_GRANTS = "early_grants"  # an early Grant not kept: max_early_grants reached
-    EARLY_GRANTS_PER_PEER = "early_grants_per_peer"  # ... max_early_grants_per_peer reached
-    PENDING_PER_PEER = "pending_per_peer"  # an Offer or Pull refused: max_pending_per_peer reached
-    PENDING_TRANSFERS = "pending_transfers"  # an Offer refused: max_pending_transfers reached
-    PENDING_PULLS = "pending_pulls"  # a Pull refused: max_pending_pulls reached
-    PEERS = "peers"  # a peer endpoint's epoch forgotten: max_peers reached
-    ENDPOINT = "control_endpoint"  # a message not sent: ZeroMQ refuses its endpoint (dropped, logged)
-
-
 class StatsRecorder:
     """Thread-safe counters behind :class:`TransferStats`."""
 
@@ -184,284 +212,9 @@ class StatsRecorder:
         return TransferStats(failed=failed, limits_hit=limits, **values, **gauges)
 
 
-# ============================== Control-plane messages
-
-PROTOCOL_VERSION = 1
-MAX_ID_LEN = 512  # transfer ids and instance ids
-MAX_MESSAGE_BYTES = 4 << 20  # a control message never carries layer data
-MAX_TRAILER_BYTES = 1 << 20
-MAC_BYTES = 32
-MAX_STATE_LEN = 32
-MAX_REASON_LEN = 1024  # a peer's Abort reason, as kept (tombstones, poll events) and logged: clamped
-MAX_PIECES = 4096  # pulls one held transfer may serve (a piece per receiving rank)
-MAX_FRAMES = 2  # payload [+ MAC]
-MAX_LAYER_DIMS = 8  # a layer's shape (a product of thousands of huge numbers would stall the thread)
-# What decoding hostile bytes may raise besides msgspec's own errors (deep nesting, huge lengths, ...):
-# all of it is a ProtocolError to the caller.
-_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError, MemoryError, ValueError,
-                  TypeError, OverflowError)
-
-
-class Msg(msgspec.Struct, tag_field="t", kw_only=True, frozen=True):
-    v: int = PROTOCOL_VERSION
-    src_id: str  # sender's instance id (epoch)
-    src_endpoint: str  # sender's control endpoint (replies go there)
-    dst_id: str = ""  # receiver's instance id as the sender knows it ("" = unknown)
-    transfer_id: str
-
-
-class WireLayer(msgspec.Struct, array_like=True, frozen=True):
-    shape: list[int]
-    dtype: str
-
-
-class Offer(Msg, tag="offer", frozen=True):
-    """Sender -> receiver, once per transfer: every layer's shape/dtype (and thus size)."""
-
-    layers: list[WireLayer]
-    deadline_s: float  # seconds left (relative: clocks of the two hosts may differ)
-    data_address: str  # sender's data plane address
-    with_trailer: bool = False
-    plane_info: bytes = b""
-
-
-class Grant(Msg, tag="grant", frozen=True):
-    """Receiver -> sender: credit for these layers (destination buffers are posted)."""
-
-    layers: list[int]
-    data_address: str  # receiver's data plane address
-    plane_info: bytes = b""
-    # Sent at the receiver's expect, before the sender's Offer (decision 110): the sender keeps it
-    # until it starts the transfer (while the receiver renews it), instead of answering "unknown",
-    # and uses it only if its layers have these sizes (bytes, one per granted layer).
-    early: bool = False
-    sizes: list[int] = msgspec.field(default_factory=list)
-
-
-class Ack(Msg, tag="ack", frozen=True):
-    """Receiver -> sender: these layers (and the trailer) arrived. Coalesced per transfer."""
-
-    layers: list[int]
-    trailer: bool = False
-
-
-class Trailer(Msg, tag="trailer", frozen=True):
-    """Sender -> receiver: small bytes delivered with completion (e.g. the first sampled token)."""
-
-    payload: bytes
-
-
-class Abort(Msg, tag="abort", frozen=True):
-    """Either side: the transfer failed or was aborted; the peer frees everything it holds."""
-
-    reason: str
-
-
-class Pull(Msg, tag="pull", frozen=True):
-    """Receiver -> sender (pull mode): send me the transfer you hold.
-
-    A *piece* pull (``held`` set; tensor-parallel split, docs/decisions/087): send me, as transfer
-    ``transfer_id``, the KV heads ``heads`` (``[start, stop)`` of your local heads; empty: whole
-    layers) of every layer of the transfer you hold as ``held``; you serve ``pieces`` such pulls in
-    all. ``pieces == 0`` is a release: nothing of ``held`` is wanted (no reply)."""
-
-    deadline_s: float
-    data_address: str
-    plane_info: bytes = b""
-    held: str = ""
-    heads: list[int] = msgspec.field(default_factory=list)
-    pieces: int = 0
-
-
-class Renew(Msg, tag="renew", frozen=True):
-    """Either side, periodically while a transfer is in flight: I am alive and this is the
-    transfer's state here (a :class:`~kvwire.transfer.core.PeerState` value). Renews the peer's
-    lease on the transfer; a Renew that is not a ``reply`` is answered with a reply (or an Abort
-    when this side's transfer failed)."""
-
-    state: str
-    reply: bool = False
-
-
-AnyMsg = Offer | Grant | Ack | Trailer | Abort | Pull | Renew
-
-
-class _Head(msgspec.Struct):
-    t: str = ""
-    v: int = -1
-
-
-class Codec:
-    """Encodes/decodes control messages, with an HMAC per message when a secret is set."""
-
-    def __init__(self, secret: bytes | None, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
-        """``max_message_bytes``: the largest payload accepted (``ControlLimits.max_message_bytes``)."""
-        self._secret = secret
-        self._max_bytes = max_message_bytes
-        self._encoder = msgspec.msgpack.Encoder()
-        self._head = msgspec.msgpack.Decoder(_Head)
-        self._decoder = msgspec.msgpack.Decoder(AnyMsg)
-
-    def encode(self, msg: AnyMsg) -> list[bytes]:
-        payload = self._encoder.encode(msg)
-        if self._secret is None:
-            return [payload]
-        return [payload, hmac.new(self._secret, payload, hashlib.sha256).digest()]
-
-    def decode(self, frames: Sequence[bytes]) -> AnyMsg:
-        """Decode and validate one message; raises ProtocolError / AuthenticationError, and nothing
-        else whatever the bytes (sizes are checked before the MAC is computed or anything decoded)."""
-        if not frames or len(frames) > MAX_FRAMES:
-            raise ProtocolError(f"expected 1 or {MAX_FRAMES} frames, got {len(frames)}")
-        payload = frames[0]
-        if len(payload) > self._max_bytes:
-            raise ProtocolError(f"control message of {len(payload)} bytes exceeds {self._max_bytes}")
-        if self._secret is not None:
-            mac = frames[1] if len(frames) == 2 else b""
-            if len(mac) != MAC_BYTES:
-                raise AuthenticationError("control message without a valid HMAC")
-            good = hmac.new(self._secret, payload, hashlib.sha256).digest()
-            if not hmac.compare_digest(mac, good):
-                raise AuthenticationError("control message without a valid HMAC")
-        try:
-            head = self._head.decode(payload)
-        except _DECODE_ERRORS as exc:
-            raise ProtocolError(f"malformed control message: {type(exc).__name__}: {exc}") from exc
-        if head.v != PROTOCOL_VERSION:
-            raise ProtocolError(f"unsupported protocol version {head.v} (type {head.t[:MAX_STATE_LEN]!r})")
-        try:
-            msg: AnyMsg = self._decoder.decode(payload)
-        except _DECODE_ERRORS as exc:
-            kind = head.t[:MAX_STATE_LEN]
-            raise ProtocolError(f"invalid {kind!r} message: {type(exc).__name__}: {exc}") from exc
-        validate(msg)
-        if isinstance(msg, Abort) and len(msg.reason) > MAX_REASON_LEN:
-            msg = msgspec.structs.replace(msg, reason=msg.reason[:MAX_REASON_LEN] + "...")
-        return msg
-
-
-def _check_id(name: str, value: str, allow_empty: bool = False) -> None:
-    if (not value and not allow_empty) or len(value) > MAX_ID_LEN:
-        raise ProtocolError(f"{name} must be 1..{MAX_ID_LEN} characters")
-
-
-# What a peer may name as its control endpoint (replies are sent there: ZeroMQ connects to it, and
-# refuses a malformed one with an error only at connect time): tcp://host:port, ipc://path, inproc://name.
-_ENDPOINT = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}|(?:ipc|inproc)://[^\x00\s]+")
-
-
-def _check_endpoint(endpoint: str) -> None:
-    if len(endpoint) > MAX_ID_LEN or not _ENDPOINT.fullmatch(endpoint):
-        raise ProtocolError(f"src_endpoint {endpoint[:80]!r} is not a ZMQ endpoint")
-    if endpoint.startswith("tcp://") and not 0 < int(endpoint.rsplit(":", 1)[1]) < 65536:
-        raise ProtocolError(f"src_endpoint {endpoint[:80]!r} has no valid port")
-
-
-def validate(msg: AnyMsg) -> None:
-    """Semantic checks msgspec types cannot express (bounds, known dtypes, non-negative sizes)."""
-    _check_id("transfer_id", msg.transfer_id)
-    _check_id("src_id", msg.src_id)
-    _check_id("dst_id", msg.dst_id, allow_empty=True)
-    _check_endpoint(msg.src_endpoint)
-    if isinstance(msg, Offer):
-        for layer in msg.layers:
-            bad_shape = len(layer.shape) > MAX_LAYER_DIMS or any(d < 0 for d in layer.shape)
-            if layer.dtype not in DTYPES_BY_NAME or bad_shape:
-                dtype = layer.dtype[:MAX_STATE_LEN]
-                dims = len(layer.shape)
-                raise ProtocolError(f"offer {msg.transfer_id}: bad layer ({dtype!r}, {dims} dims)")
-    if isinstance(msg, (Offer, Pull)) and not (math.isfinite(msg.deadline_s) and msg.deadline_s > 0):
-        raise ProtocolError(f"{type(msg).__name__} {msg.transfer_id}: deadline_s must be finite and > 0, "
-                            f"got {msg.deadline_s}")
-    if isinstance(msg, Pull) and msg.held:
-        _check_id("held", msg.held)
-        bad_heads = msg.heads and (len(msg.heads) != 2 or not 0 <= msg.heads[0] < msg.heads[1])
-        if bad_heads or not 0 <= msg.pieces <= MAX_PIECES:
-            raise ProtocolError(f"pull {msg.transfer_id}: bad piece (heads {msg.heads}, pieces {msg.pieces})")
-    if isinstance(msg, (Grant, Ack)) and any(i < 0 for i in msg.layers):
-        raise ProtocolError(f"{type(msg).__name__} {msg.transfer_id}: negative layer index")
-    if isinstance(msg, Renew) and len(msg.state) > MAX_STATE_LEN:
-        raise ProtocolError(f"renew {msg.transfer_id}: state is too long")
-    if isinstance(msg, Trailer) and len(msg.payload) > MAX_TRAILER_BYTES:
-        raise ProtocolError(f"trailer of {msg.transfer_id} exceeds {MAX_TRAILER_BYTES} bytes")
-
-
-# ============================== Peer tables
-
-K = TypeVar("K")
-V = TypeVar("V")
-
-
-class PeerTable(Generic[K, V]):
-    """``key -> value``, each entry owned by the peer endpoint that created it."""
-
-    def __init__(
-        self, per_peer: int, total: int, per_peer_limit: ControlLimit, total_limit: ControlLimit
-    ) -> None:
-        self._per_peer = per_peer
-        self._total = total
-        self._limits = (per_peer_limit, total_limit)
-        self._items: dict[K, tuple[str, V]] = {}
-        self._counts: collections.Counter[str] = collections.Counter()
-
-    def admit(self, key: K, peer: str) -> ControlLimit | None:
-        """None when ``peer`` may put ``key`` now (a key it already holds always may), else the limit
-        it would break."""
-        held = self._items.get(key)
-        if held is not None and held[0] == peer:
-            return None
-        if self._counts[peer] >= self._per_peer:
-            return self._limits[0]
-        if len(self._items) >= self._total:
-            return self._limits[1]
-        return None
-
-    def put(self, key: K, peer: str, value: V) -> None:
-        """Store (after :meth:`admit` said yes); replaces ``key``'s entry."""
-        self.pop(key)
-        self._items[key] = (peer, value)
-        self._counts[peer] += 1
-
-    def pop(self, key: K) -> V | None:
-        held = self._items.pop(key, None)
-        if held is None:
-            return None
-        peer = held[0]
-        self._counts[peer] -= 1
-        if self._counts[peer] <= 0:
-            del self._counts[peer]
-        return held[1]
-
-    def get(self, key: K) -> V | None:
-        held = self._items.get(key)
-        return None if held is None else held[1]
-
-    def peer_of(self, key: K) -> str | None:
-        held = self._items.get(key)
-        return None if held is None else held[0]
-
-    def items(self) -> Iterator[tuple[K, V]]:
-        """A snapshot: the table may change while the caller iterates."""
-        return iter([(key, value) for key, (_, value) in self._items.items()])
-
-    def count(self, peer: str) -> int:
-        return self._counts[peer]
-
-    def clear(self) -> None:
-        self._items.clear()
-        self._counts.clear()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._items
-
-
 # ============================== Leases
 
 MIN_RENEW_S = 0.05
-_SEND = "send"  # the send side's tombstones (a promise is the send side's)
 MAX_RENEW_S = 5.0
 
 
@@ -548,65 +301,6 @@ class RunningClock:
             return t - self.paused_s
 
 
-class Promises:
-    """Promised transfers: accepted by the send side, not started yet (their prefill may be queued).
-
-    :meth:`~kvwire.transfer.agent.TransferAgent.promise` keeps one here until ``start_send``,
-    ``abort`` or its limit; meanwhile the receiver's lease on it is renewed (state QUEUED: decision
-    123). A promise is this side's own word, whatever the receiver says. Every method runs with
-    ``core.lock``. transfer id -> (receiver endpoint, lease)."""
-
-    def __init__(self, core: Core) -> None:
-        self.core = core
-        self.table: dict[str, tuple[str, Lease]] = {}
-
-    def promise(
-        self, transfer_id: str, endpoint: str, deadline_s: float, limit_s: float | None, started: bool
-    ) -> None:
-        """The request behind ``transfer_id`` was accepted (its prefill may be queued): renew the
-        receiver's lease (state QUEUED) until ``start``, ``forget`` or the limit. Nothing when the
-        transfer ``started`` already, is promised or ended."""
-        if started or transfer_id in self.table or self.core.tombstones.get(_SEND, transfer_id) is not None:
-            return
-        if len(self.table) >= self.core.config.max_pending_transfers:
-            raise TransferError("too many promised transfers", transfer_id)
-        lease = Lease.start(self.core.now(), deadline_s, limit_s)
-        lease.next_renew = 0.0  # tell the receiver at once
-        self.table[transfer_id] = (endpoint, lease)
-
-    def started(self, transfer_id: str) -> None:
-        """The send started: its own lease takes over."""
-        self.table.pop(transfer_id, None)
-
-    def forget(self, transfer_id: str, reason: str) -> None:
-        """Drop a promise (the request ended before its send started): the receiver is told at once
-        and later renewals of it are answered with an Abort."""
-        entry = self.table.pop(transfer_id, None)
-        if entry is not None:
-            self.core.send_abort(entry[0], transfer_id, reason)
-            self.core.tombstones.add(_SEND, transfer_id, reason)
-
-    def drop_endpoint(self, endpoint: str) -> None:
-        """The receiver at ``endpoint`` is gone: its promises go (nothing to tell it)."""
-        for tid in [t for t, (e, _) in self.table.items() if e == endpoint]:
-            del self.table[tid]
-
-    def renew(self, now: float) -> None:
-        """Renew (state QUEUED) each promise that is due; drop those past their limit (a request that
-        never started)."""
-        for tid in [t for t, (_, lease) in self.table.items() if lease.limit <= now]:
-            del self.table[tid]
-        for tid, (endpoint, lease) in self.table.items():
-            if lease.due(now):
-                msg = Renew(**self.core.header(endpoint, tid), state=PeerState.QUEUED.value, reply=False)
-                self.core.send(endpoint, msg)
-
-    def renewed_by(self, msg: Renew) -> bool:
-        """True if ``msg`` is about a transfer promised to its sender."""
-        entry = self.table.get(msg.transfer_id)
-        return entry is not None and entry[0] == msg.src_endpoint
-
-
 # ============================== The shared core and the transfer table
 
 log = logging.getLogger("kvwire.transfer")
@@ -614,8 +308,9 @@ log = logging.getLogger("kvwire.transfer")
 MAX_TOMBSTONES = 100_000
 
 
-class EventBox:
-    """Completion events, appended by any thread, swapped out atomically by ``poll()``."""
+class CompletionEvents:
+    """Completion events, appended by either half (any thread); the agent's
+    :class:`~kvwire.transfer.agent.EventBox` swaps them out (``poll``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -643,17 +338,6 @@ class EventBox:
         with self._lock:
             self._failed.setdefault(transfer_id, reason)
             self._ready.notify_all()
-
-    def wait(self, timeout_s: float) -> bool:
-        """Block until an event is waiting to be swapped out, at most ``timeout_s``; True if one is."""
-        with self._lock:
-            return self._ready.wait_for(lambda: bool(self._sent or self._recvd or self._failed), timeout_s)
-
-    def swap(self) -> TransferEvents:
-        with self._lock:
-            sent, recvd, failed, timings = self._sent, self._recvd, self._failed, self._timings
-            self._sent, self._recvd, self._failed, self._timings = set(), set(), {}, {}
-        return TransferEvents(frozenset(sent), frozenset(recvd), failed, timings)
 
 
 class Tombstones:
@@ -717,8 +401,8 @@ class Core:
     instance_id: str
     plane: DataPlane
     memory: RecvMemory
+    events: CompletionEvents  # what ``poll`` reports (the agent's EventBox: appended here, swapped out there)
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
-    events: EventBox = dataclasses.field(default_factory=EventBox)
     stats: StatsRecorder = dataclasses.field(default_factory=StatsRecorder)
     tombstones: Tombstones = dataclasses.field(default_factory=Tombstones)
     peer_ids: PeerIds = dataclasses.field(init=False)  # endpoint -> instance id (bounded)
@@ -754,8 +438,15 @@ class Core:
         control = self.control
         assert control is not None
         control.outbox.append((endpoint, msg))
-        with contextlib.suppress(BlockingIOError, OSError):
-            control.waker.send(b"\0")
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake the control thread (any thread; nothing when it is not built yet): its waker socket,
+        written here as ``ControlLoop.wake`` does, so that this is no call into the agent's module."""
+        control = self.control
+        if control is not None:
+            with contextlib.suppress(BlockingIOError, OSError):
+                control.waker.send(b"\0")
 
     def send_abort(self, endpoint: str, transfer_id: str, reason: str, dst_id: str | None = None) -> None:
         self.send(endpoint, Abort(**self.header(endpoint, transfer_id, dst_id), reason=reason))
@@ -899,3 +590,1017 @@ class Transfers(Generic[S]):
 
     def __len__(self) -> int:
         return len(self.table)
+
+
+# ============================== A receive's state
+
+SpansFn = Callable[[int], ByteSpans]  # layer index -> where its bytes go
+
+
+class WriteGuard:
+    """Makes "once the transfer failed, nothing writes into the caller's blocks" hold for the copy
+    path: a write runs under the guard's lock and only while it is open; :meth:`close` (on failure,
+    under the agent lock) waits for a running write and stops later ones."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open = True
+
+    def wrap(self, write: LayerSink) -> LayerSink:
+        def guarded(index: int, data: torch.Tensor) -> None:
+            with self._lock:
+                if self._open:
+                    write(index, data)
+
+        return guarded
+
+    def close(self) -> None:
+        with self._lock:
+            self._open = False
+
+
+@dataclasses.dataclass
+class RecvState(TransferState):
+    created_s: float = 0.0  # on the core's clock: when this side first heard of the transfer
+    expected: bool = False  # expect() was called
+    num_layers: int | None = None
+    sink: LayerSink | None = None
+    pull_from: str | None = None
+    # The one sender endpoint this transfer may come from (the P/D pair the router named); offers
+    # from any other agent are refused. None: the first offer wins.
+    accept_from: str | None = None
+    sender: str | None = None  # push: the sender's control endpoint, known before its Offer
+    sender_id: str | None = None  # the sender's epoch as seen in its Renews before the Offer
+    scatter_into: SpansFn | None = None  # destination spans per layer (zero-copy receive)
+    # expect(into_blocks=...): the registered caches' blocks this transfer lands in (see registered_caches)
+    paged: PagedKV | None = None
+    target: BlockTarget | None = None
+    consumer: DeviceConsumer | None = None  # built once, for a device-consumer plane
+    consumed: set[int] = dataclasses.field(default_factory=set)  # granted with the device consumer
+    guard: WriteGuard | None = None  # the copy path's writes into the caller's blocks
+    first_arrival: float | None = None  # time.monotonic() of the first layer landing
+    specs: list[LayerSpec] | None = None  # from the Offer
+    with_trailer: bool = False
+    peer: PeerRef | None = None  # the sender (epoch + data address), from the Offer
+    to_grant: collections.deque[int] = dataclasses.field(default_factory=collections.deque)
+    # posted, not arrived (None: straight into the caller's scatter_into spans)
+    granted: dict[int, RecvBuffer | None] = dataclasses.field(default_factory=dict)
+    held: dict[int, RecvBuffer] = dataclasses.field(default_factory=dict)  # arrived, buffered
+    delivering: set[int] = dataclasses.field(default_factory=set)  # in a sink call now
+    arrived: set[int] = dataclasses.field(default_factory=set)  # delivered to the sink or held
+    trailer: bytes | None = None
+    # Layers granted before the sender's Offer (decision 110): index -> bytes granted; and that
+    # grant, sent again (as an ordinary one) when the Offer comes, in case the sender did not keep it
+    early: dict[int, int] = dataclasses.field(default_factory=dict)
+    early_grant: Grant | None = None
+    # created by this sender's Offer before expect(): counted against ControlLimits.max_pending_per_peer
+    unsolicited_by: str | None = None
+
+    @property
+    def bound_peer(self) -> PeerRef | None:
+        return self.peer
+
+    def peer_endpoint(self) -> str | None:
+        """The sender's endpoint: from its Offer, else the pulled one, else the one named in push."""
+        if self.peer is not None:
+            return self.peer.endpoint
+        return self.pull_from if self.pull_from is not None else self.sender
+
+    def abort_endpoint(self) -> str | None:
+        """Told of a failure: the Offer's sender or the pulled one (not a push sender only named)."""
+        return self.peer.endpoint if self.peer is not None else self.pull_from
+
+    def complete(self) -> bool:
+        return (
+            self.expected
+            and self.specs is not None
+            and len(self.arrived) == len(self.specs)
+            and not self.delivering
+            and (self.sink is None or not self.held)
+            and (not self.with_trailer or self.trailer is not None)
+        )
+
+    def all_landed(self) -> bool:
+        """Every layer landed (delivered, held or in a sink call now)."""
+        return self.specs is not None and len(self.arrived | self.delivering) >= len(self.specs)
+
+    def early_only(self, peer_id: str) -> bool:
+        """Granted early to ``peer_id`` (decision 110) from what this side knew of the sender, with
+        no sign that that epoch ever had the transfer: no Offer, no layer, no Renew reporting it."""
+        landed = self.arrived or self.delivering or self.held
+        return bool(self.early) and self.specs is None and not landed and self.sender_id != peer_id
+
+
+# ============================== Credit
+
+_NO_DEST = torch.empty(0, dtype=torch.uint8)
+
+
+class Credit:
+    """The receiver's grants (see the module docstring)."""
+
+    def __init__(self, receiver: Receiver) -> None:
+        self.receiver = receiver
+        self.core: Core = receiver.core
+        self.queue: collections.deque[str] = collections.deque()  # FIFO of transfers wanting credit
+
+    def offered(self, st: RecvState) -> None:
+        """The Offer of ``st`` was taken: queue its layers not granted early, and grant what fits."""
+        assert st.specs is not None
+        if st.early:
+            self._check_early(st)
+        st.to_grant.extend(i for i in range(len(st.specs)) if i not in st.early)
+        self.queue.append(st.transfer_id)
+        self.grant_pass()
+
+    def grant_pass(self) -> None:
+        """Reserve memory for waiting layers in FIFO order; post buffers, then send Grants."""
+        recvs = self.receiver.table
+        while self.queue:
+            st = recvs.get(self.queue[0])
+            if st is None or not st.to_grant or st.specs is None or st.peer is None:
+                self.queue.popleft()
+                continue
+            items = self._grantable(st, st.specs)
+            if items and st.transfer_id in recvs:
+                self._grant(st, items)
+            if st.transfer_id in recvs and st.to_grant:
+                return  # out of memory: later transfers wait too (FIFO, no starvation)
+
+    def _grantable(self, st: RecvState, specs: list[LayerSpec]) -> list[RecvItem]:
+        """Take layers off ``st.to_grant`` while each has somewhere to land; stop at the first that
+        has not (out of memory) or when the transfer failed."""
+        memory = self.core.memory
+        items: list[RecvItem] = []
+        while st.to_grant:
+            index = st.to_grant[0]
+            num_bytes = specs[index].num_bytes
+            in_place = self._in_place(st, index, num_bytes)
+            if in_place == "spans" or (
+                st.expected and st.scatter_into is not None and self.core.plane.supports_spans
+            ):
+                item = self._span_item(st, index, num_bytes)
+                if item is None:
+                    break
+                st.to_grant.popleft()
+                st.granted[index] = None
+                items.append(item)
+                continue
+            if num_bytes > memory.largest_buffer_bytes:  # else it would wait at the head for ever
+                reason = f"{FailReason.BUDGET.value}: layer of {num_bytes} bytes never fits"
+                self.receiver.fail(st.transfer_id, reason, True)
+                break
+            buf = memory.reserve(num_bytes)
+            if buf is None:
+                self.core.stats.add("credit_waits")
+                break
+            if buf.kind is BufferKind.SPILL:
+                self.core.stats.add("spilled_layers")
+            st.to_grant.popleft()
+            st.granted[index] = buf
+            consumer = None
+            if in_place == "device" and buf.kind is not BufferKind.SPILL:
+                consumer = self._consumer(st)
+                st.consumed.add(index)
+            dest = buf.tensor[:num_bytes]
+            items.append(RecvItem(st.transfer_id, index, num_bytes, dest, on_device=consumer))
+        return items
+
+    def _in_place(self, st: RecvState, index: int, num_bytes: int) -> str | None:
+        """How layer ``index`` of an ``into_blocks`` transfer lands without a host copy: "spans"
+        (the plane writes into the blocks), "device" (the plane's stream scatters behind the receive),
+        or None (buffered, then the sink copies)."""
+        paged, target = st.paged, st.target
+        if not st.expected or paged is None or target is None or st.peer is None:
+            return None
+        plane = self.core.plane.for_peer(st.peer)  # the plane negotiated with the sender
+        if not paged.takes_exactly(target, index, num_bytes):
+            return None
+        if plane.supports_spans and paged.contiguous:
+            return "spans"
+        if plane.supports_device_consumers and paged.device_paths():
+            return "device"
+        return None
+
+    def _consumer(self, st: RecvState) -> DeviceConsumer:
+        if st.consumer is None:
+            assert st.paged is not None and st.target is not None
+            st.consumer = st.paged.consumer(st.target)
+        return st.consumer
+
+    def _spans(self, st: RecvState, index: int) -> ByteSpans | None:
+        """Where layer ``index`` lands (``scatter_into`` or the target blocks); None: the transfer failed."""
+        try:
+            if st.scatter_into is not None:
+                return st.scatter_into(index)
+            assert st.paged is not None and st.target is not None
+            return st.paged.spans(index, st.target.block_ids)
+        except Exception as exc:
+            reason = f"{FailReason.MISMATCH.value}: scatter_into({index}): {exc!r}"
+            self.receiver.fail(st.transfer_id, reason, True)
+            return None
+
+    def _span_item(self, st: RecvState, index: int, num_bytes: int) -> RecvItem | None:
+        spans = self._spans(st, index)
+        if spans is None:
+            return None
+        if spans.num_bytes != num_bytes:
+            reason = (
+                f"{FailReason.MISMATCH.value}: layer {index} spans hold {spans.num_bytes}, sender {num_bytes}"
+            )
+            self.receiver.fail(st.transfer_id, reason, True)
+            return None
+        return RecvItem(st.transfer_id, index, num_bytes, _NO_DEST, dest_spans=spans)
+
+    def _grant(self, st: RecvState, items: list[RecvItem], early: bool = False) -> Grant:
+        assert st.peer is not None
+        # posted before the Grant leaves: a fast sender finds its buffers
+        data_address, plane_info = self.core.plane.post_grant(st.peer, items)
+        msg = Grant(
+            **self.core.header(st.peer.endpoint, st.transfer_id, st.peer.instance_id),
+            layers=[item.layer_index for item in items],
+            data_address=data_address,
+            plane_info=plane_info,
+            early=early,
+            sizes=[item.num_bytes for item in items] if early else [],
+        )
+        self.core.send(st.peer.endpoint, msg)
+        return msg
+
+    # --- early grants (decision 110) ---------------------------------------------------------------------
+
+    def grant_early(self, st: RecvState) -> None:
+        """Grant every layer now, before the sender's Offer (decision 110), when that is safe: push
+        mode with the sender's endpoint given (``expect(sender=...)``) and its epoch known (an
+        earlier contact), layers that land in spans (``scatter_into``, or ``into_blocks`` whose
+        blocks are whole and contiguous), and a plane negotiated with that sender that takes early
+        grants. The sender then starts writing as soon as it has a layer, without the Offer -> Grant
+        round trip. The Offer is checked against what was granted when it comes."""
+        peer = self._early_peer(st)
+        if peer is None or st.num_layers is None:
+            return
+        plane = self.core.plane.for_peer(peer)
+        if not (plane.early_grants and plane.supports_spans):
+            return
+        items: list[RecvItem] = []
+        for index in range(st.num_layers):
+            spans = self._spans(st, index)
+            if spans is None:
+                return  # failed (the target could not say where the layer goes)
+            items.append(RecvItem(st.transfer_id, index, spans.num_bytes, _NO_DEST, dest_spans=spans))
+        st.peer = peer
+        for item in items:
+            st.granted[item.layer_index] = None
+            st.early[item.layer_index] = item.num_bytes
+        st.early_grant = self._grant(st, items, early=True)
+        self.core.stats.add("early_grants")
+
+    def _early_peer(self, st: RecvState) -> PeerRef | None:
+        """The sender an early grant of ``st`` would go to (None: not safe to grant early)."""
+        if not st.expected or st.specs is not None or st.peer is not None or st.sender is None:
+            return None
+        if st.pull_from is not None or st.num_layers is None:
+            return None
+        if st.scatter_into is None and (
+            st.paged is None or st.target is None or not st.paged.contiguous or st.target.skip_blocks
+        ):
+            return None
+        sender_id = st.sender_id or self.core.peer_ids.get(st.sender)
+        return PeerRef(st.sender, sender_id, "") if sender_id else None
+
+    def _check_early(self, st: RecvState) -> None:
+        """The Offer of an early-granted transfer. Layers the sizes granted: the grant is sent again
+        as an ordinary one (a sender that did not keep it gets it now; one that used it finds
+        nothing new in it). Other sizes (P sends more blocks than D takes, say): the sender did not
+        use the grant (it checks the sizes), so nothing was written under it; the layers are
+        granted afresh, the ordinary way, and the new posts replace the early ones."""
+        assert st.specs is not None and st.peer is not None
+        fits = all(
+            index < len(st.specs) and st.specs[index].num_bytes == num_bytes
+            for index, num_bytes in st.early.items()
+        )
+        if not fits:
+            self.forget_early(st)
+            return
+        grant, st.early_grant = st.early_grant, None
+        if grant is not None:
+            self.core.send(st.peer.endpoint, msgspec.structs.replace(grant, early=False, sizes=[]))
+
+    def forget_early(self, st: RecvState) -> None:
+        """Drop a transfer's early grant (its layers are granted again the ordinary way, on the
+        Offer); counted in ``early_grants_unused``."""
+        for index in st.early:
+            st.granted.pop(index, None)
+        st.early.clear()
+        st.early_grant = None
+        self.core.stats.add("early_grants_unused")
+
+
+# ============================== Arrivals
+
+@dataclasses.dataclass
+class _AckBatch:
+    endpoint: str
+    dst_id: str
+    layers: list[int] = dataclasses.field(default_factory=list)
+    trailer: bool = False
+
+
+class Arrivals:
+    """What landed for the receiver's transfers, and what finished transfers left to take."""
+
+    def __init__(self, receiver: Receiver) -> None:
+        self.receiver = receiver
+        self.core: Core = receiver.core
+        self.done_layers: dict[str, dict[int, RecvBuffer]] = {}
+        self.done_specs: dict[str, list[LayerSpec]] = {}
+        self.done_trailers: dict[str, bytes] = {}
+        self.acks: dict[str, _AckBatch] = {}
+        # expected transfers whose layers landed before ``expect`` named a sink: the control thread
+        # delivers them (appended under the lock, taken by that one thread)
+        self.to_deliver: collections.deque[str] = collections.deque()
+
+    # --- landing -----------------------------------------------------------------------------------------
+
+    def on_received(
+        self, peer_id: str, transfer_id: str, index: int
+    ) -> tuple[LayerSink, torch.Tensor] | None:
+        """A layer landed. Returns (sink, tensor) when the caller must call the sink (without the lock)."""
+        st = self.receiver.table.get(transfer_id)
+        if st is None or st.peer is None or st.peer.instance_id != peer_id or index not in st.granted:
+            return None
+        buf = st.granted.pop(index)
+        # an early-granted layer may land before its Offer is read (decision 110)
+        num_bytes = st.specs[index].num_bytes if st.specs is not None else st.early[index]
+        self.core.stats.add("bytes_received", num_bytes)
+        if st.first_arrival is None:
+            st.first_arrival = self.core.now()
+        self.ack(st, index)
+        if buf is None or index in st.consumed:  # landed in the caller's blocks (spans or consumer)
+            if buf is not None:
+                buf.release()  # the plane reports a consumed layer only after its scatter finished
+            st.arrived.add(index)
+            self.maybe_complete(st)
+            self.receiver.credit.grant_pass()
+            return None
+        assert st.specs is not None  # a buffered layer was granted from its Offer
+        if st.sink is not None and st.expected:
+            st.delivering.add(index)
+            st.held[index] = buf
+            return st.sink, self.layer_view(buf, st.specs[index], owned=False)
+        st.held[index] = buf
+        st.arrived.add(index)
+        self.maybe_complete(st)
+        return None
+
+    def take_held_for_sink(self, transfer_id: str) -> list[tuple[int, LayerSink, torch.Tensor]]:
+        st = self.receiver.table.get(transfer_id)
+        if st is None or st.sink is None or st.specs is None:
+            return []
+        out = []
+        for index, buf in st.held.items():
+            if index not in st.delivering:
+                st.delivering.add(index)
+                st.arrived.discard(index)
+                out.append((index, st.sink, self.layer_view(buf, st.specs[index], owned=False)))
+        return out
+
+    def delivered(self, transfer_id: str, index: int) -> None:
+        """The sink returned for ``index``: free its buffer, maybe complete, grant more."""
+        st = self.receiver.table.get(transfer_id)
+        if st is None or index not in st.delivering:
+            return
+        st.delivering.discard(index)
+        st.held.pop(index).release()
+        st.arrived.add(index)
+        self.maybe_complete(st)
+        self.receiver.credit.grant_pass()
+
+    def maybe_complete(self, st: RecvState) -> None:
+        recvs = self.receiver.table
+        if not st.complete() or st.transfer_id not in recvs:
+            return
+        assert st.specs is not None
+        del recvs[st.transfer_id]
+        if st.sink is None:
+            self.done_layers[st.transfer_id] = st.held
+            self.done_specs[st.transfer_id] = st.specs
+        if st.trailer is not None:
+            self.done_trailers[st.transfer_id] = st.trailer
+        timing = None
+        if st.first_arrival is not None:
+            num_bytes = sum(spec.num_bytes for spec in st.specs)
+            timing = TransferTiming(num_bytes, self.core.now() - st.first_arrival, done_unix_s=time.time())
+        self.core.events.recvd(st.transfer_id, timing)
+        self.core.stats.add("recvs_completed")
+        self.core.tombstones.add(self.receiver.side, st.transfer_id, "done")
+
+    # --- acks --------------------------------------------------------------------------------------------
+
+    def ack(self, st: RecvState, index: int | None, trailer: bool = False) -> None:
+        assert st.peer is not None
+        batch = self.acks.get(st.transfer_id)
+        if batch is None:
+            batch = self.acks[st.transfer_id] = _AckBatch(st.peer.endpoint, st.peer.instance_id)
+        if index is not None:
+            batch.layers.append(index)
+        batch.trailer = batch.trailer or trailer
+
+    def flush_acks(self) -> None:
+        """Control thread: one Ack per transfer with everything that arrived since the last flush."""
+        batches, self.acks = self.acks, {}
+        for tid, b in batches.items():
+            self.core.send(
+                b.endpoint,
+                Ack(**self.core.header(b.endpoint, tid, b.dst_id), layers=b.layers, trailer=b.trailer),
+            )
+
+    # --- finished transfers ------------------------------------------------------------------------------
+
+    def take_layers(self, transfer_id: str) -> dict[int, torch.Tensor]:
+        bufs = self.done_layers.pop(transfer_id, None)
+        specs = self.done_specs.pop(transfer_id, None)
+        if bufs is None or specs is None:
+            raise TransferError(f"no received layers for {transfer_id} (not finished, or taken)", transfer_id)
+        out: dict[int, torch.Tensor] = {}
+        for index, buf in bufs.items():
+            out[index] = self.layer_view(buf, specs[index], owned=True)
+            if buf.kind is BufferKind.SPILL:
+                buf.release()  # copied out: the spill buffer goes back to the pool
+            else:
+                buf.hand_over()  # the caller owns this memory now
+        self.receiver.credit.grant_pass()
+        return out
+
+    def take_trailer(self, transfer_id: str) -> bytes | None:
+        return self.done_trailers.pop(transfer_id, None)
+
+    def layer_view(self, buf: RecvBuffer, spec: LayerSpec, owned: bool) -> torch.Tensor:
+        view = buf.view(spec.shape, spec.dtype)
+        if buf.kind is BufferKind.SPILL:
+            # spill buffers go back to the pool: hand out a copy on the agent's device
+            device = torch.device(self.core.config.device)
+            return view.to(device) if device.type != "cpu" else (view.clone() if owned else view)
+        return view
+
+    def drop_done(self, transfer_id: str) -> None:
+        for buf in self.done_layers.pop(transfer_id, {}).values():
+            buf.release()
+        self.done_specs.pop(transfer_id, None)
+        self.done_trailers.pop(transfer_id, None)
+
+    def close(self) -> None:
+        for tid in list(self.done_layers):
+            self.drop_done(tid)
+
+
+# ============================== The receive side
+
+RECV_SIDE = "recv"  # the receive side's key in the tombstones
+_SENDER_PROGRESS = frozenset({PeerState.QUEUED.value, PeerState.SENDING.value})
+
+
+class UnsolicitedOffers:
+    """Offers that came before ``expect()``: held (as transfers of the receiver's table) until the
+    caller expects them or their lease ends; at most ``max_pending_per_peer`` per sender endpoint and
+    ``max_pending_transfers`` transfers in all (decision 116)."""
+
+    def __init__(self, core: Core, recvs: dict[str, RecvState]) -> None:
+        self.core = core
+        self.recvs = recvs
+        # per sender endpoint: its Offers held here that expect() has not claimed yet
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def admit(self, msg: Offer, deadline_s: float) -> RecvState | None:
+        """State for an Offer that came before expect(), unless this agent or that sender has too
+        many (refused with an Abort)."""
+        limit = None
+        if len(self.recvs) >= self.core.config.max_pending_transfers:
+            limit = ControlLimit.PENDING_TRANSFERS
+        elif self.counts[msg.src_endpoint] >= self.core.config.limits.max_pending_per_peer:
+            limit = ControlLimit.PENDING_PER_PEER
+        if limit is not None:
+            self.core.stats.limit_hit(limit)
+            reason = f"receiver has too many transfers ({limit.value})"
+            self.core.send_abort(msg.src_endpoint, msg.transfer_id, reason, msg.src_id)
+            return None
+        lease = Lease.start(self.core.now(), deadline_s, self.core.config.default_limit_s)
+        st = self.recvs[msg.transfer_id] = RecvState(msg.transfer_id, lease, unsolicited_by=msg.src_endpoint)
+        self.counts[msg.src_endpoint] += 1
+        return st
+
+    def claim(self, st: RecvState) -> None:
+        """``st`` no longer counts as its sender's unsolicited Offer (expected now, or ended)."""
+        peer, st.unsolicited_by = st.unsolicited_by, None
+        if peer is not None:
+            self.counts[peer] -= 1
+            if self.counts[peer] <= 0:
+                del self.counts[peer]
+
+
+class Receiver(Transfers[RecvState]):
+    """Every method runs with ``core.lock`` held, except the sink calls the agent makes."""
+
+    side = RECV_SIDE
+
+    def __init__(self, core: Core) -> None:
+        super().__init__(core)
+        self.credit = Credit(self)
+        self.arrivals = Arrivals(self)
+        self.unsolicited = UnsolicitedOffers(core, self.table)
+
+    # --- API ---------------------------------------------------------------------------------------------
+
+    def expect(
+        self,
+        transfer_id: str,
+        num_layers: int,
+        sink: LayerSink | None,
+        deadline_s: float,
+        pull_from: str | None,
+        scatter_into: SpansFn | None = None,
+        into_blocks: tuple[PagedKV, BlockTarget] | None = None,
+        accept_from: str | None = None,
+        sender: str | None = None,
+        limit_s: float | None = None,
+        pull_slice: PullSlice | None = None,
+    ) -> bool:
+        """Returns True when buffered layers must now be delivered to the new sink (queued for the
+        control thread, which the caller wakes). Raises
+        TransferError when the transfer was already offered by another agent than ``accept_from``
+        (that transfer is failed: its data is never delivered)."""
+        accept_from = accept_from or pull_from
+        st = self._expected_state(transfer_id, num_layers, deadline_s, accept_from, limit_s)
+        self.unsolicited.claim(st)
+        st.expected, st.num_layers, st.sink, st.pull_from = True, num_layers, sink, pull_from
+        st.accept_from = accept_from
+        st.sender = sender if st.sender is None else st.sender
+        if scatter_into is not None:
+            st.scatter_into = scatter_into
+            st.sink = lambda index, data: scatter_into(index).scatter(data)  # layers buffered already
+        if into_blocks is not None:
+            paged, target = st.paged, st.target = into_blocks
+            st.guard = WriteGuard()
+            st.sink = st.guard.wrap(lambda index, data: paged.write(index, target, data))  # copy path
+        self.core.stats.add("recvs_started")
+        if pull_from is not None and st.peer is None:
+            self.core.send(pull_from, self._pull_msg(pull_from, transfer_id, deadline_s, pull_slice))
+        if st.specs is not None and not self._check_offer(st):
+            return False
+        self.credit.grant_early(st)
+        self.arrivals.maybe_complete(st)
+        deliver = bool(st.held) and st.sink is not None and transfer_id in self.table
+        if deliver:  # the control thread hands them to the sink (Routes.on_tick)
+            self.arrivals.to_deliver.append(transfer_id)
+        return deliver
+
+    def _expected_state(
+        self, transfer_id: str, num_layers: int, deadline_s: float, accept_from: str | None,
+        limit_s: float | None,
+    ) -> RecvState:  # fmt: skip
+        """The state ``expect`` fills in: the one an Offer made already, or a new one."""
+        if not transfer_id or num_layers <= 0:
+            raise TransferError("expect needs a transfer_id and num_layers > 0", transfer_id)
+        st = self.table.get(transfer_id)
+        if st is not None and st.expected:
+            raise TransferError(f"transfer {transfer_id} is already expected", transfer_id)
+        if st is not None and st.peer is not None and accept_from and st.peer.endpoint != accept_from:
+            self._refused(st.peer.endpoint, transfer_id)
+            self.fail(transfer_id, f"{FailReason.REFUSED.value}: offered by an unexpected peer", notify=True)
+            raise TransferError(f"transfer {transfer_id} was offered by {st.peer.endpoint}, not by "
+                                f"its peer {accept_from}", transfer_id)  # fmt: skip
+        now = self.core.now()
+        if limit_s is None:
+            limit_s = self.core.config.default_limit_s
+        if st is None:
+            if len(self.table) >= self.core.config.max_pending_transfers:
+                raise TransferError("too many transfers in flight", transfer_id)
+            st = self.table[transfer_id] = RecvState(transfer_id, Lease.start(now, deadline_s, limit_s), now)
+        st.lease.tighten(now, deadline_s, limit_s)
+        return st
+
+    def _pull_msg(self, endpoint: str, transfer_id: str, deadline_s: float, piece: PullSlice | None) -> Pull:
+        info = self.core.plane.local_info(PeerRef(endpoint, self.core.peer_ids.get(endpoint), ""))
+        msg = Pull(**self.core.header(endpoint, transfer_id), deadline_s=deadline_s,
+                   data_address=self.core.plane.address, plane_info=info)  # fmt: skip
+        if piece is None:
+            return msg
+        heads = [] if piece.heads is None else [piece.heads.start, piece.heads.stop]
+        return msgspec.structs.replace(msg, held=piece.held_id, heads=heads, pieces=piece.pieces)
+
+    def release(self, held_id: str, endpoint: str, deadline_s: float) -> None:
+        """A piece pull of nothing: the sender ends the held transfer (split_pull)."""
+        self.core.send(endpoint, self._pull_msg(endpoint, held_id, deadline_s, PullSlice(held_id, None, 0)))
+
+    # --- messages ----------------------------------------------------------------------------------------
+
+    def on_control(self, msg: Offer | Trailer | Abort) -> None:
+        """The control thread's one way in: a message for the receive side, by its type."""
+        if isinstance(msg, Offer):
+            self.on_offer(msg)
+        elif isinstance(msg, Trailer):
+            self.on_trailer(msg)
+        else:
+            self.on_abort(msg.transfer_id, msg.src_id, msg.reason, msg.src_endpoint)
+
+    def on_offer(self, msg: Offer) -> None:
+        tid = msg.transfer_id
+        st = self.table.get(tid)
+        if st is not None and st.accept_from is not None and msg.src_endpoint != st.accept_from:
+            self._refused(msg.src_endpoint, tid)  # not the pair's sender: leave the transfer alone
+            self.core.send_abort(msg.src_endpoint, tid, "not this transfer's peer", msg.src_id)
+            return
+        ended = self.core.tombstones.get(RECV_SIDE, tid)
+        if (st is None and ended is not None) or (st is not None and st.specs is not None):
+            if st is None:
+                self.core.send_abort(msg.src_endpoint, tid, ended or "ended", msg.src_id)
+            return  # a duplicate offer is ignored
+        if len(msg.layers) > self.core.config.max_layers_per_transfer or not msg.layers:
+            self.core.send_abort(
+                msg.src_endpoint, tid, f"{FailReason.MISMATCH.value}: bad layer count", msg.src_id
+            )
+            return
+        deadline_s = self.core.peer_deadline(msg.deadline_s)
+        st = st if st is not None else self.unsolicited.admit(msg, deadline_s)
+        if st is None or not self._offer_from_granted(st, msg):
+            return
+        st.lease.tighten(self.core.now(), deadline_s, None)
+        st.specs = [LayerSpec(tuple(w.shape), DTYPES_BY_NAME[w.dtype]) for w in msg.layers]
+        st.with_trailer = msg.with_trailer
+        st.peer = PeerRef(msg.src_endpoint, msg.src_id, msg.data_address, msg.plane_info)
+        if msg.plane_info:
+            self.core.plane.on_peer_info(st.peer, msg.plane_info)
+        if st.expected and not self._check_offer(st):
+            return
+        self.credit.offered(st)
+        if st.early and tid in self.table:
+            self.arrivals.maybe_complete(st)  # early-granted layers may all have landed before the Offer
+
+    def _offer_from_granted(self, st: RecvState, msg: Offer) -> bool:
+        """False (the transfer failed) when ``st`` was granted early to another sender than the
+        Offer's (a restart was handled by ``fail_peer`` already)."""
+        if not st.early or st.peer is None or st.peer.instance_id == msg.src_id:
+            return True
+        reason = (
+            f"{FailReason.PEER_LOST.value}: offer from {msg.src_endpoint} (instance {msg.src_id[:8]}) "
+            f"after an early grant to {st.peer.endpoint} (instance {st.peer.instance_id[:8]})"
+        )
+        self.fail(st.transfer_id, reason, notify=False)
+        self.core.send_abort(msg.src_endpoint, st.transfer_id, reason, msg.src_id)
+        return False
+
+    def _refused(self, endpoint: str, transfer_id: str) -> None:
+        self.core.stats.add("offers_refused")
+        self.core.refusals.refused("wrong_peer", f"offer of transfer {transfer_id} from {endpoint}")
+
+    def _check_offer(self, st: RecvState) -> bool:
+        assert st.specs is not None
+        if st.num_layers != len(st.specs):
+            reason = (
+                f"{FailReason.MISMATCH.value}: expected {st.num_layers} layers, sender offers {len(st.specs)}"
+            )
+            self.fail(st.transfer_id, reason, notify=True)
+            return False
+        total = sum(spec.num_bytes for spec in st.specs)
+        if st.sink is None and total > self.core.memory.capacity_bytes:
+            reason = f"{FailReason.BUDGET.value}: {total} bytes exceed receive budget + spill pool"
+            self.fail(st.transfer_id, reason, notify=True)
+            return False
+        return True
+
+    def on_trailer(self, msg: Trailer) -> None:
+        st = self.table.get(msg.transfer_id)
+        if st is None or st.peer is None or st.peer.instance_id != msg.src_id or st.trailer is not None:
+            return
+        st.trailer = msg.payload
+        self.arrivals.ack(st, None, trailer=True)
+        self.arrivals.maybe_complete(st)
+
+    def on_abort(self, transfer_id: str, src_id: str, reason: str, src_endpoint: str = "") -> None:
+        st = self.table.get(transfer_id)
+        if st is None:
+            return
+        from_sender = st.peer is not None and st.peer.instance_id == src_id
+        from_pulled = st.peer is None and st.pull_from is not None
+        from_announced = st.peer is None and st.sender is not None and st.sender == src_endpoint
+        if from_sender or from_pulled or from_announced:
+            self.fail(transfer_id, f"{FailReason.PEER_ABORTED.value}: {reason}", notify=False)
+
+    # --- failure -----------------------------------------------------------------------------------------
+
+    def _released(self, st: RecvState) -> None:
+        self.unsolicited.claim(st)
+        if st.guard is not None:
+            st.guard.close()  # a copy into the caller's blocks running now finishes first
+        for granted in st.granted.values():
+            if granted is not None:  # a posted receive may still land in it (NCCL: until the
+                granted.hand_over()  # cancelled chunk's dummy bytes arrive): never hand it out again
+        for buf in st.held.values():  # includes layers in a sink call now (their tensor stays alive)
+            buf.release()
+        self.arrivals.acks.pop(st.transfer_id, None)
+
+    def _after_failure(self, st: RecvState, reason: str) -> None:
+        self.credit.grant_pass()  # its memory went back to the budget
+
+    def fail_peer(self, peer_id: str, reason: str, restarted: bool = False) -> None:
+        """The sender ``peer_id`` is gone: fail its transfers, except those whose every layer already
+        arrived (a push granted before the caller's ``expect``, held in receive buffers: the data
+        is whole, so the ``expect`` that follows completes it; the lease still bounds the wait) and,
+        when a new process ``restarted`` at its endpoint, those only granted early to the old one,
+        which wait for the new one's Offer. (A broken link of a live sender fails those too: that
+        sender may have kept the early grant, whose slot is revoked with the link.)"""
+        for tid in self.bound_to(peer_id):
+            st = self.table.get(tid)  # (failing one frees memory: the grant pass may fail another)
+            if st is None:
+                continue
+            if restarted and st.early_only(peer_id):
+                # the transfer waits for the new process's Offer as if never granted; the plane's
+                # posts and grants for the old epoch go with ``drop_peer``, which follows
+                self.credit.forget_early(st)
+                st.peer = None
+            elif not self._all_arrived(st):
+                self.fail(tid, reason, notify=False)
+
+    def fail_endpoint(self, endpoint: str, reason: str) -> int:
+        """The sender at ``endpoint`` is gone: as :meth:`fail_peer`, by endpoint (also before its
+        Offer: a pull, or a push whose sender was named). Returns how many receives failed."""
+        failed = 0
+        for tid in [t for t, st in self.table.items() if st.peer_endpoint() == endpoint]:
+            st = self.table.get(tid)
+            if st is not None and not self._all_arrived(st):
+                failed += self.fail(tid, reason, notify=False)
+        return failed
+
+    def _all_arrived(self, st: RecvState) -> bool:
+        """Every layer landed (delivered or held). A trailer still missing will never come from a
+        peer that is gone: the transfer then completes without it (the consumer computes P's token)."""
+        if not st.all_landed():
+            return False
+        if st.with_trailer and st.trailer is None:
+            st.with_trailer = False
+            self.core.stats.add("trailers_missing")
+        self.arrivals.maybe_complete(st)
+        return True
+
+    def _expiring(self, st: RecvState) -> str | None:
+        """Every layer arrived and only the trailer (P's first token) is missing: finish without it
+        (the consumer computes that token itself) rather than fail the whole transfer."""
+        if st.with_trailer and st.trailer is None:
+            st.with_trailer = False
+            if st.complete():
+                self.core.stats.add("trailers_missing")
+                self.arrivals.maybe_complete(st)
+                return None
+            st.with_trailer = True
+        if st.specs is None:
+            return "no offer received"
+        return f"{len(st.arrived)}/{len(st.specs)} layers received"
+
+    # --- leases ------------------------------------------------------------------------------------------
+
+    def renew_msg(self, endpoint: str, transfer_id: str, reply: bool) -> Renew:
+        return Renew(
+            **self.core.header(endpoint, transfer_id), state=PeerState.RECEIVING.value, reply=reply
+        )
+
+    def on_renew(self, msg: Renew) -> bool:
+        """The sender of ``msg.transfer_id`` is alive: extend the lease. True if the transfer is ours."""
+        st = self.renewed_by(msg)
+        if st is None:
+            return False
+        if msg.state not in _SENDER_PROGRESS and not self._admitting(st, msg):
+            return True  # done, or does not know it: nothing more will come, no renewal
+        if st.specs is None:  # before the Offer: the sender's epoch must not change meanwhile
+            if st.sender_id is None:
+                st.sender_id = msg.src_id
+            elif st.sender_id != msg.src_id:
+                self.fail(st.transfer_id, f"{FailReason.PEER_LOST.value}: sender restarted", notify=False)
+                return True
+        st.lease.renewed(self.core.now())
+        return True
+
+    def _admitting(self, st: RecvState, msg: Renew) -> bool:
+        """A live push sender that has not heard of the transfer yet (its HTTP server or engine queue
+        still holds the request: decision 128) renews the lease, within ``max_admission_wait_s`` of
+        ``expect`` and before its Offer. Its epoch is pinned like a sender's in progress, so a
+        restarted sender (which never had the request) fails the transfer."""
+        if msg.state != PeerState.UNKNOWN.value or st.specs is not None or st.pull_from is not None:
+            return False
+        if not st.expected or st.sender is None:
+            return False
+        waited = self.core.now() - st.created_s
+        if waited <= self.core.config.limits.max_admission_wait_s:
+            self.core.stats.add("admission_renewals")
+            return True
+        return False
+
+    def close(self, reason: str) -> None:
+        super().close(reason)
+        self.arrivals.close()
+
+
+# ============================== Routes
+
+TICK_S = 0.02  # deadline/ack-flush granularity (the control loop wakes at least this often)
+
+
+class Routes:
+    """The agent's control-thread and plane-thread entry points (see the module docstring)."""
+
+    def __init__(self, core: Core, sender: Sender, receiver: Receiver) -> None:
+        self.core = core
+        self.sender = sender
+        self.receiver = receiver
+        self._next_expiry = 0.0  # control thread only: when on_tick next checks deadlines
+
+    # --- control thread ----------------------------------------------------------------------------------
+
+    def on_message(self, msg: AnyMsg) -> None:
+        core = self.core
+        with core.lock:
+            if core.closed:
+                return
+            self._check_epoch(msg)
+            if msg.dst_id and msg.dst_id != core.instance_id and not isinstance(msg, (Offer, Pull)):
+                self.on_reject(f"stale {type(msg).__name__} for epoch {msg.dst_id} (now {core.instance_id})")
+                # an early Grant (decision 110) went to this endpoint's previous process on what
+                # the receiver knew of it: that process never had the transfer, nothing was lost;
+                # the receiver grants afresh when this process offers it
+                if not isinstance(msg, Abort) and not (isinstance(msg, Grant) and msg.early):
+                    reason = f"{FailReason.PEER_LOST.value}: peer restarted"
+                    core.send_abort(msg.src_endpoint, msg.transfer_id, reason, msg.src_id)
+                return
+            self._route(msg)
+
+    def _route(self, msg: AnyMsg) -> None:
+        if isinstance(msg, (Offer, Trailer)):
+            self.receiver.on_control(msg)
+        elif isinstance(msg, Grant):
+            self.sender.on_grant(msg)
+        elif isinstance(msg, Ack):
+            self.sender.on_ack(msg)
+        elif isinstance(msg, Pull):
+            self.sender.on_pull(msg)
+        elif isinstance(msg, Renew):
+            self._on_renew(msg)
+        elif isinstance(msg, Abort):
+            self.sender.on_abort(msg.transfer_id, msg.src_endpoint, msg.reason)
+            self.receiver.on_control(msg)
+
+    def _on_renew(self, msg: Renew) -> None:
+        """The peer is alive: extend our lease on the transfer; answer a non-reply with our state."""
+        core, tid, endpoint = self.core, msg.transfer_id, msg.src_endpoint
+        sending = self.sender.on_renew(msg)
+        promised = self.sender.promises.renewed_by(msg)
+        self.sender.early_grants.heard(msg)
+        receiving = self.receiver.on_renew(msg)
+        if msg.reply:
+            return
+        if promised and not sending:
+            state = PeerState.QUEUED.value
+            core.send(endpoint, Renew(**core.header(endpoint, tid, msg.src_id), state=state, reply=True))
+            return
+        if sending:
+            core.send(endpoint, self.sender.renew_msg(endpoint, tid, reply=True))
+            return
+        if receiving:
+            core.send(endpoint, self.receiver.renew_msg(endpoint, tid, reply=True))
+            return
+        # the asker receives if it reports so: our side of the transfer is then the send side
+        side = self.sender.side if msg.state == PeerState.RECEIVING.value else self.receiver.side
+        ended = core.tombstones.get(side, tid)
+        if ended is not None and ended != "done":
+            core.send_abort(endpoint, tid, ended, msg.src_id)
+            return
+        state = PeerState.DONE if ended == "done" else PeerState.UNKNOWN
+        core.send(endpoint, Renew(**core.header(endpoint, tid, msg.src_id), state=state.value, reply=True))
+
+    def _check_epoch(self, msg: AnyMsg) -> None:
+        """A new instance id at a known endpoint: the old process is gone; fail its transfers."""
+        core = self.core
+        known = core.peer_ids.heard(msg.src_endpoint, msg.src_id)
+        if known is None or known == msg.src_id:
+            return
+        log.warning("peer %s restarted (instance %s -> %s)", msg.src_endpoint, known, msg.src_id)
+        core.stats.add("peers_restarted")
+        reason = f"{FailReason.PEER_LOST.value}: peer {msg.src_endpoint} restarted"
+        self._fail_peer(known, reason, restarted=True)
+
+    def _fail_peer(self, peer_id: str, reason: str, restarted: bool = False) -> None:
+        """``restarted``: a new process took the peer's endpoint (not a link of a live peer that broke)."""
+        self.sender.fail_peer(peer_id, reason)
+        self.receiver.fail_peer(peer_id, reason, restarted)
+        self.core.plane.drop_peer(peer_id)
+
+    def on_unreachable(self, endpoint: str) -> None:
+        """The peer at ``endpoint`` refuses connections (its process is gone): fail its transfers
+        now rather than at their leases (peer_watch, decision 088)."""
+        with self.core.lock:
+            if self.core.closed:
+                return
+            reason = f"{FailReason.PEER_LOST.value}: {endpoint} refuses connections"
+            failed = self.sender.fail_endpoint(endpoint, reason)
+            failed += self.receiver.fail_endpoint(endpoint, reason)
+        if failed:
+            log.warning("transfer peer %s refuses connections: failed its %d transfer(s)", endpoint, failed)
+
+    def on_reject(self, reason: str) -> None:
+        self.core.stats.add("messages_rejected")
+        # once, then a summary a minute: a peer sending garbage in a loop must not flood the log
+        self.core.rejects.refused("rejected", reason)
+
+    def on_tick(self) -> None:
+        """After every control-loop wake-up: flush acks; scan deadlines at most every ``TICK_S``
+        (each arrived layer wakes the loop, and the scans walk every transfer in flight); hand the
+        layers buffered before ``expect`` to the sink it named."""
+        with self.core.lock:
+            if self.core.closed:
+                return
+            now = self.core.now()
+            if now >= self._next_expiry:
+                self._next_expiry = now + TICK_S
+                self.sender.expire(now)
+                self.receiver.expire(now)
+                self.sender.renew(now)
+                self.receiver.renew(now)
+            self.receiver.arrivals.flush_acks()
+        deliveries = self.receiver.arrivals.to_deliver
+        while deliveries:
+            self.deliver_held(deliveries.popleft())
+
+    def on_control_dead(self, error: BaseException) -> None:
+        """Control thread, once, as supervision gives it up: nothing can move or expire any more, so
+        every transfer fails now (callers see it in ``poll``) and new ones are refused."""
+        what = f"{type(error).__name__}: {error}"
+        reason = f"{FailReason.CLOSED.value}: the transfer control loop is dead ({what})"
+        log.error("transfer agent %s: %s; failing every transfer in flight", self.core.instance_id, reason)
+        with self.core.lock:
+            if self.core.closed:
+                return
+            self.core.dead = reason
+            self.sender.close(reason)
+            self.receiver.close(reason)
+
+    def deliver_held(self, transfer_id: str) -> None:
+        """Control thread: hand the layers buffered before ``expect`` to the sink it named."""
+        with self.core.lock:
+            work = self.receiver.arrivals.take_held_for_sink(transfer_id)
+        for index, sink, tensor in work:
+            self._run_sink(transfer_id, index, sink, tensor)
+
+    def _run_sink(self, transfer_id: str, index: int, sink: LayerSink, tensor: torch.Tensor) -> None:
+        try:
+            sink(index, tensor)
+            if tensor.is_cuda:  # the sink's copy/scatter is async: finish it before the buffer is reused
+                done = torch.cuda.Event()  # and before finished_recving (only the sink's work: the
+                done.record(torch.cuda.current_stream(tensor.device))  # plane's streams may hold
+                done.synchronize()  # receives still waiting for data)
+        except Exception as exc:
+            log.exception("sink of transfer %s failed on layer %d", transfer_id, index)
+            with self.core.lock:
+                self.receiver.fail(transfer_id, f"{FailReason.SINK.value}: {exc!r}", notify=True)
+            return
+        with self.core.lock:
+            self.receiver.arrivals.delivered(transfer_id, index)
+
+    # --- data-plane callbacks (plane threads): PlaneCallbacks -------------------------------------------
+
+    def on_sent(self, peer_instance_id: str, transfer_id: str, layer_indices: Sequence[int]) -> None:
+        with self.core.lock:
+            for index in layer_indices:
+                self.sender.queue.on_sent(transfer_id, index)
+
+    def on_received(self, peer_instance_id: str, transfer_id: str, layer_indices: Sequence[int]) -> None:
+        sinks = []
+        with self.core.lock:  # once per message (a plane's thread holds the GIL meanwhile)
+            if self.core.closed:
+                return
+            for index in layer_indices:
+                work = self.receiver.arrivals.on_received(peer_instance_id, transfer_id, index)
+                if work is not None:
+                    sinks.append((index, *work))
+        self.core.wake()  # flush the acks soon
+        for index, sink, tensor in sinks:
+            self._run_sink(transfer_id, index, sink, tensor)
+
+    def on_transfer_failed(self, transfer_id: str, reason: str) -> None:
+        with self.core.lock:
+            self.sender.fail(transfer_id, reason, notify=True)
+            self.receiver.fail(transfer_id, reason, notify=True)
+
+    def on_peer_failed(self, peer_instance_id: str, reason: str) -> None:
+        with self.core.lock:
+            if not self.core.closed:
+                self._fail_peer(peer_instance_id, reason)
+
+    def on_protocol_error(self, reason: str) -> None:
+        self.on_reject(reason)
+
+    def peer_endpoint(self, peer_instance_id: str) -> str | None:
+        with self.core.lock:
+            return self.core.peer_ids.endpoint_of(peer_instance_id)
+
+    def on_device_copy(self, num_bytes: int, seconds: float) -> None:
+        self.core.stats.add("device_copy_bytes", num_bytes)
+        self.core.stats.add("device_copy_ns", round(seconds * 1e9))
+        self.core.stats.add("device_copy_batches", 1)

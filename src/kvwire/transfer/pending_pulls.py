@@ -7,8 +7,9 @@ the others out; a refused or expired pull is answered with an Abort. Every metho
 
 from __future__ import annotations
 
-from kvwire.transfer.core import ControlLimit, Core, PeerTable, Pull
+from kvwire.transfer.core import Core
 from kvwire.transfer.enums import FailReason
+from kvwire.transfer.wire import ControlLimit, PeerTable, Pull
 
 SIDE = "send"
 

@@ -1,7 +1,8 @@
-"""Send side of the agent: one transfer's state and the queue to the plane, early grants kept before
-the start, pulls in pieces, and the side itself.
+"""Send side of the agent: one transfer's state and the queue to the plane, promises and early grants
+kept before the start, pulls in pieces, and the side itself.
 
-Read in order: a send's state and :class:`SendQueue`; :class:`EarlyGrants` (decision 110);
+Read in order: a send's state and :class:`SendQueue`; :class:`Promises` (decision 123);
+:class:`EarlyGrants` (decision 110);
 split pulls (a held transfer served in pieces); the :class:`Sender` (offers, grants, layers
 handed over, acks, pulls, renewals, failures).
 
@@ -25,7 +26,7 @@ Pull mode, one held transfer served in pieces to several receivers (docs/decisio
 
 P and D of different tensor-parallel sizes: in pull mode P holds each rank's whole layer (its
 registered paged cache, blocks pinned) without knowing D's size; every D rank that needs heads of it
-pulls its own *piece*: a :class:`~kvwire.transfer.core.Pull` naming the held transfer, its own
+pulls its own *piece*: a :class:`~kvwire.transfer.wire.Pull` naming the held transfer, its own
 transfer id for the piece, the head range it owns and how many pieces the held transfer serves in
 all. Each piece becomes a *child* send (a :class:`Piece`: a
 :class:`~kvwire.transfer.sender.SendState` bound to that receiver: offer, credit, leases, acks as
@@ -45,7 +46,7 @@ The send side
 Send side of the agent: offers, grants taken, layers handed over, acks, pulls, renewals, failures.
 
 A transfer is a :class:`SendState`; handing granted layers to the plane is :class:`SendQueue`;
-promises (accepted, not started) ``core.Promises``; early grants kept before the start
+promises (accepted, not started) :class:`Promises`; early grants kept before the start
 :class:`EarlyGrants`; piece pulls :class:`SplitPulls`; leases, expiry and the one ``fail``
 ``core.Transfers``.
 """
@@ -61,23 +62,7 @@ from typing import Any
 import torch
 
 from kvwire.errors import TransferError
-from kvwire.transfer.core import (
-    Ack,
-    ControlLimit,
-    Core,
-    Grant,
-    Lease,
-    Offer,
-    PeerState,
-    PeerTable,
-    Promises,
-    Pull,
-    Renew,
-    Trailer,
-    Transfers,
-    TransferState,
-    WireLayer,
-)
+from kvwire.transfer.core import Core, Lease, PeerState, Transfers, TransferState
 from kvwire.transfer.enums import FailReason, KVLayout
 from kvwire.transfer.memory import (
     DTYPE_NAMES,
@@ -91,6 +76,17 @@ from kvwire.transfer.memory import (
 )
 from kvwire.transfer.pending_pulls import PendingPulls
 from kvwire.transfer.planes.base import DataPlane
+from kvwire.transfer.wire import (
+    Ack,
+    ControlLimit,
+    Grant,
+    Offer,
+    PeerTable,
+    Pull,
+    Renew,
+    Trailer,
+    WireLayer,
+)
 
 SIDE = "send"  # this side's key in the tombstones
 
@@ -297,6 +293,67 @@ class SendQueue:
         return TransferTiming(num_bytes, self.core.now() - st.first_dispatch, st.busy_s)
 
 
+# ============================== Promises
+
+class Promises:
+    """Promised transfers: accepted by the send side, not started yet (their prefill may be queued).
+
+    :meth:`~kvwire.transfer.agent.TransferAgent.promise` keeps one here until ``start_send``,
+    ``abort`` or its limit; meanwhile the receiver's lease on it is renewed (state QUEUED: decision
+    123). A promise is this side's own word, whatever the receiver says. Every method runs with
+    ``core.lock``. transfer id -> (receiver endpoint, lease)."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.table: dict[str, tuple[str, Lease]] = {}
+
+    def promise(
+        self, transfer_id: str, endpoint: str, deadline_s: float, limit_s: float | None, started: bool
+    ) -> None:
+        """The request behind ``transfer_id`` was accepted (its prefill may be queued): renew the
+        receiver's lease (state QUEUED) until ``start``, ``forget`` or the limit. Nothing when the
+        transfer ``started`` already, is promised or ended."""
+        if started or transfer_id in self.table or self.core.tombstones.get(SIDE, transfer_id) is not None:
+            return
+        if len(self.table) >= self.core.config.max_pending_transfers:
+            raise TransferError("too many promised transfers", transfer_id)
+        lease = Lease.start(self.core.now(), deadline_s, limit_s)
+        lease.next_renew = 0.0  # tell the receiver at once
+        self.table[transfer_id] = (endpoint, lease)
+
+    def started(self, transfer_id: str) -> None:
+        """The send started: its own lease takes over."""
+        self.table.pop(transfer_id, None)
+
+    def forget(self, transfer_id: str, reason: str) -> None:
+        """Drop a promise (the request ended before its send started): the receiver is told at once
+        and later renewals of it are answered with an Abort."""
+        entry = self.table.pop(transfer_id, None)
+        if entry is not None:
+            self.core.send_abort(entry[0], transfer_id, reason)
+            self.core.tombstones.add(SIDE, transfer_id, reason)
+
+    def drop_endpoint(self, endpoint: str) -> None:
+        """The receiver at ``endpoint`` is gone: its promises go (nothing to tell it)."""
+        for tid in [t for t, (e, _) in self.table.items() if e == endpoint]:
+            del self.table[tid]
+
+    def renew(self, now: float) -> None:
+        """Renew (state QUEUED) each promise that is due; drop those past their limit (a request that
+        never started)."""
+        for tid in [t for t, (_, lease) in self.table.items() if lease.limit <= now]:
+            del self.table[tid]
+        for tid, (endpoint, lease) in self.table.items():
+            if lease.due(now):
+                msg = Renew(**self.core.header(endpoint, tid), state=PeerState.QUEUED.value, reply=False)
+                self.core.send(endpoint, msg)
+
+    def renewed_by(self, msg: Renew) -> bool:
+        """True if ``msg`` is about a transfer promised to its sender."""
+        entry = self.table.get(msg.transfer_id)
+        return entry is not None and entry[0] == msg.src_endpoint
+
+
 # ============================== Early grants kept by the sender
 
 MAX_KEPT_PLANE_INFO = 64 * 1024  # an early Grant with a larger plane handshake is not kept (not needed)
@@ -420,7 +477,7 @@ class SplitPulls:
     # --- pulls -------------------------------------------------------------------------------------------
 
     def on_pull(self, msg: Pull) -> None:
-        parent = self.sender.sends.get(msg.held)
+        parent = self.sender.table.get(msg.held)
         if parent is None:
             self._unheld(msg)
             return
@@ -459,7 +516,7 @@ class SplitPulls:
             return "every piece was pulled already"
         if split is not None and split.children and msg.pieces == 0:
             return f"{MISMATCH}: released after pieces were pulled"
-        taken = msg.transfer_id in self.sender.sends or self.core.tombstones.get(SIDE, msg.transfer_id)
+        taken = msg.transfer_id in self.sender.table or self.core.tombstones.get(SIDE, msg.transfer_id)
         if msg.pieces and (taken or msg.transfer_id == msg.held):
             return "piece transfer id already in use"
         return None
@@ -494,7 +551,7 @@ class SplitPulls:
 
     def _release(self, parent: SendState) -> None:
         """Nobody needs this held transfer: it ends as finished (its blocks can be freed)."""
-        del self.sender.sends[parent.transfer_id]
+        del self.sender.table[parent.transfer_id]
         self.core.events.sent(parent.transfer_id, None)
         self.core.stats.add("sends_completed")
         self.core.tombstones.add(SIDE, parent.transfer_id, "done")
@@ -521,7 +578,7 @@ class SplitPulls:
             heads=heads, last_progress=now,
         )  # fmt: skip
         split.children.add(child.transfer_id)
-        self.sender.sends[child.transfer_id] = child
+        self.sender.table[child.transfer_id] = child
         self.core.stats.add("sends_started")
         self._copy_layers(parent, child)
         self.sender.offer(child)
@@ -533,14 +590,14 @@ class SplitPulls:
         if split is None:
             return
         for child_id in list(split.children):
-            child = self.sender.sends.get(child_id)
+            child = self.sender.table.get(child_id)
             if child is not None:
                 self._copy_layers(parent, child)
-            if child_id in self.sender.sends:  # (copying fails the held transfer if it cannot be split)
-                self.sender.dispatch(self.sender.sends[child_id])
+            if child_id in self.sender.table:  # (copying fails the held transfer if it cannot be split)
+                self.sender.dispatch(self.sender.table[child_id])
         waiting, split.waiting = split.waiting, []
         for msg in waiting:
-            if parent.transfer_id in self.sender.sends:
+            if parent.transfer_id in self.sender.table:
                 self._start_child(parent, split, msg)
 
     def _copy_layers(self, parent: SendState, child: SendState) -> None:
@@ -557,7 +614,7 @@ class SplitPulls:
 
     def piece_done(self, child: Piece, timing: TransferTiming | None) -> None:
         """A piece completed: count it (its held transfer reports once all its pieces are done)."""
-        parent = self.sender.sends.get(child.parent)
+        parent = self.sender.table.get(child.parent)
         split = parent.split if parent is not None else None
         if parent is not None and split is not None:
             self._count_piece(parent, split, child, timing)
@@ -573,7 +630,7 @@ class SplitPulls:
             split.first_dispatch = min(split.first_dispatch or child.first_dispatch, child.first_dispatch)
         if len(split.done) < split.pieces:
             return
-        del self.sender.sends[parent.transfer_id]
+        del self.sender.table[parent.transfer_id]
         total = None
         if split.first_dispatch is not None:
             total = TransferTiming(split.num_bytes, self.core.now() - split.first_dispatch, split.busy_s)
@@ -626,7 +683,6 @@ def _narrowed(layers: list[LayerSpec], layout: KVLayout, heads: range | None) ->
 # ============================== The send side
 
 
-
 class Sender(Transfers[SendState]):
     """Every method runs with ``core.lock`` held by the caller (the agent)."""
 
@@ -639,10 +695,6 @@ class Sender(Transfers[SendState]):
         self.early_grants = EarlyGrants(core)  # grants that came before start_send (decision 110)
         self.queue = SendQueue(core, self.table)
         self.splits = SplitPulls(self)
-
-    @property
-    def sends(self) -> dict[str, SendState]:
-        return self.table
 
     # --- API ---------------------------------------------------------------------------------------------
 
@@ -738,10 +790,6 @@ class Sender(Transfers[SendState]):
         if st is not None and layer_index is not None:
             st.check_layer(layer_index)
         return st  # None: it already ended (failed/aborted): the caller sees that in poll()
-
-    def promise(self, transfer_id: str, endpoint: str, deadline_s: float, limit_s: float | None) -> None:
-        """See :meth:`kvwire.transfer.promises.Promises.promise`."""
-        self.promises.promise(transfer_id, endpoint, deadline_s, limit_s, transfer_id in self.table)
 
     # --- messages ----------------------------------------------------------------------------------------
 
@@ -919,6 +967,8 @@ class Sender(Transfers[SendState]):
 
     def on_renew(self, msg: Renew) -> bool:
         """The receiver of ``msg.transfer_id`` is alive: extend the lease. True if the transfer is ours."""
+        if msg.transfer_id not in self.table:
+            return False  # not sent from here (a receiving agent's every Renew)
         st = self.renewed_by(msg)
         if st is None:
             return False

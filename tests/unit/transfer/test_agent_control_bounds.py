@@ -17,9 +17,9 @@ import zmq
 
 from kvwire.errors import AuthenticationError, ProtocolError
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
-from kvwire.transfer import core as messages_module
+from kvwire.transfer import wire as messages_module
 from kvwire.transfer.config import ControlLimits
-from kvwire.transfer.core import PROTOCOL_VERSION, Codec, Grant, Offer, Pull, Renew, WireLayer
+from kvwire.transfer.wire import PROTOCOL_VERSION, Codec, Grant, Offer, Pull, Renew, WireLayer
 from support.agent_helpers import _layers, _send, poll_until
 
 HEAD = {"src_id": "peer-epoch-1", "transfer_id": "t"}

@@ -16,7 +16,7 @@ from kvwire.supervision import ComponentState, HealthBoard
 from kvwire.transfer import TransferAgent, TransferConfig
 from kvwire.transfer import agent as control_module
 from kvwire.transfer.agent import NAME
-from kvwire.transfer.core import Codec, Offer, Renew
+from kvwire.transfer.wire import Codec, Offer, Renew
 from support.agent_helpers import _layers, _send, poll_until
 
 

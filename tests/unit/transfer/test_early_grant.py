@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvwire.transfer import TransferAgent, TransferConfig
-from kvwire.transfer.core import Grant, PeerState, Renew
+from kvwire.transfer.core import PeerState
 from kvwire.transfer.enums import KVLayout
 from kvwire.transfer.memory import (
     BlockTarget,
@@ -20,6 +20,7 @@ from kvwire.transfer.memory import (
     gather_blocks,
     shared_tensors,
 )
+from kvwire.transfer.wire import Grant, Renew
 from support.agent_helpers import poll_until
 from support.shm_planes import shm_plane
 from support.waiting import free_port, wait_for
@@ -105,7 +106,7 @@ def test_a_known_sender_is_granted_at_expect_and_writes_bit_exact(
     payload = gather_blocks(src[0], block_ids_tensor(src_ids, "cpu"), KVLayout.KV_FIRST)
     p.start_send("early", d.endpoint, [LayerSpec.of(payload)] * LAYERS, deadline_s=20.0)
     assert "early" not in p._sender.early_grants  # applied with the start
-    assert p._sender.sends["early"].granted == set(range(LAYERS))  # no round trip needed
+    assert p._sender.table["early"].granted == set(range(LAYERS))  # no round trip needed
     _send_started(p, d, "early", src, src_ids, dst, dst_ids, started=True)
     if p.peer_transports() == {d.endpoint: "shm"}:
         # the grant D repeats on the Offer adds nothing: no destination is left behind on P
@@ -136,7 +137,7 @@ def test_an_offer_of_other_sizes_is_granted_again_the_ordinary_way(
     assert d.stats().early_grants == 1
     wait_for(lambda: "more" in p._sender.early_grants, 10.0, "P kept the early grant")
     p.start_send("more", d.endpoint, p.block_layers(3), deadline_s=20.0)
-    assert p._sender.sends["more"].granted == set()  # not used: 3 blocks offered, 2 granted
+    assert p._sender.table["more"].granted == set()  # not used: 3 blocks offered, 2 granted
     ids = torch.tensor([7, 8, 9], dtype=torch.int64)
     for i in range(LAYERS):
         p.send_blocks("more", i, ids)
@@ -226,9 +227,9 @@ def test_an_early_grant_arriving_after_the_start_is_used_only_if_the_sizes_fit(
     right = Grant(**header, layers=[0, 1, 2], data_address="", early=True, sizes=[size] * LAYERS)
     with p._core.lock:
         p._sender.on_grant(wrong)
-        assert p._sender.sends["late"].granted == set()
+        assert p._sender.table["late"].granted == set()
         p._sender.on_grant(right)
-        assert p._sender.sends["late"].granted == {0, 1, 2}
+        assert p._sender.table["late"].granted == {0, 1, 2}
     p.abort("late", "test over")
 
 
@@ -298,7 +299,7 @@ def test_a_restart_forgets_only_early_grants_the_old_epoch_never_had(
     for tid in ("had", "never"):
         expect(tid)
     assert d.stats().early_grants == 2
-    had, never = d._receiver.recvs["had"], d._receiver.recvs["never"]
+    had, never = d._receiver.table["had"], d._receiver.table["never"]
     with d._core.lock:  # P's Renew reply "queued" (it had the request) as the control thread sees it
         d._receiver.on_renew(Renew(**p._core.header(d.endpoint, "had", d.instance_id),
                                    state=PeerState.QUEUED.value, reply=True))
@@ -306,7 +307,7 @@ def test_a_restart_forgets_only_early_grants_the_old_epoch_never_had(
     with d._core.lock:
         d._routes._fail_peer(p.instance_id, "peer_lost: test restart", restarted=True)
     assert "had" in poll_until(d, lambda e: "had" in e["failed"])["failed"]
-    assert d._receiver.recvs["never"] is never  # still waiting, for the new process's Offer
+    assert d._receiver.table["never"] is never  # still waiting, for the new process's Offer
     assert never.peer is None and not never.early and d.stats().early_grants_unused == 1
 
 

@@ -77,8 +77,8 @@ def test_each_rank_gets_its_heads_and_p_finishes_on_the_last_ack(
     hold(p, p_cache, "t", pull_by=[d0.endpoint, d1.endpoint])
     pull(d0, p, "t~d0", "t", range(0, 1), 2)
     poll_until(d0, lambda ev: "t~d0" in ev["recvd"])
-    wait_for(lambda: "t~d0" not in p._sender.sends)  # P took D0's acknowledgement
-    assert "t" in p._sender.sends and not p.poll(), "P ended the held transfer before its second piece"
+    wait_for(lambda: "t~d0" not in p._sender.table)  # P took D0's acknowledgement
+    assert "t" in p._sender.table and not p.poll(), "P ended the held transfer before its second piece"
     pull(d1, p, "t~d1", "t", range(1, 2), 2)
     poll_until(d1, lambda ev: "t~d1" in ev["recvd"])
     events = p.poll()
@@ -108,10 +108,10 @@ def test_a_failed_piece_fails_the_held_transfer_and_its_other_pieces(
     p.send_blocks("t", 0, block_ids_tensor(P_BLOCKS, "cpu"))
     # D1's piece is pulled, then D1 gives up on it: P fails the held transfer at once
     pull(d1, p, "t~d1", "t", range(1, 2), 2)
-    wait_for(lambda: "t~d1" in p._sender.sends)
+    wait_for(lambda: "t~d1" in p._sender.table)
     d1.abort("t~d1", "decode rank lost")
     failed = poll_until(p, lambda ev: "t" in ev["failed"])["failed"]
-    assert failed["t"].startswith("peer_aborted: decode rank lost") and not p._sender.sends
+    assert failed["t"].startswith("peer_aborted: decode rank lost") and not p._sender.table
     # the other D rank's pull of the failed transfer is refused at once (no wait for its deadline)
     pull(d0, p, "t~d0", "t", range(0, 1), 2, deadline_s=30.0)
     assert "t~d0" in poll_until(d0, lambda ev: "t~d0" in ev["failed"], timeout_s=5.0)["failed"]
@@ -130,7 +130,7 @@ def test_release_wrong_puller_and_piece_count_mismatch(
     hold(p, p_cache, "w", pull_by=[d0.endpoint])
     pull(d1, p, "w~d1", "w", None, 2, deadline_s=30.0)
     assert "w~d1" in poll_until(d1, lambda ev: "w~d1" in ev["failed"], timeout_s=5.0)["failed"]
-    assert "w" in p._sender.sends and p.stats().offers_refused == 1
+    assert "w" in p._sender.table and p.stats().offers_refused == 1
     # pulls that disagree on how many pieces there are fail the held transfer (a config mismatch)
     pull(d0, p, "w~d0", "w", None, 2)
     # the named rank's piece is served (seen on D: on P it may come and go between two looks)

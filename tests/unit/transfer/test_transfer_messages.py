@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from kvwire.errors import AuthenticationError, ProtocolError
-from kvwire.transfer.core import (
+from kvwire.transfer.wire import (
     MAX_PIECES,
     MAX_REASON_LEN,
     PROTOCOL_VERSION,

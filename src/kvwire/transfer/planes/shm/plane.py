@@ -156,8 +156,13 @@ class ShmPlane(UnixLinkPlane[Outbound]):
         # receive-budget buffers in shared memory too (a transfer offered before its blocks were
         # known lands there in one copy); one region, exported to every link like the KV cache
         self.arena = SharedArena(config.recv_budget_bytes) if config.recv_budget_bytes > 0 else None
+        # the regions a grant lands in on a request's path, known here without the process-wide
+        # lookup (``region_of``): the arena's and the registered caches' (decision 145); each with
+        # what keeps it mapped for the plane's life (the arena, the cache tensors)
+        self._own_regions: list[tuple[SharedRegion, object]] = []
         if self.arena is not None:
             self._export_locked(self.arena.region)
+            self._own_regions.append((self.arena.region, self.arena))
         #: layers this plane sent, by path ("one_copy", "ring"): tests and diagnostics
         self.layers_sent: collections.Counter[str] = collections.Counter()
         self.stop_mid_layer = _stop_mid_layer()  # test hook, sender side (STOP_MID_LAYER_ENV)
@@ -265,6 +270,18 @@ class ShmPlane(UnixLinkPlane[Outbound]):
                 found = region_of(tensor)
                 if found is not None:
                     self._export_locked(found[0])
+                    self._own_regions.append((found[0], tensor))
+
+    def _region_of(self, tensor: torch.Tensor) -> tuple[SharedRegion, int] | None:
+        """``region_of(tensor)``, looked up first among the plane's own regions (the arena, the
+        registered caches); the process-wide table only for a tensor outside them."""
+        if tensor.device.type == "cpu" and tensor.is_contiguous():
+            start = tensor.data_ptr()
+            end = start + tensor.numel() * tensor.element_size()
+            for region, _ in self._own_regions:
+                if region.address <= start and end <= region.address + region.size:
+                    return region, start - region.address
+        return region_of(tensor)
 
     def _export_locked(self, region: SharedRegion) -> None:
         if region.region_id not in self.exported:
@@ -279,7 +296,7 @@ class ShmPlane(UnixLinkPlane[Outbound]):
             base, spans = item.dest_spans.base, item.dest_spans.spans
         else:
             base, spans = item.dest, ((0, item.num_bytes),)
-        found = region_of(base)
+        found = self._region_of(base)
         if found is None:
             return None
         region, shift = found
