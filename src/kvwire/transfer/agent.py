@@ -488,12 +488,19 @@ class TransferAgent:
         messages)."""
         with self._core.lock:
             self._check_open()
-            deadline = self.config.default_deadline_s if deadline_s is None else deadline_s
-            limit = self.config.default_limit_s if limit_s is None else limit_s
+            deadline, limit = self._bounds(deadline_s, limit_s)
             pullers = None
             if pull_by is not None:
                 pullers = frozenset((pull_by,)) if isinstance(pull_by, str) else frozenset(pull_by)
             self._sender.start(transfer_id, peer_endpoint, layers, deadline, with_trailer, pullers, limit)
+
+    def _bounds(self, deadline_s: float | None, limit_s: float | None) -> tuple[float, float]:
+        """A transfer's lease and overall bound: the caller's, within this agent's own limit
+        (``config.default_limit_s``). Both can come from a client (``kv_transfer_params``): a larger
+        value is cut to the limit, never trusted (decision 149)."""
+        cap = self.config.default_limit_s
+        deadline = self.config.default_deadline_s if deadline_s is None else min(deadline_s, cap)
+        return deadline, cap if limit_s is None else min(limit_s, cap)
 
     def promise(
         self, transfer_id: str, peer_endpoint: str, *, deadline_s: float | None = None,
@@ -505,8 +512,7 @@ class TransferAgent:
         ``deadline_s`` and for at most ``limit_s``. Idempotent; never blocks."""
         with self._core.lock:
             self._check_open()
-            deadline = self.config.default_deadline_s if deadline_s is None else deadline_s
-            limit = self.config.default_limit_s if limit_s is None else limit_s
+            deadline, limit = self._bounds(deadline_s, limit_s)
             started = transfer_id in self._sender.table
             self._sender.promises.promise(transfer_id, peer_endpoint, deadline, limit, started)
         control = self._core.control
@@ -603,12 +609,12 @@ class TransferAgent:
         if sum(x is not None for x in (sink, scatter_into, into_blocks)) > 1:
             raise ValueError("expect: give at most one of sink, scatter_into, into_blocks")
         target = None if into_blocks is None else (self._registered(into_blocks.heads), into_blocks)
-        deadline = self.config.default_deadline_s if deadline_s is None else deadline_s
+        deadline, limit = self._bounds(deadline_s, limit_s)
         with self._core.lock:
             self._check_open()
             deliver = self._receiver.expect(
                 transfer_id, num_layers, sink, deadline, pull_from, scatter_into, target, accept_from,
-                sender, limit_s, pull_slice,
+                sender, limit, pull_slice,
             )  # fmt: skip
         if deliver:  # the control thread hands the layers buffered so far to the sink
             self._core.wake()

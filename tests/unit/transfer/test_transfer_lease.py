@@ -133,6 +133,18 @@ def test_renewals_stop_at_the_limit(pair: tuple[TransferAgent, TransferAgent]) -
     assert 0.9 <= time.monotonic() - start < 1.6
 
 
+def test_a_callers_lease_and_limit_are_cut_to_the_agents_limit() -> None:
+    """``deadline_s`` and ``limit_s`` come from kv_transfer_params (a client's): a receive asking for
+    a billion seconds, from a sender that renews, still ends at the agent's own limit."""
+    with TransferAgent(TransferConfig()) as a, \
+            TransferAgent(TransferConfig(default_deadline_s=0.2, default_limit_s=1.0)) as b:
+        start = time.monotonic()
+        a.promise("greedy", b.endpoint, deadline_s=0.2, limit_s=30)  # renews b's lease
+        b.expect("greedy", num_layers=1, deadline_s=1e9, sender=a.endpoint, limit_s=1e9)
+        reason = poll_until(b, lambda ev: "greedy" in ev["failed"], timeout_s=10.0)["failed"]["greedy"]
+        assert time.monotonic() - start < 5.0 and reason.startswith("deadline"), reason
+
+
 def test_failed_sender_answers_renewals_with_an_abort(pair: tuple[TransferAgent, TransferAgent]) -> None:
     a, b = pair
     layers = _layers()
