@@ -1281,7 +1281,7 @@ class Receiver(Transfers[RecvState]):
         if st is None:
             return
         from_sender = st.peer is not None and st.peer.instance_id == src_id
-        from_pulled = st.peer is None and st.pull_from is not None
+        from_pulled = st.peer is None and st.pull_from is not None and st.pull_from == src_endpoint
         from_announced = st.peer is None and st.sender is not None and st.sender == src_endpoint
         if from_sender or from_pulled or from_announced:
             self.fail(transfer_id, f"{FailReason.PEER_ABORTED.value}: {reason}", notify=False)

@@ -19,7 +19,7 @@ from kvwire.errors import AuthenticationError, ProtocolError
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
 from kvwire.transfer import wire as messages_module
 from kvwire.transfer.config import ControlLimits
-from kvwire.transfer.wire import PROTOCOL_VERSION, Codec, Grant, Offer, Pull, Renew, WireLayer
+from kvwire.transfer.wire import PROTOCOL_VERSION, Abort, Codec, Grant, Offer, Pull, Renew, WireLayer
 from support.agent_helpers import _layers, _send, poll_until
 
 HEAD = {"src_id": "peer-epoch-1", "transfer_id": "t"}
@@ -287,3 +287,19 @@ def test_endpoints_zeromq_refuses_are_dropped_not_loop_errors() -> None:
         peer.expect("after", num_layers=2, deadline_s=20.0)
         _send(agent, "after", peer.endpoint, layers, deadline_s=20.0)
         poll_until(agent, lambda ev: "after" in ev["sent"], timeout_s=30.0)
+
+
+def test_a_pulled_receive_ends_only_on_an_abort_from_its_sender() -> None:
+    """An Abort names a transfer id; a pulled receive took one from any endpoint (a third agent that
+    learned the id could end D's receive). Only the endpoint it pulls from may abort it."""
+    with TransferAgent(TransferConfig()) as a, TransferAgent(TransferConfig()) as b:
+        b.expect("pulled", num_layers=1, deadline_s=10.0, pull_from=a.endpoint)
+        routes = b._routes
+        for stranger in ("tcp://127.0.0.1:9", b.endpoint):
+            routes.on_message(Abort(src_id="stranger-epoch", src_endpoint=stranger, transfer_id="pulled",
+                                    dst_id=b.instance_id, reason="go away"))
+        assert "pulled" in b._receiver.table  # still waiting for its sender
+        routes.on_message(Abort(src_id="a-epoch", src_endpoint=a.endpoint, transfer_id="pulled",
+                                dst_id=b.instance_id, reason="prefill failed"))
+        failed = poll_until(b, lambda ev: "pulled" in ev["failed"])["failed"]["pulled"]
+        assert failed.startswith("peer_aborted: prefill failed"), failed
