@@ -252,11 +252,12 @@ class KvwireWorkerConnector(WorkerConnector):
     ) -> tuple[T, ConnectorOutput]:
         """The built-in engine's one call per step (decision 131), the same work as vLLM's sequence
         of hooks in one body: hand over the KV layers the previous step held back (CPU caches,
-        decision 141: that step's outputs, P's first token among them, are out by now), start this
-        step's transfers, run ``forward`` (when a send starts in this step, its attention layers
-        pass each KV layer through ``save_kv_layer``; else it gets no layer hooks: loads never wait
-        inside the forward and nothing is saved), end the saves (also when ``forward`` raises),
-        report."""
+        decision 141: that step's outputs, P's first token among them, are out by now; a push is
+        announced to the agent with them, decision 147), start this step's transfers (a push from
+        CPU caches: only its bookkeeping), run ``forward`` (when a send starts in this step, its
+        attention layers pass each KV layer through ``save_kv_layer``; else it gets no layer hooks:
+        loads never wait inside the forward and nothing is saved), end the saves (also when
+        ``forward`` raises), report."""
         del finished_req_ids  # aborts arrive as AbortSpecs in the metadata
         self.send_saved()
         self._apply_metadata(metadata)
@@ -332,10 +333,11 @@ class KvwireWorkerConnector(WorkerConnector):
             self._count_sent(send.layer_bytes[layer_index])
 
     def send_saved(self) -> None:
-        """Hand the agent the KV layers held back after the last forward (CPU caches), in order;
-        a send that did not get every layer then fails at once. Called at the start of the next
-        step, after the engine published the step's outputs, and by the hook-driven host (vLLM) at
-        the end of the forward (``wait_for_save``). Nothing to do on GPU caches."""
+        """Hand the agent the KV layers held back after the last forward (CPU caches), in order,
+        a push's ``start_send`` first (decision 147); a send that did not get every layer then fails
+        at once. Called at the start of the next step, after the engine published the step's
+        outputs, and by the hook-driven host (vLLM) at the end of the forward (``wait_for_save``).
+        Nothing to do on GPU caches."""
         unsent, self._unsent = self._unsent, []
         for send in unsent:
             layers, send.unsent = send.unsent, []
