@@ -1,7 +1,8 @@
 """Scheduler half of the kvwire P/D connector (engine-agnostic; engine thread only, never blocks).
 
 Push (default): P announces the transfer with the step that completes the prompt (chunked prefill:
-the last chunk), the worker hands every KV layer to the agent during that forward, and
+the last chunk), the worker hands every KV layer to the agent during that forward (CPU caches: the
+layers and the send's start wait for P's next step, decisions 141 and 147), and
 ``request_finished`` keeps the blocks (``delay_free``) until the agent reports the send acknowledged
 or failed. With ``use_first_token`` P's sampled token follows as the transfer's trailer. D promises
 the prompt's tokens as asynchronous external tokens, expects the transfer once blocks are allocated,

@@ -138,10 +138,13 @@ class AgentLike(Protocol):
 @dataclasses.dataclass
 class _Send:
     spec: SendSpec
-    ids: torch.Tensor  # on the caches' device
+    ids: torch.Tensor | None  # on the caches' device; built when the agent is told (a held push: later)
     piece_id: str = ""  # the agent-level transfer id (the request's own in the symmetric plan)
     heads: range | None = None  # this rank's KV heads the piece carries (None: all)
+    peer: str | None = None  # push: the D rank's endpoint it goes to
+    pull_by: tuple[str, ...] | None = None  # pull: the D ranks allowed to pull it
     layer_bytes: tuple[int, ...] = ()  # payload bytes per layer
+    started: bool = False  # the agent knows it (start_send); a CPU-cache push starts with its layers
     num_layers_written: int = 0  # KV layers the forward wrote
     num_layers_sent: int = 0  # ... and handed to the agent
     unsent: list[int] = dataclasses.field(default_factory=list)  # written, held back (CPU caches)
@@ -193,6 +196,7 @@ class KvwireWorkerConnector(WorkerConnector):
         self._send_pieces = PieceBook()
         self._recv_pieces = PieceBook()
         self._promised: dict[str, list[str]] = {}  # request transfer id -> piece ids promised, not started
+        self._promised_ok: set[str] = set()  # ... of which the agent took every piece's promise
         self._saving: list[_Send] = []  # sends whose layers this step's forward hands over
         # CPU caches: each layer the forward writes waits for the next step boundary (decision 141)
         self._hold_layers = False
@@ -248,11 +252,12 @@ class KvwireWorkerConnector(WorkerConnector):
     ) -> tuple[T, ConnectorOutput]:
         """The built-in engine's one call per step (decision 131), the same work as vLLM's sequence
         of hooks in one body: hand over the KV layers the previous step held back (CPU caches,
-        decision 141: that step's outputs, P's first token among them, are out by now), start this
-        step's transfers, run ``forward`` (when a send starts in this step, its attention layers
-        pass each KV layer through ``save_kv_layer``; else it gets no layer hooks: loads never wait
-        inside the forward and nothing is saved), end the saves (also when ``forward`` raises),
-        report."""
+        decision 141: that step's outputs, P's first token among them, are out by now; a push is
+        announced to the agent with them, decision 147), start this step's transfers (a push from
+        CPU caches: only its bookkeeping), run ``forward`` (when a send starts in this step, its
+        attention layers pass each KV layer through ``save_kv_layer``; else it gets no layer hooks:
+        loads never wait inside the forward and nothing is saved), end the saves (also when
+        ``forward`` raises), report."""
         del finished_req_ids  # aborts arrive as AbortSpecs in the metadata
         self.send_saved()
         self._apply_metadata(metadata)
@@ -310,12 +315,13 @@ class KvwireWorkerConnector(WorkerConnector):
             if self._hold_layers:
                 send.unsent.append(layer_index)
                 continue
-            if event is None and send.ids.is_cuda:
+            if event is None and send.ids is not None and send.ids.is_cuda:
                 event = torch.cuda.Event()
                 event.record()
             self._hand_over(send, layer_index, event)
 
     def _hand_over(self, send: _Send, layer_index: int, event: Any | None) -> None:
+        assert send.ids is not None  # set when the send started
         try:
             self.agent.send_blocks(send.piece_id, layer_index, send.ids, event, heads=send.heads)
         except KvwireError as exc:
@@ -327,13 +333,16 @@ class KvwireWorkerConnector(WorkerConnector):
             self._count_sent(send.layer_bytes[layer_index])
 
     def send_saved(self) -> None:
-        """Hand the agent the KV layers held back after the last forward (CPU caches), in order;
-        a send that did not get every layer then fails at once. Called at the start of the next
-        step, after the engine published the step's outputs, and by the hook-driven host (vLLM) at
-        the end of the forward (``wait_for_save``). Nothing to do on GPU caches."""
+        """Hand the agent the KV layers held back after the last forward (CPU caches), in order,
+        a push's ``start_send`` first (decision 147); a send that did not get every layer then fails
+        at once. Called at the start of the next step, after the engine published the step's
+        outputs, and by the hook-driven host (vLLM) at the end of the forward (``wait_for_save``).
+        Nothing to do on GPU caches."""
         unsent, self._unsent = self._unsent, []
         for send in unsent:
             layers, send.unsent = send.unsent, []
+            if not send.started and not self._start_held(send):
+                continue
             for layer_index in layers:
                 if send.failed or send.piece_id not in self._sends:
                     break  # failed or aborted meanwhile
@@ -373,6 +382,7 @@ class KvwireWorkerConnector(WorkerConnector):
 
     def _announce(self, spec: SendSpec) -> None:
         self._promised.pop(spec.transfer_id, None)  # the sends replace the promises
+        self._promised_ok.discard(spec.transfer_id)
         info = self.engine_info
         tid, rank, d_tp = spec.transfer_id, info.rank, len(spec.peer_endpoints or spec.pull_by)
         pull_by: tuple[str, ...] | None = None  # pull: the D ranks this rank's held layer is served to
@@ -391,7 +401,7 @@ class KvwireWorkerConnector(WorkerConnector):
         if not pieces:  # a replica: another rank of ours sends these heads
             self._pending.finished_sending.add(spec.request_id)
             return
-        ids = self._ids(spec.block_ids)
+        ids = None if self._hold_layers and spec.peer_endpoints else self._ids(spec.block_ids)
         sends: list[_Send] = []
         for piece in pieces:
             send = self._start_piece(spec, ids, piece, pull_by)
@@ -408,46 +418,83 @@ class KvwireWorkerConnector(WorkerConnector):
             self._saving.append(send)
 
     def _start_piece(
-        self, spec: SendSpec, ids: torch.Tensor, piece: RankPiece, pull_by: tuple[str, ...] | None
+        self, spec: SendSpec, ids: torch.Tensor | None, piece: RankPiece, pull_by: tuple[str, ...] | None
     ) -> _Send | None:
+        """The piece's send; announced to the agent now, or, pushing from CPU caches, with its
+        layers at the next step boundary (:meth:`send_saved`, decision 147): the Offer and the
+        agent's work then follow P's first token instead of delaying it, and D's lease stays
+        renewed by the promise meanwhile."""
         peer = spec.peer_endpoints[piece.peer_rank] if spec.peer_endpoints else None
-        n, layout = len(spec.block_ids), self._layout
+        send = _Send(spec, ids, piece.transfer_id, piece.heads, peer, pull_by)
+        if self._hold_layers and spec.peer_endpoints:
+            return send
+        error = self._start_agent_send(send)
+        if error is not None:
+            self._count_failure("send", error)
+            return None
+        return send
+
+    def _start_held(self, send: _Send) -> bool:
+        """Start a held push with its layers; False when it is over: aborted meanwhile, or refused
+        by the agent (then failed here like a send the agent failed, reported by the next report)."""
+        if send.piece_id not in self._sends:
+            return False
+        error = self._start_agent_send(send)
+        if error is not None:
+            self._on_failed(send.piece_id, error, self._pending)
+            return False
+        return True
+
+    def _start_agent_send(self, send: _Send) -> str | None:
+        """``start_send`` of one piece; the agent's refusal (logged) when it refused it."""
+        spec, n, layout = send.spec, len(send.spec.block_ids), self._layout
         layers = [
-            LayerSpec(gathered_shape(head_slice(c, piece.heads, layout), n, layout), c.dtype)
+            LayerSpec(gathered_shape(head_slice(c, send.heads, layout), n, layout), c.dtype)
             for c in self._kv_caches
         ]
         try:
             self.agent.start_send(
-                piece.transfer_id, peer, layers, deadline_s=spec.deadline_s, with_trailer=spec.with_trailer,
-                pull_by=pull_by, limit_s=spec.limit_s,
+                send.piece_id, send.peer, layers, deadline_s=spec.deadline_s, with_trailer=spec.with_trailer,
+                pull_by=send.pull_by, limit_s=spec.limit_s,
             )
         except KvwireError as exc:
-            logger.warning("transfer %s: start_send failed: %s", piece.transfer_id, exc)
-            self._count_failure("send", str(exc))
-            return None
-        return _Send(spec, ids, piece.transfer_id, piece.heads, tuple(layer.num_bytes for layer in layers))
+            logger.warning("transfer %s: start_send failed: %s", send.piece_id, exc)
+            return str(exc)
+        if send.ids is None:
+            send.ids = self._ids(spec.block_ids)
+        send.layer_bytes, send.started = tuple(layer.num_bytes for layer in layers), True
+        return None
 
     def promise_now(self, spec: PromiseSpec) -> None:
         """Admission thread, worker in the same process: promise at once (D's lease is renewed from
-        the moment the HTTP server holds the request, decision 123); the same spec arriving with the
-        next step's metadata promises again, which is idempotent."""
+        the moment the HTTP server holds the request, decision 123); the same spec arriving again
+        (the engine's admission, the next step's metadata) finds it promised and does nothing."""
         self._promise(spec)
 
     def _promise(self, spec: PromiseSpec) -> None:
         """P accepted a request: renew D's lease on each piece this rank will send until the send
-        starts (decision 051; with equal TP sizes the one piece is the request's own transfer)."""
+        starts (decision 051; with equal TP sizes the one piece is the request's own transfer).
+        Once the agent took every piece's promise, the same spec again is a no-op here (decision
+        147: it arrives up to three more times, on the engine thread, before P's forward); after a
+        refused one it is tried again."""
         info, d_tp, tid = self.engine_info, len(spec.peer_endpoints), spec.transfer_id
+        if tid in self._promised_ok:
+            return
         try:
             pieces = send_pieces(tid, info.rank, info.tp_size, d_tp, self._kv_heads(info.tp_size, d_tp))
         except ConfigError:
             return  # the send is refused when it starts (and D's pieces with it)
         self._promised[spec.transfer_id] = [piece.transfer_id for piece in pieces]
+        taken = 0
         for piece in pieces:
             try:
                 self.agent.promise(piece.transfer_id, spec.peer_endpoints[piece.peer_rank],
                                    deadline_s=spec.deadline_s, limit_s=spec.limit_s)  # fmt: skip
+                taken += 1
             except KvwireError as exc:
                 logger.warning("transfer %s: promise failed: %s", piece.transfer_id, exc)
+        if taken == len(pieces):
+            self._promised_ok.add(tid)
 
     def _kv_heads(self, p_tp: int, d_tp: int) -> int | None:
         """The model's KV heads over all ranks (None for MLA: no head dimension). A host whose KV is
@@ -479,12 +526,17 @@ class KvwireWorkerConnector(WorkerConnector):
     def _fail_if_short(self, send: _Send, num_layers: int) -> None:
         if num_layers < len(self._kv_caches) and send.piece_id in self._sends:
             reason = f"mismatch: {num_layers} of {len(self._kv_caches)} layers saved"
-            self._abort_agent(send.piece_id, reason)
+            self._abort_agent(send.piece_id, reason)  # a send not started yet: its promise ends
+            if not send.started:  # the agent reports no failure of a send it never knew
+                self._on_failed(send.piece_id, reason, self._pending)
 
     def _send_trailer(self, spec: TrailerSpec) -> None:
         for piece_id in sorted(self._send_pieces.pieces(spec.transfer_id)):
             send = self._sends.get(piece_id)
-            if send is None:
+            if send is not None and not send.started:
+                self.send_saved()  # the trailer follows the layers (a host that bound it first)
+                send = self._sends.get(piece_id)
+            if send is None or not send.started:
                 continue  # already failed or aborted
             trailer = msgspec.structs.replace(spec.first_token, kv_ready_unix_s=send.kv_ready_unix_s)
             try:
@@ -666,6 +718,7 @@ class KvwireWorkerConnector(WorkerConnector):
         recv_group = self._recv_pieces.drop(spec.transfer_id)
         send_group = self._send_pieces.drop(spec.transfer_id)
         piece_ids = {spec.transfer_id, *self._promised.pop(spec.transfer_id, ())}
+        self._promised_ok.discard(spec.transfer_id)
         piece_ids |= recv_group.pending if recv_group is not None else set()
         piece_ids |= send_group.pending if send_group is not None else set()
         recvs = [self._recvs[p].spec for p in piece_ids if p in self._recvs]

@@ -118,7 +118,8 @@ class WorkerSide:
 
     def save_kv_layer(self, layer_name: str) -> None:
         """The layer's blocks of every request completing its prompt this step, for the agent (handed
-        over now with GPU caches; at :meth:`wait_for_save` with CPU caches, decision 141)."""
+        over now with GPU caches; at :meth:`wait_for_save` with CPU caches, decision 141, where a
+        push is also announced to the agent, decision 147)."""
         index = self.layers.index_of(layer_name)
         if index is not None:
             self.core.save_kv_layer(index, self.layers.views[index])

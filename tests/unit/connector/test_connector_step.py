@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from kvwire.connector.base import Allocation, ScheduledChunk, StepPlan, StepReport, WorkerConnector
 from kvwire.connector.metadata import AbortSpec
+from kvwire.errors import TransferError
 from support.connector_fakes import NUM_LAYERS, FakeFabric, FakeRequest, Side, chunk, make_pd, push_requests
 
 
@@ -57,8 +58,9 @@ def test_push_with_first_token_through_plan_run_and_report() -> None:
     assert p.sched.get_num_new_matched_tokens(preq, 0) == (0, False)
     one_call_step(p, plan(chunk(preq, p_ids, computed=0, scheduled=20), allocated=[Allocation(preq, (), 0)]))
     # CPU caches: the layers the forward wrote wait for P's next step (decision 141), which hands
-    # them over before anything else
-    assert "t1" in p.agent.sends and not p.agent.sends["t1"].data
+    # them over before anything else; the send is announced to the agent then too (decision 147):
+    # no Offer while P computes its first token, D's lease renewed by P's promise meanwhile
+    assert "t1" not in p.agent.sends and p.agent.promises == ["t1"]
     preq.output_token_ids = [42]
     assert p.sched.request_finished(preq, p_ids) == (True, None)
     assert report_until(p, preq.request_id).output.finished_sending == {preq.request_id}
@@ -159,7 +161,57 @@ def test_the_hook_driven_host_hands_held_layers_over_at_wait_for_save() -> None:
     p.worker.bind_connector_metadata(metadata)  # vLLM's sequence of hooks
     for index in range(NUM_LAYERS):
         p.worker.save_kv_layer(index, p.caches[index])
-    assert not p.agent.sends["t1"].data  # held during the forward (CPU caches)
+    assert "t1" not in p.agent.sends  # held during the forward, its start too (CPU caches)
     p.worker.wait_for_save()  # vLLM has no later point before its output: the forward's end
     assert p.agent.sends["t1"].delivered | set(p.agent.sends["t1"].data) == set(range(NUM_LAYERS))
     p.worker.clear_connector_metadata()
+
+
+def test_a_held_push_the_agent_refuses_at_the_next_step_is_reported_failed() -> None:
+    """The send's start moved to the step boundary (decision 147): a refusal there fails the request's
+    send as a refusal at admission did (counted, reported, P frees its blocks), nothing handed over."""
+    p, d = make_pd(FakeFabric(), CollectorRegistry())
+    preq, _ = push_requests(p, d, prompt_len=9)
+    p.sched.get_num_new_matched_tokens(preq, 0)
+    one_call_step(p, plan(chunk(preq, [0, 1], computed=0, scheduled=9)))
+
+    def refuse(transfer_id: str, *args: object, **kwargs: object) -> None:
+        raise TransferError("too many transfers", transfer_id)
+
+    p.agent.start_send = refuse  # type: ignore[method-assign,assignment]
+    p.agent.send_blocks = None  # type: ignore[assignment,method-assign]  # any call now fails the test
+    preq.output_token_ids = [3]
+    assert p.sched.request_finished(preq, [0, 1]) == (True, None)
+    assert one_call_step(p, StepPlan(())).output.finished_sending == {preq.request_id}
+    failed = p.worker._metrics.transfers_failed.labels(side="send", reason="other")._value.get()
+    assert failed == 1 and p.worker.num_live_transfers == 0
+
+
+def test_p_promises_once_whatever_path_the_promise_takes() -> None:
+    """Built-in server: the promise made at HTTP admission comes again from the engine's admission
+    and twice with the next step's metadata; the agent is asked once (decision 147: the repeats ran
+    on the engine thread before P's forward, each waking the agent's control thread)."""
+    p, d = make_pd(FakeFabric(), CollectorRegistry())
+    p.sched.promise_now = p.worker.promise_now
+    preq, _ = push_requests(p, d, prompt_len=9, tid="t3")
+    p.sched.check_request_params(preq.kv_transfer_params)
+    p.sched.get_num_new_matched_tokens(preq, 0)
+    one_call_step(p, plan(chunk(preq, [0, 1], computed=0, scheduled=9)))
+    assert p.agent.promises == ["t3"]
+
+
+def test_a_refused_promise_is_asked_again() -> None:
+    p, d = make_pd(FakeFabric(), CollectorRegistry())
+    p.sched.promise_now = p.worker.promise_now
+    preq, _ = push_requests(p, d, prompt_len=9, tid="t4")
+    promise = p.agent.promise
+
+    def refuse_once(transfer_id: str, *args: object, **kwargs: object) -> None:
+        p.agent.promise = promise  # type: ignore[method-assign]
+        raise TransferError("too many promised transfers", transfer_id)
+
+    p.agent.promise = refuse_once  # type: ignore[method-assign,assignment]
+    p.sched.check_request_params(preq.kv_transfer_params)
+    assert p.agent.promises == []
+    p.sched.get_num_new_matched_tokens(preq, 0)  # the engine's admission promises again
+    assert p.agent.promises == ["t4"]

@@ -158,7 +158,8 @@ def test_an_opaque_layout_refuses_different_tp_sizes_and_keeps_equal_ones() -> N
     info = EngineInfo(block_size=4, kv_layout=KVLayout.MLA, tp_size=1, num_kv_heads=2)
     worker = KvwireWorkerConnector(ConnectorConfig(role=Role.PREFILL), info, agent,
                                    metrics=connector_metrics(CollectorRegistry()))  # fmt: skip
-    worker.register_kv_caches([torch.zeros(8, 4, 16)])
+    caches = [torch.zeros(8, 4, 16)]
+    worker.register_kv_caches(caches)
     two_d_ranks = SendSpec("r", "t", ("tcp://d0:1", "tcp://d1:1"), (1, 2), 5.0, False)
     worker.bind_connector_metadata(KvwireConnectorMetadata(sends=(two_d_ranks,)))
     assert agent.sends == {}
@@ -166,6 +167,8 @@ def test_an_opaque_layout_refuses_different_tp_sizes_and_keeps_equal_ones() -> N
     worker.clear_connector_metadata()
     one_d_rank = SendSpec("r2", "t2", ("tcp://d0:1",), (1, 2), 5.0, False)
     worker.bind_connector_metadata(KvwireConnectorMetadata(sends=(one_d_rank,)))
+    worker.save_kv_layer(0, caches[0])
+    worker.wait_for_save()  # CPU caches: the send starts with its layers (decision 147)
     assert list(agent.sends) == ["t2"]  # same sizes: the whole opaque layer, as before
     worker.close()
 
