@@ -4,8 +4,10 @@ decoding together, timed and then profiled with ``torch.profiler`` (CPU by defau
 The sequences are prefilled first (random prompts of ``--context`` ± 20 tokens, so that their KV
 lengths differ as a server's do), then ``--steps`` decode steps are timed one by one (median and
 minimum) and ``--profile-steps`` more run under the profiler. The table groups the profiler's self
-time per step: the int4 and int8 weight kernels, the KV gather, SDPA, the KV write, and the rest
-(norms, RoPE, casts, sampling, dispatch).
+time per step: the int4 and int8 weight kernels, the KV gather, SDPA, the KV write, the rest
+(norms, RoPE, casts, sampling, dispatch), and the thread's CPU time outside torch's ops (the native
+decode-attention kernel, decision 148, and Python). ``--attention-backend sdpa`` takes torch's
+gather + SDPA for the decodes instead of the kernel.
 
 Usage: ``python benchmarks/decode_profile.py --batch 8 --threads 1`` (``--model`` an HF directory or
 a preset, ``--quantization`` as ``kvwire serve``'s).
@@ -40,12 +42,14 @@ GROUPS = {
     "aten::mm": "dense matmul",
     "aten::addmm": "dense matmul",
 }
+OUTSIDE = "outside torch ops (native decode attention, Python)"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "paged"])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
@@ -62,7 +66,8 @@ def main() -> None:
     engine = _engine(args)
     step_times = [_timed_step(engine) for _ in range(args.steps)]
     print(
-        f"{args.model} ({args.quantization}), batch {args.batch}, context ~{args.context}, "
+        f"{args.model} ({args.quantization}, attention {engine.runner.backend.value}), batch {args.batch}, "
+        f"context ~{args.context}, "
         f"{args.threads} thread(s): step median {statistics.median(step_times) * 1e3:.2f} ms, "
         f"min {min(step_times) * 1e3:.2f} ms over {args.steps} steps"
     )
@@ -81,6 +86,7 @@ def _engine(args: argparse.Namespace) -> LLMEngine:
         max_num_batched_tokens=max(2048, longest),
         max_num_seqs=args.batch,
         enable_prefix_caching=False,
+        attention_backend=args.attention_backend,
     )
     engine = LLMEngine(config)
     rng = random.Random(0)
@@ -103,7 +109,7 @@ def _wave_engine(args: argparse.Namespace, model: str, quantization: str) -> LLM
             model=model, quantization=quantization, cpu_threads=args.threads, block_size=16,
             max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.batch * args.context),
             num_kv_blocks=args.batch * -(-(args.context + args.output) // 16) + 8,
-            enable_prefix_caching=False,
+            enable_prefix_caching=False, attention_backend=args.attention_backend,
         )
     )  # fmt: skip
 
@@ -149,14 +155,19 @@ def _timed_step(engine: LLMEngine) -> float:
 
 def _profile(engine: LLMEngine, steps: int) -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
+        cpu = time.thread_time()
         for _ in range(steps):
             engine.step()
+        cpu = time.thread_time() - cpu
     per_group: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
     for event in prof.key_averages():
         group = GROUPS.get(event.key, "everything else")
         per_group[group] += event.self_cpu_time_total / steps / 1e3
         calls[group] += event.count // steps
+    # The profiler sees torch's ops only: the native decode-attention kernel (decision 148) and the
+    # Python between ops are the thread's CPU time outside them.
+    per_group[OUTSIDE] = max(0.0, cpu / steps * 1e3 - sum(per_group.values()))
     total = sum(per_group.values())
     print(f"\nper step under the profiler ({steps} steps), self CPU time:\n")
     print("| part | ms per step | share | ops per step |\n|---|---|---|---|")
