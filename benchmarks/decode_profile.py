@@ -7,7 +7,8 @@ minimum) and ``--profile-steps`` more run under the profiler. The table groups t
 time per step: the int4 and int8 weight kernels, the KV gather, SDPA, the KV write, the rest
 (norms, RoPE, casts, sampling, dispatch), and the thread's CPU time outside torch's ops (the native
 decode-attention kernel, decision 148, and Python). ``--attention-backend sdpa`` takes torch's
-gather + SDPA for the decodes instead of the kernel.
+gather + SDPA for the decodes instead of the kernel; ``--ab-attention`` alternates the two step by
+step in one engine and prints both.
 
 Usage: ``python benchmarks/decode_profile.py --batch 8 --threads 1`` (``--model`` an HF directory or
 a preset, ``--quantization`` as ``kvwire serve``'s).
@@ -30,7 +31,7 @@ from collections import defaultdict
 from torch.profiler import ProfilerActivity, profile
 
 from kvwire.engine import SamplingParams
-from kvwire.engine.config import EngineConfig
+from kvwire.engine.config import AttentionBackend, EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 
 GROUPS = {
@@ -42,6 +43,7 @@ GROUPS = {
     "aten::mm": "dense matmul",
     "aten::addmm": "dense matmul",
 }
+AB = (AttentionBackend.SDPA, AttentionBackend.PAGED)  # --ab-attention: torch's gather + SDPA, the kernel
 OUTSIDE = "outside torch ops (native decode attention, Python)"
 
 
@@ -59,11 +61,15 @@ def main() -> None:
     parser.add_argument("--output", type=int, default=64, help="output tokens per request (--waves)")
     parser.add_argument("--compare-model", default=None, help="a second engine, alternated (--waves)")
     parser.add_argument("--compare-quantization", default=None, help="its quantization (default: the same)")
+    parser.add_argument("--ab-attention", action="store_true", help="alternate torch's and the kernel's")
     args = parser.parse_args()
     if args.waves:
         _waves(args)
         return
     engine = _engine(args)
+    if args.ab_attention:
+        _ab_attention(engine, args)
+        return
     step_times = [_timed_step(engine) for _ in range(args.steps)]
     print(
         f"{args.model} ({args.quantization}, attention {engine.runner.backend.value}), batch {args.batch}, "
@@ -75,7 +81,8 @@ def main() -> None:
 
 
 def _engine(args: argparse.Namespace) -> LLMEngine:
-    longest = args.context + 20 + args.steps + args.profile_steps + 8
+    steps = args.steps * (2 if args.ab_attention else 1) + args.profile_steps
+    longest = args.context + 20 + steps + 8
     config = EngineConfig(
         model=args.model,
         quantization=args.quantization,
@@ -145,6 +152,27 @@ def _waves(args: argparse.Namespace) -> None:
         tokens = args.batch * args.output
         print(f"| {kind} | {pw * 1e3:.0f} ms | {pc * 1e3:.0f} ms | {ww * 1e3:.0f} ms | {wc * 1e3:.0f} ms "
               f"| {tokens / ww:.1f} / {tokens / wc:.1f} |")  # fmt: skip
+
+
+def _ab_attention(engine: LLMEngine, args: argparse.Namespace) -> None:
+    """The same engine, the same sequences, the decodes' attention switched every step between
+    torch's gather + SDPA and the native kernel (decision 148): both see the same load and the
+    same context lengths. Wall and thread CPU time per step."""
+    times: dict[AttentionBackend, list[tuple[float, float]]] = {b: [] for b in AB}
+    for i in range(2 * args.steps):
+        backend = AttentionBackend.PAGED if i % 2 else AttentionBackend.SDPA
+        engine.runner.backend = backend
+        wall, cpu = time.perf_counter(), time.thread_time()
+        engine.step()
+        times[backend].append((time.perf_counter() - wall, time.thread_time() - cpu))
+    print(f"{args.model} ({args.quantization}), batch {args.batch}, context ~{args.context}, {args.threads} "
+          f"thread(s), {args.steps} steps each, alternating:\n")  # fmt: skip
+    print("| decode attention | step wall median | step CPU median | CPU min |\n|---|---|---|---|")
+    for backend, got in times.items():
+        wall_ms, cpu_ms = ([t * 1e3 for t in col] for col in zip(*got, strict=True))
+        name = "torch gather + SDPA" if backend is AttentionBackend.SDPA else "native kernel"
+        print(f"| {name} | {statistics.median(wall_ms):.2f} ms | {statistics.median(cpu_ms):.2f} ms "
+              f"| {min(cpu_ms):.2f} ms |")  # fmt: skip
 
 
 def _timed_step(engine: LLMEngine) -> float:
