@@ -183,8 +183,9 @@ ALWAYS_INLINE v16 reduce16(const v16 part[VTILE])
 
 /* Every query head of sequence b, for dim = 16 * C: tiles of at most 16 tokens, each tile's K and V
    rows read once for all heads (one block's rows lie together: [block_size, kv_heads, dim]), the
-   next block's first rows fetched ahead (blocks are scattered: no hardware prefetcher guesses where
-   the next one is). The heads' state (output so far, maximum, sum) stays in `work` between tiles. */
+   next tile's rows fetched ahead, a slice per head (blocks are scattered: no hardware prefetcher
+   guesses where the next one is, and a burst of prefetches would stall on the core's miss buffers).
+   The heads' state (output so far, maximum, sum) stays in `work` between tiles. */
 ALWAYS_INLINE void attend16(const Problem *pb, Py_ssize_t b, float *work, const int C)
 {
     const Py_ssize_t dim = 16 * C, heads = pb->heads, group = heads / pb->kv_heads, row = pb->kv_heads * dim;
@@ -205,17 +206,28 @@ ALWAYS_INLINE void attend16(const Problem *pb, Py_ssize_t b, float *work, const 
             count = VTILE;
         if (count > pb->block_size - in_block)
             count = pb->block_size - in_block;
-        const int64_t next = start + count;
-        if (next < len && next % pb->block_size == 0) { /* the next block's K and V rows, into L2 */
-            const char *nk = (const char *)(pb->kv + table[next / pb->block_size] * pb->block_size * row);
-            const Py_ssize_t bytes = pb->block_size * row * (Py_ssize_t)sizeof(float);
-            for (Py_ssize_t at = 0; at < bytes; at += 64) {
-                __builtin_prefetch(nk + at, 0, 2);
-                __builtin_prefetch(nk + half * (Py_ssize_t)sizeof(float) + at, 0, 2);
-            }
+        /* the next tile's K and V rows (the next sequence's first after the last), fetched into L2 a
+           slice per head while this tile is computed */
+        const int64_t seq = start + count < len ? b : b + 1, pos = seq == b ? start + count : 0;
+        const char *ahead = NULL;
+        int64_t ahead_count = 0;
+        if (seq < pb->batch) {
+            ahead_count = pb->lens[seq] - pos;
+            if (ahead_count > VTILE)
+                ahead_count = VTILE;
+            if (ahead_count > pb->block_size - pos % pb->block_size)
+                ahead_count = pb->block_size - pos % pb->block_size;
+            const int64_t block = pb->tables[seq * pb->max_blocks + pos / pb->block_size];
+            ahead = (const char *)(pb->kv + (block * pb->block_size + pos % pb->block_size) * row);
         }
+        const Py_ssize_t lines = (ahead_count * row * (Py_ssize_t)sizeof(float) + 63) / 64;
+        const Py_ssize_t share = (lines + heads - 1) / heads, to_v = half * (Py_ssize_t)sizeof(float);
         const float *tile = pb->kv + (table[start / pb->block_size] * pb->block_size + in_block) * row;
         for (Py_ssize_t hq = 0; hq < heads; hq++) {
+            for (Py_ssize_t line = hq * share; line < (hq + 1) * share && line < lines; line++) {
+                __builtin_prefetch(ahead + 64 * line, 0, 2);
+                __builtin_prefetch(ahead + to_v + 64 * line, 0, 2);
+            }
             const float *k = tile + (hq / group) * dim, *v = k + half;
             v16 qv[C], part[VTILE], out[C];
             for (int c = 0; c < C; c++)
