@@ -84,61 +84,82 @@ typedef struct {
     float scale;
 } Problem;
 
-/* One sequence, one KV head: its `group` query heads over the sequence's blocks. `work` holds
-   group * (dim + TILE + 2) floats. Inlined with dim a constant for the usual head sizes. */
-ALWAYS_INLINE void attend(const Problem *pb, Py_ssize_t b, Py_ssize_t h, float *work, const Py_ssize_t dim)
+/* n heads' state before the first tile: no output, maximum -inf, sum 0 */
+ALWAYS_INLINE void start_heads(float *acc, float *m, float *l, Py_ssize_t n, Py_ssize_t dim)
 {
-    const Py_ssize_t group = pb->heads / pb->kv_heads, row = pb->kv_heads * dim;
+    for (Py_ssize_t h = 0; h < n; h++) {
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    memset(acc, 0, (size_t)(n * dim) * sizeof(float));
+}
+
+/* out = acc / sum for n heads */
+ALWAYS_INLINE void finish_heads(float *out, const float *acc, const float *l, Py_ssize_t n, Py_ssize_t dim)
+{
+    for (Py_ssize_t h = 0; h < n; h++) {
+        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+        for (Py_ssize_t d = 0; d < dim; d++)
+            out[h * dim + d] = acc[h * dim + d] * inv;
+    }
+}
+
+/* Tokens of the tile that starts at `start` of a sequence of `len`: at most `most`, never across a
+   block. */
+ALWAYS_INLINE int64_t tile_length(const Problem *pb, int64_t start, int64_t len, int64_t most)
+{
+    int64_t count = len - start;
+    if (count > most)
+        count = most;
+    if (count > pb->block_size - start % pb->block_size)
+        count = pb->block_size - start % pb->block_size;
+    return count;
+}
+
+/* One query head over one tile of `count` tokens, any head size: scores in `s` (TILE floats). */
+ALWAYS_INLINE void head_tile_any(const float *q, const float *k, const float *v, Py_ssize_t row, int64_t count,
+                                 Py_ssize_t dim, float scale, float *s, float *acc, float *m, float *l)
+{
+    float top = *m;
+    for (int64_t t = 0; t < count; t++) {
+        s[t] = dot(q, k + t * row, dim) * scale;
+        top = s[t] > top ? s[t] : top;
+    }
+    const float shrink = *m == -INFINITY ? 0.0f : expf(*m - top);
+    *m = top;
+    exp_shifted(s, top, (int)count);
+    float sum = 0.0f;
+    for (int64_t t = 0; t < count; t++)
+        sum += s[t];
+    *l = *l * shrink + sum;
+    for (Py_ssize_t d = 0; d < dim; d++)
+        acc[d] *= shrink;
+    for (int64_t t = 0; t < count; t++) {
+        const float p = s[t], *vt = v + t * row;
+        for (Py_ssize_t d = 0; d < dim; d++)
+            acc[d] += p * vt[d];
+    }
+}
+
+/* One sequence, one KV head, any head size: its `group` query heads over the sequence's blocks in
+   tiles of at most TILE tokens. `work` holds group * (dim + TILE + 2) floats. */
+ALWAYS_INLINE void attend(const Problem *pb, Py_ssize_t b, Py_ssize_t h, float *work)
+{
+    const Py_ssize_t dim = pb->dim, group = pb->heads / pb->kv_heads, row = pb->kv_heads * dim;
     const Py_ssize_t half = pb->num_blocks * pb->block_size * row; /* K -> V */
     const float *q = pb->q + (b * pb->heads + h * group) * dim;
-    float *acc = work, *s = work + group * dim, *m = s + group * TILE, *l = m + group;
-    for (Py_ssize_t g = 0; g < group; g++) {
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-    }
-    memset(acc, 0, (size_t)(group * dim) * sizeof(float));
+    float *acc = work, *s = work + group * dim, *m = s + TILE, *l = m + group;
+    start_heads(acc, m, l, group, dim);
     const int64_t len = pb->lens[b];
     int64_t count;
     for (int64_t start = 0; start < len; start += count) {
-        /* a tile never crosses a block: TILE tokens or to the block's (or sequence's) end */
-        const int64_t in_block = start % pb->block_size;
-        count = len - start;
-        if (count > TILE)
-            count = TILE;
-        if (count > pb->block_size - in_block)
-            count = pb->block_size - in_block;
+        count = tile_length(pb, start, len, TILE);
         const int64_t block = pb->tables[b * pb->max_blocks + start / pb->block_size];
-        const float *k = pb->kv + (block * pb->block_size + in_block) * row + h * dim;
-        for (Py_ssize_t g = 0; g < group; g++) {
-            float *sg = s + g * TILE, top = m[g];
-            for (int64_t t = 0; t < count; t++) {
-                sg[t] = dot(q + g * dim, k + t * row, dim) * pb->scale;
-                top = sg[t] > top ? sg[t] : top;
-            }
-            float shrink = m[g] == -INFINITY ? 0.0f : expf(m[g] - top);
-            m[g] = top;
-            exp_shifted(sg, top, (int)count);
-            float sum = 0.0f;
-            for (int64_t t = 0; t < count; t++)
-                sum += sg[t];
-            l[g] = l[g] * shrink + sum;
-            float *ag = acc + g * dim;
-            for (Py_ssize_t d = 0; d < dim; d++)
-                ag[d] *= shrink;
-            const float *v = k + half;
-            for (int64_t t = 0; t < count; t++) {
-                const float p = sg[t], *vt = v + t * row;
-                for (Py_ssize_t d = 0; d < dim; d++)
-                    ag[d] += p * vt[d];
-            }
-        }
+        const float *k = pb->kv + (block * pb->block_size + start % pb->block_size) * row + h * dim;
+        for (Py_ssize_t g = 0; g < group; g++)
+            head_tile_any(q + g * dim, k, k + half, row, count, dim, pb->scale, s, acc + g * dim, m + g, l + g);
     }
-    float *o = pb->out + (b * pb->heads + h * group) * dim;
-    for (Py_ssize_t g = 0; g < group; g++) {
-        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-        for (Py_ssize_t d = 0; d < dim; d++)
-            o[g * dim + d] = acc[g * dim + d] * inv;
-    }
+    finish_heads(pb->out + (b * pb->heads + h * group) * dim, acc, l, group, dim);
 }
 
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
@@ -181,90 +202,89 @@ ALWAYS_INLINE v16 reduce16(const v16 part[VTILE])
            + __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+/* Where the tile after the one of sequence b ending at `next` lies (the next sequence's first after
+   a sequence's last), and its K rows' 64-byte lines in `lines`; NULL after the batch's last tile. */
+ALWAYS_INLINE const char *tile_ahead(const Problem *pb, Py_ssize_t b, int64_t next, Py_ssize_t row,
+                                     Py_ssize_t *lines)
+{
+    const Py_ssize_t seq = next < pb->lens[b] ? b : b + 1;
+    const int64_t pos = seq == b ? next : 0;
+    *lines = 0;
+    if (seq >= pb->batch)
+        return NULL;
+    const int64_t count = tile_length(pb, pos, pb->lens[seq], VTILE);
+    const int64_t block = pb->tables[seq * pb->max_blocks + pos / pb->block_size];
+    *lines = (count * row * (Py_ssize_t)sizeof(float) + 63) / 64;
+    return (const char *)(pb->kv + (block * pb->block_size + pos % pb->block_size) * row);
+}
+
+/* One query head over one tile of `count` tokens (K rows at k, V rows at v, `row` floats apart):
+   its output so far `acc` (16 * C floats), running maximum *m and sum *l updated. */
+ALWAYS_INLINE void head_tile(const float *q, const float *k, const float *v, Py_ssize_t row, int64_t count,
+                             float scale, float *acc, float *m, float *l, const int C)
+{
+    v16 qv[C], part[VTILE], out[C];
+    for (int c = 0; c < C; c++)
+        qv[c] = load16(q + 16 * c);
+    for (int t = 0; t < VTILE; t++) {
+        v16 sum = {0};
+        if (t < count)
+            for (int c = 0; c < C; c++)
+                sum += qv[c] * load16(k + t * row + 16 * c);
+        part[t] = sum;
+    }
+    float sc[VTILE], top = *m;
+    v16 scores = reduce16(part) * scale;
+    memcpy(sc, &scores, sizeof sc);
+    for (int t = 0; t < count; t++)
+        top = sc[t] > top ? sc[t] : top;
+    const float shrink = *m == -INFINITY ? 0.0f : expf(*m - top);
+    *m = top;
+    exp_shifted(sc, top, (int)count);
+    float total = 0.0f;
+    for (int t = 0; t < count; t++)
+        total += sc[t];
+    *l = *l * shrink + total;
+    for (int c = 0; c < C; c++)
+        out[c] = load16(acc + 16 * c) * shrink;
+    for (int t = 0; t < count; t++)
+        for (int c = 0; c < C; c++)
+            out[c] += sc[t] * load16(v + t * row + 16 * c);
+    memcpy(acc, out, sizeof out);
+}
+
 /* Every query head of sequence b, for dim = 16 * C: tiles of at most 16 tokens, each tile's K and V
    rows read once for all heads (one block's rows lie together: [block_size, kv_heads, dim]), the
-   next tile's rows fetched ahead, a slice per head (blocks are scattered: no hardware prefetcher
-   guesses where the next one is, and a burst of prefetches would stall on the core's miss buffers).
-   The heads' state (output so far, maximum, sum) stays in `work` between tiles. */
+   next tile's rows fetched into L2 a slice per head while this one is computed (blocks are
+   scattered: no hardware prefetcher guesses where the next one is, and a burst of prefetches would
+   stall on the core's miss buffers). The heads' state (output so far, maximum, sum) stays in `work`
+   between tiles. */
 ALWAYS_INLINE void attend16(const Problem *pb, Py_ssize_t b, float *work, const int C)
 {
     const Py_ssize_t dim = 16 * C, heads = pb->heads, group = heads / pb->kv_heads, row = pb->kv_heads * dim;
-    const Py_ssize_t half = pb->num_blocks * pb->block_size * row; /* K -> V */
-    const float *q = pb->q + b * heads * dim;
+    const Py_ssize_t half = pb->num_blocks * pb->block_size * row, to_v = half * (Py_ssize_t)sizeof(float);
     float *acc = work, *m = work + heads * dim, *l = m + heads;
-    for (Py_ssize_t hq = 0; hq < heads; hq++) {
-        m[hq] = -INFINITY;
-        l[hq] = 0.0f;
-    }
-    memset(acc, 0, (size_t)(heads * dim) * sizeof(float));
+    start_heads(acc, m, l, heads, dim);
     const int64_t len = pb->lens[b], *table = pb->tables + b * pb->max_blocks;
     int64_t count;
     for (int64_t start = 0; start < len; start += count) {
-        const int64_t in_block = start % pb->block_size;
-        count = len - start;
-        if (count > VTILE)
-            count = VTILE;
-        if (count > pb->block_size - in_block)
-            count = pb->block_size - in_block;
-        /* the next tile's K and V rows (the next sequence's first after the last), fetched into L2 a
-           slice per head while this tile is computed */
-        const int64_t seq = start + count < len ? b : b + 1, pos = seq == b ? start + count : 0;
-        const char *ahead = NULL;
-        int64_t ahead_count = 0;
-        if (seq < pb->batch) {
-            ahead_count = pb->lens[seq] - pos;
-            if (ahead_count > VTILE)
-                ahead_count = VTILE;
-            if (ahead_count > pb->block_size - pos % pb->block_size)
-                ahead_count = pb->block_size - pos % pb->block_size;
-            const int64_t block = pb->tables[seq * pb->max_blocks + pos / pb->block_size];
-            ahead = (const char *)(pb->kv + (block * pb->block_size + pos % pb->block_size) * row);
-        }
-        const Py_ssize_t lines = (ahead_count * row * (Py_ssize_t)sizeof(float) + 63) / 64;
-        const Py_ssize_t share = (lines + heads - 1) / heads, to_v = half * (Py_ssize_t)sizeof(float);
-        const float *tile = pb->kv + (table[start / pb->block_size] * pb->block_size + in_block) * row;
+        count = tile_length(pb, start, len, VTILE);
+        Py_ssize_t lines;
+        const char *ahead = tile_ahead(pb, b, start + count, row, &lines);
+        const Py_ssize_t share = (lines + heads - 1) / heads;
+        const float *tile =
+            pb->kv + (table[start / pb->block_size] * pb->block_size + start % pb->block_size) * row;
         for (Py_ssize_t hq = 0; hq < heads; hq++) {
             for (Py_ssize_t line = hq * share; line < (hq + 1) * share && line < lines; line++) {
                 __builtin_prefetch(ahead + 64 * line, 0, 2);
                 __builtin_prefetch(ahead + to_v + 64 * line, 0, 2);
             }
-            const float *k = tile + (hq / group) * dim, *v = k + half;
-            v16 qv[C], part[VTILE], out[C];
-            for (int c = 0; c < C; c++)
-                qv[c] = load16(q + hq * dim + 16 * c);
-            for (int t = 0; t < VTILE; t++) {
-                v16 sum = {0};
-                if (t < count)
-                    for (int c = 0; c < C; c++)
-                        sum += qv[c] * load16(k + t * row + 16 * c);
-                part[t] = sum;
-            }
-            float sc[VTILE], top = m[hq];
-            v16 scores = reduce16(part) * pb->scale;
-            memcpy(sc, &scores, sizeof sc);
-            for (int t = 0; t < count; t++)
-                top = sc[t] > top ? sc[t] : top;
-            const float shrink = m[hq] == -INFINITY ? 0.0f : expf(m[hq] - top);
-            m[hq] = top;
-            exp_shifted(sc, top, (int)count);
-            float total = 0.0f;
-            for (int t = 0; t < count; t++)
-                total += sc[t];
-            l[hq] = l[hq] * shrink + total;
-            for (int c = 0; c < C; c++)
-                out[c] = load16(acc + hq * dim + 16 * c) * shrink;
-            for (int t = 0; t < count; t++)
-                for (int c = 0; c < C; c++)
-                    out[c] += sc[t] * load16(v + t * row + 16 * c);
-            memcpy(acc + hq * dim, out, sizeof out);
+            const float *k = tile + (hq / group) * dim;
+            head_tile(pb->q + (b * heads + hq) * dim, k, k + half, row, count, pb->scale, acc + hq * dim, m + hq,
+                      l + hq, C);
         }
     }
-    float *o = pb->out + b * heads * dim;
-    for (Py_ssize_t hq = 0; hq < heads; hq++) {
-        const float inv = l[hq] > 0.0f ? 1.0f / l[hq] : 0.0f;
-        for (Py_ssize_t d = 0; d < dim; d++)
-            o[hq * dim + d] = acc[hq * dim + d] * inv;
-    }
+    finish_heads(pb->out + b * heads * dim, acc, l, heads, dim);
 }
 #else
 #define VECTOR_PATH 0
@@ -285,7 +305,7 @@ KERNEL static void attend_all(const Problem *pb, float *work)
         }
 #endif
         for (Py_ssize_t h = 0; h < pb->kv_heads; h++)
-            attend(pb, b, h, work, pb->dim);
+            attend(pb, b, h, work);
     }
 }
 
