@@ -1,8 +1,13 @@
-"""The one native piece of kvwire: the shared-memory plane's run copier (a C extension).
+"""The native pieces of kvwire: two small C extensions.
 
-Everything else is in pyproject.toml. The extension is optional: without a C compiler kvwire still
-installs, and the plane copies runs in Python (slower, holding the GIL; it logs a warning, and
-``kvwire.transfer.planes.shm.send.NATIVE`` is False). docs/decisions/112-native-run-copies.md.
+* the shared-memory plane's run copier (docs/decisions/112-native-run-copies.md);
+* the CPU engine's decode attention over the paged KV cache
+  (docs/decisions/148-paged-decode-attention-kernel.md).
+
+Everything else is in pyproject.toml. Both are optional: without a C compiler kvwire still installs,
+the plane copies runs in Python (slower, holding the GIL; ``kvwire.transfer.planes.shm.send.NATIVE``
+is False) and decode attention gathers the blocks and runs torch's SDPA
+(``kvwire.engine.attention.NATIVE_DECODE`` is False); each logs a warning.
 """
 
 from setuptools import Extension, setup
@@ -13,6 +18,11 @@ setup(
             "kvwire.transfer.planes.shm._copy_runs",
             ["src/kvwire/transfer/planes/shm/_copy_runs.c"],
             optional=True,
-        )
+        ),
+        Extension(
+            "kvwire.engine._paged_attention",
+            ["src/kvwire/engine/_paged_attention.c"],
+            optional=True,
+        ),
     ]
 )

@@ -4,8 +4,11 @@ decoding together, timed and then profiled with ``torch.profiler`` (CPU by defau
 The sequences are prefilled first (random prompts of ``--context`` ± 20 tokens, so that their KV
 lengths differ as a server's do), then ``--steps`` decode steps are timed one by one (median and
 minimum) and ``--profile-steps`` more run under the profiler. The table groups the profiler's self
-time per step: the int4 and int8 weight kernels, the KV gather, SDPA, the KV write, and the rest
-(norms, RoPE, casts, sampling, dispatch).
+time per step: the int4 and int8 weight kernels, the KV gather, SDPA, the KV write, the rest
+(norms, RoPE, casts, sampling, dispatch), and the thread's CPU time outside torch's ops (the native
+decode-attention kernel, decision 148, and Python). ``--attention-backend sdpa`` takes torch's
+gather + SDPA for the decodes instead of the kernel; ``--ab-attention`` alternates the two step by
+step in one engine and prints both.
 
 Usage: ``python benchmarks/decode_profile.py --batch 8 --threads 1`` (``--model`` an HF directory or
 a preset, ``--quantization`` as ``kvwire serve``'s).
@@ -28,7 +31,7 @@ from collections import defaultdict
 from torch.profiler import ProfilerActivity, profile
 
 from kvwire.engine import SamplingParams
-from kvwire.engine.config import EngineConfig
+from kvwire.engine.config import AttentionBackend, EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 
 GROUPS = {
@@ -40,12 +43,15 @@ GROUPS = {
     "aten::mm": "dense matmul",
     "aten::addmm": "dense matmul",
 }
+AB = (AttentionBackend.SDPA, AttentionBackend.PAGED)  # --ab-attention: torch's gather + SDPA, the kernel
+OUTSIDE = "outside torch ops (native decode attention, Python)"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "paged"])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
@@ -55,14 +61,19 @@ def main() -> None:
     parser.add_argument("--output", type=int, default=64, help="output tokens per request (--waves)")
     parser.add_argument("--compare-model", default=None, help="a second engine, alternated (--waves)")
     parser.add_argument("--compare-quantization", default=None, help="its quantization (default: the same)")
+    parser.add_argument("--ab-attention", action="store_true", help="alternate torch's and the kernel's")
     args = parser.parse_args()
     if args.waves:
         _waves(args)
         return
     engine = _engine(args)
+    if args.ab_attention:
+        _ab_attention(engine, args)
+        return
     step_times = [_timed_step(engine) for _ in range(args.steps)]
     print(
-        f"{args.model} ({args.quantization}), batch {args.batch}, context ~{args.context}, "
+        f"{args.model} ({args.quantization}, attention {engine.runner.backend.value}), batch {args.batch}, "
+        f"context ~{args.context}, "
         f"{args.threads} thread(s): step median {statistics.median(step_times) * 1e3:.2f} ms, "
         f"min {min(step_times) * 1e3:.2f} ms over {args.steps} steps"
     )
@@ -70,7 +81,8 @@ def main() -> None:
 
 
 def _engine(args: argparse.Namespace) -> LLMEngine:
-    longest = args.context + 20 + args.steps + args.profile_steps + 8
+    steps = args.steps * (2 if args.ab_attention else 1) + args.profile_steps
+    longest = args.context + 20 + steps + 8
     config = EngineConfig(
         model=args.model,
         quantization=args.quantization,
@@ -81,6 +93,7 @@ def _engine(args: argparse.Namespace) -> LLMEngine:
         max_num_batched_tokens=max(2048, longest),
         max_num_seqs=args.batch,
         enable_prefix_caching=False,
+        attention_backend=args.attention_backend,
     )
     engine = LLMEngine(config)
     rng = random.Random(0)
@@ -103,7 +116,7 @@ def _wave_engine(args: argparse.Namespace, model: str, quantization: str) -> LLM
             model=model, quantization=quantization, cpu_threads=args.threads, block_size=16,
             max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.batch * args.context),
             num_kv_blocks=args.batch * -(-(args.context + args.output) // 16) + 8,
-            enable_prefix_caching=False,
+            enable_prefix_caching=False, attention_backend=args.attention_backend,
         )
     )  # fmt: skip
 
@@ -141,6 +154,27 @@ def _waves(args: argparse.Namespace) -> None:
               f"| {tokens / ww:.1f} / {tokens / wc:.1f} |")  # fmt: skip
 
 
+def _ab_attention(engine: LLMEngine, args: argparse.Namespace) -> None:
+    """The same engine, the same sequences, the decodes' attention switched every step between
+    torch's gather + SDPA and the native kernel (decision 148): both see the same load and the
+    same context lengths. Wall and thread CPU time per step."""
+    times: dict[AttentionBackend, list[tuple[float, float]]] = {b: [] for b in AB}
+    for i in range(2 * args.steps):
+        backend = AttentionBackend.PAGED if i % 2 else AttentionBackend.SDPA
+        engine.runner.backend = backend
+        wall, cpu = time.perf_counter(), time.thread_time()
+        engine.step()
+        times[backend].append((time.perf_counter() - wall, time.thread_time() - cpu))
+    print(f"{args.model} ({args.quantization}), batch {args.batch}, context ~{args.context}, {args.threads} "
+          f"thread(s), {args.steps} steps each, alternating:\n")  # fmt: skip
+    print("| decode attention | step wall median | step CPU median | CPU min |\n|---|---|---|---|")
+    for backend, got in times.items():
+        wall_ms, cpu_ms = ([t * 1e3 for t in col] for col in zip(*got, strict=True))
+        name = "torch gather + SDPA" if backend is AttentionBackend.SDPA else "native kernel"
+        print(f"| {name} | {statistics.median(wall_ms):.2f} ms | {statistics.median(cpu_ms):.2f} ms "
+              f"| {min(cpu_ms):.2f} ms |")  # fmt: skip
+
+
 def _timed_step(engine: LLMEngine) -> float:
     start = time.perf_counter()
     engine.step()
@@ -149,14 +183,19 @@ def _timed_step(engine: LLMEngine) -> float:
 
 def _profile(engine: LLMEngine, steps: int) -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
+        cpu = time.thread_time()
         for _ in range(steps):
             engine.step()
+        cpu = time.thread_time() - cpu
     per_group: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
     for event in prof.key_averages():
         group = GROUPS.get(event.key, "everything else")
         per_group[group] += event.self_cpu_time_total / steps / 1e3
         calls[group] += event.count // steps
+    # The profiler sees torch's ops only: the native decode-attention kernel (decision 148) and the
+    # Python between ops are the thread's CPU time outside them.
+    per_group[OUTSIDE] = max(0.0, cpu / steps * 1e3 - sum(per_group.values()))
     total = sum(per_group.values())
     print(f"\nper step under the profiler ({steps} steps), self CPU time:\n")
     print("| part | ms per step | share | ops per step |\n|---|---|---|---|")

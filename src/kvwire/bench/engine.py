@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from kvwire.engine import EngineConfig, LLMEngine, SamplingParams
-from kvwire.engine.attention import ForwardContext
+from kvwire.engine.attention import NATIVE_DECODE, ForwardContext
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=64, help="throughput: tokens per request")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "sdpa"])
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "sdpa", "paged"])
     parser.add_argument("--decode-graphs", action="store_true", help="replay decode steps from CUDA graphs")
     parser.add_argument("--threads", type=int, default=None, help="CPU: torch threads (default: torch's)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
@@ -246,7 +246,8 @@ def _environment(args: argparse.Namespace, engine: LLMEngine) -> dict[str, Any]:
         "quantization": engine.quantization.value,
         "torch": torch.__version__,
         "block_size": args.block_size,
-        "attention_backend": engine.runner.backend.value,
+        "attention_backend": engine.runner.backend.value
+        + ("" if engine.runner.backend.value != "paged" or NATIVE_DECODE else " (kernel not built: torch)"),
         "decode_graphs": engine.runner.graphs is not None,
     }
 

@@ -5,21 +5,73 @@ of a request lives in block ``block_ids[t // block_size]`` at offset ``t % block
 slot ``block_id * block_size + offset``. Queries are packed: the batch's new tokens are concatenated
 ``[T, heads, head_dim]``, decodes (one new token) first, then prefill chunks.
 
-Two paths compute the same thing: :func:`reference_attention` (plain torch math, one sequence at a
-time: the oracle) and :func:`sdpa_attention` (torch SDPA; decodes batched over gathered blocks, a
-prompt with no earlier KV attends over its own fresh K/V like a dense forward).
+Three paths compute the same thing: :func:`reference_attention` (plain torch math, one sequence at a
+time: the oracle), :func:`sdpa_attention` (torch SDPA; decodes batched over gathered blocks, a
+prompt with no earlier KV attends over its own fresh K/V like a dense forward) and, on the CPU in
+float32, the same with the decodes computed by a small C kernel that reads the blocks in place
+(``_paged_attention.c``, decision 148: no gathered copy of the KV; :data:`NATIVE_DECODE`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import logging
+from types import ModuleType
 
+import numpy as np
+import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
 from kvwire.connector.base import WorkerConnector
 from kvwire.engine.config import AttentionBackend
+
+log = logging.getLogger(__name__)
+
+# The decode kernel: a C extension built by ``pip install`` wherever a C compiler is found (setup.py,
+# optional). Without it the paged backend decodes through torch (gather + SDPA), logging a warning
+# once; the values agree within float32 rounding (tests/unit/engine/test_paged_decode.py).
+_native: ModuleType | None
+try:
+    _native = importlib.import_module("kvwire.engine._paged_attention")
+    NATIVE_DECODE_ERROR = ""
+except ImportError as exc:  # built without a C compiler: torch's gather + SDPA
+    _native = None
+    NATIVE_DECODE_ERROR = str(exc)
+
+#: True when the native decode kernel is built (docs/decisions/148-paged-decode-attention-kernel.md)
+NATIVE_DECODE = _native is not None
+_warned = False
+
+
+def resolve_backend(backend: AttentionBackend, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """The backend a model runner uses: ``auto`` is ``paged`` on the CPU in float32 (the native
+    decode kernel), ``sdpa`` elsewhere. Logs the fallback's warning once when ``paged`` is chosen and
+    the kernel is not built."""
+    if backend is AttentionBackend.AUTO:
+        cpu_fp32 = device.type == "cpu" and dtype == torch.float32
+        backend = AttentionBackend.PAGED if cpu_fp32 else AttentionBackend.SDPA
+    if backend is AttentionBackend.PAGED and _native is None:
+        _warn_once()
+    return backend
+
+
+def describe_decode() -> str:
+    """Which decode attention the paged backend runs, for logs and benchmark tables."""
+    return "native" if _native is not None else f"torch ({NATIVE_DECODE_ERROR})"
+
+
+def _warn_once() -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        log.warning(
+            "decode attention gathers the KV blocks and runs torch SDPA (the native kernel is not built: "
+            "%s); reinstall kvwire where a C compiler is available",
+            NATIVE_DECODE_ERROR,
+        )
 
 
 @dataclasses.dataclass
@@ -76,6 +128,13 @@ class AttentionMetadata:
         return buf
 
     @functools.cached_property
+    def decode_tables_np(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """The decodes' block tables and KV lengths as the native kernel reads them (int64 numpy
+        views, built once per step, shared by every layer)."""
+        nd = self.num_decodes
+        return self.block_tables[:nd].contiguous().numpy(), self.seq_lens_t[:nd].contiguous().numpy()
+
+    @functools.cached_property
     def chunk_masks(self) -> list[torch.Tensor | None]:
         """Per sequence after the decodes: [Q, max_blocks * block_size] bool, which gathered slots
         each of its queries sees (causal); None for a whole prompt in one chunk, which attends over
@@ -119,7 +178,7 @@ def attention(
         ctx.connector.save_kv_layer(layer_index, kv_cache)
     if ctx.backend is AttentionBackend.REFERENCE:
         return reference_attention(q, kv_cache, meta)
-    return sdpa_attention(q, k, v, kv_cache, meta)
+    return sdpa_attention(q, k, v, kv_cache, meta, paged=ctx.backend is AttentionBackend.PAGED)
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -156,14 +215,23 @@ def reference_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
 
 
 def sdpa_attention(
-    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    *,
+    paged: bool = False,
 ) -> torch.Tensor:
+    """Prompt rows by SDPA; decode rows by SDPA over gathered blocks, or with ``paged`` by the native
+    kernel over the blocks in place (where it is built and the cache is float32 on the CPU)."""
     nd = meta.num_decodes
+    decode = _decode_native if paged and _native_fits(kv_cache) else _decode_sdpa
     if nd == q.shape[0]:  # a decode-only step: no packed output to assemble
-        return _decode_sdpa(q, kv_cache, meta)
+        return decode(q, kv_cache, meta)
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = _decode_sdpa(q[:nd], kv_cache, meta)
+        out[:nd] = decode(q[:nd], kv_cache, meta)
     for i, mask in enumerate(meta.chunk_masks, start=nd):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         if mask is None:  # a whole prompt in one chunk: its own K/V, like a dense forward
@@ -171,6 +239,22 @@ def sdpa_attention(
             continue
         k, v = gather_kv(kv_cache, meta.block_tables[i])
         out[start:end] = _sdpa(q[start:end], k, v, mask=mask)
+    return out
+
+
+def _native_fits(kv_cache: torch.Tensor) -> bool:
+    return _native is not None and kv_cache.dtype == torch.float32 and kv_cache.device.type == "cpu"
+
+
+def _decode_native(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """One query per sequence, [B, Hq, D]: the C kernel's one pass over each sequence's blocks."""
+    assert _native is not None
+    q = q.to(torch.float32).contiguous()
+    out = torch.empty_like(q)
+    tables, lens = meta.decode_tables_np
+    _, blocks, block_size, kv_heads, dim = kv_cache.shape
+    shape = (blocks, block_size, kv_heads, q.shape[1], dim)
+    _native.decode(out.numpy(), q.numpy(), kv_cache.numpy(), tables, lens, *shape, dim**-0.5)
     return out
 
 

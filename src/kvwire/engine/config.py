@@ -16,9 +16,10 @@ KVLoadFailurePolicy = LoadFailurePolicy
 class AttentionBackend(str, enum.Enum):
     """How attention reads the paged KV cache."""
 
-    AUTO = "auto"  # SDPA on every device (the reference path is for tests)
+    AUTO = "auto"  # PAGED on the CPU in float32, SDPA elsewhere (the reference path is for tests)
     REFERENCE = "reference"  # plain torch math per sequence: the readable oracle
     SDPA = "sdpa"  # torch scaled_dot_product_attention over gathered blocks
+    PAGED = "paged"  # SDPA for prompts; decodes by a C kernel over the blocks in place (decision 148)
 
 
 class Quantization(str, enum.Enum):

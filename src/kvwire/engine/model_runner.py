@@ -19,8 +19,8 @@ import torch
 
 from kvwire.connector.base import ConnectorMetadata, ConnectorOutput, NoOpWorkerConnector, WorkerConnector
 from kvwire.connector.kv_cache import allocate_kv_caches
-from kvwire.engine.attention import AttentionMetadata, ForwardContext
-from kvwire.engine.config import AttentionBackend, EngineConfig
+from kvwire.engine.attention import AttentionMetadata, ForwardContext, resolve_backend
+from kvwire.engine.config import EngineConfig
 from kvwire.engine.decode_graphs import DecodeGraphs
 from kvwire.engine.models.llama import LlamaModel
 from kvwire.engine.scheduler import ScheduledRequest
@@ -76,8 +76,7 @@ class ModelRunner:
         self.device = device
         self.block_size = config.block_size
         self.connector = connector
-        backend = config.attention_backend
-        self.backend = AttentionBackend.SDPA if backend is AttentionBackend.AUTO else backend
+        self.backend = resolve_backend(config.attention_backend, device, dtype)
         use_graphs = (
             config.decode_graphs and isinstance(connector, NoOpWorkerConnector) and model.tp_size == 1
         )

@@ -1,4 +1,5 @@
-"""Paged attention (reference and SDPA paths) equals dense causal attention over the same tokens."""
+"""Paged attention (reference, SDPA and native-decode paths) equals dense causal attention over the same
+tokens."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
 
 
-@pytest.mark.parametrize("backend", [AttentionBackend.REFERENCE, AttentionBackend.SDPA])
+@pytest.mark.parametrize(
+    "backend", [AttentionBackend.REFERENCE, AttentionBackend.SDPA, AttentionBackend.PAGED]
+)
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_paged_attention_matches_dense(backend: AttentionBackend, block_size: int) -> None:
     torch.manual_seed(0)
@@ -59,7 +62,7 @@ def test_paged_attention_matches_dense(backend: AttentionBackend, block_size: in
     if backend is AttentionBackend.REFERENCE:
         out = reference_attention(q, kv_cache, meta)
     else:
-        out = sdpa_attention(q, k, v, kv_cache, meta)
+        out = sdpa_attention(q, k, v, kv_cache, meta, paged=backend is AttentionBackend.PAGED)
     torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
 
 
