@@ -292,7 +292,7 @@ def test_p_frees_at_once_when_a_decode_rank_dies_after_its_sibling_piece_complet
         rank1 = d.runner.leader.workers.pids[0]
         os.kill(rank1, signal.SIGSTOP)
         _prefill_sends(p, d, tid)
-        pieces = p.worker_connector._send_pieces  # type: ignore[attr-defined]
+        pieces = p.worker_connector._sender.pieces  # type: ignore[attr-defined]
         run([p], {}, until=lambda: pieces.pieces(tid) == {f"{tid}~p0d1"})  # rank 0's piece is done
         assert p.stats().kv_blocks_in_use > 0
         os.kill(rank1, signal.SIGKILL)

@@ -10,6 +10,12 @@ stalled shared-memory sender: the outcome waits in :mod:`kvwire.connector.quaran
 
 P and D of different tensor-parallel sizes exchange *pieces* (one per pair of ranks, a head range
 each; :mod:`kvwire.connector.pieces`): a request is done on this rank when every piece is.
+
+Three classes: :class:`KvwireWorkerConnector`, the face the engine and the vLLM plugin call (the
+per-step hooks, the report, what both sides share and what spans them: a failed piece, an abort);
+``_SendSide``, P's pieces (promises, the layers the forward hands over, the deferred start of a push
+from CPU caches, the trailer); ``_ReceiveSide``, D's pieces (expects, trailers, the load-failure
+policy, the quarantine). The sides live in the connector and call back into it for shared work.
 """
 
 from __future__ import annotations
@@ -169,7 +175,10 @@ class _StepOutput:
 
 
 class KvwireWorkerConnector(WorkerConnector):
-    """See the module docstring. Closes the agent on :meth:`close` when ``owns_agent``."""
+    """See the module docstring: the face the engine and the vLLM plugin call. It holds what both
+    sides share (the agent, the caches, the metrics, the local outcomes the next report carries)
+    and what spans them (a report, a failure, an abort); :class:`_SendSide` and
+    :class:`_ReceiveSide` hold their transfers. Closes the agent on :meth:`close` when ``owns_agent``."""
 
     def __init__(
         self,
@@ -190,23 +199,9 @@ class KvwireWorkerConnector(WorkerConnector):
             self._metrics.control_rejected.set_function(lambda: float(stats().messages_rejected))
         self._layout = KVLayout(engine_info.kv_layout)
         self._kv_caches: list[torch.Tensor] = []
-        self._sends: dict[str, _Send] = {}  # piece transfer id -> live send
-        self._recvs: dict[str, _Recv] = {}  # piece transfer id -> live receive
-        # Request transfer id -> this rank's pieces (P and D of different TP sizes: pieces.py).
-        self._send_pieces = PieceBook()
-        self._recv_pieces = PieceBook()
-        self._promised: dict[str, list[str]] = {}  # request transfer id -> piece ids promised, not started
-        self._promised_ok: set[str] = set()  # ... of which the agent took every piece's promise
-        self._saving: list[_Send] = []  # sends whose layers this step's forward hands over
-        # CPU caches: each layer the forward writes waits for the next step boundary (decision 141)
-        self._hold_layers = False
-        self._unsent: list[_Send] = []  # sends with layers held back, for send_saved
         self._pending = _StepOutput()  # local outcomes reported by the next get_finished
-        self._trailers: dict[str, bytes] = {}  # the last poll's trailers, by transfer id
-        # failed/aborted receives a stalled sender may still write into: reported once it cannot
-        self._quarantine: ReceiveQuarantine[_StepOutput] = ReceiveQuarantine(
-            agent, self._metrics.quarantined_blocks
-        )
+        self._sender = _SendSide(self)
+        self._receiver = _ReceiveSide(self)
         self._closed = False
         self._metadata = None
         self.bytes_sent = self.bytes_received = 0  # KV payload bytes of this rank (also in metrics)
@@ -221,7 +216,8 @@ class KvwireWorkerConnector(WorkerConnector):
         if layout is not None:
             self._layout = layout
         self._kv_caches = list(kv_caches)
-        self._hold_layers = bool(self._kv_caches) and self._kv_caches[0].device.type == "cpu"
+        # CPU caches: each layer the forward writes waits for the next step boundary (decision 141)
+        self._sender.hold_layers = bool(self._kv_caches) and self._kv_caches[0].device.type == "cpu"
         self._preload_kernels()
         if self._kv_caches:
             self.agent.register_kv_caches(self._kv_caches, self._layout)
@@ -259,12 +255,13 @@ class KvwireWorkerConnector(WorkerConnector):
         loads never wait inside the forward and nothing is saved), end the saves (also when
         ``forward`` raises), report."""
         del finished_req_ids  # aborts arrive as AbortSpecs in the metadata
-        self.send_saved()
+        sender = self._sender
+        sender.send_saved()
         self._apply_metadata(metadata)
         try:
-            result = forward(self if self._saving else None)
+            result = forward(self if sender.saving else None)
         finally:
-            self._finish_saves()
+            sender.finish_saves()
         return result, self._report()
 
     def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
@@ -275,20 +272,21 @@ class KvwireWorkerConnector(WorkerConnector):
         """Promises, aborts, receives, sends, trailers: in that order."""
         if not isinstance(metadata, KvwireConnectorMetadata):
             return
+        sender = self._sender
         for promise in metadata.promises:
-            self._promise(promise)
+            sender.promise(promise)
         for abort in metadata.aborts:
             self._apply_abort(abort)
         for recv in metadata.recvs:
-            self._expect(recv)
+            self._receiver.expect(recv)
         for send in metadata.sends:
-            self._announce(send)
+            sender.announce(send)
         for trailer in metadata.trailers:
-            self._send_trailer(trailer)
+            sender.send_trailer(trailer)
 
     def clear_connector_metadata(self) -> None:
-        self._finish_saves()
-        self.send_saved()
+        self._sender.finish_saves()
+        self._sender.send_saved()
         super().clear_connector_metadata()
 
     def start_load_kv(self) -> None:
@@ -305,32 +303,7 @@ class KvwireWorkerConnector(WorkerConnector):
         forward. CPU caches: hold the layer back until :meth:`send_saved` (decision 141): the copy
         would run on the cores the forward uses, so handing it over now only delays P's first token."""
         del kv_layer  # the agent reads the registered cache itself
-        event = None
-        for send in self._saving:
-            if send.failed:
-                continue
-            send.num_layers_written += 1
-            if send.num_layers_written == len(self._kv_caches):
-                send.kv_ready_unix_s = time.time()
-            if self._hold_layers:
-                send.unsent.append(layer_index)
-                continue
-            if event is None and send.ids is not None and send.ids.is_cuda:
-                event = torch.cuda.Event()
-                event.record()
-            self._hand_over(send, layer_index, event)
-
-    def _hand_over(self, send: _Send, layer_index: int, event: Any | None) -> None:
-        assert send.ids is not None  # set when the send started
-        try:
-            self.agent.send_blocks(send.piece_id, layer_index, send.ids, event, heads=send.heads)
-        except KvwireError as exc:
-            logger.warning("transfer %s: send_blocks failed: %s", send.piece_id, exc)
-            send.failed = True
-            return
-        send.num_layers_sent += 1
-        if send.spec.peer_endpoints:  # pull: counted once pulled (pieces may take part of it)
-            self._count_sent(send.layer_bytes[layer_index])
+        self._sender.save_layer(layer_index)
 
     def send_saved(self) -> None:
         """Hand the agent the KV layers held back after the last forward (CPU caches), in order,
@@ -338,20 +311,11 @@ class KvwireWorkerConnector(WorkerConnector):
         at once. Called at the start of the next step, after the engine published the step's
         outputs, and by the hook-driven host (vLLM) at the end of the forward (``wait_for_save``).
         Nothing to do on GPU caches."""
-        unsent, self._unsent = self._unsent, []
-        for send in unsent:
-            layers, send.unsent = send.unsent, []
-            if not send.started and not self._start_held(send):
-                continue
-            for layer_index in layers:
-                if send.failed or send.piece_id not in self._sends:
-                    break  # failed or aborted meanwhile
-                self._hand_over(send, layer_index, None)
-            self._fail_if_short(send, send.num_layers_sent)
+        self._sender.send_saved()
 
     def wait_for_save(self) -> None:
-        self._finish_saves()
-        self.send_saved()
+        self._sender.finish_saves()
+        self._sender.send_saved()
 
     def get_finished(self, finished_req_ids: set[str]) -> ConnectorOutput:
         del finished_req_ids  # aborts arrive as AbortSpecs in the metadata
@@ -361,15 +325,16 @@ class KvwireWorkerConnector(WorkerConnector):
         """Outcomes since the last report: local ones, then the agent's."""
         out, self._pending = self._pending, _StepOutput()
         events = self.agent.poll(trailers=True)
-        self._trailers = events.trailers
+        receiver = self._receiver
+        receiver.trailers = events.trailers
         for tid in events.finished_sending:
-            self._on_sent(tid, out, events.timings.get(tid))
+            self._sender.on_sent(tid, out, events.timings.get(tid))
         for tid in events.finished_recving:
-            self._on_received(tid, out, events.timings.get(tid))
+            receiver.on_received(tid, out, events.timings.get(tid))
         for tid, reason in events.failed.items():
             self._on_failed(tid, reason, out)
-        if self._quarantine.held:  # (a call only while something is held)
-            self._quarantine.release_settled(out)
+        if receiver.quarantine.held:  # (a call only while something is held)
+            receiver.quarantine.release_settled(out)
         return ConnectorOutput(
             finished_sending=frozenset(out.finished_sending),
             finished_recving=frozenset(out.finished_recving),
@@ -378,123 +343,13 @@ class KvwireWorkerConnector(WorkerConnector):
             first_token_ids=out.first_token_ids,
         )
 
-    # --- send side --------------------------------------------------------------------------
-
-    def _announce(self, spec: SendSpec) -> None:
-        self._promised.pop(spec.transfer_id, None)  # the sends replace the promises
-        self._promised_ok.discard(spec.transfer_id)
-        info = self.engine_info
-        tid, rank, d_tp = spec.transfer_id, info.rank, len(spec.peer_endpoints or spec.pull_by)
-        pull_by: tuple[str, ...] | None = None  # pull: the D ranks this rank's held layer is served to
-        try:
-            if spec.peer_endpoints:
-                pieces = send_pieces(tid, rank, info.tp_size, d_tp, self._kv_heads(info.tp_size, d_tp))
-            else:  # pull: hold the whole layer (D's size may be unknown; each D rank pulls its piece)
-                pieces = held_pieces(tid, rank, info.tp_size)
-                if spec.pull_by:
-                    pull_by = pullers(rank, info.tp_size, spec.pull_by, self._kv_heads(info.tp_size, d_tp))
-                    pieces = pieces if pull_by else ()
-        except ConfigError as exc:
-            self._pending.finished_sending.add(spec.request_id)
-            self._count_failure("send", f"mismatch: {exc}")
-            return
-        if not pieces:  # a replica: another rank of ours sends these heads
-            self._pending.finished_sending.add(spec.request_id)
-            return
-        ids = None if self._hold_layers and spec.peer_endpoints else self._ids(spec.block_ids)
-        sends: list[_Send] = []
-        for piece in pieces:
-            send = self._start_piece(spec, ids, piece, pull_by)
-            if send is None:
-                for started in sends:
-                    self._abort_agent(started.piece_id, "a sibling piece failed to start")
-                self._pending.finished_sending.add(spec.request_id)
-                return
-            sends.append(send)
-        self._send_pieces.add(spec.transfer_id, spec.request_id, [s.piece_id for s in sends])
-        for send in sends:
-            self._metrics.transfers_started.labels(side="send").inc()
-            self._sends[send.piece_id] = send
-            self._saving.append(send)
-
-    def _start_piece(
-        self, spec: SendSpec, ids: torch.Tensor | None, piece: RankPiece, pull_by: tuple[str, ...] | None
-    ) -> _Send | None:
-        """The piece's send; announced to the agent now, or, pushing from CPU caches, with its
-        layers at the next step boundary (:meth:`send_saved`, decision 147): the Offer and the
-        agent's work then follow P's first token instead of delaying it, and D's lease stays
-        renewed by the promise meanwhile."""
-        peer = spec.peer_endpoints[piece.peer_rank] if spec.peer_endpoints else None
-        send = _Send(spec, ids, piece.transfer_id, piece.heads, peer, pull_by)
-        if self._hold_layers and spec.peer_endpoints:
-            return send
-        error = self._start_agent_send(send)
-        if error is not None:
-            self._count_failure("send", error)
-            return None
-        return send
-
-    def _start_held(self, send: _Send) -> bool:
-        """Start a held push with its layers; False when it is over: aborted meanwhile, or refused
-        by the agent (then failed here like a send the agent failed, reported by the next report)."""
-        if send.piece_id not in self._sends:
-            return False
-        error = self._start_agent_send(send)
-        if error is not None:
-            self._on_failed(send.piece_id, error, self._pending)
-            return False
-        return True
-
-    def _start_agent_send(self, send: _Send) -> str | None:
-        """``start_send`` of one piece; the agent's refusal (logged) when it refused it."""
-        spec, n, layout = send.spec, len(send.spec.block_ids), self._layout
-        layers = [
-            LayerSpec(gathered_shape(head_slice(c, send.heads, layout), n, layout), c.dtype)
-            for c in self._kv_caches
-        ]
-        try:
-            self.agent.start_send(
-                send.piece_id, send.peer, layers, deadline_s=spec.deadline_s, with_trailer=spec.with_trailer,
-                pull_by=send.pull_by, limit_s=spec.limit_s,
-            )
-        except KvwireError as exc:
-            logger.warning("transfer %s: start_send failed: %s", send.piece_id, exc)
-            return str(exc)
-        if send.ids is None:
-            send.ids = self._ids(spec.block_ids)
-        send.layer_bytes, send.started = tuple(layer.num_bytes for layer in layers), True
-        return None
-
     def promise_now(self, spec: PromiseSpec) -> None:
         """Admission thread, worker in the same process: promise at once (D's lease is renewed from
         the moment the HTTP server holds the request, decision 123); the same spec arriving again
         (the engine's admission, the next step's metadata) finds it promised and does nothing."""
-        self._promise(spec)
+        self._sender.promise(spec)
 
-    def _promise(self, spec: PromiseSpec) -> None:
-        """P accepted a request: renew D's lease on each piece this rank will send until the send
-        starts (decision 051; with equal TP sizes the one piece is the request's own transfer).
-        Once the agent took every piece's promise, the same spec again is a no-op here (decision
-        147: it arrives up to three more times, on the engine thread, before P's forward); after a
-        refused one it is tried again."""
-        info, d_tp, tid = self.engine_info, len(spec.peer_endpoints), spec.transfer_id
-        if tid in self._promised_ok:
-            return
-        try:
-            pieces = send_pieces(tid, info.rank, info.tp_size, d_tp, self._kv_heads(info.tp_size, d_tp))
-        except ConfigError:
-            return  # the send is refused when it starts (and D's pieces with it)
-        self._promised[spec.transfer_id] = [piece.transfer_id for piece in pieces]
-        taken = 0
-        for piece in pieces:
-            try:
-                self.agent.promise(piece.transfer_id, spec.peer_endpoints[piece.peer_rank],
-                                   deadline_s=spec.deadline_s, limit_s=spec.limit_s)  # fmt: skip
-                taken += 1
-            except KvwireError as exc:
-                logger.warning("transfer %s: promise failed: %s", piece.transfer_id, exc)
-        if taken == len(pieces):
-            self._promised_ok.add(tid)
+    # --- both sides -------------------------------------------------------------------------
 
     def _kv_heads(self, p_tp: int, d_tp: int) -> int | None:
         """The model's KV heads over all ranks (None for MLA: no head dimension). A host whose KV is
@@ -512,113 +367,426 @@ class KvwireWorkerConnector(WorkerConnector):
         local = int(self._kv_caches[0].shape[HEAD_DIM[self._layout]]) if self._kv_caches else 1
         return local * self.engine_info.tp_size
 
-    def _finish_saves(self) -> None:
+    def _observe_transfer(self, side: str, timing: TransferTiming) -> None:
+        """A completed transfer's data timing (one call per transfer and side). The rates are
+        computed here from the timing's fields (GB/s: 1e9 bytes a second)."""
+        m = self._metrics
+        m.transfer_seconds.labels(side=side).observe(timing.seconds)
+        m.transfer_size_bytes.labels(side=side).observe(timing.num_bytes)
+        gbps = timing.num_bytes / timing.seconds / 1e9 if timing.seconds > 0 else 0.0
+        m.transfer_gbps.labels(side=side).observe(gbps)
+        busy_s = timing.busy_seconds
+        if busy_s is not None and busy_s > 0:
+            m.transfer_busy_gbps.labels(side=side).observe(timing.num_bytes / busy_s / 1e9)
+        m.recent.rows[side].append((timing.num_bytes, timing.seconds, busy_s))
+
+    def _on_failed(self, tid: str, reason: str, out: _StepOutput) -> None:
+        """A piece failed (reported by the agent, or found here): each side ends its part."""
+        self._sender.on_failed(tid, reason, out)
+        recv = self._receiver.recvs.get(tid)
+        if recv is not None:
+            self._receiver.piece_failed(recv, reason, out)
+
+    def _apply_abort(self, spec: AbortSpec) -> None:
+        """Cancel every piece of the request's transfer on this rank."""
+        receiver = self._receiver
+        recv_group = receiver.pieces.drop(spec.transfer_id)
+        send_group = self._sender.pieces.drop(spec.transfer_id)
+        piece_ids = {spec.transfer_id, *self._sender.forget_promise(spec.transfer_id)}
+        piece_ids |= recv_group.pending if recv_group is not None else set()
+        piece_ids |= send_group.pending if send_group is not None else set()
+        recvs = [receiver.recvs[p].spec for p in piece_ids if p in receiver.recvs]
+        for piece_id in sorted(piece_ids):
+            self._abort_piece(piece_id, spec.reason)
+        if spec.report_free:  # D: the engine frees the blocks once no sender may write into them
+            blocks = _blocks_written(recvs[0]) if recvs else 0
+            receiver.quarantine.report_when_settled(
+                spec.request_id, blocks, piece_ids, lambda o: o.finished_sending.add(spec.request_id),
+                self._pending,
+            )  # fmt: skip
+
+    def _abort_piece(self, piece_id: str, reason: str) -> None:
+        recv = self._receiver.recvs.pop(piece_id, None)
+        send = self._sender.drop(piece_id)
+        if recv is not None:
+            self._count_failure("recv", "aborted")
+        if send is not None:
+            self._count_failure("send", "aborted")
+        self._abort_agent(piece_id, reason)
+
+    def _abort_agent(self, tid: str, reason: str) -> None:
+        try:
+            self.agent.abort(tid, reason)
+        except KvwireError as exc:
+            logger.debug("transfer %s: abort: %s", tid, exc)
+
+    def _count_failure(self, side: str, reason: str) -> None:
+        self._metrics.transfers_failed.labels(side=side, reason=reason_label(reason)).inc()
+
+    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        device = self._kv_caches[0].device if self._kv_caches else torch.device(self.engine_info.device)
+        return block_ids_tensor(block_ids, device)
+
+    @property
+    def num_quarantined_blocks(self) -> int:
+        """D's blocks held back from the engine while a stalled sender may write into them."""
+        return self._receiver.quarantine.num_blocks
+
+    @property
+    def num_live_transfers(self) -> int:
+        return len(self._sender.sends) + len(self._receiver.recvs)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._sender.close()
+        self._receiver.close()
+        if self._owns_agent:
+            self.agent.close()
+
+
+class _SendSide:
+    """P's half of one rank's connector: each piece this rank sends, from the promise that renews
+    D's lease until the send starts, through the KV layers the forward hands over (held back to the
+    step boundary on CPU caches, a push announced to the agent with them), to the first-token
+    trailer that follows the last layer. Shared state and cross-side work: the owning connector."""
+
+    def __init__(self, conn: KvwireWorkerConnector) -> None:
+        self._conn = conn
+        self._agent = conn.agent
+        self._metrics = conn._metrics
+        self.hold_layers = False  # CPU caches (set with the caches): layers wait for send_saved
+        self.sends: dict[str, _Send] = {}  # piece transfer id -> live send
+        # Request transfer id -> this rank's pieces (P and D of different TP sizes: pieces.py).
+        self.pieces = PieceBook()
+        self.promised: dict[str, list[str]] = {}  # request transfer id -> piece ids promised, not started
+        self.promised_ok: set[str] = set()  # ... of which the agent took every piece's promise
+        self.saving: list[_Send] = []  # sends whose layers this step's forward hands over
+        self.unsent: list[_Send] = []  # sends with layers held back, for send_saved
+
+    def save_layer(self, layer_index: int) -> None:
+        """:meth:`KvwireWorkerConnector.save_kv_layer`'s work."""
+        num_layers = len(self._conn._kv_caches)
+        event = None
+        for send in self.saving:
+            if send.failed:
+                continue
+            send.num_layers_written += 1
+            if send.num_layers_written == num_layers:
+                send.kv_ready_unix_s = time.time()
+            if self.hold_layers:
+                send.unsent.append(layer_index)
+                continue
+            if event is None and send.ids is not None and send.ids.is_cuda:
+                event = torch.cuda.Event()
+                event.record()
+            self._hand_over(send, layer_index, event)
+
+    def _hand_over(self, send: _Send, layer_index: int, event: Any | None) -> None:
+        assert send.ids is not None  # set when the send started
+        try:
+            self._agent.send_blocks(send.piece_id, layer_index, send.ids, event, heads=send.heads)
+        except KvwireError as exc:
+            logger.warning("transfer %s: send_blocks failed: %s", send.piece_id, exc)
+            send.failed = True
+            return
+        send.num_layers_sent += 1
+        if send.spec.peer_endpoints:  # pull: counted once pulled (pieces may take part of it)
+            self._count_sent(send.layer_bytes[layer_index])
+
+    def send_saved(self) -> None:
+        """:meth:`KvwireWorkerConnector.send_saved`'s work."""
+        unsent, self.unsent = self.unsent, []
+        for send in unsent:
+            layers, send.unsent = send.unsent, []
+            if not send.started and not self._start_held(send):
+                continue
+            for layer_index in layers:
+                if send.failed or send.piece_id not in self.sends:
+                    break  # failed or aborted meanwhile
+                self._hand_over(send, layer_index, None)
+            self._fail_if_short(send, send.num_layers_sent)
+
+    def finish_saves(self) -> None:
         """After the forward: a send that did not get every KV layer can never complete; fail it now
         rather than at its deadline. Layers held back wait for :meth:`send_saved`."""
-        for send in self._saving:
-            if self._hold_layers and send.num_layers_written == len(self._kv_caches):
-                self._unsent.append(send)
+        num_layers = len(self._conn._kv_caches)
+        for send in self.saving:
+            if self.hold_layers and send.num_layers_written == num_layers:
+                self.unsent.append(send)
             else:
-                done = send.num_layers_written if self._hold_layers else send.num_layers_sent
+                done = send.num_layers_written if self.hold_layers else send.num_layers_sent
                 self._fail_if_short(send, done)
-        self._saving = []
+        self.saving = []
 
     def _fail_if_short(self, send: _Send, num_layers: int) -> None:
-        if num_layers < len(self._kv_caches) and send.piece_id in self._sends:
-            reason = f"mismatch: {num_layers} of {len(self._kv_caches)} layers saved"
-            self._abort_agent(send.piece_id, reason)  # a send not started yet: its promise ends
+        conn = self._conn
+        if num_layers < len(conn._kv_caches) and send.piece_id in self.sends:
+            reason = f"mismatch: {num_layers} of {len(conn._kv_caches)} layers saved"
+            conn._abort_agent(send.piece_id, reason)  # a send not started yet: its promise ends
             if not send.started:  # the agent reports no failure of a send it never knew
-                self._on_failed(send.piece_id, reason, self._pending)
+                conn._on_failed(send.piece_id, reason, conn._pending)
 
-    def _send_trailer(self, spec: TrailerSpec) -> None:
-        for piece_id in sorted(self._send_pieces.pieces(spec.transfer_id)):
-            send = self._sends.get(piece_id)
+    def send_trailer(self, spec: TrailerSpec) -> None:
+        for piece_id in sorted(self.pieces.pieces(spec.transfer_id)):
+            send = self.sends.get(piece_id)
             if send is not None and not send.started:
                 self.send_saved()  # the trailer follows the layers (a host that bound it first)
-                send = self._sends.get(piece_id)
+                send = self.sends.get(piece_id)
             if send is None or not send.started:
                 continue  # already failed or aborted
             trailer = msgspec.structs.replace(spec.first_token, kv_ready_unix_s=send.kv_ready_unix_s)
             try:
-                self.agent.send_trailer(piece_id, encode_trailer(trailer))
+                self._agent.send_trailer(piece_id, encode_trailer(trailer))
             except KvwireError as exc:
                 logger.warning("transfer %s: send_trailer failed: %s", piece_id, exc)
 
     def _count_sent(self, num_bytes: int) -> None:
-        self.bytes_sent += num_bytes
+        self._conn.bytes_sent += num_bytes
         self._metrics.send_bytes.inc(num_bytes)
 
-    def _on_sent(self, tid: str, out: _StepOutput, timing: TransferTiming | None) -> None:
-        send = self._sends.pop(tid, None)
+    def on_sent(self, tid: str, out: _StepOutput, timing: TransferTiming | None) -> None:
+        send = self.sends.pop(tid, None)
         if send is not None:
             if not send.spec.peer_endpoints:  # pull: the bytes every puller took of the held layer
                 self._count_sent(timing.num_bytes if timing is not None else 0)
             self._metrics.transfers_completed.labels(side="send").inc()
-            self._send_piece_done(tid, out)
+            self._piece_done(tid, out)
         if timing is not None:
-            self._observe_transfer("send", timing)
+            self._conn._observe_transfer("send", timing)
 
-    def _send_piece_done(self, piece_id: str, out: _StepOutput) -> None:
+    def _piece_done(self, piece_id: str, out: _StepOutput) -> None:
         """P frees the request's blocks once every piece this rank sends is acknowledged or failed."""
-        group = self._send_pieces.finish(piece_id)
+        group = self.pieces.finish(piece_id)
         if group is not None and not group.pending:
             out.finished_sending.add(group.request_id)
 
-    # --- receive side -----------------------------------------------------------------------
+    def on_failed(self, tid: str, reason: str, out: _StepOutput) -> None:
+        """A piece of ours failed: D resumes only with every piece, so end this rank's other pieces
+        of the request now; P's blocks are freed once no piece is in flight."""
+        send = self.sends.pop(tid, None)
+        if send is None:
+            return
+        conn = self._conn
+        conn._count_failure("send", reason)
+        for sibling in sorted(self.pieces.pieces(send.spec.transfer_id) - {tid}):
+            if sibling in self.sends:
+                conn._abort_piece(sibling, f"a sibling piece failed: {reason}")
+                self.pieces.finish(sibling, failed=True)
+        self._piece_done(tid, out)
 
-    def _expect(self, spec: RecvSpec) -> None:
-        info = self.engine_info
+    def drop(self, piece_id: str) -> _Send | None:
+        """Forget an aborted piece (its layers are handed over no more); the send, if it was live."""
+        send = self.sends.pop(piece_id, None)
+        if send is not None:
+            self.saving = [s for s in self.saving if s is not send]
+            self.unsent = [s for s in self.unsent if s is not send]
+        return send
+
+    def announce(self, spec: SendSpec) -> None:
+        self.forget_promise(spec.transfer_id)  # the sends replace the promises
+        conn = self._conn
+        info = conn.engine_info
+        tid, rank, d_tp = spec.transfer_id, info.rank, len(spec.peer_endpoints or spec.pull_by)
+        pull_by: tuple[str, ...] | None = None  # pull: the D ranks this rank's held layer is served to
+        try:
+            if spec.peer_endpoints:
+                pieces = send_pieces(tid, rank, info.tp_size, d_tp, conn._kv_heads(info.tp_size, d_tp))
+            else:  # pull: hold the whole layer (D's size may be unknown; each D rank pulls its piece)
+                pieces = held_pieces(tid, rank, info.tp_size)
+                if spec.pull_by:
+                    pull_by = pullers(rank, info.tp_size, spec.pull_by, conn._kv_heads(info.tp_size, d_tp))
+                    pieces = pieces if pull_by else ()
+        except ConfigError as exc:
+            conn._pending.finished_sending.add(spec.request_id)
+            conn._count_failure("send", f"mismatch: {exc}")
+            return
+        if not pieces:  # a replica: another rank of ours sends these heads
+            conn._pending.finished_sending.add(spec.request_id)
+            return
+        self._add(spec, pieces, pull_by)
+
+    def _add(self, spec: SendSpec, pieces: Sequence[RankPiece], pull_by: tuple[str, ...] | None) -> None:
+        """Start the request's pieces on this rank, all or none."""
+        conn = self._conn
+        ids = None if self.hold_layers and spec.peer_endpoints else conn._ids(spec.block_ids)
+        sends: list[_Send] = []
+        for piece in pieces:
+            send = self._start_piece(spec, ids, piece, pull_by)
+            if send is None:
+                for started in sends:
+                    conn._abort_agent(started.piece_id, "a sibling piece failed to start")
+                conn._pending.finished_sending.add(spec.request_id)
+                return
+            sends.append(send)
+        self.pieces.add(spec.transfer_id, spec.request_id, [s.piece_id for s in sends])
+        for send in sends:
+            self._metrics.transfers_started.labels(side="send").inc()
+            self.sends[send.piece_id] = send
+            self.saving.append(send)
+
+    def _start_piece(
+        self, spec: SendSpec, ids: torch.Tensor | None, piece: RankPiece, pull_by: tuple[str, ...] | None
+    ) -> _Send | None:
+        """The piece's send; announced to the agent now, or, pushing from CPU caches, with its
+        layers at the next step boundary (:meth:`send_saved`, decision 147): the Offer and the
+        agent's work then follow P's first token instead of delaying it, and D's lease stays
+        renewed by the promise meanwhile."""
+        peer = spec.peer_endpoints[piece.peer_rank] if spec.peer_endpoints else None
+        send = _Send(spec, ids, piece.transfer_id, piece.heads, peer, pull_by)
+        if self.hold_layers and spec.peer_endpoints:
+            return send
+        error = self._start_agent_send(send)
+        if error is not None:
+            self._conn._count_failure("send", error)
+            return None
+        return send
+
+    def _start_held(self, send: _Send) -> bool:
+        """Start a held push with its layers; False when it is over: aborted meanwhile, or refused
+        by the agent (then failed here like a send the agent failed, reported by the next report)."""
+        if send.piece_id not in self.sends:
+            return False
+        error = self._start_agent_send(send)
+        if error is not None:
+            self._conn._on_failed(send.piece_id, error, self._conn._pending)
+            return False
+        return True
+
+    def _start_agent_send(self, send: _Send) -> str | None:
+        """``start_send`` of one piece; the agent's refusal (logged) when it refused it."""
+        conn = self._conn
+        spec, n, layout = send.spec, len(send.spec.block_ids), conn._layout
+        layers = [
+            LayerSpec(gathered_shape(head_slice(c, send.heads, layout), n, layout), c.dtype)
+            for c in conn._kv_caches
+        ]
+        try:
+            self._agent.start_send(
+                send.piece_id, send.peer, layers, deadline_s=spec.deadline_s, with_trailer=spec.with_trailer,
+                pull_by=send.pull_by, limit_s=spec.limit_s,
+            )
+        except KvwireError as exc:
+            logger.warning("transfer %s: start_send failed: %s", send.piece_id, exc)
+            return str(exc)
+        if send.ids is None:
+            send.ids = conn._ids(spec.block_ids)
+        send.layer_bytes, send.started = tuple(layer.num_bytes for layer in layers), True
+        return None
+
+    def promise(self, spec: PromiseSpec) -> None:
+        """P accepted a request: renew D's lease on each piece this rank will send until the send
+        starts (decision 051; with equal TP sizes the one piece is the request's own transfer).
+        Once the agent took every piece's promise, the same spec again is a no-op here (decision
+        147: it arrives up to three more times, on the engine thread, before P's forward); after a
+        refused one it is tried again."""
+        info, d_tp, tid = self._conn.engine_info, len(spec.peer_endpoints), spec.transfer_id
+        if tid in self.promised_ok:
+            return
+        try:
+            pieces = send_pieces(tid, info.rank, info.tp_size, d_tp, self._conn._kv_heads(info.tp_size, d_tp))
+        except ConfigError:
+            return  # the send is refused when it starts (and D's pieces with it)
+        self.promised[spec.transfer_id] = [piece.transfer_id for piece in pieces]
+        taken = 0
+        for piece in pieces:
+            try:
+                self._agent.promise(piece.transfer_id, spec.peer_endpoints[piece.peer_rank],
+                                    deadline_s=spec.deadline_s, limit_s=spec.limit_s)  # fmt: skip
+                taken += 1
+            except KvwireError as exc:
+                logger.warning("transfer %s: promise failed: %s", piece.transfer_id, exc)
+        if taken == len(pieces):
+            self.promised_ok.add(tid)
+
+    def forget_promise(self, transfer_id: str) -> list[str]:
+        """The request's promised piece ids (none left promised after this)."""
+        self.promised_ok.discard(transfer_id)
+        return self.promised.pop(transfer_id, [])
+
+    def close(self) -> None:
+        self.sends.clear()
+        self.saving = []
+        self.unsent = []
+
+
+class _ReceiveSide:
+    """D's half of one rank's connector: each piece this rank receives (pushed to it or pulled from
+    P), its first-token trailer, and the load-failure policy once no sender may write into the
+    blocks any more (:mod:`kvwire.connector.quarantine`). Shared state and cross-side work: the
+    owning connector."""
+
+    def __init__(self, conn: KvwireWorkerConnector) -> None:
+        self._conn = conn
+        self._agent = conn.agent
+        self._metrics = conn._metrics
+        self.recvs: dict[str, _Recv] = {}  # piece transfer id -> live receive
+        self.pieces = PieceBook()  # request transfer id -> this rank's pieces
+        self.trailers: dict[str, bytes] = {}  # the last poll's trailers, by transfer id
+        # failed/aborted receives a stalled sender may still write into: reported once it cannot
+        self.quarantine: ReceiveQuarantine[_StepOutput] = ReceiveQuarantine(
+            conn.agent, conn._metrics.quarantined_blocks
+        )
+
+    def expect(self, spec: RecvSpec) -> None:
+        conn, info = self._conn, self._conn.engine_info
         p_tp = len(spec.pull_from) or spec.peer_tp_size or info.tp_size
         try:
             plan = pull_pieces if spec.pull_from else recv_pieces
-            pieces = plan(spec.transfer_id, info.rank, p_tp, info.tp_size, self._kv_heads(p_tp, info.tp_size))
+            pieces = plan(spec.transfer_id, info.rank, p_tp, info.tp_size, conn._kv_heads(p_tp, info.tp_size))
         except ConfigError as exc:
-            self._recv_failed(_Recv(spec), f"mismatch: {exc}", self._pending)
+            self._failed(_Recv(spec), f"mismatch: {exc}", conn._pending)
             return
         if spec.pull_from:  # first: whatever becomes of this request, nobody pulls those replicas
             self._release_replicas(spec, p_tp)
         recvs = [_Recv(spec, piece.transfer_id, piece.heads) for piece in pieces]
-        self._recv_pieces.add(spec.transfer_id, spec.request_id, [r.piece_id for r in recvs])
-        # P's payload starts at D's block ``first_block`` (a partial transfer: P skips the prefix the
-        # router said D holds); D writes from ``skip_blocks`` on (what it holds itself now)
-        ids = tuple(spec.block_ids[spec.skip_blocks :])
+        self.pieces.add(spec.transfer_id, spec.request_id, [r.piece_id for r in recvs])
         for recv, piece in zip(recvs, pieces, strict=True):
-            self._recvs[recv.piece_id] = recv
-            pull_from = spec.pull_from[piece.peer_rank] if spec.pull_from else None
-            senders = spec.sender_endpoints
-            accept_from = senders[piece.peer_rank] if piece.peer_rank < len(senders) else None
-            target = BlockTarget(ids, spec.skip_blocks - spec.first_block, heads=piece.heads)
+            self.recvs[recv.piece_id] = recv
             try:
-                self.agent.expect(
-                    recv.piece_id, num_layers=len(self._kv_caches), into_blocks=target,
-                    deadline_s=spec.deadline_s, pull_from=pull_from, accept_from=accept_from,
-                    sender=accept_from, limit_s=spec.limit_s, pull_slice=piece.source,
-                )
+                self._expect_piece(recv, piece)
             except KvwireError as exc:
-                self._recv_piece_failed(recv, str(exc), self._pending)
+                self.piece_failed(recv, str(exc), conn._pending)
                 return
             self._metrics.transfers_started.labels(side="recv").inc()
 
+    def _expect_piece(self, recv: _Recv, piece: RankPiece) -> None:
+        """The agent's ``expect`` of one piece. P's payload starts at D's block ``first_block`` (a
+        partial transfer: P skips the prefix the router said D holds); D writes from
+        ``skip_blocks`` on (what it holds itself now)."""
+        spec = recv.spec
+        ids = tuple(spec.block_ids[spec.skip_blocks :])
+        pull_from = spec.pull_from[piece.peer_rank] if spec.pull_from else None
+        senders = spec.sender_endpoints
+        accept_from = senders[piece.peer_rank] if piece.peer_rank < len(senders) else None
+        target = BlockTarget(ids, spec.skip_blocks - spec.first_block, heads=piece.heads)
+        self._agent.expect(
+            recv.piece_id, num_layers=len(self._conn._kv_caches), into_blocks=target,
+            deadline_s=spec.deadline_s, pull_from=pull_from, accept_from=accept_from,
+            sender=accept_from, limit_s=spec.limit_s, pull_slice=piece.source,
+        )
+
     def _release_replicas(self, spec: RecvSpec, p_tp: int) -> None:
         """Pull, KV heads replicated on P: tell the P ranks nobody pulls from to free their blocks."""
-        info = self.engine_info
-        heads = self._kv_heads(p_tp, info.tp_size)
+        info = self._conn.engine_info
+        heads = self._conn._kv_heads(p_tp, info.tp_size)
         for p_rank, held_id in pull_releases(spec.transfer_id, info.rank, p_tp, info.tp_size, heads):
             try:
-                self.agent.release_pull(held_id, spec.pull_from[p_rank], deadline_s=spec.deadline_s)
+                self._agent.release_pull(held_id, spec.pull_from[p_rank], deadline_s=spec.deadline_s)
             except KvwireError as exc:
                 logger.warning("transfer %s: release failed: %s", held_id, exc)
 
-    def _on_received(self, tid: str, out: _StepOutput, timing: TransferTiming | None) -> None:
-        recv = self._recvs.pop(tid, None)
+    def on_received(self, tid: str, out: _StepOutput, timing: TransferTiming | None) -> None:
+        recv = self.recvs.pop(tid, None)
         if recv is None:
             return
         self._metrics.transfers_completed.labels(side="recv").inc()
         if timing is not None:
-            self.bytes_received += timing.num_bytes
+            self._conn.bytes_received += timing.num_bytes
             self._metrics.recv_bytes.inc(timing.num_bytes)
-            self._observe_transfer("recv", timing)
-        group = self._recv_pieces.finish(tid)
+            self._conn._observe_transfer("recv", timing)
+        group = self.pieces.finish(tid)
         if recv.spec.want_trailer and group is not None:
             trailer = self._read_trailer(tid)  # every piece carries it: take each, keep one
             if trailer is not None and group.first_token is None:
@@ -644,52 +812,39 @@ class KvwireWorkerConnector(WorkerConnector):
         recent.exposed.append(exposed)
         recent.exposed_to_step.append(to_step)
 
-    def _observe_transfer(self, side: str, timing: TransferTiming) -> None:
-        """A completed transfer's data timing (one call per transfer and side). The rates are
-        computed here from the timing's fields (GB/s: 1e9 bytes a second)."""
-        m = self._metrics
-        m.transfer_seconds.labels(side=side).observe(timing.seconds)
-        m.transfer_size_bytes.labels(side=side).observe(timing.num_bytes)
-        gbps = timing.num_bytes / timing.seconds / 1e9 if timing.seconds > 0 else 0.0
-        m.transfer_gbps.labels(side=side).observe(gbps)
-        busy_s = timing.busy_seconds
-        if busy_s is not None and busy_s > 0:
-            m.transfer_busy_gbps.labels(side=side).observe(timing.num_bytes / busy_s / 1e9)
-        m.recent.rows[side].append((timing.num_bytes, timing.seconds, busy_s))
-
-    def _recv_piece_failed(self, recv: _Recv, reason: str, out: _StepOutput) -> None:
+    def piece_failed(self, recv: _Recv, reason: str, out: _StepOutput) -> None:
         """One piece failed: end this rank's other pieces of the request, apply the policy once
         (once no sender may write into the blocks any more)."""
-        self._recvs.pop(recv.piece_id, None)
-        group = self._recv_pieces.drop(recv.spec.transfer_id)
+        self.recvs.pop(recv.piece_id, None)
+        group = self.pieces.drop(recv.spec.transfer_id)
         pieces = {recv.piece_id}
         for piece_id in group.pending if group is not None else ():
-            other = self._recvs.pop(piece_id, None)
+            other = self.recvs.pop(piece_id, None)
             if other is not None and other is not recv:
-                self._abort_agent(piece_id, f"a sibling piece failed: {reason}")
+                self._conn._abort_agent(piece_id, f"a sibling piece failed: {reason}")
                 pieces.add(piece_id)
-        self._count_failure("recv", reason)
-        self._quarantine.report_when_settled(
+        self._conn._count_failure("recv", reason)
+        self.quarantine.report_when_settled(
             recv.spec.request_id, _blocks_written(recv.spec), pieces,
             lambda o: self._apply_load_policy(recv, reason, o), out,
         )  # fmt: skip
 
     def _read_trailer(self, tid: str) -> FirstTokenTrailer | None:
         try:
-            payload = self._trailers.pop(tid, None)
+            payload = self.trailers.pop(tid, None)
             return None if payload is None else decode_trailer(payload)
         except KvwireError as exc:
             logger.warning("transfer %s: no usable first token (%s); recomputing it", tid, exc)
             return None
 
-    def _recv_failed(self, recv: _Recv, reason: str, out: _StepOutput) -> None:
-        self._count_failure("recv", reason)
+    def _failed(self, recv: _Recv, reason: str, out: _StepOutput) -> None:
+        self._conn._count_failure("recv", reason)
         self._apply_load_policy(recv, reason, out)
 
     def _apply_load_policy(self, recv: _Recv, reason: str, out: _StepOutput) -> None:
         """Apply the load-failure policy: recompute (report the blocks invalid) or fail the request."""
         request_id = recv.spec.request_id
-        if self.config.kv_load_failure_policy is LoadFailurePolicy.RECOMPUTE:
+        if self._conn.config.kv_load_failure_policy is LoadFailurePolicy.RECOMPUTE:
             logger.warning("request %s: remote KV load failed (%s); recomputing", request_id, reason)
             out.finished_recving.add(request_id)
             out.invalid_block_ids.update(recv.spec.block_ids)
@@ -697,84 +852,9 @@ class KvwireWorkerConnector(WorkerConnector):
             logger.warning("request %s: remote KV load failed (%s); failing it", request_id, reason)
             out.failed[request_id] = f"remote KV load failed: {reason}"
 
-    # --- both sides -------------------------------------------------------------------------
-
-    def _on_failed(self, tid: str, reason: str, out: _StepOutput) -> None:
-        send = self._sends.pop(tid, None)
-        if send is not None:
-            self._count_failure("send", reason)
-            # D resumes only with every piece: end this rank's other pieces of the request now
-            for sibling in sorted(self._send_pieces.pieces(send.spec.transfer_id) - {tid}):
-                if sibling in self._sends:
-                    self._abort_piece(sibling, f"a sibling piece failed: {reason}")
-                    self._send_pieces.finish(sibling, failed=True)
-            self._send_piece_done(tid, out)  # P's blocks are freed once no piece is in flight
-        recv = self._recvs.get(tid)
-        if recv is not None:
-            self._recv_piece_failed(recv, reason, out)
-
-    def _apply_abort(self, spec: AbortSpec) -> None:
-        """Cancel every piece of the request's transfer on this rank."""
-        recv_group = self._recv_pieces.drop(spec.transfer_id)
-        send_group = self._send_pieces.drop(spec.transfer_id)
-        piece_ids = {spec.transfer_id, *self._promised.pop(spec.transfer_id, ())}
-        self._promised_ok.discard(spec.transfer_id)
-        piece_ids |= recv_group.pending if recv_group is not None else set()
-        piece_ids |= send_group.pending if send_group is not None else set()
-        recvs = [self._recvs[p].spec for p in piece_ids if p in self._recvs]
-        for piece_id in sorted(piece_ids):
-            self._abort_piece(piece_id, spec.reason)
-        if spec.report_free:  # D: the engine frees the blocks once no sender may write into them
-            blocks = _blocks_written(recvs[0]) if recvs else 0
-            self._quarantine.report_when_settled(
-                spec.request_id, blocks, piece_ids, lambda o: o.finished_sending.add(spec.request_id),
-                self._pending,
-            )  # fmt: skip
-
-    def _abort_piece(self, piece_id: str, reason: str) -> None:
-        recv = self._recvs.pop(piece_id, None)
-        send = self._sends.pop(piece_id, None)
-        if recv is not None:
-            self._count_failure("recv", "aborted")
-        if send is not None:
-            self._saving = [s for s in self._saving if s is not send]
-            self._unsent = [s for s in self._unsent if s is not send]
-            self._count_failure("send", "aborted")
-        self._abort_agent(piece_id, reason)
-
-    def _abort_agent(self, tid: str, reason: str) -> None:
-        try:
-            self.agent.abort(tid, reason)
-        except KvwireError as exc:
-            logger.debug("transfer %s: abort: %s", tid, exc)
-
-    def _count_failure(self, side: str, reason: str) -> None:
-        self._metrics.transfers_failed.labels(side=side, reason=reason_label(reason)).inc()
-
-    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
-        device = self._kv_caches[0].device if self._kv_caches else torch.device(self.engine_info.device)
-        return block_ids_tensor(block_ids, device)
-
-    @property
-    def num_quarantined_blocks(self) -> int:
-        """D's blocks held back from the engine while a stalled sender may write into them."""
-        return self._quarantine.num_blocks
-
-    @property
-    def num_live_transfers(self) -> int:
-        return len(self._sends) + len(self._recvs)
-
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._sends.clear()
-        self._recvs.clear()
-        self._saving = []
-        self._unsent = []
-        self._quarantine.close()
-        if self._owns_agent:
-            self.agent.close()
+        self.recvs.clear()
+        self.quarantine.close()
 
 
 def _blocks_written(spec: RecvSpec) -> int:

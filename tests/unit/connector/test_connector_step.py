@@ -23,7 +23,7 @@ def one_call_step(side: Side, plan: StepPlan, forward_layers: int | None = None)
 
     def forward(hooks: WorkerConnector | None) -> str:
         if plan.scheduled:  # layer hooks exactly when this step starts a send
-            assert hooks is (side.worker if side.worker._saving else None)
+            assert hooks is (side.worker if side.worker._sender.saving else None)
         for index in range(saved if hooks is not None else 0):
             hooks.wait_for_layer_load(index)  # type: ignore[union-attr]
             hooks.save_kv_layer(index, side.caches[index])  # type: ignore[union-attr]
