@@ -40,6 +40,15 @@ transfer (:mod:`kvwire.transfer.sender`, the receive side in :mod:`kvwire.transf
 Caller threads only touch in-memory state under the agent lock and queue work: no public method
 waits on the network. Completion is reported through :meth:`TransferAgent.poll`.
 
+Leases: a transfer's ``deadline_s`` is a liveness lease (:mod:`kvwire.transfer.core`), renewed
+while its peer shows life and never past ``limit_s`` (default ``config.default_limit_s``); both can
+come from a client (``kv_transfer_params``): a larger value is cut to the agent's limit, never
+trusted (decision 149).
+
+Spans: a plane that supports them (TCP) sends straight from byte spans (``send_layer_spans``: no
+gather copy; otherwise the agent gathers) and receives straight into them (``expect(scatter_into=...)``:
+no buffer and no copy; others copy on arrival).
+
 Failure model: every transfer has a deadline; expiry, ``abort``, a peer's Abort, a broken data
 connection or a restarted peer (new instance id at the same endpoint) end it as FAILED with a reason
 on this side and (where the peer is still reachable) on the other, and free what it held.
@@ -369,6 +378,42 @@ class EventBox(CompletionEvents):
 # ============================== The agent
 
 
+def _assemble(
+    config: TransferConfig, instance_id: str, plane: DataPlane, events: EventBox, board: HealthBoard
+) -> tuple[Core, Sender, Receiver, Routes]:
+    """The agent's parts over its data plane: the core (with its receive memory), both sides, the
+    routes (control messages, ticks and plane reports go to the side holding the transfer they
+    name), the plane started and the control thread started (the plane closed if that fails)."""
+    pinned = config.device.startswith("cuda")
+    mem = RecvMemory(config.recv_budget_bytes, config.spill_budget_bytes, plane.allocate, pinned=pinned)
+    core = Core(config, instance_id, plane, mem, events)
+    sender, receiver = Sender(core), Receiver(core)
+    routes = Routes(core, sender, receiver)
+    plane.start(routes)
+    try:
+        core.control = ControlLoop(
+            config, routes.on_message, routes.on_reject, routes.on_tick, routes.on_unreachable,
+            board=board, on_dead=routes.on_control_dead, on_limit=core.stats.limit_hit,
+        )  # fmt: skip
+    except BaseException:
+        plane.close()
+        raise
+    core.control.start()
+    bound = core.control.bound_endpoint
+    via = "" if bound == core.endpoint else f", listening at {bound}"
+    log.info("transfer agent %s at %s (data %s%s)", instance_id, core.endpoint, plane.address, via)
+    return core, sender, receiver, routes
+
+
+def _bounds(config: TransferConfig, deadline_s: float | None, limit_s: float | None) -> tuple[float, float]:
+    """A transfer's lease and overall bound: the caller's, within this agent's own limit
+    (``config.default_limit_s``). Both can come from a client (``kv_transfer_params``): a larger
+    value is cut to the limit, never trusted (decision 149)."""
+    cap = config.default_limit_s
+    deadline = config.default_deadline_s if deadline_s is None else min(deadline_s, cap)
+    return deadline, cap if limit_s is None else min(limit_s, cap)
+
+
 class TransferAgent:
     """Asynchronous per-transfer KV mover. Thread-safe; a context manager; ``close()`` stops all."""
 
@@ -387,28 +432,11 @@ class TransferAgent:
         self._instance_id = secrets.token_hex(8)
         self._paged: PagedKV | None = None
         # every held plane behind one DataPlane, routed per peer (negotiated; decision 075)
-        self._planes = plane = plane_factory(config, self._instance_id, self.board)
-        pinned = config.device.startswith("cuda")
-        mem = RecvMemory(config.recv_budget_bytes, config.spill_budget_bytes, plane.allocate, pinned=pinned)
+        self._planes = plane_factory(config, self._instance_id, self.board)
         self._events = EventBox()  # the halves append through core.events; poll swaps them out
-        self._core = core = Core(config, self._instance_id, plane, mem, self._events)
-        self._sender = Sender(core)
-        self._receiver = Receiver(core)
-        # control messages, ticks and plane reports go to the side holding the transfer they name
-        self._routes = routes = Routes(core, self._sender, self._receiver)
-        plane.start(routes)
-        try:
-            core.control = ControlLoop(
-                config, routes.on_message, routes.on_reject, routes.on_tick, routes.on_unreachable,
-                board=self.board, on_dead=routes.on_control_dead, on_limit=core.stats.limit_hit,
-            )  # fmt: skip
-        except BaseException:
-            plane.close()
-            raise
-        core.control.start()
-        bound = core.control.bound_endpoint
-        via = "" if bound == core.endpoint else f", listening at {bound}"
-        log.info("transfer agent %s at %s (data %s%s)", self._instance_id, core.endpoint, plane.address, via)
+        self._core, self._sender, self._receiver, self._routes = _assemble(
+            config, self._instance_id, self._planes, self._events, self.board
+        )
 
     @property
     def endpoint(self) -> str:
@@ -464,43 +492,25 @@ class TransferAgent:
     # --- send side ---------------------------------------------------------------------------------------
 
     def start_send(
-        self,
-        transfer_id: str,
-        peer_endpoint: str | None,
-        layers: Sequence[LayerSpec],
-        *,
-        deadline_s: float | None = None,
-        with_trailer: bool = False,
-        pull_by: str | Sequence[str] | None = None,
-        limit_s: float | None = None,
-    ) -> None:
+        self, transfer_id: str, peer_endpoint: str | None, layers: Sequence[LayerSpec], *,
+        deadline_s: float | None = None, with_trailer: bool = False,
+        pull_by: str | Sequence[str] | None = None, limit_s: float | None = None,
+    ) -> None:  # fmt: skip
         """Announce a transfer to ``peer_endpoint`` (one Offer message), or hold it for a pull
         (``peer_endpoint`` None: lease until the deadline). Never blocks on the network.
         ``pull_by``: the control endpoint(s) allowed to pull it (others are refused and counted in
         ``offers_refused``); None: the first puller. A held transfer of blocks (:meth:`send_blocks`)
         may also be pulled in pieces, a head range each (``expect(pull_slice=...)``).
-
-        ``deadline_s`` is a liveness lease (:mod:`kvwire.transfer.core`): renewed while the
-        receiver shows life, never past ``limit_s`` (default ``config.default_limit_s``).
-
+        ``deadline_s``: the lease (module docstring), renewed while the receiver shows life.
         ``transfer_id``: caller-given, unique (e.g. a uuid minted by the router); do not reuse an id
-        for a new transfer between the same agents (ended ids are remembered to reject late
-        messages)."""
+        for a new transfer between the same agents (ended ids are remembered to reject late messages)."""
         with self._core.lock:
             self._check_open()
-            deadline, limit = self._bounds(deadline_s, limit_s)
+            deadline, limit = _bounds(self.config, deadline_s, limit_s)
             pullers = None
             if pull_by is not None:
                 pullers = frozenset((pull_by,)) if isinstance(pull_by, str) else frozenset(pull_by)
             self._sender.start(transfer_id, peer_endpoint, layers, deadline, with_trailer, pullers, limit)
-
-    def _bounds(self, deadline_s: float | None, limit_s: float | None) -> tuple[float, float]:
-        """A transfer's lease and overall bound: the caller's, within this agent's own limit
-        (``config.default_limit_s``). Both can come from a client (``kv_transfer_params``): a larger
-        value is cut to the limit, never trusted (decision 149)."""
-        cap = self.config.default_limit_s
-        deadline = self.config.default_deadline_s if deadline_s is None else min(deadline_s, cap)
-        return deadline, cap if limit_s is None else min(limit_s, cap)
 
     def promise(
         self, transfer_id: str, peer_endpoint: str, *, deadline_s: float | None = None,
@@ -512,7 +522,7 @@ class TransferAgent:
         ``deadline_s`` and for at most ``limit_s``. Idempotent; never blocks."""
         with self._core.lock:
             self._check_open()
-            deadline, limit = self._bounds(deadline_s, limit_s)
+            deadline, limit = _bounds(self.config, deadline_s, limit_s)
             started = transfer_id in self._sender.table
             self._sender.promises.promise(transfer_id, peer_endpoint, deadline, limit, started)
         control = self._core.control
@@ -532,21 +542,16 @@ class TransferAgent:
         self, transfer_id: str, layer_index: int, spans: ByteSpans, ready_event: Any | None = None
     ) -> None:
         """Hand over one layer as byte spans of a contiguous tensor (e.g. its blocks in the paged
-        cache: ``paged.block_spans(kv, block_ids, layout)``). A plane that supports spans (TCP) sends
-        straight from them (no gather copy); otherwise the agent gathers here. The bytes must not
-        change until the transfer ends."""
+        cache: ``paged.block_spans(kv, block_ids, layout)``; spans: module docstring). The bytes must
+        not change until the transfer ends."""
         with self._core.lock:
             self._check_open()
             self._sender.add_layer_spans(transfer_id, layer_index, spans, ready_event)
 
     def send_blocks(
-        self,
-        transfer_id: str,
-        layer_index: int,
-        block_ids: torch.Tensor,
-        ready_event: Any | None = None,
+        self, transfer_id: str, layer_index: int, block_ids: torch.Tensor, ready_event: Any | None = None,
         heads: range | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         """Hand over one layer as blocks ``block_ids`` (int64, in token order; on the caches' device
         for GPU caches) of the registered caches — the serving path. ``ready_event``: a CUDA event
         recorded after the layer's KV was written. ``heads``: only these KV heads of each block (a
@@ -566,29 +571,20 @@ class TransferAgent:
     # --- receive side ------------------------------------------------------------------------------------
 
     def expect(
-        self,
-        transfer_id: str,
-        *,
-        num_layers: int,
-        sink: LayerSink | None = None,
-        deadline_s: float | None = None,
-        pull_from: str | None = None,
-        scatter_into: Callable[[int], ByteSpans] | None = None,
-        into_blocks: BlockTarget | None = None,
-        accept_from: str | None = None,
-        sender: str | None = None,
-        limit_s: float | None = None,
+        self, transfer_id: str, *, num_layers: int, sink: LayerSink | None = None,
+        deadline_s: float | None = None, pull_from: str | None = None,
+        scatter_into: Callable[[int], ByteSpans] | None = None, into_blocks: BlockTarget | None = None,
+        accept_from: str | None = None, sender: str | None = None, limit_s: float | None = None,
         pull_slice: PullSlice | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         """Announce an incoming transfer (before or after its data arrives). ``sink(index, tensor)``
         runs on a transfer thread per layer (tensor valid during the call only); without a sink the
         layers are buffered for :meth:`take_layers`. ``pull_from``: ask that sender (pull mode).
 
         ``scatter_into(index) -> ByteSpans`` (instead of a sink): where layer ``index``'s bytes go,
-        e.g. ``paged.block_spans(kv_cache[index], block_ids, layout)``. A plane that supports spans
-        (TCP) receives straight into them, no buffer and no copy; others copy on arrival. Called under
-        the agent lock when a layer is granted: must be cheap and must not call the agent. The spans
-        must stay valid until the transfer ends (finished or failed).
+        e.g. ``paged.block_spans(kv_cache[index], block_ids, layout)`` (spans: module docstring).
+        Called under the agent lock when a layer is granted: must be cheap and must not call the
+        agent. The spans must stay valid until the transfer ends (finished or failed).
 
         ``into_blocks`` (the serving path; :meth:`register_kv_caches` first): every layer lands in
         those blocks of its registered cache, the plane's fastest way — in place where the payload
@@ -609,7 +605,7 @@ class TransferAgent:
         if sum(x is not None for x in (sink, scatter_into, into_blocks)) > 1:
             raise ValueError("expect: give at most one of sink, scatter_into, into_blocks")
         target = None if into_blocks is None else (self._registered(into_blocks.heads), into_blocks)
-        deadline, limit = self._bounds(deadline_s, limit_s)
+        deadline, limit = _bounds(self.config, deadline_s, limit_s)
         with self._core.lock:
             self._check_open()
             deliver = self._receiver.expect(
