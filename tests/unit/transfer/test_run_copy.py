@@ -117,17 +117,8 @@ def test_the_native_copier_refuses_read_only_destinations_and_ragged_tables() ->
         copy_runs(src, np.zeros(64, dtype=np.uint8), np.zeros(4, dtype=np.int64))
 
 
-@pytest.mark.parametrize("copier", ["native", "python"], indirect=True)
-def test_native_copies_let_other_threads_run(copier: str) -> None:
-    """The native copy runs without the GIL: another Python thread counts during one long copy about
-    as fast as it counts alone. The Python fallback copies a run in one bytecode holding the GIL, so
-    the counter stalls (measured 0.13-0.17 of its rate alone, against 0.99-1.15 natively on a quiet box
-    and 0.47 at load average 6.6: the threshold sits between the two, not at the quiet figure)."""
-    size = 512 << 20  # one run: tens of ms
-    src = np.ones(size, dtype=np.uint8)
-    dst = np.zeros(size, dtype=np.uint8)
-    table = run_table([(0, 0, size)])
-    copy_runs(src, dst, table)  # pages faulted in
+def _share_of_a_counter_during_a_copy(src: Bytes, dst: Bytes, table: Table) -> float:
+    """How fast another Python thread counts during one long copy, as a share of its rate alone."""
     stop = threading.Event()
     ticks = 0
 
@@ -148,11 +139,30 @@ def test_native_copies_let_other_threads_run(copier: str) -> None:
     finally:
         stop.set()
         counter.join(timeout=10.0)
-    share = during / copying / alone
-    if copier == "native":
-        assert share > 0.3, share
-    else:
-        assert share < 0.3, share
+    return during / copying / alone
+
+
+def test_native_copies_let_other_threads_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native copy runs without the GIL: another Python thread counts during one long copy about
+    as fast as it counts alone. The Python fallback copies a run in one bytecode holding the GIL, so
+    the counter stalls. Measured 0.13-0.17 of its rate alone for the fallback against 0.99-1.15
+    natively on a quiet box, but 0.47 natively at load average 6.6 and 0.33 for the fallback on
+    another loaded run: no fixed threshold holds on a shared box, so the two are measured in turn in
+    one test (three rounds, medians compared) and the native one must let the counter run faster."""
+    size = 512 << 20  # one run: tens of ms
+    src = np.ones(size, dtype=np.uint8)
+    dst = np.zeros(size, dtype=np.uint8)
+    table = run_table([(0, 0, size)])
+    copy_runs(src, dst, table)  # pages faulted in
+    shares: dict[str, list[float]] = {"native": [], "python": []}
+    native = shm_send._native
+    monkeypatch.setattr(shm_send, "_warned", True)  # the fallback's warning is not under test here
+    for _ in range(3):
+        for kind in shares:
+            monkeypatch.setattr(shm_send, "_native", native if kind == "native" else None)
+            shares[kind].append(_share_of_a_counter_during_a_copy(src, dst, table))
+    median = {kind: sorted(values)[1] for kind, values in shares.items()}
+    assert median["native"] > median["python"], shares
 
 
 def test_the_python_fallback_warns_once(
