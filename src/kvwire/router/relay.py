@@ -325,8 +325,8 @@ class Upstream:
             if not silent:
                 raise
             uncancel = getattr(task, "uncancel", None)  # Python >= 3.11: undo our own cancel()
-            if uncancel is not None:
-                uncancel()
+            if uncancel is not None and uncancel() > 0:
+                raise  # the handler was cancelled too (its client went away): that wins, no re-dispatch
             raise self._failure(inst, role, "silent", "stopped heartbeating mid-answer", status=504) from None
         finally:
             timer[0].cancel()
