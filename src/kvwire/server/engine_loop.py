@@ -263,8 +263,10 @@ class EngineLoop:
             if taken:
                 waiter.result()  # raises what the engine's add_request raised
                 return
-            if not self.alive:  # our add, if still queued, fails now: the next wait returns at once
-                self._refuse_pending(EngineError("the engine thread is not running"))
+            if not self.alive:  # our add fails now, queued or taken by a thread that died holding it
+                error = EngineError("the engine thread is not running")
+                self._refuse_pending(error)
+                _resolve(done, error)  # the next wait returns at once
 
     def abort(self, request_id: str) -> None:
         """Stop a request (client gone); its blocks are freed by the engine. Idempotent."""

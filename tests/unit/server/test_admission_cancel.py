@@ -170,3 +170,27 @@ def test_a_body_read_returns_the_body_or_raises_what_the_read_raised(door: str) 
             await FRONT_DOORS[door](1.0)(failing)
 
     asyncio.run(main())
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's death
+def test_an_add_taken_by_an_engine_thread_that_died_fails_within_the_liveness_check() -> None:
+    """The engine thread took the add and died before answering it (nothing left in the queue for
+    ``_refuse_pending``): the admission still ends with an EngineError, not a wait without end."""
+
+    class _Dies(_HeldEngine):
+        def add_request(self, *args: Any, **kwargs: Any) -> None:
+            raise SystemExit  # ends the engine thread at once, the add unanswered
+
+    async def main() -> None:
+        loop = EngineLoop(_Dies())
+        loop.start(asyncio.get_running_loop())
+        try:
+            outbox: RequestOutbox = asyncio.Queue()
+            with pytest.raises(Exception, match="not running"):
+                await asyncio.wait_for(
+                    loop.add_request("r", outbox, [1, 2], SamplingParams(max_tokens=8)), timeout=20.0
+                )
+        finally:
+            loop.close(5.0)
+
+    asyncio.run(main())
