@@ -116,22 +116,31 @@ ALWAYS_INLINE int64_t tile_length(const Problem *pb, int64_t start, int64_t len,
     return count;
 }
 
+/* The online softmax's step for one query head over a tile: its `count` scaled scores s become their
+   weights exp(s - top) against the new running maximum top (*m moves up to it) and join the running
+   sum *l; returns the factor that rescales the output accumulated before this tile. Both paths. */
+ALWAYS_INLINE float softmax_tile(float *s, int count, float *m, float *l)
+{
+    float top = *m;
+    for (int t = 0; t < count; t++)
+        top = s[t] > top ? s[t] : top;
+    const float shrink = *m == -INFINITY ? 0.0f : expf(*m - top);
+    *m = top;
+    exp_shifted(s, top, count);
+    float sum = 0.0f;
+    for (int t = 0; t < count; t++)
+        sum += s[t];
+    *l = *l * shrink + sum;
+    return shrink;
+}
+
 /* One query head over one tile of `count` tokens, any head size: scores in `s` (TILE floats). */
 ALWAYS_INLINE void head_tile_any(const float *q, const float *k, const float *v, Py_ssize_t row, int64_t count,
                                  Py_ssize_t dim, float scale, float *s, float *acc, float *m, float *l)
 {
-    float top = *m;
-    for (int64_t t = 0; t < count; t++) {
-        s[t] = dot(q, k + t * row, dim) * scale;
-        top = s[t] > top ? s[t] : top;
-    }
-    const float shrink = *m == -INFINITY ? 0.0f : expf(*m - top);
-    *m = top;
-    exp_shifted(s, top, (int)count);
-    float sum = 0.0f;
     for (int64_t t = 0; t < count; t++)
-        sum += s[t];
-    *l = *l * shrink + sum;
+        s[t] = dot(q, k + t * row, dim) * scale;
+    const float shrink = softmax_tile(s, (int)count, m, l);
     for (Py_ssize_t d = 0; d < dim; d++)
         acc[d] *= shrink;
     for (int64_t t = 0; t < count; t++) {
@@ -233,18 +242,10 @@ ALWAYS_INLINE void head_tile(const float *q, const float *k, const float *v, Py_
                 sum += qv[c] * load16(k + t * row + 16 * c);
         part[t] = sum;
     }
-    float sc[VTILE], top = *m;
+    float sc[VTILE];
     v16 scores = reduce16(part) * scale;
     memcpy(sc, &scores, sizeof sc);
-    for (int t = 0; t < count; t++)
-        top = sc[t] > top ? sc[t] : top;
-    const float shrink = *m == -INFINITY ? 0.0f : expf(*m - top);
-    *m = top;
-    exp_shifted(sc, top, (int)count);
-    float total = 0.0f;
-    for (int t = 0; t < count; t++)
-        total += sc[t];
-    *l = *l * shrink + total;
+    const float shrink = softmax_tile(sc, (int)count, m, l);
     for (int c = 0; c < C; c++)
         out[c] = load16(acc + 16 * c) * shrink;
     for (int t = 0; t < count; t++)
