@@ -655,7 +655,9 @@ class _SendSide:
         return True
 
     def _start_agent_send(self, send: _Send) -> str | None:
-        """``start_send`` of one piece; the agent's refusal (logged) when it refused it."""
+        """``start_send`` of one piece; the agent's refusal (logged) when it refused it. A refused
+        piece is aborted at the agent too: its promise (decision 051) would otherwise renew D's
+        lease on a send that never comes until the promise's limit."""
         conn = self._conn
         spec, n, layout = send.spec, len(send.spec.block_ids), conn._layout
         layers = [
@@ -669,6 +671,7 @@ class _SendSide:
             )
         except KvwireError as exc:
             logger.warning("transfer %s: start_send failed: %s", send.piece_id, exc)
+            conn._abort_agent(send.piece_id, f"start refused: {exc}")
             return str(exc)
         if send.ids is None:
             send.ids = conn._ids(spec.block_ids)

@@ -185,6 +185,7 @@ def test_a_held_push_the_agent_refuses_at_the_next_step_is_reported_failed() -> 
     assert one_call_step(p, StepPlan(())).output.finished_sending == {preq.request_id}
     failed = p.worker._metrics.transfers_failed.labels(side="send", reason="other")._value.get()
     assert failed == 1 and p.worker.num_live_transfers == 0
+    assert [tid for tid, _ in p.agent.aborted] == ["t1"]  # its promise ends: D is told at once
 
 
 def test_p_promises_once_whatever_path_the_promise_takes() -> None:
