@@ -158,11 +158,12 @@ class ShmPlane(UnixLinkPlane[Outbound]):
         self.arena = SharedArena(config.recv_budget_bytes) if config.recv_budget_bytes > 0 else None
         # the regions a grant lands in on a request's path, known here without the process-wide
         # lookup (``region_of``): the arena's and the registered caches' (decision 145); each with
-        # what keeps it mapped for the plane's life (the arena, the cache tensors)
-        self._own_regions: list[tuple[SharedRegion, object]] = []
+        # what keeps it mapped for the plane's life (the arena, a cache tensor); by region id, once
+        # each (every layer's cache tensors lie in the same one or two regions)
+        self._own_regions: dict[int, tuple[SharedRegion, object]] = {}
         if self.arena is not None:
             self._export_locked(self.arena.region)
-            self._own_regions.append((self.arena.region, self.arena))
+            self._own_regions[self.arena.region.region_id] = (self.arena.region, self.arena)
         #: layers this plane sent, by path ("one_copy", "ring"): tests and diagnostics
         self.layers_sent: collections.Counter[str] = collections.Counter()
         self.stop_mid_layer = _stop_mid_layer()  # test hook, sender side (STOP_MID_LAYER_ENV)
@@ -270,7 +271,7 @@ class ShmPlane(UnixLinkPlane[Outbound]):
                 found = region_of(tensor)
                 if found is not None:
                     self._export_locked(found[0])
-                    self._own_regions.append((found[0], tensor))
+                    self._own_regions.setdefault(found[0].region_id, (found[0], tensor))
 
     def _region_of(self, tensor: torch.Tensor) -> tuple[SharedRegion, int] | None:
         """``region_of(tensor)``, looked up first among the plane's own regions (the arena, the
@@ -278,7 +279,7 @@ class ShmPlane(UnixLinkPlane[Outbound]):
         if tensor.device.type == "cpu" and tensor.is_contiguous():
             start = tensor.data_ptr()
             end = start + tensor.numel() * tensor.element_size()
-            for region, _ in self._own_regions:
+            for region, _ in self._own_regions.values():
                 if region.address <= start and end <= region.address + region.size:
                     return region, start - region.address
         return region_of(tensor)
