@@ -497,6 +497,8 @@ class _SendSide:
 
     def send_saved(self) -> None:
         """:meth:`KvwireWorkerConnector.send_saved`'s work."""
+        if not self.unsent:  # every step's call on GPU caches, and most on CPU ones
+            return
         unsent, self.unsent = self.unsent, []
         for send in unsent:
             layers, send.unsent = send.unsent, []
@@ -511,6 +513,8 @@ class _SendSide:
     def finish_saves(self) -> None:
         """After the forward: a send that did not get every KV layer can never complete; fail it now
         rather than at its deadline. Layers held back wait for :meth:`send_saved`."""
+        if not self.saving:  # every step but one a send starts in (vLLM calls this twice a step)
+            return
         num_layers = len(self._conn._kv_caches)
         for send in self.saving:
             if self.hold_layers and send.num_layers_written == num_layers:
