@@ -10,8 +10,8 @@ The agent's control thread: owns every ZMQ socket (ZMQ sockets are not thread-sa
 
 Inbound: one ROUTER bound at the agent's control endpoint. Outbound: one DEALER per peer endpoint,
 created lazily (ZMQ reconnects it transparently when the peer restarts; epochs in the messages tell
-old from new). Other threads hand work over by appending to its ``outbox`` (messages: ``Core.send``;
-calls: :meth:`call_soon`) and waking it through a socket pair (``waker``); the thread never blocks on
+old from new). Other threads hand messages over by appending to its ``outbox`` (``Core.send``) and waking it
+through a socket pair (``waker``); the thread never blocks on
 a peer (sends are non-blocking, a full queue drops the message and logs: deadlines cover the loss).
 
 Trust boundary (decision 116): ZeroMQ drops (and disconnects) a peer whose frame exceeds
@@ -159,10 +159,9 @@ class ControlLoop:
         self._wake_r, self.waker = socket.socketpair()  # ``waker``: a byte wakes the thread (any thread)
         self.waker.setblocking(False)
         self._wake_r.setblocking(False)
-        self._lock = threading.Lock()
-        # what the thread sends or runs next; ``Core.send`` appends to it directly (a deque's append is
-        # atomic; this thread is its one consumer), the lock orders ``call_soon`` with the drain
-        self.outbox: collections.deque[tuple[str, AnyMsg] | Callable[[], None]] = collections.deque()
+        # what the thread sends next, (endpoint, message); ``Core.send`` appends to it directly (a
+        # deque's append and popleft are atomic; this thread is its one consumer)
+        self.outbox: collections.deque[tuple[str, AnyMsg]] = collections.deque()
         self._stop = threading.Event()
         self._errors = _ErrorLog()
         self._refusals = RefusalLog(control_log, "control message")  # endpoints ZeroMQ refuses
@@ -178,11 +177,6 @@ class ControlLoop:
         self._thread.start()
 
     # --- thread-safe entry points ----------------------------------------------------------------------
-
-    def call_soon(self, fn: Callable[[], None]) -> None:
-        with self._lock:
-            self.outbox.append(fn)
-        self.wake()
 
     def wake(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):
@@ -265,18 +259,12 @@ class ControlLoop:
         return frames
 
     def _drain_outbox(self) -> None:
-        while True:
-            with self._lock:
-                if not self.outbox:
-                    return
-                item = self.outbox.popleft()
+        while self.outbox:
+            endpoint, msg = self.outbox.popleft()
             try:
-                if callable(item):
-                    item()
-                else:
-                    self._send_now(*item)
-            except Exception:  # one bad endpoint (a peer's choice) or callback: the rest go on
-                self._contained("sending a control message" if not callable(item) else "a queued call")
+                self._send_now(endpoint, msg)
+            except Exception:  # one bad endpoint (a peer's choice): the rest go on
+                self._contained("sending a control message")
 
     def _contained(self, what: str) -> None:
         """Log (rate-limited, with the traceback) and count an error contained to one item; past
