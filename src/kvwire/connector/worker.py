@@ -530,7 +530,7 @@ class _SendSide:
             reason = f"mismatch: {num_layers} of {len(conn._kv_caches)} layers saved"
             conn._abort_agent(send.piece_id, reason)  # a send not started yet: its promise ends
             if not send.started:  # the agent reports no failure of a send it never knew
-                conn._on_failed(send.piece_id, reason, conn._pending)
+                self.on_failed(send.piece_id, reason, conn._pending)
 
     def send_trailer(self, spec: TrailerSpec) -> None:
         for piece_id in sorted(self.pieces.pieces(spec.transfer_id)):
@@ -654,7 +654,7 @@ class _SendSide:
             return False
         error = self._start_agent_send(send)
         if error is not None:
-            self._conn._on_failed(send.piece_id, error, self._conn._pending)
+            self.on_failed(send.piece_id, error, self._conn._pending)
             return False
         return True
 
