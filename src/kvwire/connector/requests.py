@@ -79,6 +79,10 @@ class RequestHooks:
         # Set by a host whose worker runs in this process (built-in server, TP 1): each promise is also
         # made at once, on the admission thread, not only at the next engine step (decision 123).
         self.promise_now: Callable[[PromiseSpec], None] | None = None
+        # Admissions withdrawn before the engine took them (any thread: under the promises' lock);
+        # ``withdraw_now``, set like ``promise_now``, ends the promise at once on the admission thread.
+        self._withdrawn: list[AbortSpec] = []
+        self.withdraw_now: Callable[[AbortSpec], None] | None = None
 
     # --- request admission -------------------------------------------------------------------
 
@@ -98,6 +102,21 @@ class RequestHooks:
             raise InvalidRequestError("pull mode: kv_transfer_params.peer_endpoints (P's) must not be empty")
         self._promise(params)  # P: D may wait for this request's KV from now on
         return params
+
+    def withdraw_request_params(self, params: KVTransferParams, reason: str) -> None:
+        """Any thread: a request whose params passed :meth:`check_request_params` never reached the
+        engine (refused there, the server shutting down, its client gone first). P's promise for it
+        ends as an abort ends it: D is told at once and stops waiting for a send that cannot come (the
+        promise would renew D's lease up to its limit). Idempotent."""
+        push_from_p = params.role is Role.PREFILL and params.mode is TransferMode.PUSH
+        if not push_from_p or not params.peer_endpoints:
+            return
+        spec = AbortSpec("", params.transfer_id, reason, report_free=False)
+        with self._promises_lock:
+            self._promises = [p for p in self._promises if p.transfer_id != params.transfer_id]
+            self._withdrawn.append(spec)
+        if self.withdraw_now is not None:
+            self.withdraw_now(spec)
 
     def _check_layout(self, params: KVTransferParams) -> None:
         """The handshake's compatibility check: raise InvalidRequestError when the peer's KV cannot

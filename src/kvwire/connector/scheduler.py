@@ -31,6 +31,7 @@ from kvwire.connector.base import (
     StepReport,
 )
 from kvwire.connector.metadata import (
+    AbortSpec,
     KvwireConnectorMetadata,
     PromiseSpec,
     RecvSpec,
@@ -102,12 +103,13 @@ class KvwireSchedulerConnector(RequestHooks, SchedulerConnector):
             state = self._reqs.get(spec.request_id)
             if state is not None and state.phase is Phase.RECV_QUEUED:
                 state.phase = Phase.RECEIVING
+        promises, withdrawn = self._take_admissions()
         meta = KvwireConnectorMetadata(
             sends=tuple(self._sends),
             recvs=tuple(self._recvs),
             trailers=tuple(self._trailers),
-            aborts=tuple(self._aborts),
-            promises=self._take_promises(),
+            promises=promises,
+            aborts=(*self._aborts, *withdrawn),
         )
         self._sends, self._recvs, self._trailers, self._aborts = [], [], [], []
         return meta
@@ -188,10 +190,12 @@ class KvwireSchedulerConnector(RequestHooks, SchedulerConnector):
 
     # --- helpers --------------------------------------------------------------------------------
 
-    def _take_promises(self) -> tuple[PromiseSpec, ...]:
+    def _take_admissions(self) -> tuple[tuple[PromiseSpec, ...], tuple[AbortSpec, ...]]:
+        """The promises made at admission since the last step, and the admissions withdrawn."""
         with self._promises_lock:
             promises, self._promises = tuple(self._promises), []
-        return promises
+            withdrawn, self._withdrawn = tuple(self._withdrawn), []
+        return promises, withdrawn
 
     @property
     def num_tracked_requests(self) -> int:

@@ -349,6 +349,13 @@ class KvwireWorkerConnector(WorkerConnector):
         (the engine's admission, the next step's metadata) finds it promised and does nothing."""
         self._sender.promise(spec)
 
+    def withdraw_now(self, spec: AbortSpec) -> None:
+        """Admission thread, worker in the same process: a promised request never reached the engine
+        (``RequestHooks.withdraw_request_params``): its promised pieces are aborted at the agent now
+        (thread-safe; D is told); the next step's abort of it finds nothing left."""
+        for piece_id in self._sender.forget_promise(spec.transfer_id) or [spec.transfer_id]:
+            self._abort_agent(piece_id, spec.reason)
+
     # --- both sides -------------------------------------------------------------------------
 
     def _kv_heads(self, p_tp: int, d_tp: int) -> int | None:

@@ -125,6 +125,7 @@ def build_connector_set(
     scheduler, worker = build_connectors(connector_config, engine_info, registry=registry, board=board)
     if engine_info.tp_size == 1 and hasattr(worker, "promise_now") and hasattr(scheduler, "promise_now"):
         scheduler.promise_now = worker.promise_now  # P renews D's lease from admission (decision 123)
+        scheduler.withdraw_now = worker.withdraw_now  # ... and ends it when the engine never got it
     agent = getattr(worker, "agent", None)
     if agent is not None and registry is not None:
         registry.register(_AgentStats(agent))

@@ -175,6 +175,7 @@ class GenerationHandler:
         self, engine_loop: EngineLoop, tokenizer: Any, metrics: ServerMetrics, model_name: str,
         max_model_len: int, accepts_kv_transfer_params: bool,
         check_kv_transfer_params: Callable[[object], object] | None = None,
+        withdraw_kv_transfer_params: Callable[[KVTransferParams, str], None] | None = None,
         client_write_timeout_s: float = 30.0,
         vocab_size: int | None = None,
         max_waiting_requests: int = 0,
@@ -191,6 +192,8 @@ class GenerationHandler:
         self._accepts_kv = accepts_kv_transfer_params
         # The connector's own admission check (role served, endpoints present) -> HTTP 400.
         self._check_kv = check_kv_transfer_params or KVTransferParams.from_dict
+        # ... and what undoes its promise for a request the engine never took.
+        self._withdraw_kv = withdraw_kv_transfer_params
         self._write_timeout_s = client_write_timeout_s  # deadline of each write to a streaming client
         self._max_waiting = max_waiting_requests  # 0: no bound on the waiting queue
         self._body_timeout_s = body_timeout_s  # a body that does not arrive in time: 408
@@ -281,9 +284,13 @@ class GenerationHandler:
         request_id = f"{_id_prefix(kind)}-{uuid.uuid4().hex}"  # the engine's: unique whatever the client sent
         stream = RequestStream(request_id)
         try:
-            await self._loop.add_request(
-                request_id, stream, prepared.prompt_token_ids, prepared.params, prepared.kv_transfer_params
-            )
+            try:
+                await self._loop.add_request(request_id, stream, prepared.prompt_token_ids, prepared.params,
+                                             prepared.kv_transfer_params)
+            except BaseException as exc:  # not admitted (or admitted and aborted): P's promise ends
+                if prepared.kv_transfer_params is not None and self._withdraw_kv is not None:
+                    self._withdraw_kv(prepared.kv_transfer_params, f"not admitted: {type(exc).__name__}")
+                raise
         except InvalidRequestError as exc:
             self._count(endpoint, "invalid")
             return error_response(400, str(exc))

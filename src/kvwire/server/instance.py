@@ -107,6 +107,7 @@ class ServerInstance:
             engine_loop, self._engine.tokenizer, metrics, model_name, max_model_len,
             accepts_kv_transfer_params=self._connectors.enabled,
             check_kv_transfer_params=self._kv_params_check(metrics),
+            withdraw_kv_transfer_params=getattr(self._connectors.scheduler, "withdraw_request_params", None),
             client_write_timeout_s=self.config.client_write_timeout_s,
             vocab_size=_model_vocab_size(self._engine),
             max_waiting_requests=self.config.max_waiting_requests,

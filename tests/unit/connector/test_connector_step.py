@@ -216,3 +216,25 @@ def test_a_refused_promise_is_asked_again() -> None:
     assert p.agent.promises == []
     p.sched.get_num_new_matched_tokens(preq, 0)  # the engine's admission promises again
     assert p.agent.promises == ["t4"]
+
+
+@pytest.mark.parametrize("same_process", [True, False], ids=["withdraw-now", "next-step"])
+def test_a_promised_request_the_engine_never_took_ends_its_promise(same_process: bool) -> None:
+    """HTTP admission promised D the request's KV, then the engine never took it (refused, shutting
+    down, the client gone first): the promise ends as an abort ends it, D is told at once, instead of
+    renewing D's lease on a send that cannot come up to its limit. In the same process at once;
+    otherwise (the worker on another rank) with the next step's metadata, the promise not sent."""
+    p, d = make_pd(FakeFabric(), CollectorRegistry())
+    if same_process:
+        p.sched.promise_now = p.worker.promise_now
+        p.sched.withdraw_now = p.worker.withdraw_now
+    preq, _ = push_requests(p, d, prompt_len=9, tid="t5")
+    params = p.sched.check_request_params(preq.kv_transfer_params)
+    p.sched.withdraw_request_params(params, "not admitted: CancelledError")
+    if same_process:
+        assert p.agent.promises == ["t5"] and [tid for tid, _ in p.agent.aborted] == ["t5"]
+    meta = p.sched.plan_step(StepPlan(()))
+    assert meta.promises == () and [a.transfer_id for a in meta.aborts] == ["t5"]
+    p.worker.bind_connector_metadata(meta)
+    assert "t5" in [tid for tid, _ in p.agent.aborted] and "t5" not in p.agent.promises[1:]
+    p.worker.clear_connector_metadata()
