@@ -145,6 +145,10 @@ def _add_kv_limit_arguments(parser: argparse.ArgumentParser) -> None:
                        help="P: ... per receiver")
     group.add_argument("--kv-max-pending-per-peer", type=int, default=d.max_pending_per_peer,
                        help="per peer: its offers not expected yet, its pulls of transfers not started yet")
+    group.add_argument("--kv-max-unexpected-bytes-per-peer", type=int,
+                       default=d.max_unexpected_bytes_per_peer,
+                       help="D: receive memory one peer's offers not expected yet may be granted; an offer "
+                            "past it waits for the request (0: a quarter of the receive budget)")
     group.add_argument("--kv-max-pending-pulls", type=int, default=d.max_pending_pulls,
                        help="P: pulls of transfers not started yet, in all")
     group.add_argument("--kv-max-pending-transfers", type=int, default=65536,
@@ -162,6 +166,7 @@ def kv_limits_from_args(args: argparse.Namespace) -> ControlLimits:
         max_peer_deadline_s=args.kv_max_peer_deadline_s, max_early_grants=args.kv_max_early_grants,
         max_early_grants_per_peer=args.kv_max_early_grants_per_peer,
         max_pending_per_peer=args.kv_max_pending_per_peer, max_pending_pulls=args.kv_max_pending_pulls,
+        max_unexpected_bytes_per_peer=args.kv_max_unexpected_bytes_per_peer,
         max_peers=args.kv_max_peers, max_admission_wait_s=args.kv_max_admission_wait_s,
     )
 

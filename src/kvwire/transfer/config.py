@@ -35,9 +35,10 @@ class ControlLimits:
     before its MAC or any decoding, and by ZeroMQ itself: ``MAXMSGSIZE``), the lease of its Offer or
     Pull (clamped to ``[min_peer_deadline_s, max_peer_deadline_s]``; not finite: refused), what it
     may leave waiting here before this side knows the transfer (early Grants, Offers not expected
-    yet, Pulls before ``start_send``: per peer and in all) and how many peer endpoints are
-    remembered (least recently heard of forgotten first). Each limit hit is counted in
-    ``TransferStats.limits_hit`` (``kvwire_transfer_limit_hits_total{limit}``).
+    yet, Pulls before ``start_send``: per peer and in all; the receive memory granted to a peer's
+    Offers not expected yet, per peer) and how many peer endpoints are remembered (least recently
+    heard of forgotten first). Each limit hit is counted in ``TransferStats.limits_hit``
+    (``kvwire_transfer_limit_hits_total{limit}``).
 
     ``max_admission_wait_s`` (decision 128): how long after ``expect`` a push receiver keeps its lease
     renewed on the word of a live sender that has not heard of the transfer yet (the request still in
@@ -52,6 +53,9 @@ class ControlLimits:
     max_early_grants_per_peer: int = 1024  # ... and per receiver endpoint
     # per peer endpoint: its Offers not expected yet here, and its Pulls of transfers not started here
     max_pending_per_peer: int = 1024
+    # per peer endpoint: receive memory (budget and spill) its Offers not expected yet may be granted;
+    # an Offer past it waits for expect() (decision 150). 0: a quarter of recv_budget_bytes
+    max_unexpected_bytes_per_peer: int = 0
     max_pending_pulls: int = 10_000  # Pulls (whole or piece) of transfers not started here, in all
     max_peers: int = 4096  # peer endpoints whose epoch is remembered (least recently heard forgotten)
     max_admission_wait_s: float = 30.0  # push receiver: a live sender's "unknown" renews this long
@@ -67,6 +71,9 @@ class ControlLimits:
         for name in counts:
             if getattr(self, name) < 1:
                 raise ConfigError(f"ControlLimits.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_unexpected_bytes_per_peer < 0:
+            unexpected = self.max_unexpected_bytes_per_peer
+            raise ConfigError(f"ControlLimits.max_unexpected_bytes_per_peer must be >= 0, got {unexpected}")
         wait_s = self.max_admission_wait_s
         if not (math.isfinite(wait_s) and wait_s >= 0):
             raise ConfigError(f"max_admission_wait_s must be finite and >= 0, got {wait_s}")
@@ -174,6 +181,12 @@ class TransferConfig:
             raise ConfigError("TransferConfig.shm_copy_threads must be between 1 and 64")
         if not isinstance(self.links, DataLinkConfig):
             raise ConfigError(f"TransferConfig.links must be a DataLinkConfig, got {self.links!r}")
+
+    @property
+    def unexpected_bytes_per_peer(self) -> int:
+        """Receive memory one peer's Offers not expected yet may be granted (decision 150): the
+        limit given, else a quarter of the receive budget."""
+        return self.limits.max_unexpected_bytes_per_peer or max(1, self.recv_budget_bytes // 4)
 
     def _check_transport(self) -> None:
         if self.backend not in (Backend.TCP, Backend.NCCL):

@@ -655,6 +655,8 @@ class RecvState(TransferState):
     early_grant: Grant | None = None
     # created by this sender's Offer before expect(): counted against ControlLimits.max_pending_per_peer
     unsolicited_by: str | None = None
+    # ... and the receive memory granted to it meanwhile (against max_unexpected_bytes_per_peer)
+    unsolicited_bytes: int = 0
 
     @property
     def bound_peer(self) -> PeerRef | None:
@@ -725,12 +727,20 @@ class Credit:
             if items and st.transfer_id in recvs:
                 self._grant(st, items)
             if st.transfer_id in recvs and st.to_grant:
+                if st.transfer_id in self.receiver.unsolicited.parked:
+                    self.queue.popleft()  # waits for expect(), which queues it again; others go on
+                    continue
                 return  # out of memory: later transfers wait too (FIFO, no starvation)
+
+    def resume(self, st: RecvState) -> None:
+        """``st``, parked while not expected (decision 150), is expected now: queue its layers again."""
+        self.queue.append(st.transfer_id)
+        self.grant_pass()
 
     def _grantable(self, st: RecvState, specs: list[LayerSpec]) -> list[RecvItem]:
         """Take layers off ``st.to_grant`` while each has somewhere to land; stop at the first that
         has not (out of memory) or when the transfer failed."""
-        memory = self.core.memory
+        memory, unsolicited = self.core.memory, self.receiver.unsolicited
         items: list[RecvItem] = []
         while st.to_grant:
             index = st.to_grant[0]
@@ -750,10 +760,14 @@ class Credit:
                 reason = f"{FailReason.BUDGET.value}: layer of {num_bytes} bytes never fits"
                 self.receiver.fail(st.transfer_id, reason, True)
                 break
+            if not unsolicited.fits(st, num_bytes):
+                unsolicited.park(st)  # its sender's Offers not expected yet hold enough: wait for expect()
+                break
             buf = memory.reserve(num_bytes)
             if buf is None:
                 self.core.stats.add("credit_waits")
                 break
+            unsolicited.took(st, num_bytes)
             if buf.kind is BufferKind.SPILL:
                 self.core.stats.add("spilled_layers")
             st.to_grant.popleft()
@@ -1063,13 +1077,23 @@ _SENDER_PROGRESS = frozenset({PeerState.QUEUED.value, PeerState.SENDING.value})
 class UnsolicitedOffers:
     """Offers that came before ``expect()``: held (as transfers of the receiver's table) until the
     caller expects them or their lease ends; at most ``max_pending_per_peer`` per sender endpoint and
-    ``max_pending_transfers`` transfers in all (decision 116)."""
+    ``max_pending_transfers`` transfers in all (decision 116).
+
+    They are granted receive memory like expected ones (the Offer may beat ``expect``: decision
+    110's race), up to ``TransferConfig.unexpected_bytes_per_peer`` per sender endpoint (decision
+    150). An Offer that would pass it is *parked*: out of the credit queue (it blocks no one), its
+    layers not granted until ``expect`` claims it and queues it again (``Credit.resume``), or its
+    lease ends. A peer that offers and never sends holds at most that much memory."""
 
     def __init__(self, core: Core, recvs: dict[str, RecvState]) -> None:
         self.core = core
         self.recvs = recvs
-        # per sender endpoint: its Offers held here that expect() has not claimed yet
+        # per sender endpoint: its Offers held here that expect() has not claimed yet ...
         self.counts: collections.Counter[str] = collections.Counter()
+        # ... and the receive memory granted to them
+        self.granted_bytes: collections.Counter[str] = collections.Counter()
+        self.parked: set[str] = set()  # transfer ids waiting for expect() to be granted more
+        self.max_bytes_per_peer = core.config.unexpected_bytes_per_peer  # read per granted layer
 
     def admit(self, msg: Offer, deadline_s: float) -> RecvState | None:
         """State for an Offer that came before expect(), unless this agent or that sender has too
@@ -1089,13 +1113,41 @@ class UnsolicitedOffers:
         self.counts[msg.src_endpoint] += 1
         return st
 
-    def claim(self, st: RecvState) -> None:
-        """``st`` no longer counts as its sender's unsolicited Offer (expected now, or ended)."""
+    def fits(self, st: RecvState, num_bytes: int) -> bool:
+        """Whether ``num_bytes`` more may be granted to ``st`` (always, once expected)."""
+        peer = st.unsolicited_by
+        return peer is None or self.granted_bytes[peer] + num_bytes <= self.max_bytes_per_peer
+
+    def took(self, st: RecvState, num_bytes: int) -> None:
+        """``num_bytes`` of receive memory were granted to ``st``."""
+        if st.unsolicited_by is not None:
+            self.granted_bytes[st.unsolicited_by] += num_bytes
+            st.unsolicited_bytes += num_bytes
+
+    def park(self, st: RecvState) -> None:
+        """``st`` waits for ``expect()`` (counted once, logged once per minute)."""
+        if st.transfer_id not in self.parked:
+            self.parked.add(st.transfer_id)
+            self.core.stats.limit_hit(ControlLimit.UNEXPECTED_BYTES_PER_PEER)
+            detail = f"offer of {st.transfer_id} from {st.unsolicited_by}: no more credit until expected"
+            self.core.refusals.refused(ControlLimit.UNEXPECTED_BYTES_PER_PEER.value, detail)
+
+    def claim(self, st: RecvState) -> bool:
+        """``st`` no longer counts as its sender's unsolicited Offer (expected now, or ended).
+        True: it was parked (its layers wait to be queued again)."""
         peer, st.unsolicited_by = st.unsolicited_by, None
         if peer is not None:
             self.counts[peer] -= 1
             if self.counts[peer] <= 0:
                 del self.counts[peer]
+            self.granted_bytes[peer] -= st.unsolicited_bytes
+            if self.granted_bytes[peer] <= 0:
+                del self.granted_bytes[peer]
+            st.unsolicited_bytes = 0
+        if st.transfer_id in self.parked:
+            self.parked.discard(st.transfer_id)
+            return True
+        return False
 
 
 class Receiver(Transfers[RecvState]):
@@ -1131,7 +1183,7 @@ class Receiver(Transfers[RecvState]):
         (that transfer is failed: its data is never delivered)."""
         accept_from = accept_from or pull_from
         st = self._expected_state(transfer_id, num_layers, deadline_s, accept_from, limit_s)
-        self.unsolicited.claim(st)
+        parked = self.unsolicited.claim(st)
         st.expected, st.num_layers, st.sink, st.pull_from = True, num_layers, sink, pull_from
         st.accept_from = accept_from
         st.sender = sender if st.sender is None else st.sender
@@ -1147,6 +1199,8 @@ class Receiver(Transfers[RecvState]):
             self.core.send(pull_from, self._pull_msg(pull_from, transfer_id, deadline_s, pull_slice))
         if st.specs is not None and not self._check_offer(st):
             return False
+        if parked:
+            self.credit.resume(st)
         self.credit.grant_early(st)
         self.arrivals.maybe_complete(st)
         deliver = bool(st.held) and st.sink is not None and transfer_id in self.table

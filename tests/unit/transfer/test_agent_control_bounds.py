@@ -19,6 +19,7 @@ from kvwire.errors import AuthenticationError, ProtocolError
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
 from kvwire.transfer import wire as messages_module
 from kvwire.transfer.config import ControlLimits
+from kvwire.transfer.memory import PeerRef
 from kvwire.transfer.wire import PROTOCOL_VERSION, Abort, Codec, Grant, Offer, Pull, Renew, WireLayer
 from support.agent_helpers import _layers, _send, poll_until
 
@@ -303,3 +304,55 @@ def test_a_pulled_receive_ends_only_on_an_abort_from_its_sender() -> None:
                                 dst_id=b.instance_id, reason="prefill failed"))
         failed = poll_until(b, lambda ev: "pulled" in ev["failed"])["failed"]["pulled"]
         assert failed.startswith("peer_aborted: prefill failed"), failed
+
+
+def test_offers_not_expected_yet_are_granted_at_most_their_byte_cap(ctx: zmq.Context) -> None:
+    """An Offer that beats ``expect`` is granted receive memory (decision 110's race), but a peer that
+    offers and never sends held the budget until its leases ended. Past the per-peer byte cap an
+    Offer waits, out of the credit queue: other transfers are granted and land, and ``expect``
+    grants it (decision 150)."""
+    limits = ControlLimits(max_unexpected_bytes_per_peer=256)  # two of the raw peer's 128-byte layers
+    with TransferAgent(TransferConfig(limits=limits)) as agent, TransferAgent(TransferConfig()) as sender, \
+            raw_peer(ctx, agent) as a, raw_peer(ctx, agent) as b:  # fmt: skip
+        # the raw peers' Offers carry a real agent's plane handshake: this side grants, nobody sends
+        hello = sender._core.plane.local_info(PeerRef(agent.endpoint, agent.instance_id, ""))
+        plane = {"plane_info": hello, "data_address": sender._core.plane.address}
+        for i in range(3):
+            a.send(msgspec.structs.replace(offer(a, f"a{i}"), **plane))
+        wait_for(lambda: agent.stats().limits_hit.get("unexpected_bytes_per_peer") == 1, "a2 left waiting")
+        b.send(msgspec.structs.replace(offer(b, "b0"), **plane))  # another peer has its own cap
+        table = agent._receiver.table
+        wait_for(lambda: "b0" in table and 0 in table["b0"].granted, "b0 granted")
+        with agent._core.lock:
+            assert [0 in table[f"a{i}"].granted for i in range(3)] == [True, True, False]
+            assert agent._receiver.unsolicited.granted_bytes[a.endpoint] == 256
+        layers = _layers(2)  # an expected transfer is not held up behind the waiting offer
+        agent.expect("after", num_layers=2, deadline_s=20.0)
+        _send(sender, "after", agent.endpoint, layers, deadline_s=20.0)
+        poll_until(agent, lambda ev: "after" in ev["recvd"], timeout_s=30.0)
+        agent.expect("a2", num_layers=1)  # expected now: granted, though a's other offers still hold 256
+        wait_for(lambda: 0 in table["a2"].granted, "a2 granted once expected")
+        with agent._core.lock:
+            assert agent._receiver.unsolicited.granted_bytes[a.endpoint] == 256
+            assert not agent._receiver.unsolicited.parked
+        assert agent.stats().limits_hit["unexpected_bytes_per_peer"] == 1
+
+
+def test_offers_that_beat_expect_past_the_byte_cap_still_deliver_once_expected() -> None:
+    """Decision 110's race with a real sender: both transfers are offered before ``expect``; past the
+    cap their remaining layers wait, and each arrives whole once expected."""
+    layers = {tid: _layers(3) for tid in ("r0", "r1")}  # 140 bytes a layer
+    limits = ControlLimits(max_unexpected_bytes_per_peer=300)
+    with TransferAgent(TransferConfig()) as p, TransferAgent(TransferConfig(limits=limits)) as d:
+        for tid, tensors in layers.items():
+            _send(p, tid, d.endpoint, tensors, deadline_s=30.0)
+        # r0: two layers granted, the third waits; r1: the first would pass 300 bytes, so it waits
+        wait_for(lambda: d.stats().limits_hit.get("unexpected_bytes_per_peer") == 2, "both offers waiting")
+        for tid in layers:
+            d.expect(tid, num_layers=3, deadline_s=30.0)
+        poll_until(d, lambda ev: len(ev["recvd"]) == 2, timeout_s=30.0)
+        for tid, tensors in layers.items():
+            got = d.take_layers(tid)
+            assert all(torch.equal(got[i], t) for i, t in enumerate(tensors))
+        with d._core.lock:
+            assert not d._receiver.unsolicited.granted_bytes and not d._receiver.unsolicited.parked

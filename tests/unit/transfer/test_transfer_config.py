@@ -9,6 +9,7 @@ import torch
 
 from kvwire.errors import ConfigError
 from kvwire.transfer import Backend, LayerSpec, TransferConfig
+from kvwire.transfer.config import ControlLimits
 
 
 @pytest.mark.parametrize(
@@ -28,6 +29,15 @@ from kvwire.transfer import Backend, LayerSpec, TransferConfig
 def test_bad_config_raises(kw: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         TransferConfig(**kw)  # type: ignore[arg-type]
+
+
+def test_unexpected_offer_bytes_default_to_a_quarter_of_the_receive_budget() -> None:
+    assert TransferConfig().unexpected_bytes_per_peer == 256 << 20
+    assert TransferConfig(recv_budget_bytes=1000).unexpected_bytes_per_peer == 250
+    limits = ControlLimits(max_unexpected_bytes_per_peer=4096)
+    assert TransferConfig(limits=limits).unexpected_bytes_per_peer == 4096
+    with pytest.raises(ConfigError, match="max_unexpected_bytes_per_peer"):
+        ControlLimits(max_unexpected_bytes_per_peer=-1)
 
 
 def test_config_normalizes_secret_and_backend() -> None:
