@@ -234,7 +234,7 @@ def test_copies_with_slack_are_the_later_gathers_and_the_earlier_scatters() -> N
 
     sender = object.__new__(SendChannel)  # add_plans reads only these (a real one needs CUDA streams)
     sender.cond, sender.plans, sender.next_seq, sender.warmed = threading.Condition(), {}, 0, False
-    sender._ordinals, sender._slack = collections.OrderedDict(), set()
+    sender._ordinals, sender._slack, sender.broken = collections.OrderedDict(), set(), None
     sender.config = NcclPlaneConfig()
     plans = [ChunkPlan("c", seq, tid, [seq], 1) for seq, tid in enumerate("ttttuu")]
     sender.add_plans(plans[:3])

@@ -3,8 +3,11 @@ and the torch fallback of the one-launch paged gather/scatter (the GPU paths are
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import itertools
+import threading
+import time
 
 import msgspec
 import pytest
@@ -13,7 +16,7 @@ import torch
 from kvwire.errors import ConfigError, ProtocolError
 from kvwire.transfer.config import TransferConfig
 from kvwire.transfer.enums import Backend
-from kvwire.transfer.memory import KVLayout, RecvItem, gather_blocks
+from kvwire.transfer.memory import KVLayout, PeerRef, RecvItem, gather_blocks
 from kvwire.transfer.planes.common import group_kernels
 from kvwire.transfer.planes.nccl.bindings import (
     CommConfig,
@@ -25,6 +28,8 @@ from kvwire.transfer.planes.nccl.channel import adjacent_ptr
 from kvwire.transfer.planes.nccl.framing import message_ranges, plan_chunks
 from kvwire.transfer.planes.nccl.plane import NcclPlane, NcclPlaneConfig
 from kvwire.transfer.planes.nccl.plane_info import ChunkPlan, CommOffer, NcclInfo, decode_info, encode_info
+from kvwire.transfer.planes.nccl.send import SendChannel
+from support.plane_callbacks import RecordingCallbacks
 
 MiB = 1 << 20
 
@@ -177,7 +182,11 @@ def test_plane_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVWIRE_NCCL_RAMP", "0")
     monkeypatch.setenv("KVWIRE_NCCL_GRAPHS", "0")
     monkeypatch.setenv("KVWIRE_NCCL_LANES", "1")
+    monkeypatch.setenv("KVWIRE_NCCL_MAX_PLANS", "1024")
     cfg = NcclPlaneConfig.from_env()
+    assert cfg.max_plans == 1024 and NcclPlaneConfig().max_plans == 65536
+    with pytest.raises(ConfigError, match="max_plans"):
+        NcclPlaneConfig(max_plans=0)
     assert (cfg.max_ctas, cfg.chunk_bytes, cfg.edge_bytes) == (4, 16 * MiB, 0)
     assert (cfg.ramp, cfg.send_graphs, cfg.lanes) == (0, 0, 1)
     defaults = NcclPlaneConfig()
@@ -306,3 +315,47 @@ def test_abort_all_aborts_the_lanes_together() -> None:
     assert not abort_all([Stuck(), quick], timeout_s=0.2)
     assert quick.aborted
     release.set()
+
+
+def _bare_sender(max_plans: int) -> SendChannel:
+    """A SendChannel with only what ``add_plans`` and ``check`` read (a real one needs CUDA streams)."""
+    sender = object.__new__(SendChannel)
+    sender.cond, sender.plans, sender.next_seq, sender.warmed = threading.Condition(), {}, 0, False
+    sender._ordinals, sender._slack = collections.OrderedDict(), set()
+    sender.config = NcclPlaneConfig(max_plans=max_plans)
+    sender.broken, sender.closed, sender.condemned, sender.offer = None, False, False, None
+    return sender
+
+
+def test_a_senders_chunk_plans_are_a_bounded_window_ahead_of_its_channel() -> None:
+    """Plans were kept for any seq ahead of the channel's, 65,536 a message from any number of
+    messages: a peer could grow the table without bound. Only ``max_plans`` ahead are kept; a plan
+    past them breaks the channel, which the janitor then fails (its transfers fail peer_lost)."""
+    sender = _bare_sender(max_plans=4)
+    assert sender.add_plans([ChunkPlan("c", seq, "t", [seq], 1) for seq in range(4)])
+    for seq in (0, 1):  # two messages launched: the window moves on
+        del sender.plans[seq]
+    sender.next_seq = 2
+    assert sender.add_plans([ChunkPlan("c", seq, "t", [seq], 1) for seq in (4, 5)])
+    assert sorted(sender.plans) == [2, 3, 4, 5]
+    assert sender.broken is None
+    assert not sender.add_plans([ChunkPlan("c", 6, "u", [0], 1), ChunkPlan("c", 7, "u", [1], 1)])
+    assert sorted(sender.plans) == [2, 3, 4, 5]  # the plan past the window is not kept
+    assert sender.check(time.monotonic()) == "chunk plan 6 is 4 messages ahead of the channel (max_plans 4)"
+    assert not sender.add_plans([ChunkPlan("c", 2, "t", [2], 1)])  # a broken channel keeps nothing more
+
+
+def test_a_peers_plans_past_the_window_are_counted_once_and_fail_its_channel() -> None:
+    plane = NcclPlane(TransferConfig(), "me", NcclPlaneConfig(max_plans=8))
+    assert plane.board.limit_hits()["nccl_plans_full"] == 0  # exported before the first hit
+    sender = _bare_sender(max_plans=8)
+    plane._sender = lambda _peer: sender  # type: ignore[method-assign]
+    plane._callbacks = RecordingCallbacks()  # type: ignore[assignment]
+    offer = CommOffer("c", bytes(128))
+    far = [ChunkPlan("c", 10**12 + i, "t", [0], 1) for i in range(3)]  # never launched: kept for ever
+    peer = PeerRef("tcp://127.0.0.1:1", "peer", "")
+    for _ in range(3):
+        plane.on_peer_info(peer, encode_info(NcclInfo(offers=[offer], chunks=far)))
+    assert sender.plans == {} and plane.board.limit_hits()["nccl_plans_full"] == 1
+    verdict = sender.check(time.monotonic())  # what the janitor fails the channel with
+    assert verdict is not None and "max_plans 8" in verdict

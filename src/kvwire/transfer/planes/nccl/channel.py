@@ -142,6 +142,7 @@ class _Channel:
         self.closed = False
         self.condemned = False  # the janitor decided to fail or close this channel
         self.failing = False
+        self.broken: str | None = None  # what the peer sent broke the channel: the janitor fails it
         self.joined = False  # the communicator is up (both ranks joined)
         self.warmed = False  # every lane completed a chunk (connections set up): inline launches allowed
         self._warm_lanes: set[int] = set()
@@ -240,6 +241,8 @@ class _Channel:
         return verdict
 
     def _verdict(self, now: float) -> str | None:
+        if self.broken is not None:
+            return self.broken
         stall = self.config.stall_timeout_s
         if self.busy_since is not None and now - self.busy_since > stall:
             return "an NCCL call blocked past stall_timeout_s"

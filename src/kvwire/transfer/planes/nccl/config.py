@@ -46,6 +46,10 @@ class NcclPlaneConfig:
     # Chunks posted to NCCL and not completed, per channel. Bounded so NCCL's host->GPU work FIFO (held by
     # queued kernels until they finish) never fills: a full FIFO makes ncclGroupEnd block.
     max_inflight_chunks: int = 32
+    # Sender: chunk plans kept per channel, as a window ahead of the channel's next message (decision
+    # 150). A receiver plans only what it granted; a plan this many messages ahead fails the channel
+    # (its transfers fail peer_lost) instead of being kept, so a peer cannot grow the table.
+    max_plans: int = 65536
     # Zero-copy messages (NCCL user buffer registration, decision 066): a receiver offering it makes
     # both ends of its communicator pass only registered memory (ncclMemAlloc: the plane's
     # allocate_zero_copy slabs, else a pooled staging buffer), and NCCL's sender then writes straight
@@ -75,6 +79,8 @@ class NcclPlaneConfig:
             raise ConfigError("NcclPlaneConfig.max_comms must be >= 1")
         if not 1 <= self.max_inflight_chunks <= 512:
             raise ConfigError("NcclPlaneConfig.max_inflight_chunks must be in [1, 512]")
+        if not 1 <= self.max_plans <= 1 << 24:
+            raise ConfigError("NcclPlaneConfig.max_plans must be in [1, 2**24]")
         if not 0.0 < self.slack_copy_share <= 1.0:
             raise ConfigError("NcclPlaneConfig.slack_copy_share must be in (0, 1]")
         if min(self.idle_close_s, self.init_timeout_s, self.stall_timeout_s) <= 0:
@@ -94,6 +100,7 @@ class NcclPlaneConfig:
         zero_copy = os.environ.get("KVWIRE_NCCL_ZERO_COPY")
         share = os.environ.get("KVWIRE_NCCL_SLACK_COPY_SHARE")
         lanes = opt_int("KVWIRE_NCCL_LANES")
+        max_plans = opt_int("KVWIRE_NCCL_MAX_PLANS")
         defaults = cls()
         chunk = chunk_mib * MiB if chunk_mib else defaults.chunk_bytes
         edge = edge_mib * MiB if edge_mib is not None else defaults.edge_bytes
@@ -108,6 +115,7 @@ class NcclPlaneConfig:
             zero_copy=_flag(zero_copy) if zero_copy else defaults.zero_copy,
             slack_copy_share=float(share) if share else defaults.slack_copy_share,
             lanes=lanes if lanes is not None else defaults.lanes,
+            max_plans=max_plans if max_plans is not None else defaults.max_plans,
         )
 
     @property

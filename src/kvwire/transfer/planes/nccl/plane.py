@@ -55,6 +55,9 @@ __all__ = ["NcclPlane", "NcclPlaneConfig"]
 
 log = logging.getLogger("kvwire.transfer.planes.nccl.plane")
 
+# kvwire_limit_hits_total{limit}: a peer's chunk plan past NcclPlaneConfig.max_plans (its channel fails)
+PLANS_FULL = "nccl_plans_full"
+
 
 def _close_all(channels: Sequence[_Channel], timeout_s: float = 20.0) -> None:
     """Close (abort) ``channels`` at once, each on a thread of its own, joined by ``timeout_s``: one
@@ -82,6 +85,7 @@ class NcclPlane(DataPlane):
     ) -> None:
         self.config = config
         self.board = board if board is not None else HealthBoard()
+        self.board.limit_hit(PLANS_FULL, 0)  # exported at 0 before the first hit
         self.instance_id = instance_id
         self.plane_config = plane_config or config.nccl
         self.device = torch.device(config.device)
@@ -149,7 +153,10 @@ class NcclPlane(DataPlane):
         if any(c.lane >= lanes for c in chunks):
             chunks = [c for c in chunks if c.lane < lanes]
             self._cb().on_protocol_error(f"from {peer.endpoint}: chunk plan on a lane the offer lacks")
-        channel.add_plans(chunks)
+        was_broken = channel.broken is not None
+        if not channel.add_plans(chunks) and not was_broken:  # the janitor fails the channel
+            self.board.limit_hit(PLANS_FULL)
+            log.error("NCCL send channel with %s broken: %s", peer.endpoint, channel.broken)
 
     # --- memory -----------------------------------------------------------------------------------------
     def allocate(self, num_bytes: int) -> torch.Tensor:

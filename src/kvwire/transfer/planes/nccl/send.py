@@ -73,9 +73,23 @@ class SendChannel(_Channel):
         with self.cond:
             return len(self.offer.unique_ids) if self.offer is not None else 1
 
-    def add_plans(self, chunks: Sequence[ChunkPlan]) -> None:
+    def add_plans(self, chunks: Sequence[ChunkPlan]) -> bool:
+        """Keep the receiver's chunk plans (agent thread, from a peer's plane_info). Only plans within
+        ``max_plans`` of the next message to launch are kept, which bounds the table: a receiver
+        plans only layers it granted, so a plan further ahead means a broken or hostile peer. False
+        then: that plan and the rest are dropped and the channel is *broken*, which the plane's
+        janitor turns into the channel's failure (its transfers fail ``peer_lost``)."""
         with self.cond:
+            if self.broken is not None:
+                return False
+            limit = self.next_seq + self.config.max_plans
             for chunk in chunks:
+                if chunk.seq >= limit:
+                    self.broken = (
+                        f"chunk plan {chunk.seq} is {chunk.seq - self.next_seq} messages ahead of the "
+                        f"channel (max_plans {self.config.max_plans})"
+                    )
+                    return False
                 if chunk.seq >= self.next_seq:
                     self.plans[chunk.seq] = chunk
                     # the gather of a transfer's third message on has slack: two leave before it
@@ -88,6 +102,7 @@ class SendChannel(_Channel):
                 self._ordinals.popitem(last=False)
             self.last_active = time.monotonic()
         self._launch_then_wake()
+        return True
 
     def add_items(self, items: Sequence[SendItem]) -> None:
         cancelled = {tid for tid in {item.transfer_id for item in items} if tid in self.cancelled}
