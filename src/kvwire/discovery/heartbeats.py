@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import msgspec
 
 from kvwire.errors import AuthenticationError, ProtocolError
-from kvwire.protocol.kv_params import KVCacheLayout, Role
+from kvwire.protocol.kv_params import KVCacheLayout, Role, endpoint_error
 
 DISCOVERY_VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024  # a heartbeat is a few hundred bytes; anything bigger is garbage
@@ -157,10 +157,16 @@ def decode_frames(frames: Sequence[bytes], secret: bytes | None = None) -> Disco
 
 
 def check_info(info: InstanceInfo) -> None:
-    """Raise ``ProtocolError`` for an empty id or model, or a URL that is not http(s)."""
+    """Raise ``ProtocolError`` for an empty id or model, a URL that is not http(s), or a KV endpoint
+    a transfer agent's control plane cannot connect to (the router hands them to the instance's
+    peers as ``kv_transfer_params.peer_endpoints``, which those refuse: decision 150)."""
     if not info.instance_id:
         raise ProtocolError("heartbeat with an empty instance_id")
     if not info.url.startswith(("http://", "https://")):
         raise ProtocolError(f"heartbeat url must start with http:// or https://, got {info.url!r}")
     if not info.model:
         raise ProtocolError("heartbeat with an empty model name")
+    for endpoint in info.kv_endpoints:
+        error = endpoint_error(endpoint)
+        if error is not None:
+            raise ProtocolError(f"heartbeat kv_endpoints: {error}")

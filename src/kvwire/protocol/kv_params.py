@@ -17,6 +17,8 @@ Routing data lives in these explicit fields, never inside request-id strings.
 from __future__ import annotations
 
 import enum
+import re
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -80,6 +82,34 @@ def layout_mismatch(mine: KVCacheLayout, peer: KVCacheLayout) -> str | None:
         if tp < 1 or (heads and heads % tp and tp % heads):
             return f"{who} tensor-parallel size {tp} neither divides nor is a multiple of {heads} KV heads"
     return None
+
+
+# What a transfer agent's control plane can connect to (its ZeroMQ DEALER): tcp://host:port (a name,
+# an IPv4 address or a bracketed IPv6 one; port 1..65535), ipc://path or inproc://name. ZeroMQ refuses
+# anything else only when it connects, which on the control thread costs the message (decision 149).
+# The control codec checks every peer's src_endpoint with it, an instance's HTTP edge the
+# peer_endpoints of a request, the router an instance's registered kv_endpoints (decision 150).
+MAX_ENDPOINT_LEN = 512
+_ENDPOINT = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}|(?:ipc|inproc)://[^\x00\s]+")
+
+
+def endpoint_error(endpoint: str) -> str | None:
+    """Why ``endpoint`` is not a control endpoint (None when it is)."""
+    if len(endpoint) > MAX_ENDPOINT_LEN or not _ENDPOINT.fullmatch(endpoint):
+        return f"{endpoint[:80]!r} is not a ZMQ endpoint (tcp://host:port, ipc://path or inproc://name)"
+    if endpoint.startswith("tcp://") and not 0 < int(endpoint.rsplit(":", 1)[1]) < 65536:
+        return f"{endpoint[:80]!r} has no valid port"
+    return None
+
+
+def check_peer_endpoints(endpoints: Sequence[str]) -> None:
+    """Raise :class:`InvalidRequestError` naming the first of ``endpoints`` (a request's
+    ``kv_transfer_params.peer_endpoints``) that is not a control endpoint. Not part of
+    :meth:`KVTransferParams.from_dict`: tests' fake connectors name ``fake://`` endpoints."""
+    for index, endpoint in enumerate(endpoints):
+        error = endpoint_error(endpoint)
+        if error is not None:
+            raise InvalidRequestError(f"kv_transfer_params.peer_endpoints[{index}]: {error}")
 
 
 class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):

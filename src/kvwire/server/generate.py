@@ -40,7 +40,7 @@ from kvwire.errors import (
     ServerShuttingDown,
 )
 from kvwire.http.front_door import ClientWriter, client_gone
-from kvwire.protocol.kv_params import KVTransferParams
+from kvwire.protocol.kv_params import KVTransferParams, check_peer_endpoints
 from kvwire.server.engine_loop import EngineLoop, RequestOutbox, TimedOutput
 from kvwire.server.metrics import ServerMetrics
 from kvwire.server.openai_protocol import (
@@ -191,7 +191,7 @@ class GenerationHandler:
         self._vocab_size: int | None = vocab_size or getattr(tokenizer, "vocab_size", None)
         self._accepts_kv = accepts_kv_transfer_params
         # The connector's own admission check (role served, endpoints present) -> HTTP 400.
-        self._check_kv = check_kv_transfer_params or KVTransferParams.from_dict
+        self._check_kv = check_kv_transfer_params or KVTransferParams.parse
         # ... and what undoes its promise for a request the engine never took.
         self._withdraw_kv = withdraw_kv_transfer_params
         self._write_timeout_s = client_write_timeout_s  # deadline of each write to a streaming client
@@ -395,10 +395,14 @@ class GenerationHandler:
             raise BadRequest("kv_transfer_params given, but this instance has no KV connector "
                              "(start it with --role prefill or decode)", param="kv_transfer_params")
         try:
-            checked = self._check_kv(params)
+            typed = KVTransferParams.from_dict(params)
+            # before the connector's check, which may act on them (P promises D its transfer): an
+            # endpoint the control plane cannot connect to would cost the transfer its lease
+            check_peer_endpoints(typed.peer_endpoints)
+            checked = self._check_kv(typed)
         except InvalidRequestError as exc:
             raise BadRequest(str(exc), param="kv_transfer_params") from exc
-        return checked if isinstance(checked, KVTransferParams) else KVTransferParams.from_dict(params)
+        return checked if isinstance(checked, KVTransferParams) else typed
 
     # --- responses -----------------------------------------------------------------------------
 

@@ -38,13 +38,13 @@ import enum
 import hashlib
 import hmac
 import math
-import re
 from collections.abc import Iterator, Sequence
 from typing import Generic, TypeVar
 
 import msgspec
 
 from kvwire.errors import AuthenticationError, ProtocolError
+from kvwire.protocol.kv_params import endpoint_error
 from kvwire.transfer.memory import DTYPES_BY_NAME
 
 # ============================== Limits a peer can hit
@@ -227,16 +227,12 @@ def _check_id(name: str, value: str, allow_empty: bool = False) -> None:
         raise ProtocolError(f"{name} must be 1..{MAX_ID_LEN} characters")
 
 
-# What a peer may name as its control endpoint (replies are sent there: ZeroMQ connects to it, and
-# refuses a malformed one with an error only at connect time): tcp://host:port, ipc://path, inproc://name.
-_ENDPOINT = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}|(?:ipc|inproc)://[^\x00\s]+")
-
-
 def _check_endpoint(endpoint: str) -> None:
-    if len(endpoint) > MAX_ID_LEN or not _ENDPOINT.fullmatch(endpoint):
-        raise ProtocolError(f"src_endpoint {endpoint[:80]!r} is not a ZMQ endpoint")
-    if endpoint.startswith("tcp://") and not 0 < int(endpoint.rsplit(":", 1)[1]) < 65536:
-        raise ProtocolError(f"src_endpoint {endpoint[:80]!r} has no valid port")
+    """A peer's control endpoint (replies are sent there: ZeroMQ connects to it, and refuses a
+    malformed one with an error only at connect time; see ``kv_params.endpoint_error``)."""
+    error = endpoint_error(endpoint)
+    if error is not None:
+        raise ProtocolError(f"src_endpoint {error}")
 
 
 def validate(msg: AnyMsg) -> None:

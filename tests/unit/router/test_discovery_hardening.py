@@ -227,3 +227,24 @@ def test_kv_events_of_instances_not_registered_are_ignored() -> None:
         sock.close()
         ctx.term()
         lis.close()
+
+
+def test_a_registration_naming_a_kv_endpoint_no_peer_can_reach_is_refused(
+    listener: tuple[DiscoveryListener, Registry, HealthBoard],
+) -> None:
+    """The router forwards an instance's kv_endpoints to its peers as peer_endpoints, which answer a
+    malformed one with a 400 (decision 150): such a heartbeat never registers (dropped as malformed)."""
+    lis, registry, _ = listener
+    ctx, sock = _pusher(lis.address)
+    try:
+        bad = Heartbeat(info=msgspec.structs.replace(_info("bad"), kv_endpoints=["not-an-endpoint"]), seq=1)
+        sock.send_multipart(encode_frames(bad))
+        wait_for(lambda: lis.dropped["malformed"] == 1, 10, "the heartbeat refused")
+        endpoints = ["tcp://127.0.0.1:7001"]
+        good = Heartbeat(info=msgspec.structs.replace(_info("good"), kv_endpoints=endpoints), seq=1)
+        sock.send_multipart(encode_frames(good))
+        wait_for(lambda: registry.get("good") is not None, 10, "a well-formed instance registers")
+        assert registry.get("bad") is None
+    finally:
+        sock.close()
+        ctx.term()

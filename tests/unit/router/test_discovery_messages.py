@@ -74,6 +74,17 @@ def test_bad_fields_and_version_rejected() -> None:
         decode_frames(encode_frames(Heartbeat(info=_info(instance_id=""))))
 
 
+@pytest.mark.parametrize("endpoint", ["kv-p0", "tcp://h", "tcp://h:70000", "http://h:1", "fake://p0", ""])
+def test_a_kv_endpoint_no_peer_can_connect_to_is_refused_at_registration(endpoint: str) -> None:
+    """The router hands an instance's kv_endpoints to its peers as peer_endpoints, which refuse one
+    their control plane cannot connect to (a 400): the heartbeat naming it is refused instead."""
+    bad = Heartbeat(info=_info(kv_endpoints=["tcp://127.0.0.1:7001", endpoint]))
+    with pytest.raises(ProtocolError, match="kv_endpoints"):
+        decode_frames(encode_frames(bad))
+    good = Heartbeat(info=_info(kv_endpoints=["tcp://127.0.0.1:7001", "tcp://[::1]:7002", "ipc:///tmp/kv"]))
+    assert decode_frames(encode_frames(good)) == good
+
+
 def test_client_rejects_bad_config() -> None:
     with pytest.raises(ConfigError):
         HeartbeatClient("127.0.0.1:5", _info())

@@ -149,3 +149,30 @@ def test_a_tokenize_body_that_stops_arriving_is_408(run_with_fake_server: Any) -
             writer.close()
 
     run_with_fake_server(body, body_timeout_s=0.5)
+
+
+def test_a_peer_endpoint_the_control_plane_cannot_reach_is_400(run_with_fake_server: Any) -> None:
+    """A ``peer_endpoints`` entry ZeroMQ cannot connect to cost only its transfer (decision 149), but
+    at its lease, with the request admitted (and on P, D promised the transfer). It is a 400 at the
+    edge now, before the connector's check acts on the params (decision 150)."""
+    checked: list[object] = []
+    bad = ["not an endpoint", "tcp://", "http://127.0.0.1:1", "tcp://127.0.0.1:99999", "tcp://h:0",
+           "fake://d0", "tcp://127.0.0.1:1 ", "ipc://", "x" * 600]
+
+    async def body(server: Any) -> None:
+        check = server.generation._check_kv
+        server.generation._check_kv = lambda params: checked.append(params) or check(params)
+        for endpoint in bad:
+            kv = {"transfer_id": "t", "role": "prefill", "peer_endpoints": ["tcp://127.0.0.1:7001", endpoint]}
+            resp = await server.client.post("/v1/completions", json={"prompt": "a", "kv_transfer_params": kv})
+            error = (await resp.json())["error"]
+            assert resp.status == 400 and error["param"] == "kv_transfer_params", (endpoint, error)
+            assert error["code"] == 400 and "peer_endpoints[1]" in error["message"], error
+        assert checked == []  # nothing reached the connector: no promise made
+        for good in (["tcp://127.0.0.1:7001"], ["tcp://[::1]:7001", "tcp://d-0.kv.svc:7002"], ["ipc:///tmp/kv"]):
+            kv = {"transfer_id": "t", "role": "prefill", "peer_endpoints": good}
+            resp = await server.client.post("/v1/completions", json={"prompt": "a", "kv_transfer_params": kv})
+            assert resp.status == 200, await resp.text()
+        assert len(checked) == 3
+
+    run_with_fake_server(body)
