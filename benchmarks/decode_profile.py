@@ -17,7 +17,9 @@ a preset, ``--quantization`` as ``kvwire serve``'s).
 prompts of ``--context`` tokens submitted together, each run to ``--output`` tokens (prefill, then the
 batched decode), with the prefill step and the wave timed (wall and this thread's CPU time).
 ``--compare-model M`` (with ``--compare-quantization``) builds a second engine and alternates the two
-wave by wave, so that both see the same load (decision 142).
+wave by wave, so that both see the same load (decision 142). ``--ab-prompt`` alternates instead, in
+one engine, the whole prompts' attention between the native kernel and torch's SDPA per prompt
+(decision 152).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from collections import defaultdict
 
 from torch.profiler import ProfilerActivity, profile
 
-from kvwire.engine import SamplingParams
+from kvwire.engine import SamplingParams, prompt_attention
 from kvwire.engine.config import AttentionBackend, EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 
@@ -62,6 +64,9 @@ def main() -> None:
     parser.add_argument("--compare-model", default=None, help="a second engine, alternated (--waves)")
     parser.add_argument("--compare-quantization", default=None, help="its quantization (default: the same)")
     parser.add_argument("--ab-attention", action="store_true", help="alternate torch's and the kernel's")
+    parser.add_argument(
+        "--ab-prompt", action="store_true", help="alternate the prompt kernel and SDPA per prompt (--waves)"
+    )
     args = parser.parse_args()
     if args.waves:
         _waves(args)
@@ -127,13 +132,19 @@ def _waves(args: argparse.Namespace) -> None:
         specs.append((args.compare_model, args.compare_quantization or args.quantization))
     kinds = [f"{model} ({quantization})" for model, quantization in specs]
     engines = {kind: _wave_engine(args, *spec) for kind, spec in zip(kinds, specs, strict=True)}
+    kernels = {kind: prompt_attention._native for kind in kinds}  # the prompt kernel each kind runs with
+    if args.ab_prompt:  # one engine, the whole prompts' attention by SDPA (kernel handle off) or the kernel
+        engine = engines[kinds[0]]
+        kinds = [f"{kinds[0]}, prompts by SDPA", f"{kinds[0]}, prompts by the kernel"]
+        engines = dict.fromkeys(kinds, engine)
+        kernels = {kinds[0]: None, kinds[1]: prompt_attention._native}
     rng = random.Random(0)
     params = SamplingParams(max_tokens=args.output, ignore_eos=True)
     rows: dict[str, list[tuple[float, float, float, float]]] = {kind: [] for kind in kinds}
     for wave in range(args.waves + 1):  # wave 0 warms up, not counted
         prompts = [[rng.randrange(256) for _ in range(args.context)] for _ in range(args.batch)]
         for kind in kinds if wave % 2 else kinds[::-1]:  # the same prompts for every engine
-            engine = engines[kind]
+            engine, prompt_attention._native = engines[kind], kernels[kind]
             for i, prompt in enumerate(prompts):
                 engine.add_request(f"{kind}-{wave}-{i}", prompt, params)
             wall, cpu = time.perf_counter(), time.thread_time()
@@ -143,6 +154,7 @@ def _waves(args: argparse.Namespace) -> None:
                 engine.step()
             if wave:
                 rows[kind].append((*prefill, time.perf_counter() - wall, time.thread_time() - cpu))
+    prompt_attention._native = kernels[kinds[-1]]
     print(f"waves of {args.batch} x ({args.context} + {args.output}) tokens, {args.threads} thread(s), "
           f"medians of {args.waves} waves:\n")  # fmt: skip
     print("| engine | prefill wall | prefill CPU | wave wall | wave CPU | out tok/s (wall / CPU) |")

@@ -9,7 +9,9 @@ Three paths compute the same thing: :func:`reference_attention` (plain torch mat
 time: the oracle), :func:`sdpa_attention` (torch SDPA; decodes batched over gathered blocks, a
 prompt with no earlier KV attends over its own fresh K/V like a dense forward) and, on the CPU in
 float32, the same with the decodes computed by a small C kernel that reads the blocks in place
-(``_paged_attention.c``, decision 148: no gathered copy of the KV; :data:`NATIVE_DECODE`).
+(``_paged_attention.c``, decision 148: no gathered copy of the KV; :data:`NATIVE_DECODE`) and the
+whole prompts by another, all of them in one call (``_prompt_attention.c``, decision 152;
+:mod:`kvwire.engine.prompt_attention`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kvwire.connector.base import WorkerConnector
+from kvwire.engine import prompt_attention
 from kvwire.engine.config import AttentionBackend
 
 log = logging.getLogger(__name__)
@@ -48,13 +51,15 @@ _warned = False
 
 def resolve_backend(backend: AttentionBackend, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
     """The backend a model runner uses: ``auto`` is ``paged`` on the CPU in float32 (the native
-    decode kernel), ``sdpa`` elsewhere. Logs the fallback's warning once when ``paged`` is chosen and
-    the kernel is not built."""
+    decode and prompt kernels), ``sdpa`` elsewhere. Logs each fallback's warning once when ``paged``
+    is chosen and a kernel is not built."""
     if backend is AttentionBackend.AUTO:
         cpu_fp32 = device.type == "cpu" and dtype == torch.float32
         backend = AttentionBackend.PAGED if cpu_fp32 else AttentionBackend.SDPA
     if backend is AttentionBackend.PAGED and _native is None:
         _warn_once()
+    if backend is AttentionBackend.PAGED:
+        prompt_attention.warn_if_missing()
     return backend
 
 
@@ -133,6 +138,14 @@ class AttentionMetadata:
         views, built once per step, shared by every layer)."""
         nd = self.num_decodes
         return self.block_tables[:nd].contiguous().numpy(), self.seq_lens_t[:nd].contiguous().numpy()
+
+    @functools.cached_property
+    def whole_prompts_np(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """The first packed row and the length of every whole prompt (a sequence after the decodes
+        with no earlier KV), for the native prompt kernel (built once per step)."""
+        whole = [i for i, mask in enumerate(self.chunk_masks, start=self.num_decodes) if mask is None]
+        starts = np.array([self.query_start_loc[i] for i in whole], dtype=np.int64)
+        return starts, np.array([self.seq_lens[i] for i in whole], dtype=np.int64)
 
     @functools.cached_property
     def chunk_masks(self) -> list[torch.Tensor | None]:
@@ -223,17 +236,23 @@ def sdpa_attention(
     *,
     paged: bool = False,
 ) -> torch.Tensor:
-    """Prompt rows by SDPA; decode rows by SDPA over gathered blocks, or with ``paged`` by the native
-    kernel over the blocks in place (where it is built and the cache is float32 on the CPU)."""
+    """Prompt rows by SDPA; decode rows by SDPA over gathered blocks. With ``paged`` (where the
+    kernels are built and the cache is float32 on the CPU), decode rows by the native kernel over the
+    blocks in place and whole prompts by the native prompt kernel, all in one call."""
     nd = meta.num_decodes
     decode = _decode_native if paged and _native_fits(kv_cache) else _decode_sdpa
     if nd == q.shape[0]:  # a decode-only step: no packed output to assemble
         return decode(q, kv_cache, meta)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if nd:
         out[:nd] = decode(q[:nd], kv_cache, meta)
+    native_prompts = paged and prompt_attention.fits(q, k_new, v_new)
+    if native_prompts and len(meta.whole_prompts_np[0]):
+        prompt_attention.prompt_attention(out, q, k_new, v_new, *meta.whole_prompts_np)
     for i, mask in enumerate(meta.chunk_masks, start=nd):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        if mask is None and native_prompts:
+            continue  # computed above
         if mask is None:  # a whole prompt in one chunk: its own K/V, like a dense forward
             out[start:end] = _sdpa(q[start:end], k_new[start:end], v_new[start:end], causal=True)
             continue
