@@ -146,9 +146,10 @@ ALWAYS_INLINE void chunk(const Query *qs, const float *kt, Py_ssize_t stride, co
         for (int i = 0; i < NV; i++) {
             const v16 scaled = sc[i] * scale;
             memcpy(s + i * stride + k0, &scaled, sizeof scaled);
-            for (int j = 0; j < KT; j++)
-                if (k0 + j > qs[i].pos)
-                    s[i * stride + k0 + j] = -INFINITY;
+            if (k0 + KT - 1 > qs[i].pos) /* the tile crosses or lies past the diagonal */
+                for (int j = 0; j < KT; j++)
+                    if (k0 + j > qs[i].pos)
+                        s[i * stride + k0 + j] = -INFINITY;
         }
     }
     float inv[NV];
