@@ -36,7 +36,7 @@ from collections import defaultdict
 
 from torch.profiler import ProfilerActivity, profile
 
-from kvwire.engine import SamplingParams, prompt_attention
+from kvwire.engine import SamplingParams, attention
 from kvwire.engine.config import AttentionBackend, EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 
@@ -145,19 +145,19 @@ def _waves(args: argparse.Namespace) -> None:
         specs.append((args.compare_model, args.compare_quantization or args.quantization))
     kinds = [f"{model} ({quantization})" for model, quantization in specs]
     engines = {kind: _wave_engine(args, *spec) for kind, spec in zip(kinds, specs, strict=True)}
-    kernels = {kind: prompt_attention._native for kind in kinds}  # the prompt kernel each kind runs with
+    kernels = {kind: attention._prompt_native for kind in kinds}  # the prompt kernel each kind runs with
     if args.ab_prompt:  # one engine, the whole prompts' attention by SDPA (kernel handle off) or the kernel
         engine = engines[kinds[0]]
         kinds = [f"{kinds[0]}, prompts by SDPA", f"{kinds[0]}, prompts by the kernel"]
         engines = dict.fromkeys(kinds, engine)
-        kernels = {kinds[0]: None, kinds[1]: prompt_attention._native}
+        kernels = {kinds[0]: None, kinds[1]: attention._prompt_native}
     rng = random.Random(0)
     params = SamplingParams(max_tokens=args.output, ignore_eos=True)
     rows: dict[str, list[tuple[float, float, float, float, float]]] = {kind: [] for kind in kinds}
     for wave in range(args.waves + 1):  # wave 0 warms up, not counted
         prompts = [[rng.randrange(256) for _ in range(args.context)] for _ in range(args.batch)]
         for kind in kinds if wave % 2 else kinds[::-1]:  # the same prompts for every engine
-            engine, prompt_attention._native = engines[kind], kernels[kind]
+            engine, attention._prompt_native = engines[kind], kernels[kind]
             for i, prompt in enumerate(prompts):
                 engine.add_request(f"{kind}-{wave}-{i}", prompt, params)
             faults = _page_faults()
@@ -168,7 +168,7 @@ def _waves(args: argparse.Namespace) -> None:
                 engine.step()
             if wave:
                 rows[kind].append((*prefill, time.perf_counter() - wall, time.thread_time() - cpu))
-    prompt_attention._native = kernels[kinds[-1]]
+    attention._prompt_native = kernels[kinds[-1]]
     print(f"waves of {args.batch} x ({args.context} + {args.output}) tokens, {args.threads} thread(s), "
           f"medians of {args.waves} waves:\n")  # fmt: skip
     print("| engine | prefill wall | prefill CPU | prefill page faults | wave wall | wave CPU "

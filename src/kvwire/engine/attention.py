@@ -10,8 +10,8 @@ time: the oracle), :func:`sdpa_attention` (torch SDPA; decodes batched over gath
 prompt with no earlier KV attends over its own fresh K/V like a dense forward) and, on the CPU in
 float32, the same with the decodes computed by a small C kernel that reads the blocks in place
 (``_paged_attention.c``, decision 148: no gathered copy of the KV; :data:`NATIVE_DECODE`) and the
-whole prompts by another, all of them in one call (``_prompt_attention.c``, decision 152;
-:mod:`kvwire.engine.prompt_attention`).
+whole prompts by another, all of a step's in one call per layer (``_prompt_attention.c``, decision
+152: q/k/v read where the fused qkv projection left them; :data:`NATIVE_PROMPT`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import functools
 import importlib
 import logging
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -28,7 +29,6 @@ import torch
 import torch.nn.functional as F
 
 from kvwire.connector.base import WorkerConnector
-from kvwire.engine import prompt_attention
 from kvwire.engine.config import AttentionBackend
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,20 @@ except ImportError as exc:  # built without a C compiler: torch's gather + SDPA
 NATIVE_DECODE = _native is not None
 _warned = False
 
+# The prompt kernel (decision 152), optional the same way: without it whole prompts take SDPA.
+_prompt_native: ModuleType | None
+try:
+    _prompt_native = importlib.import_module("kvwire.engine._prompt_attention")
+    NATIVE_PROMPT_ERROR = ""
+except ImportError as exc:
+    _prompt_native = None
+    NATIVE_PROMPT_ERROR = str(exc)
+
+#: True when the native prompt kernel is built (docs/decisions/152-prompt-attention-kernel.md)
+NATIVE_PROMPT = _prompt_native is not None
+_PROMPT_DIMS: tuple[int, ...] = tuple(_prompt_native.prompt_dims) if _prompt_native is not None else ()
+_warned_prompt = False
+
 
 def resolve_backend(backend: AttentionBackend, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
     """The backend a model runner uses: ``auto`` is ``paged`` on the CPU in float32 (the native
@@ -58,8 +72,8 @@ def resolve_backend(backend: AttentionBackend, device: torch.device, dtype: torc
         backend = AttentionBackend.PAGED if cpu_fp32 else AttentionBackend.SDPA
     if backend is AttentionBackend.PAGED and _native is None:
         _warn_once()
-    if backend is AttentionBackend.PAGED:
-        prompt_attention.warn_if_missing()
+    if backend is AttentionBackend.PAGED and _prompt_native is None:
+        _warn_prompt_once()
     return backend
 
 
@@ -76,6 +90,17 @@ def _warn_once() -> None:
             "decode attention gathers the KV blocks and runs torch SDPA (the native kernel is not built: "
             "%s); reinstall kvwire where a C compiler is available",
             NATIVE_DECODE_ERROR,
+        )
+
+
+def _warn_prompt_once() -> None:
+    global _warned_prompt
+    if not _warned_prompt:
+        _warned_prompt = True
+        log.warning(
+            "prompt attention runs torch SDPA once per prompt (the native kernel is not built: %s); "
+            "reinstall kvwire where a C compiler is available",
+            NATIVE_PROMPT_ERROR,
         )
 
 
@@ -246,9 +271,9 @@ def sdpa_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if nd:
         out[:nd] = decode(q[:nd], kv_cache, meta)
-    native_prompts = paged and prompt_attention.fits(q, k_new, v_new)
+    native_prompts = paged and _prompt_fits(q, k_new, v_new)
     if native_prompts and len(meta.whole_prompts_np[0]):
-        prompt_attention.prompt_attention(out, q, k_new, v_new, *meta.whole_prompts_np)
+        _prompts_native(out, q, k_new, v_new, *meta.whole_prompts_np)
     for i, mask in enumerate(meta.chunk_masks, start=nd):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         if mask is None and native_prompts:
@@ -263,6 +288,44 @@ def sdpa_attention(
 
 def _native_fits(kv_cache: torch.Tensor) -> bool:
     return _native is not None and kv_cache.dtype == torch.float32 and kv_cache.device.type == "cpu"
+
+
+def _prompt_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the prompt kernel computes these ([T, heads, D] float32 on the CPU, D one it takes)."""
+    return (
+        _prompt_native is not None
+        and q.shape[-1] in _PROMPT_DIMS
+        and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v))
+    )
+
+
+def _prompts_native(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    starts: npt.NDArray[np.int64],
+    lens: npt.NDArray[np.int64],
+) -> None:
+    """Rows ``starts[i] .. starts[i] + lens[i]`` of ``out`` ([T, Hq, D], contiguous): each whole
+    prompt's causal attention over its own rows of ``k``/``v`` ([T, Hkv, D]); other rows untouched.
+    q, k and v are read where they lie (views of the fused qkv projection: no copy)."""
+    assert _prompt_native is not None
+    tokens, heads, dim = q.shape
+    (qb, qo, qr), (kb, ko, kr), (vb, vo, vr) = _rows(q), _rows(k), _rows(v)
+    kv_heads, scale = k.shape[1], dim**-0.5
+    _prompt_native.prompt(
+        out.numpy(), qb, qo, qr, kb, ko, kr, vb, vo, vr, starts, lens, tokens, heads, kv_heads, dim, scale
+    )
+
+
+def _rows(t: torch.Tensor) -> tuple[npt.NDArray[Any], int, int]:
+    """``t`` ([T, H, D]) as the prompt kernel reads it: its storage as a flat buffer, the offset of
+    its first row, the elements between rows. A layout whose heads do not lie together is copied."""
+    if t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.stride(0) < t.shape[1] * t.shape[2]:
+        t = t.contiguous()
+    flat = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage())
+    return flat.numpy(), int(t.storage_offset()), int(t.stride(0))
 
 
 def _decode_native(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from kvwire.engine import prompt_attention
+from kvwire.engine import attention
 from kvwire.engine.attention import AttentionMetadata, resolve_backend, sdpa_attention, write_kv
+from kvwire.engine.attention import _prompts_native as native_prompts
 from kvwire.engine.config import AttentionBackend
-from kvwire.engine.prompt_attention import prompt_attention as native_prompts
 
 
 def test_the_native_prompt_kernel_is_built() -> None:
     """``pip install`` (scripts/setup.sh) builds it wherever a C compiler is found, CI's included."""
-    assert prompt_attention.NATIVE_PROMPT, prompt_attention.NATIVE_PROMPT_ERROR
+    assert attention.NATIVE_PROMPT, attention.NATIVE_PROMPT_ERROR
 
 
 def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -93,8 +93,8 @@ def _kernel(**changes: object) -> None:
         "scale": 0.125,
     }  # fmt: skip
     args.update(changes)
-    assert prompt_attention._native is not None
-    prompt_attention._native.prompt(*args.values())
+    assert attention._prompt_native is not None
+    attention._prompt_native.prompt(*args.values())
 
 
 @pytest.mark.parametrize(
@@ -151,8 +151,8 @@ def test_paged_step_takes_the_kernel_for_whole_prompts_and_agrees_with_sdpa(
     SDPA path; head size 32 (not the kernel's) takes SDPA for its prompts."""
     q, k, v, kv_cache, meta = _step(dim)
     calls: list[int] = []
-    real = prompt_attention.prompt_attention
-    monkeypatch.setattr(prompt_attention, "prompt_attention", lambda *a: calls.append(1) or real(*a))
+    real = attention._prompts_native
+    monkeypatch.setattr(attention, "_prompts_native", lambda *a: calls.append(1) or real(*a))
     paged = sdpa_attention(q, k, v, kv_cache, meta, paged=True)
     torch.testing.assert_close(paged, sdpa_attention(q, k, v, kv_cache, meta), atol=1e-5, rtol=1e-5)
     assert calls == ([1] if dim == 64 else [])
@@ -161,17 +161,17 @@ def test_paged_step_takes_the_kernel_for_whole_prompts_and_agrees_with_sdpa(
 def test_without_the_kernel_prompts_take_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
     q, k, v, kv_cache, meta = _step(64)
     want = sdpa_attention(q, k, v, kv_cache, meta)
-    monkeypatch.setattr(prompt_attention, "_native", None)
-    assert not prompt_attention.fits(q, k, v)
+    monkeypatch.setattr(attention, "_prompt_native", None)
+    assert not attention._prompt_fits(q, k, v)
     assert torch.equal(sdpa_attention(q, k, v, kv_cache, meta, paged=True)[2:], want[2:])
 
 
 def test_the_paged_backend_warns_once_when_the_kernel_is_missing(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(prompt_attention, "_native", None)
-    monkeypatch.setattr(prompt_attention, "_warned", False)
-    with caplog.at_level(logging.WARNING, logger="kvwire.engine.prompt_attention"):
+    monkeypatch.setattr(attention, "_prompt_native", None)
+    monkeypatch.setattr(attention, "_warned_prompt", False)
+    with caplog.at_level(logging.WARNING, logger="kvwire.engine.attention"):
         for _ in range(2):
             resolve_backend(AttentionBackend.PAGED, torch.device("cpu"), torch.float32)
     assert [r.message.count("prompt attention runs torch SDPA") for r in caplog.records] == [1]
