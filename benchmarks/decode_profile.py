@@ -15,22 +15,28 @@ a preset, ``--quantization`` as ``kvwire serve``'s).
 
 ``--waves N`` measures instead what a server sees at concurrency ``--batch``: N waves of ``--batch``
 prompts of ``--context`` tokens submitted together, each run to ``--output`` tokens (prefill, then the
-batched decode), with the prefill step and the wave timed (wall and this thread's CPU time).
+batched decode), with the prefill step and the wave timed (wall and this thread's CPU time) and the
+prefill step's minor page faults counted.
 ``--compare-model M`` (with ``--compare-quantization``) builds a second engine and alternates the two
-wave by wave, so that both see the same load (decision 142).
+wave by wave, so that both see the same load (decision 142). ``--ab-prompt`` alternates instead, in
+one engine, the whole prompts' attention between the native kernel and torch's SDPA per prompt
+(decision 152). ``--no-malloc-tuning`` leaves glibc's malloc at its defaults (decision 152) and
+``--engine-thread`` runs the waves on a thread of their own, as ``kvwire serve`` runs its engine.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import resource
 import statistics
+import threading
 import time
 from collections import defaultdict
 
 from torch.profiler import ProfilerActivity, profile
 
-from kvwire.engine import SamplingParams
+from kvwire.engine import SamplingParams, attention
 from kvwire.engine.config import AttentionBackend, EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 
@@ -62,7 +68,17 @@ def main() -> None:
     parser.add_argument("--compare-model", default=None, help="a second engine, alternated (--waves)")
     parser.add_argument("--compare-quantization", default=None, help="its quantization (default: the same)")
     parser.add_argument("--ab-attention", action="store_true", help="alternate torch's and the kernel's")
+    parser.add_argument(
+        "--ab-prompt", action="store_true", help="alternate the prompt kernel and SDPA per prompt (--waves)"
+    )
+    parser.add_argument("--no-malloc-tuning", action="store_true", help="glibc malloc at its defaults")
+    parser.add_argument("--engine-thread", action="store_true", help="--waves on a thread, as the server")
     args = parser.parse_args()
+    if args.waves and args.engine_thread:
+        worker = threading.Thread(target=_waves, args=(args,), name="kvwire-engine")
+        worker.start()
+        worker.join()
+        return
     if args.waves:
         _waves(args)
         return
@@ -94,6 +110,7 @@ def _engine(args: argparse.Namespace) -> LLMEngine:
         max_num_seqs=args.batch,
         enable_prefix_caching=False,
         attention_backend=args.attention_backend,
+        cpu_malloc_tuning=not args.no_malloc_tuning,
     )
     engine = LLMEngine(config)
     rng = random.Random(0)
@@ -117,6 +134,7 @@ def _wave_engine(args: argparse.Namespace, model: str, quantization: str) -> LLM
             max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.batch * args.context),
             num_kv_blocks=args.batch * -(-(args.context + args.output) // 16) + 8,
             enable_prefix_caching=False, attention_backend=args.attention_backend,
+            cpu_malloc_tuning=not args.no_malloc_tuning,
         )
     )  # fmt: skip
 
@@ -127,31 +145,45 @@ def _waves(args: argparse.Namespace) -> None:
         specs.append((args.compare_model, args.compare_quantization or args.quantization))
     kinds = [f"{model} ({quantization})" for model, quantization in specs]
     engines = {kind: _wave_engine(args, *spec) for kind, spec in zip(kinds, specs, strict=True)}
+    kernels = {kind: attention._prompt_native for kind in kinds}  # the prompt kernel each kind runs with
+    if args.ab_prompt:  # one engine, the whole prompts' attention by SDPA (kernel handle off) or the kernel
+        engine = engines[kinds[0]]
+        kinds = [f"{kinds[0]}, prompts by SDPA", f"{kinds[0]}, prompts by the kernel"]
+        engines = dict.fromkeys(kinds, engine)
+        kernels = {kinds[0]: None, kinds[1]: attention._prompt_native}
     rng = random.Random(0)
     params = SamplingParams(max_tokens=args.output, ignore_eos=True)
-    rows: dict[str, list[tuple[float, float, float, float]]] = {kind: [] for kind in kinds}
+    rows: dict[str, list[tuple[float, float, float, float, float]]] = {kind: [] for kind in kinds}
     for wave in range(args.waves + 1):  # wave 0 warms up, not counted
         prompts = [[rng.randrange(256) for _ in range(args.context)] for _ in range(args.batch)]
         for kind in kinds if wave % 2 else kinds[::-1]:  # the same prompts for every engine
-            engine = engines[kind]
+            engine, attention._prompt_native = engines[kind], kernels[kind]
             for i, prompt in enumerate(prompts):
                 engine.add_request(f"{kind}-{wave}-{i}", prompt, params)
+            faults = _page_faults()
             wall, cpu = time.perf_counter(), time.thread_time()
             engine.step()  # the prompts (one step when they fit --max-num-batched-tokens)
-            prefill = (time.perf_counter() - wall, time.thread_time() - cpu)
+            prefill = (time.perf_counter() - wall, time.thread_time() - cpu, _page_faults() - faults)
             while engine.has_unfinished_requests():
                 engine.step()
             if wave:
                 rows[kind].append((*prefill, time.perf_counter() - wall, time.thread_time() - cpu))
+    attention._prompt_native = kernels[kinds[-1]]
     print(f"waves of {args.batch} x ({args.context} + {args.output}) tokens, {args.threads} thread(s), "
           f"medians of {args.waves} waves:\n")  # fmt: skip
-    print("| engine | prefill wall | prefill CPU | wave wall | wave CPU | out tok/s (wall / CPU) |")
-    print("|---|---|---|---|---|---|")
+    print("| engine | prefill wall | prefill CPU | prefill page faults | wave wall | wave CPU "
+          "| out tok/s (wall / CPU) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for kind, got in rows.items():
-        pw, pc, ww, wc = (statistics.median(col) for col in zip(*got, strict=True))
+        pw, pc, pf, ww, wc = (statistics.median(col) for col in zip(*got, strict=True))
         tokens = args.batch * args.output
-        print(f"| {kind} | {pw * 1e3:.0f} ms | {pc * 1e3:.0f} ms | {ww * 1e3:.0f} ms | {wc * 1e3:.0f} ms "
-              f"| {tokens / ww:.1f} / {tokens / wc:.1f} |")  # fmt: skip
+        print(f"| {kind} | {pw * 1e3:.0f} ms | {pc * 1e3:.0f} ms | {pf:.0f} | {ww * 1e3:.0f} ms "
+              f"| {wc * 1e3:.0f} ms | {tokens / ww:.1f} / {tokens / wc:.1f} |")  # fmt: skip
+
+
+def _page_faults() -> float:
+    """This thread's minor page faults so far (Linux: a fresh page of a large buffer, decision 152)."""
+    return float(resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)).ru_minflt)
 
 
 def _ab_attention(engine: LLMEngine, args: argparse.Namespace) -> None:

@@ -42,6 +42,9 @@ case "$installed" in "$work/venv/"*) ;; *) echo "test_wheel: kvwire imported fro
 # ... and the engine's decode-attention kernel
 "$work/venv/bin/python" -c 'from kvwire.engine import attention as a; assert a.NATIVE_DECODE, a.NATIVE_DECODE_ERROR' \
   || { echo "test_wheel: the native decode-attention kernel is not in the wheel"; exit 1; }
+# ... and its prompt-attention kernel
+"$work/venv/bin/python" -c 'from kvwire.engine import attention as a; assert a.NATIVE_PROMPT, a.NATIVE_PROMPT_ERROR' \
+  || { echo "test_wheel: the native prompt-attention kernel is not in the wheel"; exit 1; }
 for cmd in "demo --help" "serve --help" "router --help" "up --help" "bench --help"; do
   "$work/venv/bin/kvwire" $cmd >/dev/null
 done

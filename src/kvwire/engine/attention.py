@@ -9,7 +9,9 @@ Three paths compute the same thing: :func:`reference_attention` (plain torch mat
 time: the oracle), :func:`sdpa_attention` (torch SDPA; decodes batched over gathered blocks, a
 prompt with no earlier KV attends over its own fresh K/V like a dense forward) and, on the CPU in
 float32, the same with the decodes computed by a small C kernel that reads the blocks in place
-(``_paged_attention.c``, decision 148: no gathered copy of the KV; :data:`NATIVE_DECODE`).
+(``_paged_attention.c``, decision 148: no gathered copy of the KV; :data:`NATIVE_DECODE`) and the
+whole prompts by another, all of a step's in one call per layer (``_prompt_attention.c``, decision
+152: q/k/v read where the fused qkv projection left them; :data:`NATIVE_PROMPT`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import functools
 import importlib
 import logging
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -45,16 +48,32 @@ except ImportError as exc:  # built without a C compiler: torch's gather + SDPA
 NATIVE_DECODE = _native is not None
 _warned = False
 
+# The prompt kernel (decision 152), optional the same way: without it whole prompts take SDPA.
+_prompt_native: ModuleType | None
+try:
+    _prompt_native = importlib.import_module("kvwire.engine._prompt_attention")
+    NATIVE_PROMPT_ERROR = ""
+except ImportError as exc:
+    _prompt_native = None
+    NATIVE_PROMPT_ERROR = str(exc)
+
+#: True when the native prompt kernel is built (docs/decisions/152-prompt-attention-kernel.md)
+NATIVE_PROMPT = _prompt_native is not None
+_PROMPT_DIMS: tuple[int, ...] = tuple(_prompt_native.prompt_dims) if _prompt_native is not None else ()
+_warned_prompt = False
+
 
 def resolve_backend(backend: AttentionBackend, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
     """The backend a model runner uses: ``auto`` is ``paged`` on the CPU in float32 (the native
-    decode kernel), ``sdpa`` elsewhere. Logs the fallback's warning once when ``paged`` is chosen and
-    the kernel is not built."""
+    decode and prompt kernels), ``sdpa`` elsewhere. Logs each fallback's warning once when ``paged``
+    is chosen and a kernel is not built."""
     if backend is AttentionBackend.AUTO:
         cpu_fp32 = device.type == "cpu" and dtype == torch.float32
         backend = AttentionBackend.PAGED if cpu_fp32 else AttentionBackend.SDPA
     if backend is AttentionBackend.PAGED and _native is None:
         _warn_once()
+    if backend is AttentionBackend.PAGED and _prompt_native is None:
+        _warn_prompt_once()
     return backend
 
 
@@ -71,6 +90,17 @@ def _warn_once() -> None:
             "decode attention gathers the KV blocks and runs torch SDPA (the native kernel is not built: "
             "%s); reinstall kvwire where a C compiler is available",
             NATIVE_DECODE_ERROR,
+        )
+
+
+def _warn_prompt_once() -> None:
+    global _warned_prompt
+    if not _warned_prompt:
+        _warned_prompt = True
+        log.warning(
+            "prompt attention runs torch SDPA once per prompt (the native kernel is not built: %s); "
+            "reinstall kvwire where a C compiler is available",
+            NATIVE_PROMPT_ERROR,
         )
 
 
@@ -133,6 +163,14 @@ class AttentionMetadata:
         views, built once per step, shared by every layer)."""
         nd = self.num_decodes
         return self.block_tables[:nd].contiguous().numpy(), self.seq_lens_t[:nd].contiguous().numpy()
+
+    @functools.cached_property
+    def whole_prompts_np(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """The first packed row and the length of every whole prompt (a sequence after the decodes
+        with no earlier KV), for the native prompt kernel (built once per step)."""
+        whole = [i for i, mask in enumerate(self.chunk_masks, start=self.num_decodes) if mask is None]
+        starts = np.array([self.query_start_loc[i] for i in whole], dtype=np.int64)
+        return starts, np.array([self.seq_lens[i] for i in whole], dtype=np.int64)
 
     @functools.cached_property
     def chunk_masks(self) -> list[torch.Tensor | None]:
@@ -223,17 +261,23 @@ def sdpa_attention(
     *,
     paged: bool = False,
 ) -> torch.Tensor:
-    """Prompt rows by SDPA; decode rows by SDPA over gathered blocks, or with ``paged`` by the native
-    kernel over the blocks in place (where it is built and the cache is float32 on the CPU)."""
+    """Prompt rows by SDPA; decode rows by SDPA over gathered blocks. With ``paged`` (where the
+    kernels are built and the cache is float32 on the CPU), decode rows by the native kernel over the
+    blocks in place and whole prompts by the native prompt kernel, all in one call."""
     nd = meta.num_decodes
     decode = _decode_native if paged and _native_fits(kv_cache) else _decode_sdpa
     if nd == q.shape[0]:  # a decode-only step: no packed output to assemble
         return decode(q, kv_cache, meta)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if nd:
         out[:nd] = decode(q[:nd], kv_cache, meta)
+    native_prompts = paged and _prompt_fits(q, k_new, v_new)
+    if native_prompts and len(meta.whole_prompts_np[0]):
+        _prompts_native(out, q, k_new, v_new, *meta.whole_prompts_np)
     for i, mask in enumerate(meta.chunk_masks, start=nd):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        if mask is None and native_prompts:
+            continue  # computed above
         if mask is None:  # a whole prompt in one chunk: its own K/V, like a dense forward
             out[start:end] = _sdpa(q[start:end], k_new[start:end], v_new[start:end], causal=True)
             continue
@@ -244,6 +288,44 @@ def sdpa_attention(
 
 def _native_fits(kv_cache: torch.Tensor) -> bool:
     return _native is not None and kv_cache.dtype == torch.float32 and kv_cache.device.type == "cpu"
+
+
+def _prompt_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the prompt kernel computes these ([T, heads, D] float32 on the CPU, D one it takes)."""
+    return (
+        _prompt_native is not None
+        and q.shape[-1] in _PROMPT_DIMS
+        and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v))
+    )
+
+
+def _prompts_native(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    starts: npt.NDArray[np.int64],
+    lens: npt.NDArray[np.int64],
+) -> None:
+    """Rows ``starts[i] .. starts[i] + lens[i]`` of ``out`` ([T, Hq, D], contiguous): each whole
+    prompt's causal attention over its own rows of ``k``/``v`` ([T, Hkv, D]); other rows untouched.
+    q, k and v are read where they lie (views of the fused qkv projection: no copy)."""
+    assert _prompt_native is not None
+    tokens, heads, dim = q.shape
+    (qb, qo, qr), (kb, ko, kr), (vb, vo, vr) = _rows(q), _rows(k), _rows(v)
+    kv_heads, scale = k.shape[1], dim**-0.5
+    _prompt_native.prompt(
+        out.numpy(), qb, qo, qr, kb, ko, kr, vb, vo, vr, starts, lens, tokens, heads, kv_heads, dim, scale
+    )
+
+
+def _rows(t: torch.Tensor) -> tuple[npt.NDArray[Any], int, int]:
+    """``t`` ([T, H, D]) as the prompt kernel reads it: its storage as a flat buffer, the offset of
+    its first row, the elements between rows. A layout whose heads do not lie together is copied."""
+    if t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.stride(0) < t.shape[1] * t.shape[2]:
+        t = t.contiguous()
+    flat = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage())
+    return flat.numpy(), int(t.storage_offset()), int(t.stride(0))
 
 
 def _decode_native(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -67,6 +67,9 @@ class EngineConfig:
     # CPU: torch threads of this process. None: OMP_NUM_THREADS when set, else half the cores this
     # process may run on (at least 1) -- a P and a D instance share a host (decision 119).
     cpu_threads: int | None = None
+    # CPU: set glibc's malloc to reuse large freed blocks instead of page-faulting fresh ones every
+    # prefill step (engine/cpu_malloc.py, decision 152). Process-wide, applied by the first engine.
+    cpu_malloc_tuning: bool = True
     seed: int = 0  # seeds the sampler of requests without their own seed
     # Ranks (processes) the model is split over: attention heads and MLP columns (engine/tp).
     tensor_parallel_size: int = 1

@@ -33,6 +33,7 @@ from kvwire.connector.base import (
     WorkerConnector,
 )
 from kvwire.engine.config import EngineConfig
+from kvwire.engine.cpu_malloc import tune_malloc
 from kvwire.engine.loader import load_model
 from kvwire.engine.model_runner import ModelRunner, SamplingParams, num_kv_blocks_for
 from kvwire.engine.outputs import EngineStats, RequestOutput
@@ -123,6 +124,8 @@ class LLMEngine:
     ) -> None:
         if not config.is_cuda:
             torch.set_num_threads(config.resolved_cpu_threads())
+            if config.cpu_malloc_tuning:
+                tune_malloc()
         loaded = load_model(config)
         if self._tp is not None:
             self._tp.shard(loaded.model, config.device)
