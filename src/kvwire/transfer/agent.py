@@ -512,10 +512,8 @@ class TransferAgent:
             self._check_open()
             deadline, limit = _bounds(self.config, deadline_s, limit_s)
             started = transfer_id in self._sender.table
+            # nothing to wake the control loop for: the first Renew is not due yet (its ticks send it)
             self._sender.promises.promise(transfer_id, peer_endpoint, deadline, limit, started)
-        control = self._core.control
-        assert control is not None
-        control.wake()
 
     def send_layer(
         self, transfer_id: str, layer_index: int, tensor: torch.Tensor, ready_event: Any | None = None

@@ -62,7 +62,7 @@ from typing import Any
 import torch
 
 from kvwire.errors import TransferError
-from kvwire.transfer.core import Core, Lease, PeerState, Transfers, TransferState
+from kvwire.transfer.core import MIN_RENEW_S, Core, Lease, PeerState, Transfers, TransferState
 from kvwire.transfer.enums import FailReason, KVLayout
 from kvwire.transfer.memory import (
     DTYPE_NAMES,
@@ -295,6 +295,14 @@ class SendQueue:
 
 # ============================== Promises
 
+# A promise's first Renew goes this long after it was made (then every ``renew_interval``), not at
+# once: a prefill that starts its send sooner (a short prompt on an idle P: most of them) needs none,
+# and the Renew and its answer do not wake both control threads while P computes (decision 151).
+# Far inside any lease (``renew_interval`` is at least as long); the lease clock leaves out the time
+# P did not run, so a stopped P renews after this much of its own running time.
+FIRST_PROMISE_RENEW_S = MIN_RENEW_S
+
+
 class Promises:
     """Promised transfers: accepted by the send side, not started yet (their prefill may be queued).
 
@@ -317,8 +325,9 @@ class Promises:
             return
         if len(self.table) >= self.core.config.max_pending_transfers:
             raise TransferError("too many promised transfers", transfer_id)
-        lease = Lease.start(self.core.now(), deadline_s, limit_s)
-        lease.next_renew = 0.0  # tell the receiver at once
+        now = self.core.now()
+        lease = Lease.start(now, deadline_s, limit_s)
+        lease.next_renew = min(lease.next_renew, now + FIRST_PROMISE_RENEW_S)
         self.table[transfer_id] = (endpoint, lease)
 
     def started(self, transfer_id: str) -> None:

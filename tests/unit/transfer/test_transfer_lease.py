@@ -11,6 +11,9 @@ import torch
 
 from kvwire.transfer import LayerSpec, TransferAgent, TransferConfig
 from kvwire.transfer.config import ControlLimits
+from kvwire.transfer.core import Tombstones, renew_interval
+from kvwire.transfer.sender import FIRST_PROMISE_RENEW_S, Promises
+from kvwire.transfer.wire import Renew
 from support.agent_helpers import _layers, _send, poll_until
 
 LEASE_S = 0.3
@@ -209,3 +212,45 @@ def test_a_stuck_sender_renews_nothing(pair: tuple[TransferAgent, TransferAgent]
     poll_until(b, lambda ev: "stuck" in ev["failed"])
     poll_until(a, lambda ev: "stuck" in ev["failed"])
     assert time.monotonic() - start < 3 * LEASE_S + 0.5
+
+
+class _PromiseCore:
+    """What :class:`Promises` uses of the agent's core: a clock set by the test, the Renews sent."""
+
+    def __init__(self) -> None:
+        self.clock = 100.0
+        self.config = TransferConfig()
+        self.tombstones = Tombstones()
+        self.sent: list[tuple[str, Renew]] = []
+
+    def now(self) -> float:
+        return self.clock
+
+    def header(self, endpoint: str, transfer_id: str) -> dict[str, str]:
+        return {"src_id": "p", "src_endpoint": "tcp://127.0.0.1:1", "dst_id": "d", "transfer_id": transfer_id}
+
+    def send(self, endpoint: str, msg: Renew) -> None:
+        self.sent.append((endpoint, msg))
+
+
+def test_a_promise_renews_after_a_short_wait_not_at_once() -> None:
+    """Decision 151: the first Renew of a promise waits FIRST_PROMISE_RENEW_S (a send that starts
+    sooner needs none), then the promise renews every ``renew_interval`` until its limit. The agents'
+    own test of a long queued prefill: ``test_receiver_waits_for_a_slow_but_alive_sender``."""
+    core = _PromiseCore()
+    promises = Promises(core)  # type: ignore[arg-type]
+    promises.promise("soon", "tcp://d", deadline_s=1.0, limit_s=30, started=False)
+    promises.promise("queued", "tcp://d", deadline_s=1.0, limit_s=30, started=False)
+    promises.renew(core.clock)
+    core.clock += FIRST_PROMISE_RENEW_S / 2
+    promises.renew(core.clock)
+    promises.started("soon")  # its prefill started the send: no Renew was needed
+    assert core.sent == []
+    core.clock += FIRST_PROMISE_RENEW_S / 2
+    promises.renew(core.clock)
+    assert [(e, m.transfer_id, m.state) for e, m in core.sent] == [("tcp://d", "queued", "queued")]
+    for _ in range(3):  # a long prefill keeps renewing, far inside D's 1 s lease
+        core.clock += renew_interval(1.0)
+        promises.renew(core.clock)
+    assert len(core.sent) == 4 and FIRST_PROMISE_RENEW_S <= renew_interval(1.0) < 1.0
+
