@@ -117,6 +117,9 @@ class AttentionMetadata:
     block_size: int
     _decode_kv: torch.Tensor | None = dataclasses.field(default=None, init=False, repr=False)
     _decode_bias: torch.Tensor | None = dataclasses.field(default=None, init=False, repr=False)
+    _decode_q: tuple[torch.Tensor, npt.NDArray[np.float32]] | None = dataclasses.field(
+        default=None, init=False, repr=False
+    )
 
     @property
     def num_seqs(self) -> int:
@@ -156,6 +159,18 @@ class AttentionMetadata:
         if buf is None or buf.shape != shape or buf.dtype != kv_cache.dtype or buf.device != kv_cache.device:
             buf = self._decode_kv = torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
         return buf
+
+    def decode_query(self, q: torch.Tensor) -> npt.NDArray[np.float32]:
+        """The decodes' queries ``q`` ([B, Hq, D]) copied into one contiguous float32 buffer a step,
+        as the native kernel reads them: every layer copies into the same buffer (the kernel has read
+        it before the next layer runs) and hands the kernel the same numpy view (decision 154: one op
+        a layer instead of a copy and a view)."""
+        held = self._decode_q
+        if held is None or held[0].shape != q.shape:
+            buf = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+            held = self._decode_q = (buf, buf.numpy())
+        held[0].copy_(q)
+        return held[1]
 
     @functools.cached_property
     def decode_tables_np(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
@@ -223,8 +238,10 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     """Scatter the new K/V ([T, Hkv, D]) into their slots of ``kv_cache``."""
     _, num_blocks, block_size, heads, dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    if k.dtype != kv_cache.dtype or v.dtype != kv_cache.dtype:  # a cast to the same dtype: no dispatch
+        k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,12 +348,11 @@ def _rows(t: torch.Tensor) -> tuple[npt.NDArray[Any], int, int]:
 def _decode_native(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """One query per sequence, [B, Hq, D]: the C kernel's one pass over each sequence's blocks."""
     assert _native is not None
-    q = q.to(torch.float32).contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=torch.float32)
     tables, lens = meta.decode_tables_np
     _, blocks, block_size, kv_heads, dim = kv_cache.shape
     shape = (blocks, block_size, kv_heads, q.shape[1], dim)
-    _native.decode(out.numpy(), q.numpy(), kv_cache.numpy(), tables, lens, *shape, dim**-0.5)
+    _native.decode(out.numpy(), meta.decode_query(q), kv_cache.numpy(), tables, lens, *shape, dim**-0.5)
     return out
 
 

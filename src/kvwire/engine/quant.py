@@ -28,6 +28,12 @@ from kvwire.errors import ModelLoadError
 GROUP = 32  # inputs per int4 group: GGUF's block size
 _ROWS_MULTIPLE = 16  # the int4 packer wants the output rows in multiples of 16
 _ACT = torch.bfloat16
+# The kernels' overloads, resolved once: calling an overload skips the packet's resolution per call
+# (decision 154). None where this torch lacks one (a layer of that kind then fails when it runs).
+_INT4_MM = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
+_INT8_MM = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
+_INT4_MM = None if _INT4_MM is None else _INT4_MM.default
+_INT8_MM = None if _INT8_MM is None else _INT8_MM.default
 
 
 @dataclasses.dataclass
@@ -108,7 +114,8 @@ class _QuantLinear(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).to(_ACT)
+        two_d = x.dim() == 2
+        flat = (x if two_d else x.reshape(-1, self.in_features)).to(_ACT)
         rows, dense = flat.shape[0], self.dense_weight
         split = self.split.packed_rows if self.split is not None else None
         packed = rows if split is None or dense is None else min(split, rows)
@@ -119,7 +126,7 @@ class _QuantLinear(nn.Module):
         else:
             out = torch.cat((self._packed(flat[:packed]), F.linear(flat[packed:], dense)))
         out = out.to(x.dtype)
-        if x.dim() != 2:
+        if not two_d:
             out = out.view(*x.shape[:-1], out.shape[-1])
         return out if self.bias is None else out + self.bias
 
@@ -151,7 +158,9 @@ class Int4Linear(_QuantLinear):
             self._keep_dense((codes[:rows].float() - 8.0) * s + z)
 
     def _packed(self, flat: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scale_zeros)
+        if _INT4_MM is None:
+            raise ModelLoadError("this torch has no aten._weight_int4pack_mm_for_cpu")
+        out = _INT4_MM(flat, self.packed, GROUP, self.scale_zeros)
         return out if self.padded_rows == 0 else out[:, : self.out_features]
 
 
@@ -176,4 +185,6 @@ class Int8Linear(_QuantLinear):
         return self.qweight.float() * self.scale.float()[:, None]
 
     def _packed(self, flat: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale)
+        if _INT8_MM is None:
+            raise ModelLoadError("this torch has no aten._weight_int8pack_mm")
+        return _INT8_MM(flat, self.qweight, self.scale)

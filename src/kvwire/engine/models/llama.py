@@ -33,7 +33,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise in fp32, cast back, then scale (the order HF uses)."""
+        """Normalise in fp32, cast back, then scale (the order HF uses). A float32 input skips the
+        two casts, which would return their input (decision 154: two dispatches a norm)."""
+        if x.dtype == torch.float32:
+            return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
@@ -55,20 +58,23 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_table", freqs.sin().to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
-        """positions: [T] -> (cos, sin), each [T, 1, D/2], computed once per forward for all layers."""
-        return self.cos_table[positions][:, None, :].to(dtype), self.sin_table[positions][:, None, :].to(
-            dtype
-        )
+        """positions: [T] -> (cos, sin) of full width, each [T, 1, D], computed once per forward for
+        all layers: ``cos`` repeated for both halves, ``sin`` negated for the first (see apply_rope)."""
+        cos = self.cos_table[positions][:, None, :].to(dtype)
+        sin = self.sin_table[positions][:, None, :].to(dtype)
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
-    """x: [T, H, D] -> x with each (i, i + D/2) pair rotated by its position's angle."""
+    """x: [T, H, D] -> x with each (i, i + D/2) pair rotated by its position's angle:
+    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = (x2, x1)`` against the signed ``sin``
+    (decision 154: four ops a layer instead of eight; ``a + b * -s`` is ``a - b * s`` exactly)."""
     cos, sin = rope
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.cat((x2, x1), dim=-1).mul_(sin).add_(x * cos)
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -104,10 +110,9 @@ class Attention(nn.Module):
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
-        qkv = self.qkv_proj.forward(x)  # [T, (Hq + 2 * Hkv) * D]
-        num_qk = self.num_heads + self.num_kv_heads
-        qk = qkv[:, : num_qk * self.head_dim].view(-1, num_qk, self.head_dim)  # [T, Hq + Hkv, D]
-        v = qkv[:, num_qk * self.head_dim :].view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        num_qk, num_kv = self.num_heads + self.num_kv_heads, self.num_kv_heads
+        qkv = self.qkv_proj.forward(x).view(-1, num_qk + num_kv, self.head_dim)  # [T, Hq + 2 * Hkv, D]
+        qk, v = qkv.split((num_qk, num_kv), dim=1)  # [T, Hq + Hkv, D], [T, Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
             q, k = apply_rope(self.q_norm.forward(q), rope), apply_rope(self.k_norm.forward(k), rope)
