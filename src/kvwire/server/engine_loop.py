@@ -3,7 +3,9 @@
 Threads: the engine is touched only by the engine thread (started by :meth:`EngineLoop.start`).
 The asyncio side sends it commands (add, abort, abort-all, stop) through a queue and receives each
 step's outputs through ``loop.call_soon_threadsafe``, put into the outbox (an ``asyncio.Queue``) the
-caller gave each request. Failure: an exception from ``add_request`` is raised to the awaiting caller; an
+caller gave each request. While only remote-KV transfers are pending the thread polls every
+``remote_wait_s``; a transfer that ends wakes it at once (:meth:`EngineLoop.wake`, decision 153).
+Failure: an exception from ``add_request`` is raised to the awaiting caller; an
 exception from ``step`` fails every in-flight request with :class:`EngineError` (their streams
 raise it) and the loop keeps serving new requests; after ``MAX_CONSECUTIVE_STEP_ERRORS`` failed steps in
 a row, or any other exception, the thread stops, ``alive`` turns false (``/health`` reports 503) and new
