@@ -227,12 +227,72 @@ ALWAYS_INLINE const char *tile_ahead(const Problem *pb, Py_ssize_t b, int64_t ne
     return (const char *)(pb->kv + (block * pb->block_size + pos % pb->block_size) * row);
 }
 
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+/* lane-wise max (a bitwise select: C has no vector ?:) */
+ALWAYS_INLINE v16 vmax(const v16 *a, const v16 *b)
+{
+    const v16 x = *a, y = *b;
+    const vi16 more = x > y;
+    return (v16)(((vi16)x & more) | ((vi16)y & ~more));
+}
+
+/* the largest and the sum of the 16 lanes of x (a tree of halving shuffles) */
+ALWAYS_INLINE float max16(const v16 *p)
+{
+    v16 x = *p;
+    v16 y = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    x = vmax(&x, &y);
+    y = __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    x = vmax(&x, &y);
+    y = __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    x = vmax(&x, &y);
+    y = __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    x = vmax(&x, &y);
+    return x[0];
+}
+
+ALWAYS_INLINE float sum16(const v16 *p)
+{
+    v16 x = *p;
+    x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return x[0];
+}
+
+/* softmax_tile over a whole vector of 16 scores, lanes from `count` on ignored (they become -inf,
+   so weight 0): the maximum, the weights and their sum in vector registers, no scalar loop over
+   the tile. */
+ALWAYS_INLINE float softmax16(v16 *weights, int64_t count, float *m, float *l)
+{
+    v16 scores = *weights;
+    const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const vi16 keep = lane < (int32_t)count;
+    const v16 none = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
+                      -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    scores = (v16)(((vi16)scores & keep) | ((vi16)none & ~keep));
+    const float most = max16(&scores), top = most > *m ? most : *m;
+    const float shrink = *m == -INFINITY ? 0.0f : *m == top ? 1.0f : expf(*m - top);
+    *m = top;
+    float s[VTILE];
+    memcpy(s, &scores, sizeof s);
+    exp_shifted(s, top, VTILE);
+    memcpy(&scores, s, sizeof s);
+    *l = *l * shrink + sum16(&scores);
+    *weights = scores;
+    return shrink;
+}
+
 /* One query head over one tile of `count` tokens (K rows at k, V rows at v, `row` floats apart):
-   its output so far `acc` (16 * C floats), running maximum *m and sum *l updated. */
+   its output so far `acc` (16 * C floats), running maximum *m and sum *l updated. The weighted sum
+   of V rows runs in two interleaved accumulators (even and odd tokens) so that 2 * C independent
+   chains of fused multiply-adds are in flight, not C. */
 ALWAYS_INLINE void head_tile(const float *q, const float *k, const float *v, Py_ssize_t row, int64_t count,
                              float scale, float *acc, float *m, float *l, const int C)
 {
-    v16 qv[C], part[VTILE], out[C];
+    v16 qv[C], part[VTILE], even[C], odd[C];
     for (int c = 0; c < C; c++)
         qv[c] = load16(q + 16 * c);
     for (int t = 0; t < VTILE; t++) {
@@ -242,23 +302,35 @@ ALWAYS_INLINE void head_tile(const float *q, const float *k, const float *v, Py_
                 sum += qv[c] * load16(k + t * row + 16 * c);
         part[t] = sum;
     }
+    v16 weights = reduce16(part) * scale;
+    const float shrink = softmax16(&weights, count, m, l);
     float sc[VTILE];
-    v16 scores = reduce16(part) * scale;
-    memcpy(sc, &scores, sizeof sc);
-    const float shrink = softmax_tile(sc, (int)count, m, l);
-    for (int c = 0; c < C; c++)
-        out[c] = load16(acc + 16 * c) * shrink;
-    for (int t = 0; t < count; t++)
+    memcpy(sc, &weights, sizeof sc);
+    for (int c = 0; c < C; c++) {
+        even[c] = load16(acc + 16 * c) * shrink;
+        odd[c] = (v16){0};
+    }
+    int64_t t = 0;
+    for (; t + 2 <= count; t += 2)
+        for (int c = 0; c < C; c++) {
+            even[c] += sc[t] * load16(v + t * row + 16 * c);
+            odd[c] += sc[t + 1] * load16(v + (t + 1) * row + 16 * c);
+        }
+    if (t < count)
         for (int c = 0; c < C; c++)
-            out[c] += sc[t] * load16(v + t * row + 16 * c);
-    memcpy(acc, out, sizeof out);
+            even[c] += sc[t] * load16(v + t * row + 16 * c);
+    for (int c = 0; c < C; c++)
+        even[c] += odd[c];
+    memcpy(acc, even, sizeof even);
 }
 
 /* Every query head of sequence b, for dim = 16 * C: tiles of at most 16 tokens, each tile's K and V
    rows read once for all heads (one block's rows lie together: [block_size, kv_heads, dim]), the
-   next tile's rows fetched into L2 a slice per head while this one is computed (blocks are
-   scattered: no hardware prefetcher guesses where the next one is, and a burst of prefetches would
-   stall on the core's miss buffers). The heads' state (output so far, maximum, sum) stays in `work`
+   next tile's rows fetched a slice per head while this one is computed (blocks are scattered: no
+   hardware prefetcher guesses where the next one is, and a burst of prefetches would stall on the
+   core's miss buffers). The fetch is non-temporal (prefetchnta: to the core's L1, not kept in the
+   outer caches: each row is read once a step); into L2 (hint 2) measured ~15% slower, two tiles
+   ahead slower still (decision 155). The heads' state (output so far, maximum, sum) stays in `work`
    between tiles. */
 ALWAYS_INLINE void attend16(const Problem *pb, Py_ssize_t b, float *work, const int C)
 {
@@ -277,8 +349,8 @@ ALWAYS_INLINE void attend16(const Problem *pb, Py_ssize_t b, float *work, const 
             pb->kv + (table[start / pb->block_size] * pb->block_size + start % pb->block_size) * row;
         for (Py_ssize_t hq = 0; hq < heads; hq++) {
             for (Py_ssize_t line = hq * share; line < (hq + 1) * share && line < lines; line++) {
-                __builtin_prefetch(ahead + 64 * line, 0, 2);
-                __builtin_prefetch(ahead + to_v + 64 * line, 0, 2);
+                __builtin_prefetch(ahead + 64 * line, 0, 0);
+                __builtin_prefetch(ahead + to_v + 64 * line, 0, 0);
             }
             const float *k = tile + (hq / group) * dim;
             head_tile(pb->q + (b * heads + hq) * dim, k, k + half, row, count, pb->scale, acc + hq * dim, m + hq,
