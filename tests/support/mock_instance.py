@@ -277,7 +277,8 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--interval-s", type=float, default=0.2)
     p.add_argument("--secret", default=None)
     p.add_argument("--delay-s", type=float, default=0.0)
-    p.add_argument("--fake-kv-port", type=int, default=0)
+    # advertised, never listened on; a valid port, since the router refuses a kv endpoint without one
+    p.add_argument("--fake-kv-port", type=int, default=7000)
     p.add_argument("--token-ids", action="store_true",
                    help="answer return_token_ids with ids, continue a prompt of ids (migration tests)")
     p.add_argument("--drop-before-headers-s", type=float, default=0.0,
