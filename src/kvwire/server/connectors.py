@@ -42,6 +42,14 @@ class ConnectorSet:
         peer_transports = getattr(getattr(self.worker, "agent", None), "peer_transports", None)
         return dict(peer_transports()) if peer_transports is not None else {}
 
+    def wake_on_transfer_end(self, wake: Callable[[], None]) -> None:
+        """Have the transfer agent call ``wake()`` when a receive ends or a transfer fails (the
+        engine loop then steps at once, not at its next poll: decision 153). Nothing without an
+        agent in this process."""
+        wake_on_completion = getattr(getattr(self.worker, "agent", None), "wake_on_completion", None)
+        if wake_on_completion is not None:
+            wake_on_completion(wake)
+
     def close(self) -> None:
         for half in (self.worker, self.scheduler):
             close = getattr(half, "close", None)

@@ -3,7 +3,9 @@
 Threads: the engine is touched only by the engine thread (started by :meth:`EngineLoop.start`).
 The asyncio side sends it commands (add, abort, abort-all, stop) through a queue and receives each
 step's outputs through ``loop.call_soon_threadsafe``, put into the outbox (an ``asyncio.Queue``) the
-caller gave each request. Failure: an exception from ``add_request`` is raised to the awaiting caller; an
+caller gave each request. While only remote-KV transfers are pending the thread polls every
+``remote_wait_s``; a transfer that ends wakes it at once (:meth:`EngineLoop.wake`, decision 153).
+Failure: an exception from ``add_request`` is raised to the awaiting caller; an
 exception from ``step`` fails every in-flight request with :class:`EngineError` (their streams
 raise it) and the loop keeps serving new requests; after ``MAX_CONSECUTIVE_STEP_ERRORS`` failed steps in
 a row, or any other exception, the thread stops, ``alive`` turns false (``/health`` reports 503) and new
@@ -145,7 +147,11 @@ class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _AbortAll | _Stop
+class _Wake:
+    """Step now: something the next step reports has happened (a KV transfer ended)."""
+
+
+_Command = _Add | _Abort | _AbortAll | _Stop | _Wake
 
 
 class EngineLoop:
@@ -164,6 +170,7 @@ class EngineLoop:
         self._idle_wait_s = idle_wait_s  # block this long on the queue when nothing is in flight
         self._remote_wait_s = remote_wait_s  # ... and this long when all wait for KV transfers
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._wake_queued = False  # a _Wake is in the queue: more wakes add none (races add one more)
         self._streams: dict[str, RequestOutbox] = {}  # event-loop thread only: outboxes in flight
         self._adding: dict[str, concurrent.futures.Future[None]] = {}  # event-loop thread: adds not taken yet
         self._live: set[str] = set()  # engine thread only: ids added and not finished
@@ -277,6 +284,14 @@ class EngineLoop:
         """Abort every in-flight request; their streams raise :class:`ServerShuttingDown`."""
         self._commands.put(_AbortAll(reason))
 
+    def wake(self) -> None:
+        """Any thread: have the engine thread step now instead of at the end of its poll wait, for a
+        KV transfer that ended (D's request can decode; a failed one is reported). The poll stays the
+        safety net: nothing depends on a wake arriving (decision 153)."""
+        if not self._wake_queued:
+            self._wake_queued = True
+            self._commands.put(_Wake())
+
     def close(self, timeout_s: float) -> bool:
         """Stop the engine thread (aborting what is in flight). Returns False if it did not stop in time."""
         if self._watchdog is not None:
@@ -371,7 +386,8 @@ class EngineLoop:
         elif not self._engine.has_unfinished_requests():
             wait_s = self._idle_wait_s
         elif self._stats.num_running == 0 and self._stats.num_waiting == 0:
-            # Nothing to compute: only remote-KV waiters or blocks held for a send. Poll, do not spin.
+            # Nothing to compute: only remote-KV waiters or blocks held for a send. Poll, do not spin;
+            # a transfer that ends wakes the loop at once (``wake``).
             wait_s = self._remote_wait_s
         else:
             wait_s = None
@@ -387,6 +403,9 @@ class EngineLoop:
     def _apply(self, command: _Command) -> bool:
         if isinstance(command, _Stop):
             return False
+        if isinstance(command, _Wake):
+            self._wake_queued = False  # the step that follows sees what the waker saw
+            return True
         if isinstance(command, _Add):
             self._apply_add(command)
         elif isinstance(command, _Abort):

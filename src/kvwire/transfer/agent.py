@@ -657,6 +657,12 @@ class TransferAgent:
         instead of polling in a loop, which costs a core's time in wake-ups."""
         return self._events.wait(timeout_s)
 
+    def wake_on_completion(self, wake: Callable[[], None] | None) -> None:
+        """Call ``wake()`` each time a receive ends or a transfer fails (on the thread that learned
+        it, no lock held), so that a host waiting to :meth:`poll` polls now: the built-in server's
+        engine loop (decision 153). ``wake`` must be quick and must not raise. None: no call."""
+        self._events.listener = wake
+
     def stats(self) -> TransferStats:
         core = self._core
         with core.lock:

@@ -319,6 +319,10 @@ class CompletionEvents:
         self._recvd: set[str] = set()
         self._failed: dict[str, str] = {}
         self._timings: dict[str, TransferTiming] = {}
+        # Called (no lock held, on the thread that appended) after a receive ended or a transfer
+        # failed: the host's engine loop steps at once instead of at its next poll (decision 153).
+        # Set once at start-up; it must be quick and must not raise (it puts a command on a queue).
+        self.listener: Callable[[], None] | None = None
 
     def sent(self, transfer_id: str, timing: TransferTiming | None = None) -> None:
         with self._lock:
@@ -333,11 +337,18 @@ class CompletionEvents:
             if timing is not None:
                 self._timings[transfer_id] = timing
             self._ready.notify_all()
+        self._tell_listener()
 
     def failed(self, transfer_id: str, reason: str) -> None:
         with self._lock:
             self._failed.setdefault(transfer_id, reason)
             self._ready.notify_all()
+        self._tell_listener()
+
+    def _tell_listener(self) -> None:
+        listener = self.listener
+        if listener is not None:
+            listener()
 
 
 class Tombstones:

@@ -1,0 +1,111 @@
+"""The engine loop steps as soon as a KV transfer ends, not at the end of its poll wait (decision
+153): with only remote-KV waiters the loop blocks on its command queue for ``remote_wait_s``; the
+transfer agent's completion calls ``EngineLoop.wake``, which ends that wait at once. Checked by
+order, not time: the poll wait is set far longer than the test's deadline, so only a wake steps."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from kvwire.server.connectors import ConnectorSet
+from kvwire.server.engine_loop import EngineLoop, RequestOutbox
+from kvwire.transfer import TransferAgent, TransferConfig
+from support.agent_helpers import _send, poll_until
+
+NEVER_S = 600.0  # the loop's poll wait: far beyond every deadline below
+DEADLINE_S = 30.0
+
+
+class _RemoteWaiterEngine:
+    """One request that only waits for remote KV: nothing running or waiting; each step counted."""
+
+    def __init__(self) -> None:
+        self.unfinished = False
+        self.steps = 0
+        self.stepped = threading.Condition()
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any,
+                    kv_transfer_params: Any = None) -> None:
+        self.unfinished = True
+
+    def abort_request(self, request_id: str) -> None:
+        self.unfinished = False
+
+    def step(self) -> list[Any]:
+        with self.stepped:
+            self.steps += 1
+            self.stepped.notify_all()
+        return []
+
+    def has_unfinished_requests(self) -> bool:
+        return self.unfinished
+
+    def stats(self) -> Any:
+        return SimpleNamespace(num_running=0, num_waiting=0, num_waiting_for_remote_kv=int(self.unfinished))
+
+    def wait_steps(self, count: int) -> bool:
+        with self.stepped:
+            return self.stepped.wait_for(lambda: self.steps >= count, DEADLINE_S)
+
+
+def _run_with_waiter(body: Any) -> _RemoteWaiterEngine:
+    """Start a loop polling every NEVER_S, admit one remote waiter, wait for the step after the
+    admission, then run ``body(loop, engine)`` on a worker thread."""
+    engine = _RemoteWaiterEngine()
+
+    async def main() -> None:
+        loop = EngineLoop(engine, remote_wait_s=NEVER_S, idle_wait_s=NEVER_S)
+        loop.start(asyncio.get_running_loop())
+        try:
+            outbox: RequestOutbox = asyncio.Queue()
+            await loop.add_request("r", outbox, [1, 2, 3], None)
+            assert await asyncio.to_thread(engine.wait_steps, 1), "the admission is followed by a step"
+            await asyncio.to_thread(body, loop, engine)
+        finally:
+            assert await asyncio.to_thread(loop.close, DEADLINE_S)
+
+    asyncio.run(main())
+    return engine
+
+
+def test_a_wake_ends_the_poll_wait_at_once() -> None:
+    def body(loop: EngineLoop, engine: _RemoteWaiterEngine) -> None:
+        steps = engine.steps
+        loop.wake()
+        assert engine.wait_steps(steps + 1), "the loop stepped only at its poll deadline"
+
+    _run_with_waiter(body)
+
+
+def test_wakes_that_pile_up_queue_one_command() -> None:
+    """A burst of completions while the engine is busy costs one queued wake, not one each."""
+    def body(loop: EngineLoop, engine: _RemoteWaiterEngine) -> None:
+        steps = engine.steps
+        with engine.stepped:  # the engine thread is blocked in (or before) the queue wait
+            for _ in range(100):
+                loop.wake()
+            assert loop._commands.qsize() <= 1
+        assert engine.wait_steps(steps + 1)
+
+    _run_with_waiter(body)
+
+
+def test_a_received_transfer_wakes_the_loop_through_the_connector_set() -> None:
+    """The wiring the server does (``ConnectorSet.wake_on_transfer_end``) on a real agent pair: a
+    receive that completes calls the wake; one that fails does too."""
+    woken = threading.Semaphore(0)
+    with TransferAgent(TransferConfig()) as p, TransferAgent(TransferConfig()) as d:
+        ConnectorSet(worker=SimpleNamespace(agent=d)).wake_on_transfer_end(woken.release)
+        d.expect("ok", num_layers=1)
+        _send(p, "ok", d.endpoint, [torch.randn(2, 4, 8)])
+        poll_until(d, lambda ev: "ok" in ev["recvd"])
+        assert woken.acquire(timeout=DEADLINE_S)
+        d.expect("gone", num_layers=1)
+        d.abort("gone", "test")
+        poll_until(d, lambda ev: "gone" in ev["failed"])
+        assert woken.acquire(timeout=DEADLINE_S)
