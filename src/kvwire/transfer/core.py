@@ -319,9 +319,11 @@ class CompletionEvents:
         self._recvd: set[str] = set()
         self._failed: dict[str, str] = {}
         self._timings: dict[str, TransferTiming] = {}
-        # Called (no lock held, on the thread that appended) after a receive ended or a transfer
+        # Called (on the thread that appended, outside this object's lock but mostly inside the
+        # agent's ``core.lock``: the control or a plane thread) after a receive ended or a transfer
         # failed: the host's engine loop steps at once instead of at its next poll (decision 153).
-        # Set once at start-up; it must be quick and must not raise (it puts a command on a queue).
+        # Set once at start-up; it must be quick, must not raise and must not wait for another
+        # thread (it puts a command on a queue).
         self.listener: Callable[[], None] | None = None
 
     def sent(self, transfer_id: str, timing: TransferTiming | None = None) -> None:
