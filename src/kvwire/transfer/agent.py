@@ -659,8 +659,10 @@ class TransferAgent:
 
     def wake_on_completion(self, wake: Callable[[], None] | None) -> None:
         """Call ``wake()`` each time a receive ends or a transfer fails (on the thread that learned
-        it, no lock held), so that a host waiting to :meth:`poll` polls now: the built-in server's
-        engine loop (decision 153). ``wake`` must be quick and must not raise. None: no call."""
+        it: the control thread or a plane's, most often with the agent's lock held), so that a host
+        waiting to :meth:`poll` polls now: the built-in server's engine loop (decision 153). ``wake``
+        must be quick, must not raise and must not wait for another thread (one that calls this
+        agent would wait for its lock). None: no call."""
         self._events.listener = wake
 
     def stats(self) -> TransferStats:

@@ -319,9 +319,11 @@ class CompletionEvents:
         self._recvd: set[str] = set()
         self._failed: dict[str, str] = {}
         self._timings: dict[str, TransferTiming] = {}
-        # Called (no lock held, on the thread that appended) after a receive ended or a transfer
+        # Called (on the thread that appended, outside this object's lock but mostly inside the
+        # agent's ``core.lock``: the control or a plane thread) after a receive ended or a transfer
         # failed: the host's engine loop steps at once instead of at its next poll (decision 153).
-        # Set once at start-up; it must be quick and must not raise (it puts a command on a queue).
+        # Set once at start-up; it must be quick, must not raise and must not wait for another
+        # thread (it puts a command on a queue).
         self.listener: Callable[[], None] | None = None
 
     def sent(self, transfer_id: str, timing: TransferTiming | None = None) -> None:
@@ -666,7 +668,7 @@ class RecvState(TransferState):
     early_grant: Grant | None = None
     # created by this sender's Offer before expect(): counted against ControlLimits.max_pending_per_peer
     unsolicited_by: str | None = None
-    # ... and the receive memory granted to it meanwhile (against max_unexpected_bytes_per_peer)
+    # ... and its whole size once granted any receive memory (against max_unexpected_bytes_per_peer)
     unsolicited_bytes: int = 0
 
     @property
@@ -771,14 +773,14 @@ class Credit:
                 reason = f"{FailReason.BUDGET.value}: layer of {num_bytes} bytes never fits"
                 self.receiver.fail(st.transfer_id, reason, True)
                 break
-            if not unsolicited.fits(st, num_bytes):
+            if not unsolicited.fits(st):
                 unsolicited.park(st)  # its sender's Offers not expected yet hold enough: wait for expect()
                 break
             buf = memory.reserve(num_bytes)
             if buf is None:
                 self.core.stats.add("credit_waits")
                 break
-            unsolicited.took(st, num_bytes)
+            unsolicited.took(st)
             if buf.kind is BufferKind.SPILL:
                 self.core.stats.add("spilled_layers")
             st.to_grant.popleft()
@@ -1085,6 +1087,12 @@ RECV_SIDE = "recv"  # the receive side's key in the tombstones
 _SENDER_PROGRESS = frozenset({PeerState.QUEUED.value, PeerState.SENDING.value})
 
 
+def _offered_bytes(st: RecvState) -> int:
+    """The bytes of every layer ``st``'s Offer announced."""
+    assert st.specs is not None
+    return sum(spec.num_bytes for spec in st.specs)
+
+
 class UnsolicitedOffers:
     """Offers that came before ``expect()``: held (as transfers of the receiver's table) until the
     caller expects them or their lease ends; at most ``max_pending_per_peer`` per sender endpoint and
@@ -1092,16 +1100,17 @@ class UnsolicitedOffers:
 
     They are granted receive memory like expected ones (the Offer may beat ``expect``: decision
     110's race), up to ``TransferConfig.unexpected_bytes_per_peer`` per sender endpoint (decision
-    150). An Offer that would pass it is *parked*: out of the credit queue (it blocks no one), its
-    layers not granted until ``expect`` claims it and queues it again (``Credit.resume``), or its
-    lease ends. A peer that offers and never sends holds at most that much memory."""
+    150), each counted whole from its first grant. An Offer whose whole size would pass it is
+    *parked* before any of it is granted: out of the credit queue (it blocks no one), its layers not
+    granted until ``expect`` claims it and queues it again (``Credit.resume``), or its lease ends. A
+    peer that offers and never sends holds at most that much memory."""
 
     def __init__(self, core: Core, recvs: dict[str, RecvState]) -> None:
         self.core = core
         self.recvs = recvs
         # per sender endpoint: its Offers held here that expect() has not claimed yet ...
         self.counts: collections.Counter[str] = collections.Counter()
-        # ... and the receive memory granted to them
+        # ... and the receive memory granted to them (each one's whole size from its first grant)
         self.granted_bytes: collections.Counter[str] = collections.Counter()
         self.parked: set[str] = set()  # transfer ids waiting for expect() to be granted more
         self.max_bytes_per_peer = core.config.unexpected_bytes_per_peer  # read per granted layer
@@ -1124,16 +1133,22 @@ class UnsolicitedOffers:
         self.counts[msg.src_endpoint] += 1
         return st
 
-    def fits(self, st: RecvState, num_bytes: int) -> bool:
-        """Whether ``num_bytes`` more may be granted to ``st`` (always, once expected)."""
+    def fits(self, st: RecvState) -> bool:
+        """Whether ``st`` may be granted receive memory: always once expected; before, when its
+        whole size counts against its sender's cap already or fits under it. All or nothing: an
+        Offer parked half granted would hold memory that transfers granted after it may need to
+        complete (layers kept for ``take_layers``), while it waits behind them once expected."""
         peer = st.unsolicited_by
-        return peer is None or self.granted_bytes[peer] + num_bytes <= self.max_bytes_per_peer
+        if peer is None or st.unsolicited_bytes:
+            return True
+        return self.granted_bytes[peer] + _offered_bytes(st) <= self.max_bytes_per_peer
 
-    def took(self, st: RecvState, num_bytes: int) -> None:
-        """``num_bytes`` of receive memory were granted to ``st``."""
-        if st.unsolicited_by is not None:
-            self.granted_bytes[st.unsolicited_by] += num_bytes
-            st.unsolicited_bytes += num_bytes
+    def took(self, st: RecvState) -> None:
+        """``st`` was granted receive memory: its whole size counts against its sender's cap."""
+        peer = st.unsolicited_by
+        if peer is not None and not st.unsolicited_bytes:
+            st.unsolicited_bytes = _offered_bytes(st)
+            self.granted_bytes[peer] += st.unsolicited_bytes
 
     def park(self, st: RecvState) -> None:
         """``st`` waits for ``expect()`` (counted once, logged once per minute)."""

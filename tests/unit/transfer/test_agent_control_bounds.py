@@ -346,7 +346,7 @@ def test_offers_that_beat_expect_past_the_byte_cap_still_deliver_once_expected()
     with TransferAgent(TransferConfig()) as p, TransferAgent(TransferConfig(limits=limits)) as d:
         for tid, tensors in layers.items():
             _send(p, tid, d.endpoint, tensors, deadline_s=30.0)
-        # r0: two layers granted, the third waits; r1: the first would pass 300 bytes, so it waits
+        # r0 and r1 (420 bytes each) would each pass 300 bytes: both wait, none of them granted
         wait_for(lambda: d.stats().limits_hit.get("unexpected_bytes_per_peer") == 2, "both offers waiting")
         for tid in layers:
             d.expect(tid, num_layers=3, deadline_s=30.0)
@@ -356,3 +356,37 @@ def test_offers_that_beat_expect_past_the_byte_cap_still_deliver_once_expected()
             assert all(torch.equal(got[i], t) for i, t in enumerate(tensors))
         with d._core.lock:
             assert not d._receiver.unsolicited.granted_bytes and not d._receiver.unsolicited.parked
+
+
+def test_an_offer_waiting_past_the_byte_cap_holds_no_memory_a_later_transfer_needs() -> None:
+    """Decision 150, review: an Offer left waiting half granted kept its layers' memory while the
+    transfers queued after it took the rest; with layers buffered for ``take_layers`` (no sink) the
+    later one waited for memory only the waiting one's completion frees, and that one, expected now,
+    waited behind it: neither completed. An Offer past the cap now waits before any of it is granted."""
+    limits = ControlLimits(max_unexpected_bytes_per_peer=420)  # three of the 140-byte layers
+    d_config = TransferConfig(limits=limits, recv_budget_bytes=1400, spill_budget_bytes=0)  # ten
+    layers = {"early": _layers(6), "later": _layers(8)}
+    with TransferAgent(TransferConfig()) as p, TransferAgent(d_config) as d:
+        _send(p, "early", d.endpoint, layers["early"], deadline_s=30.0)  # before D expects it
+        wait_for(lambda: d.stats().limits_hit.get("unexpected_bytes_per_peer") == 1, "early left waiting")
+        d.expect("later", num_layers=8, deadline_s=30.0)
+        _send(p, "later", d.endpoint, layers["later"], deadline_s=30.0)
+        table = d._receiver.table
+
+        def later_granted() -> bool:
+            with d._core.lock:
+                st = table.get("later")
+                return st is None or (st.specs is not None and len(st.to_grant) <= 1)
+
+        wait_for(later_granted, "later granted what the budget holds")
+        d.expect("early", num_layers=6, deadline_s=30.0)
+        got: dict[str, dict[int, torch.Tensor]] = {}
+        deadline = time.monotonic() + 30.0
+        while len(got) < 2:
+            assert time.monotonic() < deadline, f"only {sorted(got)} arrived"
+            d.wait(0.1)
+            events = d.poll()
+            assert not events.failed, events.failed
+            got.update((tid, d.take_layers(tid)) for tid in events.finished_recving)  # frees their memory
+        for tid, tensors in layers.items():
+            assert all(torch.equal(got[tid][i], t) for i, t in enumerate(tensors))
