@@ -25,12 +25,14 @@ import statistics
 import sys
 import tempfile
 from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 
 from kvwire.bench.serve import SETUPS, make_load, run_load
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.protocol.kv_params import TransferMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pd_step_spans import site_environment
 
 SITE = Path(__file__).resolve().parent / "pd_cpu_split_site"
 Clocks = dict[tuple[str, str], int]  # (process, thread name) -> on-CPU ns
@@ -66,19 +68,11 @@ def read_clocks(processes: dict[str, list[int]]) -> Clocks:
     return clocks
 
 
-@contextlib.contextmanager
-def _site_environment(messages: Path | None = None) -> Iterator[None]:
-    saved = dict(os.environ)
-    os.environ["PD_CPU_SPLIT"] = "1"
+def _site_env(messages: Path | None) -> dict[str, str]:
+    env = {"PD_CPU_SPLIT": "1"}
     if messages is not None:
-        os.environ["PD_CPU_SPLIT_MESSAGES"] = str(messages)
-    paths = filter(None, saved.get("PYTHONPATH", "").split(os.pathsep))
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(SITE), *paths])
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+        env["PD_CPU_SPLIT_MESSAGES"] = str(messages)
+    return env
 
 
 def run_setup(name: str, args: argparse.Namespace, log: Path) -> tuple[Clocks, float]:
@@ -93,7 +87,8 @@ def run_setup(name: str, args: argparse.Namespace, log: Path) -> tuple[Clocks, f
     if counted is not None:
         counted.mkdir(exist_ok=True)
     roles: dict[int, str] = {}
-    with _site_environment(counted), log.open("w") as sink, LocalCluster(spec, sink=sink) as cluster:
+    env = _site_env(counted)
+    with site_environment(SITE, env), log.open("w") as sink, LocalCluster(spec, sink=sink) as cluster:
         assert cluster.router is not None
         processes = {"router": _session_pids(cluster.router.pid), "client": [os.getpid()]}
         for inst in cluster.instances.values():

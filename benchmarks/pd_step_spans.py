@@ -38,11 +38,13 @@ SITE = Path(__file__).resolve().parent / "pd_step_spans_site"
 
 
 @contextlib.contextmanager
-def _spans_environment(out: Path) -> Iterator[None]:
+def site_environment(site: Path, env: dict[str, str]) -> Iterator[None]:
+    """``env`` set and ``site`` (a folder with a ``sitecustomize``) first on the children's path, for
+    the cluster started inside; the parent's environment restored after."""
     saved = dict(os.environ)
-    os.environ["PD_STEP_SPANS_DIR"] = str(out)
+    os.environ.update(env)
     paths = filter(None, saved.get("PYTHONPATH", "").split(os.pathsep))
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(SITE), *paths])
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), *paths])
     try:
         yield
     finally:
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "cluster.log", "w") as sink:
         out = Path(tmp)
-        with _spans_environment(out):
+        with site_environment(SITE, {"PD_STEP_SPANS_DIR": str(out)}):
             cluster = LocalCluster(ClusterSpec(), sink=sink)
             cluster.__enter__()
         try:

@@ -25,10 +25,10 @@ from typing import Any
 
 SPANS = {
     "kvwire.engine.scheduler:Scheduler": ("postprocess",),
-    "kvwire.connector.scheduler:KvwireSchedulerConnector": (
-        "get_num_new_matched_tokens", "plan_step", "request_finished", "report_step"),
-    "kvwire.connector.worker:KvwireWorkerConnector": (
-        "send_saved", "_apply_metadata", "_announce", "_promise", "_finish_saves", "_report"),
+    "kvwire.connector.requests:RequestHooks": ("get_num_new_matched_tokens", "request_finished"),
+    "kvwire.connector.scheduler:KvwireSchedulerConnector": ("plan_step", "report_step"),
+    "kvwire.connector.worker:KvwireWorkerConnector": ("send_saved", "_apply_metadata", "_report"),
+    "kvwire.connector.worker:_SendSide": ("announce", "promise", "finish_saves"),
     "kvwire.engine.model_runner:ModelRunner": ("_forward_and_sample",),
     "kvwire.transfer.agent:TransferAgent": ("promise", "start_send", "send_blocks", "poll"),
 }
