@@ -36,31 +36,30 @@ log = logging.getLogger(__name__)
 # The decode kernel: a C extension built by ``pip install`` wherever a C compiler is found (setup.py,
 # optional). Without it the paged backend decodes through torch (gather + SDPA), logging a warning
 # once; the values agree within float32 rounding (tests/unit/engine/test_paged_decode.py).
-_native: ModuleType | None
-try:
-    _native = importlib.import_module("kvwire.engine._paged_attention")
-    NATIVE_DECODE_ERROR = ""
-except ImportError as exc:  # built without a C compiler: torch's gather + SDPA
-    _native = None
-    NATIVE_DECODE_ERROR = str(exc)
 
+
+def _optional_kernel(name: str) -> tuple[ModuleType | None, str]:
+    """A native kernel module, or None and why not (built without a C compiler: torch runs instead)."""
+    try:
+        return importlib.import_module(f"kvwire.engine.{name}"), ""
+    except ImportError as exc:
+        return None, str(exc)
+
+
+_native, NATIVE_DECODE_ERROR = _optional_kernel("_paged_attention")
 #: True when the native decode kernel is built (docs/decisions/148-paged-decode-attention-kernel.md)
 NATIVE_DECODE = _native is not None
-_warned = False
-
 # The prompt kernel (decision 152), optional the same way: without it whole prompts take SDPA.
-_prompt_native: ModuleType | None
-try:
-    _prompt_native = importlib.import_module("kvwire.engine._prompt_attention")
-    NATIVE_PROMPT_ERROR = ""
-except ImportError as exc:
-    _prompt_native = None
-    NATIVE_PROMPT_ERROR = str(exc)
-
+_prompt_native, NATIVE_PROMPT_ERROR = _optional_kernel("_prompt_attention")
 #: True when the native prompt kernel is built (docs/decisions/152-prompt-attention-kernel.md)
 NATIVE_PROMPT = _prompt_native is not None
 _PROMPT_DIMS: tuple[int, ...] = tuple(_prompt_native.prompt_dims) if _prompt_native is not None else ()
-_warned_prompt = False
+# what runs instead of each kernel not built, logged once each
+_FALLBACKS = {
+    "decode": "decode attention gathers the KV blocks and runs torch SDPA",
+    "prompt": "prompt attention runs torch SDPA once per prompt",
+}
+_warned: set[str] = set()  # the fallbacks logged
 
 
 def resolve_backend(backend: AttentionBackend, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
@@ -71,9 +70,9 @@ def resolve_backend(backend: AttentionBackend, device: torch.device, dtype: torc
         cpu_fp32 = device.type == "cpu" and dtype == torch.float32
         backend = AttentionBackend.PAGED if cpu_fp32 else AttentionBackend.SDPA
     if backend is AttentionBackend.PAGED and _native is None:
-        _warn_once()
+        _warn_once("decode", NATIVE_DECODE_ERROR)
     if backend is AttentionBackend.PAGED and _prompt_native is None:
-        _warn_prompt_once()
+        _warn_once("prompt", NATIVE_PROMPT_ERROR)
     return backend
 
 
@@ -82,25 +81,12 @@ def describe_decode() -> str:
     return "native" if _native is not None else f"torch ({NATIVE_DECODE_ERROR})"
 
 
-def _warn_once() -> None:
-    global _warned
-    if not _warned:
-        _warned = True
+def _warn_once(kernel: str, error: str) -> None:
+    if kernel not in _warned:
+        _warned.add(kernel)
         log.warning(
-            "decode attention gathers the KV blocks and runs torch SDPA (the native kernel is not built: "
-            "%s); reinstall kvwire where a C compiler is available",
-            NATIVE_DECODE_ERROR,
-        )
-
-
-def _warn_prompt_once() -> None:
-    global _warned_prompt
-    if not _warned_prompt:
-        _warned_prompt = True
-        log.warning(
-            "prompt attention runs torch SDPA once per prompt (the native kernel is not built: %s); "
-            "reinstall kvwire where a C compiler is available",
-            NATIVE_PROMPT_ERROR,
+            "%s (the native kernel is not built: %s); reinstall kvwire where a C compiler is available",
+            _FALLBACKS[kernel], error,
         )
 
 

@@ -44,7 +44,7 @@ def tune_malloc() -> bool:
 def _apply() -> bool:
     try:
         mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows has no CDLL(None)
         log.info("malloc left at its defaults: the C library has no mallopt")
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int

@@ -1113,7 +1113,7 @@ class UnsolicitedOffers:
         # ... and the receive memory granted to them (each one's whole size from its first grant)
         self.granted_bytes: collections.Counter[str] = collections.Counter()
         self.parked: set[str] = set()  # transfer ids waiting for expect() to be granted more
-        self.max_bytes_per_peer = core.config.unexpected_bytes_per_peer  # read per granted layer
+        self.max_bytes_per_peer = core.config.unexpected_bytes_per_peer  # checked once per Offer
 
     def admit(self, msg: Offer, deadline_s: float) -> RecvState | None:
         """State for an Offer that came before expect(), unless this agent or that sender has too

@@ -172,7 +172,7 @@ def test_without_the_kernel_the_paged_backend_falls_back_to_torch_and_warns(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(attention, "_native", None)
-    monkeypatch.setattr(attention, "_warned", False)
+    monkeypatch.setattr(attention, "_warned", set())
     cpu, fp32 = torch.device("cpu"), torch.float32
     with caplog.at_level(logging.WARNING, logger="kvwire.engine.attention"):
         assert resolve_backend(AttentionBackend.AUTO, cpu, fp32) is AttentionBackend.PAGED
@@ -192,7 +192,7 @@ def test_an_engine_on_the_paged_backend_generates_what_sdpa_generates(
     backend, kernel built or not, equal the SDPA backend's."""
     if not native:
         monkeypatch.setattr(attention, "_native", None)
-        monkeypatch.setattr(attention, "_warned", True)
+        monkeypatch.setattr(attention, "_warned", {"decode"})
     prompts = random_prompts(6, 5, 40, seed=2)
     outputs = {}
     for backend in (AttentionBackend.SDPA, AttentionBackend.AUTO):

@@ -170,7 +170,7 @@ def test_the_paged_backend_warns_once_when_the_kernel_is_missing(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(attention, "_prompt_native", None)
-    monkeypatch.setattr(attention, "_warned_prompt", False)
+    monkeypatch.setattr(attention, "_warned", set())
     with caplog.at_level(logging.WARNING, logger="kvwire.engine.attention"):
         for _ in range(2):
             resolve_backend(AttentionBackend.PAGED, torch.device("cpu"), torch.float32)
