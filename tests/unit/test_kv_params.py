@@ -1,7 +1,13 @@
 import pytest
 
 from kvwire.errors import InvalidRequestError
-from kvwire.protocol.kv_params import KV_PARAMS_VERSION, KVTransferParams, Role, TransferMode
+from kvwire.protocol.kv_params import (
+    KV_PARAMS_VERSION,
+    MAX_PEER_ENDPOINTS,
+    KVTransferParams,
+    Role,
+    TransferMode,
+)
 
 
 def test_round_trip_through_json_dict() -> None:
@@ -42,3 +48,11 @@ def test_defaults_push_mode() -> None:
 def test_invalid_params_raise_typed_error(bad: object) -> None:
     with pytest.raises(InvalidRequestError):
         KVTransferParams.from_dict(bad)
+
+
+def test_peer_endpoints_are_bounded_in_count() -> None:
+    base = {"transfer_id": "t", "role": "prefill"}
+    ok = KVTransferParams.from_dict({**base, "peer_endpoints": ["ipc://a"] * MAX_PEER_ENDPOINTS})
+    assert len(ok.peer_endpoints) == MAX_PEER_ENDPOINTS
+    with pytest.raises(InvalidRequestError, match="peer_endpoints"):
+        KVTransferParams.from_dict({**base, "peer_endpoints": ["ipc://a"] * (MAX_PEER_ENDPOINTS + 1)})

@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -90,6 +90,9 @@ def layout_mismatch(mine: KVCacheLayout, peer: KVCacheLayout) -> str | None:
 # The control codec checks every peer's src_endpoint with it, an instance's HTTP edge the
 # peer_endpoints of a request, the router an instance's registered kv_endpoints (decision 150).
 MAX_ENDPOINT_LEN = 512
+# One endpoint per worker rank of the peer: far more than any tensor-parallel size, and a bound on what
+# a request's params make the HTTP edge check (each entry) and the connector hold.
+MAX_PEER_ENDPOINTS = 1024
 _ENDPOINT = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}|(?:ipc|inproc)://[^\x00\s]+")
 
 
@@ -119,7 +122,9 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     # The other side's transfer-agent endpoints, one per worker rank (their count is the peer's TP
     # size; which rank talks to which: connector/pieces.py).
     # P in pull mode: the D that may pull (empty: the first puller).
-    peer_endpoints: list[str] = msgspec.field(default_factory=list)
+    peer_endpoints: Annotated[list[str], msgspec.Meta(max_length=MAX_PEER_ENDPOINTS)] = msgspec.field(
+        default_factory=list
+    )
     # The other side's instance id (for logs/metrics and epoch checks); optional.
     peer_instance_id: str | None = None
     # Seconds the transfer (push) or the lease on P's blocks (pull) may take before it fails.
