@@ -12,7 +12,8 @@ unmapped when it empties. The cost: the process keeps its high-water mark of fre
 about 1 GiB more than it uses) instead of returning it to the system.
 
 Applied once per process by :class:`~kvwire.engine.llm_engine.LLMEngine` on the CPU
-(``EngineConfig.cpu_malloc_tuning``, default on); a no-op where the C library has no ``mallopt``.
+(``EngineConfig.cpu_malloc_tuning``, default on; ``kvwire serve --no-cpu-malloc-tuning``
+turns it off); a no-op where the C library has no ``mallopt``.
 """
 
 from __future__ import annotations

@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU: torch threads (default: OMP_NUM_THREADS, else half the cores)")
     parser.add_argument("--packed-prompts", action="store_true",
                         help="quantized modes: prompts through the packed kernels too (no bf16 copy)")
+    parser.add_argument("--no-cpu-malloc-tuning", dest="cpu_malloc_tuning", action="store_false",
+                        help="CPU: leave glibc's malloc thresholds as they are (default: the engine "
+                             "raises them so large per-layer buffers are not unmapped every step)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     parser.add_argument("--role", choices=[r.value for r in Role], default=Role.BOTH.value)
@@ -296,6 +299,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                         quantization=args.quantization, cpu_threads=args.cpu_threads,
                         dense_prompt_weights=not args.packed_prompts,
+                        cpu_malloc_tuning=args.cpu_malloc_tuning,
                         kv_load_failure_policy=args.kv_load_failure_policy, revision=args.revision,
                         gguf_file=args.gguf_file, tokenizer=args.tokenizer, **sizing)
 

@@ -1,5 +1,6 @@
-"""`kvwire serve --quantization / --cpu-threads / --packed-prompts` reach the engine config, with
-their defaults (decisions 118, 119); the thread default follows OMP_NUM_THREADS, else half the cores."""
+"""`kvwire serve --quantization / --cpu-threads / --packed-prompts / --no-cpu-malloc-tuning` reach
+the engine config, with their defaults (decisions 118, 119, 152); the thread default follows
+OMP_NUM_THREADS, else half the cores."""
 
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ def _config(*argv: str) -> EngineConfig:
 def test_defaults_and_flags_reach_the_engine_config() -> None:
     default = _config()
     assert default.quantization is Quantization.AUTO
-    assert default.cpu_threads is None and default.dense_prompt_weights
-    flags = _config("--quantization", "int8", "--cpu-threads", "3", "--packed-prompts")
+    assert default.cpu_threads is None and default.dense_prompt_weights and default.cpu_malloc_tuning
+    flags = _config("--quantization", "int8", "--cpu-threads", "3", "--packed-prompts",
+                    "--no-cpu-malloc-tuning")
     assert flags.quantization is Quantization.INT8
-    assert flags.cpu_threads == 3 and not flags.dense_prompt_weights
+    assert flags.cpu_threads == 3 and not flags.dense_prompt_weights and not flags.cpu_malloc_tuning
     with pytest.raises(SystemExit):
         _config("--quantization", "int2")
     with pytest.raises(ConfigError):
