@@ -210,3 +210,32 @@ def test_d_closed_p_frees_within_deadline() -> None:
         assert pair.p.stats().num_delayed_free_requests == 0
     finally:
         pair.p.close()
+
+
+def test_a_request_withdrawn_after_the_engine_took_it_frees_p_blocks() -> None:
+    """The HTTP server's admission was cancelled just as the engine took the request (decision 146):
+    the request is aborted and its params withdrawn, which aborts its send at once. Here P's prefill
+    ran first: the request ended, its blocks held for the send, whose layers P's next step hands
+    over (CPU caches, decision 147) together with the withdrawal's abort. The blocks are freed then,
+    not held for ever (decision 156); the transfer's deadline is far off."""
+    pair = PD(p_config=engine_config(), d_config=engine_config(), deadline_s=30.0)
+    try:
+        sched, worker = pair.p.scheduler_connector, pair.p.worker_connector
+        sched.promise_now, sched.withdraw_now = worker.promise_now, worker.withdraw_now  # type: ignore[attr-defined]
+        raw = KVTransferParams(transfer_id="t-withdrawn", role=Role.PREFILL, deadline_s=30.0,
+                               peer_endpoints=pair.endpoints(pair.d))
+        params = sched.check_request_params(raw.to_dict())  # type: ignore[attr-defined]
+        pair.p.add_request("p-r0", list(range(1, 40)), FIRST, params.to_dict())
+        outputs = pair.p.step()  # the whole prefill: the request ends, its blocks wait for the send
+        assert [o.finished for o in outputs] == [True] and pair.p.stats().num_delayed_free_requests == 1
+        sched.withdraw_request_params(params, "not admitted: CancelledError")  # type: ignore[attr-defined]
+        pair.p.abort_request("p-r0")  # (over already)
+        start = time.monotonic()
+        while pair.p.has_unfinished_requests() and time.monotonic() - start < 10:
+            pair.p.step()
+            time.sleep(0.001)
+        assert pair.p.stats().kv_blocks_in_use == 0
+        assert pair.p.stats().num_delayed_free_requests == 0
+        assert sched.num_tracked_requests == 0  # type: ignore[attr-defined]
+    finally:
+        pair.close()

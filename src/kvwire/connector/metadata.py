@@ -77,7 +77,9 @@ class TrailerSpec:
 @dataclasses.dataclass(frozen=True)
 class AbortSpec:
     """Either side: cancel the transfer. ``report_free``: report ``request_id`` in
-    ``finished_sending`` once cancelled (the engine is holding its blocks until then)."""
+    ``finished_sending`` once cancelled (the engine is holding its blocks until then). An empty
+    ``request_id``: an admission withdrawn (``RequestHooks.withdraw_request_params``), whose engine
+    id is not known; a send of it that this rank started is reported by its own request id."""
 
     request_id: str
     transfer_id: str

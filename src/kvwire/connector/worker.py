@@ -269,18 +269,24 @@ class KvwireWorkerConnector(WorkerConnector):
         self._apply_metadata(metadata)
 
     def _apply_metadata(self, metadata: ConnectorMetadata) -> None:
-        """Promises, aborts, receives, sends, trailers: in that order."""
+        """Promises, aborts, receives, sends, withdrawn admissions, trailers: in that order. A
+        withdrawal (an abort without a request id) follows the sends: the engine may have taken the
+        request after all and started its send in this very step (decision 156)."""
         if not isinstance(metadata, KvwireConnectorMetadata):
             return
         sender = self._sender
         for promise in metadata.promises:
             sender.promise(promise)
         for abort in metadata.aborts:
-            self._apply_abort(abort)
+            if abort.request_id:
+                self._apply_abort(abort)
         for recv in metadata.recvs:
             self._receiver.expect(recv)
         for send in metadata.sends:
             sender.announce(send)
+        for abort in metadata.aborts:
+            if not abort.request_id:
+                self._apply_abort(abort)
         for trailer in metadata.trailers:
             sender.send_trailer(trailer)
 
@@ -395,7 +401,10 @@ class KvwireWorkerConnector(WorkerConnector):
             self._receiver.piece_failed(recv, reason, out)
 
     def _apply_abort(self, spec: AbortSpec) -> None:
-        """Cancel every piece of the request's transfer on this rank."""
+        """Cancel every piece of the request's transfer on this rank. P: the request's blocks are
+        reported free now, as after a failed send: the pieces are forgotten here, so what the agent
+        reports of them later (failed, or sent) reports nothing; a send withdrawn after the engine
+        took its request (decision 146) held P's blocks for ever (decision 156)."""
         receiver = self._receiver
         recv_group = receiver.pieces.drop(spec.transfer_id)
         send_group = self._sender.pieces.drop(spec.transfer_id)
@@ -405,6 +414,8 @@ class KvwireWorkerConnector(WorkerConnector):
         recvs = [receiver.recvs[p].spec for p in piece_ids if p in receiver.recvs]
         for piece_id in sorted(piece_ids):
             self._abort_piece(piece_id, spec.reason)
+        if send_group is not None and not spec.report_free:
+            self._pending.finished_sending.add(send_group.request_id)
         if spec.report_free:  # D: the engine frees the blocks once no sender may write into them
             blocks = _blocks_written(recvs[0]) if recvs else 0
             receiver.quarantine.report_when_settled(

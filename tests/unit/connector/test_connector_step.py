@@ -238,3 +238,53 @@ def test_a_promised_request_the_engine_never_took_ends_its_promise(same_process:
     p.worker.bind_connector_metadata(meta)
     assert "t5" in [tid for tid, _ in p.agent.aborted] and "t5" not in p.agent.promises[1:]
     p.worker.clear_connector_metadata()
+
+
+@pytest.mark.parametrize("send", ["held", "offered", "acknowledged"])
+def test_a_send_withdrawn_after_the_engine_took_its_request_frees_the_blocks(send: str) -> None:
+    """The client went away as the engine took the request: the admission is cancelled, so the HTTP
+    server aborts the request and withdraws its params (decision 146), but P's prefill had run, and
+    its blocks wait for the send (``delay_free``). The withdrawal aborts the send at the agent at
+    once and, with the next step's metadata, on this rank; the blocks are then reported free, as
+    after any send that ended: whether the send was still held (CPU caches), offered (D answers
+    nothing) or already acknowledged, the agent's report of it not yet polled."""
+    fabric, registry = FakeFabric(), CollectorRegistry()
+    p, d = make_pd(fabric, registry)
+    p.sched.promise_now, p.sched.withdraw_now = p.worker.promise_now, p.worker.withdraw_now
+    preq, _ = push_requests(p, d, prompt_len=9, tid="t6")
+    params = p.sched.check_request_params(preq.kv_transfer_params)
+    p.sched.get_num_new_matched_tokens(preq, 0)
+    one_call_step(p, plan(chunk(preq, [0, 1], computed=0, scheduled=9)))  # the prefill announces the send
+    preq.output_token_ids = [42]
+    assert p.sched.request_finished(preq, [0, 1]) == (True, None)  # blocks held for the send
+    assert registry.get_sample_value("kvwire_pd_blocks_awaiting_send") == 2  # blocks
+    fabric.paused = True  # D takes nothing, acknowledges nothing (yet)
+    if send != "held":
+        assert not one_call_step(p, StepPlan(())).output.finished_sending  # the layers go (decision 147)
+        assert "t6" in p.agent.sends
+    if send == "acknowledged":
+        fabric.flush()  # D took it all: the agent reports the send done at its next poll
+        assert "t6" not in p.agent.sends
+    p.sched.withdraw_request_params(params, "not admitted: CancelledError")
+    freed = [one_call_step(p, StepPlan(())).output.finished_sending for _ in range(2)]
+    assert freed == [{preq.request_id}, frozenset()]
+    assert p.sched.num_tracked_requests == 0
+    assert registry.get_sample_value("kvwire_pd_blocks_awaiting_send") == 0
+
+
+def test_a_withdrawal_in_the_step_that_starts_the_send_ends_it() -> None:
+    """The withdrawal reaches the worker with the metadata of the very step in which the engine
+    prefilled the request it took after all: the send is announced and then aborted (no Offer for a
+    request the client left); its blocks are free once the request ends."""
+    p, d = make_pd(FakeFabric(), CollectorRegistry())
+    p.sched.promise_now, p.sched.withdraw_now = p.worker.promise_now, p.worker.withdraw_now
+    preq, _ = push_requests(p, d, prompt_len=9, tid="t7")
+    params = p.sched.check_request_params(preq.kv_transfer_params)
+    p.sched.get_num_new_matched_tokens(preq, 0)
+    p.sched.withdraw_request_params(params, "not admitted: CancelledError")
+    report = one_call_step(p, plan(chunk(preq, [0, 1], computed=0, scheduled=9)))
+    assert report.output.finished_sending == {preq.request_id}
+    preq.output_token_ids = [42]
+    assert p.sched.request_finished(preq, [0, 1]) == (False, None)  # freed with the request
+    assert not one_call_step(p, StepPlan(())).output.finished_sending
+    assert "t7" not in p.agent.sends and p.sched.num_tracked_requests == 0
