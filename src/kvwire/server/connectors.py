@@ -42,13 +42,15 @@ class ConnectorSet:
         peer_transports = getattr(getattr(self.worker, "agent", None), "peer_transports", None)
         return dict(peer_transports()) if peer_transports is not None else {}
 
-    def wake_on_transfer_end(self, wake: Callable[[], None]) -> None:
+    def wake_on_transfer_end(self, wake: Callable[[], None]) -> bool:
         """Have the transfer agent call ``wake()`` when a receive ends or a transfer fails (the
         engine loop then steps at once, not at its next poll: decision 153). Nothing without an
-        agent in this process."""
+        agent in this process. Returns whether the agent will call it."""
         wake_on_completion = getattr(getattr(self.worker, "agent", None), "wake_on_completion", None)
-        if wake_on_completion is not None:
-            wake_on_completion(wake)
+        if wake_on_completion is None:
+            return False
+        wake_on_completion(wake)
+        return True
 
     def close(self) -> None:
         for half in (self.worker, self.scheduler):

@@ -4,7 +4,9 @@ Threads: the engine is touched only by the engine thread (started by :meth:`Engi
 The asyncio side sends it commands (add, abort, abort-all, stop) through a queue and receives each
 step's outputs through ``loop.call_soon_threadsafe``, put into the outbox (an ``asyncio.Queue``) the
 caller gave each request. While only remote-KV transfers are pending the thread polls every
-``remote_wait_s``; a transfer that ends wakes it at once (:meth:`EngineLoop.wake`, decision 153).
+``remote_wait_s``; a transfer that ends wakes it at once (:meth:`EngineLoop.wake`, decision 153). When
+the transfer agent wakes it (``wakes_on_receive``) and nothing holds blocks for a send, only receives
+are awaited and the poll is ``receive_wait_s`` (decision 158).
 Failure: an exception from ``add_request`` is raised to the awaiting caller; an
 exception from ``step`` fails every in-flight request with :class:`EngineError` (their streams
 raise it) and the loop keeps serving new requests; after ``MAX_CONSECUTIVE_STEP_ERRORS`` failed steps in
@@ -77,6 +79,7 @@ class StatsSnapshot:
     num_running: int = 0
     num_waiting: int = 0
     num_waiting_for_remote_kv: int = 0
+    num_delayed_free_requests: int = 0  # finished requests whose blocks wait for a send to complete
     kv_blocks_in_use: int = 0
     kv_blocks_total: int = 0
     num_preemptions: int = 0
@@ -87,12 +90,15 @@ class StatsSnapshot:
 
     @classmethod
     def of(cls, stats: Any) -> StatsSnapshot:
-        counts = [f.name for f in dataclasses.fields(cls) if f.name != "taken_at"]
-        return cls(**{name: int(getattr(stats, name, 0) or 0) for name in counts})
+        return cls(**{name: int(getattr(stats, name, 0) or 0) for name in _SNAPSHOT_COUNTS})
 
     def age_s(self, now: float | None = None) -> float:
         """Seconds since the snapshot was copied."""
         return max(0.0, (time.monotonic() if now is None else now) - self.taken_at)
+
+
+# StatsSnapshot's counters: taken after every engine step, so listed once, not per snapshot
+_SNAPSHOT_COUNTS = tuple(f.name for f in dataclasses.fields(StatsSnapshot) if f.name != "taken_at")
 
 
 class EngineLike(Protocol):
@@ -159,16 +165,22 @@ class EngineLoop:
 
     def __init__(
         self, engine: EngineLike, *, idle_wait_s: float = 0.05, remote_wait_s: float = 0.002,
-        stall_timeout_s: float | None = None, on_lost: Callable[[RankLost], None] | None = None,
+        receive_wait_s: float = 0.02, stall_timeout_s: float | None = None,
+        on_lost: Callable[[RankLost], None] | None = None,
     ) -> None:
         """``on_lost(error)``: called on the event loop when the engine lost a tensor-parallel rank
-        (before the in-flight requests are failed with it); the instance cannot serve any more."""
+        (before the in-flight requests are failed with it); the instance cannot serve any more.
+        ``receive_wait_s``: the poll while only receives are awaited and ``wakes_on_receive`` is set
+        (a receive that ends or fails wakes the loop; the poll is the safety net, decision 158)."""
         self._engine = engine
         self._on_lost = on_lost
         self.fatal: BaseException | None = None  # why the engine thread stopped, if it failed
         self._rank_check_s = 0.0  # monotonic time of the last idle rank check
         self._idle_wait_s = idle_wait_s  # block this long on the queue when nothing is in flight
         self._remote_wait_s = remote_wait_s  # ... and this long when all wait for KV transfers
+        self._receive_wait_s = receive_wait_s  # ... or this long when all wait for receives that wake us
+        # set by the server once the transfer agent calls ``wake`` when a receive ends or fails
+        self.wakes_on_receive = False
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake_queued = False  # a _Wake is in the queue: more wakes add none (races add one more)
         self._streams: dict[str, RequestOutbox] = {}  # event-loop thread only: outboxes in flight
@@ -388,7 +400,7 @@ class EngineLoop:
         elif self._stats.num_running == 0 and self._stats.num_waiting == 0:
             # Nothing to compute: only remote-KV waiters or blocks held for a send. Poll, do not spin;
             # a transfer that ends wakes the loop at once (``wake``).
-            wait_s = self._remote_wait_s
+            wait_s = self._poll_wait_s()
         else:
             wait_s = None
         while True:
@@ -399,6 +411,15 @@ class EngineLoop:
             wait_s = None
             if not self._apply(command):
                 return False
+
+    def _poll_wait_s(self) -> float:
+        """The poll while nothing computes: ``remote_wait_s`` while blocks wait for a send (P starts
+        its held push at its next step, decision 147, and learns of the send's end only by polling)
+        or when no agent wakes the loop; ``receive_wait_s`` when only receives are awaited and their
+        end wakes it (D between its admission and the last layer: no empty step every 2 ms)."""
+        if self.wakes_on_receive and self._stats.num_delayed_free_requests == 0:
+            return self._receive_wait_s
+        return self._remote_wait_s
 
     def _apply(self, command: _Command) -> bool:
         if isinstance(command, _Stop):

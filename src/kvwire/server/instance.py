@@ -96,7 +96,8 @@ class ServerInstance:
         engine_loop = EngineLoop(self._engine, stall_timeout_s=self.config.engine_stall_timeout_s,
                                  on_lost=self._engine_lost)
         self._engine_loop = engine_loop
-        self._connectors.wake_on_transfer_end(engine_loop.wake)  # D steps once its KV is in
+        # D steps once its KV is in, and polls slowly meanwhile (decision 158)
+        engine_loop.wakes_on_receive = self._connectors.wake_on_transfer_end(engine_loop.wake)
         model_name = self.config.served_model_name or str(self._engine.model_name)
         kv_layout = None
         if self._connectors.enabled:  # every rank's endpoint, once the engine started its ranks

@@ -1,7 +1,9 @@
 """The engine loop steps as soon as a KV transfer ends, not at the end of its poll wait (decision
 153): with only remote-KV waiters the loop blocks on its command queue for ``remote_wait_s``; the
 transfer agent's completion calls ``EngineLoop.wake``, which ends that wait at once. Checked by
-order, not time: the poll wait is set far longer than the test's deadline, so only a wake steps."""
+order, not time: the poll wait is set far longer than the test's deadline, so only a wake steps.
+When the agent wakes the loop and no blocks wait for a send, the poll is ``receive_wait_s`` instead
+(decision 158)."""
 
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ DEADLINE_S = 30.0
 class _RemoteWaiterEngine:
     """One request that only waits for remote KV: nothing running or waiting; each step counted."""
 
-    def __init__(self) -> None:
+    def __init__(self, delayed_free: int = 0) -> None:
         self.unfinished = False
+        self.delayed_free = delayed_free  # finished requests holding blocks for a send
         self.steps = 0
         self.stepped = threading.Condition()
 
@@ -46,20 +49,26 @@ class _RemoteWaiterEngine:
         return self.unfinished
 
     def stats(self) -> Any:
-        return SimpleNamespace(num_running=0, num_waiting=0, num_waiting_for_remote_kv=int(self.unfinished))
+        return SimpleNamespace(num_running=0, num_waiting=0, num_waiting_for_remote_kv=int(self.unfinished),
+                               num_delayed_free_requests=self.delayed_free)
 
-    def wait_steps(self, count: int) -> bool:
+    def wait_steps(self, count: int, timeout_s: float = DEADLINE_S) -> bool:
         with self.stepped:
-            return self.stepped.wait_for(lambda: self.steps >= count, DEADLINE_S)
+            return self.stepped.wait_for(lambda: self.steps >= count, timeout_s)
 
 
-def _run_with_waiter(body: Any) -> _RemoteWaiterEngine:
-    """Start a loop polling every NEVER_S, admit one remote waiter, wait for the step after the
-    admission, then run ``body(loop, engine)`` on a worker thread."""
-    engine = _RemoteWaiterEngine()
+def _run_with_waiter(
+    body: Any, engine: _RemoteWaiterEngine | None = None, remote_wait_s: float = NEVER_S,
+    receive_wait_s: float = NEVER_S, wakes_on_receive: bool = False,
+) -> _RemoteWaiterEngine:
+    """Start a loop polling every NEVER_S (or as given), admit one remote waiter, wait for the step
+    after the admission, then run ``body(loop, engine)`` on a worker thread."""
+    engine = engine or _RemoteWaiterEngine()
 
     async def main() -> None:
-        loop = EngineLoop(engine, remote_wait_s=NEVER_S, idle_wait_s=NEVER_S)
+        loop = EngineLoop(engine, remote_wait_s=remote_wait_s, receive_wait_s=receive_wait_s,
+                          idle_wait_s=NEVER_S)
+        loop.wakes_on_receive = wakes_on_receive
         loop.start(asyncio.get_running_loop())
         try:
             outbox: RequestOutbox = asyncio.Queue()
@@ -109,3 +118,38 @@ def test_a_received_transfer_wakes_the_loop_through_the_connector_set() -> None:
         d.abort("gone", "test")
         poll_until(d, lambda ev: "gone" in ev["failed"])
         assert woken.acquire(timeout=DEADLINE_S)
+
+
+def test_a_loop_the_agent_wakes_polls_slowly_while_only_receives_are_awaited() -> None:
+    """Decision 158: the 2 ms poll gives way to ``receive_wait_s`` (here NEVER_S) once a receive's
+    end wakes the loop; a wake still steps at once."""
+    def body(loop: EngineLoop, engine: _RemoteWaiterEngine) -> None:
+        steps = engine.steps
+        # 0.3 s: ~150 polls of remote_wait_s, had it been used (a loaded box only makes fewer)
+        assert not engine.wait_steps(steps + 1, timeout_s=0.3), "the loop polled at remote_wait_s"
+        loop.wake()
+        assert engine.wait_steps(steps + 1)
+
+    _run_with_waiter(body, remote_wait_s=0.002, wakes_on_receive=True)
+
+
+def test_the_loop_keeps_polling_while_blocks_wait_for_a_send() -> None:
+    """P's held push starts at its next step and a send's end does not wake the loop: with blocks
+    held for a send the poll stays ``remote_wait_s`` even when receives wake it."""
+    def body(loop: EngineLoop, engine: _RemoteWaiterEngine) -> None:
+        assert engine.wait_steps(engine.steps + 3), "no poll while blocks waited for a send"
+
+    _run_with_waiter(body, _RemoteWaiterEngine(delayed_free=1), remote_wait_s=0.002, wakes_on_receive=True)
+
+
+def test_a_loop_nothing_wakes_keeps_polling() -> None:
+    def body(loop: EngineLoop, engine: _RemoteWaiterEngine) -> None:
+        assert engine.wait_steps(engine.steps + 3), "no poll without the agent's wakes"
+
+    _run_with_waiter(body, remote_wait_s=0.002, wakes_on_receive=False)
+
+
+def test_the_connector_set_says_whether_the_agent_wakes_the_loop() -> None:
+    assert not ConnectorSet(worker=SimpleNamespace()).wake_on_transfer_end(lambda: None)
+    with TransferAgent(TransferConfig()) as d:
+        assert ConnectorSet(worker=SimpleNamespace(agent=d)).wake_on_transfer_end(lambda: None)
