@@ -9,7 +9,10 @@ input to bfloat16 and its output back, so the rest of the model keeps its dtype.
   Q4_0 (``d * (q - 8)``) and Q4_1 (``d * q + m``) blocks map onto it without re-quantizing: the
   codes are the file's codes, only the scales are rounded to bfloat16 (:func:`gguf_q4_groups`).
 * :class:`Int8Linear` — ``w = q * scale`` per output row, ``q`` in -127..127. GGUF's Q8_0 blocks
-  (a scale per 32 inputs) are re-quantized to one scale per row from their dequantized values.
+  (a scale per 32 inputs) are re-quantized to one scale per row from their dequantized values. Where
+  the CPU has AVX512-BF16 and kvwire was built with a C compiler, the codes are kept in tiles of 16
+  rows and multiplied by a small C kernel (``_int8_matmul.c``, decision 157: ~2x torch's at 8 rows,
+  float32 out); torch's kernel otherwise (:data:`NATIVE_INT8`, one warning).
 
 Decision 118 says why these kernels and this layout.
 """
@@ -17,6 +20,9 @@ Decision 118 says why these kernels and this layout.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import logging
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -34,6 +40,36 @@ _INT4_MM = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
 _INT8_MM = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
 _INT4_MM = None if _INT4_MM is None else _INT4_MM.default
 _INT8_MM = None if _INT8_MM is None else _INT8_MM.default
+_TILE = 16  # output rows of one tile of the native int8 kernel's layout (pack_int8)
+log = logging.getLogger(__name__)
+
+
+def _int8_kernel() -> tuple[ModuleType | None, str]:
+    """The native int8 kernel (decision 157), or None and why not."""
+    try:
+        module = importlib.import_module("kvwire.engine._int8_matmul")
+    except ImportError as exc:  # built without a C compiler
+        return None, str(exc)
+    return (module, "") if module.supported() else (None, "this CPU has no AVX512-BF16")
+
+
+_int8_native, NATIVE_INT8_ERROR = _int8_kernel()
+#: True when int8 layers multiply by the native kernel (docs/decisions/157-int8-decode-gemm.md)
+NATIVE_INT8 = _int8_native is not None
+_warned_int8: list[bool] = []  # the fallback logged
+
+
+def pack_int8(codes: torch.Tensor) -> torch.Tensor:
+    """Int8 codes [N, K] (K even) in the native kernel's layout: tiles of 16 rows (N padded with zero
+    rows), each [K / 2, 16, 2]: for each input pair the 16 rows' two codes side by side."""
+    rows, cols = codes.shape
+    padded = F.pad(codes, (0, 0, 0, -rows % _TILE))
+    return padded.view(-1, _TILE, cols // 2, 2).transpose(1, 2).contiguous().view(-1)
+
+
+def unpack_int8(packed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The codes [rows, cols] that :func:`pack_int8` laid out."""
+    return packed.view(-1, cols // 2, _TILE, 2).transpose(1, 2).reshape(-1, cols)[:rows]
 
 
 @dataclasses.dataclass
@@ -115,17 +151,17 @@ class _QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         two_d = x.dim() == 2
-        flat = (x if two_d else x.reshape(-1, self.in_features)).to(_ACT)
+        flat = x if two_d else x.reshape(-1, self.in_features)
         rows, dense = flat.shape[0], self.dense_weight
         split = self.split.packed_rows if self.split is not None else None
         packed = rows if split is None or dense is None else min(split, rows)
         if packed == rows or dense is None:
-            out = self._packed(flat)
+            out = self._packed(flat).to(x.dtype)
         elif packed == 0:
-            out = F.linear(flat, dense)
+            out = F.linear(flat.to(_ACT), dense).to(x.dtype)
         else:
-            out = torch.cat((self._packed(flat[:packed]), F.linear(flat[packed:], dense)))
-        out = out.to(x.dtype)
+            dense_rows = F.linear(flat[packed:].to(_ACT), dense).to(x.dtype)
+            out = torch.cat((self._packed(flat[:packed]).to(x.dtype), dense_rows))
         if not two_d:
             out = out.view(*x.shape[:-1], out.shape[-1])
         return out if self.bias is None else out + self.bias
@@ -160,12 +196,14 @@ class Int4Linear(_QuantLinear):
     def _packed(self, flat: torch.Tensor) -> torch.Tensor:
         if _INT4_MM is None:
             raise ModelLoadError("this torch has no aten._weight_int4pack_mm_for_cpu")
-        out = _INT4_MM(flat, self.packed, GROUP, self.scale_zeros)
+        out = _INT4_MM(flat.to(_ACT), self.packed, GROUP, self.scale_zeros)
         return out if self.padded_rows == 0 else out[:, : self.out_features]
 
 
 class Int8Linear(_QuantLinear):
-    """``y = x W^T`` with W held as int8 rows and one scale per row, symmetric."""
+    """``y = x W^T`` with W held as int8 rows and one scale per row, symmetric. The codes are kept in
+    the native kernel's tiles (:func:`pack_int8`) where it runs (:data:`NATIVE_INT8`, an even number
+    of inputs), as torch's kernel reads them otherwise."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, split: RowSplit | None = None,
@@ -174,17 +212,35 @@ class Int8Linear(_QuantLinear):
         w = weight.detach().float()
         super().__init__(int(w.shape[1]), int(w.shape[0]), bias, split)
         scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+        codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.native = _int8_native is not None and self.in_features % 2 == 0
+        if not self.native and not _warned_int8:
+            _warned_int8.append(True)
+            log.warning("int8 layers run torch's _weight_int8pack_mm (the native kernel: %s)",
+                        NATIVE_INT8_ERROR or f"needs an even input size, not {self.in_features}")  # fmt: skip
         self.qweight: torch.Tensor
         self.scale: torch.Tensor
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("qweight", pack_int8(codes) if self.native else codes)
         self.register_buffer("scale", scale.to(_ACT))
+        self._scale32 = self.scale.float().numpy()  # the kernel's (the same bf16 values)
         if dense:
             self._keep_dense(self.dequantize())
 
+    def codes(self) -> torch.Tensor:
+        """The int8 codes [out, in], whichever layout holds them."""
+        q = self.qweight
+        return unpack_int8(q, self.out_features, self.in_features) if self.native else q
+
     def dequantize(self) -> torch.Tensor:
-        return self.qweight.float() * self.scale.float()[:, None]
+        return self.codes().float() * self.scale.float()[:, None]
 
     def _packed(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.native and _int8_native is not None and flat.shape[0] > 0:
+            x = flat.to(torch.float32).contiguous()
+            out = torch.empty(x.shape[0], self.out_features)
+            _int8_native.mm(out.numpy(), x.numpy(), self.qweight.numpy(), self._scale32, x.shape[0],
+                            self.out_features, self.in_features)  # fmt: skip
+            return out
         if _INT8_MM is None:
             raise ModelLoadError("this torch has no aten._weight_int8pack_mm")
-        return _INT8_MM(flat, self.qweight, self.scale)
+        return _INT8_MM(flat.to(_ACT), self.codes(), self.scale)
