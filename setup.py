@@ -4,14 +4,14 @@
 * the CPU engine's decode attention over the paged KV cache
   (docs/decisions/148-paged-decode-attention-kernel.md);
 * the CPU engine's causal attention of whole prompts (docs/decisions/152-prompt-attention-kernel.md);
-* the CPU engine's int8 weight-only matrix product for few rows (docs/decisions/157-int8-decode-gemm.md).
+* the CPU engine's int8 weight-only matrix product for few rows (docs/decisions/157-quantized-decode-gemm.md).
 
 Everything else is in pyproject.toml. All are optional: without a C compiler kvwire still installs,
 the plane copies runs in Python (slower, holding the GIL; ``kvwire.transfer.planes.shm.send.NATIVE``
 is False) and decode attention gathers the blocks and runs torch's SDPA
 (``kvwire.engine.attention.NATIVE_DECODE`` is False), prompts run torch's SDPA one at a time
 (``NATIVE_PROMPT`` is False), int8 layers torch's ``_weight_int8pack_mm``
-(``kvwire.engine.quant.NATIVE_INT8`` is False, also on a CPU without AVX512-BF16); each logs a warning.
+(``kvwire.engine.quant.NATIVE_QUANT`` is False, also on a CPU without AVX512-BF16); each logs a warning.
 """
 
 from setuptools import Extension, setup
@@ -34,8 +34,8 @@ setup(
             optional=True,
         ),
         Extension(
-            "kvwire.engine._int8_matmul",
-            ["src/kvwire/engine/_int8_matmul.c"],
+            "kvwire.engine._quant_matmul",
+            ["src/kvwire/engine/_quant_matmul.c"],
             optional=True,
         ),
     ]

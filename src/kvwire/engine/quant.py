@@ -9,10 +9,12 @@ input to bfloat16 and its output back, so the rest of the model keeps its dtype.
   Q4_0 (``d * (q - 8)``) and Q4_1 (``d * q + m``) blocks map onto it without re-quantizing: the
   codes are the file's codes, only the scales are rounded to bfloat16 (:func:`gguf_q4_groups`).
 * :class:`Int8Linear` — ``w = q * scale`` per output row, ``q`` in -127..127. GGUF's Q8_0 blocks
-  (a scale per 32 inputs) are re-quantized to one scale per row from their dequantized values. Where
-  the CPU has AVX512-BF16 and kvwire was built with a C compiler, the codes are kept in tiles of 16
-  rows and multiplied by a small C kernel (``_int8_matmul.c``, decision 157: ~2x torch's at 8 rows,
-  float32 out); torch's kernel otherwise (:data:`NATIVE_INT8`, one warning).
+  (a scale per 32 inputs) are re-quantized to one scale per row from their dequantized values.
+
+Where the CPU has AVX512-BF16 and kvwire was built with a C compiler, both keep their codes in tiles
+of 16 rows and are multiplied by a small C kernel instead (``_quant_matmul.c``, decision 157: about
+twice as fast as torch's at 8 rows, float32 out, the same codes and scales); torch's kernels
+otherwise (:data:`NATIVE_QUANT`, one warning).
 
 Decision 118 says why these kernels and this layout.
 """
@@ -44,19 +46,52 @@ _TILE = 16  # output rows of one tile of the native int8 kernel's layout (pack_i
 log = logging.getLogger(__name__)
 
 
-def _int8_kernel() -> tuple[ModuleType | None, str]:
-    """The native int8 kernel (decision 157), or None and why not."""
+def _quant_kernel() -> tuple[ModuleType | None, str]:
+    """The native int8/int4 kernels (decision 157), or None and why not."""
     try:
-        module = importlib.import_module("kvwire.engine._int8_matmul")
+        module = importlib.import_module("kvwire.engine._quant_matmul")
     except ImportError as exc:  # built without a C compiler
         return None, str(exc)
     return (module, "") if module.supported() else (None, "this CPU has no AVX512-BF16")
 
 
-_int8_native, NATIVE_INT8_ERROR = _int8_kernel()
-#: True when int8 layers multiply by the native kernel (docs/decisions/157-int8-decode-gemm.md)
-NATIVE_INT8 = _int8_native is not None
-_warned_int8: list[bool] = []  # the fallback logged
+_quant_native, NATIVE_QUANT_ERROR = _quant_kernel()
+#: True when int8 and int4 layers multiply by the native kernels (docs/decisions/157-quantized-decode-gemm.md)
+NATIVE_QUANT = _quant_native is not None
+_warned_quant: list[bool] = []  # the fallback logged
+
+
+def _warn_torch(why: str) -> None:
+    if not _warned_quant:
+        _warned_quant.append(True)
+        log.warning("quantized layers run torch's weight-only kernels (the native kernel: %s)", why)
+
+
+def _native_mm(
+    kernel: str, flat: torch.Tensor, out_features: int, *weight: torch.Tensor | np.ndarray
+) -> torch.Tensor:
+    """``flat`` [rows, in] times a weight in the native kernel's layout, float32 [rows, out]."""
+    rows = flat.shape[0]
+    out = torch.empty(rows, out_features)
+    if rows:
+        assert _quant_native is not None  # a layer is native only where the kernel loaded
+        x = flat.to(torch.float32).contiguous()
+        arrays = [w.numpy() if isinstance(w, torch.Tensor) else w for w in weight]
+        getattr(_quant_native, kernel)(out.numpy(), x.numpy(), *arrays, rows, out_features, x.shape[1])
+    return out
+
+
+def pack_int4(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Int4 codes [N, K] (0..15, N a multiple of 16) and the bfloat16 scale and zero [N, K / 32] of
+    ``w = (q - 8) * scale + zero`` in the native kernel's layout: tiles of 16 rows, each [K / 2, 16]
+    bytes (even input in the low nibble), and [tiles, K / 32, 2, 16] scales then zeros."""
+    rows, cols = codes.shape
+    pairs = codes.to(torch.uint8).view(rows // _TILE, _TILE, cols // 2, 2)
+    packed = (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(1, 2).contiguous().view(-1)
+    halves = torch.stack([scale.view(-1, _TILE, cols // GROUP), zero.view(-1, _TILE, cols // GROUP)], 2)
+    return packed, halves.permute(0, 3, 2, 1).contiguous().view(-1)
 
 
 def pack_int8(codes: torch.Tensor) -> torch.Tensor:
@@ -185,15 +220,25 @@ class Int4Linear(_QuantLinear):
         scale = torch.from_numpy(np.pad(groups.scale, ((0, pad), (0, 0))))
         zero = scale * 8.0 + torch.from_numpy(np.pad(groups.offset, ((0, pad), (0, 0))))  # (q-8)*s+zero
         self.padded_rows = pad
+        self.native = _quant_native is not None
+        if not self.native:
+            _warn_torch(NATIVE_QUANT_ERROR or "not loaded")
         self.packed: torch.Tensor
         self.scale_zeros: torch.Tensor
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
-        self.register_buffer("scale_zeros", torch.stack([scale.t(), zero.t()], -1).to(_ACT).contiguous())
+        if self.native:  # the kernel's tiles; scale_zeros holds bf16 bits as int16 (numpy has no bf16)
+            packed, halves = pack_int4(codes, scale.to(_ACT), zero.to(_ACT))
+            self.register_buffer("packed", packed)
+            self.register_buffer("scale_zeros", halves.view(torch.int16))
+        else:
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+            self.register_buffer("scale_zeros", torch.stack([scale.t(), zero.t()], -1).to(_ACT).contiguous())
         if dense:  # the weight the kernel multiplies by: bf16 scale and zero
             s, z = (t[:rows].to(_ACT).float().repeat_interleave(GROUP, 1) for t in (scale, zero))
             self._keep_dense((codes[:rows].float() - 8.0) * s + z)
 
     def _packed(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return _native_mm("mm4", flat, self.out_features, self.packed, self.scale_zeros)
         if _INT4_MM is None:
             raise ModelLoadError("this torch has no aten._weight_int4pack_mm_for_cpu")
         out = _INT4_MM(flat.to(_ACT), self.packed, GROUP, self.scale_zeros)
@@ -202,7 +247,7 @@ class Int4Linear(_QuantLinear):
 
 class Int8Linear(_QuantLinear):
     """``y = x W^T`` with W held as int8 rows and one scale per row, symmetric. The codes are kept in
-    the native kernel's tiles (:func:`pack_int8`) where it runs (:data:`NATIVE_INT8`, an even number
+    the native kernel's tiles (:func:`pack_int8`) where it runs (:data:`NATIVE_QUANT`, an even number
     of inputs), as torch's kernel reads them otherwise."""
 
     def __init__(
@@ -213,11 +258,10 @@ class Int8Linear(_QuantLinear):
         super().__init__(int(w.shape[1]), int(w.shape[0]), bias, split)
         scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
         codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        self.native = _int8_native is not None and self.in_features % 2 == 0
-        if not self.native and not _warned_int8:
-            _warned_int8.append(True)
-            log.warning("int8 layers run torch's _weight_int8pack_mm (the native kernel: %s)",
-                        NATIVE_INT8_ERROR or f"needs an even input size, not {self.in_features}")  # fmt: skip
+        self.native = _quant_native is not None and self.in_features % 2 == 0
+        if not self.native:
+            odd = f"needs an even input size, not {self.in_features}"
+            _warn_torch(odd if _quant_native is not None else NATIVE_QUANT_ERROR or "not loaded")
         self.qweight: torch.Tensor
         self.scale: torch.Tensor
         self.register_buffer("qweight", pack_int8(codes) if self.native else codes)
@@ -235,12 +279,8 @@ class Int8Linear(_QuantLinear):
         return self.codes().float() * self.scale.float()[:, None]
 
     def _packed(self, flat: torch.Tensor) -> torch.Tensor:
-        if self.native and _int8_native is not None and flat.shape[0] > 0:
-            x = flat.to(torch.float32).contiguous()
-            out = torch.empty(x.shape[0], self.out_features)
-            _int8_native.mm(out.numpy(), x.numpy(), self.qweight.numpy(), self._scale32, x.shape[0],
-                            self.out_features, self.in_features)  # fmt: skip
-            return out
+        if self.native:
+            return _native_mm("mm8", flat, self.out_features, self.qweight, self._scale32)
         if _INT8_MM is None:
             raise ModelLoadError("this torch has no aten._weight_int8pack_mm")
         return _INT8_MM(flat.to(_ACT), self.codes(), self.scale)

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from kvwire.engine import quant
-from kvwire.engine.quant import Int8Linear, pack_int8, unpack_int8
+from kvwire.engine.quant import Int4Linear, Int8Linear, pack_int8, quantize_int4, unpack_int8
 
-needs_kernel = pytest.mark.skipif(not quant.NATIVE_INT8, reason=quant.NATIVE_INT8_ERROR or "runs")
+needs_kernel = pytest.mark.skipif(not quant.NATIVE_QUANT, reason=quant.NATIVE_QUANT_ERROR or "runs")
 
 
 def _cpu_has_bf16() -> bool:
@@ -26,10 +26,10 @@ def _cpu_has_bf16() -> bool:
 def test_the_kernel_is_built_and_runs_where_the_cpu_can() -> None:
     """``pip install`` builds the extension wherever a C compiler is found (CI's included); on a CPU
     with AVX512-BF16 the int8 layers multiply by it."""
-    import kvwire.engine._int8_matmul as native
+    import kvwire.engine._quant_matmul as native
 
     assert native.supported() == _cpu_has_bf16()
-    assert _cpu_has_bf16() == quant.NATIVE_INT8, quant.NATIVE_INT8_ERROR
+    assert _cpu_has_bf16() == quant.NATIVE_QUANT, quant.NATIVE_QUANT_ERROR
 
 
 @pytest.mark.parametrize(("rows", "cols"), [(1, 2), (5, 6), (16, 64), (17, 96), (40, 130), (96, 576)])
@@ -42,9 +42,9 @@ def test_pack_and_unpack_round_trip(rows: int, cols: int) -> None:
 
 
 def _native_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    assert quant._int8_native is not None
+    assert quant._quant_native is not None
     out = torch.empty(x.shape[0], codes.shape[0])
-    quant._int8_native.mm(out.numpy(), x.numpy(), pack_int8(codes).numpy(), scale.numpy(), x.shape[0],
+    quant._quant_native.mm8(out.numpy(), x.numpy(), pack_int8(codes).numpy(), scale.numpy(), x.shape[0],
                           codes.shape[0], codes.shape[1])  # fmt: skip
     return out
 
@@ -71,8 +71,8 @@ def test_kernel_matches_the_reference_and_rows_are_independent(n: int, k: int) -
 
 @needs_kernel
 def test_kernel_refuses_bad_sizes_before_computing() -> None:
-    assert quant._int8_native is not None
-    mm = quant._int8_native.mm
+    assert quant._quant_native is not None
+    mm = quant._quant_native.mm8
     codes = pack_int8(torch.ones(16, 8, dtype=torch.int8)).numpy()
     x, scale = np.ones((2, 8), np.float32), np.ones(16, np.float32)
     out = np.full((2, 16), 7.0, np.float32)
@@ -104,20 +104,87 @@ def test_int8_layer_runs_the_kernel_close_to_torchs() -> None:
     _close(out, F.linear(x, w), 0.03)
 
 
-def test_without_the_kernel_int8_layers_run_torch_with_one_warning(
+def _int4_case(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.1 + 1e-3).to(torch.bfloat16)
+    zero = (torch.randn(n, k // 32, generator=g) * 0.3).to(torch.bfloat16)
+    return codes, scale, zero
+
+
+def _native_mm4(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], n: int) -> torch.Tensor:
+    assert quant._quant_native is not None
+    out = torch.empty(x.shape[0], n)
+    codes, halves = packed
+    quant._quant_native.mm4(out.numpy(), x.numpy(), codes.numpy(), halves.view(torch.int16).numpy(),
+                            x.shape[0], n, x.shape[1])  # fmt: skip
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [16, 32, 48, 960])
+@pytest.mark.parametrize("k", [32, 64, 576, 1536])
+def test_int4_kernel_matches_the_reference_and_rows_are_independent(n: int, k: int) -> None:
+    codes, scale, zero = _int4_case(n, k, n * 7 + k)
+    packed = quant.pack_int4(codes, scale, zero)
+    x = torch.randn(13, k, generator=torch.Generator().manual_seed(k)) * 3
+    out = _native_mm4(x, packed, n)
+    s, z = (t.float().repeat_interleave(32, 1).double() for t in (scale, zero))
+    xb = x.to(torch.bfloat16).double()
+    expected = xb @ ((codes.double() - 8) * s + z).t()
+    # float32 sums of (128 + q) x per group, the offset taken back: ~136 |scale| + |zero| per weight
+    bound = 2e-6 * k * (xb.abs() @ (136 * s.abs() + z.abs()).t())
+    assert ((out.double() - expected).abs() <= bound).all()
+    for batch in (1, 4, 8, 9):
+        parts = [_native_mm4(x[i : i + batch].contiguous(), packed, n) for i in range(0, 13, batch)]
+        assert torch.equal(torch.cat(parts), out), batch
+
+
+@needs_kernel
+def test_int4_kernel_refuses_bad_sizes_before_computing() -> None:
+    assert quant._quant_native is not None
+    mm4 = quant._quant_native.mm4
+    codes, halves = quant.pack_int4(*_int4_case(16, 64, 1))
+    c, h = codes.numpy(), halves.view(torch.int16).numpy()
+    x, out = np.ones((2, 64), np.float32), np.full((2, 16), 7.0, np.float32)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        mm4(out, np.ones((2, 48), np.float32), c[:384], h, 2, 16, 48)
+    for bad in ((out[:1], x, c, h), (out, x[:1], c, h), (out, x, c[:-1], h), (out, x, c, h[:-1])):
+        with pytest.raises(ValueError, match="disagree"):
+            mm4(*bad, 2, 16, 64)
+    assert (out == 7.0).all()
+
+
+@needs_kernel
+def test_int4_layer_runs_the_kernel_close_to_torchs(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = torch.randn(40, 96, generator=torch.Generator().manual_seed(12))
+    groups = quantize_int4(w.numpy())
+    layer = Int4Linear(groups, 96, 40, dense=True)
+    assert layer.native
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(13))
+    out = layer(x)
+    assert torch.equal(layer(x[2:3]), out[2:3])
+    monkeypatch.setattr(quant, "_quant_native", None)
+    torch_out = Int4Linear(groups, 96, 40)(x)
+    _close(out, torch_out, 0.01)  # torch rounds its output to bf16
+    _close(out, F.linear(x, torch.from_numpy(groups.dequantize())), 0.02)
+
+
+def test_without_the_kernel_quantized_layers_run_torch_with_one_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(quant, "_int8_native", None)
-    monkeypatch.setattr(quant, "_warned_int8", [])
+    monkeypatch.setattr(quant, "_quant_native", None)
+    monkeypatch.setattr(quant, "_warned_quant", [])
     w = torch.randn(40, 64, generator=torch.Generator().manual_seed(10))
     with caplog.at_level(logging.WARNING, logger="kvwire.engine.quant"):
         first, second = Int8Linear(w), Int8Linear(w)
-    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
-    assert "_weight_int8pack_mm" in caplog.records[0].message
-    assert not first.native and first.qweight.shape == (40, 64)
+        four = Int4Linear(quantize_int4(w.numpy()), 64, 40)
+    assert len(caplog.records) == 1 and "torch's weight-only kernels" in caplog.records[0].message
+    assert not first.native and first.qweight.shape == (40, 64) and not four.native
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(11))
     _close(first(x), F.linear(x, first.dequantize()), 0.02)
     assert torch.equal(first(x), second(x))
+    _close(four(x), F.linear(x, w), 0.1)
 
 
 def _close(out: torch.Tensor, expected: torch.Tensor, tolerance: float) -> None:
