@@ -14,7 +14,8 @@ input to bfloat16 and its output back, so the rest of the model keeps its dtype.
 Where the CPU has AVX512-BF16 and kvwire was built with a C compiler, both keep their codes in tiles
 of 16 rows and are multiplied by a small C kernel instead (``_quant_matmul.c``, decision 157: about
 twice as fast as torch's at 8 rows, float32 out, the same codes and scales); torch's kernels
-otherwise (:data:`NATIVE_QUANT`, one warning).
+otherwise (:data:`NATIVE_QUANT`), and in a process of several torch threads (the kernel is
+single-threaded; torch's split the rows), with one warning.
 
 Decision 118 says why these kernels and this layout.
 """
@@ -59,6 +60,20 @@ _quant_native, NATIVE_QUANT_ERROR = _quant_kernel()
 #: True when int8 and int4 layers multiply by the native kernels (docs/decisions/157-quantized-decode-gemm.md)
 NATIVE_QUANT = _quant_native is not None
 _warned_quant: list[bool] = []  # the fallback logged
+
+
+def describe_kernels() -> str:
+    """Which kernels multiply the quantized layers' decode rows, for logs and benchmark tables."""
+    return "native (AVX512-BF16)" if _quant_native is not None else f"torch ({NATIVE_QUANT_ERROR})"
+
+
+def _runs_native() -> str:
+    """Why a layer built now keeps torch's kernels, or "" when it takes the native one: that is
+    single-threaded, so a process of several torch threads keeps torch's, which split the rows."""
+    if _quant_native is None:
+        return NATIVE_QUANT_ERROR or "not loaded"
+    threads = torch.get_num_threads()
+    return "" if threads == 1 else f"single-threaded; this process runs {threads} torch threads"
 
 
 def _warn_torch(why: str) -> None:
@@ -220,9 +235,10 @@ class Int4Linear(_QuantLinear):
         scale = torch.from_numpy(np.pad(groups.scale, ((0, pad), (0, 0))))
         zero = scale * 8.0 + torch.from_numpy(np.pad(groups.offset, ((0, pad), (0, 0))))  # (q-8)*s+zero
         self.padded_rows = pad
-        self.native = _quant_native is not None
-        if not self.native:
-            _warn_torch(NATIVE_QUANT_ERROR or "not loaded")
+        why = _runs_native()
+        self.native = not why
+        if why:
+            _warn_torch(why)
         self.packed: torch.Tensor
         self.scale_zeros: torch.Tensor
         if self.native:  # the kernel's tiles; scale_zeros holds bf16 bits as int16 (numpy has no bf16)
@@ -258,10 +274,10 @@ class Int8Linear(_QuantLinear):
         super().__init__(int(w.shape[1]), int(w.shape[0]), bias, split)
         scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
         codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        self.native = _quant_native is not None and self.in_features % 2 == 0
-        if not self.native:
-            odd = f"needs an even input size, not {self.in_features}"
-            _warn_torch(odd if _quant_native is not None else NATIVE_QUANT_ERROR or "not loaded")
+        why = _runs_native() or ("" if self.in_features % 2 == 0 else f"odd input size {self.in_features}")
+        self.native = not why
+        if why:
+            _warn_torch(why)
         self.qweight: torch.Tensor
         self.scale: torch.Tensor
         self.register_buffer("qweight", pack_int8(codes) if self.native else codes)

@@ -5,6 +5,7 @@ anything is computed, and its fallback (torch's kernel, one warning) close to it
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,16 @@ from kvwire.engine import quant
 from kvwire.engine.quant import Int4Linear, Int8Linear, pack_int8, quantize_int4, unpack_int8
 
 needs_kernel = pytest.mark.skipif(not quant.NATIVE_QUANT, reason=quant.NATIVE_QUANT_ERROR or "runs")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """The native kernels are taken by layers built in a process of one torch thread (the CPU
+    engine's default on a 2-core box)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _cpu_has_bf16() -> bool:
@@ -185,6 +196,21 @@ def test_without_the_kernel_quantized_layers_run_torch_with_one_warning(
     _close(first(x), F.linear(x, first.dequantize()), 0.02)
     assert torch.equal(first(x), second(x))
     _close(four(x), F.linear(x, w), 0.1)
+
+
+@needs_kernel
+def test_several_torch_threads_keep_torchs_kernels(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(quant, "_warned_quant", [])
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(14))
+    torch.set_num_threads(2)
+    with caplog.at_level(logging.WARNING, logger="kvwire.engine.quant"):
+        layer = Int8Linear(w)
+    assert not layer.native and "2 torch threads" in caplog.records[0].message
+    torch.set_num_threads(1)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(15))
+    _close(layer(x), Int8Linear(w)(x), 0.01)
 
 
 def _close(out: torch.Tensor, expected: torch.Tensor, tolerance: float) -> None:
