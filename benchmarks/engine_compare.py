@@ -28,6 +28,7 @@ import dataclasses
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -248,8 +249,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # the servers are stopped on the way out (main's finally)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # a killed run leaves no server behind
     sys.path.insert(0, str(HERE))
     from gguf_to_hf import convert, resolve_gguf
 
