@@ -20,7 +20,8 @@
    as 128 + q, the offset taken back per group with the group's sum of x), and one VDPBF16PS per row
    adds the 16 rows' pair products into float32 accumulators (a row's input pair is broadcast from
    memory). The codes are widened once per tile and pair for up to 8 rows at a time (int8: two tiles
-   walked together, 16 independent accumulators), and the codes 2 KiB ahead are prefetched. Each
+   walked together, 16 independent accumulators), and the codes 2 KiB (int4: 4 KiB) ahead are
+   prefetched. Each
    accumulator adds its pairs in input order from zero, whatever the number of rows and tiles walked
    with it: a row's result does not depend on the batch it is in (P/D output equals colocated).
 
@@ -36,7 +37,10 @@
 #define TILE 16     /* output rows of one tile: one register of float32 accumulators */
 #define ROWS 8      /* batch rows sharing one widening of the codes */
 #ifndef PF_DIST
-#define PF_DIST 2048 /* bytes ahead in each tile's codes fetched into L1 (decision 157's table) */
+#define PF_DIST 2048 /* bytes ahead in each tile's int8 codes fetched into L1 (decision 157's table) */
+#endif
+#ifndef PF_DIST4
+#define PF_DIST4 4096 /* the same for int4 codes (half the bytes a pair) */
 #endif
 #ifndef PF_HINT
 #define PF_HINT _MM_HINT_T0
@@ -168,9 +172,9 @@ TARGET ALWAYS_INLINE void block4(const uint8_t *w, const uint16_t *sz, const uin
         for (int r = 0; r < mr; r++)
             part[r] = _mm512_setzero_ps();
         for (Py_ssize_t p = g * 16; p < g * 16 + 16; p++) {
-#if PF_DIST > 0
+#if PF_DIST4 > 0
             if ((p & 3) == 0)
-                _mm_prefetch((const char *)(w + 16 * p + PF_DIST), PF_HINT);
+                _mm_prefetch((const char *)(w + 16 * p + PF_DIST4), PF_HINT);
 #endif
             const __m512bh wv = nibbles(w + 16 * p, high_half, bias);
             for (int r = 0; r < mr; r++)

@@ -43,7 +43,7 @@ _INT4_MM = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
 _INT8_MM = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
 _INT4_MM = None if _INT4_MM is None else _INT4_MM.default
 _INT8_MM = None if _INT8_MM is None else _INT8_MM.default
-_TILE = 16  # output rows of one tile of the native int8 kernel's layout (pack_int8)
+_TILE = 16  # output rows of one tile of the native kernels' layouts (pack_int8, pack_int4)
 log = logging.getLogger(__name__)
 
 
