@@ -268,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="kvwire-engine-compare-"))
     results: dict[tuple[str, int], list[dict[str, Any]]] = {(s.name, c): [] for s in servers for c in concs}
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}: threads {args.threads}, logs {log_dir}")
-    print(f"  kvwire-hf --quantization {args.hf_quantization}; quantized layers: {describe_kernels()}")
+    kernels = describe_kernels(args.threads)
+    print(f"  kvwire-hf --quantization {args.hf_quantization}; quantized layers: {kernels}")
     try:
         for server in servers:
             start(server, log_dir, args.start_timeout_s)

@@ -62,17 +62,19 @@ NATIVE_QUANT = _quant_native is not None
 _warned_quant: list[bool] = []  # the fallback logged
 
 
-def describe_kernels() -> str:
-    """Which kernels multiply the quantized layers' decode rows, for logs and benchmark tables."""
-    return "native (AVX512-BF16)" if _quant_native is not None else f"torch ({NATIVE_QUANT_ERROR})"
+def describe_kernels(threads: int = 1) -> str:
+    """Which kernels multiply the packed rows of quantized layers built in a process of ``threads``
+    torch threads, for logs and benchmark tables."""
+    why = _runs_native(threads)
+    return f"torch ({why})" if why else "native (AVX512-BF16)"
 
 
-def _runs_native() -> str:
+def _runs_native(threads: int | None = None) -> str:
     """Why a layer built now keeps torch's kernels, or "" when it takes the native one: that is
     single-threaded, so a process of several torch threads keeps torch's, which split the rows."""
     if _quant_native is None:
         return NATIVE_QUANT_ERROR or "not loaded"
-    threads = torch.get_num_threads()
+    threads = torch.get_num_threads() if threads is None else threads
     return "" if threads == 1 else f"single-threaded; this process runs {threads} torch threads"
 
 

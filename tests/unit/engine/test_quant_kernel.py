@@ -208,6 +208,8 @@ def test_several_torch_threads_keep_torchs_kernels(
     with caplog.at_level(logging.WARNING, logger="kvwire.engine.quant"):
         layer = Int8Linear(w)
     assert not layer.native and "2 torch threads" in caplog.records[0].message
+    assert quant.describe_kernels(2).startswith("torch (single-threaded")
+    assert quant.describe_kernels(1) == "native (AVX512-BF16)"
     torch.set_num_threads(1)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(15))
     _close(layer(x), Int8Linear(w)(x), 0.01)
