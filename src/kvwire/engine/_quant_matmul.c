@@ -21,14 +21,15 @@
    adds the 16 rows' pair products into float32 accumulators (a row's input pair is broadcast from
    memory). The codes are widened once per tile and pair for up to 8 rows at a time (int8: two tiles
    walked together, 16 independent accumulators), and the codes 2 KiB (int4: 4 KiB) ahead are
-   prefetched. Each
-   accumulator adds its pairs in input order from zero, whatever the number of rows and tiles walked
-   with it: a row's result does not depend on the batch it is in (P/D output equals colocated).
+   prefetched. Each accumulator adds its pairs in input order from zero, whatever the number of rows
+   and tiles walked with it: a row's result does not depend on the batch it is in (P/D output equals
+   colocated).
 
    Why native: torch's _weight_int8pack_mm and _weight_int4pack_mm_for_cpu widen the codes again for
    every few rows of the batch; at 8 rows they took ~15 ms (int8) and ~11 ms (int4) of a ~25 ms decode
    step of SmolLM2 on the 2-core box (docs/decisions/157-quantized-decode-gemm.md). Needs AVX512-BF16;
-   supported() says whether this CPU has it (torch runs otherwise). */
+   supported() says whether this CPU has it (torch runs otherwise, and in processes of several torch
+   threads: this kernel is single-threaded). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
