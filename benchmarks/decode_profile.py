@@ -4,11 +4,11 @@ decoding together, timed and then profiled with ``torch.profiler`` (CPU by defau
 The sequences are prefilled first (random prompts of ``--context`` ± 20 tokens, so that their KV
 lengths differ as a server's do), then ``--steps`` decode steps are timed one by one (median and
 minimum) and ``--profile-steps`` more run under the profiler. The table groups the profiler's self
-time per step: the int4 and int8 weight kernels, the KV gather, SDPA, the KV write, the rest
+time per step: torch's int4 and int8 weight kernels, the KV gather, SDPA, the KV write, the rest
 (norms, RoPE, casts, sampling, dispatch), and the thread's CPU time outside torch's ops (the native
-decode-attention kernel, decision 148, and Python). ``--attention-backend sdpa`` takes torch's
-gather + SDPA for the decodes instead of the kernel; ``--ab-attention`` alternates the two step by
-step in one engine and prints both.
+decode-attention kernel, decision 148, the native int8/int4 matmuls, decision 157, and Python).
+``--attention-backend sdpa`` takes torch's gather + SDPA for the decodes instead of the kernel;
+``--ab-attention`` alternates the two step by step in one engine and prints both.
 
 Usage: ``python benchmarks/decode_profile.py --batch 8 --threads 1`` (``--model`` an HF directory or
 a preset, ``--quantization`` as ``kvwire serve``'s).
@@ -50,7 +50,7 @@ GROUPS = {
     "aten::addmm": "dense matmul",
 }
 AB = (AttentionBackend.SDPA, AttentionBackend.PAGED)  # --ab-attention: torch's gather + SDPA, the kernel
-OUTSIDE = "outside torch ops (native decode attention, Python)"
+OUTSIDE = "outside torch ops (native decode attention and quantized matmuls, Python)"
 
 
 def main() -> None:

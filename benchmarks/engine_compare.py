@@ -28,6 +28,7 @@ import dataclasses
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -40,6 +41,7 @@ from typing import Any
 import aiohttp
 
 from kvwire.cluster.client import RequestResult, post_completion
+from kvwire.engine.quant import describe_kernels
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -247,8 +249,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # the servers are stopped on the way out (main's finally)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # a killed run leaves no server behind
     sys.path.insert(0, str(HERE))
     from gguf_to_hf import convert, resolve_gguf
 
@@ -261,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="kvwire-engine-compare-"))
     results: dict[tuple[str, int], list[dict[str, Any]]] = {(s.name, c): [] for s in servers for c in concs}
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}: threads {args.threads}, logs {log_dir}")
+    kernels = describe_kernels(args.threads)
+    print(f"  kvwire-hf --quantization {args.hf_quantization}; quantized layers: {kernels}")
     try:
         for server in servers:
             start(server, log_dir, args.start_timeout_s)

@@ -13,8 +13,10 @@ stamp=.venv/.kvwire-setup-stamp
 native=src/kvwire/transfer/planes/shm/_copy_runs.c
 native_attention=src/kvwire/engine/_paged_attention.c
 native_prompt=src/kvwire/engine/_prompt_attention.c
+native_quant=src/kvwire/engine/_quant_matmul.c
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] || [ "$native" -nt "$stamp" ] \
-  || [ "$native_attention" -nt "$stamp" ] || [ "$native_prompt" -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ]; then
+  || [ "$native_attention" -nt "$stamp" ] || [ "$native_prompt" -nt "$stamp" ] || [ "$native_quant" -nt "$stamp" ] \
+  || [ scripts/setup.sh -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"
   # also builds the C extensions (need a C compiler); [ray]: the `kvwire up --ray` tests run in CI

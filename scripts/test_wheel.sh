@@ -45,6 +45,9 @@ case "$installed" in "$work/venv/"*) ;; *) echo "test_wheel: kvwire imported fro
 # ... and its prompt-attention kernel
 "$work/venv/bin/python" -c 'from kvwire.engine import attention as a; assert a.NATIVE_PROMPT, a.NATIVE_PROMPT_ERROR' \
   || { echo "test_wheel: the native prompt-attention kernel is not in the wheel"; exit 1; }
+# ... and its int8 matmul kernel (built everywhere; it runs where the CPU has AVX512-BF16)
+"$work/venv/bin/python" -c 'import kvwire.engine._quant_matmul' \
+  || { echo "test_wheel: the native int8 matmul kernel is not in the wheel"; exit 1; }
 for cmd in "demo --help" "serve --help" "router --help" "up --help" "bench --help"; do
   "$work/venv/bin/kvwire" $cmd >/dev/null
 done

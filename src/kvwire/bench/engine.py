@@ -26,6 +26,7 @@ import torch
 
 from kvwire.engine import EngineConfig, LLMEngine, SamplingParams
 from kvwire.engine.attention import NATIVE_DECODE, ForwardContext
+from kvwire.engine.quant import Int4Linear, Int8Linear
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -249,7 +250,16 @@ def _environment(args: argparse.Namespace, engine: LLMEngine) -> dict[str, Any]:
         "attention_backend": engine.runner.backend.value
         + ("" if engine.runner.backend.value != "paged" or NATIVE_DECODE else " (kernel not built: torch)"),
         "decode_graphs": engine.runner.graphs is not None,
+        "quantized_kernels": _quantized_kernels(engine),
     }
+
+
+def _quantized_kernels(engine: LLMEngine) -> str:
+    """What the model's quantized layers multiply by (decision 157), "" when it has none."""
+    native = {bool(m.native) for m in engine.model.modules() if isinstance(m, (Int4Linear, Int8Linear))}
+    if not native:
+        return ""
+    return "native" if native == {True} else "torch" if native == {False} else "native and torch"
 
 
 def _table(r: dict[str, Any]) -> str:
@@ -257,7 +267,9 @@ def _table(r: dict[str, Any]) -> str:
     lines = [
         f"built-in engine: {env['model']} {env['dtype']} (weights: {env['quantization']}) on {env['device']} "
         f"(torch {env['torch']}, "
-        f"attention {env['attention_backend']}, decode graphs {'on' if env['decode_graphs'] else 'off'})",
+        f"attention {env['attention_backend']}, decode graphs {'on' if env['decode_graphs'] else 'off'}"
+        + (f", quantized matmuls {env['quantized_kernels']}" if env.get("quantized_kernels") else "")
+        + ")",
         "",
         "| measurement | kvwire engine | baseline | ratio |",
         "|---|---|---|---|",

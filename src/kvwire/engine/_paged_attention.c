@@ -304,21 +304,33 @@ ALWAYS_INLINE void head_tile(const float *q, const float *k, const float *v, Py_
     }
     v16 weights = reduce16(part) * scale;
     const float shrink = softmax16(&weights, count, m, l);
-    float sc[VTILE];
-    memcpy(sc, &weights, sizeof sc);
     for (int c = 0; c < C; c++) {
         even[c] = load16(acc + 16 * c) * shrink;
         odd[c] = (v16){0};
     }
-    int64_t t = 0;
-    for (; t + 2 <= count; t += 2)
-        for (int c = 0; c < C; c++) {
-            even[c] += sc[t] * load16(v + t * row + 16 * c);
-            odd[c] += sc[t + 1] * load16(v + (t + 1) * row + 16 * c);
-        }
-    if (t < count)
-        for (int c = 0; c < C; c++)
-            even[c] += sc[t] * load16(v + t * row + 16 * c);
+    /* token t's weight broadcast from the weights' register (a scalar times a 16-float vector goes
+       through 16 stores to the stack where the widest register is 256 bits) */
+#define SPLAT(i) __builtin_shufflevector(weights, weights, i, i, i, i, i, i, i, i, i, i, i, i, i, i, i, i)
+#define V_PAIR(t0, t1)                                                                                  \
+    if (count > (t1)) {                                                                                 \
+        const v16 w0 = SPLAT(t0), w1 = SPLAT(t1);                                                       \
+        for (int c = 0; c < C; c++) {                                                                   \
+            even[c] += w0 * load16(v + (t0) * row + 16 * c);                                            \
+            odd[c] += w1 * load16(v + (t1) * row + 16 * c);                                             \
+        }                                                                                               \
+    } else {                                                                                            \
+        if (count > (t0)) {                                                                             \
+            const v16 w0 = SPLAT(t0);                                                                   \
+            for (int c = 0; c < C; c++)                                                                 \
+                even[c] += w0 * load16(v + (t0) * row + 16 * c);                                        \
+        }                                                                                               \
+        goto summed;                                                                                    \
+    }
+    V_PAIR(0, 1) V_PAIR(2, 3) V_PAIR(4, 5) V_PAIR(6, 7) V_PAIR(8, 9) V_PAIR(10, 11) V_PAIR(12, 13)
+    V_PAIR(14, 15)
+#undef V_PAIR
+#undef SPLAT
+summed:
     for (int c = 0; c < C; c++)
         even[c] += odd[c];
     memcpy(acc, even, sizeof even);

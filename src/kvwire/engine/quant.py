@@ -11,12 +11,21 @@ input to bfloat16 and its output back, so the rest of the model keeps its dtype.
 * :class:`Int8Linear` — ``w = q * scale`` per output row, ``q`` in -127..127. GGUF's Q8_0 blocks
   (a scale per 32 inputs) are re-quantized to one scale per row from their dequantized values.
 
+Where the CPU has AVX512-BF16 and kvwire was built with a C compiler, both keep their codes in tiles
+of 16 rows and are multiplied by a small C kernel instead (``_quant_matmul.c``, decision 157: about
+twice as fast as torch's at 8 rows, float32 out, the same codes and scales); torch's kernels
+otherwise (:data:`NATIVE_QUANT`), and in a process of several torch threads (the kernel is
+single-threaded; torch's split the rows), with one warning.
+
 Decision 118 says why these kernels and this layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import logging
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -34,6 +43,85 @@ _INT4_MM = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
 _INT8_MM = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
 _INT4_MM = None if _INT4_MM is None else _INT4_MM.default
 _INT8_MM = None if _INT8_MM is None else _INT8_MM.default
+_TILE = 16  # output rows of one tile of the native kernels' layouts (pack_int8, pack_int4)
+log = logging.getLogger(__name__)
+
+
+def _quant_kernel() -> tuple[ModuleType | None, str]:
+    """The native int8/int4 kernels (decision 157), or None and why not."""
+    try:
+        module = importlib.import_module("kvwire.engine._quant_matmul")
+    except ImportError as exc:  # built without a C compiler
+        return None, str(exc)
+    return (module, "") if module.supported() else (None, "this CPU has no AVX512-BF16")
+
+
+_quant_native, NATIVE_QUANT_ERROR = _quant_kernel()
+#: True when int8 and int4 layers multiply by the native kernels (docs/decisions/157-quantized-decode-gemm.md)
+NATIVE_QUANT = _quant_native is not None
+_warned_quant: list[bool] = []  # the fallback logged
+
+
+def describe_kernels(threads: int = 1) -> str:
+    """Which kernels multiply the packed rows of quantized layers built in a process of ``threads``
+    torch threads, for logs and benchmark tables."""
+    why = _runs_native(threads)
+    return f"torch ({why})" if why else "native (AVX512-BF16)"
+
+
+def _runs_native(threads: int | None = None) -> str:
+    """Why a layer built now keeps torch's kernels, or "" when it takes the native one: that is
+    single-threaded, so a process of several torch threads keeps torch's, which split the rows."""
+    if _quant_native is None:
+        return NATIVE_QUANT_ERROR or "not loaded"
+    threads = torch.get_num_threads() if threads is None else threads
+    return "" if threads == 1 else f"single-threaded; this process runs {threads} torch threads"
+
+
+def _warn_torch(why: str) -> None:
+    if not _warned_quant:
+        _warned_quant.append(True)
+        log.warning("quantized layers run torch's weight-only kernels (the native kernel: %s)", why)
+
+
+def _native_mm(
+    kernel: str, flat: torch.Tensor, out_features: int, *weight: torch.Tensor | np.ndarray
+) -> torch.Tensor:
+    """``flat`` [rows, in] times a weight in the native kernel's layout, float32 [rows, out]."""
+    rows = flat.shape[0]
+    out = torch.empty(rows, out_features)
+    if rows:
+        assert _quant_native is not None  # a layer is native only where the kernel loaded
+        x = flat.to(torch.float32).contiguous()
+        arrays = [w.numpy() if isinstance(w, torch.Tensor) else w for w in weight]
+        getattr(_quant_native, kernel)(out.numpy(), x.numpy(), *arrays, rows, out_features, x.shape[1])
+    return out
+
+
+def pack_int4(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Int4 codes [N, K] (0..15, N a multiple of 16) and the bfloat16 scale and zero [N, K / 32] of
+    ``w = (q - 8) * scale + zero`` in the native kernel's layout: tiles of 16 rows, each [K / 2, 16]
+    bytes (even input in the low nibble), and [tiles, K / 32, 2, 16] scales then zeros."""
+    rows, cols = codes.shape
+    pairs = codes.to(torch.uint8).view(rows // _TILE, _TILE, cols // 2, 2)
+    packed = (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(1, 2).contiguous().view(-1)
+    halves = torch.stack([scale.view(-1, _TILE, cols // GROUP), zero.view(-1, _TILE, cols // GROUP)], 2)
+    return packed, halves.permute(0, 3, 2, 1).contiguous().view(-1)
+
+
+def pack_int8(codes: torch.Tensor) -> torch.Tensor:
+    """Int8 codes [N, K] (K even) in the native kernel's layout: tiles of 16 rows (N padded with zero
+    rows), each [K / 2, 16, 2]: for each input pair the 16 rows' two codes side by side."""
+    rows, cols = codes.shape
+    padded = F.pad(codes, (0, 0, 0, -rows % _TILE))
+    return padded.view(-1, _TILE, cols // 2, 2).transpose(1, 2).contiguous().view(-1)
+
+
+def unpack_int8(packed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The codes [rows, cols] that :func:`pack_int8` laid out."""
+    return packed.view(-1, cols // 2, _TILE, 2).transpose(1, 2).reshape(-1, cols)[:rows]
 
 
 @dataclasses.dataclass
@@ -115,17 +203,17 @@ class _QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         two_d = x.dim() == 2
-        flat = (x if two_d else x.reshape(-1, self.in_features)).to(_ACT)
+        flat = x if two_d else x.reshape(-1, self.in_features)
         rows, dense = flat.shape[0], self.dense_weight
         split = self.split.packed_rows if self.split is not None else None
         packed = rows if split is None or dense is None else min(split, rows)
         if packed == rows or dense is None:
-            out = self._packed(flat)
+            out = self._packed(flat).to(x.dtype)
         elif packed == 0:
-            out = F.linear(flat, dense)
+            out = F.linear(flat.to(_ACT), dense).to(x.dtype)
         else:
-            out = torch.cat((self._packed(flat[:packed]), F.linear(flat[packed:], dense)))
-        out = out.to(x.dtype)
+            dense_rows = F.linear(flat[packed:].to(_ACT), dense).to(x.dtype)
+            out = torch.cat((self._packed(flat[:packed]).to(x.dtype), dense_rows))
         if not two_d:
             out = out.view(*x.shape[:-1], out.shape[-1])
         return out if self.bias is None else out + self.bias
@@ -149,23 +237,36 @@ class Int4Linear(_QuantLinear):
         scale = torch.from_numpy(np.pad(groups.scale, ((0, pad), (0, 0))))
         zero = scale * 8.0 + torch.from_numpy(np.pad(groups.offset, ((0, pad), (0, 0))))  # (q-8)*s+zero
         self.padded_rows = pad
+        why = _runs_native()
+        self.native = not why
+        if why:
+            _warn_torch(why)
         self.packed: torch.Tensor
         self.scale_zeros: torch.Tensor
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
-        self.register_buffer("scale_zeros", torch.stack([scale.t(), zero.t()], -1).to(_ACT).contiguous())
+        if self.native:  # the kernel's tiles; scale_zeros holds bf16 bits as int16 (numpy has no bf16)
+            packed, halves = pack_int4(codes, scale.to(_ACT), zero.to(_ACT))
+            self.register_buffer("packed", packed)
+            self.register_buffer("scale_zeros", halves.view(torch.int16))
+        else:
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+            self.register_buffer("scale_zeros", torch.stack([scale.t(), zero.t()], -1).to(_ACT).contiguous())
         if dense:  # the weight the kernel multiplies by: bf16 scale and zero
             s, z = (t[:rows].to(_ACT).float().repeat_interleave(GROUP, 1) for t in (scale, zero))
             self._keep_dense((codes[:rows].float() - 8.0) * s + z)
 
     def _packed(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return _native_mm("mm4", flat, self.out_features, self.packed, self.scale_zeros)
         if _INT4_MM is None:
             raise ModelLoadError("this torch has no aten._weight_int4pack_mm_for_cpu")
-        out = _INT4_MM(flat, self.packed, GROUP, self.scale_zeros)
+        out = _INT4_MM(flat.to(_ACT), self.packed, GROUP, self.scale_zeros)
         return out if self.padded_rows == 0 else out[:, : self.out_features]
 
 
 class Int8Linear(_QuantLinear):
-    """``y = x W^T`` with W held as int8 rows and one scale per row, symmetric."""
+    """``y = x W^T`` with W held as int8 rows and one scale per row, symmetric. The codes are kept in
+    the native kernel's tiles (:func:`pack_int8`) where it runs (:data:`NATIVE_QUANT`, an even number
+    of inputs), as torch's kernel reads them otherwise."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, split: RowSplit | None = None,
@@ -174,17 +275,30 @@ class Int8Linear(_QuantLinear):
         w = weight.detach().float()
         super().__init__(int(w.shape[1]), int(w.shape[0]), bias, split)
         scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+        codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        why = _runs_native() or ("" if self.in_features % 2 == 0 else f"odd input size {self.in_features}")
+        self.native = not why
+        if why:
+            _warn_torch(why)
         self.qweight: torch.Tensor
         self.scale: torch.Tensor
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("qweight", pack_int8(codes) if self.native else codes)
         self.register_buffer("scale", scale.to(_ACT))
+        self._scale32 = self.scale.float().numpy()  # the kernel's (the same bf16 values)
         if dense:
             self._keep_dense(self.dequantize())
 
+    def codes(self) -> torch.Tensor:
+        """The int8 codes [out, in], whichever layout holds them."""
+        q = self.qweight
+        return unpack_int8(q, self.out_features, self.in_features) if self.native else q
+
     def dequantize(self) -> torch.Tensor:
-        return self.qweight.float() * self.scale.float()[:, None]
+        return self.codes().float() * self.scale.float()[:, None]
 
     def _packed(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return _native_mm("mm8", flat, self.out_features, self.qweight, self._scale32)
         if _INT8_MM is None:
             raise ModelLoadError("this torch has no aten._weight_int8pack_mm")
-        return _INT8_MM(flat, self.qweight, self.scale)
+        return _INT8_MM(flat.to(_ACT), self.codes(), self.scale)
