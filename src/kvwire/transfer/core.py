@@ -1087,9 +1087,6 @@ RECV_SIDE = "recv"  # the receive side's key in the tombstones
 _SENDER_PROGRESS = frozenset({PeerState.QUEUED.value, PeerState.SENDING.value})
 
 
-UNSOLICITED_EXPIRED = "offer not expected within"  # the reason of an Offer failed by max_unsolicited_wait_s
-
-
 def _offered_bytes(st: RecvState) -> int:
     """The bytes of every layer ``st``'s Offer announced."""
     assert st.specs is not None
@@ -1212,7 +1209,7 @@ class UnsolicitedOffers:
 
     def reason(self) -> str:
         """Why such an Offer failed (here, to its sender, and to a late ``expect``)."""
-        what = f"{UNSOLICITED_EXPIRED} {self.max_wait_s:g} s of its arrival (max_unsolicited_wait_s)"
+        what = f"offer not expected within {self.max_wait_s:g} s of its arrival (max_unsolicited_wait_s)"
         return f"{FailReason.DEADLINE.value}: {what}"
 
     def check_not_expired(self, transfer_id: str) -> None:
@@ -1221,7 +1218,7 @@ class UnsolicitedOffers:
         if transfer_id in self.recvs:
             return
         ended = self.core.tombstones.get(RECV_SIDE, transfer_id)
-        if ended is not None and UNSOLICITED_EXPIRED in ended:
+        if ended is not None and ended == self.reason():
             raise TransferError(ended, transfer_id)
 
 
@@ -1255,7 +1252,8 @@ class Receiver(Transfers[RecvState]):
         """Returns True when buffered layers must now be delivered to the new sink (queued for the
         control thread, which the caller wakes). Raises
         TransferError when the transfer was already offered by another agent than ``accept_from``
-        (that transfer is failed: its data is never delivered)."""
+        (that transfer is failed: its data is never delivered), or when its Offer came and was failed
+        for not being expected within ``max_unsolicited_wait_s`` (decision 159)."""
         accept_from = accept_from or pull_from
         self.unsolicited.check_not_expired(transfer_id)
         st = self._expected_state(transfer_id, num_layers, deadline_s, accept_from, limit_s)
