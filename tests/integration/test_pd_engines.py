@@ -16,6 +16,7 @@ from kvwire.connector.config import LoadFailurePolicy
 from kvwire.engine.config import EngineConfig
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.protocol.kv_params import KVTransferParams, Role
+from kvwire.transfer.config import ControlLimits, TransferConfig
 from kvwire.transfer.enums import Backend
 from support.pd_engine_helpers import (
     BLOCK,
@@ -237,5 +238,42 @@ def test_a_request_withdrawn_after_the_engine_took_it_frees_p_blocks() -> None:
         assert pair.p.stats().kv_blocks_in_use == 0
         assert pair.p.stats().num_delayed_free_requests == 0
         assert sched.num_tracked_requests == 0  # type: ignore[attr-defined]
+    finally:
+        pair.close()
+
+
+def test_an_offer_d_never_expects_frees_p_blocks_at_the_unsolicited_bound(
+    reference: dict[int, list[int]],
+) -> None:
+    """D's request never reached its engine (the client went away first): P's Offer, parked on D
+    (every Offer is past a 1-byte cap), was renewed both ways up to the transfer's limit, P's blocks
+    held that long. D now drops it ``max_unsolicited_wait_s`` after its arrival and P's send fails,
+    freeing the blocks, though every lease (60 s) runs on (decision 159). The request reaching D after
+    that recomputes (its expect raises at once) and completes."""
+    limits = ControlLimits(max_unexpected_bytes_per_peer=1, max_unsolicited_wait_s=1.0)
+    pair = PD(p_config=engine_config(), d_config=engine_config(), deadline_s=60.0,
+              transfer=TransferConfig(limits=limits))  # fmt: skip
+    try:
+        prompt = prompts(1)[0]
+        params = KVTransferParams(transfer_id="t-unclaimed", role=Role.PREFILL, deadline_s=60.0,
+                                  peer_endpoints=pair.endpoints(pair.d))  # fmt: skip
+        pair.p.add_request("p-r0", prompt, FIRST, params.to_dict())
+        outputs = pair.p.step()  # the whole prefill: the request ends, its blocks wait for the send
+        assert [o.finished for o in outputs] == [True] and pair.p.stats().num_delayed_free_requests == 1
+        start = time.monotonic()
+        while pair.p.has_unfinished_requests() and time.monotonic() - start < 30:
+            pair.p.step()
+            time.sleep(0.001)
+        assert pair.p.stats().kv_blocks_in_use == 0 and pair.p.stats().num_delayed_free_requests == 0
+        d_agent = pair.d.worker_connector.agent  # type: ignore[attr-defined]
+        assert d_agent.stats().limits_hit == {"unexpected_bytes_per_peer": 1, "unsolicited_wait": 1}
+        assert pair.p.worker_connector.agent.stats().failed == {"peer_aborted": 1}  # type: ignore[attr-defined]
+        late = KVTransferParams(transfer_id="t-unclaimed", role=Role.DECODE, deadline_s=60.0,
+                                peer_endpoints=pair.endpoints(pair.p))  # fmt: skip
+        pair.d.add_request("r0", prompt, GREEDY, late.to_dict())
+        pair.run(timeout_s=30)
+        assert pair.results["r0"].token_ids == reference[0]
+        assert pair.d.stats().num_kv_load_failures == 1
+        assert_all_freed(pair)
     finally:
         pair.close()

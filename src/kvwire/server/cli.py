@@ -161,6 +161,9 @@ def _add_kv_limit_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-max-admission-wait-s", type=float, default=d.max_admission_wait_s,
                        help="D, push: how long a live P that has not yet taken the request up (its HTTP "
                             "server or queue holds it) keeps D's lease renewed (decision 128)")
+    group.add_argument("--kv-max-unsolicited-wait-s", type=float, default=d.max_unsolicited_wait_s,
+                       help="D, push: how long an offer the request has not claimed yet is kept from its "
+                            "arrival, whatever P renews; then P's send fails (decision 159)")
 
 
 def kv_limits_from_args(args: argparse.Namespace) -> ControlLimits:
@@ -171,6 +174,7 @@ def kv_limits_from_args(args: argparse.Namespace) -> ControlLimits:
         max_pending_per_peer=args.kv_max_pending_per_peer, max_pending_pulls=args.kv_max_pending_pulls,
         max_unexpected_bytes_per_peer=args.kv_max_unexpected_bytes_per_peer,
         max_peers=args.kv_max_peers, max_admission_wait_s=args.kv_max_admission_wait_s,
+        max_unsolicited_wait_s=args.kv_max_unsolicited_wait_s,
     )
 
 

@@ -580,7 +580,8 @@ class TransferAgent:
 
         ``accept_from`` (default ``pull_from``): the sender's control endpoint; offers of this id from
         any other agent are refused (counted in ``offers_refused``), so a third agent that knows the
-        id cannot inject data. Raises TransferError if another agent offered it already.
+        id cannot inject data. Raises TransferError if another agent offered it already, or if its
+        Offer came and was dropped, not expected within ``max_unsolicited_wait_s`` (decision 159).
 
         ``deadline_s`` is a liveness lease: renewed while the sender (``pull_from``, the Offer's
         sender, or ``sender``: push mode's sender endpoint when known in advance) shows life, so a

@@ -44,6 +44,11 @@ class ControlLimits:
     renewed on the word of a live sender that has not heard of the transfer yet (the request still in
     its HTTP server or its engine's queue: it answers ``unknown``). A sender that never hears of it
     fails the transfer this long after ``expect`` (or at its limit); a silent one, within one lease.
+
+    ``max_unsolicited_wait_s`` (decision 159): the other way round, how long a receiver keeps an Offer
+    that ``expect`` has not named, from its arrival; Renews do not extend it. Past it the receive
+    fails and its sender is told (an Abort: the send fails, the sender's blocks are freed); an
+    ``expect`` of it afterwards raises ``TransferError``.
     """
 
     max_message_bytes: int = 4 * MiB  # one control frame (a control message never carries layer data)
@@ -59,6 +64,7 @@ class ControlLimits:
     max_pending_pulls: int = 10_000  # Pulls (whole or piece) of transfers not started here, in all
     max_peers: int = 4096  # peer endpoints whose epoch is remembered (least recently heard forgotten)
     max_admission_wait_s: float = 30.0  # push receiver: a live sender's "unknown" renews this long
+    max_unsolicited_wait_s: float = 30.0  # receiver: an Offer nobody expects is kept this long at most
 
     def __post_init__(self) -> None:
         if not 64 * 1024 <= self.max_message_bytes <= 1 << 30:
@@ -77,6 +83,9 @@ class ControlLimits:
         wait_s = self.max_admission_wait_s
         if not (math.isfinite(wait_s) and wait_s >= 0):
             raise ConfigError(f"max_admission_wait_s must be finite and >= 0, got {wait_s}")
+        unsolicited_s = self.max_unsolicited_wait_s
+        if not (math.isfinite(unsolicited_s) and unsolicited_s > 0):
+            raise ConfigError(f"max_unsolicited_wait_s must be finite and > 0, got {unsolicited_s}")
         if self.max_early_grants_per_peer > self.max_early_grants:
             raise ConfigError("ControlLimits.max_early_grants_per_peer must be <= max_early_grants")
 

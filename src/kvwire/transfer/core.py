@@ -1103,7 +1103,11 @@ class UnsolicitedOffers:
     150), each counted whole from its first grant. An Offer whose whole size would pass it is
     *parked* before any of it is granted: out of the credit queue (it blocks no one), its layers not
     granted until ``expect`` claims it and queues it again (``Credit.resume``), or its lease ends. A
-    peer that offers and never sends holds at most that much memory."""
+    peer that offers and never sends holds at most that much memory.
+
+    Each is kept at most ``ControlLimits.max_unsolicited_wait_s`` from its arrival, whatever its
+    sender renews (decision 159): a parked Offer is renewed both ways (the sender's ``sending``, this
+    side's ``receiving``) and would otherwise hold the sender's blocks up to its limit."""
 
     def __init__(self, core: Core, recvs: dict[str, RecvState]) -> None:
         self.core = core
@@ -1114,6 +1118,9 @@ class UnsolicitedOffers:
         self.granted_bytes: collections.Counter[str] = collections.Counter()
         self.parked: set[str] = set()  # transfer ids waiting for expect() to be granted more
         self.max_bytes_per_peer = core.config.unexpected_bytes_per_peer  # checked once per Offer
+        # transfer id -> when its Offer came (the core's clock), in arrival order, until claimed
+        self.arrived: dict[str, float] = {}
+        self.max_wait_s = core.config.limits.max_unsolicited_wait_s
 
     def admit(self, msg: Offer, deadline_s: float) -> RecvState | None:
         """State for an Offer that came before expect(), unless this agent or that sender has too
@@ -1128,9 +1135,11 @@ class UnsolicitedOffers:
             reason = f"receiver has too many transfers ({limit.value})"
             self.core.send_abort(msg.src_endpoint, msg.transfer_id, reason, msg.src_id)
             return None
-        lease = Lease.start(self.core.now(), deadline_s, self.core.config.default_limit_s)
+        now = self.core.now()
+        lease = Lease.start(now, deadline_s, self.core.config.default_limit_s)
         st = self.recvs[msg.transfer_id] = RecvState(msg.transfer_id, lease, unsolicited_by=msg.src_endpoint)
         self.counts[msg.src_endpoint] += 1
+        self.arrived[msg.transfer_id] = now
         return st
 
     def fits(self, st: RecvState) -> bool:
@@ -1161,6 +1170,7 @@ class UnsolicitedOffers:
     def claim(self, st: RecvState) -> bool:
         """``st`` no longer counts as its sender's unsolicited Offer (expected now, or ended).
         True: it was parked (its layers wait to be queued again)."""
+        self.arrived.pop(st.transfer_id, None)
         peer, st.unsolicited_by = st.unsolicited_by, None
         if peer is not None:
             self.counts[peer] -= 1
@@ -1174,6 +1184,42 @@ class UnsolicitedOffers:
             self.parked.discard(st.transfer_id)
             return True
         return False
+
+    def overdue(self, now: float) -> list[str]:
+        """The Offers that came ``max_unsolicited_wait_s`` or more before ``now`` and are not claimed
+        (oldest first: the scan stops at the first younger one)."""
+        out = []
+        for transfer_id, since in self.arrived.items():
+            if now - since < self.max_wait_s:
+                break
+            out.append(transfer_id)
+        return out
+
+    def expire(self, receiver: Receiver, now: float) -> None:
+        """Fail every Offer nobody expected within ``max_unsolicited_wait_s``, telling its sender
+        (its send fails: its blocks are freed); counted and logged (once, then a summary a minute)."""
+        for transfer_id in self.overdue(now):
+            st = self.recvs.get(transfer_id)
+            if st is None:  # (failing one may have ended another)
+                continue
+            self.core.stats.limit_hit(ControlLimit.UNSOLICITED_WAIT)
+            detail = f"offer of {transfer_id} from {st.unsolicited_by}: not expected in {self.max_wait_s:g} s"
+            self.core.refusals.refused(ControlLimit.UNSOLICITED_WAIT.value, detail)
+            receiver.fail(transfer_id, self.reason(), notify=True)
+
+    def reason(self) -> str:
+        """Why such an Offer failed (here, to its sender, and to a late ``expect``)."""
+        what = f"offer not expected within {self.max_wait_s:g} s of its arrival (max_unsolicited_wait_s)"
+        return f"{FailReason.DEADLINE.value}: {what}"
+
+    def check_not_expired(self, transfer_id: str) -> None:
+        """Raise ``TransferError`` when ``transfer_id``'s Offer came and was failed here for not being
+        expected in time: no Offer will come again (its sender's send failed)."""
+        if transfer_id in self.recvs:
+            return
+        ended = self.core.tombstones.get(RECV_SIDE, transfer_id)
+        if ended is not None and ended == self.reason():
+            raise TransferError(ended, transfer_id)
 
 
 class Receiver(Transfers[RecvState]):
@@ -1206,8 +1252,10 @@ class Receiver(Transfers[RecvState]):
         """Returns True when buffered layers must now be delivered to the new sink (queued for the
         control thread, which the caller wakes). Raises
         TransferError when the transfer was already offered by another agent than ``accept_from``
-        (that transfer is failed: its data is never delivered)."""
+        (that transfer is failed: its data is never delivered), or when its Offer came and was failed
+        for not being expected within ``max_unsolicited_wait_s`` (decision 159)."""
         accept_from = accept_from or pull_from
+        self.unsolicited.check_not_expired(transfer_id)
         st = self._expected_state(transfer_id, num_layers, deadline_s, accept_from, limit_s)
         parked = self.unsolicited.claim(st)
         st.expected, st.num_layers, st.sink, st.pull_from = True, num_layers, sink, pull_from
@@ -1437,6 +1485,10 @@ class Receiver(Transfers[RecvState]):
         return f"{len(st.arrived)}/{len(st.specs)} layers received"
 
     # --- leases ------------------------------------------------------------------------------------------
+
+    def expire(self, now: float) -> None:
+        super().expire(now)
+        self.unsolicited.expire(self, now)
 
     def renew_msg(self, endpoint: str, transfer_id: str, reply: bool) -> Renew:
         return Renew(

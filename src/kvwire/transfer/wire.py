@@ -60,6 +60,8 @@ class ControlLimit(str, enum.Enum):
     PENDING_PER_PEER = "pending_per_peer"  # an Offer or Pull refused: max_pending_per_peer reached
     # an Offer not expected yet left waiting for expect(): max_unexpected_bytes_per_peer granted already
     UNEXPECTED_BYTES_PER_PEER = "unexpected_bytes_per_peer"
+    # an Offer expect() had not named max_unsolicited_wait_s after its arrival: failed, its sender told
+    UNSOLICITED_WAIT = "unsolicited_wait"
     PENDING_TRANSFERS = "pending_transfers"  # an Offer refused: max_pending_transfers reached
     PENDING_PULLS = "pending_pulls"  # a Pull refused: max_pending_pulls reached
     PEERS = "peers"  # a peer endpoint's epoch forgotten: max_peers reached

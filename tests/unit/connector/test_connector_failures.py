@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry
 
 from kvwire.connector.config import ConnectorConfig, EngineInfo, LoadFailurePolicy
 from kvwire.connector.scheduler import KvwireSchedulerConnector
-from kvwire.errors import ConfigError
+from kvwire.errors import ConfigError, TransferError
 from kvwire.protocol.kv_params import KVTransferParams, Role
 from support.connector_fakes import BLOCK, NUM_LAYERS, FakeRequest, chunk, make_pd, push_requests
 
@@ -200,3 +200,31 @@ def test_reason_labels_are_bounded() -> None:
     assert reason_label("request ended while loading remote KV") == "other"  # no kind: no guessing
     assert reason_label("Connection timed out somewhere") == "other"
     assert reason_label("aborted: request preempted while loading") == "aborted"
+
+
+LATE = "deadline: offer not expected within 30 s of its arrival (max_unsolicited_wait_s)"
+
+
+@pytest.mark.parametrize("policy", [LoadFailurePolicy.RECOMPUTE, LoadFailurePolicy.FAIL])
+def test_an_expect_after_the_offer_was_dropped_applies_the_load_policy_at_once(
+    fabric, policy: LoadFailurePolicy,  # type: ignore[no-untyped-def]
+) -> None:
+    """The agent dropped P's Offer before D's engine took the request (decision 159) and raises at
+    ``expect``: the receive fails in that step, under the policy, named by its reason."""
+    p, d = make_pd(fabric, CollectorRegistry(), kv_load_failure_policy=policy)
+    _, dreq = push_requests(p, d, prompt_len=BLOCK + 1)
+
+    def late(transfer_id: str, **kwargs: object) -> None:
+        raise TransferError(LATE, transfer_id)
+
+    d.agent.expect = late  # type: ignore[method-assign,assignment]
+    assert d.sched.get_num_new_matched_tokens(dreq, 0) == (BLOCK + 1, True)
+    d.sched.update_state_after_alloc(dreq, [3, 4], BLOCK + 1)
+    out = d.step()  # the step that expects reports the failure: no lease, no Renew waited for
+    assert (dreq.request_id in out.finished_recving) is (policy is LoadFailurePolicy.RECOMPUTE)
+    assert d.metrics.transfers_failed.labels(side="recv", reason="deadline")._value.get() == 1
+    assert d.metrics.load_failures.labels(policy=policy.value)._value.get() == 1
+    if policy is LoadFailurePolicy.RECOMPUTE:
+        assert {3, 4} <= out.invalid_block_ids
+    else:
+        assert "max_unsolicited_wait_s" in out.failed[dreq.request_id]

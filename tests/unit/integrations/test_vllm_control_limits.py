@@ -25,11 +25,13 @@ def view(**extra: Any) -> VllmTransferView:
 def test_limits_default_and_map_from_extra_config() -> None:
     assert plugin_config_from_vllm(view()).transfer.limits == ControlLimits()
     extra = {"max_peer_deadline_s": 60, "max_early_grants_per_peer": "8", "max_pending_per_peer": 16,
-             "max_pending_transfers": 500, "max_peers": 9, "max_unexpected_bytes_per_peer": "65536"}
+             "max_pending_transfers": 500, "max_peers": 9, "max_unexpected_bytes_per_peer": "65536",
+             "max_unsolicited_wait_s": "45"}
     cfg = plugin_config_from_vllm(view(**extra))
     assert cfg.transfer.limits == ControlLimits(max_peer_deadline_s=60.0, max_early_grants_per_peer=8,
                                        max_pending_per_peer=16, max_peers=9,
-                                       max_unexpected_bytes_per_peer=65536)  # fmt: skip
+                                       max_unexpected_bytes_per_peer=65536,
+                                       max_unsolicited_wait_s=45.0)  # fmt: skip
     agent_config = cfg.transfer.for_rank(1, "cpu")  # what rank 1's worker starts its agent with
     assert agent_config.limits == cfg.transfer.limits and agent_config.max_pending_transfers == 500
 

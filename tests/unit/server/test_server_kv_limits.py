@@ -35,11 +35,12 @@ def test_kv_limit_flags_reach_the_server_config() -> None:
                  "--kv-max-peer-deadline-s", "60", "--kv-max-early-grants", "100",
                  "--kv-max-early-grants-per-peer", "10", "--kv-max-pending-per-peer", "20",
                  "--kv-max-pending-pulls", "30", "--kv-max-pending-transfers", "40",
-                 "--kv-max-peers", "50", "--kv-max-unexpected-bytes-per-peer", "4096")  # fmt: skip
+                 "--kv-max-peers", "50", "--kv-max-unexpected-bytes-per-peer", "4096",
+                 "--kv-max-unsolicited-wait-s", "7.5")  # fmt: skip
     assert cfg.transfer.limits == ControlLimits(
         max_message_bytes=1 << 20, min_peer_deadline_s=0.5, max_peer_deadline_s=60.0, max_early_grants=100,
         max_early_grants_per_peer=10, max_pending_per_peer=20, max_pending_pulls=30, max_peers=50,
-        max_unexpected_bytes_per_peer=4096,
+        max_unexpected_bytes_per_peer=4096, max_unsolicited_wait_s=7.5,
     )  # fmt: skip
     assert cfg.transfer.unexpected_bytes_per_peer == 4096
     assert cfg.transfer.max_pending_transfers == 40
@@ -57,6 +58,8 @@ def test_kv_limit_flags_reach_the_server_config() -> None:
         (["--kv-max-peers", "0"], "max_peers"),
         (["--kv-max-pending-transfers", "0"], "max_pending_transfers"),
         (["--kv-max-unexpected-bytes-per-peer", "-1"], "max_unexpected_bytes_per_peer"),
+        (["--kv-max-unsolicited-wait-s", "0"], "max_unsolicited_wait_s"),
+        (["--kv-max-unsolicited-wait-s", "inf"], "max_unsolicited_wait_s"),
     ],
 )
 def test_bad_kv_limits_are_refused(argv: list[str], match: str) -> None:
