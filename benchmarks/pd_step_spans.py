@@ -11,9 +11,9 @@ the request's arrival to its step, the step's wall and engine-thread CPU time, t
 thread of P and the decode, router and client processes used during the step, and the spans
 (wall / CPU) of the connector's and the agent's calls; also the CPU each thread and process used
 from the request's arrival to its step, and the other threads' calls (the transfer control loop's
-by message type, the HTTP loop's) from the arrival to the step's end. ``--defer``: every batch
-also run, alternating, with P's control thread reading no message while P's engine steps (what P
-gains if D's early Grant waits for P's forward; decision 160). ``--rate R``: instead of sequential
+by message type, the HTTP loop's) from the arrival to the step's end. ``--defer``: every other
+request with P's control thread reading no message while P's engine steps (what P gains if D's
+early Grant waits for P's forward; decision 160). ``--rate R``: instead of sequential
 requests, P/D requests through the router at R a second (Poisson), ``--output-len`` tokens each,
 as ``kvwire bench serve`` sends them. Run from a worktree root:
 
@@ -63,11 +63,17 @@ def site_environment(site: Path, env: dict[str, str]) -> Iterator[None]:
 
 
 def _requests(
-    url: str, prompts: list[list[int]], max_tokens: int, gap_s: float, kv: dict[str, Any] | None = None
+    url: str, prompts: list[list[int]], max_tokens: int, gap_s: float, kv: dict[str, Any] | None = None,
+    defer: Path | None = None,
 ) -> float:
-    """Sequential streamed requests; the client's TTFT p50 (ms)."""
+    """Sequential streamed requests; the client's TTFT p50 (ms). ``defer``: the file that turns the
+    deferral on, there for every other request."""
     ttft = []
     for i, prompt in enumerate(prompts):
+        if defer is not None and i % 2:
+            defer.touch()
+        elif defer is not None:
+            defer.unlink(missing_ok=True)
         body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
                                 "temperature": 0.0, "ignore_eos": True, "stream": True}
         if kv is not None:
@@ -161,18 +167,14 @@ def _phases(cluster: LocalCluster, out: Path, args: argparse.Namespace) -> None:
             for r in range(args.rounds):
                 load, n = os.getloadavg()[0], args.requests
                 pd_tokens = 1 if params else 4  # straight to P: P's one-token answer, as the router asks
-                modes = ["", "defer"] if args.defer else [""]
-                for mode in modes if r % 2 == 0 else modes[::-1]:
-                    # fresh prompts each time: a prompt seen before would be a prefix-cache hit
-                    pd_prompts, plain_prompts = (_prompts(seed + k, n, args.input_len) for k in (0, 1))
-                    seed += 2
-                    if mode:
-                        (out / "defer").touch()
-                    a = _requests(url, pd_prompts, pd_tokens, args.gap_s, params)
-                    b = _requests(p.url, plain_prompts, 1, args.gap_s)
-                    (out / "defer").unlink(missing_ok=True)
-                    print(f"{phase}, round {r}{' ' + mode if mode else ''}, load {load:.2f}: client TTFT "
-                          f"p50 P/D {a:.2f} ms, plain {b:.2f} ms", flush=True)
+                pd_prompts, plain_prompts = (_prompts(seed + k, n, args.input_len) for k in (0, 1))
+                seed += 2
+                defer = out / "defer" if args.defer else None  # every other request
+                a = _requests(url, pd_prompts, pd_tokens, args.gap_s, params, defer)
+                b = _requests(p.url, plain_prompts, 1, args.gap_s, None, defer)
+                (out / "defer").unlink(missing_ok=True)
+                print(f"{phase}, round {r}, load {load:.2f}: client TTFT p50 P/D {a:.2f} ms, plain "
+                      f"{b:.2f} ms", flush=True)
             rows = _dump(out, number)
         finally:
             if stop:
@@ -211,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--direct", action="store_true", help="also P/D requests straight to P, D idle")
     ap.add_argument("--defer", action="store_true", help=(
-        "also, alternating with the usual runs, the same requests with P's transfer control thread "
-        "reading no message while P's engine steps (what P gains if D's early Grant waits)"))
+        "every other request with P's transfer control thread reading no message while P's engine "
+        "steps (what P gains if D's early Grant waits); with --rate, every other round"))
     ap.add_argument("--stop-decode", action="store_true", help="also P/D requests straight to P, D stopped")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "cluster.log", "w") as sink:
