@@ -9,9 +9,17 @@ beside P's step), and with ``--stop-decode`` the same with D's process stopped (
 grant, no Offer handled by D). For each phase and kind of step it prints medians: the wait from
 the request's arrival to its step, the step's wall and engine-thread CPU time, the CPU time each
 thread of P and the decode, router and client processes used during the step, and the spans
-(wall / CPU) of the connector's and the agent's calls. Run from a worktree root:
+(wall / CPU) of the connector's and the agent's calls; also the CPU each thread and process used
+from the request's arrival to its step, and the other threads' calls (the transfer control loop's
+by message type, the HTTP loop's) from the arrival to the step's end. ``--defer``: every other
+request with P's control thread reading no message while P's engine steps (what P gains if D's
+early Grant waits for P's forward; decision 160). ``--rate R``: instead of sequential
+requests, P/D requests through the router at R a second (Poisson), ``--output-len`` tokens each,
+as ``kvwire bench serve`` sends them. Run from a worktree root:
 
     PYTHONPATH=src python benchmarks/pd_step_spans.py --rounds 2 --requests 20 --direct --stop-decode
+    PYTHONPATH=src python benchmarks/pd_step_spans.py --rounds 4 --requests 20 --defer
+    PYTHONPATH=src python benchmarks/pd_step_spans.py --rounds 4 --requests 48 --rate 4 --defer
 """
 
 from __future__ import annotations
@@ -20,10 +28,12 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,17 +63,42 @@ def site_environment(site: Path, env: dict[str, str]) -> Iterator[None]:
 
 
 def _requests(
-    url: str, prompts: list[list[int]], max_tokens: int, gap_s: float, kv: dict[str, Any] | None = None
+    url: str, prompts: list[list[int]], max_tokens: int, gap_s: float, kv: dict[str, Any] | None = None,
+    defer: Path | None = None,
 ) -> float:
-    """Sequential streamed requests; the client's TTFT p50 (ms)."""
+    """Sequential streamed requests; the client's TTFT p50 (ms). ``defer``: the file that turns the
+    deferral on, there for every other request."""
     ttft = []
     for i, prompt in enumerate(prompts):
+        if defer is not None and i % 2:
+            defer.touch()
+        elif defer is not None:
+            defer.unlink(missing_ok=True)
         body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
                                 "temperature": 0.0, "ignore_eos": True, "stream": True}
         if kv is not None:
             body["kv_transfer_params"] = dict(kv, transfer_id=f"spans-{time.monotonic_ns()}-{i}")
         ttft.append(_post(url, body))
         time.sleep(gap_s)
+    return 1e3 * statistics.median(ttft)
+
+
+def _load(url: str, prompts: list[list[int]], max_tokens: int, rate: float, seed: int) -> float:
+    """P/D requests at ``rate`` a second (Poisson arrivals, one thread each), as ``kvwire bench serve``
+    sends them; the client's TTFT p50 (ms)."""
+    rng, ttft, threads = random.Random(seed), [], []
+
+    def one(prompt: list[int]) -> None:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "stream": True}
+        ttft.append(_post(url, body))
+
+    for prompt in prompts:
+        threads.append(threading.Thread(target=one, args=(prompt,)))
+        threads[-1].start()
+        time.sleep(rng.expovariate(rate))
+    for thread in threads:
+        thread.join(120)
     return 1e3 * statistics.median(ttft)
 
 
@@ -90,10 +125,19 @@ def _table(phase: str, rows: list[dict[str, Any]]) -> None:
         busy = {n: med([r["cpu_us_meanwhile"].get(n, 0.0) for r in rs]) for n in names}
         used = ", ".join(f"{n} {v:.0f}" for n, v in sorted(busy.items()) if v)
         print(f"  CPU used during the step: {used}")
+        names = {n for r in rs for n in r.get("cpu_us_before", {})}
+        busy = {n: med([r["cpu_us_before"].get(n, 0.0) for r in rs]) for n in names}
+        used = ", ".join(f"{n} {v:.0f}" for n, v in sorted(busy.items()) if v)
+        print(f"  CPU used from the arrival to the step: {used}")
         for name in sorted({n for r in rs for n in r["spans"]}):
             wall = med([r["spans"].get(name, [0.0, 0.0])[0] for r in rs])
             cpu = med([r["spans"].get(name, [0.0, 0.0])[1] for r in rs])
             print(f"  {name:50s} wall {wall:7.0f}  CPU {cpu:7.0f}")
+        print("  other threads' calls from the arrival to the step's end (means a step):")
+        for name in sorted({n for r in rs for n in r.get("other_spans", {})}):
+            got = [r["other_spans"].get(name, [0.0, 0.0, 0]) for r in rs]
+            wall, cpu, calls = (statistics.mean(g[k] for g in got) for k in range(3))
+            print(f"  {name:50s} wall {wall:7.0f}  CPU {cpu:7.0f}  calls {calls:4.1f}")
 
 
 def _phases(cluster: LocalCluster, out: Path, args: argparse.Namespace) -> None:
@@ -109,6 +153,9 @@ def _phases(cluster: LocalCluster, out: Path, args: argparse.Namespace) -> None:
     _requests(cluster.router_url, _prompts(0, 4, args.input_len), 4, args.gap_s)  # warm-up
     _requests(p.url, _prompts(1, 4, args.input_len), 1, args.gap_s)
     _dump(out, 1)
+    if args.rate:
+        _under_load(cluster, out, args)
+        return
     phases = [("P/D through the router, plain to P", cluster.router_url, None, False)]
     phases += [("P/D straight to P, D idle", p.url, kv, False)] if args.direct else []
     phases += [("P/D straight to P, D stopped", p.url, kv, True)] if args.stop_decode else []
@@ -121,16 +168,37 @@ def _phases(cluster: LocalCluster, out: Path, args: argparse.Namespace) -> None:
                 load, n = os.getloadavg()[0], args.requests
                 pd_tokens = 1 if params else 4  # straight to P: P's one-token answer, as the router asks
                 pd_prompts, plain_prompts = (_prompts(seed + k, n, args.input_len) for k in (0, 1))
-                a = _requests(url, pd_prompts, pd_tokens, args.gap_s, params)
-                b = _requests(p.url, plain_prompts, 1, args.gap_s)
                 seed += 2
-                print(f"{phase}, round {r}, load {load:.2f}: client TTFT p50 P/D {a:.2f} ms, "
-                      f"plain {b:.2f} ms", flush=True)
+                defer = out / "defer" if args.defer else None  # every other request
+                a = _requests(url, pd_prompts, pd_tokens, args.gap_s, params, defer)
+                b = _requests(p.url, plain_prompts, 1, args.gap_s, None, defer)
+                (out / "defer").unlink(missing_ok=True)
+                print(f"{phase}, round {r}, load {load:.2f}: client TTFT p50 P/D {a:.2f} ms, plain "
+                      f"{b:.2f} ms", flush=True)
             rows = _dump(out, number)
         finally:
             if stop:
                 os.kill(d.process.pid, signal.SIGCONT)
         _table(phase, rows)
+
+
+def _under_load(cluster: LocalCluster, out: Path, args: argparse.Namespace) -> None:
+    """P/D requests through the router at ``--rate`` (``--output-len`` tokens each), per round; with
+    ``--defer``, rounds alternate with P's control thread reading nothing while P steps."""
+    seed = 2
+    for r in range(args.rounds):
+        modes = ["", "defer"] if args.defer else [""]
+        for mode in modes if r % 2 == 0 else modes[::-1]:
+            if mode:
+                (out / "defer").touch()
+            load = os.getloadavg()[0]
+            prompts = _prompts(seed, args.requests, args.input_len)
+            ttft = _load(cluster.router_url, prompts, args.output_len, args.rate, seed)
+            (out / "defer").unlink(missing_ok=True)
+            seed += 1
+            print(f"P/D at {args.rate} req/s, round {r}{' ' + mode if mode else ''}, load {load:.2f}: "
+                  f"client TTFT p50 {ttft:.2f} ms", flush=True)
+    _table(f"P/D at {args.rate} req/s", _dump(out, 2))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,7 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=20)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--gap-s", type=float, default=0.15)
+    ap.add_argument("--rate", type=float, default=0.0, help=(
+        "instead of sequential requests: P/D requests through the router at this rate (Poisson), "
+        "--requests a round, --output-len tokens each, as kvwire bench serve sends them"))
+    ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--direct", action="store_true", help="also P/D requests straight to P, D idle")
+    ap.add_argument("--defer", action="store_true", help=(
+        "every other request with P's transfer control thread reading no message while P's engine "
+        "steps (what P gains if D's early Grant waits); with --rate, every other round"))
     ap.add_argument("--stop-decode", action="store_true", help="also P/D requests straight to P, D stopped")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "cluster.log", "w") as sink:

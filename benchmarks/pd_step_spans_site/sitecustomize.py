@@ -7,9 +7,14 @@ thread-CPU timers. A step that starts a new prompt is recorded with its kind (``
 ``kv_transfer_params``; ``plain``: it does not), the wait from the request's arrival
 (``RequestStream``) to the step's start, the step's wall and engine-thread CPU time, the CPU time
 every thread of this process and the processes named in ``PD_STEP_SPANS_DIR/pids.json`` used
-meanwhile (Linux per-thread and per-process CPU clocks), and each span's wall and CPU time. The
-file ``PD_STEP_SPANS_DIR/dump`` (created by the driver) makes it write ``steps-N.json`` and start
-over.
+meanwhile (Linux per-thread and per-process CPU clocks), and each span's wall and CPU time; also
+the CPU time each thread and process used from the request's arrival to the step, and the calls
+listed in ``OTHER_SPANS`` made on the other threads (the transfer control loop's reads, decodes,
+handlers by message type and sends; the HTTP loop's request parsing) from the arrival to the
+step's end. The file ``PD_STEP_SPANS_DIR/dump`` (created by the driver) makes it write
+``steps-N.json`` and start over. While ``PD_STEP_SPANS_DIR/defer`` exists (at a step's start), the
+control thread reads no inbound message until that step ends (at most 20 ms): an experiment of
+what P's step gains if D's early Grant waits for P's forward, not a behaviour of ``src/``.
 """
 
 from __future__ import annotations
@@ -33,6 +38,17 @@ SPANS = {
     "kvwire.transfer.agent:TransferAgent": ("promise", "start_send", "send_blocks", "poll"),
 }
 ENGINE_THREAD = "kvwire-engine"
+# calls timed on every thread but the engine's (the transfer control loop, the HTTP event loop): each
+# call's start, wall and thread-CPU time is kept, and a step's row sums those that started between its
+# request's arrival and the step's end, by span name (``Routes.on_message`` by message type)
+OTHER_SPANS = {
+    "kvwire.transfer.core:Routes": ("on_message", "on_tick"),
+    "kvwire.transfer.agent:ControlLoop": ("_drain_outbox", "_recv_frames", "_drain_inbound"),
+    "kvwire.transfer.wire:Codec": ("encode", "decode"),
+    "kvwire.server.generate:GenerationHandler": ("_prepare",),
+    "kvwire.server.engine_loop:EngineLoop": ("_deliver",),
+}
+MAX_OTHER = 4096
 
 _dir = os.environ.get("PD_STEP_SPANS_DIR", "")
 _rows: list[dict[str, Any]] = []
@@ -40,6 +56,13 @@ _step: dict[str, Any] = {}  # the engine thread's current step
 _arrivals: dict[str, float] = {}  # request id -> time.monotonic() at RequestStream
 _lock = threading.Lock()
 _pids: dict[str, int] = {}
+# ``PD_STEP_SPANS_DIR/defer`` present at a step's start: the transfer control thread reads no inbound
+# message until that step ends (at most 20 ms): what P's step gains if D's early Grant waits for it
+_idle = threading.Event()  # clear while a step runs in that mode
+_idle.set()
+_defer = [False]
+_arrival_clocks: dict[str, dict[str, int]] = {}  # request id -> CPU clocks at RequestStream
+_other: list[tuple[float, str, int, int]] = []  # (time.monotonic() at the start, name, wall ns, CPU ns)
 
 
 def _cpu_clocks() -> dict[str, int]:
@@ -73,6 +96,23 @@ def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
+def _timed_other(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name == ENGINE_THREAD:
+            return fn(*args, **kwargs)
+        start, wall, cpu = time.monotonic(), time.perf_counter_ns(), time.thread_time_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            label = name
+            if name.endswith("on_message") and args[1:]:
+                label = f"{name}({type(args[1]).__name__})"
+            with _lock:
+                _other.append((start, label, time.perf_counter_ns() - wall, time.thread_time_ns() - cpu))
+                del _other[:-MAX_OTHER]
+    return wrapped
+
+
 def _install() -> None:
     import importlib
 
@@ -84,6 +124,7 @@ def _install() -> None:
     def new_stream(self: Any, request_id: str) -> None:
         stream_init(self, request_id)
         _arrivals[request_id] = self.arrival_s
+        _arrival_clocks[request_id] = _cpu_clocks()
 
     generate.RequestStream.__init__ = new_stream  # type: ignore[method-assign]
     schedule = scheduler.Scheduler.schedule
@@ -103,11 +144,15 @@ def _install() -> None:
 
     def timed_step(self: Any) -> Any:
         _step.clear()
-        _step.update(spans={}, clocks=_cpu_clocks(), start=time.monotonic(),
-                     wall=time.perf_counter_ns(), cpu=time.thread_time_ns())
+        _defer[0] = os.path.exists(os.path.join(_dir, "defer"))
+        if _defer[0]:
+            _idle.clear()
+        _step.update(spans={}, clocks=_cpu_clocks(), start=time.monotonic(), wall=time.perf_counter_ns(),
+                     cpu=time.thread_time_ns(), mode="defer" if _defer[0] else "")
         try:
             return engine_step(self)
         finally:
+            _idle.set()
             _record()
 
     llm_engine.LLMEngine.step = timed_step  # type: ignore[method-assign]
@@ -116,6 +161,20 @@ def _install() -> None:
         cls = getattr(importlib.import_module(module), cls_name)
         for name in names:
             setattr(cls, name, _timed(f"{cls_name}.{name}", getattr(cls, name)))
+    from kvwire.transfer.agent import ControlLoop
+
+    drain = ControlLoop._drain_inbound
+
+    def deferred_drain(self: Any) -> None:
+        _idle.wait(0.02)
+        drain(self)
+
+    ControlLoop._drain_inbound = deferred_drain  # type: ignore[method-assign]
+    for where, names in OTHER_SPANS.items():
+        module, cls_name = where.split(":")
+        cls = getattr(importlib.import_module(module), cls_name)
+        for name in names:
+            setattr(cls, name, _timed_other(f"{cls_name}.{name}", getattr(cls, name)))
 
 
 def _record() -> None:
@@ -125,12 +184,25 @@ def _record() -> None:
         return
     before, after = step["clocks"], _cpu_clocks()
     arrivals = [_arrivals.pop(r, step["start"]) for r in step["request_ids"]]
+    at_arrival = [_arrival_clocks.pop(r, None) for r in step["request_ids"]]
+    first = next((c for c in at_arrival if c is not None), before)
+    end = time.monotonic()
+    with _lock:
+        others = [(n, w, c) for t, n, w, c in _other if min(arrivals) <= t <= end]
+    other_spans: dict[str, list[float]] = {}
+    for name, wall, cpu in others:
+        span = other_spans.setdefault(name, [0.0, 0.0, 0])
+        span[0] += wall / 1e3
+        span[1] += cpu / 1e3
+        span[2] += 1
     row = {
-        "kind": kind,
+        "kind": kind + (f" ({step['mode']})" if step.get("mode") else ""),
         "queue_us": 1e6 * (step["start"] - min(arrivals)),
         "wall_us": (time.perf_counter_ns() - step["wall"]) / 1e3,
         "cpu_us": (time.thread_time_ns() - step["cpu"]) / 1e3,
         "cpu_us_meanwhile": {k: (v - before[k]) / 1e3 for k, v in after.items() if k in before},
+        "cpu_us_before": {k: (v - first[k]) / 1e3 for k, v in before.items() if k in first},
+        "other_spans": other_spans,
         "spans": {k: [wall / 1e3, cpu / 1e3] for k, (wall, cpu) in step["spans"].items()},
     }
     with _lock:
