@@ -215,6 +215,9 @@ def test_pulls_before_start_send_are_capped(ctx: zmq.Context) -> None:
         for i in range(3):
             a.send(Pull(src_id="d", src_endpoint=a.endpoint, transfer_id=f"a{i}", deadline_s=1e9,
                         data_address="127.0.0.1:1"))  # fmt: skip
+        # a's third is refused for its peer before b sends: read interleaved, b's could fill the table
+        # first and both of a's last two would be refused as pending_pulls instead
+        wait_for(lambda: p.stats().limits_hit.get("pending_per_peer", 0) == 1, "a's third pull refused")
         for i in range(2):
             b.send(Pull(src_id="d", src_endpoint=b.endpoint, transfer_id=f"b{i}", deadline_s=30.0,
                         data_address="127.0.0.1:1"))  # fmt: skip
