@@ -6,7 +6,9 @@ step's outputs through ``loop.call_soon_threadsafe``, put into the outbox (an ``
 caller gave each request. While only remote-KV transfers are pending the thread polls every
 ``remote_wait_s``; a transfer that ends wakes it at once (:meth:`EngineLoop.wake`, decision 153). When
 the transfer agent wakes it (``wakes_on_receive``) and nothing holds blocks for a send, only receives
-are awaited and the poll is ``receive_wait_s`` (decision 158).
+are awaited and the poll is ``receive_wait_s`` (decision 158). A step that finishes a request whose
+blocks wait for a send wakes the thread once its outputs are handed to their writers, so P's held
+push starts then rather than a poll later (decision 161).
 Failure: an exception from ``add_request`` is raised to the awaiting caller; an
 exception from ``step`` fails every in-flight request with :class:`EngineError` (their streams
 raise it) and the loop keeps serving new requests; after ``MAX_CONSECUTIVE_STEP_ERRORS`` failed steps in
@@ -318,7 +320,9 @@ class EngineLoop:
         self._refuse_pending(ServerShuttingDown("the server is shutting down"))
         return True
 
-    def _deliver(self, outputs: Sequence[Any], time_s: float) -> None:
+    def _deliver(self, outputs: Sequence[Any], time_s: float, wake: bool = False) -> None:
+        """Event loop: hand a step's outputs to their requests' outboxes; with ``wake``, wake the
+        engine thread once the writers those outputs woke have run (scheduled after them)."""
         for output in outputs:
             outbox = self._streams.get(output.request_id)
             if outbox is None:
@@ -326,6 +330,8 @@ class EngineLoop:
             outbox.put_nowait(TimedOutput(output, time_s))
             if output.finished:
                 del self._streams[output.request_id]
+        if wake and self._loop is not None:
+            self._loop.call_soon(self.wake)
 
     def _fail(self, request_ids: Sequence[str], error: BaseException) -> None:
         for request_id in request_ids:
@@ -471,7 +477,11 @@ class EngineLoop:
             if output.finished:
                 self._live.discard(output.request_id)
         if outputs:
-            self._post(self._deliver, list(outputs), time.monotonic())
+            # A request that finished with its blocks held for a send (P's push starts at its next
+            # step, decision 147): that step runs once the tokens are written, not a poll later
+            # (decision 161)
+            wake = self._stats.num_delayed_free_requests > 0 and any(o.finished for o in outputs)
+            self._post(self._deliver, list(outputs), time.monotonic(), wake)
 
     def _abort_live(self, error: BaseException) -> None:
         request_ids = list(self._live)

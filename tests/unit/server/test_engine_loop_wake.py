@@ -3,7 +3,8 @@
 transfer agent's completion calls ``EngineLoop.wake``, which ends that wait at once. Checked by
 order, not time: the poll wait is set far longer than the test's deadline, so only a wake steps.
 When the agent wakes the loop and no blocks wait for a send, the poll is ``receive_wait_s`` instead
-(decision 158)."""
+(decision 158). A step that finishes a request whose blocks wait for a send is followed by a step once
+its outputs reached their outbox (decision 161)."""
 
 from __future__ import annotations
 
@@ -153,3 +154,57 @@ def test_the_connector_set_says_whether_the_agent_wakes_the_loop() -> None:
     assert not ConnectorSet(worker=SimpleNamespace()).wake_on_transfer_end(lambda: None)
     with TransferAgent(TransferConfig()) as d:
         assert ConnectorSet(worker=SimpleNamespace(agent=d)).wake_on_transfer_end(lambda: None)
+
+
+class _FinishingEngine(_RemoteWaiterEngine):
+    """P's shape: the step after the admission finishes the request and holds its blocks for a send
+    (``finish_holds``); each step records how many outputs the request's outbox held when it ran."""
+
+    def __init__(self, finish_holds: bool) -> None:
+        super().__init__()
+        self.finish_holds = finish_holds
+        self.outbox: RequestOutbox | None = None
+        self.seen: list[int] = []
+
+    def step(self) -> list[Any]:
+        assert self.outbox is not None
+        self.seen.append(self.outbox.qsize())
+        finishing = self.steps == 0
+        if finishing:
+            self.delayed_free = int(self.finish_holds)
+        out = [SimpleNamespace(request_id="r", finished=True)] if finishing else []
+        super().step()
+        return out
+
+
+def _run_finishing(engine: _FinishingEngine, body: Any) -> None:
+    async def main() -> None:
+        loop = EngineLoop(engine, remote_wait_s=NEVER_S, receive_wait_s=NEVER_S, idle_wait_s=NEVER_S)
+        loop.start(asyncio.get_running_loop())
+        try:
+            engine.outbox = asyncio.Queue()
+            await loop.add_request("r", engine.outbox, [1, 2, 3], None)
+            await asyncio.to_thread(body, engine)
+        finally:
+            assert await asyncio.to_thread(loop.close, DEADLINE_S)
+
+    asyncio.run(main())
+
+
+def test_a_request_finished_with_a_send_held_wakes_the_loop_after_its_outputs() -> None:
+    """Decision 161: the poll is NEVER_S, so only the wake that follows the delivery steps again;
+    that step sees the finished output already in its outbox (the writers ran first)."""
+    def body(engine: _FinishingEngine) -> None:
+        assert engine.wait_steps(2), "the held send waited for the poll"
+        assert engine.seen[:2] == [0, 1]
+
+    _run_finishing(_FinishingEngine(finish_holds=True), body)
+
+
+def test_a_request_finished_without_a_send_does_not_wake_the_loop() -> None:
+    def body(engine: _FinishingEngine) -> None:
+        assert engine.wait_steps(1)
+        # 0.3 s: a wake would step at once (a loaded box only delays it)
+        assert not engine.wait_steps(2, timeout_s=0.3), "a step with nothing held was woken"
+
+    _run_finishing(_FinishingEngine(finish_holds=False), body)
