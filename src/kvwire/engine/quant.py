@@ -53,7 +53,9 @@ def _quant_kernel() -> tuple[ModuleType | None, str]:
         module = importlib.import_module("kvwire.engine._quant_matmul")
     except ImportError as exc:  # built without a C compiler
         return None, str(exc)
-    return (module, "") if module.supported() else (None, "this CPU has no AVX512-BF16")
+    if module.supported():
+        return module, ""
+    return None, "no AVX512-BF16 on this CPU, or a build without it (GCC >= 10 on x86-64 compiles it)"
 
 
 _quant_native, NATIVE_QUANT_ERROR = _quant_kernel()
