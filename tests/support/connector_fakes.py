@@ -7,7 +7,6 @@ unless the fabric is ``paused`` (then queued until ``flush``), so tests control 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import threading
@@ -142,9 +141,6 @@ class FakeAgent:
         assert self.paged is not None, "register_kv_caches first"
         data = self.paged.heads(heads).gather(layer_index, block_ids)
         self.send_layer(transfer_id, layer_index, data, ready_event)
-
-    def wakes_deferred(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()  # the fake fabric has no control thread
 
     def send_trailer(self, transfer_id: str, payload: bytes) -> None:
         send = self.sends.get(transfer_id)

@@ -20,7 +20,6 @@ policy, the quarantine). The sides live in the connector and call back into it f
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
@@ -118,8 +117,6 @@ class AgentLike(Protocol):
     ) -> None: ...
 
     def send_trailer(self, transfer_id: str, payload: bytes) -> None: ...
-
-    def wakes_deferred(self) -> contextlib.AbstractContextManager[None]: ...
 
     def promise(
         self, transfer_id: str, peer_endpoint: str, *, deadline_s: float | None = None,
@@ -523,15 +520,12 @@ class _SendSide:
         unsent, self.unsent = self.unsent, []
         for send in unsent:
             layers, send.unsent = send.unsent, []
-            # the Offer start_send queues goes once the layers are with the plane: its early Grant
-            # (decision 110) lets the writer start without it (decision 162)
-            with self._agent.wakes_deferred():
-                if not send.started and not self._start_held(send):
-                    continue
-                for layer_index in layers:
-                    if send.failed or send.piece_id not in self.sends:
-                        break  # failed or aborted meanwhile
-                    self._hand_over(send, layer_index, None)
+            if not send.started and not self._start_held(send):
+                continue
+            for layer_index in layers:
+                if send.failed or send.piece_id not in self.sends:
+                    break  # failed or aborted meanwhile
+                self._hand_over(send, layer_index, None)
             self._fail_if_short(send, send.num_layers_sent)
 
     def finish_saves(self) -> None:

@@ -548,12 +548,6 @@ class TransferAgent:
             self._check_open()
             self._sender.add_layer_blocks(transfer_id, layer_index, paged, block_ids, ready_event)
 
-    def wakes_deferred(self) -> contextlib.AbstractContextManager[None]:
-        """A block whose control messages (a :meth:`start_send`'s Offer) wake the control thread only
-        at its end, once, so that the layers handed over in the block reach the plane first, without
-        the control thread taking the GIL between the calls (decision 162). Other threads unaffected."""
-        return self._core.wakes_deferred()
-
     def send_trailer(self, transfer_id: str, payload: bytes) -> None:
         """Small bytes delivered to the receiver with completion (``with_trailer=True`` transfers)."""
         with self._core.lock:

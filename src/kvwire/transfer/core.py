@@ -100,7 +100,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import msgspec
@@ -427,8 +427,6 @@ class Core:
     closed: bool = False
     dead: str | None = None  # the control loop gave up (supervision): why; nothing moves any more
     clock: RunningClock = dataclasses.field(default_factory=RunningClock)
-    # per thread: ``deferred`` (a wake asked for inside ``wakes_deferred``) while that block runs
-    _deferring: threading.local = dataclasses.field(default_factory=threading.local, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.peer_ids = PeerIds(self.config.limits.max_peers, self.stats)
@@ -455,31 +453,9 @@ class Core:
         control.outbox.append((endpoint, msg))
         self.wake()
 
-    @contextlib.contextmanager
-    def wakes_deferred(self) -> Iterator[None]:
-        """The calling thread's wakes of the control thread wait for the block's end: one wake then
-        if any was asked for (other threads' wakes are not held). What the block queues for the
-        control thread still goes in order; the woken thread then does not take the GIL from the
-        caller mid-block (decision 162: P's Offer goes once its held layers are with the plane)."""
-        local = self._deferring
-        if getattr(local, "deferred", None) is not None:  # nested: the outer block wakes
-            yield
-            return
-        local.deferred = False
-        try:
-            yield
-        finally:
-            due, local.deferred = local.deferred, None
-            if due:
-                self.wake()
-
     def wake(self) -> None:
         """Wake the control thread (any thread; nothing when it is not built yet): its waker socket,
-        written here as ``ControlLoop.wake`` does, so that this is no call into the agent's module.
-        Inside :meth:`wakes_deferred` on this thread: at that block's end."""
-        if getattr(self._deferring, "deferred", None) is not None:
-            self._deferring.deferred = True
-            return
+        written here as ``ControlLoop.wake`` does, so that this is no call into the agent's module."""
         control = self.control
         if control is not None:
             with contextlib.suppress(BlockingIOError, OSError):
