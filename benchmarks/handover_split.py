@@ -34,7 +34,7 @@ POINTS = [
     ("P hands the held layers (send_saved in)", "prefill", "_SendSide.send_saved in"),
     ("start_send returns (Offer queued)", "prefill", "_SendSide._start_agent_send out"),
     ("send_saved returns (layers queued)", "prefill", "_SendSide.send_saved out"),
-    ("P's shm writer starts copying", "prefill", "Outbound._write"),
+    ("P's shm writer starts copying", "prefill", "Outbound._write_direct in"),
     ("P's shm writer done (DONE frames sent)", "prefill", "Outbound._write_direct out"),
     ("D's shm reader sees the first DONE", "decode", "Inbound._written in"),
     ("D records the transfer complete", "decode", "CompletionEvents.recvd in"),
