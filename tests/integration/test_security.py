@@ -128,8 +128,10 @@ def test_forged_kv_transfer_params_are_refused_before_any_connection(
         genuine = ParamsSigner(SECRET).sign(msgspec.structs.replace(forged, peer_endpoints=["tcp://x:1"]))
         tampered = msgspec.structs.replace(genuine, peer_endpoints=[trap_endpoint])
         stale = ParamsSigner(SECRET, clock=lambda: time.time() - 600).sign(forged)
+        # a forged request is refused for its signature whatever else is wrong with it
+        malformed = msgspec.structs.replace(genuine, peer_endpoints=["not an endpoint"])
         attempts = [("unsigned", forged), ("bad_signature", tampered), ("bad_signature", tampered),
-                    ("bad_signature", tampered), ("expired", stale)]
+                    ("bad_signature", tampered), ("bad_signature", malformed), ("expired", stale)]
         for reason, params in attempts:
             body = completion(kv_transfer_params=params.to_dict())
             status, answer = call(f"{prefill}/v1/completions", body)
@@ -148,7 +150,7 @@ def test_forged_kv_transfer_params_are_refused_before_any_connection(
         trap.close()
     counts = {r: metric(prefill, "kvwire_refused_total", reason=r)
               for r in ("unsigned", "bad_signature", "expired", "replayed")}
-    assert counts == {"unsigned": 1, "bad_signature": 3, "expired": 1, "replayed": 1}
+    assert counts == {"unsigned": 1, "bad_signature": 4, "expired": 1, "replayed": 1}
     logged = log_path.read_text().count("refused kv_transfer_params (bad_signature)")
     assert logged == 1  # once, not per attempt
 

@@ -105,3 +105,28 @@ def test_a_refused_signature_never_reaches_the_admission_check() -> None:
     with pytest.raises(KVParamsRefused):
         checked(forged.to_dict())
     assert seen == [] and len(refused) == 1
+
+
+def test_a_forged_request_is_refused_for_its_signature_before_its_endpoints_are_read() -> None:
+    """The chain an instance with a shared secret runs: the signature (403), then the endpoints'
+    form and the connector's check (400). A forged request with a malformed endpoint is a refusal,
+    not a bad request; a signed one with a malformed endpoint is a bad request; neither reaches the
+    connector's check."""
+    from kvwire.errors import InvalidRequestError
+    from kvwire.protocol.kv_params import endpoints_checked
+    from kvwire.protocol.kv_signing import verifying
+
+    seen: list[object] = []
+    refused: list[object] = []
+    signer = ParamsSigner(SECRET, clock=lambda: NOW)
+    verifier = ParamsVerifier(SECRET, clock=lambda: NOW)
+    checked = verifying(endpoints_checked(seen.append), verifier, refused.append)
+    bad_endpoint = ["tcp://10.0.0.2:7000", "not an endpoint"]
+    genuine = signer.sign(params(transfer_id="t-ok", peer_endpoints=["tcp://10.0.0.2:7000"]))
+    tampered = msgspec.structs.replace(genuine, peer_endpoints=bad_endpoint)
+    with pytest.raises(KVParamsRefused):
+        checked(tampered)
+    with pytest.raises(InvalidRequestError, match=r"peer_endpoints\[1\]"):
+        checked(signer.sign(params(transfer_id="t-bad", peer_endpoints=bad_endpoint)))
+    assert seen == [] and len(refused) == 1
+    assert checked(genuine) == genuine and seen == [genuine]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any
 
 import msgspec
@@ -187,3 +187,23 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
 # What an engine's request may carry: typed params (parsed once at the server's edge) or the raw
 # JSON object (vLLM hands its connector dicts; the offline API takes either).
 KVParams = KVTransferParams | dict[str, Any]
+
+
+def endpoints_checked(
+    check: Callable[[KVTransferParams], object] | None = None,
+) -> Callable[[object], KVTransferParams]:
+    """An instance's admission check of ``kv_transfer_params``: parse them, refuse a malformed
+    ``peer_endpoints`` entry (:func:`check_peer_endpoints`), then run ``check`` (the connector's,
+    which may act on them: P promises D its transfer). A server with a shared secret runs the
+    router-signature check before all of it (``kv_signing.verifying``): a forged request is a 403
+    whatever its endpoints say."""
+
+    def checked(raw: object) -> KVTransferParams:
+        params = raw if isinstance(raw, KVTransferParams) else KVTransferParams.from_dict(raw)
+        check_peer_endpoints(params.peer_endpoints)
+        if check is None:
+            return params
+        result = check(params)
+        return result if isinstance(result, KVTransferParams) else params
+
+    return checked

@@ -40,7 +40,7 @@ from kvwire.errors import (
     ServerShuttingDown,
 )
 from kvwire.http.front_door import ClientWriter, client_gone
-from kvwire.protocol.kv_params import KVTransferParams, check_peer_endpoints
+from kvwire.protocol.kv_params import KVTransferParams, endpoints_checked
 from kvwire.server.engine_loop import EngineLoop, RequestOutbox, TimedOutput
 from kvwire.server.metrics import ServerMetrics
 from kvwire.server.openai_protocol import (
@@ -190,8 +190,9 @@ class GenerationHandler:
         # valid input, e.g. a migrated answer's continuation), else the tokenizer's.
         self._vocab_size: int | None = vocab_size or getattr(tokenizer, "vocab_size", None)
         self._accepts_kv = accepts_kv_transfer_params
-        # The connector's own admission check (role served, endpoints present) -> HTTP 400.
-        self._check_kv = check_kv_transfer_params or KVTransferParams.parse
+        # The admission check (the router's signature with a shared secret -> 403; the endpoints'
+        # form, then the connector's own check: role served, endpoints present -> 400).
+        self._check_kv = check_kv_transfer_params or endpoints_checked()
         # ... and what undoes its promise for a request the engine never took.
         self._withdraw_kv = withdraw_kv_transfer_params
         self._write_timeout_s = client_write_timeout_s  # deadline of each write to a streaming client
@@ -396,9 +397,6 @@ class GenerationHandler:
                              "(start it with --role prefill or decode)", param="kv_transfer_params")
         try:
             typed = KVTransferParams.from_dict(params)
-            # before the connector's check, which may act on them (P promises D its transfer): an
-            # endpoint the control plane cannot connect to would cost the transfer its lease
-            check_peer_endpoints(typed.peer_endpoints)
             checked = self._check_kv(typed)
         except InvalidRequestError as exc:
             raise BadRequest(str(exc), param="kv_transfer_params") from exc

@@ -25,6 +25,7 @@ from aiohttp import web
 from kvwire.engine.config import EngineConfig
 from kvwire.errors import EXIT_RANK_LOST, RankLost
 from kvwire.http.refusal_log import RefusalLog
+from kvwire.protocol.kv_params import endpoints_checked
 from kvwire.protocol.kv_signing import KVParamsRefused, verifier_from_secret, verifying
 from kvwire.server.app import ServerApp
 from kvwire.server.config import ServerConfig
@@ -152,13 +153,14 @@ class ServerInstance:
         if self.on_lost is not None:
             self.on_lost(error)
 
-    def _kv_params_check(self, metrics: ServerMetrics) -> Callable[[object], object] | None:
-        """The connector's admission check of kv_transfer_params, preceded (with a shared secret) by
-        the router-signature check: refused params are a 403, before anything is scheduled."""
+    def _kv_params_check(self, metrics: ServerMetrics) -> Callable[[object], object]:
+        """The admission check of kv_transfer_params: with a shared secret the router-signature
+        check first (refused params are a 403, whatever else is wrong with them), then the
+        endpoints' form and the connector's own check (400), before anything is scheduled."""
         assert self._connectors is not None
-        check = getattr(self._connectors.scheduler, "check_request_params", None)
+        check = endpoints_checked(getattr(self._connectors.scheduler, "check_request_params", None))
         verifier = verifier_from_secret(self._secret)
-        if check is None or verifier is None:
+        if verifier is None:
             return check
         logbook = RefusalLog(logger, "kv_transfer_params")
 

@@ -154,14 +154,21 @@ def test_a_tokenize_body_that_stops_arriving_is_408(run_with_fake_server: Any) -
 def test_a_peer_endpoint_the_control_plane_cannot_reach_is_400(run_with_fake_server: Any) -> None:
     """A ``peer_endpoints`` entry ZeroMQ cannot connect to cost only its transfer (decision 149), but
     at its lease, with the request admitted (and on P, D promised the transfer). It is a 400 at the
-    edge now, before the connector's check acts on the params (decision 150)."""
+    edge now (decision 150), refused by the admission check before the connector's part of it
+    (``endpoints_checked``) acts on the params: none of them passes the check."""
     checked: list[object] = []
     bad = ["not an endpoint", "tcp://", "http://127.0.0.1:1", "tcp://127.0.0.1:99999", "tcp://h:0",
            "fake://d0", "tcp://127.0.0.1:1 ", "ipc://", "x" * 600]
 
     async def body(server: Any) -> None:
         check = server.generation._check_kv
-        server.generation._check_kv = lambda params: checked.append(params) or check(params)
+
+        def passed(params: object) -> object:
+            result = check(params)
+            checked.append(params)
+            return result
+
+        server.generation._check_kv = passed
         for endpoint in bad:
             kv = {"transfer_id": "t", "role": "prefill", "peer_endpoints": ["tcp://127.0.0.1:7001", endpoint]}
             resp = await server.client.post("/v1/completions", json={"prompt": "a", "kv_transfer_params": kv})
