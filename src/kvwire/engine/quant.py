@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+from collections.abc import Callable
 from types import ModuleType
 
 import numpy as np
@@ -86,17 +87,25 @@ def _warn_torch(why: str) -> None:
         log.warning("quantized layers run torch's weight-only kernels (the native kernel: %s)", why)
 
 
-def _native_mm(
-    kernel: str, flat: torch.Tensor, out_features: int, *weight: torch.Tensor | np.ndarray
-) -> torch.Tensor:
+# A layer's native product: the kernel (mm8 or mm4) and its weight arrays, numpy views of the
+# layer's buffers taken once at build (a step calls it for every quantized layer)
+NativeCall = tuple[Callable[..., None], tuple[np.ndarray, ...]]
+
+
+def _native_call(kernel: str, *weight: torch.Tensor | np.ndarray) -> NativeCall:
+    assert _quant_native is not None  # a layer is native only where the kernel loaded
+    arrays = tuple(w.numpy() if isinstance(w, torch.Tensor) else w for w in weight)
+    return getattr(_quant_native, kernel), arrays
+
+
+def _native_mm(call: NativeCall, flat: torch.Tensor, out_features: int) -> torch.Tensor:
     """``flat`` [rows, in] times a weight in the native kernel's layout, float32 [rows, out]."""
     rows = flat.shape[0]
     out = torch.empty(rows, out_features)
     if rows:
-        assert _quant_native is not None  # a layer is native only where the kernel loaded
+        kernel, weight = call
         x = flat.to(torch.float32).contiguous()
-        arrays = [w.numpy() if isinstance(w, torch.Tensor) else w for w in weight]
-        getattr(_quant_native, kernel)(out.numpy(), x.numpy(), *arrays, rows, out_features, x.shape[1])
+        kernel(out.numpy(), x.numpy(), *weight, rows, out_features, x.shape[1])
     return out
 
 
@@ -249,6 +258,7 @@ class Int4Linear(_QuantLinear):
             packed, halves = pack_int4(codes, scale.to(_ACT), zero.to(_ACT))
             self.register_buffer("packed", packed)
             self.register_buffer("scale_zeros", halves.view(torch.int16))
+            self._native = _native_call("mm4", self.packed, self.scale_zeros)
         else:
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
             self.register_buffer("scale_zeros", torch.stack([scale.t(), zero.t()], -1).to(_ACT).contiguous())
@@ -258,7 +268,7 @@ class Int4Linear(_QuantLinear):
 
     def _packed(self, flat: torch.Tensor) -> torch.Tensor:
         if self.native:
-            return _native_mm("mm4", flat, self.out_features, self.packed, self.scale_zeros)
+            return _native_mm(self._native, flat, self.out_features)
         if _INT4_MM is None:
             raise ModelLoadError("this torch has no aten._weight_int4pack_mm_for_cpu")
         out = _INT4_MM(flat.to(_ACT), self.packed, GROUP, self.scale_zeros)
@@ -286,7 +296,8 @@ class Int8Linear(_QuantLinear):
         self.scale: torch.Tensor
         self.register_buffer("qweight", pack_int8(codes) if self.native else codes)
         self.register_buffer("scale", scale.to(_ACT))
-        self._scale32 = self.scale.float().numpy()  # the kernel's (the same bf16 values)
+        if self.native:  # the kernel takes the same bf16 scales as float32
+            self._native = _native_call("mm8", self.qweight, self.scale.float())
         if dense:
             self._keep_dense(self.dequantize())
 
@@ -300,7 +311,7 @@ class Int8Linear(_QuantLinear):
 
     def _packed(self, flat: torch.Tensor) -> torch.Tensor:
         if self.native:
-            return _native_mm("mm8", flat, self.out_features, self.qweight, self._scale32)
+            return _native_mm(self._native, flat, self.out_features)
         if _INT8_MM is None:
             raise ModelLoadError("this torch has no aten._weight_int8pack_mm")
         return _INT8_MM(flat.to(_ACT), self.codes(), self.scale)
