@@ -251,14 +251,33 @@ static PyObject *supported(PyObject *self, PyObject *noargs)
     return PyBool_FromLong(cpu_has_bf16());
 }
 
+/* Both kernels' shape: positive sizes, k a multiple of `multiple` (so at least that), and products
+   small enough that no size below overflows; `need` says what k must be. */
+static int check_shape(Py_ssize_t rows, Py_ssize_t n, Py_ssize_t k, Py_ssize_t multiple, const char *need)
+{
+    const Py_ssize_t cap = (Py_ssize_t)1 << 40;
+    if (rows < 1 || n < 1 || k < multiple || k % multiple != 0 || rows > cap / k || n > cap / k || rows > cap / n) {
+        PyErr_Format(PyExc_ValueError, "shape %zd x %zd x %zd: needs positive sizes and %s", rows, n, k, need);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_cpu(void)
+{
+    if (!cpu_has_bf16()) {
+        PyErr_SetString(PyExc_RuntimeError, "this CPU (or this build) has no AVX512-BF16");
+        return -1;
+    }
+    return 0;
+}
+
 static int check(const Py_buffer *out, const Py_buffer *x, const Py_buffer *packed, const Py_buffer *scale,
                  Py_ssize_t rows, Py_ssize_t n, Py_ssize_t k)
 {
-    const Py_ssize_t f = (Py_ssize_t)sizeof(float), cap = (Py_ssize_t)1 << 40;
-    if (rows < 1 || n < 1 || k < 2 || k % 2 != 0 || rows > cap / k || n > cap / k || rows > cap / n) {
-        PyErr_Format(PyExc_ValueError, "shape %zd x %zd x %zd: needs positive sizes and an even k", rows, n, k);
+    const Py_ssize_t f = (Py_ssize_t)sizeof(float);
+    if (check_shape(rows, n, k, 2, "an even k") < 0)
         return -1;
-    }
     const Py_ssize_t padded = (n + TILE - 1) / TILE * TILE;
     if (out->len != rows * n * f || x->len != rows * k * f || packed->len != padded * k || scale->len != n * f) {
         PyErr_Format(PyExc_ValueError,
@@ -267,11 +286,25 @@ static int check(const Py_buffer *out, const Py_buffer *x, const Py_buffer *pack
                      rows, n, k, out->len, x->len, packed->len, scale->len);
         return -1;
     }
-    if (!cpu_has_bf16()) {
-        PyErr_SetString(PyExc_RuntimeError, "this CPU (or this build) has no AVX512-BF16");
+    return check_cpu();
+}
+
+static int check4(const Py_buffer *out, const Py_buffer *x, const Py_buffer *codes, const Py_buffer *sz,
+                  Py_ssize_t rows, Py_ssize_t n, Py_ssize_t k)
+{
+    const Py_ssize_t f = (Py_ssize_t)sizeof(float);
+    if (check_shape(rows, n, k, 32, "k a multiple of 32") < 0)
+        return -1;
+    const Py_ssize_t tiles = (n + TILE - 1) / TILE;
+    if (out->len != rows * n * f || x->len != rows * k * f || codes->len != tiles * TILE * k / 2
+        || sz->len != tiles * (k / 32) * 2 * TILE * 2) {
+        PyErr_Format(PyExc_ValueError,
+                     "buffer sizes disagree with the shape %zd x %zd x %zd: out %zd B, x %zd B, codes %zd B, "
+                     "scales and zeros %zd B",
+                     rows, n, k, out->len, x->len, codes->len, sz->len);
         return -1;
     }
-    return 0;
+    return check_cpu();
 }
 
 static PyObject *mm8(PyObject *self, PyObject *args)
@@ -315,25 +348,8 @@ static PyObject *mm4(PyObject *self, PyObject *args)
         return NULL;
     PyObject *result = NULL;
     uint32_t *xb = NULL;
-    const Py_ssize_t f = (Py_ssize_t)sizeof(float), cap = (Py_ssize_t)1 << 40;
-    const Py_ssize_t tiles = (n + TILE - 1) / TILE;
-    if (rows < 1 || n < 1 || k < 32 || k % 32 != 0 || rows > cap / k || n > cap / k || rows > cap / n) {
-        PyErr_Format(PyExc_ValueError, "shape %zd x %zd x %zd: needs positive sizes and k a multiple of 32", rows,
-                     n, k);
+    if (check4(&out, &x, &codes, &sz, rows, n, k) < 0)
         goto done;
-    }
-    if (out.len != rows * n * f || x.len != rows * k * f || codes.len != tiles * TILE * k / 2
-        || sz.len != tiles * (k / 32) * 2 * TILE * 2) {
-        PyErr_Format(PyExc_ValueError,
-                     "buffer sizes disagree with the shape %zd x %zd x %zd: out %zd B, x %zd B, codes %zd B, "
-                     "scales and zeros %zd B",
-                     rows, n, k, out.len, x.len, codes.len, sz.len);
-        goto done;
-    }
-    if (!cpu_has_bf16()) {
-        PyErr_SetString(PyExc_RuntimeError, "this CPU (or this build) has no AVX512-BF16");
-        goto done;
-    }
     xb = malloc((size_t)(rows * k) * sizeof(uint16_t) + (size_t)(rows * k / 32) * sizeof(float) + 64);
     if (xb == NULL) {
         PyErr_NoMemory();
