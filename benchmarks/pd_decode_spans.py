@@ -17,15 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from kvwire.cluster.local import ClusterSpec, LocalCluster
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pd_prefill_ttft import _prompts
-from pd_step_spans import _requests, site_environment
+from pd_step_spans import _requests, probed_cluster
 
 SITE = Path(__file__).resolve().parent / "pd_decode_spans_site"
 
@@ -50,26 +47,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--gap-s", type=float, default=0.15)
     args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "cluster.log", "w") as sink:
-        out = Path(tmp)
-        with site_environment(SITE, {"PD_DECODE_SPANS_DIR": str(out)}):
-            cluster = LocalCluster(ClusterSpec(), sink=sink)
-            cluster.__enter__()
-        try:
-            _requests(cluster.router_url, _prompts(0, 6, args.input_len), args.max_tokens, args.gap_s)
-            (out / "start").touch()
-            deadline = time.monotonic() + 10
-            while (out / "start").exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            ttft = _requests(cluster.router_url, _prompts(1, args.requests, args.input_len), args.max_tokens,
-                             args.gap_s)
-            (out / "dump").touch()
-            while not (out / "spans.json").exists() and time.monotonic() < deadline + 60:
-                time.sleep(0.05)
-            print(f"{args.requests} requests through the router, client TTFT p50 {ttft:.2f} ms")
-            _table(json.loads((out / "spans.json").read_text()), args.requests)
-        finally:
-            cluster.__exit__(None, None, None)
+    with probed_cluster(SITE, "PD_DECODE_SPANS_DIR") as (cluster, out):
+        _requests(cluster.router_url, _prompts(0, 6, args.input_len), args.max_tokens, args.gap_s)
+        (out / "start").touch()
+        deadline = time.monotonic() + 10
+        while (out / "start").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ttft = _requests(cluster.router_url, _prompts(1, args.requests, args.input_len), args.max_tokens,
+                         args.gap_s)
+        (out / "dump").touch()
+        while not (out / "spans.json").exists() and time.monotonic() < deadline + 60:
+            time.sleep(0.05)
+        print(f"{args.requests} requests through the router, client TTFT p50 {ttft:.2f} ms")
+        _table(json.loads((out / "spans.json").read_text()), args.requests)
     return 0
 
 

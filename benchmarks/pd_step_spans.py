@@ -62,6 +62,21 @@ def site_environment(site: Path, env: dict[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
+@contextlib.contextmanager
+def probed_cluster(site: Path, out_env: str) -> Iterator[tuple[LocalCluster, Path]]:
+    """A local 1P1D cluster whose processes load ``site``'s sitecustomize (only they: the environment
+    is restored once they started), and the temporary folder they write to, named by ``out_env``."""
+    with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "cluster.log", "w") as sink:
+        out = Path(tmp)
+        with site_environment(site, {out_env: str(out)}):
+            cluster = LocalCluster(ClusterSpec(), sink=sink)
+            cluster.__enter__()
+        try:
+            yield cluster, out
+        finally:
+            cluster.__exit__(None, None, None)
+
+
 def _requests(
     url: str, prompts: list[list[int]], max_tokens: int, gap_s: float, kv: dict[str, Any] | None = None,
     defer: Path | None = None,
@@ -217,15 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         "steps (what P gains if D's early Grant waits); with --rate, every other round"))
     ap.add_argument("--stop-decode", action="store_true", help="also P/D requests straight to P, D stopped")
     args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "cluster.log", "w") as sink:
-        out = Path(tmp)
-        with site_environment(SITE, {"PD_STEP_SPANS_DIR": str(out)}):
-            cluster = LocalCluster(ClusterSpec(), sink=sink)
-            cluster.__enter__()
-        try:
-            _phases(cluster, out, args)
-        finally:
-            cluster.__exit__(None, None, None)
+    with probed_cluster(SITE, "PD_STEP_SPANS_DIR") as (cluster, out):
+        _phases(cluster, out, args)
     return 0
 
 
