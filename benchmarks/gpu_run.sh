@@ -43,7 +43,7 @@ fi
 if [ "$MODE" = serve ]; then
   # shellcheck disable=SC2086
   timeout "${BENCH_TIMEOUT:-500}" python3 -m kvwire.cli bench serve --setups 1p1d,colocated --device cuda \
-    --model llama3-8b-random ${SERVE_ARGS:---num-prompts 16 --input-len 8192 --output-len 32 --request-rate 0.5} \
+    --model llama3-8b-random ${SERVE_ARGS:---num-prompts 16 --input-len 8192 --output-len 32 --request-rate 0.5 --serve-arg=--max-model-len=32768} \
     --no-progress --json "$@" > "$OUT/serve.json" 2> "$OUT/serve.log"
   rc=$((rc | $?))
   tail -c 3000 "$OUT/serve.log"

@@ -40,6 +40,7 @@ from kvwire.transfer.enums import Transport
 
 log = logging.getLogger(__name__)
 MAX_RANK_LOST_RESTARTS = 3  # per instance name: a rank that keeps dying is a fault to look at
+GPU_SHARE = 0.9  # of a GPU's memory, split between the instances `kvwire up` puts on it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +182,17 @@ class LocalCluster:
         apart = 0 < spec.spread_gpus >= count
         return spec.device.startswith("cuda") and count > 1 and not apart
 
+    def _gpu_share_args(self) -> tuple[str, ...]:
+        """``--gpu-memory-utilization`` for instances that share a GPU: 0.9 of it split evenly, so the
+        first one started does not size its KV cache into the others' weights (the spec's serve
+        flags, after these, override it)."""
+        if not self._shares_a_gpu():
+            return ()
+        spec = self.spec
+        count = spec.num_prefill + spec.num_decode + spec.num_both
+        per_gpu = count if spec.spread_gpus == 0 else -(-count // spec.spread_gpus)
+        return ("--gpu-memory-utilization", f"{GPU_SHARE / per_gpu:.4f}")
+
     def start_router(self) -> None:
         """Start the router alone (:meth:`start` does it first; tests that start their own
         instances with :meth:`start_instance` call it, then :meth:`wait_ready`)."""
@@ -246,7 +258,7 @@ class LocalCluster:
             "--kv-deadline-s", str(spec.kv_deadline_s), "--kv-transport", spec.kv_transport.value,
             "--kv-load-failure-policy", spec.kv_load_failure_policy.value,
             "--tensor-parallel-size", str(spec.decode_tp if role is Role.DECODE else spec.prefill_tp),
-            *spec.serve_args, *extra_args,
+            *self._gpu_share_args(), *spec.serve_args, *extra_args,
         )
         env = self._env()
         if spec.spread_gpus > 0:

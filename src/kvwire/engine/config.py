@@ -63,6 +63,10 @@ class EngineConfig:
     # connector only; on the CPU it runs the same static-shape path eagerly (for tests).
     decode_graphs: bool = False
     kv_cache_memory_fraction: float = 0.8  # CUDA: share of free memory (after weights) for KV
+    # CUDA: the share of the device's total memory this instance may hold, weights included (vLLM's
+    # --gpu-memory-utilization). None: no share; the KV cache takes kv_cache_memory_fraction of what
+    # is free. Instances sharing one GPU need it: `kvwire up` gives each 0.9 / (instances per GPU).
+    gpu_memory_utilization: float | None = None
     cpu_kv_cache_bytes: int = 1 << 30  # CPU: most bytes the auto-sized KV cache may take
     # CPU: torch threads of this process. None: OMP_NUM_THREADS when set, else half the cores this
     # process may run on (at least 1) -- a P and a D instance share a host (decision 119).
@@ -93,6 +97,8 @@ class EngineConfig:
             _positive("cpu_threads", self.cpu_threads)
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ConfigError("kv_cache_memory_fraction must be in (0, 1]")
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         if not self.tp_timeout_s > 0:

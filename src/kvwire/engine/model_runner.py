@@ -24,7 +24,7 @@ from kvwire.engine.config import EngineConfig
 from kvwire.engine.decode_graphs import DecodeGraphs
 from kvwire.engine.models.llama import LlamaModel
 from kvwire.engine.scheduler import ScheduledRequest
-from kvwire.errors import InvalidRequestError
+from kvwire.errors import ConfigError, InvalidRequestError
 
 if TYPE_CHECKING:
     from kvwire.engine.llm_engine import Request
@@ -43,15 +43,37 @@ def kv_cache_bytes_per_block(model: LlamaModel, block_size: int, dtype: torch.dt
 
 def num_kv_blocks_for(config: EngineConfig, model: LlamaModel, dtype: torch.dtype, max_model_len: int) -> int:
     """Blocks for the KV cache when the config does not say: what ``max_num_seqs`` full-length
-    sequences need, capped by memory (CUDA: a fraction of what is free after the weights)."""
+    sequences need, capped by memory (CUDA: a fraction of what is free after the weights, and of
+    what is left of this instance's share of the device when ``gpu_memory_utilization`` is set)."""
     per_block = kv_cache_bytes_per_block(model, config.block_size, dtype)
     wanted = config.max_num_seqs * -(-max_model_len // config.block_size)
     if config.is_cuda:
-        free_bytes, _ = torch.cuda.mem_get_info(torch.device(config.device))
-        budget = int(free_bytes * config.kv_cache_memory_fraction)
+        device = torch.device(config.device)
+        free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+        budget = int(cuda_kv_budget(config, free_bytes, total_bytes, torch.cuda.memory_reserved(device)))
     else:
         budget = config.cpu_kv_cache_bytes
     return max(1, min(wanted, budget // per_block))
+
+
+def cuda_kv_budget(config: EngineConfig, free_bytes: int, total_bytes: int, held_bytes: int) -> float:
+    """Bytes the KV cache may take on a GPU with ``free_bytes`` of ``total_bytes`` free while this
+    process holds ``held_bytes`` (its weights): ``kv_cache_memory_fraction`` of the free memory, or
+    of what is left of the instance's ``gpu_memory_utilization`` share when that is smaller (the rest
+    is the forward's working memory). Raises ConfigError when the weights alone fill the share."""
+    room = free_bytes
+    share = config.gpu_memory_utilization
+    if share is not None:
+        left = total_bytes * share - held_bytes
+        if left <= 0:
+            gib = 1 << 30
+            raise ConfigError(
+                f"gpu_memory_utilization {share} gives this instance {total_bytes * share / gib:.1f} GiB of "
+                f"{config.device}'s {total_bytes / gib:.1f} GiB, and the model already holds "
+                f"{held_bytes / gib:.1f} GiB: raise it or run fewer instances on the GPU"
+            )
+        room = min(room, int(left))
+    return room * config.kv_cache_memory_fraction
 
 
 class ModelRunner:

@@ -122,6 +122,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sizing = parser.add_argument_group("engine sizing (default: derived from the model and device)")
     sizing.add_argument("--block-size", type=int, default=None)
     sizing.add_argument("--num-kv-blocks", type=int, default=None)
+    sizing.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="CUDA: share of the GPU's memory this instance may hold, weights included "
+                             "(as vLLM's; default: the KV cache takes 0.8 of what is free; `kvwire up` "
+                             "gives instances sharing a GPU 0.9 / their number)")
     sizing.add_argument("--max-model-len", type=int, default=None)
     sizing.add_argument("--max-num-seqs", type=int, default=None)
     sizing.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -297,7 +301,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     sizing = {
         name: getattr(args, name)
         for name in ("block_size", "num_kv_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                     "seed", "tensor_parallel_size")
+                     "seed", "tensor_parallel_size", "gpu_memory_utilization")
         if getattr(args, name) is not None
     }
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,

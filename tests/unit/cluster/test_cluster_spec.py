@@ -117,3 +117,36 @@ def test_prefill_and_decode_get_their_tensor_parallel_sizes(monkeypatch: pytest.
     assert _flag(p_argv, "--tensor-parallel-size") == "2" and _flag(d_argv, "--tensor-parallel-size") == "4"
     with pytest.raises(ConfigError, match="decode_tp"):
         ClusterSpec(decode_tp=0)
+
+
+@pytest.mark.parametrize(("extra", "share"), [
+    ({"device": "cuda", "num_decode": 1}, "0.4500"),  # 1P1D on one GPU: 0.9 split in two
+    ({"device": "cuda", "num_decode": 2}, "0.3000"),
+    ({"device": "cuda", "num_decode": 3, "spread_gpus": 2}, "0.4500"),  # 4 instances on 2 GPUs
+    ({"device": "cuda", "num_decode": 1, "spread_gpus": 2}, None),  # one GPU each: sized from what is free
+    ({"device": "cpu", "num_decode": 1}, None),
+])
+def test_instances_sharing_a_gpu_get_a_share_of_it(
+    monkeypatch: pytest.MonkeyPatch, extra: dict[str, Any], share: str | None
+) -> None:
+    """The first instance started on a shared GPU must not size its KV cache into the memory the
+    next one needs for its weights (an 8B 1P1D on one 80 GiB H100 ran out of memory, 2026-12-05)."""
+    monkeypatch.setattr(local, "ManagedProcess", _FakeProcess)
+    _FakeProcess.started = []
+    cluster = LocalCluster(ClusterSpec(num_prefill=1, **extra))
+    cluster.start_instance("prefill-0", Role.PREFILL)
+    (argv,) = _FakeProcess.started
+    if share is None:
+        assert "--gpu-memory-utilization" not in argv
+    else:
+        assert _flag(argv, "--gpu-memory-utilization") == share
+
+
+def test_a_serve_flag_overrides_the_gpu_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(local, "ManagedProcess", _FakeProcess)
+    _FakeProcess.started = []
+    spec = ClusterSpec(device="cuda", serve_args=("--gpu-memory-utilization", "0.7"))
+    LocalCluster(spec).start_instance("decode-0", Role.DECODE)
+    (argv,) = _FakeProcess.started
+    last = len(argv) - 1 - argv[::-1].index("--gpu-memory-utilization")
+    assert argv[last + 1] == "0.7"  # argparse keeps the last value
