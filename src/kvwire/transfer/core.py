@@ -719,11 +719,12 @@ class Credit:
         self.core: Core = receiver.core
         self.queue: collections.deque[str] = collections.deque()  # FIFO of transfers wanting credit
 
-    def offered(self, st: RecvState) -> None:
-        """The Offer of ``st`` was taken: queue its layers not granted early, and grant what fits."""
+    def offered(self, st: RecvState, early_grant_used: bool = False) -> None:
+        """The Offer of ``st`` was taken: queue its layers not granted early, and grant what fits.
+        ``early_grant_used``: the sender said it sends under this side's early grant."""
         assert st.specs is not None
         if st.early:
-            self._check_early(st)
+            self._check_early(st, early_grant_used)
         st.to_grant.extend(i for i in range(len(st.specs)) if i not in st.early)
         self.queue.append(st.transfer_id)
         self.grant_pass()
@@ -895,12 +896,13 @@ class Credit:
         sender_id = st.sender_id or self.core.peer_ids.get(st.sender)
         return PeerRef(st.sender, sender_id, "") if sender_id else None
 
-    def _check_early(self, st: RecvState) -> None:
+    def _check_early(self, st: RecvState, early_grant_used: bool = False) -> None:
         """The Offer of an early-granted transfer. Layers the sizes granted: the grant is sent again
-        as an ordinary one (a sender that did not keep it gets it now; one that used it finds
-        nothing new in it). Other sizes (P sends more blocks than D takes, say): the sender did not
-        use the grant (it checks the sizes), so nothing was written under it; the layers are
-        granted afresh, the ordinary way, and the new posts replace the early ones."""
+        as an ordinary one (a sender that did not keep it gets it now), unless the Offer says the
+        sender uses it (``early_grant_used``, decision 165: it would find nothing new in it). Other
+        sizes (P sends more blocks than D takes, say): the sender did not use the grant (it checks
+        the sizes), so nothing was written under it; the layers are granted afresh, the ordinary
+        way, and the new posts replace the early ones."""
         assert st.specs is not None and st.peer is not None
         fits = all(
             index < len(st.specs) and st.specs[index].num_bytes == num_bytes
@@ -910,7 +912,7 @@ class Credit:
             self.forget_early(st)
             return
         grant, st.early_grant = st.early_grant, None
-        if grant is not None:
+        if grant is not None and not early_grant_used:
             self.core.send(st.peer.endpoint, msgspec.structs.replace(grant, early=False, sizes=[]))
 
     def forget_early(self, st: RecvState) -> None:
@@ -1360,7 +1362,7 @@ class Receiver(Transfers[RecvState]):
             self.core.plane.on_peer_info(st.peer, msg.plane_info)
         if st.expected and not self._check_offer(st):
             return
-        self.credit.offered(st)
+        self.credit.offered(st, msg.early_grant_used)
         if st.early and tid in self.table:
             self.arrivals.maybe_complete(st)  # early-granted layers may all have landed before the Offer
 

@@ -733,10 +733,11 @@ class Sender(Transfers[SendState]):
         self.table[transfer_id] = st
         self.core.stats.add("sends_started")
         if endpoint is not None:
-            self.offer(st)
             early = self.early_grants.take(transfer_id)
-            if early is not None and early.src_endpoint == endpoint:
-                self.on_grant(early)  # the receiver granted before this Offer: send at once
+            mine = early if early is not None and early.src_endpoint == endpoint else None
+            self.offer(st, early_grant_used=mine is not None and early_grant_fits(st.layers, mine))
+            if mine is not None:
+                self.on_grant(mine)  # the receiver granted before this Offer: send at once
             elif early is not None:
                 reason = "not this transfer's receiver"
                 self.core.send_abort(early.src_endpoint, transfer_id, reason, early.src_id)
@@ -802,7 +803,8 @@ class Sender(Transfers[SendState]):
 
     # --- messages ----------------------------------------------------------------------------------------
 
-    def offer(self, st: SendState) -> None:
+    def offer(self, st: SendState, early_grant_used: bool = False) -> None:
+        """Announce ``st`` to its receiver; ``early_grant_used``: its early grant fits and is used."""
         assert st.endpoint is not None
         core = self.core
         peer_id = core.peer_ids.get(st.endpoint)
@@ -814,6 +816,7 @@ class Sender(Transfers[SendState]):
             deadline_s=st.lease.lease_s,
             data_address=core.plane.address,
             plane_info=info,
+            early_grant_used=early_grant_used,
         )
         core.send(st.endpoint, msg)
         self._send_trailer(st)

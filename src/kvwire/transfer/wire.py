@@ -107,6 +107,9 @@ class Offer(Msg, tag="offer", frozen=True):
     data_address: str  # sender's data plane address
     with_trailer: bool = False
     plane_info: bytes = b""
+    # The sender holds the receiver's early grant of this transfer and sends under it (decision
+    # 165): the receiver need not send it again as an ordinary grant.
+    early_grant_used: bool = False
 
 
 class Grant(Msg, tag="grant", frozen=True):

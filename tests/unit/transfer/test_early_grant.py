@@ -59,6 +59,20 @@ def _push(p: TransferAgent, d: TransferAgent, tid: str, src: list[torch.Tensor],
         p.send_layer_spans(tid, i, block_spans(src[i], src_ids, KVLayout.KV_FIRST))
 
 
+def _grants_sent(agent: TransferAgent) -> list[Grant]:
+    """Every Grant ``agent`` sends from now on (its core's send, wrapped)."""
+    sent: list[Grant] = []
+    send = agent._core.send
+
+    def recording(endpoint: str, msg: object) -> None:
+        if isinstance(msg, Grant):
+            sent.append(msg)
+        send(endpoint, msg)  # type: ignore[arg-type]
+
+    agent._core.send = recording  # type: ignore[method-assign]
+    return sent
+
+
 def _landed(src: list[torch.Tensor], dst: list[torch.Tensor], src_ids: list[int], dst_ids: list[int]) -> bool:
     return all(
         torch.equal(gather_blocks(d, block_ids_tensor(dst_ids, "cpu"), KVLayout.KV_FIRST).view(torch.int16),
@@ -99,6 +113,7 @@ def test_a_known_sender_is_granted_at_expect_and_writes_bit_exact(
     for c in dst:
         c.zero_()
     # now D knows P: its expect grants every layer before P's Offer
+    grants = _grants_sent(d)
     d.expect("early", num_layers=LAYERS, deadline_s=20.0, sender=p.endpoint,
              scatter_into=lambda i: block_spans(dst[i], dst_ids, KVLayout.KV_FIRST))
     assert d.stats().early_grants == 1
@@ -108,8 +123,10 @@ def test_a_known_sender_is_granted_at_expect_and_writes_bit_exact(
     assert "early" not in p._sender.early_grants  # applied with the start
     assert p._sender.table["early"].granted == set(range(LAYERS))  # no round trip needed
     _send_started(p, d, "early", src, src_ids, dst, dst_ids, started=True)
+    # P's Offer said it sends under the early grant: D does not grant again (decision 165)
+    assert [g.early for g in grants if g.transfer_id == "early"] == [True]
     if p.peer_transports() == {d.endpoint: "shm"}:
-        # the grant D repeats on the Offer adds nothing: no destination is left behind on P
+        # no destination is left behind on P
         wait_for(lambda: not shm_plane(d)._granted, 5.0, "D's grant retired")
         assert not shm_plane(p).dests
         if shared:
