@@ -272,92 +272,51 @@ static int check_cpu(void)
     return 0;
 }
 
-static int check(const Py_buffer *out, const Py_buffer *x, const Py_buffer *packed, const Py_buffer *scale,
-                 Py_ssize_t rows, Py_ssize_t n, Py_ssize_t k)
+/* The buffers' sizes against the shape: float32 out and x, `codes` and `aux` (int8: the per-row scales;
+   int4: the groups' bfloat16 scales and zeros) as the kernel of `int4` packs them. */
+static int check(const Py_buffer *out, const Py_buffer *x, const Py_buffer *codes, const Py_buffer *aux,
+                 Py_ssize_t rows, Py_ssize_t n, Py_ssize_t k, int int4)
 {
     const Py_ssize_t f = (Py_ssize_t)sizeof(float);
-    if (check_shape(rows, n, k, 2, "an even k") < 0)
-        return -1;
-    const Py_ssize_t padded = (n + TILE - 1) / TILE * TILE;
-    if (out->len != rows * n * f || x->len != rows * k * f || packed->len != padded * k || scale->len != n * f) {
-        PyErr_Format(PyExc_ValueError,
-                     "buffer sizes disagree with the shape %zd x %zd x %zd: out %zd B, x %zd B, codes %zd B, "
-                     "scale %zd B",
-                     rows, n, k, out->len, x->len, packed->len, scale->len);
-        return -1;
-    }
-    return check_cpu();
-}
-
-static int check4(const Py_buffer *out, const Py_buffer *x, const Py_buffer *codes, const Py_buffer *sz,
-                  Py_ssize_t rows, Py_ssize_t n, Py_ssize_t k)
-{
-    const Py_ssize_t f = (Py_ssize_t)sizeof(float);
-    if (check_shape(rows, n, k, 32, "k a multiple of 32") < 0)
+    if (check_shape(rows, n, k, int4 ? 32 : 2, int4 ? "k a multiple of 32" : "an even k") < 0)
         return -1;
     const Py_ssize_t tiles = (n + TILE - 1) / TILE;
-    if (out->len != rows * n * f || x->len != rows * k * f || codes->len != tiles * TILE * k / 2
-        || sz->len != tiles * (k / 32) * 2 * TILE * 2) {
+    const Py_ssize_t codes_len = int4 ? tiles * TILE * k / 2 : tiles * TILE * k;
+    const Py_ssize_t aux_len = int4 ? tiles * (k / 32) * 2 * TILE * 2 : n * f;
+    if (out->len != rows * n * f || x->len != rows * k * f || codes->len != codes_len || aux->len != aux_len) {
         PyErr_Format(PyExc_ValueError,
                      "buffer sizes disagree with the shape %zd x %zd x %zd: out %zd B, x %zd B, codes %zd B, "
-                     "scales and zeros %zd B",
-                     rows, n, k, out->len, x->len, codes->len, sz->len);
+                     "%s %zd B",
+                     rows, n, k, out->len, x->len, codes->len, int4 ? "scales and zeros" : "scale", aux->len);
         return -1;
     }
     return check_cpu();
 }
 
-static PyObject *mm8(PyObject *self, PyObject *args)
+/* mm8 and mm4: parse, check, convert x to bfloat16 in a scratch buffer (int4: with each group's sum of
+   x after it), multiply without the GIL. */
+static PyObject *run(PyObject *args, const char *format, int int4)
 {
-    Py_buffer out, x, packed, scale;
+    Py_buffer out, x, codes, aux;
     Py_ssize_t rows, n, k;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "w*y*y*y*nnn:mm8", &out, &x, &packed, &scale, &rows, &n, &k))
+    if (!PyArg_ParseTuple(args, format, &out, &x, &codes, &aux, &rows, &n, &k))
         return NULL;
     PyObject *result = NULL;
     uint32_t *xb = NULL;
-    if (check(&out, &x, &packed, &scale, rows, n, k) < 0)
+    if (check(&out, &x, &codes, &aux, rows, n, k, int4) < 0)
         goto done;
-    xb = malloc((size_t)(rows * k) * sizeof(uint16_t) + 64);
+    const size_t sums = int4 ? (size_t)(rows * k / 32) * sizeof(float) : 0;
+    xb = malloc((size_t)(rows * k) * sizeof(uint16_t) + sums + 64);
     if (xb == NULL) {
         PyErr_NoMemory();
         goto done;
     }
 #if HAVE_BF16
     Py_BEGIN_ALLOW_THREADS
-    matmul(out.buf, x.buf, packed.buf, scale.buf, xb, rows, n, k);
-    Py_END_ALLOW_THREADS
-#endif
-    Py_INCREF(Py_None);
-    result = Py_None;
-done:
-    free(xb);
-    PyBuffer_Release(&out);
-    PyBuffer_Release(&x);
-    PyBuffer_Release(&packed);
-    PyBuffer_Release(&scale);
-    return result;
-}
-
-static PyObject *mm4(PyObject *self, PyObject *args)
-{
-    Py_buffer out, x, codes, sz;
-    Py_ssize_t rows, n, k;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "w*y*y*y*nnn:mm4", &out, &x, &codes, &sz, &rows, &n, &k))
-        return NULL;
-    PyObject *result = NULL;
-    uint32_t *xb = NULL;
-    if (check4(&out, &x, &codes, &sz, rows, n, k) < 0)
-        goto done;
-    xb = malloc((size_t)(rows * k) * sizeof(uint16_t) + (size_t)(rows * k / 32) * sizeof(float) + 64);
-    if (xb == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-#if HAVE_BF16
-    Py_BEGIN_ALLOW_THREADS
-    matmul4(out.buf, x.buf, codes.buf, sz.buf, xb, (float *)(xb + rows * k / 2), rows, n, k);
+    if (int4)
+        matmul4(out.buf, x.buf, codes.buf, aux.buf, xb, (float *)(xb + rows * k / 2), rows, n, k);
+    else
+        matmul(out.buf, x.buf, codes.buf, aux.buf, xb, rows, n, k);
     Py_END_ALLOW_THREADS
 #endif
     Py_INCREF(Py_None);
@@ -367,8 +326,20 @@ done:
     PyBuffer_Release(&out);
     PyBuffer_Release(&x);
     PyBuffer_Release(&codes);
-    PyBuffer_Release(&sz);
+    PyBuffer_Release(&aux);
     return result;
+}
+
+static PyObject *mm8(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return run(args, "w*y*y*y*nnn:mm8", 0);
+}
+
+static PyObject *mm4(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return run(args, "w*y*y*y*nnn:mm4", 1);
 }
 
 static PyMethodDef methods[] = {
