@@ -1,6 +1,7 @@
 """What every plane's outbound link has in common (TCP, shared memory, CUDA IPC): one writer thread per
 peer epoch, its queue of layers (None: stop), a stop flag, the socket it dialled, and the end of a
-link that dies (queued transfers fail ``peer_lost``; see :func:`kvwire.transfer.planes.base.fail_queued`)."""
+link that dies (queued transfers fail ``peer_lost``; see :func:`kvwire.transfer.planes.base.fail_queued`)
+and of a writer that raises something a link's failure never raises (:func:`writer_bug`)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,11 @@ class OutboundLink:
         sock.settimeout(handshake_timeout_s)
         sock.connect(abstract_name(self.peer.data_address))
         return sock
+
+
+def writer_bug(link: str, exc: BaseException) -> str:
+    """The ``peer_lost`` reason of a writer thread that raised what no link failure raises (a bug in
+    the writer). Its plane reports it with ``on_peer_failed`` at once, so that every transfer bound to
+    the peer fails now, the layers the thread had taken off its queue included, instead of waiting
+    out its lease; then the exception goes on to the thread's guard, which logs and counts it."""
+    return f"peer_lost: {link}: its writer failed ({type(exc).__name__}: {exc})"

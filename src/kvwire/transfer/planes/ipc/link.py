@@ -24,7 +24,7 @@ from kvwire.transfer.memory import PeerRef, SendItem
 from kvwire.transfer.planes.base import fail_queued
 from kvwire.transfer.planes.common.hello import check_hello, prove_hello
 from kvwire.transfer.planes.common.liveness import count_cut
-from kvwire.transfer.planes.common.outbound import OutboundLink
+from kvwire.transfer.planes.common.outbound import OutboundLink, writer_bug
 from kvwire.transfer.planes.common.runs import spans_array, tile_runs
 from kvwire.transfer.planes.common.wire import POLL_S, recv_bytes
 from kvwire.transfer.planes.ipc.copy import LayerGroup, TileTable, compiled, launch, prepare
@@ -123,6 +123,10 @@ class IpcOutbound(OutboundLink):
                 cb.on_peer_failed(
                     self.peer.instance_id, f"peer_lost: IPC link to {self.peer.endpoint}: {exc}"
                 )
+        except Exception as exc:  # a bug: the batch in hand fails now (re-raised: the guard logs it)
+            if not self.stopped.is_set():
+                cb.on_peer_failed(self.peer.instance_id, writer_bug(f"IPC link to {self.peer.endpoint}", exc))
+            raise
         finally:
             count_cut(self.board, error)
             del error

@@ -53,7 +53,7 @@ from kvwire.transfer.memory import PeerRef, SendItem, check_peer_memfd, sealed_m
 from kvwire.transfer.planes.base import fail_queued
 from kvwire.transfer.planes.common.hello import prove_hello
 from kvwire.transfer.planes.common.liveness import count_cut
-from kvwire.transfer.planes.common.outbound import OutboundLink
+from kvwire.transfer.planes.common.outbound import OutboundLink, writer_bug
 from kvwire.transfer.planes.common.runs import Run, pair_runs
 from kvwire.transfer.planes.common.wire import CANCEL_WAIT_S, POLL_S
 from kvwire.transfer.planes.shm.wire import (
@@ -726,6 +726,12 @@ class Outbound(OutboundLink):
                 cb.on_peer_failed(
                     self.peer.instance_id, f"peer_lost: shared-memory link to {self.peer.endpoint}: {exc}"
                 )
+        except Exception as exc:  # a bug: the layers in hand fail now (re-raised: the guard logs it)
+            if not self.stopped.is_set():
+                cb.on_peer_failed(
+                    self.peer.instance_id, writer_bug(f"shared-memory link to {self.peer.endpoint}", exc)
+                )
+            raise
         finally:
             count_cut(self.board, error)
             del error

@@ -18,7 +18,7 @@ from kvwire.transfer.memory import PeerRef, SendItem
 from kvwire.transfer.planes.base import fail_queued
 from kvwire.transfer.planes.common.hello import prove_hello
 from kvwire.transfer.planes.common.liveness import Heartbeat, count_cut, tcp_keepalive
-from kvwire.transfer.planes.common.outbound import OutboundLink
+from kvwire.transfer.planes.common.outbound import OutboundLink, writer_bug
 from kvwire.transfer.planes.common.wire import POLL_S, send_parts
 from kvwire.transfer.planes.tcp.wire import (
     FRAME,
@@ -82,6 +82,12 @@ class TcpOutbound(OutboundLink):
                 cb.on_peer_failed(
                     self.peer.instance_id, f"peer_lost: data connection to {self.peer.data_address}: {exc}"
                 )
+        except Exception as exc:  # a bug: the layer in hand fails now (re-raised: the guard logs it)
+            if not self.stopped.is_set():
+                cb.on_peer_failed(
+                    self.peer.instance_id, writer_bug(f"data connection to {self.peer.data_address}", exc)
+                )
+            raise
         finally:
             count_cut(self.board, error)
             del error
