@@ -15,5 +15,15 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_vllm.sh
 # -p no:cacheprovider: the tier never writes .pytest_cache; -o addopts='': the main suite's
 # --ignore=tests/vllm must not apply here.
-exec timeout 1200 .venv-vllm/bin/python -m pytest -o addopts="" -p no:cacheprovider \
-  --timeout=900 -q -x tests/vllm "$@"
+rc=0
+timeout 1200 .venv-vllm/bin/python -m pytest -o addopts="" -p no:cacheprovider \
+  --timeout=900 -q -x tests/vllm "$@" || rc=$?
+if [ "$rc" -ne 0 ] && [ -d build/vllm-tier-logs ]; then
+  # what kvwire logged in each process, here where CI keeps it (the clone and its logs may not last):
+  # a failure that shows once in many runs can then be read from this run's output
+  for log in build/vllm-tier-logs/*.log; do
+    echo "=== test_vllm.sh: $log, kvwire's lines, errors and tracebacks (the last 80) ==="
+    grep -E '\[kvwire |ERROR|Error|Traceback|  File ' "$log" | tail -80 || true
+  done
+fi
+exit "$rc"
