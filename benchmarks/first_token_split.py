@@ -37,9 +37,8 @@ POINTS = [
     ("router's handler starts", "router", "Dispatcher.dispatch in"),
     ("router picks P and D", "router", "PushPath.pick out"),
     ("router signs P's params", "router", "PdParams.push out"),
-    ("router signs D's params", "router", "PdParams.push out"),
     ("router builds P's body", "router", "prefill_body out"),
-    ("router builds D's body", "router", "decode_body out"),
+    # P's call starts before D's params are signed and its body built (decision 167)
     ("router calls the instance", "router", "Relay.call in"),
     ("instance's handler starts", SERVING, "GenerationHandler._handle_one in"),
     ("body read", SERVING, "GenerationHandler.read_body out"),

@@ -60,7 +60,6 @@ from kvwire.router.relay import (
 )
 from kvwire.router.request import DONE, ClientRequest, StreamLedger, attach_ledger
 from kvwire.router.selection import (
-    Picked,
     Plan,
     Prefix,
     PromptTokenizer,
@@ -153,8 +152,9 @@ class Dispatcher:
             return await self._relay.single(request, creq, Role.DECODE, creq.raw, prefix=prefix)
         pick = self._push.pick(creq, prefix)
         if pick.prefill is None:  # D holds nearly all of the prompt: it prefills the rest itself
+            self._push.count_kv(pick, prefix)
             return await self._relay.single(request, creq, Role.DECODE, creq.raw, inst=pick.decode.view)
-        return await self._push.serve(request, creq, pick.decode.view, pick.prefill, pick.skip_blocks)
+        return await self._push.serve(request, creq, pick, prefix)
 
     def _migrate(self, ledger: StreamLedger, out: ClientStream, reason: str, moves: int) -> ClientRequest:
         """The continuation of the client's open stream ``out``, to dispatch next."""
@@ -237,38 +237,49 @@ class PushPath(_PdPath):
         self._background: set[asyncio.Task[Any]] = set()  # P calls that outlived their answer
 
     def pick(self, creq: ClientRequest, prefix: Prefix | None) -> PushPlan:
-        """D, then P for it (or no P: D holds nearly all of the prompt); KV hits counted."""
-        pick = plan_push(self._selector, creq.model, prefix, self._cfg.decode_local_prefill_tokens)
-        self._count_kv(pick, prefix)
-        return pick
+        """D, then P for it (or no P: D holds nearly all of the prompt); KV hits are counted by
+        :meth:`serve` (or, without P, by the caller: :meth:`count_kv`)."""
+        return plan_push(self._selector, creq.model, prefix, self._cfg.decode_local_prefill_tokens)
 
     async def serve(
-        self, request: web.Request, creq: ClientRequest, d: InstanceView, prefill: Picked, skip_blocks: int
+        self, request: web.Request, creq: ClientRequest, pick: PushPlan, prefix: Prefix | None
     ) -> web.StreamResponse:
-        """Call P (``prefill``) and D concurrently; answer the client from D (opened by P's token)."""
+        """Call P and D (``pick``) concurrently; answer the client from D (opened by P's token).
+
+        P's request goes out first: D's parameters are signed and its body built, and the pick's
+        KV hits counted, once P's call has run up to its first wait (its request written, or its
+        connection being made). That work was on the first token's path (decision 167)."""
+        d, prefill, skip_blocks = pick.decode.view, pick.prefill, pick.skip_blocks
+        assert prefill is not None
         p = prefill.view
         tid = uuid.uuid4().hex
         p_params = self._params.push(tid, Role.PREFILL, peer=d, skip_blocks=skip_blocks)
-        d_params = self._params.push(tid, Role.DECODE, peer=p, skip_blocks=skip_blocks)
         early = creq.stream and self._cfg.stream_first_token_from_prefill and spliceable(creq)
         shared = shared_fields(creq) if early else {}
-        p_body, d_body = prefill_body(creq, p_params, **shared), decode_body(creq, d_params, **shared)
+        p_body = prefill_body(creq, p_params, **shared)
         prompt = creq.est_prompt_tokens
         with self._selector.track(p.instance_id, prompt - prefill.cached_tokens), \
                 self._selector.track(d.instance_id, prompt + creq.max_new_tokens):
             p_task = asyncio.create_task(self._relay.call(p, "prefill", creq, p_body, stream=False))
-            d_task = asyncio.create_task(self._relay.call(d, "decode", creq, d_body, stream=creq.stream))
+            d_task: asyncio.Task[Opened] | None = None
             try:
+                await asyncio.sleep(0)  # P's call runs up to its first wait
+                d_params = self._params.push(tid, Role.DECODE, peer=p, skip_blocks=skip_blocks)
+                d_body = decode_body(creq, d_params, **shared)
+                d_task = asyncio.create_task(self._relay.call(d, "decode", creq, d_body, stream=creq.stream))
+                self.count_kv(pick, prefix)
                 if early:
                     response = await self._first_token_from_p(request, creq, d, p_task, d_task)
                 else:
                     opened = await self._race(p_task, d_task)
                     response = await self._relay.respond(request, creq, d, opened, Plan.DISAGGREGATED)
             except BaseException:
-                for task in (p_task, d_task):
+                tasks = [t for t in (p_task, d_task) if t is not None]
+                for task in tasks:
                     task.cancel()
-                await asyncio.gather(p_task, d_task, return_exceptions=True)
-                _close_opened(d_task)
+                await asyncio.gather(*tasks, return_exceptions=True)
+                if d_task is not None:
+                    _close_opened(d_task)
                 raise
         self._finish_in_background(p_task, tid)
         return response
@@ -333,7 +344,8 @@ class PushPath(_PdPath):
             return None
         return FirstTokenSplicer.from_prefill(p_task.result()[1], creq.path.endswith("/chat/completions"))
 
-    def _count_kv(self, pick: PushPlan, prefix: Prefix | None) -> None:
+    def count_kv(self, pick: PushPlan, prefix: Prefix | None) -> None:
+        """The pick's KV hits (``kv_aware``), in the router's metrics."""
         if prefix is None:
             return
         n = len(prefix.token_ids)
