@@ -3,9 +3,16 @@ loopback port. One copy for every test folder (``pythonpath = ["tests"]``)."""
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+# Ports below this are never handed to outgoing connections by the kernel (read once; conservative
+# when it cannot be read). Lowest port free_port picks from.
+_LOCAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST = 10_000
 
 
 def wait_for(condition: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.01) -> float:
@@ -21,7 +28,31 @@ def wait_for(condition: Callable[[], object], timeout_s: float, what: str, inter
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS considers free now (a small race with other binders is accepted)."""
+    """A port free now, below the range the kernel takes outgoing connections' local ports from.
+
+    A port from ``bind(0)`` is in that range: any client connecting anywhere (a heartbeat, an HTTP
+    call) may be given it as its local port before the process meant for it binds it, or while a
+    restarted process is down (seen: a vLLM-tier router restart failing ``Address already in use``).
+    Below the range only another explicit binder can take it (a small race that is accepted). Falls
+    back to ``bind(0)`` when the range leaves no room below it."""
+    high = _ephemeral_low()
+    for _ in range(200):
+        if high <= _LOWEST:
+            break
+        port = random.randrange(_LOWEST, high)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(_LOCAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768  # the usual Linux default
