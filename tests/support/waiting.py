@@ -9,8 +9,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-# Ports below this are never handed to outgoing connections by the kernel (read once; conservative
-# when it cannot be read). Lowest port free_port picks from.
+# The kernel hands outgoing connections local ports from this range (its low end read per call; the
+# usual default when it cannot be read). _LOWEST: the lowest port free_port picks below it.
 _LOCAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _LOWEST = 10_000
 

@@ -24,7 +24,7 @@ from kvwire.transfer.memory import PeerRef, SendItem
 from kvwire.transfer.planes.base import fail_queued
 from kvwire.transfer.planes.common.hello import check_hello, prove_hello
 from kvwire.transfer.planes.common.liveness import count_cut
-from kvwire.transfer.planes.common.outbound import OutboundLink, writer_bug
+from kvwire.transfer.planes.common.outbound import OutboundLink
 from kvwire.transfer.planes.common.runs import spans_array, tile_runs
 from kvwire.transfer.planes.common.wire import POLL_S, recv_bytes
 from kvwire.transfer.planes.ipc.copy import LayerGroup, TileTable, compiled, launch, prepare
@@ -101,36 +101,25 @@ class IpcOutbound(OutboundLink):
         sock.settimeout(links.link_timeout_s)  # DONE frames' write deadline
         return sock
 
-    def _run(self) -> None:
-        cb = self.plane.callbacks
-        error: BaseException | None = None
-        try:
-            torch.cuda.set_device(self.plane.device)
-            stream = torch.cuda.Stream(self.plane.device)
-            anchor = torch.empty(4, dtype=torch.int32, device=self.plane.device)
-            self.gate = LaunchGate()
-            sock = self._connect()
-            self.completer.start()
-            while not self.stopped.is_set():
-                batch = self._next_batch(sock)
-                if batch is None:
-                    break
-                if batch:
-                    self._copy(stream, anchor, batch)
-        except (OSError, ConnectionError) as exc:
-            if not self.stopped.is_set():
-                error = exc
-                cb.on_peer_failed(
-                    self.peer.instance_id, f"peer_lost: IPC link to {self.peer.endpoint}: {exc}"
-                )
-        except Exception as exc:  # a bug: the batch in hand fails now (re-raised: the guard logs it)
-            if not self.stopped.is_set():
-                cb.on_peer_failed(self.peer.instance_id, writer_bug(f"IPC link to {self.peer.endpoint}", exc))
-            raise
-        finally:
-            count_cut(self.board, error)
-            del error
-            self._finish()
+    def _write_loop(self) -> None:
+        torch.cuda.set_device(self.plane.device)
+        stream = torch.cuda.Stream(self.plane.device)
+        anchor = torch.empty(4, dtype=torch.int32, device=self.plane.device)
+        self.gate = LaunchGate()
+        sock = self._connect()
+        self.completer.start()
+        while not self.stopped.is_set():
+            batch = self._next_batch(sock)
+            if batch is None:
+                break
+            if batch:
+                self._copy(stream, anchor, batch)
+
+    def _link(self) -> str:
+        return f"IPC link to {self.peer.endpoint}"
+
+    def _peer_failed(self, reason: str) -> None:
+        self.plane.callbacks.on_peer_failed(self.peer.instance_id, reason)
 
     def _next_batch(self, sock: socket.socket) -> list[SendItem] | None:
         """Up to MAX_BATCH queued items ([] after an idle poll; None: stop)."""

@@ -52,8 +52,7 @@ import torch
 from kvwire.transfer.memory import PeerRef, SendItem, check_peer_memfd, sealed_memfd
 from kvwire.transfer.planes.base import fail_queued
 from kvwire.transfer.planes.common.hello import prove_hello
-from kvwire.transfer.planes.common.liveness import count_cut
-from kvwire.transfer.planes.common.outbound import OutboundLink, writer_bug
+from kvwire.transfer.planes.common.outbound import OutboundLink
 from kvwire.transfer.planes.common.runs import Run, pair_runs
 from kvwire.transfer.planes.common.wire import CANCEL_WAIT_S, POLL_S
 from kvwire.transfer.planes.shm.wire import (
@@ -715,27 +714,16 @@ class Outbound(OutboundLink):
         sock.settimeout(links.link_timeout_s)  # every write's deadline from here on
         return sock
 
-    def _run(self) -> None:
-        cb = self.plane.callbacks
-        error: BaseException | None = None
-        try:
-            self._pump(self._connect())
-        except (OSError, ConnectionError, ValueError) as exc:
-            if not self.stopped.is_set():
-                error = exc
-                cb.on_peer_failed(
-                    self.peer.instance_id, f"peer_lost: shared-memory link to {self.peer.endpoint}: {exc}"
-                )
-        except Exception as exc:  # a bug: the layers in hand fail now (re-raised: the guard logs it)
-            if not self.stopped.is_set():
-                cb.on_peer_failed(
-                    self.peer.instance_id, writer_bug(f"shared-memory link to {self.peer.endpoint}", exc)
-                )
-            raise
-        finally:
-            count_cut(self.board, error)
-            del error
-            self._finish()
+    link_errors = (OSError, ConnectionError, ValueError)
+
+    def _write_loop(self) -> None:
+        self._pump(self._connect())
+
+    def _link(self) -> str:
+        return f"shared-memory link to {self.peer.endpoint}"
+
+    def _peer_failed(self, reason: str) -> None:
+        self.plane.callbacks.on_peer_failed(self.peer.instance_id, reason)
 
     def _pump(self, sock: socket.socket) -> None:
         """Write queued layers until stopped (the ring's array lives in this frame only, so that

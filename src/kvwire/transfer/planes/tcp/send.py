@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 from kvwire.transfer.memory import PeerRef, SendItem
 from kvwire.transfer.planes.base import fail_queued
 from kvwire.transfer.planes.common.hello import prove_hello
-from kvwire.transfer.planes.common.liveness import Heartbeat, count_cut, tcp_keepalive
-from kvwire.transfer.planes.common.outbound import OutboundLink, writer_bug
+from kvwire.transfer.planes.common.liveness import Heartbeat, tcp_keepalive
+from kvwire.transfer.planes.common.outbound import OutboundLink
 from kvwire.transfer.planes.common.wire import POLL_S, send_parts
 from kvwire.transfer.planes.tcp.wire import (
     FRAME,
@@ -55,43 +55,31 @@ class TcpOutbound(OutboundLink):
         sock.settimeout(links.link_timeout_s)  # every write's deadline from here on
         return sock
 
-    def _run(self) -> None:
+    def _write_loop(self) -> None:
         cb = self.plane.callbacks
-        error: BaseException | None = None
-        try:
-            sock = self._connect()
-            what = f"tcp data link to {self.peer.data_address}"
-            beat = Heartbeat(sock, self.plane.config.links, PING_FRAME, what)
-            while not self.stopped.is_set():
-                try:
-                    item = self.queue.get(timeout=POLL_S)
-                except queue.Empty:
-                    self._hear(sock, beat)
-                    beat.idle()
-                    continue
-                if item is None:
-                    break
-                if self.plane.is_cancelled(item.transfer_id):
-                    continue
-                self._write(sock, item)
-                beat.sent()
-                cb.on_sent(self.peer.instance_id, item.transfer_id, (item.layer_index,))
-        except (OSError, ConnectionError) as exc:
-            if not self.stopped.is_set():
-                error = exc
-                cb.on_peer_failed(
-                    self.peer.instance_id, f"peer_lost: data connection to {self.peer.data_address}: {exc}"
-                )
-        except Exception as exc:  # a bug: the layer in hand fails now (re-raised: the guard logs it)
-            if not self.stopped.is_set():
-                cb.on_peer_failed(
-                    self.peer.instance_id, writer_bug(f"data connection to {self.peer.data_address}", exc)
-                )
-            raise
-        finally:
-            count_cut(self.board, error)
-            del error
-            self._finish()
+        sock = self._connect()
+        what = f"tcp data link to {self.peer.data_address}"
+        beat = Heartbeat(sock, self.plane.config.links, PING_FRAME, what)
+        while not self.stopped.is_set():
+            try:
+                item = self.queue.get(timeout=POLL_S)
+            except queue.Empty:
+                self._hear(sock, beat)
+                beat.idle()
+                continue
+            if item is None:
+                break
+            if self.plane.is_cancelled(item.transfer_id):
+                continue
+            self._write(sock, item)
+            beat.sent()
+            cb.on_sent(self.peer.instance_id, item.transfer_id, (item.layer_index,))
+
+    def _link(self) -> str:
+        return f"data connection to {self.peer.data_address}"
+
+    def _peer_failed(self, reason: str) -> None:
+        self.plane.callbacks.on_peer_failed(self.peer.instance_id, reason)
 
     @staticmethod
     def _hear(sock: socket.socket, beat: Heartbeat) -> None:
