@@ -30,7 +30,9 @@ from test_vllm_pd import complete, kv_blocks_released, outputs, prompts
 
 from support.waiting import free_port
 
-DEADLINE_S = 60.0  # P's lease: generous, the box is shared and a TP 2 engine is slow to warm up
+# P's lease (a pull's deadline is capped at the instance's lease_s, 30 s by default, so both are set):
+# generous, the box is shared and a TP 2 engine is slow to warm up
+DEADLINE_S = 60.0
 
 
 def local_compute(port: int) -> float:
@@ -49,7 +51,8 @@ def p_tp2(cluster: Cluster, model_dir: Path) -> Iterator[int]:
         # eager: the two workers' torch.compile warm-up cost 140 s of a 333 s start-up on the shared
         # box; what this test checks is where the KV heads go, not compiled kernels
         "--enforce-eager",
-        "--kv-transfer-config", kv_transfer_config("kv_producer", {"deadline_s": DEADLINE_S}),
+        "--kv-transfer-config",
+        kv_transfer_config("kv_producer", {"deadline_s": DEADLINE_S, "lease_s": DEADLINE_S}),
     ]  # fmt: skip
     proc = Proc("prefill-tp2", cmd, cluster.log_dir / "prefill-tp2.log", vllm_env())
     try:
