@@ -33,7 +33,7 @@ from typing import Any
 
 import aiohttp
 
-from kvwire.bench import serve_transfers, workloads
+from kvwire.bench import serve_rounds, serve_transfers, workloads
 from kvwire.cluster.client import RequestResult, post_completion
 from kvwire.cluster.local import ClusterSpec, LocalCluster
 from kvwire.errors import ClusterError
@@ -288,10 +288,15 @@ def run(args: argparse.Namespace) -> int:
         unknown = [n for n in names if n not in SETUPS]
         if unknown and args.url is None:
             raise ValueError(f"unknown setups {unknown}; choose from {list(SETUPS)}")
+        if args.rounds < 1:
+            raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+        if args.rounds > 1 and args.url is not None:
+            raise ValueError("--rounds compares local --setups; it does not apply with --url")
     except ValueError as exc:
         print(f"kvwire bench serve: {exc}", file=sys.stderr)
         return 2
     summaries = []
+    rounds: list[list[dict[str, Any]]] = []
     try:
         if args.url is not None:
             results, duration = asyncio.run(
@@ -299,7 +304,11 @@ def run(args: argparse.Namespace) -> int:
             )
             summaries.append(summarize(args.url, results, duration))
         else:
-            summaries = [_bench_setup(name, args, load) for name in names]
+            for index in range(args.rounds):
+                order = serve_rounds.round_order(len(names), index)
+                done = {pos: _bench_setup(names[pos], args, load) for pos in order}
+                rounds.append([dict(done[pos], round=index + 1) for pos in range(len(names))])
+            summaries = [s for summaries_of_round in rounds for s in summaries_of_round]
     except ClusterError as exc:
         print(f"kvwire bench serve: {exc}", file=sys.stderr)
         return 1
@@ -310,7 +319,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"{len(load.prompts)} prompts x {len(load.prompts[0])} tokens -> {load.output_len} tokens, "
               f"rate {args.request_rate} req/s ({args.arrival}), "
               f"max concurrency {args.max_concurrency or 'inf'}")
-        print_table(summaries)
+        if len(rounds) > 1:
+            for index, summaries_of_round in enumerate(rounds):
+                ran = ", ".join(names[pos] for pos in serve_rounds.round_order(len(names), index))
+                print(f"round {index + 1} of {len(rounds)} (run in the order {ran})")
+                print_table(summaries_of_round)
+            serve_rounds.print_ratios(serve_rounds.ratios(rounds), len(rounds))
+        else:
+            print_table(summaries)
     return 0 if plotted and all(s["failed"] == 0 for s in summaries) else 1
 
 

@@ -92,5 +92,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shared-prefix: question tokens; multi-turn: new tokens per later turn")
     parser.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="--policies: run every policy this many times, interleaved (the order rotates "
-                             "each round); the table adds each policy's median TTFT ratio over the rounds")
+                        help="run every policy (--policies) or else every setup (--setups) this many "
+                             "times, interleaved (the order rotates each round); the table adds the median "
+                             "ratios over the rounds (to round robin; to the last setup named)")
