@@ -3,6 +3,10 @@
 #   benchmarks/gpu_run.sh [all|tests|probe|bench|serve] [bench args...]
 # serve: `kvwire bench serve` 1P1D (IPC) vs colocated on the GPU, llama3-8b-random, long prompts
 #   (SERVE_ARGS overrides the defaults; JSON to $OUT/serve.json).
+# cpu-ratio: issue 36's CPU run (`kvwire bench serve --input-len 128 --request-rate 4 --num-prompts 48`,
+#   tiny model, CPU, one torch thread per instance) on 2, 3 and 4 of this host's physical cores (taskset)
+#   and on all of them; 1p1d,colocated beside colocated,colocated (the noise floor), interleaved until
+#   CPU_RATIO_BUDGET_S (default 540) is spent. One JSON line per run to $OUT/cpu_ratio.jsonl.
 # GPU tests (pytest -m gpu tests/gpu) and `python -m kvwire.bench.transfer_nccl` (= kvwire bench transfer
 # --backend nccl). Logs and JSON go to $OUT (default ./out). pyzmq/msgspec wheels for Python 3.12 are
 # installed from .whl/ when the image lacks them (see docs/decisions/061-nccl-data-plane.md).
@@ -47,5 +51,50 @@ if [ "$MODE" = serve ]; then
     --no-progress --json "$@" > "$OUT/serve.json" 2> "$OUT/serve.log"
   rc=$((rc | $?))
   tail -c 3000 "$OUT/serve.log"
+fi
+if [ "$MODE" = cpu-ratio ]; then
+  { lscpu; lscpu -e; } > "$OUT/lscpu.txt" 2>&1
+  # the first N logical CPUs on distinct physical cores, as taskset's list
+  cores() { lscpu -p=CPU,CORE | grep -v '^#' | sort -t, -k2,2n -u | head -n "$1" | cut -d, -f1 | paste -sd, -; }
+  start=$(date +%s)
+  one="--serve-arg=--cpu-threads=1"
+  # label|cpus|setups|extra serve args (one torch thread per instance everywhere, as on the 2-vCPU box)
+  pd="1p1d,colocated" cc="colocated,colocated"
+  configs=("2cores|$(cores 2)|$pd|$one" "2cores|$(cores 2)|$cc|$one" "3cores|$(cores 3)|$pd|$one"
+           "4cores|$(cores 4)|$pd|$one" "4cores|$(cores 4)|$cc|$one" "all|0-$(( $(nproc) - 1 ))|$pd|$one"
+           "all|0-$(( $(nproc) - 1 ))|$cc|$one"
+           "2cores|$(cores 2)|$pd|$one" "3cores|$(cores 3)|$pd|$one" "4cores|$(cores 4)|$pd|$one"
+           "all|0-$(( $(nproc) - 1 ))|$pd|$one" "2cores|$(cores 2)|$cc|$one" "3cores|$(cores 3)|$cc|$one"
+           "2cores|$(cores 2)|$pd|$one" "4cores|$(cores 4)|$pd|$one" "all|0-$(( $(nproc) - 1 ))|$pd|$one")
+  round=0
+  for cfg in "${configs[@]}"; do
+      round=$((round + 1))
+      IFS='|' read -r label cpus setups extra <<< "$cfg"
+      if [ $(( $(date +%s) - start )) -gt "${CPU_RATIO_BUDGET_S:-540}" ]; then break; fi
+      # shellcheck disable=SC2086
+      timeout 120 taskset -c "$cpus" python3 -m kvwire.cli bench serve --setups "$setups" --input-len 128 \
+        --request-rate 4 --num-prompts 48 --no-progress --json $extra > "$OUT/run.json" 2>> "$OUT/cpu_ratio.log"
+      python3 - "$label" "$cpus" "$setups" "$round" "$OUT/run.json" >> "$OUT/cpu_ratio.jsonl" <<'PY'
+import json, sys
+label, cpus, setups, rnd, path = sys.argv[1:]
+try:
+    runs = json.load(open(path))
+except (OSError, ValueError) as e:
+    runs = []
+    print(f"{label} {setups}: no result ({e})", file=sys.stderr)
+line = {"label": label, "cpus": cpus, "setups": setups, "run": int(rnd), "runs": runs}
+if len(runs) == 2:
+    a, b = runs
+    line["ttft_ratio"] = a["ttft_s"]["p50"] / b["ttft_s"]["p50"]
+    line["tpot_ratio"] = a["tpot_s"]["p50"] / b["tpot_s"]["p50"]
+    print(f"{label:12s} {setups:20s} #{rnd} ttft p50 {a['ttft_s']['p50'] * 1e3:6.2f} / {b['ttft_s']['p50'] * 1e3:6.2f} ms"
+          f" = {line['ttft_ratio']:.3f}  tpot {a['tpot_s']['p50'] * 1e3:.3f} / {b['tpot_s']['p50'] * 1e3:.3f}"
+          f" = {line['tpot_ratio']:.3f}  handover p50 {(a.get('handover') or {}).get('p50_s', 0) * 1e3:.2f} ms",
+          file=sys.stderr)
+print(json.dumps(line))
+PY
+  done 2>&1 | tee -a "$OUT/cpu_ratio.summary"
+  rm -f "$OUT/run.json"
+  tail -c 2000 "$OUT/cpu_ratio.log"
 fi
 exit $rc
