@@ -13,6 +13,9 @@ TTFT: request sent -> first streamed output token. ITL: gaps between streamed ou
 
 Example: ``kvwire bench serve --num-prompts 64 --input-len 256 --output-len 32 --request-rate 4``.
 
+``--rounds N`` runs the setups N times, their order rotating, and adds each setup's p50 ratios to the
+last one named, per round and their median (:mod:`kvwire.bench.serve_rounds`).
+
 ``--workload shared-prefix|multi-turn`` (prompt patterns, :mod:`kvwire.bench.workloads`) and
 ``--policies round_robin,least_loaded,kv_aware`` (router policies compared on the same sessions, with
 prefix-hit rate and KV bytes per request: :mod:`kvwire.bench.serve_policies`) take the second path.
