@@ -60,12 +60,14 @@ if [ "$MODE" = cpu-ratio ]; then
   one="--serve-arg=--cpu-threads=1"
   # label|cpus|setups|extra serve args (one torch thread per instance everywhere, as on the 2-vCPU box)
   pd="1p1d,colocated" cc="colocated,colocated"
-  configs=("2cores|$(cores 2)|$pd|$one" "2cores|$(cores 2)|$cc|$one" "3cores|$(cores 3)|$pd|$one"
-           "4cores|$(cores 4)|$pd|$one" "4cores|$(cores 4)|$cc|$one" "all|0-$(( $(nproc) - 1 ))|$pd|$one"
-           "all|0-$(( $(nproc) - 1 ))|$cc|$one"
-           "2cores|$(cores 2)|$pd|$one" "3cores|$(cores 3)|$pd|$one" "4cores|$(cores 4)|$pd|$one"
-           "all|0-$(( $(nproc) - 1 ))|$pd|$one" "2cores|$(cores 2)|$cc|$one" "3cores|$(cores 3)|$cc|$one"
-           "2cores|$(cores 2)|$pd|$one" "4cores|$(cores 4)|$pd|$one" "all|0-$(( $(nproc) - 1 ))|$pd|$one")
+  all="0-$(( $(nproc) - 1 ))"
+  # the most telling first: each core count once, then the floors, then repeats
+  configs=("2cores|$(cores 2)|$pd|$one" "4cores|$(cores 4)|$pd|$one" "all|$all|$pd|$one"
+           "2cores|$(cores 2)|$cc|$one" "all|$all|$cc|$one" "3cores|$(cores 3)|$pd|$one"
+           "4cores|$(cores 4)|$cc|$one" "2cores|$(cores 2)|$pd|$one" "all|$all|$pd|$one"
+           "4cores|$(cores 4)|$pd|$one" "3cores|$(cores 3)|$pd|$one" "2cores|$(cores 2)|$cc|$one"
+           "all|$all|$cc|$one" "2cores|$(cores 2)|$pd|$one" "4cores|$(cores 4)|$pd|$one"
+           "all|$all|$pd|$one")
   round=0
   for cfg in "${configs[@]}"; do
       round=$((round + 1))
