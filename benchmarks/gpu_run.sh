@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces the GPU runs (NCCL data plane on a 2-GPU machine; serving on one GPU):
-#   benchmarks/gpu_run.sh [all|tests|probe|bench|serve] [bench args...]
+#   benchmarks/gpu_run.sh [all|tests|probe|bench|serve|cpu-ratio] [bench args...]
 # serve: `kvwire bench serve` 1P1D (IPC) vs colocated on the GPU, llama3-8b-random, long prompts
 #   (SERVE_ARGS overrides the defaults; JSON to $OUT/serve.json).
 # cpu-ratio: issue 36's CPU run (`kvwire bench serve --input-len 128 --request-rate 4 --num-prompts 48`,
@@ -68,15 +68,15 @@ if [ "$MODE" = cpu-ratio ]; then
            "4cores|$(cores 4)|$pd|$one" "3cores|$(cores 3)|$pd|$one" "2cores|$(cores 2)|$cc|$one"
            "all|$all|$cc|$one" "2cores|$(cores 2)|$pd|$one" "4cores|$(cores 4)|$pd|$one"
            "all|$all|$pd|$one")
-  round=0
+  n=0
   for cfg in "${configs[@]}"; do
-      round=$((round + 1))
+      n=$((n + 1))
       IFS='|' read -r label cpus setups extra <<< "$cfg"
       if [ $(( $(date +%s) - start )) -gt "${CPU_RATIO_BUDGET_S:-540}" ]; then break; fi
       # shellcheck disable=SC2086
       timeout 120 taskset -c "$cpus" python3 -m kvwire.cli bench serve --setups "$setups" --input-len 128 \
         --request-rate 4 --num-prompts 48 --no-progress --json $extra > "$OUT/run.json" 2>> "$OUT/cpu_ratio.log"
-      python3 - "$label" "$cpus" "$setups" "$round" "$OUT/run.json" >> "$OUT/cpu_ratio.jsonl" <<'PY'
+      python3 - "$label" "$cpus" "$setups" "$n" "$OUT/run.json" >> "$OUT/cpu_ratio.jsonl" <<'PY'
 import json, sys
 label, cpus, setups, rnd, path = sys.argv[1:]
 try:
