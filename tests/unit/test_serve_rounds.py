@@ -1,4 +1,4 @@
-"""``kvwire bench serve --rounds N``: setups run in alternating order, round by round, and each setup's
+"""``kvwire bench serve --rounds N``: setups run in rotating order, round by round, and each setup's
 p50s are given as ratios to the last setup named, with their median."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 
 from kvwire.bench import serve, serve_rounds
 from kvwire.cli import build_parser
+from kvwire.errors import ClusterError
 
 
 def summary(setup: str, ttft: float, itl: float = 0.001, tpot: float = 0.002) -> dict[str, Any]:
@@ -23,7 +24,7 @@ def summary(setup: str, ttft: float, itl: float = 0.001, tpot: float = 0.002) ->
             "tpot_s": stats(tpot), "e2e_s": stats(ttft + 0.06), "samples": {"ttft_s": [ttft]}}
 
 
-def test_rounds_alternate_which_setup_runs_first() -> None:
+def test_rounds_rotate_which_setup_runs_first() -> None:
     assert [serve_rounds.round_order(2, i) for i in range(4)] == [[0, 1], [1, 0], [0, 1], [1, 0]]
     assert [serve_rounds.round_order(3, i) for i in range(3)] == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]
 
@@ -65,7 +66,7 @@ def fake_setups(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return ran
 
 
-def test_three_rounds_alternate_and_print_each_round_and_the_median(
+def test_three_rounds_rotate_and_print_each_round_and_the_median(
     fake_setups: list[str], capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert serve.run(parse("--rounds", "3")) == 0
@@ -101,3 +102,25 @@ def test_rounds_that_cannot_be_run_are_refused(
 ) -> None:
     assert serve.run(parse(*extra)) == 2
     assert says in capsys.readouterr().err and fake_setups == []
+
+
+def test_a_cluster_that_fails_to_start_keeps_the_rounds_that_finished(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    ran: list[str] = []
+
+    def bench_setup(name: str, args: argparse.Namespace, load: serve.LoadSpec) -> dict[str, Any]:
+        ran.append(name)
+        if len(ran) == 3:  # round 2's first setup
+            raise ClusterError("colocated: instance exited during start-up")
+        return summary(name, 0.011 if name == "1p1d" else 0.010)
+
+    monkeypatch.setattr(serve, "_bench_setup", bench_setup)
+    assert serve.run(parse("--rounds", "3", "--json")) == 1  # failed, but what finished is reported
+    doc = json.loads(capsys.readouterr().out)
+    assert [(s["setup"], s["round"]) for s in doc] == [("1p1d", 1), ("colocated", 1)]
+    ran.clear()
+    ran.extend(["x", "x"])  # the first call now fails: nothing finished, nothing reported
+    assert serve.run(parse("--rounds", "2", "--json")) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and "instance exited during start-up" in out.err

@@ -229,10 +229,12 @@ def plot(summaries: Sequence[dict[str, Any]], path: str) -> bool:
         return False
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, key, title in zip(axes, ("ttft_s", "itl_s", "e2e_s"), ("TTFT", "ITL", "E2E"), strict=True):
+        several = any(s.get("round", 1) > 1 for s in summaries)
         for s in summaries:
             values = sorted(v * 1000 for v in s["samples"][key])
+            label = f"{s['setup']} (round {s['round']})" if several else s["setup"]
             if values:
-                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=s["setup"])
+                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=label)
         ax.set_title(f"{title} CDF")
         ax.set_xlabel("ms")
         ax.grid(alpha=0.3)
@@ -300,6 +302,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     summaries = []
     rounds: list[list[dict[str, Any]]] = []
+    failed = False
     try:
         if args.url is not None:
             results, duration = asyncio.run(
@@ -311,10 +314,14 @@ def run(args: argparse.Namespace) -> int:
                 order = serve_rounds.round_order(len(names), index)
                 done = {pos: _bench_setup(names[pos], args, load) for pos in order}
                 rounds.append([dict(done[pos], round=index + 1) for pos in range(len(names))])
-            summaries = [s for summaries_of_round in rounds for s in summaries_of_round]
     except ClusterError as exc:
         print(f"kvwire bench serve: {exc}", file=sys.stderr)
-        return 1
+        if not rounds:
+            return 1
+        # the rounds that finished are still reported (a long --rounds run keeps what it measured)
+        print(f"kvwire bench serve: reporting the {len(rounds)} round(s) that finished", file=sys.stderr)
+        failed = True
+    summaries = summaries or [s for summaries_of_round in rounds for s in summaries_of_round]
     plotted = plot(summaries, args.plot) if args.plot else True
     if args.json:
         print(json.dumps([{k: v for k, v in s.items() if k != "samples"} for s in summaries], indent=2))
@@ -330,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
             serve_rounds.print_ratios(serve_rounds.ratios(rounds), len(rounds))
         else:
             print_table(summaries)
-    return 0 if plotted and all(s["failed"] == 0 for s in summaries) else 1
+    return 0 if plotted and not failed and all(s["failed"] == 0 for s in summaries) else 1
 
 
 def _run_compare(args: argparse.Namespace) -> int:

@@ -123,6 +123,7 @@ def run_compare(args: argparse.Namespace, setups: dict[str, tuple[int, int, int]
     so that a policy is not always the one measured first (or last) while the box's load drifts;
     each summary carries its ``round`` (1-based)."""
     from kvwire.bench.serve import summarize
+    from kvwire.bench.serve_rounds import round_order
     from kvwire.bench.workloads import make_sessions
 
     sessions = make_sessions(args)
@@ -133,7 +134,7 @@ def run_compare(args: argparse.Namespace, setups: dict[str, tuple[int, int, int]
         raise ValueError("--rounds must be > 0")
     summaries = []
     for round_ in range(rounds):
-        order = policies[round_ % len(policies):] + policies[: round_ % len(policies)]
+        order = [policies[i] for i in round_order(len(policies), round_)]
         for name in [n.strip() for n in args.setups.split(",") if n.strip()]:
             for policy in order:
                 results, duration, counters = bench_policy(setups[name], name, policy, args, sessions)

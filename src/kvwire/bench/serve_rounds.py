@@ -3,10 +3,12 @@ rotated by one each round (as ``--policies`` rounds are), and each setup's p50 T
 given as ratios to the last setup named (the baseline), round by round, with their median. With
 ``--json`` every summary carries its ``round`` (1-based).
 
-One run of two setups one after the other on a small shared box is off by a few percent: on the 2-core
-CPU box the same setup twice (``--setups colocated,colocated``) gave TTFT p50 ratios of 0.97-1.07
-(docs/decisions/166-cpu-box-noise-floor-and-scheduling.md). A ratio is worth quoting as the median of
-alternating rounds, beside that noise floor.
+One run of two setups one after the other on a small shared box is off by several percent: on the
+2-core CPU box the same setup twice (``--setups colocated,colocated``) gave TTFT p50 ratios of
+0.75-1.17 round by round (docs/decisions/168-ratios-over-rotating-rounds.md). A ratio is worth
+quoting as the median of rotating rounds, beside that noise floor.
+
+:func:`round_order` is also the rotation of ``--policies`` rounds (:mod:`kvwire.bench.serve_policies`).
 """
 
 from __future__ import annotations
